@@ -1,0 +1,236 @@
+"""Dispatch and combine over torch.distributed, one interface for both dispatchers.
+
+`Dispatcher.dispatch` sends each plan row (a token's activation, its local expert slots and gate
+weights) to the rank that holds those experts; `Dispatcher.combine` brings one result row back
+per sent row and sums them per token. `StandardDispatcher` and `DedupDispatcher` differ only in
+the plan (`occult.plan`): k copies per token vs one per device.
+
+Per layer and call the host waits once: the per-destination row counts (and every rank's input
+status, so bad input on one rank raises a clear error on all ranks instead of a hang) travel in
+one small all-to-all and are read with a single `.tolist()`. Backward sends the same number of
+rows as forward: gradient rows retrace the combine and dispatch all-to-alls in reverse, and the
+gate-weight gradients (k scalars per row) return with the dispatch's backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from occult.plan import DispatchPlan, dedup_plan, standard_plan, trim
+
+
+class RoutingError(ValueError):
+    """Input or router output that cannot be dispatched; raised on every rank of the group."""
+
+
+# Status codes exchanged with the counts; 0 = fine.
+STATUS_OK = 0
+STATUS_MESSAGES = {
+    1: "router produced NaN/inf gate weights (check the input activations and router weights for NaN/inf)",
+    2: "router returned expert ids out of range",
+    3: "input hidden size does not match the layer",
+}
+
+
+@dataclass
+class CommStats:
+    """Rows and bytes this rank sent in the last call (activations; metadata apart).
+
+    `rows` count every row sent, including those a rank sends to itself; `remote_rows` only
+    those to other ranks. Forward = dispatch + combine; backward = their mirror images.
+    """
+
+    forward_rows: int = 0
+    forward_remote_rows: int = 0
+    forward_bytes: int = 0
+    forward_metadata_bytes: int = 0
+    backward_rows: int = 0
+    backward_remote_rows: int = 0
+    backward_bytes: int = 0
+    backward_metadata_bytes: int = 0
+    dispatch_rows: int = 0
+    combine_rows: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class DispatchState:
+    """What combine and the backward pass need from dispatch."""
+
+    plan: DispatchPlan
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+    rank: int
+    stats: CommStats = field(default_factory=CommStats)
+
+
+def _all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    if group is None:
+        out.copy_(x)
+    else:
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def _record(state: "DispatchState", splits: list[int], tensors: tuple[torch.Tensor, ...], backward: bool) -> None:
+    """Account rows and bytes this rank sends: tensors[0] holds the rows, the rest is metadata."""
+    stats, rows = state.stats, sum(splits)
+    row_bytes = tensors[0].numel() * tensors[0].element_size()
+    meta_bytes = sum(t.numel() * t.element_size() for t in tensors[1:])
+    if backward:
+        stats.backward_rows += rows
+        stats.backward_remote_rows += rows - splits[state.rank]
+        stats.backward_bytes += row_bytes
+        stats.backward_metadata_bytes += meta_bytes
+    else:
+        stats.forward_rows += rows
+        stats.forward_remote_rows += rows - splits[state.rank]
+        stats.forward_bytes += row_bytes
+        stats.forward_metadata_bytes += meta_bytes
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-all of rows plus optional per-row gate weights, in one autograd node.
+
+    Forward sends `rows` (and `gates`) along `send_splits`; backward returns their gradients
+    along the same splits reversed. One node per exchange keeps the order of collectives in
+    backward identical on every rank.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, gates, send_splits, recv_splits, group, state):
+        ctx.send_splits, ctx.recv_splits, ctx.group, ctx.state = send_splits, recv_splits, group, state
+        ctx.has_gates = gates is not None
+        out_rows = _all_to_all(rows, send_splits, recv_splits, group)
+        out_gates = _all_to_all(gates, send_splits, recv_splits, group) if gates is not None else None
+        return out_rows, out_gates
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_gates):
+        sent = (grad_rows,) + ((grad_gates,) if ctx.has_gates else ())
+        _record(ctx.state, ctx.recv_splits, sent, backward=True)
+        back_rows = _all_to_all(grad_rows, ctx.recv_splits, ctx.send_splits, ctx.group)
+        back_gates = _all_to_all(grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group) if ctx.has_gates else None
+        return back_rows, back_gates, None, None, None, None
+
+
+def _exchange(rows, gates, send_splits, recv_splits, group, state, extra=()):
+    """Send rows (+ gates, + non-differentiable `extra` metadata); record what was sent."""
+    _record(state, send_splits, (rows,) + ((gates,) if gates is not None else ()) + tuple(extra), backward=False)
+    if torch.is_grad_enabled() and (rows.requires_grad or (gates is not None and gates.requires_grad)):
+        out_rows, out_gates = _Exchange.apply(rows, gates, send_splits, recv_splits, group, state)
+    else:
+        out_rows = _all_to_all(rows, send_splits, recv_splits, group)
+        out_gates = _all_to_all(gates, send_splits, recv_splits, group) if gates is not None else None
+    out_extra = [_all_to_all(t, send_splits, recv_splits, group) for t in extra]
+    return out_rows, out_gates, out_extra
+
+
+class Dispatcher:
+    """Sends token rows to the ranks holding their experts and brings results back.
+
+    Subclasses choose the plan; everything else (count exchange, all-to-alls, autograd,
+    accounting, the per-token sum) is shared.
+    """
+
+    name = "base"
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        if group is None and dist.is_available() and dist.is_initialized():
+            self.group = dist.group.WORLD
+        if self.group is not None:
+            self.num_ranks = dist.get_world_size(self.group)
+            self.rank = dist.get_rank(self.group)
+        else:
+            self.num_ranks, self.rank = 1, 0
+        if self.num_ranks == 1:
+            self.group = None  # a single rank needs no communication
+
+    def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
+        raise NotImplementedError
+
+    def exchange_counts(self, send_counts_D: torch.Tensor, status: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Swap row counts (and input status) with every rank; the layer's one host sync."""
+        header_D2 = torch.stack([send_counts_D.to(torch.int64), status.to(torch.int64).expand(self.num_ranks)], dim=1)
+        if self.group is not None:
+            recv_D2 = torch.empty_like(header_D2)
+            dist.all_to_all_single(recv_D2, header_D2, group=self.group)
+        else:
+            recv_D2 = header_D2
+        host = torch.cat([header_D2[:, 0], recv_D2.reshape(-1)]).tolist()
+        send_splits = host[: self.num_ranks]
+        recv_splits, statuses = host[self.num_ranks :: 2], host[self.num_ranks + 1 :: 2]
+        bad = [(r, s) for r, s in enumerate(statuses) if s != STATUS_OK]
+        if bad:
+            text = "; ".join(f"rank {r}: {STATUS_MESSAGES.get(s, f'status {s}')}" for r, s in bad)
+            raise RoutingError(f"MoE dispatch stopped on every rank because of bad input: {text}")
+        return send_splits, recv_splits
+
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        weights_TK: torch.Tensor,
+        ids_TK: torch.Tensor,
+        expert_device_E: torch.Tensor,
+        expert_slot_E: torch.Tensor,
+        status: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchState]:
+        """Send rows out; return (x_RH, slots_RK, gates_RK, state) as received by this rank."""
+        plan = self.plan(ids_TK, expert_device_E, expert_slot_E)
+        send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status)
+        plan = trim(plan, sum(send_splits))
+        state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank)
+        valid_PK = plan.entry_PK >= 0
+        gates_PK = torch.where(valid_PK, weights_TK.reshape(-1)[plan.entry_PK.clamp(min=0)], 0)
+        x_RH, gates_RK, (slots_RK,) = _exchange(
+            x_TH[plan.token_P], gates_PK, send_splits, recv_splits, self.group, state,
+            extra=(plan.slot_PK.to(torch.int32),),
+        )
+        state.stats.dispatch_rows = plan.num_rows
+        return x_RH, slots_RK.to(torch.int64), gates_RK, state
+
+    def combine(self, y_RH: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """Return each received row's result to its source; sum a token's rows in fp32."""
+        state.stats.combine_rows = y_RH.shape[0]
+        y_PH, _, _ = _exchange(y_RH, None, state.recv_splits, state.send_splits, self.group, state)
+        acc = torch.promote_types(y_PH.dtype, torch.float32)
+        y_TH = y_PH.new_zeros((state.num_tokens, y_PH.shape[1]), dtype=acc)
+        y_TH = y_TH.index_add(0, state.plan.token_P, y_PH.to(acc))
+        return y_TH.to(y_RH.dtype)
+
+
+class StandardDispatcher(Dispatcher):
+    """The baseline every framework ships: one copy per (token, expert)."""
+
+    name = "standard"
+
+    def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
+        return standard_plan(ids_TK, expert_device_E, expert_slot_E, self.num_ranks)
+
+
+class DedupDispatcher(Dispatcher):
+    """Occult's: one copy per (token, device), local experts pre-reduced before the return trip."""
+
+    name = "dedup"
+
+    def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
+        return dedup_plan(ids_TK, expert_device_E, expert_slot_E, self.num_ranks)
+
+
+DISPATCHERS: dict[str, type[Dispatcher]] = {"standard": StandardDispatcher, "dedup": DedupDispatcher}
+
+
+def make_dispatcher(name: str, group=None) -> Dispatcher:
+    """Build a dispatcher by name ("standard" or "dedup")."""
+    try:
+        return DISPATCHERS[name](group)
+    except KeyError:
+        raise ValueError(f"unknown dispatcher {name!r}; choose one of {sorted(DISPATCHERS)}") from None

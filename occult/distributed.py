@@ -1,0 +1,152 @@
+"""Process groups with bounded timeouts, and CPU rank spawning for tests and the demo.
+
+`init_distributed` joins a group started by torchrun (NCCL on GPUs, gloo on CPU).
+`run_ranks` starts `world_size` local processes with gloo (or NCCL, one GPU each), runs a
+function on each, and returns every rank's result; a rank that fails or dies, or a run past its
+deadline, ends in an exception on the caller within a bounded time, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankFailure(RuntimeError):
+    """One or more spawned ranks raised, died, or ran past the deadline."""
+
+
+def pick_backend(backend: str = "auto") -> str:
+    """'auto' -> NCCL when CUDA GPUs are present, else gloo."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    return backend
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """Join the process group described by torchrun's environment; return (rank, world_size).
+
+    The timeout bounds every collective: if a peer dies, the others raise instead of hanging.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = pick_backend(backend)
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn, args, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    try:
+        init_distributed(backend, timeout_s)
+        out = fn(rank, world_size, *args)
+        payload = ("ok", out)
+    except BaseException as exc:  # report every failure to the parent, then exit
+        payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        pickle.dumps(payload)
+    except Exception as exc:
+        payload = ("error", f"rank {rank} returned an unpicklable result: {exc}")
+    results.put((rank, payload))
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    collective_timeout_s: float | None = None,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return their results.
+
+    `fn` must be importable (module level). Raises `RankFailure` with every failing rank's
+    traceback if any rank raises or dies, or if the run exceeds `timeout_s`.
+    """
+    backend = pick_backend(backend)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    coll_timeout = collective_timeout_s if collective_timeout_s is not None else timeout_s
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, coll_timeout, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outcome) < world_size:
+            try:
+                rank, payload = results.get(timeout=0.2)
+                outcome[rank] = payload
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+            if dead:
+                # Give the queue a moment: a rank may have exited right after reporting.
+                time.sleep(0.5)
+                while True:
+                    try:
+                        rank, payload = results.get_nowait()
+                        outcome[rank] = payload
+                    except queue.Empty:
+                        break
+                for r in dead:
+                    if r not in outcome:
+                        outcome[r] = ("error", f"rank {r} died (exit code {procs[r].exitcode}) without reporting")
+            if time.monotonic() > deadline:
+                for r in range(world_size):
+                    outcome.setdefault(r, ("error", f"rank {r} did not finish within {timeout_s:.0f} s"))
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    errors = {r: msg for r, (kind, msg) in sorted(outcome.items()) if kind == "error"}
+    if errors:
+        text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in errors.items())
+        raise RankFailure(f"{len(errors)} of {world_size} rank(s) failed:\n{text}")
+    return [outcome[r][1] for r in range(world_size)]

@@ -1,0 +1,277 @@
+"""OccultMoE vs the single-process DenseMoE reference, on 1-4 spawned gloo ranks.
+
+Every check draws fresh random weights and inputs (seed chosen by the test process) and
+compares outputs and gradients (input, router, every expert weight) for both dispatchers.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from occult.distributed import RankFailure, run_ranks
+from occult.layer import DenseMoE, OccultMoE
+from occult.placement import Placement, PlacementError
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+class ForcedRouter(nn.Module):
+    """Softmax router whose choice is forced (all tokens to `expert`, plus the next k-1 ids)."""
+
+    def __init__(self, gate: nn.Linear, expert: int, top_k: int) -> None:
+        super().__init__()
+        self.gate, self.expert, self.top_k = gate, expert, top_k
+
+    def forward(self, x_TH):
+        scores = torch.softmax(self.gate(x_TH), dim=-1)
+        ids = (self.expert + torch.arange(self.top_k)) % scores.shape[1]
+        ids_TK = ids.expand(x_TH.shape[0], self.top_k).contiguous()
+        return scores.gather(1, ids_TK), ids_TK
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def _placement(kind: str, num_experts: int, world_size: int, seed: int) -> Placement:
+    if kind == "contiguous":
+        return Placement.contiguous(num_experts, world_size)
+    rng = np.random.default_rng(seed)
+    return Placement(rng.permutation(np.arange(num_experts) % world_size)[None], world_size)
+
+
+def _devices_per_token(ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
+    dev = torch.as_tensor(placement.expert_device(0).copy())[ids_TK]
+    onehot = torch.zeros(ids_TK.shape[0], placement.num_devices, dtype=torch.bool)
+    onehot[torch.arange(ids_TK.shape[0])[:, None], dev] = True
+    return onehot.sum(1)
+
+
+def check_case(rank: int, world_size: int, case: dict) -> dict:
+    """Run one configuration on this rank; return relative errors and row counts."""
+    dtype = case["dtype"]
+    torch.manual_seed(case["seed"])
+    E, H, F, K = case["experts"], case["hidden"], case["ffn"], case["top_k"]
+    dense = DenseMoE(H, F, E, K, norm_topk_prob=case["norm"], dtype=dtype)
+    with torch.no_grad():  # sharper routing than the default init, so top-k choices are well separated
+        dense.router.gate.weight.mul_(3.0)
+    tokens = case["tokens"]
+    x_all = torch.randn(sum(tokens), H, dtype=dtype)
+    g_all = torch.randn(sum(tokens), H, dtype=dtype)
+    placement = _placement(case["placement"], E, world_size, case["seed"])
+    layer = OccultMoE.from_dense(dense, placement=placement, dispatcher=case["dispatcher"])
+    if case.get("forced_expert") is not None:
+        dense.router = ForcedRouter(dense.router.gate, case["forced_expert"], K)
+        layer.router = ForcedRouter(layer.router.gate, case["forced_expert"], K)
+
+    x_ref = x_all.clone().requires_grad_()
+    y_ref = dense(x_ref)
+    if y_ref.requires_grad:  # with no tokens at all nothing reaches the parameters
+        (y_ref * g_all).sum().backward()
+    for p in (x_ref, *dense.parameters()):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+    start = sum(tokens[:rank])
+    sl = slice(start, start + tokens[rank])
+    x = x_all[sl].clone().requires_grad_()
+    y = layer(x)
+    (y * g_all[sl]).sum().backward()  # every rank must run backward: it holds collectives
+
+    router_grad = layer.router.gate.weight.grad.clone()
+    if world_size > 1:
+        dist.all_reduce(router_grad)
+    ids = layer.local_expert_ids
+    errors = {
+        "output": _rel(y, y_ref[sl]),
+        "grad_x": _rel(x.grad, x_ref.grad[sl]),
+        "grad_router": _rel(router_grad, dense.router.gate.weight.grad),
+        "grad_gate_up": _rel(layer.gate_up_proj.grad, dense.gate_up_proj.grad[ids]),
+        "grad_down": _rel(layer.down_proj.grad, dense.down_proj.grad[ids]),
+    }
+    with torch.no_grad():
+        _, ids_TK = layer.router(x_all[sl])
+    expected_rows = (
+        int(_devices_per_token(ids_TK, placement).sum()) if case["dispatcher"] == "dedup" else tokens[rank] * K
+    )
+    stats = layer.last_comm_stats
+    return {
+        "errors": errors,
+        "expected_rows": expected_rows,
+        "dispatch_rows": stats.dispatch_rows,
+        "combine_rows": stats.combine_rows,
+        "forward_rows": stats.forward_rows,
+        "backward_rows": stats.backward_rows,
+        "forward_bytes": stats.forward_bytes,
+        "backward_bytes": stats.backward_bytes,
+        "row_bytes": H * torch.tensor([], dtype=dtype).element_size(),
+    }
+
+
+def run_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    return [check_case(rank, world_size, case) for case in cases]
+
+
+def _case(**kw) -> dict:
+    base = dict(
+        dtype=torch.float64, experts=8, hidden=16, ffn=12, top_k=2, norm=False,
+        placement="contiguous", dispatcher="dedup", forced_expert=None,
+    )
+    base.update(kw)
+    base["seed"] = random.randrange(2**31)
+    return base
+
+
+def _cases_for(world_size: int) -> list[dict]:
+    E = 12 if world_size == 3 else 8
+    rng = random.Random()
+    uneven = [rng.randrange(5, 40) for _ in range(world_size)]
+    cases = []
+    for dispatcher in ("dedup", "standard"):
+        for dtype in (torch.float64, torch.float32):
+            for placement in ("contiguous", "permuted"):
+                cases.append(_case(dispatcher=dispatcher, dtype=dtype, placement=placement, experts=E,
+                                   top_k=3, norm=placement == "permuted", tokens=uneven))
+        edge = [
+            dict(tokens=[0] + uneven[1:], top_k=2),                       # a rank with no tokens
+            dict(tokens=[0] * world_size, top_k=2),                       # no rank has tokens
+            dict(tokens=[3] * world_size, experts=4 * E, top_k=1),        # most experts get nothing
+            dict(tokens=uneven, forced_expert=1, top_k=1),                # all tokens to one expert
+            dict(tokens=uneven, forced_expert=E - 1, top_k=2, norm=True),
+            dict(tokens=uneven, top_k=1, placement="permuted"),           # top-1
+            dict(tokens=uneven, top_k=E, placement="permuted"),           # top-k = all experts
+            dict(tokens=uneven, top_k=E, norm=True),
+        ]
+        for kw in edge:
+            kw.setdefault("experts", E)
+            cases.append(_case(dispatcher=dispatcher, **kw))
+    return cases
+
+
+def _check_results(cases: list[dict], per_rank: list[list[dict]]) -> None:
+    for i, case in enumerate(cases):
+        results = [rank_results[i] for rank_results in per_rank]
+        for rank, res in enumerate(results):
+            for name, err in res["errors"].items():
+                assert err <= TOL[case["dtype"]], f"case {case}, rank {rank}: {name} relative error {err:.3e}"
+            assert res["dispatch_rows"] == res["expected_rows"], (case, rank, res)
+            assert res["backward_rows"] == res["forward_rows"], (case, rank, res)
+            assert res["forward_bytes"] == res["forward_rows"] * res["row_bytes"], (case, rank, res)
+            assert res["backward_bytes"] == res["forward_bytes"], (case, rank, res)
+        # Rows come back one for one: what all ranks dispatched, all ranks return.
+        assert sum(r["dispatch_rows"] for r in results) == sum(r["combine_rows"] for r in results)
+        assert sum(r["forward_rows"] for r in results) == 2 * sum(r["expected_rows"] for r in results)
+
+
+def test_single_process_matches_dense():
+    cases = _cases_for(1)
+    _check_results(cases, [run_cases(0, 1, cases)])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ranks_match_dense(world_size):
+    cases = _cases_for(world_size)
+    per_rank = run_ranks(run_cases, world_size, cases, timeout_s=240)
+    _check_results(cases, per_rank)
+
+
+def test_dedup_sends_fewer_rows_than_standard():
+    cases = [_case(dispatcher=d, experts=16, top_k=4, tokens=[64, 64]) for d in ("dedup", "standard")]
+    cases[1]["seed"] = cases[0]["seed"]
+    per_rank = run_ranks(run_cases, 2, cases, timeout_s=120)
+    dedup = sum(r[0]["forward_rows"] for r in per_rank)
+    standard = sum(r[1]["forward_rows"] for r in per_rank)
+    assert standard == 2 * 128 * 4
+    assert dedup < standard and dedup >= 2 * 128  # at least one row per token, at most k
+
+
+# ----------------------------------------------------------------- bad input
+
+def bad_input_worker(rank: int, world_size: int, seed: int) -> dict:
+    torch.manual_seed(seed)
+    out: dict[str, str] = {}
+    for name, make in {
+        "not_divisible": lambda: OccultMoE(8, 4, 5, 2),
+        "placement_experts": lambda: OccultMoE(8, 4, 8, 2, placement=Placement.contiguous(6, world_size)),
+        "placement_devices": lambda: OccultMoE(8, 4, 8, 2, placement=Placement.contiguous(8, 4)),
+    }.items():
+        try:
+            make()
+            out[name] = "no error"
+        except PlacementError as exc:
+            out[name] = str(exc)
+    layer = OccultMoE(8, 4, 8, 2, dtype=torch.float64)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    if rank == 0:
+        x[2, 3] = float("nan")
+    try:
+        layer(x)
+        out["nan"] = "no error"
+    except ValueError as exc:
+        out["nan"] = str(exc)
+    x = torch.randn(6, 8 if rank == 0 else 7, dtype=torch.float64)
+    try:
+        layer(x)
+        out["hidden"] = "no error"
+    except ValueError as exc:
+        out["hidden"] = str(exc)
+    # The layer still works after the errors.
+    y = layer(torch.randn(5, 8, dtype=torch.float64))
+    out["after"] = str(tuple(y.shape))
+    return out
+
+
+def test_bad_input_raises_clear_errors_on_every_rank():
+    results = run_ranks(bad_input_worker, 2, random.randrange(2**31), timeout_s=120)
+    for rank, out in enumerate(results):
+        assert "divisible" in out["not_divisible"]
+        assert "6 experts" in out["placement_experts"] and "has 8" in out["placement_experts"]
+        assert "4 devices" in out["placement_devices"] and "2 ranks" in out["placement_devices"]
+        assert "rank 0" in out["nan"] and "NaN" in out["nan"], out["nan"]
+        if rank == 1:
+            assert "hidden size 7" in out["hidden"], out["hidden"]
+        else:
+            assert "rank 1" in out["hidden"] and "hidden size" in out["hidden"], out["hidden"]
+        assert out["after"] == "(5, 8)"
+
+
+def dead_peer_worker(rank: int, world_size: int) -> str:
+    layer = OccultMoE(8, 4, 8, 2)
+    layer(torch.randn(4, 8))  # one good step together
+    if rank == 1:
+        os._exit(0)  # dies without a word
+    layer(torch.randn(4, 8))
+    return "finished"
+
+
+def test_dead_peer_fails_within_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(dead_peer_worker, 2, timeout_s=90, collective_timeout_s=10)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "rank 1 died" in message
+    assert "--- rank 0 ---" in message and "did not finish" not in message, message
+    assert elapsed < 60, elapsed
+
+
+def test_from_dense_to_dense_round_trip():
+    results = run_ranks(_round_trip_worker, 2, random.randrange(2**31), timeout_s=120)
+    assert all(results)
+
+
+def _round_trip_worker(rank: int, world_size: int, seed: int) -> bool:
+    torch.manual_seed(seed)
+    dense = DenseMoE(8, 4, 8, 2)
+    placement = _placement("permuted", 8, world_size, seed)
+    back = OccultMoE.from_dense(dense, placement=placement).to_dense()
+    return all(torch.equal(a, b) for a, b in zip(dense.state_dict().values(), back.state_dict().values()))
