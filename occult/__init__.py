@@ -1,0 +1,27 @@
+"""occult: expert-parallel Mixture-of-Experts with deduplicated all-to-all.
+
+Each token is sent once per *device* that holds any of its chosen experts (not once per
+expert); co-activated experts are placed on the same device; optionally each token is limited
+to N devices (collaboration pruning). See README.md and docs/design.md.
+"""
+
+from occult.dispatch import CommStats, DedupDispatcher, Dispatcher, RoutingError, StandardDispatcher, make_dispatcher
+from occult.layer import DenseMoE, OccultMoE
+from occult.placement import Placement, PlacementError
+from occult.routing import TopKRouter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommStats",
+    "DedupDispatcher",
+    "DenseMoE",
+    "Dispatcher",
+    "OccultMoE",
+    "Placement",
+    "PlacementError",
+    "RoutingError",
+    "StandardDispatcher",
+    "TopKRouter",
+    "make_dispatcher",
+]
