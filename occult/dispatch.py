@@ -96,41 +96,56 @@ def _record(state: "DispatchState", splits: list[int], tensors: tuple[torch.Tens
         stats.forward_metadata_bytes += meta_bytes
 
 
-class _Exchange(torch.autograd.Function):
-    """All-to-all of rows plus optional per-row gate weights, in one autograd node.
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-    Forward sends `rows` (and `gates`) along `send_splits`; backward returns their gradients
-    along the same splits reversed. One node per exchange keeps the order of collectives in
-    backward identical on every rank.
+
+def _send_metadata(gates_PK, slots_PK, send_splits, recv_splits, group):
+    """Gates and slots in one all-to-all: gates bit-cast to ints of their size, beside the slots."""
+    as_int = _SAME_SIZE_INT[gates_PK.element_size()]
+    num_k = gates_PK.shape[1]
+    meta = torch.cat([gates_PK.contiguous().view(as_int), slots_PK.to(as_int)], dim=1)
+    out = _all_to_all(meta, send_splits, recv_splits, group)
+    return out[:, :num_k].contiguous().view(gates_PK.dtype), out[:, num_k:].to(torch.int64)
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-all of rows plus optional per-row gates and slots, in one autograd node.
+
+    Forward sends `rows` (and the metadata) along `send_splits`; backward returns the gradients
+    of rows and gates along the same splits reversed. One node per exchange keeps the order of
+    collectives in backward identical on every rank.
     """
 
     @staticmethod
-    def forward(ctx, rows, gates, send_splits, recv_splits, group, state):
+    def forward(ctx, rows, gates, slots, send_splits, recv_splits, group, state):
         ctx.send_splits, ctx.recv_splits, ctx.group, ctx.state = send_splits, recv_splits, group, state
         ctx.has_gates = gates is not None
         out_rows = _all_to_all(rows, send_splits, recv_splits, group)
-        out_gates = _all_to_all(gates, send_splits, recv_splits, group) if gates is not None else None
-        return out_rows, out_gates
+        if gates is None:
+            return out_rows, None, None
+        out_gates, out_slots = _send_metadata(gates, slots, send_splits, recv_splits, group)
+        ctx.mark_non_differentiable(out_slots)
+        return out_rows, out_gates, out_slots
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_gates):
+    def backward(ctx, grad_rows, grad_gates, _grad_slots):
         sent = (grad_rows,) + ((grad_gates,) if ctx.has_gates else ())
         _record(ctx.state, ctx.recv_splits, sent, backward=True)
         back_rows = _all_to_all(grad_rows, ctx.recv_splits, ctx.send_splits, ctx.group)
         back_gates = _all_to_all(grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group) if ctx.has_gates else None
-        return back_rows, back_gates, None, None, None, None
+        return back_rows, back_gates, None, None, None, None, None
 
 
-def _exchange(rows, gates, send_splits, recv_splits, group, state, extra=()):
-    """Send rows (+ gates, + non-differentiable `extra` metadata); record what was sent."""
-    _record(state, send_splits, (rows,) + ((gates,) if gates is not None else ()) + tuple(extra), backward=False)
+def _exchange(rows, gates, slots, send_splits, recv_splits, group, state):
+    """Send rows (with gates and slots, when given); record what was sent."""
+    meta = () if gates is None else (gates, slots.to(_SAME_SIZE_INT[gates.element_size()]))
+    _record(state, send_splits, (rows, *meta), backward=False)
     if torch.is_grad_enabled() and (rows.requires_grad or (gates is not None and gates.requires_grad)):
-        out_rows, out_gates = _Exchange.apply(rows, gates, send_splits, recv_splits, group, state)
-    else:
-        out_rows = _all_to_all(rows, send_splits, recv_splits, group)
-        out_gates = _all_to_all(gates, send_splits, recv_splits, group) if gates is not None else None
-    out_extra = [_all_to_all(t, send_splits, recv_splits, group) for t in extra]
-    return out_rows, out_gates, out_extra
+        return _Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state)
+    out_rows = _all_to_all(rows, send_splits, recv_splits, group)
+    if gates is None:
+        return out_rows, None, None
+    return (out_rows, *_send_metadata(gates, slots, send_splits, recv_splits, group))
 
 
 class Dispatcher:
@@ -190,17 +205,16 @@ class Dispatcher:
         state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank)
         valid_PK = plan.entry_PK >= 0
         gates_PK = torch.where(valid_PK, weights_TK.reshape(-1)[plan.entry_PK.clamp(min=0)], 0)
-        x_RH, gates_RK, (slots_RK,) = _exchange(
-            x_TH[plan.token_P], gates_PK, send_splits, recv_splits, self.group, state,
-            extra=(plan.slot_PK.to(torch.int32),),
+        x_RH, gates_RK, slots_RK = _exchange(
+            x_TH[plan.token_P], gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state
         )
         state.stats.dispatch_rows = plan.num_rows
-        return x_RH, slots_RK.to(torch.int64), gates_RK, state
+        return x_RH, slots_RK, gates_RK, state
 
     def combine(self, y_RH: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Return each received row's result to its source; sum a token's rows in fp32."""
         state.stats.combine_rows = y_RH.shape[0]
-        y_PH, _, _ = _exchange(y_RH, None, state.recv_splits, state.send_splits, self.group, state)
+        y_PH, _, _ = _exchange(y_RH, None, None, state.recv_splits, state.send_splits, self.group, state)
         acc = torch.promote_types(y_PH.dtype, torch.float32)
         y_TH = y_PH.new_zeros((state.num_tokens, y_PH.shape[1]), dtype=acc)
         y_TH = y_TH.index_add(0, state.plan.token_P, y_PH.to(acc))
