@@ -1,0 +1,492 @@
+"""Benchmark of the Triton expert-MLP kernels (`occult.kernels.expert_mlp`).
+
+For each MoE shape (rank 0 of 4 expert-parallel ranks, 8192 tokens per rank, uniform random
+routing, dedup layout: one received row per (token, rank) with its local slots, K = top_k):
+
+1. checks the kernels against a float32 reference (`expert_mlp_reference` on upcast inputs,
+   TF32 off): output and the four gradients, relative Frobenius error; and that a forward +
+   backward makes no host synchronisation (`torch.cuda.set_sync_debug_mode("error")`);
+2. times (CUDA events, warm-up, median) in bf16: the kernels' forward (inference, full op),
+   GEMM 1 and GEMM 2 alone, forward+backward (all four gradients), the atomic-scatter variant;
+   the torch reference; `torch._grouped_mm` (the two GEMMs alone, and a straightforward
+   pipeline around it, forward and forward+backward); dense cuBLAS matmuls of the same shapes
+   and FLOPs (forward: [P,H]x[H,2F] and [P,F]x[F,H]; backward: the four matching products).
+
+FLOPs: forward 6*P*H*F, backward 12*P*H*F (P = valid (row, expert) pairs). Prints a short
+table last; `--out` writes all numbers as JSON. `--sweep` first times a few tile configs of
+each kernel on the OLMoE shape and keeps the fastest for the rest of the run.
+
+    PYTHONPATH=. python3 benchmarks/bench_kernels.py --out /tmp/kernels.json [--sweep]
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/bench_kernels.py --tiny   # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from occult import kernels
+from occult.experts import expert_mlp_reference
+from occult.kernels import config as kcfg
+
+SHAPES = {
+    # name: (hidden, experts in total, ffn, top_k)
+    "olmoe": (2048, 64, 1024, 8),
+    "qwen3moe": (2048, 128, 768, 8),
+    "deepseekmoe": (2048, 64, 1408, 6),
+    "mixtral": (4096, 8, 14336, 2),
+}
+
+T = kcfg.TileConfig
+SWEEP = {  # (block_m, block_n, block_k, group_m, num_warps, num_stages, flatten, ctas_per_sm)
+    "gemm1": [
+        T(128, 128, 64, 8, 8, 3),
+        T(128, 128, 64, 16, 8, 3),
+    ],
+    "gemm2": [
+        T(128, 256, 64, 8, 8, 3, True),
+        T(128, 256, 64, 8, 8, 4, True),
+        T(128, 128, 64, 8, 8, 4, True),
+    ],
+    "dgrad1": [
+        T(128, 128, 64, 8, 8, 4),
+        T(128, 128, 64, 8, 4, 3, False, 2),
+        T(128, 128, 64, 8, 4, 2, False, 2),
+        T(128, 256, 64, 8, 8, 3),
+        T(256, 128, 64, 8, 8, 3),
+        T(64, 128, 64, 8, 4, 3, False, 2),
+    ],
+    "wgrad": [
+        T(128, 128, 64, 1, 8, 3),
+        T(128, 128, 64, 1, 4, 3),
+        T(128, 128, 64, 1, 8, 4),
+        T(128, 256, 64, 1, 8, 3),
+        T(256, 128, 64, 1, 8, 3),
+        T(64, 128, 64, 1, 4, 4),
+    ],
+}
+
+
+# ----------------------------------------------------------------------------- problem
+
+
+def make_problem(hidden, num_experts, ffn, top_k, *, tokens, devices, device, dtype, seed):
+    """Rank 0's received rows under uniform routing, dedup layout, local slots packed first."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    total = tokens * devices
+    ids = torch.rand(total, num_experts, generator=g, device=device).topk(top_k, dim=1).indices
+    weights = torch.rand(total, top_k, generator=g, device=device)
+    weights = weights / weights.sum(1, keepdim=True)
+    local = num_experts // devices
+    is_local = ids < local  # rank 0 holds experts [0, local)
+    keep = is_local.any(1)
+    ids, weights, is_local = ids[keep], weights[keep], is_local[keep]
+    order = (~is_local).to(torch.int8).argsort(dim=1, stable=True)
+    slots = torch.where(is_local, ids, -1).gather(1, order)
+    gates = torch.where(is_local, weights, 0.0).gather(1, order)
+    rows = slots.shape[0]
+    x = torch.randn(rows, hidden, generator=g, device=device).to(dtype)
+    w1 = (torch.randn(local, 2 * ffn, hidden, generator=g, device=device) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(local, hidden, ffn, generator=g, device=device) * ffn**-0.5).to(dtype)
+    dy = torch.randn(rows, hidden, generator=g, device=device).to(dtype)
+    pairs = int(is_local.sum())
+    return dict(x=x, slots=slots, gates=gates.float(), w1=w1, w2=w2, dy=dy, P=pairs, R=rows, K=top_k, E=local)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timeit(fn, device, target_ms=150.0, min_reps=5, max_reps=40):
+    """Median milliseconds of `fn()` (CUDA events per call on GPU, after warm-up)."""
+    fn()
+    sync(device)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3, []
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    sync(device)
+    est = max(s.elapsed_time(e), 1e-3)
+    reps = int(min(max_reps, max(min_reps, target_ms / est)))
+    for _ in range(min(reps, 5)):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    sync(device)
+    ms = [s.elapsed_time(e) for s, e in events]
+    return statistics.median(ms), ms
+
+
+def tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def grads_of(fn, prob, inputs):
+    x, gates, w1, w2 = inputs
+    y = fn(x, prob["slots"], gates, w1, w2)
+    return y, torch.autograd.grad(y, (x, gates, w1, w2), prob["dy"].to(y.dtype))
+
+
+def leaf_inputs(prob, dtype=None):
+    return [
+        (t if dtype is None else t.to(dtype)).detach().requires_grad_()
+        for t in (prob["x"], prob["gates"], prob["w1"], prob["w2"])
+    ]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    n = b.norm().item()
+    return (a - b).norm().item() / n if n > 0 else (a - b).norm().item()
+
+
+def check(prob, device):
+    """Relative errors of kernels (bf16) and torch reference (bf16) vs a float32 reference."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
+    yr, gr = grads_of(expert_mlp_reference, prob, leaf_inputs(prob, ref_dtype))
+    out = {}
+    for name, fn in (("kernels", kernels.expert_mlp), ("kernels_atomic", lambda *a: kernels.expert_mlp(*a, atomic=True)),
+                     ("torch_bf16", expert_mlp_reference)):
+        y, g = grads_of(fn, prob, leaf_inputs(prob))
+        errs = {"y": rel(y, yr)}
+        errs.update({n: rel(a, b) for n, a, b in zip(("dx", "dgates", "dgate_up", "ddown"), g, gr)})
+        errs["finite"] = bool(torch.isfinite(y).all()) and all(bool(torch.isfinite(t).all()) for t in g)
+        out[name] = errs
+        del y, g
+    del yr, gr
+    # no host synchronisation inside forward + backward
+    if device.type == "cuda":
+        inputs = leaf_inputs(prob)
+        grads_of(kernels.expert_mlp, prob, inputs)  # compiled already
+        sync(device)
+        try:
+            torch.cuda.set_sync_debug_mode("error")
+            grads_of(kernels.expert_mlp, prob, inputs)
+            out["host_sync_free"] = True
+        except RuntimeError as err:
+            out["host_sync_free"] = f"no: {err}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        sync(device)
+    return out
+
+
+def gemm_parts(prob):
+    """Pre-built pair lists and buffers to time each kernel alone."""
+    from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
+    from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
+    from occult.kernels.combine import combine_rows
+    from occult.kernels.pairs import build_pairs, build_pairs_torch
+
+    x, slots, gates, w1, w2, dy, K = (prob[k] for k in ("x", "slots", "gates", "w1", "w2", "dy", "K"))
+    g = gates.view(-1)
+    pair, offsets = build_pairs(slots, w1.shape[0])
+    h, ab = gather_gemm_swiglu(x, pair, offsets, w1, g, K, save_ab=True)
+    o = x.new_empty((slots.numel(), x.shape[1]))
+    dab, _ = swiglu_dgrad(dy, pair, offsets, w2, ab, g, K)
+    dxp = x.new_empty((slots.numel(), x.shape[1]))
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    return {
+        "pairs": lambda: build_pairs(slots, w1.shape[0]),
+        "pairs_torch_sort": lambda: build_pairs_torch(slots, w1.shape[0]),
+        "gemm1": lambda: gather_gemm_swiglu(x, pair, offsets, w1, g, K, save_ab=False),
+        "gemm1_save": lambda: gather_gemm_swiglu(x, pair, offsets, w1, g, K, save_ab=True),
+        "gemm2": lambda: gemm_scatter(h, pair, offsets, w2.transpose(1, 2), K, o),
+        "combine": lambda: combine_rows(o, slots, w1.shape[0], x.dtype),
+        "dgrad1": lambda: swiglu_dgrad(dy, pair, offsets, w2, ab, g, K),
+        "dgrad2": lambda: gemm_scatter(dab, pair, offsets, w1, K, dxp, config_name="dgrad2"),
+        "wgrad_gate_up": lambda: weight_grad(dab, x, pair, offsets, K, dw1, a_gather=False, b_gather=True),
+        "wgrad_down": lambda: weight_grad(dy, h, pair, offsets, K, dw2, a_gather=True, b_gather=False),
+    }
+
+
+def part_flops(prob):
+    P, H, F = prob["P"], prob["x"].shape[1], prob["w2"].shape[2]
+    return {"gemm1": 4 * P * H * F, "gemm1_save": 4 * P * H * F, "gemm2": 2 * P * H * F, "dgrad1": 2 * P * H * F,
+            "dgrad2": 4 * P * H * F, "wgrad_gate_up": 4 * P * H * F, "wgrad_down": 2 * P * H * F}
+
+
+def grouped_mm_variants(prob):
+    """torch._grouped_mm: the GEMMs alone, and a straightforward pipeline (gather, GEMM, SwiGLU,
+    GEMM, gate, fp32 index_add) with one host sync for P."""
+    if not hasattr(torch, "_grouped_mm"):
+        return {}
+    x, slots, gates, w1, w2, K = (prob[k] for k in ("x", "slots", "gates", "w1", "w2", "K"))
+    E, F = w1.shape[0], w2.shape[2]
+    from occult.kernels.pairs import build_pairs
+
+    pair, offsets = build_pairs(slots, E)
+    P = prob["P"]
+    rows = (pair[:P] // K).long()
+    offs = offsets[1:].contiguous()
+    xs = x[rows]
+    hs = torch.randn(P, F, device=x.device).to(x.dtype)
+    w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
+
+    def pipeline(x, gates, w1, w2):
+        pair, offsets = build_pairs(slots, E)
+        P = int(offsets[-1])  # host sync
+        idx = pair[:P].long()
+        rows = idx // K
+        offs = offsets[1:]
+        ab = torch._grouped_mm(x[rows], w1.transpose(1, 2), offs=offs)
+        h = torch.nn.functional.silu(ab[:, :F]) * ab[:, F:]
+        o = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+        y = y.index_add(0, rows, o.float() * gates.reshape(-1)[idx, None])
+        return y.to(x.dtype)
+
+    return {
+        "gemm1": lambda: torch._grouped_mm(xs, w1t, offs=offs),
+        "gemm2": lambda: torch._grouped_mm(hs, w2t, offs=offs),
+        "pipeline": pipeline,
+    }
+
+
+def dense_variants(prob):
+    P, H, F = prob["P"], prob["x"].shape[1], prob["w2"].shape[2]
+    dev, dt = prob["x"].device, prob["x"].dtype
+    r = lambda *s: torch.randn(*s, device=dev).to(dt)  # noqa: E731
+    X, W1, Hh, W2, dY, dAB = r(P, H), r(2 * F, H), r(P, F), r(H, F), r(P, H), r(P, 2 * F)
+
+    def fwd():
+        torch.mm(X, W1.t())
+        torch.mm(Hh, W2.t())
+
+    def bwd():
+        torch.mm(dY, W2)
+        torch.mm(dAB, W1)
+        torch.mm(dAB.t(), X)
+        torch.mm(dY.t(), Hh)
+
+    return {"gemm1": lambda: torch.mm(X, W1.t()), "gemm2": lambda: torch.mm(Hh, W2.t()), "fwd": fwd, "bwd": bwd}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def sweep(prob, device, log):
+    parts = gemm_parts(prob)
+    flops = part_flops(prob)
+    results = {}
+    for name, configs in SWEEP.items():
+        keys = {"gemm1": ["gemm1"], "gemm2": ["gemm2"], "dgrad1": ["dgrad1"], "wgrad": ["wgrad_gate_up", "wgrad_down"]}[name]
+        best = None
+        results[name] = []
+        for cfg in configs:
+            kcfg.override(name, cfg)
+            try:
+                ms = sum(timeit(parts[k], device)[0] for k in keys)
+                tf = tflops(sum(flops[k] for k in keys), ms)
+            except Exception as err:  # e.g. out of shared memory
+                ms, tf = float("nan"), float("nan")
+                log(f"  sweep {name} {tuple(cfg.__dict__.values())}: failed: {str(err).splitlines()[0][:200]}")
+            results[name].append({"config": cfg.__dict__, "ms": ms, "tflops": tf})
+            log(f"  sweep {name} {tuple(cfg.__dict__.values())}: {ms:.3f} ms {tf:.0f} TFLOP/s")
+            if not math.isnan(ms) and (best is None or ms < best[0]):
+                best = (ms, cfg)
+        if best is not None:
+            kcfg.override(name, best[1])
+            if name == "gemm2":
+                kcfg.override("dgrad2", best[1])
+    return results
+
+
+def run_shape(name, prob, device, log, skip_reference=False):
+    H, F = prob["x"].shape[1], prob["w2"].shape[2]
+    P = prob["P"]
+    fl_f, fl_b = 6 * P * H * F, 12 * P * H * F
+    res = {"P": P, "R": prob["R"], "K": prob["K"], "E_local": prob["E"], "H": H, "F": F,
+           "flops_fwd": fl_f, "flops_bwd": fl_b, "ms": {}, "samples": {}, "errors": {}}
+
+    def t(key, fn):
+        try:
+            ms, samples = timeit(fn, device)
+            res["ms"][key] = ms
+            res["samples"][key] = samples
+            log(f"  {key:28s} {ms:9.3f} ms")
+        except Exception as err:
+            res["errors"][key] = "".join(traceback.format_exception_only(type(err), err))[-500:]
+            log(f"  {key:28s} FAILED {res['errors'][key].strip()[:200]}")
+
+    ins_nograd = [prob[k] for k in ("x", "slots", "gates", "w1", "w2")]
+    with torch.no_grad():
+        t("kernels.fwd", lambda: kernels.expert_mlp(*ins_nograd))
+        t("kernels_atomic.fwd", lambda: kernels.expert_mlp(*ins_nograd, atomic=True))
+    leaves = leaf_inputs(prob)
+    t("kernels.fwd_train", lambda: kernels.expert_mlp(prob["x"], prob["slots"], *leaves[1:]))
+    t("kernels.fwdbwd", lambda: grads_of(kernels.expert_mlp, prob, leaves))
+    t("kernels_atomic.fwdbwd", lambda: grads_of(lambda *a: kernels.expert_mlp(*a, atomic=True), prob, leaves))
+    for key, fn in gemm_parts(prob).items():
+        t(f"kernels.{key}", fn)
+    if not skip_reference:
+        with torch.no_grad():
+            t("torch_ref.fwd", lambda: expert_mlp_reference(*ins_nograd))
+        t("torch_ref.fwdbwd", lambda: grads_of(expert_mlp_reference, prob, leaves))
+    gmm = {}
+    try:
+        gmm = grouped_mm_variants(prob)
+    except Exception as err:
+        res["errors"]["grouped_mm"] = str(err)[-500:]
+    for key, fn in gmm.items():
+        if key == "pipeline":
+            with torch.no_grad():
+                t("grouped_mm.pipeline_fwd", lambda: fn(*[prob[k] for k in ("x", "gates", "w1", "w2")]))
+            t("grouped_mm.pipeline_fwdbwd",
+              lambda: grads_of(lambda x, s, g, a, b: fn(x, g, a, b), prob, leaves))
+        else:
+            t(f"grouped_mm.{key}", fn)
+    for key, fn in dense_variants(prob).items():
+        t(f"dense.{key}", fn)
+    ms = res["ms"]
+    get = lambda k: ms.get(k, float("nan"))  # noqa: E731
+    bwd = get("kernels.fwdbwd") - get("kernels.fwd_train")
+    res["summary"] = {
+        "fwd_ms": get("kernels.fwd"),
+        "fwd_tflops": tflops(fl_f, get("kernels.fwd")),
+        "bwd_ms": bwd,
+        "bwd_tflops": tflops(fl_b, bwd),
+        "fwdbwd_ms": get("kernels.fwdbwd"),
+        "fwdbwd_tflops": tflops(fl_f + fl_b, get("kernels.fwdbwd")),
+        "gemms_fwd_tflops": tflops(fl_f, get("kernels.gemm1") + get("kernels.gemm2")),
+        "gemms_bwd_tflops": tflops(fl_b, sum(get(f"kernels.{k}") for k in ("dgrad1", "dgrad2", "wgrad_gate_up", "wgrad_down"))),
+        # the faster of: both products in one timed call, or each timed alone and summed
+        "dense_fwd_tflops": tflops(fl_f, min(get("dense.fwd"), get("dense.gemm1") + get("dense.gemm2"))),
+        "dense_bwd_tflops": tflops(fl_b, get("dense.bwd")),
+        "grouped_mm_fwd_tflops": tflops(fl_f, get("grouped_mm.gemm1") + get("grouped_mm.gemm2")),
+        "gemm1_tflops": tflops(4 * P * H * F, get("kernels.gemm1")),
+        "gemm2_tflops": tflops(2 * P * H * F, get("kernels.gemm2")),
+        "dense_gemm1_tflops": tflops(4 * P * H * F, get("dense.gemm1")),
+        "dense_gemm2_tflops": tflops(2 * P * H * F, get("dense.gemm2")),
+        "grouped_mm_gemm1_tflops": tflops(4 * P * H * F, get("grouped_mm.gemm1")),
+        "grouped_mm_gemm2_tflops": tflops(2 * P * H * F, get("grouped_mm.gemm2")),
+    }
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write JSON details here")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    ap.add_argument("--devices", type=int, default=4, help="expert-parallel ranks (rank 0 is simulated)")
+    ap.add_argument("--sweep", action="store_true", help="time a few tile configs first, keep the fastest")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--skip-reference", action="store_true", help="do not time the torch reference")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run under TRITON_INTERPRET=1)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not kernels.available(device):
+        print("occult.kernels not available on", device, "(needs triton and CUDA, or TRITON_INTERPRET=1)")
+        return 2
+    shapes = dict(SHAPES)
+    if args.tiny:
+        shapes = {k: (64, max(4, e // 4), 48, k_) for k, (h, e, f, k_) in SHAPES.items()}
+        args.tokens = 16
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    import triton
+
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+            "argv": sys.argv, "tokens_per_rank": args.tokens, "devices": args.devices}
+    log(f"# {info}")
+    report = {"info": info, "shapes": {}, "sweep": None}
+    if device.type == "cuda":
+        a = torch.randn(8192, 8192, device=device).bfloat16()
+        b = torch.randn(8192, 8192, device=device).bfloat16()
+        ms, _ = timeit(lambda: torch.mm(a, b), device)
+        info["dense_8192_tflops"] = tflops(2 * 8192**3, ms)
+        log(f"# dense bf16 8192^3: {info['dense_8192_tflops']:.0f} TFLOP/s")
+        del a, b
+
+    names = [s for s in args.shapes.split(",") if s]
+    for i, name in enumerate(names):
+        hidden, experts, ffn, top_k = shapes[name]
+        prob = make_problem(hidden, experts, ffn, top_k, tokens=args.tokens, devices=args.devices,
+                            device=device, dtype=torch.bfloat16, seed=args.seed + i)
+        log(f"## {name}: H={hidden} E={experts} (local {prob['E']}) F={ffn} top{top_k}: R={prob['R']} rows, "
+            f"P={prob['P']} pairs, K={prob['K']}")
+        entry = {}
+        if not args.no_check:
+            try:
+                entry["check"] = check(prob, device)
+                log(f"  check: {json.dumps(entry['check'])}")
+            except Exception:
+                entry["check"] = {"error": traceback.format_exc()[-2000:]}
+                log("  check FAILED:\n" + entry["check"]["error"])
+        if args.sweep and i == 0:
+            report["sweep"] = sweep(prob, device, log)
+        entry.update(run_shape(name, prob, device, log, skip_reference=args.skip_reference))
+        entry["configs"] = {k: kcfg.get(k).__dict__ for k in kcfg.GPU_DEFAULTS}
+        report["shapes"][name] = entry
+        del prob
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+
+    # short tables last
+    nan = float("nan")
+    log("")
+    log("forward (bf16; TF/s = 6PHF / time; %dense = kernels' GEMMs vs dense cuBLAS of the same shapes)")
+    log(f"{'shape':12s} {'P':>6s} {'op ms':>7s} {'TF/s':>5s} {'gemms':>6s} {'dense':>6s} {'%dns':>5s} "
+        f"{'gmm':>5s} {'atomic':>7s} {'ref ms':>7s} {'gmmpipe':>7s}")
+    for name, e in report["shapes"].items():
+        s_, ms = e["summary"], e["ms"]
+        log(f"{name:12s} {e['P']:6d} {s_['fwd_ms']:7.3f} {s_['fwd_tflops']:5.0f} {s_['gemms_fwd_tflops']:6.0f} "
+            f"{s_['dense_fwd_tflops']:6.0f} {100 * s_['gemms_fwd_tflops'] / s_['dense_fwd_tflops']:5.0f} "
+            f"{s_['grouped_mm_fwd_tflops']:5.0f} {ms.get('kernels_atomic.fwd', nan):7.3f} "
+            f"{ms.get('torch_ref.fwd', nan):7.3f} {ms.get('grouped_mm.pipeline_fwd', nan):7.3f}")
+    log("backward (bwd = fwd+bwd - training fwd; TF/s = 12PHF / time)")
+    log(f"{'shape':12s} {'bwd ms':>7s} {'TF/s':>5s} {'gemms':>6s} {'dense':>6s} {'%dns':>5s} "
+        f"{'f+b ms':>7s} {'atomic':>7s} {'ref f+b':>7s} {'gmmpipe':>7s}")
+    for name, e in report["shapes"].items():
+        s_, ms = e["summary"], e["ms"]
+        log(f"{name:12s} {s_['bwd_ms']:7.3f} {s_['bwd_tflops']:5.0f} {s_['gemms_bwd_tflops']:6.0f} "
+            f"{s_['dense_bwd_tflops']:6.0f} {100 * s_['gemms_bwd_tflops'] / s_['dense_bwd_tflops']:5.0f} "
+            f"{s_['fwdbwd_ms']:7.3f} {ms.get('kernels_atomic.fwdbwd', nan):7.3f} "
+            f"{ms.get('torch_ref.fwdbwd', nan):7.3f} {ms.get('grouped_mm.pipeline_fwdbwd', nan):7.3f}")
+    log("check vs fp32 reference (relative error y/dx/dgates/dgate_up/ddown; torch bf16 path for scale)")
+    for name, e in report["shapes"].items():
+        c = e.get("check", {})
+        fmt = lambda d: "/".join(f"{d.get(k, nan):.1e}" for k in ("y", "dx", "dgates", "dgate_up", "ddown"))  # noqa: E731
+        log(f"{name:12s} kernels {fmt(c.get('kernels', {}))}  torch {fmt(c.get('torch_bf16', {}))}  "
+            f"no-host-sync={c.get('host_sync_free')}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

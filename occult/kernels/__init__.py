@@ -1,0 +1,56 @@
+"""Triton kernels of the expert compute (docs/kernels.md).
+
+`available(device=None)` says whether the Triton path can run: Triton imports and the device is
+a CUDA GPU of compute capability >= 8.0, or `TRITON_INTERPRET=1` (Triton's CPU interpreter,
+used by the tests). `expert_mlp(...)` has the signature and semantics of
+`occult.experts.expert_mlp_reference`; it imports Triton, so call it only when `available()`.
+
+Modules, one kernel family each: `pairs` (expert-sorted pair lists, device tile schedule),
+`grouped_gemm` (GEMM 1 gather+SwiGLU, GEMM 2 scatter), `combine` (per-row fp32 pre-reduction),
+`grouped_gemm_backward` (SwiGLU dgrad with gate gradient, weight gradients), `op` (the autograd
+op), `config` (tile sizes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["available", "expert_mlp"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def available(device: torch.device | str | None = None) -> bool:
+    """True when the Triton kernels can run on `device` (default: any CUDA device, or the
+    interpreter). Never raises."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    if _interpreting():
+        return True
+    try:
+        if device is None:
+            if not torch.cuda.is_available():
+                return False
+            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    except Exception:
+        return False
+
+
+def expert_mlp(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF, **kwargs):
+    """Fused Triton `expert_mlp`; see `occult.kernels.op.expert_mlp`."""
+    from occult.kernels.op import expert_mlp as _expert_mlp
+
+    return _expert_mlp(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF, **kwargs)

@@ -1,0 +1,88 @@
+"""Tile configurations of the expert-MLP kernels.
+
+One `TileConfig` per kernel. The GPU defaults were chosen for Hopper (H100/H200, 132 SMs,
+228 KB of shared memory per SM) by a small sweep on an H200 (docs/kernels.md has the numbers);
+under `TRITON_INTERPRET=1` small tiles keep the interpreter fast and exercise multi-tile paths.
+`override(name, ...)` replaces a kernel's tiles for the process (the benchmark uses it to sweep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # rows (pairs) per tile; for `wgrad`, rows of the weight-gradient tile
+    block_n: int  # output columns per tile (per accumulator for `gemm1`)
+    block_k: int  # contraction step (pairs for `wgrad`)
+    group_m: int = 8  # m-tiles that share a sweep over n-tiles (L2 reuse of weights)
+    num_warps: int = 8
+    num_stages: int = 3
+    flatten: bool = False  # persistent kernels: flatten the tile loop and the K loop into one pipeline
+    ctas_per_sm: int = 1  # persistent kernels: programs launched per SM (more only if smem/regs allow)
+
+
+# name -> config on a CUDA device: the winners of `benchmarks/bench_kernels.py --sweep` on an
+# H200 (OLMoE shape; docs/kernels.md). Hopper-tuned; on Ampere (less shared memory) the
+# 4-stage configs may need `override(..., num_stages=2)`.
+GPU_DEFAULTS: dict[str, TileConfig] = {
+    # gather x rows, [gate; up] dual accumulator (effective 128 x 256 tile), SwiGLU epilogue
+    "gemm1": TileConfig(128, 128, 64, 16, 8, 3),
+    # contiguous pair rows @ per-expert weight, scatter-store of output rows
+    "gemm2": TileConfig(128, 256, 64, 8, 8, 4, flatten=True),
+    # the same with the fp32 atomic-add epilogue (needs shared memory for the layout change)
+    "gemm2_atomic": TileConfig(128, 128, 64, 8, 8, 3),
+    # backward: gather dy rows @ down[e], SwiGLU backward + gate-gradient epilogue
+    "dgrad1": TileConfig(128, 128, 64, 8, 8, 4),
+    # backward: dx pairs = d[a;b] @ gate_up[e] (same kernel as gemm2)
+    "dgrad2": TileConfig(128, 256, 64, 8, 8, 4, flatten=True),
+    # backward: per-expert weight gradients, reduction over the expert's pairs
+    "wgrad": TileConfig(128, 128, 64, 1, 8, 4),
+    # sum of each row's K pair rows (block_m rows x block_n columns per program)
+    "combine": TileConfig(4, 512, 1, 1, 4, 1),
+}
+
+INTERPRET_DEFAULTS: dict[str, TileConfig] = {
+    "gemm1": TileConfig(16, 16, 16, 2, 4, 1),
+    "gemm2": TileConfig(16, 32, 16, 2, 4, 1),
+    "gemm2_atomic": TileConfig(16, 16, 16, 2, 4, 1),
+    "dgrad1": TileConfig(16, 16, 16, 2, 4, 1),
+    "dgrad2": TileConfig(16, 32, 16, 2, 4, 1),
+    "wgrad": TileConfig(16, 32, 16, 1, 4, 1),
+    "combine": TileConfig(4, 32, 1, 1, 4, 1),
+}
+
+_OVERRIDES: dict[str, TileConfig] = {}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def get(name: str) -> TileConfig:
+    if name in _OVERRIDES:
+        return _OVERRIDES[name]
+    return (INTERPRET_DEFAULTS if interpreting() else GPU_DEFAULTS)[name]
+
+
+def override(name: str, config: TileConfig | None = None, **fields) -> None:
+    """Use `config` (or the current one with `fields` replaced) for kernel `name`; None resets."""
+    if config is None and not fields:
+        _OVERRIDES.pop(name, None)
+        return
+    base = config if config is not None else get(name)
+    _OVERRIDES[name] = dataclasses.replace(base, **fields)
+
+
+def reset() -> None:
+    _OVERRIDES.clear()
+
+
+if interpreting():  # pragma: no cover - depends on the environment
+    from occult.kernels import _interpreter_fixes
+
+    _interpreter_fixes.apply()

@@ -1,0 +1,146 @@
+"""`expert_mlp` on Triton kernels: the autograd op tying pairs, GEMMs, combine and backward.
+
+Forward (no host sync; every size the host uses is a shape):
+  1. `pairs.build_pairs`: (row, slot) entries sorted by local expert, `[E+1]` offsets.
+  2. `grouped_gemm.gather_gemm_swiglu`: hg_p = g_p * silu(x_r gate[e]^T) * (x_r up[e]^T).
+  3. `grouped_gemm.gemm_scatter`: g_p o_p = down[e] hg_p, stored at the pair's flat index r*K+k.
+  4. `combine.combine_rows`: y_r = sum_k g o (fp32, deterministic), cast to x's dtype.
+  (`atomic=True` fuses 3-4: fp32 atomic adds into one row per received row.)
+Backward: `grouped_gemm_backward.swiglu_dgrad` (d[a;b] and the gate gradient),
+`gemm_scatter` + `combine_rows` (input gradient), `grouped_gemm_backward.weight_grad` twice.
+
+Intermediates are sized by the bound R*K (P, the number of valid pairs, is known only on the
+device): `hg` [R*K, F], `[a;b]` and `d[a;b]` [R*K, 2F], pair outputs [R*K, H]; only the first P
+rows (resp. the valid flat indices) are touched. Callers that pad `slots` to K = top_k while
+rows hold far fewer local experts pay that in memory (not in time): pass the smallest K.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from occult.kernels.combine import combine_rows
+from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
+from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
+from occult.kernels.pairs import build_pairs
+
+
+def _check(x_RH, slots_RK, gates_RK, gate_up_EFH, down_EHF) -> None:
+    if x_RH.dim() != 2 or slots_RK.dim() != 2 or gates_RK.shape != slots_RK.shape:
+        raise ValueError(
+            f"expected x [R, H], slots [R, K], gates [R, K]; got {tuple(x_RH.shape)}, "
+            f"{tuple(slots_RK.shape)}, {tuple(gates_RK.shape)}"
+        )
+    if slots_RK.shape[0] != x_RH.shape[0]:
+        raise ValueError(f"slots has {slots_RK.shape[0]} rows, x has {x_RH.shape[0]}")
+    if slots_RK.dtype.is_floating_point or slots_RK.dtype == torch.bool:
+        raise ValueError(f"slots must be an integer tensor, got {slots_RK.dtype}")
+    e, two_f, h = gate_up_EFH.shape
+    if h != x_RH.shape[1] or two_f % 2 or down_EHF.shape != (e, h, two_f // 2):
+        raise ValueError(
+            f"weights do not match: x [R, {x_RH.shape[1]}], gate_up {tuple(gate_up_EFH.shape)}, "
+            f"down {tuple(down_EHF.shape)} (want gate_up [E, 2F, H], down [E, H, F])"
+        )
+
+
+def _forward(x, slots, gates, w1, w2, atomic: bool, save: bool):
+    num_rows, hidden = x.shape
+    num_slots = slots.shape[1]
+    num_experts = w1.shape[0]
+    if num_rows * num_slots == 0 or num_experts == 0:
+        return x.new_zeros((num_rows, hidden)), None
+    pair, offsets = build_pairs(slots, num_experts)
+    hg, ab = gather_gemm_swiglu(x, pair, offsets, w1, gates.view(-1), num_slots, save_ab=save)
+    down_EFH = w2.transpose(1, 2)  # B[k = f, n = h] view, no copy
+    if atomic:
+        y32 = torch.zeros((num_rows, hidden), device=x.device, dtype=torch.float32)
+        gemm_scatter(hg, pair, offsets, down_EFH, num_slots, y32, atomic=True)
+        y = y32.to(x.dtype)
+    else:
+        o = x.new_empty((num_rows * num_slots, hidden))
+        gemm_scatter(hg, pair, offsets, down_EFH, num_slots, o)
+        y = combine_rows(o, slots, num_experts, x.dtype)
+    return y, ((pair, offsets, hg, ab) if save else None)
+
+
+class _ExpertMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slots, gates, w1, w2, atomic):
+        y, saved = _forward(x, slots, gates, w1, w2, atomic, save=True)
+        ctx.atomic = atomic
+        ctx.empty = saved is None
+        if saved is None:
+            ctx.save_for_backward(x, slots, gates, w1, w2)
+        else:
+            ctx.save_for_backward(x, slots, gates, w1, w2, *saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_x, _, need_g, need_w1, need_w2, _ = ctx.needs_input_grad
+        if ctx.empty:
+            x, slots, gates, w1, w2 = ctx.saved_tensors
+            return (
+                torch.zeros_like(x) if need_x else None,
+                None,
+                torch.zeros_like(gates) if need_g else None,
+                torch.zeros_like(w1) if need_w1 else None,
+                torch.zeros_like(w2) if need_w2 else None,
+                None,
+            )
+        x, slots, gates, w1, w2, pair, offsets, hg, ab = ctx.saved_tensors
+        num_rows, num_slots = slots.shape
+        num_experts = w1.shape[0]
+        dy = dy.to(x.dtype).contiguous()
+        gates_flat = gates.view(-1)
+        dx = dgates = dw1 = dw2 = None
+        if need_x or need_g or need_w1:
+            dab, dg = swiglu_dgrad(dy, pair, offsets, w2, ab, gates_flat, num_slots)
+            if need_g:
+                dgates = dg.view(num_rows, num_slots).to(gates.dtype)
+            if need_x:
+                if ctx.atomic:
+                    dx32 = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+                    gemm_scatter(dab, pair, offsets, w1, num_slots, dx32, atomic=True)
+                    dx = dx32.to(x.dtype)
+                else:
+                    dxp = x.new_empty((num_rows * num_slots, x.shape[1]))
+                    gemm_scatter(dab, pair, offsets, w1, num_slots, dxp, config_name="dgrad2")
+                    dx = combine_rows(dxp, slots, num_experts, x.dtype)
+            if need_w1:
+                dw1 = weight_grad(dab, x, pair, offsets, num_slots, torch.empty_like(w1), a_gather=False, b_gather=True)
+        if need_w2:
+            dw2 = weight_grad(dy, hg, pair, offsets, num_slots, torch.empty_like(w2), a_gather=True, b_gather=False)
+        return dx, None, dgates, dw1, dw2, None
+
+
+def expert_mlp(
+    x_RH: torch.Tensor,
+    slots_RK: torch.Tensor,
+    gates_RK: torch.Tensor,
+    gate_up_proj_EFH: torch.Tensor,
+    down_proj_EHF: torch.Tensor,
+    *,
+    atomic: bool | None = None,
+) -> torch.Tensor:
+    """`y[r] = sum_k gates[r,k] * down[s] @ (silu(gate[s] @ x[r]) * up[s] @ x[r])`, s = slots[r,k].
+
+    The contract of `occult.experts.expert_mlp_reference` (docs/design.md): slot -1 is padding
+    (slots outside [0, E) are treated as padding too: nothing is checked on the device), fp32
+    accumulation, output in x's dtype, differentiable w.r.t. x, gates, gate_up and down.
+    Weights are used in x's dtype. `atomic` (default: env `OCCULT_SCATTER=atomic`) replaces the
+    deterministic row combine by fp32 atomic adds in GEMM 2's epilogue.
+    """
+    _check(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF)
+    if atomic is None:
+        atomic = os.environ.get("OCCULT_SCATTER", "").lower() == "atomic"
+    x = x_RH.contiguous()
+    slots = slots_RK.contiguous()
+    gates = gates_RK.contiguous()
+    w1 = gate_up_proj_EFH.to(x.dtype)
+    w2 = down_proj_EHF.to(x.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gates, w1, w2)):
+        return _ExpertMLPFunction.apply(x, slots, gates, w1, w2, bool(atomic))
+    return _forward(x, slots, gates, w1, w2, bool(atomic), save=False)[0]

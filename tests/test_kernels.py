@@ -1,0 +1,242 @@
+"""Triton expert-MLP kernels vs the torch reference (`occult.experts.expert_mlp_reference`).
+
+Without a GPU these run under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set here before
+the kernels are imported), on small shapes with small tiles, so several tiles, experts and
+persistent-loop iterations are exercised. With a GPU they run compiled on it. The GPU-size
+check (timings, large shapes, no host sync) is `benchmarks/bench_kernels.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton's CPU interpreter; it must be on before triton is first imported (its own
+    # library functions, e.g. tl.cumsum, are decorated at import).
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not importable: the Triton kernels cannot run (pip install triton)")
+
+
+def _interpreter_usable() -> bool:
+    if torch.cuda.is_available():
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(triton.language.standard.cumsum, InterpretedFunction)
+
+
+# Triton was imported earlier in this process without the interpreter (by another test module):
+# run this file in a fresh interpreter instead (test_in_subprocess) and skip the rest here.
+IN_PROCESS = _interpreter_usable()
+if IN_PROCESS:
+    # kernels decide interpreted vs compiled when first imported: drop any compiled import
+    for _name in [m for m in sys.modules if m.startswith("occult.kernels.")]:
+        del sys.modules[_name]
+needs_in_process = pytest.mark.skipif(not IN_PROCESS, reason="run in a fresh process by test_in_subprocess")
+
+from occult import kernels  # noqa: E402
+from occult.experts import expert_mlp, expert_mlp_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom > 0 else (a - b).norm().item()
+
+
+def _inputs(R, K, E, H, F, *, dtype=torch.float32, gate_dtype=None, slots=None, seed=0, pad=0.3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, H, generator=g)
+    if slots is None:
+        slots = torch.randint(0, E, (R, K), generator=g)
+        slots[torch.rand(R, K, generator=g) < pad] = -1
+    gates = torch.rand(R, K, generator=g)
+    w1 = torch.randn(E, 2 * F, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, F, generator=g) / F**0.5
+    dy = torch.randn(R, H, generator=g)
+    to = lambda t, dt: t.to(DEVICE, dt).requires_grad_()  # noqa: E731
+    return (
+        to(x, dtype),
+        slots.to(DEVICE),
+        to(gates, gate_dtype or dtype),
+        to(w1, dtype),
+        to(w2, dtype),
+        dy.to(DEVICE, dtype),
+    )
+
+
+def _run(fn, x, slots, gates, w1, w2, dy, **kw):
+    y = fn(x, slots, gates, w1, w2, **kw)
+    grads = torch.autograd.grad(y, (x, gates, w1, w2), dy, allow_unused=False)
+    return y, grads
+
+
+def _reference_fp32(x, slots, gates, w1, w2, dy):
+    """float32 (float64 on CPU) reference on upcast copies of the inputs."""
+    dt = torch.float64 if DEVICE == "cpu" else torch.float32
+    ins = [t.detach().to(dt).requires_grad_() for t in (x, gates, w1, w2)]
+    return _run(expert_mlp_reference, ins[0], slots, ins[1], ins[2], ins[3], dy.to(dt))
+
+
+NAMES = ("y", "dx", "dgates", "dgate_up", "ddown")
+
+
+def _assert_close(got, ref, tol):
+    (y, grads), (yr, grads_r) = got, ref
+    errs = {n: _rel(a, b) for n, a, b in zip(NAMES, (y, *grads), (yr, *grads_r))}
+    assert all(e < tol for e in errs.values()), errs
+    for n, t in zip(NAMES, (y, *grads)):
+        assert torch.isfinite(t).all(), n
+
+
+@needs_in_process
+def test_available():
+    assert kernels.available()
+    assert kernels.available(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "R,K,E,H,F",
+    [
+        (37, 3, 5, 48, 40),  # dims not multiples of the tiles, random padding and duplicate slots
+        (64, 2, 4, 64, 32),  # every dim a multiple of the tiles (the unmasked-K path)
+        (50, 1, 6, 32, 48),  # K = 1: the standard dispatcher's call
+    ],
+)
+@needs_in_process
+def test_matches_reference_fp32(R, K, E, H, F):
+    ins = _inputs(R, K, E, H, F)
+    _assert_close(_run(kernels.expert_mlp, *ins), _reference_fp32(*ins), 1e-4)
+
+
+@needs_in_process
+def test_matches_reference_bf16():
+    # bf16 activations and weights, fp32 router gates (the usual mix)
+    ins = _inputs(40, 4, 6, 64, 48, dtype=torch.bfloat16, gate_dtype=torch.float32, seed=1)
+    got = _run(kernels.expert_mlp, *ins)
+    assert got[0].dtype == torch.bfloat16 and got[1][1].dtype == torch.float32
+    ref = _reference_fp32(*ins)
+    _assert_close(got, ref, 3e-2)
+    # and no worse than a few times the torch path's own bf16 error
+    torch_bf16 = _run(expert_mlp_reference, *ins)
+    for name, a, b, r in zip(NAMES, (got[0], *got[1]), (torch_bf16[0], *torch_bf16[1]), (ref[0], *ref[1])):
+        assert _rel(a, r) < 4 * _rel(b, r) + 1e-3, name
+
+
+@needs_in_process
+def test_atomic_scatter_matches():
+    ins = _inputs(37, 3, 5, 48, 40, seed=2)
+    _assert_close(_run(kernels.expert_mlp, *ins, atomic=True), _reference_fp32(*ins), 1e-4)
+
+
+@needs_in_process
+def test_deterministic():
+    ins = _inputs(37, 3, 5, 48, 40, seed=3)
+    a = _run(kernels.expert_mlp, *ins)
+    b = _run(kernels.expert_mlp, *ins)
+    for t, u in zip((a[0], *a[1]), (b[0], *b[1])):
+        assert torch.equal(t, u)
+
+
+@needs_in_process
+def test_expert_with_no_rows():
+    R, K, E = 30, 2, 5
+    slots = torch.randint(0, E - 1, (R, K))
+    slots[slots == 2] = 3  # experts 2 and 4 get nothing
+    ins = _inputs(R, K, E, 32, 32, slots=slots, seed=4)
+    got = _run(kernels.expert_mlp, *ins)
+    _assert_close(got, _reference_fp32(*ins), 1e-4)
+    dw1, dw2 = got[1][2], got[1][3]
+    for e in (2, 4):
+        assert torch.count_nonzero(dw1[e]) == 0 and torch.count_nonzero(dw2[e]) == 0
+
+
+@needs_in_process
+def test_all_rows_to_one_expert():
+    R, K, E = 45, 2, 4
+    slots = torch.full((R, K), -1, dtype=torch.long)
+    slots[:, 0] = 1
+    ins = _inputs(R, K, E, 32, 48, slots=slots, seed=5)
+    _assert_close(_run(kernels.expert_mlp, *ins), _reference_fp32(*ins), 1e-4)
+
+
+@needs_in_process
+def test_padding_only_and_out_of_range_slots():
+    R, K, E = 20, 3, 4
+    ins = _inputs(R, K, E, 32, 32, slots=torch.full((R, K), -1, dtype=torch.long), seed=6)
+    y, grads = _run(kernels.expert_mlp, *ins)
+    assert torch.count_nonzero(y) == 0
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+    # slots >= E are padding on the Triton path (no device-side check)
+    slots = torch.randint(0, E, (R, K))
+    ins = _inputs(R, K, E, 32, 32, slots=slots, seed=7)
+    bad = slots.clone().to(DEVICE)
+    bad[:, 2] = E + 3
+    ref_slots = bad.clone()
+    ref_slots[:, 2] = -1
+    got = _run(kernels.expert_mlp, ins[0], bad, *ins[2:])
+    _assert_close(got, _reference_fp32(ins[0], ref_slots, *ins[2:]), 1e-4)
+
+
+@needs_in_process
+def test_zero_rows():
+    ins = _inputs(0, 3, 4, 32, 32, seed=8)
+    y, grads = _run(kernels.expert_mlp, *ins)
+    assert y.shape == (0, 32)
+    assert grads[0].shape == (0, 32) and grads[1].shape == (0, 3)
+    assert all(torch.count_nonzero(g) == 0 for g in grads[2:])
+
+
+@needs_in_process
+def test_strided_weights_and_partial_grads():
+    R, K, E, H, F = 33, 2, 3, 32, 48
+    x, slots, gates, _, _, dy = _inputs(R, K, E, H, F, seed=9)
+    g = torch.Generator().manual_seed(10)
+    # weights as transposed views (not contiguous), and only some inputs need grads
+    w1 = (torch.randn(E, H, 2 * F, generator=g) / H**0.5).to(DEVICE).transpose(1, 2).requires_grad_()
+    w2 = (torch.randn(E, F, H, generator=g) / F**0.5).to(DEVICE).transpose(1, 2)
+    y = kernels.expert_mlp(x, slots, gates.detach(), w1, w2)
+    dx, dw1 = torch.autograd.grad(y, (x, w1), dy)
+    yr = expert_mlp_reference(x, slots, gates.detach(), w1, w2)
+    dxr, dw1r = torch.autograd.grad(yr, (x, w1), dy)
+    assert _rel(y, yr) < 1e-4 and _rel(dx, dxr) < 1e-4 and _rel(dw1, dw1r) < 1e-4
+
+
+@needs_in_process
+@pytest.mark.parametrize("R,K,E", [(37, 3, 5), (300, 8, 16), (129, 1, 3), (20, 2, 130)])
+def test_pairs_match_a_stable_sort(R, K, E):
+    from occult.kernels.pairs import build_pairs, build_pairs_torch
+
+    slots = torch.randint(-1, E + 1, (R, K), generator=torch.Generator().manual_seed(R)).to(DEVICE)
+    pair, offsets = build_pairs(slots, E)
+    pair_ref, offsets_ref = build_pairs_torch(slots, E)
+    assert torch.equal(pair, pair_ref) and torch.equal(offsets, offsets_ref)
+
+
+@needs_in_process
+def test_inference_path_and_backend_selection():
+    ins = _inputs(25, 2, 3, 32, 32, seed=11)
+    with torch.no_grad():
+        y = expert_mlp(*ins[:5], backend="triton")
+        yr = expert_mlp_reference(*ins[:5])
+    assert _rel(y, yr) < 1e-4
+    with pytest.raises(ValueError):
+        kernels.expert_mlp(ins[0], ins[1][:, :1], *ins[2:5])
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="kernels already tested in this process")
+def test_in_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
