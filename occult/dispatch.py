@@ -79,6 +79,53 @@ def _all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
     return out
 
 
+def _use_triton(t: torch.Tensor) -> bool:
+    if not t.is_cuda:
+        return False
+    from occult import kernels
+
+    return kernels.available(t.device)
+
+
+def token_sum(src_PH: torch.Tensor, token_P: torch.Tensor, row_TJ: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Sum each token's rows (fp32 accumulation): one pass on GPU, `index_add` elsewhere."""
+    if _use_triton(src_PH):
+        from occult.kernels.rows import gather_sum
+
+        return gather_sum(src_PH, row_TJ, out_dtype)
+    acc = torch.promote_types(src_PH.dtype, torch.float32)
+    out = src_PH.new_zeros((row_TJ.shape[0], src_PH.shape[1]), dtype=acc)
+    return out.index_add_(0, token_P, src_PH.to(acc)).to(out_dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows = x[token_P]; backward sums each token's row gradients (no atomics on GPU)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, token_P, row_TJ):
+        ctx.save_for_backward(token_P, row_TJ)
+        return x_TH[token_P]
+
+    @staticmethod
+    def backward(ctx, grad_PH):
+        token_P, row_TJ = ctx.saved_tensors
+        return token_sum(grad_PH, token_P, row_TJ, grad_PH.dtype), None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """y[t] = sum of token t's rows; backward hands each row its token's gradient."""
+
+    @staticmethod
+    def forward(ctx, y_PH, token_P, row_TJ):
+        ctx.save_for_backward(token_P, row_TJ)
+        return token_sum(y_PH, token_P, row_TJ, y_PH.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        token_P, _ = ctx.saved_tensors
+        return grad_TH[token_P], None, None
+
+
 def _record(state: "DispatchState", splits: list[int], tensors: tuple[torch.Tensor, ...], backward: bool) -> None:
     """Account rows and bytes this rank sends: tensors[0] holds the rows, the rest is metadata."""
     stats, rows = state.stats, sum(splits)
@@ -206,7 +253,7 @@ class Dispatcher:
         valid_PK = plan.entry_PK >= 0
         gates_PK = torch.where(valid_PK, weights_TK.reshape(-1)[plan.entry_PK.clamp(min=0)], 0)
         x_RH, gates_RK, slots_RK = _exchange(
-            x_TH[plan.token_P], gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state
+            _GatherRows.apply(x_TH, plan.token_P, plan.row_TJ), gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state
         )
         state.stats.dispatch_rows = plan.num_rows
         return x_RH, slots_RK, gates_RK, state
@@ -215,10 +262,7 @@ class Dispatcher:
         """Return each received row's result to its source; sum a token's rows in fp32."""
         state.stats.combine_rows = y_RH.shape[0]
         y_PH, _, _ = _exchange(y_RH, None, None, state.recv_splits, state.send_splits, self.group, state)
-        acc = torch.promote_types(y_PH.dtype, torch.float32)
-        y_TH = y_PH.new_zeros((state.num_tokens, y_PH.shape[1]), dtype=acc)
-        y_TH = y_TH.index_add(0, state.plan.token_P, y_PH.to(acc))
-        return y_TH.to(y_RH.dtype)
+        return _SumRows.apply(y_PH, state.plan.token_P, state.plan.row_TJ)
 
 
 class StandardDispatcher(Dispatcher):

@@ -29,12 +29,15 @@ class DispatchPlan:
                 -1 for padding (standard plans have one column).
     slot_PK:    destination-local expert slot of each entry, -1 for padding.
     send_counts_D: rows for each destination rank (device tensor; synced once by the dispatcher).
+    row_TJ:     the inverse of `token_P`: each token's rows, -1 padded (J = k for standard,
+                J = number of ranks for dedup); used to sum a token's rows without atomics.
     """
 
     token_P: torch.Tensor
     entry_PK: torch.Tensor
     slot_PK: torch.Tensor
     send_counts_D: torch.Tensor
+    row_TJ: torch.Tensor
 
     @property
     def num_rows(self) -> int:
@@ -50,11 +53,14 @@ def standard_plan(
     device_N = expert_device_E[flat_ids]
     # Stable sort by destination keeps (token, j) order inside each destination.
     order_P = torch.sort(device_N, stable=True).indices
+    row_N = torch.empty_like(order_P)
+    row_N[order_P] = torch.arange(order_P.shape[0], device=order_P.device)
     return DispatchPlan(
         token_P=order_P // top_k,
         entry_PK=order_P[:, None],
         slot_PK=expert_slot_E[flat_ids[order_P]][:, None],
         send_counts_D=torch.bincount(device_N, minlength=num_devices),
+        row_TJ=row_N.view(num_tokens, top_k),
     )
 
 
@@ -87,6 +93,7 @@ def dedup_plan(
         entry_PK=entry_buf,
         slot_PK=slot_buf,
         send_counts_D=used_DT.sum(dim=1),
+        row_TJ=torch.where(used_DT, row_of_DT, -1).t().contiguous(),
     )
 
 
@@ -99,6 +106,7 @@ def trim(plan: DispatchPlan, num_rows: int) -> DispatchPlan:
         entry_PK=plan.entry_PK[:num_rows],
         slot_PK=plan.slot_PK[:num_rows],
         send_counts_D=plan.send_counts_D,
+        row_TJ=plan.row_TJ,
     )
 
 

@@ -1,0 +1,58 @@
+"""Token-side row sums: `out[t] = sum_j src[index[t, j]]` (index -1 = none), fp32, deterministic.
+
+Used by the dispatcher on both sides of the all-to-all: the combine (a token's result rows
+from every device it was sent to) and the backward of the dispatch gather (a token's gradient
+rows). Replaces an fp32 `index_add_` plus casts with one pass that reads every row once and
+writes every token once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from occult.kernels import config as _config  # noqa: F401  (applies the interpreter fixes)
+
+
+@triton.jit
+def _gather_sum_kernel(
+    src_ptr, index_ptr, out_ptr,
+    T, N, J, stride_src, stride_out,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for j in range(0, J):
+        row = tl.load(index_ptr + offs_t.to(tl.int64) * J + j, mask=mask_t, other=-1)
+        valid = mask_t & (row >= 0)
+        v = tl.load(src_ptr + row.to(tl.int64)[:, None] * stride_src + offs_n[None, :],
+                    mask=valid[:, None] & mask_n[None, :], other=0.0)
+        acc += v.to(tl.float32)
+    out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_n[None, :])
+
+
+def gather_sum(src_PN: torch.Tensor, index_TJ: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`out[t] = sum_j src[index[t, j]]` over valid (>= 0) entries, accumulated in fp32."""
+    num_tokens, num_j = index_TJ.shape
+    n = src_PN.shape[1]
+    out = src_PN.new_empty((num_tokens, n), dtype=out_dtype or src_PN.dtype)
+    if num_tokens == 0 or n == 0:
+        return out
+    if src_PN.stride(1) != 1:
+        src_PN = src_PN.contiguous()
+    index_TJ = index_TJ.contiguous()
+    block_t = 4
+    block_n = min(1024, triton.next_power_of_2(n))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(n, block_n))
+    _gather_sum_kernel[grid](
+        src_PN, index_TJ, out, num_tokens, n, num_j, src_PN.stride(0), out.stride(0),
+        BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4,
+    )
+    return out
