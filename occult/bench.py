@@ -156,15 +156,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _dense_reference(x, ids, weights, w1_full, w2_full) -> torch.Tensor:
-    """float32 reference for a few tokens: y_t = sum_k w_tk * expert_{id_tk}(x_t)."""
+    """float32 reference for a few tokens: y_t = sum_k w_tk * expert_{id_tk}(x_t), expert by expert."""
     x = x.float()
     y = torch.zeros_like(x)
-    for k in range(ids.shape[1]):
-        w1 = w1_full[ids[:, k]].float()  # [n, 2F, H]
-        w2 = w2_full[ids[:, k]].float()  # [n, H, F]
-        gu = torch.einsum("nfh,nh->nf", w1, x)
-        g, u = gu.chunk(2, dim=-1)
-        y += weights[:, k, None].float() * torch.einsum("nhf,nf->nh", w2, torch.nn.functional.silu(g) * u)
+    for e in torch.unique(ids).tolist():
+        token, col = (ids == e).nonzero(as_tuple=True)
+        g, u = (x[token] @ w1_full[e].float().t()).chunk(2, dim=-1)
+        out = (torch.nn.functional.silu(g) * u) @ w2_full[e].float().t()
+        y.index_add_(0, token, weights[token, col, None].float() * out)
     return y
 
 
@@ -203,6 +202,23 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
     return result
 
 
+def _count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int:
+    """Device-to-host synchronisations in one call of fn (CUDA's sync debug mode); -1 on CPU."""
+    if device.type != "cuda":
+        return -1
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args):
     dispatcher = "standard" if variant == "standard" else "dedup"
     layer = OccultMoE(
@@ -224,6 +240,8 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
         ref = _dense_reference(xs[0][:n], ids, w, w1_full, w2_full)
     err = _rel(y[:n], ref)
     stats = layer.last_comm_stats
+    syncs = _count_host_syncs(lambda: layer(xs[0].detach().requires_grad_()).backward(gs[0]), device)
+    layer.zero_grad(set_to_none=True)
 
     state = {"i": 0}
 
@@ -280,17 +298,19 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
         "all_to_all_GBps": remote_bytes_rank / a2a_ms / 1e6 if a2a_ms > 0 else 0.0,
         "expert_tflops": flops / expert_ms / 1e9 if expert_ms > 0 else 0.0,
         "pairs_per_rank": pairs,
+        "host_syncs_fwd_bwd": syncs,
     }
 
 
 def _row(run: dict[str, Any]) -> str:
     return (f"{run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}{run['mean_ct']:>6.2f}"
             f"{run['forward_ms']:>9.2f}{run['fwd_bwd_ms']:>10.2f}{run['floor_ms']:>9.2f}{run['expert_ms']:>9.2f}"
-            f"{run['all_to_all_ms']:>9.2f}{run['all_to_all_GBps']:>10.1f}{run['expert_tflops']:>9.1f}{run['rel_error']:>9.1e}")
+            f"{run['all_to_all_ms']:>9.2f}{run['all_to_all_GBps']:>10.1f}{run['expert_tflops']:>9.1f}{run['rel_error']:>9.1e}"
+            f"{run['host_syncs_fwd_bwd']:>6d}")
 
 
 HEADER = (f"{'shape':<9}{'routing':<8}{'tokens':>6} {'variant':<16}{'E[C_T]':>6}{'fwd ms':>9}{'fwd+bwd':>10}{'floor':>9}"
-          f"{'experts':>9}{'a2a ms':>9}{'a2a GB/s':>10}{'TFLOP/s':>9}{'rel err':>9}")
+          f"{'experts':>9}{'a2a ms':>9}{'a2a GB/s':>10}{'TFLOP/s':>9}{'rel err':>9}{'syncs':>6}")
 
 
 def summarize(result: dict[str, Any]) -> str:
@@ -346,14 +366,16 @@ def main(args: argparse.Namespace) -> int:
         backend=backend, shapes=shapes, variants=variants, routings=args.routing.split(","),
         tokens=[int(t) for t in (args.tokens or ("8192" if on_gpu else "256")).split(",")],
         warmup=args.warmup, iters=args.iters, input_sets=args.input_sets, expert_backend=args.expert_backend,
-        verbose=False,
+        verbose=True,
     )
     print(f"occult bench: {world} rank(s), backend {backend}, shapes {shapes}, tokens/rank {conf['tokens']}", flush=True)
+    print(HEADER, flush=True)
     results = run_ranks(bench_worker, world, conf, backend=backend, timeout_s=3000)
     result = results[0]
     result["config"] = {**conf, "world": world, "torch": torch.__version__,
                         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
     bad = [r for r in result["runs"] if not r["rel_error"] < (2e-2 if on_gpu else 1e-4)]
+    print()
     print(summarize(result))
     if args.out:
         write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")

@@ -59,7 +59,10 @@ def standard_plan(
         token_P=order_P // top_k,
         entry_PK=order_P[:, None],
         slot_PK=expert_slot_E[flat_ids[order_P]][:, None],
-        send_counts_D=torch.bincount(device_N, minlength=num_devices),
+        # (not bincount: on CUDA it reads the maximum back to the host)
+        send_counts_D=torch.zeros(num_devices, dtype=torch.int64, device=ids_TK.device).index_add_(
+            0, device_N, torch.ones_like(device_N)
+        ),
         row_TJ=row_N.view(num_tokens, top_k),
     )
 
