@@ -236,8 +236,8 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
     with torch.no_grad():
         y = layer(xs[0])
         n = min(256, xs[0].shape[0])
-        w, ids = routers[0](xs[0][:n])
-        ref = _dense_reference(xs[0][:n], ids, w, w1_full, w2_full)
+        w, ids = routers[0](xs[0])
+        ref = _dense_reference(xs[0][:n], ids[:n], w[:n], w1_full, w2_full)
     err = _rel(y[:n], ref)
     stats = layer.last_comm_stats
     syncs = _count_host_syncs(lambda: layer(xs[0].detach().requires_grad_()).backward(gs[0]), device)

@@ -112,6 +112,32 @@ class _GatherRows(torch.autograd.Function):
         return token_sum(grad_PH, token_P, row_TJ, grad_PH.dtype), None, None
 
 
+class _GatherGates(torch.autograd.Function):
+    """gates[p, j] = weights.flat[entry[p, j]] (0 where entry is -1).
+
+    Every valid entry occurs once, so backward is a plain scatter (no accumulation); padding
+    entries all point at one spare slot that is dropped. (Autograd's own indexing backward
+    would accumulate the padding's duplicates one by one.)
+    """
+
+    @staticmethod
+    def forward(ctx, weights_TK, entry_PK):
+        n = weights_TK.numel()
+        index_PK = torch.where(entry_PK >= 0, entry_PK, n)
+        ctx.save_for_backward(index_PK)
+        ctx.shape = weights_TK.shape
+        padded = torch.cat([weights_TK.reshape(-1), weights_TK.new_zeros(1)])
+        return padded[index_PK]
+
+    @staticmethod
+    def backward(ctx, grad_PK):
+        (index_PK,) = ctx.saved_tensors
+        n = torch.Size(ctx.shape).numel()
+        buf = grad_PK.new_zeros(n + 1)
+        buf.scatter_(0, index_PK.reshape(-1), grad_PK.reshape(-1))
+        return buf[:n].view(ctx.shape), None
+
+
 class _SumRows(torch.autograd.Function):
     """y[t] = sum of token t's rows; backward hands each row its token's gradient."""
 
@@ -250,8 +276,7 @@ class Dispatcher:
         send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status)
         plan = trim(plan, sum(send_splits))
         state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank)
-        valid_PK = plan.entry_PK >= 0
-        gates_PK = torch.where(valid_PK, weights_TK.reshape(-1)[plan.entry_PK.clamp(min=0)], 0)
+        gates_PK = _GatherGates.apply(weights_TK, plan.entry_PK)
         x_RH, gates_RK, slots_RK = _exchange(
             _GatherRows.apply(x_TH, plan.token_P, plan.row_TJ), gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state
         )
