@@ -196,6 +196,28 @@ class Placement:
         ids = torch.as_tensor(self.experts_on_device(device, layer).copy(), device=weights_E.device)
         return weights_E.index_select(dim, ids)
 
+    def placed_index(self, layer: int = 0) -> np.ndarray:
+        """[E] position of each expert in placed order (device * E/D + slot): the inverse of `placed_order`."""
+        return self.expert_device(layer) * self.experts_per_device + self.expert_slot(layer)
+
+    def remap_ids(self, topk_ids: torch.Tensor | np.ndarray, layer: int = 0) -> torch.Tensor | np.ndarray:
+        """Map expert ids to placed-order ids (`placed_index`): the ids a router whose rows were
+        permuted with `apply` produces for the same tokens. Same type and shape as the input."""
+        index = self.placed_index(layer)
+        if isinstance(topk_ids, torch.Tensor):
+            lut = torch.as_tensor(index, dtype=topk_ids.dtype, device=topk_ids.device)
+            return lut[topk_ids.long()]
+        ids = np.asarray(topk_ids)
+        return index.astype(ids.dtype, copy=False)[ids]
+
+    def apply_all(self, tensors: dict[str, torch.Tensor], layer: int = 0, dim: int = 0) -> dict[str, torch.Tensor]:
+        """`apply` to every per-expert tensor of a mapping (e.g. one layer's expert weights and router rows)."""
+        return {name: self.apply(t, layer, dim) for name, t in tensors.items()}
+
+    def invert_all(self, tensors: dict[str, torch.Tensor], layer: int = 0, dim: int = 0) -> dict[str, torch.Tensor]:
+        """`invert` for every tensor of a mapping."""
+        return {name: self.invert(t, layer, dim) for name, t in tensors.items()}
+
     def _check_dim(self, t: torch.Tensor, dim: int) -> None:
         if t.shape[dim] != self.num_experts:
             raise PlacementError(
