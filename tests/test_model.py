@@ -1,0 +1,175 @@
+"""OccultLM: shapes, causality, MoE blocks vs the dense reference, routing limits, weights I/O."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from occult.distributed import run_ranks
+from occult.model import CheckpointError, ModelConfig, OccultLM, load_model, save_model
+from occult.placement import Placement
+from occult.pruning import PruningError, devices_per_token, expert_similarity
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """Tiny models run several times faster on one thread (and far faster on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+CFG = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_experts=8, top_k=2,
+           expert_ffn_size=16, max_seq_len=24)
+
+
+def tiny(seed: int = 0, **kw) -> OccultLM:
+    torch.manual_seed(seed)
+    return OccultLM(ModelConfig(**{**CFG, **kw}))
+
+
+def virtual_placement(seed: int = 0, layers: int = 2, experts: int = 8, devices: int = 4) -> Placement:
+    rng = np.random.default_rng(seed)
+    return Placement(np.stack([rng.permutation(np.arange(experts) % devices) for _ in range(layers)]), devices)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(**{**CFG, "num_heads": 5})
+    with pytest.raises(ValueError, match="top_k"):
+        ModelConfig(**{**CFG, "top_k": 9})
+    with pytest.raises(ValueError, match="positive integer"):
+        ModelConfig(**{**CFG, "num_layers": 0})
+    with pytest.raises(ValueError, match="unknown ModelConfig"):
+        ModelConfig.from_dict({**CFG, "dropout": 0.1})
+    assert ModelConfig.from_dict(ModelConfig(**CFG).to_dict()) == ModelConfig(**CFG)
+
+
+def test_forward_shapes_loss_and_aux():
+    model = tiny()
+    x = torch.randint(0, 97, (3, 24))
+    out = model(x, torch.randint(0, 97, (3, 24)))
+    assert out.logits.shape == (3, 24, 97)
+    assert abs(float(out.loss.detach()) - math.log(97)) < 0.3  # near-uniform at init
+    assert 0.9 < float(out.aux_loss.detach()) < 2.0  # 1.0 = perfectly balanced
+    out.aux_loss.backward()
+    assert all(r.gate.weight.grad.abs().sum() > 0 for r in model.routers())
+    assert model(x).loss is None
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 25, dtype=torch.long))
+    assert model.num_parameters(active=True) < model.num_parameters()
+    names = model.moe_parameter_names()
+    assert names and all(".moe.moe." in n for n in names)
+    assert {n.rsplit(".", 1)[-1] for n in names} == {"weight", "gate_up_proj", "down_proj"}
+    assert model.lm_head.weight is model.embed.weight
+
+
+def test_causal():
+    model = tiny()
+    x = torch.randint(0, 97, (2, 20))
+    y = x.clone()
+    y[:, 12:] = (y[:, 12:] + 1) % 97
+    a, b = model(x).logits, model(y).logits
+    assert torch.allclose(a[:, :12], b[:, :12], atol=1e-5)
+    assert not torch.allclose(a[:, 12:], b[:, 12:], atol=1e-3)
+
+
+def test_moe_blocks_match_dense_reference():
+    model = tiny().double()
+    x = torch.randn(40, 32, dtype=torch.float64)
+    for moe in model.moe_layers():
+        dense = moe.to_dense()
+        assert torch.allclose(moe(x), dense(x), atol=1e-10)
+
+
+def test_virtual_device_limit_and_unchanged_when_not_binding():
+    model = tiny()
+    x = torch.randint(0, 97, (4, 24))
+    base = model(x).logits
+    placement = virtual_placement()
+    seen = []
+    model.set_routing(max_devices=1, placement=placement)
+    with model.observe_routing(lambda l, lg, w, ids: seen.append((l, ids))):
+        pruned = model(x).logits
+    assert len(seen) == 2
+    for layer, ids in seen:
+        dev = torch.as_tensor(placement.expert_device(layer).copy())
+        assert int(devices_per_token(ids, dev).max()) == 1
+    assert not torch.allclose(pruned, base)
+    model.set_routing(max_devices=4, placement=placement)  # >= devices any token can use
+    assert torch.equal(model(x).logits, base)
+    sims = [expert_similarity(torch.randn(64, 8)) for _ in range(2)]
+    model.set_routing(max_devices=2, placement=placement, method="similarity", similarity=sims)
+    assert "similarity" in model.routing.describe()
+    model.set_routing(None)
+    assert torch.equal(model(x).logits, base)
+    with pytest.raises(PruningError, match="similarity"):
+        model.set_routing(max_devices=2, placement=placement, method="similarity")
+    with pytest.raises(PruningError, match="3 layers"):
+        model.set_routing(max_devices=2, placement=virtual_placement(layers=3))
+
+
+def test_save_load_round_trip_and_errors(tmp_path):
+    model = tiny()
+    sims = [expert_similarity(torch.randn(64, 8)) for _ in range(2)]
+    placement = virtual_placement()
+    model.set_routing(max_devices=2, placement=placement, method="similarity", similarity=sims)
+    path = tmp_path / "m.safetensors"
+    save_model(path, model, {"note": "x"})
+    back = load_model(path)
+    x = torch.randint(0, 97, (2, 24))
+    assert torch.equal(back(x).logits, model(x).logits)
+    assert back.routing.max_devices == 2 and back.routing.method == "similarity"
+    assert back.routing.placement == placement
+    assert all(torch.equal(a, b) for a, b in zip(back.routing.similarity, sims))
+    plain = load_model(path, routing=False)
+    assert plain.routing.max_devices is None
+    blob = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupted"):
+        load_model(tmp_path / "cut.safetensors")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "none.safetensors")
+    import safetensors.torch
+
+    safetensors.torch.save_file({"a": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(CheckpointError, match="not an occult model checkpoint"):
+        load_model(tmp_path / "other.safetensors")
+    other = tiny(hidden_size=64)
+    from occult.model import load_weights, model_tensors
+
+    with pytest.raises(CheckpointError, match="shape"):
+        load_weights(other, model_tensors(model))
+    t = model_tensors(model)
+    del t["model.norm.weight"]
+    with pytest.raises(CheckpointError, match="missing"):
+        load_weights(tiny(), t)
+
+
+def _ep_case(rank: int, world_size: int, state: dict, x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    placement = Placement.contiguous(8, world_size, 2)
+    model = OccultLM(ModelConfig(**CFG), placement=placement, group=dist.group.WORLD)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = state[name]
+            if name.endswith(("gate_up_proj", "down_proj")):
+                layer = int(name.split(".")[1])
+                full = placement.shard(full, rank, layer=layer)
+            p.copy_(full)
+    return model(x[rank : rank + 1]).logits.detach().numpy()
+
+
+def test_expert_parallel_model_matches_single_process():
+    model = tiny()
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randint(0, 97, (2, 24))
+    want = model(x).logits
+    got = run_ranks(_ep_case, 2, state, x)
+    for r in range(2):
+        assert np.allclose(got[r], want[r : r + 1].detach().numpy(), atol=1e-5)
