@@ -2,7 +2,8 @@
 
     occult place --trace T --devices D [--method contiguous|greedy|hypergraph] [--out P] [--json] [--plot F]
     occult stats --trace T [--placement P | --devices D] [--json] [--plot F]
-    occult demo  [--world-size N] [--tokens N] [--steps N] [--backend auto|gloo|nccl]
+    occult demo  [--world-size N] [--tokens N] [--steps N] [--backend auto|gloo|nccl] ...
+    occult bench [--world-size N] [--shapes olmoe,qwen3,deepseek,mixtral] [--tokens N] [--out F] ...
     occult data prepare --out DIR          occult train --out RUN [--corpus-dir DIR] ...
     occult profile --model CKPT|HF_DIR --out T [--data F]    occult finetune --init CKPT --out RUN [--max-devices N --placement P]
 
@@ -348,15 +349,6 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-# ------------------------------------------------------------------ demo
-def _add_demo_args(p: argparse.ArgumentParser) -> None:
-    """The demo's flags for as long as occult.demo defines no add_arguments of its own."""
-    p.add_argument("--world-size", type=_positive_int, default=4, help="ranks to spawn (default 4)")
-    p.add_argument("--tokens", type=_positive_int, default=4096, help="tokens per rank (default 4096)")
-    p.add_argument("--steps", type=_positive_int, default=5, help="steps to run (default 5)")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="torch.distributed backend (default auto)")
-
-
 def _train_cli(name: str) -> Callable[[argparse.ArgumentParser], None]:
     """Arguments of the data/train/finetune/profile commands, from occult.train_cli (torch-free)."""
 
@@ -388,7 +380,7 @@ def run_profile(args: argparse.Namespace) -> int | None:
 COMMANDS: list[Command] = [
     Command("place", "solve an expert placement from a routing trace and report E[C_T] and bytes", _add_place_args, run_place),
     Command("stats", "collaboration statistics of a trace under a placement", _add_stats_args, run_stats),
-    lazy_command("demo", "run a small expert-parallel MoE on CPU ranks (gloo) or GPUs", "occult.demo", _add_demo_args),
+    lazy_command("demo", "run a small expert-parallel MoE on CPU ranks (gloo) or GPUs", "occult.demo"),
     lazy_command("bench", "time one MoE layer on 1-N GPUs: standard vs dedup vs dedup+placement", "occult.bench"),
     Command("data", "fetch the Shakespeare corpus, train its tokenizer, write a directory to carry", _train_cli("add_prepare_arguments"), lazy("occult.data", "run_prepare")),
     Command("train", "train a small MoE language model (OccultLM)", _train_cli("add_train_arguments"), lazy("occult.train", "run_train")),

@@ -202,14 +202,6 @@ def write_trace(path: str | os.PathLike, trace: Trace) -> None:
     )
     with atomic_path(path) as tmp:
         safetensors.numpy.save_file(tensors, str(tmp), metadata=meta)
-        os.chmod(tmp, _default_file_mode())  # mkstemp makes 0600 files; traces are shared data
-
-
-def _default_file_mode() -> int:
-    """0666 minus the process umask: the mode a plain open() would have created the file with."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 def _parse_int_meta(meta: Mapping[str, str], key: str, path: str) -> int | None:
