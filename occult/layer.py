@@ -23,10 +23,16 @@ from occult.placement import Placement, check_divisible
 from occult.routing import TopKRouter
 
 
-def _init_experts(gate_up: torch.Tensor, down: torch.Tensor) -> None:
-    hidden, ffn = gate_up.shape[-1], down.shape[-1]
-    nn.init.normal_(gate_up, std=1.0 / math.sqrt(hidden))
-    nn.init.normal_(down, std=1.0 / math.sqrt(ffn))
+def _expert_parameters(
+    num_experts: int, hidden: int, ffn: int, dtype, device, init: bool = True
+) -> tuple[nn.Parameter, nn.Parameter]:
+    """Fused SwiGLU expert weights `gate_up_proj` [E, 2F, H] and `down_proj` [E, H, F]."""
+    gate_up = torch.empty(num_experts, 2 * ffn, hidden, dtype=dtype, device=device)
+    down = torch.empty(num_experts, hidden, ffn, dtype=dtype, device=device)
+    if init:
+        nn.init.normal_(gate_up, std=1.0 / math.sqrt(hidden))
+        nn.init.normal_(down, std=1.0 / math.sqrt(ffn))
+    return nn.Parameter(gate_up), nn.Parameter(down)
 
 
 class DenseMoE(nn.Module):
@@ -50,10 +56,7 @@ class DenseMoE(nn.Module):
         self.hidden_size, self.ffn_size = hidden_size, ffn_size
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.router = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, dtype=dtype, device=device)
-        factory = dict(dtype=dtype, device=device)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size, **factory))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
-        _init_experts(self.gate_up_proj.data, self.down_proj.data)
+        self.gate_up_proj, self.down_proj = _expert_parameters(num_experts, hidden_size, ffn_size, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TH = x.reshape(-1, self.hidden_size)
@@ -77,7 +80,8 @@ class OccultMoE(nn.Module):
     `"standard"` once per expert. Both compute the same function as `DenseMoE`.
 
     The router's gradient is this rank's contribution: all-reduce it over the data-parallel
-    group as for any replicated parameter. `last_comm_stats` holds the rows and bytes sent by
+    group as for any replicated parameter. `init_weights=False` leaves the expert weights
+    uninitialised, for callers that load them (`from_dense` does). `last_comm_stats` holds the rows and bytes sent by
     the last forward (and, after it, backward).
     """
 
@@ -98,6 +102,7 @@ class OccultMoE(nn.Module):
         prune_method: str = "score",
         similarity_EE: torch.Tensor | None = None,
         expert_backend: str = "auto",
+        init_weights: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -130,11 +135,9 @@ class OccultMoE(nn.Module):
         self.register_buffer("local_expert_ids", local, persistent=False)
         if hasattr(self.router, "set_expert_device"):
             self.router.set_expert_device(expert_device_E)
-        factory = dict(dtype=dtype, device=device)
-        num_local = num_experts // num_ranks
-        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * ffn_size, hidden_size, **factory))
-        self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, ffn_size, **factory))
-        _init_experts(self.gate_up_proj.data, self.down_proj.data)
+        self.gate_up_proj, self.down_proj = _expert_parameters(
+            num_experts // num_ranks, hidden_size, ffn_size, dtype, device, init=init_weights
+        )
         self.last_comm_stats = CommStats()
 
     # --------------------------------------------------------------- forward
@@ -193,7 +196,7 @@ class OccultMoE(nn.Module):
         layer = cls(
             dense.hidden_size, dense.ffn_size, dense.num_experts, dense.top_k,
             norm_topk_prob=dense.norm_topk_prob, placement=placement, layer_index=layer_index,
-            dispatcher=dispatcher, group=group, dtype=ref.dtype, device=ref.device, **kwargs,
+            dispatcher=dispatcher, group=group, dtype=ref.dtype, device=ref.device, init_weights=False, **kwargs,
         )
         with torch.no_grad():
             layer.router.gate.weight.copy_(dense.router.gate.weight)
@@ -201,23 +204,31 @@ class OccultMoE(nn.Module):
             layer.down_proj.copy_(dense.down_proj[layer.local_expert_ids])
         return layer
 
+    def gather_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's experts in expert-id order: (gate_up_proj [E, 2F, H], down_proj [E, H, F]).
+
+        A collective (all-gather): call it on all ranks of the group.
+        """
+        out = []
+        for local in (self.gate_up_proj.detach(), self.down_proj.detach()):
+            if self.dispatcher.group is not None:
+                shards = [torch.empty_like(local) for _ in range(self.num_ranks)]
+                dist.all_gather(shards, local.contiguous(), group=self.dispatcher.group)
+                local = torch.cat(shards)
+            out.append(self.placement.invert(local))
+        return out[0], out[1]
+
     def to_dense(self) -> DenseMoE:
         """Gather every rank's experts (a collective: call on all ranks) into a `DenseMoE`."""
+        gate_up, down = self.gather_experts()
         dense = DenseMoE(
             self.hidden_size, self.ffn_size, self.num_experts, self.top_k, self.norm_topk_prob,
             dtype=self.gate_up_proj.dtype, device=self.gate_up_proj.device,
         )
         with torch.no_grad():
             dense.router.gate.weight.copy_(self.router.gate.weight)
-            for name in ("gate_up_proj", "down_proj"):
-                local = getattr(self, name).detach()
-                if self.dispatcher.group is not None:
-                    shards = [torch.empty_like(local) for _ in range(self.num_ranks)]
-                    dist.all_gather(shards, local.contiguous(), group=self.dispatcher.group)
-                    placed = torch.cat(shards)
-                else:
-                    placed = local
-                getattr(dense, name).copy_(self.placement.invert(placed))
+            dense.gate_up_proj.copy_(gate_up)
+            dense.down_proj.copy_(down)
         return dense
 
     def extra_repr(self) -> str:

@@ -13,13 +13,7 @@ from occult.model import CheckpointError, ModelConfig, OccultLM, load_model, sav
 from occult.placement import Placement
 from occult.pruning import PruningError, devices_per_token, expert_similarity
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Tiny models run several times faster on one thread (and far faster on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 CFG = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_experts=8, top_k=2,

@@ -23,13 +23,7 @@ from occult.pruning import (
 from occult.routing import TopKRouter, softmax_topk
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Tiny models run several times faster on one thread (and far faster on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 # ------------------------------------------------------------ reference

@@ -17,13 +17,7 @@ from occult.pruning import load_similarity
 from occult.train import BEST, CHECKPOINT, FINAL, METRICS, TrainConfig, evaluate, finetune, lr_at, train
 from occult.trace import read_trace
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Tiny models run several times faster on one thread (and far faster on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 TINY = Path(__file__).parent / "data" / "shakespeare_tiny"

@@ -41,7 +41,7 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     "dgrad2": TileConfig(128, 256, 64, 8, 8, 4, flatten=True),
     # backward: per-expert weight gradients, reduction over the expert's pairs
     "wgrad": TileConfig(128, 128, 64, 1, 8, 4),
-    # sum of each row's K pair rows (block_m rows x block_n columns per program)
+    # index row sums (kernels.rows): a row's K pair rows, a token's rows (block_m rows x block_n columns)
     "combine": TileConfig(4, 512, 1, 1, 4, 1),
 }
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from occult.kernels import config as _config  # noqa: F401  (applies the interpreter fixes)
+from occult.kernels import config as _config
 
 
 @triton.jit
@@ -48,11 +48,11 @@ def gather_sum(src_PN: torch.Tensor, index_TJ: torch.Tensor, out_dtype: torch.dt
     if src_PN.stride(1) != 1:
         src_PN = src_PN.contiguous()
     index_TJ = index_TJ.contiguous()
-    block_t = 4
-    block_n = min(1024, triton.next_power_of_2(n))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(n, block_n))
+    cfg = _config.get("combine")
+    block_n = min(cfg.block_n, triton.next_power_of_2(n))
+    grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(n, block_n))
     _gather_sum_kernel[grid](
         src_PN, index_TJ, out, num_tokens, n, num_j, src_PN.stride(0), out.stride(0),
-        BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4,
+        BLOCK_T=cfg.block_m, BLOCK_N=block_n, num_warps=cfg.num_warps,
     )
     return out
