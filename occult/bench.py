@@ -85,18 +85,12 @@ def routing_ids(kind: str, shape: Shape, world: int, tokens: int, seed: int) -> 
 
 def solve_placement_for(ids: np.ndarray, shape: Shape, world: int) -> Placement:
     """Place from the routing (hypergraph when Mt-KaHyPar is importable, else greedy)."""
-    from occult.placement_solvers import place
+    from occult.placement_solvers import best_method, place
     from occult.trace import Trace
 
     sample = ids[:: max(1, len(ids) // 65536)]
     trace = Trace(topk_ids=[sample], num_experts=shape.experts, top_k=shape.top_k)
-    try:
-        import mtkahypar  # noqa: F401
-
-        method = "hypergraph"
-    except ImportError:
-        method = "greedy"
-    return place(trace, world, method=method).placement
+    return place(trace, world, method=best_method()).placement
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], float]:

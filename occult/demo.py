@@ -67,8 +67,9 @@ def planted_tokens(num_tokens: int, centroids_GH: torch.Tensor, noise: float, se
 
 
 def place_from_profile(cfg: DemoConfig) -> tuple[Placement, np.ndarray]:
-    """Profile the router on calibration tokens and solve a placement (hypergraph)."""
-    from occult.placement_solvers import place
+    """Profile the router on calibration tokens and solve a placement (hypergraph, or greedy
+    where Mt-KaHyPar is not installed)."""
+    from occult.placement_solvers import best_method, place
     from occult.trace import Trace
 
     dense, centroids, _ = build_planted_dense(cfg, "cpu")
@@ -76,8 +77,7 @@ def place_from_profile(cfg: DemoConfig) -> tuple[Placement, np.ndarray]:
     with torch.no_grad():
         _, ids_TK = dense.router(x)
     trace = Trace(topk_ids=[ids_TK.numpy()], num_experts=cfg.experts, top_k=cfg.top_k)
-    placement = place(trace, cfg.world_size, method="hypergraph").placement
-    return placement, ids_TK.numpy()
+    return place(trace, cfg.world_size, method=best_method()).placement, ids_TK.numpy()
 
 
 def _time_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, device: str) -> tuple[float, float, torch.Tensor]:

@@ -348,6 +348,13 @@ def greedy_layer(coact_EE: np.ndarray, num_devices: int) -> np.ndarray:
     return dev
 
 
+def best_method() -> str:
+    """"hypergraph" when Mt-KaHyPar is importable, else "greedy" (e.g. on an image without it)."""
+    import importlib.util
+
+    return "hypergraph" if importlib.util.find_spec("mtkahypar") is not None else "greedy"
+
+
 _KAHYPAR_LOCK = threading.Lock()
 _KAHYPAR: dict[str, Any] = {}
 
