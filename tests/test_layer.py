@@ -19,6 +19,7 @@ import torch.nn as nn
 from occult.distributed import RankFailure, run_ranks
 from occult.layer import DenseMoE, OccultMoE
 from occult.placement import Placement, PlacementError
+from occult.stats import comm_bytes, devices_per_token
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -47,13 +48,6 @@ def _placement(kind: str, num_experts: int, world_size: int, seed: int) -> Place
         return Placement.contiguous(num_experts, world_size)
     rng = np.random.default_rng(seed)
     return Placement(rng.permutation(np.arange(num_experts) % world_size)[None], world_size)
-
-
-def _devices_per_token(ids_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
-    dev = torch.as_tensor(placement.expert_device(0).copy())[ids_TK]
-    onehot = torch.zeros(ids_TK.shape[0], placement.num_devices, dtype=torch.bool)
-    onehot[torch.arange(ids_TK.shape[0])[:, None], dev] = True
-    return onehot.sum(1)
 
 
 def check_case(rank: int, world_size: int, case: dict) -> dict:
@@ -100,13 +94,17 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     }
     with torch.no_grad():
         _, ids_TK = layer.router(x_all[sl])
-    expected_rows = (
-        int(_devices_per_token(ids_TK, placement).sum()) if case["dispatcher"] == "dedup" else tokens[rank] * K
-    )
+    # What the statistics module predicts for this routing (rows = sum C_T or T*k; bytes = 2*rows*H*size).
+    if case["dispatcher"] == "dedup":
+        expected_rows = int(devices_per_token(ids_TK.numpy(), placement.expert_device(0), world_size).sum())
+    else:
+        expected_rows = tokens[rank] * K
+    expected_bytes = comm_bytes(expected_rows, H, dtype)
     stats = layer.last_comm_stats
     return {
         "errors": errors,
         "expected_rows": expected_rows,
+        "expected_bytes": expected_bytes,
         "dispatch_rows": stats.dispatch_rows,
         "combine_rows": stats.combine_rows,
         "forward_rows": stats.forward_rows,
@@ -166,10 +164,12 @@ def _check_results(cases: list[dict], per_rank: list[list[dict]]) -> None:
             assert res["dispatch_rows"] == res["expected_rows"], (case, rank, res)
             assert res["backward_rows"] == res["forward_rows"], (case, rank, res)
             assert res["forward_bytes"] == res["forward_rows"] * res["row_bytes"], (case, rank, res)
+            assert res["forward_rows"] == res["dispatch_rows"] + res["combine_rows"], (case, rank, res)
             assert res["backward_bytes"] == res["forward_bytes"], (case, rank, res)
         # Rows come back one for one: what all ranks dispatched, all ranks return.
         assert sum(r["dispatch_rows"] for r in results) == sum(r["combine_rows"] for r in results)
         assert sum(r["forward_rows"] for r in results) == 2 * sum(r["expected_rows"] for r in results)
+        assert sum(r["forward_bytes"] for r in results) == sum(r["expected_bytes"] for r in results)
 
 
 def test_single_process_matches_dense():
