@@ -64,10 +64,14 @@ def expert_mlp(
     down_proj_EHF: torch.Tensor,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Run the local experts on received rows; `backend` is "torch", "triton" or "auto"."""
+    """Run the local experts on received rows; `backend` is "torch", "triton" or "auto".
+
+    "auto" takes the Triton kernels for bf16/fp16/fp32 on a CUDA GPU (fp32 with exact, not tf32,
+    products) and the torch reference path otherwise (CPU, float64).
+    """
     if backend == "auto":
         backend = "torch"
-        if x_RH.is_cuda:
+        if x_RH.is_cuda and x_RH.dtype in (torch.bfloat16, torch.float16, torch.float32):
             try:
                 from occult import kernels
 
