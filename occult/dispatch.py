@@ -80,7 +80,8 @@ def _all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    if not t.is_cuda:
+    """The Triton row sums (fp32 accumulation) serve bf16/fp16/fp32 CUDA tensors."""
+    if not t.is_cuda or t.dtype == torch.float64:
         return False
     from occult import kernels
 
