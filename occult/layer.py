@@ -81,8 +81,8 @@ class OccultMoE(nn.Module):
 
     The router's gradient is this rank's contribution: all-reduce it over the data-parallel
     group as for any replicated parameter. `init_weights=False` leaves the expert weights
-    uninitialised, for callers that load them (`from_dense` does). `last_comm_stats` holds the rows and bytes sent by
-    the last forward (and, after it, backward).
+    uninitialised, for callers that load them (`from_dense` does). `last_comm_stats` holds the
+    rows and bytes sent by the last forward (and, after it, backward).
     """
 
     def __init__(
