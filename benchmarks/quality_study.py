@@ -157,12 +157,8 @@ def phase_place(args, trace, sim_path):
     if not (args.resume and path.exists()):
         method = args.placement_method
         if method == "auto":
-            try:
-                import mtkahypar  # noqa: F401
-
-                method = "hypergraph"
-            except ImportError:
-                method = "greedy"
+            method = placement_solvers.best_method()
+            if method != "hypergraph":
                 log("place: mtkahypar is not installed, using the greedy solver")
         t0 = time.perf_counter()
         result = placement_solvers.place(trace, args.devices, method)

@@ -52,10 +52,6 @@ class HFGateRouter(nn.Module):
         if prune_method not in ("score", "similarity"):
             raise ValueError(f"prune_method must be 'score' or 'similarity', got {prune_method!r}")
         if max_devices is not None:
-            try:
-                from occult.pruning import device_limited_topk  # noqa: F401
-            except ImportError as exc:  # pragma: no cover - depends on the checkout
-                raise ImportError(f"max_devices needs occult.pruning ({exc})") from None
             if prune_method == "similarity" and similarity_EE is None:
                 raise ValueError("prune_method='similarity' needs similarity_EE (see occult.pruning)")
         self.max_devices = max_devices
