@@ -153,11 +153,10 @@ class _SumRows(torch.autograd.Function):
         return grad_TH[token_P], None, None
 
 
-def _record(state: "DispatchState", splits: list[int], tensors: tuple[torch.Tensor, ...], backward: bool) -> None:
-    """Account rows and bytes this rank sends: tensors[0] holds the rows, the rest is metadata."""
+def _record(state: "DispatchState", splits: list[int], rows_PH: torch.Tensor, meta_bytes: int, backward: bool) -> None:
+    """Account the rows and bytes this rank sends (activation rows, and metadata apart)."""
     stats, rows = state.stats, sum(splits)
-    row_bytes = tensors[0].numel() * tensors[0].element_size()
-    meta_bytes = sum(t.numel() * t.element_size() for t in tensors[1:])
+    row_bytes = rows_PH.numel() * rows_PH.element_size()
     if backward:
         stats.backward_rows += rows
         stats.backward_remote_rows += rows - splits[state.rank]
@@ -170,16 +169,37 @@ def _record(state: "DispatchState", splits: list[int], tensors: tuple[torch.Tens
         stats.forward_metadata_bytes += meta_bytes
 
 
-_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+def _metadata_int(gates_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(carrier float dtype, int dtype of its size) for packing gates beside slots.
+
+    NCCL has no 16-bit integer type, so half-precision gates travel as float32 (exact: every
+    bf16/fp16 value is a float32) bit-cast to int32; float32 and float64 gates are bit-cast to
+    ints of their own size. Every backend (NCCL, gloo) carries int32 and int64.
+    """
+    if gates_dtype == torch.float64:
+        return torch.float64, torch.int64
+    return torch.float32, torch.int32
+
+
+def _pack_metadata(gates_PK: torch.Tensor, slots_PK: torch.Tensor) -> torch.Tensor:
+    """[P, 2K] ints: the gates' bits (as float32 or float64), then the slots."""
+    carrier, as_int = _metadata_int(gates_PK.dtype)
+    return torch.cat([gates_PK.to(carrier).contiguous().view(as_int), slots_PK.to(as_int)], dim=1)
+
+
+def _metadata_bytes(gates_PK: torch.Tensor) -> int:
+    """Bytes `_pack_metadata` sends for these gates (and as many slots)."""
+    carrier, _ = _metadata_int(gates_PK.dtype)
+    return 2 * gates_PK.numel() * torch.finfo(carrier).bits // 8
 
 
 def _send_metadata(gates_PK, slots_PK, send_splits, recv_splits, group):
-    """Gates and slots in one all-to-all: gates bit-cast to ints of their size, beside the slots."""
-    as_int = _SAME_SIZE_INT[gates_PK.element_size()]
+    """Gates and slots in one all-to-all; gates come back in their own dtype, bit-exact."""
+    carrier, _ = _metadata_int(gates_PK.dtype)
     num_k = gates_PK.shape[1]
-    meta = torch.cat([gates_PK.contiguous().view(as_int), slots_PK.to(as_int)], dim=1)
-    out = _all_to_all(meta, send_splits, recv_splits, group)
-    return out[:, :num_k].contiguous().view(gates_PK.dtype), out[:, num_k:].to(torch.int64)
+    out = _all_to_all(_pack_metadata(gates_PK, slots_PK), send_splits, recv_splits, group)
+    gates_RK = out[:, :num_k].contiguous().view(carrier).to(gates_PK.dtype)
+    return gates_RK, out[:, num_k:].to(torch.int64)
 
 
 class _Exchange(torch.autograd.Function):
@@ -203,8 +223,8 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, grad_gates, _grad_slots):
-        sent = (grad_rows,) + ((grad_gates,) if ctx.has_gates else ())
-        _record(ctx.state, ctx.recv_splits, sent, backward=True)
+        meta_bytes = grad_gates.numel() * grad_gates.element_size() if ctx.has_gates else 0
+        _record(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
         back_rows = _all_to_all(grad_rows, ctx.recv_splits, ctx.send_splits, ctx.group)
         back_gates = _all_to_all(grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group) if ctx.has_gates else None
         return back_rows, back_gates, None, None, None, None, None
@@ -212,8 +232,8 @@ class _Exchange(torch.autograd.Function):
 
 def _exchange(rows, gates, slots, send_splits, recv_splits, group, state):
     """Send rows (with gates and slots, when given); record what was sent."""
-    meta = () if gates is None else (gates, slots.to(_SAME_SIZE_INT[gates.element_size()]))
-    _record(state, send_splits, (rows, *meta), backward=False)
+    meta_bytes = 0 if gates is None else _metadata_bytes(gates)
+    _record(state, send_splits, rows, meta_bytes, backward=False)
     if torch.is_grad_enabled() and (rows.requires_grad or (gates is not None and gates.requires_grad)):
         return _Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state)
     out_rows = _all_to_all(rows, send_splits, recv_splits, group)

@@ -1,0 +1,29 @@
+"""Dispatch metadata: gates and slots travel in a dtype every backend carries (NCCL has no int16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from occult.dispatch import _metadata_bytes, _pack_metadata, _send_metadata
+
+# Integer dtypes NCCL's all-to-all accepts (ncclInt8/Uint8/Int32/Uint32/Int64/Uint64).
+NCCL_INTS = {torch.int8, torch.uint8, torch.int32, torch.int64}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_metadata_roundtrip_is_bit_exact_in_an_nccl_dtype(dtype):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rows, k = 37, 5
+    gates = torch.rand(rows, k, generator=gen).to(dtype)
+    gates[0, 0] = torch.finfo(dtype).tiny  # smallest normal survives the carrier
+    gates[1, 1] = 0.0
+    slots = torch.randint(-1, 9, (rows, k), generator=gen)
+    packed = _pack_metadata(gates, slots)
+    assert packed.dtype in NCCL_INTS, f"{dtype} gates packed as {packed.dtype}, which NCCL cannot send"
+    assert packed.shape == (rows, 2 * k)
+    assert _metadata_bytes(gates) == packed.numel() * packed.element_size()
+    out_gates, out_slots = _send_metadata(gates, slots, [rows], [rows], None)
+    assert out_gates.dtype == dtype
+    assert torch.equal(out_gates.view(-1).view(torch.uint8), gates.view(-1).view(torch.uint8))
+    assert torch.equal(out_slots, slots)
