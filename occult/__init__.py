@@ -5,10 +5,12 @@ expert); co-activated experts are placed on the same device; optionally each tok
 to N devices (collaboration pruning). See README.md and docs/design.md.
 """
 
-from occult.dispatch import CommStats, DedupDispatcher, Dispatcher, RoutingError, StandardDispatcher, make_dispatcher
-from occult.layer import DenseMoE, OccultMoE
+from occult.moe.comm import CommStats
+from occult.moe.dense import DenseMoE
+from occult.moe.dispatch import DedupDispatcher, Dispatcher, RoutingError, StandardDispatcher, make_dispatcher
+from occult.moe.layer import OccultMoE
+from occult.moe.routing import TopKRouter
 from occult.placement import Placement, PlacementError
-from occult.routing import TopKRouter
 
 __version__ = "0.1.0"
 

@@ -15,8 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
-from occult.synthetic import planted_trace
-from occult.trace import Trace, example_trace_path, write_trace
+from occult.placement.synthetic import planted_trace
+from occult.placement.trace import Trace, example_trace_path, write_trace
 
 SEED = 20250513  # the paper's arXiv id, 2505.13345
 SHAPE = dict(num_tokens=16384, num_experts=64, top_k=8, num_groups=4, num_layers=4, noise=0.15, skew=0.5)

@@ -26,7 +26,7 @@ SHAPE = dict(num_tokens=200_000, num_experts=64, top_k=8, num_layers=16)
 
 
 def make(kind: str, path: Path) -> None:
-    from occult.synthetic import planted_trace, uniform_trace
+    from occult.placement.synthetic import planted_trace, uniform_trace
 
     if kind == "planted":
         pt = planted_trace(**SHAPE, num_groups=4, noise=0.15, skew=0.5, seed=1)
@@ -64,8 +64,8 @@ def main() -> None:
                 f"({100 * o['reduction']:.1f}% lower)")
         if kind == "planted":
             from occult.placement import Placement
-            from occult.stats import mean_ct
-            from occult.trace import read_trace
+            from occult.placement.stats import mean_ct
+            from occult.placement.trace import read_trace
 
             trace = read_trace(path)
             groups = json.loads(trace.metadata["planted_groups"])

@@ -15,8 +15,8 @@ from safetensors.numpy import save_file
 
 from occult import cli
 from occult.placement import Placement
-from occult.stats import mean_ct
-from occult.synthetic import planted_trace
+from occult.placement.stats import mean_ct
+from occult.placement.synthetic import planted_trace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_place_text_then_stats_agree(planted, tmp_path, capsys):
     assert code == 0
     rep = json.loads(out)
     p = Placement.load(out_path)
-    from occult.trace import read_trace
+    from occult.placement.trace import read_trace
 
     t = read_trace(trace)
     for i, layer in enumerate(rep["layers"]):
@@ -180,10 +180,12 @@ def test_registry_and_lazy_commands(capsys):
 
 
 def test_cli_constants_mirror_the_library():
-    from occult import placement_solvers
+    from occult.placement import solvers as placement_solvers
 
-    assert cli.PLACE_METHODS == placement_solvers.METHODS
-    assert cli.DEFAULT_KAHYPAR_TOKENS == placement_solvers.DEFAULT_KAHYPAR_TOKENS
+    from occult.cli import place as place_cli
+
+    assert place_cli.PLACE_METHODS == placement_solvers.METHODS
+    assert place_cli.DEFAULT_KAHYPAR_TOKENS == placement_solvers.DEFAULT_KAHYPAR_TOKENS
 
 
 def test_python_dash_m(planted):

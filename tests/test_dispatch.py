@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occult.dispatch import _metadata_bytes, _pack_metadata, _send_metadata
+from occult.moe.comm import _metadata_bytes, _pack_metadata, _send_metadata
 
 # Integer dtypes NCCL's all-to-all accepts (ncclInt8/Uint8/Int32/Uint32/Int64/Uint64).
 NCCL_INTS = {torch.int8, torch.uint8, torch.int32, torch.int64}

@@ -171,7 +171,7 @@ def check_family(rank: int, world_size: int, family: str, path: str, out_dir: st
 
     # 6. collaboration pruning, both variants: every token's experts on as few devices as can
     #    hold top_k of them (the limit binds: unpruned, some tokens span more devices)
-    from occult.pruning import devices_per_token, load_similarity
+    from occult.moe.pruning import devices_per_token, load_similarity
 
     def most_devices(t) -> int:
         return max(
@@ -279,8 +279,8 @@ def test_cli_profile_then_place(model_dirs, tmp_path):
     """`occult profile --model HF_DIR --data ...` writes a trace and similarity table that
     `occult place` and `convert(prune_method="similarity")` accept."""
     from occult.cli import main
-    from occult.pruning import load_similarity
-    from occult.trace import read_trace
+    from occult.moe.pruning import load_similarity
+    from occult.placement.trace import read_trace
 
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(40, 16))
     np.save(tmp_path / "ids.npy", ids)

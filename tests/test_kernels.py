@@ -1,4 +1,4 @@
-"""Triton expert-MLP kernels vs the torch reference (`occult.experts.expert_mlp_reference`).
+"""Triton expert-MLP kernels vs the torch reference (`occult.moe.experts.expert_mlp_reference`).
 
 Without a GPU these run under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set here before
 the kernels are imported), on small shapes with small tiles, so several tiles, experts and
@@ -41,7 +41,7 @@ if IN_PROCESS:
 needs_in_process = pytest.mark.skipif(not IN_PROCESS, reason="run in a fresh process by test_in_subprocess")
 
 from occult import kernels  # noqa: E402
-from occult.experts import expert_mlp, expert_mlp_reference  # noqa: E402
+from occult.moe.experts import expert_mlp, expert_mlp_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -17,9 +17,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from occult.distributed import RankFailure, run_ranks
-from occult.layer import DenseMoE, OccultMoE
+from occult.moe.dense import DenseMoE
+from occult.moe.layer import OccultMoE
 from occult.placement import Placement, PlacementError
-from occult.stats import comm_bytes, devices_per_token
+from occult.placement.stats import comm_bytes, devices_per_token
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from occult.distributed import run_ranks
-from occult.model import CheckpointError, ModelConfig, OccultLM, load_model, save_model
+from occult.lm.checkpoint import CheckpointError, load_model, save_model
+from occult.lm.model import ModelConfig, OccultLM
 from occult.placement import Placement
-from occult.pruning import PruningError, devices_per_token, expert_similarity
+from occult.moe.pruning import PruningError, devices_per_token, expert_similarity
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -133,7 +134,7 @@ def test_save_load_round_trip_and_errors(tmp_path):
     with pytest.raises(CheckpointError, match="not an occult model checkpoint"):
         load_model(tmp_path / "other.safetensors")
     other = tiny(hidden_size=64)
-    from occult.model import load_weights, model_tensors
+    from occult.lm.checkpoint import load_weights, model_tensors
 
     with pytest.raises(CheckpointError, match="shape"):
         load_weights(other, model_tensors(model))

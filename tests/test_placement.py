@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from occult.placement import Placement, PlacementError
-from occult.placement_solvers import (
-    _SwapState,
+from occult.placement.solvers import (
     contiguous_layer,
     greedy_layer,
     merge_token_sets,
@@ -20,8 +19,9 @@ from occult.placement_solvers import (
     refine_swaps,
     solve_layer,
 )
-from occult.stats import analytic_mean_ct, coactivation, mean_ct
-from occult.synthetic import planted_trace, uniform_trace
+from occult.placement.solvers.swap import _SwapState
+from occult.placement.stats import analytic_mean_ct, coactivation, mean_ct
+from occult.placement.synthetic import planted_trace, uniform_trace
 
 
 def _state(ids: np.ndarray, E: int, D: int) -> _SwapState:

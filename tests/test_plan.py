@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from occult.placement import Placement
-from occult.plan import dedup_plan, standard_plan, trim
+from occult.moe.plan import dedup_plan, standard_plan, trim
 
 
 def _random_case(num_tokens: int, num_experts: int, top_k: int, num_devices: int, seed: int):

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from occult.distributed import run_ranks
-from occult.layer import DenseMoE, OccultMoE
+from occult.moe.dense import DenseMoE
+from occult.moe.layer import OccultMoE
 from occult.placement import Placement
-from occult.pruning import (
+from occult.moe.pruning import (
     PruningError,
     SimilarityAccumulator,
     device_limited_topk,
@@ -20,7 +21,7 @@ from occult.pruning import (
     save_similarity,
     similarity_path,
 )
-from occult.routing import TopKRouter, softmax_topk
+from occult.moe.routing import TopKRouter, softmax_topk
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

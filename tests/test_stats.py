@@ -11,21 +11,19 @@ import pytest
 import torch
 
 from occult.placement import Placement, PlacementError
-from occult.stats import (
+from occult.placement.stats import (
     analytic_mean_ct,
     coactivation,
     collaboration,
-    compare_placements,
     comm_bytes,
     device_presence,
     devices_per_token,
     element_size,
     expert_load,
-    layer_stats,
     mean_ct,
-    trace_stats,
 )
-from occult.synthetic import planted_trace, uniform_trace
+from occult.placement.report import compare_placements, layer_stats, trace_stats
+from occult.placement.synthetic import planted_trace, uniform_trace
 
 
 def _random_placement(E: int, D: int, rng: np.random.Generator) -> np.ndarray:

@@ -9,8 +9,8 @@ import torch
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as save_torch
 
-from occult.synthetic import expert_popularity, planted_trace, uniform_trace
-from occult.trace import (
+from occult.placement.synthetic import expert_popularity, planted_trace, uniform_trace
+from occult.placement.trace import (
     Trace,
     TraceError,
     TraceRecorder,

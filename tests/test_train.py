@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from occult.data import TokenData
-from occult.model import CheckpointError, ModelConfig, OccultLM, load_model
+from occult.lm.data import TokenData
+from occult.lm.checkpoint import CheckpointError, load_model
+from occult.lm.model import ModelConfig, OccultLM
 from occult.placement import Placement
-from occult.pruning import load_similarity
-from occult.train import BEST, CHECKPOINT, FINAL, METRICS, TrainConfig, evaluate, finetune, lr_at, train
-from occult.trace import read_trace
+from occult.moe.pruning import load_similarity
+from occult.lm.train import BEST, CHECKPOINT, FINAL, METRICS, TrainConfig, evaluate, finetune, lr_at, train
+from occult.placement.trace import read_trace
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -27,7 +28,7 @@ MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2, 
 @pytest.fixture(scope="module")
 def data() -> TokenData:
     pytest.importorskip("tokenizers")
-    from occult.data import load_dataset
+    from occult.lm.data import load_dataset
 
     return load_dataset(TINY, vocab_size=300, val_fraction=0.1)
 
@@ -129,9 +130,9 @@ def test_pruned_moe_only_finetune(data, tmp_path):
 
 
 def test_profile_writes_trace_and_similarity(data, tmp_path):
-    from occult.placement_solvers import place
-    from occult.profile import profile_checkpoint, record_trace
-    from occult.routing import softmax_topk
+    from occult.placement.solvers import place
+    from occult.lm.profile import profile_checkpoint, record_trace
+    from occult.moe.routing import softmax_topk
 
     model = new_model(data)
     train(model, data, cfg(steps=4, eval_every=0, save_every=0), tmp_path / "m", progress=False, log=None)
@@ -154,15 +155,15 @@ def test_profile_writes_trace_and_similarity(data, tmp_path):
     x = [(torch.randint(0, data.vocab_size, (4, 32)),)]
     plain, _ = record_trace(model, x)
     routed, _ = record_trace(model, x, as_routed=True)
-    from occult.stats import mean_ct
+    from occult.placement.stats import mean_ct
 
     assert mean_ct(routed.topk_ids[0], result.placement.expert_device(0), 4) == 1.0
     assert mean_ct(plain.topk_ids[0], result.placement.expert_device(0), 4) > 1.0
 
 
 def test_cli_defaults_mirror_the_dataclasses():
-    from occult import data as D
-    from occult import train_cli as C
+    from occult.lm import data as D
+    from occult.cli import lm as C
 
     m, t = ModelConfig(), TrainConfig()
     assert (C.HIDDEN, C.LAYERS, C.HEADS, C.EXPERTS, C.TOP_K, C.EXPERT_FFN, C.EXPERT_BACKEND) == (

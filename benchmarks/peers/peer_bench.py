@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from occult.bench import _timer
+from occult.tools.bench import _timer
 
 from peer_common import Peer, make_case, reference, rel_error
 

@@ -7,7 +7,7 @@ gradients fed to backward. A peer adapter builds its layer from the case, copies
 in, forces the preset routing, and exposes `forward(i)` / `forward_backward(i)` on input set i.
 
 Gate weights: the softmax over all experts of the real router's logits, taken at the preset ids
-(as `occult.bench.PresetRouter` does), so the router gets gradients in every implementation.
+(as `occult.tools.bench.PresetRouter` does), so the router gets gradients in every implementation.
 A peer that always renormalises the top-k weights (DeepSpeed-MoE's top-k gate) is checked
 against the renormalised reference instead (`Peer.renormalized`).
 """
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from occult.bench import SHAPES, Shape
+from occult.tools.bench import SHAPES, Shape
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Case:
 def make_case(shape_name: str, rank: int, world: int, device: torch.device, dtype: torch.dtype,
               tokens: int, input_sets: int, seed: int = 1234) -> Case:
     """The same weights and routing on every rank; each rank's own slice of tokens."""
-    from occult import synthetic
+    from occult.placement import synthetic
 
     shape = SHAPES[shape_name]
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -81,7 +81,7 @@ def gate_weights(x_TH: torch.Tensor, gate_w: torch.Tensor, ids_TK: torch.Tensor,
 
 def reference(case: Case, renormalize: bool = False) -> torch.Tensor:
     """float32 output of the first `check_tokens` tokens of input set 0, expert by expert."""
-    from occult.bench import _dense_reference
+    from occult.tools.bench import _dense_reference
 
     n = min(case.check_tokens, case.tokens)
     x, ids = case.xs[0][:n], case.ids[0][:n]

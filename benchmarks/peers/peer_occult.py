@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from occult.bench import PresetRouter
-from occult.layer import OccultMoE
+from occult.tools.bench import PresetRouter
+from occult.moe.layer import OccultMoE
 from occult.placement import Placement
 
 from peer_common import Case, Peer

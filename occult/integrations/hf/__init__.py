@@ -1,0 +1,72 @@
+"""Hugging Face transformers MoE models on `OccultMoE`: profile, convert, save back.
+
+Supported (transformers >= 5.17, < 6; see `SUPPORTED_TRANSFORMERS`): OLMoE, Qwen2-MoE, Qwen3-MoE,
+Mixtral and DeepSeek-V3, whose MoE blocks hold a gate returning
+`(router_logits, top_k_weights, top_k_index)` and fused SwiGLU experts `experts.gate_up_proj`
+[E, 2F, H] (gate rows, then up rows) and `experts.down_proj` [E, H, F] -- the layout
+`OccultMoE` uses. GPT-OSS is not supported: its experts carry biases and a clamped, interleaved
+SwiGLU that the occult expert kernels do not compute.
+
+    trace = profile(model, batches)                          # routing trace of every MoE layer
+    placement = place(trace, num_devices).placement          # occult.placement.solvers / `occult place`
+    convert(model, placement=placement)                      # on every rank of the EP group
+    out = model.generate(ids, synced_gpus=True)              # all ranks step together
+    loss.backward(); sync_gradients(model); opt.step()       # replicated grads averaged
+    save_pretrained(model, "out/")                           # standard layout, plain transformers
+
+`convert` replaces each MoE block by an `OccultMoeBlock` with the same attribute names as the
+model's block: `gate` (the model's own router module, replicated), `experts` (an `OccultMoE`
+holding this rank's E/D experts in local-slot order of the placement), and the shared experts
+(`shared_expert` + `shared_expert_gate` for Qwen2-MoE, `shared_experts` for DeepSeek-V3), which
+run on every rank's own tokens with no communication. Non-expert parameter names are unchanged.
+
+Every rank of the group must run the same number of forward passes (each MoE layer is a
+collective): for generation pass `synced_gpus=True` so ranks whose sequences finished keep
+stepping until all are done.
+
+One module per job: `families` (supported model types, version and structure checks),
+`routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
+`sync_gradients`), `profile`, `convert` (`convert`, `unconvert`, `hf_layout`,
+`save_pretrained`), `calibration` (token ids for profiling), `tiny` (tiny random models for
+tests). `from occult.integrations import hf; hf.convert(...)` is the public path.
+"""
+
+from occult.integrations.hf.block import OccultMoeBlock, expert_parameters, moe_blocks, sync_gradients
+from occult.integrations.hf.calibration import calibration_windows, token_stream
+from occult.integrations.hf.convert import convert, hf_layout, save_pretrained, unconvert
+from occult.integrations.hf.families import (
+    FAMILIES,
+    SUPPORTED_TRANSFORMERS,
+    Family,
+    UnsupportedModelError,
+    check_transformers_version,
+    model_family,
+)
+from occult.integrations.hf.profile import profile
+from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
+from occult.integrations.hf.tiny import tiny_config, tiny_random_model
+
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED_TRANSFORMERS",
+    "Family",
+    "HFGateRouter",
+    "OccultMoeBlock",
+    "SigmoidGroupGateRouter",
+    "SoftmaxGateRouter",
+    "UnsupportedModelError",
+    "calibration_windows",
+    "check_transformers_version",
+    "convert",
+    "expert_parameters",
+    "hf_layout",
+    "model_family",
+    "moe_blocks",
+    "profile",
+    "save_pretrained",
+    "sync_gradients",
+    "tiny_config",
+    "tiny_random_model",
+    "token_stream",
+    "unconvert",
+]

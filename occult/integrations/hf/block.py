@@ -1,0 +1,128 @@
+"""The converted block: `OccultMoeBlock` (the model's gate, `OccultMoE` experts, shared experts),
+finding a model's MoE blocks (`moe_blocks`), and the gradient sync of a converted model
+(`sync_gradients`: replicated parameters all-reduced, expert-parallel ones already complete).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from occult.integrations.hf.families import Family, UnsupportedModelError, _group_size, model_family
+from occult.moe.layer import OccultMoE
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, block) of every MoE block in forward order, converted or not.
+
+    The position in this list is the block's MoE layer index (traces and placements count MoE
+    layers only: DeepSeek-V3's first dense layers and Qwen's `mlp_only_layers` are skipped).
+    """
+    family = model_family(model)
+    found = [
+        (name, m) for name, m in model.named_modules()
+        if type(m).__name__ == family.block_class or isinstance(m, OccultMoeBlock)
+    ]
+    if not found:
+        raise UnsupportedModelError(f"no {family.block_class} blocks found in this {family.model_type} model")
+    return found
+
+
+class OccultMoeBlock(nn.Module):
+    """Drop-in for a transformers MoE block: the model's gate, `OccultMoE` experts, shared experts.
+
+    forward(hidden_states [B, S, H]) -> [B, S, H], like every supported block in transformers
+    5.x. Routed experts go through `experts` (an `OccultMoE`, a collective over its group);
+    `shared_expert` (times `sigmoid(shared_expert_gate(x))`, Qwen2-MoE) and `shared_experts`
+    (DeepSeek-V3) run locally. Mixtral's router jitter is applied in training as the model does.
+    """
+
+    def __init__(self, block: nn.Module, experts: OccultMoE, family: Family) -> None:
+        super().__init__()
+        self.gate = block.gate
+        self.experts = experts
+        for name in ("shared_expert", "shared_expert_gate", "shared_experts"):
+            setattr(self, name, getattr(block, name, None) if name in family.shared else None)
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+        self.hf_block_class = type(block)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - self.jitter_noise, 1.0 + self.jitter_noise
+            )
+        x_TH = hidden_states.reshape(-1, shape[-1])
+        y_TH = self.experts(x_TH)
+        if self.shared_expert is not None:
+            y_TH = y_TH + F.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+        if self.shared_experts is not None:
+            y_TH = y_TH + self.shared_experts(x_TH)
+        return y_TH.reshape(shape)
+
+    def to_hf(self, config: Any, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> nn.Module:
+        """The model's own block class holding this block's gate, shared experts and the given full experts."""
+        with torch.device("meta"):
+            block = self.hf_block_class(config)
+        block.gate = self.gate
+        for name in ("shared_expert", "shared_expert_gate", "shared_experts"):
+            if getattr(self, name) is not None:
+                setattr(block, name, getattr(self, name))
+        block.experts.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=self.experts.gate_up_proj.requires_grad)
+        block.experts.down_proj = nn.Parameter(down_proj, requires_grad=self.experts.down_proj.requires_grad)
+        left = [n for n, t in [*block.named_parameters(), *block.named_buffers()] if t.is_meta]
+        if left:
+            raise RuntimeError(f"rebuilding {self.hf_block_class.__name__} left tensors uninitialised: {left}")
+        return block
+
+
+def _is_converted(model: nn.Module) -> bool:
+    return any(isinstance(m, OccultMoeBlock) for m in model.modules())
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The expert-parallel parameters (each rank holds different experts)."""
+    return [p for b in model.modules() if isinstance(b, OccultMoeBlock) for p in (b.experts.gate_up_proj, b.experts.down_proj)]
+
+
+@torch.no_grad()
+def sync_gradients(model: nn.Module, group: Any = None, average: bool = True) -> None:
+    """Make every rank's gradients those of the loss summed (or averaged) over all ranks' tokens.
+
+    Replicated parameters (embeddings, attention, norms, gates, shared experts, head) hold only
+    this rank's contribution: they are all-reduced (summed). Expert gradients already hold
+    every rank's tokens (the all-to-all carried them). With `average=True` both are divided by
+    the group size: with each rank's loss a mean over its own tokens (equal counts per rank),
+    the result is the gradient of the mean over all ranks' tokens, as in data parallelism.
+    """
+    size, _ = _group_size(group)
+    if size == 1:
+        return
+    if group is None:
+        group = dist.group.WORLD
+    experts = {id(p) for p in expert_parameters(model)}
+    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    for p in replicated:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in replicated:
+        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for params in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+    if average:
+        for p in expert_parameters(model):
+            if p.grad is not None:
+                p.grad /= size

@@ -1,0 +1,136 @@
+"""Make a transformers model expert-parallel in place (`convert`), undo it (`unconvert`,
+`hf_layout`), and save it in the standard transformers layout (`save_pretrained`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from occult.integrations.hf.block import OccultMoeBlock, _is_converted, moe_blocks
+from occult.integrations.hf.families import (
+    UnsupportedModelError,
+    _check_block,
+    _group_size,
+    check_transformers_version,
+    model_family,
+)
+from occult.moe.layer import OccultMoE
+from occult.placement import Placement
+
+
+def convert(
+    model: nn.Module,
+    group: Any = None,
+    placement: Placement | str | None = None,
+    dispatcher: str = "dedup",
+    max_devices: int | None = None,
+    *,
+    prune_method: str = "score",
+    similarity: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    expert_backend: str = "auto",
+) -> nn.Module:
+    """Make `model` expert-parallel over `group` (default: the whole default group), in place.
+
+    Every MoE block becomes an `OccultMoeBlock` whose `experts` hold only this rank's E/D
+    experts, chosen and ordered by `placement` (a `Placement` with one layer per MoE layer, or
+    its JSON path; default: contiguous). Routing is the model's own; `max_devices=N` limits
+    each token to experts on N devices (collaboration pruning, approximate: fine-tune with it
+    on), by `prune_method` "score" or "similarity" (then `similarity` holds one [E, E] matrix
+    per MoE layer). Call on every rank, with the same full model loaded on each.
+    """
+    check_transformers_version()
+    family = model_family(model)
+    if _is_converted(model):
+        raise ValueError("the model is already converted")
+    blocks = moe_blocks(model)
+    num_ranks, _ = _group_size(group)
+    shapes = [_check_block(name, b, family) for name, b in blocks]
+    E = shapes[0][0]
+    if any(s[0] != E for s in shapes):
+        raise UnsupportedModelError("MoE layers with different expert counts are not supported")
+    if isinstance(placement, (str, bytes)) or hasattr(placement, "__fspath__"):
+        placement = Placement.load(placement)
+    if placement is None:
+        placement = Placement.contiguous(E, num_ranks, len(blocks))
+    placement.check_fits(E, num_ranks, len(blocks))
+    per_device, top_k = E // num_ranks, shapes[0][1]
+    if max_devices is not None and max_devices * per_device < top_k:
+        raise ValueError(
+            f"max_devices={max_devices} devices hold {max_devices * per_device} experts ({per_device} per device), "
+            f"fewer than top_k={top_k}: use max_devices >= {-(-top_k // per_device)}"
+        )
+    if similarity is not None and len(similarity) != len(blocks):
+        raise ValueError(f"similarity holds {len(similarity)} matrices for {len(blocks)} MoE layers")
+    for i, ((name, block), (E, k, H, F_)) in enumerate(zip(blocks, shapes)):
+        ref = block.experts.gate_up_proj
+        router = family.router(
+            block.gate, max_devices=max_devices, prune_method=prune_method,
+            similarity_EE=None if similarity is None else torch.as_tensor(similarity[i], device=ref.device),
+        )
+        experts = OccultMoE(
+            H, F_, E, k, norm_topk_prob=bool(getattr(block.gate, "norm_topk_prob", True)),
+            placement=placement, layer_index=i, dispatcher=dispatcher, group=group, router=router,
+            expert_backend=expert_backend, dtype=ref.dtype, device=ref.device,
+        )
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(block.experts.gate_up_proj[experts.local_expert_ids])
+            experts.down_proj.copy_(block.experts.down_proj[experts.local_expert_ids])
+        model.set_submodule(name, OccultMoeBlock(block, experts, family))
+    model.occult_placement = placement
+    return model
+
+
+def _hf_blocks(model: nn.Module) -> list[tuple[str, OccultMoeBlock, nn.Module]]:
+    """(name, converted block, rebuilt transformers block with all experts): a collective."""
+    out = []
+    for name, block in moe_blocks(model):
+        if not isinstance(block, OccultMoeBlock):
+            raise ValueError(f"{name} is not converted")
+        dense = block.experts.to_dense()  # all-gathers every rank's experts, undoes the placement
+        out.append((name, block, block.to_hf(model.config, dense.gate_up_proj.data, dense.down_proj.data)))
+    return out
+
+
+def unconvert(model: nn.Module) -> nn.Module:
+    """Undo `convert` in place (a collective): the model's own blocks with all experts, id order."""
+    for name, _, hf_block in _hf_blocks(model):
+        model.set_submodule(name, hf_block)
+    if hasattr(model, "occult_placement"):
+        del model.occult_placement
+    return model
+
+
+@contextlib.contextmanager
+def hf_layout(model: nn.Module) -> Iterator[nn.Module]:
+    """Temporarily put the model's own blocks (all experts, id order) back; a collective.
+
+    Inside, `model` is a plain transformers model (e.g. for `save_pretrained` or a state dict);
+    on exit the converted blocks, the very same parameter objects, return.
+    """
+    swapped = _hf_blocks(model)
+    try:
+        for name, _, hf_block in swapped:
+            model.set_submodule(name, hf_block)
+        yield model
+    finally:
+        for name, block, _ in swapped:
+            model.set_submodule(name, block)
+
+
+def save_pretrained(model: nn.Module, save_directory: str, *, group: Any = None, **kwargs: Any) -> None:
+    """Save a converted model in the standard transformers layout (experts un-permuted).
+
+    A collective: every rank calls it; rank 0 of `group` writes `save_directory` with the
+    model's own `save_pretrained(**kwargs)`, loadable by plain `from_pretrained`.
+    """
+    _, rank = _group_size(group)
+    with hf_layout(model):
+        if rank == 0:
+            model.save_pretrained(save_directory, **kwargs)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)

@@ -1,0 +1,13 @@
+"""One MoE layer's data flow, one module per stage; read them in this order:
+
+    routing    `TopKRouter`: gate, softmax top-k, `norm_topk_prob`, device-limit hook
+    pruning    device-limited (collaboration-pruned) top-k, expert similarity tables
+    plan       `DispatchPlan`: which rows go to which rank (standard: k copies, dedup: one per device)
+    comm       `all_to_all`, the exchange autograd node, metadata packing, `CommStats`
+    dispatch   `Dispatcher` (`StandardDispatcher`, `DedupDispatcher`): counts, dispatch, combine
+    experts    SwiGLU experts on received rows (torch reference; Triton via `occult.kernels`)
+    layer      `OccultMoE`, the expert-parallel layer that runs the stages above
+    dense      `DenseMoE`, the single-process reference, and the expert-parameter init
+
+The public names are re-exported by `occult` itself (`from occult import OccultMoE`).
+"""

@@ -1,0 +1,151 @@
+"""The all-to-all of one exchange: rows out and back, with their metadata, and what it cost.
+
+`all_to_all(x, send_splits, recv_splits, group)` is the primitive (rows per destination out,
+rows per source in; a copy on one rank). `exchange` sends a plan's rows, optionally with each
+row's gate weights and local expert slots, as one autograd node (`_Exchange`): its backward
+sends the gradients of rows and gates along the same splits reversed, so every rank issues its
+backward collectives in the same order. Gates and slots travel packed in one integer tensor
+(`_pack_metadata`: NCCL has no 16-bit integers, so half-precision gates go as float32 bits).
+`CommStats` counts the rows and bytes each rank sends, forward and backward, activations and
+metadata apart (the byte convention of docs/design.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Rows and bytes this rank sent in the last call (activations; metadata apart).
+
+    `rows` count every row sent, including those a rank sends to itself; `remote_rows` only
+    those to other ranks. Forward = dispatch + combine; backward = their mirror images.
+    """
+
+    forward_rows: int = 0
+    forward_remote_rows: int = 0
+    forward_bytes: int = 0
+    forward_metadata_bytes: int = 0
+    backward_rows: int = 0
+    backward_remote_rows: int = 0
+    backward_bytes: int = 0
+    backward_metadata_bytes: int = 0
+    dispatch_rows: int = 0
+    combine_rows: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """Rows of `x` [P, ...] out along `send_splits` (rows per destination rank), rows in along
+    `recv_splits`: the received [sum(recv_splits), ...] in source-rank order. `group=None` is one
+    rank: a copy. Not differentiable (the dispatchers wrap it in one autograd node per exchange)."""
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    if group is None:
+        out.copy_(x)
+    else:
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def _record(state: Any, splits: list[int], rows_PH: torch.Tensor, meta_bytes: int, backward: bool) -> None:
+    """Account the rows and bytes this rank sends (activation rows, and metadata apart).
+
+    `state` is anything with `.stats` (a `CommStats`) and `.rank` (this rank in the group),
+    e.g. `occult.moe.dispatch.DispatchState`.
+    """
+    stats, rows = state.stats, sum(splits)
+    row_bytes = rows_PH.numel() * rows_PH.element_size()
+    if backward:
+        stats.backward_rows += rows
+        stats.backward_remote_rows += rows - splits[state.rank]
+        stats.backward_bytes += row_bytes
+        stats.backward_metadata_bytes += meta_bytes
+    else:
+        stats.forward_rows += rows
+        stats.forward_remote_rows += rows - splits[state.rank]
+        stats.forward_bytes += row_bytes
+        stats.forward_metadata_bytes += meta_bytes
+
+
+def _metadata_int(gates_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(carrier float dtype, int dtype of its size) for packing gates beside slots.
+
+    NCCL has no 16-bit integer type, so half-precision gates travel as float32 (exact: every
+    bf16/fp16 value is a float32) bit-cast to int32; float32 and float64 gates are bit-cast to
+    ints of their own size. Every backend (NCCL, gloo) carries int32 and int64.
+    """
+    if gates_dtype == torch.float64:
+        return torch.float64, torch.int64
+    return torch.float32, torch.int32
+
+
+def _pack_metadata(gates_PK: torch.Tensor, slots_PK: torch.Tensor) -> torch.Tensor:
+    """[P, 2K] ints: the gates' bits (as float32 or float64), then the slots."""
+    carrier, as_int = _metadata_int(gates_PK.dtype)
+    return torch.cat([gates_PK.to(carrier).contiguous().view(as_int), slots_PK.to(as_int)], dim=1)
+
+
+def _metadata_bytes(gates_PK: torch.Tensor) -> int:
+    """Bytes `_pack_metadata` sends for these gates (and as many slots)."""
+    carrier, _ = _metadata_int(gates_PK.dtype)
+    return 2 * gates_PK.numel() * torch.finfo(carrier).bits // 8
+
+
+def _send_metadata(gates_PK, slots_PK, send_splits, recv_splits, group):
+    """Gates and slots in one all-to-all; gates come back in their own dtype, bit-exact."""
+    carrier, _ = _metadata_int(gates_PK.dtype)
+    num_k = gates_PK.shape[1]
+    out = all_to_all(_pack_metadata(gates_PK, slots_PK), send_splits, recv_splits, group)
+    gates_RK = out[:, :num_k].contiguous().view(carrier).to(gates_PK.dtype)
+    return gates_RK, out[:, num_k:].to(torch.int64)
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-all of rows plus optional per-row gates and slots, in one autograd node.
+
+    Forward sends `rows` (and the metadata) along `send_splits`; backward returns the gradients
+    of rows and gates along the same splits reversed. One node per exchange keeps the order of
+    collectives in backward identical on every rank.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, gates, slots, send_splits, recv_splits, group, state):
+        ctx.send_splits, ctx.recv_splits, ctx.group, ctx.state = send_splits, recv_splits, group, state
+        ctx.has_gates = gates is not None
+        out_rows = all_to_all(rows, send_splits, recv_splits, group)
+        if gates is None:
+            return out_rows, None, None
+        out_gates, out_slots = _send_metadata(gates, slots, send_splits, recv_splits, group)
+        ctx.mark_non_differentiable(out_slots)
+        return out_rows, out_gates, out_slots
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_gates, _grad_slots):
+        meta_bytes = grad_gates.numel() * grad_gates.element_size() if ctx.has_gates else 0
+        _record(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
+        back_rows = all_to_all(grad_rows, ctx.recv_splits, ctx.send_splits, ctx.group)
+        back_gates = all_to_all(grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group) if ctx.has_gates else None
+        return back_rows, back_gates, None, None, None, None, None
+
+
+def exchange(rows, gates, slots, send_splits, recv_splits, group, state):
+    """Send rows (with gates and slots, when given); record what was sent in `state.stats`.
+
+    Differentiable (one `_Exchange` node) when rows or gates need gradients; returns
+    (rows, gates, slots) as received, gates and slots None when not given.
+    """
+    meta_bytes = 0 if gates is None else _metadata_bytes(gates)
+    _record(state, send_splits, rows, meta_bytes, backward=False)
+    if torch.is_grad_enabled() and (rows.requires_grad or (gates is not None and gates.requires_grad)):
+        return _Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state)
+    out_rows = all_to_all(rows, send_splits, recv_splits, group)
+    if gates is None:
+        return out_rows, None, None
+    return (out_rows, *_send_metadata(gates, slots, send_splits, recv_splits, group))

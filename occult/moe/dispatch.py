@@ -1,0 +1,222 @@
+"""Dispatch and combine over torch.distributed, one interface for both dispatchers.
+
+`Dispatcher.dispatch` sends each plan row (a token's activation, its local expert slots and gate
+weights) to the rank that holds those experts; `Dispatcher.combine` brings one result row back
+per sent row and sums them per token. `StandardDispatcher` and `DedupDispatcher` differ only in
+the plan (`occult.moe.plan`): k copies per token vs one per device.
+
+Per layer and call the host waits once: the per-destination row counts (and every rank's input
+status, so bad input on one rank raises a clear error on all ranks instead of a hang) travel in
+one small all-to-all and are read with a single `.tolist()`. Backward sends the same number of
+rows as forward: gradient rows retrace the combine and dispatch all-to-alls in reverse, and the
+gate-weight gradients (k scalars per row) return with the dispatch's backward. The exchanges
+themselves (the all-to-all, its autograd node, metadata packing, byte accounting) are in
+`occult.moe.comm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from occult.moe.comm import CommStats, exchange
+from occult.moe.plan import DispatchPlan, dedup_plan, standard_plan, trim
+
+
+class RoutingError(ValueError):
+    """Input or router output that cannot be dispatched; raised on every rank of the group."""
+
+
+# Status codes exchanged with the counts; 0 = fine.
+STATUS_OK = 0
+STATUS_MESSAGES = {
+    1: "router produced NaN/inf gate weights (check the input activations and router weights for NaN/inf)",
+    2: "router returned expert ids out of range",
+    3: "input hidden size does not match the layer",
+}
+
+
+@dataclass
+class DispatchState:
+    """What combine and the backward pass need from dispatch."""
+
+    plan: DispatchPlan
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+    rank: int
+    stats: CommStats = field(default_factory=CommStats)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """The Triton row sums (fp32 accumulation) serve bf16/fp16/fp32 CUDA tensors."""
+    if not t.is_cuda or t.dtype == torch.float64:
+        return False
+    from occult import kernels
+
+    return kernels.available(t.device)
+
+
+def token_sum(src_PH: torch.Tensor, token_P: torch.Tensor, row_TJ: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Sum each token's rows (fp32 accumulation): one pass on GPU, `index_add` elsewhere."""
+    if _use_triton(src_PH):
+        from occult.kernels.rows import gather_sum
+
+        return gather_sum(src_PH, row_TJ, out_dtype)
+    acc = torch.promote_types(src_PH.dtype, torch.float32)
+    out = src_PH.new_zeros((row_TJ.shape[0], src_PH.shape[1]), dtype=acc)
+    return out.index_add_(0, token_P, src_PH.to(acc)).to(out_dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows = x[token_P]; backward sums each token's row gradients (no atomics on GPU)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, token_P, row_TJ):
+        ctx.save_for_backward(token_P, row_TJ)
+        return x_TH[token_P]
+
+    @staticmethod
+    def backward(ctx, grad_PH):
+        token_P, row_TJ = ctx.saved_tensors
+        return token_sum(grad_PH, token_P, row_TJ, grad_PH.dtype), None, None
+
+
+class _GatherGates(torch.autograd.Function):
+    """gates[p, j] = weights.flat[entry[p, j]] (0 where entry is -1).
+
+    Every valid entry occurs once, so backward is a plain scatter (no accumulation); padding
+    entries all point at one spare slot that is dropped. (Autograd's own indexing backward
+    would accumulate the padding's duplicates one by one.)
+    """
+
+    @staticmethod
+    def forward(ctx, weights_TK, entry_PK):
+        n = weights_TK.numel()
+        index_PK = torch.where(entry_PK >= 0, entry_PK, n)
+        ctx.save_for_backward(index_PK)
+        ctx.shape = weights_TK.shape
+        padded = torch.cat([weights_TK.reshape(-1), weights_TK.new_zeros(1)])
+        return padded[index_PK]
+
+    @staticmethod
+    def backward(ctx, grad_PK):
+        (index_PK,) = ctx.saved_tensors
+        n = torch.Size(ctx.shape).numel()
+        buf = grad_PK.new_zeros(n + 1)
+        buf.scatter_(0, index_PK.reshape(-1), grad_PK.reshape(-1))
+        return buf[:n].view(ctx.shape), None
+
+
+class _SumRows(torch.autograd.Function):
+    """y[t] = sum of token t's rows; backward hands each row its token's gradient."""
+
+    @staticmethod
+    def forward(ctx, y_PH, token_P, row_TJ):
+        ctx.save_for_backward(token_P, row_TJ)
+        return token_sum(y_PH, token_P, row_TJ, y_PH.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        token_P, _ = ctx.saved_tensors
+        return grad_TH[token_P], None, None
+
+
+class Dispatcher:
+    """Sends token rows to the ranks holding their experts and brings results back.
+
+    Subclasses choose the plan; everything else (count exchange, all-to-alls, autograd,
+    accounting, the per-token sum) is shared.
+    """
+
+    name = "base"
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        if group is None and dist.is_available() and dist.is_initialized():
+            self.group = dist.group.WORLD
+        if self.group is not None:
+            self.num_ranks = dist.get_world_size(self.group)
+            self.rank = dist.get_rank(self.group)
+        else:
+            self.num_ranks, self.rank = 1, 0
+        if self.num_ranks == 1:
+            self.group = None  # a single rank needs no communication
+
+    def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
+        raise NotImplementedError
+
+    def exchange_counts(self, send_counts_D: torch.Tensor, status: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Swap row counts (and input status) with every rank; the layer's one host sync."""
+        header_D2 = torch.stack([send_counts_D.to(torch.int64), status.to(torch.int64).expand(self.num_ranks)], dim=1)
+        if self.group is not None:
+            recv_D2 = torch.empty_like(header_D2)
+            dist.all_to_all_single(recv_D2, header_D2, group=self.group)
+        else:
+            recv_D2 = header_D2
+        host = torch.cat([header_D2[:, 0], recv_D2.reshape(-1)]).tolist()
+        send_splits = host[: self.num_ranks]
+        recv_splits, statuses = host[self.num_ranks :: 2], host[self.num_ranks + 1 :: 2]
+        bad = [(r, s) for r, s in enumerate(statuses) if s != STATUS_OK]
+        if bad:
+            text = "; ".join(f"rank {r}: {STATUS_MESSAGES.get(s, f'status {s}')}" for r, s in bad)
+            raise RoutingError(f"MoE dispatch stopped on every rank because of bad input: {text}")
+        return send_splits, recv_splits
+
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        weights_TK: torch.Tensor,
+        ids_TK: torch.Tensor,
+        expert_device_E: torch.Tensor,
+        expert_slot_E: torch.Tensor,
+        status: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchState]:
+        """Send rows out; return (x_RH, slots_RK, gates_RK, state) as received by this rank."""
+        plan = self.plan(ids_TK, expert_device_E, expert_slot_E)
+        send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status)
+        plan = trim(plan, sum(send_splits))
+        state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank)
+        gates_PK = _GatherGates.apply(weights_TK, plan.entry_PK)
+        x_RH, gates_RK, slots_RK = exchange(
+            _GatherRows.apply(x_TH, plan.token_P, plan.row_TJ), gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state
+        )
+        state.stats.dispatch_rows = plan.num_rows
+        return x_RH, slots_RK, gates_RK, state
+
+    def combine(self, y_RH: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """Return each received row's result to its source; sum a token's rows in fp32."""
+        state.stats.combine_rows = y_RH.shape[0]
+        y_PH, _, _ = exchange(y_RH, None, None, state.recv_splits, state.send_splits, self.group, state)
+        return _SumRows.apply(y_PH, state.plan.token_P, state.plan.row_TJ)
+
+
+class StandardDispatcher(Dispatcher):
+    """The baseline every framework ships: one copy per (token, expert)."""
+
+    name = "standard"
+
+    def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
+        return standard_plan(ids_TK, expert_device_E, expert_slot_E, self.num_ranks)
+
+
+class DedupDispatcher(Dispatcher):
+    """Occult's: one copy per (token, device), local experts pre-reduced before the return trip."""
+
+    name = "dedup"
+
+    def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
+        return dedup_plan(ids_TK, expert_device_E, expert_slot_E, self.num_ranks)
+
+
+DISPATCHERS: dict[str, type[Dispatcher]] = {"standard": StandardDispatcher, "dedup": DedupDispatcher}
+
+
+def make_dispatcher(name: str, group=None) -> Dispatcher:
+    """Build a dispatcher by name ("standard" or "dedup")."""
+    try:
+        return DISPATCHERS[name](group)
+    except KeyError:
+        raise ValueError(f"unknown dispatcher {name!r}; choose one of {sorted(DISPATCHERS)}") from None

@@ -1,0 +1,116 @@
+"""Dispatch plans: which rows a rank sends to which rank, and what each row carries.
+
+A plan lists the rows to send, grouped by destination rank. Each row is one token's
+activation plus, for the destination, up to K local expert slots (-1 = padding) and the
+matching top-k entries (whose gate weights travel with the row). The two plans differ only
+in how rows are formed:
+
+- standard: one row per (token, expert) pair, K = 1 entry per row: T*k rows;
+- dedup: one row per (token, device) pair, carrying every one of the token's experts on
+  that device: sum_t C_T rows, with C_T the number of distinct devices among its k experts.
+
+Both are built with a few vectorised ops and no host synchronisation; only the per-rank
+counts are needed on the host (for the all-to-all split sizes), see `occult.moe.dispatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DispatchPlan:
+    """Rows to send, grouped by destination rank.
+
+    token_P:    source token of each row.
+    entry_PK:   flat index `t * k + j` into the token's top-k entries for each carried expert,
+                -1 for padding (standard plans have one column).
+    slot_PK:    destination-local expert slot of each entry, -1 for padding.
+    send_counts_D: rows for each destination rank (device tensor; synced once by the dispatcher).
+    row_TJ:     the inverse of `token_P`: each token's rows, -1 padded (J = k for standard,
+                J = number of ranks for dedup); used to sum a token's rows without atomics.
+    """
+
+    token_P: torch.Tensor
+    entry_PK: torch.Tensor
+    slot_PK: torch.Tensor
+    send_counts_D: torch.Tensor
+    row_TJ: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_P.shape[0]
+
+
+def standard_plan(
+    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int
+) -> DispatchPlan:
+    """One row per (token, expert), as Megatron-Core's alltoall dispatcher and TorchTitan send."""
+    num_tokens, top_k = ids_TK.shape
+    flat_ids = ids_TK.reshape(-1)
+    device_N = expert_device_E[flat_ids]
+    # Stable sort by destination keeps (token, j) order inside each destination.
+    order_P = torch.sort(device_N, stable=True).indices
+    row_N = torch.empty_like(order_P)
+    row_N[order_P] = torch.arange(order_P.shape[0], device=order_P.device)
+    return DispatchPlan(
+        token_P=order_P // top_k,
+        entry_PK=order_P[:, None],
+        slot_PK=expert_slot_E[flat_ids[order_P]][:, None],
+        # (not bincount: on CUDA it reads the maximum back to the host)
+        send_counts_D=torch.zeros(num_devices, dtype=torch.int64, device=ids_TK.device).index_add_(
+            0, device_N, torch.ones_like(device_N)
+        ),
+        row_TJ=row_N.view(num_tokens, top_k),
+    )
+
+
+def dedup_plan(
+    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int
+) -> DispatchPlan:
+    """One row per (token, device): a token goes once to each device holding any of its experts."""
+    num_tokens, top_k = ids_TK.shape
+    device_TK = expert_device_E[ids_TK]
+    token_TK = torch.arange(num_tokens, device=ids_TK.device)[:, None].expand(num_tokens, top_k)
+    # used_DT[d, t]: token t has an expert on device d. Rows are its True entries, device-major.
+    used_DT = torch.zeros(num_devices, num_tokens, dtype=torch.bool, device=ids_TK.device)
+    used_DT[device_TK, token_TK] = True
+    flat_used = used_DT.reshape(-1)
+    row_of_DT = (torch.cumsum(flat_used, 0) - 1).view(num_devices, num_tokens)
+    # Upper bound T*min(k, D) rows; the true count is only known on the host after the sync,
+    # so rows are written into a buffer with one spare slot that absorbs the unused entries.
+    capacity = num_tokens * min(top_k, num_devices)
+    target = torch.where(flat_used, row_of_DT.reshape(-1), capacity)
+    token_buf = torch.full((capacity + 1,), -1, dtype=torch.int64, device=ids_TK.device)
+    token_buf.scatter_(0, target, torch.arange(num_tokens, device=ids_TK.device).repeat(num_devices))
+    row_TK = row_of_DT[device_TK, token_TK]
+    entry_buf = torch.full((capacity, top_k), -1, dtype=torch.int64, device=ids_TK.device)
+    slot_buf = torch.full((capacity, top_k), -1, dtype=torch.int64, device=ids_TK.device)
+    column_TK = torch.arange(top_k, device=ids_TK.device).expand(num_tokens, top_k)
+    entry_buf[row_TK, column_TK] = torch.arange(num_tokens * top_k, device=ids_TK.device).view(num_tokens, top_k)
+    slot_buf[row_TK, column_TK] = expert_slot_E[ids_TK]
+    return DispatchPlan(
+        token_P=token_buf[:capacity],
+        entry_PK=entry_buf,
+        slot_PK=slot_buf,
+        send_counts_D=used_DT.sum(dim=1),
+        row_TJ=torch.where(used_DT, row_of_DT, -1).t().contiguous(),
+    )
+
+
+def trim(plan: DispatchPlan, num_rows: int) -> DispatchPlan:
+    """Drop the unused tail of a capacity-sized plan once the true row count is known."""
+    if plan.num_rows == num_rows:
+        return plan
+    return DispatchPlan(
+        token_P=plan.token_P[:num_rows],
+        entry_PK=plan.entry_PK[:num_rows],
+        slot_PK=plan.slot_PK[:num_rows],
+        send_counts_D=plan.send_counts_D,
+        row_TJ=plan.row_TJ,
+    )
+
+
+PLANNERS = {"standard": standard_plan, "dedup": dedup_plan}

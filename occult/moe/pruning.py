@@ -1,0 +1,356 @@
+"""Collaboration pruning: limit every token to experts on at most N devices.
+
+Two variants (BRIEF.md, lever 3), both for any placement (any expert -> device map with equal
+experts per device, not only contiguous groups):
+
+- **router-score** (`method="score"`): walk the token's experts by descending score and collect
+  their devices until N distinct ones are found; take the top-k among all experts on those
+  devices. (The first N distinct devices in score order are the N devices with the highest
+  best-expert score, which is how it is computed: one `scatter_reduce` and two `topk`s.)
+- **similarity** (`method="similarity"`): start from the plain top-k; the allowed devices are the
+  first N distinct devices in score order; replace every chosen expert outside them, in score
+  order, by the most similar not-yet-chosen expert on an allowed device. Similarity is the
+  cosine of the experts' router-logit columns measured on profiling data
+  (`expert_similarity`, `SimilarityAccumulator`, `occult profile`).
+
+**Gate weights** after pruning are the router's probabilities (`scores_TE`, e.g. the softmax
+over all E experts) of the experts finally chosen, *not* re-softmaxed over the allowed set.
+They are renormalised to sum 1 only when `norm_topk_prob=True`, i.e. only where the model
+renormalises its plain top-k (Qwen-MoE style); a model that does not (OLMoE, Mixtral's
+`norm_topk_prob=False` configs) keeps un-normalised weights after pruning too.
+
+A token whose plain top-k already spans at most N devices keeps exactly its plain top-k ids and
+weights (same order, bit for bit). Everything is vectorised over tokens (loops only over k).
+Device ids only need to be < E, so no host sync is needed to learn the device count; the
+capacity check (N devices must hold >= k experts) is done once per `expert_device_E` tensor.
+
+`limit_routers` turns device-limited routing on for every `TopKRouter` of a model with a
+placement of any device count, e.g. a 4-device *virtual* placement on one GPU (the layer's
+own `expert_device_E` stays the world-size one, so single-rank dispatch is unchanged).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from occult._atomic import atomic_path
+
+METHODS = ("score", "similarity")
+SIMILARITY_KEY = "layers.{}.similarity"
+SIMILARITY_FORMAT = "occult-similarity-v1"
+
+
+class PruningError(ValueError):
+    """Bad arguments for device-limited routing (method, limit, similarity table, capacity)."""
+
+
+# ----------------------------------------------------------------- helpers
+def _experts_per_device(expert_device_E: torch.Tensor) -> int:
+    """Fewest experts any used device holds; computed once per tensor (one host sync), then cached."""
+    cached = getattr(expert_device_E, "_occult_min_per_device", None)
+    version = expert_device_E._version
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    counts = torch.bincount(expert_device_E.reshape(-1).to(torch.int64))
+    value = int(counts[counts > 0].min().item())
+    try:
+        expert_device_E._occult_min_per_device = (version, value)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # pragma: no cover - tensors accept attributes
+        pass
+    return value
+
+
+def _check_device_map(expert_device_E: torch.Tensor, num_experts: int) -> torch.Tensor:
+    if expert_device_E.dim() != 1 or expert_device_E.shape[0] != num_experts:
+        raise PruningError(
+            f"expert_device_E must have shape [{num_experts}] (one device per expert), "
+            f"got {list(expert_device_E.shape)}"
+        )
+    return expert_device_E.to(torch.int64)
+
+
+def devices_per_token(ids_TK: torch.Tensor, expert_device_E: torch.Tensor) -> torch.Tensor:
+    """[T] C_T: distinct devices among each token's experts (torch, on the ids' device)."""
+    dev_TK = expert_device_E.to(ids_TK.device, torch.int64)[ids_TK]
+    num_bins = int(expert_device_E.shape[0])  # device ids are < E for any balanced placement
+    used_TD = torch.zeros(ids_TK.shape[0], num_bins, dtype=torch.bool, device=ids_TK.device)
+    used_TD.scatter_(1, dev_TK, True)
+    return used_TD.sum(1)
+
+
+def allowed_devices(scores_TE: torch.Tensor, expert_device_E: torch.Tensor, max_devices: int) -> torch.Tensor:
+    """[T, E] bool mask of the experts on each token's first `max_devices` devices in score order.
+
+    The first N distinct devices met when walking experts by descending score are the N devices
+    whose best expert scores highest.
+    """
+    T, E = scores_TE.shape
+    dev_TE = expert_device_E.to(scores_TE.device, torch.int64).expand(T, E)
+    best_TD = torch.full((T, E), float("-inf"), dtype=scores_TE.dtype, device=scores_TE.device)
+    best_TD = best_TD.scatter_reduce(1, dev_TE, scores_TE, reduce="amax", include_self=True)
+    top_TN = best_TD.topk(min(max_devices, E), dim=1).indices
+    allowed_TD = torch.zeros((T, E), dtype=torch.bool, device=scores_TE.device).scatter_(1, top_TN, True)
+    return allowed_TD.gather(1, dev_TE)
+
+
+# ------------------------------------------------------------------ routing
+def device_limited_topk(
+    scores_TE: torch.Tensor,
+    top_k: int,
+    expert_device_E: torch.Tensor,
+    max_devices: int | None,
+    method: str = "score",
+    similarity_EE: torch.Tensor | None = None,
+    norm_topk_prob: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts limited to `max_devices` devices per token: `(weights_TK, ids_TK)`.
+
+    `scores_TE` are the router's probabilities (any float scores work; higher = preferred),
+    `expert_device_E[e]` the device of expert `e` under the placement to limit against. Weights
+    are `scores_TE` at the chosen ids, renormalised only if `norm_topk_prob`; they carry the
+    gradient of `scores_TE`. Ids come in descending weight order. `max_devices=None` is plain
+    top-k. Tokens already within the limit keep their plain top-k exactly.
+    """
+    if scores_TE.dim() != 2:
+        raise PruningError(f"scores must have shape [tokens, experts], got {list(scores_TE.shape)}")
+    T, E = scores_TE.shape
+    if not 1 <= top_k <= E:
+        raise PruningError(f"top_k must be in [1, num_experts={E}], got {top_k}")
+    if method not in METHODS:
+        raise PruningError(f"prune method must be one of {METHODS}, got {method!r}")
+    plain_w, plain_ids = torch.topk(scores_TE, top_k, dim=-1)
+    if max_devices is None:
+        return _finish(plain_w, plain_ids, norm_topk_prob)
+    if int(max_devices) < 1:
+        raise PruningError(f"max_devices must be >= 1 or None, got {max_devices}")
+    max_devices = int(max_devices)
+    dev_E = _check_device_map(expert_device_E.to(scores_TE.device), E)
+    per_device = _experts_per_device(dev_E)
+    if max_devices * per_device < top_k:
+        raise PruningError(
+            f"max_devices={max_devices} devices hold only {max_devices * per_device} experts "
+            f"({per_device} per device), fewer than top_k={top_k}: raise max_devices to at least "
+            f"{-(-top_k // per_device)}"
+        )
+    if method == "similarity":
+        if similarity_EE is None:
+            raise PruningError(
+                "the similarity variant needs similarity_EE: profile the model (occult profile) and "
+                "load the table with occult.moe.pruning.load_similarity"
+            )
+        if tuple(similarity_EE.shape) != (E, E):
+            raise PruningError(f"similarity_EE must have shape [{E}, {E}], got {list(similarity_EE.shape)}")
+    if T == 0:
+        return _finish(plain_w, plain_ids, norm_topk_prob)
+
+    with torch.no_grad():
+        sel = scores_TE.detach()
+        allowed_TE = allowed_devices(sel, dev_E, max_devices)
+        within_T = devices_per_token(plain_ids, dev_E) <= max_devices
+        if method == "score":
+            ids_TK = sel.masked_fill(~allowed_TE, float("-inf")).topk(top_k, dim=-1).indices
+        else:
+            ids_TK = _similarity_replace(plain_ids, allowed_TE, similarity_EE.to(sel.device))
+            # Canonical order: descending score (kept experts outrank their replacements).
+            order = sel.gather(1, ids_TK).sort(dim=1, descending=True, stable=True).indices
+            ids_TK = ids_TK.gather(1, order)
+        ids_TK = torch.where(within_T[:, None], plain_ids, ids_TK)
+    weights_TK = scores_TE.gather(1, ids_TK)
+    return _finish(weights_TK, ids_TK, norm_topk_prob)
+
+
+def _finish(weights_TK, ids_TK, norm_topk_prob):
+    if norm_topk_prob:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return weights_TK, ids_TK
+
+
+def _similarity_replace(plain_ids: torch.Tensor, allowed_TE: torch.Tensor, sim_EE: torch.Tensor) -> torch.Tensor:
+    """Replace out-of-set experts (in score order) by their most similar free allowed expert."""
+    T, K = plain_ids.shape
+    E = allowed_TE.shape[1]
+    keep_TK = allowed_TE.gather(1, plain_ids)
+    chosen_TE = torch.zeros((T, E), dtype=torch.bool, device=plain_ids.device)
+    chosen_TE.scatter_(1, plain_ids, keep_TK)  # kept experts are taken first
+    sim_EE = torch.nan_to_num(sim_EE.to(torch.float32), nan=-2.0)
+    rows = torch.arange(T, device=plain_ids.device)
+    ids = plain_ids.clone()
+    for j in range(K):
+        replace_T = ~keep_TK[:, j]
+        cand_TE = sim_EE[plain_ids[:, j]].masked_fill(~allowed_TE | chosen_TE, float("-inf"))
+        new_T = cand_TE.argmax(dim=1)
+        ids[:, j] = torch.where(replace_T, new_T, plain_ids[:, j])
+        chosen_TE[rows, new_T] |= replace_T
+    return ids
+
+
+# --------------------------------------------------------------- similarity
+def expert_similarity(logits_TE: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """[E, E] cosine similarity of the router-logit columns (an expert never seen scores 0)."""
+    acc = SimilarityAccumulator(int(logits_TE.shape[-1]))
+    acc.add(logits_TE)
+    return acc.similarity()
+
+
+class SimilarityAccumulator:
+    """Streams router logits batch by batch into a Gram matrix; `similarity()` gives the cosines."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = int(num_experts)
+        self.gram_EE = torch.zeros(self.num_experts, self.num_experts, dtype=torch.float64)
+        self.tokens = 0
+
+    def add(self, logits_TE: torch.Tensor | np.ndarray) -> None:
+        x = torch.as_tensor(logits_TE).detach().reshape(-1, self.num_experts)
+        x64 = x.to(torch.float64)
+        self.gram_EE += (x64.T @ x64).cpu()
+        self.tokens += x.shape[0]
+
+    def similarity(self) -> torch.Tensor:
+        if self.tokens == 0:
+            raise PruningError("no router logits were added: profile at least one batch")
+        norm = self.gram_EE.diagonal().clamp(min=0).sqrt()
+        denom = norm[:, None] * norm[None, :]
+        sim = torch.where(denom > 0, self.gram_EE / denom.clamp(min=1e-300), torch.zeros_like(denom))
+        return sim.clamp(-1, 1).to(torch.float32)
+
+
+def similarity_path(placement_path: str | os.PathLike) -> Path:
+    """Where the similarity table of a placement lives: `X.json` -> `X.similarity.safetensors`."""
+    p = Path(placement_path)
+    stem = p.name[: -len(p.suffix)] if p.suffix else p.name
+    return p.with_name(stem + ".similarity.safetensors")
+
+
+def save_similarity(
+    path: str | os.PathLike, similarity_LEE: Sequence[torch.Tensor] | torch.Tensor, metadata: Mapping[str, Any] | None = None
+) -> None:
+    """Write per-layer [E, E] similarity tables (safetensors, atomically)."""
+    import safetensors.torch
+
+    if isinstance(similarity_LEE, torch.Tensor) and similarity_LEE.dim() == 2:
+        similarity_LEE = [similarity_LEE]
+    tables = [torch.as_tensor(s) for s in similarity_LEE]
+    if not tables:
+        raise PruningError("no similarity tables to save")
+    E = tables[0].shape[0]
+    for i, s in enumerate(tables):
+        if tuple(s.shape) != (E, E):
+            raise PruningError(f"layer {i}: similarity table has shape {list(s.shape)}, expected [{E}, {E}]")
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    meta.update(format=SIMILARITY_FORMAT, num_experts=str(E), num_layers=str(len(tables)))
+    tensors = {SIMILARITY_KEY.format(i): s.detach().to(torch.float32).contiguous().cpu() for i, s in enumerate(tables)}
+    with atomic_path(path) as tmp:
+        safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+
+
+def load_similarity(
+    path: str | os.PathLike, num_experts: int | None = None, num_layers: int | None = None
+) -> list[torch.Tensor]:
+    """Read per-layer similarity tables; check E and the layer count when given."""
+    from safetensors import safe_open
+
+    p = str(path)
+    if not os.path.isfile(p):
+        raise PruningError(
+            f"similarity table {p} does not exist: record one with `occult profile ... --similarity {p}`"
+        )
+    try:
+        with safe_open(p, framework="pt") as f:
+            keys = set(f.keys())
+            n = 0
+            while SIMILARITY_KEY.format(n) in keys:
+                n += 1
+            tables = [f.get_tensor(SIMILARITY_KEY.format(i)) for i in range(n)]
+    except PruningError:
+        raise
+    except Exception as exc:
+        raise PruningError(f"{p} is not a readable similarity file ({exc}); is it truncated or corrupted?") from None
+    if not tables:
+        raise PruningError(f"{p}: no tensors named 'layers.0.similarity', ...; not a similarity table")
+    E = tables[0].shape[0]
+    if num_experts is not None and E != num_experts:
+        raise PruningError(f"{p}: tables are for {E} experts, but the model has {num_experts}")
+    if num_layers is not None and len(tables) != num_layers:
+        raise PruningError(f"{p}: {len(tables)} layer(s), but the model has {num_layers} MoE layers")
+    return tables
+
+
+# ------------------------------------------------------ applying to routers
+def limit_routers(
+    routers: Iterable[nn.Module],
+    placement: Any,
+    max_devices: int | None,
+    method: str = "score",
+    similarity: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Turn device-limited routing on (or off with `max_devices=None`) for a list of `TopKRouter`s.
+
+    Router i is limited against layer i of `placement` (an `occult.Placement` of any device
+    count: it need not match the world size, so one process can simulate D devices). A one-layer
+    placement is used for every router.
+    """
+    routers = list(routers)
+    if method not in METHODS:
+        raise PruningError(f"prune method must be one of {METHODS}, got {method!r}")
+    if max_devices is not None and int(max_devices) < 1:
+        raise PruningError(f"max_devices must be >= 1 or None, got {max_devices}")
+    if max_devices is not None and placement is None:
+        raise PruningError("device-limited routing needs a placement (which device holds each expert)")
+    if max_devices is not None and method == "similarity":
+        if similarity is None:
+            raise PruningError("prune method 'similarity' needs similarity tables (occult profile --similarity)")
+        if len(similarity) not in (1, len(routers)):
+            raise PruningError(f"{len(similarity)} similarity tables for {len(routers)} MoE layers")
+    if placement is not None and placement.num_layers not in (1, len(routers)):
+        raise PruningError(f"the placement has {placement.num_layers} layers, but the model has {len(routers)} MoE layers")
+    for i, router in enumerate(routers):
+        if not hasattr(router, "set_expert_device"):
+            raise PruningError(f"router {i} ({type(router).__name__}) has no set_expert_device: cannot limit it")
+        num_experts = getattr(router, "num_experts", None)
+        if placement is not None:
+            if num_experts is not None and placement.num_experts != num_experts:
+                raise PruningError(
+                    f"the placement is for {placement.num_experts} experts, but router {i} has {num_experts}"
+                )
+            layer = i if placement.num_layers > 1 else 0
+            dev = torch.as_tensor(placement.expert_device(layer).copy(), dtype=torch.int64)
+            router.set_expert_device(dev)
+        router.max_devices = None if max_devices is None else int(max_devices)
+        router.prune_method = method
+        sim = None
+        if similarity is not None:
+            sim = similarity[i if len(similarity) > 1 else 0]
+            if num_experts is not None and tuple(sim.shape) != (num_experts, num_experts):
+                raise PruningError(f"similarity table {i} has shape {list(sim.shape)}, expected [{num_experts}, {num_experts}]")
+            sim = sim.to(router.gate.weight.device, torch.float32) if hasattr(router, "gate") else sim
+        router.similarity_EE = sim
+        if max_devices is not None and num_experts is not None:
+            # Fail now, not in the middle of training, when N devices cannot hold top_k experts.
+            per = _experts_per_device(router.expert_device_E)
+            if int(max_devices) * per < router.top_k:
+                raise PruningError(
+                    f"max_devices={max_devices} devices hold only {int(max_devices) * per} experts, "
+                    f"fewer than top_k={router.top_k}"
+                )
+
+
+__all__ = [
+    "PruningError",
+    "METHODS",
+    "device_limited_topk",
+    "allowed_devices",
+    "devices_per_token",
+    "expert_similarity",
+    "SimilarityAccumulator",
+    "save_similarity",
+    "load_similarity",
+    "similarity_path",
+    "limit_routers",
+]

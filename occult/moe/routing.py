@@ -1,0 +1,96 @@
+"""Routing: scores, top-k experts and gate weights for every token.
+
+A router is any module whose forward maps `x_TH` to `(weights_TK, ids_TK)`; `OccultMoE` accepts
+any such module, so other models' routers (sigmoid scoring, score-correction bias, group-limited
+top-k, ...) plug in. `TopKRouter` is the common one: softmax over a linear gate, top-k,
+optionally renormalised, optionally limited to `max_devices` devices per token
+(collaboration pruning, see `occult.moe.pruning`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def softmax_topk(
+    logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax scores in fp32, top-k ids and gate weights (renormalised to sum 1 if asked)."""
+    scores_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32).to(
+        torch.promote_types(logits_TE.dtype, torch.float32)
+    )
+    weights_TK, ids_TK = torch.topk(scores_TE, top_k, dim=-1)
+    if norm_topk_prob:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return weights_TK, ids_TK
+
+
+class TopKRouter(nn.Module):
+    """Linear gate (no bias), softmax scores, top-k; optionally device-limited.
+
+    `max_devices=N` limits every token to experts on at most N devices of `expert_device_E`
+    (set by the layer from its placement). `prune_method` is "score" (walk experts by score,
+    collect N devices, take the top-k inside them) or "similarity" (replace out-of-set experts by
+    their most similar allowed expert, needs `similarity_EE`). Gate weights are always the
+    router's probabilities of the finally chosen experts, renormalised only if `norm_topk_prob`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool = False,
+        max_devices: int | None = None,
+        prune_method: str = "score",
+        similarity_EE: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if max_devices is not None and max_devices < 1:
+            raise ValueError(f"max_devices must be >= 1 or None, got {max_devices}")
+        if prune_method not in ("score", "similarity"):
+            raise ValueError(f"prune_method must be 'score' or 'similarity', got {prune_method!r}")
+        if prune_method == "similarity" and max_devices is not None and similarity_EE is None:
+            raise ValueError("prune_method='similarity' needs similarity_EE (see occult.moe.pruning.expert_similarity)")
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.max_devices = max_devices
+        self.prune_method = prune_method
+        self.register_buffer("similarity_EE", similarity_EE, persistent=False)
+        self.register_buffer("expert_device_E", None, persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.gate.weight
+
+    def set_expert_device(self, expert_device_E: torch.Tensor) -> None:
+        """Tell the router where experts live (needed for device-limited routing)."""
+        self.expert_device_E = expert_device_E.to(device=self.gate.weight.device, dtype=torch.int64)
+
+    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits_TE = self.gate(x_TH)
+        if self.max_devices is None:
+            return softmax_topk(logits_TE, self.top_k, self.norm_topk_prob)
+        from occult.moe import pruning
+
+        if self.expert_device_E is None:
+            raise RuntimeError("device-limited routing needs the expert placement: call set_expert_device first")
+        scores_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32).to(
+            torch.promote_types(logits_TE.dtype, torch.float32)
+        )
+        return pruning.device_limited_topk(
+            scores_TE,
+            self.top_k,
+            self.expert_device_E,
+            self.max_devices,
+            method=self.prune_method,
+            similarity_EE=self.similarity_EE,
+            norm_topk_prob=self.norm_topk_prob,
+        )

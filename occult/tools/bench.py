@@ -1,0 +1,381 @@
+"""`occult bench`: one MoE layer, standard vs dedup vs dedup+placement, on 1-N GPUs.
+
+For each model shape and routing, every rank builds the same experts (bf16), checks every
+variant's output against a float32 dense reference on a slice of tokens, then times forward
+and forward+backward with CUDA events (warm-up, median, inputs rotated among fresh random
+sets). Also measured in the same run: the ceilings (a large all_to_all_single and a large
+bf16 matmul), the expert compute alone and the variant's all-to-alls alone, so each time is
+reported against its floor. Runs on CPU too (gloo, small shapes) for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from occult._atomic import write_text_atomic
+from occult.distributed import pick_backend, run_ranks
+from occult.moe.comm import all_to_all
+from occult.moe.experts import expert_mlp
+from occult.moe.layer import OccultMoE
+from occult.placement import Placement
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+
+
+SHAPES = {
+    "olmoe": Shape("olmoe", 2048, 1024, 64, 8),
+    "qwen3": Shape("qwen3", 2048, 768, 128, 8),
+    "deepseek": Shape("deepseek", 2048, 1408, 64, 6),
+    "mixtral": Shape("mixtral", 4096, 14336, 8, 2),
+    "tiny": Shape("tiny", 64, 32, 16, 4),
+}
+VARIANTS = ("standard", "dedup", "dedup+placement")
+
+
+class PresetRouter(nn.Module):
+    """A router whose expert choice is given (to compare dispatchers on identical routing).
+
+    Gate weights are the softmax of the real gate at the preset ids, so gradients reach the gate.
+    """
+
+    def __init__(self, gate: nn.Linear, ids_TK: torch.Tensor) -> None:
+        super().__init__()
+        self.gate = gate
+        self.ids_TK = ids_TK
+
+    def forward(self, x_TH: torch.Tensor):
+        scores_TE = torch.softmax(self.gate(x_TH).float(), dim=-1)
+        return scores_TE.gather(1, self.ids_TK), self.ids_TK
+
+
+def routing_ids(kind: str, shape: Shape, world: int, tokens: int, seed: int) -> tuple[np.ndarray, Placement]:
+    """All ranks' top-k ids [world*tokens, k] and the placement for them (same on every rank)."""
+    from occult.placement import synthetic
+
+    total = world * tokens
+    if kind == "random":
+        trace = synthetic.uniform_trace(total, shape.experts, shape.top_k, seed=seed)
+        ids = trace.topk_ids[0]
+    elif kind == "planted":
+        groups = world if shape.experts // world >= shape.top_k else shape.experts // shape.top_k
+        groups = max(groups - groups % world, world)
+        planted = synthetic.planted_trace(total, shape.experts, shape.top_k, num_groups=groups, noise=0.2, seed=seed)
+        ids = planted.trace.topk_ids[0]
+    else:
+        raise ValueError(f"unknown routing {kind!r}; use 'random' or 'planted'")
+    return np.asarray(ids, dtype=np.int64), solve_placement_for(ids, shape, world)
+
+
+def solve_placement_for(ids: np.ndarray, shape: Shape, world: int) -> Placement:
+    """Place from the routing (hypergraph when Mt-KaHyPar is importable, else greedy)."""
+    from occult.placement.solvers import best_method, place
+    from occult.placement.trace import Trace
+
+    sample = ids[:: max(1, len(ids) // 65536)]
+    trace = Trace(topk_ids=[sample], num_experts=shape.experts, top_k=shape.top_k)
+    return place(trace, world, method=best_method()).placement
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], float]:
+    """Median milliseconds of fn over `iters` runs after `warmup` runs (CUDA events on GPU)."""
+
+    def run(fn: Callable[[], Any], warmup: int, iters: int) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                dist.barrier()
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - t0))
+        # Every rank reports the slowest rank's median: a collective step ends when the last rank does.
+        med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        return float(med.item())
+
+    return run
+
+
+def ceilings(device: torch.device, world: int, timer) -> dict[str, float]:
+    """Measured peaks: all_to_all_single GB/s leaving each rank (256 MB), bf16 matmul TFLOP/s."""
+    out: dict[str, float] = {}
+    if device.type == "cuda":
+        n = 8192
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        ms = timer(lambda: a @ b, 3, 10)
+        out["matmul_tflops"] = 2 * n**3 / ms / 1e9
+        del a, b
+        numel = 128 * 1024 * 1024  # 256 MB of bf16
+    else:
+        numel = 1024 * 1024
+    if world > 1:
+        buf = torch.randn(numel, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        out_buf = torch.empty_like(buf)
+        ms = timer(lambda: dist.all_to_all_single(out_buf, buf), 3, 10)
+        nbytes = buf.numel() * buf.element_size() * (world - 1) / world  # bytes leaving each rank
+        out["all_to_all_GBps"] = nbytes / ms / 1e6
+        out["all_to_all_MB"] = buf.numel() * buf.element_size() / 1e6
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _dense_reference(x, ids, weights, w1_full, w2_full) -> torch.Tensor:
+    """float32 reference for a few tokens: y_t = sum_k w_tk * expert_{id_tk}(x_t), expert by expert."""
+    x = x.float()
+    y = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, col = (ids == e).nonzero(as_tuple=True)
+        g, u = (x[token] @ w1_full[e].float().t()).chunk(2, dim=-1)
+        out = (torch.nn.functional.silu(g) * u) @ w2_full[e].float().t()
+        y.index_add_(0, token, weights[token, col, None].float() * out)
+    return y
+
+
+def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
+    device = torch.device("cuda", rank) if args["backend"] == "nccl" else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timer = _timer(device)
+    warmup, iters = args["warmup"], args["iters"]
+    result: dict[str, Any] = {"ceilings": ceilings(device, world, timer), "runs": []}
+    for shape_name in args["shapes"]:
+        shape = SHAPES[shape_name]
+        gen = torch.Generator(device="cpu").manual_seed(1234)
+        w1_full = (torch.randn(shape.experts, 2 * shape.ffn, shape.hidden, generator=gen) / shape.hidden**0.5).to(device, dtype)
+        w2_full = (torch.randn(shape.experts, shape.hidden, shape.ffn, generator=gen) / shape.ffn**0.5).to(device, dtype)
+        gate_w = (torch.randn(shape.experts, shape.hidden, generator=gen) / shape.hidden**0.5).to(device, dtype)
+        for tokens in args["tokens"]:
+            for routing in args["routings"]:
+                ids_all, placement = routing_ids(routing, shape, world, tokens * args["input_sets"], seed=7)
+                ids_all = torch.as_tensor(ids_all, device=device).view(world, args["input_sets"], tokens, shape.top_k)
+                ids_sets = ids_all[:, :, :, :][rank]
+                xs = [torch.randn(tokens, shape.hidden, device=device, dtype=dtype) for _ in range(args["input_sets"])]
+                gs = [torch.randn(tokens, shape.hidden, device=device, dtype=dtype) for _ in range(args["input_sets"])]
+                for variant in args["variants"]:
+                    run = _bench_variant(
+                        variant, shape, placement if variant == "dedup+placement" else Placement.contiguous(shape.experts, world),
+                        w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args,
+                    )
+                    run.update(shape=shape.name, tokens=tokens, routing=routing, variant=variant, world=world)
+                    result["runs"].append(run)
+                    if rank == 0 and args.get("verbose"):
+                        print(_row(run), flush=True)
+                del xs, gs
+        del w1_full, w2_full
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def _count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int:
+    """Device-to-host synchronisations in one call of fn (CUDA's sync debug mode); -1 on CPU."""
+    if device.type != "cuda":
+        return -1
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args):
+    dispatcher = "standard" if variant == "standard" else "dedup"
+    layer = OccultMoE(
+        shape.hidden, shape.ffn, shape.experts, shape.top_k, placement=placement, dispatcher=dispatcher,
+        expert_backend=args["expert_backend"], dtype=w1_full.dtype, device=device,
+    )
+    with torch.no_grad():
+        layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])
+        layer.down_proj.copy_(w2_full[layer.local_expert_ids])
+        layer.router.gate.weight.copy_(gate_w)
+    routers = [PresetRouter(layer.router.gate, ids_sets[i]) for i in range(len(xs))]
+
+    # 1. correctness first: a slice of tokens against a float32 dense reference
+    layer.router = routers[0]
+    with torch.no_grad():
+        y = layer(xs[0])
+        n = min(256, xs[0].shape[0])
+        w, ids = routers[0](xs[0])
+        ref = _dense_reference(xs[0][:n], ids[:n], w[:n], w1_full, w2_full)
+    err = _rel(y[:n], ref)
+    stats = layer.last_comm_stats
+    syncs = _count_host_syncs(lambda: layer(xs[0].detach().requires_grad_()).backward(gs[0]), device)
+    layer.zero_grad(set_to_none=True)
+
+    state = {"i": 0}
+
+    def forward():
+        i = state["i"] = (state["i"] + 1) % len(xs)
+        layer.router = routers[i]
+        with torch.no_grad():
+            layer(xs[i])
+
+    def forward_backward():
+        i = state["i"] = (state["i"] + 1) % len(xs)
+        layer.router = routers[i]
+        x = xs[i].detach().requires_grad_()
+        layer(x).backward(gs[i])
+
+    fwd_ms = timer(forward, warmup, iters)
+    step_ms = timer(forward_backward, warmup, iters)
+    layer.zero_grad(set_to_none=True)
+
+    # 2. the pieces alone: expert compute on the received rows, and the all-to-alls
+    layer.router = routers[0]
+    with torch.no_grad():
+        x_TH = xs[0]
+        weights_TK, ids_TK = layer.router(x_TH)
+        status = torch.zeros((), dtype=torch.int64, device=device)
+        x_RH, slots_RK, gates_RK, st = layer.dispatcher.dispatch(
+            x_TH, weights_TK, ids_TK, layer.expert_device_E, layer.expert_slot_E, status
+        )
+    gates_RK = gates_RK.float()
+    expert_ms = timer(lambda: expert_mlp(x_RH, slots_RK, gates_RK, layer.gate_up_proj.detach(), layer.down_proj.detach(),
+                                         backend=args["expert_backend"]), warmup, iters)
+    group = layer.dispatcher.group
+    rows_out = x_TH[st.plan.token_P]
+    y_back = x_RH.clone()
+    a2a_ms = timer(lambda: (all_to_all(rows_out, st.send_splits, st.recv_splits, group),
+                            all_to_all(y_back, st.recv_splits, st.send_splits, group)), warmup, iters)
+    pairs = int((slots_RK >= 0).sum())
+    flops = 2 * pairs * 3 * shape.hidden * shape.ffn  # GEMM1 (2F x H) + GEMM2 (H x F)
+    tot = torch.tensor([flops, stats.forward_remote_rows, stats.dispatch_rows, xs[0].shape[0], stats.forward_bytes],
+                       dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(tot)
+    remote_bytes_rank = stats.forward_remote_rows * shape.hidden * xs[0].element_size()
+    return {
+        "rel_error": err,
+        "forward_ms": fwd_ms,
+        "fwd_bwd_ms": step_ms,
+        "expert_ms": expert_ms,
+        "all_to_all_ms": a2a_ms,
+        "floor_ms": expert_ms + a2a_ms,
+        "mean_ct": float(tot[2] / tot[3]),
+        "forward_bytes_per_rank": stats.forward_bytes,
+        "forward_remote_bytes_per_rank": remote_bytes_rank,
+        "all_to_all_GBps": remote_bytes_rank / a2a_ms / 1e6 if a2a_ms > 0 else 0.0,
+        "expert_tflops": flops / expert_ms / 1e9 if expert_ms > 0 else 0.0,
+        "pairs_per_rank": pairs,
+        "host_syncs_fwd_bwd": syncs,
+    }
+
+
+def _row(run: dict[str, Any]) -> str:
+    return (f"{run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}{run['mean_ct']:>6.2f}"
+            f"{run['forward_ms']:>9.2f}{run['fwd_bwd_ms']:>10.2f}{run['floor_ms']:>9.2f}{run['expert_ms']:>9.2f}"
+            f"{run['all_to_all_ms']:>9.2f}{run['all_to_all_GBps']:>10.1f}{run['expert_tflops']:>9.1f}{run['rel_error']:>9.1e}"
+            f"{run['host_syncs_fwd_bwd']:>6d}")
+
+
+HEADER = (f"{'shape':<9}{'routing':<8}{'tokens':>6} {'variant':<16}{'E[C_T]':>6}{'fwd ms':>9}{'fwd+bwd':>10}{'floor':>9}"
+          f"{'experts':>9}{'a2a ms':>9}{'a2a GB/s':>10}{'TFLOP/s':>9}{'rel err':>9}{'syncs':>6}")
+
+
+def summarize(result: dict[str, Any]) -> str:
+    lines = [HEADER, "-" * len(HEADER)]
+    base: dict[tuple, dict] = {}
+    for run in result["runs"]:
+        lines.append(_row(run))
+        key = (run["shape"], run["routing"], run["tokens"])
+        if run["variant"] == "standard":
+            base[key] = run
+    lines.append("")
+    lines.append("speedup vs standard (fwd / fwd+bwd), and time over floor (fwd / floor):")
+    for run in result["runs"]:
+        b = base.get((run["shape"], run["routing"], run["tokens"]))
+        if b and run["variant"] != "standard":
+            lines.append(f"  {run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}"
+                         f"{b['forward_ms'] / run['forward_ms']:>6.2f}x {b['fwd_bwd_ms'] / run['fwd_bwd_ms']:>6.2f}x"
+                         f"   {run['forward_ms'] / run['floor_ms']:>5.2f}x floor")
+    c = result["ceilings"]
+    lines.append("ceilings: " + ", ".join(f"{k}={v:.1f}" for k, v in c.items()))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: all GPUs, else 2 CPU ranks)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    parser.add_argument("--shapes", default=None, help=f"comma list of {','.join(SHAPES)} (default: olmoe on GPU, tiny on CPU)")
+    parser.add_argument("--tokens", default=None, help="tokens per rank, comma list (default 8192 on GPU, 256 on CPU)")
+    parser.add_argument("--routing", default="random,planted", help="comma list: random, planted")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    parser.add_argument("--expert-backend", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--input-sets", type=int, default=3, help="fresh random inputs rotated between timed calls")
+    parser.add_argument("--out", default=None, help="write all numbers as JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    backend = pick_backend(args.backend)
+    on_gpu = backend == "nccl"
+    world = args.world_size or (torch.cuda.device_count() if on_gpu else 2)
+    shapes = (args.shapes or ("olmoe" if on_gpu else "tiny")).split(",")
+    for s in shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"occult: error: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+        if SHAPES[s].experts % world:
+            raise SystemExit(f"occult: error: shape {s} has {SHAPES[s].experts} experts, not divisible by {world} ranks")
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"occult: error: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    conf = dict(
+        backend=backend, shapes=shapes, variants=variants, routings=args.routing.split(","),
+        tokens=[int(t) for t in (args.tokens or ("8192" if on_gpu else "256")).split(",")],
+        warmup=args.warmup, iters=args.iters, input_sets=args.input_sets, expert_backend=args.expert_backend,
+        verbose=True,
+    )
+    print(f"occult bench: {world} rank(s), backend {backend}, shapes {shapes}, tokens/rank {conf['tokens']}", flush=True)
+    print(HEADER, flush=True)
+    results = run_ranks(bench_worker, world, conf, backend=backend, timeout_s=3000)
+    result = results[0]
+    result["config"] = {**conf, "world": world, "torch": torch.__version__,
+                        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
+    bad = [r for r in result["runs"] if not r["rel_error"] < (2e-2 if on_gpu else 1e-4)]
+    print()
+    print(summarize(result))
+    if args.out:
+        write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    if bad:
+        print(f"FAILED: {len(bad)} run(s) differ from the float32 reference: "
+              + ", ".join(f"{r['shape']}/{r['variant']} {r['rel_error']:.1e}" for r in bad))
+        return 1
+    return 0
