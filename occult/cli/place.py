@@ -145,7 +145,7 @@ def _maybe_plot(args: argparse.Namespace, trace: Any, coacts: list[Any], placeme
 
 # ------------------------------------------------------------------ place
 def _add_place_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="routing trace (.safetensors, see BRIEF.md)")
+    p.add_argument("--trace", required=True, help="routing trace (.safetensors; format: the README's Files section)")
     p.add_argument("--devices", "-d", required=True, type=positive_int, help="expert-parallel devices (ranks)")
     p.add_argument("--method", "-m", choices=PLACE_METHODS, default="hypergraph", help="placement solver (default hypergraph)")
     p.add_argument("--out", "-o", help="write the placement JSON here")

@@ -1,4 +1,4 @@
-"""Record a routing trace (BRIEF.md format) from an `OccultLM` on a token stream.
+"""Record a routing trace (format: README.md, section Files) from an `OccultLM` on a token stream.
 
 `record_trace(model, batches)` runs the model without gradients and, for every MoE layer,
 collects each token's top-k expert ids (`occult.placement.trace.TraceRecorder`) and streams the router

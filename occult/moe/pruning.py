@@ -1,6 +1,6 @@
 """Collaboration pruning: limit every token to experts on at most N devices.
 
-Two variants (BRIEF.md, lever 3), both for any placement (any expert -> device map with equal
+Two variants (the paper's collaboration pruning), both for any placement (any expert -> device map with equal
 experts per device, not only contiguous groups):
 
 - **router-score** (`method="score"`): walk the token's experts by descending score and collect

@@ -5,7 +5,7 @@ device. On a device, experts sit in *local slots* in ascending global-id order. 
 "placed order" of a layer lists device 0's experts, then device 1's, ...; permuting expert
 weights into placed order and sharding contiguously gives every rank its experts.
 
-File format (JSON, see BRIEF.md):
+File format (JSON; README.md, section Files):
     {"num_devices": D, "num_experts": E, "layers": [[device of expert 0, ...], ...]}
 """
 

@@ -1,6 +1,6 @@
 """Routing traces: which experts every token picked, per MoE layer (safetensors on disk).
 
-File format (BRIEF.md):
+File format (README.md, section Files):
     tensors   `layers.{i}.topk_ids`  integer [tokens, top_k], expert ids in [0, num_experts)
               `layers.{i}.scores`    optional float [tokens, num_experts] or [tokens, top_k]
     metadata  `num_experts` and `top_k` (strings); anything else is kept as free-form metadata.
