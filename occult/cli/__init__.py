@@ -111,6 +111,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         return _error(str(exc) or type(exc).__name__)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
