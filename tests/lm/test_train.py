@@ -21,7 +21,7 @@ from occult.placement.trace import read_trace
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-TINY = Path(__file__).parent / "data" / "shakespeare_tiny"
+TINY = Path(__file__).resolve().parents[1] / "data" / "shakespeare_tiny"
 MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2, expert_ffn_size=16, max_seq_len=32)
 
 
@@ -212,7 +212,7 @@ def test_quality_study_tiny_end_to_end(tmp_path):
     pytest.importorskip("tokenizers")
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("quality_study", Path(__file__).parents[1] / "benchmarks" / "quality_study.py")
+    spec = importlib.util.spec_from_file_location("quality_study", Path(__file__).resolve().parents[2] / "benchmarks" / "quality_study.py")
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
     out = tmp_path / "q"

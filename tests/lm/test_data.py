@@ -16,7 +16,7 @@ pytest.importorskip("tokenizers")
 from occult.lm import corpus  # noqa: E402
 from occult.lm import data as D  # noqa: E402
 
-TINY = Path(__file__).parent / "data" / "shakespeare_tiny"
+TINY = Path(__file__).resolve().parents[1] / "data" / "shakespeare_tiny"
 
 
 @pytest.fixture(scope="module")

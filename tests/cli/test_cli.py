@@ -18,7 +18,7 @@ from occult.placement import Placement
 from occult.placement.stats import mean_ct
 from occult.placement.synthetic import planted_trace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

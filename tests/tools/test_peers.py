@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-PEERS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "peers"
+PEERS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
 
 
 def _load(name: str, filename: str):

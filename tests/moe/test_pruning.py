@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 # ------------------------------------------------------------ reference
 def ref_score(scores: np.ndarray, k: int, dev: np.ndarray, n: int) -> list[int]:
-    """BRIEF.md literally: walk experts by score, collect N devices, top-k inside them."""
+    """The definition literally: walk experts by score, collect N devices, top-k inside them."""
     devices: list[int] = []
     for e in np.argsort(-scores, kind="stable"):
         if dev[e] not in devices:
