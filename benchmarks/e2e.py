@@ -1,0 +1,447 @@
+"""Whole-model end-to-end benchmark: transformers MoE models, expert-parallel with occult, against
+the no-communication floor (issue 14, item 1).
+
+    torchrun --nproc-per-node 2 benchmarks/e2e.py --model olmoe --out e2e.json
+    NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/e2e.py --model olmoe --out e2e_nop2p.json
+
+Every rank builds the same random model (seeded, then broadcast from rank 0; bf16 on GPUs, fp32
+on CPU), with router weights re-drawn wider (std --router-std at hidden 2048, scaled by
+sqrt(2048/H)) so that top-k choices are separated as with a trained router. Variants:
+
+  replicated       every rank holds all experts (converted over a one-rank group: occult's own
+                   kernels, no expert-parallel traffic); the floor. Its expert gradients are
+                   not all-reduced in training (that would be data-parallel traffic)
+  standard         occult, one copy per (token, expert)
+  dedup            occult, one copy per (token, device)
+  dedup+placement  dedup over a greedy placement solved from the model's own routing
+                   (hf.profile on a calibration batch of random ids per rank)
+  prunedN          dedup + placement with max_devices=N (approximate: its check is report-only)
+
+Before timing, each variant's logits on a small batch are compared with the unconverted model
+(per-token relative L2 error, median and p95, max over ranks); an exact variant whose median is
+above --tol makes the run exit 1 (after the others are measured). Phases: prefill (eval,
+no_grad, forward with logits of the last position as `generate` does) and train (forward,
+next-token cross-entropy, backward, hf.sync_gradients, optimizer step). Each step gets fresh
+random ids; ranks meet at a barrier before each step; a step's time is the slowest rank's
+(CUDA events on GPUs, wall clock on CPU). Rank 0 writes the JSON after every variant
+(atomically) and prints a Markdown table last. NCCL_P2P_DISABLE is only recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from occult import Placement  # noqa: E402
+from occult.distributed import init_distributed  # noqa: E402
+from occult.integrations import hf  # noqa: E402
+
+VARIANTS = ("replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
+EXACT = ("replicated", "standard", "dedup", "dedup+placement")
+PHASES = ("prefill", "train")
+TINY = {"tiny": "olmoe", "tiny-qwen3": "qwen3_moe", "tiny-deepseek": "deepseek_v3"}
+MODELS = {  # name -> (transformers config class, fields); real shapes, fewer layers for Qwen3 / DeepSeek
+    "olmoe": ("OlmoeConfig", dict(  # OLMoE-1B-7B
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=False)),
+    "qwen3": ("Qwen3MoeConfig", dict(  # Qwen3-30B-A3B layers, 8 of them
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
+    "deepseek": ("DeepseekV3Config", dict(  # DeepSeek-V2-Lite shape, V3 routing (sigmoid, groups), 8 layers
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=8, first_k_dense_replace=1, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)),
+}
+
+
+def log(*args: Any) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def variant_list(text: str) -> list[str]:
+    """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1)."""
+    names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS and not re.fullmatch(r"pruned[1-9]\d*", v)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN)")
+    return names
+
+
+def phase_list(text: str) -> list[str]:
+    """argparse type: a comma list of phases."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names or any(p not in PHASES for p in names):
+        raise argparse.ArgumentTypeError(f"unknown phase(s) in {text!r}; choose from {', '.join(PHASES)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY], help="model shape (tiny*: CPU smoke runs)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    p.add_argument("--variants", type=variant_list, default=list(VARIANTS), help=f"comma list (default: {','.join(VARIANTS)})")
+    p.add_argument("--phases", type=phase_list, default=list(PHASES), help="comma list of prefill,train")
+    p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per GPU per step; sets --batch to tokens/seq")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and phase")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per variant and phase")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (fused on CUDA) or sgd (less memory)")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
+    p.add_argument("--router-std", type=float, default=0.05, help="router weight std at hidden 2048")
+    p.add_argument("--router-groups", type=int, default=0,
+                   help="plant co-activation: experts in this many hidden groups share a router direction (0: off)")
+    p.add_argument("--check-batch", type=int, default=2, help="sequences per rank in the correctness check")
+    p.add_argument("--check-seq", type=int, default=256, help="sequence length of the correctness check")
+    p.add_argument("--tol", type=float, default=2e-2, help="max median relative logit error of an exact variant")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write every number as JSON here (rank 0, atomically)")
+    args = p.parse_args(argv)
+    if args.tokens is not None:
+        if args.tokens % args.seq:
+            p.error(f"--tokens {args.tokens} is not a multiple of --seq {args.seq}")
+        args.batch = args.tokens // args.seq
+    for name in ("batch", "seq", "iters", "check_batch", "check_seq"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> Any:
+    """The transformers config of --model (tiny: hf.tiny_config), --layers applied."""
+    import transformers
+
+    extra: dict[str, Any] = {"max_position_embeddings": max(4096, args.seq, args.check_seq)}
+    if args.layers is not None:
+        extra["num_hidden_layers"] = args.layers
+    if args.model in TINY:
+        return hf.tiny_config(TINY[args.model], vocab_size=256, **extra)
+    cls, fields = MODELS[args.model]
+    return getattr(transformers, cls)(**{**fields, "tie_word_embeddings": False, **extra})
+
+
+def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
+    """Why this run cannot work (experts vs world size, pruning limits), or None."""
+    E = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or cfg.num_local_experts
+    k = cfg.num_experts_per_tok
+    if E % world:
+        return f"{args.model} has {E} experts, not divisible by world size {world}: use a world size dividing {E}"
+    for v in args.variants:
+        if v.startswith("pruned") and int(v[6:]) * (E // world) < k:
+            return f"{v}: {v[6:]} device(s) hold {int(v[6:]) * (E // world)} experts, fewer than top_k={k}"
+    return None
+
+
+def redraw_routers(model: nn.Module, std: float, groups: int, seed: int) -> None:
+    """Router weights ~ N(0, (std * sqrt(2048/H))^2); with `groups`, rows share hidden group directions."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, block in hf.moe_blocks(model):
+            w_EH = block.gate.weight
+            E, H = w_EH.shape
+            rows_EH = torch.randn(E, H, generator=gen)
+            if groups > 0:  # a random (non-contiguous) expert -> group map, unit variance kept
+                group_E = torch.randperm(E, generator=gen) % groups
+                rows_EH = 0.8 * torch.randn(groups, H, generator=gen)[group_E] + 0.6 * rows_EH
+            w_EH.copy_(rows_EH * std * math.sqrt(2048 / H))
+
+
+def build_model(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The seeded random model on `device`, identical on every rank (broadcast from rank 0)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    redraw_routers(model, args.router_std, args.router_groups, args.seed)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point():
+                dist.broadcast(t.data, src=0)
+    return model
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_ids(batch: int, seq: int, vocab: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """[batch, seq] token ids, drawn on the CPU generator (per rank) and moved to `device`."""
+    return torch.randint(vocab, (batch, seq), generator=gen).to(device)
+
+
+@torch.no_grad()
+def check_logits(model: nn.Module, ids_BS: torch.Tensor, ref_BSV: torch.Tensor) -> dict[str, float]:
+    """Per-token relative L2 error of the logits vs the reference: median and p95 (max over ranks)."""
+    model.eval()
+    out_BSV = model(input_ids=ids_BS, use_cache=False).logits.float()
+    err_T = ((out_BSV - ref_BSV).norm(dim=-1) / ref_BSV.norm(dim=-1).clamp_min(1e-30)).flatten()
+    q_2 = torch.quantile(err_T.double().cpu(), torch.tensor([0.5, 0.95], dtype=torch.float64)).to(ids_BS.device)
+    dist.all_reduce(q_2, op=dist.ReduceOp.MAX)
+    same_argmax = (out_BSV.argmax(-1) == ref_BSV.argmax(-1)).double().mean().reshape(1)
+    dist.all_reduce(same_argmax, op=dist.ReduceOp.MIN)
+    return {"median_rel_err": float(q_2[0]), "p95_rel_err": float(q_2[1]), "argmax_agreement": float(same_argmax)}
+
+
+def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.device, world: int) -> tuple[Placement, dict]:
+    """Profile the model's routing (one calibration batch per rank), solve a greedy placement on rank 0."""
+    try:  # the solver and stats modules are moving; lazy imports with the old names as fallback
+        from occult.placement.solvers import place
+        from occult.placement.stats import mean_ct
+    except ImportError:
+        from occult.placement_solvers import place
+        from occult.stats import mean_ct
+    gen = torch.Generator().manual_seed(10_000 + args.seed + dist.get_rank())
+    t0 = time.perf_counter()
+    trace = hf.profile(model, [random_ids(args.batch, args.seq, model.config.vocab_size, device, gen)])
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:  # per layer, greedy unless contiguous is better (e.g. DeepSeek's expert groups)
+        L = trace.num_layers
+        candidates = [Placement.contiguous(trace.num_experts, world, L), place(trace, world, method="greedy").placement]
+        ct = [[mean_ct(trace.layer(i), p.expert_device(i), world) for i in range(L)] for p in candidates]
+        pick = [int(ct[1][i] < ct[0][i]) for i in range(L)]
+        placement = Placement.from_lists([candidates[pick[i]].expert_device(i).tolist() for i in range(L)], world)
+        placed = [ct[pick[i]][i] for i in range(L)]
+        box = [(placement, {"method": "greedy, or contiguous where better", "greedy_layers": sum(pick),
+                            "calibration_tokens_per_layer": int(trace.num_tokens[0]),
+                            "mean_ct_contiguous": sum(ct[0]) / L, "mean_ct_greedy": sum(ct[1]) / L,
+                            "mean_ct_placed": sum(placed) / L, "mean_ct_contiguous_per_layer": ct[0],
+                            "mean_ct_placed_per_layer": placed})]
+    dist.broadcast_object_list(box, src=0)
+    placement, info = box[0]
+    info["seconds"] = time.perf_counter() - t0
+    log(f"placement: E[C_T] contiguous {info['mean_ct_contiguous']:.3f}, greedy {info['mean_ct_greedy']:.3f}, "
+        f"placed {info['mean_ct_placed']:.3f} (greedy on {info['greedy_layers']} of {trace.num_layers} layers; "
+        f"top-{trace.top_k}, {world} devices, {info['calibration_tokens_per_layer']} calibration tokens)")
+    return placement, info
+
+
+def convert_variant(model: nn.Module, variant: str, placement: Placement | None, self_group: Any) -> nn.Module:
+    """Convert `model` in place as `variant` (module docstring)."""
+    if variant == "replicated":
+        return hf.convert(model, group=self_group, dispatcher="dedup")
+    if variant in ("standard", "dedup"):
+        return hf.convert(model, dispatcher=variant)
+    if variant == "dedup+placement":
+        return hf.convert(model, placement=placement, dispatcher="dedup")
+    return hf.convert(model, placement=placement, dispatcher="dedup", max_devices=int(variant[len("pruned"):]))
+
+
+def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
+    """Rows and bytes sent in the last step, summed over MoE layers, mean over ranks ({} if not exposed)."""
+    per_layer = [getattr(getattr(b, "experts", None), "last_comm_stats", None) for _, b in hf.moe_blocks(model)]
+    if not per_layer or any(s is None for s in per_layer):
+        return {}
+    keys = sorted(k for k, v in vars(per_layer[0]).items() if isinstance(v, int))
+    sums_K = torch.tensor([sum(int(getattr(s, k)) for s in per_layer) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(sums_K)
+    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, sums_K.tolist())}
+
+
+def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], None]:
+    """One prefill or train step on ids [B, S]."""
+    if phase == "prefill":
+        model.eval()
+
+        def prefill(ids_BS: torch.Tensor) -> None:
+            with torch.no_grad():
+                model(input_ids=ids_BS, use_cache=False, logits_to_keep=1)
+        return prefill
+    model.train()
+
+    def train(ids_BS: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss.backward()
+        hf.sync_gradients(model)
+        optimizer.step()
+    return train
+
+
+def time_steps(step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device) -> dict:
+    """Median, p10, p90 of the step time in ms (each step: the slowest rank), tokens/s per GPU."""
+    gen = torch.Generator().manual_seed(20_000 + args.seed + dist.get_rank())
+    times = []
+    for i in range(args.warmup + args.iters):
+        ids_BS = random_ids(args.batch, args.seq, vocab, device, gen)
+        dist.barrier()
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(ids_BS)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            step(ids_BS)
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= args.warmup:
+            times.append(ms)
+    ms_N = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(ms_N, op=dist.ReduceOp.MAX)
+    q = torch.quantile(ms_N.cpu(), torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64)).tolist()
+    return {"ms_median": q[0], "ms_p10": q[1], "ms_p90": q[2], "ms_all": ms_N.tolist(),
+            "tokens_per_s_per_gpu": args.batch * args.seq / (q[0] / 1e3)}
+
+
+def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> dict:
+    """Build, convert, check, then time every phase of one variant; frees its model."""
+    device = ctx["device"]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    model = convert_variant(build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"], ctx["self_group"])
+    res: dict[str, Any] = {"exact": variant in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
+    res["check"] = check_logits(model, ctx["check_ids"], ctx["ref_logits"])
+    res["check"]["passed"] = res["check"]["median_rel_err"] <= args.tol or not res["exact"]
+    log(f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
+        + ("" if res["exact"] else " (approximate: report only)") + ("" if res["check"]["passed"] else "  FAILED"))
+    if res["check"]["passed"]:
+        for phase in args.phases:
+            optimizer = None
+            if phase == "train":
+                optimizer = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
+                             if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=args.lr))
+            out = time_steps(make_step(model, phase, optimizer), args, cfg.vocab_size, device)
+            out["comm"] = comm_stats(model, device)
+            res["phases"][phase] = out
+            log(f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
+                f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+            del optimizer
+            model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def environment(device: torch.device, world: int) -> dict[str, Any]:
+    import transformers
+
+    env = {"world_size": world, "device": device.type, "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE"),
+           "backend": dist.get_backend(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "host": platform.node()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            env["triton"] = None
+    return env
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write atomically: a temp file beside `path`, then rename."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def table(results: dict[str, dict], phases: list[str]) -> str:
+    """Markdown: variant x phase -> ms (p10-p90), tokens/s/GPU, ratio to the replicated floor, rows sent."""
+    lines = ["| variant | phase | ms median (p10-p90) | tokens/s/GPU | x floor | rows sent/step/GPU (remote) | check median / p95 |",
+             "|---|---|---|---|---|---|---|"]
+    for v, r in results.items():
+        chk = f"{r['check']['median_rel_err']:.1e} / {r['check']['p95_rel_err']:.1e}" + ("" if r["check"]["passed"] else " FAILED")
+        for ph in phases:
+            t = r["phases"].get(ph)
+            if t is None:
+                lines.append(f"| {v} | {ph} | not timed | | | | {chk} |")
+                continue
+            floor = results.get("replicated", {}).get("phases", {}).get(ph)
+            ratio = f"{t['ms_median'] / floor['ms_median']:.3f}" if floor else "-"
+            c = t["comm"]
+            rows = (f"{c.get('forward_rows', 0) + c.get('backward_rows', 0):,.0f} "
+                    f"({c.get('forward_remote_rows', 0) + c.get('backward_remote_rows', 0):,.0f})") if c else "-"
+            lines.append(f"| {v} | {ph} | {t['ms_median']:.2f} ({t['ms_p10']:.2f}-{t['ms_p90']:.2f}) | "
+                         f"{t['tokens_per_s_per_gpu']:,.0f} | {ratio} | {rows} | {chk} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = model_config(args)
+    problem = check_setup(args, cfg, world)
+    if problem:
+        if rank == 0:
+            print(f"e2e.py: error: {problem}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
+    self_groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    report: dict[str, Any] = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype),
+                                         "tokens_per_gpu": args.batch * args.seq, "model_config": cfg.to_dict()},
+                              "env": environment(device, world), "variants": {}}
+
+    # reference logits (and the placement) from the unconverted model, which is then freed
+    t0 = time.perf_counter()
+    ref = build_model(args, cfg, device, dtype)
+    report["env"]["build_s"] = time.perf_counter() - t0
+    log(f"{args.model}: {len(hf.moe_blocks(ref))} MoE layers, {world} ranks, {device.type} {dtype}, "
+        f"{args.batch}x{args.seq} tokens/GPU, NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, "
+        f"built in {report['env']['build_s']:.1f} s")
+    gen = torch.Generator().manual_seed(30_000 + args.seed + rank)
+    check_ids = random_ids(args.check_batch, args.check_seq, cfg.vocab_size, device, gen)
+    with torch.no_grad():
+        ref_logits = ref.eval()(input_ids=check_ids, use_cache=False).logits.float()
+    placement = None
+    if any(v == "dedup+placement" or v.startswith("pruned") for v in args.variants):
+        placement, report["placement"] = solve_placement(ref, args, device, world)
+    del ref
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    ctx = dict(device=device, dtype=dtype, placement=placement, self_group=self_groups[rank],
+               check_ids=check_ids, ref_logits=ref_logits)
+    for variant in args.variants:
+        report["variants"][variant] = run_variant(variant, args, cfg, ctx)
+        if rank == 0 and args.out:
+            write_json(args.out, report)
+    failed = [v for v, r in report["variants"].items() if not r["check"]["passed"]]
+    log("\n" + table(report["variants"], args.phases))
+    dist.destroy_process_group()
+    if failed:
+        if rank == 0:
+            print(f"e2e.py: error: exact variant(s) {', '.join(failed)} differ from the unconverted model "
+                  f"(median relative logit error above --tol {args.tol})", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

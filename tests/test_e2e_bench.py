@@ -1,0 +1,83 @@
+"""CPU smoke tests of the whole-model benchmark `benchmarks/e2e.py` (2 gloo ranks, tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "e2e.py"
+VARIANTS = ("replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
+EXACT = ("replicated", "standard", "dedup", "dedup+placement")
+PHASES = ("prefill", "train")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_e2e_tiny_every_variant_and_phase(tmp_path):
+    out = tmp_path / "e2e.json"
+    res = _torchrun(2, "--model", "tiny", "--batch", "2", "--seq", "32", "--check-seq", "32",
+                    "--warmup", "1", "--iters", "2", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["env"]["world_size"] == 2
+    assert "NCCL_P2P_DISABLE" in report["env"] and report["env"]["torch"] and report["env"]["transformers"]
+    assert report["config"]["tokens_per_gpu"] == 64
+    assert report["placement"]["mean_ct_placed"] <= report["placement"]["mean_ct_contiguous"] + 1e-9
+    assert list(report["variants"]) == list(VARIANTS)
+    for name, v in report["variants"].items():
+        assert v["exact"] == (name in EXACT)
+        if v["exact"]:  # fp32 on CPU: the converted model is the unconverted one up to rounding
+            assert v["check"]["passed"] and v["check"]["median_rel_err"] < 1e-4, (name, v["check"])
+            assert v["check"]["argmax_agreement"] == 1.0
+        for phase in PHASES:
+            t = v["phases"][phase]
+            assert 0 < t["ms_p10"] <= t["ms_median"] <= t["ms_p90"], (name, phase, t)
+            assert len(t["ms_all"]) == 2 and t["tokens_per_s_per_gpu"] > 0
+            assert t["comm"]["forward_rows"] > 0
+            assert (t["comm"]["backward_rows"] > 0) == (phase == "train")
+    comm = {n: report["variants"][n]["phases"]["prefill"]["comm"] for n in ("replicated", "standard", "dedup")}
+    assert comm["replicated"]["forward_remote_rows"] == 0  # the floor moves nothing between ranks
+    assert comm["dedup"]["forward_rows"] < comm["standard"]["forward_rows"]
+    last = res.stdout.strip().splitlines()
+    assert last[-1].startswith("| pruned1 | train |") and any(line.startswith("| replicated | prefill |") for line in last)
+
+
+def test_e2e_unknown_variant_fails_clearly():
+    res = subprocess.run([sys.executable, str(SCRIPT), "--variants", "dedup,bogus"], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode != 0
+    assert "unknown variant" in res.stderr and "bogus" in res.stderr
+
+
+def test_e2e_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
+    res = _torchrun(3, "--model", "tiny", "--batch", "1", "--seq", "16", "--out", str(tmp_path / "x.json"))
+    assert res.returncode != 0
+    assert "not divisible by world size 3" in res.stdout + res.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_e2e_exact_variant_off_exits_nonzero(tmp_path):
+    out = tmp_path / "e2e.json"  # a negative tolerance: every exact variant "fails" its check
+    res = _torchrun(2, "--model", "tiny", "--variants", "dedup", "--phases", "prefill", "--batch", "1", "--seq", "16",
+                    "--check-seq", "16", "--tol", "-1", "--out", str(out))
+    assert res.returncode != 0
+    assert "exact variant(s) dedup differ from the unconverted model" in res.stderr
+    report = json.loads(out.read_text())
+    assert report["variants"]["dedup"]["check"]["passed"] is False and report["variants"]["dedup"]["phases"] == {}
