@@ -1,0 +1,78 @@
+"""The GPU suite: NCCL, half precision and real shapes (docs/testing.md).
+
+Two kinds of test live here:
+- `test_collective_*.py` run under torchrun, one pytest process per GPU (`bash tests/gpu/run.sh`):
+  every rank runs the same tests in the same order, and each test is a collective.
+- the rest run in one plain pytest process on a GPU machine (kernels at real shapes, a killed
+  rank under NCCL, which spawns its own ranks).
+
+Without a CUDA GPU everything here is skipped, so the CPU suite (`python -m pytest -q`) collects
+it harmlessly. `OCCULT_GPU_SUITE_ON_CPU=1` runs the collective tests on CPU gloo ranks under
+torchrun instead: a check of the suite's own logic, not of NCCL or the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ON_CPU = os.environ.get("OCCULT_GPU_SUITE_ON_CPU", "0") == "1"
+UNDER_TORCHRUN = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+HAVE_GPU = torch.cuda.is_available()
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("OCCULT_GPU_SUITE_TIMEOUT_S", "120"))
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(__file__)
+    for item in items:
+        if not str(item.fspath).startswith(here):
+            continue
+        collective = os.path.basename(str(item.fspath)).startswith("test_collective_")
+        if collective:
+            if not (HAVE_GPU or ON_CPU):
+                item.add_marker(pytest.mark.skip(reason="GPU suite: no CUDA GPU (bash tests/gpu/run.sh on a GPU machine)"))
+            elif not UNDER_TORCHRUN:
+                item.add_marker(pytest.mark.skip(reason="collective GPU test: run under torchrun (bash tests/gpu/run.sh)"))
+        else:
+            if not HAVE_GPU:
+                item.add_marker(pytest.mark.skip(reason="GPU suite: no CUDA GPU (bash tests/gpu/run.sh on a GPU machine)"))
+            elif UNDER_TORCHRUN:
+                item.add_marker(pytest.mark.skip(reason="single-process GPU test: runs in run.sh's second stage"))
+
+
+@dataclass
+class Ranks:
+    """This process's place in the torchrun group the collective tests share."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    seed: int  # drawn fresh on rank 0 for this session and broadcast
+
+    def all_max(self, value: float) -> float:
+        """The largest value over all ranks (every rank asserts on the same number)."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Ranks:
+    from occult.distributed import init_distributed
+
+    rank, world_size = init_distributed("gloo" if ON_CPU else "nccl", timeout_s=COLLECTIVE_TIMEOUT_S)
+    if world_size < 2:
+        pytest.skip("collective GPU tests need at least 2 ranks")
+    device = torch.device("cpu") if ON_CPU else torch.device("cuda", torch.cuda.current_device())
+    seed_t = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64,
+                           generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))
+    seed_t = seed_t.to(device)
+    dist.broadcast(seed_t, src=0)
+    seed = int(seed_t.item())
+    if rank == 0:
+        print(f"\n[gpu suite] {world_size} ranks on {device.type}, session seed {seed}")
+    return Ranks(rank, world_size, device, seed)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU suite in one command (docs/testing.md):
+#   1. the collective tests under torchrun, one pytest process per visible GPU, over NCCL;
+#   2. the single-process GPU tests (kernels at real shapes, a killed rank under NCCL);
+#   3. a summary table (versions, every case on every rank) on stdout and in OUT/summary.md.
+# Usage: bash tests/gpu/run.sh [OUT]            (OUT defaults to gpu-suite-results/)
+#        OCCULT_GPU_SUITE_NPROC=2 bash tests/gpu/run.sh   (fewer ranks than GPUs)
+#        OCCULT_GPU_SUITE_ON_CPU=1 bash tests/gpu/run.sh  (the collective tests on 2 CPU gloo ranks:
+#                                                          checks the suite's logic, not NCCL)
+# Extra pytest arguments go in PYTEST_ARGS (e.g. PYTEST_ARGS="-k olmoe").
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-gpu-suite-results}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export OCCULT_GPU_SUITE_OUT=$out
+rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single.xml
+python=${PYTHON:-python3}
+if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" = 1 ]; then
+  nproc=${OCCULT_GPU_SUITE_NPROC:-2}
+else
+  nproc=${OCCULT_GPU_SUITE_NPROC:-$($python -c 'import torch; print(torch.cuda.device_count())')}
+  if [ "$nproc" -lt 2 ]; then
+    echo "the GPU suite needs at least 2 GPUs (found $nproc); OCCULT_GPU_SUITE_ON_CPU=1 runs its logic on CPU" >&2
+    exit 2
+  fi
+fi
+echo "== stage 1: collective tests on $nproc ranks (torchrun)"
+# shellcheck disable=SC2086
+$python -m torch.distributed.run --standalone --nproc-per-node "$nproc" tests/gpu/rank_pytest.py \
+  tests/gpu -q -p no:cacheprovider ${PYTEST_ARGS:-}
+rc1=$?
+for r in $(seq 0 $((nproc - 1))); do
+  code=$(cat "$out/rank$r.rc" 2>/dev/null || echo missing)
+  [ "$code" = 0 ] || { echo "rank $r: pytest exit code $code (log: $out/rank$r.log)"; rc1=1; }
+done
+rc2=0
+if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" != 1 ]; then
+  echo "== stage 2: single-process GPU tests"
+  # shellcheck disable=SC2086
+  $python -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$out/single.xml" ${PYTEST_ARGS:-}
+  rc2=$?
+fi
+echo "== summary"
+$python tests/gpu/summary.py "$out"
+[ $rc1 = 0 ] && [ $rc2 = 0 ]

@@ -1,0 +1,95 @@
+"""Summarise a GPU-suite run: versions, then every case with its outcome on every rank (Markdown).
+
+Usage: python tests/gpu/summary.py OUT   (reads OUT/rank*.xml, OUT/single.xml, OUT/olmoe_scale_*.json;
+writes OUT/summary.md and prints it)
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import re
+import sys
+import xml.etree.ElementTree as ET
+
+
+def _versions() -> list[str]:
+    lines = [f"python {platform.python_version()}"]
+    try:
+        import torch
+
+        lines.append(f"torch {torch.__version__}")
+        if torch.cuda.is_available():
+            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+            lines.append(f"{torch.cuda.device_count()} x {', '.join(names)}")
+            lines.append("NCCL " + ".".join(str(v) for v in torch.cuda.nccl.version()))
+    except Exception as exc:  # the summary must never fail the run
+        lines.append(f"torch: {exc}")
+    for mod in ("triton", "transformers"):
+        try:
+            lines.append(f"{mod} {__import__(mod).__version__}")
+        except Exception:
+            lines.append(f"{mod} not installed")
+    for var in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "OCCULT_GPU_SUITE_ON_CPU"):
+        if os.environ.get(var):
+            lines.append(f"{var}={os.environ[var]}")
+    return lines
+
+
+def _outcomes(path: str) -> dict[str, tuple[str, float]]:
+    """test id -> (passed / failed / error / skipped, seconds)."""
+    out = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+        state = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                state = "FAILED" if child.tag == "failure" else "ERROR"
+            elif child.tag == "skipped" and state == "passed":
+                state = "skipped"
+        out[name] = (state, float(case.get("time", 0.0)))
+    return out
+
+
+def main(out: str) -> int:
+    lines = ["# GPU suite run", "", "- " + "\n- ".join(_versions()), ""]
+    ranks = sorted(glob.glob(os.path.join(out, "rank*.xml")), key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]))
+    per_rank = [_outcomes(p) for p in ranks]
+    collective = sorted({n for r in per_rank for n, (s, _) in r.items() if s != "skipped"})
+    counts = {"passed": 0, "failed": 0}
+    if per_rank:
+        lines += [f"## Stage 1: collective tests, {len(per_rank)} ranks", "",
+                  "| case | " + " | ".join(f"rank {i}" for i in range(len(per_rank))) + " | s (rank 0) |",
+                  "|---|" + "---|" * len(per_rank) + "---|"]
+        for name in collective:
+            states = [r.get(name, ("missing", 0.0))[0] for r in per_rank]
+            ok = all(s == "passed" for s in states)
+            counts["passed" if ok else "failed"] += 1
+            lines.append(f"| `{name}` | " + " | ".join(states) + f" | {per_rank[0].get(name, ('', 0.0))[1]:.1f} |")
+        lines.append("")
+    single = os.path.join(out, "single.xml")
+    if os.path.exists(single):
+        lines += ["## Stage 2: single-process GPU tests", "", "| case | result | s |", "|---|---|---|"]
+        for name, (state, secs) in sorted(_outcomes(single).items()):
+            if state == "skipped":
+                continue
+            counts["passed" if state == "passed" else "failed"] += 1
+            lines.append(f"| `{name}` | {state} | {secs:.1f} |")
+        lines.append("")
+    for path in sorted(glob.glob(os.path.join(out, "olmoe_scale_*.json"))):
+        with open(path) as f:
+            res = json.load(f)
+        lines.append(f"- OLMoE-1B-7B shape, bf16, {res.pop('dispatcher')}: " + ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
+    lines += ["", f"{counts['passed']} passed, {counts['failed']} failed"]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "gpu-suite-results"))

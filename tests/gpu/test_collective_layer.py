@@ -1,0 +1,211 @@
+"""OccultMoE on every GPU of the machine over NCCL, in fp32, bf16 and fp16, against DenseMoE in fp32.
+
+Each rank feeds its own tokens (uneven counts; one case with a rank that has none). The reference
+is the plain single-process `DenseMoE` in fp32, holding the same (upcast) weights and taking the
+same expert choices as the layer under test: half-precision routing may legitimately break a
+near-tie the other way, and that is not an error of the expert-parallel path. Its weights are the
+router's fp32 probabilities of those experts, so the comparison measures only what the
+dispatchers, the kernels and the half-precision arithmetic add. Reference gradients of the
+weights are summed over ranks (every rank's tokens reach every expert); the layer's router
+gradient is one rank's contribution, so it is summed too. Errors are relative Frobenius norms.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from occult import DenseMoE, OccultMoE, Placement, RoutingError
+
+# Relative error bounds against the fp32 reference. fp32: exact ("ieee") products in the Triton
+# kernels; bf16/fp16: the inputs, weights and every intermediate are rounded (8 and 11 bits).
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+HIDDEN, FFN = 512, 256
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+class RecordingRouter(nn.Module):
+    """Wraps a router; keeps the ids it chose and can return its weights in another dtype."""
+
+    def __init__(self, inner: nn.Module, weights_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.inner, self.weights_dtype, self.ids_TK = inner, weights_dtype, None
+
+    def set_expert_device(self, expert_device_E):
+        self.inner.set_expert_device(expert_device_E)
+
+    def forward(self, x_TH):
+        weights_TK, ids_TK = self.inner(x_TH)
+        self.ids_TK = ids_TK.detach().clone()
+        if self.weights_dtype is not None:
+            weights_TK = weights_TK.to(self.weights_dtype)
+        return weights_TK, ids_TK
+
+
+class GivenIdsRouter(nn.Module):
+    """fp32 softmax over a gate, gathered at expert ids fixed in advance (the reference's router)."""
+
+    def __init__(self, gate: nn.Linear, ids_TK: torch.Tensor, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.gate, self.ids_TK, self.norm_topk_prob = gate, ids_TK, norm_topk_prob
+
+    def forward(self, x_TH):
+        scores_TE = torch.softmax(self.gate(x_TH).float(), dim=-1)
+        weights_TK = scores_TE.gather(1, self.ids_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return weights_TK, self.ids_TK
+
+
+def _placement(kind: str, num_experts: int, world_size: int, seed: int) -> Placement:
+    if kind == "contiguous":
+        return Placement.contiguous(num_experts, world_size)
+    rng = np.random.default_rng(seed)
+    return Placement(rng.permutation(np.arange(num_experts) % world_size)[None], world_size)
+
+
+def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=None, top_k=4,
+             tokens=None, max_devices=None, router_weights_dtype=None, norm=False, salt=0) -> dict:
+    """One layer forward+backward on every rank; the worst relative errors over all ranks."""
+    D, rank, dev = ranks.world_size, ranks.rank, ranks.device
+    E = experts or 8 * D
+    seed = ranks.seed + salt
+    torch.manual_seed(seed)  # same weights on every rank
+    dense32 = DenseMoE(HIDDEN, FFN, E, top_k, norm_topk_prob=norm, dtype=torch.float32, device=dev)
+    with torch.no_grad():  # sharper routing than the default init
+        dense32.router.gate.weight.mul_(3.0)
+    low = DenseMoE(HIDDEN, FFN, E, top_k, norm_topk_prob=norm, dtype=dtype, device=dev)
+    low.load_state_dict({k: v.to(dtype) for k, v in dense32.state_dict().items()})
+    with torch.no_grad():  # the reference holds exactly the weights the layer holds
+        for p32, p in zip(dense32.parameters(), low.parameters()):
+            p32.copy_(p.float())
+    layer = OccultMoE.from_dense(low, placement=_placement(placement, E, D, seed), dispatcher=dispatcher,
+                                 max_devices=max_devices)
+    layer.router = RecordingRouter(layer.router, router_weights_dtype)
+
+    counts = tokens if tokens is not None else [384 + 61 * r for r in range(D)]
+    gen = torch.Generator(device=dev).manual_seed(seed * 131 + rank)  # each rank its own tokens
+    x32 = torch.randn(counts[rank], HIDDEN, device=dev, generator=gen)
+    g32 = torch.randn(counts[rank], HIDDEN, device=dev, generator=gen)
+
+    x = x32.to(dtype).requires_grad_()
+    y = layer(x)
+    (y.float() * g32).sum().backward()
+
+    dense32.router = GivenIdsRouter(dense32.router.gate, layer.router.ids_TK, norm)
+    x_ref = x.detach().float().requires_grad_()
+    y_ref = dense32(x_ref)
+    if y_ref.requires_grad:  # a rank without tokens reaches no weight (its reference has no graph)
+        (y_ref * g32).sum().backward()
+
+    def grad_or_zero(p):
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    ref_grads = [grad_or_zero(p).float() for p in (dense32.router.gate.weight, dense32.gate_up_proj, dense32.down_proj)]
+    router_grad = grad_or_zero(layer.router.inner.gate.weight).float()
+    for t in (*ref_grads, router_grad):
+        dist.all_reduce(t)
+    local = layer.local_expert_ids
+    errors = {
+        "y": _rel(y, y_ref) if counts[rank] else 0.0,
+        "dx": _rel(x.grad, x_ref.grad) if counts[rank] else float(x.grad is None or x.grad.numel() != 0),
+        "d_router": _rel(router_grad, ref_grads[0]),
+        "d_gate_up": _rel(grad_or_zero(layer.gate_up_proj), ref_grads[1][local]),
+        "d_down": _rel(grad_or_zero(layer.down_proj), ref_grads[2][local]),
+    }
+    finite = all(torch.isfinite(t).all().item() for t in (y, grad_or_zero(layer.gate_up_proj)))
+    errors["nonfinite"] = 0.0 if finite else 1.0
+    if max_devices is not None and counts[rank]:
+        dev_of = layer.expert_device_E[layer.router.ids_TK]
+        per_token = torch.stack([(dev_of == d).any(dim=1) for d in range(D)], dim=1).sum(dim=1)
+        errors["devices_over_limit"] = float((per_token > max_devices).sum().item())
+    return {k: ranks.all_max(v) for k, v in errors.items()}
+
+
+def _assert_within(errors: dict, tol: float, where: str) -> None:
+    assert errors.get("nonfinite", 0.0) == 0.0, (where, errors)
+    assert errors.get("devices_over_limit", 0.0) == 0.0, (where, errors)
+    worst = {k: v for k, v in errors.items() if k not in ("nonfinite", "devices_over_limit")}
+    assert max(worst.values()) <= tol, (where, f"tolerance {tol:g}", worst)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("placement", ["contiguous", "random"])
+@pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
+def test_layer_matches_fp32_reference(ranks, dispatcher, placement, dtype_name):
+    dtype = DTYPES[dtype_name]
+    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, placement=placement, salt=1)
+    _assert_within(errors, TOL[dtype], f"{dispatcher}/{placement}/{dtype_name} seed {ranks.seed}")
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("max_devices", [1, 2])
+def test_pruned_layer_matches_fp32_reference(ranks, max_devices, dtype_name):
+    dtype = DTYPES[dtype_name]
+    errors = run_case(ranks, dtype=dtype, max_devices=max_devices, top_k=6, salt=2)
+    _assert_within(errors, TOL[dtype], f"max_devices={max_devices}/{dtype_name} seed {ranks.seed}")
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+@pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
+def test_router_returning_half_precision_weights(ranks, dispatcher, dtype_name):
+    """The crash of issue 13: a router (like transformers') that returns bf16/fp16 gate weights."""
+    dtype = DTYPES[dtype_name]
+    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, router_weights_dtype=dtype, norm=True, salt=3)
+    _assert_within(errors, TOL[dtype], f"half-precision router weights, {dispatcher}/{dtype_name}")
+
+
+@pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
+def test_rank_with_no_tokens(ranks, dispatcher):
+    tokens = [0 if r == 1 else 300 + 17 * r for r in range(ranks.world_size)]
+    errors = run_case(ranks, dtype=torch.bfloat16, dispatcher=dispatcher, tokens=tokens, salt=4)
+    _assert_within(errors, TOL[torch.bfloat16], f"rank 1 without tokens, {dispatcher}")
+
+
+@pytest.mark.parametrize("top_k", ["one", "all"])
+def test_top1_and_topk_all(ranks, top_k):
+    E = 2 * ranks.world_size
+    k = 1 if top_k == "one" else E
+    errors = run_case(ranks, dtype=torch.bfloat16, experts=E, top_k=k, salt=5)
+    _assert_within(errors, TOL[torch.bfloat16], f"top_k={k} of {E}")
+
+
+def test_nan_input_raises_on_every_rank_and_the_group_survives(ranks):
+    """NaN activations on one rank: every rank raises the same clear error, then works on."""
+    torch.manual_seed(ranks.seed + 6)
+    dense = DenseMoE(HIDDEN, FFN, 8 * ranks.world_size, 4, dtype=torch.bfloat16, device=ranks.device)
+    layer = OccultMoE.from_dense(dense)
+    x = torch.randn(64, HIDDEN, dtype=torch.bfloat16, device=ranks.device)
+    bad = x.clone()
+    if ranks.rank == ranks.world_size - 1:
+        bad[3, 5] = float("nan")
+    with pytest.raises(RoutingError, match=f"rank {ranks.world_size - 1}: router produced NaN"):
+        layer(bad)
+    y = layer(x)  # the same group still works after the error
+    assert torch.isfinite(y).all()
+
+
+def test_wrong_hidden_size_raises_on_every_rank(ranks):
+    torch.manual_seed(ranks.seed + 7)
+    dense = DenseMoE(HIDDEN, FFN, 8 * ranks.world_size, 4, dtype=torch.bfloat16, device=ranks.device)
+    layer = OccultMoE.from_dense(dense)
+    width = HIDDEN + 1 if ranks.rank == 0 else HIDDEN
+    x = torch.randn(32, width, dtype=torch.bfloat16, device=ranks.device)
+    if ranks.rank == 0:
+        with pytest.raises(ValueError, match=f"hidden size {HIDDEN + 1} but this MoE layer expects {HIDDEN}"):
+            layer(x)
+    else:
+        with pytest.raises(RoutingError, match="rank 0: input hidden size does not match"):
+            layer(x)
+    y = layer(torch.randn(32, HIDDEN, dtype=torch.bfloat16, device=ranks.device))
+    assert torch.isfinite(y).all()
