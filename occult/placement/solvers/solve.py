@@ -7,7 +7,7 @@ be missing. `contiguous_layer` is the baseline layout.
 
 Optional `max_load_ratio`: a bound on max/mean per-device load, the load of a device being
 the token-expert assignments it computes (the sum of its experts' loads, `device_load_D` in
-`occult.stats`). Greedy and hypergraph repair violations with the swaps that cost the least
+`occult.placement.report`). Greedy and hypergraph repair violations with the swaps that cost the least
 E[C_T]; if the bound cannot be met (one expert alone exceeds it), the most balanced layout
 found is kept and a warning says so.
 """
