@@ -13,6 +13,7 @@ Imports given as strings (`importlib.import_module`, the CLI's lazy commands) ar
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -169,3 +170,21 @@ def test_checker_allows_downward_and_own_unit_imports():
     assert _check("occult.moe.layer", src) == []
     assert _check("occult.distributed", "from occult._atomic import atomic_path\n") == []
     assert _check("occult", "from occult.cli import main\n", is_package=True) == []  # the facade is exempt
+
+
+def test_design_doc_module_map_matches_the_tree():
+    """docs/design.md lists every module under occult/ (and nothing that is not there)."""
+    doc = (PACKAGE_DIR.parent / "docs" / "design.md").read_text()
+    table = doc.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    listed, package = set(), None
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[1].startswith("`"):
+            continue
+        if cells[0]:
+            package = cells[0].strip("`").rstrip("/")
+        for name in re.findall(r"`([^`]+)`", cells[1]):
+            listed.add(f"{package}/{name}")
+    actual = {str(p.relative_to(PACKAGE_DIR.parent)) for p in PACKAGE_DIR.rglob("*.py")}
+    actual |= {str(p.relative_to(PACKAGE_DIR.parent)) for p in (PACKAGE_DIR / "data").iterdir()}
+    assert listed == actual, f"missing from docs/design.md: {sorted(actual - listed)}; not in occult/: {sorted(listed - actual)}"
