@@ -38,13 +38,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from occult.lm.data import load_dataset  # noqa: E402
 from occult.lm.checkpoint import load_model  # noqa: E402
+from occult.lm.data import load_dataset  # noqa: E402
 from occult.lm.evaluate import evaluate, pick_device  # noqa: E402
 from occult.lm.model import ModelConfig, OccultLM  # noqa: E402
-from occult.placement import Placement  # noqa: E402
-from occult.moe.pruning import load_similarity, similarity_path  # noqa: E402
 from occult.lm.train import BEST, FINAL, TrainConfig, finetune, train  # noqa: E402
+from occult.moe.pruning import load_similarity, similarity_path  # noqa: E402
+from occult.placement import Placement  # noqa: E402
 
 TINY_CORPUS = ROOT / "tests" / "data" / "shakespeare_tiny"
 

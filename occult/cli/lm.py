@@ -177,8 +177,8 @@ def run_train(args) -> int:
 
 def load_routing_args(args, num_experts: int, num_layers: int):
     """(placement, similarity) from --placement/--similarity, with the beside-the-placement default."""
-    from occult.placement import Placement
     from occult.moe.pruning import PruningError, load_similarity, similarity_path
+    from occult.placement import Placement
 
     placement = Placement.load(args.placement) if args.placement else None
     if args.max_devices is not None and placement is None:

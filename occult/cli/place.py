@@ -160,8 +160,8 @@ def _add_place_args(p: argparse.ArgumentParser) -> None:
 def run_place(args: argparse.Namespace) -> int:
     """occult place: solve a placement for a trace and report it against contiguous."""
     from occult.placement import Placement
-    from occult.placement.solvers import place
     from occult.placement.report import compare_placements
+    from occult.placement.solvers import place
     from occult.placement.stats import element_size
 
     element_size(args.dtype)  # reject a bad dtype before the long part

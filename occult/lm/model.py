@@ -36,6 +36,7 @@ from occult.moe.layer import OccultMoE
 from occult.moe.pruning import METHODS, PruningError, limit_routers
 from occult.placement import Placement
 
+
 @dataclass
 class ModelConfig:
     """Shape of an `OccultLM`. `expert_ffn_size` is each expert's SwiGLU width."""

@@ -28,7 +28,6 @@ from occult.placement.stats import (
 )
 from occult.placement.trace import Trace
 
-
 _SUMMARY_KEYS = (
     "mean_ct",
     "intra_ratio",

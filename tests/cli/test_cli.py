@@ -180,9 +180,8 @@ def test_registry_and_lazy_commands(capsys):
 
 
 def test_cli_constants_mirror_the_library():
-    from occult.placement import solvers as placement_solvers
-
     from occult.cli import place as place_cli
+    from occult.placement import solvers as placement_solvers
 
     assert place_cli.PLACE_METHODS == placement_solvers.METHODS
     assert place_cli.DEFAULT_KAHYPAR_TOKENS == placement_solvers.DEFAULT_KAHYPAR_TOKENS

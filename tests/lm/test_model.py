@@ -11,8 +11,8 @@ import torch
 from occult.distributed import run_ranks
 from occult.lm.checkpoint import CheckpointError, load_model, save_model
 from occult.lm.model import ModelConfig, OccultLM
-from occult.placement import Placement
 from occult.moe.pruning import PruningError, devices_per_token, expert_similarity
+from occult.placement import Placement
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

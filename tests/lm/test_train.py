@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from occult.lm.data import TokenData
 from occult.lm.checkpoint import CheckpointError, load_model
+from occult.lm.data import TokenData
 from occult.lm.model import ModelConfig, OccultLM
-from occult.placement import Placement
-from occult.moe.pruning import load_similarity
 from occult.lm.train import BEST, CHECKPOINT, FINAL, METRICS, TrainConfig, evaluate, finetune, lr_at, train
+from occult.moe.pruning import load_similarity
+from occult.placement import Placement
 from occult.placement.trace import read_trace
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -130,9 +130,9 @@ def test_pruned_moe_only_finetune(data, tmp_path):
 
 
 def test_profile_writes_trace_and_similarity(data, tmp_path):
-    from occult.placement.solvers import place
     from occult.lm.profile import profile_checkpoint, record_trace
     from occult.moe.routing import softmax_topk
+    from occult.placement.solvers import place
 
     model = new_model(data)
     train(model, data, cfg(steps=4, eval_every=0, save_every=0), tmp_path / "m", progress=False, log=None)
@@ -162,8 +162,8 @@ def test_profile_writes_trace_and_similarity(data, tmp_path):
 
 
 def test_cli_defaults_mirror_the_dataclasses():
-    from occult.lm import data as D
     from occult.cli import lm as C
+    from occult.lm import data as D
 
     m, t = ModelConfig(), TrainConfig()
     assert (C.HIDDEN, C.LAYERS, C.HEADS, C.EXPERTS, C.TOP_K, C.EXPERT_FFN, C.EXPERT_BACKEND) == (

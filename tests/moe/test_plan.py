@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from occult.placement import Placement
 from occult.moe.plan import dedup_plan, standard_plan, trim
+from occult.placement import Placement
 
 
 def _random_case(num_tokens: int, num_experts: int, top_k: int, num_devices: int, seed: int):

@@ -9,7 +9,6 @@ import torch
 from occult.distributed import run_ranks
 from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
-from occult.placement import Placement
 from occult.moe.pruning import (
     PruningError,
     SimilarityAccumulator,
@@ -22,7 +21,7 @@ from occult.moe.pruning import (
     similarity_path,
 )
 from occult.moe.routing import TopKRouter, softmax_topk
-
+from occult.placement import Placement
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from occult.placement import Placement, PlacementError
+from occult.placement.report import compare_placements, layer_stats, trace_stats
 from occult.placement.stats import (
     analytic_mean_ct,
     coactivation,
@@ -22,7 +23,6 @@ from occult.placement.stats import (
     expert_load,
     mean_ct,
 )
-from occult.placement.report import compare_placements, layer_stats, trace_stats
 from occult.placement.synthetic import planted_trace, uniform_trace
 
 

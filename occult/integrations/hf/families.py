@@ -19,7 +19,6 @@ import torch.nn as nn
 
 from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
 
-
 SUPPORTED_TRANSFORMERS = ">=5.17,<6"
 _MIN_VERSION, _MAX_VERSION = (5, 17), (6, 0)
 
