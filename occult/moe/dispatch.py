@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from occult.moe.comm import CommStats, exchange
-from occult.moe.plan import DispatchPlan, dedup_plan, standard_plan, trim
+from occult.moe.plan import DispatchPlan, dedup_plan, standard_plan, static_dedup_plan, static_standard_plan, trim
 
 
 class RoutingError(ValueError):
@@ -148,6 +148,10 @@ class Dispatcher:
     def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
         raise NotImplementedError
 
+    def static_plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
+        """The same rows in fixed-capacity form (`occult.moe.plan.static_capacity` per destination)."""
+        raise NotImplementedError
+
     def exchange_counts(self, send_counts_D: torch.Tensor, status: torch.Tensor) -> tuple[list[int], list[int]]:
         """Swap row counts (and input status) with every rank; the layer's one host sync."""
         header_D2 = torch.stack([send_counts_D.to(torch.int64), status.to(torch.int64).expand(self.num_ranks)], dim=1)
@@ -173,11 +177,22 @@ class Dispatcher:
         expert_device_E: torch.Tensor,
         expert_slot_E: torch.Tensor,
         status: torch.Tensor,
+        sync_free: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchState]:
-        """Send rows out; return (x_RH, slots_RK, gates_RK, state) as received by this rank."""
-        plan = self.plan(ids_TK, expert_device_E, expert_slot_E)
-        send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status)
-        plan = trim(plan, sum(send_splits))
+        """Send rows out; return (x_RH, slots_RK, gates_RK, state) as received by this rank.
+
+        `sync_free=True` sends a fixed-capacity plan with split sizes known from shapes alone:
+        no count exchange, no host wait, capturable in a CUDA graph. Every rank of the group must
+        then pass the same number of tokens (pad the batch), and bad input is not reported
+        (`status` is not exchanged): NaN gates give NaN outputs, out-of-range ids were clamped.
+        """
+        if sync_free:
+            plan = self.static_plan(ids_TK, expert_device_E, expert_slot_E)
+            send_splits = recv_splits = [plan.num_rows // self.num_ranks] * self.num_ranks
+        else:
+            plan = self.plan(ids_TK, expert_device_E, expert_slot_E)
+            send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status)
+            plan = trim(plan, sum(send_splits))
         state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank)
         gates_PK = _GatherGates.apply(weights_TK, plan.entry_PK)
         x_RH, gates_RK, slots_RK = exchange(
@@ -201,6 +216,10 @@ class StandardDispatcher(Dispatcher):
     def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
         return standard_plan(ids_TK, expert_device_E, expert_slot_E, self.num_ranks)
 
+    def static_plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
+        per_device = expert_device_E.shape[0] // self.num_ranks
+        return static_standard_plan(ids_TK, expert_device_E, expert_slot_E, self.num_ranks, per_device)
+
 
 class DedupDispatcher(Dispatcher):
     """Occult's: one copy per (token, device), local experts pre-reduced before the return trip."""
@@ -209,6 +228,10 @@ class DedupDispatcher(Dispatcher):
 
     def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
         return dedup_plan(ids_TK, expert_device_E, expert_slot_E, self.num_ranks)
+
+    def static_plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
+        per_device = expert_device_E.shape[0] // self.num_ranks
+        return static_dedup_plan(ids_TK, expert_device_E, expert_slot_E, self.num_ranks, per_device)
 
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {"standard": StandardDispatcher, "dedup": DedupDispatcher}

@@ -36,6 +36,12 @@ class OccultMoE(nn.Module):
     group as for any replicated parameter. `init_weights=False` leaves the expert weights
     uninitialised, for callers that load them (`from_dense` does). `last_comm_stats` holds the
     rows and bytes sent by the last forward (and, after it, backward).
+
+    `sync_free=True` (settable at any time, e.g. for decode; `set_sync_free` walks a model)
+    dispatches fixed-capacity plans whose all-to-all sizes follow from shapes alone: no host
+    wait, so a forward can be captured in a CUDA graph. Every rank must then pass the same
+    number of tokens, and bad input is not reported across ranks (a wrong hidden size raises on
+    its own rank only). It sends more rows (unused capacity) and is meant for small batches.
     """
 
     def __init__(
@@ -55,6 +61,7 @@ class OccultMoE(nn.Module):
         prune_method: str = "score",
         similarity_EE: torch.Tensor | None = None,
         expert_backend: str = "auto",
+        sync_free: bool = False,
         init_weights: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -72,6 +79,7 @@ class OccultMoE(nn.Module):
         self.num_ranks, self.rank = num_ranks, rank
         self.placement, self.layer_index = placement.layer(layer_index), layer_index
         self.expert_backend = expert_backend
+        self.sync_free = sync_free
         if router is None:
             router = TopKRouter(
                 hidden_size, num_experts, top_k, norm_topk_prob,
@@ -97,6 +105,8 @@ class OccultMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H]; every rank of the group must call it (any token count, even 0)."""
         status = torch.zeros((), dtype=torch.int64, device=self.expert_device_E.device)
+        if x.shape[-1] != self.hidden_size and self.sync_free:
+            raise ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
         if x.shape[-1] != self.hidden_size:
             # Tell the other ranks before raising, so no rank is left waiting in a collective.
             status = status + 3
@@ -112,10 +122,10 @@ class OccultMoE(nn.Module):
         status = torch.maximum(status, torch.where(in_range, 0, 2))
         ids_TK = ids_TK.clamp(0, self.num_experts - 1)
 
-        # 2-3. plan and dispatch (the one host sync happens here)
+        # 2-3. plan and dispatch (the one host sync happens here, unless sync_free)
         try:
             x_RH, slots_RK, gates_RK, state = self.dispatcher.dispatch(
-                x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status
+                x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status, sync_free=self.sync_free
             )
         except RoutingError as exc:
             if x.shape[-1] != self.hidden_size:
@@ -190,3 +200,11 @@ class OccultMoE(nn.Module):
             f"({self.num_experts // self.num_ranks} on rank {self.rank} of {self.num_ranks}), "
             f"top_k={self.top_k}, dispatcher={self.dispatcher.name}"
         )
+
+
+def set_sync_free(module: nn.Module, enabled: bool = True) -> int:
+    """Switch every `OccultMoE` inside `module` to (or from) sync-free dispatch; returns how many."""
+    layers = [m for m in module.modules() if isinstance(m, OccultMoE)]
+    for layer in layers:
+        layer.sync_free = enabled
+    return len(layers)

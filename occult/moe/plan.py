@@ -100,6 +100,72 @@ def dedup_plan(
     )
 
 
+def static_standard_plan(
+    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int,
+    experts_per_device: int,
+) -> DispatchPlan:
+    """Standard plan in fixed-capacity form: destination d's rows are `[d*C, (d+1)*C)`.
+
+    Row `d*C + t*J + i` carries token t's i-th expert on device d (J = min(k, E/D)); unused rows
+    carry the token with slot -1 (nothing is computed for them, their result is never read).
+    The shapes depend only on T, k, E/D and D: no host synchronisation, CUDA-graph capturable.
+    """
+    num_tokens, top_k = ids_TK.shape
+    dev = ids_TK.device
+    J = min(top_k, experts_per_device)
+    capacity = num_tokens * J
+    device_TK = expert_device_E[ids_TK]
+    # position of each entry among the token's entries on the same device (0 .. J-1)
+    same_TKK = device_TK[:, :, None] == device_TK[:, None, :]
+    pos_TK = torch.tril(same_TKK.to(torch.int64), diagonal=-1).sum(dim=2)
+    token_T1 = torch.arange(num_tokens, device=dev)[:, None]
+    row_TK = device_TK * capacity + token_T1 * J + pos_TK
+    num_rows = num_devices * capacity
+    entry_P1 = torch.full((num_rows, 1), -1, dtype=torch.int64, device=dev)
+    slot_P1 = torch.full((num_rows, 1), -1, dtype=torch.int64, device=dev)
+    entry_P1[row_TK.reshape(-1), 0] = torch.arange(num_tokens * top_k, device=dev)
+    slot_P1[row_TK.reshape(-1), 0] = expert_slot_E[ids_TK].reshape(-1)
+    return DispatchPlan(
+        token_P=(torch.arange(num_rows, device=dev) // J) % max(num_tokens, 1),
+        entry_PK=entry_P1,
+        slot_PK=slot_P1,
+        send_counts_D=torch.full((num_devices,), capacity, dtype=torch.int64, device=dev),
+        row_TJ=row_TK,
+    )
+
+
+def static_dedup_plan(
+    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int,
+    experts_per_device: int,
+) -> DispatchPlan:
+    """Dedup plan in fixed-capacity form: row `d*T + t` is token t's copy for device d.
+
+    The row carries the token's expert slots on d (all -1 when it has none there: nothing is
+    computed, the result is never read). No host synchronisation, CUDA-graph capturable.
+    """
+    num_tokens, top_k = ids_TK.shape
+    dev = ids_TK.device
+    device_TK = expert_device_E[ids_TK]
+    token_T1 = torch.arange(num_tokens, device=dev)[:, None]
+    row_TK = device_TK * num_tokens + token_T1
+    column_TK = torch.arange(top_k, device=dev).expand(num_tokens, top_k)
+    num_rows = num_devices * num_tokens
+    entry_PK = torch.full((num_rows, top_k), -1, dtype=torch.int64, device=dev)
+    slot_PK = torch.full((num_rows, top_k), -1, dtype=torch.int64, device=dev)
+    entry_PK[row_TK, column_TK] = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
+    slot_PK[row_TK, column_TK] = expert_slot_E[ids_TK]
+    used_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=dev)
+    used_TD[token_T1.expand(num_tokens, top_k), device_TK] = True
+    rows_TD = torch.arange(num_devices, device=dev)[None, :] * num_tokens + token_T1
+    return DispatchPlan(
+        token_P=torch.arange(num_tokens, device=dev).repeat(num_devices),
+        entry_PK=entry_PK,
+        slot_PK=slot_PK,
+        send_counts_D=torch.full((num_devices,), num_tokens, dtype=torch.int64, device=dev),
+        row_TJ=torch.where(used_TD, rows_TD, -1),
+    )
+
+
 def trim(plan: DispatchPlan, num_rows: int) -> DispatchPlan:
     """Drop the unused tail of a capacity-sized plan once the true row count is known."""
     if plan.num_rows == num_rows:
@@ -114,3 +180,4 @@ def trim(plan: DispatchPlan, num_rows: int) -> DispatchPlan:
 
 
 PLANNERS = {"standard": standard_plan, "dedup": dedup_plan}
+STATIC_PLANNERS = {"standard": static_standard_plan, "dedup": static_dedup_plan}

@@ -75,7 +75,7 @@ def _placement(kind: str, num_experts: int, world_size: int, seed: int) -> Place
 
 
 def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=None, top_k=4,
-             tokens=None, max_devices=None, router_weights_dtype=None, norm=False, salt=0) -> dict:
+             tokens=None, max_devices=None, router_weights_dtype=None, norm=False, sync_free=False, salt=0) -> dict:
     """One layer forward+backward on every rank; the worst relative errors over all ranks."""
     D, rank, dev = ranks.world_size, ranks.rank, ranks.device
     E = experts or 8 * D
@@ -90,7 +90,7 @@ def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=No
         for p32, p in zip(dense32.parameters(), low.parameters()):
             p32.copy_(p.float())
     layer = OccultMoE.from_dense(low, placement=_placement(placement, E, D, seed), dispatcher=dispatcher,
-                                 max_devices=max_devices)
+                                 max_devices=max_devices, sync_free=sync_free)
     layer.router = RecordingRouter(layer.router, router_weights_dtype)
 
     counts = tokens if tokens is not None else [384 + 61 * r for r in range(D)]
@@ -178,6 +178,52 @@ def test_top1_and_topk_all(ranks, top_k):
     k = 1 if top_k == "one" else E
     errors = run_case(ranks, dtype=torch.bfloat16, experts=E, top_k=k, salt=5)
     _assert_within(errors, TOL[torch.bfloat16], f"top_k={k} of {E}")
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
+def test_sync_free_layer_matches_fp32_reference(ranks, dispatcher, dtype_name):
+    """Fixed-capacity (sync-free) dispatch: same function, forward and backward."""
+    dtype = DTYPES[dtype_name]
+    tokens = [96] * ranks.world_size
+    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, tokens=tokens, sync_free=True, salt=8)
+    _assert_within(errors, TOL[dtype], f"sync-free {dispatcher}/{dtype_name}")
+
+
+@pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
+def test_sync_free_forward_replays_in_a_cuda_graph(ranks, dispatcher):
+    """A sync-free forward captured once in a CUDA graph gives, on fresh inputs, what eager dispatch gives."""
+    if ranks.device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    torch.manual_seed(ranks.seed + 9)
+    E, T = 8 * ranks.world_size, 64
+    dense = DenseMoE(HIDDEN, FFN, E, 8, dtype=torch.bfloat16, device=ranks.device)
+    with torch.no_grad():
+        dense.router.gate.weight.mul_(3.0)
+    layer = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed),
+                                 dispatcher=dispatcher, sync_free=True)
+    gen = torch.Generator(device=ranks.device).manual_seed(ranks.seed * 7 + ranks.rank)
+    static_x = torch.randn(T, HIDDEN, dtype=torch.bfloat16, device=ranks.device, generator=gen)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                layer(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x)
+        worst = 0.0
+        for _ in range(3):
+            fresh = torch.randn(T, HIDDEN, dtype=torch.bfloat16, device=ranks.device, generator=gen)
+            static_x.copy_(fresh)
+            graph.replay()
+            layer.sync_free = False
+            expected = layer(fresh)
+            layer.sync_free = True
+            worst = max(worst, _rel(static_y, expected))
+    assert ranks.all_max(worst) < 1e-2, worst
 
 
 def test_nan_input_raises_on_every_rank_and_the_group_survives(ranks):

@@ -63,7 +63,8 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     x_all = torch.randn(sum(tokens), H, dtype=dtype)
     g_all = torch.randn(sum(tokens), H, dtype=dtype)
     placement = _placement(case["placement"], E, world_size, case["seed"])
-    layer = OccultMoE.from_dense(dense, placement=placement, dispatcher=case["dispatcher"])
+    layer = OccultMoE.from_dense(dense, placement=placement, dispatcher=case["dispatcher"],
+                                 sync_free=case.get("sync_free", False))
     if case.get("forced_expert") is not None:
         dense.router = ForcedRouter(dense.router.gate, case["forced_expert"], K)
         layer.router = ForcedRouter(layer.router.gate, case["forced_expert"], K)
@@ -96,7 +97,10 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     with torch.no_grad():
         _, ids_TK = layer.router(x_all[sl])
     # What the statistics module predicts for this routing (rows = sum C_T or T*k; bytes = 2*rows*H*size).
-    if case["dispatcher"] == "dedup":
+    if case.get("sync_free"):  # fixed capacity: T rows (dedup) or T*min(k, E/D) (standard) per destination
+        per_device = E // world_size
+        expected_rows = world_size * tokens[rank] * (1 if case["dispatcher"] == "dedup" else min(K, per_device))
+    elif case["dispatcher"] == "dedup":
         expected_rows = int(devices_per_token(ids_TK.numpy(), placement.expert_device(0), world_size).sum())
     else:
         expected_rows = tokens[rank] * K
@@ -149,6 +153,15 @@ def _cases_for(world_size: int) -> list[dict]:
             dict(tokens=uneven, top_k=1, placement="permuted"),           # top-1
             dict(tokens=uneven, top_k=E, placement="permuted"),           # top-k = all experts
             dict(tokens=uneven, top_k=E, norm=True),
+        ]
+        even = [rng.randrange(5, 40)] * world_size  # sync-free dispatch: the same token count on every rank
+        edge += [
+            dict(tokens=even, top_k=3, placement="permuted", sync_free=True),
+            dict(tokens=even, top_k=3, dtype=torch.float32, norm=True, sync_free=True),
+            dict(tokens=[0] * world_size, top_k=2, sync_free=True),
+            dict(tokens=even, top_k=1, placement="permuted", sync_free=True),
+            dict(tokens=even, top_k=E, sync_free=True),
+            dict(tokens=even, forced_expert=E - 1, top_k=2, sync_free=True),
         ]
         for kw in edge:
             kw.setdefault("experts", E)

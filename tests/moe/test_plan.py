@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from occult.moe.plan import dedup_plan, standard_plan, trim
+from occult.moe.plan import dedup_plan, standard_plan, static_dedup_plan, static_standard_plan, trim
 from occult.placement import Placement
 
 
@@ -80,3 +80,35 @@ def test_token_sum_kernel_matches_index_add():
         y_PH = torch.randn(plan.num_rows, 24)
         ref = torch.zeros(33, 24).index_add_(0, plan.token_P, y_PH)
         torch.testing.assert_close(gather_sum(y_PH, plan.row_TJ), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,num_devices", [
+    (50, 16, 4, 4), (7, 8, 8, 2), (30, 12, 1, 3), (0, 8, 2, 2), (40, 64, 8, 8), (25, 6, 6, 1), (20, 16, 6, 2),
+])
+def test_static_plan_carries_every_entry_once_in_fixed_capacity(dedup, num_tokens, num_experts, top_k, num_devices):
+    """Sync-free plans: the same entries, rows and slots, in slots of a fixed capacity per destination."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    ids_TK, device_E, slot_E = _random_case(num_tokens, num_experts, top_k, num_devices, seed)
+    per_device = num_experts // num_devices
+    build = static_dedup_plan if dedup else static_standard_plan
+    plan = build(ids_TK, device_E, slot_E, num_devices, per_device)
+    capacity = num_tokens * (1 if dedup else min(top_k, per_device))
+    assert plan.send_counts_D.tolist() == [capacity] * num_devices and plan.num_rows == num_devices * capacity
+    # every entry once, to its expert's device and slot (rows outside the capacity would be caught here)
+    dest_P = torch.arange(plan.num_rows) // max(capacity, 1)
+    rows, cols = (plan.entry_PK >= 0).nonzero(as_tuple=True)
+    flat = plan.entry_PK[rows, cols]
+    assert sorted(flat.tolist()) == list(range(num_tokens * top_k))
+    assert torch.equal(plan.token_P[rows], flat // top_k)
+    assert torch.equal(dest_P[rows], device_E[ids_TK.reshape(-1)[flat]])
+    assert torch.equal(plan.slot_PK[rows, cols], slot_E[ids_TK.reshape(-1)[flat]])
+    assert torch.equal((plan.slot_PK >= 0), (plan.entry_PK >= 0))
+    # row_TJ lists exactly each token's used rows (those carrying an entry)
+    valid = plan.row_TJ >= 0
+    t_idx = torch.arange(num_tokens)[:, None].expand_as(plan.row_TJ)
+    assert torch.equal(plan.token_P[plan.row_TJ[valid]], t_idx[valid])
+    assert sorted(plan.row_TJ[valid].tolist()) == sorted(set(rows.tolist()))
+    # the compact plan's rows are exactly the used ones
+    compact = (dedup_plan if dedup else standard_plan)(ids_TK, device_E, slot_E, num_devices)
+    assert int(valid.sum()) == int(compact.send_counts_D.sum())
