@@ -209,12 +209,9 @@ def check_logits(model: nn.Module, ids_BS: torch.Tensor, ref_BSV: torch.Tensor) 
 
 def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.device, world: int) -> tuple[Placement, dict]:
     """Profile the model's routing (one calibration batch per rank), solve a greedy placement on rank 0."""
-    try:  # the solver and stats modules are moving; lazy imports with the old names as fallback
-        from occult.placement.solvers import place
-        from occult.placement.stats import mean_ct
-    except ImportError:
-        from occult.placement_solvers import place
-        from occult.stats import mean_ct
+    from occult.placement.solvers import place
+    from occult.placement.stats import mean_ct
+
     gen = torch.Generator().manual_seed(10_000 + args.seed + dist.get_rank())
     t0 = time.perf_counter()
     trace = hf.profile(model, [random_ids(args.batch, args.seq, model.config.vocab_size, device, gen)])

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "e2e.py"
 VARIANTS = ("replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
 EXACT = ("replicated", "standard", "dedup", "dedup+placement")
