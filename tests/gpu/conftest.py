@@ -9,6 +9,10 @@ Two kinds of test live here:
 Without a CUDA GPU everything here is skipped, so the CPU suite (`python -m pytest -q`) collects
 it harmlessly. `OCCULT_GPU_SUITE_ON_CPU=1` runs the collective tests on CPU gloo ranks under
 torchrun instead: a check of the suite's own logic, not of NCCL or the Triton kernels.
+`OCCULT_GPU_SUITE_BACKEND=gloo` runs them on GPUs with gloo collectives over CUDA tensors, ranks
+sharing GPUs when there are more ranks than GPUs (NCCL refuses two ranks on one GPU): everything
+on the GPU is real (half precision, Triton kernels, transformers models) except NCCL itself and
+the CUDA-graph capture of collectives, which are skipped.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ ON_CPU = os.environ.get("OCCULT_GPU_SUITE_ON_CPU", "0") == "1"
 UNDER_TORCHRUN = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 HAVE_GPU = torch.cuda.is_available()
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("OCCULT_GPU_SUITE_TIMEOUT_S", "120"))
+BACKEND = "gloo" if ON_CPU else os.environ.get("OCCULT_GPU_SUITE_BACKEND", "nccl")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,6 +57,7 @@ class Ranks:
     world_size: int
     device: torch.device
     seed: int  # drawn fresh on rank 0 for this session and broadcast
+    backend: str
 
     def all_max(self, value: float) -> float:
         """The largest value over all ranks (every rank asserts on the same number)."""
@@ -64,7 +70,11 @@ class Ranks:
 def ranks() -> Ranks:
     from occult.distributed import init_distributed
 
-    rank, world_size = init_distributed("gloo" if ON_CPU else "nccl", timeout_s=COLLECTIVE_TIMEOUT_S)
+    if BACKEND not in ("nccl", "gloo"):
+        raise ValueError(f"OCCULT_GPU_SUITE_BACKEND must be 'nccl' or 'gloo', got {BACKEND!r}")
+    if not ON_CPU:  # gloo ranks may share a GPU; NCCL's init_distributed sets the device itself
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    rank, world_size = init_distributed(BACKEND, timeout_s=COLLECTIVE_TIMEOUT_S)
     if world_size < 2:
         pytest.skip("collective GPU tests need at least 2 ranks")
     device = torch.device("cpu") if ON_CPU else torch.device("cuda", torch.cuda.current_device())
@@ -74,5 +84,5 @@ def ranks() -> Ranks:
     dist.broadcast(seed_t, src=0)
     seed = int(seed_t.item())
     if rank == 0:
-        print(f"\n[gpu suite] {world_size} ranks on {device.type}, session seed {seed}")
-    return Ranks(rank, world_size, device, seed)
+        print(f"\n[gpu suite] {world_size} ranks on {device.type}, {BACKEND}, session seed {seed}")
+    return Ranks(rank, world_size, device, seed, BACKEND)

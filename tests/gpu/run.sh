@@ -5,6 +5,8 @@
 #   3. a summary table (versions, every case on every rank) on stdout and in OUT/summary.md.
 # Usage: bash tests/gpu/run.sh [OUT]            (OUT defaults to gpu-suite-results/)
 #        OCCULT_GPU_SUITE_NPROC=2 bash tests/gpu/run.sh   (fewer ranks than GPUs)
+#        OCCULT_GPU_SUITE_BACKEND=gloo bash tests/gpu/run.sh  (gloo over CUDA tensors; ranks may share
+#                                                          GPUs, so 1 GPU gives 2 ranks: not NCCL)
 #        OCCULT_GPU_SUITE_ON_CPU=1 bash tests/gpu/run.sh  (the collective tests on 2 CPU gloo ranks:
 #                                                          checks the suite's logic, not NCCL)
 # Extra pytest arguments go in PYTEST_ARGS (e.g. PYTEST_ARGS="-k olmoe").
@@ -19,9 +21,15 @@ python=${PYTHON:-python3}
 if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" = 1 ]; then
   nproc=${OCCULT_GPU_SUITE_NPROC:-2}
 else
-  nproc=${OCCULT_GPU_SUITE_NPROC:-$($python -c 'import torch; print(torch.cuda.device_count())')}
-  if [ "$nproc" -lt 2 ]; then
-    echo "the GPU suite needs at least 2 GPUs (found $nproc); OCCULT_GPU_SUITE_ON_CPU=1 runs its logic on CPU" >&2
+  ngpu=$($python -c 'import torch; print(torch.cuda.device_count())')
+  if [ "${OCCULT_GPU_SUITE_BACKEND:-nccl}" = gloo ]; then
+    nproc=${OCCULT_GPU_SUITE_NPROC:-$(( ngpu < 2 ? 2 : ngpu ))}
+  else
+    nproc=${OCCULT_GPU_SUITE_NPROC:-$ngpu}
+  fi
+  if [ "$ngpu" -lt 1 ] || [ "$nproc" -lt 2 ] || { [ "${OCCULT_GPU_SUITE_BACKEND:-nccl}" = nccl ] && [ "$nproc" -gt "$ngpu" ]; }; then
+    echo "the GPU suite over NCCL needs at least 2 GPUs and one per rank (found $ngpu GPUs, $nproc ranks);" \
+         "OCCULT_GPU_SUITE_BACKEND=gloo shares GPUs between ranks; OCCULT_GPU_SUITE_ON_CPU=1 checks its logic on CPU" >&2
     exit 2
   fi
 fi

@@ -32,7 +32,9 @@ def _versions() -> list[str]:
             lines.append(f"{mod} {__import__(mod).__version__}")
         except Exception:
             lines.append(f"{mod} not installed")
-    for var in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "OCCULT_GPU_SUITE_ON_CPU"):
+    lines.append("collectives: " + ("gloo (CPU)" if os.environ.get("OCCULT_GPU_SUITE_ON_CPU") == "1"
+                                    else os.environ.get("OCCULT_GPU_SUITE_BACKEND", "nccl")))
+    for var in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "OCCULT_GPU_SUITE_NPROC"):
         if os.environ.get(var):
             lines.append(f"{var}={os.environ[var]}")
     return lines
