@@ -7,9 +7,10 @@ unconverted model holding the same weights, in fp32, run on every rank on all ra
 
 In fp32 the converted model must match to 1e-4. In bf16 the arithmetic is rounded and routing
 may break a near-tie the other way on a few tokens (a legitimate half-precision difference that
-moves those tokens' outputs by a lot), so logits are judged per token: the median token's
-relative error must be at bf16's level and at most 5% of tokens may be off by more than a
-looser bound. A wrong expert, gate or row would put most tokens far off.
+moves those tokens' outputs by a lot), so logits are judged per token: the median token's and
+the 95th-percentile token's relative errors must stay under fixed bounds or twice what the
+unconverted model in bf16 shows against the same fp32 reference, whichever is larger. A wrong
+expert, gate or row would put most tokens far off.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from occult import Placement  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"]
-VOCAB, SEQ, BATCH = 96, 16, 2
+VOCAB, SEQ, BATCH = 96, 16, 8
 FP32_TOL = 1e-4
 BF16_MEDIAN, BF16_P95, BF16_GRAD = 2e-2, 1e-1, 3e-2  # BF16_GRAD: or 3x the unconverted bf16 model's own error
 
@@ -99,7 +100,8 @@ def test_converted_model_matches_unconverted(ranks, family, dtype_name, shared_d
     loss, loss_ref = _lm_loss(logits, ids), _lm_loss(logits_ref, all_ids)
     loss.backward()
     loss_ref.backward()
-    _lm_loss(same_dtype_reference(all_ids).logits, all_ids).backward()
+    logits_same = same_dtype_reference(all_ids).logits
+    _lm_loss(logits_same, all_ids).backward()
     hf.sync_gradients(model)
     token_err = _token_errors(logits, logits_ref[mine])
     ref_params, same_params = dict(reference.named_parameters()), dict(same_dtype_reference.named_parameters())
@@ -119,12 +121,15 @@ def test_converted_model_matches_unconverted(ranks, family, dtype_name, shared_d
             over[name] = (err, bound)
         compared += 1
     assert compared == len(ref_params) - sum(p.grad is None for p in reference.parameters()), where
+    same_err = _token_errors(logits_same[mine], logits_ref[mine])
     median, p95 = ranks.all_max(token_err.median().item()), ranks.all_max(token_err.quantile(0.95).item())
+    median_same, p95_same = ranks.all_max(same_err.median().item()), ranks.all_max(same_err.quantile(0.95).item())
     assert ranks.all_max(float(len(over))) == 0, (where, "gradients off", over)
     if dtype == torch.float32:
         assert ranks.all_max(token_err.max().item()) < FP32_TOL, (where, token_err.max().item())
     else:
-        assert median < BF16_MEDIAN and p95 < BF16_P95, (where, f"median {median:.3g}, p95 {p95:.3g}")
+        assert median < max(BF16_MEDIAN, 2 * median_same) and p95 < max(BF16_P95, 2 * p95_same), (
+            where, f"median {median:.3g}, p95 {p95:.3g}; unconverted bf16: median {median_same:.3g}, p95 {p95_same:.3g}")
 
     # greedy generation with a KV cache, ranks with different prompt lengths, vs the unconverted
     # model in the same dtype: equal, or apart only after a step the reference itself calls a near-tie
