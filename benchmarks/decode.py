@@ -1,0 +1,375 @@
+"""Decode-step benchmark: one new token per sequence through a whole expert-parallel model, eager
+and CUDA-graph captured, against the replicated floor (issue 16).
+
+    torchrun --nproc-per-node 2 benchmarks/decode.py --model olmoe --out decode.json
+    NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/decode.py --model olmoe --out decode_nop2p.json
+
+A decode step is one forward of the model on input ids [B, 1] with use_cache=False (no KV
+cache), giving the logits of that token; B is the number of sequences (tokens) per GPU, the
+same on every rank. The model is built as in benchmarks/e2e.py: seeded random weights (bf16 on
+GPUs, fp32 on CPU) broadcast from rank 0, router weights re-drawn wider (--router-std). Variants:
+
+  replicated                 all experts on every GPU (converted over a one-rank group: occult's
+                             kernels, no expert-parallel traffic); the floor
+  standard, dedup            occult eager: one host synchronisation per MoE layer (split sizes)
+  standard-syncfree,         eager with occult.set_sync_free: fixed-capacity all-to-all, no host
+  dedup-syncfree             synchronisation (more rows sent: unused capacity)
+  replicated+graph,          the step captured in a torch.cuda.CUDAGraph (sync-free dispatch;
+  standard-syncfree+graph,   3 warm-up steps on a side stream, then capture; each step copies
+  dedup-syncfree+graph       fresh ids into the static input buffer and replays). CUDA only: on
+                             CPU they are reported as skipped. A capture error is recorded for
+                             that variant and batch size, and the run goes on.
+
+Each converted model is built once (replicated, standard, dedup) and serves all its variants at
+every batch size; graphs are captured per batch size. Before timing, each (variant, batch) is
+checked on a fixed batch against the unconverted model (per-token relative L2 error of the
+logits, median and p95, max over ranks; graph variants on their replay output): a median above
+--tol marks it failed (not timed) and the run exits 1 at the end. Timing: --warmup untimed steps,
+then --iters steps with fresh random ids, ranks meeting at a barrier before each; a step's time
+is the slowest rank's (CUDA events on GPUs, wall clock on CPU). Reported: ms per step p50 (the
+median), p10, p90, p99, tokens/s per GPU, and the ratio to the floor (replicated+graph at that
+batch size, else replicated eager). Rank 0 writes the JSON (atomically) after every variant and
+batch size and prints a Markdown table last. NCCL_P2P_DISABLE is only recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from e2e import (  # noqa: E402  (benchmarks/e2e.py: shared model building and reporting helpers)
+    MODELS, TINY, build_model, check_setup, comm_stats, environment, log, random_ids, synchronize, write_json,
+)
+from occult import set_sync_free  # noqa: E402
+from occult.distributed import init_distributed  # noqa: E402
+from occult.integrations import hf  # noqa: E402
+
+
+class Variant(NamedTuple):
+    base: str  # the converted model it runs on: replicated, standard or dedup
+    sync_free: bool
+    graph: bool
+
+
+VARIANTS: dict[str, Variant] = {
+    "replicated": Variant("replicated", False, False),
+    "standard": Variant("standard", False, False),
+    "dedup": Variant("dedup", False, False),
+    "standard-syncfree": Variant("standard", True, False),
+    "dedup-syncfree": Variant("dedup", True, False),
+    "replicated+graph": Variant("replicated", True, True),
+    "standard-syncfree+graph": Variant("standard", True, True),
+    "dedup-syncfree+graph": Variant("dedup", True, True),
+}
+Step = Callable[[torch.Tensor], torch.Tensor]  # ids [B, 1] -> logits [B, 1, V]
+
+
+def variant_list(text: str) -> list[str]:
+    """argparse type: a comma list of variants ("all": every one), kept in the canonical order."""
+    names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)}")
+    return [v for v in VARIANTS if v in names]
+
+
+def batch_list(text: str) -> list[int]:
+    """argparse type: a comma list of batch sizes (tokens per GPU), each >= 1."""
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch sizes must be integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"every batch size must be >= 1, got {text!r}")
+    return sorted(set(sizes))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY],
+                   help="model shape (olmoe: OLMoE-1B-7B; tiny*: CPU smoke runs)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    p.add_argument("--variants", type=variant_list, default="all", help=f"comma list or 'all' of {', '.join(VARIANTS)}")
+    p.add_argument("--batch", type=batch_list, default="1,8,64,256", help="comma list of sequences (= tokens) per GPU per step")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant and batch size")
+    p.add_argument("--iters", type=int, default=50, help="timed steps per variant and batch size")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
+    p.add_argument("--router-std", type=float, default=0.05, help="router weight std at hidden 2048")
+    p.add_argument("--router-groups", type=int, default=0, help="plant co-activation in this many expert groups (0: off)")
+    p.add_argument("--tol", type=float, default=2e-2, help="max median relative logit error of a variant")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write every number as JSON here (rank 0, atomically)")
+    args = p.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be >= 1")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> Any:
+    """The transformers config of --model (tiny*: hf.tiny_config), --layers applied."""
+    import transformers
+
+    extra: dict[str, Any] = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    if args.model in TINY:
+        return hf.tiny_config(TINY[args.model], vocab_size=256, **extra)
+    cls, fields = MODELS[args.model]
+    return getattr(transformers, cls)(**{**fields, "tie_word_embeddings": False, **extra})
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def build_base(base: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> nn.Module:
+    """The random model converted as `base`: replicated (one-rank group), standard or dedup (all ranks)."""
+    model = build_model(args, cfg, ctx["device"], ctx["dtype"]).eval()
+    if base == "replicated":
+        return hf.convert(model, group=ctx["self_group"], dispatcher="dedup")
+    return hf.convert(model, dispatcher=base)
+
+
+def eager_step(model: nn.Module) -> Step:
+    """One decode forward: ids [B, 1] -> logits [B, 1, V]."""
+    def step(ids_B1: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids_B1, use_cache=False).logits
+    return step
+
+
+def graph_step(model: nn.Module, ids_B1: torch.Tensor) -> tuple[Step, torch.cuda.CUDAGraph]:
+    """Capture one decode forward at ids_B1's shape; the step copies ids into the static buffer and replays."""
+    forward = eager_step(model)
+    static_ids_B1 = ids_B1.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compilation, allocator) off the capture stream
+        for _ in range(3):
+            forward(static_ids_B1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_logits_B1V = forward(static_ids_B1)
+
+    def step(new_ids_B1: torch.Tensor) -> torch.Tensor:
+        static_ids_B1.copy_(new_ids_B1)
+        graph.replay()
+        return static_logits_B1V
+    return step, graph
+
+
+def agree_on_error(error: str | None) -> str | None:
+    """The first rank's error text (any rank's failure fails all), or None if every rank succeeded."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+
+
+def check(step: Step, ids_B1: torch.Tensor, ref_B1V: torch.Tensor, tol: float) -> dict[str, Any]:
+    """Per-token relative L2 error of the step's logits vs the unconverted model (max over ranks)."""
+    out_B1V = step(ids_B1).float()
+    err_B = ((out_B1V - ref_B1V).norm(dim=-1) / ref_B1V.norm(dim=-1).clamp_min(1e-30)).flatten()
+    q_2 = torch.quantile(err_B.double().cpu(), torch.tensor([0.5, 0.95], dtype=torch.float64)).to(ids_B1.device)
+    dist.all_reduce(q_2, op=dist.ReduceOp.MAX)
+    same_1 = (out_B1V.argmax(-1) == ref_B1V.argmax(-1)).double().mean().reshape(1)
+    dist.all_reduce(same_1, op=dist.ReduceOp.MIN)
+    median = float(q_2[0])
+    return {"median_rel_err": median, "p95_rel_err": float(q_2[1]), "argmax_agreement": float(same_1),
+            "passed": median <= tol}
+
+
+def time_steps(step: Step, batch: int, args: argparse.Namespace, vocab: int, device: torch.device) -> dict[str, Any]:
+    """Per-step ms (slowest rank) over --iters steps with fresh ids: p10/p50/p90/p99, tokens/s/GPU."""
+    gen = torch.Generator().manual_seed(20_000 + args.seed + dist.get_rank())
+    times = []
+    for i in range(args.warmup + args.iters):
+        ids_B1 = random_ids(batch, 1, vocab, device, gen)
+        dist.barrier()
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(ids_B1)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            step(ids_B1)
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= args.warmup:
+            times.append(ms)
+    ms_N = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(ms_N, op=dist.ReduceOp.MAX)
+    q = torch.quantile(ms_N.cpu(), torch.tensor([0.1, 0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    return {"ms_p10": q[0], "ms_p50": q[1], "ms_median": q[1], "ms_p90": q[2], "ms_p99": q[3],
+            "ms_all": ms_N.tolist(), "tokens_per_s_per_gpu": batch / (q[1] / 1e3)}
+
+
+def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
+    """Check, then time one variant at one batch size on its (already converted) model."""
+    spec, device = VARIANTS[name], ctx["device"]
+    set_sync_free(model, spec.sync_free)
+    ids_B1, ref_B1V = ctx["check_ids"][:batch], ctx["ref_logits"][:batch]
+    if spec.graph and device.type != "cuda":
+        return {"skipped": f"CUDA graphs need a GPU (device {device.type})"}
+    graph = None
+    if spec.graph:
+        error = None
+        try:
+            step, graph = graph_step(model, ids_B1)
+        except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
+            error = f"{type(exc).__name__}: {exc}"
+        error = agree_on_error(error)
+        if error:
+            free_memory(device)
+            return {"error": f"capture failed: {error}"}
+    else:
+        step = eager_step(model)
+    res: dict[str, Any] = {"check": check(step, ids_B1, ref_B1V, args.tol)}
+    res["comm"] = comm_stats(model, device)
+    if res["check"]["passed"]:
+        res.update(time_steps(step, batch, args, ctx["vocab"], device))
+    del step, graph
+    free_memory(device)
+    return res
+
+
+def describe(name: str, batch: int, r: dict[str, Any]) -> str:
+    """One log line for a (variant, batch) result."""
+    head = f"{name} B={batch}:"
+    if "skipped" in r or "error" in r:
+        return f"{head} {r.get('skipped') or r['error']}"
+    c = r["check"]
+    text = f"{head} check median {c['median_rel_err']:.2e} p95 {c['p95_rel_err']:.2e}"
+    if not c["passed"]:
+        return text + "  FAILED"
+    return text + (f"; {r['ms_p50']:.2f} ms p50 (p10 {r['ms_p10']:.2f}, p99 {r['ms_p99']:.2f}), "
+                   f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+
+
+def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> list[dict[str, Any]]:
+    """Rows batch x variant: p50, p99, tokens/s/GPU, ratio to the floor, or why not timed."""
+    rows = []
+    for b in batches:
+        got = {n: report["variants"].get(n, {}).get("batches", {}).get(str(b)) for n in names}
+        floor_name = next((f for f in ("replicated+graph", "replicated") if (got.get(f) or {}).get("ms_p50")), None)
+        for n in names:
+            r = got[n]
+            if r is None:
+                continue
+            row: dict[str, Any] = {"batch": b, "variant": n}
+            if "ms_p50" in r:
+                row.update(ms_p50=r["ms_p50"], ms_p99=r["ms_p99"], tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
+                           x_floor=r["ms_p50"] / got[floor_name]["ms_p50"] if floor_name else None, floor=floor_name)
+            else:
+                row["note"] = r.get("skipped") or r.get("error") or "check FAILED"
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: batch x variant -> ms p50, ms p99, tokens/s/GPU, x floor."""
+    lines = ["| batch | variant | ms p50 | ms p99 | tok/s/GPU | x floor |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "note" in r:
+            note = r["note"] if len(r["note"]) <= 60 else r["note"][:57] + "..."
+            lines.append(f"| {r['batch']} | {r['variant']} | {note.replace('|', '/')} | | | |")
+            continue
+        ratio = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
+        lines.append(f"| {r['batch']} | {r['variant']} | {r['ms_p50']:.2f} | {r['ms_p99']:.2f} | "
+                     f"{r['tokens_per_s_per_gpu']:,.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def reference_logits(args: argparse.Namespace, cfg: Any, ctx: dict) -> float:
+    """Check ids [max B, 1] per rank and the unconverted model's logits on them (ctx); returns build seconds."""
+    t0 = time.perf_counter()
+    ref = build_model(args, cfg, ctx["device"], ctx["dtype"]).eval()
+    build_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(30_000 + args.seed + dist.get_rank())
+    ctx["check_ids"] = random_ids(max(args.batch), 1, cfg.vocab_size, ctx["device"], gen)
+    with torch.no_grad():
+        ctx["ref_logits"] = ref(input_ids=ctx["check_ids"], use_cache=False).logits.float()
+    del ref
+    free_memory(ctx["device"])
+    return build_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = model_config(args)
+    problem = check_setup(args, cfg, world)
+    if problem:
+        if rank == 0:
+            print(f"decode.py: error: {problem}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
+    self_groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    ctx: dict[str, Any] = {"device": device, "dtype": dtype, "self_group": self_groups[rank], "vocab": cfg.vocab_size}
+    report: dict[str, Any] = {
+        "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype),
+                   "decode": "input ids [B, 1], use_cache=False, logits of that token", "model_config": cfg.to_dict()},
+        "env": environment(device, world), "variants": {}, "table": []}
+    report["env"]["build_s"] = reference_logits(args, cfg, ctx)
+    log(f"{args.model}: {cfg.num_hidden_layers} layers, {world} ranks, "
+        f"{device.type} {dtype}, batches {args.batch} per GPU, NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, "
+        f"reference built in {report['env']['build_s']:.1f} s")
+    if device.type != "cuda" and any(VARIANTS[n].graph for n in args.variants):
+        log("note: CUDA-graph variants are skipped on CPU")
+    for base in dict.fromkeys(VARIANTS[n].base for n in args.variants):  # each converted model built once
+        t0 = time.perf_counter()
+        model = build_base(base, args, cfg, ctx)
+        names = [n for n in args.variants if VARIANTS[n].base == base]
+        for n in names:
+            report["variants"][n] = {**VARIANTS[n]._asdict(), "setup_s": time.perf_counter() - t0, "batches": {}}
+        for batch in args.batch:
+            for n in names:
+                r = run_one(model, n, batch, args, ctx)
+                report["variants"][n]["batches"][str(batch)] = r
+                log(describe(n, batch, r))
+                report["table"] = summary(report, args.variants, args.batch)
+                if rank == 0 and args.out:
+                    write_json(args.out, report)
+        del model
+        free_memory(device)
+    failed = sorted({n for n, v in report["variants"].items() for r in v["batches"].values()
+                     if not r.get("check", {}).get("passed", True)})
+    errors = sorted({n for n, v in report["variants"].items() for r in v["batches"].values() if "error" in r})
+    if errors:
+        log(f"warning: CUDA-graph capture failed for {', '.join(errors)} (error text above and in the JSON)")
+    log("\n" + table(report["table"]))
+    dist.destroy_process_group()
+    if failed:
+        if rank == 0:
+            print(f"decode.py: error: variant(s) {', '.join(failed)} differ from the unconverted model "
+                  f"(median relative logit error above --tol {args.tol})", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

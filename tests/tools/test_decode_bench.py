@@ -1,0 +1,81 @@
+"""CPU smoke tests of the decode-step benchmark `benchmarks/decode.py` (2 gloo ranks, tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "decode.py"
+EAGER = ("replicated", "standard", "dedup", "standard-syncfree", "dedup-syncfree")
+GRAPH = ("replicated+graph", "standard-syncfree+graph", "dedup-syncfree+graph")
+BATCHES = ("1", "4")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_decode_tiny_every_variant(tmp_path):
+    out = tmp_path / "decode.json"
+    res = _torchrun(2, "--model", "tiny", "--batch", "1,4", "--iters", "3", "--warmup", "1", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["env"]["world_size"] == 2 and "NCCL_P2P_DISABLE" in report["env"]
+    assert report["env"]["torch"] and report["env"]["transformers"]
+    assert report["config"]["batch"] == [1, 4] and report["config"]["iters"] == 3
+    assert set(report["variants"]) == set(EAGER + GRAPH)
+    for name in EAGER:
+        v = report["variants"][name]
+        assert v["graph"] is False and v["sync_free"] == name.endswith("syncfree")
+        for b in BATCHES:
+            r = v["batches"][b]
+            # fp32 on CPU: the converted model is the unconverted one up to rounding
+            assert r["check"]["passed"] and r["check"]["median_rel_err"] < 1e-4, (name, b, r["check"])
+            assert r["check"]["argmax_agreement"] == 1.0
+            assert 0 < r["ms_p10"] <= r["ms_p50"] <= r["ms_p90"] <= r["ms_p99"], (name, b, r)
+            assert len(r["ms_all"]) == 3 and r["tokens_per_s_per_gpu"] > 0
+            assert r["comm"]["forward_rows"] > 0
+    for name in GRAPH:
+        for b in BATCHES:
+            assert "CUDA graphs need a GPU" in report["variants"][name]["batches"][b]["skipped"]
+    rows = {(r["batch"], r["variant"]): r for r in report["table"]}
+    assert rows[(4, "replicated")]["x_floor"] == pytest.approx(1.0)  # no graphs on CPU: the eager floor
+    assert rows[(1, "dedup")]["floor"] == "replicated" and rows[(1, "dedup")]["x_floor"] > 0
+    assert report["variants"]["replicated"]["batches"]["4"]["comm"]["forward_remote_rows"] == 0
+    lines = res.stdout.strip().splitlines()
+    assert lines[-1].startswith("| 4 | dedup-syncfree+graph | CUDA graphs need a GPU")
+    assert "| batch | variant | ms p50 | ms p99 | tok/s/GPU | x floor |" in lines
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variants", "dedup,bogus"], "unknown variant"),
+    (["--batch", "8,0"], "every batch size must be >= 1"),
+    (["--batch", "x"], "batch sizes must be integers"),
+])
+def test_decode_bad_arguments_fail_clearly(args, message):
+    res = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode != 0
+    assert message in res.stderr, res.stderr[-2000:]
+
+
+def test_decode_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
+    res = _torchrun(3, "--model", "tiny", "--batch", "1", "--out", str(tmp_path / "x.json"))
+    assert res.returncode != 0
+    assert "not divisible by world size 3" in res.stdout + res.stderr
+    assert not (tmp_path / "x.json").exists()
