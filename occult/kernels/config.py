@@ -12,6 +12,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -63,10 +65,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def get(name: str) -> TileConfig:
+def get(name: str, dtype: torch.dtype | None = None) -> TileConfig:
+    """Kernel `name`'s tiles for operands of `dtype`.
+
+    The GPU defaults are sized for 2-byte operands; 4-byte (fp32) operands get half the
+    contraction block, so every pipeline stage holds the same bytes of shared memory (the bf16
+    tiles at fp32 overflow Hopper's 227 KB). An `override` is used as given.
+    """
     if name in _OVERRIDES:
         return _OVERRIDES[name]
-    return (INTERPRET_DEFAULTS if interpreting() else GPU_DEFAULTS)[name]
+    if interpreting():
+        return INTERPRET_DEFAULTS[name]
+    cfg = GPU_DEFAULTS[name]
+    if dtype is not None and dtype.itemsize >= 4 and cfg.block_k >= 32:
+        cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+    return cfg
 
 
 def override(name: str, config: TileConfig | None = None, **fields) -> None:

@@ -178,7 +178,7 @@ def gather_gemm_swiglu(
     bound = pair_P.numel()
     h_PF = x_RH.new_empty((bound, ffn))
     ab_PF2 = x_RH.new_empty((bound, two_f)) if save_ab else None
-    cfg = _config.get("gemm1")
+    cfg = _config.get("gemm1", x_RH.dtype)
     tiles = max_tiles(bound, num_experts, cfg.block_m) * triton.cdiv(ffn, cfg.block_n)
     upcast, prec = dot_flags(x_RH.dtype)
     grid = (_num_programs(x_RH.device, tiles, cfg.ctas_per_sm),)
@@ -212,7 +212,7 @@ def gemm_scatter(
     """
     num_experts, kd, n = b_EKN.shape
     bound = pair_P.numel()
-    cfg = _config.get(config_name or ("gemm2_atomic" if atomic else "gemm2"))
+    cfg = _config.get(config_name or ("gemm2_atomic" if atomic else "gemm2"), a_PK.dtype)
     tiles = max_tiles(bound, num_experts, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     upcast, prec = dot_flags(a_PK.dtype)
     grid = (_num_programs(a_PK.device, tiles, cfg.ctas_per_sm),)

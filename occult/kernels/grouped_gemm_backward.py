@@ -168,7 +168,7 @@ def swiglu_dgrad(
     """(d[a; b] `[R*K, 2F]` in sorted-pair order, gate gradient `[R*K]` fp32 by flat index)."""
     num_experts, hidden, ffn = down_EHF.shape
     bound = pair_P.numel()
-    cfg = _config.get("dgrad1")
+    cfg = _config.get("dgrad1", dy_RH.dtype)
     tiles_n = triton.cdiv(ffn, cfg.block_n)
     dab = dy_RH.new_empty((bound, 2 * ffn))
     dg_part = torch.zeros((tiles_n, bound), device=dy_RH.device, dtype=torch.float32)
@@ -204,7 +204,7 @@ def weight_grad(
     position. Both need unit stride along their columns.
     """
     num_experts, m, n = out.shape
-    cfg = _config.get("wgrad")
+    cfg = _config.get("wgrad", a.dtype)
     upcast, prec = dot_flags(a.dtype)
     grid = (num_experts * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     if grid[0] == 0:
