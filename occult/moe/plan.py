@@ -154,8 +154,9 @@ def static_dedup_plan(
     slot_PK = torch.full((num_rows, top_k), -1, dtype=torch.int64, device=dev)
     entry_PK[row_TK, column_TK] = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
     slot_PK[row_TK, column_TK] = expert_slot_E[ids_TK]
-    used_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=dev)
-    used_TD[token_T1.expand(num_tokens, top_k), device_TK] = True
+    # (a comparison, not `used[...] = True`: the scalar would be a host-to-device copy, which a
+    # CUDA graph cannot capture)
+    used_TD = (device_TK[:, :, None] == torch.arange(num_devices, device=dev)).any(dim=1)
     rows_TD = torch.arange(num_devices, device=dev)[None, :] * num_tokens + token_T1
     return DispatchPlan(
         token_P=torch.arange(num_tokens, device=dev).repeat(num_devices),
