@@ -10,7 +10,8 @@ SwiGLU that the occult expert kernels do not compute.
     trace = profile(model, batches)                          # routing trace of every MoE layer
     placement = place(trace, num_devices).placement          # occult.placement.solvers / `occult place`
     convert(model, placement=placement)                      # on every rank of the EP group
-    out = model.generate(ids, synced_gpus=True)              # all ranks step together
+    out = generate(model, ids, max_new_tokens=64)            # static KV cache, graph-captured decode
+    out = model.generate(ids, synced_gpus=True)              # or transformers' own: all ranks step together
     loss.backward(); sync_gradients(model); opt.step()       # replicated grads averaged
     save_pretrained(model, "out/")                           # standard layout, plain transformers
 
@@ -21,14 +22,15 @@ holding this rank's E/D experts in local-slot order of the placement), and the s
 run on every rank's own tokens with no communication. Non-expert parameter names are unchanged.
 
 Every rank of the group must run the same number of forward passes (each MoE layer is a
-collective): for generation pass `synced_gpus=True` so ranks whose sequences finished keep
-stepping until all are done.
+collective): `generate` (static KV cache, sync-free decode step captured in a CUDA graph on
+GPUs) keeps ranks in step by itself; with transformers' own `model.generate` pass
+`synced_gpus=True` so ranks whose sequences finished keep stepping until all are done.
 
 One module per job: `families` (supported model types, version and structure checks),
 `routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
 `sync_gradients`), `profile`, `convert` (`convert`, `unconvert`, `hf_layout`,
-`save_pretrained`), `calibration` (token ids for profiling), `tiny` (tiny random models for
-tests). `from occult.integrations import hf; hf.convert(...)` is the public path.
+`save_pretrained`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
+profiling), `tiny` (tiny random models for tests). `from occult.integrations import hf; hf.convert(...)` is the public path.
 """
 
 from occult.integrations.hf.block import OccultMoeBlock, expert_parameters, moe_blocks, sync_gradients
@@ -42,6 +44,7 @@ from occult.integrations.hf.families import (
     check_transformers_version,
     model_family,
 )
+from occult.integrations.hf.generate import StaticDecoder, generate
 from occult.integrations.hf.profile import profile
 from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
 from occult.integrations.hf.tiny import tiny_config, tiny_random_model
@@ -54,11 +57,13 @@ __all__ = [
     "OccultMoeBlock",
     "SigmoidGroupGateRouter",
     "SoftmaxGateRouter",
+    "StaticDecoder",
     "UnsupportedModelError",
     "calibration_windows",
     "check_transformers_version",
     "convert",
     "expert_parameters",
+    "generate",
     "hf_layout",
     "model_family",
     "moe_blocks",
