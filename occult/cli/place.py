@@ -109,6 +109,33 @@ def _print_table(report: dict[str, Any], base_name: str, new_name: str, extra_co
     )
 
 
+def _nt_lists(report: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer E[N_T] for the placement file's metadata (nothing without nodes)."""
+    if report.get("num_nodes", 1) == 1:
+        return {}
+    return {
+        "mean_nt": [layer["placement"]["mean_nt"] for layer in report["layers"]],
+        "mean_nt_contiguous": [layer["baseline"]["mean_nt"] for layer in report["layers"]],
+    }
+
+
+def _nt_cols(report: dict[str, Any], name: str) -> dict[str, list[str]]:
+    """E[N_T] table columns (nodes per token), contiguous and placement, when there are nodes."""
+    lists = _nt_lists(report)
+    if not lists:
+        return {}
+    o = report["overall"]
+    print(
+        f"{report['num_nodes']} nodes x {report['num_devices'] // report['num_nodes']} devices; E[N_T] (nodes per token) "
+        f"{o['baseline']['mean_nt']:.4f} (contiguous) -> {o['placement']['mean_nt']:.4f} ({name}); "
+        f"uniform routing would give {report['analytic_uniform_mean_nt']:.3f}"
+    )
+    return {
+        "E[N_T] contiguous": [f"{v:.4f}" for v in lists["mean_nt_contiguous"]],
+        f"E[N_T] {name}": [f"{v:.4f}" for v in lists["mean_nt"]],
+    }
+
+
 def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
@@ -146,7 +173,10 @@ def _maybe_plot(args: argparse.Namespace, trace: Any, coacts: list[Any], placeme
 # ------------------------------------------------------------------ place
 def _add_place_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="routing trace (.safetensors; format: the README's Files section)")
-    p.add_argument("--devices", "-d", required=True, type=positive_int, help="expert-parallel devices (ranks)")
+    p.add_argument("--devices", "-d", required=True, type=positive_int, help="expert-parallel devices (ranks), all nodes together")
+    p.add_argument("--nodes", type=positive_int, default=1,
+                   help="nodes of D/M devices each: place experts on nodes first (fewest nodes per token, E[N_T]), "
+                   "then on each node's devices (E[C_T]); device ids node-major (default 1: flat)")
     p.add_argument("--method", "-m", choices=PLACE_METHODS, default="hypergraph", help="placement solver (default hypergraph)")
     p.add_argument("--out", "-o", help="write the placement JSON here")
     p.add_argument("--max-load", type=float, metavar="RATIO", help="bound on max/mean per-device token-expert load, e.g. 1.1")
@@ -165,6 +195,8 @@ def run_place(args: argparse.Namespace) -> int:
     from occult.placement.stats import element_size
 
     element_size(args.dtype)  # reject a bad dtype before the long part
+    if args.devices % args.nodes:
+        raise CommandError(f"--nodes {args.nodes} must divide --devices {args.devices} (every node holds D/M devices)")
     trace = _load_trace(args.trace)
     progress = _progress(args)
     coacts = _coacts(trace, progress)
@@ -178,6 +210,7 @@ def run_place(args: argparse.Namespace) -> int:
         progress=progress,
         coacts_LEE=coacts,
         jobs=args.jobs,
+        num_nodes=args.nodes,
     )
     placement = result.placement
     report = compare_placements(trace, placement, None, args.hidden, args.dtype, coacts)
@@ -189,11 +222,12 @@ def run_place(args: argparse.Namespace) -> int:
                 "trace": os.path.abspath(args.trace),
                 "mean_ct": [layer["placement"]["mean_ct"] for layer in report["layers"]],
                 "mean_ct_contiguous": [layer["baseline"]["mean_ct"] for layer in report["layers"]],
+                **_nt_lists(report),
                 "max_load_ratio": args.max_load,
                 "seed": args.seed,
             },
         )
-    contiguous = Placement.contiguous(trace.num_experts, args.devices, trace.num_layers)
+    contiguous = Placement.contiguous(trace.num_experts, args.devices, trace.num_layers, args.nodes)
     plotted = _maybe_plot(args, trace, coacts, placement, contiguous, ("contiguous", args.method))
     report.update(
         command="place",
@@ -215,8 +249,8 @@ def run_place(args: argparse.Namespace) -> int:
         _print_json(report)
         return 0
     print(f"trace {args.trace}; method {args.method}, solved in {result.seconds:.1f} s ({result.jobs} process(es))")
-    extra = {"chosen": [r.method for r in result.layers]} if args.method == "hypergraph" else None
-    _print_table(report, "contiguous", args.method, extra)
+    extra = {"chosen": [r.method for r in result.layers]} if args.method == "hypergraph" else {}
+    _print_table(report, "contiguous", args.method, {**_nt_cols(report, args.method), **extra})
     if args.out:
         print(f"wrote {args.out}")
     if args.plot:
@@ -229,6 +263,7 @@ def _add_stats_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="routing trace (.safetensors)")
     p.add_argument("--placement", "-p", help="placement JSON (default: contiguous on --devices)")
     p.add_argument("--devices", "-d", type=positive_int, help="devices, when no --placement is given (must match it otherwise)")
+    p.add_argument("--nodes", type=positive_int, help="nodes, when no --placement is given (default 1; a placement's own num_nodes otherwise)")
     _add_report_args(p)
 
 
@@ -246,13 +281,18 @@ def run_stats(args: argparse.Namespace) -> int:
         raise CommandError(
             f"--devices {args.devices} does not match the placement, which is for {placement.num_devices} devices"
         )
+    if placement is not None and args.nodes is not None and args.nodes != placement.num_nodes:
+        raise CommandError(f"--nodes {args.nodes} does not match the placement, which has {placement.num_nodes} node(s)")
+    nodes = args.nodes or 1
+    if placement is None and args.devices % nodes:
+        raise CommandError(f"--nodes {nodes} must divide --devices {args.devices}")
     trace = _load_trace(args.trace)
     if placement is None:
-        placement = Placement.contiguous(trace.num_experts, args.devices, trace.num_layers)
+        placement = Placement.contiguous(trace.num_experts, args.devices, trace.num_layers, nodes)
     coacts = _coacts(trace, _progress(args))
     report = compare_placements(trace, placement, None, args.hidden, args.dtype, coacts)
     name = "placement" if args.placement else "contiguous"
-    contiguous = Placement.contiguous(trace.num_experts, placement.num_devices, trace.num_layers)
+    contiguous = Placement.contiguous(trace.num_experts, placement.num_devices, trace.num_layers, placement.num_nodes)
     plotted = _maybe_plot(args, trace, coacts, placement, contiguous, ("contiguous", name))
     report.update(command="stats", trace=args.trace, placement_file=args.placement, plot=args.plot, plotted_layers=plotted)
     if args.json:
@@ -260,7 +300,7 @@ def run_stats(args: argparse.Namespace) -> int:
         return 0
     print(f"trace {args.trace}; placement {args.placement or 'contiguous'}")
     intra = [f"{layer['placement']['intra_ratio']:.3f}" for layer in report["layers"]]
-    _print_table(report, "contiguous", name, {"intra share": intra})
+    _print_table(report, "contiguous", name, {**_nt_cols(report, name), "intra share": intra})
     if args.plot:
         print(f"wrote {args.plot}")
     return 0

@@ -7,6 +7,8 @@ weights into placed order and sharding contiguously gives every rank its experts
 
 File format (JSON; README.md, section Files):
     {"num_devices": D, "num_experts": E, "layers": [[device of expert 0, ...], ...]}
+plus, for a hierarchical placement, `"num_nodes": M`: devices are numbered node-major (node n
+holds devices [n*D/M, (n+1)*D/M)); readers that do not know the key see a flat placement.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ def check_divisible(num_experts: int, num_devices: int) -> int:
 class Placement:
     """Per-layer expert -> device map with equal experts per device.
 
-    `expert_device_LE[l, e]` is the device of expert `e` in layer `l`.
+    `expert_device_LE[l, e]` is the device of expert `e` in layer `l`. `num_nodes` groups the
+    devices into nodes of D/M consecutive ids (node of device d: d // (D/M)); 1 is flat.
     """
 
     expert_device_LE: np.ndarray
     num_devices: int
+    num_nodes: int = 1
     _slot_LE: np.ndarray = field(init=False, repr=False, compare=False)
     _order_LE: np.ndarray = field(init=False, repr=False, compare=False)
 
@@ -83,9 +87,15 @@ class Placement:
                 f"layer {l}: device {d} holds {counts_LD[l, d]} experts, but every device must "
                 f"hold exactly {num_experts} / {self.num_devices} = {per_device}"
             )
+        if int(self.num_nodes) < 1 or self.num_devices % int(self.num_nodes):
+            raise PlacementError(
+                f"num_nodes={self.num_nodes} must be >= 1 and divide num_devices={self.num_devices} "
+                "(every node holds the same number of devices)"
+            )
         arr.setflags(write=False)
         object.__setattr__(self, "expert_device_LE", arr)
         object.__setattr__(self, "num_devices", int(self.num_devices))
+        object.__setattr__(self, "num_nodes", int(self.num_nodes))
         # Placed order: sort by (device, expert id); stable argsort keeps ids ascending.
         order = np.argsort(arr, axis=1, kind="stable")
         slot = np.empty_like(arr)
@@ -109,13 +119,21 @@ class Placement:
     def experts_per_device(self) -> int:
         return self.num_experts // self.num_devices
 
+    @property
+    def devices_per_node(self) -> int:
+        return self.num_devices // self.num_nodes
+
+    def expert_node(self, layer: int = 0) -> np.ndarray:
+        """[E] node of each expert (device // devices_per_node)."""
+        return self.expert_device(layer) // self.devices_per_node
+
     # ----------------------------------------------------------- constructors
     @classmethod
-    def contiguous(cls, num_experts: int, num_devices: int, num_layers: int = 1) -> "Placement":
+    def contiguous(cls, num_experts: int, num_devices: int, num_layers: int = 1, num_nodes: int = 1) -> "Placement":
         """The layout every framework uses: experts [d*E/D, (d+1)*E/D) on device d."""
         per_device = check_divisible(num_experts, num_devices)
         row = np.arange(num_experts) // per_device
-        return cls(np.tile(row, (num_layers, 1)), num_devices)
+        return cls(np.tile(row, (num_layers, 1)), num_devices, num_nodes)
 
     @classmethod
     def from_lists(cls, layers: Sequence[Sequence[int]], num_devices: int) -> "Placement":
@@ -131,7 +149,7 @@ class Placement:
 
     def layer(self, layer: int) -> "Placement":
         """A one-layer placement holding only `layer`."""
-        return Placement(self.expert_device_LE[self._check_layer(layer)][None], self.num_devices)
+        return Placement(self.expert_device_LE[self._check_layer(layer)][None], self.num_devices, self.num_nodes)
 
     def expert_device(self, layer: int = 0) -> np.ndarray:
         """[E] device of each expert."""
@@ -227,11 +245,14 @@ class Placement:
 
     # ------------------------------------------------------------------- I/O
     def to_json_dict(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "num_devices": self.num_devices,
             "num_experts": self.num_experts,
             "layers": self.expert_device_LE.tolist(),
         }
+        if self.num_nodes > 1:
+            doc["num_nodes"] = self.num_nodes
+        return doc
 
     def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
         """Write the JSON file atomically (temporary file, then rename)."""
@@ -258,8 +279,11 @@ class Placement:
                 )
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
                 raise PlacementError(f"{source}: layer {i} holds a non-integer device id")
+        nodes = doc.get("num_nodes", 1)
+        if not isinstance(nodes, int) or isinstance(nodes, bool):
+            raise PlacementError(f"{source}: 'num_nodes' must be an integer, got {nodes!r}")
         try:
-            return cls(np.asarray(layers, dtype=np.int64), int(doc["num_devices"]))
+            return cls(np.asarray(layers, dtype=np.int64), int(doc["num_devices"]), nodes)
         except PlacementError as exc:
             raise PlacementError(f"{source}: {exc}") from None
 
@@ -280,8 +304,9 @@ class Placement:
         return (
             isinstance(other, Placement)
             and self.num_devices == other.num_devices
+            and self.num_nodes == other.num_nodes
             and np.array_equal(self.expert_device_LE, other.expert_device_LE)
         )
 
     def __hash__(self) -> int:
-        return hash((self.num_devices, self.expert_device_LE.tobytes()))
+        return hash((self.num_devices, self.num_nodes, self.expert_device_LE.tobytes()))

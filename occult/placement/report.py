@@ -5,6 +5,12 @@
 dispatch+combine, standard and deduplicated) into `LayerStats` / `TraceStats`;
 `compare_placements` is the JSON-ready comparison `occult place` and `occult stats` print.
 Byte convention and the expected-remote assumption: see `occult.placement.stats`.
+
+With nodes (`Placement.num_nodes` = M > 1) a layer also gets E[N_T], the mean number of
+distinct nodes a token's experts sit on, and expected inter-node bytes (a token's own node
+uniform and independent of its routing): `bytes_dedup_internode` = dedup rows * (M-1)/M (the
+flat deduplicated dispatch sends one row per device) and `bytes_node_dedup_internode` =
+sum_t N_T * (M-1)/M (a two-level dispatch sending one row per node, not implemented).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ _SUMMARY_KEYS = (
     "bytes_standard_remote",
     "bytes_dedup_remote",
 )
+_NODE_KEYS = ("mean_nt", "bytes_dedup_internode", "bytes_node_dedup_internode")
 
 
 @dataclass
@@ -66,13 +73,19 @@ class LayerStats:
     bytes_dedup: int
     bytes_standard_remote: float  # expected, see the module docstring
     bytes_dedup_remote: float
+    num_nodes: int = 1
+    mean_nt: float | None = None  # E[N_T]: distinct nodes per token (None without nodes)
+    nt_hist: list[int] | None = None  # nt_hist[n - 1] = tokens on exactly n nodes
+    bytes_dedup_internode: float | None = None  # expected, module docstring
+    bytes_node_dedup_internode: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> dict[str, Any]:
         """The headline figures (no per-expert / per-device lists)."""
-        return {k: getattr(self, k) for k in _SUMMARY_KEYS}
+        keys = _SUMMARY_KEYS + (_NODE_KEYS if self.num_nodes > 1 else ())
+        return {k: getattr(self, k) for k in keys}
 
 
 def layer_stats(
@@ -83,11 +96,14 @@ def layer_stats(
     hidden: int = 2048,
     dtype: str | torch.dtype = "bf16",
     coact_EE: np.ndarray | None = None,
+    num_nodes: int = 1,
 ) -> LayerStats:
-    """All statistics of one layer; pass `coact_EE` to reuse a co-activation matrix already computed."""
+    """All statistics of one layer; pass `coact_EE` to reuse a co-activation matrix already computed.
+    `num_nodes` (taken from a `Placement`) groups devices node-major for E[N_T]."""
     ids = _ids(topk_ids_TK)
     if isinstance(expert_device_E, Placement):
         num_devices = expert_device_E.num_devices
+        num_nodes = expert_device_E.num_nodes
     dev = _device_map(expert_device_E)
     if num_devices is None:
         raise ValueError("num_devices is needed when the placement is given as an array")
@@ -97,12 +113,17 @@ def layer_stats(
     if coact_EE is None:
         coact_EE = coactivation(ids, num_experts)
     load_E = np.rint(np.diag(coact_EE)).astype(np.int64)
+    if num_nodes < 1 or num_devices % num_nodes:
+        raise PlacementError(f"num_nodes={num_nodes} must divide num_devices={num_devices}")
     rows_D = np.zeros(num_devices, dtype=np.int64)
     hist = np.zeros(min(K, num_devices) + 1, dtype=np.int64)
+    nhist = np.zeros(min(K, num_nodes) + 1, dtype=np.int64)
     for s in range(0, T, _CHUNK):
         pres = device_presence(ids[s : s + _CHUNK], dev, num_devices)
         rows_D += pres.sum(0)
         hist += np.bincount(pres.sum(1), minlength=hist.shape[0])[: hist.shape[0]]
+        n_T = pres.reshape(pres.shape[0], num_nodes, -1).any(2).sum(1)
+        nhist += np.bincount(n_T, minlength=nhist.shape[0])[: nhist.shape[0]]
     rows_dedup = int(rows_D.sum())
     intra, inter = collaboration(coact_EE, dev)
     device_load = np.bincount(dev, weights=load_E, minlength=num_devices).astype(np.int64)
@@ -131,7 +152,22 @@ def layer_stats(
         bytes_dedup=int(comm_bytes(rows_dedup, hidden, dtype)),
         bytes_standard_remote=comm_bytes(T * K * remote, hidden, dtype),
         bytes_dedup_remote=comm_bytes(rows_dedup * remote, hidden, dtype),
+        **_node_fields(num_nodes, nhist, rows_dedup, T, hidden, dtype),
     )
+
+
+def _node_fields(num_nodes: int, nhist: np.ndarray, rows_dedup: int, T: int, hidden: int, dtype: Any) -> dict[str, Any]:
+    if num_nodes == 1:
+        return {}
+    rows_nodes = int((np.arange(len(nhist)) * nhist).sum())
+    off = (num_nodes - 1) / num_nodes
+    return {
+        "num_nodes": int(num_nodes),
+        "mean_nt": rows_nodes / T,
+        "nt_hist": nhist[1:].tolist(),
+        "bytes_dedup_internode": comm_bytes(rows_dedup * off, hidden, dtype),
+        "bytes_node_dedup_internode": comm_bytes(rows_nodes * off, hidden, dtype),
+    }
 
 
 @dataclass
@@ -151,7 +187,16 @@ class TraceStats:
     def summary(self) -> dict[str, Any]:
         """Totals over layers: E[C_T] over all tokens, summed rows and bytes, worst imbalance."""
         pairs = self.total("intra") + self.total("inter")
+        nodes = {}
+        if self.layers[0].num_nodes > 1:
+            tokens = sum(s.num_tokens for s in self.layers)
+            nodes = {
+                "mean_nt": sum(s.mean_nt * s.num_tokens for s in self.layers) / tokens,
+                "bytes_dedup_internode": self.total("bytes_dedup_internode"),
+                "bytes_node_dedup_internode": self.total("bytes_node_dedup_internode"),
+            }
         return {
+            **nodes,
             "mean_ct": self.mean_ct,
             "intra_ratio": self.total("intra") / pairs if pairs > 0 else 1.0,
             "load_imbalance": max(s.load_imbalance for s in self.layers),
@@ -184,6 +229,7 @@ def trace_stats(
                 hidden,
                 dtype,
                 coact_EE=None if coacts_LEE is None else coacts_LEE[i],
+                num_nodes=placement.num_nodes,
             )
         )
     return TraceStats(out)
@@ -217,7 +263,7 @@ def compare_placements(
     baseline; `vs_standard` the relative drop of bytes from standard k-copy dispatch.
     """
     if baseline is None:
-        baseline = Placement.contiguous(trace.num_experts, placement.num_devices, trace.num_layers)
+        baseline = Placement.contiguous(trace.num_experts, placement.num_devices, trace.num_layers, placement.num_nodes)
     if coacts_LEE is None:
         coacts_LEE = [coactivation(trace.layer(i), trace.num_experts) for i in range(trace.num_layers)]
     base = trace_stats(trace, baseline, hidden, dtype, coacts_LEE)
@@ -248,6 +294,8 @@ def compare_placements(
         "hidden": int(hidden),
         "dtype": dtype if isinstance(dtype, str) else str(dtype).replace("torch.", ""),
         "analytic_uniform_mean_ct": analytic_mean_ct(trace.num_experts, trace.top_k, placement.num_devices),
+        "num_nodes": placement.num_nodes,
+        "analytic_uniform_mean_nt": analytic_mean_ct(trace.num_experts, trace.top_k, placement.num_nodes),
         "layers": layers,
         "overall": {
             "baseline": bs,

@@ -7,6 +7,9 @@
   ids); a token picks one group and takes each of its k experts from inside it, except that
   each pick independently, with probability `noise`, comes from outside the group. Placing
   each group on one device is (near) optimal; `PlantedTrace.placement(D)` returns it.
+- `planted_nodes_trace`: two levels, for hierarchical placement: G groups per node; a pick
+  leaves the token's group with probability `noise_group` (staying in its node) and its node
+  with probability `noise_node`. `placement(D, num_nodes=M)` puts each node's groups on a node.
 
 Sampling k distinct experts with probabilities p is done for all tokens at once with the
 Gumbel-top-k trick (keys log p + Gumbel noise; the k largest keys), chunked over tokens.
@@ -91,15 +94,18 @@ class PlantedTrace:
     noise: float
     skew: float
 
-    def placement(self, num_devices: int) -> Placement:
-        """The planted placement: whole groups on devices (group g on device g // (G / D))."""
+    def placement(self, num_devices: int, num_nodes: int = 1) -> Placement:
+        """The planted placement: whole groups on devices (group g on device g // (G / D)).
+
+        Groups are numbered node-major in `planted_nodes_trace`, so with `num_nodes` = its node
+        count the devices of node n hold exactly the planted node's experts."""
         check_divisible(self.trace.num_experts, num_devices)
         if self.num_groups % num_devices:
             raise PlacementError(
                 f"{self.num_groups} planted groups cannot be spread evenly over {num_devices} devices; "
                 f"generate the trace with num_groups a multiple of {num_devices}"
             )
-        return Placement(self.groups_LE // (self.num_groups // num_devices), num_devices)
+        return Placement(self.groups_LE // (self.num_groups // num_devices), num_devices, num_nodes)
 
 
 def planted_trace(
@@ -165,3 +171,72 @@ def planted_trace(
     }
     trace = Trace(layers, num_experts, top_k, metadata=meta)
     return PlantedTrace(trace, np.stack(groups).astype(np.int64), num_groups, float(noise), float(skew))
+
+
+def _take(keys_TE: np.ndarray, mask_TE: np.ndarray, k: int) -> np.ndarray:
+    width = max(1, min(k, int(mask_TE[0].sum())))
+    return _topk_desc(np.where(mask_TE, keys_TE, np.float32(-np.inf)), width)
+
+
+def planted_nodes_trace(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    num_nodes: int,
+    groups_per_node: int,
+    num_layers: int = 1,
+    noise_group: float = 0.3,
+    noise_node: float = 0.05,
+    seed: int | np.random.Generator | None = None,
+) -> PlantedTrace:
+    """A two-level planted trace: nodes of `groups_per_node` groups (module docstring).
+
+    Group ids are node-major (group g lies in node g // groups_per_node). A token picks a group
+    uniformly, then splits its k picks by a multinomial over (own group, rest of its node, other
+    nodes) with probabilities (1 - noise_group - noise_node, noise_group, noise_node), each part
+    drawn uniformly without replacement (clipped to the experts there).
+    """
+    _check_shape(num_tokens, num_experts, top_k, num_layers)
+    G = num_nodes * groups_per_node
+    if num_nodes < 1 or groups_per_node < 1 or num_experts % G:
+        raise ValueError(f"num_nodes * groups_per_node = {G} must divide num_experts={num_experts}")
+    if min(noise_group, noise_node) < 0 or noise_group + noise_node > 1:
+        raise ValueError(f"need noise_group, noise_node >= 0 with sum <= 1, got {noise_group}, {noise_node}")
+    gs, ns = num_experts // G, num_experts // num_nodes
+    if gs < top_k:
+        raise ValueError(f"groups of {gs} experts cannot hold a token's {top_k} picks")
+    rng = _rng(seed)
+    dt = ids_dtype(num_experts)
+    probs = np.array([1.0 - noise_group - noise_node, noise_group, noise_node])
+    sizes = np.array([gs, ns - gs, num_experts - ns])
+    layers, groups = [], []
+    for _ in range(num_layers):
+        group_E = rng.permutation(np.arange(num_experts) // gs)
+        node_E = group_E // groups_per_node
+        out = np.empty((num_tokens, top_k), dtype=dt)
+        for s in range(0, num_tokens, _CHUNK):
+            n = min(_CHUNK, num_tokens - s)
+            g_T = rng.integers(0, G, size=n)
+            cnt = rng.multinomial(top_k, probs, size=n)
+            cnt[:, 1] = np.minimum(cnt[:, 1], sizes[1])
+            cnt[:, 2] = np.minimum(cnt[:, 2], sizes[2])
+            cnt[:, 0] = top_k - cnt[:, 1] - cnt[:, 2]
+            keys = _gumbel_keys(rng, n, np.zeros(num_experts))
+            in_g = group_E[None, :] == g_T[:, None]
+            in_n = node_E[None, :] == (g_T // groups_per_node)[:, None]
+            parts = [_take(keys, in_g, top_k), _take(keys, in_n & ~in_g, top_k), _take(keys, ~in_n, top_k)]
+            j = np.arange(top_k)[None, :]
+            c0, c1 = cnt[:, :1], cnt[:, :1] + cnt[:, 1:2]
+            pick = lambda p, off: np.take_along_axis(p, np.clip(j - off, 0, p.shape[1] - 1), axis=1)  # noqa: E731
+            out[s : s + n] = np.where(j < c0, parts[0], np.where(j < c1, pick(parts[1], c0), pick(parts[2], c1)))
+        layers.append(out)
+        groups.append(group_E)
+    meta = {
+        "generator": "planted_nodes",
+        "num_nodes": str(num_nodes),
+        "groups_per_node": str(groups_per_node),
+        "noise_group": repr(float(noise_group)),
+        "noise_node": repr(float(noise_node)),
+    }
+    trace = Trace(layers, num_experts, top_k, metadata=meta)
+    return PlantedTrace(trace, np.stack(groups).astype(np.int64), G, float(noise_group + noise_node), 0.0)

@@ -93,6 +93,32 @@ def test_place_contiguous_and_load_bound(planted, capsys):
     assert code == 0 and all(l["placement"]["load_imbalance"] <= 1.05 + 1e-9 for l in rep["layers"])
 
 
+def test_place_nodes_then_stats(tmp_path, capsys):
+    from occult.placement.synthetic import planted_nodes_trace
+
+    pt = planted_nodes_trace(6000, 64, 8, num_nodes=2, groups_per_node=4, seed=1)
+    trace, out_path = tmp_path / "nodes.safetensors", tmp_path / "nodes.json"
+    pt.trace.save(trace)
+    code, out, err = run(capsys, "place", "--trace", trace, "--devices", 8, "--nodes", 2, "-o", out_path)
+    assert code == 0, err
+    assert "E[N_T] contiguous" in out and "E[N_T] hypergraph" in out
+    doc = json.loads(out_path.read_text())
+    p = Placement.load(out_path)
+    assert doc["num_nodes"] == 2 and p.num_nodes == 2 and len(doc["mean_nt"]) == 1
+    truth = pt.placement(8, num_nodes=2)
+    assert doc["mean_nt"][0] == pytest.approx(mean_ct(pt.trace.layer(0), truth.expert_node(0), 2))
+    code, out, _ = run(capsys, "stats", "--trace", trace, "--placement", out_path, "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["num_nodes"] == 2
+    assert rep["overall"]["placement"]["mean_nt"] == pytest.approx(doc["mean_nt"][0])
+    code, out, _ = run(capsys, "stats", "--trace", trace, "--devices", 8, "--nodes", 2)
+    assert code == 0 and "E[N_T] contiguous" in out
+    code, _, err = run(capsys, "place", "--trace", trace, "--devices", 8, "--nodes", 3)
+    assert code != 0 and "--nodes 3" in err
+    code, _, err = run(capsys, "stats", "--trace", trace, "--placement", out_path, "--nodes", 4)
+    assert code != 0 and "does not match" in err
+
+
 def test_plot(planted, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     trace, _ = planted

@@ -11,13 +11,16 @@
   hyperedges with exact balance, then a swap refinement on *all* tokens lowers E[C_T]
   exactly, keeping E/D experts per device. Greedy and contiguous are candidates too and
   the best candidate wins, so the result is never worse than either.
+- hierarchical (`place(..., num_nodes=M)`): any method, first experts to M nodes (E[N_T]),
+  then each node's experts to its D/M GPUs (E[C_T], swaps inside nodes).
 
 One module per job: `solve` (the registry: `METHODS`, `solve_layer`, `place`, `best_method`,
 the contiguous baseline), `greedy` (the paper's clustering), `hypergraph` (Mt-KaHyPar) and
-`swap` (the exact swap refinement and the load-bound repair).
+`swap` (the exact swap refinement and the load-bound repair), `hierarchical` (nodes, then GPUs).
 """
 
 from occult.placement.solvers.greedy import greedy_layer
+from occult.placement.solvers.hierarchical import check_nodes
 from occult.placement.solvers.hypergraph import DEFAULT_KAHYPAR_THREADS, kahypar_partition
 from occult.placement.solvers.solve import (
     DEFAULT_KAHYPAR_TOKENS,
@@ -42,6 +45,7 @@ __all__ = [
     "LayerResult",
     "PlacementResult",
     "available_cpus",
+    "check_nodes",
     "best_method",
     "contiguous_layer",
     "greedy_layer",

@@ -39,7 +39,7 @@ def _kahypar(threads: int | None = None) -> Any:
 
 
 def kahypar_partition(
-    sets_UK: np.ndarray,
+    sets_UK: np.ndarray | list[list[int]],
     weights_U: np.ndarray,
     num_experts: int,
     num_devices: int,
@@ -50,7 +50,9 @@ def kahypar_partition(
 
     Uses the DEFAULT preset seeded with `seed`; with one thread (the default) the result is
     reproducible. The caller checks the balance (`rebalance_counts` repairs it if needed).
+    `sets_UK` may also be a list of hyperedges of different sizes (a node's share of each token).
     """
+    edges = sets_UK.tolist() if isinstance(sets_UK, np.ndarray) else [list(map(int, s)) for s in sets_UK]
     mtk, init = _kahypar(threads)
     with _KAHYPAR_LOCK:  # set_seed is global state of the library
         mtk.set_seed(int(seed))
@@ -60,8 +62,8 @@ def kahypar_partition(
         hg = init.create_hypergraph(
             ctx,
             int(num_experts),
-            int(sets_UK.shape[0]),
-            sets_UK.tolist(),
+            len(edges),
+            edges,
             [1] * int(num_experts),
             np.asarray(weights_U, dtype=np.int64).tolist(),
         )

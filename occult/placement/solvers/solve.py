@@ -70,6 +70,7 @@ class LayerResult:
     load_imbalance: float = 1.0  # max / mean device load of the result
     seconds: float = 0.0
     warning: str | None = None  # set when max_load_ratio could not be met
+    mean_nt: float | None = None  # E[N_T] (nodes per token) of a hierarchical solve
 
 
 def solve_layer(
@@ -226,8 +227,12 @@ def place(
     progress: bool = False,
     coacts_LEE: Sequence[np.ndarray] | None = None,
     jobs: int | None = 1,
+    num_nodes: int = 1,
 ) -> PlacementResult:
     """Place every layer of `trace` on `num_devices` devices with `method` (layer i seeded seed + i).
+
+    `num_nodes` > 1 solves hierarchically (`occult.placement.solvers.hierarchical`): experts to
+    nodes (lowest E[N_T]) then to the node's D/M GPUs (lowest E[C_T]); device ids node-major.
 
     `jobs` worker processes solve layers in parallel (None: one per CPU when the trace is
     large enough to pay for starting them; `occult place` uses that); the result does not
@@ -236,6 +241,12 @@ def place(
     _check_method(method)
     check_divisible(trace.num_experts, num_devices)
     _load_cap(np.ones(1), 1, max_load_ratio)  # validate the bound before any work
+    solver: Any = _solve_layer
+    if num_nodes != 1:
+        from occult.placement.solvers.hierarchical import _solve_layer_hierarchical, check_nodes
+
+        check_nodes(num_devices, num_nodes)
+        solver = _solve_layer_hierarchical
     t0 = time.perf_counter()
     L = trace.num_layers
     jobs = _auto_jobs(trace, method) if jobs is None else max(1, min(int(jobs), L))
@@ -247,21 +258,22 @@ def place(
 
     def args(i: int) -> tuple[Any, ...]:
         coact = None if coacts_LEE is None else coacts_LEE[i]
-        return (trace.layer(i), trace.num_experts, num_devices, method, max_load_ratio, seed + i, threads,
+        nodes = () if num_nodes == 1 else (num_nodes,)
+        return (trace.layer(i), trace.num_experts, num_devices, *nodes, method, max_load_ratio, seed + i, threads,
                 kahypar_tokens, coact)
 
     results: list[LayerResult | None] = [None] * L
     try:
         if jobs == 1:
             for i in range(L):
-                results[i] = _solve_layer(*args(i))
+                results[i] = solver(*args(i))
                 if bar is not None:
                     bar.update(1)
         else:
             from concurrent.futures import as_completed
 
             with _pool(jobs) as pool:
-                futures = {pool.submit(_solve_layer, *args(i)): i for i in range(L)}
+                futures = {pool.submit(solver, *args(i)): i for i in range(L)}
                 for fut in as_completed(futures):
                     results[futures[fut]] = fut.result()
                     if bar is not None:
@@ -273,5 +285,5 @@ def place(
     for i, r in enumerate(done):
         if r.warning:
             warnings.warn(f"layer {i}: {r.warning}", RuntimeWarning, stacklevel=2)
-    placement = Placement(np.stack([r.expert_device_E for r in done]), num_devices)
+    placement = Placement(np.stack([r.expert_device_E for r in done]), num_devices, num_nodes)
     return PlacementResult(placement, done, method, time.perf_counter() - t0, jobs)

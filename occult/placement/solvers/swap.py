@@ -202,6 +202,7 @@ def refine_swaps(
     dev_E: np.ndarray,
     load_cap: float | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
+    group_E: np.ndarray | None = None,
 ) -> np.ndarray:
     """Pairwise swaps that strictly lower sum_u w_u C_u, keeping E/D experts per device.
 
@@ -209,19 +210,22 @@ def refine_swaps(
     best swaps of experts not yet moved this round one by one, keeping each only if the exact
     cost still drops (and the load cap holds). Ends at a swap-local optimum. With
     `load_cap`, a start that violates the cap is first repaired (`_repair_load`); if the cap
-    cannot be met, the most balanced layout found is returned unrefined.
+    cannot be met, the most balanced layout found is returned unrefined. With `group_E` (e.g.
+    each expert's node), only experts of the same group trade places: groups keep their experts.
     """
     dev = np.asarray(dev_E, dtype=np.intp).copy()
     if state.D == 1 or state.E == state.D or state.total_weight == 0:
         return dev
     N = state.counts(dev)
     if load_cap is not None:
-        dev, N = _repair_load(state, dev, N, load_cap)
+        dev, N = _repair_load(state, dev, N, load_cap, group_E)
         if _device_load(dev, state.load_E, state.D).max() > load_cap:
             return dev
     iu = np.triu_indices(state.E, 1)
     for _ in range(max_rounds):
         delta = state.swap_delta(dev, N)
+        if group_E is not None:
+            delta[group_E[:, None] != group_E[None, :]] = np.inf
         if load_cap is not None:
             worst, _ = _swap_loads(dev, state.load_E, state.D)
             delta[worst > load_cap] = np.inf
@@ -254,7 +258,7 @@ def refine_swaps(
 
 
 def _repair_load(
-    state: _SwapState, dev: np.ndarray, N: np.ndarray, load_cap: float
+    state: _SwapState, dev: np.ndarray, N: np.ndarray, load_cap: float, group_E: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Swaps that lower the hottest device's load until `load_cap` holds, cheapest in E[C_T] first."""
     for _ in range(4 * state.E):  # each swap strictly cools the hottest device; bound the walk
@@ -263,6 +267,8 @@ def _repair_load(
             break
         hot = int(np.argmax(load_D))
         delta = state.swap_delta(dev, N)
+        if group_E is not None:
+            delta[group_E[:, None] != group_E[None, :]] = np.inf
         # Swaps that strictly lower the hottest device without making another one as hot.
         ok = ((dev[:, None] == hot) | (dev[None, :] == hot)) & (worst < load_D[hot]) & np.isfinite(delta)
         if not ok.any():
