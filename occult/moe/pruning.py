@@ -24,6 +24,13 @@ weights (same order, bit for bit). Everything is vectorised over tokens (loops o
 Device ids only need to be < E, so no host sync is needed to learn the device count; the
 capacity check (N devices must hold >= k experts) is done once per `expert_device_E` tensor.
 
+**Node-limited** routing (`max_nodes=N`, DeepSeek-V3 style: a token's experts on at most N
+nodes; `expert_node_E` maps experts to nodes) follows the same two variants with nodes in place
+of devices. Both limits together: the allowed nodes are the first `max_nodes` nodes in score
+order, then the allowed devices are the first `max_devices` devices in score order *on those
+nodes* (the same as walking experts by score and collecting devices, skipping any device that
+would open a node beyond the limit).
+
 `limit_routers` turns device-limited routing on for every `TopKRouter` of a model with a
 placement of any device count, e.g. a 4-device *virtual* placement on one GPU (the layer's
 own `expert_device_E` stays the world-size one, so single-rank dispatch is unchanged).
@@ -108,14 +115,19 @@ def device_limited_topk(
     method: str = "score",
     similarity_EE: torch.Tensor | None = None,
     norm_topk_prob: bool = False,
+    *,
+    max_nodes: int | None = None,
+    expert_node_E: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k experts limited to `max_devices` devices per token: `(weights_TK, ids_TK)`.
+    """Top-k experts limited to `max_devices` devices (and/or `max_nodes` nodes) per token: `(weights_TK, ids_TK)`.
 
     `scores_TE` are the router's probabilities (any float scores work; higher = preferred),
     `expert_device_E[e]` the device of expert `e` under the placement to limit against. Weights
     are `scores_TE` at the chosen ids, renormalised only if `norm_topk_prob`; they carry the
     gradient of `scores_TE`. Ids come in descending weight order. `max_devices=None` is plain
-    top-k. Tokens already within the limit keep their plain top-k exactly.
+    top-k. Tokens already within the limit keep their plain top-k exactly. `max_nodes` needs
+    `expert_node_E[e]`, the node of expert `e` (module docstring for both limits together);
+    `expert_device_E` may be None when only `max_nodes` is given.
     """
     if scores_TE.dim() != 2:
         raise PruningError(f"scores must have shape [tokens, experts], got {list(scores_TE.shape)}")
@@ -125,19 +137,25 @@ def device_limited_topk(
     if method not in METHODS:
         raise PruningError(f"prune method must be one of {METHODS}, got {method!r}")
     plain_w, plain_ids = torch.topk(scores_TE, top_k, dim=-1)
-    if max_devices is None:
+    if max_devices is None and max_nodes is None:
         return _finish(plain_w, plain_ids, norm_topk_prob)
-    if int(max_devices) < 1:
-        raise PruningError(f"max_devices must be >= 1 or None, got {max_devices}")
-    max_devices = int(max_devices)
-    dev_E = _check_device_map(expert_device_E.to(scores_TE.device), E)
-    per_device = _experts_per_device(dev_E)
-    if max_devices * per_device < top_k:
-        raise PruningError(
-            f"max_devices={max_devices} devices hold only {max_devices * per_device} experts "
-            f"({per_device} per device), fewer than top_k={top_k}: raise max_devices to at least "
-            f"{-(-top_k // per_device)}"
-        )
+    limits = []  # (map, limit) in the order they narrow the allowed set: nodes, then devices
+    if max_nodes is not None:
+        if expert_node_E is None:
+            raise PruningError("max_nodes needs expert_node_E (the node of every expert)")
+        limits.append(_limit(expert_node_E, max_nodes, "max_nodes", "nodes", scores_TE.device, E, top_k))
+    if max_devices is not None:
+        if expert_device_E is None:
+            raise PruningError("max_devices needs expert_device_E (the device of every expert)")
+        limits.append(_limit(expert_device_E, max_devices, "max_devices", "devices", scores_TE.device, E, top_k))
+    if len(limits) == 2:
+        (node_E, n_lim, per_node), (dev_E, d_lim, per_dev) = limits
+        room = min(d_lim * per_dev, n_lim * per_node)
+        if room < top_k:
+            raise PruningError(
+                f"max_devices={d_lim} devices on max_nodes={n_lim} nodes hold only {room} experts, "
+                f"fewer than top_k={top_k}"
+            )
     if method == "similarity":
         if similarity_EE is None:
             raise PruningError(
@@ -151,8 +169,13 @@ def device_limited_topk(
 
     with torch.no_grad():
         sel = scores_TE.detach()
-        allowed_TE = allowed_devices(sel, dev_E, max_devices)
-        within_T = devices_per_token(plain_ids, dev_E) <= max_devices
+        allowed_TE = within_T = None
+        for map_E, lim, _ in limits:
+            masked = sel if allowed_TE is None else sel.masked_fill(~allowed_TE, float("-inf"))
+            now_TE = allowed_devices(masked, map_E, lim)
+            allowed_TE = now_TE if allowed_TE is None else allowed_TE & now_TE
+            ok_T = devices_per_token(plain_ids, map_E) <= lim
+            within_T = ok_T if within_T is None else within_T & ok_T
         if method == "score":
             ids_TK = sel.masked_fill(~allowed_TE, float("-inf")).topk(top_k, dim=-1).indices
         else:
@@ -163,6 +186,21 @@ def device_limited_topk(
         ids_TK = torch.where(within_T[:, None], plain_ids, ids_TK)
     weights_TK = scores_TE.gather(1, ids_TK)
     return _finish(weights_TK, ids_TK, norm_topk_prob)
+
+
+def _limit(map_E: torch.Tensor, limit: int, name: str, unit: str, device: torch.device, E: int, top_k: int) -> tuple[torch.Tensor, int, int]:
+    """(checked map, limit, fewest experts per unit) of one limit; raises when N units cannot hold k experts."""
+    if int(limit) < 1:
+        raise PruningError(f"{name} must be >= 1 or None, got {limit}")
+    limit = int(limit)
+    map_E = _check_device_map(map_E.to(device), E)
+    per = _experts_per_device(map_E)
+    if limit * per < top_k:
+        raise PruningError(
+            f"{name}={limit} {unit} hold only {limit * per} experts ({per} per {unit[:-1]}), fewer than "
+            f"top_k={top_k}: raise {name} to at least {-(-top_k // per)}"
+        )
+    return map_E, limit, per
 
 
 def _finish(weights_TK, ids_TK, norm_topk_prob):
@@ -289,8 +327,10 @@ def limit_routers(
     max_devices: int | None,
     method: str = "score",
     similarity: Sequence[torch.Tensor] | None = None,
+    max_nodes: int | None = None,
 ) -> None:
     """Turn device-limited routing on (or off with `max_devices=None`) for a list of `TopKRouter`s.
+    `max_nodes` limits nodes too (nodes: `placement.num_nodes`, node-major device ids).
 
     Router i is limited against layer i of `placement` (an `occult.Placement` of any device
     count: it need not match the world size, so one process can simulate D devices). A one-layer
@@ -301,8 +341,10 @@ def limit_routers(
         raise PruningError(f"prune method must be one of {METHODS}, got {method!r}")
     if max_devices is not None and int(max_devices) < 1:
         raise PruningError(f"max_devices must be >= 1 or None, got {max_devices}")
-    if max_devices is not None and placement is None:
+    if (max_devices is not None or max_nodes is not None) and placement is None:
         raise PruningError("device-limited routing needs a placement (which device holds each expert)")
+    if max_nodes is not None and int(max_nodes) < 1:
+        raise PruningError(f"max_nodes must be >= 1 or None, got {max_nodes}")
     if max_devices is not None and method == "similarity":
         if similarity is None:
             raise PruningError("prune method 'similarity' needs similarity tables (occult profile --similarity)")
@@ -322,6 +364,11 @@ def limit_routers(
             layer = i if placement.num_layers > 1 else 0
             dev = torch.as_tensor(placement.expert_device(layer).copy(), dtype=torch.int64)
             router.set_expert_device(dev)
+        if max_nodes is not None and not hasattr(router, "max_nodes"):
+            raise PruningError(f"router {i} ({type(router).__name__}) has no node limit (max_nodes)")
+        if hasattr(router, "max_nodes"):
+            router.max_nodes = None if max_nodes is None else int(max_nodes)
+            router.devices_per_node = None if placement is None else placement.devices_per_node
         router.max_devices = None if max_devices is None else int(max_devices)
         router.prune_method = method
         sim = None

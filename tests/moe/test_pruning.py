@@ -275,3 +275,115 @@ def test_max_devices_on_two_real_ranks_sends_one_row_per_token():
     for r in out:
         assert r["ct_max"] == 1 and r["finite"]
         assert r["rows"] == r["tokens"]
+
+
+# ------------------------------------------------------------ node-limited routing (max_nodes)
+def ref_allowed(scores: np.ndarray, dev: np.ndarray, node: np.ndarray, n_dev: int | None, n_node: int) -> set[int]:
+    """The definition literally: walk experts by score, collecting devices; a device that would
+    open a node beyond `n_node` is skipped; stop at `n_dev` devices (None: no device limit)."""
+    devices: list[int] = []
+    nodes: list[int] = []
+    for e in np.argsort(-scores, kind="stable"):
+        d, m = int(dev[e]), int(node[e])
+        if d in devices:
+            continue
+        if m not in nodes:
+            if len(nodes) == n_node:
+                continue
+            nodes.append(m)
+        devices.append(d)
+        if n_dev is not None and len(devices) == n_dev:
+            break
+    return {int(e) for e in range(len(scores)) if dev[e] in devices}
+
+
+def ref_limited(scores, k, dev, node, n_dev, n_node, sim=None) -> list[int]:
+    allowed = ref_allowed(scores, dev, node, n_dev, n_node)
+    order = [int(e) for e in np.argsort(-scores, kind="stable")]
+    if sim is None:
+        return [e for e in order if e in allowed][:k]
+    chosen = [e for e in order[:k] if e in allowed]
+    for e in order[:k]:
+        if e not in allowed:
+            cands = [c for c in range(len(scores)) if c in allowed and c not in chosen]
+            chosen.append(max(cands, key=lambda c: (sim[e, c], -c)))
+    return sorted(chosen, key=lambda e: -scores[e])
+
+
+NODE_CASES = [  # (E, D, M, k)
+    (16, 4, 2, 4), (32, 8, 4, 6), (24, 6, 3, 3), (16, 8, 4, 2),
+]
+
+
+@pytest.mark.parametrize("num_experts,num_devices,num_nodes,top_k", NODE_CASES)
+@pytest.mark.parametrize("method", ["score", "similarity"])
+def test_node_limit_matches_reference(num_experts, num_devices, num_nodes, top_k, method):
+    rng = np.random.default_rng(num_experts + 7 * num_devices + top_k)
+    T, G, per = 120, num_devices // num_nodes, num_experts // num_devices
+    scores = torch.softmax(torch.as_tensor(rng.normal(size=(T, num_experts)) * 2), dim=-1)
+    sim = random_similarity(rng, num_experts)
+    dev = random_placement(rng, num_experts, num_devices)
+    node = dev // G
+    dev_t, node_t = torch.as_tensor(dev), torch.as_tensor(node)
+    plain_w, plain_ids = torch.topk(scores, top_k, dim=-1)
+    for n_node in range(1, num_nodes + 1):
+        for n_dev in [None, *range(1, num_devices + 1)]:
+            room = n_node * G * per if n_dev is None else min(n_dev * per, n_node * G * per)
+            kw = dict(method=method, similarity_EE=sim, max_nodes=n_node, expert_node_E=node_t)
+            if room < top_k:
+                with pytest.raises(PruningError, match="fewer than top_k"):
+                    device_limited_topk(scores, top_k, dev_t, n_dev, **kw)
+                continue
+            w, ids = device_limited_topk(scores, top_k, dev_t, n_dev, **kw)
+            s = sim.numpy() if method == "similarity" else None
+            for t in range(T):
+                assert ids[t].tolist() == ref_limited(scores[t].numpy(), top_k, dev, node, n_dev, n_node, s), (t, n_node, n_dev)
+            # The limits hold for every token; gate weights are the router's scores.
+            assert int(devices_per_token(ids, node_t).max()) <= n_node
+            if n_dev is not None:
+                assert int(devices_per_token(ids, dev_t).max()) <= n_dev
+            assert torch.equal(w, scores.gather(1, ids))
+            # Tokens already within both limits keep their plain top-k.
+            within = devices_per_token(plain_ids, node_t) <= n_node
+            if n_dev is not None:
+                within &= devices_per_token(plain_ids, dev_t) <= n_dev
+            assert torch.equal(ids[within], plain_ids[within])
+        # All nodes: the node limit changes nothing (plain top-k; max_devices alone).
+        w, ids = device_limited_topk(scores, top_k, dev_t, None, method=method, similarity_EE=sim,
+                                     max_nodes=num_nodes, expert_node_E=node_t)
+        assert torch.equal(ids, plain_ids) and torch.equal(w, plain_w)
+        n_dev = max(1, -(-top_k // per))
+        a = device_limited_topk(scores, top_k, dev_t, n_dev, method=method, similarity_EE=sim,
+                                max_nodes=num_nodes, expert_node_E=node_t)
+        b = device_limited_topk(scores, top_k, dev_t, n_dev, method=method, similarity_EE=sim)
+        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+def test_node_limited_router_and_limit_routers():
+    torch.manual_seed(0)
+    E, D, M, k = 32, 8, 4, 6
+    placement = Placement(np.random.default_rng(1).permutation(np.arange(E) % D), D, num_nodes=M)
+    dev = torch.as_tensor(placement.expert_device(0).copy())
+    router = TopKRouter(64, E, k, max_nodes=2, devices_per_node=D // M)
+    router.set_expert_device(dev)
+    x = torch.randn(200, 64)
+    w, ids = router(x)
+    scores = torch.softmax(router.gate(x), -1)
+    want = device_limited_topk(scores, k, dev, None, max_nodes=2, expert_node_E=dev // (D // M))
+    assert torch.equal(ids, want[1]) and torch.allclose(w, want[0])
+    assert int(devices_per_token(ids, dev // (D // M)).max()) <= 2
+    w.sum().backward()
+    assert router.gate.weight.grad is not None
+    # limit_routers takes the nodes from the placement; both limits at once.
+    plain = TopKRouter(64, E, k)
+    plain.gate.load_state_dict(router.gate.state_dict())
+    limit_routers([plain], placement, 3, max_nodes=2)
+    assert plain.max_nodes == 2 and plain.devices_per_node == 2
+    _, ids2 = plain(x)
+    assert int(devices_per_token(ids2, dev // 2).max()) <= 2 and int(devices_per_token(ids2, dev).max()) <= 3
+    limit_routers([plain], placement, None)
+    assert plain.max_nodes is None and torch.equal(plain(x)[1], torch.topk(scores, k, -1).indices)
+    with pytest.raises(ValueError, match="devices_per_node"):
+        TopKRouter(64, E, k, max_nodes=2)
+    with pytest.raises(PruningError, match="max_nodes needs expert_node_E"):
+        device_limited_topk(scores, k, dev, None, max_nodes=2)
