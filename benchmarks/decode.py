@@ -4,6 +4,8 @@ and CUDA-graph captured, against the replicated floor (issue 16).
     torchrun --nproc-per-node 2 benchmarks/decode.py --model olmoe --out decode.json
     NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/decode.py --model olmoe --out decode_nop2p.json
 
+Serving with a KV cache (prefill + decode steps, `hf.generate`'s decoder): benchmarks/serve.py.
+
 A decode step is one forward of the model on input ids [B, 1] with use_cache=False (no KV
 cache), giving the logits of that token; B is the number of sequences (tokens) per GPU, the
 same on every rank. The model is built as in benchmarks/e2e.py: seeded random weights (bf16 on

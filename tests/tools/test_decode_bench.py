@@ -1,4 +1,5 @@
-"""CPU smoke tests of the decode-step benchmark `benchmarks/decode.py` (2 gloo ranks, tiny model)."""
+"""CPU smoke tests of the decode-step benchmark `benchmarks/decode.py` and its serving mode
+`benchmarks/serve.py` (prefill + decode with a static KV cache) (2 gloo ranks, tiny model)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,59 @@ def test_decode_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
     assert res.returncode != 0
     assert "not divisible by world size 3" in res.stdout + res.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+# ------------------------------------------------------------ serving mode: benchmarks/serve.py
+SERVE = ROOT / "benchmarks" / "serve.py"
+SERVE_EAGER = ("replicated", "standard", "dedup", "dedup-syncfree")
+SERVE_GRAPH = ("replicated+graph", "standard-syncfree+graph", "dedup-syncfree+graph")
+
+
+def _torchrun_serve(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SERVE), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_serve_tiny_every_variant(tmp_path):
+    out = tmp_path / "serve.json"
+    res = _torchrun_serve(2, "--model", "tiny", "--batch", "1,4", "--prompt-len", "8", "--new-tokens", "4",
+                          "--repeats", "2", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["env"]["world_size"] == 2 and report["config"]["new_tokens"] == 4
+    assert set(report["variants"]) == set(SERVE_EAGER + SERVE_GRAPH)
+    for name in SERVE_EAGER:
+        for b in BATCHES:
+            r = report["variants"][name][b]
+            # fp32 on CPU: prefill + 3 forced decode steps equal the unconverted model up to rounding
+            assert r["check"]["passed"] and r["check"]["median_rel_err"] < 1e-4, (name, b, r["check"])
+            assert r["check"]["argmax_agreement"] == 1.0
+            assert len(r["ms_all"]) == 2 * 4 and len(r["prefill_ms_all"]) == 2
+            assert 0 < r["ms_p10"] <= r["ms_p50"] <= r["ms_p90"] <= r["ms_p99"], (name, b, r)
+            assert r["decode_tokens_per_s_per_gpu"] > r["e2e_tokens_per_s_per_gpu"] > 0
+    for name in SERVE_GRAPH:
+        for b in BATCHES:
+            assert "CUDA graphs need a GPU" in report["variants"][name][b]["skipped"]
+    rows = {(r["batch"], r["variant"]): r for r in report["table"]}
+    assert rows[(4, "replicated")]["x_floor"] == pytest.approx(1.0) and rows[(1, "dedup")]["floor"] == "replicated"
+    lines = res.stdout.strip().splitlines()
+    assert "| batch | variant | prefill ms | step ms p50 | step ms p99 | decode tok/s/GPU | e2e tok/s/GPU | x floor |" in lines
+
+
+def test_serve_verify_generation(tmp_path):
+    out = tmp_path / "verify.json"
+    res = _torchrun_serve(2, "--verify", "--model", "tiny-qwen3", "--new-tokens", "5", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    verify = json.loads(out.read_text())["verify"]
+    assert set(verify) == {"tiny (float32)", "tiny-qwen3 (float32)"}
+    for r in verify.values():  # CPU: no graph; eager generate == transformers' generate
+        assert r["passed_all_ranks"] and r["eager_equals_transformers"] and "graph_equals_eager" not in r
+
+
+def test_serve_bad_arguments_fail_clearly():
+    res = subprocess.run([sys.executable, str(SERVE), "--variants", "dedup,bogus"], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode != 0 and "unknown variant" in res.stderr
+    res = subprocess.run([sys.executable, str(SERVE), "--new-tokens", "0"], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode != 0 and "must be >= 1" in res.stderr

@@ -1,0 +1,380 @@
+"""Serving benchmark: prefill of random prompts, then decode steps with a static KV cache, through a
+whole expert-parallel model; eager and CUDA-graph captured, against the replicated floor (issue 16).
+
+    torchrun --nproc-per-node 2 benchmarks/serve.py --model olmoe --out serve.json
+    NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/serve.py --model olmoe --out serve_nop2p.json
+    python benchmarks/serve.py --verify --model olmoe --layers 4       (one GPU: graph == eager generation)
+
+Per batch size B (sequences per GPU, the same on every rank) each rank draws B random prompts of
+--prompt-len tokens, prefills them (eager, normal dispatch) into a transformers StaticCache with
+`hf.StaticDecoder`, then runs --new-tokens greedy decode steps of [B, 1] tokens (the argmax of
+the last logits feeds the next step, on the device). Models are built as in benchmarks/decode.py
+(seeded random weights, bf16 on GPUs, fp32 on CPU). Variants:
+
+  replicated                 all experts on every GPU (a one-rank group): no expert-parallel traffic
+  replicated+graph           the same, the decode step sync-free and captured in a CUDA graph: the floor
+  standard, dedup            occult eager: one host synchronisation per MoE layer
+  dedup-syncfree             eager, sync-free dispatch (fixed-capacity all-to-all, no host wait)
+  standard-syncfree+graph,   sync-free, the decode step captured once per batch size
+  dedup-syncfree+graph       (hf.StaticDecoder.capture: warm-up on a side stream, static buffers)
+
+Graph variants are skipped on CPU; a capture error is recorded and the run goes on. Before
+timing, every (variant, B) is checked against the unconverted model run through the same
+static-cache decoder: the logits of the prefill and of --check-steps decode steps fed fixed random
+tokens (per-token relative L2 error over the first 8 rows, median and p95, max over ranks); a
+median above --tol fails it (not timed; exit 1 at the end). Timing: one untimed run, then
+--repeats runs of prefill + --new-tokens steps; a step's time is the slowest rank's (CUDA events
+recorded around each step on GPUs, the steps not waited on one by one; wall clock on CPU).
+Reported: prefill ms p50, per-token latency (decode step) p50/p90/p99, decode tokens/s per GPU
+(B / mean step), end-to-end tokens/s per GPU (B * new tokens / (prefill + steps)) and the ratio
+of the step p50 to the floor (replicated+graph, else replicated). Rank 0 writes the JSON
+atomically after every result and prints a Markdown table last.
+
+--verify (any world size, e.g. one GPU): `hf.generate` with the decode step graph-captured gives
+exactly the tokens of the same call run eagerly, on a tiny OLMoE (fp32: also == transformers' own
+`generate` of the unconverted model) and on --model (its dtype: agreement with transformers'
+generate reported, bf16 may differ), 4 left-padded prompts of 7-24 tokens per rank, the config's
+eos. Exit 1 if any equality fails on any rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from decode import agree_on_error, batch_list, build_base, free_memory, model_config  # noqa: E402
+from e2e import MODELS, TINY, build_model, check_setup, environment, log, random_ids, synchronize, write_json  # noqa: E402
+from occult import set_sync_free  # noqa: E402
+from occult.distributed import init_distributed  # noqa: E402
+from occult.integrations import hf  # noqa: E402
+
+
+class Variant(NamedTuple):
+    base: str
+    sync_free: bool
+    graph: bool
+
+
+VARIANTS: dict[str, Variant] = {
+    "replicated": Variant("replicated", False, False),
+    "replicated+graph": Variant("replicated", True, True),
+    "standard": Variant("standard", False, False),
+    "dedup": Variant("dedup", False, False),
+    "dedup-syncfree": Variant("dedup", True, False),
+    "standard-syncfree+graph": Variant("standard", True, True),
+    "dedup-syncfree+graph": Variant("dedup", True, True),
+}
+CHECK_ROWS = 8
+
+
+def variant_list(text: str) -> list[str]:
+    names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)}")
+    return [v for v in VARIANTS if v in names]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY], help="model shape (tiny*: CPU smoke runs)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    p.add_argument("--variants", type=variant_list, default="all", help=f"comma list or 'all' of {', '.join(VARIANTS)}")
+    p.add_argument("--batch", type=batch_list, default="1,8,64,256", help="comma list of sequences per GPU")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs (prefill + decode) per variant and batch size")
+    p.add_argument("--check-steps", type=int, default=3, help="decode steps checked against the unconverted model")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
+    p.add_argument("--router-std", type=float, default=0.05, help="router weight std at hidden 2048")
+    p.add_argument("--router-groups", type=int, default=0, help="plant co-activation in this many expert groups (0: off)")
+    p.add_argument("--tol", type=float, default=2e-2, help="max median relative logit error of a variant")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verify", action="store_true", help="only check graph-captured generation == eager (see above)")
+    p.add_argument("--out", default=None, help="write every number as JSON here (rank 0, atomically)")
+    args = p.parse_args(argv)
+    if min(args.prompt_len, args.new_tokens, args.repeats, args.check_steps) < 1:
+        p.error("--prompt-len, --new-tokens, --repeats and --check-steps must be >= 1")
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be >= 1")
+    return args
+
+
+def _quantiles(ms: list[float], qs: list[float]) -> list[float]:
+    return torch.quantile(torch.tensor(ms, dtype=torch.float64), torch.tensor(qs, dtype=torch.float64)).tolist()
+
+
+def _slowest(ms: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(ms, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# ------------------------------------------------------------------ check
+@torch.no_grad()
+def forced_logits(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor, forced_BK: torch.Tensor,
+                  sync_free: bool) -> torch.Tensor:
+    """Logits [min(B, 8), K + 1, V] of the prefill and K decode steps fed the forced tokens."""
+    set_sync_free(model, False)
+    out = [dec.prefill(prompts_BP, torch.ones_like(prompts_BP))[:CHECK_ROWS].clone()]
+    set_sync_free(model, sync_free)
+    for k in range(forced_BK.shape[1]):
+        out.append(dec.step(forced_BK[:, k])[:CHECK_ROWS].clone())
+    return torch.stack(out, dim=1)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float) -> dict[str, Any]:
+    err = ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).flatten().double().cpu()
+    q = torch.quantile(err, torch.tensor([0.5, 0.95], dtype=torch.float64)).to(out.device)
+    dist.all_reduce(q, op=dist.ReduceOp.MAX)
+    same = (out.argmax(-1) == ref.argmax(-1)).double().mean().reshape(1)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return {"median_rel_err": float(q[0]), "p95_rel_err": float(q[1]), "argmax_agreement": float(same),
+            "passed": float(q[0]) <= tol}
+
+
+# ------------------------------------------------------------------ timing
+@torch.no_grad()
+def serve_run(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor, sync_free: bool,
+              steps: int, device: torch.device) -> tuple[float, list[float]]:
+    """One prefill + `steps` greedy decode steps: (prefill ms, [step ms]) on this rank."""
+    cuda = device.type == "cuda"
+    set_sync_free(model, False)
+    synchronize(device)
+    t0 = time.perf_counter()
+    if cuda:
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 * steps + 2)]
+        ev[0].record()
+    logits_BV = dec.prefill(prompts_BP, torch.ones_like(prompts_BP))
+    set_sync_free(model, sync_free)
+    if cuda:
+        ev[1].record()
+    prefill_ms, walls = (time.perf_counter() - t0) * 1e3, []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        if cuda:
+            ev[2 + 2 * i].record()
+        logits_BV = dec.step(logits_BV.argmax(-1))
+        if cuda:
+            ev[3 + 2 * i].record()
+        else:
+            walls.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        ev[-1].synchronize()
+        return ev[0].elapsed_time(ev[1]), [ev[2 + 2 * i].elapsed_time(ev[3 + 2 * i]) for i in range(steps)]
+    return prefill_ms, walls
+
+
+def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
+    spec, device = VARIANTS[name], ctx["device"]
+    if spec.graph and device.type != "cuda":
+        return {"skipped": f"CUDA graphs need a GPU (device {device.type})"}
+    prompts_BP, forced_BK = ctx["prompts"][batch], ctx["forced"][batch]
+    dec = hf.StaticDecoder(model, batch, args.prompt_len + max(args.new_tokens, args.check_steps) + 1)
+    res: dict[str, Any] = {}
+    try:
+        if spec.graph:
+            error = None
+            try:
+                set_sync_free(model, False)
+                dec.prefill(prompts_BP, torch.ones_like(prompts_BP))
+                set_sync_free(model, True)
+                dec.capture()
+            except Exception as exc:  # noqa: BLE001 (recorded, the run goes on)
+                error = f"{type(exc).__name__}: {exc}"
+            error = agree_on_error(error)
+            if error:
+                return {"error": f"capture failed: {error}"}
+        out = forced_logits(dec, model, prompts_BP, forced_BK, spec.sync_free)
+        res["check"] = compare(out, ctx["ref"][batch], args.tol)
+        if not res["check"]["passed"]:
+            return res
+        serve_run(dec, model, prompts_BP, spec.sync_free, args.new_tokens, device)  # untimed
+        prefill, steps = [], []
+        for _ in range(args.repeats):
+            p_ms, s_ms = serve_run(dec, model, prompts_BP, spec.sync_free, args.new_tokens, device)
+            prefill.append(p_ms)
+            steps += s_ms
+        prefill, steps = _slowest(prefill, device), _slowest(steps, device)
+        q = _quantiles(steps, [0.1, 0.5, 0.9, 0.99])
+        mean_step = sum(steps) / len(steps)
+        run_ms = sum(prefill) / len(prefill) + mean_step * args.new_tokens
+        res.update(prefill_ms_p50=_quantiles(prefill, [0.5])[0], ms_p10=q[0], ms_p50=q[1], ms_p90=q[2], ms_p99=q[3],
+                   step_ms_mean=mean_step, decode_tokens_per_s_per_gpu=batch / (mean_step / 1e3),
+                   e2e_tokens_per_s_per_gpu=batch * args.new_tokens / (run_ms / 1e3), prefill_ms_all=prefill,
+                   ms_all=steps)
+        return res
+    finally:
+        set_sync_free(model, False)
+        del dec
+        free_memory(device)
+
+
+def describe(name: str, batch: int, r: dict[str, Any]) -> str:
+    head = f"{name} B={batch}:"
+    if "skipped" in r or "error" in r:
+        return f"{head} {r.get('skipped') or r['error']}"
+    c = r["check"]
+    text = f"{head} check median {c['median_rel_err']:.2e} p95 {c['p95_rel_err']:.2e}"
+    if not c["passed"]:
+        return text + "  FAILED"
+    return text + (f"; prefill {r['prefill_ms_p50']:.1f} ms, step {r['ms_p50']:.2f} ms p50 (p99 {r['ms_p99']:.2f}), "
+                   f"{r['decode_tokens_per_s_per_gpu']:,.0f} decode tok/s/GPU")
+
+
+def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for b in batches:
+        got = {n: report["variants"].get(n, {}).get(str(b)) for n in names}
+        floor = next((f for f in ("replicated+graph", "replicated") if (got.get(f) or {}).get("ms_p50")), None)
+        for n in names:
+            r = got[n]
+            if r is None:
+                continue
+            row: dict[str, Any] = {"batch": b, "variant": n}
+            if "ms_p50" in r:
+                row.update({k: r[k] for k in ("prefill_ms_p50", "ms_p50", "ms_p99", "decode_tokens_per_s_per_gpu",
+                                              "e2e_tokens_per_s_per_gpu")},
+                           x_floor=r["ms_p50"] / got[floor]["ms_p50"] if floor else None, floor=floor)
+            else:
+                row["note"] = r.get("skipped") or r.get("error") or "check FAILED"
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| batch | variant | prefill ms | step ms p50 | step ms p99 | decode tok/s/GPU | e2e tok/s/GPU | x floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "note" in r:
+            note = r["note"] if len(r["note"]) <= 60 else r["note"][:57] + "..."
+            lines.append(f"| {r['batch']} | {r['variant']} | {note.replace('|', '/')} | | | | | |")
+            continue
+        ratio = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
+        lines.append(f"| {r['batch']} | {r['variant']} | {r['prefill_ms_p50']:.1f} | {r['ms_p50']:.2f} | "
+                     f"{r['ms_p99']:.2f} | {r['decode_tokens_per_s_per_gpu']:,.0f} | "
+                     f"{r['e2e_tokens_per_s_per_gpu']:,.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ verify
+def verify(args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
+    """hf.generate graph-captured == eager (and == transformers' generate in fp32) on tiny and --model."""
+    device, out = ctx["device"], {}
+    for name, dtype in (("tiny", torch.float32), (args.model, ctx["dtype"])):
+        sub = argparse.Namespace(**{**vars(args), "model": name, "layers": None if name in TINY else args.layers})
+        cfg = model_config(sub)
+        ref = build_model(sub, cfg, device, dtype).eval()
+        model = hf.convert(build_model(sub, cfg, device, dtype).eval(), dispatcher="dedup")
+        gen = torch.Generator().manual_seed(40_000 + args.seed + dist.get_rank())
+        ids = random_ids(4, 24, cfg.vocab_size, device, gen)
+        mask = torch.ones_like(ids)
+        for row, pad in enumerate((0, 5, 11, 17)):
+            mask[row, :pad] = 0
+        kw = {"attention_mask": mask, "pad_token_id": 0}  # eos: the config's, on every side
+        res: dict[str, Any] = {}
+        if device.type == "cuda":
+            t0 = time.perf_counter()
+            graph = hf.generate(model, ids, args.new_tokens, cuda_graph=True, reuse=False, **kw)
+            res["graph_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        eager = hf.generate(model, ids, args.new_tokens, cuda_graph=False, reuse=False, **kw)
+        res["eager_s"] = time.perf_counter() - t0
+        hf_out = ref.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, **kw)
+        n = min(eager.shape[1], hf_out.shape[1])
+        res["agreement_with_transformers"] = float((eager[:, 24:n] == hf_out[:, 24:n]).float().mean())
+        if dtype == torch.float32:
+            res["eager_equals_transformers"] = bool(torch.equal(eager, hf_out))
+        if device.type == "cuda":
+            res["graph_equals_eager"] = bool(torch.equal(graph, eager))
+        flags = torch.tensor([int(v) for k, v in res.items() if "equals" in k] or [1],
+                             device=device).min().reshape(1)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        res["passed_all_ranks"] = bool(flags.item())
+        out[f"{name} ({str(dtype).replace('torch.', '')})"] = res
+        del ref, model
+        free_memory(device)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = model_config(args)
+    problem = check_setup(args, cfg, world)
+    if problem:
+        if rank == 0:
+            print(f"serve.py: error: {problem}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
+    self_groups = [dist.new_group([r]) for r in range(world)]
+    ctx: dict[str, Any] = {"device": device, "dtype": dtype, "self_group": self_groups[rank]}
+    report: dict[str, Any] = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype),
+                                         "model_config": cfg.to_dict()},
+                              "env": environment(device, world), "variants": {}, "table": []}
+    if args.verify:
+        report["verify"] = verify(args, ctx)
+        log(report["verify"])
+        if rank == 0 and args.out:
+            write_json(args.out, report)
+        ok = all(r["passed_all_ranks"] for r in report["verify"].values())
+        dist.destroy_process_group()
+        return 0 if ok else 1
+    gen = torch.Generator().manual_seed(50_000 + args.seed + rank)
+    ctx["prompts"] = {b: random_ids(b, args.prompt_len, cfg.vocab_size, device, gen) for b in args.batch}
+    ctx["forced"] = {b: random_ids(b, args.check_steps, cfg.vocab_size, device, gen) for b in args.batch}
+    t0 = time.perf_counter()
+    ref = build_model(args, cfg, device, dtype).eval()
+    report["env"]["build_s"] = time.perf_counter() - t0
+    ctx["ref"] = {}
+    for b in args.batch:
+        dec = hf.StaticDecoder(ref, b, args.prompt_len + args.check_steps + 1)
+        ctx["ref"][b] = forced_logits(dec, ref, ctx["prompts"][b], ctx["forced"][b], False).float()
+        del dec
+    del ref
+    free_memory(device)
+    log(f"{args.model}: {cfg.num_hidden_layers} layers, {world} ranks, {device.type} {dtype}, batches {args.batch} "
+        f"per GPU, prompts {args.prompt_len}, {args.new_tokens} new tokens x {args.repeats} runs, "
+        f"NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, reference built in {report['env']['build_s']:.1f} s")
+    for base in dict.fromkeys(VARIANTS[n].base for n in args.variants):
+        model = build_base(base, args, cfg, ctx)
+        names = [n for n in args.variants if VARIANTS[n].base == base]
+        for batch in args.batch:
+            for n in names:
+                r = run_one(model, n, batch, args, ctx)
+                report["variants"].setdefault(n, {})[str(batch)] = r
+                log(describe(n, batch, r))
+                report["table"] = summary(report, args.variants, args.batch)
+                if rank == 0 and args.out:
+                    write_json(args.out, report)
+        del model
+        free_memory(device)
+    failed = sorted({n for n, v in report["variants"].items() for r in v.values()
+                     if not r.get("check", {}).get("passed", True)})
+    log("\n" + table(report["table"]))
+    dist.destroy_process_group()
+    if failed:
+        if rank == 0:
+            print(f"serve.py: error: variant(s) {', '.join(failed)} differ from the unconverted model "
+                  f"(median relative logit error above --tol {args.tol})", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
