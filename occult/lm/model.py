@@ -156,6 +156,7 @@ class MoEBlock(nn.Module):
         )
         self.observers: list[RoutingObserver] = []
         self.want_aux = True
+        self.aux_group: Any = None  # set: the training aux loss is over every rank's tokens
         self._logits: torch.Tensor | None = None
         self._routed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.moe.router.gate.register_forward_hook(self._keep_logits)
@@ -181,7 +182,9 @@ class MoEBlock(nn.Module):
             weights_TK, ids_TK = routed
             for fn in self.observers:
                 fn(self.layer_index, logits.detach(), weights_TK.detach(), ids_TK.detach())
-            if self.want_aux and ids_TK.numel():
+            if self.want_aux and self.aux_group is not None and self.training:
+                aux = global_aux_loss(logits, ids_TK, self.aux_group)
+            elif self.want_aux and ids_TK.numel():
                 E = logits.shape[-1]
                 probs_TE = torch.softmax(logits.float(), dim=-1)
                 flat = ids_TK.reshape(-1)
@@ -189,6 +192,29 @@ class MoEBlock(nn.Module):
                     0, flat, torch.ones_like(flat, dtype=torch.float32)) / flat.numel()  # no host sync
                 aux = E * (share_E * probs_TE.mean(0)).sum()
         return y, aux
+
+
+def global_aux_loss(logits_TE: torch.Tensor, ids_TK: torch.Tensor, group: Any) -> torch.Tensor:
+    """The load-balancing loss of the tokens of every rank of `group` (one all-reduce of 2E+1 sums).
+
+    Its value is the global loss on every rank; its gradient is `group size` times this rank's
+    share, so gradients averaged over the ranks are those of the global loss.
+    """
+    import torch.distributed as dist
+
+    E = logits_TE.shape[-1]
+    psum_E = torch.softmax(logits_TE.float(), dim=-1).sum(0)
+    flat = ids_TK.reshape(-1)
+    count_E = torch.zeros(E, dtype=torch.float32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.float32))
+    tokens = torch.full((1,), float(logits_TE.shape[0]), device=psum_E.device)
+    sums = torch.cat([count_E, psum_E.detach(), tokens])
+    dist.all_reduce(sums, group=group)
+    share_E = sums[:E] / sums[:E].sum().clamp_min(1.0)
+    total = sums[-1].clamp_min(1.0)
+    value = E * (share_E * sums[E:2 * E]).sum() / total
+    mine = E * (share_E * psum_E).sum() / total * dist.get_world_size(group)
+    return mine + (value - mine).detach()
 
 
 class DecoderBlock(nn.Module):
@@ -276,6 +302,14 @@ class OccultLM(nn.Module):
     def routers(self) -> list[nn.Module]:
         return [b.moe.router for b in self.blocks]
 
+    def expert_parameters(self) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+        """Expert weights by parameter name: (parameter [E_local, ...], global expert id of each slot)."""
+        out = {}
+        for i, m in enumerate(self.moe_layers()):
+            for attr in ("gate_up_proj", "down_proj"):
+                out[f"blocks.{i}.moe.moe.{attr}"] = (getattr(m, attr), m.local_expert_ids)
+        return out
+
     def moe_parameter_names(self) -> list[str]:
         """Parameters of the MoE blocks (router and experts): what MoE-only fine-tuning updates."""
         return [n for n, _ in self.named_parameters() if ".moe.moe." in n]
@@ -353,6 +387,11 @@ class OccultLM(nn.Module):
     def set_aux_loss(self, enabled: bool) -> None:
         for b in self.blocks:
             b.moe.want_aux = enabled
+
+    def set_aux_group(self, group: Any) -> None:
+        """Compute the training load-balancing loss over the tokens of every rank of `group`."""
+        for b in self.blocks:
+            b.moe.aux_group = group
 
 
 __all__ = ["ModelConfig", "OccultLM", "LMOutput", "RoutingSpec"]

@@ -4,33 +4,43 @@
 `min_lr_ratio * lr`, bf16 autocast on GPU (fp32 master weights), gradient clipping, the
 load-balancing auxiliary loss (`aux_loss_coef`), validation loss / perplexity (and E[C_T]
 when the model has a routing placement) every `eval_every` steps, optional early stop when
-validation loss flattens (`patience`), and a tqdm progress bar. `moe_only=True` updates only
-the MoE blocks (routers and experts), everything else frozen (the paper's pruning-aware
-fine-tuning). `finetune(init, ...)` loads weights, applies a routing rule and trains.
-Evaluation (`evaluate`, `pick_device`, `autocast_for`) is in `occult.lm.evaluate`.
+validation loss flattens (`patience`), and a tqdm progress bar (loss, tokens/s). `moe_only=True`
+updates only the MoE blocks (routers and experts), everything else frozen (the paper's
+pruning-aware fine-tuning). `finetune(init, ...)` loads weights, applies a routing rule and
+trains. Settings, schedule and optimizer are in `occult.lm.state`; evaluation in
+`occult.lm.evaluate`.
+
+On N ranks (`parallel=`, an `occult.lm.parallel.Parallel`; the model from `shard_model`), the
+experts are sharded over each EP group and everything else is data parallel: every rank reads
+its own rows of each global batch of `batch_size` rows, gradients are synchronised and clipped
+over the whole model, the load-balancing loss is over the global batch, and the result equals a
+single-process run on the same global batch. Rank 0 alone prints, draws the bar and writes
+the weights files (gathered from every rank) and metrics.
 
 Files in `out_dir` (all written atomically):
-    checkpoint.safetensors  latest state: `model.*` weights, `optim.<param>.<key>` AdamW state,
-                            metadata (model/train config, routing, step, history, data hash)
+    checkpoint.safetensors  latest state of a single-process run: `model.*` weights,
+                            `optim.<param>.<key>` AdamW state, metadata (model/train config,
+                            routing, step, history, losses, data hash)
+    checkpoint/             latest state of an N-rank run: sharded DCP checkpoint (`occult.lm.sharded`)
     best.safetensors        weights at the best validation loss so far
     model.safetensors       final weights (when the run ends)
     metrics.jsonl           one JSON line per evaluation
+    loss.png                the loss curve (when the run ends; needs matplotlib)
 
-Resume (`resume=True`): the checkpoint's model config, trajectory-relevant training settings,
-routing rule, training data and (for fine-tunes) initial weights must match, or a
-`CheckpointError` names what differs. Batches depend only on (seed, step), so a resumed run
+Resume (`resume=True`) continues the newer of the two checkpoints, on any number of ranks (a
+2-rank checkpoint resumes on 1 and vice versa): the checkpoint's model config, trajectory-relevant
+training settings, routing rule, training data and (for fine-tunes) initial weights must match,
+or a `CheckpointError` names what differs. Batches depend only on (seed, step), so a resumed run
 continues exactly as the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -48,160 +58,51 @@ from occult.lm.checkpoint import (
 from occult.lm.data import TokenData, train_batch
 from occult.lm.evaluate import autocast_for, evaluate, pick_device
 from occult.lm.model import OccultLM
+from occult.lm.parallel import (
+    Parallel,
+    clip_grad_norm,
+    full_model,
+    gathered_tensors,
+    global_mean,
+    shard_model,
+    shard_tensors,
+    sync_gradients,
+)
+from occult.lm.plot import plot_losses
+from occult.lm.sharded import (
+    find_sharded,
+    load_sharded,
+    read_sharded_meta,
+    save_sharded,
+)
+from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
+    TrainConfig,
+    TrainResult,
+    check_resume,
+    load_optimizer_tensors,
+    lr_at,
+    make_optimizer,
+    optimizer_tensors,
+    tensor_hash,
+    trainable_names,
+)
 
 CHECKPOINT = "checkpoint.safetensors"
 BEST = "best.safetensors"
 FINAL = "model.safetensors"
 METRICS = "metrics.jsonl"
+PLOT = "loss.png"
 
 
-@dataclass
-class TrainConfig:
-    """Optimisation settings. Fields in `LOGGING_FIELDS` may change on resume; the rest may not."""
-
-    steps: int = 2000
-    batch_size: int = 32
-    seq_len: int = 256
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    aux_loss_coef: float = 0.01
-    moe_only: bool = False
-    seed: int = 0
-    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or "bf16" / "fp32"
-    eval_every: int = 200
-    eval_tokens: int | None = 131072
-    eval_batch_size: int | None = None
-    eval_at_start: bool = False
-    save_every: int = 500
-    patience: int | None = None  # stop after this many evaluations without improvement
-    min_delta: float = 0.001  # relative improvement of val loss that counts
-    device: str = "auto"
-
-    LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta")
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "save_every"):
-            if int(getattr(self, name)) < (0 if name in ("eval_every", "save_every") else 1):
-                raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
-        if self.patience is not None and self.patience < 1:
-            raise ValueError(f"patience must be >= 1 or None, got {self.patience}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-
-@dataclass
-class TrainResult:
-    step: int
-    best_val_loss: float | None
-    history: list[dict]
-    stopped_early: bool
-    out_dir: Path
-
-    @property
-    def last_eval(self) -> dict | None:
-        return self.history[-1] if self.history else None
-
-
-# ----------------------------------------------------------------- helpers
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over `warmup_steps`, then cosine from `lr` to `min_lr_ratio * lr` at `steps`."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def tensor_hash(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
-
-
-def trainable_names(model: OccultLM, moe_only: bool) -> list[str]:
-    names = model.moe_parameter_names() if moe_only else [n for n, _ in model.named_parameters()]
-    if not names:
-        raise ValueError("no parameters to train")
-    return names
-
-
-def make_optimizer(model: OccultLM, names: list[str], cfg: TrainConfig) -> torch.optim.AdamW:
-    params = dict(model.named_parameters())
-    wanted = set(names)
-    for n, p in params.items():
-        p.requires_grad_(n in wanted)
-    decay = [params[n] for n in names if params[n].dim() >= 2 and not n.startswith("embed.")]
-    no_decay = [params[n] for n in names if not (params[n].dim() >= 2 and not n.startswith("embed."))]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-
-
-def optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    out: dict[str, torch.Tensor] = {}
-    for p, state in opt.state.items():
-        for key, v in state.items():
-            t = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
-            out[f"optim.{name_of[id(p)]}.{key}"] = t.detach().contiguous().cpu()
-    return out
-
-
-def load_optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], source: str) -> None:
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    sd = opt.state_dict()
-    order = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for i, name in enumerate(order):
-        entry = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
-        if entry:
-            state[i] = entry
-    if state and len(state) != len(order):
-        raise CheckpointError(f"{source}: optimizer state covers {len(state)} of {len(order)} trained parameters")
-    sd["state"] = state
-    opt.load_state_dict(sd)
-
-
-# ------------------------------------------------------------------ training
-def _check_resume(meta: Mapping[str, str], model: OccultLM, cfg: TrainConfig, data_sig: str, init_sig: str | None, path: Path) -> None:
-    saved_model = config_from_metadata(meta, str(path))
-    if saved_model != model.config:
-        diffs = [
-            f"{k}: checkpoint {getattr(saved_model, k)!r}, now {getattr(model.config, k)!r}"
-            for k in model.config.to_dict()
-            if getattr(saved_model, k) != getattr(model.config, k)
-        ]
-        raise CheckpointError(f"{path}: model config mismatch on resume ({'; '.join(diffs)}); use the same settings or another --out")
-    saved = json.loads(meta.get("train_config", "{}"))
-    now = cfg.to_dict()
-    diffs = [
-        f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}"
-        for k in now
-        if k not in TrainConfig.LOGGING_FIELDS and saved.get(k) != now[k]
-    ]
-    if diffs:
-        raise CheckpointError(f"{path}: training config mismatch on resume ({'; '.join(diffs)}); use the same settings or another --out")
-    if json.loads(meta.get("routing", "null")) != json.loads(model.routing.to_json()):
-        raise CheckpointError(f"{path}: routing mismatch on resume: checkpoint {meta.get('routing')}, now {model.routing.to_json()}")
-    if meta.get("data_hash") != data_sig:
-        raise CheckpointError(f"{path}: the training data differ from the checkpoint's (hash {meta.get('data_hash')} vs {data_sig})")
-    if (meta.get("init_hash") or None) != init_sig:
-        raise CheckpointError(f"{path}: the run started from other initial weights (init hash {meta.get('init_hash')} vs {init_sig})")
+def latest_state(out: Path) -> tuple[str, Path, Mapping[str, Any]] | None:
+    """("dcp" | "safetensors", path, metadata) of the newest resume state in `out`, or None."""
+    found = []
+    sharded = find_sharded(out)
+    if sharded is not None:
+        found.append(("dcp", sharded, read_sharded_meta(sharded)))
+    if (out / CHECKPOINT).exists():
+        found.append(("safetensors", out / CHECKPOINT, read_checkpoint(out / CHECKPOINT, prefixes=())[1]))
+    return max(found, key=lambda f: int(f[2].get("step", 0)), default=None)
 
 
 def train(
@@ -216,62 +117,86 @@ def train(
     init_hash: str | None = None,
     extra_metadata: Mapping[str, Any] | None = None,
     log: Callable[[str], None] | None = print,
+    parallel: Parallel | None = None,
+    plot: bool = True,
 ) -> TrainResult:
     """Train `model` on `data.train` for `cfg.steps` steps (see the module docstring).
 
     `stop_after=n` returns after n more steps (checkpoint saved; resume later with
-    `resume=True`), e.g. to split a long run into jobs under a time limit.
+    `resume=True`), e.g. to split a long run into jobs under a time limit. `parallel`: train on
+    every rank of it (each rank calls `train` with its shard of the model).
     """
+    par = parallel if parallel is not None and parallel.world_size > 1 else None
+    main = par is None or par.is_main
+    log = log if main else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = pick_device(cfg.device)
     model.to(device)
     if data.vocab_size > model.config.vocab_size:
         raise ValueError(f"the data use {data.vocab_size} token ids, the model's vocab_size is {model.config.vocab_size}")
+    if par is not None and cfg.batch_size % par.world_size:
+        raise ValueError(f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks")
     names = trainable_names(model, cfg.moe_only)
     opt = make_optimizer(model, names, cfg)
     data_sig = f"{data.train.numel()}:{tensor_hash(data.train)}"
-    step, best, history, stopped = 0, None, [], False
-    ckpt = out / CHECKPOINT
-    if ckpt.exists():
+    step, best, history, stopped, losses = 0, None, [], False, []
+    state = latest_state(out)
+    if state is not None:
+        kind, path, meta = state
         if not resume:
             raise CheckpointError(f"{out} already holds a checkpoint: pass --resume to continue it, or choose another --out")
-        tensors, meta = read_checkpoint(ckpt)
-        _check_resume(meta, model, cfg, data_sig, init_hash, ckpt)
-        load_weights(model, tensors, str(ckpt))
-        load_optimizer_tensors(model, opt, tensors, str(ckpt))
+        check_resume(meta, model, cfg, data_sig, init_hash, path)
+        if kind == "dcp":
+            load_sharded(path, meta, model, opt)
+        else:
+            tensors, meta = read_checkpoint(path)
+            if par is not None:
+                tensors = shard_tensors(model, tensors)
+            load_weights(model, tensors, str(path))
+            load_optimizer_tensors(model, opt, tensors, str(path))
         step = int(meta.get("step", 0))
         best = json.loads(meta.get("best_val_loss", "null"))
         history = json.loads(meta.get("history", "[]"))
+        losses = json.loads(meta.get("train_losses", "[]"))
         stopped = meta.get("stopped_early") == "true"
         if log:
-            log(f"resumed {ckpt} at step {step}")
+            log(f"resumed {path} at step {step}")
     eval_bs = cfg.eval_batch_size or cfg.batch_size
     meta_base = dict(extra_metadata or {})
     meta_base.update(train_config=json.dumps(cfg.to_dict()), data_hash=data_sig, init_hash=init_hash or "")
+    saved_at = -1
 
     def save(path: Path, with_optimizer: bool) -> None:
+        nonlocal saved_at
         import safetensors.torch
 
-        tensors = model_tensors(model)
-        if with_optimizer:
-            tensors.update(optimizer_tensors(model, opt))
         meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in meta_base.items()}
         meta.update(model_metadata(model))
         meta.update(step=str(step), best_val_loss=json.dumps(best), history=json.dumps(history),
-                    stopped_early="true" if stopped else "false")
-        with atomic_path(path) as tmp:
-            safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+                    stopped_early="true" if stopped else "false", train_losses=json.dumps(losses))
+        if par is not None and with_optimizer:
+            if saved_at != step:
+                save_sharded(out, model, opt, meta, step)
+                saved_at = step
+            return
+        tensors = gathered_tensors(model) if par is not None else model_tensors(model)
+        if with_optimizer:
+            tensors.update(optimizer_tensors(model, opt))
+        if main:
+            with atomic_path(path) as tmp:
+                safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
 
     def do_eval(train_loss: float | None = None) -> dict:
         nonlocal best
-        r = evaluate(model, data.val, eval_bs, cfg.seq_len, cfg.eval_tokens, cfg.precision)
+        r = evaluate(model, data.val, eval_bs, cfg.seq_len, cfg.eval_tokens, cfg.precision, parallel=par)
         r["step"] = step
         if train_loss is not None:
             r["train_loss"] = train_loss
         history.append(r)
-        with open(out / METRICS, "a") as f:
-            f.write(json.dumps(r) + "\n")
+        if main:
+            with open(out / METRICS, "a") as f:
+                f.write(json.dumps(r) + "\n")
         if best is None or r["val_loss"] < best:
             improved = best is None or r["val_loss"] < best * (1 - cfg.min_delta)
             best = r["val_loss"]
@@ -286,40 +211,57 @@ def train(
             return False
         return not any(h.get("improved") for h in history[-cfg.patience:])
 
+    pending: list[torch.Tensor] = []
+
+    def flush() -> float:
+        """Record the pending steps' losses (means over the global batch); the last one."""
+        if pending:
+            losses.extend(global_mean(torch.stack(pending).float(), par).tolist())
+            pending.clear()
+        return losses[-1] if losses else float("nan")
+
     if cfg.eval_at_start and step == 0 and not history and cfg.eval_every:
         do_eval()
     from tqdm.auto import tqdm
 
+    show = ((not progress) if progress is not None else None) if main else True
     bar = tqdm(total=cfg.steps, initial=step, desc="train" if not cfg.moe_only else "finetune (MoE only)",
-               unit="step", disable=(not progress) if progress is not None else None, dynamic_ncols=True)
+               unit="step", disable=show, dynamic_ncols=True)
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    t_last, last_loss = time.perf_counter(), float("nan")
+    t_last, s_last = time.perf_counter(), step
     last_step = cfg.steps if stop_after is None else min(cfg.steps, step + int(stop_after))
+    shard = (par.rank, par.world_size) if par is not None else ()
     try:
         while step < last_step and not stopped:
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = train_batch(data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+            x, y = train_batch(data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step, *shard)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast_for(device, cfg.precision):
                 out_ = model(x, y, return_logits=False)
                 loss = out_.loss + cfg.aux_loss_coef * out_.aux_loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip) if cfg.grad_clip > 0 else None
+            gnorm = None
+            if par is not None:
+                sync_gradients(model, par)
+                gnorm = clip_grad_norm(model, par, cfg.grad_clip) if cfg.grad_clip > 0 else None
+            elif cfg.grad_clip > 0:
+                gnorm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
             opt.step()
             step += 1
+            pending.append(out_.loss.detach())
             bar.update(1)
             if step % 10 == 0 or step == cfg.steps:
-                last_loss = float(out_.loss.detach())
+                last_loss = flush()
                 if not math.isfinite(last_loss):
                     raise FloatingPointError(f"training loss is {last_loss} at step {step}; lower the learning rate")
                 now = time.perf_counter()
-                tps = tokens_per_step * 10 / max(1e-9, now - t_last)
-                t_last = now
+                tps = tokens_per_step * (step - s_last) / max(1e-9, now - t_last)
+                t_last, s_last = now, step
                 post = {"loss": f"{last_loss:.3f}", "aux": f"{float(out_.aux_loss.detach()):.3f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
                 if gnorm is not None:
                     post["gnorm"] = f"{float(gnorm):.2f}"
@@ -327,19 +269,23 @@ def train(
                     post["val"] = f"{history[-1]['val_loss']:.3f}"
                 bar.set_postfix(post, refresh=False)
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                do_eval(float(out_.loss.detach()))
+                do_eval(flush())
                 if plateaued():
                     stopped = True
                     if log:
                         log(f"validation loss flat for {cfg.patience} evaluations: stopping at step {step}")
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps or stopped):
+                flush()
                 save(out / CHECKPOINT, with_optimizer=True)
     finally:
         bar.close()
+    flush()
     save(out / CHECKPOINT, with_optimizer=True)
     if step >= cfg.steps or stopped:
         save(out / FINAL, with_optimizer=False)
-    return TrainResult(step, best, history, stopped, out)
+        if main and plot and plot_losses(out / PLOT, losses, history, title=str(out.name)) is None and log:
+            log("no loss plot: matplotlib is not installed")
+    return TrainResult(step, best, history, stopped, out, losses)
 
 
 def finetune(
@@ -356,15 +302,23 @@ def finetune(
     stop_after: int | None = None,
     progress: bool | None = None,
     log: Callable[[str], None] | None = print,
+    parallel: Parallel | None = None,
+    ep_placement=None,
+    dispatcher: str = "dedup",
 ) -> tuple[OccultLM, TrainResult]:
-    """Load `init`'s weights (its routing rule is ignored), set the routing rule, train."""
+    """Load `init`'s weights (its routing rule is ignored), set the routing rule, train.
+
+    `parallel`: on every rank of it, experts sharded by `ep_placement` (default contiguous).
+    """
     tensors, meta = read_checkpoint(init, prefixes=("model.",))
-    model = OccultLM(config_from_metadata(meta, str(init)))
+    model = full_model(config_from_metadata(meta, str(init)), parallel)
     load_weights(model, tensors, str(init))
     model.set_routing(max_devices, placement, method, similarity)
+    if parallel is not None and parallel.world_size > 1:
+        model = shard_model(model, parallel, ep_placement, dispatcher)
     init_sig = hashlib.sha256(b"".join(tensor_hash(tensors[k]).encode() for k in sorted(tensors))).hexdigest()[:16]
     result = train(model, data, cfg, out_dir, resume=resume, stop_after=stop_after, progress=progress, init_hash=init_sig,
-                   extra_metadata={"init": str(init)}, log=log)
+                   extra_metadata={"init": str(init)}, log=log, parallel=parallel)
     return model, result
 
 
@@ -378,4 +332,5 @@ __all__ = [
     "pick_device",
     "autocast_for",
     "CheckpointError",
+    "latest_state",
 ]

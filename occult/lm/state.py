@@ -1,0 +1,177 @@
+"""Training state of `OccultLM`: settings, schedule, optimizer and its tensors, resume checks.
+
+`TrainConfig` (optimisation settings), `TrainResult`, `lr_at` (warm-up then cosine),
+`make_optimizer` (AdamW, no decay on norms and embeddings), `optimizer_tensors` /
+`load_optimizer_tensors` (AdamW state as `optim.<param>.<key>` tensors, the layout both the
+safetensors and the sharded checkpoints use) and `check_resume` (what must match to continue a
+run). The training loop is `occult.lm.train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from occult.lm.checkpoint import CheckpointError, config_from_metadata
+from occult.lm.model import OccultLM
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings. Fields in `LOGGING_FIELDS` may change on resume; the rest may not."""
+
+    steps: int = 2000
+    batch_size: int = 32
+    seq_len: int = 256
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    aux_loss_coef: float = 0.01
+    moe_only: bool = False
+    seed: int = 0
+    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or "bf16" / "fp32"
+    eval_every: int = 200
+    eval_tokens: int | None = 131072
+    eval_batch_size: int | None = None
+    eval_at_start: bool = False
+    save_every: int = 500
+    patience: int | None = None  # stop after this many evaluations without improvement
+    min_delta: float = 0.001  # relative improvement of val loss that counts
+    device: str = "auto"
+
+    LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "save_every"):
+            if int(getattr(self, name)) < (0 if name in ("eval_every", "save_every") else 1):
+                raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
+        if self.patience is not None and self.patience < 1:
+            raise ValueError(f"patience must be >= 1 or None, got {self.patience}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class TrainResult:
+    step: int
+    best_val_loss: float | None
+    history: list[dict]
+    stopped_early: bool
+    out_dir: Path
+    train_losses: list[float] = field(default_factory=list)  # every step's training loss (global batch)
+
+    @property
+    def last_eval(self) -> dict | None:
+        return self.history[-1] if self.history else None
+
+
+# ----------------------------------------------------------------- helpers
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine from `lr` to `min_lr_ratio * lr` at `steps`."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def trainable_names(model: OccultLM, moe_only: bool) -> list[str]:
+    names = model.moe_parameter_names() if moe_only else [n for n, _ in model.named_parameters()]
+    if not names:
+        raise ValueError("no parameters to train")
+    return names
+
+
+def make_optimizer(model: OccultLM, names: list[str], cfg: TrainConfig) -> torch.optim.AdamW:
+    params = dict(model.named_parameters())
+    wanted = set(names)
+    for n, p in params.items():
+        p.requires_grad_(n in wanted)
+    decay = [params[n] for n in names if params[n].dim() >= 2 and not n.startswith("embed.")]
+    no_decay = [params[n] for n in names if not (params[n].dim() >= 2 and not n.startswith("embed."))]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+
+
+def optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for p, state in opt.state.items():
+        for key, v in state.items():
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+            out[f"optim.{name_of[id(p)]}.{key}"] = t.detach().contiguous().cpu()
+    return out
+
+
+def load_optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], source: str) -> None:
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    sd = opt.state_dict()
+    order = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for i, name in enumerate(order):
+        entry = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
+        if entry:
+            state[i] = entry
+    if state and len(state) != len(order):
+        raise CheckpointError(f"{source}: optimizer state covers {len(state)} of {len(order)} trained parameters")
+    sd["state"] = state
+    opt.load_state_dict(sd)
+
+
+# ------------------------------------------------------------------ resume
+def check_resume(meta: Mapping[str, str], model: OccultLM, cfg: TrainConfig, data_sig: str, init_sig: str | None, path: Path) -> None:
+    saved_model = config_from_metadata(meta, str(path))
+    if saved_model != model.config:
+        diffs = [
+            f"{k}: checkpoint {getattr(saved_model, k)!r}, now {getattr(model.config, k)!r}"
+            for k in model.config.to_dict()
+            if getattr(saved_model, k) != getattr(model.config, k)
+        ]
+        raise CheckpointError(f"{path}: model config mismatch on resume ({'; '.join(diffs)}); use the same settings or another --out")
+    saved = json.loads(meta.get("train_config", "{}"))
+    now = cfg.to_dict()
+    default = TrainConfig().to_dict()  # a field newer than the checkpoint had its default then
+    diffs = [
+        f"{k}: checkpoint {saved.get(k, default[k])!r}, now {now[k]!r}"
+        for k in now
+        if k not in TrainConfig.LOGGING_FIELDS and saved.get(k, default[k]) != now[k]
+    ]
+    if diffs:
+        raise CheckpointError(f"{path}: training config mismatch on resume ({'; '.join(diffs)}); use the same settings or another --out")
+    if json.loads(meta.get("routing", "null")) != json.loads(model.routing.to_json()):
+        raise CheckpointError(f"{path}: routing mismatch on resume: checkpoint {meta.get('routing')}, now {model.routing.to_json()}")
+    if meta.get("data_hash") != data_sig:
+        raise CheckpointError(f"{path}: the training data differ from the checkpoint's (hash {meta.get('data_hash')} vs {data_sig})")
+    if (meta.get("init_hash") or None) != init_sig:
+        raise CheckpointError(f"{path}: the run started from other initial weights (init hash {meta.get('init_hash')} vs {init_sig})")
+
+
