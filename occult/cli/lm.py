@@ -5,6 +5,10 @@ imports `occult.lm` when its command runs. The defaults mirror `occult.lm.model.
 `occult.lm.train.TrainConfig` and `occult.lm.data`; tests/lm/test_train.py checks they agree.
 `occult profile` of an occult checkpoint runs `run_profile` here; of a transformers model
 directory, `occult.cli.hf.run_profile` (the command line chooses, in `occult.cli`).
+
+Under torchrun with more than one rank (`torchrun --nproc-per-node N -m occult train ...`),
+`train` and `finetune` shard the experts over `--ep-size` ranks (default: all) by
+`--ep-placement` and train everything else data parallel (`occult.lm.parallel`); rank 0 prints.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ HIDDEN, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, EXPERT_BACKEND = 256, 4, 4, 3
 # TrainConfig defaults
 STEPS, BATCH_SIZE, SEQ_LEN, LR, MIN_LR_RATIO, WARMUP = 2000, 32, 256, 1e-3, 0.1, 100
 WEIGHT_DECAY, GRAD_CLIP, AUX_LOSS_COEF, SEED, PRECISION, DEVICE = 0.1, 1.0, 0.01, 0, "auto", "auto"
+ADAM_EPS = 1e-8
 EVAL_EVERY, EVAL_TOKENS, SAVE_EVERY = 200, 131072, 500
 FINETUNE_LR, FINETUNE_WARMUP = 3e-4, 20
 # occult.lm.data defaults
@@ -70,6 +75,7 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--min-lr-ratio", type=float, default=MIN_LR_RATIO, help="cosine floor as a fraction of --lr")
     g.add_argument("--warmup", type=int, default=warm, help=f"linear warm-up steps (default {warm})")
     g.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
+    g.add_argument("--adam-eps", type=float, default=ADAM_EPS, help=f"AdamW epsilon (default {ADAM_EPS:g})")
     g.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="gradient-norm clip, 0 = off")
     g.add_argument("--aux-loss-coef", type=float, default=AUX_LOSS_COEF, help="load-balancing loss weight")
     g.add_argument("--moe-only", action=argparse.BooleanOptionalAction, default=finetune,
@@ -84,6 +90,15 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     g.add_argument("--stop-after", type=int, default=None, help="return after this many steps (resume later)")
     g.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("several ranks (torchrun --nproc-per-node N -m occult ...)")
+    g.add_argument("--ep-size", type=int, default=None,
+                   help="ranks each MoE layer's experts are sharded over (default: all); the world size / EP size "
+                        "groups are data-parallel replicas")
+    g.add_argument("--ep-placement", default=None,
+                   help="placement JSON (occult place --devices EP_SIZE) of the experts on the ranks (default: "
+                        "contiguous; for finetune, --placement when it has EP_SIZE devices)")
+    g.add_argument("--dispatcher", default="dedup", choices=["dedup", "standard"],
+                   help="all-to-all dispatch: one copy per device (dedup) or per expert (standard)")
 
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,20 +149,54 @@ def _train_config(args):
     return TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, aux_loss_coef=args.aux_loss_coef, moe_only=args.moe_only, seed=args.seed,
+        grad_clip=args.grad_clip, aux_loss_coef=args.aux_loss_coef, adam_eps=args.adam_eps, moe_only=args.moe_only, seed=args.seed,
         precision=args.precision, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
         save_every=args.save_every, patience=args.patience, device=args.device,
     )
 
 
+def _parallel(args):
+    """`Parallel` under torchrun with more than one rank (joining the group), else None."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if args.ep_size not in (None, 1):
+            raise ValueError(f"--ep-size {args.ep_size} needs that many ranks: run under torchrun --nproc-per-node N")
+        return None
+    from occult.distributed import init_distributed
+    from occult.lm.parallel import setup_parallel
+
+    init_distributed()
+    return setup_parallel(args.ep_size)
+
+
+def _ep_placement(args, par, fallback=None):
+    from occult.placement import Placement
+
+    if args.ep_placement:
+        return Placement.load(args.ep_placement)
+    if fallback is not None and par is not None and fallback.num_devices == par.ep_size:
+        return fallback
+    return None
+
+
+def _finish(par) -> None:
+    if par is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
 def _report(result) -> None:
-    from occult.lm.train import BEST, CHECKPOINT, FINAL
+    from occult.lm.train import BEST, PLOT, FINAL, latest_state
 
     last = result.last_eval
     if last:
         extra = f", E[C_T] {last['mean_ct']:.3f}" if "mean_ct" in last else ""
         print(f"step {result.step}: val loss {last['val_loss']:.4f}, ppl {last['val_ppl']:.2f}{extra}; best {result.best_val_loss:.4f}")
-    print(f"weights: {result.out_dir / FINAL} (best: {result.out_dir / BEST}), resume state: {result.out_dir / CHECKPOINT}")
+    state = latest_state(result.out_dir)
+    plot = f", loss curve: {result.out_dir / PLOT}" if (result.out_dir / PLOT).exists() else ""
+    print(f"weights: {result.out_dir / FINAL} (best: {result.out_dir / BEST}), resume state: {state[1] if state else None}{plot}")
 
 
 def run_train(args) -> int:
@@ -155,9 +204,12 @@ def run_train(args) -> int:
     import torch
 
     from occult.lm.data import load_dataset
-    from occult.lm.model import ModelConfig, OccultLM
+    from occult.lm.model import ModelConfig
+    from occult.lm.parallel import full_model, shard_model
     from occult.lm.train import train
 
+    par = _parallel(args)
+    main = par is None or par.is_main
     data = load_dataset(args.corpus_dir, args.tokenizer)
     cfg = _train_config(args)
     mcfg = ModelConfig(
@@ -166,12 +218,22 @@ def run_train(args) -> int:
         norm_topk_prob=args.norm_topk_prob, max_seq_len=args.seq_len, expert_backend=args.expert_backend,
     )
     torch.manual_seed(cfg.seed)
-    model = OccultLM(mcfg)
-    print(f"model: {model.num_parameters():,} parameters ({model.num_parameters(active=True):,} active per token); "
-          f"data: {data.train.numel():,} train / {data.val.numel():,} val tokens")
-    result = train(model, data, cfg, args.out, resume=args.resume, stop_after=args.stop_after,
-                   progress=not args.no_progress)
-    _report(result)
+    model = full_model(mcfg, par)  # every rank the same weights, as one process would have
+    if main:
+        print(f"model: {model.num_parameters():,} parameters ({model.num_parameters(active=True):,} active per token); "
+              f"data: {data.train.numel():,} train / {data.val.numel():,} val tokens")
+    if par is not None:
+        model = shard_model(model, par, _ep_placement(args, par), args.dispatcher)
+        if main:
+            print(f"{par.world_size} ranks: experts over {par.ep_size} ({args.dispatcher}), {par.replicas} data-parallel "
+                  f"replica(s); {cfg.batch_size // par.world_size} of {cfg.batch_size} rows per rank")
+    try:
+        result = train(model, data, cfg, args.out, resume=args.resume, stop_after=args.stop_after,
+                       progress=not args.no_progress, parallel=par)
+        if main:
+            _report(result)
+    finally:
+        _finish(par)
     return 0
 
 
@@ -201,11 +263,17 @@ def run_finetune(args) -> int:
     mcfg = config_from_metadata(meta, args.init)
     placement, sims = load_routing_args(args, mcfg.num_experts, mcfg.num_layers)
     cfg = _train_config(args)
-    model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
-                             method=args.prune_method, similarity=sims, resume=args.resume,
-                             stop_after=args.stop_after, progress=not args.no_progress)
-    print(f"routing: {model.routing.describe()}")
-    _report(result)
+    par = _parallel(args)
+    try:
+        model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
+                                 method=args.prune_method, similarity=sims, resume=args.resume,
+                                 stop_after=args.stop_after, progress=not args.no_progress, parallel=par,
+                                 ep_placement=_ep_placement(args, par, placement), dispatcher=args.dispatcher)
+        if par is None or par.is_main:
+            print(f"routing: {model.routing.describe()}")
+            _report(result)
+    finally:
+        _finish(par)
     return 0
 
 

@@ -254,3 +254,35 @@ def test_a_dying_rank_ends_the_others(data, tmp_path):
     assert "rank 1 died" in message
     assert "--- rank 0 ---" in message and "did not finish" not in message, message
     assert time.monotonic() - start < 60
+
+
+def test_torchrun_cli_then_one_process(tmp_path, capsys):
+    """`torchrun --nproc-per-node 2 -m occult train` (stopped early), resumed by `occult train` in one process."""
+    pytest.importorskip("tokenizers")
+    import subprocess
+    import sys
+
+    from occult.cli import main
+
+    d = str(tmp_path / "data")
+    assert main(["data", "prepare", "--out", d, "--corpus-dir", str(TINY), "--vocab-size", "300"]) == 0
+    Placement.from_lists(PLACEMENT, 2).save(tmp_path / "p2.json")
+    args = ["train", "--corpus-dir", d, "--out", str(tmp_path / "run"), "--hidden", "32", "--layers", "2", "--heads", "2",
+            "--experts", "8", "--top-k", "2", "--expert-ffn", "16", "--steps", "4", "--batch-size", "4", "--seq-len", "32",
+            "--eval-every", "2", "--eval-tokens", "256", "--device", "cpu", "--no-progress"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "occult", *args,
+         "--ep-placement", str(tmp_path / "p2.json"), "--stop-after", "2"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "2 ranks: experts over 2 (dedup), 1 data-parallel replica(s); 2 of 4 rows per rank" in proc.stdout
+    assert proc.stdout.count("model: ") == 1  # rank 0 alone prints
+    assert find_sharded(tmp_path / "run").name == "step-00000002"
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0  # 2 ranks -> 1 process
+    out = capsys.readouterr().out
+    assert "step 4: val loss" in out and (tmp_path / "run" / PLOT).exists()
+    assert load_model(tmp_path / "run" / FINAL).config.num_experts == 8
+    assert main([*args[:-1], "--ep-size", "2"]) == 2  # a single process cannot shard over 2 ranks
+    assert "needs that many ranks" in capsys.readouterr().err

@@ -172,6 +172,7 @@ def test_cli_defaults_mirror_the_dataclasses():
             C.AUX_LOSS_COEF, C.SEED, C.PRECISION, C.DEVICE, C.EVAL_EVERY, C.EVAL_TOKENS, C.SAVE_EVERY) == (
         t.steps, t.batch_size, t.seq_len, t.lr, t.min_lr_ratio, t.warmup_steps, t.weight_decay, t.grad_clip,
         t.aux_loss_coef, t.seed, t.precision, t.device, t.eval_every, t.eval_tokens, t.save_every)
+    assert C.ADAM_EPS == t.adam_eps
     assert (C.VOCAB, C.VAL_FRACTION) == (D.DEFAULT_VOCAB, D.DEFAULT_VAL_FRACTION)
 
 
