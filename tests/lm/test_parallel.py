@@ -109,9 +109,9 @@ def runs(data, tmp_path_factory):
     return {"root": root, "single": single, "ranks": ranks, "C": c, "elapsed": elapsed}
 
 
-def assert_matches(got: dict, want: dict, exact: bool = False) -> None:
+def assert_matches(got: dict, want: dict, exact: bool = False, steps: int = 20) -> None:
     """Losses per step, validation losses, and every parameter this rank holds."""
-    assert len(got["losses"]) == len(want["losses"]) == 20
+    assert len(got["losses"]) == len(want["losses"]) == steps
     if exact:
         assert got["losses"] == want["losses"] and got["val"] == want["val"]
     else:
@@ -145,6 +145,22 @@ def test_two_ranks_equal_one_process(runs):
         assert np.abs(p.detach().numpy() - q).max() <= RTOL * np.abs(q).max(), name
     assert {FINAL, PLOT, DCP_DIR, "metrics.jsonl", "best.safetensors"} <= set(runs["ranks"][0]["files"])
     print(f"2-rank runs (5 trainings, 70 steps) took {runs['elapsed']:.1f} s")
+
+
+def ep_dp_worker(rank: int, world_size: int, data, root: str) -> dict:
+    par = setup_parallel(ep_size=2)
+    assert (par.ep_rank, par.replicas) == (rank % 2, 2)
+    return _run(par, data, Path(root) / "F", Placement.from_lists(PLACEMENT, 2), config=dict(steps=10, eval_every=5))
+
+
+def test_ep_groups_times_data_parallel_replicas(data, tmp_path):
+    """4 ranks = 2 EP groups of 2 (experts sharded in each) x 2 replicas == 1 process, 10 steps."""
+    torch.manual_seed(0)
+    ref = OccultLM(config(data))
+    single = _snapshot(ref, train(ref, data, cfg(steps=10, eval_every=5), tmp_path / "single", progress=False, log=None))
+    for rank, out in enumerate(run_ranks(ep_dp_worker, 4, data, str(tmp_path), timeout_s=240)):
+        assert sorted(out["ids"]["blocks.1.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT[1]) if d == rank % 2]
+        assert_matches(out, single, steps=10)
 
 
 def test_resume_and_reshard(runs):
