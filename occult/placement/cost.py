@@ -137,9 +137,20 @@ def measured_from_bench(doc: dict[str, Any], shapes: dict[str, Shape] = SHAPES) 
 
 
 def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
-    from scipy.optimize import nnls
-
-    return nnls(A, b)[0]
+    """Non-negative least squares for a few unknowns: the best feasible least-squares solution
+    over every support (exact, since the optimum is the plain least-squares fit on its support)."""
+    n = A.shape[1]
+    best, best_res = np.zeros(n), float(np.sum(b**2))
+    for mask in range(1, 2**n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sol = np.linalg.lstsq(A[:, cols], b, rcond=None)[0]
+        if np.all(sol >= 0):
+            x = np.zeros(n)
+            x[cols] = sol
+            res = float(np.sum((A @ x - b) ** 2))
+            if res < best_res:
+                best, best_res = x, res
+    return best
 
 
 def _bytes(m: Measured) -> dict[str, float]:
