@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -28,22 +27,12 @@ from occult.moe.comm import all_to_all
 from occult.moe.experts import expert_mlp
 from occult.moe.layer import OccultMoE
 from occult.placement import Placement
+from occult.placement.cost import SHAPES as MODEL_SHAPES
+from occult.placement.cost import Shape
 
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
-
-
-SHAPES = {
-    "olmoe": Shape("olmoe", 2048, 1024, 64, 8),
-    "qwen3": Shape("qwen3", 2048, 768, 128, 8),
-    "deepseek": Shape("deepseek", 2048, 1408, 64, 6),
-    "mixtral": Shape("mixtral", 4096, 14336, 8, 2),
+# The model shapes are the cost model's (one table); `tiny` is for CPU smoke runs.
+SHAPES: dict[str, Shape] = {
+    **{name: MODEL_SHAPES[name] for name in ("olmoe", "qwen3", "deepseek", "mixtral")},
     "tiny": Shape("tiny", 64, 32, 16, 4),
 }
 VARIANTS = ("standard", "dedup", "dedup+placement")
