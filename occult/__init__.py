@@ -8,7 +8,7 @@ to N devices (collaboration pruning). See README.md and docs/design.md.
 from occult.moe.comm import CommStats
 from occult.moe.dense import DenseMoE
 from occult.moe.dispatch import DedupDispatcher, Dispatcher, RoutingError, StandardDispatcher, make_dispatcher
-from occult.moe.layer import OccultMoE, set_sync_free
+from occult.moe.layer import OccultMoE, set_overlap, set_sync_free
 from occult.moe.routing import TopKRouter
 from occult.placement import Placement, PlacementError
 
@@ -26,5 +26,6 @@ __all__ = [
     "StandardDispatcher",
     "TopKRouter",
     "make_dispatcher",
+    "set_overlap",
     "set_sync_free",
 ]

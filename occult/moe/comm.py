@@ -25,6 +25,9 @@ class CommStats:
 
     `rows` count every row sent, including those a rank sends to itself; `remote_rows` only
     those to other ranks. Forward = dispatch + combine; backward = their mirror images.
+    Where the dispatcher knows the node layout (`devices_per_node`), the remote rows are also
+    split by link: `*_internode_*` to a rank on another node, `*_intranode_*` to another GPU
+    of the same node (activation rows and their bytes; 0 when the layout is unknown).
     """
 
     forward_rows: int = 0
@@ -37,6 +40,14 @@ class CommStats:
     backward_metadata_bytes: int = 0
     dispatch_rows: int = 0
     combine_rows: int = 0
+    forward_internode_rows: int = 0
+    forward_internode_bytes: int = 0
+    forward_intranode_rows: int = 0
+    forward_intranode_bytes: int = 0
+    backward_internode_rows: int = 0
+    backward_internode_bytes: int = 0
+    backward_intranode_rows: int = 0
+    backward_intranode_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -54,14 +65,44 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
     return out
 
 
+def all_to_all_start(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> tuple[torch.Tensor, Any]:
+    """`all_to_all` without waiting: returns (out, work). Read `out` only after `all_to_all_wait(work)`.
+
+    On NCCL the exchange runs on the communicator's stream and the caller's stream goes on with
+    other kernels until it waits: this is what lets the pipelined layer (`occult.moe.overlap`)
+    hide an all-to-all behind expert compute. Keep `x` alive until the wait.
+    """
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    if group is None:
+        out.copy_(x)
+        return out, None
+    work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True)
+    return out, work
+
+
+def all_to_all_wait(work: Any) -> None:
+    """Make the current stream (NCCL) or the host (gloo) wait for `all_to_all_start`'s exchange."""
+    if work is not None:
+        work.wait()
+
+
 def _record(state: Any, splits: list[int], rows_PH: torch.Tensor, meta_bytes: int, backward: bool) -> None:
     """Account the rows and bytes this rank sends (activation rows, and metadata apart).
 
     `state` is anything with `.stats` (a `CommStats`) and `.rank` (this rank in the group),
-    e.g. `occult.moe.dispatch.DispatchState`.
+    e.g. `occult.moe.dispatch.DispatchState`; with a `.peer_level` list (per rank of the group:
+    0 self, 1 same node, 2 another node) the remote rows are also counted per link.
     """
     stats, rows = state.stats, sum(splits)
     row_bytes = rows_PH.numel() * rows_PH.element_size()
+    levels = getattr(state, "peer_level", None)
+    if levels is not None:
+        one_row = rows_PH[0].numel() * rows_PH.element_size() if rows_PH.shape[0] else 0
+        direction = "backward" if backward else "forward"
+        for level, name in ((1, "intranode"), (2, "internode")):
+            count = sum(n for n, lv in zip(splits, levels) if lv == level)
+            setattr(stats, f"{direction}_{name}_rows", getattr(stats, f"{direction}_{name}_rows") + count)
+            setattr(stats, f"{direction}_{name}_bytes", getattr(stats, f"{direction}_{name}_bytes") + count * one_row)
     if backward:
         stats.backward_rows += rows
         stats.backward_remote_rows += rows - splits[state.rank]
@@ -98,13 +139,18 @@ def _metadata_bytes(gates_PK: torch.Tensor) -> int:
     return 2 * gates_PK.numel() * torch.finfo(carrier).bits // 8
 
 
+def _unpack_metadata(meta_R2K: torch.Tensor, gates_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `_pack_metadata` on received rows: (gates [R, K] in `gates_dtype`, slots [R, K] int64)."""
+    carrier, _ = _metadata_int(gates_dtype)
+    num_k = meta_R2K.shape[1] // 2
+    gates_RK = meta_R2K[:, :num_k].contiguous().view(carrier).to(gates_dtype)
+    return gates_RK, meta_R2K[:, num_k:].to(torch.int64)
+
+
 def _send_metadata(gates_PK, slots_PK, send_splits, recv_splits, group):
     """Gates and slots in one all-to-all; gates come back in their own dtype, bit-exact."""
-    carrier, _ = _metadata_int(gates_PK.dtype)
-    num_k = gates_PK.shape[1]
     out = all_to_all(_pack_metadata(gates_PK, slots_PK), send_splits, recv_splits, group)
-    gates_RK = out[:, :num_k].contiguous().view(carrier).to(gates_PK.dtype)
-    return gates_RK, out[:, num_k:].to(torch.int64)
+    return _unpack_metadata(out, gates_PK.dtype)
 
 
 class _Exchange(torch.autograd.Function):

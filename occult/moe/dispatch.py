@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from occult.moe.comm import CommStats, exchange
+from occult.moe.nodes import check_devices_per_node, peer_levels
 from occult.moe.plan import DispatchPlan, dedup_plan, standard_plan, static_dedup_plan, static_standard_plan, trim
 
 
@@ -48,6 +49,7 @@ class DispatchState:
     num_tokens: int
     rank: int
     stats: CommStats = field(default_factory=CommStats)
+    peer_level: list[int] | None = None  # per rank: 0 self, 1 same node, 2 other node (None: unknown)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -133,7 +135,7 @@ class Dispatcher:
 
     name = "base"
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group=None, devices_per_node: int | None = None) -> None:
         self.group = group
         if group is None and dist.is_available() and dist.is_initialized():
             self.group = dist.group.WORLD
@@ -144,6 +146,16 @@ class Dispatcher:
             self.num_ranks, self.rank = 1, 0
         if self.num_ranks == 1:
             self.group = None  # a single rank needs no communication
+        self.devices_per_node = self.num_nodes = self.peer_level = None
+        if devices_per_node is not None:
+            self.set_devices_per_node(devices_per_node)
+
+    def set_devices_per_node(self, devices_per_node: int) -> None:
+        """Declare the node layout (ranks node-major, G per node): `CommStats` then splits remote
+        rows into inter-node and intra-node ones."""
+        G = check_devices_per_node(devices_per_node, self.num_ranks)
+        self.devices_per_node, self.num_nodes = G, self.num_ranks // G
+        self.peer_level = peer_levels(self.num_ranks, self.rank, G)
 
     def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
         raise NotImplementedError
@@ -154,20 +166,32 @@ class Dispatcher:
 
     def exchange_counts(self, send_counts_D: torch.Tensor, status: torch.Tensor) -> tuple[list[int], list[int]]:
         """Swap row counts (and input status) with every rank; the layer's one host sync."""
-        header_D2 = torch.stack([send_counts_D.to(torch.int64), status.to(torch.int64).expand(self.num_ranks)], dim=1)
+        send, recv = self.exchange_chunk_counts(send_counts_D[None], status)
+        return send[0], recv[0]
+
+    def exchange_chunk_counts(self, send_counts_CD: torch.Tensor, status: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+        """Row counts of C chunks per destination, swapped in one all-to-all and read with one host sync.
+
+        Returns (send splits, receive splits), each C lists of one count per rank. Raises
+        `RoutingError` on every rank when any rank reports bad input in `status`.
+        """
+        num_chunks, D = send_counts_CD.shape[0], self.num_ranks
+        header_DX = torch.cat([send_counts_CD.t().to(torch.int64), status.to(torch.int64).expand(D, 1)], dim=1)
         if self.group is not None:
-            recv_D2 = torch.empty_like(header_D2)
-            dist.all_to_all_single(recv_D2, header_D2, group=self.group)
+            recv_DX = torch.empty_like(header_DX)
+            dist.all_to_all_single(recv_DX, header_DX, group=self.group)
         else:
-            recv_D2 = header_D2
-        host = torch.cat([header_D2[:, 0], recv_D2.reshape(-1)]).tolist()
-        send_splits = host[: self.num_ranks]
-        recv_splits, statuses = host[self.num_ranks :: 2], host[self.num_ranks + 1 :: 2]
+            recv_DX = header_DX
+        host = torch.cat([header_DX[:, :num_chunks].t().reshape(-1), recv_DX.t().reshape(-1)]).tolist()
+        send = [host[c * D : (c + 1) * D] for c in range(num_chunks)]
+        recv_host = host[num_chunks * D :]
+        recv = [recv_host[c * D : (c + 1) * D] for c in range(num_chunks)]
+        statuses = recv_host[num_chunks * D :]
         bad = [(r, s) for r, s in enumerate(statuses) if s != STATUS_OK]
         if bad:
             text = "; ".join(f"rank {r}: {STATUS_MESSAGES.get(s, f'status {s}')}" for r, s in bad)
             raise RoutingError(f"MoE dispatch stopped on every rank because of bad input: {text}")
-        return send_splits, recv_splits
+        return send, recv
 
     def dispatch(
         self,
@@ -193,7 +217,7 @@ class Dispatcher:
             plan = self.plan(ids_TK, expert_device_E, expert_slot_E)
             send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status)
             plan = trim(plan, sum(send_splits))
-        state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank)
+        state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank, peer_level=self.peer_level)
         gates_PK = _GatherGates.apply(weights_TK, plan.entry_PK)
         x_RH, gates_RK, slots_RK = exchange(
             _GatherRows.apply(x_TH, plan.token_P, plan.row_TJ), gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state
@@ -234,12 +258,45 @@ class DedupDispatcher(Dispatcher):
         return static_dedup_plan(ids_TK, expert_device_E, expert_slot_E, self.num_ranks, per_device)
 
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {"standard": StandardDispatcher, "dedup": DedupDispatcher}
+# (at the bottom: it subclasses DedupDispatcher)
+from occult.moe.two_level import TwoLevelDispatcher  # noqa: E402
+
+DISPATCHERS: dict[str, type[Dispatcher]] = {
+    "standard": StandardDispatcher, "dedup": DedupDispatcher, "dedup2": TwoLevelDispatcher,
+}
 
 
-def make_dispatcher(name: str, group=None) -> Dispatcher:
-    """Build a dispatcher by name ("standard" or "dedup")."""
+def _group_size(group) -> int:
+    if group is not None:
+        return dist.get_world_size(group)
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def make_dispatcher(name: str | Dispatcher, group=None, *, devices_per_node: int | None = None, placement=None) -> Dispatcher:
+    """Build a dispatcher by name ("standard", "dedup" or "dedup2"), or check and return a built one.
+
+    The node layout (G GPUs per node, ranks node-major) is `devices_per_node`, else that of
+    `placement` (a `Placement` with `num_nodes` > 1 over as many devices as the group has ranks).
+    "dedup2" (two-level) needs it; the flat dispatchers use it to split `CommStats` by link.
+    """
+    size = _group_size(group) if not isinstance(name, Dispatcher) else name.num_ranks
+    placed = None
+    if placement is not None and placement.num_nodes > 1:
+        if placement.num_devices != size and name == "dedup2":
+            raise ValueError(f"the placement has {placement.num_devices} devices on {placement.num_nodes} nodes "
+                             f"but the group has {size} ranks: give it one device per rank")
+        placed = placement.devices_per_node if placement.num_devices == size else None
+    if isinstance(name, Dispatcher):
+        if group is not None and name.group is not None and group is not name.group:
+            raise ValueError("the dispatcher was built for another process group than the `group` given")
+        if placed is not None and name.devices_per_node not in (None, placed):
+            raise ValueError(f"the dispatcher has {name.devices_per_node} GPUs per node but the placement has "
+                             f"{placed} ({placement.num_nodes} nodes); make them agree")
+        return name
     try:
-        return DISPATCHERS[name](group)
+        cls = DISPATCHERS[name]
     except KeyError:
         raise ValueError(f"unknown dispatcher {name!r}; choose one of {sorted(DISPATCHERS)}") from None
+    if devices_per_node is None:
+        devices_per_node = placed
+    return cls(group, devices_per_node=devices_per_node)

@@ -20,6 +20,7 @@ from occult.moe.comm import CommStats
 from occult.moe.dense import DenseMoE, expert_parameters
 from occult.moe.dispatch import RoutingError, make_dispatcher
 from occult.moe.experts import expert_mlp
+from occult.moe.overlap import pipelined_moe
 from occult.moe.routing import TopKRouter
 from occult.placement import Placement, check_divisible
 
@@ -42,6 +43,11 @@ class OccultMoE(nn.Module):
     wait, so a forward can be captured in a CUDA graph. Every rank must then pass the same
     number of tokens, and bad input is not reported across ranks (a wrong hidden size raises on
     its own rank only). It sends more rows (unused capacity) and is meant for small batches.
+
+    `overlap_chunks=C > 1` (settable at any time; `set_overlap` walks a model) pipelines the
+    layer over C chunks of the rank's tokens (`occult.moe.overlap`): the all-to-alls of one chunk
+    run under the experts of another, forward and backward; the same rows, the same function,
+    still one host sync. All ranks of the group must use the same C.
     """
 
     def __init__(
@@ -62,12 +68,14 @@ class OccultMoE(nn.Module):
         similarity_EE: torch.Tensor | None = None,
         expert_backend: str = "auto",
         sync_free: bool = False,
+        overlap_chunks: int = 1,
         init_weights: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.dispatcher = make_dispatcher(dispatcher, group)
+        # a name ("standard", "dedup", "dedup2": nodes from the placement) or a built Dispatcher
+        self.dispatcher = make_dispatcher(dispatcher, group, placement=placement)
         num_ranks, rank = self.dispatcher.num_ranks, self.dispatcher.rank
         check_divisible(num_experts, num_ranks)
         if placement is None:
@@ -80,6 +88,9 @@ class OccultMoE(nn.Module):
         self.placement, self.layer_index = placement.layer(layer_index), layer_index
         self.expert_backend = expert_backend
         self.sync_free = sync_free
+        if overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks must be >= 1 (1 = no pipelining), got {overlap_chunks}")
+        self.overlap_chunks = overlap_chunks
         if router is None:
             router = TopKRouter(
                 hidden_size, num_experts, top_k, norm_topk_prob,
@@ -122,8 +133,15 @@ class OccultMoE(nn.Module):
         status = torch.maximum(status, torch.where(in_range, 0, 2))
         ids_TK = ids_TK.clamp(0, self.num_experts - 1)
 
-        # 2-3. plan and dispatch (the one host sync happens here, unless sync_free)
+        # 2-5. plan, dispatch, experts, combine (the one host sync is the count exchange, unless
+        # sync_free); pipelined over token chunks when overlap_chunks > 1
         try:
+            if self.overlap_chunks > 1:
+                y_TH, self.last_comm_stats = pipelined_moe(
+                    self.dispatcher, x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status,
+                    self.gate_up_proj, self.down_proj, self.overlap_chunks, self.expert_backend, self.sync_free,
+                )
+                return y_TH.reshape(x.shape)
             x_RH, slots_RK, gates_RK, state = self.dispatcher.dispatch(
                 x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status, sync_free=self.sync_free
             )
@@ -207,4 +225,14 @@ def set_sync_free(module: nn.Module, enabled: bool = True) -> int:
     layers = [m for m in module.modules() if isinstance(m, OccultMoE)]
     for layer in layers:
         layer.sync_free = enabled
+    return len(layers)
+
+
+def set_overlap(module: nn.Module, chunks: int) -> int:
+    """Pipeline every `OccultMoE` inside `module` over `chunks` token chunks (1 = off); returns how many."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1 (1 = no pipelining), got {chunks}")
+    layers = [m for m in module.modules() if isinstance(m, OccultMoE)]
+    for layer in layers:
+        layer.overlap_chunks = chunks
     return len(layers)

@@ -64,7 +64,7 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     g_all = torch.randn(sum(tokens), H, dtype=dtype)
     placement = _placement(case["placement"], E, world_size, case["seed"])
     layer = OccultMoE.from_dense(dense, placement=placement, dispatcher=case["dispatcher"],
-                                 sync_free=case.get("sync_free", False))
+                                 sync_free=case.get("sync_free", False), overlap_chunks=case.get("chunks", 1))
     if case.get("forced_expert") is not None:
         dense.router = ForcedRouter(dense.router.gate, case["forced_expert"], K)
         layer.router = ForcedRouter(layer.router.gate, case["forced_expert"], K)
@@ -163,6 +163,16 @@ def _cases_for(world_size: int) -> list[dict]:
             dict(tokens=even, top_k=E, sync_free=True),
             dict(tokens=even, forced_expert=E - 1, top_k=2, sync_free=True),
         ]
+        # pipelined over token chunks (occult.moe.overlap): uneven chunks, more chunks than tokens
+        edge += [
+            dict(tokens=uneven, top_k=3, placement="permuted", chunks=3),
+            dict(tokens=uneven, top_k=3, dtype=torch.float32, norm=True, chunks=2),
+            dict(tokens=[0] + uneven[1:], top_k=2, chunks=4),
+            dict(tokens=[2] * world_size, top_k=2, chunks=5),
+            dict(tokens=uneven, top_k=E, chunks=3),
+            dict(tokens=uneven, top_k=1, forced_expert=1, chunks=3),
+            dict(tokens=even, top_k=3, placement="permuted", sync_free=True, chunks=3),
+        ]
         for kw in edge:
             kw.setdefault("experts", E)
             cases.append(_case(dispatcher=dispatcher, **kw))
@@ -210,7 +220,7 @@ def test_dedup_sends_fewer_rows_than_standard():
 
 # ----------------------------------------------------------------- bad input
 
-def bad_input_worker(rank: int, world_size: int, seed: int) -> dict:
+def bad_input_worker(rank: int, world_size: int, seed: int, chunks: int = 1) -> dict:
     torch.manual_seed(seed)
     out: dict[str, str] = {}
     for name, make in {
@@ -223,7 +233,12 @@ def bad_input_worker(rank: int, world_size: int, seed: int) -> dict:
             out[name] = "no error"
         except PlacementError as exc:
             out[name] = str(exc)
-    layer = OccultMoE(8, 4, 8, 2, dtype=torch.float64)
+    try:
+        OccultMoE(8, 4, 8, 2, overlap_chunks=0)
+        out["chunks"] = "no error"
+    except ValueError as exc:
+        out["chunks"] = str(exc)
+    layer = OccultMoE(8, 4, 8, 2, dtype=torch.float64, overlap_chunks=chunks)
     x = torch.randn(6, 8, dtype=torch.float64)
     if rank == 0:
         x[2, 3] = float("nan")
@@ -244,9 +259,11 @@ def bad_input_worker(rank: int, world_size: int, seed: int) -> dict:
     return out
 
 
-def test_bad_input_raises_clear_errors_on_every_rank():
-    results = run_ranks(bad_input_worker, 2, random.randrange(2**31), timeout_s=120)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_bad_input_raises_clear_errors_on_every_rank(chunks):
+    results = run_ranks(bad_input_worker, 2, random.randrange(2**31), chunks, timeout_s=120)
     for rank, out in enumerate(results):
+        assert "overlap_chunks must be >= 1" in out["chunks"]
         assert "divisible" in out["not_divisible"]
         assert "6 experts" in out["placement_experts"] and "has 8" in out["placement_experts"]
         assert "4 devices" in out["placement_devices"] and "2 ranks" in out["placement_devices"]
