@@ -169,12 +169,13 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
                 ids_sets = ids_all[:, :, :, :][rank]
                 xs = [torch.randn(tokens, shape.hidden, device=device, dtype=dtype) for _ in range(args["input_sets"])]
                 gs = [torch.randn(tokens, shape.hidden, device=device, dtype=dtype) for _ in range(args["input_sets"])]
-                for variant in args["variants"]:
+                for variant, chunks in [(v, c) for v in args["variants"] for c in args.get("overlap_chunks", [1])]:
                     run = _bench_variant(
                         variant, shape, placement if variant == "dedup+placement" else Placement.contiguous(shape.experts, world),
-                        w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args,
+                        w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, {**args, "chunks": chunks},
                     )
-                    run.update(shape=shape.name, tokens=tokens, routing=routing, variant=variant, world=world)
+                    name = variant if chunks == 1 else f"{variant}/c{chunks}"
+                    run.update(shape=shape.name, tokens=tokens, routing=routing, variant=name, world=world, overlap_chunks=chunks)
                     result["runs"].append(run)
                     if rank == 0 and args.get("verbose"):
                         print(_row(run), flush=True)
@@ -206,7 +207,7 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
     dispatcher = "standard" if variant == "standard" else "dedup"
     layer = OccultMoE(
         shape.hidden, shape.ffn, shape.experts, shape.top_k, placement=placement, dispatcher=dispatcher,
-        expert_backend=args["expert_backend"], dtype=w1_full.dtype, device=device,
+        expert_backend=args["expert_backend"], overlap_chunks=args.get("chunks", 1), dtype=w1_full.dtype, device=device,
     )
     with torch.no_grad():
         layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])
@@ -324,6 +325,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default=None, help="tokens per rank, comma list (default 8192 on GPU, 256 on CPU)")
     parser.add_argument("--routing", default="random,planted", help="comma list: random, planted")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    parser.add_argument("--overlap-chunks", default="1",
+                        help="comma list: time each variant pipelined over C token chunks (1 = no overlap; 'dedup/c4' rows)")
     parser.add_argument("--expert-backend", choices=["auto", "torch", "triton"], default="auto")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
@@ -345,11 +348,17 @@ def main(args: argparse.Namespace) -> int:
     for v in variants:
         if v not in VARIANTS:
             raise SystemExit(f"occult: error: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    try:
+        overlap_chunks = [int(c) for c in args.overlap_chunks.split(",")]
+    except ValueError:
+        overlap_chunks = [0]
+    if min(overlap_chunks) < 1:
+        raise SystemExit(f"occult: error: --overlap-chunks wants positive integers, got {args.overlap_chunks!r}")
     conf = dict(
         backend=backend, shapes=shapes, variants=variants, routings=args.routing.split(","),
         tokens=[int(t) for t in (args.tokens or ("8192" if on_gpu else "256")).split(",")],
         warmup=args.warmup, iters=args.iters, input_sets=args.input_sets, expert_backend=args.expert_backend,
-        verbose=True,
+        overlap_chunks=overlap_chunks, verbose=True,
     )
     print(f"occult bench: {world} rank(s), backend {backend}, shapes {shapes}, tokens/rank {conf['tokens']}", flush=True)
     print(HEADER, flush=True)

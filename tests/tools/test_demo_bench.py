@@ -28,13 +28,17 @@ def test_demo_runs_and_variants_agree():
 def test_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     proc = _occult("bench", "--world-size", "2", "--tokens", "64", "--iters", "1", "--warmup", "1",
-                   "--input-sets", "1", "--out", str(out))
+                   "--input-sets", "1", "--overlap-chunks", "1,2", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     runs = {(r["routing"], r["variant"]): r for r in result["runs"]}
-    assert len(runs) == 6
+    assert len(runs) == 12  # 2 routings x 3 variants x (unpipelined, 2 chunks)
     for r in runs.values():
         assert r["rel_error"] < 1e-4
+    for (routing, variant), r in runs.items():  # pipelining sends exactly the same rows
+        if variant.endswith("/c2"):
+            assert r["mean_ct"] == runs[(routing, variant[:-3])]["mean_ct"]
+            assert r["forward_bytes_per_rank"] == runs[(routing, variant[:-3])]["forward_bytes_per_rank"]
     assert runs[("random", "standard")]["mean_ct"] == 4.0  # tiny shape: top-4
     assert runs[("random", "dedup")]["mean_ct"] < 4.0
 
@@ -42,3 +46,5 @@ def test_bench_smoke_on_cpu(tmp_path):
 def test_bench_rejects_bad_shape():
     proc = _occult("bench", "--shapes", "nope")
     assert proc.returncode != 0 and "unknown shape" in (proc.stdout + proc.stderr)
+    proc = _occult("bench", "--overlap-chunks", "0")
+    assert proc.returncode != 0 and "--overlap-chunks" in (proc.stdout + proc.stderr)
