@@ -6,8 +6,9 @@ attention mask), rank 1 a single short prompt of length 4 (no mask). Each rank's
 output must equal, token for token, the unconverted model's `model.generate(..., do_sample=False)`
 on that rank's prompts alone: with the config's eos token, with an eos token that finishes rank 1's only row at
 its third step at the latest (rank 1 then keeps stepping with padding until rank 0 is done; its output is
-trimmed there, as transformers' would be), and with an eos that finishes rank 0's rows. One
-spawn runs every case (imports dominate the run time on CPU).
+trimmed there, as transformers' would be), and with an eos that finishes rank 0's rows. Sampled
+(temperature, top-k, top-p, a seed per rank) it must equal the plain reference sampler of
+test_sampling.py on that rank's prompts. One spawn runs every case (imports dominate the run time on CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from occult import OccultMoE, set_sync_free  # noqa: E402
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 from occult.placement import Placement  # noqa: E402
+from test_sampling import reference_sample  # noqa: E402  (tests/integrations/test_sampling.py)
 
 FAMILIES = ["olmoe", "qwen3_moe"]
 VOCAB, NEW = 96, 8
@@ -79,6 +81,13 @@ def check_generate(rank: int, world_size: int, seed: int) -> dict:
         s2 = hf.generate(model, ids, NEW, attention_mask=mask, do_sample=True, temperature=0.8, top_k=5,
                          generator=torch.Generator().manual_seed(7))
         res["sample_repeatable"] = bool(torch.equal(s1, s2)) and s1.shape == (ids.shape[0], ids.shape[1] + NEW)
+        # sampled with every warper, a seed per rank: the plain reference sampler on this rank's prompts alone,
+        # drawing [3, V] numbers per step (the batch padded to rank 0's 3 rows); the config's eos
+        got = hf.generate(model, ids, NEW, attention_mask=mask, pad_token_id=PAD, do_sample=True, temperature=0.9,
+                          top_k=12, top_p=0.9, seed=50 + rank)
+        want = reference_sample(ref, ids, torch.ones_like(ids) if mask is None else mask, NEW, 50 + rank, 0.9, 12,
+                                0.9, eos=[int(ref.generation_config.eos_token_id)], pad=PAD, padded_batch=3)
+        res["sampled_equals_reference"] = bool(torch.equal(got, want))
         res["sync_free_restored"] = [m.sync_free for m in layers] == [True] + [False] * (len(layers) - 1)
         out[family] = res
     return out
@@ -115,6 +124,7 @@ def test_sampling_repeatable_and_flags_restored(results):
     for res in results:
         for family in FAMILIES:
             assert res[family]["sample_repeatable"], family
+            assert res[family]["sampled_equals_reference"], family
             assert res[family]["sync_free_restored"], family
 
 

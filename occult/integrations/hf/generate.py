@@ -13,13 +13,16 @@ forwards with, for sync-free dispatch, the same token count. `generate`:
 4. decodes with `set_sync_free(model, True)`: every step is one forward of [B, 1] tokens with
    static shapes (input ids, position ids, cache slot and the 2-D attention mask live in fixed
    buffers; the StaticCache's K/V tensors and length counters are updated in place), replayed
-   from a `torch.cuda.CUDAGraph` on CUDA (`cuda_graph` True or "auto"), run eagerly on CPU;
+   from a `torch.cuda.CUDAGraph` on CUDA (`cuda_graph` True or "auto"), run eagerly on CPU; the
+   next token is chosen inside that step (`sampling.TokenSelector`: argmax, or temperature /
+   top-k / top-p sampling from the decoder's own seeded generator, and the eos bookkeeping) and
+   fed to the next one on the device, so a step is one graph replay and no host work;
 5. keeps stepping (finished rows fed the pad token, as transformers does) until every rank is
    done: if any rank has eos tokens, one tiny all-reduce every `sync_every` steps (the largest
    over ranks) decides; else exactly `max_new_tokens` steps. No rank waits on one that stopped.
 
-The result on each rank is what `model.generate(input_ids, do_sample=False, ...)` of the
-unconverted model returns for that rank's prompts alone: prompt + new tokens, pad after eos,
+Greedy, the result on each rank is what `model.generate(input_ids, do_sample=False, ...)` of the
+unconverted model returns for that rank's prompts alone (sampled: the same warpers, another draw): prompt + new tokens, pad after eos,
 trimmed to the step at which this rank's own rows were all finished. Supported attention
 implementations: "sdpa" and "eager" (the decode step passes its own 4-D mask); no sliding-window
 layers. The previous sync_free setting of every MoE layer is restored afterwards.
@@ -34,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from occult.integrations.hf.families import UnsupportedModelError, _group_size
+from occult.integrations.hf.sampling import Sampling, TokenSelector
 from occult.moe.layer import OccultMoE, set_sync_free
 
 
@@ -64,9 +68,14 @@ class StaticDecoder:
     records the step in a CUDA graph (warm-up on a side stream; every buffer and the cache's
     counters restored afterwards, so capturing changes nothing). Reusable: `prefill` resets it.
     The caller chooses the dispatch mode (`set_sync_free`) around each call.
+
+    With a `selector` (`TokenSelector`), every step also chooses the next tokens on the device,
+    inside the captured graph: `select(logits [B, V])` chooses them from the prefill's logits
+    (eagerly), then each `step()` (no ids) feeds the last choice and leaves the new one in
+    `next_B` (a static buffer when graph-captured).
     """
 
-    def __init__(self, model: nn.Module, batch_size: int, max_len: int) -> None:
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int, selector: TokenSelector | None = None) -> None:
         from transformers import StaticCache
 
         _check_attention(model.config)
@@ -80,6 +89,7 @@ class StaticDecoder:
         self.slot_1 = torch.zeros(1, **kw)  # cache slot of the next token (the same for every row)
         self.ids_B1 = torch.zeros(batch_size, 1, **kw)
         self.logits_BV: torch.Tensor | None = None
+        self.selector, self.next_B = selector, torch.zeros(batch_size, **kw)
         self.graph: Any = None
         self.eager_mask = getattr(model.config, "_attn_implementation", "eager") != "sdpa"
 
@@ -89,7 +99,8 @@ class StaticDecoder:
         return [c for layer in self.cache.layers if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
 
     def _state(self) -> list[torch.Tensor]:
-        return [self.mask_BL, self.pos_B1, self.slot_1, self.ids_B1, *self._counters()]
+        extra = [self.next_B, self.selector.unfinished_B] if self.selector is not None else []
+        return [self.mask_BL, self.pos_B1, self.slot_1, self.ids_B1, *extra, *self._counters()]
 
     # -------------------------------------------------------------- prefill
     @torch.no_grad()
@@ -124,11 +135,31 @@ class StaticDecoder:
                          past_key_values=self.cache, use_cache=True)
         self.pos_B1.add_(1)
         self.slot_1.add_(1)
-        return out.logits[:, -1].float()
+        logits_BV = out.logits[:, -1].float()
+        if self.selector is not None:
+            self._choose(logits_BV)
+        return logits_BV
+
+    def _choose(self, logits_BV: torch.Tensor) -> None:
+        next_B = self.selector(logits_BV)
+        self.next_B.copy_(next_B)
+        self.ids_B1.copy_(next_B[:, None])
 
     @torch.no_grad()
-    def step(self, ids_B: torch.Tensor) -> torch.Tensor:
-        self.ids_B1.copy_(ids_B.reshape(self.batch_size, 1))
+    def select(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        """Choose the next tokens [B] from these logits with the selector; the next `step()` feeds them."""
+        if self.selector is None:
+            raise ValueError("this StaticDecoder has no selector")
+        self._choose(logits_BV)
+        return self.next_B
+
+    @torch.no_grad()
+    def step(self, ids_B: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step on `ids_B` (None: the selector's last choice); returns the logits [B, V]."""
+        if ids_B is not None:
+            self.ids_B1.copy_(ids_B.reshape(self.batch_size, 1))
+        elif self.selector is None:
+            raise ValueError("step() without ids needs a selector")
         if self.graph is not None:
             self.graph.replay()
             return self.logits_BV
@@ -138,18 +169,22 @@ class StaticDecoder:
     def capture(self, warmup: int = 2) -> None:
         """Record the decode step in a CUDA graph; the buffers and the cache are left as they were."""
         saved = [t.clone() for t in self._state()]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # Triton compilation and allocator warm-up off the capture stream
-            for _ in range(warmup):
-                self._forward()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits_BV = self._forward()
-        self.graph = graph
-        for t, s in zip(self._state(), saved):  # the warm-up advanced them; the K/V it wrote is re-written
-            t.copy_(s)
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # Triton compilation and allocator warm-up off the capture stream
+                for _ in range(warmup):
+                    self._forward()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.selector is not None and self.selector.generator is not None:
+                graph.register_generator_state(self.selector.generator)  # philox seed/offset read at each replay
+            with torch.cuda.graph(graph):
+                self.logits_BV = self._forward()
+            self.graph = graph
+        finally:
+            for t, s in zip(self._state(), saved):  # the warm-up advanced them; the K/V it wrote is re-written
+                t.copy_(s)
 
 
 # ------------------------------------------------------------------ helpers
@@ -175,26 +210,16 @@ def _all_done(done: torch.Tensor, group: Any, world: int) -> bool:
     return bool(flag.item())
 
 
-def _select(logits_BV: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
-            generator: torch.Generator | None) -> torch.Tensor:
-    if not do_sample:
-        return logits_BV.argmax(-1)
-    scores = logits_BV / temperature
-    if top_k is not None and top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(1)
-
-
-def _decoder(model: nn.Module, batch: int, max_len: int, graph: bool, reuse: bool) -> StaticDecoder:
-    """A StaticDecoder of this shape: the model's kept one if it matches (its graph too), else a new one."""
-    key = (batch, max_len, graph)
+def _decoder(model: nn.Module, batch: int, max_len: int, graph: bool, reuse: bool,
+             selector: TokenSelector) -> StaticDecoder:
+    """A StaticDecoder of this shape and token choice: the model's kept one if it matches (its graph too), else a new one."""
+    key = (batch, max_len, graph, selector.key)
     kept = getattr(model, "_occult_decoder", None) if reuse else None
     if kept is not None and kept[0] == key:
         return kept[1]
     if hasattr(model, "_occult_decoder"):
         del model._occult_decoder  # free the old cache and graph first
-    dec = StaticDecoder(model, batch, max_len)
+    dec = StaticDecoder(model, batch, max_len, selector)
     if reuse:
         model._occult_decoder = (key, dec)
     return dec
@@ -214,6 +239,8 @@ def generate(
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
     generator: torch.Generator | None = None,
     sync_every: int = 8,
     reuse: bool = True,
@@ -225,8 +252,12 @@ def generate(
     same `max_new_tokens`. `attention_mask` [B, S] marks real tokens (left padding); without it,
     as in transformers, pad tokens are masked when the pad id is set and differs from eos.
     `eos_token_id` / `pad_token_id` default to the model's generation config (pad falls back to
-    the first eos, then 0). `do_sample=True` samples from softmax(logits / temperature),
-    optionally restricted to the `top_k` largest, drawing from `generator` (on the ids' device).
+    the first eos, then 0). `do_sample=True` samples with `temperature`, then `top_k`, then
+    `top_p` (transformers' warpers; `occult.integrations.hf.sampling` says what differs), inside
+    the captured decode step: the draws come from a generator of the decoder on the model's
+    device, seeded with `seed`, else with one number drawn from `generator` (any device), else
+    from torch's global RNG (so `torch.manual_seed` makes a call repeatable). The tokens of a
+    seed depend on the padded batch (the largest over the group), as the draws are [B, V].
     `cuda_graph`: "auto" captures the decode step on CUDA (eager if the capture fails on any
     rank), True requires it, False runs eagerly. `reuse=True` keeps the decoder (cache, buffers,
     graph) on the model for the next call of the same shape; `del model._occult_decoder` frees it.
@@ -237,6 +268,7 @@ def generate(
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+    sampling = Sampling(do_sample, temperature, top_k, top_p)  # checks the values
     group = model_group(model) if group is None else group
     world, _ = _group_size(group)
     device = next(model.parameters()).device
@@ -272,9 +304,13 @@ def generate(
     if cuda_graph is True and device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs a CUDA model, this one is on {device.type}")
 
+    if do_sample and seed is None:
+        seed = int(torch.randint(2**62, (1,), generator=generator,
+                                 device=generator.device if generator is not None else "cpu"))
     previous = [(m, m.sync_free) for m in model.modules() if isinstance(m, OccultMoE)]
     try:
-        dec = _decoder(model, B_max, S_max + max_new_tokens, use_graph, reuse)
+        dec = _decoder(model, B_max, S_max + max_new_tokens, use_graph, reuse,
+                       TokenSelector(B_max, device, sampling, eos, pad))
         set_sync_free(model, False)  # prefill: ranks' token counts may differ, normal dispatch
         logits_PV = dec.prefill(ids_PS, mask_PS)
         set_sync_free(model, True)
@@ -288,26 +324,21 @@ def generate(
                 if cuda_graph is True:
                     raise RuntimeError(f"CUDA-graph capture of the decode step failed on a rank: {error!r}") from error
                 dec.graph = None
-        unfinished_P = torch.arange(B_max, device=device) < B
-        eos_E = torch.tensor(eos, dtype=torch.long, device=device)
-        new = []
-        for t in range(max_new_tokens):
-            if t > 0:
-                logits_PV = dec.step(new[-1])
-            next_P = _select(logits_PV, do_sample, temperature, top_k, generator)
-            if eos:
-                next_P = torch.where(unfinished_P, next_P, pad)
-                unfinished_P &= ~torch.isin(next_P, eos_E)
-            new.append(next_P.clone())
-            if any_eos and (t + 1) % every == 0 and t + 1 < max_new_tokens and _all_done(~unfinished_P.any(), group, world):
+        dec.selector.reset(B, seed)  # after the capture: its warm-up draws do not count
+        unfinished_P = dec.selector.unfinished_B
+        new = [dec.select(logits_PV).clone()]  # token 1 from the prefill; each step feeds and chooses the next
+        for t in range(1, max_new_tokens):
+            if any_eos and t % every == 0 and _all_done(~unfinished_P.any(), group, world):
                 break
+            dec.step()
+            new.append(dec.next_B.clone())
     finally:
         for m, flag in previous:
             m.sync_free = flag
     new_BN = torch.stack(new, dim=1)[:B]
     n = new_BN.shape[1]
     if eos and B > 0:  # this rank alone would have stopped once all its rows had finished
-        hit_BN = torch.isin(new_BN, eos_E)
+        hit_BN = torch.isin(new_BN, dec.selector.eos_E)
         first_B = torch.where(hit_BN.any(1), hit_BN.int().argmax(1) + 1, n)
         n = int(first_B.max())
     return torch.cat([ids_BS, new_BN[:, :n]], dim=1)
