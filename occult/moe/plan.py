@@ -75,8 +75,10 @@ def dedup_plan(
     device_TK = expert_device_E[ids_TK]
     token_TK = torch.arange(num_tokens, device=ids_TK.device)[:, None].expand(num_tokens, top_k)
     # used_DT[d, t]: token t has an expert on device d. Rows are its True entries, device-major.
-    used_DT = torch.zeros(num_devices, num_tokens, dtype=torch.bool, device=ids_TK.device)
-    used_DT[device_TK, token_TK] = True
+    # (scatter_ with a scalar, not `used[...] = True`: that copies the scalar host-to-device,
+    # a synchronisation that drains the GPU queue before the count exchange even starts)
+    used_DT = torch.zeros(num_devices * num_tokens, dtype=torch.bool, device=ids_TK.device)
+    used_DT = used_DT.scatter_(0, (device_TK * num_tokens + token_TK).reshape(-1), True).view(num_devices, num_tokens)
     flat_used = used_DT.reshape(-1)
     row_of_DT = (torch.cumsum(flat_used, 0) - 1).view(num_devices, num_tokens)
     # Upper bound T*min(k, D) rows; the true count is only known on the host after the sync,
