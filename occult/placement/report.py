@@ -10,7 +10,7 @@ With nodes (`Placement.num_nodes` = M > 1) a layer also gets E[N_T], the mean nu
 distinct nodes a token's experts sit on, and expected inter-node bytes (a token's own node
 uniform and independent of its routing): `bytes_dedup_internode` = dedup rows * (M-1)/M (the
 flat deduplicated dispatch sends one row per device) and `bytes_node_dedup_internode` =
-sum_t N_T * (M-1)/M (a two-level dispatch sending one row per node, not implemented).
+sum_t N_T * (M-1)/M (the two-level dispatch, `dispatcher="dedup2"`, sending one row per node).
 """
 
 from __future__ import annotations
