@@ -6,6 +6,7 @@
     comm       `all_to_all`, the exchange autograd node, metadata packing, `CommStats`
     dispatch   `Dispatcher` (`StandardDispatcher`, `DedupDispatcher`): counts, dispatch, combine
     experts    SwiGLU experts on received rows (torch reference; Triton via `occult.kernels`)
+    overlap    the same stages over token chunks, all-to-alls hidden behind expert compute
     layer      `OccultMoE`, the expert-parallel layer that runs the stages above
     dense      `DenseMoE`, the single-process reference, and the expert-parameter init
 
