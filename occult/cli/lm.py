@@ -23,6 +23,7 @@ HIDDEN, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, EXPERT_BACKEND = 256, 4, 4, 3
 STEPS, BATCH_SIZE, SEQ_LEN, LR, MIN_LR_RATIO, WARMUP = 2000, 32, 256, 1e-3, 0.1, 100
 WEIGHT_DECAY, GRAD_CLIP, AUX_LOSS_COEF, SEED, PRECISION, DEVICE = 0.1, 1.0, 0.01, 0, "auto", "auto"
 ADAM_EPS = 1e-8
+REPLACE_MIN_GAIN, REPLACE_CHECK, REPLACE_SAMPLES = 0.02, 10, 2048
 EVAL_EVERY, EVAL_TOKENS, SAVE_EVERY = 200, 131072, 500
 FINETUNE_LR, FINETUNE_WARMUP = 3e-4, 20
 # occult.lm.data defaults
@@ -99,6 +100,21 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
                         "contiguous; for finetune, --placement when it has EP_SIZE devices)")
     g.add_argument("--dispatcher", default="dedup", choices=["dedup", "standard"],
                    help="all-to-all dispatch: one copy per device (dedup) or per expert (standard)")
+    g = p.add_argument_group("re-placing experts while training (several ranks, EP size >= 2; docs/replacement.md)")
+    g.add_argument("--replace-every", type=int, default=0,
+                   help="solve a new expert placement from the routing seen every M steps and migrate to it (0 = off)")
+    g.add_argument("--replace-min-gain", type=float, default=REPLACE_MIN_GAIN,
+                   help=f"migrate only if E[C_T] of the recent routing drops by this fraction (default {REPLACE_MIN_GAIN})")
+    g.add_argument("--replace-drift", type=float, default=0.0,
+                   help="also re-solve when the measured E[C_T] rises this fraction above its level after the last solve (0 = off)")
+    g.add_argument("--replace-check-every", type=int, default=REPLACE_CHECK,
+                   help=f"steps between E[C_T] measurements and solver polls (default {REPLACE_CHECK})")
+    g.add_argument("--replace-samples", type=int, default=REPLACE_SAMPLES,
+                   help=f"routed tokens per layer and rank kept for the next solve (default {REPLACE_SAMPLES})")
+    g.add_argument("--replace-method", default="auto", choices=["auto", "greedy", "hypergraph", "contiguous"],
+                   help="placement solver (auto: hypergraph if Mt-KaHyPar is installed, else greedy)")
+    g.add_argument("--replace-wait", action="store_true",
+                   help="solve inline, training waits (deterministic), instead of in a background process")
 
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
@@ -152,6 +168,9 @@ def _train_config(args):
         grad_clip=args.grad_clip, aux_loss_coef=args.aux_loss_coef, adam_eps=args.adam_eps, moe_only=args.moe_only, seed=args.seed,
         precision=args.precision, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
         save_every=args.save_every, patience=args.patience, device=args.device,
+        replace_every=args.replace_every, replace_min_gain=args.replace_min_gain, replace_drift=args.replace_drift,
+        replace_check_every=args.replace_check_every, replace_samples=args.replace_samples,
+        replace_method=args.replace_method, replace_wait=args.replace_wait,
     )
 
 

@@ -9,6 +9,9 @@
     train       `train` and `finetune` (pruning-aware) on 1 or N ranks, resumable checkpoints
     parallel    N ranks: experts sharded (EP groups), the rest data parallel, gradient sync and clipping
     sharded     sharded training checkpoints (torch.distributed.checkpoint), resharding on load
+    migrate     experts and their AdamW state moved to new ranks (one all-to-all), routers re-pointed
+    replace     re-placing experts while training: routing sample, drift, background solve, migration
+    solve_job   the re-placement solve, inline or in a background process
     plot        the loss curve of a run
     profile     routing traces and expert-similarity tables of a checkpoint
 

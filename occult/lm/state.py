@@ -21,6 +21,7 @@ import torch
 
 from occult.lm.checkpoint import CheckpointError, config_from_metadata
 from occult.lm.model import OccultLM
+from occult.placement.solvers import METHODS
 
 
 @dataclass
@@ -50,6 +51,14 @@ class TrainConfig:
     patience: int | None = None  # stop after this many evaluations without improvement
     min_delta: float = 0.001  # relative improvement of val loss that counts
     device: str = "auto"
+    # re-placing experts while training (occult.lm.replace; N ranks with EP size >= 2)
+    replace_every: int = 0  # solve a new placement every this many steps (0 = never)
+    replace_min_gain: float = 0.02  # migrate only if the sample's E[C_T] drops by this fraction
+    replace_drift: float = 0.0  # also solve when E[C_T] rises this fraction above its level after the last solve (0 = off)
+    replace_check_every: int = 10  # steps between E[C_T] measurements / solver polls (one small collective each)
+    replace_samples: int = 2048  # routed tokens per layer and rank kept for the next solve
+    replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
+    replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
 
     LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta")
 
@@ -65,6 +74,19 @@ class TrainConfig:
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"patience must be >= 1 or None, got {self.patience}")
+        if self.replace_every < 0 or self.replace_drift < 0 or not 0 <= self.replace_min_gain < 1:
+            raise ValueError(f"need replace_every >= 0, replace_drift >= 0, 0 <= replace_min_gain < 1; got "
+                             f"{self.replace_every}, {self.replace_drift}, {self.replace_min_gain}")
+        if self.replace_check_every < 1 or self.replace_samples < 1:
+            raise ValueError(f"replace_check_every and replace_samples must be >= 1, got "
+                             f"{self.replace_check_every}, {self.replace_samples}")
+        if self.replace_method not in ("auto", *METHODS):
+            raise ValueError(f"replace_method must be 'auto' or one of {METHODS}, got {self.replace_method!r}")
+
+    @property
+    def replaces(self) -> bool:
+        """Whether experts are re-placed while training (`occult.lm.replace`)."""
+        return bool(self.replace_every or self.replace_drift)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,6 +105,7 @@ class TrainResult:
     stopped_early: bool
     out_dir: Path
     train_losses: list[float] = field(default_factory=list)  # every step's training loss (global batch)
+    migrations: list[dict] = field(default_factory=list)  # expert re-placements done (occult.lm.replace)
 
     @property
     def last_eval(self) -> dict | None:

@@ -57,6 +57,7 @@ from occult.lm.checkpoint import (
 )
 from occult.lm.data import TokenData, train_batch
 from occult.lm.evaluate import autocast_for, evaluate, pick_device
+from occult.lm.migrate import follow_routing
 from occult.lm.model import OccultLM
 from occult.lm.parallel import (
     Parallel,
@@ -69,6 +70,7 @@ from occult.lm.parallel import (
     sync_gradients,
 )
 from occult.lm.plot import plot_losses
+from occult.lm.replace import Replacer
 from occult.lm.sharded import (
     find_sharded,
     load_sharded,
@@ -86,6 +88,7 @@ from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
     tensor_hash,
     trainable_names,
 )
+from occult.placement import Placement
 
 CHECKPOINT = "checkpoint.safetensors"
 BEST = "best.safetensors"
@@ -141,11 +144,17 @@ def train(
     opt = make_optimizer(model, names, cfg)
     data_sig = f"{data.train.numel()}:{tensor_hash(data.train)}"
     step, best, history, stopped, losses = 0, None, [], False, []
+    replacer = Replacer(model, par, cfg, out, log) if cfg.replaces and par is not None and par.ep_size > 1 else None
+    if cfg.replaces and replacer is None and log:
+        log("experts are not sharded (one process or EP size 1): nothing to re-place")
     state = latest_state(out)
     if state is not None:
         kind, path, meta = state
         if not resume:
             raise CheckpointError(f"{out} already holds a checkpoint: pass --resume to continue it, or choose another --out")
+        saved = json.loads(meta.get("replace") or "null")  # the placement in use when it was saved
+        if saved is not None and (replacer is None or not replacer.load_state(saved)):
+            follow_routing(model, Placement.from_json_dict(saved["placement"], str(path)))  # device-limited routing as it was
         check_resume(meta, model, cfg, data_sig, init_hash, path)
         if kind == "dcp":
             load_sharded(path, meta, model, opt)
@@ -175,6 +184,8 @@ def train(
         meta.update(model_metadata(model))
         meta.update(step=str(step), best_val_loss=json.dumps(best), history=json.dumps(history),
                     stopped_early="true" if stopped else "false", train_losses=json.dumps(losses))
+        if replacer is not None:
+            meta["replace"] = json.dumps(replacer.state())
         if par is not None and with_optimizer:
             if saved_at != step:
                 save_sharded(out, model, opt, meta, step)
@@ -231,6 +242,8 @@ def train(
     trained = [p for p in model.parameters() if p.requires_grad]
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t_last, s_last = time.perf_counter(), step
+    if replacer is not None:
+        replacer.start()
     last_step = cfg.steps if stop_after is None else min(cfg.steps, step + int(stop_after))
     shard = (par.rank, par.world_size) if par is not None else ()
     try:
@@ -253,6 +266,8 @@ def train(
                 gnorm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
             opt.step()
             step += 1
+            if replacer is not None:
+                replacer.after_step(step, opt)
             pending.append(out_.loss.detach())
             bar.update(1)
             if step % 10 == 0 or step == cfg.steps:
@@ -279,13 +294,15 @@ def train(
                 save(out / CHECKPOINT, with_optimizer=True)
     finally:
         bar.close()
+        if replacer is not None:
+            replacer.close()
     flush()
     save(out / CHECKPOINT, with_optimizer=True)
     if step >= cfg.steps or stopped:
         save(out / FINAL, with_optimizer=False)
         if main and plot and plot_losses(out / PLOT, losses, history, title=str(out.name)) is None and log:
             log("no loss plot: matplotlib is not installed")
-    return TrainResult(step, best, history, stopped, out, losses)
+    return TrainResult(step, best, history, stopped, out, losses, list(replacer.migrations) if replacer else [])
 
 
 def finetune(
