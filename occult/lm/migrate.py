@@ -3,9 +3,11 @@
 `migrate(model, optimizer, new_placement, parallel)` gives every rank the experts `new_placement`
 assigns it, in local-slot order, with their AdamW moments (`exp_avg`, `exp_avg_sq`, and any
 other per-element state) and step counts, in ONE `all_to_all_single` over the EP group (one
-per dtype when weights of several dtypes are trained): every (layer, expert) that changes rank
-is one row of a flat buffer holding the expert's `gate_up_proj` and `down_proj` slices and
-their state, and the step count of its tensors. Each replica group (the same EP rank in every
+per dtype when weights of several dtypes are trained, and one per bucket of layers when the
+moving rows exceed `bucket_bytes` per rank, to bound the extra memory): every (layer, expert)
+that changes rank is one row of a flat buffer holding the expert's `gate_up_proj` and
+`down_proj` slices and their state, and the step count of its tensors (checked: a step count is
+per tensor, equal on every rank). Each replica group (the same EP rank in every
 EP group) does the same exchange inside its own EP group, so all copies stay equal.
 
 Parameters stay the same objects (the optimizer keeps working): their data are overwritten in
@@ -35,6 +37,7 @@ from occult.lm.parallel import Parallel, per_layer
 from occult.placement import Placement, PlacementError
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+BUCKET_BYTES = 1 << 30  # moving rows per rank per all-to-all (more layers are split over several)
 
 
 @dataclass
@@ -117,10 +120,12 @@ def _moves(old_E: np.ndarray, new_E: np.ndarray, rank: int, D: int) -> tuple[lis
 
 
 def migrate(model: OccultLM, optimizer: torch.optim.Optimizer | None, new_placement: Placement,
-            parallel: Parallel | None) -> MigrationStats:
+            parallel: Parallel | None, bucket_bytes: int = BUCKET_BYTES) -> MigrationStats:
     """Re-place the experts of every MoE layer by `new_placement` (see the module docstring).
 
-    Every rank of the world calls it with the same placement. Expert gradients are dropped
+    Every rank of the world calls it with the same placement. Layers whose placement is unchanged
+    are skipped; the others travel in as few all-to-alls as keep each rank's send buffer near
+    `bucket_bytes` (one in total for a small model). Expert gradients are dropped
     (migrate between steps). Raises `PlacementError` (on every rank alike) when the placement
     does not fit the model.
     """
@@ -136,86 +141,103 @@ def migrate(model: OccultLM, optimizer: torch.optim.Optimizer | None, new_placem
     plans = [_moves(old.expert_device(i), new.expert_device(i), rank, D) for i in range(len(layers))]
     moved = int(sum((old.expert_device(i) != new.expert_device(i)).sum() for i in range(len(layers))))
     kinds = _kinds(model, optimizer)
-    bytes_sent = 0
+    bytes_sent, problems = 0, []
     if moved and D > 1:
-        bytes_sent = _exchange(layers, kinds, plans, old, new, rank, D, group)
+        bytes_sent, problems = _exchange(kinds, plans, old, new, rank, D, group, bucket_bytes)
     for m in layers:
         for attr in EXPERT_TENSORS:
             getattr(m, attr).grad = None
     apply_placement(model, new)
+    if problems:  # after every collective, so no rank is left waiting
+        raise RuntimeError("the ranks' optimizers are out of step: " + "; ".join(problems[:3]))
     return MigrationStats(moved, bytes_sent, time.perf_counter() - t0)
 
 
-def _exchange(layers, kinds, plans, old: Placement, new: Placement, rank: int, D: int, group: Any) -> int:
-    """The all-to-all(s): rows [(layer, expert) that moves] x [weights | state | step], by dtype."""
-    by_dtype: dict[torch.dtype, list[tuple[int, int]]] = {}  # dtype -> [(layer, kind index)]
-    for i, ks in enumerate(kinds):
-        for j, (t, _) in enumerate(ks):
-            by_dtype.setdefault(t.dtype, []).append((i, j))
-    sent = 0
-    for dtype, members in by_dtype.items():
-        carries_step = dtype in (torch.float32, torch.float64)
-        per_layer_kinds = {i: [j for (li, j) in members if li == i] for i in range(len(layers))}
-        row_len = {i: sum(kinds[i][j][0][0].numel() + (1 if carries_step else 0) for j in js)
-                   for i, js in per_layer_kinds.items()}
-        device = kinds[0][0][0].device
+def _buckets(moved_L: list[int], row_bytes_L: list[int], D: int, bucket_bytes: int) -> list[list[int]]:
+    """Layers that change, grouped so each group's moving rows stay near `bucket_bytes` per rank.
 
-        def rows(i: int, slots: np.ndarray) -> torch.Tensor:
-            idx = torch.as_tensor(slots, device=device, dtype=torch.long)
-            parts = []
-            for j in per_layer_kinds[i]:
-                t, step = kinds[i][j]
-                parts.append(t.index_select(0, idx).reshape(len(slots), -1))
-                if carries_step:
-                    s = float(step) if step is not None else -1.0
-                    parts.append(torch.full((len(slots), 1), s, dtype=dtype, device=device))
-            return torch.cat(parts, 1) if parts else torch.empty(len(slots), 0, dtype=dtype, device=device)
-
-        old_slot = [old.expert_slot(i) for i in range(len(layers))]
-        send_chunks, send_splits, recv_splits = [], [], []
-        for d in range(D):
-            n = 0
-            for i, (send, recv) in enumerate(plans):
-                if len(send[d]):
-                    send_chunks.append(rows(i, old_slot[i][send[d]]).reshape(-1))
-                n += len(send[d]) * row_len[i]
-            send_splits.append(n)
-            recv_splits.append(sum(len(recv[d]) * row_len[i] for i, (_, recv) in enumerate(plans)))
-        flat = torch.cat(send_chunks) if send_chunks else torch.empty(0, dtype=dtype, device=device)
-        out = flat.new_empty(sum(recv_splits))
-        dist.all_to_all_single(out, flat, recv_splits, send_splits, group=group)
-        sent += (sum(send_splits) - send_splits[rank]) * flat.element_size()
-        _unpack(out, plans, kinds, per_layer_kinds, row_len, new, carries_step, D)
-    return sent
+    Computed from the placements alone, so every rank forms the same groups (the same collectives)."""
+    out: list[list[int]] = []
+    size = 0
+    for i, (n, b) in enumerate(zip(moved_L, row_bytes_L)):
+        if not n:
+            continue
+        if out and size + n * b / D <= bucket_bytes:
+            out[-1].append(i)
+            size += n * b / D
+        else:
+            out.append([i])
+            size = n * b / D
+    return out
 
 
-def _unpack(out: torch.Tensor, plans, kinds, per_layer_kinds, row_len, new: Placement, carries_step: bool, D: int) -> None:
-    """Write the received rows into their new local slots, tensor by tensor (in place)."""
-    offset = 0
-    fresh: dict[tuple[int, int], torch.Tensor] = {}
+def _exchange(kinds, plans, old: Placement, new: Placement, rank: int, D: int, group: Any, bucket_bytes: int) -> tuple[int, list[str]]:
+    """The all-to-all(s): rows [(layer, expert) that moves] x [weights | state | step], one per dtype
+    and bucket of layers. Returns (bytes sent to other ranks, step-count mismatches)."""
+    L = len(plans)
+    moved_L = [int((old.expert_device(i) != new.expert_device(i)).sum()) for i in range(L)]
+    row_bytes_L = [sum(t[0].numel() * t.element_size() for t, _ in kinds[i]) for i in range(L)]
+    dtypes = sorted({t.dtype for ks in kinds for t, _ in ks}, key=str)
+    sent, problems = 0, []
+    for layers in _buckets(moved_L, row_bytes_L, D, bucket_bytes):
+        for dtype in dtypes:
+            carries_step = dtype in (torch.float32, torch.float64)
+            members = {i: [j for j, (t, _) in enumerate(kinds[i]) if t.dtype == dtype] for i in layers}
+            row_len = {i: sum(kinds[i][j][0][0].numel() + carries_step for j in js) for i, js in members.items()}
+            device = kinds[layers[0]][0][0].device
+            chunks, send_splits, recv_splits = [], [], []
+            for d in range(D):
+                for i in layers:
+                    slots = plans[i][0][d]
+                    if len(slots):
+                        chunks.append(_rows(kinds[i], members[i], old.expert_slot(i)[slots], dtype, carries_step))
+                send_splits.append(sum(len(plans[i][0][d]) * row_len[i] for i in layers))
+                recv_splits.append(sum(len(plans[i][1][d]) * row_len[i] for i in layers))
+            flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=device)
+            out = flat.new_empty(sum(recv_splits))
+            dist.all_to_all_single(out, flat, recv_splits, send_splits, group=group)
+            sent += (sum(send_splits) - send_splits[rank]) * flat.element_size()
+            problems += _unpack(out, plans, kinds, members, row_len, new, carries_step, layers, D)
+    return sent, problems
+
+
+def _rows(kinds, js: list[int], slots: np.ndarray, dtype: torch.dtype, carries_step: bool) -> torch.Tensor:
+    """The flat rows of the experts in `slots` (a copy): each kind's slice, then its step count."""
+    device = kinds[0][0].device
+    idx = torch.as_tensor(slots, device=device, dtype=torch.long)
+    parts = []
+    for j in js:
+        t, step = kinds[j]
+        parts.append(t.index_select(0, idx).reshape(len(slots), -1))
+        if carries_step:
+            parts.append(torch.full((len(slots), 1), float(step) if step is not None else -1.0, dtype=dtype, device=device))
+    return torch.cat(parts, 1).reshape(-1)
+
+
+def _unpack(out: torch.Tensor, plans, kinds, members, row_len, new: Placement, carries_step: bool,
+            layers: list[int], D: int) -> list[str]:
+    """Write the received rows into their new local slots, in place (every row sent was copied
+    out before the exchange). Returns the step-count mismatches found."""
+    offset, problems = 0, []
     for s in range(D):
-        for i, (_, recv) in enumerate(plans):
-            n = len(recv[s])
+        for i in layers:
+            recv = plans[i][1][s]
+            n = len(recv)
             if not n:
                 continue
             block = out[offset : offset + n * row_len[i]].view(n, row_len[i])
             offset += n * row_len[i]
-            slots = torch.as_tensor(new.expert_slot(i)[recv[s]], device=out.device, dtype=torch.long)
+            slots = torch.as_tensor(new.expert_slot(i)[recv], device=out.device, dtype=torch.long)
             col = 0
-            for j in per_layer_kinds[i]:
+            for j in members[i]:
                 t, step = kinds[i][j]
                 width = t[0].numel()
-                if (i, j) not in fresh:
-                    fresh[(i, j)] = t.clone()
-                fresh[(i, j)].index_copy_(0, slots, block[:, col : col + width].reshape(n, *t.shape[1:]))
+                t.index_copy_(0, slots, block[:, col : col + width].reshape(n, *t.shape[1:]))
                 col += width
                 if carries_step:
-                    got = block[:, col]
-                    col += 1
                     want = float(step) if step is not None else -1.0
-                    if not bool((got == want).all()):
-                        raise RuntimeError(
-                            f"layer {i}: experts arrived with AdamW step counts {sorted(set(got.tolist()))}, "
-                            f"this rank's tensors are at step {want}: the ranks' optimizers are out of step")
-    for (i, j), t in fresh.items():
-        kinds[i][j][0].copy_(t)
+                    if not bool((block[:, col] == want).all()):
+                        problems.append(f"layer {i}: experts from rank {s} arrived with AdamW step counts "
+                                        f"{sorted(set(block[:, col].tolist()))}, this rank's are at {want}")
+                    col += 1
+    return problems

@@ -170,6 +170,7 @@ class Replacer:
         self.baseline = None
         if self.par.is_main:
             ids = torch.cat(parts, 1).cpu().numpy()
+            self._note({"event": "solve", "step": step, "tokens": int(ids.shape[1]), "mode": self.mode})
             cur = current_placement(self.model).expert_device_LE
             self.job = SolveJob(ids, self.model.config.num_experts, self.par.ep_size, cur,
                                 self.cfg.replace_method, self.cfg.seed, self.mode)

@@ -99,15 +99,17 @@ def migrate_worker(rank: int, world_size: int, data) -> dict:
     loss = lambda m: float(global_mean(m(x, y).loss.detach().reshape(1), par))  # noqa: E731
     out: dict = {}
     models = []
-    for _ in range(2):  # A is migrated after one step, B never
+    for _ in range(3):  # A is migrated after one step, B never, C layer by layer (one all-to-all per layer)
         m = shard_model(full, par, Placement.from_lists(P0, 2))
         o = make_optimizer(m, trainable_names(m, False), cfg())
         _step(m, o, x, y, par)
         models.append((m, o))
-    (a, opt_a), (b, opt_b) = models
+    (a, opt_a), (b, opt_b), (c, opt_c) = models
     out["before"], out["state_before"] = loss(a), _by_id(a, opt_a)
     stats = migrate(a, opt_a, Placement.from_lists(P1, 2), par)
     out["after"], out["state_after"] = loss(a), _by_id(a, opt_a)
+    migrate(c, opt_c, Placement.from_lists(P1, 2), par, bucket_bytes=1)
+    out["state_layerwise"] = _by_id(c, opt_c)
     out["moved"], out["placement"] = stats.experts_moved, current_placement(a).expert_device_LE.tolist()
     out["local_ids"] = a.moe_layers()[0].local_expert_ids.tolist()
     held = {id(p) for g in opt_a.param_groups for p in g["params"]}
@@ -119,12 +121,12 @@ def migrate_worker(rank: int, world_size: int, data) -> dict:
     torch.manual_seed(1)  # larger weights: the loss visibly depends on which experts are allowed
     limited = full_model(config(data, init_std=0.3), par)
     limited.set_routing(1, Placement.from_lists(P0, 2))
-    c = shard_model(limited, par, Placement.from_lists(P0, 2))
-    out["limited_before"] = loss(c)
-    migrate(c, None, Placement.from_lists(P1, 2), par)
-    out["limited_after"] = loss(c)
-    out["router_map"] = [r.expert_device_E.tolist() for r in c.routers()]
-    out["routing_placement"] = c.routing.placement.expert_device_LE.tolist()
+    lim = shard_model(limited, par, Placement.from_lists(P0, 2))
+    out["limited_before"] = loss(lim)
+    migrate(lim, None, Placement.from_lists(P1, 2), par)
+    out["limited_after"] = loss(lim)
+    out["router_map"] = [r.expert_device_E.tolist() for r in lim.routers()]
+    out["routing_placement"] = lim.routing.placement.expert_device_LE.tolist()
     errors, out["loss_before_errors"] = [], loss(a)
     for bad in (Placement.contiguous(4, 2), Placement.contiguous(8, 4), "not a placement"):
         try:
@@ -160,6 +162,9 @@ def test_fixed_batch_loss_and_state_unchanged_by_a_migration(migrations):
     assert before.keys() == after.keys() and any(".exp_avg_sq.expert" in k for k in after)
     for k in before:
         assert np.array_equal(before[k], after[k]), k
+        for out in migrations:
+            if k in out["state_after"]:
+                assert np.array_equal(out["state_layerwise"][k], out["state_after"][k]), k
     assert sorted(migrations[0]["local_ids"]) == [e for e, d in enumerate(P1[0]) if d == 0]
     # ... and the state is where the new placement says: rank 0 holds P1's rank-0 experts.
     assert {int(k.rsplit("expert", 1)[1]) for k in migrations[0]["state_after"] if "blocks.0.moe.moe.down_proj.expert" in k} \
