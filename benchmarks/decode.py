@@ -37,7 +37,6 @@ batch size and prints a Markdown table last. NCCL_P2P_DISABLE is only recorded.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -52,9 +51,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from e2e import (  # noqa: E402  (benchmarks/e2e.py: shared model building and reporting helpers)
-    MODELS, TINY, build_model, check_setup, comm_stats, environment, log, random_ids, synchronize, write_json,
+from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tables shared with e2e.py, serve.py)
+    agree_on_error, batch_list, environment, floor_rows, free_memory, log, logit_errors, markdown_table, quantiles,
+    ratio, time_steps as _time_steps, variant_list as _variant_list, write_json,
 )
+from e2e import MODELS, TINY, build_model, check_setup, comm_stats, random_ids  # noqa: E402  (model building)
 from occult import set_sync_free  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -79,24 +80,7 @@ VARIANTS: dict[str, Variant] = {
 Step = Callable[[torch.Tensor], torch.Tensor]  # ids [B, 1] -> logits [B, 1, V]
 
 
-def variant_list(text: str) -> list[str]:
-    """argparse type: a comma list of variants ("all": every one), kept in the canonical order."""
-    names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in VARIANTS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)}")
-    return [v for v in VARIANTS if v in names]
-
-
-def batch_list(text: str) -> list[int]:
-    """argparse type: a comma list of batch sizes (tokens per GPU), each >= 1."""
-    try:
-        sizes = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"batch sizes must be integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"every batch size must be >= 1, got {text!r}")
-    return sorted(set(sizes))
+variant_list = _variant_list(VARIANTS)  # argparse type: a comma list of variants ("all": every one)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,12 +120,6 @@ def model_config(args: argparse.Namespace) -> Any:
     return getattr(transformers, cls)(**{**fields, "tie_word_embeddings": False, **extra})
 
 
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def build_base(base: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> nn.Module:
     """The random model converted as `base`: replicated (one-rank group), standard or dedup (all ranks)."""
     model = build_model(args, cfg, ctx["device"], ctx["dtype"]).eval()
@@ -179,52 +157,19 @@ def graph_step(model: nn.Module, ids_B1: torch.Tensor) -> tuple[Step, torch.cuda
     return step, graph
 
 
-def agree_on_error(error: str | None) -> str | None:
-    """The first rank's error text (any rank's failure fails all), or None if every rank succeeded."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
-
-
 def check(step: Step, ids_B1: torch.Tensor, ref_B1V: torch.Tensor, tol: float) -> dict[str, Any]:
     """Per-token relative L2 error of the step's logits vs the unconverted model (max over ranks)."""
-    out_B1V = step(ids_B1).float()
-    err_B = ((out_B1V - ref_B1V).norm(dim=-1) / ref_B1V.norm(dim=-1).clamp_min(1e-30)).flatten()
-    q_2 = torch.quantile(err_B.double().cpu(), torch.tensor([0.5, 0.95], dtype=torch.float64)).to(ids_B1.device)
-    dist.all_reduce(q_2, op=dist.ReduceOp.MAX)
-    same_1 = (out_B1V.argmax(-1) == ref_B1V.argmax(-1)).double().mean().reshape(1)
-    dist.all_reduce(same_1, op=dist.ReduceOp.MIN)
-    median = float(q_2[0])
-    return {"median_rel_err": median, "p95_rel_err": float(q_2[1]), "argmax_agreement": float(same_1),
-            "passed": median <= tol}
+    res = logit_errors(step(ids_B1).float(), ref_B1V)
+    return {**res, "passed": res["median_rel_err"] <= tol}
 
 
 def time_steps(step: Step, batch: int, args: argparse.Namespace, vocab: int, device: torch.device) -> dict[str, Any]:
     """Per-step ms (slowest rank) over --iters steps with fresh ids: p10/p50/p90/p99, tokens/s/GPU."""
     gen = torch.Generator().manual_seed(20_000 + args.seed + dist.get_rank())
-    times = []
-    for i in range(args.warmup + args.iters):
-        ids_B1 = random_ids(batch, 1, vocab, device, gen)
-        dist.barrier()
-        synchronize(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(ids_B1)
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            step(ids_B1)
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= args.warmup:
-            times.append(ms)
-    ms_N = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(ms_N, op=dist.ReduceOp.MAX)
-    q = torch.quantile(ms_N.cpu(), torch.tensor([0.1, 0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    ms = _time_steps(step, lambda: random_ids(batch, 1, vocab, device, gen), args.warmup, args.iters, device)
+    q = quantiles(ms, [0.1, 0.5, 0.9, 0.99])
     return {"ms_p10": q[0], "ms_p50": q[1], "ms_median": q[1], "ms_p90": q[2], "ms_p99": q[3],
-            "ms_all": ms_N.tolist(), "tokens_per_s_per_gpu": batch / (q[1] / 1e3)}
+            "ms_all": ms, "tokens_per_s_per_gpu": batch / (q[1] / 1e3)}
 
 
 def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
@@ -271,36 +216,14 @@ def describe(name: str, batch: int, r: dict[str, Any]) -> str:
 
 def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> list[dict[str, Any]]:
     """Rows batch x variant: p50, p99, tokens/s/GPU, ratio to the floor, or why not timed."""
-    rows = []
-    for b in batches:
-        got = {n: report["variants"].get(n, {}).get("batches", {}).get(str(b)) for n in names}
-        floor_name = next((f for f in ("replicated+graph", "replicated") if (got.get(f) or {}).get("ms_p50")), None)
-        for n in names:
-            r = got[n]
-            if r is None:
-                continue
-            row: dict[str, Any] = {"batch": b, "variant": n}
-            if "ms_p50" in r:
-                row.update(ms_p50=r["ms_p50"], ms_p99=r["ms_p99"], tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
-                           x_floor=r["ms_p50"] / got[floor_name]["ms_p50"] if floor_name else None, floor=floor_name)
-            else:
-                row["note"] = r.get("skipped") or r.get("error") or "check FAILED"
-            rows.append(row)
-    return rows
+    return floor_rows(lambda n, b: report["variants"].get(n, {}).get("batches", {}).get(str(b)), names, batches,
+                      ["ms_p50", "ms_p99", "tokens_per_s_per_gpu"])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: batch x variant -> ms p50, ms p99, tokens/s/GPU, x floor."""
-    lines = ["| batch | variant | ms p50 | ms p99 | tok/s/GPU | x floor |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "note" in r:
-            note = r["note"] if len(r["note"]) <= 60 else r["note"][:57] + "..."
-            lines.append(f"| {r['batch']} | {r['variant']} | {note.replace('|', '/')} | | | |")
-            continue
-        ratio = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
-        lines.append(f"| {r['batch']} | {r['variant']} | {r['ms_p50']:.2f} | {r['ms_p99']:.2f} | "
-                     f"{r['tokens_per_s_per_gpu']:,.0f} | {ratio} |")
-    return "\n".join(lines)
+    return markdown_table(rows, [("ms p50", lambda r: f"{r['ms_p50']:.2f}"), ("ms p99", lambda r: f"{r['ms_p99']:.2f}"),
+                                 ("tok/s/GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"), ("x floor", ratio)])
 
 
 def reference_logits(args: argparse.Namespace, cfg: Any, ctx: dict) -> float:

@@ -30,22 +30,24 @@ random ids; ranks meet at a barrier before each step; a step's time is the slowe
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import math
 import os
-import platform
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
+    environment, free_memory, log, logit_errors, quantiles, synchronize, time_steps as _time_steps, write_json,
+)
 from occult import Placement  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -70,11 +72,6 @@ MODELS = {  # name -> (transformers config class, fields); real shapes, fewer la
         num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)),
 }
-
-
-def log(*args: Any) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, flush=True)
 
 
 def variant_list(text: str) -> list[str]:
@@ -184,11 +181,6 @@ def build_model(args: argparse.Namespace, cfg: Any, device: torch.device, dtype:
     return model
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def random_ids(batch: int, seq: int, vocab: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     """[batch, seq] token ids, drawn on the CPU generator (per rank) and moved to `device`."""
     return torch.randint(vocab, (batch, seq), generator=gen).to(device)
@@ -198,13 +190,7 @@ def random_ids(batch: int, seq: int, vocab: int, device: torch.device, gen: torc
 def check_logits(model: nn.Module, ids_BS: torch.Tensor, ref_BSV: torch.Tensor) -> dict[str, float]:
     """Per-token relative L2 error of the logits vs the reference: median and p95 (max over ranks)."""
     model.eval()
-    out_BSV = model(input_ids=ids_BS, use_cache=False).logits.float()
-    err_T = ((out_BSV - ref_BSV).norm(dim=-1) / ref_BSV.norm(dim=-1).clamp_min(1e-30)).flatten()
-    q_2 = torch.quantile(err_T.double().cpu(), torch.tensor([0.5, 0.95], dtype=torch.float64)).to(ids_BS.device)
-    dist.all_reduce(q_2, op=dist.ReduceOp.MAX)
-    same_argmax = (out_BSV.argmax(-1) == ref_BSV.argmax(-1)).double().mean().reshape(1)
-    dist.all_reduce(same_argmax, op=dist.ReduceOp.MIN)
-    return {"median_rel_err": float(q_2[0]), "p95_rel_err": float(q_2[1]), "argmax_agreement": float(same_argmax)}
+    return logit_errors(model(input_ids=ids_BS, use_cache=False).logits.float(), ref_BSV)
 
 
 def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.device, world: int) -> tuple[Placement, dict]:
@@ -281,28 +267,9 @@ def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | N
 def time_steps(step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device) -> dict:
     """Median, p10, p90 of the step time in ms (each step: the slowest rank), tokens/s per GPU."""
     gen = torch.Generator().manual_seed(20_000 + args.seed + dist.get_rank())
-    times = []
-    for i in range(args.warmup + args.iters):
-        ids_BS = random_ids(args.batch, args.seq, vocab, device, gen)
-        dist.barrier()
-        synchronize(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(ids_BS)
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            step(ids_BS)
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= args.warmup:
-            times.append(ms)
-    ms_N = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(ms_N, op=dist.ReduceOp.MAX)
-    q = torch.quantile(ms_N.cpu(), torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64)).tolist()
-    return {"ms_median": q[0], "ms_p10": q[1], "ms_p90": q[2], "ms_all": ms_N.tolist(),
+    ms = _time_steps(step, lambda: random_ids(args.batch, args.seq, vocab, device, gen), args.warmup, args.iters, device)
+    q = quantiles(ms, [0.5, 0.1, 0.9])
+    return {"ms_median": q[0], "ms_p10": q[1], "ms_p90": q[2], "ms_all": ms,
             "tokens_per_s_per_gpu": args.batch * args.seq / (q[0] / 1e3)}
 
 
@@ -334,36 +301,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     if device.type == "cuda":
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     return res
-
-
-def environment(device: torch.device, world: int) -> dict[str, Any]:
-    import transformers
-
-    env = {"world_size": world, "device": device.type, "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE"),
-           "backend": dist.get_backend(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version(), "host": platform.node()}
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        try:
-            import triton
-
-            env["triton"] = triton.__version__
-        except ImportError:
-            env["triton"] = None
-    return env
-
-
-def write_json(path: str, data: dict) -> None:
-    """Write atomically: a temp file beside `path`, then rename."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def table(results: dict[str, dict], phases: list[str]) -> str:
@@ -420,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(v == "dedup+placement" or v.startswith("pruned") for v in args.variants):
         placement, report["placement"] = solve_placement(ref, args, device, world)
     del ref
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     ctx = dict(device=device, dtype=dtype, placement=placement, self_group=self_groups[rank],
                check_ids=check_ids, ref_logits=ref_logits)
     for variant in args.variants:

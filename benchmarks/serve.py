@@ -17,6 +17,12 @@ the last logits feeds the next step, on the device). Models are built as in benc
   dedup-syncfree             eager, sync-free dispatch (fixed-capacity all-to-all, no host wait)
   standard-syncfree+graph,   sync-free, the decode step captured once per batch size
   dedup-syncfree+graph       (hf.StaticDecoder.capture: warm-up on a side stream, static buffers)
+  hf-ep, hf-ep+graph         transformers' own expert-parallel inference (benchmarks/hf_ep.py):
+                             from_pretrained(distributed_config=DistributedConfig(tp_size=N,
+                             ep_size=N)), dense layers tensor-parallel, experts sharded, AllReduceEP;
+                             all ranks share one batch of N * B rows (every rank's prompts), through
+                             the same StaticDecoder (eager / captured); skipped, with the reason,
+                             where it cannot load (no accelerate, an older transformers)
 
 Graph variants are skipped on CPU; a capture error is recorded and the run goes on. Before
 timing, every (variant, B) is checked against the unconverted model run through the same
@@ -31,10 +37,11 @@ of the step p50 to the floor (replicated+graph, else replicated). Rank 0 writes 
 atomically after every result and prints a Markdown table last.
 
 --verify (any world size, e.g. one GPU): `hf.generate` with the decode step graph-captured gives
-exactly the tokens of the same call run eagerly, on a tiny OLMoE (fp32: also == transformers' own
-`generate` of the unconverted model) and on --model (its dtype: agreement with transformers'
-generate reported, bf16 may differ), 4 left-padded prompts of 7-24 tokens per rank, the config's
-eos. Exit 1 if any equality fails on any rank.
+exactly the tokens of the same call run eagerly, greedy and sampled (temperature 0.8, top-k 40,
+top-p 0.9, one seed: the draw happens inside the captured step; two eager runs: equal), on a
+tiny OLMoE (fp32: also == transformers' own `generate` of the unconverted model) and on --model
+(its dtype: agreement with transformers' generate reported, bf16 may differ), 4 left-padded
+prompts of 7-24 tokens per rank, the config's eos. Exit 1 if any equality fails on any rank.
 """
 
 from __future__ import annotations
@@ -51,8 +58,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from decode import agree_on_error, batch_list, build_base, free_memory, model_config  # noqa: E402
-from e2e import MODELS, TINY, build_model, check_setup, environment, log, random_ids, synchronize, write_json  # noqa: E402
+from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tables shared with e2e.py, decode.py)
+    Stopwatch, agree_on_error, batch_list, environment, floor_rows, free_memory, log, logit_errors, markdown_table,
+    quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
+)
+from decode import build_base, model_config  # noqa: E402
+from e2e import MODELS, TINY, build_model, check_setup, random_ids  # noqa: E402
+import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 from occult import set_sync_free  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -72,16 +84,13 @@ VARIANTS: dict[str, Variant] = {
     "dedup-syncfree": Variant("dedup", True, False),
     "standard-syncfree+graph": Variant("standard", True, True),
     "dedup-syncfree+graph": Variant("dedup", True, True),
+    "hf-ep": Variant("hf-ep", False, False),
+    "hf-ep+graph": Variant("hf-ep", False, True),
 }
 CHECK_ROWS = 8
 
 
-def variant_list(text: str) -> list[str]:
-    names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in VARIANTS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)}")
-    return [v for v in VARIANTS if v in names]
+variant_list = _variant_list(VARIANTS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,37 +121,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _quantiles(ms: list[float], qs: list[float]) -> list[float]:
-    return torch.quantile(torch.tensor(ms, dtype=torch.float64), torch.tensor(qs, dtype=torch.float64)).tolist()
-
-
-def _slowest(ms: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(ms, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 # ------------------------------------------------------------------ check
 @torch.no_grad()
 def forced_logits(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor, forced_BK: torch.Tensor,
-                  sync_free: bool) -> torch.Tensor:
-    """Logits [min(B, 8), K + 1, V] of the prefill and K decode steps fed the forced tokens."""
+                  sync_free: bool, first: int = 0, own: int | None = None) -> torch.Tensor:
+    """Logits [min(own, 8), K + 1, V] of the prefill and K decode steps fed the forced tokens, rows from `first`
+    (own: the rows that are this rank's, default all)."""
+    rows = slice(first, first + min(CHECK_ROWS, prompts_BP.shape[0] if own is None else own))
     set_sync_free(model, False)
-    out = [dec.prefill(prompts_BP, torch.ones_like(prompts_BP))[:CHECK_ROWS].clone()]
+    out = [dec.prefill(prompts_BP, torch.ones_like(prompts_BP))[rows].clone()]
     set_sync_free(model, sync_free)
     for k in range(forced_BK.shape[1]):
-        out.append(dec.step(forced_BK[:, k])[:CHECK_ROWS].clone())
+        out.append(dec.step(forced_BK[:, k])[rows].clone())
     return torch.stack(out, dim=1)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: float) -> dict[str, Any]:
-    err = ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).flatten().double().cpu()
-    q = torch.quantile(err, torch.tensor([0.5, 0.95], dtype=torch.float64)).to(out.device)
-    dist.all_reduce(q, op=dist.ReduceOp.MAX)
-    same = (out.argmax(-1) == ref.argmax(-1)).double().mean().reshape(1)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return {"median_rel_err": float(q[0]), "p95_rel_err": float(q[1]), "argmax_agreement": float(same),
-            "passed": float(q[0]) <= tol}
+    res = logit_errors(out, ref)
+    return {**res, "passed": res["median_rel_err"] <= tol}
 
 
 # ------------------------------------------------------------------ timing
@@ -150,39 +146,28 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: float) -> dict[str, Any]:
 def serve_run(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor, sync_free: bool,
               steps: int, device: torch.device) -> tuple[float, list[float]]:
     """One prefill + `steps` greedy decode steps: (prefill ms, [step ms]) on this rank."""
-    cuda = device.type == "cuda"
     set_sync_free(model, False)
     synchronize(device)
-    t0 = time.perf_counter()
-    if cuda:
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 * steps + 2)]
-        ev[0].record()
+    watch = Stopwatch(device)  # marks: prefill start, prefill end, then each step's start and end
+    watch.mark()
     logits_BV = dec.prefill(prompts_BP, torch.ones_like(prompts_BP))
     set_sync_free(model, sync_free)
-    if cuda:
-        ev[1].record()
-    prefill_ms, walls = (time.perf_counter() - t0) * 1e3, []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        if cuda:
-            ev[2 + 2 * i].record()
+    watch.mark()
+    for _ in range(steps):
+        watch.mark()
         logits_BV = dec.step(logits_BV.argmax(-1))
-        if cuda:
-            ev[3 + 2 * i].record()
-        else:
-            walls.append((time.perf_counter() - t0) * 1e3)
-    if cuda:
-        ev[-1].synchronize()
-        return ev[0].elapsed_time(ev[1]), [ev[2 + 2 * i].elapsed_time(ev[3 + 2 * i]) for i in range(steps)]
-    return prefill_ms, walls
+        watch.mark()
+    return watch.ms(0, 1), [watch.ms(2 + 2 * i, 3 + 2 * i) for i in range(steps)]
 
 
 def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
     spec, device = VARIANTS[name], ctx["device"]
     if spec.graph and device.type != "cuda":
         return {"skipped": f"CUDA graphs need a GPU (device {device.type})"}
-    prompts_BP, forced_BK = ctx["prompts"][batch], ctx["forced"][batch]
-    dec = hf.StaticDecoder(model, batch, args.prompt_len + max(args.new_tokens, args.check_steps) + 1)
+    prompts_BP, forced_BK, first = ctx["prompts"][batch], ctx["forced"][batch], 0
+    if spec.base == "hf-ep":  # one batch shared by the group: every rank's rows, this rank's checked
+        prompts_BP, forced_BK, first = hf_ep.gather_rows(prompts_BP), hf_ep.gather_rows(forced_BK), dist.get_rank() * batch
+    dec = hf.StaticDecoder(model, prompts_BP.shape[0], args.prompt_len + max(args.new_tokens, args.check_steps) + 1)
     res: dict[str, Any] = {}
     try:
         if spec.graph:
@@ -197,7 +182,7 @@ def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, c
             error = agree_on_error(error)
             if error:
                 return {"error": f"capture failed: {error}"}
-        out = forced_logits(dec, model, prompts_BP, forced_BK, spec.sync_free)
+        out = forced_logits(dec, model, prompts_BP, forced_BK, spec.sync_free, first, batch)
         res["check"] = compare(out, ctx["ref"][batch], args.tol)
         if not res["check"]["passed"]:
             return res
@@ -207,11 +192,11 @@ def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, c
             p_ms, s_ms = serve_run(dec, model, prompts_BP, spec.sync_free, args.new_tokens, device)
             prefill.append(p_ms)
             steps += s_ms
-        prefill, steps = _slowest(prefill, device), _slowest(steps, device)
-        q = _quantiles(steps, [0.1, 0.5, 0.9, 0.99])
+        prefill, steps = slowest(prefill, device), slowest(steps, device)
+        q = quantiles(steps, [0.1, 0.5, 0.9, 0.99])
         mean_step = sum(steps) / len(steps)
         run_ms = sum(prefill) / len(prefill) + mean_step * args.new_tokens
-        res.update(prefill_ms_p50=_quantiles(prefill, [0.5])[0], ms_p10=q[0], ms_p50=q[1], ms_p90=q[2], ms_p99=q[3],
+        res.update(prefill_ms_p50=quantiles(prefill, [0.5])[0], ms_p10=q[0], ms_p50=q[1], ms_p90=q[2], ms_p99=q[3],
                    step_ms_mean=mean_step, decode_tokens_per_s_per_gpu=batch / (mean_step / 1e3),
                    e2e_tokens_per_s_per_gpu=batch * args.new_tokens / (run_ms / 1e3), prefill_ms_all=prefill,
                    ms_all=steps)
@@ -235,38 +220,16 @@ def describe(name: str, batch: int, r: dict[str, Any]) -> str:
 
 
 def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> list[dict[str, Any]]:
-    rows = []
-    for b in batches:
-        got = {n: report["variants"].get(n, {}).get(str(b)) for n in names}
-        floor = next((f for f in ("replicated+graph", "replicated") if (got.get(f) or {}).get("ms_p50")), None)
-        for n in names:
-            r = got[n]
-            if r is None:
-                continue
-            row: dict[str, Any] = {"batch": b, "variant": n}
-            if "ms_p50" in r:
-                row.update({k: r[k] for k in ("prefill_ms_p50", "ms_p50", "ms_p99", "decode_tokens_per_s_per_gpu",
-                                              "e2e_tokens_per_s_per_gpu")},
-                           x_floor=r["ms_p50"] / got[floor]["ms_p50"] if floor else None, floor=floor)
-            else:
-                row["note"] = r.get("skipped") or r.get("error") or "check FAILED"
-            rows.append(row)
-    return rows
+    return floor_rows(lambda n, b: report["variants"].get(n, {}).get(str(b)), names, batches,
+                      ["prefill_ms_p50", "ms_p50", "ms_p99", "decode_tokens_per_s_per_gpu", "e2e_tokens_per_s_per_gpu"])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| batch | variant | prefill ms | step ms p50 | step ms p99 | decode tok/s/GPU | e2e tok/s/GPU | x floor |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "note" in r:
-            note = r["note"] if len(r["note"]) <= 60 else r["note"][:57] + "..."
-            lines.append(f"| {r['batch']} | {r['variant']} | {note.replace('|', '/')} | | | | | |")
-            continue
-        ratio = "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
-        lines.append(f"| {r['batch']} | {r['variant']} | {r['prefill_ms_p50']:.1f} | {r['ms_p50']:.2f} | "
-                     f"{r['ms_p99']:.2f} | {r['decode_tokens_per_s_per_gpu']:,.0f} | "
-                     f"{r['e2e_tokens_per_s_per_gpu']:,.0f} | {ratio} |")
-    return "\n".join(lines)
+    return markdown_table(rows, [
+        ("prefill ms", lambda r: f"{r['prefill_ms_p50']:.1f}"), ("step ms p50", lambda r: f"{r['ms_p50']:.2f}"),
+        ("step ms p99", lambda r: f"{r['ms_p99']:.2f}"),
+        ("decode tok/s/GPU", lambda r: f"{r['decode_tokens_per_s_per_gpu']:,.0f}"),
+        ("e2e tok/s/GPU", lambda r: f"{r['e2e_tokens_per_s_per_gpu']:,.0f}"), ("x floor", ratio)])
 
 
 # ------------------------------------------------------------------ verify
@@ -299,6 +262,14 @@ def verify(args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
             res["eager_equals_transformers"] = bool(torch.equal(eager, hf_out))
         if device.type == "cuda":
             res["graph_equals_eager"] = bool(torch.equal(graph, eager))
+        # sampled (every warper, one seed): the draw inside the captured step == eager, and repeatable
+        skw = {**kw, "do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 1234 + dist.get_rank()}
+        sampled = hf.generate(model, ids, args.new_tokens, cuda_graph=False, reuse=False, **skw)
+        res["sampled_repeat_equals"] = bool(torch.equal(
+            sampled, hf.generate(model, ids, args.new_tokens, cuda_graph=False, reuse=False, **skw)))
+        if device.type == "cuda":
+            res["sampled_graph_equals_eager"] = bool(torch.equal(
+                sampled, hf.generate(model, ids, args.new_tokens, cuda_graph=True, reuse=False, **skw)))
         flags = torch.tensor([int(v) for k, v in res.items() if "equals" in k] or [1],
                              device=device).min().reshape(1)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -307,6 +278,30 @@ def verify(args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
         del ref, model
         free_memory(device)
     return out
+
+
+def build_variant_model(base: str, args: argparse.Namespace, cfg: Any, ctx: dict, report: dict) -> nn.Module | None:
+    """The converted model of `base`, or transformers' expert-parallel load (None, with the reason in ctx, if it cannot)."""
+    if base != "hf-ep":
+        return build_base(base, args, cfg, ctx)
+    if ctx["hf_ep_skip"]:
+        log(f"hf-ep: skipped: {ctx['hf_ep_skip']}")
+        return None
+    t0 = time.perf_counter()
+    error = None
+    try:
+        model = hf_ep.load(ctx["hf_ep_dir"], dist.get_world_size(), ctx["dtype"])
+    except Exception as exc:  # noqa: BLE001 (recorded on every rank, the run goes on)
+        error, model = f"{type(exc).__name__}: {exc}", None
+    error = agree_on_error(error)
+    hf_ep.remove(ctx["hf_ep_dir"])
+    if error:
+        ctx["hf_ep_skip"] = f"transformers' expert-parallel load failed: {error}"
+        log(f"hf-ep: {ctx['hf_ep_skip']}")
+        return None
+    report["hf_ep"] = {**hf_ep.describe(model), "load_s": time.perf_counter() - t0}
+    log(f"hf-ep: transformers' tensor + expert parallelism, {report['hf_ep']}")
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,17 +341,20 @@ def main(argv: list[str] | None = None) -> int:
         dec = hf.StaticDecoder(ref, b, args.prompt_len + args.check_steps + 1)
         ctx["ref"][b] = forced_logits(dec, ref, ctx["prompts"][b], ctx["forced"][b], False).float()
         del dec
+    if any(VARIANTS[n].base == "hf-ep" for n in args.variants):
+        ctx["hf_ep_skip"] = hf_ep.unavailable()
+        ctx["hf_ep_dir"] = None if ctx["hf_ep_skip"] else hf_ep.save(ref)
     del ref
     free_memory(device)
     log(f"{args.model}: {cfg.num_hidden_layers} layers, {world} ranks, {device.type} {dtype}, batches {args.batch} "
         f"per GPU, prompts {args.prompt_len}, {args.new_tokens} new tokens x {args.repeats} runs, "
         f"NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, reference built in {report['env']['build_s']:.1f} s")
     for base in dict.fromkeys(VARIANTS[n].base for n in args.variants):
-        model = build_base(base, args, cfg, ctx)
+        model = build_variant_model(base, args, cfg, ctx, report)
         names = [n for n in args.variants if VARIANTS[n].base == base]
         for batch in args.batch:
             for n in names:
-                r = run_one(model, n, batch, args, ctx)
+                r = run_one(model, n, batch, args, ctx) if model is not None else {"skipped": ctx["hf_ep_skip"]}
                 report["variants"].setdefault(n, {})[str(batch)] = r
                 log(describe(n, batch, r))
                 report["table"] = summary(report, args.variants, args.batch)

@@ -175,3 +175,34 @@ def test_generate_sampled_with_eos_equals_reference():
     want = reference_sample(ref, ids, mask, 12, 77, 1.0, 20, None, eos=eos, pad=0)
     assert torch.equal(got, want), (got[:, 5:], want[:, 5:])
     assert (got[0, 8:] == 0).all()
+
+
+def test_token_choice_has_no_host_sync():
+    """Nothing in the choice reads a device value on the host (what CUDA-graph capture forbids): no item,
+    nonzero, unique, masked_select... (checked at the dispatcher, on CPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    syncing = {"_local_scalar_dense", "nonzero", "_unique2", "unique_consecutive", "unique_dim", "masked_select",
+               "equal", "is_nonzero", "_assert_async"}
+
+    class Probe(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in syncing:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    for sampling in (Sampling(), Sampling(True, 0.7, 10, 0.85)):
+        sel = TokenSelector(4, torch.device("cpu"), sampling, eos=list(range(3, 20)), pad=0)  # a long eos list
+        sel.reset(3, seed=5)
+        with Probe() as probe:
+            for _ in range(3):
+                sel(logits)
+        assert probe.seen == [], (sampling, probe.seen)
+    with Probe() as probe:  # the probe sees what it should
+        logits.argmax().item()
+    assert probe.seen == ["aten._local_scalar_dense.default"]

@@ -62,7 +62,7 @@ def filter_logits(scores_BV: torch.Tensor, temperature: float = 1.0, top_k: int 
     if top_p is not None and top_p < 1.0:
         sorted_BV, order_BV = torch.sort(scores_BV, descending=False)
         drop_sorted_BV = sorted_BV.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-        drop_sorted_BV[..., -1:] = False  # keep at least the most likely token
+        drop_sorted_BV[..., -1:].fill_(False)  # keep at least the most likely token (a kernel, no host copy)
         drop_BV = drop_sorted_BV.scatter(-1, order_BV, drop_sorted_BV)
         scores_BV = scores_BV.masked_fill(drop_BV, float("-inf"))
     return scores_BV
@@ -106,5 +106,5 @@ class TokenSelector:
         next_B = sample(logits_BV, self.sampling, self.generator)
         if self.eos:
             next_B = next_B.masked_fill(~self.unfinished_B, self.pad)
-            self.unfinished_B &= ~torch.isin(next_B, self.eos_E)
+            self.unfinished_B &= ~(next_B[:, None] == self.eos_E).any(-1)  # not isin: it may sync for long lists
         return next_B

@@ -1,0 +1,204 @@
+"""Timing, checking and reporting helpers shared by benchmarks/e2e.py, decode.py and serve.py.
+
+Every function that meets the other ranks (`slowest`, `logit_errors`, `time_steps`,
+`agree_on_error`) is a collective: call it on every rank in the same order. Timing on GPUs uses
+CUDA events, on CPU the wall clock; a step's time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+# ------------------------------------------------------------------ process
+def log(*args: Any) -> None:
+    """print on rank 0 (or without a process group), flushed."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write atomically: a temp file beside `path`, then rename."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def environment(device: torch.device, world: int) -> dict[str, Any]:
+    """World size, device, NCCL_P2P_DISABLE, backend, versions, host and GPU name."""
+    import transformers
+
+    env = {"world_size": world, "device": device.type, "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE"),
+           "backend": dist.get_backend(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "host": platform.node()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            env["triton"] = None
+    return env
+
+
+def agree_on_error(error: str | None) -> str | None:
+    """The first rank's error text (any rank's failure fails all), or None if every rank succeeded."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+
+
+# ------------------------------------------------------------------ arguments
+def batch_list(text: str) -> list[int]:
+    """argparse type: a comma list of batch sizes (tokens per GPU), each >= 1."""
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch sizes must be integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"every batch size must be >= 1, got {text!r}")
+    return sorted(set(sizes))
+
+
+def variant_list(known: Iterable[str]) -> Callable[[str], list[str]]:
+    """argparse type: a comma list of the `known` variants ("all": every one), kept in their order."""
+    known = list(known)
+
+    def parse(text: str) -> list[str]:
+        names = known if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in names if v not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(known)}")
+        return [v for v in known if v in names]
+    return parse
+
+
+# ------------------------------------------------------------------ numbers
+def quantiles(ms: list[float], qs: list[float]) -> list[float]:
+    return torch.quantile(torch.tensor(ms, dtype=torch.float64), torch.tensor(qs, dtype=torch.float64)).tolist()
+
+
+def slowest(ms: list[float], device: torch.device) -> list[float]:
+    """Element-wise max over ranks."""
+    t = torch.tensor(ms, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def logit_errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """Per-token relative L2 error of logits [..., V] vs the reference: median and p95 (max over ranks),
+    and the share of equal argmaxes (min over ranks)."""
+    err = ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).flatten()
+    q_2 = torch.quantile(err.double().cpu(), torch.tensor([0.5, 0.95], dtype=torch.float64)).to(out.device)
+    dist.all_reduce(q_2, op=dist.ReduceOp.MAX)
+    same_1 = (out.argmax(-1) == ref.argmax(-1)).double().mean().reshape(1)
+    dist.all_reduce(same_1, op=dist.ReduceOp.MIN)
+    return {"median_rel_err": float(q_2[0]), "p95_rel_err": float(q_2[1]), "argmax_agreement": float(same_1)}
+
+
+class Stopwatch:
+    """Intervals on this rank without waiting between them: CUDA events on GPUs, else wall clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def ms(self, start: int, end: int) -> float:
+        """Milliseconds between marks `start` and `end` (waits for the last mark on GPUs)."""
+        a, b = self.marks[start], self.marks[end]
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return a.elapsed_time(b)
+        return (b - a) * 1e3
+
+
+def time_steps(step: Callable[[Any], Any], inputs: Callable[[], Any], warmup: int, iters: int,
+               device: torch.device) -> list[float]:
+    """`warmup` + `iters` calls of step(inputs()), ranks meeting at a barrier before each; the timed ms
+    of each call, the slowest rank's."""
+    times = []
+    for i in range(warmup + iters):
+        x = inputs()
+        dist.barrier()
+        synchronize(device)
+        watch = Stopwatch(device)
+        watch.mark()
+        step(x)
+        watch.mark()
+        if i >= warmup:
+            times.append(watch.ms(0, 1))
+    return slowest(times, device)
+
+
+# ------------------------------------------------------------------ tables
+FLOORS = ("replicated+graph", "replicated")
+
+
+def floor_rows(get: Callable[[str, int], dict | None], names: list[str], batches: list[int],
+               fields: list[str]) -> list[dict[str, Any]]:
+    """Rows batch x variant: the `fields` of each timed result and its ratio of ms_p50 to the floor
+    (replicated+graph at that batch size, else replicated), or a note saying why it was not timed."""
+    rows = []
+    for b in batches:
+        got = {n: get(n, b) for n in names}
+        floor = next((f for f in FLOORS if (got.get(f) or {}).get("ms_p50")), None)
+        for n in names:
+            r = got[n]
+            if r is None:
+                continue
+            row: dict[str, Any] = {"batch": b, "variant": n}
+            if "ms_p50" in r:
+                row.update({k: r[k] for k in fields})
+                row.update(x_floor=r["ms_p50"] / got[floor]["ms_p50"] if floor else None, floor=floor)
+            else:
+                row["note"] = r.get("skipped") or r.get("error") or "check FAILED"
+            rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, Callable[[dict], str]]]) -> str:
+    """| batch | variant | one column per (header, format(row)) |; a row with a note fills the first column."""
+    lines = ["| batch | variant | " + " | ".join(h for h, _ in columns) + " |", "|---|---|" + "---|" * len(columns)]
+    for r in rows:
+        if "note" in r:
+            note = r["note"] if len(r["note"]) <= 60 else r["note"][:57] + "..."
+            lines.append(f"| {r['batch']} | {r['variant']} | {note.replace('|', '/')} |" + " |" * (len(columns) - 1))
+            continue
+        lines.append(f"| {r['batch']} | {r['variant']} | " + " | ".join(f(r) for _, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def ratio(r: dict) -> str:
+    return "-" if r["x_floor"] is None else f"{r['x_floor']:.2f}"
