@@ -21,8 +21,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-# (global ranks of the group, devices per node) -> (default group it was made under, NodeGroups)
-_CACHE: dict[tuple[tuple[int, ...], int], tuple[Any, "NodeGroups"]] = {}
+# (global ranks of the group, devices per node, local synchronisation) -> (default group, NodeGroups)
+_CACHE: dict[tuple[tuple[int, ...], int, bool], tuple[Any, "NodeGroups"]] = {}
 
 SELF, INTRA, INTER = 0, 1, 2  # where a peer is, seen from this rank (`peer_levels`)
 
@@ -77,7 +77,8 @@ def node_groups(group: Any, devices_per_node: int) -> NodeGroups:
     """
     G = devices_per_node
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    key = (ranks, G)
+    local_sync = not _is_world(group)
+    key = (ranks, G, local_sync)
     world = dist.group.WORLD
     cached = _CACHE.get(key)
     if cached is not None and cached[0] is world:
@@ -85,7 +86,6 @@ def node_groups(group: Any, devices_per_node: int) -> NodeGroups:
     me = ranks.index(dist.get_rank())
     num_ranks = len(ranks)
     check_devices_per_node(G, num_ranks)
-    local_sync = not _is_world(group)
     node, local = divmod(me, G)
     members = [ranks[n * G : (n + 1) * G] for n in range(num_ranks // G)]
     members += [ranks[g::G] for g in range(G)]

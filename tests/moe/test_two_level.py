@@ -287,3 +287,32 @@ def test_devices_per_node_checked(bad):
 
     with pytest.raises(ValueError, match="devices_per_node"):
         check_devices_per_node(bad, 4)
+
+
+def subgroup_worker(rank: int, world_size: int, seed: int) -> list:
+    """Ranks 1, 2, 4, 5 form an expert-parallel group of 2 nodes x 2; ranks 0 and 3 never enter it."""
+    members = [1, 2, 4, 5]
+    sub = dist.new_group(members)  # (every rank creates it; its node/rail groups only its members)
+    if rank not in members:
+        dist.barrier()  # stay up (rank 0 hosts the store) until the members are done
+        return None
+    torch.manual_seed(seed)
+    dense = DenseMoE(8, 6, 8, 3, dtype=torch.float64)
+    placement = Placement(np.random.default_rng(seed).permutation(np.arange(8) % 4)[None], 4, 2)
+    layer = OccultMoE.from_dense(dense, placement=placement, dispatcher="dedup2", group=sub)
+    torch.manual_seed(seed + rank)
+    x = torch.randn(5 + rank, 8, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    layer(x).sum().backward()
+    dense(x_ref).sum().backward()
+    out = [layer.dispatcher.two_level, _rel(layer(x), dense(x)), _rel(x.grad, x_ref.grad)]
+    dist.barrier()
+    return out
+
+
+def test_two_level_inside_a_subgroup_of_the_world():
+    results = run_ranks(subgroup_worker, 6, random.randrange(2**31), timeout_s=120)
+    assert results[0] is None and results[3] is None
+    for rank in (1, 2, 4, 5):
+        two_level, err_y, err_dx = results[rank]
+        assert two_level and err_y < 1e-12 and err_dx < 1e-12, (rank, results[rank])
