@@ -10,6 +10,7 @@ from occult.moe.dense import DenseMoE
 from occult.moe.dispatch import DedupDispatcher, Dispatcher, RoutingError, StandardDispatcher, make_dispatcher
 from occult.moe.layer import OccultMoE, set_overlap, set_sync_free
 from occult.moe.routing import TopKRouter
+from occult.moe.two_level import TwoLevelDispatcher
 from occult.placement import Placement, PlacementError
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "RoutingError",
     "StandardDispatcher",
     "TopKRouter",
+    "TwoLevelDispatcher",
     "make_dispatcher",
     "set_overlap",
     "set_sync_free",
