@@ -16,6 +16,9 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
   dedup+placement  dedup over a greedy placement solved from the model's own routing
                    (hf.profile on a calibration batch of random ids per rank)
   prunedN          dedup + placement with max_devices=N (approximate: its check is report-only)
+  hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
+                   from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
+                   the shared batch of all ranks' sequences; prefill only (train: not timed)
 
 Before timing, each variant's logits on a small batch are compared with the unconverted model
 (per-token relative L2 error, median and p95, max over ranks); an exact variant whose median is
@@ -48,12 +51,14 @@ import torch.nn as nn  # noqa: E402
 from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
     environment, free_memory, log, logit_errors, quantiles, synchronize, time_steps as _time_steps, write_json,
 )
+import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 from occult import Placement  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 VARIANTS = ("replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
-EXACT = ("replicated", "standard", "dedup", "dedup+placement")
+EXACT = ("replicated", "standard", "dedup", "dedup+placement", "hf-ep")
+PEERS = ("hf-ep",)  # opt-in (not in "all" / the default list)
 PHASES = ("prefill", "train")
 TINY = {"tiny": "olmoe", "tiny-qwen3": "qwen3_moe", "tiny-deepseek": "deepseek_v3"}
 MODELS = {  # name -> (transformers config class, fields); real shapes, fewer layers for Qwen3 / DeepSeek
@@ -77,7 +82,7 @@ MODELS = {  # name -> (transformers config class, fields); real shapes, fewer la
 def variant_list(text: str) -> list[str]:
     """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1)."""
     names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in VARIANTS and not re.fullmatch(r"pruned[1-9]\d*", v)]
+    bad = [v for v in names if v not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", v)]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN)")
     return names
@@ -98,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY], help="model shape (tiny*: CPU smoke runs)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
-    p.add_argument("--variants", type=variant_list, default=list(VARIANTS), help=f"comma list (default: {','.join(VARIANTS)})")
+    p.add_argument("--variants", type=variant_list, default=list(VARIANTS), help=f"comma list (default: {','.join(VARIANTS)}; opt-in: {','.join(PEERS)})")
     p.add_argument("--phases", type=phase_list, default=list(PHASES), help="comma list of prefill,train")
     p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=2048, help="sequence length")
@@ -149,6 +154,8 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
     for v in args.variants:
         if v.startswith("pruned") and int(v[6:]) * (E // world) < k:
             return f"{v}: {v[6:]} device(s) hold {int(v[6:]) * (E // world)} experts, fewer than top_k={k}"
+    if "hf-ep" in args.variants and (reason := hf_ep.unavailable()):
+        return f"hf-ep: {reason}"
     return None
 
 
@@ -187,10 +194,10 @@ def random_ids(batch: int, seq: int, vocab: int, device: torch.device, gen: torc
 
 
 @torch.no_grad()
-def check_logits(model: nn.Module, ids_BS: torch.Tensor, ref_BSV: torch.Tensor) -> dict[str, float]:
-    """Per-token relative L2 error of the logits vs the reference: median and p95 (max over ranks)."""
+def check_logits(model: nn.Module, ids_BS: torch.Tensor, ref_BSV: torch.Tensor, rows: slice = slice(None)) -> dict[str, float]:
+    """Per-token relative L2 error of the logits (of `rows`) vs the reference: median and p95 (max over ranks)."""
     model.eval()
-    return logit_errors(model(input_ids=ids_BS, use_cache=False).logits.float(), ref_BSV)
+    return logit_errors(model(input_ids=ids_BS, use_cache=False).logits[rows].float(), ref_BSV)
 
 
 def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.device, world: int) -> tuple[Placement, dict]:
@@ -264,10 +271,16 @@ def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | N
     return train
 
 
-def time_steps(step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device) -> dict:
-    """Median, p10, p90 of the step time in ms (each step: the slowest rank), tokens/s per GPU."""
+def time_steps(step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device,
+               shared: bool = False) -> dict:
+    """Median, p10, p90 of the step time in ms (each step: the slowest rank), tokens/s per GPU (shared: every
+    rank steps on all ranks' ids, gathered before the clock starts)."""
     gen = torch.Generator().manual_seed(20_000 + args.seed + dist.get_rank())
-    ms = _time_steps(step, lambda: random_ids(args.batch, args.seq, vocab, device, gen), args.warmup, args.iters, device)
+
+    def inputs() -> torch.Tensor:
+        ids_BS = random_ids(args.batch, args.seq, vocab, device, gen)
+        return hf_ep.gather_rows(ids_BS) if shared else ids_BS
+    ms = _time_steps(step, inputs, args.warmup, args.iters, device)
     q = quantiles(ms, [0.5, 0.1, 0.9])
     return {"ms_median": q[0], "ms_p10": q[1], "ms_p90": q[2], "ms_all": ms,
             "tokens_per_s_per_gpu": args.batch * args.seq / (q[0] / 1e3)}
@@ -279,19 +292,32 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    model = convert_variant(build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"], ctx["self_group"])
+    shared, check_ids, rows = variant in PEERS, ctx["check_ids"], slice(None)
+    if shared:  # one batch of every rank's sequences; this rank's rows are checked
+        model = hf_ep.load(ctx["hf_ep_dir"], dist.get_world_size(), ctx["dtype"])
+        hf_ep.remove(ctx["hf_ep_dir"])
+        check_ids = hf_ep.gather_rows(check_ids)
+        rows = slice(dist.get_rank() * args.check_batch, (dist.get_rank() + 1) * args.check_batch)
+    else:
+        model = convert_variant(build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"],
+                                ctx["self_group"])
     res: dict[str, Any] = {"exact": variant in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
-    res["check"] = check_logits(model, ctx["check_ids"], ctx["ref_logits"])
+    if shared:
+        res["hf_ep"] = hf_ep.describe(model)
+    res["check"] = check_logits(model, check_ids, ctx["ref_logits"], rows)
     res["check"]["passed"] = res["check"]["median_rel_err"] <= args.tol or not res["exact"]
     log(f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
         + ("" if res["exact"] else " (approximate: report only)") + ("" if res["check"]["passed"] else "  FAILED"))
     if res["check"]["passed"]:
         for phase in args.phases:
+            if shared and phase == "train":
+                log(f"  {phase}: not timed for {variant} (inference peer)")
+                continue
             optimizer = None
             if phase == "train":
                 optimizer = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
                              if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=args.lr))
-            out = time_steps(make_step(model, phase, optimizer), args, cfg.vocab_size, device)
+            out = time_steps(make_step(model, phase, optimizer), args, cfg.vocab_size, device, shared)
             out["comm"] = comm_stats(model, device)
             res["phases"][phase] = out
             log(f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
@@ -358,10 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     placement = None
     if any(v == "dedup+placement" or v.startswith("pruned") for v in args.variants):
         placement, report["placement"] = solve_placement(ref, args, device, world)
+    hf_ep_dir = hf_ep.save(ref) if "hf-ep" in args.variants else None
     del ref
     free_memory(device)
     ctx = dict(device=device, dtype=dtype, placement=placement, self_group=self_groups[rank],
-               check_ids=check_ids, ref_logits=ref_logits)
+               check_ids=check_ids, ref_logits=ref_logits, hf_ep_dir=hf_ep_dir)
     for variant in args.variants:
         report["variants"][variant] = run_variant(variant, args, cfg, ctx)
         if rank == 0 and args.out:

@@ -1,5 +1,5 @@
-"""transformers' own expert parallelism as a peer of benchmarks/serve.py (benchmarks/hf_ep.py): on 2
-gloo CPU ranks with a tiny Qwen3-MoE, loaded by `from_pretrained(distributed_config=...)` with
+"""transformers' own expert parallelism as a peer of benchmarks/serve.py and e2e.py (benchmarks/hf_ep.py):
+on 2 gloo CPU ranks with a tiny model, loaded by `from_pretrained(distributed_config=...)` with
 dense layers tensor-parallel and experts sharded, serving every rank's prompts as one shared
 batch; its prefill and decode logits for this rank's rows must equal the unconverted model's."""
 
@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVE = ROOT / "benchmarks" / "serve.py"
 
 
+def _env(tmp_dir: Path) -> dict[str, str]:
+    return dict(os.environ, TMPDIR=str(tmp_dir), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
 def _load_hf_ep():
     spec = importlib.util.spec_from_file_location("occult_bench_hf_ep", ROOT / "benchmarks" / "hf_ep.py")
     module = importlib.util.module_from_spec(spec)
@@ -31,8 +36,7 @@ def test_serve_hf_ep_peer_matches_unconverted(tmp_path):
     pytest.importorskip("accelerate", reason="transformers' tensor/expert-parallel loading needs accelerate")
     out, tmp_dir = tmp_path / "serve.json", tmp_path / "tmp"
     tmp_dir.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp_dir), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = _env(tmp_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SERVE),
            "--model", "tiny-qwen3", "--variants", "replicated,hf-ep,hf-ep+graph", "--batch", "3",
            "--prompt-len", "6", "--new-tokens", "3", "--repeats", "1", "--out", str(out)]
@@ -49,6 +53,22 @@ def test_serve_hf_ep_peer_matches_unconverted(tmp_path):
     rows = {(row["batch"], row["variant"]): row for row in report["table"]}
     assert rows[(3, "hf-ep")]["floor"] == "replicated" and rows[(3, "hf-ep")]["x_floor"] > 0
     assert not list(tmp_dir.glob("occult-serve-hf-ep-*")), list(tmp_dir.iterdir())  # the saved weights removed
+
+
+def test_e2e_hf_ep_prefill_peer(tmp_path):
+    pytest.importorskip("accelerate", reason="transformers' tensor/expert-parallel loading needs accelerate")
+    out, tmp_dir = tmp_path / "e2e.json", tmp_path / "tmp"
+    tmp_dir.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "benchmarks" / "e2e.py"), "--model", "tiny", "--variants", "replicated,hf-ep", "--batch", "2",
+           "--seq", "16", "--check-seq", "16", "--warmup", "1", "--iters", "2", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_dir), capture_output=True, text=True, timeout=240, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    v = json.loads(out.read_text())["variants"]["hf-ep"]
+    assert v["exact"] and v["check"]["passed"] and v["check"]["median_rel_err"] < 1e-4, v["check"]
+    assert v["hf_ep"]["local_experts"] == 4 and list(v["phases"]) == ["prefill"]  # train: not timed
+    assert len(v["phases"]["prefill"]["ms_all"]) == 2 and v["phases"]["prefill"]["tokens_per_s_per_gpu"] > 0
+    assert "| hf-ep | train | not timed |" in res.stdout and not list(tmp_dir.glob("occult-serve-hf-ep-*"))
 
 
 def test_hf_ep_unavailable_says_why(monkeypatch):
