@@ -15,6 +15,7 @@ counts are needed on the host (for the all-to-all split sizes), see `occult.moe.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -67,10 +68,41 @@ def standard_plan(
     )
 
 
+def _plan_kernel_usable(ids_TK: torch.Tensor, num_devices: int) -> bool:
+    """The Triton plan (`occult.kernels.plan`) serves CUDA tensors; `OCCULT_PLAN=torch` turns it off."""
+    if not ids_TK.is_cuda or os.environ.get("OCCULT_PLAN", "").lower() == "torch":
+        return False
+    from occult import kernels
+
+    if not kernels.available(ids_TK.device):
+        return False
+    from occult.kernels.plan import supported
+
+    return supported(num_devices, ids_TK.shape[1])
+
+
 def dedup_plan(
     ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int
 ) -> DispatchPlan:
-    """One row per (token, device): a token goes once to each device holding any of its experts."""
+    """One row per (token, device): a token goes once to each device holding any of its experts.
+
+    On a GPU five launches of `occult.kernels.plan` build it (the layer's forward is host-bound:
+    every op counts); elsewhere `dedup_plan_torch`, the same plan from torch ops.
+    """
+    if _plan_kernel_usable(ids_TK, num_devices):
+        from occult.kernels.plan import dedup_plan_rows
+
+        token_P, entry_PK, slot_PK, send_counts_D, row_TJ = dedup_plan_rows(
+            ids_TK, expert_device_E, expert_slot_E, num_devices
+        )
+        return DispatchPlan(token_P=token_P, entry_PK=entry_PK, slot_PK=slot_PK, send_counts_D=send_counts_D, row_TJ=row_TJ)
+    return dedup_plan_torch(ids_TK, expert_device_E, expert_slot_E, num_devices)
+
+
+def dedup_plan_torch(
+    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int
+) -> DispatchPlan:
+    """`dedup_plan` from torch ops (CPU, and the reference of the Triton plan)."""
     num_tokens, top_k = ids_TK.shape
     device_TK = expert_device_E[ids_TK]
     token_TK = torch.arange(num_tokens, device=ids_TK.device)[:, None].expand(num_tokens, top_k)

@@ -1,0 +1,92 @@
+"""The Triton dedup plan (`occult.kernels.plan`) == the torch plan, field by field.
+
+Without a GPU it runs under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set before Triton is
+imported; in a fresh process when another test imported Triton first, as tests/kernels/test_kernels.py does).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="triton is not importable")
+
+
+def _interpreter_usable() -> bool:
+    if torch.cuda.is_available():
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(triton.language.standard.cumsum, InterpretedFunction)
+
+
+IN_PROCESS = _interpreter_usable()
+if IN_PROCESS:
+    for _name in [m for m in sys.modules if m.startswith("occult.kernels.")]:
+        del sys.modules[_name]
+needs_in_process = pytest.mark.skipif(not IN_PROCESS, reason="run in a fresh process by test_in_subprocess")
+
+from occult.moe.plan import dedup_plan_torch  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(num_tokens: int, top_k: int, num_devices: int, per_device: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    E = num_devices * per_device
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(num_tokens)]) if num_tokens else \
+        torch.zeros(0, top_k, dtype=torch.int64)
+    if num_tokens and seed % 3 == 0:  # skewed: most tokens on device 0's experts
+        ids[: num_tokens // 2] = torch.arange(top_k) % per_device
+        ids = torch.stack([torch.unique(r, sorted=False)[:top_k] if len(torch.unique(r)) == top_k else
+                           torch.randperm(E, generator=g)[:top_k] for r in ids])
+    device_E = torch.randperm(E, generator=g) % num_devices  # a random balanced placement
+    slot_E = torch.empty(E, dtype=torch.int64)
+    for d in range(num_devices):
+        mine = (device_E == d).nonzero().squeeze(1)
+        slot_E[mine] = torch.arange(mine.numel())
+    return ids.to(DEVICE), device_E.to(DEVICE), slot_E.to(DEVICE)
+
+
+@needs_in_process
+@pytest.mark.parametrize("num_tokens,top_k,num_devices,per_device", [
+    (0, 2, 2, 4), (1, 1, 1, 4), (7, 2, 2, 4), (37, 4, 4, 4), (130, 8, 4, 16), (64, 8, 8, 8),
+    (19, 3, 3, 2), (50, 6, 2, 3),  # top-k = all experts
+    (33, 2, 16, 2), (300, 8, 2, 32),
+])
+def test_triton_plan_equals_torch_plan(num_tokens, top_k, num_devices, per_device):
+    from occult.kernels.plan import dedup_plan_rows
+
+    seed = random.randrange(2**31)
+    ids, device_E, slot_E = _case(num_tokens, top_k, num_devices, per_device, seed)
+    ref = dedup_plan_torch(ids, device_E, slot_E, num_devices)
+    token_P, entry_PK, slot_PK, counts_D, row_TJ = dedup_plan_rows(ids, device_E, slot_E, num_devices)
+    where = f"seed {seed}"
+    assert torch.equal(counts_D.cpu(), ref.send_counts_D.cpu()), where
+    assert torch.equal(token_P.cpu(), ref.token_P.cpu()), where  # rows past the true count: -1 in both
+    assert torch.equal(entry_PK.cpu(), ref.entry_PK.cpu()), where
+    assert torch.equal(slot_PK.cpu(), ref.slot_PK.cpu()), where
+    assert torch.equal(row_TJ.cpu(), ref.row_TJ.cpu()), where
+
+
+@needs_in_process
+def test_shapes_too_large_for_the_tile_fall_back():
+    from occult.kernels.plan import supported
+
+    assert supported(8, 8) and supported(64, 8) and not supported(256, 32)
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="tested in this process")
+def test_in_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
