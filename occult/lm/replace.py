@@ -10,11 +10,12 @@ stale. `Replacer(model, parallel, config)` (made by `occult.lm.train.train` when
               ids would make the current placement look perfect). It also sums C_T of the
               routed tokens under the placement in use: every `replace_check_every` steps one
               all-reduce gives the window's E[C_T] (logged to `replace.jsonl`; the drift signal).
-    trigger   every `replace_every` steps after the last solve, or when the window's E[C_T]
+    trigger   `replace_every` steps after the last decision (or the start), or when the window's E[C_T]
               exceeds the first window after the last solve by more than `replace_drift`
               (relative): one all-gather brings every rank's sample to every rank; rank 0 starts
-              the solve (`occult.lm.solve_job.SolveJob`: a background process, so training goes
-              on with the old placement; inline when `replace_wait`).
+              the solve (`occult.lm.solve_job.SolveJob` in a long-lived background process,
+              started with training, so training goes on with the old placement; inline when
+              `replace_wait`).
     decide    at each check step while a solve runs, rank 0 broadcasts one small tensor: not
               ready / keep / migrate to this placement. Every rank acts on the same step. The
               new placement is taken only if it lowers the sample's E[C_T] by at least
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from occult.lm.migrate import apply_placement, current_placement, migrate
 from occult.lm.model import OccultLM
 from occult.lm.parallel import Parallel
-from occult.lm.solve_job import SolveJob
+from occult.lm.solve_job import SolveJob, SolverProcess
 from occult.moe.pruning import devices_per_token
 from occult.placement import Placement
 
@@ -117,6 +118,7 @@ class Replacer:
         self.baseline: float | None = None
         self.migrations: list[dict] = []
         self.job: SolveJob | None = None
+        self.server: SolverProcess | None = None
         self.pending_since: int | None = None  # step the running solve started (every rank knows)
         self.device = next(model.parameters()).device
 
@@ -126,6 +128,8 @@ class Replacer:
         if self._ctx is None:
             self._ctx = self.model.observe_routing(self.sample.observe)
             self._ctx.__enter__()
+        if self.mode == "process" and self.par.is_main and self.server is None:
+            self.server = SolverProcess()
 
     def after_step(self, step: int, optimizer: torch.optim.Optimizer | None) -> None:
         cfg = self.cfg
@@ -172,8 +176,13 @@ class Replacer:
             ids = torch.cat(parts, 1).cpu().numpy()
             self._note({"event": "solve", "step": step, "tokens": int(ids.shape[1]), "mode": self.mode})
             cur = current_placement(self.model).expert_device_LE
-            self.job = SolveJob(ids, self.model.config.num_experts, self.par.ep_size, cur,
-                                self.cfg.replace_method, self.cfg.seed, self.mode)
+            try:
+                if self.mode == "process" and (self.server is None or self.server.failure() is not None):
+                    self.server = SolverProcess()  # first solve without start(), or the process died
+                self.job = SolveJob(ids, self.model.config.num_experts, self.par.ep_size, cur,
+                                    self.cfg.replace_method, self.cfg.seed, self.mode, self.server)
+            except Exception as exc:  # told to every rank at the next decision, never raised on rank 0 alone
+                self.job = _Failed(exc)
 
     def _decide(self, step: int, optimizer: torch.optim.Optimizer | None) -> None:
         L, E = self.model.config.num_layers, self.model.config.num_experts
@@ -191,6 +200,7 @@ class Replacer:
         if flag == NOT_READY:
             return
         started, self.pending_since, self.job = self.pending_since, None, None
+        self.last_solve = step  # the next solve is due `replace_every` steps after this decision
         event: dict[str, Any] = {"step": step, "solve_started": started, **{k: v for k, v in info.items() if k != "placement"}}
         if flag == MIGRATE:
             new = Placement(np.asarray(values[1:], dtype=np.int64).reshape(L, E), self.par.ep_size)
@@ -221,7 +231,7 @@ class Replacer:
     def _note(self, event: dict) -> None:
         if self.out is not None:
             with open(self.out, "a") as f:
-                f.write(json.dumps(event) + "\n")
+                f.write(json.dumps({**event, "time": time.time()}) + "\n")
 
     # ----------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:
@@ -244,9 +254,25 @@ class Replacer:
         if self.job is not None:
             self.job.cancel()
             self.job = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
         if self._ctx is not None:
             self._ctx.__exit__(None, None, None)
             self._ctx = None
+
+
+class _Failed:
+    """A solve that could not start: its poll raises the error."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc, self.started = exc, time.perf_counter()
+
+    def poll(self, block: bool = False) -> None:
+        raise self.exc
+
+    def cancel(self) -> None:
+        pass
 
 
 def _describe(e: dict) -> str:

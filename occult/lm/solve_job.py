@@ -5,10 +5,11 @@ the routing sample (`occult.placement.solvers.solve_layer`), relabels each layer
 that as many experts as possible stay where they are (E[C_T] does not depend on the labels;
 fewer experts move), and scores the current and the new placement on the same sample.
 
-`SolveJob` runs it without stalling training: `mode="process"` starts
-`python -m occult.lm.solve_job IN OUT` (a plain subprocess, so it also works inside daemonic
-rank processes, where multiprocessing may not start children), `poll()` never blocks;
-`mode="inline"` solves at once (deterministic; training waits).
+`SolveJob` runs it without stalling training: `mode="process"` hands it to a `SolverProcess`,
+a long-lived `python -m occult.lm.solve_job --serve` (a plain subprocess, so it also works
+inside daemonic rank processes, where multiprocessing may not start children; started once, so
+its imports are paid once, in the background), and `poll()` never blocks; `mode="inline"`
+solves at once (deterministic; training waits).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from occult._atomic import atomic_path
+from occult._atomic import atomic_path, write_text_atomic
 from occult.placement.solvers import best_method, solve_layer
 from occult.placement.stats import mean_ct
 
@@ -60,71 +61,121 @@ def solve_placement(ids_LNK: np.ndarray, num_experts: int, num_devices: int, cur
             "seconds": np.asarray(time.perf_counter() - t0)}
 
 
+class SolverProcess:
+    """A long-lived `python -m occult.lm.solve_job --serve`: started once (its start-up, mostly
+    imports, overlaps training), then one solve per line on its stdin ("IN.npz<TAB>OUT.npz")."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="occult-replace-"))
+        self._err = open(self.dir / "stderr.txt", "wb")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        self.proc = subprocess.Popen([sys.executable, "-m", "occult.lm.solve_job", "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=self._err, env=env)
+        self._count = 0
+
+    def submit(self, **arrays: Any) -> Path:
+        """Queue one solve of `solve_placement(**arrays)`; returns the path its result will have."""
+        self._count += 1
+        src, dst = self.dir / f"in{self._count}.npz", self.dir / f"out{self._count}.npz"
+        np.savez(src, **arrays)
+        self.proc.stdin.write(f"{src}\t{dst}\n".encode())
+        self.proc.stdin.flush()
+        return dst
+
+    def failure(self) -> str | None:
+        """Why the process ended (exit code and the end of its stderr), or None while it runs."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        tail = (self.dir / "stderr.txt").read_text(errors="replace").strip().splitlines()[-3:]
+        return f"exit {code}: {' | '.join(tail)}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._err.close()
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 class SolveJob:
-    """One solve, started now; `poll()` -> None (still running) or the result dict (or raises)."""
+    """One solve, started now; `poll()` -> None (still running) or the result dict (or raises).
+
+    `mode="process"` sends it to `server` (a `SolverProcess`; one of its own when None, closed
+    when done); `"inline"` solves in the constructor."""
 
     def __init__(self, ids_LNK: np.ndarray, num_experts: int, num_devices: int, current_LE: np.ndarray,
-                 method: str = "auto", seed: int = 0, mode: str = "process") -> None:
+                 method: str = "auto", seed: int = 0, mode: str = "process", server: SolverProcess | None = None) -> None:
         if mode not in ("process", "inline"):
             raise ValueError(f"mode must be 'process' or 'inline', got {mode!r}")
         self.started = time.perf_counter()
         self.mode = mode
         self._result: dict[str, Any] | None = None
-        self._proc: subprocess.Popen | None = None
         if mode == "inline":
             self._result = solve_placement(ids_LNK, num_experts, num_devices, current_LE, method, seed)
             return
-        self._dir = Path(tempfile.mkdtemp(prefix="occult-replace-"))
-        args = dict(ids=np.asarray(ids_LNK), num_experts=num_experts, num_devices=num_devices,
-                    current=np.asarray(current_LE), method=np.asarray(method), seed=seed)
-        np.savez(self._dir / "in.npz", **args)
-        self._err = open(self._dir / "stderr.txt", "wb")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        self._proc = subprocess.Popen([sys.executable, "-m", "occult.lm.solve_job", str(self._dir / "in.npz"),
-                                       str(self._dir / "out.npz")], stdout=subprocess.DEVNULL, stderr=self._err, env=env)
+        self._owned = server is None
+        self.server = SolverProcess() if server is None else server
+        self._dst = self.server.submit(ids=np.asarray(ids_LNK), num_experts=num_experts, num_devices=num_devices,
+                                       current=np.asarray(current_LE), method=np.asarray(method), seed=seed)
 
     def poll(self, block: bool = False) -> dict[str, Any] | None:
-        if self._result is not None or self._proc is None:
-            return self._result
-        code = self._proc.wait() if block else self._proc.poll()
-        if code is None:
-            return None
-        self._err.close()
-        try:
-            if code != 0:
-                tail = (self._dir / "stderr.txt").read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"the placement solver process failed (exit {code}): {' | '.join(tail)}")
-            with np.load(self._dir / "out.npz") as f:
-                self._result = {k: f[k] for k in f.files}
-        finally:
-            self._cleanup()
+        while self._result is None:
+            err = Path(f"{self._dst}.err")
+            if self._dst.exists():
+                with np.load(self._dst) as f:
+                    self._result = {k: f[k] for k in f.files}
+                self._done()
+            elif err.exists() or self.server.failure() is not None:
+                why = err.read_text() if err.exists() else self.server.failure()
+                self._done()
+                raise RuntimeError(f"the placement solver failed ({why})")
+            elif not block:
+                return None
+            else:
+                time.sleep(0.02)
         return self._result
 
     def cancel(self) -> None:
-        """Stop the solver process (if any) and remove its files."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        if self._proc is not None:
-            self._err.close()
-            self._cleanup()
+        """Forget the solve (and stop its process when it is the job's own)."""
+        if self._result is None and self.mode == "process":
+            self._done()
 
-    def _cleanup(self) -> None:
-        import shutil
-
-        shutil.rmtree(self._dir, ignore_errors=True)
-        self._proc = None
+    def _done(self) -> None:
+        if self._owned:
+            self.server.close()
+        else:
+            for f in (self._dst, Path(f"{self._dst}.err"), self._dst.with_name(self._dst.name.replace("out", "in", 1))):
+                f.unlink(missing_ok=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m occult.lm.solve_job IN.npz OUT.npz` (what `SolveJob(mode="process")` runs)."""
-    src, dst = (argv if argv is not None else sys.argv[1:])[:2]
+def _solve_file(src: str, dst: str) -> None:
     with np.load(src) as f:
         res = solve_placement(f["ids"], int(f["num_experts"]), int(f["num_devices"]), f["current"],
                               str(f["method"]), int(f["seed"]))
     with atomic_path(Path(dst)) as tmp:
         with open(tmp, "wb") as fh:
             np.savez(fh, **res)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m occult.lm.solve_job IN.npz OUT.npz`, or `--serve` (what `SolverProcess` runs)."""
+    argv = argv if argv is not None else sys.argv[1:]
+    if argv[:1] != ["--serve"]:
+        _solve_file(argv[0], argv[1])
+        return 0
+    for line in sys.stdin:
+        src, dst = line.rstrip("\n").split("\t")
+        try:
+            _solve_file(src, dst)
+        except Exception as exc:  # report it beside the result; keep serving
+            write_text_atomic(f"{dst}.err", f"{type(exc).__name__}: {exc}")
     return 0
 
 

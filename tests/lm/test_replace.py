@@ -30,7 +30,7 @@ from occult.lm.model import ModelConfig, OccultLM
 from occult.lm.parallel import full_model, gathered_tensors, global_mean, setup_parallel, shard_model, sync_gradients
 from occult.lm.replace import LOG_FILE
 from occult.lm.sharded import state_tensors
-from occult.lm.solve_job import SolveJob, relabel, solve_placement
+from occult.lm.solve_job import SolveJob, SolverProcess, relabel, solve_placement
 from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
 from occult.placement import Placement, PlacementError
 from occult.placement.synthetic import planted_trace
@@ -60,7 +60,7 @@ def config(data, **kw) -> ModelConfig:
 class RandomJob:
     """Stands in for the solver: a random placement other than the current one (seeded by it)."""
 
-    def __init__(self, ids, num_experts, num_devices, current_LE, method="auto", seed=0, mode="inline"):
+    def __init__(self, ids, num_experts, num_devices, current_LE, method="auto", seed=0, mode="inline", server=None):
         rng = np.random.default_rng(zlib.crc32(np.ascontiguousarray(current_LE).tobytes()))
         out = np.array(current_LE)
         for row in out:
@@ -77,6 +77,11 @@ class RandomJob:
 
     def cancel(self):
         pass
+
+
+class BrokenJob:
+    def __init__(self, *args, **kw):
+        raise MemoryError("the solver ran out of memory")
 
 
 def _step(model, opt, x, y, par):
@@ -226,8 +231,10 @@ def train_worker(rank: int, world_size: int, data, root: str) -> dict:
     root_p = Path(root)
     par = setup_parallel()
     real = _train(par, data, root_p / "real", config=dict(replace_every=3, steps=6, eval_every=3))
+    replace.SolveJob = BrokenJob  # a solve that cannot start: every rank is told, training goes on
+    out_broken = _train(par, data, root_p / "broken", config=dict(steps=4, eval_every=4, save_every=4, replace_every=2))
     replace.SolveJob = RandomJob  # migrations now surely happen, every 3 steps
-    out = {"real": real, "forced": _train(par, data, root_p / "forced")}
+    out = {"real": real, "broken": out_broken, "forced": _train(par, data, root_p / "forced")}
     _train(par, data, root_p / "stop", stop_after=7)
     if rank == 0:
         shutil.copytree(root_p / "stop", root_p / "stop1")
@@ -294,6 +301,10 @@ def test_real_solver_inline(trainings):
     for e in decisions:
         assert e["new_ct"] <= e["old_ct"] or e["event"] == "keep"
         assert (e["event"] == "migrate") == (e["gain"] > 0)
+    broken = [json.loads(line) for line in (trainings["root"] / "broken" / LOG_FILE).read_text().splitlines()]
+    assert [(e["step"], e["error"]) for e in broken if e["event"] == "solver_failed"] == \
+        [(2, "the solver ran out of memory"), (4, "the solver ran out of memory")]
+    assert all(len(out["broken"]["losses"]) == 4 and not out["broken"]["migrations"] for out in trainings["ranks"])
     real = [out["real"] for out in trainings["ranks"]]
     assert real[0]["placement"] == real[1]["placement"] and real[0]["losses"] == real[1]["losses"]
     assert len(real[0]["migrations"]) == sum(e["event"] == "migrate" for e in decisions)
@@ -314,8 +325,16 @@ def test_solve_in_a_background_process_equals_inline():
     assert np.array_equal(res["placement"], inline["placement"])
     assert (inline["new_ct"] < inline["old_ct"]).all()  # a planted trace on a round-robin layout
     Placement(res["placement"], 4)  # balanced
-    with pytest.raises(RuntimeError, match="solver process failed"):
+    with pytest.raises(RuntimeError, match="solver failed.*cannot be split evenly"):
         bad.poll(block=True)
+    server = SolverProcess()  # one long-lived process, two solves in a row
+    try:
+        for _ in range(2):
+            again = SolveJob(ids, 16, 4, current, "greedy", mode="process", server=server).poll(block=True)
+            assert np.array_equal(again["placement"], inline["placement"])
+    finally:
+        server.close()
+    assert server.proc.poll() is not None and not server.dir.exists()
 
 
 def test_relabel_keeps_experts_in_place():
