@@ -6,9 +6,10 @@
     occult bench [--world-size N] [--shapes olmoe,qwen3,deepseek,mixtral] [--tokens N] [--out F] ...
     occult data prepare --out DIR          occult train --out RUN [--corpus-dir DIR] ...
     occult profile --model CKPT|HF_DIR --out T [--data F]    occult finetune --init CKPT --out RUN [--max-devices N --placement P]
+    occult finetune --hf HF_DIR --out RUN [--data F] [--max-devices N --placement P]   (torchrun: N ranks)
 
 One file per command group: `place` (place, stats), `tools` (demo, bench), `lm` (data, train,
-finetune, profile of occult checkpoints), `hf` (profile of transformers models); `registry`
+finetune, profile of occult checkpoints), `hf` (profile and finetune of transformers models); `registry`
 says what a command is. Adding a command is one entry in `COMMANDS`: a `Command` with a name,
 a help line, a function that adds its arguments to an argparse parser, and a function that
 runs it with the parsed Namespace (`lazy("occult.module")` imports a module's `main(args)`
@@ -53,7 +54,26 @@ PROFILE = Command(
     "profile", "record a routing trace (and expert similarity) of a checkpoint or a transformers model", _add_profile_args, run_profile
 )
 
-COMMANDS: list[Command] = [PLACE, STATS, DEMO, BENCH, lm.DATA, lm.TRAIN, lm.FINETUNE, PROFILE]
+
+def _add_finetune_args(p: argparse.ArgumentParser) -> None:
+    lm.add_finetune_arguments(p)
+    hf.add_finetune_arguments(p)  # --hf DIR (then --init is not needed)
+
+
+def run_finetune(args: argparse.Namespace) -> int | None:
+    """occult finetune: a transformers model directory (--hf) or an occult checkpoint (--init)."""
+    if getattr(args, "hf", None):
+        if args.init:
+            raise CommandError("give --init (an occult checkpoint) or --hf (a transformers model directory), not both")
+        return hf.run_finetune(args)
+    if not args.init:
+        raise CommandError("occult finetune needs --init CKPT (an occult checkpoint) or --hf DIR (a transformers model)")
+    return lm.run_finetune(args)
+
+
+FINETUNE = Command("finetune", lm.FINETUNE.help + "; or a transformers model's routers and experts (--hf)", _add_finetune_args, run_finetune)
+
+COMMANDS: list[Command] = [PLACE, STATS, DEMO, BENCH, lm.DATA, lm.TRAIN, FINETUNE, PROFILE]
 
 __all__ = ["COMMANDS", "EXIT_USAGE", "Command", "CommandError", "RunFn", "build_parser", "lazy", "lazy_command", "main"]
 

@@ -15,6 +15,14 @@ file (field `text`), token ids in `.safetensors` (tensor `input_ids`), `.npy` or
 stream or [N, S]), or `random` (uniformly random ids, for smoke tests). The similarity table
 for similarity pruning is written beside the trace (OUT.similarity.safetensors) or to
 `--similarity PATH`.
+
+`occult finetune --hf DIR --out OUT` fine-tunes a transformers model's routers and experts
+(`occult.integrations.hf.finetune`), on one process or under torchrun (each rank loads only its
+experts, `hf.load_sharded`); `add_finetune_arguments` adds `--hf`/`--data` to the OccultLM
+finetune flags (shared: --steps, --lr, --batch-size, ...) and `run_finetune` runs it:
+
+    torchrun --nproc-per-node 4 -m occult finetune --hf DIR --out OUT --placement p.json --max-devices 2
+    OUT/model/  (transformers layout, tokenizer files copied)   OUT/loss.png   OUT/metrics.json
 """
 
 from __future__ import annotations
@@ -96,6 +104,129 @@ def run_profile(args: Any) -> int:
         f"{trace.num_experts} experts, top-{trace.top_k}; similarity: {sim}"
     )
     print(f"next: occult place --trace {args.out} --devices D --out placement.json")
+    return 0
+
+
+def add_finetune_arguments(p: Any) -> None:
+    """Add `--hf` / `--data` to `occult finetune` (whose OccultLM flags are reused; `--init` becomes optional)."""
+    have = getattr(p, "_option_string_actions", {})
+    if "--init" in have:
+        have["--init"].required = False
+        have["--init"].help += " (or --hf DIR)"
+    g = p.add_argument_group("transformers models (--hf)")
+    g.add_argument("--hf", default=None, metavar="DIR",
+                   help="fine-tune this transformers model directory's routers and experts instead of --init")
+    if "--data" not in have:
+        g.add_argument("--data", default=None,
+                       help="--hf: token ids (.safetensors/.npy/.pt), text (.txt/.jsonl) or 'random' (default: the "
+                            "corpus texts of --corpus-dir or the cached Shakespeare corpus)")
+
+
+def _hf_tokens(args: Any, vocab_size: int, log) -> Any:
+    """The token stream: --data, else the corpus texts; the model's tokenizer, else UTF-8 bytes."""
+    from occult.integrations import hf
+
+    data = getattr(args, "data", None)
+    if data is not None and not str(data).lower().endswith((".txt", ".jsonl")):
+        return hf.token_stream(data, args.hf, vocab_size).reshape(-1)
+    if data is not None:
+        lines = Path(data).read_text(encoding="utf-8").splitlines()
+        texts = [json.loads(x)["text"] for x in lines if x.strip()] if data.endswith(".jsonl") else ["\n".join(lines)]
+    else:
+        from occult.lm.corpus import fetch_corpus, read_texts
+
+        texts = [t for _, t in read_texts(Path(args.corpus_dir) if args.corpus_dir else fetch_corpus())]
+    ids, how = hf.tokenize_texts(texts, args.hf, vocab_size)
+    log(f"data: {ids.numel():,} tokens ({how})")
+    return ids
+
+
+def _hf_placements(args: Any, ep_size: int):
+    """(placement of the experts on the EP ranks, placement for routing only, similarity tables)."""
+    from occult.moe.pruning import load_similarity, similarity_path
+    from occult.placement import Placement
+
+    placement = Placement.load(args.placement) if args.placement else None
+    if args.max_devices is not None and placement is None:
+        raise ValueError("--max-devices needs --placement (which device holds each expert)")
+    sims = None
+    if placement is not None and args.prune_method == "similarity" and args.max_devices is not None:
+        sims = load_similarity(args.similarity or similarity_path(args.placement),
+                               num_experts=placement.num_experts, num_layers=placement.num_layers)
+    if placement is None or placement.num_devices == ep_size:
+        return placement, None, sims
+    if args.max_devices is None:
+        raise ValueError(
+            f"--placement is for {placement.num_devices} devices, the experts are sharded over {ep_size} rank(s): give "
+            f"--max-devices N to use it for routing only, or make one with `occult place --devices {ep_size}`"
+        )
+    return None, placement, sims
+
+
+def run_finetune(args: Any) -> int:
+    """`occult finetune --hf DIR`: routers and experts of a transformers model, on 1 or N ranks."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from occult.integrations import hf
+
+    if getattr(args, "resume", False):
+        raise ValueError("--resume is not supported with --hf (runs are short; start again)")
+    if not (Path(args.hf) / "config.json").is_file():
+        raise ValueError(f"--hf {args.hf}: not a transformers model directory (no config.json)")
+    out = Path(args.out)
+    if (out / "model").exists():
+        raise ValueError(f"{out / 'model'} already exists: choose another --out")
+    groups = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from occult.distributed import init_distributed
+
+        init_distributed()
+        groups = hf.setup_groups(args.ep_size)
+    elif args.ep_size not in (None, 1):
+        raise ValueError(f"--ep-size {args.ep_size} needs that many ranks: run under torchrun --nproc-per-node N")
+    main = groups is None or groups.rank == 0
+    log = print if main else (lambda *_: None)
+    try:
+        device = args.device
+        if device == "auto":
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        placement, routing, sims = _hf_placements(args, groups.ep_size if groups else 1)
+        model = hf.load_sharded(
+            args.hf, group=groups.ep if groups else None, placement=placement, device=device,
+            dispatcher=args.dispatcher, max_devices=args.max_devices, routing_placement=routing,
+            prune_method=args.prune_method, similarity=sims,
+        )
+        rep = model.occult_load_report
+        log(f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "
+            f"on this rank ({rep.layout} checkpoint; rank 0 read {rep.expert_bytes:,} bytes of experts)")
+        tokens = _hf_tokens(args, int(model.config.vocab_size), log)
+        cfg = hf.FinetuneConfig(
+            steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
+            warmup_steps=args.warmup, weight_decay=args.weight_decay, adam_eps=args.adam_eps, grad_clip=args.grad_clip,
+            seed=args.seed, precision=args.precision,
+        )
+        if groups is not None:
+            log(f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "
+                f"data-parallel replica(s); {cfg.batch_size // groups.world_size} of {cfg.batch_size} rows per rank")
+        result = hf.finetune(model, tokens, cfg, groups, progress=False if args.no_progress else None, log=log)
+        hf.save_finetuned(model, out / "model", source=args.hf)
+        if main:
+            from occult._atomic import write_text_atomic
+            from occult.lm.plot import plot_losses
+
+            write_text_atomic(out / "metrics.json", json.dumps(
+                {"hf": str(args.hf), "config": vars(cfg), "losses": result.losses, "grad_norms": result.grad_norms,
+                 "tokens_per_s": result.tokens_per_s, "world_size": groups.world_size if groups else 1}, indent=1) + "\n")
+            plot = plot_losses(out / "loss.png", result.losses, [], title=f"{Path(args.hf).name}: routers + experts")
+            log(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {cfg.steps} steps, "
+                f"{result.tokens_per_s:,.0f} tokens/s; loss curve: {plot or 'not drawn (no matplotlib)'}")
+            log(f"wrote {out / 'model'} (transformers layout: AutoModelForCausalLM.from_pretrained loads it)")
+    finally:
+        if groups is not None and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

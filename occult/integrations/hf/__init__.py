@@ -14,6 +14,8 @@ SwiGLU that the occult expert kernels do not compute.
     out = model.generate(ids, synced_gpus=True)              # or transformers' own: all ranks step together
     loss.backward(); sync_gradients(model); opt.step()       # replicated grads averaged
     save_pretrained(model, "out/")                           # standard layout, plain transformers
+    model = load_sharded("DIR", group, placement)            # or: each rank reads only its experts
+    finetune(model, ids, FinetuneConfig(), setup_groups())   # routers + experts, N ranks == 1 process
 
 `convert` replaces each MoE block by an `OccultMoeBlock` with the same attribute names as the
 model's block: `gate` (the model's own router module, replicated), `experts` (an `OccultMoE`
@@ -30,12 +32,23 @@ One module per job: `families` (supported model types, version and structure che
 `routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
 `sync_gradients`), `profile`, `convert` (`convert`, `unconvert`, `hf_layout`,
 `save_pretrained`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
-profiling), `tiny` (tiny random models for tests). `from occult.integrations import hf; hf.convert(...)` is the public path.
+profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads
+only its experts), `finetune` (routers + experts on 1 or N ranks, `save_finetuned`). `from occult.integrations import hf; hf.convert(...)` is the public path.
 """
 
 from occult.integrations.hf.block import OccultMoeBlock, expert_parameters, moe_blocks, sync_gradients
 from occult.integrations.hf.calibration import calibration_windows, token_stream
 from occult.integrations.hf.convert import convert, hf_layout, save_pretrained, unconvert
+from occult.integrations.hf.finetune import (
+    FinetuneConfig,
+    FinetuneResult,
+    Groups,
+    finetune,
+    save_finetuned,
+    setup_groups,
+    tokenize_texts,
+    trainable_parameters,
+)
 from occult.integrations.hf.families import (
     FAMILIES,
     SUPPORTED_TRANSFORMERS,
@@ -45,12 +58,17 @@ from occult.integrations.hf.families import (
     model_family,
 )
 from occult.integrations.hf.generate import StaticDecoder, generate
+from occult.integrations.hf.loading import LoadReport, load_sharded, set_routing_placement
 from occult.integrations.hf.profile import profile
 from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
 from occult.integrations.hf.tiny import tiny_config, tiny_random_model
 
 __all__ = [
     "FAMILIES",
+    "FinetuneConfig",
+    "FinetuneResult",
+    "Groups",
+    "LoadReport",
     "SUPPORTED_TRANSFORMERS",
     "Family",
     "HFGateRouter",
@@ -63,15 +81,22 @@ __all__ = [
     "check_transformers_version",
     "convert",
     "expert_parameters",
+    "finetune",
     "generate",
     "hf_layout",
+    "load_sharded",
     "model_family",
     "moe_blocks",
     "profile",
+    "save_finetuned",
     "save_pretrained",
+    "set_routing_placement",
+    "setup_groups",
     "sync_gradients",
     "tiny_config",
     "tiny_random_model",
     "token_stream",
+    "tokenize_texts",
+    "trainable_parameters",
     "unconvert",
 ]

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ def convert(
     prune_method: str = "score",
     similarity: Sequence[torch.Tensor] | torch.Tensor | None = None,
     expert_backend: str = "auto",
+    expert_weights: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> nn.Module:
     """Make `model` expert-parallel over `group` (default: the whole default group), in place.
 
@@ -41,7 +42,9 @@ def convert(
     its JSON path; default: contiguous). Routing is the model's own; `max_devices=N` limits
     each token to experts on N devices (collaboration pruning, approximate: fine-tune with it
     on), by `prune_method` "score" or "similarity" (then `similarity` holds one [E, E] matrix
-    per MoE layer). Call on every rank, with the same full model loaded on each.
+    per MoE layer). Call on every rank, with the same full model loaded on each. With
+    `expert_weights(i, local_ids) -> (gate_up_proj, down_proj)` this rank's experts of MoE layer i
+    come from there instead (`load_sharded`: the blocks' own expert tensors are on the meta device).
     """
     check_transformers_version()
     family = model_family(model)
@@ -68,18 +71,21 @@ def convert(
         raise ValueError(f"similarity holds {len(similarity)} matrices for {len(blocks)} MoE layers")
     for i, ((name, block), (E, k, H, F_)) in enumerate(zip(blocks, shapes)):
         ref = block.experts.gate_up_proj
+        device = block.gate.weight.device if ref.is_meta else ref.device
         router = family.router(
             block.gate, max_devices=max_devices, prune_method=prune_method,
-            similarity_EE=None if similarity is None else torch.as_tensor(similarity[i], device=ref.device),
+            similarity_EE=None if similarity is None else torch.as_tensor(similarity[i], device=device),
         )
         experts = OccultMoE(
             H, F_, E, k, norm_topk_prob=bool(getattr(block.gate, "norm_topk_prob", True)),
             placement=placement, layer_index=i, dispatcher=dispatcher, group=group, router=router,
-            expert_backend=expert_backend, dtype=ref.dtype, device=ref.device,
+            expert_backend=expert_backend, dtype=ref.dtype, device=device, init_weights=expert_weights is None,
         )
+        ids = experts.local_expert_ids
+        gate_up, down = (block.experts.gate_up_proj[ids], block.experts.down_proj[ids]) if expert_weights is None else expert_weights(i, ids)
         with torch.no_grad():
-            experts.gate_up_proj.copy_(block.experts.gate_up_proj[experts.local_expert_ids])
-            experts.down_proj.copy_(block.experts.down_proj[experts.local_expert_ids])
+            experts.gate_up_proj.copy_(gate_up)
+            experts.down_proj.copy_(down)
         model.set_submodule(name, OccultMoeBlock(block, experts, family))
     model.occult_placement = placement
     return model

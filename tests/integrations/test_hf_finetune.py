@@ -1,0 +1,272 @@
+"""Fine-tuning transformers MoE models on N ranks (`hf.load_sharded`, `hf.finetune`, `occult finetune --hf`).
+
+One spawn of 2 gloo ranks (`two_ranks`, module scope) runs every multi-rank check:
+    loading   each rank loads OLMoE (per-expert checkpoint, the layout transformers writes) and
+              Qwen3-MoE (a fused [E, ...] checkpoint) by a non-contiguous placement, reading only its
+              own experts; equal (bit for bit) to `convert(from_pretrained(dir))` on that rank
+    training  15 steps, fp32, global batch 4, pruned to 1 of 2 devices (`max_devices=1`):
+              OLMoE and Qwen3-MoE with the experts over both ranks (EP 2), OLMoE with the experts
+              replicated (EP 1: 2 data-parallel replicas, expert grads all-reduced)
+    saving    the EP-2 OLMoE model written back to the transformers layout (atomic directory)
+The parent runs the single-process references (the same placement as routing-only "virtual
+devices"), reloads the saved directory with plain transformers, and checks bad input.
+
+Tolerance as in tests/lm/test_parallel.py: AdamW eps=1e-6, losses and weights to 1e-5 relative
+(measured ~5e-7: summing a batch in two halves changes last bits only).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+from occult.distributed import RankFailure, run_ranks  # noqa: E402
+from occult.integrations import hf  # noqa: E402
+from occult.placement import Placement, PlacementError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+RTOL = 1e-5
+VOCAB = 96
+PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]  # device of each expert, per MoE layer
+CFG = dict(steps=15, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=2, adam_eps=1e-6, seed=3, precision="fp32")
+TRAIN = {"olmoe": "olmoe", "qwen3_moe": "qwen3_fused"}  # family -> directory trained (EP 2)
+
+
+def _placement() -> Placement:
+    return Placement(np.array(PLACEMENT), 2)
+
+
+def _tokens() -> torch.Tensor:
+    """A Markov stream (each id's successor fixed 80% of the time), so fine-tuning visibly learns."""
+    g = torch.Generator().manual_seed(7)
+    succ = torch.randperm(VOCAB, generator=g).clamp(min=3)
+    noise, coin = torch.randint(3, VOCAB, (4000,), generator=g), torch.rand(4000, generator=g) < 0.2
+    x = [5]
+    for i in range(1, 4000):
+        x.append(int(noise[i]) if coin[i] else int(succ[x[-1]]))
+    return torch.tensor(x)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """olmoe: per-expert keys (as transformers 5 saves); qwen3_fused: fused [E, 2F, H] / [E, H, F] keys."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("hf_ft")
+    out = {"root": str(root), "olmoe": str(root / "olmoe"), "qwen3_fused": str(root / "qwen3_fused")}
+    hf.tiny_random_model("olmoe", out["olmoe"], seed=1, vocab_size=VOCAB)
+    model = hf.tiny_random_model("qwen3_moe", str(root / "qwen3_src"), seed=2, vocab_size=VOCAB)
+    os.makedirs(out["qwen3_fused"])
+    shutil.copy(root / "qwen3_src" / "config.json", out["qwen3_fused"])
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out["qwen3_fused"], "model.safetensors"))
+    return out
+
+
+def _trained(model) -> dict[str, np.ndarray]:
+    """Routers and every expert (gathered, expert-id order): a collective on a converted model."""
+    out = {}
+    for name, block in hf.moe_blocks(model):
+        gate_up, down = block.experts.gather_experts()
+        out[f"{name}.gate"] = block.gate.weight.detach().numpy().copy()
+        out[f"{name}.gate_up_proj"], out[f"{name}.down_proj"] = gate_up.numpy(), down.numpy()
+    return out
+
+
+# ---------------------------------------------------------------- rank side
+def _check_loading(rank: int, path: str) -> dict:
+    ref = hf.convert(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), placement=_placement())
+    model = hf.load_sharded(path, placement=_placement())
+    got, want = model.state_dict(), ref.state_dict()
+    bufs, ref_bufs = dict(model.named_buffers()), dict(ref.named_buffers())
+    rep = model.occult_load_report
+    cfg = model.config
+    F_, H = int(getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)), int(cfg.hidden_size)
+    return {
+        "keys_equal": got.keys() == want.keys(),
+        "unequal": [k for k in want if not (got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]))],
+        "buffers_unequal": [k for k in ref_bufs if not torch.equal(bufs[k], ref_bufs[k])],
+        "experts_read": rep.experts,
+        "mine": [np.flatnonzero(np.array(row) == rank).tolist() for row in PLACEMENT],
+        "expert_bytes": rep.expert_bytes,
+        "expected_bytes": len(PLACEMENT) * 4 * 3 * F_ * H * 4,  # layers x own experts x (gate, up, down) x fp32
+        "layout": rep.layout,
+    }
+
+
+def _train(path: str, ep_size: int) -> dict:
+    groups = hf.setup_groups(ep_size)
+    placement = _placement()
+    model = hf.load_sharded(path, group=groups.ep, placement=placement if ep_size == 2 else None, max_devices=1,
+                            routing_placement=None if ep_size == 2 else placement)
+    result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), groups, progress=False)
+    return {"model": model, "losses": result.losses, "params": _trained(model)}
+
+
+def two_ranks(rank: int, world_size: int, dirs: dict) -> dict:
+    torch.manual_seed(rank)  # nothing may depend on it
+    res: dict = {"loading": {name: _check_loading(rank, dirs[name]) for name in ("olmoe", "qwen3_fused")}}
+    for family, name in TRAIN.items():
+        run = _train(dirs[name], 2)
+        res[f"{family}/ep2"] = {"losses": run["losses"], "params": run["params"]}
+        if family == "olmoe":
+            hf.save_finetuned(run["model"], os.path.join(dirs["root"], "saved"), source=dirs[name])
+            ids = torch.arange(3, 3 + 2 * 10).reshape(2, 10) % VOCAB
+            with torch.no_grad():
+                res["logits_pruned"] = run["model"](ids).logits.numpy()
+                for _, block in hf.moe_blocks(run["model"]):
+                    block.experts.router.max_devices = None  # the model's own routing, as transformers runs it
+                res["logits"] = run["model"](ids).logits.numpy()
+    run = _train(dirs["olmoe"], 1)
+    res["olmoe/ep1"] = {"losses": run["losses"], "params": run["params"]}
+    return res
+
+
+def die_at_step(rank: int, world_size: int, path: str) -> None:
+    """Rank 1 exits abruptly in its 3rd forward; rank 0 must then raise, not hang."""
+    model = hf.load_sharded(path, placement=_placement())
+    if rank == 1:
+        calls = []
+
+        def hook(*_):
+            calls.append(1)
+            if len(calls) == 3:
+                os._exit(3)
+
+        model.model.embed_tokens.register_forward_pre_hook(hook)
+    hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), hf.setup_groups(), progress=False)
+
+
+@pytest.fixture(scope="module")
+def ranks(dirs):
+    return run_ranks(two_ranks, 2, dirs, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    """Single-process fine-tunes: all experts local, routing limited by the same 2-device placement."""
+    out = {}
+    for family, name in TRAIN.items():
+        model = hf.load_sharded(dirs[name], routing_placement=_placement(), max_devices=1)
+        result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), progress=False)
+        out[family] = {"losses": result.losses, "params": _trained(model), "model": model}
+    return out
+
+
+# ---------------------------------------------------------------- the tests
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["olmoe", "qwen3_fused"])
+def test_each_rank_loads_only_its_experts_and_equals_convert(ranks, name):
+    for rank, res in enumerate(ranks):
+        r = res["loading"][name]
+        assert r["keys_equal"] and not r["unequal"] and not r["buffers_unequal"], (name, rank, r["unequal"])
+        assert r["layout"] == ("per-expert" if name == "olmoe" else "fused")
+        assert [r["experts_read"][i] for i in range(len(PLACEMENT))] == r["mine"], (name, rank)
+        assert r["expert_bytes"] == r["expected_bytes"], (name, rank, r["expert_bytes"])  # half of all experts
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("run", ["olmoe/ep2", "qwen3_moe/ep2", "olmoe/ep1"])
+def test_two_ranks_equal_one_process(ranks, reference, run):
+    want = reference[run.split("/")[0]]
+    assert np.mean(want["losses"][-5:]) < np.mean(want["losses"][:5]) - 0.1  # it learns
+    for rank, res in enumerate(ranks):
+        got = res[run]
+        np.testing.assert_allclose(got["losses"], want["losses"], rtol=RTOL, err_msg=f"{run} rank {rank}")
+        assert got["params"].keys() == want["params"].keys()
+        for key, q in want["params"].items():
+            err = np.abs(got["params"][key] - q).max() / np.abs(q).max()
+            assert err <= RTOL, f"{run} rank {rank} {key}: max |diff| / max |weight| = {err:.2e}"
+
+
+@pytest.mark.timeout(900)
+def test_saved_directory_reloads_with_transformers(ranks, reference, dirs):
+    saved = os.path.join(dirs["root"], "saved")
+    assert not [n for n in os.listdir(dirs["root"]) if n.startswith(".saved.")]  # the temporary directory is gone
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    ids = torch.arange(3, 3 + 2 * 10).reshape(2, 10) % VOCAB
+    with torch.no_grad():
+        logits = model(ids).logits.numpy()
+    np.testing.assert_allclose(logits, ranks[0]["logits"], rtol=0, atol=1e-5)
+    hf.set_routing_placement(hf.convert(model), _placement(), max_devices=1)  # pruned again, in one process
+    with torch.no_grad():
+        np.testing.assert_allclose(model(ids).logits.numpy(), ranks[0]["logits_pruned"], rtol=0, atol=1e-5)
+    hf.unconvert(model)
+    # and the weights are the fine-tuned ones, not the originals
+    orig = transformers.AutoModelForCausalLM.from_pretrained(dirs["olmoe"], dtype=torch.float32)
+    for name, block in hf.moe_blocks(model):
+        want = ranks[0]["olmoe/ep2"]["params"]
+        np.testing.assert_array_equal(block.experts.gate_up_proj.detach().numpy(), want[f"{name}.gate_up_proj"])
+        np.testing.assert_array_equal(block.gate.weight.detach().numpy(), want[f"{name}.gate"])
+        assert not torch.equal(block.gate.weight, orig.get_submodule(name).gate.weight)
+    frozen = [n for n, p in model.named_parameters() if "mlp" not in n]
+    assert frozen and all(torch.equal(model.get_parameter(n), orig.get_parameter(n)) for n in frozen)
+
+
+@pytest.mark.timeout(300)
+def test_a_dying_rank_ends_the_other_with_an_error(dirs):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(die_at_step, 2, dirs["olmoe"], timeout_s=120, collective_timeout_s=30)
+    assert "rank 1 died (exit code 3)" in str(info.value)
+    assert "--- rank 0 ---" in str(info.value) and "did not finish" not in str(info.value)  # rank 0 raised
+    assert time.monotonic() - t0 < 90
+
+
+def test_bad_input_is_a_clear_error(dirs, tmp_path):
+    with pytest.raises(PlacementError, match="for 16 experts, but the model has 8"):
+        hf.load_sharded(dirs["olmoe"], placement=Placement.contiguous(16, 1, 2))
+    with pytest.raises(PlacementError, match="for 16 experts"):
+        hf.load_sharded(dirs["olmoe"], routing_placement=Placement.contiguous(16, 2, 2), max_devices=1)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        hf.load_sharded(tmp_path / "missing")
+    empty = tmp_path / "no_weights"
+    empty.mkdir()
+    shutil.copy(os.path.join(dirs["olmoe"], "config.json"), empty)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        hf.load_sharded(empty)
+    model = hf.load_sharded(dirs["olmoe"])
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        hf.finetune(model, torch.full((100,), VOCAB), hf.FinetuneConfig(steps=1, batch_size=1, seq_len=8))
+    with pytest.raises(ValueError, match="too few|more than seq_len"):
+        hf.finetune(model, torch.zeros(5, dtype=torch.int64), hf.FinetuneConfig(steps=1, batch_size=1, seq_len=8))
+    with pytest.raises(ValueError, match="no converted MoE blocks"):
+        hf.trainable_parameters(transformers.AutoModelForCausalLM.from_pretrained(dirs["olmoe"]))
+
+
+def test_cli_finetune_hf(dirs, tmp_path, capsys):
+    """`occult finetune --hf`: token ids, then the corpus texts as UTF-8 bytes (no tokenizer); clean errors."""
+    from occult.cli import main
+
+    np.save(tmp_path / "ids.npy", _tokens().numpy())
+    common = ["--steps", "3", "--batch-size", "2", "--seq-len", "8", "--no-progress"]
+    assert main(["finetune", "--hf", dirs["olmoe"], "--out", str(tmp_path / "run"), "--data", str(tmp_path / "ids.npy"), *common]) == 0
+    out = capsys.readouterr().out
+    assert "8 experts per layer" in out and "wrote" in out
+    assert {"model", "metrics.json"} <= set(os.listdir(tmp_path / "run"))
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    # no tokenizer: the corpus texts become UTF-8 bytes (a model with a 300-id vocabulary)
+    hf.tiny_random_model("qwen3_moe", str(tmp_path / "bytes"), vocab_size=300)
+    corpus = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare_tiny")
+    assert main(["finetune", "--hf", str(tmp_path / "bytes"), "--out", str(tmp_path / "run_bytes"), "--corpus-dir", corpus, *common]) == 0
+    assert "UTF-8 bytes" in capsys.readouterr().out
+    errors = {
+        "not a transformers model directory": ["--hf", str(tmp_path / "missing"), "--out", str(tmp_path / "x")],
+        "already exists": ["--hf", dirs["olmoe"], "--out", str(tmp_path / "run"), "--data", "random"],
+        "needs --init CKPT": ["--out", str(tmp_path / "x")],
+        "not both": ["--hf", dirs["olmoe"], "--init", "ckpt", "--out", str(tmp_path / "x")],
+        "--max-devices needs --placement": ["--hf", dirs["olmoe"], "--out", str(tmp_path / "y"), "--max-devices", "1"],
+    }
+    Placement.contiguous(8, 4, 2).save(tmp_path / "p4.json")
+    errors["use it for routing only"] = ["--hf", dirs["olmoe"], "--out", str(tmp_path / "z"), "--placement", str(tmp_path / "p4.json")]
+    for message, args in errors.items():
+        assert main(["finetune", *args, *common]) == 2, message
+        assert message in capsys.readouterr().err
