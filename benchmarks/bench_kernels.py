@@ -45,7 +45,7 @@ SHAPES = {
 }
 
 T = kcfg.TileConfig
-SWEEP = {  # (block_m, block_n, block_k, group_m, num_warps, num_stages, flatten, ctas_per_sm)
+SWEEP = {  # (block_m, block_n, block_k, group_m, num_warps, num_stages, flatten, ctas_per_sm, split)
     "gemm1": [
         T(128, 128, 64, 8, 8, 3),
         T(128, 128, 64, 16, 8, 3),
@@ -55,21 +55,18 @@ SWEEP = {  # (block_m, block_n, block_k, group_m, num_warps, num_stages, flatten
         T(128, 256, 64, 8, 8, 4, True),
         T(128, 128, 64, 8, 8, 4, True),
     ],
-    "dgrad1": [
-        T(128, 128, 64, 8, 8, 4),
-        T(128, 128, 64, 8, 4, 3, False, 2),
-        T(128, 128, 64, 8, 4, 2, False, 2),
-        T(128, 256, 64, 8, 8, 3),
-        T(256, 128, 64, 8, 8, 3),
-        T(64, 128, 64, 8, 4, 3, False, 2),
+    "dgrad1": [  # the last field: epilogue in 2 column slices or 1
+        T(128, 128, 64, 8, 8, 4, split=2),
+        T(128, 128, 64, 8, 8, 3, split=2),
+        T(128, 128, 64, 16, 8, 4, split=2),
+        T(64, 128, 64, 8, 4, 4, False, 2, split=2),
+        T(128, 128, 64, 8, 8, 4, split=1),
     ],
-    "wgrad": [
+    "wgrad": [  # the Triton path (on Hopper/bf16 the op uses torch._grouped_mm instead)
         T(128, 128, 64, 1, 8, 3),
-        T(128, 128, 64, 1, 4, 3),
         T(128, 128, 64, 1, 8, 4),
-        T(128, 256, 64, 1, 8, 3),
+        T(128, 256, 64, 1, 8, 4),
         T(256, 128, 64, 1, 8, 3),
-        T(64, 128, 64, 1, 4, 4),
     ],
 }
 
@@ -200,6 +197,8 @@ def gemm_parts(prob):
     from occult.kernels.combine import combine_rows
     from occult.kernels.pairs import build_pairs, build_pairs_torch
 
+    from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, use_grouped_mm
+
     x, slots, gates, w1, w2, dy, K = (prob[k] for k in ("x", "slots", "gates", "w1", "w2", "dy", "K"))
     g = gates.view(-1)
     pair, offsets = build_pairs(slots, w1.shape[0])
@@ -207,7 +206,19 @@ def gemm_parts(prob):
     o = x.new_empty((slots.numel(), x.shape[1]))
     dab, _ = swiglu_dgrad(dy, pair, offsets, w2, ab, g, K)
     dxp = x.new_empty((slots.numel(), x.shape[1]))
+    rows = x.new_empty((slots.numel(), x.shape[1]))
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    wgrad_triton = {
+        "gate_up": lambda: weight_grad(dab, x, pair, offsets, K, dw1, a_gather=False, b_gather=True),
+        "down": lambda: weight_grad(dy, h, pair, offsets, K, dw2, a_gather=True, b_gather=False),
+    }
+    # what the op runs: gather + torch._grouped_mm on Hopper/bf16 (kernels.grouped_mm), else Triton
+    wgrad_op = dict(wgrad_triton)
+    if use_grouped_mm(x, x.shape[1], w2.shape[2]):
+        wgrad_op = {
+            "gate_up": lambda: grouped_weight_grad(dab, gather_pair_rows(x, pair, offsets, K, out=rows), offsets),
+            "down": lambda: grouped_weight_grad(gather_pair_rows(dy, pair, offsets, K, out=rows), h, offsets),
+        }
     return {
         "pairs": lambda: build_pairs(slots, w1.shape[0]),
         "pairs_torch_sort": lambda: build_pairs_torch(slots, w1.shape[0]),
@@ -217,15 +228,19 @@ def gemm_parts(prob):
         "combine": lambda: combine_rows(o, slots, w1.shape[0], x.dtype),
         "dgrad1": lambda: swiglu_dgrad(dy, pair, offsets, w2, ab, g, K),
         "dgrad2": lambda: gemm_scatter(dab, pair, offsets, w1, K, dxp, config_name="dgrad2"),
-        "wgrad_gate_up": lambda: weight_grad(dab, x, pair, offsets, K, dw1, a_gather=False, b_gather=True),
-        "wgrad_down": lambda: weight_grad(dy, h, pair, offsets, K, dw2, a_gather=True, b_gather=False),
+        "wgrad_gate_up": wgrad_op["gate_up"],
+        "wgrad_down": wgrad_op["down"],
+        "wgrad_gate_up_triton": wgrad_triton["gate_up"],
+        "wgrad_down_triton": wgrad_triton["down"],
+        "gather_rows": lambda: gather_pair_rows(x, pair, offsets, K, out=rows),
     }
 
 
 def part_flops(prob):
     P, H, F = prob["P"], prob["x"].shape[1], prob["w2"].shape[2]
     return {"gemm1": 4 * P * H * F, "gemm1_save": 4 * P * H * F, "gemm2": 2 * P * H * F, "dgrad1": 2 * P * H * F,
-            "dgrad2": 4 * P * H * F, "wgrad_gate_up": 4 * P * H * F, "wgrad_down": 2 * P * H * F}
+            "dgrad2": 4 * P * H * F, "wgrad_gate_up": 4 * P * H * F, "wgrad_down": 2 * P * H * F,
+            "wgrad_gate_up_triton": 4 * P * H * F, "wgrad_down_triton": 2 * P * H * F}
 
 
 def grouped_mm_variants(prob):
@@ -281,7 +296,9 @@ def dense_variants(prob):
         torch.mm(dAB.t(), X)
         torch.mm(dY.t(), Hh)
 
-    return {"gemm1": lambda: torch.mm(X, W1.t()), "gemm2": lambda: torch.mm(Hh, W2.t()), "fwd": fwd, "bwd": bwd}
+    return {"gemm1": lambda: torch.mm(X, W1.t()), "gemm2": lambda: torch.mm(Hh, W2.t()), "fwd": fwd, "bwd": bwd,
+            "dgrad1": lambda: torch.mm(dY, W2), "dgrad2": lambda: torch.mm(dAB, W1),
+            "wgrad_gate_up": lambda: torch.mm(dAB.t(), X), "wgrad_down": lambda: torch.mm(dY.t(), Hh)}
 
 
 # ----------------------------------------------------------------------------- main
@@ -292,7 +309,7 @@ def sweep(prob, device, log):
     flops = part_flops(prob)
     results = {}
     for name, configs in SWEEP.items():
-        keys = {"gemm1": ["gemm1"], "gemm2": ["gemm2"], "dgrad1": ["dgrad1"], "wgrad": ["wgrad_gate_up", "wgrad_down"]}[name]
+        keys = {"gemm1": ["gemm1"], "gemm2": ["gemm2"], "dgrad1": ["dgrad1"], "wgrad": ["wgrad_gate_up_triton", "wgrad_down_triton"]}[name]
         best = None
         results[name] = []
         for cfg in configs:
@@ -383,6 +400,12 @@ def run_shape(name, prob, device, log, skip_reference=False):
         "grouped_mm_gemm1_tflops": tflops(4 * P * H * F, get("grouped_mm.gemm1")),
         "grouped_mm_gemm2_tflops": tflops(2 * P * H * F, get("grouped_mm.gemm2")),
     }
+    # backward kernels one by one: TF/s, and % of the dense cuBLAS product of the same shape
+    fl_parts = part_flops(prob)
+    for k in ("dgrad1", "dgrad2", "wgrad_gate_up", "wgrad_down", "wgrad_gate_up_triton", "wgrad_down_triton"):
+        res["summary"][f"{k}_tflops"] = tflops(fl_parts[k], get(f"kernels.{k}"))
+        dense_k = k.replace("_triton", "")
+        res["summary"][f"{k}_pct_dense"] = 100 * get(f"dense.{dense_k}") / get(f"kernels.{k}")
     return res
 
 
@@ -418,6 +441,10 @@ def main(argv=None):
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
             "argv": sys.argv, "tokens_per_rank": args.tokens, "devices": args.devices}
+    from occult.kernels.grouped_mm import use_grouped_mm
+
+    probe = torch.empty((1, 8), device=device, dtype=torch.bfloat16)
+    info["wgrad_grouped_mm"] = use_grouped_mm(probe, 8)
     log(f"# {info}")
     report = {"info": info, "shapes": {}, "sweep": None}
     if device.type == "cuda":
@@ -476,6 +503,17 @@ def main(argv=None):
             f"{s_['dense_bwd_tflops']:6.0f} {100 * s_['gemms_bwd_tflops'] / s_['dense_bwd_tflops']:5.0f} "
             f"{s_['fwdbwd_ms']:7.3f} {ms.get('kernels_atomic.fwdbwd', nan):7.3f} "
             f"{ms.get('torch_ref.fwdbwd', nan):7.3f} {ms.get('grouped_mm.pipeline_fwdbwd', nan):7.3f}")
+    log("backward kernels: ms, TF/s (% of the dense cuBLAS product of the same shape); wgrad = what the op runs "
+        f"({'gather + torch._grouped_mm' if info.get('wgrad_grouped_mm') else 'Triton'}), tri = the Triton weight_grad")
+    log(f"{'shape':12s} {'dgrad1':>17s} {'dgrad2':>17s} {'wgrad gate_up':>17s} {'wgrad down':>17s} "
+        f"{'tri gate_up':>12s} {'tri down':>12s} {'gather':>7s}")
+    for name, e in report["shapes"].items():
+        s_, ms = e["summary"], e["ms"]
+        cell = lambda k: f"{ms.get('kernels.' + k, nan):.3f} {s_[k + '_tflops']:4.0f} ({s_[k + '_pct_dense']:3.0f}%)"  # noqa: E731
+        log(f"{name:12s} {cell('dgrad1'):>17s} {cell('dgrad2'):>17s} {cell('wgrad_gate_up'):>17s} {cell('wgrad_down'):>17s} "
+            f"{s_['wgrad_gate_up_triton_tflops']:5.0f} ({s_['wgrad_gate_up_triton_pct_dense']:3.0f}%) "
+            f"{s_['wgrad_down_triton_tflops']:5.0f} ({s_['wgrad_down_triton_pct_dense']:3.0f}%) "
+            f"{ms.get('kernels.gather_rows', nan):7.3f}")
     log("check vs fp32 reference (relative error y/dx/dgates/dgate_up/ddown; torch bf16 path for scale)")
     for name, e in report["shapes"].items():
         c = e.get("check", {})

@@ -25,6 +25,7 @@ class TileConfig:
     num_stages: int = 3
     flatten: bool = False  # persistent kernels: flatten the tile loop and the K loop into one pipeline
     ctas_per_sm: int = 1  # persistent kernels: programs launched per SM (more only if smem/regs allow)
+    split: int = 1  # `dgrad1`: epilogue in this many column slices of the tile (1 or 2)
 
 
 # name -> config on a CUDA device: the winners of `benchmarks/bench_kernels.py --sweep` on an
@@ -38,11 +39,15 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     # the same with the fp32 atomic-add epilogue (needs shared memory for the layout change)
     "gemm2_atomic": TileConfig(128, 128, 64, 8, 8, 3),
     # backward: gather dy rows @ down[e], SwiGLU backward + gate-gradient epilogue
-    "dgrad1": TileConfig(128, 128, 64, 8, 8, 4),
+    "dgrad1": TileConfig(128, 128, 64, 8, 8, 4, split=2),
     # backward: dx pairs = d[a;b] @ gate_up[e] (same kernel as gemm2)
     "dgrad2": TileConfig(128, 256, 64, 8, 8, 4, flatten=True),
-    # backward: per-expert weight gradients, reduction over the expert's pairs
-    "wgrad": TileConfig(128, 128, 64, 1, 8, 4),
+    # backward: per-expert weight gradients, reduction over the expert's pairs (the Triton path;
+    # on Hopper in bf16 they go through torch._grouped_mm, see kernels.grouped_mm). 3 stages:
+    # two programs per SM; 4 stages (one per SM) was 1.4x slower on an H100
+    "wgrad": TileConfig(128, 128, 64, 1, 8, 3),
+    # kernels.grouped_mm.gather_pair_rows: block_m rows x block_n columns per step
+    "gather": TileConfig(8, 1024, 1, 1, 4, 1),
     # index row sums (kernels.rows): a row's K pair rows, a token's rows (block_m rows x block_n columns)
     "combine": TileConfig(4, 512, 1, 1, 4, 1),
 }
@@ -51,9 +56,10 @@ INTERPRET_DEFAULTS: dict[str, TileConfig] = {
     "gemm1": TileConfig(16, 16, 16, 2, 4, 1),
     "gemm2": TileConfig(16, 32, 16, 2, 4, 1),
     "gemm2_atomic": TileConfig(16, 16, 16, 2, 4, 1),
-    "dgrad1": TileConfig(16, 16, 16, 2, 4, 1),
+    "dgrad1": TileConfig(16, 16, 16, 2, 4, 1, split=2),
     "dgrad2": TileConfig(16, 32, 16, 2, 4, 1),
     "wgrad": TileConfig(16, 32, 16, 1, 4, 1),
+    "gather": TileConfig(4, 32, 1, 1, 4, 1),
     "combine": TileConfig(4, 32, 1, 1, 4, 1),
 }
 

@@ -29,13 +29,37 @@ from occult.kernels.pairs import e_pow2, grouped_pid, max_tiles, tile_lookup, ti
 
 
 @triton.jit
+def _swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F,
+                           WIDTH: tl.constexpr):
+    """SwiGLU backward of the `WIDTH` columns from `first_n` of one tile: stores d[a; b], returns
+    the partial gate gradient `<u, h>` of each row over these columns."""
+    offs_n = first_n + tl.arange(0, WIDTH)
+    offs_m64 = offs_m.to(tl.int64)
+    mask = mask_m[:, None] & (offs_n < F)[None, :]
+    ab_ptrs = ab_ptr + offs_m64[:, None] * (2 * F) + offs_n[None, :]
+    a = tl.load(ab_ptrs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(ab_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(a)
+    silu = a * sig
+    dg = tl.sum(u * silu * b, axis=1)  # <u, h>; masked columns have a = b = 0
+    dh = u * g[:, None]
+    da = dh * b * (sig + silu * (1.0 - sig))
+    db = dh * silu
+    dab_ptrs = dab_ptr + offs_m64[:, None] * (2 * F) + offs_n[None, :]
+    tl.store(dab_ptrs, da.to(dab_ptr.dtype.element_ty), mask=mask)
+    tl.store(dab_ptrs + F, db.to(dab_ptr.dtype.element_ty), mask=mask)
+    return dg
+
+
+@triton.jit
 def _swiglu_dgrad_kernel(
     dy_ptr, pair_ptr, offsets_ptr, w_ptr, ab_ptr, gate_ptr, dab_ptr, dg_ptr,
     num_experts, num_slots, num_pairs_bound, H, F,
     stride_dyr, stride_we, stride_wh, stride_wf,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, E_POW2: tl.constexpr, FLATTEN: tl.constexpr,
+    GROUP_M: tl.constexpr, E_POW2: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -70,23 +94,17 @@ def _swiglu_dgrad_kernel(
             u = tl.dot(dyt, wt, u, input_precision=PREC)
             dy_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wh
-        offs_m64 = offs_m.to(tl.int64)
-        mask_n = offs_n < F
-        mask = mask_m[:, None] & mask_n[None, :]
-        ab_ptrs = ab_ptr + offs_m64[:, None] * (2 * F) + offs_n[None, :]
-        a = tl.load(ab_ptrs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(ab_ptrs + F, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(gate_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(a)
-        silu = a * sig
-        dg = tl.sum(u * silu * b, axis=1)  # <u, h>; masked columns have a = b = 0
+        # Epilogue in SPLIT column slices: a 128 x 128 fp32 tile at once spilled registers and
+        # made Triton compute it in two layouts (two fp32 layout conversions, sigmoid twice).
+        first_n = tile_n * BLOCK_N
+        if SPLIT == 2:
+            u0, u1 = tl.split(tl.permute(tl.reshape(u, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            dg = _swiglu_dgrad_epilogue(u0, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N // 2)
+            dg += _swiglu_dgrad_epilogue(u1, offs_m, mask_m, pair, first_n + BLOCK_N // 2, ab_ptr, gate_ptr, dab_ptr,
+                                         F, BLOCK_N // 2)
+        else:
+            dg = _swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N)
         tl.store(dg_ptr + tile_n.to(tl.int64) * num_pairs_bound + pair, dg, mask=mask_m)
-        dh = u * g[:, None]
-        da = dh * b * (sig + silu * (1.0 - sig))
-        db = dh * silu
-        dab_ptrs = dab_ptr + offs_m64[:, None] * (2 * F) + offs_n[None, :]
-        tl.store(dab_ptrs, da.to(dab_ptr.dtype.element_ty), mask=mask)
-        tl.store(dab_ptrs + F, db.to(dab_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -113,43 +131,24 @@ def _weight_grad_kernel(
     offs_mw = offs_m % M
     offs_nw = offs_n % N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    num_full = (end - start) // BLOCK_K
-    for it in range(0, num_full):  # full chunks of pairs: no masks
-        offs_p = start + it * BLOCK_K + tl.arange(0, BLOCK_K)
-        pair = tl.load(pair_ptr + offs_p)
-        if A_GATHER:
-            rows_a = (pair // num_slots).to(tl.int64)
-        else:
-            rows_a = offs_p.to(tl.int64)
-        if B_GATHER:
-            rows_b = (pair // num_slots).to(tl.int64)
-        else:
-            rows_b = offs_p.to(tl.int64)
-        at = tl.load(a_ptr + rows_a[:, None] * stride_a + offs_mw[None, :])
-        bt = tl.load(b_ptr + rows_b[:, None] * stride_b + offs_nw[None, :])
-        if UPCAST:
-            at = at.to(tl.float32)
-            bt = bt.to(tl.float32)
-        acc = tl.dot(tl.trans(at), bt, acc, input_precision=PREC)
-    tail = start + num_full * BLOCK_K
-    if tail < end:  # the last, partial chunk: masked rows contribute zeros
-        offs_p = tail + tl.arange(0, BLOCK_K)
+    # One masked loop over chunks of BLOCK_K pairs. The pair indices of a chunk are loaded one
+    # iteration ahead (loop-carried): Triton's pipeliner then streams the gathered rows with
+    # `num_stages` buffers; an index load feeding a data load of the same iteration left it
+    # double-buffered with a full wait every step (`async_wait num = 0`).
+    offs_p = start + tl.arange(0, BLOCK_K)
+    rows = (tl.load(pair_ptr + offs_p, mask=offs_p < end, other=0) // num_slots).to(tl.int64)
+    for it in range(0, tl.cdiv(end - start, BLOCK_K)):
         mask_p = offs_p < end
-        pair = tl.load(pair_ptr + offs_p, mask=mask_p, other=0)
-        if A_GATHER:
-            rows_a = (pair // num_slots).to(tl.int64)
-        else:
-            rows_a = tl.where(mask_p, offs_p, tail).to(tl.int64)
-        if B_GATHER:
-            rows_b = (pair // num_slots).to(tl.int64)
-        else:
-            rows_b = tl.where(mask_p, offs_p, tail).to(tl.int64)
+        rows_a = rows if A_GATHER else offs_p.to(tl.int64)
+        rows_b = rows if B_GATHER else offs_p.to(tl.int64)
         at = tl.load(a_ptr + rows_a[:, None] * stride_a + offs_mw[None, :], mask=mask_p[:, None], other=0.0)
         bt = tl.load(b_ptr + rows_b[:, None] * stride_b + offs_nw[None, :], mask=mask_p[:, None], other=0.0)
         if UPCAST:
             at = at.to(tl.float32)
             bt = bt.to(tl.float32)
         acc = tl.dot(tl.trans(at), bt, acc, input_precision=PREC)
+        offs_p += BLOCK_K
+        rows = (tl.load(pair_ptr + offs_p, mask=offs_p < end, other=0) // num_slots).to(tl.int64)
     out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe
                 + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -181,7 +180,7 @@ def swiglu_dgrad(
         dy_RH.stride(0), down_EHF.stride(0), down_EHF.stride(1), down_EHF.stride(2),
         EVEN_K=hidden % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, E_POW2=e_pow2(num_experts), FLATTEN=cfg.flatten,
+        GROUP_M=cfg.group_m, E_POW2=e_pow2(num_experts), FLATTEN=cfg.flatten, SPLIT=cfg.split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     dg = dg_part[0] if tiles_n == 1 else dg_part.sum(0)

@@ -7,7 +7,8 @@ Forward (no host sync; every size the host uses is a shape):
   4. `combine.combine_rows`: y_r = sum_k g o (fp32, deterministic), cast to x's dtype.
   (`atomic=True` fuses 3-4: fp32 atomic adds into one row per received row.)
 Backward: `grouped_gemm_backward.swiglu_dgrad` (d[a;b] and the gate gradient),
-`gemm_scatter` + `combine_rows` (input gradient), `grouped_gemm_backward.weight_grad` twice.
+`gemm_scatter` + `combine_rows` (input gradient), the two weight gradients: on Hopper in bf16
+`grouped_mm.gather_pair_rows` + `torch._grouped_mm`, else `grouped_gemm_backward.weight_grad`.
 
 Intermediates are sized by the bound R*K (P, the number of valid pairs, is known only on the
 device): `hg` [R*K, F], `[a;b]` and `d[a;b]` [R*K, 2F], pair outputs [R*K, H]; only the first P
@@ -24,6 +25,7 @@ import torch
 from occult.kernels.combine import combine_rows
 from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
 from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
+from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, use_grouped_mm
 from occult.kernels.pairs import build_pairs
 
 
@@ -96,6 +98,10 @@ class _ExpertMLPFunction(torch.autograd.Function):
         dy = dy.to(x.dtype).contiguous()
         gates_flat = gates.view(-1)
         dx = dgates = dw1 = dw2 = None
+        # weight gradients via torch._grouped_mm on Hopper/bf16 (kernels.grouped_mm): the row-indexed
+        # operand is gathered into `rows_buf` [R*K, H] first (the dx pair buffer once it is consumed)
+        gmm = (need_w1 or need_w2) and use_grouped_mm(x, x.shape[1], w2.shape[2])
+        rows_buf = None
         if need_x or need_g or need_w1:
             dab, dg = swiglu_dgrad(dy, pair, offsets, w2, ab, gates_flat, num_slots)
             if need_g:
@@ -106,12 +112,18 @@ class _ExpertMLPFunction(torch.autograd.Function):
                     gemm_scatter(dab, pair, offsets, w1, num_slots, dx32, atomic=True)
                     dx = dx32.to(x.dtype)
                 else:
-                    dxp = x.new_empty((num_rows * num_slots, x.shape[1]))
-                    gemm_scatter(dab, pair, offsets, w1, num_slots, dxp, config_name="dgrad2")
-                    dx = combine_rows(dxp, slots, num_experts, x.dtype)
-            if need_w1:
+                    rows_buf = x.new_empty((num_rows * num_slots, x.shape[1]))
+                    gemm_scatter(dab, pair, offsets, w1, num_slots, rows_buf, config_name="dgrad2")
+                    dx = combine_rows(rows_buf, slots, num_experts, x.dtype)
+            if need_w1 and gmm:
+                rows_buf = gather_pair_rows(x, pair, offsets, num_slots, out=rows_buf)
+                dw1 = grouped_weight_grad(dab, rows_buf, offsets)
+            elif need_w1:
                 dw1 = weight_grad(dab, x, pair, offsets, num_slots, torch.empty_like(w1), a_gather=False, b_gather=True)
-        if need_w2:
+        if need_w2 and gmm:
+            rows_buf = gather_pair_rows(dy, pair, offsets, num_slots, out=rows_buf)
+            dw2 = grouped_weight_grad(rows_buf, hg, offsets)
+        elif need_w2:
             dw2 = weight_grad(dy, hg, pair, offsets, num_slots, torch.empty_like(w2), a_gather=True, b_gather=False)
         return dx, None, dgates, dw1, dw2, None
 

@@ -232,6 +232,62 @@ def test_inference_path_and_backend_selection():
         kernels.expert_mlp(ins[0], ins[1][:, :1], *ins[2:5])
 
 
+@needs_in_process
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+def test_grouped_mm_weight_grads(monkeypatch):
+    # the Hopper/bf16 weight-gradient path (gather + torch._grouped_mm), forced on any device,
+    # vs the reference and the Triton weight_grad; experts 1 and 4 get no rows (zeros)
+    R, K, E = 40, 3, 6
+    slots = torch.randint(0, E, (R, K), generator=torch.Generator().manual_seed(12))
+    slots[(slots == 1) | (slots == 4)] = -1
+    ins = _inputs(R, K, E, 64, 48, dtype=torch.bfloat16, gate_dtype=torch.float32, slots=slots, seed=12)
+    monkeypatch.setenv("OCCULT_WGRAD", "grouped_mm")
+    got = _run(kernels.expert_mlp, *ins)
+    _assert_close(got, _reference_fp32(*ins), 3e-2)
+    monkeypatch.setenv("OCCULT_WGRAD", "triton")
+    tri = _run(kernels.expert_mlp, *ins)
+    for a, b in zip(got[1], tri[1]):
+        assert _rel(a, b) < 1e-2
+    for dw in got[1][2:]:
+        assert dw.dtype == torch.bfloat16
+        assert torch.count_nonzero(dw[1]) == 0 and torch.count_nonzero(dw[4]) == 0
+    # only padding: every weight gradient is zero
+    monkeypatch.setenv("OCCULT_WGRAD", "grouped_mm")
+    pad = _inputs(10, 2, E, 64, 48, dtype=torch.bfloat16, slots=torch.full((10, 2), -1), seed=13)
+    assert all(torch.count_nonzero(g) == 0 for g in _run(kernels.expert_mlp, *pad)[1])
+
+
+@needs_in_process
+def test_gather_pair_rows_writes_the_first_p_rows_only():
+    from occult.kernels.grouped_mm import gather_pair_rows
+    from occult.kernels.pairs import build_pairs
+
+    R, K, E = 50, 3, 4
+    slots = torch.randint(-1, E, (R, K), generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    src = torch.randn(R, 40, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    pair, offsets = build_pairs(slots, E)
+    out = torch.full((R * K, 40), float("nan"), device=DEVICE)
+    gather_pair_rows(src, pair, offsets, K, out=out)
+    p = int(offsets[-1])
+    assert torch.equal(out[:p], src[pair[:p].long() // K])
+    assert torch.isnan(out[p:]).all()
+
+
+@needs_in_process
+def test_dgrad_epilogue_split_matches_unsplit():
+    from occult.kernels import config
+
+    ins = _inputs(37, 3, 5, 48, 40, seed=16)
+    split = _run(kernels.expert_mlp, *ins)
+    config.override("dgrad1", split=1)
+    try:
+        whole = _run(kernels.expert_mlp, *ins)
+    finally:
+        config.override("dgrad1", None)
+    for a, b in zip((split[0], *split[1]), (whole[0], *whole[1])):
+        assert _rel(a, b) < 1e-6
+
+
 @pytest.mark.skipif(IN_PROCESS, reason="kernels already tested in this process")
 def test_in_subprocess():
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -1,0 +1,95 @@
+"""Weight gradients through `torch._grouped_mm` (CUTLASS grouped GEMM), where it is faster.
+
+`grad gate_up[e] = sum_p d[a;b]_p x_r^T` and `grad down[e] = sum_p dy_r hg_p^T` contract over
+an expert's pairs. On Hopper with bf16 operands `torch._grouped_mm`'s K-grouped product (2-D x
+2-D with `offs`: one `[M, N]` output per group, the contraction over the group's rows) runs
+near dense cuBLAS speed (TMA, warp-specialised, clusters), the Triton `weight_grad` well below
+it (docs/kernels.md). It needs both operands in sorted-pair order, so the row-indexed one
+(`x` or `dy`) is first copied by `gather_pair_rows`: the first P rows only (P is read on the
+device, no host sync), about 0.19 ms per `[P, 2048]` bf16 at OLMoE's shape on an H100, which the
+faster GEMM more than repays. Groups with no rows get zeros, rows past `offsets[E]` are never
+read. Used when `use_grouped_mm` says so (CUDA, bf16, compute capability 9.x, 16-byte row
+strides); env `OCCULT_WGRAD=triton` turns it off, `=grouped_mm` forces it (also on CPU, where
+torch has a reference implementation; the tests use that).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from occult.kernels import config as _config
+
+
+def use_grouped_mm(t: torch.Tensor, *widths: int) -> bool:
+    """Whether the weight gradients of operands like `t` with row widths `widths` use
+    `torch._grouped_mm` (module docstring)."""
+    mode = os.environ.get("OCCULT_WGRAD", "auto").lower()
+    if mode == "triton" or not hasattr(torch, "_grouped_mm") or t.dtype != torch.bfloat16:
+        return False
+    if any(w % 8 for w in widths):  # 16-byte strides of bf16 rows
+        return False
+    if mode == "grouped_mm":
+        return True
+    if _config.interpreting() or t.device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(t.device)[0] == 9
+
+
+@triton.jit
+def _gather_pair_rows_kernel(
+    src_ptr, pair_ptr, offsets_ptr, out_ptr,
+    num_experts, num_slots, N, stride_src, stride_out,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_pairs = tl.load(offsets_ptr + num_experts)
+    for blk in range(pid, tl.cdiv(num_pairs, BLOCK_R), nprog):
+        offs_r = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < num_pairs
+        pair = tl.load(pair_ptr + offs_r, mask=mask_r, other=0)
+        row = (pair // num_slots).to(tl.int64)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask = mask_r[:, None] & (offs_n < N)[None, :]
+            v = tl.load(src_ptr + row[:, None] * stride_src + offs_n[None, :], mask=mask)
+            tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_out + offs_n[None, :], v, mask=mask)
+
+
+def gather_pair_rows(
+    src_RN: torch.Tensor,
+    pair_P: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    num_slots: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`out[i] = src[pair[i] // K]` for the first P = `offsets[E]` sorted pairs; `out` is
+    `[R*K, N]` (allocated if None; later rows are left as they are)."""
+    bound, n = pair_P.numel(), src_RN.shape[1]
+    if out is None:
+        out = src_RN.new_empty((bound, n))
+    if bound == 0 or n == 0:
+        return out
+    if src_RN.stride(1) != 1:
+        src_RN = src_RN.contiguous()
+    cfg = _config.get("gather")
+    block_n = min(cfg.block_n, triton.next_power_of_2(n))
+    programs = triton.cdiv(bound, cfg.block_m)
+    if not _config.interpreting() and src_RN.is_cuda:
+        programs = min(programs, 4 * torch.cuda.get_device_properties(src_RN.device).multi_processor_count)
+    _gather_pair_rows_kernel[(max(1, programs),)](
+        src_RN, pair_P, offsets_E1, out,
+        offsets_E1.numel() - 1, num_slots, n, src_RN.stride(0), out.stride(0),
+        BLOCK_R=cfg.block_m, BLOCK_N=block_n, num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def grouped_weight_grad(a_PM: torch.Tensor, b_PN: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    """`out[e] = a[s:t]^T b[s:t]` `[E, M, N]` for expert e's sorted-pair rows `s:t` (zeros when
+    empty), through `torch._grouped_mm`. Both operands `[>= P, ·]` with unit column stride."""
+    return torch._grouped_mm(a_PM.t(), b_PN, offs=offsets_E1[1:])
