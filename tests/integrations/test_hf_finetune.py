@@ -119,6 +119,11 @@ def two_ranks(rank: int, world_size: int, dirs: dict) -> dict:
         res[f"{family}/ep2"] = {"losses": run["losses"], "params": run["params"]}
         if family == "olmoe":
             hf.save_finetuned(run["model"], os.path.join(dirs["root"], "saved"), source=dirs[name])
+            try:  # a second save onto the same directory fails on rank 0: every rank must raise
+                hf.save_finetuned(run["model"], os.path.join(dirs["root"], "saved"))
+                res["second_save"] = "no error"
+            except OSError as exc:
+                res["second_save"] = str(exc)
             ids = torch.arange(3, 3 + 2 * 10).reshape(2, 10) % VOCAB
             with torch.no_grad():
                 res["logits_pruned"] = run["model"](ids).logits.numpy()
@@ -190,6 +195,8 @@ def test_two_ranks_equal_one_process(ranks, reference, run):
 @pytest.mark.timeout(900)
 def test_saved_directory_reloads_with_transformers(ranks, reference, dirs):
     saved = os.path.join(dirs["root"], "saved")
+    for res in ranks:
+        assert "failed on rank 0" in res["second_save"] and "already exists" in res["second_save"], res["second_save"]
     assert not [n for n in os.listdir(dirs["root"]) if n.startswith(".saved.")]  # the temporary directory is gone
     model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     ids = torch.arange(3, 3 + 2 * 10).reshape(2, 10) % VOCAB

@@ -41,8 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from occult.integrations.hf.block import OccultMoeBlock
-from occult.integrations.hf.convert import hf_layout
+from occult.integrations.hf.block import OccultMoeBlock, moe_blocks
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
@@ -292,41 +291,73 @@ def finetune(
                           sum(p.numel() for p in routers + experts))
 
 
-def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.PathLike | None = None,
-                   world: Any = None) -> Path:
+def _hf_blocks_on_rank0(model: nn.Module, rank: int) -> list[tuple[str, nn.Module, nn.Module]]:
+    """Rank 0: (name, converted block, the model's own block with every expert), experts gathered
+    to it over its EP group (the other ranks of that group send, the rest do nothing); else []."""
+    out = []
+    for name, block in moe_blocks(model):
+        moe = block.experts
+        group = moe.dispatcher.group
+        ranks = dist.get_process_group_ranks(group) if group is not None else [0]
+        if rank not in ranks or 0 not in ranks:
+            continue  # another data-parallel replica: rank 0's EP group holds every expert
+        full = []
+        for local in (moe.gate_up_proj.detach().contiguous(), moe.down_proj.detach().contiguous()):
+            if group is not None and moe.num_ranks > 1:
+                shards = [torch.empty_like(local) for _ in range(moe.num_ranks)] if rank == 0 else None
+                dist.gather(local, shards, dst=0, group=group)
+                local = torch.cat(shards) if rank == 0 else local
+            full.append(moe.placement.invert(local) if rank == 0 else None)
+        if rank == 0:
+            out.append((name, block, block.to_hf(model.config, full[0].cpu(), full[1].cpu())))
+    return out
+
+
+def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.PathLike | None = None) -> Path:
     """Write the model in the transformers layout to `out`, atomically (a collective).
 
-    Every rank takes part in gathering the experts; rank 0 writes a temporary directory beside
-    `out` (the model's own `save_pretrained`, plus the tokenizer files of `source`) and renames
-    it onto `out`, which must not exist. Every rank raises if rank 0's write fails.
+    The experts are gathered to rank 0 alone (the other ranks never hold more than their own);
+    rank 0 writes a temporary directory beside `out` (the model's own `save_pretrained`, plus
+    the tokenizer files of `source`) and renames it onto `out`, which must not exist. Every
+    rank raises if rank 0's write fails.
     """
     out = Path(out)
-    rank = dist.get_rank(world) if dist.is_available() and dist.is_initialized() else 0
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
     status = torch.zeros((), dtype=torch.int64)
     error = ""
-    with hf_layout(model):  # every rank: experts all-gathered over the EP group
-        if rank == 0:
-            tmp = None
-            try:
-                if out.exists():
-                    raise FileExistsError(f"{out} already exists: choose another --out")
-                out.parent.mkdir(parents=True, exist_ok=True)
-                tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-                model.save_pretrained(str(tmp))
-                for name in TOKENIZER_FILES if source is not None else ():
-                    src = Path(source) / name
-                    if src.is_file() and not (tmp / name).exists():
-                        shutil.copyfile(src, tmp / name)
-                os.replace(tmp, out)
-            except Exception as exc:  # reported to every rank below
-                status.fill_(1)
-                error = f"{type(exc).__name__}: {exc}"
-                if tmp is not None and tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
-    if dist.is_available() and dist.is_initialized():
-        if status.device.type != "cpu" or dist.get_backend(world) == "nccl":
+    swapped = _hf_blocks_on_rank0(model, rank)
+    if rank == 0:
+        tmp = None
+        try:
+            for name, _, hf_block in swapped:
+                model.set_submodule(name, hf_block)
+            if out.exists():
+                raise FileExistsError(f"{out} already exists: choose another --out")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+            model.save_pretrained(str(tmp))
+            for name in TOKENIZER_FILES if source is not None else ():
+                src = Path(source) / name
+                if src.is_file() and not (tmp / name).exists():
+                    shutil.copyfile(src, tmp / name)
+            os.replace(tmp, out)
+        except Exception as exc:  # reported to every rank below
+            status.fill_(1)
+            error = f"{type(exc).__name__}: {exc}"
+            if tmp is not None and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            for name, block, _ in swapped:
+                model.set_submodule(name, block)
+    if distributed:
+        if dist.get_backend() == "nccl":
             status = status.cuda()
-        dist.all_reduce(status, group=world)
+        dist.all_reduce(status)
+        if int(status):
+            message = [error]
+            dist.broadcast_object_list(message, src=0)
+            error = message[0]
     if int(status):
         raise OSError(f"saving {out} failed on rank 0" + (f": {error}" if error else ""))
     return out
