@@ -265,6 +265,20 @@ def test_cli_finetune_hf(dirs, tmp_path, capsys):
     corpus = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare_tiny")
     assert main(["finetune", "--hf", str(tmp_path / "bytes"), "--out", str(tmp_path / "run_bytes"), "--corpus-dir", corpus, *common]) == 0
     assert "UTF-8 bytes" in capsys.readouterr().out
+    # the model's own tokenizer (a character-level one of <= 96 ids) for a text file; copied to the output
+    import tokenizers
+
+    text = open(os.path.join(corpus, "sonnets_gut.txt"), encoding="utf-8").read()[:20000]
+    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(sorted(set(text))[: VOCAB - 2])}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    with_tok = tmp_path / "with_tokenizer"
+    shutil.copytree(dirs["olmoe"], with_tok)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(with_tok)
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    assert main(["finetune", "--hf", str(with_tok), "--out", str(tmp_path / "run_tok"), "--data", str(tmp_path / "text.txt"), *common]) == 0
+    assert "the model's tokenizer" in capsys.readouterr().out
+    assert (tmp_path / "run_tok" / "model" / "tokenizer.json").is_file()
     errors = {
         "not a transformers model directory": ["--hf", str(tmp_path / "missing"), "--out", str(tmp_path / "x")],
         "already exists": ["--hf", dirs["olmoe"], "--out", str(tmp_path / "run"), "--data", "random"],
