@@ -32,7 +32,7 @@ RUNS = {
 
 
 def model_args(a) -> list[str]:
-    return ["--corpus-dir", a.data, "--hidden", str(a.hidden), "--layers", str(a.layers), "--heads", "2",
+    return ["--corpus-dir", a.data, "--hidden", str(a.hidden), "--layers", str(a.layers), "--heads", str(a.heads),
             "--experts", str(a.experts), "--top-k", str(a.top_k), "--expert-ffn", str(a.ffn), "--seq-len", str(a.seq_len),
             "--batch-size", str(a.batch_size), "--steps", str(a.steps), "--eval-every", str(a.steps // 4),
             "--eval-tokens", "8192", "--save-every", str(a.steps // 2), "--lr", "3e-3", "--warmup", "20",
@@ -122,6 +122,7 @@ def main() -> int:
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--ffn", type=int, default=64)
