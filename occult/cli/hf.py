@@ -116,6 +116,8 @@ def add_finetune_arguments(p: Any) -> None:
     g = p.add_argument_group("transformers models (--hf)")
     g.add_argument("--hf", default=None, metavar="DIR",
                    help="fine-tune this transformers model directory's routers and experts instead of --init")
+    g.add_argument("--save-dtype", default="source", choices=["source", "fp32", "bf16"],
+                   help="--hf: dtype of the saved weights (default: the source checkpoint's; training runs in fp32)")
     if "--data" not in have:
         g.add_argument("--data", default=None,
                        help="--hf: token ids (.safetensors/.npy/.pt), text (.txt/.jsonl) or 'random' (default: the "
@@ -161,6 +163,18 @@ def _hf_placements(args: Any, ep_size: int):
             f"--max-devices N to use it for routing only, or make one with `occult place --devices {ep_size}`"
         )
     return None, placement, sims
+
+
+def _save_dtype(args: Any):
+    """--save-dtype as a torch dtype (source: config.json's dtype / torch_dtype; fp32 when absent)."""
+    import torch
+
+    name = {"fp32": "float32", "bf16": "bfloat16"}.get(args.save_dtype)
+    if name is None:
+        cfg = json.loads((Path(args.hf) / "config.json").read_text())
+        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
 def run_finetune(args: Any) -> int:
@@ -212,7 +226,7 @@ def run_finetune(args: Any) -> int:
             log(f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "
                 f"data-parallel replica(s); {cfg.batch_size // groups.world_size} of {cfg.batch_size} rows per rank")
         result = hf.finetune(model, tokens, cfg, groups, progress=False if args.no_progress else None, log=log)
-        hf.save_finetuned(model, out / "model", source=args.hf)
+        hf.save_finetuned(model, out / "model", source=args.hf, dtype=_save_dtype(args))
         if main:
             from occult._atomic import write_text_atomic
             from occult.lm.plot import plot_losses

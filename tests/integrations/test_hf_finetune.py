@@ -265,6 +265,13 @@ def test_cli_finetune_hf(dirs, tmp_path, capsys):
     corpus = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare_tiny")
     assert main(["finetune", "--hf", str(tmp_path / "bytes"), "--out", str(tmp_path / "run_bytes"), "--corpus-dir", corpus, *common]) == 0
     assert "UTF-8 bytes" in capsys.readouterr().out
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")  # source dtype: float32
+    assert saved.dtype == torch.float32
+    assert main(["finetune", "--hf", str(tmp_path / "bytes"), "--out", str(tmp_path / "run_bf16"), "--corpus-dir", corpus,
+                 "--save-dtype", "bf16", *common]) == 0
+    capsys.readouterr()
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run_bf16" / "model")  # config.json: bfloat16
+    assert {p.dtype for p in saved.parameters()} == {torch.bfloat16}
     # the model's own tokenizer (a character-level one of <= 96 ids) for a text file; copied to the output
     import tokenizers
 

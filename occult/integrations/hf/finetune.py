@@ -27,6 +27,7 @@ master weights. The result equals single-process training on the same global bat
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -42,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from occult.integrations.hf.block import OccultMoeBlock, moe_blocks
+from occult.integrations.hf.loading import _fp32_kept
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
@@ -313,8 +315,12 @@ def _hf_blocks_on_rank0(model: nn.Module, rank: int) -> list[tuple[str, nn.Modul
     return out
 
 
-def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.PathLike | None = None) -> Path:
+def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.PathLike | None = None,
+                   dtype: torch.dtype | None = None) -> Path:
     """Write the model in the transformers layout to `out`, atomically (a collective).
+
+    `dtype`: store floating-point weights in it (e.g. the source checkpoint's bf16 after fp32
+    training), but for those transformers keeps in fp32 (`_keep_in_fp32_modules_strict`).
 
     The experts are gathered to rank 0 alone (the other ranks never hold more than their own);
     rank 0 writes a temporary directory beside `out` (the model's own `save_pretrained`, plus
@@ -336,7 +342,21 @@ def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.Pa
                 raise FileExistsError(f"{out} already exists: choose another --out")
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-            model.save_pretrained(str(tmp))
+            kwargs: dict[str, Any] = {}
+            if dtype is not None:
+                kwargs["state_dict"] = {
+                    k: v.to(torch.float32 if _fp32_kept(model, k, dtype) else dtype) if v.is_floating_point() else v
+                    for k, v in model.state_dict().items()
+                }
+            saved_dtype = getattr(model.config, "dtype", None)
+            try:
+                model.save_pretrained(str(tmp), **kwargs)
+            finally:
+                model.config.dtype = saved_dtype  # save_pretrained sets it from the weights in memory
+            if dtype is not None:  # config.json says what the files hold
+                cfg = json.loads((tmp / "config.json").read_text())
+                cfg["dtype"] = str(dtype).removeprefix("torch.")
+                (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             for name in TOKENIZER_FILES if source is not None else ():
                 src = Path(source) / name
                 if src.is_file() and not (tmp / name).exists():
