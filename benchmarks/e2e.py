@@ -16,6 +16,8 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
   dedup+placement  dedup over a greedy placement solved from the model's own routing
                    (hf.profile on a calibration batch of random ids per rank)
   prunedN          dedup + placement with max_devices=N (approximate: its check is report-only)
+  <variant>/cN     any occult variant pipelined over N token chunks (OccultMoE overlap_chunks=N:
+                   each chunk's all-to-alls run under another chunk's experts), e.g. dedup/c4
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -52,7 +54,7 @@ from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and 
     environment, free_memory, log, logit_errors, quantiles, synchronize, time_steps as _time_steps, write_json,
 )
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
-from occult import Placement  # noqa: E402
+from occult import Placement, set_overlap  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
@@ -82,10 +84,18 @@ MODELS = {  # name -> (transformers config class, fields); real shapes, fewer la
 def variant_list(text: str) -> list[str]:
     """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1)."""
     names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", v)]
+    bad = [v for v in names if split_chunks(v)[0] not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", split_chunks(v)[0])]
+    bad += [v for v in names if split_chunks(v)[0] in PEERS and split_chunks(v)[1] > 1]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN)")
+        raise argparse.ArgumentTypeError(
+            f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), each optionally /cN (N chunks)")
     return names
+
+
+def split_chunks(variant: str) -> tuple[str, int]:
+    """'dedup/c4' -> ('dedup', 4); a variant without a '/cN' suffix is not pipelined (1)."""
+    m = re.fullmatch(r"(.+)/c([1-9]\d*)", variant)
+    return (m.group(1), int(m.group(2))) if m else (variant, 1)
 
 
 def phase_list(text: str) -> list[str]:
@@ -151,7 +161,7 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
     k = cfg.num_experts_per_tok
     if E % world:
         return f"{args.model} has {E} experts, not divisible by world size {world}: use a world size dividing {E}"
-    for v in args.variants:
+    for v in (split_chunks(v)[0] for v in args.variants):
         if v.startswith("pruned") and int(v[6:]) * (E // world) < k:
             return f"{v}: {v[6:]} device(s) hold {int(v[6:]) * (E // world)} experts, fewer than top_k={k}"
     if "hf-ep" in args.variants and (reason := hf_ep.unavailable()):
@@ -232,6 +242,11 @@ def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.de
 
 def convert_variant(model: nn.Module, variant: str, placement: Placement | None, self_group: Any) -> nn.Module:
     """Convert `model` in place as `variant` (module docstring)."""
+    variant, chunks = split_chunks(variant)
+    if chunks > 1:
+        model = convert_variant(model, variant, placement, self_group)
+        set_overlap(model, chunks)
+        return model
     if variant == "replicated":
         return hf.convert(model, group=self_group, dispatcher="dedup")
     if variant in ("standard", "dedup"):
@@ -301,7 +316,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     else:
         model = convert_variant(build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"],
                                 ctx["self_group"])
-    res: dict[str, Any] = {"exact": variant in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
+    res: dict[str, Any] = {"exact": split_chunks(variant)[0] in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
     if shared:
         res["hf_ep"] = hf_ep.describe(model)
     res["check"] = check_logits(model, check_ids, ctx["ref_logits"], rows)
@@ -382,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         ref_logits = ref.eval()(input_ids=check_ids, use_cache=False).logits.float()
     placement = None
-    if any(v == "dedup+placement" or v.startswith("pruned") for v in args.variants):
+    if any(v == "dedup+placement" or v.startswith("pruned") for v in (split_chunks(v)[0] for v in args.variants)):
         placement, report["placement"] = solve_placement(ref, args, device, world)
     hf_ep_dir = hf_ep.save(ref) if "hf-ep" in args.variants else None
     del ref

@@ -59,11 +59,25 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
     assert last[-1].startswith("| pruned1 | train |") and any(line.startswith("| replicated | prefill |") for line in last)
 
 
+def test_e2e_pipelined_variants_are_exact_and_send_the_same_rows(tmp_path):
+    out = tmp_path / "e2e.json"
+    res = _torchrun(2, "--model", "tiny", "--variants", "dedup,dedup/c3,pruned1/c2", "--batch", "2", "--seq", "32",
+                    "--check-seq", "32", "--warmup", "1", "--iters", "1", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())["variants"]
+    assert report["dedup/c3"]["exact"] and report["dedup/c3"]["check"]["median_rel_err"] < 1e-4
+    assert not report["pruned1/c2"]["exact"]
+    for phase in PHASES:
+        plain, piped = report["dedup"]["phases"][phase]["comm"], report["dedup/c3"]["phases"][phase]["comm"]
+        assert piped["forward_rows"] == plain["forward_rows"] and piped["backward_rows"] == plain["backward_rows"]
+
+
 def test_e2e_unknown_variant_fails_clearly():
-    res = subprocess.run([sys.executable, str(SCRIPT), "--variants", "dedup,bogus"], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=120, check=False)
-    assert res.returncode != 0
-    assert "unknown variant" in res.stderr and "bogus" in res.stderr
+    for bad in ("dedup,bogus", "dedup/c0", "hf-ep/c2"):
+        res = subprocess.run([sys.executable, str(SCRIPT), "--variants", bad], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=120, check=False)
+        assert res.returncode != 0
+        assert "unknown variant" in res.stderr and bad.split(",")[-1] in res.stderr
 
 
 def test_e2e_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
