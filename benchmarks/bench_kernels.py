@@ -197,7 +197,8 @@ def gemm_parts(prob):
     from occult.kernels.combine import combine_rows
     from occult.kernels.pairs import build_pairs, build_pairs_torch
 
-    from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, use_grouped_mm
+    from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, swiglu_dgrad_grouped, use_grouped_mm
+    from occult.kernels.op import DGRAD1_DEFAULT
 
     x, slots, gates, w1, w2, dy, K = (prob[k] for k in ("x", "slots", "gates", "w1", "w2", "dy", "K"))
     g = gates.view(-1)
@@ -208,17 +209,33 @@ def gemm_parts(prob):
     dxp = x.new_empty((slots.numel(), x.shape[1]))
     rows = x.new_empty((slots.numel(), x.shape[1]))
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-    wgrad_triton = {
-        "gate_up": lambda: weight_grad(dab, x, pair, offsets, K, dw1, a_gather=False, b_gather=True),
-        "down": lambda: weight_grad(dy, h, pair, offsets, K, dw2, a_gather=True, b_gather=False),
+    H, F = x.shape[1], w2.shape[2]
+    parts = {
+        "dgrad1_triton": lambda: swiglu_dgrad(dy, pair, offsets, w2, ab, g, K),
+        "wgrad_gate_up_triton": lambda: weight_grad(dab, x, pair, offsets, K, dw1, a_gather=False, b_gather=True),
+        "wgrad_down_triton": lambda: weight_grad(dy, h, pair, offsets, K, dw2, a_gather=True, b_gather=False),
+        "gather_rows": lambda: gather_pair_rows(x, pair, offsets, K, out=rows),
     }
-    # what the op runs: gather + torch._grouped_mm on Hopper/bf16 (kernels.grouped_mm), else Triton
-    wgrad_op = dict(wgrad_triton)
-    if use_grouped_mm(x, x.shape[1], w2.shape[2]):
-        wgrad_op = {
-            "gate_up": lambda: grouped_weight_grad(dab, gather_pair_rows(x, pair, offsets, K, out=rows), offsets),
-            "down": lambda: grouped_weight_grad(gather_pair_rows(dy, pair, offsets, K, out=rows), h, offsets),
-        }
+    # what the op runs (kernels.op, kernels.grouped_mm): on Hopper/bf16 the weight gradients are a
+    # gather + torch._grouped_mm; with OCCULT_DGRAD1 the SwiGLU dgrad too, whose dy gather is then
+    # shared with the down-projection weight gradient (counted in dgrad1, not again in wgrad_down)
+    wgrad_gmm = use_grouped_mm(x, H, F)
+    dgrad_gmm = use_grouped_mm(x, H, F, env="OCCULT_DGRAD1", default=DGRAD1_DEFAULT)
+    if wgrad_gmm or dgrad_gmm:
+        dy_rows = gather_pair_rows(dy, pair, offsets, K)
+        parts.update({
+            "dgrad1_grouped_mm": lambda: swiglu_dgrad_grouped(gather_pair_rows(dy, pair, offsets, K, out=rows),
+                                                              pair, offsets, w2, ab, g),
+            "wgrad_gate_up_grouped_mm": lambda: grouped_weight_grad(
+                dab, gather_pair_rows(x, pair, offsets, K, out=rows), offsets),
+            "wgrad_down_grouped_mm": lambda: grouped_weight_grad(
+                gather_pair_rows(dy, pair, offsets, K, out=rows), h, offsets),
+            "wgrad_down_grouped_mm_gathered": lambda: grouped_weight_grad(dy_rows, h, offsets),
+        })
+    parts["dgrad1"] = parts["dgrad1_grouped_mm" if dgrad_gmm else "dgrad1_triton"]
+    parts["wgrad_gate_up"] = parts["wgrad_gate_up_grouped_mm" if wgrad_gmm else "wgrad_gate_up_triton"]
+    parts["wgrad_down"] = parts[("wgrad_down_grouped_mm_gathered" if dgrad_gmm else "wgrad_down_grouped_mm")
+                                if wgrad_gmm else "wgrad_down_triton"]
     return {
         "pairs": lambda: build_pairs(slots, w1.shape[0]),
         "pairs_torch_sort": lambda: build_pairs_torch(slots, w1.shape[0]),
@@ -226,13 +243,8 @@ def gemm_parts(prob):
         "gemm1_save": lambda: gather_gemm_swiglu(x, pair, offsets, w1, g, K, save_ab=True),
         "gemm2": lambda: gemm_scatter(h, pair, offsets, w2.transpose(1, 2), K, o),
         "combine": lambda: combine_rows(o, slots, w1.shape[0], x.dtype),
-        "dgrad1": lambda: swiglu_dgrad(dy, pair, offsets, w2, ab, g, K),
         "dgrad2": lambda: gemm_scatter(dab, pair, offsets, w1, K, dxp, config_name="dgrad2"),
-        "wgrad_gate_up": wgrad_op["gate_up"],
-        "wgrad_down": wgrad_op["down"],
-        "wgrad_gate_up_triton": wgrad_triton["gate_up"],
-        "wgrad_down_triton": wgrad_triton["down"],
-        "gather_rows": lambda: gather_pair_rows(x, pair, offsets, K, out=rows),
+        **parts,
     }
 
 
@@ -240,7 +252,10 @@ def part_flops(prob):
     P, H, F = prob["P"], prob["x"].shape[1], prob["w2"].shape[2]
     return {"gemm1": 4 * P * H * F, "gemm1_save": 4 * P * H * F, "gemm2": 2 * P * H * F, "dgrad1": 2 * P * H * F,
             "dgrad2": 4 * P * H * F, "wgrad_gate_up": 4 * P * H * F, "wgrad_down": 2 * P * H * F,
-            "wgrad_gate_up_triton": 4 * P * H * F, "wgrad_down_triton": 2 * P * H * F}
+            "wgrad_gate_up_triton": 4 * P * H * F, "wgrad_down_triton": 2 * P * H * F,
+            "dgrad1_triton": 2 * P * H * F, "dgrad1_grouped_mm": 2 * P * H * F,
+            "wgrad_gate_up_grouped_mm": 4 * P * H * F, "wgrad_down_grouped_mm": 2 * P * H * F,
+            "wgrad_down_grouped_mm_gathered": 2 * P * H * F}
 
 
 def grouped_mm_variants(prob):
@@ -402,10 +417,18 @@ def run_shape(name, prob, device, log, skip_reference=False):
     }
     # backward kernels one by one: TF/s, and % of the dense cuBLAS product of the same shape
     fl_parts = part_flops(prob)
-    for k in ("dgrad1", "dgrad2", "wgrad_gate_up", "wgrad_down", "wgrad_gate_up_triton", "wgrad_down_triton"):
+    for k in ("dgrad1", "dgrad2", "wgrad_gate_up", "wgrad_down", "wgrad_gate_up_triton", "wgrad_down_triton",
+              "dgrad1_triton", "dgrad1_grouped_mm", "wgrad_gate_up_grouped_mm", "wgrad_down_grouped_mm",
+              "wgrad_down_grouped_mm_gathered"):
         res["summary"][f"{k}_tflops"] = tflops(fl_parts[k], get(f"kernels.{k}"))
-        dense_k = k.replace("_triton", "")
+        dense_k = k.replace("_triton", "").replace("_grouped_mm", "").replace("_gathered", "")
         res["summary"][f"{k}_pct_dense"] = 100 * get(f"dense.{dense_k}") / get(f"kernels.{k}")
+    # the backward GEMMs' TF/s for each choice of dgrad1 (the weight gradients as the op runs them)
+    wd_alone = "kernels.wgrad_down_grouped_mm" if "kernels.wgrad_down_grouped_mm" in ms else "kernels.wgrad_down"
+    rest = get("kernels.dgrad2") + get("kernels.wgrad_gate_up")
+    res["summary"]["gemms_bwd_tflops_dgrad1_triton"] = tflops(fl_b, get("kernels.dgrad1_triton") + get(wd_alone) + rest)
+    res["summary"]["gemms_bwd_tflops_dgrad1_grouped_mm"] = tflops(
+        fl_b, get("kernels.dgrad1_grouped_mm") + get("kernels.wgrad_down_grouped_mm_gathered") + rest)
     return res
 
 
@@ -514,6 +537,12 @@ def main(argv=None):
             f"{s_['wgrad_gate_up_triton_tflops']:5.0f} ({s_['wgrad_gate_up_triton_pct_dense']:3.0f}%) "
             f"{s_['wgrad_down_triton_tflops']:5.0f} ({s_['wgrad_down_triton_pct_dense']:3.0f}%) "
             f"{ms.get('kernels.gather_rows', nan):7.3f}")
+    log("backward GEMMs TF/s (% of dense), dgrad1 = fused Triton / = gather + _grouped_mm + SwiGLU pass; dgrad1 ms both")
+    for name, e in report["shapes"].items():
+        s_ = e["summary"]
+        a, b, d = s_["gemms_bwd_tflops_dgrad1_triton"], s_["gemms_bwd_tflops_dgrad1_grouped_mm"], s_["dense_bwd_tflops"]
+        log(f"{name:12s} {a:5.0f} ({100 * a / d:3.0f}%) / {b:5.0f} ({100 * b / d:3.0f}%)   "
+            f"{e['ms'].get('kernels.dgrad1_triton', nan):.3f} / {e['ms'].get('kernels.dgrad1_grouped_mm', nan):.3f}")
     log("check vs fp32 reference (relative error y/dx/dgates/dgate_up/ddown; torch bf16 path for scale)")
     for name, e in report["shapes"].items():
         c = e.get("check", {})

@@ -48,6 +48,8 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     "wgrad": TileConfig(128, 128, 64, 1, 8, 3),
     # kernels.grouped_mm.gather_pair_rows: block_m rows x block_n columns per step
     "gather": TileConfig(8, 1024, 1, 1, 4, 1),
+    # kernels.grouped_mm.swiglu_dgrad_grouped's elementwise pass: block_m rows x block_n columns
+    "swiglu_rows": TileConfig(8, 512, 1, 1, 4, 1, ctas_per_sm=16),
     # index row sums (kernels.rows): a row's K pair rows, a token's rows (block_m rows x block_n columns)
     "combine": TileConfig(4, 512, 1, 1, 4, 1),
 }
@@ -60,6 +62,7 @@ INTERPRET_DEFAULTS: dict[str, TileConfig] = {
     "dgrad2": TileConfig(16, 32, 16, 2, 4, 1),
     "wgrad": TileConfig(16, 32, 16, 1, 4, 1),
     "gather": TileConfig(4, 32, 1, 1, 4, 1),
+    "swiglu_rows": TileConfig(4, 32, 1, 1, 4, 1),
     "combine": TileConfig(4, 32, 1, 1, 4, 1),
 }
 

@@ -24,10 +24,11 @@ import triton.language as tl
 from occult.kernels import config as _config
 
 
-def use_grouped_mm(t: torch.Tensor, *widths: int) -> bool:
-    """Whether the weight gradients of operands like `t` with row widths `widths` use
-    `torch._grouped_mm` (module docstring)."""
-    mode = os.environ.get("OCCULT_WGRAD", "auto").lower()
+def use_grouped_mm(t: torch.Tensor, *widths: int, env: str = "OCCULT_WGRAD", default: str = "auto") -> bool:
+    """Whether the weight gradients (`env="OCCULT_WGRAD"`) or the SwiGLU dgrad
+    (`env="OCCULT_DGRAD1"`) of operands like `t` with row widths `widths` use
+    `torch._grouped_mm` (module docstring). `default` is the mode when `env` is unset."""
+    mode = os.environ.get(env, default).lower()
     if mode == "triton" or not hasattr(torch, "_grouped_mm") or t.dtype != torch.bfloat16:
         return False
     if any(w % 8 for w in widths):  # 16-byte strides of bf16 rows
@@ -93,3 +94,63 @@ def grouped_weight_grad(a_PM: torch.Tensor, b_PN: torch.Tensor, offsets_E1: torc
     """`out[e] = a[s:t]^T b[s:t]` `[E, M, N]` for expert e's sorted-pair rows `s:t` (zeros when
     empty), through `torch._grouped_mm`. Both operands `[>= P, ·]` with unit column stride."""
     return torch._grouped_mm(a_PM.t(), b_PN, offs=offsets_E1[1:])
+
+
+@triton.jit
+def _swiglu_backward_rows_kernel(
+    u_ptr, ab_ptr, pair_ptr, offsets_ptr, gate_ptr, dab_ptr, dg_ptr,
+    num_experts, F, stride_u,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_pairs = tl.load(offsets_ptr + num_experts)
+    for blk in range(pid, tl.cdiv(num_pairs, BLOCK_R), nprog):
+        offs_r = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < num_pairs
+        pair = tl.load(pair_ptr + offs_r, mask=mask_r, other=0)
+        g = tl.load(gate_ptr + pair, mask=mask_r, other=0.0).to(tl.float32)
+        r64 = offs_r.to(tl.int64)
+        dg = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_F):
+            offs_f = f0 + tl.arange(0, BLOCK_F)
+            mask = mask_r[:, None] & (offs_f < F)[None, :]
+            u = tl.load(u_ptr + r64[:, None] * stride_u + offs_f[None, :], mask=mask, other=0.0).to(tl.float32)
+            ab_ptrs = ab_ptr + r64[:, None] * (2 * F) + offs_f[None, :]
+            a = tl.load(ab_ptrs, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(ab_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(a)
+            silu = a * sig
+            dg += tl.sum(u * silu * b, axis=1)
+            dh = u * g[:, None]
+            dab_ptrs = dab_ptr + r64[:, None] * (2 * F) + offs_f[None, :]
+            tl.store(dab_ptrs, (dh * b * (sig + silu * (1.0 - sig))).to(dab_ptr.dtype.element_ty), mask=mask)
+            tl.store(dab_ptrs + F, (dh * silu).to(dab_ptr.dtype.element_ty), mask=mask)
+        tl.store(dg_ptr + pair, dg, mask=mask_r)
+
+
+def swiglu_dgrad_grouped(
+    dy_sorted: torch.Tensor,
+    pair_P: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    down_EHF: torch.Tensor,
+    ab_PF2: torch.Tensor,
+    gates_flat: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grouped_gemm_backward.swiglu_dgrad` from dy rows already in sorted-pair order:
+    `u = torch._grouped_mm(dy_sorted, down)` (bf16), then one pass of SwiGLU backward and the
+    gate gradient (a full row per program, no partial sums). Same outputs: (d[a; b], dg)."""
+    bound, ffn = pair_P.numel(), down_EHF.shape[2]
+    u = torch._grouped_mm(dy_sorted, down_EHF, offs=offsets_E1[1:])
+    dab = ab_PF2.new_empty((bound, 2 * ffn))
+    dg = torch.zeros(bound, device=ab_PF2.device, dtype=torch.float32)
+    cfg = _config.get("swiglu_rows")
+    programs = triton.cdiv(bound, cfg.block_m)
+    if not _config.interpreting() and u.is_cuda:
+        programs = min(programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(u.device).multi_processor_count)
+    _swiglu_backward_rows_kernel[(max(1, programs),)](
+        u, ab_PF2, pair_P, offsets_E1, gates_flat, dab, dg,
+        offsets_E1.numel() - 1, ffn, u.stride(0),
+        BLOCK_R=cfg.block_m, BLOCK_F=min(cfg.block_n, triton.next_power_of_2(ffn)), num_warps=cfg.num_warps,
+    )
+    return dab, dg

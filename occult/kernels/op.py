@@ -8,7 +8,8 @@ Forward (no host sync; every size the host uses is a shape):
   (`atomic=True` fuses 3-4: fp32 atomic adds into one row per received row.)
 Backward: `grouped_gemm_backward.swiglu_dgrad` (d[a;b] and the gate gradient),
 `gemm_scatter` + `combine_rows` (input gradient), the two weight gradients: on Hopper in bf16
-`grouped_mm.gather_pair_rows` + `torch._grouped_mm`, else `grouped_gemm_backward.weight_grad`.
+`grouped_mm.gather_pair_rows` + `torch._grouped_mm`, else `grouped_gemm_backward.weight_grad`
+(`grouped_mm.swiglu_dgrad_grouped` replaces `swiglu_dgrad` where `DGRAD1_DEFAULT`/OCCULT_DGRAD1 say).
 
 Intermediates are sized by the bound R*K (P, the number of valid pairs, is known only on the
 device): `hg` [R*K, F], `[a;b]` and `d[a;b]` [R*K, 2F], pair outputs [R*K, H]; only the first P
@@ -25,8 +26,12 @@ import torch
 from occult.kernels.combine import combine_rows
 from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
 from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
-from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, use_grouped_mm
+from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, swiglu_dgrad_grouped, use_grouped_mm
 from occult.kernels.pairs import build_pairs
+
+# SwiGLU dgrad through torch._grouped_mm + an elementwise pass ("auto": on Hopper/bf16) or the fused
+# Triton kernel ("triton"); env OCCULT_DGRAD1 overrides
+DGRAD1_DEFAULT = "triton"
 
 
 def _check(x_RH, slots_RK, gates_RK, gate_up_EFH, down_EHF) -> None:
@@ -98,12 +103,22 @@ class _ExpertMLPFunction(torch.autograd.Function):
         dy = dy.to(x.dtype).contiguous()
         gates_flat = gates.view(-1)
         dx = dgates = dw1 = dw2 = None
-        # weight gradients via torch._grouped_mm on Hopper/bf16 (kernels.grouped_mm): the row-indexed
-        # operand is gathered into `rows_buf` [R*K, H] first (the dx pair buffer once it is consumed)
-        gmm = (need_w1 or need_w2) and use_grouped_mm(x, x.shape[1], w2.shape[2])
-        rows_buf = None
-        if need_x or need_g or need_w1:
-            dab, dg = swiglu_dgrad(dy, pair, offsets, w2, ab, gates_flat, num_slots)
+        # torch._grouped_mm on Hopper/bf16 (kernels.grouped_mm): the weight gradients (OCCULT_WGRAD),
+        # and optionally the SwiGLU dgrad (OCCULT_DGRAD1); their row-indexed operands are gathered
+        # into sorted-pair order first, [R*K, H] each: dy once (first if the dgrad needs it), x into
+        # `rows_buf` (the dx pair buffer once it is consumed; dy goes there too when gathered last)
+        hidden, ffn = x.shape[1], w2.shape[2]
+        gmm = (need_w1 or need_w2) and use_grouped_mm(x, hidden, ffn)
+        need_dab = need_x or need_g or need_w1
+        gmm_dgrad = need_dab and use_grouped_mm(x, hidden, ffn, env="OCCULT_DGRAD1", default=DGRAD1_DEFAULT)
+        dy_rows = rows_buf = None
+        if gmm_dgrad:
+            dy_rows = gather_pair_rows(dy, pair, offsets, num_slots)
+        if need_dab:
+            if gmm_dgrad:
+                dab, dg = swiglu_dgrad_grouped(dy_rows, pair, offsets, w2, ab, gates_flat)
+            else:
+                dab, dg = swiglu_dgrad(dy, pair, offsets, w2, ab, gates_flat, num_slots)
             if need_g:
                 dgates = dg.view(num_rows, num_slots).to(gates.dtype)
             if need_x:
@@ -112,7 +127,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
                     gemm_scatter(dab, pair, offsets, w1, num_slots, dx32, atomic=True)
                     dx = dx32.to(x.dtype)
                 else:
-                    rows_buf = x.new_empty((num_rows * num_slots, x.shape[1]))
+                    rows_buf = x.new_empty((num_rows * num_slots, hidden))
                     gemm_scatter(dab, pair, offsets, w1, num_slots, rows_buf, config_name="dgrad2")
                     dx = combine_rows(rows_buf, slots, num_experts, x.dtype)
             if need_w1 and gmm:
@@ -121,8 +136,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
             elif need_w1:
                 dw1 = weight_grad(dab, x, pair, offsets, num_slots, torch.empty_like(w1), a_gather=False, b_gather=True)
         if need_w2 and gmm:
-            rows_buf = gather_pair_rows(dy, pair, offsets, num_slots, out=rows_buf)
-            dw2 = grouped_weight_grad(rows_buf, hg, offsets)
+            if dy_rows is None:
+                dy_rows = gather_pair_rows(dy, pair, offsets, num_slots, out=rows_buf)
+            dw2 = grouped_weight_grad(dy_rows, hg, offsets)
         elif need_w2:
             dw2 = weight_grad(dy, hg, pair, offsets, num_slots, torch.empty_like(w2), a_gather=True, b_gather=False)
         return dx, None, dgates, dw1, dw2, None

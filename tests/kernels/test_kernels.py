@@ -235,24 +235,28 @@ def test_inference_path_and_backend_selection():
 @needs_in_process
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
 def test_grouped_mm_weight_grads(monkeypatch):
-    # the Hopper/bf16 weight-gradient path (gather + torch._grouped_mm), forced on any device,
-    # vs the reference and the Triton weight_grad; experts 1 and 4 get no rows (zeros)
+    # the Hopper/bf16 paths (gather + torch._grouped_mm for the weight gradients, optionally for
+    # the SwiGLU dgrad), forced on any device, vs the reference and the Triton kernels; experts
+    # 1 and 4 get no rows (zero weight gradients)
     R, K, E = 40, 3, 6
     slots = torch.randint(0, E, (R, K), generator=torch.Generator().manual_seed(12))
     slots[(slots == 1) | (slots == 4)] = -1
     ins = _inputs(R, K, E, 64, 48, dtype=torch.bfloat16, gate_dtype=torch.float32, slots=slots, seed=12)
-    monkeypatch.setenv("OCCULT_WGRAD", "grouped_mm")
-    got = _run(kernels.expert_mlp, *ins)
-    _assert_close(got, _reference_fp32(*ins), 3e-2)
     monkeypatch.setenv("OCCULT_WGRAD", "triton")
+    monkeypatch.setenv("OCCULT_DGRAD1", "triton")
     tri = _run(kernels.expert_mlp, *ins)
-    for a, b in zip(got[1], tri[1]):
-        assert _rel(a, b) < 1e-2
-    for dw in got[1][2:]:
-        assert dw.dtype == torch.bfloat16
-        assert torch.count_nonzero(dw[1]) == 0 and torch.count_nonzero(dw[4]) == 0
-    # only padding: every weight gradient is zero
+    ref = _reference_fp32(*ins)
     monkeypatch.setenv("OCCULT_WGRAD", "grouped_mm")
+    for dgrad in ("triton", "grouped_mm"):  # and the SwiGLU dgrad through torch._grouped_mm too
+        monkeypatch.setenv("OCCULT_DGRAD1", dgrad)
+        got = _run(kernels.expert_mlp, *ins)
+        _assert_close(got, ref, 3e-2)
+        for a, b in zip(got[1], tri[1]):
+            assert _rel(a, b) < 1e-2
+        for dw in got[1][2:]:
+            assert dw.dtype == torch.bfloat16
+            assert torch.count_nonzero(dw[1]) == 0 and torch.count_nonzero(dw[4]) == 0
+    # only padding: every weight gradient is zero
     pad = _inputs(10, 2, E, 64, 48, dtype=torch.bfloat16, slots=torch.full((10, 2), -1), seed=13)
     assert all(torch.count_nonzero(g) == 0 for g in _run(kernels.expert_mlp, *pad)[1])
 
