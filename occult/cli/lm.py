@@ -106,7 +106,7 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--replace-min-gain", type=float, default=REPLACE_MIN_GAIN,
                    help=f"migrate only if E[C_T] of the recent routing drops by this fraction (default {REPLACE_MIN_GAIN})")
     g.add_argument("--replace-drift", type=float, default=0.0,
-                   help="also re-solve when the measured E[C_T] rises this fraction above its level after the last solve (0 = off)")
+                   help="also re-solve when the measured E[C_T] rises this fraction above its level after the last decision (0 = off)")
     g.add_argument("--replace-check-every", type=int, default=REPLACE_CHECK,
                    help=f"steps between E[C_T] measurements and solver polls (default {REPLACE_CHECK})")
     g.add_argument("--replace-samples", type=int, default=REPLACE_SAMPLES,

@@ -11,7 +11,7 @@ stale. `Replacer(model, parallel, config)` (made by `occult.lm.train.train` when
               routed tokens under the placement in use: every `replace_check_every` steps one
               all-reduce gives the window's E[C_T] (logged to `replace.jsonl`; the drift signal).
     trigger   `replace_every` steps after the last decision (or the start), or when the window's E[C_T]
-              exceeds the first window after the last solve by more than `replace_drift`
+              exceeds the first window after the last decision by more than `replace_drift`
               (relative): one all-gather brings every rank's sample to every rank; rank 0 starts
               the solve (`occult.lm.solve_job.SolveJob` in a long-lived background process,
               started with training, so training goes on with the old placement; inline when
@@ -201,6 +201,7 @@ class Replacer:
             return
         started, self.pending_since, self.job = self.pending_since, None, None
         self.last_solve = step  # the next solve is due `replace_every` steps after this decision
+        self.baseline = None  # the drift reference: the next window, under the placement now in use
         event: dict[str, Any] = {"step": step, "solve_started": started, **{k: v for k, v in info.items() if k != "placement"}}
         if flag == MIGRATE:
             new = Placement(np.asarray(values[1:], dtype=np.int64).reshape(L, E), self.par.ep_size)

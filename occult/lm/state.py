@@ -54,7 +54,7 @@ class TrainConfig:
     # re-placing experts while training (occult.lm.replace; N ranks with EP size >= 2)
     replace_every: int = 0  # solve a new placement every this many steps (0 = never)
     replace_min_gain: float = 0.02  # migrate only if the sample's E[C_T] drops by this fraction
-    replace_drift: float = 0.0  # also solve when E[C_T] rises this fraction above its level after the last solve (0 = off)
+    replace_drift: float = 0.0  # also solve when E[C_T] rises this fraction above its level after the last decision (0 = off)
     replace_check_every: int = 10  # steps between E[C_T] measurements / solver polls (one small collective each)
     replace_samples: int = 2048  # routed tokens per layer and rank kept for the next solve
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...

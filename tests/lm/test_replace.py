@@ -357,4 +357,8 @@ def test_train_config_checks_and_cli():
     args = build_parser(chosen="train").parse_args(["train", "--out", "x", "--replace-every", "50", "--replace-min-gain", "0.05",
                                       "--replace-drift", "0.1", "--replace-wait"])
     c = _train_config(args)
+    from occult.cli import lm as C
+
+    t = TrainConfig()
+    assert (C.REPLACE_MIN_GAIN, C.REPLACE_CHECK, C.REPLACE_SAMPLES) == (t.replace_min_gain, t.replace_check_every, t.replace_samples)
     assert (c.replace_every, c.replace_min_gain, c.replace_drift, c.replace_wait) == (50, 0.05, 0.1, True)
