@@ -115,23 +115,20 @@ class OccultMoE(nn.Module):
     # --------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H]; every rank of the group must call it (any token count, even 0)."""
-        status = torch.zeros((), dtype=torch.int64, device=self.expert_device_E.device)
         if x.shape[-1] != self.hidden_size and self.sync_free:
             raise ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
-        if x.shape[-1] != self.hidden_size:
-            # Tell the other ranks before raising, so no rank is left waiting in a collective.
-            status = status + 3
-            x_TH = x.new_zeros((0, self.hidden_size))
-        else:
-            x_TH = x.reshape(-1, self.hidden_size)
+        wrong_hidden = x.shape[-1] != self.hidden_size
+        # Tell the other ranks before raising (status 3), so no rank is left waiting in a collective.
+        x_TH = x.new_zeros((0, self.hidden_size)) if wrong_hidden else x.reshape(-1, self.hidden_size)
 
-        # 1. route
+        # 1. route; the input status travels with the counts (`occult.moe.dispatch.STATUS_MESSAGES`):
+        # 2 ids out of range, else 1 NaN/inf gates, else 0 (few launches: the forward is host-bound)
         weights_TK, ids_TK = self.router(x_TH)
-        finite = torch.isfinite(weights_TK).all()
-        in_range = ((ids_TK >= 0) & (ids_TK < self.num_experts)).all()
-        status = torch.maximum(status, torch.where(finite, 0, 1))
-        status = torch.maximum(status, torch.where(in_range, 0, 2))
-        ids_TK = ids_TK.clamp(0, self.num_experts - 1)
+        clamped_TK = ids_TK.clamp(0, self.num_experts - 1)
+        status = torch.where((clamped_TK != ids_TK).any(), 2, (~torch.isfinite(weights_TK)).any().to(torch.int64))
+        if wrong_hidden:
+            status = status + 3
+        ids_TK = clamped_TK
 
         # 2-5. plan, dispatch, experts, combine (the one host sync is the count exchange, unless
         # sync_free); pipelined over token chunks when overlap_chunks > 1
