@@ -43,8 +43,19 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert runs[("random", "dedup")]["mean_ct"] < 4.0
 
 
+def test_bench_two_level_on_simulated_nodes(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _occult("bench", "--world-size", "4", "--nodes", "2", "--variants", "dedup,dedup2", "--routing", "random",
+                   "--tokens", "32", "--iters", "1", "--warmup", "1", "--input-sets", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["dedup2"]["rel_error"] < 1e-4 and runs["dedup"]["rel_error"] < 1e-4
+
+
 def test_bench_rejects_bad_shape():
     proc = _occult("bench", "--shapes", "nope")
     assert proc.returncode != 0 and "unknown shape" in (proc.stdout + proc.stderr)
+    proc = _occult("bench", "--world-size", "2", "--nodes", "3")
+    assert proc.returncode != 0 and "--nodes 3" in (proc.stdout + proc.stderr)
     proc = _occult("bench", "--overlap-chunks", "0")
     assert proc.returncode != 0 and "--overlap-chunks" in (proc.stdout + proc.stderr)
