@@ -8,7 +8,8 @@ one process routed on it); bad placements are clear errors on both ranks. A seco
 (`trainings`) runs `train` with migrations forced every 3 steps (the solver replaced by a random
 placement, so they surely happen), the same run stopped after a migration and resumed, and one
 with the real solver inline; the parent compares with a single-process run without migrations
-and resumes the 2-rank checkpoint in one process.
+and resumes the 2-rank checkpoint in one process. A 4-rank run (2 EP groups x 2 replicas) checks
+that the replicas migrate alike.
 """
 
 from __future__ import annotations
@@ -308,6 +309,25 @@ def test_real_solver_inline(trainings):
     real = [out["real"] for out in trainings["ranks"]]
     assert real[0]["placement"] == real[1]["placement"] and real[0]["losses"] == real[1]["losses"]
     assert len(real[0]["migrations"]) == sum(e["event"] == "migrate" for e in decisions)
+
+
+def ep_dp_worker(rank: int, world_size: int, data, root: str) -> dict:
+    import occult.lm.replace as replace
+
+    replace.SolveJob = RandomJob
+    par = setup_parallel(ep_size=2)  # 2 EP groups x 2 replicas: both groups migrate alike
+    return _train(par, data, Path(root) / "epdp", config=dict(steps=6, eval_every=3, save_every=0, replace_every=2))
+
+
+def test_ep_groups_times_replicas_migrate_alike(data, tmp_path):
+    """4 ranks = 2 EP groups x 2 replicas, migrations at 2, 4, 6 == 1 process without, 6 steps."""
+    torch.manual_seed(0)
+    ref = OccultLM(config(data))
+    single = _result(ref, train(ref, data, cfg(steps=6, eval_every=3, save_every=0), tmp_path / "single", progress=False, log=None))
+    outs = run_ranks(ep_dp_worker, 4, data, str(tmp_path), timeout_s=240)
+    for out in outs:
+        assert [m["step"] for m in out["migrations"]] == [2, 4, 6] and out["placement"] == outs[0]["placement"] != P0
+        _close(out, single)
 
 
 # ------------------------------------------------------------------ solver
