@@ -25,6 +25,8 @@ Files in `out_dir` (all written atomically):
     best.safetensors        weights at the best validation loss so far
     model.safetensors       final weights (when the run ends)
     metrics.jsonl           one JSON line per evaluation
+    replace.jsonl           re-placement measurements, solves and migrations (`replace_every` / `replace_drift`:
+                            `occult.lm.replace`; the placement in use is saved in every checkpoint)
     loss.png                the loss curve (when the run ends; needs matplotlib)
 
 Resume (`resume=True`) continues the newer of the two checkpoints, on any number of ranks (a
