@@ -7,8 +7,8 @@ used by the tests). `expert_mlp(...)` has the signature and semantics of
 
 Modules, one kernel family each: `pairs` (expert-sorted pair lists, device tile schedule),
 `grouped_gemm` (GEMM 1 gather+SwiGLU, GEMM 2 scatter), `combine` (per-row fp32 pre-reduction),
-`grouped_gemm_backward` (SwiGLU dgrad with gate gradient, weight gradients), `op` (the autograd
-op), `config` (tile sizes).
+`grouped_gemm_backward` (SwiGLU dgrad with gate gradient, weight gradients), `grouped_mm` (the
+backward through `torch._grouped_mm` on Hopper/bf16), `op` (the autograd op), `config` (tile sizes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weight gradients through `torch._grouped_mm` (CUTLASS grouped GEMM), where it is faster.
+"""The backward's GEMMs through `torch._grouped_mm` (CUTLASS grouped GEMM), where it is faster.
 
 `grad gate_up[e] = sum_p d[a;b]_p x_r^T` and `grad down[e] = sum_p dy_r hg_p^T` contract over
 an expert's pairs. On Hopper with bf16 operands `torch._grouped_mm`'s K-grouped product (2-D x
@@ -8,9 +8,13 @@ it (docs/kernels.md). It needs both operands in sorted-pair order, so the row-in
 (`x` or `dy`) is first copied by `gather_pair_rows`: the first P rows only (P is read on the
 device, no host sync), about 0.19 ms per `[P, 2048]` bf16 at OLMoE's shape on an H100, which the
 faster GEMM more than repays. Groups with no rows get zeros, rows past `offsets[E]` are never
-read. Used when `use_grouped_mm` says so (CUDA, bf16, compute capability 9.x, 16-byte row
-strides); env `OCCULT_WGRAD=triton` turns it off, `=grouped_mm` forces it (also on CPU, where
-torch has a reference implementation; the tests use that).
+read. `swiglu_dgrad_grouped` computes `u = down[e]^T dy_r` the same way from the copied dy rows
+(2-D x 3-D), then the SwiGLU backward and gate gradient in one elementwise pass.
+
+`use_grouped_mm` decides: CUDA, bf16, compute capability 9.x, 16-byte row strides; env
+`OCCULT_WGRAD` (weight gradients) / `OCCULT_DGRAD1` (the dgrad) = `triton` turns it off,
+`grouped_mm` forces it (also on CPU, where torch has a reference implementation; the tests use
+that), `auto` (the default) is the rule above.
 """
 
 from __future__ import annotations

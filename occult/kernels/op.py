@@ -9,7 +9,7 @@ Forward (no host sync; every size the host uses is a shape):
 Backward: `grouped_gemm_backward.swiglu_dgrad` (d[a;b] and the gate gradient),
 `gemm_scatter` + `combine_rows` (input gradient), the two weight gradients: on Hopper in bf16
 `grouped_mm.gather_pair_rows` + `torch._grouped_mm`, else `grouped_gemm_backward.weight_grad`
-(`grouped_mm.swiglu_dgrad_grouped` replaces `swiglu_dgrad` where `DGRAD1_DEFAULT`/OCCULT_DGRAD1 say).
+(there, by default, `grouped_mm.swiglu_dgrad_grouped` replaces `swiglu_dgrad`: `DGRAD1_DEFAULT`).
 
 Intermediates are sized by the bound R*K (P, the number of valid pairs, is known only on the
 device): `hg` [R*K, F], `[a;b]` and `d[a;b]` [R*K, 2F], pair outputs [R*K, H]; only the first P
@@ -30,8 +30,9 @@ from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, swi
 from occult.kernels.pairs import build_pairs
 
 # SwiGLU dgrad through torch._grouped_mm + an elementwise pass ("auto": on Hopper/bf16) or the fused
-# Triton kernel ("triton"); env OCCULT_DGRAD1 overrides
-DGRAD1_DEFAULT = "triton"
+# Triton kernel ("triton"); env OCCULT_DGRAD1 overrides. "auto": its dy gather is shared with the
+# down-projection weight gradient, 3-6 points of dense cuBLAS faster in total on an H100 (docs/kernels.md)
+DGRAD1_DEFAULT = "auto"
 
 
 def _check(x_RH, slots_RK, gates_RK, gate_up_EFH, down_EHF) -> None:
