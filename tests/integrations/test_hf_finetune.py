@@ -152,7 +152,7 @@ def die_at_step(rank: int, world_size: int, path: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(dirs):
-    return run_ranks(two_ranks, 2, dirs, timeout_s=600)
+    return run_ranks(two_ranks, 2, dirs, timeout_s=600, collective_timeout_s=180)  # a hang: an error with its traceback
 
 
 @pytest.fixture(scope="module")

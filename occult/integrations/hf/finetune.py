@@ -223,6 +223,11 @@ def finetune(
     if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
         raise ValueError(f"the data hold token ids outside the model's vocabulary [0, {vocab})")
     routers, experts = trainable_parameters(model)
+    sharded = max(b.experts.num_ranks for b in model.modules() if isinstance(b, OccultMoeBlock))
+    if groups is None and sharded > 1:
+        raise ValueError(f"the experts are sharded over {sharded} ranks: pass groups=setup_groups(...) (the gradient sync)")
+    if groups is not None and sharded != groups.ep_size:
+        raise ValueError(f"the experts are sharded over {sharded} ranks, the EP size is {groups.ep_size}: convert over groups.ep")
     device = experts[0].device
     net: nn.Module = model
     if groups is not None:
@@ -235,6 +240,9 @@ def finetune(
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
         net = DDP(model, process_group=groups.ddp, init_sync=False,
                   device_ids=[device.index] if device.type == "cuda" else None)
+    if log is not None and main:
+        n_r, n_e = sum(p.numel() for p in routers), sum(p.numel() for p in experts)
+        log(f"training {n_r:,} router and {n_e:,} expert parameters on rank 0 (everything else frozen)")
     opt = torch.optim.AdamW(routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
     losses, norms, pending = [], [], []
@@ -250,7 +258,7 @@ def finetune(
 
     model.train()
     bar = tqdm(total=cfg.steps, desc="finetune (routers + experts)", unit="step", dynamic_ncols=True,
-               disable=(not progress) if (main and progress is not None) else not main)
+               disable=((not progress) if progress is not None else None) if main else True)  # None: only on a terminal
     t0 = t_last = time.perf_counter()
     s_last, tokens_per_step = 0, cfg.batch_size * cfg.seq_len
     try:

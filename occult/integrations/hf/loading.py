@@ -204,10 +204,12 @@ def load_sharded(
     for name, buf in model.named_buffers():
         if buf.is_meta:
             owner = model.get_submodule(name.rpartition(".")[0])
-            if any(True for _ in owner.parameters(recurse=False)):
-                raise UnsupportedModelError(f"cannot materialise buffer {name}: its module also holds parameters")
-            _set(model, name, torch.empty_like(buf, device=device))
+            if any(True for _ in owner.parameters(recurse=False)) or not buf.is_floating_point():
+                raise UnsupportedModelError(f"cannot materialise buffer {name} (not a float buffer of a parameter-free module)")
+            _set(model, name, torch.full_like(buf, float("nan"), device=device))
             model._init_weights(owner)  # transformers' own init of non-persistent buffers (rotary frequencies)
+            if model.get_buffer(name).isnan().any():
+                raise UnsupportedModelError(f"cannot materialise buffer {name}: the model's _init_weights leaves it unset")
     E = int(moe_blocks(model)[0][1].gate.num_experts)
     convert(model, group, placement, dispatcher, max_devices if routing_placement is None else None,
             prune_method=prune_method, similarity=similarity, expert_backend=expert_backend,
