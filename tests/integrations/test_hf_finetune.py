@@ -298,3 +298,35 @@ def test_cli_finetune_hf(dirs, tmp_path, capsys):
     for message, args in errors.items():
         assert main(["finetune", *args, *common]) == 2, message
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_cli_torchrun_two_ranks_equal_one_process(dirs, tmp_path, capsys):
+    """`torchrun --nproc-per-node 2 -m occult finetune --hf` == the same command in one process."""
+    import json
+    import subprocess
+    import sys
+
+    from occult.cli import main
+
+    np.save(tmp_path / "ids.npy", _tokens().numpy())
+    _placement().save(tmp_path / "p2.json")
+    args = ["finetune", "--hf", dirs["olmoe"], "--data", str(tmp_path / "ids.npy"), "--placement", str(tmp_path / "p2.json"),
+            "--max-devices", "1", "--steps", "6", "--batch-size", "4", "--seq-len", "16", "--lr", "1e-2",
+            "--adam-eps", "1e-6", "--precision", "fp32", "--device", "cpu", "--no-progress"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "occult", *args,
+         "--out", str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "2 ranks: experts over 2 (dedup), 1 data-parallel replica(s); 2 of 4 rows per rank" in proc.stdout
+    assert proc.stdout.count("wrote ") == 1 and "4 experts per layer" in proc.stdout  # rank 0 alone prints
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    two, one = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("two", "one"))
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=RTOL)
+    a, b = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d / "model") for d in ("two", "one"))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p - q).abs().max() <= RTOL * q.abs().max(), name
