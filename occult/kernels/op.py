@@ -29,10 +29,11 @@ from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
 from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, swiglu_dgrad_grouped, use_grouped_mm
 from occult.kernels.pairs import build_pairs
 
-# SwiGLU dgrad through torch._grouped_mm + an elementwise pass ("auto": on Hopper/bf16) or the fused
-# Triton kernel ("triton"); env OCCULT_DGRAD1 overrides. "auto": its dy gather is shared with the
-# down-projection weight gradient, 3-6 points of dense cuBLAS faster in total on an H100 (docs/kernels.md)
-DGRAD1_DEFAULT = "auto"
+# SwiGLU dgrad: the fused Triton kernel ("triton", fp32 `u`; validated through the whole op and the
+# GPU suite) or torch._grouped_mm + an elementwise pass ("auto": on Hopper/bf16; 2-6 points of dense
+# cuBLAS faster on an H100, but `u` rounded to bf16 and one bf16 gradient of the GPU suite over its
+# tolerance with it: opt in with env OCCULT_DGRAD1=auto until validated, docs/kernels.md)
+DGRAD1_DEFAULT = "triton"
 
 
 def _check(x_RH, slots_RK, gates_RK, gate_up_EFH, down_EHF) -> None:
