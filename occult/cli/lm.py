@@ -8,7 +8,8 @@ directory, `occult.cli.hf.run_profile` (the command line chooses, in `occult.cli
 
 Under torchrun with more than one rank (`torchrun --nproc-per-node N -m occult train ...`),
 `train` and `finetune` shard the experts over `--ep-size` ranks (default: all) by
-`--ep-placement` and train everything else data parallel (`occult.lm.parallel`); rank 0 prints.
+`--ep-placement` and train everything else data parallel (`occult.lm.parallel`; replicated gradients
+by torch DDP, or `--grad-sync explicit`); rank 0 prints.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
                         "contiguous; for finetune, --placement when it has EP_SIZE devices)")
     g.add_argument("--dispatcher", default="dedup", choices=["dedup", "standard"],
                    help="all-to-all dispatch: one copy per device (dedup) or per expert (standard)")
+    g.add_argument("--grad-sync", default="ddp", choices=["ddp", "explicit"],
+                   help="replicated (non-expert) gradients: torch DDP, all-reduced in buckets during the backward "
+                        "(default), or one explicit all-reduce after it; expert gradients are all-reduced over the "
+                        "replicas after the backward either way (OccultLM only; not --hf)")
     g = p.add_argument_group("re-placing experts while training (several ranks, EP size >= 2; docs/replacement.md)")
     g.add_argument("--replace-every", type=int, default=0,
                    help="solve a new expert placement from the routing seen every M steps and migrate to it (0 = off)")
@@ -170,7 +175,7 @@ def _train_config(args):
         save_every=args.save_every, patience=args.patience, device=args.device,
         replace_every=args.replace_every, replace_min_gain=args.replace_min_gain, replace_drift=args.replace_drift,
         replace_check_every=args.replace_check_every, replace_samples=args.replace_samples,
-        replace_method=args.replace_method, replace_wait=args.replace_wait,
+        replace_method=args.replace_method, replace_wait=args.replace_wait, grad_sync=args.grad_sync,
     )
 
 
@@ -245,7 +250,8 @@ def run_train(args) -> int:
         model = shard_model(model, par, _ep_placement(args, par), args.dispatcher)
         if main:
             print(f"{par.world_size} ranks: experts over {par.ep_size} ({args.dispatcher}), {par.replicas} data-parallel "
-                  f"replica(s); {cfg.batch_size // par.world_size} of {cfg.batch_size} rows per rank")
+                  f"replica(s); {cfg.batch_size // par.world_size} of {cfg.batch_size} rows per rank; "
+                  f"replicated gradients: {'DDP' if cfg.grad_sync == 'ddp' else 'explicit all-reduce'}")
     try:
         result = train(model, data, cfg, args.out, resume=args.resume, stop_after=args.stop_after,
                        progress=not args.no_progress, parallel=par)

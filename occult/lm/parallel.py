@@ -12,8 +12,12 @@ over its own tokens the global loss is the mean of the ranks' losses, and `sync_
 makes every rank's gradients those of the global loss: replicated gradients are all-reduced
 over the world and divided by W; expert gradients already hold the contributions of their EP
 group's tokens (the all-to-all carried them back), so they are all-reduced over the replica
-group and divided by W. `clip_grad_norm` clips by the norm of the whole model (replicated
-parameters counted once, expert shards summed over the EP group). The load-balancing loss is
+group and divided by W. With `wrap_ddp` (`--grad-sync ddp`, the default on N ranks) torch's
+`DistributedDataParallel` averages the replicated gradients instead (bucketed all-reduces over
+`dense_group`, all ranks in a group of their own, launched during the backward; DDP divides by
+its group size W, the same factor) and `sync_gradients(..., replicated=False)` does the experts
+alone; DDP ignores the expert parameters and every buffer. `clip_grad_norm` clips by the norm
+of the whole model (replicated parameters counted once, expert shards summed over the EP group). The load-balancing loss is
 computed over the global batch (`OccultLM.set_aux_group`).
 
 `shard_model(full, parallel, placement)` builds this rank's model from a full single-process
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from occult.lm.model import OccultLM
 from occult.placement import Placement, PlacementError
@@ -47,6 +52,7 @@ class Parallel:
     replica_group: Any
     world_group: Any
     local_group: Any  # this rank alone: build a full single-process model with `group=local_group`
+    dense_group: Any = None  # every rank, apart from world_group: DDP's all-reduce of replicated gradients
 
     @property
     def ep_rank(self) -> int:
@@ -87,7 +93,9 @@ def setup_parallel(ep_size: int | None = None) -> Parallel:
         grp = dist.new_group([r])
         if r == rank:
             local_group = grp
-    return Parallel(rank, W, S, ep_group, replica_group, world, local_group)
+    # DDP's all-reduces get a communicator of their own: they never queue behind the EP all-to-alls
+    dense_group = dist.new_group(list(range(W))) if W > 1 else world
+    return Parallel(rank, W, S, ep_group, replica_group, world, local_group, dense_group)
 
 
 def full_model(config, parallel: Parallel | None = None) -> OccultLM:
@@ -179,12 +187,38 @@ def _all_reduce_grads(params: Iterable[nn.Parameter], group: Any, divide: int, r
             offset += n
 
 
-def sync_gradients(model: OccultLM, parallel: Parallel) -> None:
-    """Every rank's gradients become those of the global-batch loss (see the module docstring)."""
-    replicated, experts = _split(model)
+def sync_gradients(model: OccultLM, parallel: Parallel, replicated: bool = True) -> None:
+    """Every rank's gradients become those of the global-batch loss (see the module docstring).
+
+    `replicated=False`: the expert gradients only (DDP has averaged the replicated ones)."""
+    dense, experts = _split(model)
     W = parallel.world_size
-    _all_reduce_grads(replicated, parallel.world_group, W, reduce=W > 1)
+    if replicated:
+        _all_reduce_grads(dense, parallel.world_group, W, reduce=W > 1)
     _all_reduce_grads(experts, parallel.replica_group, W, reduce=parallel.replicas > 1)
+
+
+def wrap_ddp(model: OccultLM, parallel: Parallel) -> DistributedDataParallel | None:
+    """`model` in torch DDP for its trained replicated parameters; None when it trains none.
+
+    Expert parameters (their gradients are complete on the EP group after the backward
+    all-to-all) and every buffer (e.g. the rank's `local_expert_ids`) are ignored by DDP, so
+    neither is broadcast from rank 0, and re-placement may move experts in place. Call the
+    wrapper for the training forward (DDP's backward hooks fire for that graph only), then
+    `sync_gradients(model, parallel, replicated=False)`; everything else uses `model`, whose
+    parameter names (checkpoints) are unchanged. No broadcast at wrapping (`init_sync=False`: the
+    ranks already hold the same weights, as with the explicit sync); the replicated gradients
+    are views into DDP's buckets (`gradient_as_bucket_view`: no second copy).
+    """
+    if not _split(model)[0]:
+        return None
+    ignore = list(model.expert_parameters()) + [n for n, _ in model.named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    group = parallel.dense_group if parallel.dense_group is not None else parallel.world_group
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" and device.index is not None else None
+    return DistributedDataParallel(model, process_group=group, device_ids=ids, init_sync=False,
+                                   forward_sync_buffers=False, gradient_as_bucket_view=True)
 
 
 def clip_grad_norm(model: OccultLM, parallel: Parallel, max_norm: float) -> torch.Tensor:
@@ -217,5 +251,5 @@ def global_mean(values: torch.Tensor, parallel: Parallel | None) -> torch.Tensor
 
 __all__ = [
     "Parallel", "full_model", "setup_parallel", "shard_model", "shard_tensors", "gathered_tensors", "sync_gradients",
-    "clip_grad_norm", "global_mean", "per_layer",
+    "wrap_ddp", "clip_grad_norm", "global_mean", "per_layer",
 ]

@@ -26,7 +26,9 @@ from occult.placement.solvers import METHODS
 
 @dataclass
 class TrainConfig:
-    """Optimisation settings. Fields in `LOGGING_FIELDS` may change on resume; the rest may not."""
+    """Optimisation settings. Fields in `LOGGING_FIELDS` may change on resume; the rest may not.
+
+    (`grad_sync` may change: DDP and the explicit all-reduce give the same gradients up to rounding.)"""
 
     steps: int = 2000
     batch_size: int = 32
@@ -59,8 +61,10 @@ class TrainConfig:
     replace_samples: int = 2048  # routed tokens per layer and rank kept for the next solve
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
     replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
+    grad_sync: str = "ddp"  # N ranks: replicated gradients by torch DDP (overlapped with backward) or "explicit" (after it)
 
-    LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta")
+    LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta",
+                      "grad_sync")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "save_every"):
@@ -80,6 +84,8 @@ class TrainConfig:
         if self.replace_check_every < 1 or self.replace_samples < 1:
             raise ValueError(f"replace_check_every and replace_samples must be >= 1, got "
                              f"{self.replace_check_every}, {self.replace_samples}")
+        if self.grad_sync not in ("ddp", "explicit"):
+            raise ValueError(f"grad_sync must be 'ddp' or 'explicit', got {self.grad_sync!r}")
         if self.replace_method not in ("auto", *METHODS):
             raise ValueError(f"replace_method must be 'auto' or one of {METHODS}, got {self.replace_method!r}")
 

@@ -12,9 +12,10 @@ trains. Settings, schedule and optimizer are in `occult.lm.state`; evaluation in
 
 On N ranks (`parallel=`, an `occult.lm.parallel.Parallel`; the model from `shard_model`), the
 experts are sharded over each EP group and everything else is data parallel: every rank reads
-its own rows of each global batch of `batch_size` rows, gradients are synchronised and clipped
-over the whole model, the load-balancing loss is over the global batch, and the result equals a
-single-process run on the same global batch. Rank 0 alone prints, draws the bar and writes
+its own rows of each global batch of `batch_size` rows, gradients are synchronised (replicated
+ones by torch DDP during the backward, `grad_sync="ddp"`, or after it, "explicit"; expert ones
+after it) and clipped over the whole model, the load-balancing loss is over the global batch,
+and the result equals a single-process run on the same global batch. Rank 0 alone prints, draws the bar and writes
 the weights files (gathered from every rank) and metrics.
 
 Files in `out_dir` (all written atomically):
@@ -70,6 +71,7 @@ from occult.lm.parallel import (
     shard_model,
     shard_tensors,
     sync_gradients,
+    wrap_ddp,
 )
 from occult.lm.plot import plot_losses
 from occult.lm.replace import Replacer
@@ -248,6 +250,8 @@ def train(
         replacer.start()
     last_step = cfg.steps if stop_after is None else min(cfg.steps, step + int(stop_after))
     shard = (par.rank, par.world_size) if par is not None else ()
+    ddp = wrap_ddp(model, par) if par is not None and cfg.grad_sync == "ddp" else None
+    forward = ddp if ddp is not None else model  # DDP averages the replicated gradients during backward
     try:
         while step < last_step and not stopped:
             lr = lr_at(step, cfg)
@@ -256,13 +260,13 @@ def train(
             x, y = train_batch(data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step, *shard)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast_for(device, cfg.precision):
-                out_ = model(x, y, return_logits=False)
+                out_ = forward(x, y, return_logits=False)
                 loss = out_.loss + cfg.aux_loss_coef * out_.aux_loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = None
             if par is not None:
-                sync_gradients(model, par)
+                sync_gradients(model, par, replicated=ddp is None)  # experts (and replicated without DDP)
                 gnorm = clip_grad_norm(model, par, cfg.grad_clip) if cfg.grad_clip > 0 else None
             elif cfg.grad_clip > 0:
                 gnorm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)

@@ -1,5 +1,7 @@
 """OccultLM on N ranks (gloo, CPU): exactness against one process, sharded checkpoints, resharding, failures.
 
+Every multi-rank run here averages the replicated gradients with torch DDP (`grad_sync="ddp"`, the
+default); tests/lm/test_ddp.py compares it with the explicit all-reduce.
 One spawn of 2 ranks (`two_ranks`, module scope) runs every multi-rank training the tests check:
     A  20 steps, experts over both ranks by a non-contiguous placement (checkpoint at step 10, 20)
     B  the same run stopped at 10, copied to C, then resumed to 20 from a model of other weights
@@ -150,17 +152,24 @@ def test_two_ranks_equal_one_process(runs):
 def ep_dp_worker(rank: int, world_size: int, data, root: str) -> dict:
     par = setup_parallel(ep_size=2)
     assert (par.ep_rank, par.replicas) == (rank % 2, 2)
-    return _run(par, data, Path(root) / "F", Placement.from_lists(PLACEMENT, 2), config=dict(steps=10, eval_every=5))
+    return {sync: _run(par, data, Path(root) / f"F-{sync}", Placement.from_lists(PLACEMENT, 2),
+                       config=dict(steps=10, eval_every=5, grad_sync=sync)) for sync in ("ddp", "explicit")}
 
 
 def test_ep_groups_times_data_parallel_replicas(data, tmp_path):
-    """4 ranks = 2 EP groups of 2 (experts sharded in each) x 2 replicas == 1 process, 10 steps."""
+    """4 ranks = 2 EP groups of 2 (experts sharded in each) x 2 replicas == 1 process, 10 steps (DDP and explicit)."""
     torch.manual_seed(0)
     ref = OccultLM(config(data))
     single = _snapshot(ref, train(ref, data, cfg(steps=10, eval_every=5), tmp_path / "single", progress=False, log=None))
-    for rank, out in enumerate(run_ranks(ep_dp_worker, 4, data, str(tmp_path), timeout_s=240)):
+    for rank, runs in enumerate(run_ranks(ep_dp_worker, 4, data, str(tmp_path), timeout_s=240)):
+        out = runs["ddp"]
         assert sorted(out["ids"]["blocks.1.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT[1]) if d == rank % 2]
         assert_matches(out, single, steps=10)
+        assert_matches(runs["explicit"], single, steps=10)
+        np.testing.assert_allclose(out["losses"], runs["explicit"]["losses"], rtol=2e-6)  # DDP == explicit: 3e-7 measured
+        for name, p in out["params"].items():
+            q = runs["explicit"]["params"][name]
+            assert np.abs(p - q).max() <= 2e-6 * np.abs(q).max(), name
 
 
 def test_resume_and_reshard(runs):

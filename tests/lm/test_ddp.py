@@ -1,0 +1,216 @@
+"""Replicated gradients through torch DDP (`grad_sync="ddp"`, the default on N ranks), 2 CPU gloo ranks.
+
+One spawn of 2 ranks (`ranks`) checks:
+    grads    one step's gradients: DDP wrapper + expert-only sync == one process on the global
+             batch; the same forward without the wrapper leaves the replicated gradients
+             un-averaged (so DDP, not a fallback, did the work); DDP left the rank-local buffers
+             (`local_expert_ids`) alone and saw only replicated parameters
+    ep2/ep1  20 steps with DDP and with the explicit all-reduce, experts sharded (EP 2) or
+             replicated (EP 1, pure data parallel): DDP == explicit (bit for bit) and == one process
+    moe      MoE-only fine-tuning (routers are the only replicated trained parameters), DDP == explicit
+    resume   a DDP run stopped at step 10, resumed with the explicit all-reduce (grad_sync may
+             change on resume) == 20 straight; the parent resumes the DDP checkpoint in one process
+tests/lm/test_parallel.py (every run there uses the default, DDP) and tests/lm/test_replace.py
+(migrations during DDP training == one process) cover the rest.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from occult.distributed import run_ranks
+from occult.lm.data import train_batch
+from occult.lm.model import ModelConfig, OccultLM
+from occult.lm.parallel import (
+    full_model,
+    setup_parallel,
+    shard_model,
+    sync_gradients,
+    wrap_ddp,
+)
+from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
+from occult.placement import Placement
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+TINY = Path(__file__).resolve().parents[1] / "data" / "shakespeare_tiny"
+MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2, expert_ffn_size=16, max_seq_len=32)
+PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
+RTOL = 1e-5  # against one process (test_parallel.py's tolerance, adam eps 1e-6)
+CLOSE = 0.0  # DDP against the explicit all-reduce on 2 ranks: bit for bit (x/2 is exact, a + b commutes)
+
+
+def cfg(**kw) -> TrainConfig:
+    base = dict(steps=20, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=3, eval_every=10, save_every=10,
+                eval_tokens=512, device="cpu", adam_eps=1e-6)
+    return TrainConfig(**{**base, **kw})
+
+
+def config(data) -> ModelConfig:
+    return ModelConfig(vocab_size=data.vocab_size, **MODEL)
+
+
+def _snapshot(model: OccultLM, result) -> dict:
+    return {
+        "losses": list(result.train_losses),
+        "val": [h["val_loss"] for h in result.history],
+        "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+        "ids": {n: ids.numpy().copy() for n, (_, ids) in model.expert_parameters().items()},
+    }
+
+
+def _run(par, data, out, placement=None, seed=0, **kw) -> dict:
+    torch.manual_seed(seed)
+    model = shard_model(full_model(config(data), par), par, placement)
+    c = cfg(**kw.pop("config", {}))
+    return _snapshot(model, train(model, data, c, out, parallel=par, progress=False, log=None, **kw))
+
+
+def _grads(model: OccultLM) -> dict[str, np.ndarray]:
+    return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _one_step(par, data, use_ddp: bool) -> dict:
+    """Gradients of step 0 on this rank's rows (aux loss included), after the expert-only sync."""
+    torch.manual_seed(0)
+    model = shard_model(full_model(config(data), par), par, Placement.from_lists(PLACEMENT, 2))
+    make_optimizer(model, trainable_names(model, False), cfg())
+    ids = [m.local_expert_ids.clone() for m in model.moe_layers()]
+    forward, info = model, {}
+    if use_ddp:
+        forward = wrap_ddp(model, par)
+        assert isinstance(forward, DistributedDataParallel)
+        ddp_params = {id(p) for p in forward._module_parameters}  # what DDP reduces
+        info["ddp_names"] = sorted(n for n, p in model.named_parameters() if id(p) in ddp_params)
+        info["ignored"] = sorted(forward.parameters_to_ignore)
+        info["expected_ignored"] = sorted([*model.expert_parameters(), *(n for n, _ in model.named_buffers())])
+        info["buffers_kept"] = all(torch.equal(a, m.local_expert_ids) for a, m in zip(ids, model.moe_layers()))
+    x, y = train_batch(data.train, 4, 32, 0, 0, par.rank, par.world_size)
+    out = forward(x, y, return_logits=False)
+    (out.loss + cfg().aux_loss_coef * out.aux_loss).backward()
+    sync_gradients(model, par, replicated=False)
+    return {"grads": _grads(model), "ids": {n: i.numpy().copy() for n, (_, i) in model.expert_parameters().items()}, **info}
+
+
+def ddp_worker(rank: int, world_size: int, data, root: str) -> dict:
+    root_p = Path(root)
+    par = setup_parallel()
+    p2 = Placement.from_lists(PLACEMENT, 2)
+    out = {"grads": _one_step(par, data, True), "plain": _one_step(par, data, False)}
+    for sync in ("ddp", "explicit"):
+        out[f"ep2-{sync}"] = _run(par, data, root_p / f"ep2-{sync}", p2, config=dict(grad_sync=sync))
+        out[f"moe-{sync}"] = _run(par, data, root_p / f"moe-{sync}", p2,
+                                  config=dict(grad_sync=sync, moe_only=True, steps=10, eval_every=5, save_every=0))
+    _run(par, data, root_p / "stop", p2, stop_after=10)
+    if rank == 0:
+        shutil.copytree(root_p / "stop", root_p / "stop1")
+    par.barrier()
+    out["resumed"] = _run(par, data, root_p / "stop", p2, seed=9, resume=True, config=dict(grad_sync="explicit"))
+    dp = setup_parallel(ep_size=1)
+    for sync in ("ddp", "explicit"):
+        out[f"ep1-{sync}"] = _run(dp, data, root_p / f"ep1-{sync}", config=dict(grad_sync=sync))
+    return out
+
+
+@pytest.fixture(scope="module")
+def data():
+    pytest.importorskip("tokenizers")
+    from occult.lm.data import load_dataset
+
+    return load_dataset(TINY, vocab_size=300, val_fraction=0.1)
+
+
+@pytest.fixture(scope="module")
+def ranks(data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    ranks = run_ranks(ddp_worker, 2, data, str(root), timeout_s=240)
+    single = {}
+    for name, kw in (("full", {}), ("moe", dict(moe_only=True, steps=10, eval_every=5, save_every=0))):
+        torch.manual_seed(0)
+        ref = OccultLM(config(data))
+        single[name] = _snapshot(ref, train(ref, data, cfg(**kw), root / f"single-{name}", progress=False, log=None))
+    torch.manual_seed(5)
+    back = OccultLM(config(data))
+    single["stop1"] = _snapshot(back, train(back, data, cfg(), root / "stop1", resume=True, progress=False, log=None))
+    return {"root": root, "ranks": ranks, "single": single}
+
+
+def _rel(p: np.ndarray, q: np.ndarray) -> float:
+    return float(np.abs(p - q).max() / max(np.abs(q).max(), 1e-30))
+
+
+def assert_matches(got: dict, want: dict, rtol: float, steps: int = 20) -> None:
+    """Losses per step, validation losses, and every parameter `got`'s rank holds."""
+    assert len(got["losses"]) == len(want["losses"]) == steps
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=rtol)
+    np.testing.assert_allclose(got["val"], want["val"], rtol=rtol)
+    for name, p in got["params"].items():
+        q = want["params"][name]
+        if name in got["ids"] and len(want["ids"][name]) != len(got["ids"][name]):
+            q = q[got["ids"][name]]  # one process holds every expert
+        assert _rel(p, q) <= rtol, f"{name}: max |diff| / max |weight| = {_rel(p, q):.2e}"
+
+
+def test_one_step_gradients_are_those_of_the_global_batch(ranks, data):
+    torch.manual_seed(0)
+    ref = OccultLM(config(data))
+    x, y = train_batch(data.train, 4, 32, 0, 0)
+    out = ref(x, y, return_logits=False)
+    (out.loss + cfg().aux_loss_coef * out.aux_loss).backward()
+    want = _grads(ref)
+    replicated = [n for n in want if n not in ranks["ranks"][0]["grads"]["ids"]]
+    assert replicated and len(replicated) < len(want)
+    for got in ranks["ranks"]:
+        g = got["grads"]
+        assert g["ignored"] == g["expected_ignored"]  # DDP may broadcast no buffer: each rank has its own
+        assert g["buffers_kept"] and any("local_expert_ids" in n for n in g["ignored"])  # rank 1 kept its own
+        assert g["ddp_names"] == sorted(replicated)  # experts ignored, every replicated parameter reduced
+        assert set(g["grads"]) == set(want)
+        for name, grad in g["grads"].items():
+            q = want[name][g["ids"][name]] if name in g["ids"] else want[name]
+            assert _rel(grad, q) <= 1e-5, f"{name}: {_rel(grad, q):.2e}"
+        # Without the wrapper (expert-only sync) the replicated gradients are this rank's alone.
+        assert max(_rel(got["plain"]["grads"][n], want[n]) for n in replicated) > 1e-2
+
+
+def test_ddp_equals_explicit_and_one_process(ranks):
+    """2 ranks, EP 2 (non-contiguous placement) and EP 1 (pure DP), 20 steps; MoE-only 10 steps."""
+    single = ranks["single"]
+    for rank, out in enumerate(ranks["ranks"]):
+        assert sorted(out["ep2-ddp"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [
+            i for i, d in enumerate(PLACEMENT[0]) if d == rank]
+        assert len(out["ep1-ddp"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == 8
+        for layout in ("ep2", "ep1"):
+            assert_matches(out[f"{layout}-ddp"], single["full"], RTOL)
+            assert_matches(out[f"{layout}-ddp"], out[f"{layout}-explicit"], CLOSE)
+        assert_matches(out["moe-ddp"], single["moe"], RTOL, steps=10)
+        assert_matches(out["moe-ddp"], out["moe-explicit"], CLOSE, steps=10)
+        frozen = "blocks.0.attn.qkv.weight"
+        if frozen in out["moe-ddp"]["params"]:
+            assert np.array_equal(out["moe-ddp"]["params"][frozen], out["moe-explicit"]["params"][frozen])
+
+
+def test_resume_a_ddp_checkpoint(ranks):
+    """Stopped at 10 under DDP: resumed on 2 ranks with the explicit all-reduce, and in one process."""
+    for out in ranks["ranks"]:
+        assert_matches(out["resumed"], out["ep2-ddp"], CLOSE)
+    assert_matches(ranks["single"]["stop1"], ranks["single"]["full"], RTOL)
+
+
+def test_grad_sync_setting_and_cli():
+    from occult.cli import build_parser
+
+    with pytest.raises(ValueError, match="grad_sync"):
+        TrainConfig(grad_sync="fsdp")
+    assert TrainConfig().grad_sync == "ddp" and "grad_sync" in TrainConfig.LOGGING_FIELDS
+    from occult.cli.lm import _train_config
+
+    args = build_parser().parse_args(["train", "--out", "x", "--grad-sync", "explicit"])
+    assert _train_config(args).grad_sync == "explicit"
+    assert _train_config(build_parser().parse_args(["train", "--out", "x"])).grad_sync == "ddp"
