@@ -31,6 +31,7 @@ PEERS: dict[str, tuple[str, str]] = {
     "hf-olmoe": ("peer_hf", "build_olmoe"),
     "hf-qwen3": ("peer_hf", "build_qwen3_moe"),
     "deepspeed": ("peer_deepspeed", "build"),
+    "torchtitan": ("peer_torchtitan", "build"),
 }
 
 

@@ -19,6 +19,7 @@ SCHEME = {  # rows each token sends out in forward (and gets back)
     "hf-olmoe": "one per chosen expert",
     "hf-qwen3": "one per chosen expert",
     "deepspeed": "one per chosen expert, in [E, capacity] buffers",
+    "torchtitan": "one per chosen expert",
 }
 LABEL = {
     "occult-dedup": "occult dedup (ours)",
@@ -27,6 +28,7 @@ LABEL = {
     "hf-olmoe": "transformers EP, OLMoE block",
     "hf-qwen3": "transformers EP, Qwen3-MoE block",
     "deepspeed": "DeepSpeed-MoE",
+    "torchtitan": "TorchTitan MoE (EP all-to-all)",
 }
 
 

@@ -7,9 +7,10 @@ spawns one rank per GPU (NCCL; gloo ranks on CPU for a smoke test) with
 `occult.distributed.run_ranks`, and on each world size runs occult (standard and dedup) and every
 peer that is installed: Megatron-Core's `MoELayer` (alltoall dispatcher, local spec),
 transformers' expert parallelism (`all_to_all`) on an OLMoE and a Qwen3-MoE block, and
-DeepSpeed-MoE's `MoE` layer. Each is checked against a float32 reference before it is timed; a
-peer that fails is reported with its error and the run goes on. Peers are not dependencies of
-occult: install them from benchmarks/requirements-peers.txt.
+DeepSpeed-MoE's `MoE` layer, and TorchTitan's `MoE` (grouped-GEMM experts, all-to-all EP).
+Each is checked against a float32 reference before it is timed; a peer that fails is reported
+with its error and the run goes on. Peers are not dependencies of occult: install them from
+benchmarks/requirements-peers.txt.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def versions() -> dict[str, str]:
     from importlib import metadata
 
     out = {"python": sys.version.split()[0], "torch": torch.__version__}
-    for dist_name in ("transformers", "megatron-core", "deepspeed", "accelerate", "triton"):
+    for dist_name in ("transformers", "megatron-core", "deepspeed", "torchtitan", "accelerate", "triton"):
         try:
             out[dist_name] = metadata.version(dist_name)
         except metadata.PackageNotFoundError:

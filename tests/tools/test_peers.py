@@ -1,6 +1,8 @@
 """benchmarks/peers: the driver's arguments, the report, and each installed peer on 2 gloo CPU ranks.
 
-A peer that is not installed (Megatron-Core, DeepSpeed; transformers older than 5.23) is skipped.
+A peer that is not installed (Megatron-Core, DeepSpeed, TorchTitan; transformers older than 5.23) is
+skipped: CI installs only the project's [test] extra, so there these peer tests skip and only the
+driver and report tests run.
 """
 
 from __future__ import annotations
@@ -76,26 +78,36 @@ def _available(peer: str) -> bool:
                 hasattr(importlib.import_module("transformers.distributed.expert_parallel"), "AllToAllEP")
         except ImportError:
             return False
-    module = {"megatron": "megatron.core", "deepspeed": "deepspeed"}[peer]
+    module = {"megatron": "megatron.core", "deepspeed": "deepspeed", "torchtitan": "torchtitan.models.common.moe"}[peer]
     try:
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
+    except (ImportError, ValueError):  # a parent package missing, or one of its imports
         return False
 
 
-@pytest.mark.parametrize("peer", ["hf-olmoe", "megatron", "deepspeed"])
+# TorchTitan's GroupedExperts casts to bfloat16 for its grouped GEMMs even on float32 ranks:
+# bfloat16 tolerances (a wrong weight layout or routing gives errors of order 1).
+TOLERANCE = {"torchtitan": 2e-2}
+
+
+@pytest.mark.parametrize("peer", ["hf-olmoe", "megatron", "deepspeed", "torchtitan"])
 def test_peer_matches_reference_on_cpu(peer, tmp_path):
     if not _available(peer):
-        pytest.skip(f"{peer} is not installed")
+        pytest.skip(f"{peer} is not installed or not importable (peers are not in the [test] extra; "
+                    "see benchmarks/requirements-peers.txt)")
+    tol = TOLERANCE.get(peer, 1e-4)
     out = tmp_path / "peers.json"
     proc = subprocess.run(
         [sys.executable, str(PEERS_DIR / "run.py"), "--backend", "gloo", "--world-size", "2", "--tokens", "32",
-         "--peers", f"occult-dedup,{peer}", "--warmup", "1", "--iters", "1", "--timeout-s", "240", "--out", str(out)],
+         "--peers", f"occult-dedup,{peer}", "--warmup", "1", "--iters", "1", "--timeout-s", "240",
+         "--tolerance", str(tol), "--out", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {r["peer"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs[peer]["status"] == "ok", runs[peer].get("traceback", runs[peer])
-    assert runs[peer]["rel_error"] < 1e-4
+    assert runs[peer]["rel_error"] < tol
     assert runs[peer]["fwd_bwd_ms"] > 0
     if not runs[peer].get("renormalized"):  # same gate function as occult: same input gradient
-        assert runs[peer]["dx_rel_diff"] < 1e-4
+        assert runs[peer]["dx_rel_diff"] < tol
+    if peer == "torchtitan":  # its all-to-all path, not the local fallback it takes without an EP mesh
+        assert runs[peer]["info"]["dispatcher"] == "AllToAllTokenDispatcher" and runs[peer]["info"]["ep_size"] == 2
