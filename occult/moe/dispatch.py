@@ -86,30 +86,35 @@ class _GatherRows(torch.autograd.Function):
         return token_sum(grad_PH, token_P, row_TJ, grad_PH.dtype), None, None
 
 
-class _GatherGates(torch.autograd.Function):
-    """gates[p, j] = weights.flat[entry[p, j]] (0 where entry is -1).
+def gather_gates(weights_TK: torch.Tensor, entry_PK: torch.Tensor) -> torch.Tensor:
+    """gates[p, j] = weights.flat[entry[p, j]], 0 where entry is -1 (padding)."""
+    padded = torch.cat([weights_TK.reshape(-1), weights_TK.new_zeros(1)])
+    return padded[torch.where(entry_PK >= 0, entry_PK, weights_TK.numel())]
 
-    Every valid entry occurs once, so backward is a plain scatter (no accumulation); padding
-    entries all point at one spare slot that is dropped. (Autograd's own indexing backward
-    would accumulate the padding's duplicates one by one.)
-    """
+
+def scatter_gates(grad_PK: torch.Tensor, entry_PK: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Backward of `gather_gates`: every valid entry occurs once, so a plain scatter (no
+    accumulation); padding entries all land in one spare slot that is dropped. (Autograd's own
+    indexing backward would accumulate the padding's duplicates one by one.)"""
+    n = shape.numel()
+    buf = grad_PK.new_zeros(n + 1)
+    buf.scatter_(0, torch.where(entry_PK >= 0, entry_PK, n).reshape(-1), grad_PK.reshape(-1))
+    return buf[:n].view(shape)
+
+
+class _GatherGates(torch.autograd.Function):
+    """`gather_gates` with `scatter_gates` as its backward."""
 
     @staticmethod
     def forward(ctx, weights_TK, entry_PK):
-        n = weights_TK.numel()
-        index_PK = torch.where(entry_PK >= 0, entry_PK, n)
-        ctx.save_for_backward(index_PK)
+        ctx.save_for_backward(entry_PK)
         ctx.shape = weights_TK.shape
-        padded = torch.cat([weights_TK.reshape(-1), weights_TK.new_zeros(1)])
-        return padded[index_PK]
+        return gather_gates(weights_TK, entry_PK)
 
     @staticmethod
     def backward(ctx, grad_PK):
-        (index_PK,) = ctx.saved_tensors
-        n = torch.Size(ctx.shape).numel()
-        buf = grad_PK.new_zeros(n + 1)
-        buf.scatter_(0, index_PK.reshape(-1), grad_PK.reshape(-1))
-        return buf[:n].view(ctx.shape), None
+        (entry_PK,) = ctx.saved_tensors
+        return scatter_gates(grad_PK, entry_PK, torch.Size(ctx.shape)), None
 
 
 class _SumRows(torch.autograd.Function):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from occult.moe.comm import CommStats, _metadata_bytes, _pack_metadata, _record, _unpack_metadata, all_to_all_start, all_to_all_wait
-from occult.moe.dispatch import Dispatcher, token_sum
+from occult.moe.dispatch import Dispatcher, gather_gates, scatter_gates, token_sum
 from occult.moe.experts import expert_mlp
 from occult.moe.plan import DispatchPlan, trim
 
@@ -68,20 +68,6 @@ class _Pipeline:
     weights: tuple[torch.Tensor, torch.Tensor] | None = None  # detached leaves of gate_up, down
 
 
-def _gather_gates(weights_TK: torch.Tensor, entry_PK: torch.Tensor) -> torch.Tensor:
-    """gates[p, j] = weights.flat[entry[p, j]], 0 for padding (-1) entries."""
-    padded = torch.cat([weights_TK.reshape(-1), weights_TK.new_zeros(1)])
-    return padded[torch.where(entry_PK >= 0, entry_PK, weights_TK.numel())]
-
-
-def _scatter_gates(grad_PK: torch.Tensor, entry_PK: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Backward of `_gather_gates`: every valid entry occurs once; padding lands in a dropped slot."""
-    n = shape.numel()
-    buf = grad_PK.new_zeros(n + 1)
-    buf.scatter_(0, torch.where(entry_PK >= 0, entry_PK, n).reshape(-1), grad_PK.reshape(-1))
-    return buf[:n].view(shape)
-
-
 def _forward(x_TH, weights_TK, gate_up_EFH, down_EHF, pipe: _Pipeline) -> torch.Tensor:
     """The forward schedule (module docstring); records each chunk's expert subgraph when differentiable."""
     group, chunks = pipe.group, pipe.chunks
@@ -95,7 +81,7 @@ def _forward(x_TH, weights_TK, gate_up_EFH, down_EHF, pipe: _Pipeline) -> torch.
     outgoing = []
     for ch in chunks:
         rows_PH = x_TH[ch.lo : ch.hi][ch.plan.token_P]
-        gates_PK = _gather_gates(weights_TK[ch.lo : ch.hi], ch.plan.entry_PK)
+        gates_PK = gather_gates(weights_TK[ch.lo : ch.hi], ch.plan.entry_PK)
         _record(pipe, ch.send, rows_PH, _metadata_bytes(gates_PK), backward=False)
         pipe.stats.dispatch_rows += ch.plan.num_rows
         outgoing.append((rows_PH, _pack_metadata(gates_PK, ch.plan.slot_PK)))
@@ -180,7 +166,7 @@ class _PipelinedMoE(torch.autograd.Function):
             all_to_all_wait(work_x)
             all_to_all_wait(work_g)
             grad_x.append(token_sum(gx_PH, ch.plan.token_P, ch.plan.row_TJ, gx_PH.dtype))
-            grad_w.append(_scatter_gates(gg_PK, ch.plan.entry_PK, torch.Size((ch.hi - ch.lo, w_shape[1]))))
+            grad_w.append(scatter_gates(gg_PK, ch.plan.entry_PK, torch.Size((ch.hi - ch.lo, w_shape[1]))))
         pipe.weights = None
         return torch.cat(grad_x).view(x_shape), torch.cat(grad_w).view(w_shape), grad_w1, grad_w2, None
 
