@@ -9,13 +9,20 @@
 #                                                          GPUs, so 1 GPU gives 2 ranks: not NCCL)
 #        OCCULT_GPU_SUITE_ON_CPU=1 bash tests/gpu/run.sh  (the collective tests on 2 CPU gloo ranks:
 #                                                          checks the suite's logic, not NCCL)
-# Extra pytest arguments go in PYTEST_ARGS (e.g. PYTEST_ARGS="-k olmoe").
+# Extra pytest arguments go in PYTEST_ARGS, parsed like a shell command line
+# (e.g. PYTEST_ARGS="-k olmoe", PYTEST_ARGS="-k 'not olmoe_1b_7b'").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-gpu-suite-results}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export OCCULT_GPU_SUITE_OUT=$out
+# PYTEST_ARGS as words, quotes honoured (xargs parses shell-style quoting; no command substitution)
+extra=()
+if [ -n "${PYTEST_ARGS:-}" ]; then
+  parsed=$(printf '%s' "$PYTEST_ARGS" | xargs -n1 printf '%s\n') || { echo "PYTEST_ARGS does not parse: $PYTEST_ARGS" >&2; exit 2; }
+  mapfile -t extra <<< "$parsed"
+fi
 rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single.xml
 python=${PYTHON:-python3}
 if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" = 1 ]; then
@@ -34,9 +41,8 @@ else
   fi
 fi
 echo "== stage 1: collective tests on $nproc ranks (torchrun)"
-# shellcheck disable=SC2086
 $python -m torch.distributed.run --standalone --nproc-per-node "$nproc" tests/gpu/rank_pytest.py \
-  tests/gpu -q -p no:cacheprovider ${PYTEST_ARGS:-}
+  tests/gpu -q -p no:cacheprovider "${extra[@]}"
 rc1=$?
 for r in $(seq 0 $((nproc - 1))); do
   code=$(cat "$out/rank$r.rc" 2>/dev/null || echo missing)
@@ -45,8 +51,7 @@ done
 rc2=0
 if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" != 1 ]; then
   echo "== stage 2: single-process GPU tests"
-  # shellcheck disable=SC2086
-  $python -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$out/single.xml" ${PYTEST_ARGS:-}
+    $python -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$out/single.xml" "${extra[@]}"
   rc2=$?
 fi
 echo "== summary"
