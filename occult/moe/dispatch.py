@@ -222,7 +222,9 @@ class Dispatcher:
             plan = self.plan(ids_TK, expert_device_E, expert_slot_E)
             send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status)
             plan = trim(plan, sum(send_splits))
-        state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank, peer_level=self.peer_level)
+        # (CommStats() given explicitly: torch.compile cannot trace the dataclass default_factory call,
+        # and a graph break there made dynamo give up on the layer's whole try block)
+        state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank, CommStats(), self.peer_level)
         gates_PK = _GatherGates.apply(weights_TK, plan.entry_PK)
         x_RH, gates_RK, slots_RK = exchange(
             _GatherRows.apply(x_TH, plan.token_P, plan.row_TJ), gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state
