@@ -73,6 +73,32 @@ def expected_rows(ids_all, tokens, device_E, G, rank, two_level):
     return total, inter, intra
 
 
+class _Recording(torch.nn.Module):
+    """The layer's router, keeping the ids it chose (so a half-precision case's reference routes alike)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.ids_TK = inner, None
+
+    def forward(self, x_TH):
+        weights_TK, self.ids_TK = self.inner(x_TH)
+        return weights_TK, self.ids_TK
+
+
+class _GivenIds(torch.nn.Module):
+    """Reference router: softmax of the gate's own logits, taken at given ids (renormalised if asked)."""
+
+    def __init__(self, gate: torch.nn.Linear, ids_TK: torch.Tensor, norm: bool) -> None:
+        super().__init__()
+        self.gate, self.ids_TK, self.norm = gate, ids_TK, norm
+
+    def forward(self, x_TH):
+        weights_TK = torch.softmax(self.gate(x_TH), dim=-1).gather(1, self.ids_TK)
+        if self.norm:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return weights_TK, self.ids_TK
+
+
 def check_case(rank: int, world_size: int, case: dict) -> dict:
     dtype, ref_dtype = case["dtype"], case.get("ref_dtype", case["dtype"])
     torch.manual_seed(case["seed"])
@@ -99,6 +125,20 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
                                  sync_free=case.get("sync_free", False))
     dense = dense.to(ref_dtype)
 
+    start = sum(tokens[:rank])
+    sl = slice(start, start + tokens[rank])
+    half = dtype != ref_dtype
+    if half:  # near-ties of bf16/fp16 logits may pick other experts than the reference would: give it the layer's
+        layer.router = _Recording(layer.router)
+    x = x_all[sl].to(dtype).clone().requires_grad_()
+    y = layer(x)
+    (y * g_all[sl].to(dtype)).sum().backward()
+    if half:
+        chosen = [None] * world_size
+        dist.all_gather_object(chosen, layer.router.ids_TK)
+        dense.router = _GivenIds(dense.router.gate, torch.cat(chosen), case["norm"])
+        layer.router = layer.router.inner
+
     x_ref = x_all.clone().requires_grad_()
     y_ref = dense(x_ref)
     if y_ref.requires_grad:
@@ -106,12 +146,6 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     for p in (x_ref, *dense.parameters()):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-
-    start = sum(tokens[:rank])
-    sl = slice(start, start + tokens[rank])
-    x = x_all[sl].to(dtype).clone().requires_grad_()
-    y = layer(x)
-    (y * g_all[sl].to(dtype)).sum().backward()
     router_grad = layer.router.gate.weight.grad.clone().double()
     dist.all_reduce(router_grad)
     ids = layer.local_expert_ids
