@@ -55,9 +55,8 @@ from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tab
     agree_on_error, batch_list, environment, floor_rows, free_memory, log, logit_errors, markdown_table, quantiles,
     ratio, time_steps as _time_steps, variant_list as _variant_list, write_json,
 )
-from e2e import MODELS, TINY, build_model, check_setup, comm_stats, random_ids  # noqa: E402  (model building)
+from e2e import MODELS, TINY, build_model, comm_stats, random_ids, start_run  # noqa: E402  (model building)
 from occult import set_sync_free  # noqa: E402
-from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 
@@ -242,19 +241,11 @@ def reference_logits(args: argparse.Namespace, cfg: Any, ctx: dict) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, world = init_distributed()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    cfg = model_config(args)
-    problem = check_setup(args, cfg, world)
-    if problem:
-        if rank == 0:
-            print(f"decode.py: error: {problem}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
+    run = start_run(args, "decode.py", model_config)
+    if run is None:
         return 2
-    self_groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
-    ctx: dict[str, Any] = {"device": device, "dtype": dtype, "self_group": self_groups[rank], "vocab": cfg.vocab_size}
+    rank, world, device, dtype, cfg, self_group = run
+    ctx: dict[str, Any] = {"device": device, "dtype": dtype, "self_group": self_group, "vocab": cfg.vocab_size}
     report: dict[str, Any] = {
         "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype),
                    "decode": "input ids [B, 1], use_cache=False, logits of that token", "model_config": cfg.to_dict()},

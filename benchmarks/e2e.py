@@ -367,20 +367,32 @@ def table(results: dict[str, dict], phases: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def start_run(args: argparse.Namespace, script: str, config_of: Callable[[argparse.Namespace], Any]) -> tuple | None:
+    """The start every benchmark (e2e, decode, serve) shares: process group, device, dtype (bf16 on
+    GPUs, fp32 on CPU, unless --dtype), model config, the setup check (rank 0 prints the problem and
+    None is returned: exit 2), and a one-rank group per rank for the replicated floor (every rank
+    creates every group). Returns (rank, world, device, dtype, cfg, self_group)."""
     rank, world = init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    cfg = model_config(args)
+    cfg = config_of(args)
     problem = check_setup(args, cfg, world)
     if problem:
         if rank == 0:
-            print(f"e2e.py: error: {problem}", file=sys.stderr, flush=True)
+            print(f"{script}: error: {problem}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
+        return None
+    self_groups = [dist.new_group([r]) for r in range(world)]
+    return rank, world, device, dtype, cfg, self_groups[rank]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = start_run(args, "e2e.py", model_config)
+    if run is None:
         return 2
-    self_groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    rank, world, device, dtype, cfg, self_group = run
     report: dict[str, Any] = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype),
                                          "tokens_per_gpu": args.batch * args.seq, "model_config": cfg.to_dict()},
                               "env": environment(device, world), "variants": {}}
@@ -402,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_ep_dir = hf_ep.save(ref) if "hf-ep" in args.variants else None
     del ref
     free_memory(device)
-    ctx = dict(device=device, dtype=dtype, placement=placement, self_group=self_groups[rank],
+    ctx = dict(device=device, dtype=dtype, placement=placement, self_group=self_group,
                check_ids=check_ids, ref_logits=ref_logits, hf_ep_dir=hf_ep_dir)
     for variant in args.variants:
         report["variants"][variant] = run_variant(variant, args, cfg, ctx)

@@ -63,10 +63,9 @@ from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tab
     quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
 )
 from decode import build_base, model_config  # noqa: E402
-from e2e import MODELS, TINY, build_model, check_setup, random_ids  # noqa: E402
+from e2e import MODELS, TINY, build_model, random_ids, start_run  # noqa: E402
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 from occult import set_sync_free  # noqa: E402
-from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 
@@ -307,19 +306,11 @@ def build_variant_model(base: str, args: argparse.Namespace, cfg: Any, ctx: dict
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, world = init_distributed()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    cfg = model_config(args)
-    problem = check_setup(args, cfg, world)
-    if problem:
-        if rank == 0:
-            print(f"serve.py: error: {problem}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
+    run = start_run(args, "serve.py", model_config)
+    if run is None:
         return 2
-    self_groups = [dist.new_group([r]) for r in range(world)]
-    ctx: dict[str, Any] = {"device": device, "dtype": dtype, "self_group": self_groups[rank]}
+    rank, world, device, dtype, cfg, self_group = run
+    ctx: dict[str, Any] = {"device": device, "dtype": dtype, "self_group": self_group}
     report: dict[str, Any] = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype),
                                          "model_config": cfg.to_dict()},
                               "env": environment(device, world), "variants": {}, "table": []}
