@@ -9,7 +9,7 @@ directory, `occult.cli.hf.run_profile` (the command line chooses, in `occult.cli
 Under torchrun with more than one rank (`torchrun --nproc-per-node N -m occult train ...`),
 `train` and `finetune` shard the experts over `--ep-size` ranks (default: all) by
 `--ep-placement` and train everything else data parallel (`occult.lm.parallel`; replicated gradients
-by torch DDP, or `--grad-sync explicit`); rank 0 prints.
+by torch DDP, `--grad-sync explicit`, or sharded with FSDP2, `--grad-sync fsdp`); rank 0 prints.
 """
 
 from __future__ import annotations
@@ -101,10 +101,12 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
                         "contiguous; for finetune, --placement when it has EP_SIZE devices)")
     g.add_argument("--dispatcher", default="dedup", choices=["dedup", "standard"],
                    help="all-to-all dispatch: one copy per device (dedup) or per expert (standard)")
-    g.add_argument("--grad-sync", default="ddp", choices=["ddp", "explicit"],
-                   help="replicated (non-expert) gradients: torch DDP, all-reduced in buckets during the backward "
-                        "(default), or one explicit all-reduce after it; expert gradients are all-reduced over the "
-                        "replicas after the backward either way (OccultLM only; not --hf)")
+    g.add_argument("--grad-sync", default="ddp", choices=["ddp", "explicit", "fsdp"],
+                   help="dense (non-expert) parameters: replicated, gradients by torch DDP, all-reduced in buckets "
+                        "during the backward (default), or by one explicit all-reduce after it; or fsdp: sharded over "
+                        "the ranks with torch FSDP2 fully_shard (weights, gradients and AdamW state 1/N per rank; "
+                        "bf16 precision as FSDP2 mixed precision); expert gradients are all-reduced over the "
+                        "replicas after the backward in every mode (OccultLM only; not --hf)")
     g = p.add_argument_group("re-placing experts while training (several ranks, EP size >= 2; docs/replacement.md)")
     g.add_argument("--replace-every", type=int, default=0,
                    help="solve a new expert placement from the routing seen every M steps and migrate to it (0 = off)")
@@ -251,7 +253,7 @@ def run_train(args) -> int:
         if main:
             print(f"{par.world_size} ranks: experts over {par.ep_size} ({args.dispatcher}), {par.replicas} data-parallel "
                   f"replica(s); {cfg.batch_size // par.world_size} of {cfg.batch_size} rows per rank; "
-                  f"replicated gradients: {'DDP' if cfg.grad_sync == 'ddp' else 'explicit all-reduce'}")
+                  f"dense parameters: {dict(ddp='DDP', explicit='explicit all-reduce', fsdp='FSDP2')[cfg.grad_sync]}")
     try:
         result = train(model, data, cfg, args.out, resume=args.resume, stop_after=args.stop_after,
                        progress=not args.no_progress, parallel=par)

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from occult._atomic import atomic_path
+from occult.lm.fsdp import like_param
 from occult.lm.model import ModelConfig, OccultLM, RoutingSpec
 from occult.placement import Placement
 
@@ -95,7 +96,7 @@ def load_weights(model: OccultLM, tensors: Mapping[str, torch.Tensor], source: s
             t = have[name]
             if tuple(t.shape) != tuple(p.shape):
                 raise CheckpointError(f"{source}: {name} has shape {list(t.shape)}, the model expects {list(p.shape)}")
-            p.copy_(t.to(p.dtype))
+            p.copy_(like_param(t.to(p.dtype), p))  # a full tensor into an FSDP shard: this rank's part
 
 
 def routing_from_metadata(meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> RoutingSpec:

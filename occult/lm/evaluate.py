@@ -25,11 +25,17 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def autocast_for(device: torch.device, precision: str):
+def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """The autocast dtype of `precision` on `device` (auto: bf16 on CUDA), or None for fp32."""
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def autocast_for(device: torch.device, precision: str):
+    dtype = autocast_dtype(device, precision)
+    if dtype is not None:
+        return torch.autocast(device_type=device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 

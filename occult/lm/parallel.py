@@ -16,8 +16,11 @@ group and divided by W. With `wrap_ddp` (`--grad-sync ddp`, the default on N ran
 `DistributedDataParallel` averages the replicated gradients instead (bucketed all-reduces over
 `dense_group`, all ranks in a group of their own, launched during the backward; DDP divides by
 its group size W, the same factor) and `sync_gradients(..., replicated=False)` does the experts
-alone; DDP ignores the expert parameters and every buffer. `clip_grad_norm` clips by the norm
-of the whole model (replicated parameters counted once, expert shards summed over the EP group). The load-balancing loss is
+alone; DDP ignores the expert parameters and every buffer. With `--grad-sync fsdp`
+(`occult.lm.fsdp.wrap_fsdp`) the dense parameters are sharded by FSDP2 instead (gradients
+reduce-scattered and averaged over `dense_group`). `clip_grad_norm` clips by the norm of the
+whole model (replicated parameters counted once, FSDP shards summed over the dense group, expert
+shards summed over the EP group). The load-balancing loss is
 computed over the global batch (`OccultLM.set_aux_group`).
 
 `shard_model(full, parallel, placement)` builds this rank's model from a full single-process
@@ -37,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from occult.lm.fsdp import full_tensor, is_sharded, local_tensor
 from occult.lm.model import OccultLM
 from occult.placement import Placement, PlacementError
 
@@ -152,7 +156,8 @@ def gathered_tensors(model: OccultLM) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for i, m in enumerate(model.moe_layers()):
         full[f"blocks.{i}.moe.moe.gate_up_proj"], full[f"blocks.{i}.moe.moe.down_proj"] = m.gather_experts()
-    out = {f"model.{n}": full.get(n, p.detach()).contiguous().cpu() for n, p in model.named_parameters()}
+    out = {f"model.{n}": (full[n] if n in full else full_tensor(p.detach())).contiguous().cpu()
+           for n, p in model.named_parameters()}
     if model.routing.similarity is not None:
         for i, s in enumerate(model.routing.similarity):
             out[f"routing.similarity.{i}"] = s.detach().to(torch.float32).contiguous().cpu()
@@ -222,21 +227,28 @@ def wrap_ddp(model: OccultLM, parallel: Parallel) -> DistributedDataParallel | N
 
 
 def clip_grad_norm(model: OccultLM, parallel: Parallel, max_norm: float) -> torch.Tensor:
-    """Clip by the global gradient norm of the whole model; returns that norm (as torch does)."""
-    replicated, experts = _split(model)
+    """Clip by the global gradient norm of the whole model; returns that norm (as torch does).
+
+    Squared norms: replicated gradients once, FSDP shards (DTensor) summed over the dense group,
+    expert shards summed over the EP group."""
+    dense, experts = _split(model)
     device = next(model.parameters()).device
-    sq = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(2)]
-    for i, ps in enumerate((replicated, experts)):
-        for p in ps:
-            if p.grad is not None:
-                sq[i] = sq[i] + p.grad.detach().float().pow(2).sum()
-    if parallel.ep_size > 1:
-        dist.all_reduce(sq[1], group=parallel.ep_group)
-    total = (sq[0] + sq[1]).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in replicated + experts:
+    sq = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(3)]  # replicated, FSDP shards, experts
+    expert_ids = {id(p) for p in experts}
+    for p in dense + experts:
         if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            i = 2 if id(p) in expert_ids else int(is_sharded(p.grad))
+            sq[i] = sq[i] + local_tensor(p.grad).detach().float().pow(2).sum()
+    if any(p.grad is not None and is_sharded(p.grad) for p in dense):
+        dist.all_reduce(sq[1], group=parallel.dense_group if parallel.dense_group is not None else parallel.world_group)
+    if parallel.ep_size > 1:
+        dist.all_reduce(sq[2], group=parallel.ep_group)
+    total = (sq[0] + sq[1] + sq[2]).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in dense + experts:
+        if p.grad is not None:
+            g = local_tensor(p.grad)
+            g.mul_(coef.to(g.dtype))
     return total
 
 

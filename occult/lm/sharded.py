@@ -9,7 +9,8 @@ Layout, in a run directory:
 
 Tensors are keyed so that any number of ranks and any placement can load them: replicated
 parameters and their AdamW state as `model.<name>` / `optim.<name>.<key>` (DCP writes one
-copy), expert weights and their AdamW state per global expert id, `model.<name>.expert<e>`
+copy; FSDP-sharded ones, `--grad-sync fsdp`, are DTensors under the same key, each rank writing
+and reading its shard, so DDP and FSDP runs resume each other's checkpoints), expert weights and their AdamW state per global expert id, `model.<name>.expert<e>`
 (each rank writes the experts it holds). A rank loading requests exactly its own experts, so
 2 ranks resume a 1-rank checkpoint and one process resumes a 2-rank one. Each rank's RNG state
 (`rng.cpu.rank<r>`) is restored when the world size is unchanged.
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from occult._atomic import write_text_atomic
 from occult.lm.checkpoint import CheckpointError, load_weights
+from occult.lm.fsdp import is_sharded
 from occult.lm.model import OccultLM
 from occult.lm.state import load_optimizer_tensors
 
@@ -187,17 +189,19 @@ def load_sharded(path: str | os.PathLike, doc: Mapping[str, Any], model: OccultL
         if name in experts and like.dim() > 0:
             for e in experts[name][1].tolist():
                 req[f"{key}.expert{e}"] = torch.empty(like.shape[1:], dtype=like.dtype)
+        elif is_sharded(like):  # an FSDP shard: DCP reads this rank's part of the full tensor
+            req[key] = torch.empty_like(like)
         else:
             req[key] = torch.empty(like.shape, dtype=like.dtype)
 
     for n, p in params.items():
-        ask(f"model.{n}", n, p)
+        ask(f"model.{n}", n, p.detach())
     kinds = doc.get("optim_state", {})
     name_of = {id(p): n for n, p in params.items()}
     trained = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
     for n in trained:
         for k, kind in kinds.get(n, {}).items():
-            ask(f"optim.{n}.{k}", n, params[n].detach().cpu() if kind == "param" else torch.zeros((), dtype=torch.float32))
+            ask(f"optim.{n}.{k}", n, params[n].detach() if kind == "param" else torch.zeros((), dtype=torch.float32))
     rng_key = f"rng.cpu.rank{rank}"
     if doc.get("world_size") == world:
         req[rng_key] = torch.empty_like(torch.get_rng_state())

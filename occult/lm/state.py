@@ -20,15 +20,19 @@ from typing import Any, Mapping
 import torch
 
 from occult.lm.checkpoint import CheckpointError, config_from_metadata
+from occult.lm.fsdp import like_param
 from occult.lm.model import OccultLM
 from occult.placement.solvers import METHODS
+
+
+GRAD_SYNCS = ("ddp", "explicit", "fsdp")  # how the dense gradients of N ranks are synchronised
 
 
 @dataclass
 class TrainConfig:
     """Optimisation settings. Fields in `LOGGING_FIELDS` may change on resume; the rest may not.
 
-    (`grad_sync` may change: DDP and the explicit all-reduce give the same gradients up to rounding.)"""
+    (`grad_sync` may change: DDP, the explicit all-reduce and FSDP2 give the same gradients up to rounding.)"""
 
     steps: int = 2000
     batch_size: int = 32
@@ -61,7 +65,7 @@ class TrainConfig:
     replace_samples: int = 2048  # routed tokens per layer and rank kept for the next solve
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
     replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
-    grad_sync: str = "ddp"  # N ranks: replicated gradients by torch DDP (overlapped with backward) or "explicit" (after it)
+    grad_sync: str = "ddp"  # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
 
     LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta",
                       "grad_sync")
@@ -84,8 +88,8 @@ class TrainConfig:
         if self.replace_check_every < 1 or self.replace_samples < 1:
             raise ValueError(f"replace_check_every and replace_samples must be >= 1, got "
                              f"{self.replace_check_every}, {self.replace_samples}")
-        if self.grad_sync not in ("ddp", "explicit"):
-            raise ValueError(f"grad_sync must be 'ddp' or 'explicit', got {self.grad_sync!r}")
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {self.grad_sync!r}")
         if self.replace_method not in ("auto", *METHODS):
             raise ValueError(f"replace_method must be 'auto' or one of {METHODS}, got {self.replace_method!r}")
 
@@ -162,12 +166,14 @@ def optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer) -> dict[str, 
 
 
 def load_optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], source: str) -> None:
-    name_of = {id(p): n for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    name_of = {id(p): n for n, p in params.items()}
     sd = opt.state_dict()
     order = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, name in enumerate(order):
-        entry = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
+        entry = {k.rsplit(".", 1)[1]: like_param(v, params[name]) for k, v in tensors.items()
+                 if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
         if entry:
             state[i] = entry
     if state and len(state) != len(order):

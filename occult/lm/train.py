@@ -13,8 +13,8 @@ trains. Settings, schedule and optimizer are in `occult.lm.state`; evaluation in
 On N ranks (`parallel=`, an `occult.lm.parallel.Parallel`; the model from `shard_model`), the
 experts are sharded over each EP group and everything else is data parallel: every rank reads
 its own rows of each global batch of `batch_size` rows, gradients are synchronised (replicated
-ones by torch DDP during the backward, `grad_sync="ddp"`, or after it, "explicit"; expert ones
-after it) and clipped over the whole model, the load-balancing loss is over the global batch,
+ones by torch DDP during the backward, `grad_sync="ddp"`, or after it, "explicit", or sharded
+with FSDP2, "fsdp", `occult.lm.fsdp`; expert ones after it) and clipped over the whole model, the load-balancing loss is over the global batch,
 and the result equals a single-process run on the same global batch. Rank 0 alone prints, draws the bar and writes
 the weights files (gathered from every rank) and metrics.
 
@@ -59,7 +59,8 @@ from occult.lm.checkpoint import (
     read_checkpoint,
 )
 from occult.lm.data import TokenData, train_batch
-from occult.lm.evaluate import autocast_for, evaluate, pick_device
+from occult.lm.evaluate import autocast_dtype, autocast_for, evaluate, pick_device
+from occult.lm.fsdp import reshard, wrap_fsdp
 from occult.lm.migrate import follow_routing
 from occult.lm.model import OccultLM
 from occult.lm.parallel import (
@@ -144,6 +145,8 @@ def train(
         raise ValueError(f"the data use {data.vocab_size} token ids, the model's vocab_size is {model.config.vocab_size}")
     if par is not None and cfg.batch_size % par.world_size:
         raise ValueError(f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks")
+    if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
+        wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
     names = trainable_names(model, cfg.moe_only)
     opt = make_optimizer(model, names, cfg)
     data_sig = f"{data.train.numel()}:{tensor_hash(data.train)}"
@@ -205,6 +208,7 @@ def train(
     def do_eval(train_loss: float | None = None) -> dict:
         nonlocal best
         r = evaluate(model, data.val, eval_bs, cfg.seq_len, cfg.eval_tokens, cfg.precision, parallel=par)
+        reshard(model)  # FSDP: the root's weights back to shards after a forward without backward
         r["step"] = step
         if train_loss is not None:
             r["train_loss"] = train_loss
@@ -251,7 +255,7 @@ def train(
     last_step = cfg.steps if stop_after is None else min(cfg.steps, step + int(stop_after))
     shard = (par.rank, par.world_size) if par is not None else ()
     ddp = wrap_ddp(model, par) if par is not None and cfg.grad_sync == "ddp" else None
-    forward = ddp if ddp is not None else model  # DDP averages the replicated gradients during backward
+    forward = ddp if ddp is not None else model  # DDP (or FSDP's hooks) average the dense gradients during backward
     try:
         while step < last_step and not stopped:
             lr = lr_at(step, cfg)
@@ -266,7 +270,7 @@ def train(
             loss.backward()
             gnorm = None
             if par is not None:
-                sync_gradients(model, par, replicated=ddp is None)  # experts (and replicated without DDP)
+                sync_gradients(model, par, replicated=cfg.grad_sync == "explicit")  # experts (and replicated, explicit)
                 gnorm = clip_grad_norm(model, par, cfg.grad_clip) if cfg.grad_clip > 0 else None
             elif cfg.grad_clip > 0:
                 gnorm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)

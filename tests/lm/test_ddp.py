@@ -207,7 +207,7 @@ def test_grad_sync_setting_and_cli():
     from occult.cli import build_parser
 
     with pytest.raises(ValueError, match="grad_sync"):
-        TrainConfig(grad_sync="fsdp")
+        TrainConfig(grad_sync="zero3")
     assert TrainConfig().grad_sync == "ddp" and "grad_sync" in TrainConfig.LOGGING_FIELDS
     from occult.cli.lm import _train_config
 

@@ -1,0 +1,238 @@
+"""Dense parameters sharded with torch FSDP2 (`grad_sync="fsdp"`), CPU gloo ranks, fp32.
+
+One spawn of 2 ranks (`ranks`) checks:
+    grads    one step: the dense parameters are DTensor shards (half the rows on each rank), the
+             experts plain; full gradients == one process on the global batch; the clipping norm
+             (dense shards summed over the ranks, expert shards over the EP group) == torch's
+             norm of the one-process gradients, and the clipped gradients match
+    ep2/ep1  20 steps, experts sharded by a non-contiguous placement (EP 2) or replicated (EP 1),
+             clipping that bites (grad_clip 0.05): == one process (losses, validation, weights)
+    moe      MoE-only fine-tuning (routers the only trained dense parameters; attention frozen)
+    resume   an FSDP run stopped at step 10 resumed with DDP, and a DDP run stopped at 10 resumed
+             with FSDP (checkpoints cross over: same full weights) == 20 straight; the parent
+             resumes the FSDP checkpoint in one process
+    bf16     FSDP2 mixed precision: blocks compute with bf16 weights, master weights fp32, the
+             losses stay near the fp32 ones
+A second spawn of 4 ranks (EP 2 x 2 replicas, 10 steps) == one process.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from occult.distributed import run_ranks
+from occult.lm.data import train_batch
+from occult.lm.fsdp import full_tensor, is_sharded, local_tensor, wrap_fsdp
+from occult.lm.model import ModelConfig, OccultLM
+from occult.lm.parallel import clip_grad_norm, full_model, setup_parallel, shard_model, sync_gradients
+from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
+from occult.placement import Placement
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+TINY = Path(__file__).resolve().parents[1] / "data" / "shakespeare_tiny"
+MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2, expert_ffn_size=16, max_seq_len=32)
+PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
+RTOL = 1e-5  # against one process (test_ddp.py's tolerance, adam eps 1e-6)
+CLIP = 0.05  # below every step's gradient norm here: every step is clipped
+
+
+def cfg(**kw) -> TrainConfig:
+    base = dict(steps=20, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=3, eval_every=10, save_every=10,
+                eval_tokens=512, device="cpu", adam_eps=1e-6, grad_clip=CLIP, grad_sync="fsdp")
+    return TrainConfig(**{**base, **kw})
+
+
+def config(data) -> ModelConfig:
+    return ModelConfig(vocab_size=data.vocab_size, **MODEL)
+
+
+def _snapshot(model: OccultLM, result) -> dict:
+    return {
+        "losses": list(result.train_losses),
+        "val": [h["val_loss"] for h in result.history],
+        "params": {n: full_tensor(p.detach()).numpy().copy() for n, p in model.named_parameters()},  # a collective
+        "ids": {n: ids.numpy().copy() for n, (_, ids) in model.expert_parameters().items()},
+    }
+
+
+def _run(par, data, out, placement=None, seed=0, **kw) -> dict:
+    torch.manual_seed(seed)
+    model = shard_model(full_model(config(data), par), par, placement)
+    c = cfg(**kw.pop("config", {}))
+    return _snapshot(model, train(model, data, c, out, parallel=par, progress=False, log=None, **kw))
+
+
+def _one_step(par, data) -> dict:
+    """Step 0 under FSDP: layout, full gradients after the sync, the clipping norm, clipped gradients."""
+    torch.manual_seed(0)
+    model = wrap_fsdp(shard_model(full_model(config(data), par), par, Placement.from_lists(PLACEMENT, 2)), par)
+    make_optimizer(model, trainable_names(model, False), cfg())
+    layout = {n: (is_sharded(p), tuple(local_tensor(p).shape), tuple(p.shape)) for n, p in model.named_parameters()}
+    x, y = train_batch(data.train, 4, 32, 0, 0, par.rank, par.world_size)
+    out = model(x, y, return_logits=False)
+    (out.loss + cfg().aux_loss_coef * out.aux_loss).backward()
+    sync_gradients(model, par, replicated=False)
+    grads = {n: full_tensor(p.grad).numpy().copy() for n, p in model.named_parameters()}
+    norm = float(clip_grad_norm(model, par, CLIP))
+    clipped = {n: full_tensor(p.grad).numpy().copy() for n, p in model.named_parameters()}
+    ids = {n: i.numpy().copy() for n, (_, i) in model.expert_parameters().items()}
+    return {"layout": layout, "grads": grads, "norm": norm, "clipped": clipped, "ids": ids}
+
+
+def fsdp_worker(rank: int, world_size: int, data, root: str) -> dict:
+    root_p = Path(root)
+    par = setup_parallel()
+    p2 = Placement.from_lists(PLACEMENT, 2)
+    out = {"grads": _one_step(par, data)}
+    out["ep2"] = _run(par, data, root_p / "ep2", p2)
+    out["moe"] = _run(par, data, root_p / "moe", p2, config=dict(moe_only=True, steps=10, eval_every=5, save_every=0))
+    for first, then in (("fsdp", "ddp"), ("ddp", "fsdp")):
+        _run(par, data, root_p / f"stop-{first}", p2, stop_after=10, config=dict(grad_sync=first))
+        if rank == 0 and first == "fsdp":
+            shutil.copytree(root_p / "stop-fsdp", root_p / "stop1")
+        par.barrier()
+        out[f"{first}->{then}"] = _run(par, data, root_p / f"stop-{first}", p2, seed=9, resume=True,
+                                       config=dict(grad_sync=then))
+    out["bf16"] = _bf16(par, data, root_p / "bf16")
+    dp = setup_parallel(ep_size=1)
+    out["ep1"] = _run(dp, data, root_p / "ep1")
+    return out
+
+
+def _bf16(par, data, out) -> dict:
+    """5 steps with --precision bf16: the dtype a block's attention computes with, and the losses."""
+    torch.manual_seed(0)
+    model = shard_model(full_model(config(data), par), par)
+    seen = []
+    model.blocks[0].attn.qkv.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    c = cfg(steps=5, eval_every=0, save_every=0, precision="bf16")
+    result = train(model, data, c, out, parallel=par, progress=False, log=None, plot=False)
+    return {"losses": result.train_losses, "compute": sorted({str(d) for d in seen}),
+            "master": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def four_rank_worker(rank: int, world_size: int, data, root: str) -> dict:
+    par = setup_parallel(ep_size=2)
+    return _run(par, data, Path(root) / "ep2x2", config=dict(steps=10, eval_every=5, save_every=0))
+
+
+@pytest.fixture(scope="module")
+def data():
+    pytest.importorskip("tokenizers")
+    from occult.lm.data import load_dataset
+
+    return load_dataset(TINY, vocab_size=300, val_fraction=0.1)
+
+
+@pytest.fixture(scope="module")
+def ranks(data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    ranks = run_ranks(fsdp_worker, 2, data, str(root), timeout_s=300)
+    single = {}
+    for name, kw in (("full", {}), ("moe", dict(moe_only=True, steps=10, eval_every=5, save_every=0)),
+                     ("ten", dict(steps=10, eval_every=5, save_every=0)), ("fp32", dict(steps=5, eval_every=0, save_every=0))):
+        torch.manual_seed(0)
+        ref = OccultLM(config(data))
+        single[name] = _snapshot(ref, train(ref, data, cfg(**kw), root / f"single-{name}", progress=False, log=None, plot=False))
+    torch.manual_seed(5)
+    back = OccultLM(config(data))
+    single["stop1"] = _snapshot(back, train(back, data, cfg(), root / "stop1", resume=True, progress=False, log=None))
+    return {"root": root, "ranks": ranks, "single": single}
+
+
+def _rel(p: np.ndarray, q: np.ndarray) -> float:
+    return float(np.abs(p - q).max() / max(np.abs(q).max(), 1e-30))
+
+
+def assert_matches(got: dict, want: dict, rtol: float, steps: int = 20) -> None:
+    """Losses per step, validation losses, and every parameter (full, or this rank's experts)."""
+    assert len(got["losses"]) == len(want["losses"]) == steps
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=rtol)
+    np.testing.assert_allclose(got["val"], want["val"], rtol=rtol)
+    assert set(got["params"]) == set(want["params"])
+    for name, p in got["params"].items():
+        q = want["params"][name]
+        if name in got["ids"] and len(want["ids"][name]) != len(got["ids"][name]):
+            q = q[got["ids"][name]]  # one process holds every expert
+        assert _rel(p, q) <= rtol, f"{name}: max |diff| / max |weight| = {_rel(p, q):.2e}"
+
+
+def test_one_step_sharding_gradients_and_clipping_norm(ranks, data):
+    torch.manual_seed(0)
+    ref = OccultLM(config(data))
+    x, y = train_batch(data.train, 4, 32, 0, 0)
+    out = ref(x, y, return_logits=False)
+    (out.loss + cfg().aux_loss_coef * out.aux_loss).backward()
+    want = {n: p.grad.numpy().copy() for n, p in ref.named_parameters()}
+    norm = float(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), CLIP))
+    assert norm > 2 * CLIP  # the clip bites
+    clipped = {n: p.grad.numpy().copy() for n, p in ref.named_parameters()}
+    experts = set(ranks["ranks"][0]["grads"]["ids"])
+    for got in ranks["ranks"]:
+        g = got["grads"]
+        for name, (sharded, local, full) in g["layout"].items():
+            assert sharded == (name not in experts), name
+            if sharded:  # dim 0 split in two (every dense tensor here has an even dim 0)
+                assert local == (full[0] // 2, *full[1:]), name
+        assert np.isclose(g["norm"], norm, rtol=1e-5), (g["norm"], norm)
+        for grads, ref_grads in ((g["grads"], want), (g["clipped"], clipped)):
+            assert set(grads) == set(ref_grads)
+            for name, grad in grads.items():
+                q = ref_grads[name][g["ids"][name]] if name in g["ids"] else ref_grads[name]
+                assert _rel(grad, q) <= 1e-5, f"{name}: {_rel(grad, q):.2e}"
+
+
+def test_fsdp_equals_one_process(ranks):
+    """2 ranks, EP 2 (non-contiguous placement) and EP 1 (pure DP), 20 clipped steps; MoE-only 10 steps."""
+    single = ranks["single"]
+    for rank, out in enumerate(ranks["ranks"]):
+        assert sorted(out["ep2"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT[0]) if d == rank]
+        assert len(out["ep1"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == 8
+        assert_matches(out["ep2"], single["full"], RTOL)
+        assert_matches(out["ep1"], single["full"], RTOL)
+        assert_matches(out["moe"], single["moe"], RTOL, steps=10)
+        assert np.array_equal(out["moe"]["params"]["blocks.0.attn.qkv.weight"],
+                              ranks["single"]["moe"]["params"]["blocks.0.attn.qkv.weight"])  # frozen, untouched
+
+
+def test_checkpoints_cross_between_fsdp_and_ddp(ranks):
+    """Stopped at 10 under one mode, resumed under the other (and in one process) == 20 straight."""
+    for out in ranks["ranks"]:
+        assert_matches(out["fsdp->ddp"], out["ep2"], RTOL)
+        assert_matches(out["ddp->fsdp"], out["ep2"], RTOL)
+    assert_matches(ranks["single"]["stop1"], ranks["single"]["full"], RTOL)
+
+
+def test_bf16_mixed_precision(ranks):
+    fp32 = ranks["single"]["fp32"]["losses"]
+    for out in ranks["ranks"]:
+        b = out["bf16"]
+        assert b["compute"] == ["torch.bfloat16"] and b["master"] == ["torch.float32"]
+        assert len(b["losses"]) == 5 and np.all(np.isfinite(b["losses"]))
+        np.testing.assert_allclose(b["losses"], fp32, rtol=3e-2)
+        assert b["losses"] != fp32  # bf16 did round
+
+
+def test_four_ranks_ep2_by_2_replicas(ranks, data, tmp_path):
+    got = run_ranks(four_rank_worker, 4, data, str(tmp_path), timeout_s=240)
+    for out in got:
+        assert_matches(out, ranks["single"]["ten"], RTOL, steps=10)
+
+
+def test_grad_sync_fsdp_setting_and_cli():
+    from occult.cli import build_parser
+    from occult.cli.lm import _train_config
+
+    assert TrainConfig(grad_sync="fsdp").grad_sync == "fsdp"
+    with pytest.raises(ValueError, match="grad_sync"):
+        TrainConfig(grad_sync="zero3")
+    args = build_parser().parse_args(["train", "--out", "x", "--grad-sync", "fsdp"])
+    assert _train_config(args).grad_sync == "fsdp"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--out", "x", "--grad-sync", "zero3"])
