@@ -23,6 +23,7 @@ finetune flags (shared: --steps, --lr, --batch-size, ...) and `run_finetune` run
 
     torchrun --nproc-per-node 4 -m occult finetune --hf DIR --out OUT --placement p.json --max-devices 2
     OUT/model/  (transformers layout, tokenizer files copied)   OUT/loss.png   OUT/metrics.json
+    OUT/checkpoint/  (every --save-every steps; --resume continues it, --stop-after N stops early)
 """
 
 from __future__ import annotations
@@ -186,8 +187,6 @@ def run_finetune(args: Any) -> int:
 
     from occult.integrations import hf
 
-    if getattr(args, "resume", False):
-        raise ValueError("--resume is not supported with --hf (runs are short; start again)")
     if not (Path(args.hf) / "config.json").is_file():
         raise ValueError(f"--hf {args.hf}: not a transformers model directory (no config.json)")
     out = Path(args.out)
@@ -225,7 +224,11 @@ def run_finetune(args: Any) -> int:
         if groups is not None:
             log(f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "
                 f"data-parallel replica(s); {cfg.batch_size // groups.world_size} of {cfg.batch_size} rows per rank")
-        result = hf.finetune(model, tokens, cfg, groups, progress=False if args.no_progress else None, log=log)
+        result = hf.finetune(model, tokens, cfg, groups, progress=False if args.no_progress else None, log=log,
+                             checkpoint_dir=out, save_every=args.save_every, resume=args.resume, stop_after=args.stop_after)
+        if len(result.losses) < cfg.steps:
+            log(f"stopped at step {len(result.losses)} of {cfg.steps}: continue with --resume (checkpoint in {out / 'checkpoint'})")
+            return 0
         hf.save_finetuned(model, out / "model", source=args.hf, dtype=_save_dtype(args))
         if main:
             from occult._atomic import write_text_atomic

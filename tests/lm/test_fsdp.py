@@ -29,7 +29,13 @@ from occult.distributed import run_ranks
 from occult.lm.data import train_batch
 from occult.lm.fsdp import full_tensor, is_sharded, local_tensor, wrap_fsdp
 from occult.lm.model import ModelConfig, OccultLM
-from occult.lm.parallel import clip_grad_norm, full_model, setup_parallel, shard_model, sync_gradients
+from occult.lm.parallel import (
+    clip_grad_norm,
+    full_model,
+    setup_parallel,
+    shard_model,
+    sync_gradients,
+)
 from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
 from occult.placement import Placement
 

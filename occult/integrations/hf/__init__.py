@@ -44,7 +44,6 @@ from occult.integrations.hf.finetune import (
     FinetuneResult,
     Groups,
     finetune,
-    save_finetuned,
     setup_groups,
     tokenize_texts,
     trainable_parameters,
@@ -61,6 +60,7 @@ from occult.integrations.hf.generate import StaticDecoder, generate
 from occult.integrations.hf.loading import LoadReport, load_sharded, set_routing_placement
 from occult.integrations.hf.profile import profile
 from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
+from occult.integrations.hf.save import save_finetuned
 from occult.integrations.hf.tiny import tiny_config, tiny_random_model
 
 __all__ = [

@@ -27,11 +27,8 @@ master weights. The result equals single-process training on the same global bat
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from occult.integrations.hf.block import OccultMoeBlock, moe_blocks
-from occult.integrations.hf.loading import _fp32_kept
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+from occult.integrations.hf import checkpoint as ckpt
+from occult.integrations.hf.block import OccultMoeBlock
 
 
 @dataclass
@@ -204,12 +198,23 @@ def finetune(
     *,
     progress: bool | None = None,
     log: Callable[[str], None] | None = print,
+    checkpoint_dir: str | os.PathLike | None = None,
+    save_every: int = 0,
+    resume: bool = False,
+    stop_after: int | None = None,
 ) -> FinetuneResult:
     """Fine-tune the routers and experts of a converted `model` on windows of `tokens` (1-D ids).
 
     `groups` (from `setup_groups`): train on every rank of the world; the model converted over
     `groups.ep` (`load_sharded(..., group=groups.ep)`). Rank 0 draws the progress bar (loss,
     tokens/s). Returns every step's global-batch loss.
+
+    `checkpoint_dir` (the run directory): write a sharded checkpoint there every `save_every`
+    steps and at the end (with `save_every=0` only when stopping early;
+    `occult.integrations.hf.checkpoint`); `resume=True` continues the one
+    it holds (it must be of this model, expert count, routing, settings and data), and without
+    it an existing checkpoint is an error. Batches depend on (seed, step) alone, so a resumed run
+    continues exactly as the uninterrupted one. `stop_after=n`: return after n more steps.
     """
     from tqdm.auto import tqdm
 
@@ -245,7 +250,23 @@ def finetune(
         log(f"training {n_r:,} router and {n_e:,} expert parameters on rank 0 (everything else frozen)")
     opt = torch.optim.AdamW(routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
-    losses, norms, pending = [], [], []
+    start, losses, norms, pending = 0, [], [], []
+    if checkpoint_dir is not None:  # resume state: occult.integrations.hf.checkpoint
+        sig = ckpt.signature(model, tokens, vars(cfg))
+        found = ckpt.find_state(checkpoint_dir)
+        if found is not None and not resume:
+            raise ckpt.FinetuneCheckpointError(f"{checkpoint_dir} already holds a checkpoint ({found.name}): resume it "
+                                               "(--resume) or choose another --out")
+        if found is not None:
+            doc = ckpt.read_meta(found)
+            ckpt.check_signature(doc.get("signature", {}), sig, str(found))
+            ckpt.load_state(found, doc, model, opt)
+            start, losses, norms = int(doc["step"]), list(doc["losses"]), list(doc["grad_norms"])
+            if log is not None and main:
+                log(f"resumed {found} at step {start}")
+    elif resume:
+        raise ValueError("resume=True needs checkpoint_dir (the run directory)")
+    last = cfg.steps if stop_after is None else min(cfg.steps, start + int(stop_after))
 
     def flush() -> None:
         if pending:
@@ -256,13 +277,18 @@ def finetune(
             losses.extend(t.tolist())
             pending.clear()
 
+    def save(step: int) -> None:
+        flush()
+        ckpt.save_state(checkpoint_dir, model, opt, step, {"signature": sig, "losses": losses,
+                                                            "grad_norms": [float(n) for n in norms]})
+
     model.train()
-    bar = tqdm(total=cfg.steps, desc="finetune (routers + experts)", unit="step", dynamic_ncols=True,
+    bar = tqdm(total=cfg.steps, initial=start, desc="finetune (routers + experts)", unit="step", dynamic_ncols=True,
                disable=((not progress) if progress is not None else None) if main else True)  # None: only on a terminal
     t0 = t_last = time.perf_counter()
-    s_last, tokens_per_step = 0, cfg.batch_size * cfg.seq_len
+    s_last, tokens_per_step = start, cfg.batch_size * cfg.seq_len
     try:
-        for step in range(cfg.steps):
+        for step in range(start, last):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             win = batch_rows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step, rank, W).to(device)
@@ -292,104 +318,18 @@ def finetune(
                 t_last, s_last = now, step + 1
                 bar.set_postfix({"loss": f"{losses[-1]:.4f}", "tok/s": f"{tps:,.0f}", "gnorm": f"{float(norms[-1]):.2f}"},
                                 refresh=False)
+            if checkpoint_dir is not None and save_every and (step + 1) % save_every == 0 and step + 1 < last:
+                save(step + 1)
     finally:
         bar.close()
     flush()
+    if checkpoint_dir is not None and last > start and (save_every or last < cfg.steps):
+        save(last)
     model.eval()
     elapsed = time.perf_counter() - t0
-    return FinetuneResult(losses, [float(n) for n in norms], tokens_per_step * cfg.steps / max(elapsed, 1e-9),
+    return FinetuneResult(losses, [float(n) for n in norms], tokens_per_step * (last - start) / max(elapsed, 1e-9),
                           sum(p.numel() for p in routers + experts))
 
 
-def _hf_blocks_on_rank0(model: nn.Module, rank: int) -> list[tuple[str, nn.Module, nn.Module]]:
-    """Rank 0: (name, converted block, the model's own block with every expert), experts gathered
-    to it over its EP group (the other ranks of that group send, the rest do nothing); else []."""
-    out = []
-    for name, block in moe_blocks(model):
-        moe = block.experts
-        group = moe.dispatcher.group
-        ranks = dist.get_process_group_ranks(group) if group is not None else [0]
-        if rank not in ranks or 0 not in ranks:
-            continue  # another data-parallel replica: rank 0's EP group holds every expert
-        full = []
-        for local in (moe.gate_up_proj.detach().contiguous(), moe.down_proj.detach().contiguous()):
-            if group is not None and moe.num_ranks > 1:
-                shards = [torch.empty_like(local) for _ in range(moe.num_ranks)] if rank == 0 else None
-                dist.gather(local, shards, dst=0, group=group)
-                local = torch.cat(shards) if rank == 0 else local
-            full.append(moe.placement.invert(local) if rank == 0 else None)
-        if rank == 0:
-            out.append((name, block, block.to_hf(model.config, full[0].cpu(), full[1].cpu())))
-    return out
-
-
-def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.PathLike | None = None,
-                   dtype: torch.dtype | None = None) -> Path:
-    """Write the model in the transformers layout to `out`, atomically (a collective).
-
-    `dtype`: store floating-point weights in it (e.g. the source checkpoint's bf16 after fp32
-    training), but for those transformers keeps in fp32 (`_keep_in_fp32_modules_strict`).
-
-    The experts are gathered to rank 0 alone (the other ranks never hold more than their own);
-    rank 0 writes a temporary directory beside `out` (the model's own `save_pretrained`, plus
-    the tokenizer files of `source`) and renames it onto `out`, which must not exist. Every
-    rank raises if rank 0's write fails.
-    """
-    out = Path(out)
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    status = torch.zeros((), dtype=torch.int64)
-    error = ""
-    swapped = _hf_blocks_on_rank0(model, rank)
-    if rank == 0:
-        tmp = None
-        try:
-            for name, _, hf_block in swapped:
-                model.set_submodule(name, hf_block)
-            if out.exists():
-                raise FileExistsError(f"{out} already exists: choose another --out")
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-            kwargs: dict[str, Any] = {}
-            if dtype is not None:
-                kwargs["state_dict"] = {
-                    k: v.to(torch.float32 if _fp32_kept(model, k, dtype) else dtype) if v.is_floating_point() else v
-                    for k, v in model.state_dict().items()
-                }
-            saved_dtype = getattr(model.config, "dtype", None)
-            try:
-                model.save_pretrained(str(tmp), **kwargs)
-            finally:
-                model.config.dtype = saved_dtype  # save_pretrained sets it from the weights in memory
-            if dtype is not None:  # config.json says what the files hold
-                cfg = json.loads((tmp / "config.json").read_text())
-                cfg["dtype"] = str(dtype).removeprefix("torch.")
-                (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            for name in TOKENIZER_FILES if source is not None else ():
-                src = Path(source) / name
-                if src.is_file() and not (tmp / name).exists():
-                    shutil.copyfile(src, tmp / name)
-            os.replace(tmp, out)
-        except Exception as exc:  # reported to every rank below
-            status.fill_(1)
-            error = f"{type(exc).__name__}: {exc}"
-            if tmp is not None and tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            for name, block, _ in swapped:
-                model.set_submodule(name, block)
-    if distributed:
-        if dist.get_backend() == "nccl":
-            status = status.cuda()
-        dist.all_reduce(status)
-        if int(status):
-            message = [error]
-            dist.broadcast_object_list(message, src=0)
-            error = message[0]
-    if int(status):
-        raise OSError(f"saving {out} failed on rank 0" + (f": {error}" if error else ""))
-    return out
-
-
-__all__ = ["FinetuneConfig", "FinetuneResult", "Groups", "batch_rows", "finetune", "lr_at", "save_finetuned",
+__all__ = ["FinetuneConfig", "FinetuneResult", "Groups", "batch_rows", "finetune", "lr_at",
            "setup_groups", "tokenize_texts", "trainable_parameters"]
