@@ -18,6 +18,10 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
   prunedN          dedup + placement with max_devices=N (approximate: its check is report-only)
   <variant>/cN     any occult variant pipelined over N token chunks (OccultMoE overlap_chunks=N:
                    each chunk's all-to-alls run under another chunk's experts), e.g. dedup/c4
+  <variant>/tbo    any occult variant with two-batch overlap (occult.two_batch_overlap: the batch
+                   in two halves, one half's all-to-alls under the other's attention and experts),
+                   e.g. dedup/tbo; replicated/tbo is its own floor (no traffic: the cost of splitting).
+                   Rows sent are not reported for /tbo (each layer keeps only its last half's stats)
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -54,7 +58,7 @@ from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and 
     environment, free_memory, log, logit_errors, quantiles, synchronize, time_steps as _time_steps, write_json,
 )
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
-from occult import Placement, set_overlap  # noqa: E402
+from occult import Placement, set_overlap, two_batch_overlap  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
@@ -85,17 +89,25 @@ def variant_list(text: str) -> list[str]:
     """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1)."""
     names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in names if split_chunks(v)[0] not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", split_chunks(v)[0])]
-    bad += [v for v in names if split_chunks(v)[0] in PEERS and split_chunks(v)[1] > 1]
+    bad += [v for v in names if split_chunks(v)[0] in PEERS and v != split_chunks(v)[0]]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), each optionally /cN (N chunks)")
+            f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
+            "each optionally /cN (N chunks) or /tbo (two-batch overlap)")
     return names
 
 
 def split_chunks(variant: str) -> tuple[str, int]:
-    """'dedup/c4' -> ('dedup', 4); a variant without a '/cN' suffix is not pipelined (1)."""
+    """'dedup/c4' -> ('dedup', 4); 'dedup/tbo' -> ('dedup', 1); no suffix: not pipelined (1)."""
     m = re.fullmatch(r"(.+)/c([1-9]\d*)", variant)
-    return (m.group(1), int(m.group(2))) if m else (variant, 1)
+    if m:
+        return m.group(1), int(m.group(2))
+    return (variant[: -len("/tbo")], 1) if is_tbo(variant) else (variant, 1)
+
+
+def is_tbo(variant: str) -> bool:
+    """'dedup/tbo': run with two-batch overlap."""
+    return variant.endswith("/tbo")
 
 
 def phase_list(text: str) -> list[str]:
@@ -203,11 +215,19 @@ def random_ids(batch: int, seq: int, vocab: int, device: torch.device, gen: torc
     return torch.randint(vocab, (batch, seq), generator=gen).to(device)
 
 
+def logits_fn(model: nn.Module, tbo: bool, **kw: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """ids [B, S] -> logits, the whole batch at once or as two overlapped halves (`tbo`)."""
+    def forward(ids_BS: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids_BS, use_cache=False, **kw).logits
+    return (lambda ids_BS: two_batch_overlap(forward, ids_BS)) if tbo else forward
+
+
 @torch.no_grad()
-def check_logits(model: nn.Module, ids_BS: torch.Tensor, ref_BSV: torch.Tensor, rows: slice = slice(None)) -> dict[str, float]:
+def check_logits(model: nn.Module, ids_BS: torch.Tensor, ref_BSV: torch.Tensor, rows: slice = slice(None),
+                 tbo: bool = False) -> dict[str, float]:
     """Per-token relative L2 error of the logits (of `rows`) vs the reference: median and p95 (max over ranks)."""
     model.eval()
-    return logit_errors(model(input_ids=ids_BS, use_cache=False).logits[rows].float(), ref_BSV)
+    return logit_errors(logits_fn(model, tbo)(ids_BS)[rows].float(), ref_BSV)
 
 
 def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.device, world: int) -> tuple[Placement, dict]:
@@ -242,10 +262,10 @@ def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.de
 
 def convert_variant(model: nn.Module, variant: str, placement: Placement | None, self_group: Any) -> nn.Module:
     """Convert `model` in place as `variant` (module docstring)."""
-    variant, chunks = split_chunks(variant)
-    if chunks > 1:
-        model = convert_variant(model, variant, placement, self_group)
-        set_overlap(model, chunks)
+    base, chunks = split_chunks(variant)
+    if base != variant:
+        model = convert_variant(model, base, placement, self_group)
+        set_overlap(model, chunks)  # 1 for /tbo: two_batch_overlap needs unpipelined layers
         return model
     if variant == "replicated":
         return hf.convert(model, group=self_group, dispatcher="dedup")
@@ -267,20 +287,29 @@ def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
     return {k: float(v) / dist.get_world_size() for k, v in zip(keys, sums_K.tolist())}
 
 
-def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], None]:
-    """One prefill or train step on ids [B, S]."""
+def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | None,
+              tbo: bool = False) -> Callable[[torch.Tensor], None]:
+    """One prefill or train step on ids [B, S] (`tbo`: as two overlapped halves)."""
     if phase == "prefill":
         model.eval()
+        forward = logits_fn(model, tbo, logits_to_keep=1)
 
         def prefill(ids_BS: torch.Tensor) -> None:
             with torch.no_grad():
-                model(input_ids=ids_BS, use_cache=False, logits_to_keep=1)
+                forward(ids_BS)
         return prefill
     model.train()
+    forward = logits_fn(model, tbo)
+
+    def loss_of(ids_BS: torch.Tensor) -> torch.Tensor:
+        if not tbo:
+            return model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
+        logits_BSV = forward(ids_BS)  # the model's own loss: next-token cross-entropy in fp32, mean over tokens
+        return nn.functional.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
 
     def train(ids_BS: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
-        model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss.backward()
+        loss_of(ids_BS).backward()
         hf.sync_gradients(model)
         optimizer.step()
     return train
@@ -319,7 +348,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     res: dict[str, Any] = {"exact": split_chunks(variant)[0] in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
     if shared:
         res["hf_ep"] = hf_ep.describe(model)
-    res["check"] = check_logits(model, check_ids, ctx["ref_logits"], rows)
+    res["check"] = check_logits(model, check_ids, ctx["ref_logits"], rows, tbo=is_tbo(variant))
     res["check"]["passed"] = res["check"]["median_rel_err"] <= args.tol or not res["exact"]
     log(f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
         + ("" if res["exact"] else " (approximate: report only)") + ("" if res["check"]["passed"] else "  FAILED"))
@@ -332,8 +361,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             if phase == "train":
                 optimizer = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
                              if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=args.lr))
-            out = time_steps(make_step(model, phase, optimizer), args, cfg.vocab_size, device, shared)
-            out["comm"] = comm_stats(model, device)
+            out = time_steps(make_step(model, phase, optimizer, is_tbo(variant)), args, cfg.vocab_size, device, shared)
+            out["comm"] = {} if is_tbo(variant) else comm_stats(model, device)
             res["phases"][phase] = out
             log(f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
                 f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")

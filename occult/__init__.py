@@ -10,6 +10,7 @@ from occult.moe.dense import DenseMoE
 from occult.moe.dispatch import DedupDispatcher, Dispatcher, RoutingError, StandardDispatcher, make_dispatcher
 from occult.moe.layer import OccultMoE, set_overlap, set_sync_free
 from occult.moe.routing import TopKRouter
+from occult.moe.two_batch import two_batch_overlap
 from occult.moe.two_level import TwoLevelDispatcher
 from occult.placement import Placement, PlacementError
 
@@ -30,4 +31,5 @@ __all__ = [
     "make_dispatcher",
     "set_overlap",
     "set_sync_free",
+    "two_batch_overlap",
 ]

@@ -7,6 +7,7 @@
     dispatch   `Dispatcher` (`StandardDispatcher`, `DedupDispatcher`): counts, dispatch, combine
     experts    SwiGLU experts on received rows (torch reference; Triton via `occult.kernels`)
     overlap    the same stages over token chunks, all-to-alls hidden behind expert compute
+    two_batch  two halves of a batch interleaved at the all-to-alls (two-batch overlap)
     layer      `OccultMoE`, the expert-parallel layer that runs the stages above
     dense      `DenseMoE`, the single-process reference, and the expert-parameter init
 

@@ -17,6 +17,7 @@ themselves (the all-to-all, its autograd node, metadata packing, byte accounting
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -207,8 +208,12 @@ class Dispatcher:
         expert_slot_E: torch.Tensor,
         status: torch.Tensor,
         sync_free: bool = False,
+        pause: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchState]:
         """Send rows out; return (x_RH, slots_RK, gates_RK, state) as received by this rank.
+
+        `pause` (two-batch overlap, `occult.moe.two_batch`) runs between starting the all-to-all
+        and waiting for it, and again in backward; every rank of the group must pass one or none.
 
         `sync_free=True` sends a fixed-capacity plan with split sizes known from shapes alone:
         no count exchange, no host wait, capturable in a CUDA graph. Every rank of the group must
@@ -227,15 +232,16 @@ class Dispatcher:
         state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank, CommStats(), self.peer_level)
         gates_PK = _GatherGates.apply(weights_TK, plan.entry_PK)
         x_RH, gates_RK, slots_RK = exchange(
-            _GatherRows.apply(x_TH, plan.token_P, plan.row_TJ), gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state
+            _GatherRows.apply(x_TH, plan.token_P, plan.row_TJ), gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state,
+            pause,
         )
         state.stats.dispatch_rows = plan.num_rows
         return x_RH, slots_RK, gates_RK, state
 
-    def combine(self, y_RH: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        """Return each received row's result to its source; sum a token's rows in fp32."""
+    def combine(self, y_RH: torch.Tensor, state: DispatchState, pause: Callable[[], None] | None = None) -> torch.Tensor:
+        """Return each received row's result to its source; sum a token's rows in fp32 (`pause`: as in dispatch)."""
         state.stats.combine_rows = y_RH.shape[0]
-        y_PH, _, _ = exchange(y_RH, None, None, state.recv_splits, state.send_splits, self.group, state)
+        y_PH, _, _ = exchange(y_RH, None, None, state.recv_splits, state.send_splits, self.group, state, pause)
         return _SumRows.apply(y_PH, state.plan.token_P, state.plan.row_TJ)
 
 

@@ -22,6 +22,7 @@ from occult.moe.dispatch import RoutingError, make_dispatcher
 from occult.moe.experts import expert_mlp
 from occult.moe.overlap import pipelined_moe
 from occult.moe.routing import TopKRouter
+from occult.moe.two_batch import pause_point
 from occult.placement import Placement, check_divisible
 
 
@@ -48,6 +49,9 @@ class OccultMoE(nn.Module):
     layer over C chunks of the rank's tokens (`occult.moe.overlap`): the all-to-alls of one chunk
     run under the experts of another, forward and backward; the same rows, the same function,
     still one host sync. All ranks of the group must use the same C.
+
+    Called inside `occult.two_batch_overlap`, the layer hands the turn to the other half of the
+    batch after starting each all-to-all (pipelined layers raise there: use one or the other).
     """
 
     def __init__(
@@ -134,13 +138,19 @@ class OccultMoE(nn.Module):
         # sync_free); pipelined over token chunks when overlap_chunks > 1
         try:
             if self.overlap_chunks > 1:
+                if pause_point() is not None:
+                    raise ValueError("a pipelined MoE layer (overlap_chunks > 1) cannot run inside two_batch_overlap: "
+                                     "its backward collectives would not join the two halves' order; "
+                                     "use set_overlap(model, 1) with two-batch overlap")
                 y_TH, self.last_comm_stats = pipelined_moe(
                     self.dispatcher, x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status,
                     self.gate_up_proj, self.down_proj, self.overlap_chunks, self.expert_backend, self.sync_free,
                 )
                 return y_TH.reshape(x.shape)
+            pause = pause_point()  # inside `two_batch_overlap`: the other half runs while our exchanges fly
             x_RH, slots_RK, gates_RK, state = self.dispatcher.dispatch(
-                x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status, sync_free=self.sync_free
+                x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status, sync_free=self.sync_free,
+                pause=pause,
             )
         except RoutingError as exc:
             if x.shape[-1] != self.hidden_size:
@@ -155,7 +165,7 @@ class OccultMoE(nn.Module):
                           self.gate_up_proj, self.down_proj, backend=self.expert_backend)
 
         # 5. combine
-        y_TH = self.dispatcher.combine(y_RH, state)
+        y_TH = self.dispatcher.combine(y_RH, state, pause=pause)
         return y_TH.reshape(x.shape)
 
     # ------------------------------------------------------ dense <-> sharded

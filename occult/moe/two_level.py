@@ -162,10 +162,12 @@ class TwoLevelDispatcher(DedupDispatcher):
             text = "; ".join(f"rank {r}: {STATUS_MESSAGES.get(s, f'status {s}')}" for r, s in bad)
             raise RoutingError(f"MoE dispatch stopped on every rank because of bad input: {text}")
 
-    def dispatch(self, x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free=False):
-        """Send rows out in two stages; return (x_RH, slots_RK, gates_RK, state) as received here."""
+    def dispatch(self, x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free=False, pause=None):
+        """Send rows out in two stages; return (x_RH, slots_RK, gates_RK, state) as received here.
+        `pause` (two-batch overlap) runs inside both exchanges (rail and node), so that every
+        exchange's backward joins the two-batch chain."""
         if not self.two_level:
-            return super().dispatch(x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free)
+            return super().dispatch(x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free, pause)
         G, M, T = self.devices_per_node, self.num_nodes, ids_TK.shape[0]
         S = expert_device_E.shape[0] // self.num_ranks
         node_E = expert_device_E // G
@@ -189,7 +191,7 @@ class TwoLevelDispatcher(DedupDispatcher):
         # 1. rail: one row per (token, node), with the token's gates and node-local expert codes
         x1_RH, gates1_RK, codes1_RK = exchange(
             _GatherRows.apply(x_TH, plan1.token_P, plan1.row_TJ), _GatherGates.apply(weights_TK, plan1.entry_PK),
-            plan1.slot_PK, rail_send, rail_recv, rail.group, rail,
+            plan1.slot_PK, rail_send, rail_recv, rail.group, rail, pause,
         )
         # 2. node: the gateway fans each row out once per GPU of its node holding its experts
         plan2 = fanout_plan(codes1_RK, G, S, sync_free)
@@ -199,18 +201,19 @@ class TwoLevelDispatcher(DedupDispatcher):
                      [SELF if g == self.local else INTRA for g in range(G)], stats)
         x_RH, gates_RK, slots_RK = exchange(
             _GatherRows.apply(x1_RH, plan2.token_P, plan2.row_TJ), _GatherGates.apply(gates1_RK, plan2.entry_PK),
-            plan2.slot_PK, node_send, node_recv, node.group, node,
+            plan2.slot_PK, node_send, node_recv, node.group, node, pause,
         )
         stats.dispatch_rows = plan1.num_rows + plan2.num_rows
         return x_RH, slots_RK, gates_RK, TwoLevelState(rail, node, T, stats)
 
-    def combine(self, y_RH: torch.Tensor, state) -> torch.Tensor:
-        """Rows back to the gateways, summed per (token, node); one row per node back to the source."""
+    def combine(self, y_RH: torch.Tensor, state, pause=None) -> torch.Tensor:
+        """Rows back to the gateways, summed per (token, node); one row per node back to the source
+        (`pause` inside both exchanges)."""
         if isinstance(state, DispatchState):
-            return super().combine(y_RH, state)
+            return super().combine(y_RH, state, pause)
         rail, node = state.rail, state.node
-        y2_PH, _, _ = exchange(y_RH, None, None, node.recv_splits, node.send_splits, node.group, node)
+        y2_PH, _, _ = exchange(y_RH, None, None, node.recv_splits, node.send_splits, node.group, node, pause)
         y1_RH = _SumRows.apply(y2_PH, node.plan.token_P, node.plan.row_TJ)  # node-level pre-reduction
-        y1_PH, _, _ = exchange(y1_RH, None, None, rail.recv_splits, rail.send_splits, rail.group, rail)
+        y1_PH, _, _ = exchange(y1_RH, None, None, rail.recv_splits, rail.send_splits, rail.group, rail, pause)
         state.stats.combine_rows = y_RH.shape[0] + y1_RH.shape[0]
         return _SumRows.apply(y1_PH, rail.plan.token_P, rail.plan.row_TJ)

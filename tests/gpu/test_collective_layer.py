@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from occult import DenseMoE, OccultMoE, Placement, RoutingError
+from occult import DenseMoE, OccultMoE, Placement, RoutingError, two_batch_overlap
 
 # Relative error bounds against the fp32 reference. fp32: exact ("ieee") products in the Triton
 # kernels; bf16/fp16: the inputs, weights and every intermediate are rounded (8 and 11 bits).
@@ -35,18 +35,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class RecordingRouter(nn.Module):
-    """Wraps a router; keeps the ids it chose and can return its weights in another dtype."""
+    """Wraps a router; keeps the ids it chose (over all calls since the last `clear`, in call
+    order: a two-batch forward calls it once per half) and can return its weights in another dtype."""
 
     def __init__(self, inner: nn.Module, weights_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.inner, self.weights_dtype, self.ids_TK = inner, weights_dtype, None
+        self.inner, self.weights_dtype, self.parts = inner, weights_dtype, []
+
+    @property
+    def ids_TK(self) -> torch.Tensor:
+        return torch.cat(self.parts)
+
+    def clear(self) -> None:
+        self.parts = []
 
     def set_expert_device(self, expert_device_E):
         self.inner.set_expert_device(expert_device_E)
 
     def forward(self, x_TH):
         weights_TK, ids_TK = self.inner(x_TH)
-        self.ids_TK = ids_TK.detach().clone()
+        self.parts.append(ids_TK.detach().clone())
         if self.weights_dtype is not None:
             weights_TK = weights_TK.to(self.weights_dtype)
         return weights_TK, ids_TK
@@ -75,7 +83,8 @@ def _placement(kind: str, num_experts: int, world_size: int, seed: int) -> Place
 
 
 def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=None, top_k=4,
-             tokens=None, max_devices=None, router_weights_dtype=None, norm=False, sync_free=False, chunks=1, salt=0) -> dict:
+             tokens=None, max_devices=None, router_weights_dtype=None, norm=False, sync_free=False, chunks=1, salt=0,
+             two_batch=False) -> dict:
     """One layer forward+backward on every rank; the worst relative errors over all ranks."""
     D, rank, dev = ranks.world_size, ranks.rank, ranks.device
     E = experts or 8 * D
@@ -99,7 +108,7 @@ def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=No
     g32 = torch.randn(counts[rank], HIDDEN, device=dev, generator=gen)
 
     x = x32.to(dtype).requires_grad_()
-    y = layer(x)
+    y = two_batch_overlap(layer, x) if two_batch else layer(x)
     (y.float() * g32).sum().backward()
 
     dense32.router = GivenIdsRouter(dense32.router.gate, layer.router.ids_TK, norm)
@@ -190,6 +199,18 @@ def test_pipelined_layer_matches_fp32_reference(ranks, dispatcher, dtype_name):
     tokens = [0 if r == 1 else 5 + r for r in range(ranks.world_size)]  # an empty rank, chunks with no tokens
     errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, tokens=tokens, chunks=8, salt=10)
     _assert_within(errors, TOL[dtype], f"pipelined (8 chunks, few tokens) {dispatcher}/{dtype_name}")
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
+def test_two_batch_layer_matches_fp32_reference(ranks, dispatcher, dtype_name):
+    """Two-batch overlap (two threads, paused async all-to-alls, chained backward): same function."""
+    dtype = DTYPES[dtype_name]
+    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, two_batch=True, salt=11)
+    _assert_within(errors, TOL[dtype], f"two-batch {dispatcher}/{dtype_name} seed {ranks.seed}")
+    tokens = [1 if r == 1 else 7 + r for r in range(ranks.world_size)]  # one rank too small to split: all unsplit
+    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, tokens=tokens, two_batch=True, salt=12)
+    _assert_within(errors, TOL[dtype], f"two-batch, a one-token rank {dispatcher}/{dtype_name}")
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))

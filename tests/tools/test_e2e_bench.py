@@ -59,13 +59,16 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
     assert last[-1].startswith("| pruned1 | train |") and any(line.startswith("| replicated | prefill |") for line in last)
 
 
-def test_e2e_pipelined_variants_are_exact_and_send_the_same_rows(tmp_path):
+def test_e2e_pipelined_and_two_batch_variants_are_exact_and_send_the_same_rows(tmp_path):
     out = tmp_path / "e2e.json"
-    res = _torchrun(2, "--model", "tiny", "--variants", "dedup,dedup/c3,pruned1/c2", "--batch", "2", "--seq", "32",
-                    "--check-seq", "32", "--warmup", "1", "--iters", "1", "--out", str(out))
+    res = _torchrun(2, "--model", "tiny", "--variants", "dedup,dedup/c3,pruned1/c2,standard/tbo,replicated/tbo",
+                    "--batch", "2", "--seq", "32", "--check-seq", "32", "--warmup", "1", "--iters", "1", "--out", str(out))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())["variants"]
-    assert report["dedup/c3"]["exact"] and report["dedup/c3"]["check"]["median_rel_err"] < 1e-4
+    for name in ("dedup/c3", "standard/tbo", "replicated/tbo"):
+        assert report[name]["exact"] and report[name]["check"]["median_rel_err"] < 1e-4, (name, report[name]["check"])
+    for phase in PHASES:  # two-batch variants time both phases; their rows are not reported (per-half stats)
+        assert report["standard/tbo"]["phases"][phase]["ms_median"] > 0 and report["standard/tbo"]["phases"][phase]["comm"] == {}
     assert not report["pruned1/c2"]["exact"]
     for phase in PHASES:
         plain, piped = report["dedup"]["phases"][phase]["comm"], report["dedup/c3"]["phases"][phase]["comm"]
@@ -73,7 +76,7 @@ def test_e2e_pipelined_variants_are_exact_and_send_the_same_rows(tmp_path):
 
 
 def test_e2e_unknown_variant_fails_clearly():
-    for bad in ("dedup,bogus", "dedup/c0", "hf-ep/c2"):
+    for bad in ("dedup,bogus", "dedup/c0", "hf-ep/c2", "hf-ep/tbo", "dedup/tbo/c2"):
         res = subprocess.run([sys.executable, str(SCRIPT), "--variants", bad], cwd=ROOT, env=_env(),
                              capture_output=True, text=True, timeout=120, check=False)
         assert res.returncode != 0
