@@ -1,0 +1,106 @@
+"""`benchmarks/quality_ranks.py`: the quality study as real multi-rank training, on 2 CPU gloo ranks.
+
+End to end on the bundled tiny corpus (base training, profile, placement, evaluation and
+fine-tuning as 2-rank torchrun jobs), then the numbers checked against what they must be:
+pruned to N=1 the dispatcher sends exactly one row per token and layer (E[C_T] == 1), the
+dispatcher's rows equal the C_T counted from the routed ids, and the one-process simulated study
+on the same weights and placement gives the same rows without fine-tuning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "quality_ranks.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_two_ranks_end_to_end_numbers_consistent(tmp_path):
+    out = tmp_path / "q"
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--ranks", "2", "--seeds", "3", "--out", str(out), "--vocab", "512",
+           "--experts", "16", "--top-k", "4", "--layers", "2", "--hidden", "32", "--expert-ffn", "16", "--train-steps", "8", "--eval-every", "4", "--ft-steps", "3",
+           "--profile-tokens", "2048", "--eval-tokens", "2048", "--max-devices", "1", "--placement-method", "greedy"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "quality_ranks.json").read_text())
+    assert (out / "quality_ranks.md").exists() and (out / "quality_ranks.svg").exists()
+    seed = res["seeds"][0]
+    assert seed["seed"] == 3 and seed["ranks"] == 2 and seed["placement_method"] == "greedy"
+    rows = {r["name"]: r for r in seed["rows"]}
+    assert set(rows) == {"standard routing (contiguous placement)", "placement only", "pruned N=1 (score)",
+                         "pruned N=1 (similarity)", "standard fine-tuning", "pruned N=1 (score) + fine-tuning",
+                         "pruned N=1 (similarity) + fine-tuning"}
+    for r in rows.values():
+        assert r["routed_tokens"] == 2 * r["val_tokens"] > 0  # validation tokens x MoE layers, over both ranks
+        assert r["mean_ct"] == r["dispatch_rows"] / r["routed_tokens"]
+        assert r["mean_ct"] == r["mean_ct_observed"], r["name"]  # dispatcher rows == C_T of the routed ids
+        if r["max_devices"] == 1:
+            assert r["mean_ct"] == 1.0 and r["dispatch_rows"] == r["routed_tokens"], r["name"]
+        else:
+            assert 1.0 < r["mean_ct"] <= 2.0, r["name"]
+        assert math.isfinite(r["val_loss"]) and r["val_ppl"] == math.exp(r["val_loss"])
+    std, plc = rows["standard routing (contiguous placement)"], rows["placement only"]
+    assert abs(std["val_loss"] - plc["val_loss"]) < 1e-5  # the same function, other expert placement
+    # fine-tuning moved the weights (MoE blocks), every run from the same base
+    assert rows["standard fine-tuning"]["val_loss"] != std["val_loss"]
+    check = res["simulation_check"][0]
+    assert check["max_abs_mean_ct"] == 0.0 and check["max_abs_val_loss"] < 1e-5
+    sim = {r["name"]: r for r in check["rows"]}
+    assert sim[std["name"]]["mean_ct"] == std["mean_ct"]
+    agg = {r["name"]: r for r in res["rows"]}
+    assert agg["pruned N=1 (score) + fine-tuning"]["mean_ct"]["values"] == [1.0]
+    assert agg["standard fine-tuning"]["rel_ppl"]["mean"] == 0.0
+
+
+def _fake_seed(seed: int, ppl: dict[str, float], ct: dict[str, float]) -> dict:
+    rows = []
+    for name, p in ppl.items():
+        ft = name.endswith("fine-tuning")
+        n = 1 if "N=1" in name else None
+        rows.append({"name": name, "group": "", "max_devices": n, "method": "score" if n else None, "finetuned": ft,
+                     "val_loss": math.log(p), "val_ppl": p, "mean_ct": ct[name], "mean_ct_observed": ct[name]})
+    return {"seed": seed, "rows": rows, "train_curve": [[0, 6.0], [10, 5.0 - seed]], "train_steps_done": 10,
+            "best_train_val": 5.0 - seed, "placement_method": "greedy", "placement_comparison": {"contiguous": 3.0},
+            "seconds": {"train": 1.0}, "vocab": 512, "train_tokens": 100, "val_tokens": 10, "ranks": 4}
+
+
+def test_aggregate_spread_targets_and_report(tmp_path):
+    import quality_ranks as qr
+
+    names = ["standard routing (contiguous placement)", "pruned N=1 (score)", "standard fine-tuning",
+             "pruned N=1 (score) + fine-tuning"]
+    seeds = [_fake_seed(0, dict(zip(names, [10.0, 12.0, 9.0, 9.18])), dict(zip(names, [3.0, 1.0, 2.0, 1.0]))),
+             _fake_seed(1, dict(zip(names, [20.0, 22.0, 10.0, 10.5])), dict(zip(names, [3.2, 1.0, 2.2, 1.0])))]
+    rows = {r["name"]: r for r in qr.aggregate(seeds)}
+    ft = rows["pruned N=1 (score) + fine-tuning"]
+    assert math.isclose(ft["rel_ppl"]["min"], 0.02) and math.isclose(ft["rel_ppl"]["max"], 0.05)
+    assert math.isclose(ft["rel_ppl"]["mean"], 0.035)
+    assert math.isclose(ft["rel_ppl"]["std"], math.sqrt(2) * 0.015)  # sample std of two values
+    assert math.isclose(rows["pruned N=1 (score)"]["rel_ppl"]["mean"], (0.2 + 0.1) / 2)
+    assert math.isclose(rows["standard fine-tuning"]["mean_ct"]["mean"], 2.1)
+    (t,) = qr.targets(qr.aggregate(seeds))
+    assert t["limit"] == 0.03 and t["met_mean"] is False and t["met_every_seed"] is False
+    results = {"args": {"tiny": True, "seeds": "0,1", "layers": 2, "hidden": 8, "heads": 2, "experts": 64, "top_k": 8,
+                        "expert_ffn": 8, "seq_len": 8, "batch_size": 8, "ranks": 4, "warmup": 1, "lr": 1e-3,
+                        "patience": 3, "profile_tokens": 10, "ft_steps": 2, "ft_lr": 1e-3, "ft_warmup": 1},
+               "env": {"device": "test", "torch": "x", "python": "y", "date": "z"}, "seeds": seeds,
+               "rows": qr.aggregate(seeds), "targets": [t], "simulation_check": [], "wall_seconds": 1.0, "command": "cmd"}
+    doc = tmp_path / "r.md"
+    qr.render(results, doc)
+    text = doc.read_text()
+    assert "| pruned N=1 (score) + fine-tuning | yes |" in text and "+3.50% ± 2.12 [+2.00%, +5.00%]" in text
+    assert "**missed**" in text
+    svg = doc.with_suffix(".svg").read_text()
+    assert svg.count("<circle") == 4 and svg.count("<line") > 20  # fine-tuned points with min..max bars
