@@ -2,7 +2,7 @@
 layers' all-to-alls, so that one half's exchange runs under the other half's compute.
 
 `two_batch_overlap(fn, *inputs)` splits every positional tensor input in two along dim 0 and
-runs `fn` on each half in a thread of its own. The threads pass a baton, so exactly one runs at
+runs `fn` on each half in a thread of its own (two long-lived worker threads per process). The threads pass a baton, so exactly one runs at
 a time, and hand it over at the pause points of every `OccultMoE` layer: right after starting
 the dispatch all-to-all and right after starting the combine all-to-all
 (`occult.moe.comm.exchange(pause=...)`). Per layer, on every rank, the order is therefore fixed:
@@ -29,6 +29,7 @@ all-reduce decides, so the ranks never disagree). Not for CUDA-graph capture or 
 
 from __future__ import annotations
 
+import queue
 import threading
 from contextlib import ExitStack
 from typing import Any, Callable
@@ -38,6 +39,51 @@ import torch.distributed as dist
 
 _local = threading.local()
 _AUTOCAST_DEVICES = ("cuda", "cpu")
+_FRESH_THREADS = False  # True: two new threads per call (slower: per-thread CUDA/cuBLAS/OpenMP state is rebuilt)
+
+
+class _Worker:
+    """A long-lived thread that runs the jobs it is given, one at a time (one per half)."""
+
+    def __init__(self, index: int) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"occult-two-batch-{'AB'[index]}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self.jobs.get()()
+
+
+_workers: list[_Worker] = []
+_call_lock = threading.Lock()  # one two-batch call at a time per process: the workers are shared
+
+
+def _run_halves(run: Callable[[int], None]) -> None:
+    """run(0) and run(1) on the two workers (started lazily, again after a fork); wait for both."""
+    global _workers
+    if _FRESH_THREADS:
+        threads = [threading.Thread(target=run, args=(i,), name=f"occult-two-batch-{'AB'[i]}", daemon=True) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return
+    if len(_workers) != 2 or not all(w.thread.is_alive() for w in _workers):
+        _workers = [_Worker(0), _Worker(1)]
+    done = [threading.Event(), threading.Event()]
+
+    def job(i: int) -> Callable[[], None]:
+        def go() -> None:
+            try:
+                run(i)
+            finally:
+                done[i].set()
+        return go
+    for i, worker in enumerate(_workers):
+        worker.jobs.put(job(i))
+    for event in done:
+        event.wait()
 
 
 def pause_point() -> Callable[[], None] | None:
@@ -195,11 +241,8 @@ def two_batch_overlap(fn: Callable[..., Any], *args: Any, group: Any = None, **k
             _local.pause = None
             baton.release(me)
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"occult-two-batch-{'AB'[i]}", daemon=True) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with _call_lock:
+        _run_halves(run)
     if errors[0] is not None or errors[1] is not None:
         first, second = errors if errors[0] is not None else (errors[1], None)
         if second is not None:

@@ -34,7 +34,12 @@ from occult.integrations import hf  # noqa: E402
 FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"]
 VOCAB, SEQ, BATCH = 96, 16, 8
 FP32_TOL = 1e-4
-BF16_MEDIAN, BF16_P95, BF16_GRAD = 2e-2, 1e-1, 3e-2  # BF16_GRAD: or 3x the unconverted bf16 model's own error
+# BF16_GRAD: or OWN_FACTOR x the unconverted bf16 model's own error. In bf16 a near-tied router logit
+# can pick another expert in the converted model than in the unconverted one (the MoE outputs
+# feeding the next layer differ in rounding), which moves sums like a layernorm weight's gradient:
+# such flips gave 3.3x and 3.6x (one tensor of ~100, in 2 of 6 suite runs: mixtral, qwen3_moe);
+# a wrong gradient is off by O(1).
+BF16_MEDIAN, BF16_P95, BF16_GRAD, OWN_FACTOR = 2e-2, 1e-1, 3e-2, 5
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,7 +120,7 @@ def test_converted_model_matches_unconverted(ranks, family, dtype_name, shared_d
             local = model.get_submodule(name.rsplit(".", 2)[0]).experts.local_expert_ids
             g_ref, g_same = g_ref[local], g_same[local]
         err, own = _rel(p.grad.float(), g_ref), _rel(g_same.float(), g_ref)
-        bound = FP32_TOL if dtype == torch.float32 else max(BF16_GRAD, 3 * own)
+        bound = FP32_TOL if dtype == torch.float32 else max(BF16_GRAD, OWN_FACTOR * own)
         worst = max(worst, err)
         if err > bound:
             over[name] = (err, bound)
