@@ -114,6 +114,10 @@ def add_finetune_arguments(p: Any) -> None:
     if "--init" in have:
         have["--init"].required = False
         have["--init"].help += " (or --hf DIR)"
+    if "--aux-loss-coef" in have:  # off unless asked for with --hf; OccultLM keeps its default (occult.cli.lm)
+        have["--aux-loss-coef"].default = None
+        have["--aux-loss-coef"].help += (" (default 0.01; with --hf 0 = off: the family's own load_balancing_loss_func, or "
+                                         "the Switch formula for DeepSeek-V3, over the global batch)")
     g = p.add_argument_group("transformers models (--hf)")
     g.add_argument("--hf", default=None, metavar="DIR",
                    help="fine-tune this transformers model directory's routers and experts instead of --init")
@@ -219,7 +223,7 @@ def run_finetune(args: Any) -> int:
         cfg = hf.FinetuneConfig(
             steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
             warmup_steps=args.warmup, weight_decay=args.weight_decay, adam_eps=args.adam_eps, grad_clip=args.grad_clip,
-            seed=args.seed, precision=args.precision,
+            seed=args.seed, precision=args.precision, aux_loss_coef=getattr(args, "aux_loss_coef", None) or 0.0,
         )
         if groups is not None:
             log(f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "

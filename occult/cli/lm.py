@@ -172,7 +172,8 @@ def _train_config(args):
     return TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, aux_loss_coef=args.aux_loss_coef, adam_eps=args.adam_eps, moe_only=args.moe_only, seed=args.seed,
+        grad_clip=args.grad_clip, aux_loss_coef=AUX_LOSS_COEF if args.aux_loss_coef is None else args.aux_loss_coef,
+        adam_eps=args.adam_eps, moe_only=args.moe_only, seed=args.seed,
         precision=args.precision, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
         save_every=args.save_every, patience=args.patience, device=args.device,
         replace_every=args.replace_every, replace_min_gain=args.replace_min_gain, replace_drift=args.replace_drift,

@@ -20,7 +20,9 @@ is the mean of the ranks' mean losses. Gradients:
     all-reduced over the replica group (only when S < W) and divided by W.
 Clipping is by the norm of the whole trained model (routers once, expert shards summed over the
 EP group). With precision "bf16" (default on GPUs) the forward runs under bf16 autocast with fp32
-master weights. The result equals single-process training on the same global batch
+master weights. `aux_loss_coef > 0` adds the load-balancing loss over the global batch
+(`occult.integrations.hf.aux_loss`); `checkpoint_dir` makes the run resumable
+(`occult.integrations.hf.checkpoint`). The result equals single-process training on the same global batch
 (tests/integrations/test_hf_finetune.py; docs/training.md).
 """
 
@@ -40,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from occult.integrations.hf import checkpoint as ckpt
+from occult.integrations.hf.aux_loss import RouterTaps
 from occult.integrations.hf.block import OccultMoeBlock
 
 
@@ -56,6 +59,7 @@ class FinetuneConfig:
     weight_decay: float = 0.0
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = off
+    aux_loss_coef: float = 0.0  # load-balancing loss weight (0 = off), over the global batch (hf.aux_loss)
     seed: int = 0
     precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; or "bf16" / "fp32"
 
@@ -65,6 +69,8 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
             raise ValueError(f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup >= 0; got {self.lr}, {self.min_lr_ratio}, {self.warmup_steps}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
 
@@ -282,6 +288,9 @@ def finetune(
         ckpt.save_state(checkpoint_dir, model, opt, step, {"signature": sig, "losses": losses,
                                                             "grad_norms": [float(n) for n in norms]})
 
+    taps = RouterTaps(model) if cfg.aux_loss_coef > 0 else None
+    if taps is not None and log is not None and main:
+        log(f"load-balancing loss: {taps.formula} formula, weight {cfg.aux_loss_coef:g}, over the global batch")
     model.train()
     bar = tqdm(total=cfg.steps, initial=start, desc="finetune (routers + experts)", unit="step", dynamic_ncols=True,
                disable=((not progress) if progress is not None else None) if main else True)  # None: only on a terminal
@@ -296,8 +305,9 @@ def finetune(
             with _autocast(device, cfg.precision):
                 logits = net(input_ids=x, use_cache=False).logits
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            aux = taps.loss(groups.ddp if groups is not None else None) if taps is not None else None
             opt.zero_grad(set_to_none=True)
-            loss.backward()  # DDP: routers averaged over the world when this returns
+            (loss if aux is None else loss + cfg.aux_loss_coef * aux).backward()  # DDP: routers averaged when it returns
             if groups is not None:
                 for p in experts:
                     if p.grad is None:
@@ -322,6 +332,8 @@ def finetune(
                 save(step + 1)
     finally:
         bar.close()
+        if taps is not None:
+            taps.close()
     flush()
     if checkpoint_dir is not None and last > start and (save_every or last < cfg.steps):
         save(last)

@@ -1,0 +1,112 @@
+"""The load-balancing (auxiliary) loss of a converted transformers model over the global batch
+(`finetune` with `FinetuneConfig.aux_loss_coef > 0`).
+
+`RouterTaps(model)` hooks every MoE block's gate (the router logits [T, E], with their graph)
+and router (the expert ids actually routed to, after any pruning) and keeps them per forward;
+`taps.loss(group)` turns one forward's taps into the loss, with one all-reduce over `group` of
+each layer's assignment counts [E], probability sums [E] and row count. Two formulas:
+
+    "transformers"  the family's own `load_balancing_loss_func` (OLMoE, Qwen2-MoE, Qwen3-MoE,
+                    Mixtral: what the model adds to its loss with `output_router_logits=True`):
+                    every layer pooled, counts of the top-k of softmax(logits) (as transformers
+                    computes them, i.e. before pruning), E * sum_e (counts_e / rows) * (probs_e / rows)
+    "switch"        the Switch Transformer loss, for a family without one (DeepSeek-V3, whose
+                    balance comes from its score-correction bias): per layer, the fraction of the
+                    routed assignments each expert got (the ids used) times its mean normalised
+                    score (the router's scores divided by their sum per token), E * sum_e, mean
+                    over layers
+
+The value is the loss of the global batch on every rank; its gradient is W (the group size)
+times this rank's share, so gradients averaged over the W ranks (DDP) are those of the global
+loss, as in OccultLM (`occult.lm.model.global_aux_loss`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from occult.integrations.hf.block import OccultMoeBlock
+
+FORMULAS = ("transformers", "switch")
+
+
+def aux_formula(model: nn.Module) -> str:
+    """"transformers" when the model's modeling module has `load_balancing_loss_func`, else "switch"."""
+    module = sys.modules.get(type(model).__module__)
+    return "transformers" if hasattr(module, "load_balancing_loss_func") else "switch"
+
+
+class RouterTaps:
+    """Router logits and routed expert ids of every MoE block, per forward (hooks; `close` removes them)."""
+
+    def __init__(self, model: nn.Module, formula: str | None = None) -> None:
+        self.blocks = [b for b in model.modules() if isinstance(b, OccultMoeBlock)]
+        if not self.blocks:
+            raise ValueError("the model has no converted MoE blocks")
+        self.formula = formula or aux_formula(model)
+        if self.formula not in FORMULAS:
+            raise ValueError(f"aux-loss formula must be one of {FORMULAS}, got {self.formula!r}")
+        self.logits: list[torch.Tensor] = []
+        self.ids: list[torch.Tensor] = []
+        self._handles = []
+        for b in self.blocks:
+            self._handles.append(b.gate.register_forward_hook(lambda m, i, out: self.logits.append(out[0])))
+            self._handles.append(b.experts.router.register_forward_hook(lambda m, i, out: self.ids.append(out[1])))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def clear(self) -> None:
+        self.logits.clear()
+        self.ids.clear()
+
+    def loss(self, group: Any = None) -> torch.Tensor:
+        """The load-balancing loss of the last forward, over every rank of `group` (None: this rank)."""
+        L = len(self.blocks)
+        if len(self.logits) != L or len(self.ids) != L:
+            raise RuntimeError(f"expected one router call per MoE layer ({L}), got {len(self.logits)} logits, {len(self.ids)} ids")
+        E, k = int(self.blocks[0].experts.num_experts), int(self.blocks[0].experts.top_k)
+        counts, psums, rows = [], [], []
+        for block, logits_TE, ids_TK in zip(self.blocks, self.logits, self.ids):
+            if self.formula == "transformers":
+                probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+                chosen = torch.topk(probs_TE, k, dim=-1).indices
+            else:
+                scores_TE = block.experts.router.scores(logits_TE)
+                probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
+                chosen = ids_TK
+            flat = chosen.reshape(-1)
+            counts.append(torch.zeros(E, dtype=torch.float32, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat, dtype=torch.float32)))
+            psums.append(probs_TE.sum(0))
+            rows.append(float(probs_TE.shape[0]))
+        self.clear()
+        C_LE, P_LE = torch.stack(counts), torch.stack(psums)
+        R_L = torch.tensor(rows, dtype=torch.float32, device=C_LE.device)
+        W = 1
+        Cg, Pg, Rg = C_LE, P_LE.detach(), R_L
+        if group is not None and dist.get_world_size(group) > 1:
+            W = dist.get_world_size(group)
+            buf = torch.cat([C_LE.reshape(-1), P_LE.detach().reshape(-1), R_L])
+            dist.all_reduce(buf, group=group)
+            Cg, Pg, Rg = buf[: L * E].view(L, E), buf[L * E: 2 * L * E].view(L, E), buf[2 * L * E:]
+
+        def formula(P: torch.Tensor) -> torch.Tensor:  # linear in the probability sums P
+            if self.formula == "transformers":
+                total = Rg.sum().clamp_min(1.0)
+                return E * ((Cg.sum(0) / total) * (P.sum(0) / total)).sum()
+            per_row = Rg.clamp_min(1.0)[:, None]
+            return (E * ((Cg / (per_row * k)) * (P / per_row)).sum(-1)).mean()
+
+        value, mine = formula(Pg), formula(P_LE) * W
+        return mine + (value - mine).detach()
+
+
+__all__ = ["FORMULAS", "RouterTaps", "aux_formula"]
