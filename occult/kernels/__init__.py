@@ -25,9 +25,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+@torch.compiler.assume_constant_result
 def available(device: torch.device | str | None = None) -> bool:
     """True when the Triton kernels can run on `device` (default: any CUDA device, or the
-    interpreter). Never raises."""
+    interpreter). Never raises. A constant to torch.compile (its `find_spec` call would break
+    the graph of every layer that asks)."""
     if importlib.util.find_spec("triton") is None:
         return False
     try:
