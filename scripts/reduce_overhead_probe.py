@@ -1,12 +1,14 @@
 """Does a sync-free `OccultMoE` layer (the decode path) run under torch.compile, mode="reduce-overhead"?
 
-    python scripts/reduce_overhead_probe.py [--tokens 64] [--out probe.json]
+    python scripts/reduce_overhead_probe.py [--tokens 64] [--model-layers 2] [--out probe.json]
 
 One GPU, one rank (no process group: the exchange is a local copy, so this checks the layer's
 own tracing and graph capture, not NCCL's). OLMoE-1B-7B layer shape, bf16, Triton expert path.
 For eager, torch.compile (default), torch.compile(mode="reduce-overhead") and a hand-captured
 CUDA graph: whether it runs, graph breaks (torch._dynamo.explain), the largest relative error
-against eager on fresh inputs, and the median time per forward (CUDA events). Prints a table.
+against eager on fresh inputs, and the median time per forward (CUDA events). Then the same for
+a decode step (one new token per sequence, no KV cache) of a converted transformers OLMoE-shape
+model with --model-layers layers (`hf.convert`, `set_sync_free`). Prints two tables.
 """
 
 from __future__ import annotations
@@ -59,34 +61,24 @@ def graphed(layer: torch.nn.Module, static_x: torch.Tensor):
     return run
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    layer = OccultMoE(2048, 1024, 64, 8, sync_free=True, dtype=torch.bfloat16, device=dev)
-    with torch.no_grad():
-        layer.router.gate.weight.normal_(0, 0.05)
-    xs = [torch.randn(args.tokens, 2048, dtype=torch.bfloat16, device=dev) for _ in range(args.iters)]
+def probe(module, xs: list[torch.Tensor], static_x: torch.Tensor) -> dict:
+    """Eager, compile, compile reduce-overhead and a hand-captured graph of `module` on `xs`."""
     rows = {}
     with torch.no_grad():
-        ref = [layer(x).clone() for x in xs[:4]]
-        rows["eager"] = {"runs": True, "max_rel_err": 0.0, "ms": median_ms(layer, xs)}
-        for name, make in (("compile", lambda: torch.compile(layer)),
-                           ("compile reduce-overhead", lambda: torch.compile(layer, mode="reduce-overhead")),
-                           ("cuda graph (by hand)", lambda: graphed(layer, xs[0].clone()))):
+        ref = [module(x).clone() for x in xs[:4]]
+        rows["eager"] = {"runs": True, "max_rel_err": 0.0, "ms": median_ms(module, xs)}
+        for name, make in (("compile", lambda: torch.compile(module)),
+                           ("compile reduce-overhead", lambda: torch.compile(module, mode="reduce-overhead")),
+                           ("cuda graph (by hand)", lambda: graphed(module, static_x))):
             row: dict = {"runs": False}
             try:
-                fn = make()
+                torch._dynamo.reset()
                 if name.startswith("compile"):
-                    torch._dynamo.reset()
-                    ex = torch._dynamo.explain(layer)(xs[0])
+                    ex = torch._dynamo.explain(module)(xs[0])
                     row["graph_breaks"] = ex.graph_break_count
-                    row["break_reasons"] = [str(r.reason)[:160] for r in ex.break_reasons][:5]
+                    row["break_reasons"] = [str(r.reason)[:300] for r in ex.break_reasons][:5]
                     torch._dynamo.reset()
+                fn = make()
                 outs = [fn(x).clone() for x in xs[:4]]
                 row["max_rel_err"] = max(rel(o, r) for o, r in zip(outs, ref))
                 row["ms"] = median_ms(fn, xs)
@@ -95,16 +87,77 @@ def main() -> None:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
                 row["traceback"] = traceback.format_exc()[-2000:]
             rows[name] = row
-    print(f"sync-free OccultMoE, OLMoE layer shape, bf16, {args.tokens} tokens, 1 GPU ({torch.cuda.get_device_name()}), "
-          f"torch {torch.__version__}")
+    return rows
+
+
+def print_table(title: str, rows: dict) -> None:
+    print(title)
     print("| mode | runs | graph breaks | max rel err vs eager | ms median |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['runs']} | {r.get('graph_breaks', '-')} | {r.get('max_rel_err', float('nan')):.1e} | "
               f"{r.get('ms', float('nan')):.3f} |" + (f" {r['error'][:120]}" if "error" in r else ""))
+
+
+def model_step(layers: int, tokens: int, iters: int) -> tuple:
+    """A converted, sync-free OLMoE-shape model; its decode step as a module of ids [B, 1] -> logits."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    from occult import set_sync_free
+    from occult.integrations import hf
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from e2e import MODELS
+
+    cls, fields = MODELS["olmoe"]
+    cfg = getattr(transformers, cls)(**{**fields, "num_hidden_layers": layers, "tie_word_embeddings": False})
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    hf.convert(model, dispatcher="dedup")
+    set_sync_free(model)
+    model.eval()
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids_B1: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids_B1, use_cache=False).logits
+
+    xs = [torch.randint(cfg.vocab_size, (tokens, 1), device="cuda") for _ in range(iters)]
+    return Step(), xs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--model-layers", type=int, default=2, help="decoder layers of the model probe (0: skip it)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    layer = OccultMoE(2048, 1024, 64, 8, sync_free=True, dtype=torch.bfloat16, device=dev)
+    with torch.no_grad():
+        layer.router.gate.weight.normal_(0, 0.05)
+    xs = [torch.randn(args.tokens, 2048, dtype=torch.bfloat16, device=dev) for _ in range(args.iters)]
+    report = {"layer": probe(layer, xs, xs[0].clone())}
+    head = f"{args.tokens} tokens, 1 GPU ({torch.cuda.get_device_name()}), torch {torch.__version__}"
+    print_table(f"sync-free OccultMoE, OLMoE layer shape, bf16, {head}", report["layer"])
+    if args.model_layers > 0:
+        step, ids = model_step(args.model_layers, args.tokens, args.iters)
+        report["model"] = probe(step, ids, ids[0].clone())
+        print_table(f"decode step of a converted OLMoE-shape model, {args.model_layers} layers, sync-free, {head}",
+                    report["model"])
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
