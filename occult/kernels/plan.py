@@ -14,6 +14,10 @@ expert is on that device, else -1 — as a counting sort:
 
 Rows past the true count (known on the host only after the count exchange) stay -1 (one fill
 of one buffer that holds token, entries and slots side by side). No host synchronisation.
+
+`standard_plan_rows` is the baseline's plan (one row per (token, expert)) from the same kernels:
+each (token, expert) pair is a "token" with one expert, so the counting sort orders pairs by
+destination and keeps (token, j) order inside it, as the stable sort of the torch plan does.
 """
 
 from __future__ import annotations
@@ -115,3 +119,16 @@ def dedup_plan_rows(
                                  num_blocks, rows.stride(0), BLOCK_T=block_t, K_POW2=k_pow2, D_POW2=d_pow2)
     send_counts_D = counts.view(num_devices, num_blocks).sum(dim=1, dtype=torch.int64)
     return rows[:, 0], rows[:, 1 : 1 + top_k], rows[:, 1 + top_k :], send_counts_D, row_TJ
+
+
+def standard_plan_rows(
+    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_P, entry_PK, slot_PK, send_counts_D, row_TJ) of the standard plan (`occult.moe.plan.standard_plan`):
+    the dedup kernels over the T*k pairs, each a one-expert token; every row is used (P = T*k)."""
+    num_tokens, top_k = ids_TK.shape
+    pair_P, entry_P1, slot_P1, send_counts_D, row_ND = dedup_plan_rows(
+        ids_TK.reshape(-1, 1), expert_device_E, expert_slot_E, num_devices)
+    # a pair has one row, on its expert's device, and -1 elsewhere: the max over devices is that row
+    row_TJ = row_ND.amax(dim=1).view(num_tokens, top_k) if num_tokens else row_ND.new_empty((0, top_k))
+    return pair_P // top_k, entry_P1, slot_P1, send_counts_D, row_TJ

@@ -48,7 +48,26 @@ class DispatchPlan:
 def standard_plan(
     ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int
 ) -> DispatchPlan:
-    """One row per (token, expert), as Megatron-Core's alltoall dispatcher and TorchTitan send."""
+    """One row per (token, expert), as Megatron-Core's alltoall dispatcher and TorchTitan send.
+
+    On a GPU the Triton counting sort of `occult.kernels.plan` builds it, as for dedup (so the
+    baseline and ours differ in the plan's rows, not in how fast the plan is built); elsewhere
+    `standard_plan_torch`.
+    """
+    if _plan_kernel_usable(ids_TK, num_devices, top_k=1):
+        from occult.kernels.plan import standard_plan_rows
+
+        token_P, entry_PK, slot_PK, send_counts_D, row_TJ = standard_plan_rows(
+            ids_TK, expert_device_E, expert_slot_E, num_devices
+        )
+        return DispatchPlan(token_P=token_P, entry_PK=entry_PK, slot_PK=slot_PK, send_counts_D=send_counts_D, row_TJ=row_TJ)
+    return standard_plan_torch(ids_TK, expert_device_E, expert_slot_E, num_devices)
+
+
+def standard_plan_torch(
+    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int
+) -> DispatchPlan:
+    """`standard_plan` from torch ops (CPU, and the reference of the Triton plan)."""
     num_tokens, top_k = ids_TK.shape
     flat_ids = ids_TK.reshape(-1)
     device_N = expert_device_E[flat_ids]
@@ -68,8 +87,8 @@ def standard_plan(
     )
 
 
-def _plan_kernel_usable(ids_TK: torch.Tensor, num_devices: int) -> bool:
-    """The Triton plan (`occult.kernels.plan`) serves CUDA tensors; `OCCULT_PLAN=torch` turns it off."""
+def _plan_kernel_usable(ids_TK: torch.Tensor, num_devices: int, top_k: int | None = None) -> bool:
+    """The Triton plans (`occult.kernels.plan`) serve CUDA tensors; `OCCULT_PLAN=torch` turns them off."""
     if not ids_TK.is_cuda or os.environ.get("OCCULT_PLAN", "").lower() == "torch":
         return False
     from occult import kernels
@@ -78,7 +97,7 @@ def _plan_kernel_usable(ids_TK: torch.Tensor, num_devices: int) -> bool:
         return False
     from occult.kernels.plan import supported
 
-    return supported(num_devices, ids_TK.shape[1])
+    return supported(num_devices, ids_TK.shape[1] if top_k is None else top_k)
 
 
 def dedup_plan(

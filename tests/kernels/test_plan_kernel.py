@@ -1,4 +1,4 @@
-"""The Triton dedup plan (`occult.kernels.plan`) == the torch plan, field by field.
+"""The Triton dedup and standard plans (`occult.kernels.plan`) == the torch plans, field by field.
 
 Without a GPU it runs under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set before Triton is
 imported; in a fresh process when another test imported Triton first, as tests/kernels/test_kernels.py does).
@@ -34,7 +34,7 @@ if IN_PROCESS:
         del sys.modules[_name]
 needs_in_process = pytest.mark.skipif(not IN_PROCESS, reason="run in a fresh process by test_in_subprocess")
 
-from occult.moe.plan import dedup_plan_torch  # noqa: E402
+from occult.moe.plan import dedup_plan_torch, standard_plan_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -75,6 +75,22 @@ def test_triton_plan_equals_torch_plan(num_tokens, top_k, num_devices, per_devic
     assert torch.equal(entry_PK.cpu(), ref.entry_PK.cpu()), where
     assert torch.equal(slot_PK.cpu(), ref.slot_PK.cpu()), where
     assert torch.equal(row_TJ.cpu(), ref.row_TJ.cpu()), where
+
+
+@needs_in_process
+@pytest.mark.parametrize("num_tokens,top_k,num_devices,per_device", [
+    (0, 2, 2, 4), (1, 1, 1, 4), (7, 2, 2, 4), (37, 4, 4, 4), (130, 8, 4, 16), (19, 3, 3, 2), (33, 2, 16, 2),
+])
+def test_triton_standard_plan_equals_torch_plan(num_tokens, top_k, num_devices, per_device):
+    from occult.kernels.plan import standard_plan_rows
+
+    seed = random.randrange(2**31)
+    ids, device_E, slot_E = _case(num_tokens, top_k, num_devices, per_device, seed)
+    ref = standard_plan_torch(ids, device_E, slot_E, num_devices)
+    got = standard_plan_rows(ids, device_E, slot_E, num_devices)
+    for name, a, b in zip(("token_P", "entry_PK", "slot_PK", "send_counts_D", "row_TJ"), got,
+                          (ref.token_P, ref.entry_PK, ref.slot_PK, ref.send_counts_D, ref.row_TJ)):
+        assert a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), f"{name}, seed {seed}"
 
 
 @needs_in_process
