@@ -24,7 +24,9 @@ first, interleaves the halves in the mirror order. The result is the same functi
 The caller's grad mode, inference mode, autocast and CUDA device and stream carry into the
 threads. If any rank of `group` has fewer than 2 rows, every rank runs `fn` unsplit (one
 all-reduce decides, so the ranks never disagree). Not for CUDA-graph capture or torch.compile
-(threads): decode uses sync-free dispatch instead.
+(threads): decode uses sync-free dispatch instead. Not with activation checkpointing of the MoE
+layers: a layer recomputed in backward would exchange outside the chain, in an order autograd
+picks per rank.
 """
 
 from __future__ import annotations
