@@ -8,6 +8,7 @@
     state       `TrainConfig`, `TrainResult`, learning-rate schedule, AdamW and its state, resume checks
     train       `train` and `finetune` (pruning-aware) on 1 or N ranks, resumable checkpoints
     parallel    N ranks: experts sharded (EP groups), the rest data parallel, gradient sync and clipping
+    fsdp        `--grad-sync fsdp`: the dense parameters sharded with torch FSDP2, DTensor helpers
     sharded     sharded training checkpoints (torch.distributed.checkpoint), resharding on load
     migrate     experts and their AdamW state moved to new ranks (one all-to-all), routers re-pointed
     replace     re-placing experts while training: routing sample, drift, background solve, migration

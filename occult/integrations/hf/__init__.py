@@ -33,7 +33,9 @@ One module per job: `families` (supported model types, version and structure che
 `sync_gradients`), `profile`, `convert` (`convert`, `unconvert`, `hf_layout`,
 `save_pretrained`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
 profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads
-only its experts), `finetune` (routers + experts on 1 or N ranks, `save_finetuned`). `from occult.integrations import hf; hf.convert(...)` is the public path.
+only its experts), `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing
+loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`).
+`from occult.integrations import hf; hf.convert(...)` is the public path.
 """
 
 from occult.integrations.hf.block import OccultMoeBlock, expert_parameters, moe_blocks, sync_gradients
