@@ -1,9 +1,12 @@
 """Does a sync-free `OccultMoE` layer (the decode path) run under torch.compile, mode="reduce-overhead"?
 
     python scripts/reduce_overhead_probe.py [--tokens 64] [--model-layers 2] [--out probe.json]
+    torchrun --nproc-per-node 2 scripts/reduce_overhead_probe.py     # expert parallel over NCCL
 
-One GPU, one rank (no process group: the exchange is a local copy, so this checks the layer's
-own tracing and graph capture, not NCCL's). OLMoE-1B-7B layer shape, bf16, Triton expert path.
+One rank per GPU. With one rank there is no process group and the exchange is a local copy, so
+that checks the layer's own tracing and graph capture; under torchrun the experts are sharded
+over the ranks and the all-to-alls are traced too (every rank draws its own tokens, the same
+count; rank 0 prints). OLMoE-1B-7B layer shape, bf16, Triton expert path.
 For eager, torch.compile (default), torch.compile(mode="reduce-overhead") and a hand-captured
 CUDA graph: whether it runs, graph breaks (torch._dynamo.explain), the largest relative error
 against eager on fresh inputs, and the median time per forward (CUDA events). Then the same for
@@ -116,7 +119,7 @@ def model_step(layers: int, tokens: int, iters: int) -> tuple:
 
     cls, fields = MODELS["olmoe"]
     cfg = getattr(transformers, cls)(**{**fields, "num_hidden_layers": layers, "tie_word_embeddings": False})
-    with torch.device("cuda"):
+    with torch.device("cuda", torch.cuda.current_device()):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     hf.convert(model, dispatcher="dedup")
     set_sync_free(model)
@@ -130,7 +133,7 @@ def model_step(layers: int, tokens: int, iters: int) -> tuple:
         def forward(self, ids_B1: torch.Tensor) -> torch.Tensor:
             return self.model(input_ids=ids_B1, use_cache=False).logits
 
-    xs = [torch.randint(cfg.vocab_size, (tokens, 1), device="cuda") for _ in range(iters)]
+    xs = [torch.randint(cfg.vocab_size, (tokens, 1), device=torch.cuda.current_device()) for _ in range(iters)]
     return Step(), xs
 
 
@@ -141,21 +144,32 @@ def main() -> None:
     p.add_argument("--model-layers", type=int, default=2, help="decoder layers of the model probe (0: skip it)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from occult.distributed import init_distributed
+
+        init_distributed()  # NCCL, one GPU per rank; OccultMoE and hf.convert shard over the world
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    torch.manual_seed(0)  # the same weights on every rank; the tokens differ per rank below
     layer = OccultMoE(2048, 1024, 64, 8, sync_free=True, dtype=torch.bfloat16, device=dev)
     with torch.no_grad():
         layer.router.gate.weight.normal_(0, 0.05)
+    torch.manual_seed(1 + rank)
     xs = [torch.randn(args.tokens, 2048, dtype=torch.bfloat16, device=dev) for _ in range(args.iters)]
     report = {"layer": probe(layer, xs, xs[0].clone())}
-    head = f"{args.tokens} tokens, 1 GPU ({torch.cuda.get_device_name()}), torch {torch.__version__}"
-    print_table(f"sync-free OccultMoE, OLMoE layer shape, bf16, {head}", report["layer"])
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    head = f"{args.tokens} tokens per GPU, {world} GPU(s) ({torch.cuda.get_device_name()}), torch {torch.__version__}"
+    if rank == 0:
+        print_table(f"sync-free OccultMoE, OLMoE layer shape, bf16, {head}", report["layer"])
     if args.model_layers > 0:
         step, ids = model_step(args.model_layers, args.tokens, args.iters)
         report["model"] = probe(step, ids, ids[0].clone())
-        print_table(f"decode step of a converted OLMoE-shape model, {args.model_layers} layers, sync-free, {head}",
-                    report["model"])
-    if args.out:
+        if rank == 0:
+            print_table(f"decode step of a converted OLMoE-shape model, {args.model_layers} layers, sync-free, {head}",
+                        report["model"])
+    if args.out and rank == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
