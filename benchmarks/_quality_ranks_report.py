@@ -164,6 +164,12 @@ def render(results: dict, doc: Path) -> None:
         verdict = "met on every seed" if t["met_every_seed"] else ("met on the mean, **not on every seed**" if t["met_mean"] else "**missed**")
         lines.append(f"- {t['name']}: mean {t['rel_ppl_mean'] * 100:+.2f}%, worst seed {t['rel_ppl_max'] * 100:+.2f}% "
                      f"(limit {t['limit'] * 100:.0f}%): {verdict}")
+    placed = next((r["mean_ct"]["mean"] for r in results["rows"] if r["name"] == "placement only"), None)
+    if placed is not None:
+        lines += ["", f"The targets were set on [quality.md](quality.md) (32 experts top-4, hidden 256, one process, one seed), "
+                  f"where a token's plain top-4 spanned 2.05 of 4 devices on the placement. Here the plain top-{a['top_k']} spans "
+                  f"{placed:.2f} of {a['ranks']} ranks, so pruning to N replaces more of each token's experts; the model is also "
+                  "far smaller and shorter-trained."]
     lines += ["", f"![base training curves, ppl vs E[C_T], fine-tuned Δ ppl with min..max bars]({plot.name})", "",
               "Time per seed (s): " + "; ".join(
                   f"seed {s['seed']}: " + ", ".join(f"{k} {v:.0f}" for k, v in s["seconds"].items()) for s in seeds) + ".",

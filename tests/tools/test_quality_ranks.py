@@ -18,7 +18,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "quality_ranks.py"
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _env() -> dict[str, str]:
@@ -76,7 +75,8 @@ def _fake_seed(seed: int, ppl: dict[str, float], ct: dict[str, float]) -> dict:
             "seconds": {"train": 1.0}, "vocab": 512, "train_tokens": 100, "val_tokens": 10, "ranks": 4}
 
 
-def test_aggregate_spread_targets_and_report(tmp_path):
+def test_aggregate_spread_targets_and_report(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import quality_ranks as qr
 
     names = ["standard routing (contiguous placement)", "pruned N=1 (score)", "standard fine-tuning",
