@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from occult.lm.checkpoint import CheckpointError, config_from_metadata
-from occult.lm.fsdp import like_param
+from occult.lm.fsdp import is_sharded, like_param
 from occult.lm.model import OccultLM
 from occult.placement.solvers import METHODS
 
@@ -151,8 +151,15 @@ def make_optimizer(model: OccultLM, names: list[str], cfg: TrainConfig) -> torch
         p.requires_grad_(n in wanted)
     decay = [params[n] for n in names if params[n].dim() >= 2 and not n.startswith("embed.")]
     no_decay = [params[n] for n in names if not (params[n].dim() >= 2 and not n.startswith("embed."))]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+    groups = []
+    for members, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
+        # FSDP-sharded (DTensor) and plain (expert) parameters in groups of their own: on CUDA,
+        # AdamW's foreach kernels refuse a list that mixes the two
+        for sharded in (False, True):
+            part = [p for p in members if is_sharded(p) == sharded]
+            if part:
+                groups.append({"params": part, "weight_decay": weight_decay})
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
 
 
 def optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

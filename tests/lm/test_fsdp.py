@@ -78,7 +78,7 @@ def _one_step(par, data) -> dict:
     """Step 0 under FSDP: layout, full gradients after the sync, the clipping norm, clipped gradients."""
     torch.manual_seed(0)
     model = wrap_fsdp(shard_model(full_model(config(data), par), par, Placement.from_lists(PLACEMENT, 2)), par)
-    make_optimizer(model, trainable_names(model, False), cfg())
+    opt = make_optimizer(model, trainable_names(model, False), cfg())
     layout = {n: (is_sharded(p), tuple(local_tensor(p).shape), tuple(p.shape)) for n, p in model.named_parameters()}
     x, y = train_batch(data.train, 4, 32, 0, 0, par.rank, par.world_size)
     out = model(x, y, return_logits=False)
@@ -88,7 +88,13 @@ def _one_step(par, data) -> dict:
     norm = float(clip_grad_norm(model, par, CLIP))
     clipped = {n: full_tensor(p.grad).numpy().copy() for n, p in model.named_parameters()}
     ids = {n: i.numpy().copy() for n, (_, i) in model.expert_parameters().items()}
-    return {"layout": layout, "grads": grads, "norm": norm, "clipped": clipped, "ids": ids}
+    # AdamW's foreach kernels (the default on CUDA) refuse lists mixing DTensors and tensors: the
+    # groups must not mix them (forced on here, where CPU would default to the per-tensor loop)
+    kinds = [sorted({is_sharded(p) for p in g["params"]}) for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["foreach"] = True
+    opt.step()
+    return {"layout": layout, "grads": grads, "norm": norm, "clipped": clipped, "ids": ids, "group_kinds": kinds}
 
 
 def fsdp_worker(rank: int, world_size: int, data, root: str) -> dict:
@@ -187,6 +193,7 @@ def test_one_step_sharding_gradients_and_clipping_norm(ranks, data):
             if sharded:  # dim 0 split in two (every dense tensor here has an even dim 0)
                 assert local == (full[0] // 2, *full[1:]), name
         assert np.isclose(g["norm"], norm, rtol=1e-5), (g["norm"], norm)
+        assert all(len(k) == 1 for k in g["group_kinds"]) and len(g["group_kinds"]) >= 3, g["group_kinds"]
         for grads, ref_grads in ((g["grads"], want), (g["clipped"], clipped)):
             assert set(grads) == set(ref_grads)
             for name, grad in grads.items():
