@@ -188,3 +188,16 @@ def test_design_doc_module_map_matches_the_tree():
     actual = {str(p.relative_to(PACKAGE_DIR.parent)) for p in PACKAGE_DIR.rglob("*.py")}
     actual |= {str(p.relative_to(PACKAGE_DIR.parent)) for p in (PACKAGE_DIR / "data").iterdir()}
     assert listed == actual, f"missing from docs/design.md: {sorted(actual - listed)}; not in occult/: {sorted(listed - actual)}"
+
+
+def test_importing_occult_leaves_triton_and_dynamo_unimported():
+    """`import occult` (and its kernels package) must not import Triton or torch._dynamo: Triton
+    imported early cannot switch to its CPU interpreter later (the kernel tests set
+    TRITON_INTERPRET=1 on import), and torch._dynamo costs seconds at every start."""
+    import subprocess
+    import sys
+
+    code = ("import sys, occult, occult.kernels, occult.moe.layer; "
+            "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -25,7 +25,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-@torch.compiler.assume_constant_result
 def available(device: torch.device | str | None = None) -> bool:
     """True when the Triton kernels can run on `device` (default: any CUDA device, or the
     interpreter). Never raises. A constant to torch.compile (its `find_spec` call would break
@@ -49,6 +48,12 @@ def available(device: torch.device | str | None = None) -> bool:
         return torch.cuda.get_device_capability(device) >= (8, 0)
     except Exception:
         return False
+
+
+# What `torch.compiler.assume_constant_result(available)` does, without importing torch._dynamo
+# (which imports Triton) when this package is imported: Triton must be importable later in
+# interpreter mode (TRITON_INTERPRET=1, the CPU tests), and the import costs seconds.
+available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def expert_mlp(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF, **kwargs):
