@@ -128,6 +128,15 @@ def _multi(ranks, par, data, out: Path, grad_sync: str, init_seed: int | None = 
     return snap
 
 
+FSDP_GLOO_CUDA = ("FSDP2 over gloo with CUDA tensors crashes the process: both ranks SIGSEGV in "
+                  "DTensor.full_tensor (_to_replicate_tensor), torch 2.11 on 1 x H200; FSDP runs over NCCL, "
+                  "or on CPU gloo ranks (OCCULT_GPU_SUITE_ON_CPU=1)")
+
+
+def _fsdp_ok(ranks) -> bool:
+    return not (ranks.backend == "gloo" and ranks.device.type == "cuda")
+
+
 @pytest.fixture(scope="module")
 def runs(ranks):
     """Every training run of this file, on every rank in the same order (each is a collective)."""
@@ -140,13 +149,14 @@ def runs(ranks):
     try:
         data = _token_data(ranks.seed)
         r = {"single": _single(ranks, par, data, root / f"single{ranks.rank}")}
-        for mode in ("fsdp", "ddp"):
+        for mode in ("fsdp", "ddp") if _fsdp_ok(ranks) else ("ddp",):
             r[f"{mode}-fp32"] = _multi(ranks, par, data, root / f"{mode}-fp32", mode)
             r[f"{mode}-bf16"] = _multi(ranks, par, data, root / f"{mode}-bf16", mode, precision="bf16")
-        _multi(ranks, par, data, root / "stop", "fsdp", stop_after=STOP)
-        kind = latest_state(root / "stop")[0]
-        r["resumed"] = _multi(ranks, par, data, root / "stop", "ddp", init_seed=ranks.seed + 1, resume=True)
-        r["resumed"]["kind"] = kind
+        if _fsdp_ok(ranks):
+            _multi(ranks, par, data, root / "stop", "fsdp", stop_after=STOP)
+            kind = latest_state(root / "stop")[0]
+            r["resumed"] = _multi(ranks, par, data, root / "stop", "ddp", init_seed=ranks.seed + 1, resume=True)
+            r["resumed"]["kind"] = kind
         r["measured"] = {}
         yield r
         out = os.environ.get("OCCULT_GPU_SUITE_OUT")
@@ -191,6 +201,8 @@ def _worst(got: dict, want: dict, steps: slice = slice(None)) -> dict:
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_train_fp32_equals_one_process(ranks, runs, mode):
+    if mode == "fsdp" and not _fsdp_ok(ranks):
+        pytest.skip(FSDP_GLOO_CUDA)
     got, want = runs[f"{mode}-fp32"], runs["single"]
     assert len(got["losses"]) == len(want["losses"]) == STEPS and len(got["val"]) == 2
     layout_ok = all(v == (mode == "fsdp") for v in got["sharded"].values())
@@ -202,12 +214,16 @@ def test_train_fp32_equals_one_process(ranks, runs, mode):
 
 def test_train_bf16_near_fp32_and_fsdp_near_ddp(ranks, runs):
     fp32 = runs["single"]["losses"]
-    for mode in ("fsdp", "ddp"):
+    for mode in ("fsdp", "ddp") if _fsdp_ok(ranks) else ("ddp",):
         b = runs[f"{mode}-bf16"]["losses"]
         bad = float(len(b) != STEPS or not np.all(np.isfinite(b)) or not b[-1] < b[0] or not b[-3:].mean() < b[:3].mean())
         assert ranks.all_max(bad) == 0.0, f"{mode} bf16 losses not finite and falling: {b} (seed {ranks.seed})"
         _check(ranks, runs, f"bf16 {mode} vs fp32 one process: loss", _rel(b, fp32), RTOL_BF16)
         assert ranks.all_max(float(np.array_equal(b, fp32))) == 0.0, f"{mode}: bf16 did not round anything"
+    if not _fsdp_ok(ranks):
+        d, single = runs["ddp-bf16"], runs["single"]
+        _check(ranks, runs, "bf16 ddp vs fp32: weight updates", _update_err(d, single, single["init"]), UPDATE_TOL_BF16)
+        return  # FSDP_GLOO_CUDA
     f, d = runs["fsdp-bf16"], runs["ddp-bf16"]
     assert f["compute"] == ["torch.bfloat16"] and f["master"] == ["torch.float32"], (f["compute"], f["master"])
     assert d["master"] == ["torch.float32"], d["master"]
@@ -221,6 +237,8 @@ def test_train_bf16_near_fp32_and_fsdp_near_ddp(ranks, runs):
 
 
 def test_train_fsdp_checkpoint_resumes_under_ddp(ranks, runs):
+    if not _fsdp_ok(ranks):
+        pytest.skip(FSDP_GLOO_CUDA)
     got, want = runs["resumed"], runs["fsdp-fp32"]
     assert got["kind"] == "dcp", got["kind"]
     assert len(got["losses"]) == STEPS
