@@ -31,6 +31,7 @@ weights files (every rank calls it; rank 0 writes).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -223,7 +224,14 @@ def wrap_ddp(model: OccultLM, parallel: Parallel) -> DistributedDataParallel | N
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" and device.index is not None else None
     return DistributedDataParallel(model, process_group=group, device_ids=ids, init_sync=False,
-                                   forward_sync_buffers=False, gradient_as_bucket_view=True)
+                                   gradient_as_bucket_view=True, **_no_buffer_sync())
+
+
+def _no_buffer_sync() -> dict[str, bool]:
+    """DDP's switch for buffer broadcasts at every forward, by the name this torch knows
+    (`forward_sync_buffers` in torch 2.13, `broadcast_buffers` before, e.g. the GPU image's 2.11)."""
+    known = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in known else {"broadcast_buffers": False}
 
 
 def clip_grad_norm(model: OccultLM, parallel: Parallel, max_norm: float) -> torch.Tensor:

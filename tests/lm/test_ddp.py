@@ -214,3 +214,19 @@ def test_grad_sync_setting_and_cli():
     args = build_parser().parse_args(["train", "--out", "x", "--grad-sync", "explicit"])
     assert _train_config(args).grad_sync == "explicit"
     assert _train_config(build_parser().parse_args(["train", "--out", "x"])).grad_sync == "ddp"
+
+
+def test_ddp_buffer_switch_follows_the_installed_torch(monkeypatch):
+    """torch 2.13 calls it `forward_sync_buffers`, the GPU image's torch 2.11 `broadcast_buffers`
+    (passing the new name there failed every multi-rank `occult train` on GPUs)."""
+    import occult.lm.parallel as parallel
+
+    assert parallel._no_buffer_sync() in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
+
+    class OldDDP:
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, init_sync=True, process_group=None,
+                     gradient_as_bucket_view=False):
+            pass
+
+    monkeypatch.setattr(parallel, "DistributedDataParallel", OldDDP)
+    assert parallel._no_buffer_sync() == {"broadcast_buffers": False}
