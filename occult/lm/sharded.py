@@ -26,7 +26,6 @@ expert count is refused before any tensor is read).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from occult._atomic import write_text_atomic
+from occult._atomic import latest_step_dir, publish_step_dir, sha256_file, write_text_atomic
 from occult.lm.checkpoint import CheckpointError, load_weights
 from occult.lm.fsdp import is_sharded
 from occult.lm.model import OccultLM
@@ -73,13 +72,6 @@ def _barrier() -> None:
     if _rank_world()[1] > 1:
         dist.barrier()
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def state_tensors(model: OccultLM, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]]]:
@@ -123,36 +115,20 @@ def save_sharded(out_dir: str | os.PathLike, model: OccultLM, opt: torch.optim.O
     with _quiet():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
     _barrier()
-    name = f"step-{step:08d}"
+    path = None
     if rank == 0:
         placement = [m.expert_device_E.tolist() for m in model.moe_layers()]
         doc = dict(meta, format=DCP_FORMAT, world_size=world, expert_placement=placement, optim_state=kinds,
-                   files={f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()})
+                   files={f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()})
         write_text_atomic(tmp / META_FILE, json.dumps(doc))
-        i = 0
-        while (root / name).exists():  # saved twice at one step: keep the earlier until `latest` moves
-            i += 1
-            name = f"step-{step:08d}.{i}"
-        os.replace(tmp, root / name)
-        write_text_atomic(root / LATEST, name + "\n")
-        for other in root.iterdir():
-            if other.name.startswith("step-") and other.name != name:
-                shutil.rmtree(other, ignore_errors=True)
+        path = publish_step_dir(tmp, root, step, LATEST)
     _barrier()
-    return root / name
+    return path if path is not None else latest_step_dir(root, CheckpointError, LATEST)
 
 
 def find_sharded(out_dir: str | os.PathLike) -> Path | None:
     """The checkpoint directory `latest` names, or None when the run has none."""
-    root = Path(out_dir) / DCP_DIR
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    path = root / name
-    if not name or "/" in name or not path.is_dir():
-        raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory in {root}")
-    return path
+    return latest_step_dir(Path(out_dir) / DCP_DIR, CheckpointError, LATEST)
 
 
 def read_sharded_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -171,7 +147,7 @@ def read_sharded_meta(path: str | os.PathLike) -> dict[str, Any]:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{path}: {name} is missing; the checkpoint is incomplete, use an earlier one or train again")
-        if _sha256(file) != digest:
+        if sha256_file(file) != digest:
             raise CheckpointError(f"{path}: {name} is truncated or corrupted (SHA-256 mismatch); use an earlier checkpoint or train again")
     return doc
 

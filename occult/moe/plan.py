@@ -57,10 +57,7 @@ def standard_plan(
     if _plan_kernel_usable(ids_TK, num_devices, top_k=1):
         from occult.kernels.plan import standard_plan_rows
 
-        token_P, entry_PK, slot_PK, send_counts_D, row_TJ = standard_plan_rows(
-            ids_TK, expert_device_E, expert_slot_E, num_devices
-        )
-        return DispatchPlan(token_P=token_P, entry_PK=entry_PK, slot_PK=slot_PK, send_counts_D=send_counts_D, row_TJ=row_TJ)
+        return DispatchPlan(*standard_plan_rows(ids_TK, expert_device_E, expert_slot_E, num_devices))  # field order
     return standard_plan_torch(ids_TK, expert_device_E, expert_slot_E, num_devices)
 
 
@@ -111,10 +108,7 @@ def dedup_plan(
     if _plan_kernel_usable(ids_TK, num_devices):
         from occult.kernels.plan import dedup_plan_rows
 
-        token_P, entry_PK, slot_PK, send_counts_D, row_TJ = dedup_plan_rows(
-            ids_TK, expert_device_E, expert_slot_E, num_devices
-        )
-        return DispatchPlan(token_P=token_P, entry_PK=entry_PK, slot_PK=slot_PK, send_counts_D=send_counts_D, row_TJ=row_TJ)
+        return DispatchPlan(*dedup_plan_rows(ids_TK, expert_device_E, expert_slot_E, num_devices))  # field order
     return dedup_plan_torch(ids_TK, expert_device_E, expert_slot_E, num_devices)
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from occult._atomic import write_text_atomic
+from occult._atomic import latest_step_dir, publish_step_dir, sha256_file, write_text_atomic
 from occult.integrations.hf.block import OccultMoeBlock
 
 FORMAT = "occult-hf-finetune-dcp-v1"
@@ -69,13 +69,6 @@ def _barrier() -> None:
     if _world()[1] > 1:
         dist.barrier()
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _digest(t: torch.Tensor, n: int | None = None) -> bytes:
@@ -167,34 +160,19 @@ def save_state(out_dir: str | os.PathLike, model: nn.Module, opt: torch.optim.Op
     with _quiet(on):
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not on)
     _barrier()
-    name = f"step-{step:08d}"
+    path = None
     if rank == 0:
         doc = dict(meta, format=FORMAT, step=step, world_size=world, optim_keys=shapes,
-                   files={f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()})
+                   files={f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()})
         write_text_atomic(tmp / META, json.dumps(doc))
-        i = 0
-        while (root / name).exists():  # saved twice at one step: keep the earlier until `latest` moves
-            i += 1
-            name = f"step-{step:08d}.{i}"
-        os.replace(tmp, root / name)
-        write_text_atomic(root / LATEST, name + "\n")
-        for other in root.iterdir():
-            if other.name.startswith("step-") and other.name != name:
-                shutil.rmtree(other, ignore_errors=True)
+        path = publish_step_dir(tmp, root, step, LATEST)
     _barrier()
-    return root / name
+    return path if path is not None else latest_step_dir(root, FinetuneCheckpointError, LATEST)
 
 
 def find_state(out_dir: str | os.PathLike) -> Path | None:
     """The checkpoint directory `latest` names, or None when the run has none."""
-    root = Path(out_dir) / DIR
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    if not name or "/" in name or not (root / name).is_dir():
-        raise FinetuneCheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory in {root}")
-    return root / name
+    return latest_step_dir(Path(out_dir) / DIR, FinetuneCheckpointError, LATEST)
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -211,7 +189,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     for name, digest in sorted(doc.get("files", {}).items()):
         if not (path / name).is_file():
             raise FinetuneCheckpointError(f"{path}: {name} is missing; the checkpoint is incomplete")
-        if _sha256(path / name) != digest:
+        if sha256_file(path / name) != digest:
             raise FinetuneCheckpointError(f"{path}: {name} is truncated or corrupted (SHA-256 mismatch); use an earlier one or start again")
     return doc
 
