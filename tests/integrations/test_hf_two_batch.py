@@ -4,7 +4,8 @@
 gradient of the plain converted model on the same batch (which tests/integrations/test_hf.py
 checks against the unconverted model), for a family without shared experts (OLMoE), one with
 a shared expert (Qwen2-MoE) and one with a dense first layer and shared experts (DeepSeek-V3);
-and the halves must really interleave (each MoE layer entered A, B, A, B ...).
+and the halves must really interleave (each MoE layer entered A, B, A, B ...). The same through
+the switch `hf.set_two_batch(model)`, with an attention mask and labels (the model's own loss).
 """
 
 from __future__ import annotations
@@ -63,7 +64,41 @@ def check(rank: int, world_size: int, dirs: dict, seed: int) -> dict:
         names = [name for name, _ in hf.moe_blocks(tbo)]
         out[family] = {"logits": _rel(logits_tbo, logits), "grad_worst": worst,
                        "interleaved": log == [(n, h) for n in names for h in "AB"], "log": log[:6]}
+        out[family].update(check_switch(path, seed, ids))
     return out
+
+
+def check_switch(path: str, seed: int, ids: torch.Tensor) -> dict:
+    """`hf.set_two_batch(model)`: model(input_ids, attention_mask, labels) as the plain model gives it
+    (a left-padded row included), generate falls back to the plain forward, router logits refused."""
+    plain, switched = _converted(path, seed), hf.set_two_batch(_converted(path, seed))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding in the first row
+    labels = ids.masked_fill(mask == 0, -100)
+    out_plain = plain(input_ids=ids, attention_mask=mask, labels=labels)
+    out_plain.loss.backward()
+    calls = []
+    switched.model.layers[0].register_forward_pre_hook(lambda m, a, kw: calls.append(a[0].shape[0] if a else
+                                                                                   kw["hidden_states"].shape[0]),
+                                                        with_kwargs=True)
+    out = switched(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    grads = dict(switched.named_parameters())
+    worst = max((_rel(grads[n].grad, p.grad) for n, p in plain.named_parameters() if p.grad is not None))
+    res = {"switch_loss": abs(out.loss.item() - out_plain.loss.item()) / abs(out_plain.loss.item()),
+           "switch_logits": _rel(out.logits, out_plain.logits), "switch_grad": worst,
+           "switch_halves": calls == [(ids.shape[0] + 1) // 2, ids.shape[0] // 2]}
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, synced_gpus=True)
+    with torch.no_grad():
+        res["switch_generate"] = bool(torch.equal(switched.generate(ids[:, :4], **kw), plain.generate(ids[:, :4], **kw)))
+    try:
+        switched(input_ids=ids, output_router_logits=True)
+        res["router_logits_refused"] = False
+    except ValueError as exc:
+        res["router_logits_refused"] = "router logits" in str(exc)
+    hf.set_two_batch(switched, False)
+    res["switch_off"] = "forward" not in switched.__dict__
+    return res
 
 
 def test_converted_models_match_under_two_batch_overlap(tmp_path):
@@ -77,3 +112,5 @@ def test_converted_models_match_under_two_batch_overlap(tmp_path):
             assert r["logits"] <= 1e-5, (family, rank, r)
             assert r["grad_worst"][0] <= 1e-4, (family, rank, r)
             assert r["interleaved"], (family, rank, r)
+            assert r["switch_loss"] <= 1e-5 and r["switch_logits"] <= 1e-5 and r["switch_grad"] <= 1e-4, (family, rank, r)
+            assert r["switch_halves"] and r["switch_generate"] and r["router_logits_refused"] and r["switch_off"], (family, rank, r)

@@ -13,6 +13,7 @@ SwiGLU that the occult expert kernels do not compute.
     out = generate(model, ids, max_new_tokens=64)            # static KV cache, graph-captured decode
     out = model.generate(ids, synced_gpus=True)              # or transformers' own: all ranks step together
     loss.backward(); sync_gradients(model); opt.step()       # replicated grads averaged
+    set_two_batch(model)                                     # model(ids, labels=...) as two overlapped halves
     save_pretrained(model, "out/")                           # standard layout, plain transformers
     model = load_sharded("DIR", group, placement)            # or: each rank reads only its experts
     finetune(model, ids, FinetuneConfig(), setup_groups())   # routers + experts, N ranks == 1 process
@@ -34,7 +35,8 @@ One module per job: `families` (supported model types, version and structure che
 `save_pretrained`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
 profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads
 only its experts), `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing
-loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`).
+loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`),
+`two_batch` (`set_two_batch`: the model's forward as two overlapped halves of the batch).
 `from occult.integrations import hf; hf.convert(...)` is the public path.
 """
 
@@ -64,6 +66,7 @@ from occult.integrations.hf.profile import profile
 from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
 from occult.integrations.hf.save import save_finetuned
 from occult.integrations.hf.tiny import tiny_config, tiny_random_model
+from occult.integrations.hf.two_batch import set_two_batch
 
 __all__ = [
     "FAMILIES",
@@ -94,6 +97,7 @@ __all__ = [
     "save_pretrained",
     "set_routing_placement",
     "setup_groups",
+    "set_two_batch",
     "sync_gradients",
     "tiny_config",
     "tiny_random_model",
