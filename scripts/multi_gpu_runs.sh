@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Every multi-GPU measurement the open issues still need, one part per device call (each part is
+# sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
+#
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | overlap | serve | probe | scale
+#   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
+#
+# suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
+# e2e       whole OLMoE-shape model, NVLink: floor, standard, dedup, placement, pruned  issue 14
+# e2e-slow  the same with NCCL_P2P_DISABLE=1 (~31 GB/s all-to-all), plus overlap variants issue 14
+# overlap   NVLink: pipelined (/c2, /c4) and two-batch (/tbo) variants                 issue 14
+# serve     decode and serving, both links                                               issue 16
+# probe     torch.compile reduce-overhead with traced all-to-alls; host syncs; layer bench  issues 14, 16
+# scale     one migration of the OLMoE-shape expert state; two-level dispatch (4 GPUs)   issues 17, 18
+#           (the re-placement training report, ~20 min: docs/replacement.md)
+#
+# Every command writes JSON under OUT and prints its table last. NVLink multicast stays off.
+set -uo pipefail
+part=${1:?usage: multi_gpu_runs.sh PART OUT}
+out=${2:?usage: multi_gpu_runs.sh PART OUT}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+n=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${DRY_RUN:-0}" != 1 ] && [ "$n" -lt 2 ]; then
+  echo "multi_gpu_runs.sh: needs 2+ GPUs (found $n)" >&2
+  exit 2
+fi
+[ "$n" -ge 2 ] || n=4
+run() {  # run NAME SECONDS COMMAND...: log to OUT/NAME.log, show the last lines
+  local name=$1 secs=$2
+  shift 2
+  echo "== $name: $*"
+  [ "${DRY_RUN:-0}" = 1 ] && return 0
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  echo "   rc=$?"
+  tail -n 14 "$out/$name.log"
+}
+tr="python3 -m torch.distributed.run --standalone --nproc-per-node $n"
+e2e_all=replicated,standard,dedup,dedup+placement,pruned2,pruned1
+case $part in
+  suite|all)
+    run suite 560 bash tests/gpu/run.sh "$out/suite" ;;&
+  e2e|all)
+    run e2e_nvlink 560 $tr benchmarks/e2e.py --model olmoe --variants $e2e_all --out "$out/e2e_${n}gpu.json" ;;&
+  e2e-slow|all)
+    run e2e_slow 560 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe \
+      --variants replicated,standard,dedup,dedup+placement,dedup/c2,dedup/tbo,replicated/tbo --out "$out/e2e_${n}gpu_nop2p.json" ;;&
+  overlap|all)
+    run overlap_nvlink 400 $tr benchmarks/e2e.py --model olmoe \
+      --variants replicated,dedup,dedup/c2,dedup/c4,dedup/tbo,replicated/tbo --out "$out/e2e_${n}gpu_overlap.json"
+    run bench_overlap 150 python3 -m occult.cli bench --world-size "$n" --shapes olmoe --overlap-chunks 1,2,4 \
+      --out "$out/bench_overlap_${n}gpu.json" ;;&
+  serve|all)
+    run serve_nvlink 270 $tr benchmarks/serve.py --model olmoe --out "$out/serve_${n}gpu.json"
+    run serve_slow 270 env NCCL_P2P_DISABLE=1 $tr benchmarks/serve.py --model olmoe --out "$out/serve_${n}gpu_nop2p.json" ;;&
+  probe|all)
+    run reduce_overhead 200 $tr scripts/reduce_overhead_probe.py --out "$out/reduce_overhead_${n}gpu.json"
+    run find_syncs 120 python3 scripts/find_syncs.py
+    run bench_layer 200 python3 -m occult.cli bench --world-size "$n" --shapes olmoe,qwen3,deepseek --tokens 8192 \
+      --out "$out/bench_${n}gpu.json" ;;&
+  scale|all)
+    run migrate_time 200 $tr benchmarks/migrate_time.py --backend nccl --experts 64 --top-k 8 \
+      --hidden 2048 --ffn 1024 --layers 16 --out "$out/migrate_${n}gpu.json"
+    if [ "$n" -ge 4 ]; then
+      run bench_dedup2 300 python3 -m occult.cli bench --world-size "$n" --shapes olmoe --variants standard,dedup,dedup2 \
+        --nodes 2 --out "$out/bench_dedup2_${n}gpu.json"
+    fi ;;
+  *)
+    echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, overlap, serve, probe, scale, all)" >&2
+    exit 2 ;;
+esac
