@@ -188,7 +188,8 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
 
 
 def _count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int:
-    """Device-to-host synchronisations in one call of fn (CUDA's sync debug mode); -1 on CPU."""
+    """Device-to-host synchronisations in one call of fn (CUDA's sync debug mode); -1 on CPU.
+    Call it on a warm fn: a first call's kernel compilation and autotuning synchronise too."""
     if device.type != "cuda":
         return -1
     import warnings
@@ -225,7 +226,9 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
         ref = _dense_reference(xs[0][:n], ids[:n], w[:n], w1_full, w2_full)
     err = _rel(y[:n], ref)
     stats = layer.last_comm_stats
-    syncs = _count_host_syncs(lambda: layer(xs[0].detach().requires_grad_()).backward(gs[0]), device)
+    step = lambda: layer(xs[0].detach().requires_grad_()).backward(gs[0])  # noqa: E731
+    step()  # warm: a first backward compiles and autotunes kernels, whose synchronisations are not the layer's
+    syncs = _count_host_syncs(step, device)
     layer.zero_grad(set_to_none=True)
 
     state = {"i": 0}
