@@ -128,7 +128,9 @@ def test_hypergraph_recovers_planted_grouping(noise, skew):
     assert hyper.mean_ct <= 1.02 * opt
     assert hyper.mean_ct <= greedy.mean_ct + 1e-12 and hyper.mean_ct <= contiguous.mean_ct + 1e-12
     assert hyper.mean_ct == pytest.approx(mean_ct(ids, hyper.expert_device_E, 4))
-    assert contiguous.mean_ct > 1.5 * opt
+    # 150 seeds: contiguous/planted is 1.49-1.65 at noise 0.2 and 1.95-2.2 at 0.1, so 1.35 is a
+    # wide margin that still fails if contiguous stumbled on the grouping (ratio 1).
+    assert contiguous.mean_ct > 1.35 * opt
     if noise <= 0.1:  # clean enough that the optimum is the planted grouping itself
         dev = hyper.expert_device_E
         assert all(len(set(dev[pt.groups_LE[0] == g])) == 1 for g in range(4))
