@@ -25,6 +25,9 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
+  torchtitan       (opt-in; --model qwen3 / tiny-qwen3) TorchTitan 0.3.0's own Qwen3-MoE with the same
+                   weights, parallelised by its parallelize_qwen3: EP over all ranks, FSDP2 for the
+                   rest (benchmarks/tt_model.py); prefill and train, each rank its own batch
 
 Before timing, each variant's logits on a small batch are compared with the unconverted model
 (per-token relative L2 error, median and p95, max over ranks); an exact variant whose median is
@@ -58,13 +61,14 @@ from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and 
     environment, free_memory, log, logit_errors, quantiles, synchronize, time_steps as _time_steps, write_json,
 )
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
+import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
 from occult import Placement, set_overlap, two_batch_overlap  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 VARIANTS = ("replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
-EXACT = ("replicated", "standard", "dedup", "dedup+placement", "hf-ep")
-PEERS = ("hf-ep",)  # opt-in (not in "all" / the default list)
+EXACT = ("replicated", "standard", "dedup", "dedup+placement", "hf-ep", "torchtitan")
+PEERS = ("hf-ep", "torchtitan")  # opt-in (not in "all" / the default list)
 PHASES = ("prefill", "train")
 TINY = {"tiny": "olmoe", "tiny-qwen3": "qwen3_moe", "tiny-deepseek": "deepseek_v3"}
 MODELS = {  # name -> (transformers config class, fields); real shapes, fewer layers for Qwen3 / DeepSeek
@@ -93,7 +97,7 @@ def variant_list(text: str) -> list[str]:
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
-            "each optionally /cN (N chunks) or /tbo (two-batch overlap)")
+            f"each optionally /cN (N chunks) or /tbo (two-batch overlap), or the peers {', '.join(PEERS)}")
     return names
 
 
@@ -178,6 +182,8 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
             return f"{v}: {v[6:]} device(s) hold {int(v[6:]) * (E // world)} experts, fewer than top_k={k}"
     if "hf-ep" in args.variants and (reason := hf_ep.unavailable()):
         return f"hf-ep: {reason}"
+    if "torchtitan" in args.variants and (reason := tt_model.unavailable(cfg.model_type)):
+        return f"torchtitan: {reason}"
     return None
 
 
@@ -336,8 +342,14 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    shared, check_ids, rows = variant in PEERS, ctx["check_ids"], slice(None)
-    if shared:  # one batch of every rank's sequences; this rank's rows are checked
+    shared, check_ids, rows = variant == "hf-ep", ctx["check_ids"], slice(None)
+    titan = variant == "torchtitan"
+    if titan:  # the same seeded transformers model's weights, in TorchTitan's model and parallelisation
+        hf_model = build_model(args, cfg, device, ctx["dtype"])
+        model = tt_model.TitanLM(hf_model, dist.get_world_size(), device, ctx["dtype"], max(args.seq, args.check_seq))
+        del hf_model
+        free_memory(device)
+    elif shared:  # one batch of every rank's sequences; this rank's rows are checked
         model = hf_ep.load(ctx["hf_ep_dir"], dist.get_world_size(), ctx["dtype"])
         hf_ep.remove(ctx["hf_ep_dir"])
         check_ids = hf_ep.gather_rows(check_ids)
@@ -348,7 +360,13 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     res: dict[str, Any] = {"exact": split_chunks(variant)[0] in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
     if shared:
         res["hf_ep"] = hf_ep.describe(model)
-    res["check"] = check_logits(model, check_ids, ctx["ref_logits"], rows, tbo=is_tbo(variant))
+    if titan:
+        res["torchtitan"] = model.describe()
+        with torch.no_grad():
+            model.eval()
+            res["check"] = logit_errors(model.logits(check_ids).float(), ctx["ref_logits"])
+    else:
+        res["check"] = check_logits(model, check_ids, ctx["ref_logits"], rows, tbo=is_tbo(variant))
     res["check"]["passed"] = res["check"]["median_rel_err"] <= args.tol or not res["exact"]
     log(f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
         + ("" if res["exact"] else " (approximate: report only)") + ("" if res["check"]["passed"] else "  FAILED"))
@@ -358,11 +376,14 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                 log(f"  {phase}: not timed for {variant} (inference peer)")
                 continue
             optimizer = None
-            if phase == "train":
+            if phase == "train" and titan:
+                optimizer = model.optimizer(args.optimizer, args.lr)
+            elif phase == "train":
                 optimizer = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
                              if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=args.lr))
-            out = time_steps(make_step(model, phase, optimizer, is_tbo(variant)), args, cfg.vocab_size, device, shared)
-            out["comm"] = {} if is_tbo(variant) else comm_stats(model, device)
+            step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer, is_tbo(variant))
+            out = time_steps(step, args, cfg.vocab_size, device, shared)
+            out["comm"] = {} if is_tbo(variant) or titan else comm_stats(model, device)
             res["phases"][phase] = out
             log(f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
                 f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")

@@ -2,13 +2,15 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | overlap | serve | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | overlap | peer | serve | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
 # e2e       whole OLMoE-shape model, NVLink: floor, standard, dedup, placement, pruned  issue 14
 # e2e-slow  the same with NCCL_P2P_DISABLE=1 (~31 GB/s all-to-all), plus overlap variants issue 14
 # overlap   NVLink: pipelined (/c2, /c4) and two-batch (/tbo) variants                 issue 14
+# peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
+#           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # serve     decode and serving, both links                                               issue 16
 # probe     torch.compile reduce-overhead with traced all-to-alls; host syncs; layer bench  issues 14, 16
 # scale     one migration of the OLMoE-shape expert state; two-level dispatch (4 GPUs)   issues 17, 18
@@ -18,6 +20,11 @@
 set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
+case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
+  suite|e2e|e2e-slow|overlap|peer|serve|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, overlap, peer, serve, probe, scale, all)" >&2
+     exit 2 ;;
+esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 n=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
@@ -50,6 +57,15 @@ case $part in
       --variants replicated,dedup,dedup/c2,dedup/c4,dedup/tbo,replicated/tbo --out "$out/e2e_${n}gpu_overlap.json"
     run bench_overlap 150 python3 -m occult.cli bench --world-size "$n" --shapes olmoe --overlap-chunks 1,2,4 \
       --out "$out/bench_overlap_${n}gpu.json" ;;&
+  peer|all)
+    if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      export PYTHONPATH=$PYTHONPATH:/tmp/site
+    fi
+    run peer_nvlink 280 $tr benchmarks/e2e.py --model qwen3 --variants replicated,standard,dedup,torchtitan \
+      --out "$out/e2e_qwen3_${n}gpu_peer.json"
+    run peer_slow 280 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model qwen3 --variants replicated,standard,dedup,torchtitan \
+      --out "$out/e2e_qwen3_${n}gpu_peer_nop2p.json" ;;&
   serve|all)
     run serve_nvlink 270 $tr benchmarks/serve.py --model olmoe --out "$out/serve_${n}gpu.json"
     run serve_slow 270 env NCCL_P2P_DISABLE=1 $tr benchmarks/serve.py --model olmoe --out "$out/serve_${n}gpu_nop2p.json" ;;&
@@ -65,7 +81,4 @@ case $part in
       run bench_dedup2 300 python3 -m occult.cli bench --world-size "$n" --shapes olmoe --variants standard,dedup,dedup2 \
         --nodes 2 --out "$out/bench_dedup2_${n}gpu.json"
     fi ;;
-  *)
-    echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, overlap, serve, probe, scale, all)" >&2
-    exit 2 ;;
 esac

@@ -76,7 +76,7 @@ def test_e2e_pipelined_and_two_batch_variants_are_exact_and_send_the_same_rows(t
 
 
 def test_e2e_unknown_variant_fails_clearly():
-    for bad in ("dedup,bogus", "dedup/c0", "hf-ep/c2", "hf-ep/tbo", "dedup/tbo/c2"):
+    for bad in ("dedup,bogus", "dedup/c0", "hf-ep/c2", "hf-ep/tbo", "dedup/tbo/c2", "torchtitan/tbo"):
         res = subprocess.run([sys.executable, str(SCRIPT), "--variants", bad], cwd=ROOT, env=_env(),
                              capture_output=True, text=True, timeout=120, check=False)
         assert res.returncode != 0
@@ -98,3 +98,43 @@ def test_e2e_exact_variant_off_exits_nonzero(tmp_path):
     assert "exact variant(s) dedup differ from the unconverted model" in res.stderr
     report = json.loads(out.read_text())
     assert report["variants"]["dedup"]["check"]["passed"] is False and report["variants"]["dedup"]["phases"] == {}
+
+
+def _torchtitan_missing() -> str | None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import tt_model
+    finally:
+        sys.path.pop(0)
+    return tt_model.unavailable("qwen3_moe")
+
+
+def test_e2e_torchtitan_whole_model_peer_matches_and_trains(tmp_path):
+    """TorchTitan's own Qwen3-MoE at the same weights (EP + FSDP2 over 2 gloo ranks): its logits
+    match the unconverted transformers model within bf16 (its experts compute in bf16; a wrong
+    q/k/v or expert layout gives errors of order 1) and both phases are timed."""
+    if (reason := _torchtitan_missing()) is not None:
+        pytest.skip(reason)
+    out = tmp_path / "e2e.json"
+    res = _torchrun(2, "--model", "tiny-qwen3", "--variants", "dedup,torchtitan", "--batch", "2", "--seq", "32",
+                    "--check-seq", "32", "--warmup", "1", "--iters", "1", "--out", str(out), timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())["variants"]
+    tt = report["torchtitan"]
+    assert tt["exact"] and tt["check"]["passed"] and tt["check"]["median_rel_err"] < 2e-2, tt["check"]
+    assert report["dedup"]["check"]["median_rel_err"] < 1e-4
+    info = tt["torchtitan"]
+    assert info["dispatcher"] == "AllToAllTokenDispatcher" and info["parallelize"].startswith("parallelize_qwen3")
+    assert info["local_experts"] * 2 == 8  # tiny-qwen3: 8 experts, half on each rank (EP over both)
+    for phase in PHASES:
+        assert tt["phases"][phase]["ms_median"] > 0 and tt["phases"][phase]["comm"] == {}
+
+
+def test_e2e_torchtitan_peer_needs_qwen3_and_says_so(tmp_path):
+    if (reason := _torchtitan_missing()) is not None:
+        pytest.skip(reason)
+    res = _torchrun(2, "--model", "tiny", "--variants", "torchtitan", "--batch", "1", "--seq", "16",
+                    "--out", str(tmp_path / "x.json"))
+    assert res.returncode != 0  # e2e.py exits 2; torchrun reports a failed child as 1
+    assert "use --model qwen3" in res.stdout + res.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,254 @@
+"""TorchTitan's own Qwen3-MoE model, expert- and data-parallel the way its trainer sets it up: the
+whole-model peer of benchmarks/e2e.py (variant `torchtitan`).
+
+TorchTitan 0.3.0's `Qwen3Model` is built at the shape of the transformers Qwen3-MoE model e2e.py
+builds (`_build_qwen3_moe_layers`: fused QKV, per-head q/k RMSNorm, `CosSinRoPE` at the model's
+rope theta, softmax top-k router with renormalisation, `GroupedExperts` on `torch._grouped_mm`,
+the `"standard"` `AllToAllTokenDispatcher`; FlexAttention, compiled as TorchTitan compiles it),
+and the transformers model's weights are copied in (q, k, v rows interleaved per KV head into `wqkv`; each
+expert's fused `gate_up_proj` split into `w1_EFD` / `w3_EFD`), so its logits are checked against
+the same unconverted model as every occult variant. Then TorchTitan's own `parallelize_qwen3`
+(SPMD backend `"partial_dtensor"`): EP over all ranks (contiguous blocks of E/N experts), FSDP2
+over all ranks for everything else (`dp_shard=N`, `ep=N`), no activation checkpointing, no
+torch.compile of the blocks (TorchTitan's default; e2e.py compiles none of its variants either).
+
+Precision: the weights are the model's dtype (bf16 on GPUs) with FSDP's param and reduce dtype
+the same, like occult's variants (bf16 weights, bf16 gradient all-reduce, AdamW on bf16).
+TorchTitan's trainer keeps fp32 master weights and reduces in fp32, which costs it more per
+step; this setting is the faster one for the peer. No load-balancing bias update is registered
+(the bias stays 0, as occult's variants have no balancing loss either).
+
+A step: prefill = forward in eval mode under no_grad, logits of the last position only (the
+final norm's output is taken with `_skip_lm_head` and the head applied to the last token, as
+transformers' `logits_to_keep=1`); train = forward, next-token cross-entropy in fp32 (mean over
+tokens, as transformers' loss), backward, AdamW step (FSDP reduce-scatters the gradients).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+
+from peer_torchtitan import SPMD_BACKEND, cpu_shims, torch_compat  # noqa: E402  (benchmarks/peers)
+
+MODEL_TYPES = ("qwen3_moe",)
+
+
+def unavailable(model_type: str) -> str | None:
+    """Why the TorchTitan peer cannot run here (not installed, another model family), or None."""
+    if model_type not in MODEL_TYPES:
+        return (f"TorchTitan's MoE models include Qwen3-MoE, the family e2e.py maps onto it: use --model qwen3 "
+                f"(or tiny-qwen3), not a {model_type} model")
+    try:
+        import spmd_types  # noqa: F401
+        import torchtitan.models.qwen3  # noqa: F401
+    except Exception as e:  # an ImportError, or one of its imports failing on this torch
+        return (f"torchtitan is not importable ({type(e).__name__}: {e}); install it as "
+                "benchmarks/requirements-peers.txt says (pip install --no-deps torchtitan==0.3.0 and its listed wheels)")
+    return None
+
+
+def _cpu_attention() -> None:
+    """CPU smoke runs only: FlexAttention has no CPU backward and compiling it needs inductor's C++
+    toolchain, so its kernel becomes causal SDPA. Exact here: every row is one document from
+    position 0, so TorchTitan's document-causal block mask is the causal mask."""
+    from torchtitan.models.common import attention
+
+    def causal_sdpa(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
+                    kernel_options=None):
+        if score_mod is not None or (return_aux is not None and return_aux.lse):
+            raise NotImplementedError("the CPU attention stand-in computes plain causal attention only")
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        return out, None
+
+    attention.FlexAttention._compiled_flex_attn = causal_sdpa
+    attention._compiled_create_block_mask = _eager_block_mask
+
+
+def _eager_block_mask(*args: Any, **kwargs: Any) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(*args, **kwargs)
+
+
+def _titan_config(cfg: Any, max_seq: int) -> Any:
+    """TorchTitan's Qwen3Model.Config at the transformers config's shape."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm,
+    )
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    if not getattr(cfg, "norm_topk_prob", True) or any(getattr(cfg, "mlp_only_layers", []) or []):
+        raise ValueError("the TorchTitan peer builds Qwen3-MoE with renormalised top-k and every layer MoE")
+    if abs(cfg.rms_norm_eps - 1e-6) > 1e-12:
+        raise ValueError(f"TorchTitan's Qwen3 RMSNorm eps is 1e-6; this config has {cfg.rms_norm_eps}")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    V, H = cfg.vocab_size, cfg.hidden_size
+    tcfg = Qwen3Model.Config(
+        vocab_size=V, dim=H, norm=_qwen3_norm(H),
+        tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=H, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=H, out_features=V, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(
+            fuse_qkv=True, n_layers=cfg.num_hidden_layers, dim=H, n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, moe_hidden_dim=cfg.moe_intermediate_size,
+            num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq, theta=theta), moe_comm_backend="standard"),
+    )
+    set_qwen3_sharding_config(tcfg, enable_sp=False, enable_ep=True)  # what update_from_config does for EP > 1
+    return tcfg
+
+
+@torch.no_grad()
+def copy_weights(hf_model: nn.Module, titan: nn.Module) -> int:
+    """Copy a transformers Qwen3-MoE model's weights into TorchTitan's Qwen3Model; returns tensors copied."""
+    src = hf_model.model
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
+        (titan.tok_embeddings.weight, src.embed_tokens.weight), (titan.norm.weight, src.norm.weight),
+        (titan.lm_head.weight, hf_model.lm_head.weight)]
+    for i, layer in enumerate(src.layers):
+        t = titan.layers[str(i)]
+        att, moe = layer.self_attn, layer.mlp
+        F = moe.experts.gate_up_proj.shape[1] // 2
+        pairs += [
+            (t.attention.qkv_linear.wqkv.weight, _fused_qkv(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight,
+                                                            t.attention.qkv_linear.head_dim)),
+            (t.attention.wo.weight, att.o_proj.weight), (t.attention.q_norm.weight, att.q_norm.weight),
+            (t.attention.k_norm.weight, att.k_norm.weight), (t.attention_norm.weight, layer.input_layernorm.weight),
+            (t.ffn_norm.weight, layer.post_attention_layernorm.weight), (t.moe.router.gate.weight, moe.gate.weight),
+            (t.moe.routed_experts.inner_experts.w1_EFD, moe.experts.gate_up_proj[:, :F]),
+            (t.moe.routed_experts.inner_experts.w3_EFD, moe.experts.gate_up_proj[:, F:]),
+            (t.moe.routed_experts.inner_experts.w2_EDF, moe.experts.down_proj)]
+    for dst, s in pairs:
+        if dst.shape != s.shape:
+            raise ValueError(f"TorchTitan peer: weight shape {tuple(dst.shape)} vs transformers {tuple(s.shape)}")
+        dst.copy_(s)
+    return len(pairs)
+
+
+def _fused_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """TorchTitan's fused QKV rows: per KV head, its group's query heads, then its key, then its value."""
+    H = wq.shape[1]
+    n_kv = wk.shape[0] // head_dim
+    per_kv = [w.reshape(n_kv, -1, head_dim, H) for w in (wq, wk, wv)]
+    return torch.cat(per_kv, dim=1).reshape(-1, H)
+
+
+class TitanLM:
+    """TorchTitan's Qwen3-MoE, weights from a transformers model, parallelised by TorchTitan (EP + FSDP2)."""
+
+    def __init__(self, hf_model: nn.Module, world: int, device: torch.device, dtype: torch.dtype,
+                 max_seq: int) -> None:
+        import torchtitan
+        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import utils as tt_dist
+        from torchtitan.models.qwen3 import parallelize_qwen3
+
+        self.torch_stand_ins = torch_compat()
+        if device.type == "cpu":
+            cpu_shims()
+            _cpu_attention()
+        tt_dist.set_spmd_backend(SPMD_BACKEND)
+        tcfg = _titan_config(hf_model.config, max_seq)
+        with torch.device(device):
+            model = tcfg.build()
+        model.init_states(buffer_device=device)  # rope cache and MoE buffers; the weights come next
+        model = model.to(dtype)
+        self.copied = copy_weights(hf_model, model)
+        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
+                            spmd_backend=SPMD_BACKEND)
+        dims.build_mesh()
+        name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+        training = TrainingConfig(mixed_precision_param=name)
+        training.mixed_precision_reduce = name  # type: ignore[assignment]  (see the module docstring)
+        self.model = parallelize_qwen3(model, parallel_dims=dims, training=training,
+                                       parallelism=ParallelismConfig(spmd_backend=SPMD_BACKEND),
+                                       compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
+        if device.type == "cpu":  # gloo has no PREMUL_SUM, the op of TorchTitan's gradient divide factor
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        self.version = getattr(torchtitan, "__version__", "?")
+        self.device = device
+
+    def _masks(self, ids_BS: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        B, S = ids_BS.shape
+        pos_BS = torch.arange(S, device=ids_BS.device).expand(B, S).contiguous()
+        return pos_BS, self.model.get_attention_masks(positions=pos_BS)
+
+    def logits(self, ids_BS: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """[B, S] ids -> logits [B, S, V] (`last_only`: [B, 1, V], the head on the last position)."""
+        pos_BS, masks = self._masks(ids_BS)
+        if not last_only:
+            return _local(self.model(ids_BS, positions=pos_BS, attention_masks=masks))
+        self.model._skip_lm_head = True
+        try:
+            h_BSH = self.model(ids_BS, positions=pos_BS, attention_masks=masks)
+        finally:
+            self.model._skip_lm_head = False
+        return _local(self.model.lm_head(h_BSH[:, -1:]))
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def optimizer(self, kind: str, lr: float) -> torch.optim.Optimizer:
+        """AdamW (fused on CUDA, one group per device mesh: DTensors of two meshes) or SGD."""
+        if kind != "adamw":
+            return torch.optim.SGD(self.model.parameters(), lr=lr)
+        groups: dict[Any, list] = {}
+        for p in self.model.parameters():
+            groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+        return torch.optim.AdamW([{"params": g} for g in groups.values()], lr=lr, fused=self.device.type == "cuda")
+
+    def describe(self) -> dict[str, Any]:
+        ex = self.model.layers["0"].moe.routed_experts
+        w = ex.inner_experts.w1_EFD
+        return {"torchtitan": self.version, "spmd_backend": SPMD_BACKEND, "tensors_copied": self.copied,
+                "dispatcher": type(ex.token_dispatcher).__name__, "parallelize": "parallelize_qwen3 (EP + FSDP2)",
+                "local_experts": int((w.to_local() if hasattr(w, "to_local") else w).shape[0]),
+                "attention": "FlexAttention (compiled by TorchTitan)" if self.device.type == "cuda" else "causal SDPA (CPU stand-in for FlexAttention)",
+                "torch_stand_ins": self.torch_stand_ins}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def make_step(peer: TitanLM, phase: str, optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], None]:
+    """One prefill or train step on ids [B, S] (module docstring)."""
+    if phase == "prefill":
+        peer.eval()
+
+        def prefill(ids_BS: torch.Tensor) -> None:
+            with torch.no_grad():
+                peer.logits(ids_BS, last_only=True)
+        return prefill
+    peer.train()
+
+    def train(ids_BS: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits_BSV = peer.logits(ids_BS)
+        loss = nn.functional.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+    return train
