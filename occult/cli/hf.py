@@ -193,6 +193,9 @@ def run_finetune(args: Any) -> int:
 
     if not (Path(args.hf) / "config.json").is_file():
         raise ValueError(f"--hf {args.hf}: not a transformers model directory (no config.json)")
+    if args.dispatcher == "dedup2" or getattr(args, "nodes", None) is not None:
+        raise ValueError("--dispatcher dedup2 / --nodes: not available with --hf yet (OccultLM only: occult train, "
+                         "occult finetune --init); use --dispatcher dedup or standard")
     out = Path(args.out)
     if (out / "model").exists():
         raise ValueError(f"{out / 'model'} already exists: choose another --out")

@@ -99,8 +99,13 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--ep-placement", default=None,
                    help="placement JSON (occult place --devices EP_SIZE) of the experts on the ranks (default: "
                         "contiguous; for finetune, --placement when it has EP_SIZE devices)")
-    g.add_argument("--dispatcher", default="dedup", choices=["dedup", "standard"],
-                   help="all-to-all dispatch: one copy per device (dedup) or per expert (standard)")
+    g.add_argument("--dispatcher", default="dedup", choices=["dedup", "standard", "dedup2"],
+                   help="all-to-all dispatch: one copy per device (dedup) or per expert (standard); dedup2: two "
+                        "levels, one copy per node over the links between nodes, then one per GPU inside the node "
+                        "(needs --nodes, or an --ep-placement solved with occult place --nodes)")
+    g.add_argument("--nodes", type=int, default=None,
+                   help="for --dispatcher dedup2: the EP ranks are this many nodes of EP_SIZE/NODES ranks each, "
+                        "node-major (rank n*G + g is GPU g of node n)")
     g.add_argument("--grad-sync", default="ddp", choices=["ddp", "explicit", "fsdp"],
                    help="dense (non-expert) parameters: replicated, gradients by torch DDP, all-reduced in buckets "
                         "during the backward (default), or by one explicit all-reduce after it; or fsdp: sharded over "
@@ -197,14 +202,38 @@ def _parallel(args):
     return setup_parallel(args.ep_size)
 
 
-def _ep_placement(args, par, fallback=None):
+def _ep_placement(args, par, num_experts: int, fallback=None):
+    """The experts' placement on the EP ranks (None: contiguous), with nodes for --dispatcher dedup2."""
     from occult.placement import Placement
 
+    placement = None
     if args.ep_placement:
-        return Placement.load(args.ep_placement)
-    if fallback is not None and par is not None and fallback.num_devices == par.ep_size:
-        return fallback
-    return None
+        placement = Placement.load(args.ep_placement)
+    elif fallback is not None and par is not None and fallback.num_devices == par.ep_size:
+        placement = fallback
+    nodes = getattr(args, "nodes", None)
+    if args.dispatcher != "dedup2":
+        if nodes is not None:
+            raise ValueError("--nodes applies to --dispatcher dedup2 only")
+        return placement
+    if par is None:
+        raise ValueError("--dispatcher dedup2 needs several ranks: run under torchrun --nproc-per-node N")
+    if getattr(args, "replace_every", 0) or getattr(args, "replace_drift", 0.0):
+        raise ValueError("re-placing experts while training (--replace-every / --replace-drift) does not support "
+                         "--dispatcher dedup2 yet: use dedup, or train without re-placement")
+    if placement is not None and placement.num_nodes > 1:
+        if nodes is not None and nodes != placement.num_nodes:
+            raise ValueError(f"--nodes {nodes} but the placement {args.ep_placement or args.placement} has "
+                             f"{placement.num_nodes} nodes: give one or make them agree")
+        return placement
+    if nodes is None:
+        raise ValueError("--dispatcher dedup2 needs the ranks' nodes: --nodes M (M nodes of EP_SIZE/M ranks, "
+                         "node-major), or an --ep-placement solved with occult place --nodes M")
+    if nodes < 2 or par.ep_size % nodes:
+        raise ValueError(f"--nodes {nodes} must be >= 2 and divide the EP size {par.ep_size}")
+    if placement is None:
+        return Placement.contiguous(num_experts, par.ep_size, num_nodes=nodes)
+    return Placement(placement.expert_device_LE, placement.num_devices, nodes)
 
 
 def _finish(par) -> None:
@@ -250,7 +279,7 @@ def run_train(args) -> int:
         print(f"model: {model.num_parameters():,} parameters ({model.num_parameters(active=True):,} active per token); "
               f"data: {data.train.numel():,} train / {data.val.numel():,} val tokens")
     if par is not None:
-        model = shard_model(model, par, _ep_placement(args, par), args.dispatcher)
+        model = shard_model(model, par, _ep_placement(args, par, mcfg.num_experts), args.dispatcher)
         if main:
             print(f"{par.world_size} ranks: experts over {par.ep_size} ({args.dispatcher}), {par.replicas} data-parallel "
                   f"replica(s); {cfg.batch_size // par.world_size} of {cfg.batch_size} rows per rank; "
@@ -296,7 +325,8 @@ def run_finetune(args) -> int:
         model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
                                  method=args.prune_method, similarity=sims, resume=args.resume,
                                  stop_after=args.stop_after, progress=not args.no_progress, parallel=par,
-                                 ep_placement=_ep_placement(args, par, placement), dispatcher=args.dispatcher)
+                                 ep_placement=_ep_placement(args, par, mcfg.num_experts, placement),
+                                 dispatcher=args.dispatcher)
         if par is None or par.is_main:
             print(f"routing: {model.routing.describe()}")
             _report(result)

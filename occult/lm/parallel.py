@@ -113,7 +113,8 @@ def per_layer(placement: Placement, num_layers: int) -> Placement:
     if placement.num_layers == num_layers:
         return placement
     if placement.num_layers == 1:
-        return Placement(np.repeat(placement.expert_device_LE, num_layers, axis=0), placement.num_devices)
+        return Placement(np.repeat(placement.expert_device_LE, num_layers, axis=0), placement.num_devices,
+                         placement.num_nodes)
     raise PlacementError(f"the placement has {placement.num_layers} layers, the model {num_layers} MoE layers")
 
 

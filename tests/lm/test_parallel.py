@@ -172,6 +172,58 @@ def test_ep_groups_times_data_parallel_replicas(data, tmp_path):
             assert np.abs(p - q).max() <= 2e-6 * np.abs(q).max(), name
 
 
+PLACEMENT_4 = [[3, 0, 1, 2, 2, 0, 1, 3], [0, 1, 2, 3, 3, 2, 1, 0]]  # 4 ranks = 2 nodes of 2
+
+
+def two_level_worker(rank: int, world_size: int, data, root: str) -> dict:
+    from occult.moe.two_level import TwoLevelDispatcher
+
+    par = setup_parallel()
+    torch.manual_seed(0)
+    placement = Placement(np.array(PLACEMENT_4), 4, num_nodes=2)
+    model = shard_model(full_model(config(data), par), par, placement, "dedup2")
+    layers = list(model.moe_layers())
+    assert all(isinstance(m.dispatcher, TwoLevelDispatcher) and m.dispatcher.num_nodes == 2 for m in layers)
+    result = train(model, data, cfg(steps=10, eval_every=5), Path(root) / "dedup2", parallel=par, progress=False, log=None)
+    return _snapshot(model, result)
+
+
+def test_two_level_dispatcher_trains_like_one_process(data, tmp_path):
+    """`occult train --dispatcher dedup2`: 4 ranks as 2 nodes x 2, non-contiguous placement == 1 process, 10 steps."""
+    torch.manual_seed(0)
+    ref = OccultLM(config(data))
+    single = _snapshot(ref, train(ref, data, cfg(steps=10, eval_every=5), tmp_path / "single", progress=False, log=None))
+    for rank, out in enumerate(run_ranks(two_level_worker, 4, data, str(tmp_path), timeout_s=240)):
+        assert sorted(out["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT_4[0]) if d == rank]
+        assert_matches(out, single, steps=10)
+
+
+def test_two_level_cli_arguments_are_checked():
+    """--dispatcher dedup2 gets its nodes from --nodes or the placement; contradictions are clear errors."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from occult.cli.lm import _ep_placement
+
+    par = SimpleNamespace(ep_size=4)
+    args = dict(ep_placement=None, placement=None, dispatcher="dedup2", nodes=2, replace_every=0, replace_drift=0.0)
+    got = _ep_placement(Namespace(**args), par, 8)
+    assert got.num_nodes == 2 and got.num_devices == 4 and list(got.expert_device(0)) == [0, 0, 1, 1, 2, 2, 3, 3]
+    placed = Placement(np.array(PLACEMENT_4), 4, num_nodes=2)
+    assert _ep_placement(Namespace(**{**args, "nodes": None}), par, 8, placed) is placed
+    flat = Placement(np.array(PLACEMENT_4), 4)
+    assert _ep_placement(Namespace(**args), par, 8, flat).num_nodes == 2
+    for bad, match in [(dict(nodes=None), "needs the ranks' nodes"), (dict(nodes=3), "must be >= 2 and divide"),
+                       (dict(nodes=1), "must be >= 2"), (dict(replace_every=10), "does not support"),
+                       (dict(dispatcher="dedup"), "applies to --dispatcher dedup2 only")]:
+        with pytest.raises(ValueError, match=match):
+            _ep_placement(Namespace(**{**args, **bad}), par, 8)
+    with pytest.raises(ValueError, match="has 2 nodes"):
+        _ep_placement(Namespace(**{**args, "nodes": 4}), SimpleNamespace(ep_size=4), 8, placed)
+    with pytest.raises(ValueError, match="needs several ranks"):
+        _ep_placement(Namespace(**args), None, 8)
+
+
 def test_resume_and_reshard(runs):
     """10 steps + save + resume 10 == 20 straight (bit for bit on 2 ranks); 2 -> 1 and 1 -> 2 ranks."""
     for out in runs["ranks"]:
