@@ -16,7 +16,8 @@
 # scale     one migration of the OLMoE-shape expert state; two-level dispatch (4 GPUs)   issues 17, 18
 #           (the re-placement training report, ~20 min: docs/replacement.md)
 #
-# Every command writes JSON under OUT and prints its table last. NVLink multicast stays off.
+# Every command writes JSON under OUT and prints its table last; then the targets table of all JSON in
+# OUT (scripts/targets_report.py, also OUT/targets.md). NVLink multicast stays off.
 set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
@@ -82,3 +83,5 @@ case $part in
         --nodes 2 --out "$out/bench_dedup2_${n}gpu.json"
     fi ;;
 esac
+# what the runs so far say about the issues' targets (scripts/targets_report.py; also $out/targets.md)
+[ "${DRY_RUN:-0}" = 1 ] || python3 scripts/targets_report.py "$out" --md "$out/targets.md"
