@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | overlap | peer | serve | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | overlap | peer | train | train-slow | serve | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -11,6 +11,8 @@
 # overlap   NVLink: pipelined (/c2, /c4) and two-batch (/tbo) variants                 issue 14
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
+# train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
+#           standard, dedup (train-slow: the same with NCCL_P2P_DISABLE=1)               issue 15
 # serve     decode and serving, both links                                               issue 16
 # probe     torch.compile reduce-overhead with traced all-to-alls; host syncs; layer bench  issues 14, 16
 # scale     one migration of the OLMoE-shape expert state; two-level dispatch (4 GPUs)   issues 17, 18
@@ -22,8 +24,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|overlap|peer|serve|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, overlap, peer, serve, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|overlap|peer|train|train-slow|serve|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, overlap, peer, train, train-slow, serve, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -67,6 +69,23 @@ case $part in
       --out "$out/e2e_qwen3_${n}gpu_peer.json"
     run peer_slow 280 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model qwen3 --variants replicated,standard,dedup,torchtitan \
       --out "$out/e2e_qwen3_${n}gpu_peer_nop2p.json" ;;&
+  train|train-slow|all)
+    data=/tmp/occult_train_data
+    [ "${DRY_RUN:-0}" = 1 ] || [ -f "$data/manifest.json" ] || \
+      python3 -m occult data prepare --out "$data" --corpus-dir tests/data/shakespeare_tiny --vocab-size 2000 > /dev/null
+    lm="--corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 2048
+        --batch-size $((8 * n)) --steps 40 --eval-every 20 --eval-tokens 16384 --save-every 0 --no-progress"
+    links="nvlink slow"; [ "$part" = train ] && links=nvlink; [ "$part" = train-slow ] && links=slow
+    for link in $links; do
+      env_=""; [ $link = slow ] && env_="NCCL_P2P_DISABLE=1"
+      for v in floor standard dedup; do
+        flags="--dispatcher $v"; [ $v = floor ] && flags="--ep-size 1"
+        run "train_${link}_$v" 140 env $env_ $tr -m occult train $lm $flags --out "/tmp/occult_train_${link}_$v"
+        [ "${DRY_RUN:-0}" = 1 ] || python3 -c "import json,sys; m=[json.loads(l) for l in open(sys.argv[1])][-1]; \
+json.dump(dict(m, link=sys.argv[2], variant=sys.argv[3], gpus=$n), open(sys.argv[4], 'w'))" \
+          "/tmp/occult_train_${link}_$v/metrics.jsonl" $link $v "$out/train_${n}gpu_${link}_$v.json"
+      done
+    done ;;&
   serve|all)
     run serve_nvlink 270 $tr benchmarks/serve.py --model olmoe --out "$out/serve_${n}gpu.json"
     run serve_slow 270 env NCCL_P2P_DISABLE=1 $tr benchmarks/serve.py --model olmoe --out "$out/serve_${n}gpu_nop2p.json" ;;&

@@ -5,7 +5,8 @@
 Reads every `*.json` under the given files or directories and recognises three kinds by content:
 `benchmarks/e2e.py` (whole models; `--model olmoe` for issue 14, `--model qwen3` with the
 `torchtitan` variant for the whole-model peer of issues 14 and 15), `occult bench` (one layer) and
-`benchmarks/peers/run.py` (layer-level peers). For each target it prints what was measured, the
+`benchmarks/peers/run.py` (layer-level peers), and the `occult train` throughput records
+`multi_gpu_runs.sh train` writes (the last metrics.jsonl line with link, variant, GPUs). For each target it prints what was measured, the
 verdict (met / MISSED) and the file. Targets are the issues' own (4 GPUs in the issue text; every
 GPU count found is reported, labelled). A target whose inputs are absent is listed as "not
 measured", so the table also says what is still to run (`scripts/multi_gpu_runs.sh`).
@@ -48,6 +49,8 @@ def kind(doc: dict) -> str | None:
         return "bench"
     if "runs" in doc and all("peer" in r for r in doc["runs"]):
         return "peers"
+    if "train_tokens_per_s_per_rank" in doc and "variant" in doc:
+        return "train"
     return None
 
 
@@ -144,6 +147,23 @@ def peers_rows(path: Path, doc: dict) -> list[list[str]]:
     return rows
 
 
+def train_rows(docs: list[tuple[Path, dict]]) -> list[list[str]]:
+    """Issue 15, OccultLM (`occult train`, multi_gpu_runs.sh train): tokens/s per GPU, no numeric target."""
+    rows = []
+    groups: dict[tuple, dict[str, float]] = {}
+    for _, d in docs:
+        groups.setdefault((d.get("gpus"), d.get("link")), {})[d["variant"]] = float(d["train_tokens_per_s_per_rank"])
+    for (gpus, link), tps in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        parts = [f"{v} {tps[v]:,.0f}" for v in ("floor", "standard", "dedup") if v in tps]
+        if "dedup" in tps and "standard" in tps:
+            parts.append(f"dedup/standard {tps['dedup'] / tps['standard']:.2f}x")
+        if "dedup" in tps and "floor" in tps:
+            parts.append(f"dedup/floor {tps['dedup'] / tps['floor']:.2f}x")
+        rows.append(["15: occult train tokens/s per GPU (OccultLM; floor = EP size 1)", "; ".join(parts), "-",
+                     f"train_*.json ({_gpus(gpus)}, {link})"])
+    return rows
+
+
 EXPECTED = [  # (target, what measures it): listed as "not measured" when nothing matched
     ("14: best dedup", "multi_gpu_runs.sh e2e / e2e-slow"),
     ("14: dedup prefill >= 2.3x", "multi_gpu_runs.sh e2e-slow"),
@@ -151,15 +171,20 @@ EXPECTED = [  # (target, what measures it): listed as "not measured" when nothin
     ("15: training step", "multi_gpu_runs.sh peer"),
     ("14: layer forward", "multi_gpu_runs.sh probe (occult bench)"),
     ("14: layer fwd+bwd", "benchmarks/peers/run.py (docs/benchmarks.md)"),
+    ("15: occult train", "multi_gpu_runs.sh train / train-slow"),
 ]
 
 
 def report(paths: Iterable[str]) -> str:
     rows: list[list[str]] = []
+    train_docs = []
     for path, doc in load_reports(paths):
         k = kind(doc)
-        if k is not None:
+        if k == "train":
+            train_docs.append((path, doc))
+        elif k is not None:
             rows += {"e2e": e2e_rows, "bench": bench_rows, "peers": peers_rows}[k](path, doc)
+    rows += train_rows(train_docs)
     for prefix, how in EXPECTED:
         if not any(r[0].startswith(prefix) and not r[2].startswith("n/a") for r in rows):
             rows.append([prefix + " ...", "-", "not measured", how])

@@ -25,7 +25,7 @@ Files in `out_dir` (all written atomically):
     checkpoint/             latest state of an N-rank run: sharded DCP checkpoint (`occult.lm.sharded`)
     best.safetensors        weights at the best validation loss so far
     model.safetensors       final weights (when the run ends)
-    metrics.jsonl           one JSON line per evaluation
+    metrics.jsonl           one JSON line per evaluation (with the training tokens/s since the last one)
     replace.jsonl           re-placement measurements, solves and migrations (`replace_every` / `replace_drift`:
                             `occult.lm.replace`; the placement in use is saved in every checkpoint)
     loss.png                the loss curve (when the run ends; needs matplotlib)
@@ -205,11 +205,25 @@ def train(
             with atomic_path(path) as tmp:
                 safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
 
+    clock = {"s": 0.0, "steps": 0, "since": None}  # training time since the last evaluation (evals, saves excluded)
+
+    def pause_clock() -> None:
+        if clock["since"] is not None:
+            clock["s"] += time.perf_counter() - clock["since"]
+            clock["since"] = None
+
     def do_eval(train_loss: float | None = None) -> dict:
         nonlocal best
+        pause_clock()
+        rate = {}
+        if clock["steps"] and clock["s"] > 0:  # flush() before an eval synchronised the device (losses read back)
+            tps = clock["steps"] * tokens_per_step / clock["s"]
+            rate = {"train_tokens_per_s": tps, "train_tokens_per_s_per_rank": tps / (par.world_size if par else 1)}
+        clock.update(s=0.0, steps=0)
         r = evaluate(model, data.val, eval_bs, cfg.seq_len, cfg.eval_tokens, cfg.precision, parallel=par)
         reshard(model)  # FSDP: the root's weights back to shards after a forward without backward
         r["step"] = step
+        r.update(rate)
         if train_loss is not None:
             r["train_loss"] = train_loss
         history.append(r)
@@ -239,6 +253,7 @@ def train(
             pending.clear()
         return losses[-1] if losses else float("nan")
 
+    tokens_per_step = cfg.batch_size * cfg.seq_len
     if cfg.eval_at_start and step == 0 and not history and cfg.eval_every:
         do_eval()
     from tqdm.auto import tqdm
@@ -248,7 +263,6 @@ def train(
                unit="step", disable=show, dynamic_ncols=True)
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     t_last, s_last = time.perf_counter(), step
     if replacer is not None:
         replacer.start()
@@ -258,6 +272,8 @@ def train(
     forward = ddp if ddp is not None else model  # DDP (or FSDP's hooks) average the dense gradients during backward
     try:
         while step < last_step and not stopped:
+            if clock["since"] is None:
+                clock["since"] = time.perf_counter()
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -276,6 +292,7 @@ def train(
                 gnorm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
             opt.step()
             step += 1
+            clock["steps"] += 1
             if replacer is not None:
                 replacer.after_step(step, opt)
             pending.append(out_.loss.detach())
@@ -301,6 +318,7 @@ def train(
                         log(f"validation loss flat for {cfg.patience} evaluations: stopping at step {step}")
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps or stopped):
                 flush()
+                pause_clock()
                 save(out / CHECKPOINT, with_optimizer=True)
     finally:
         bar.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import math
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def test_lr_schedule():
 def test_training_learns_and_writes_files(data, tmp_path):
     model = new_model(data)
     start = evaluate(model, data.val, 8, 32, 512)
+    t0 = time.perf_counter()
     res = train(model, data, cfg(steps=30, eval_every=15, save_every=15), tmp_path, progress=False, log=None)
+    elapsed = time.perf_counter() - t0
     assert res.step == 30 and not res.stopped_early
     assert res.history[-1]["val_loss"] < start["val_loss"] - 0.3
     assert res.history[-1]["val_ppl"] == pytest.approx(math.exp(res.history[-1]["val_loss"]))
@@ -66,6 +69,10 @@ def test_training_learns_and_writes_files(data, tmp_path):
         assert (tmp_path / f).is_file()
     lines = [json.loads(l) for l in (tmp_path / METRICS).read_text().splitlines()]
     assert [l["step"] for l in lines] == [15, 30]
+    # training throughput per evaluation interval: 15 steps of 4 x 32 tokens, timed without evals and saves
+    seconds = [15 * 4 * 32 / l["train_tokens_per_s"] for l in lines]
+    assert all(l["train_tokens_per_s_per_rank"] == l["train_tokens_per_s"] for l in lines)  # one process
+    assert 0 < sum(seconds) < elapsed
     back = load_model(tmp_path / FINAL)
     x = torch.randint(0, data.vocab_size, (2, 32))
     assert torch.equal(back(x).logits, model(x).logits)
