@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from occult.distributed import run_ranks
 from occult.lm.data import train_batch
-from occult.lm.model import ModelConfig, OccultLM
+from occult.lm.model import OccultLM
 from occult.lm.parallel import (
     full_model,
     setup_parallel,
@@ -37,39 +37,12 @@ from occult.lm.parallel import (
 from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
 from occult.placement import Placement
 
+from _train_helpers import PLACEMENT, RTOL, assert_matches, config, rel, run, snapshot
+from _train_helpers import train_config as cfg
+
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
-TINY = Path(__file__).resolve().parents[1] / "data" / "shakespeare_tiny"
-MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2, expert_ffn_size=16, max_seq_len=32)
-PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
-RTOL = 1e-5  # against one process (test_parallel.py's tolerance, adam eps 1e-6)
 CLOSE = 0.0  # DDP against the explicit all-reduce on 2 ranks: bit for bit (x/2 is exact, a + b commutes)
-
-
-def cfg(**kw) -> TrainConfig:
-    base = dict(steps=20, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=3, eval_every=10, save_every=10,
-                eval_tokens=512, device="cpu", adam_eps=1e-6)
-    return TrainConfig(**{**base, **kw})
-
-
-def config(data) -> ModelConfig:
-    return ModelConfig(vocab_size=data.vocab_size, **MODEL)
-
-
-def _snapshot(model: OccultLM, result) -> dict:
-    return {
-        "losses": list(result.train_losses),
-        "val": [h["val_loss"] for h in result.history],
-        "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-        "ids": {n: ids.numpy().copy() for n, (_, ids) in model.expert_parameters().items()},
-    }
-
-
-def _run(par, data, out, placement=None, seed=0, **kw) -> dict:
-    torch.manual_seed(seed)
-    model = shard_model(full_model(config(data), par), par, placement)
-    c = cfg(**kw.pop("config", {}))
-    return _snapshot(model, train(model, data, c, out, parallel=par, progress=False, log=None, **kw))
 
 
 def _grads(model: OccultLM) -> dict[str, np.ndarray]:
@@ -104,26 +77,18 @@ def ddp_worker(rank: int, world_size: int, data, root: str) -> dict:
     p2 = Placement.from_lists(PLACEMENT, 2)
     out = {"grads": _one_step(par, data, True), "plain": _one_step(par, data, False)}
     for sync in ("ddp", "explicit"):
-        out[f"ep2-{sync}"] = _run(par, data, root_p / f"ep2-{sync}", p2, config=dict(grad_sync=sync))
-        out[f"moe-{sync}"] = _run(par, data, root_p / f"moe-{sync}", p2,
-                                  config=dict(grad_sync=sync, moe_only=True, steps=10, eval_every=5, save_every=0))
-    _run(par, data, root_p / "stop", p2, stop_after=10)
+        out[f"ep2-{sync}"] = run(par, data, root_p / f"ep2-{sync}", p2, config=dict(grad_sync=sync))
+        out[f"moe-{sync}"] = run(par, data, root_p / f"moe-{sync}", p2,
+                                 config=dict(grad_sync=sync, moe_only=True, steps=10, eval_every=5, save_every=0))
+    run(par, data, root_p / "stop", p2, stop_after=10)
     if rank == 0:
         shutil.copytree(root_p / "stop", root_p / "stop1")
     par.barrier()
-    out["resumed"] = _run(par, data, root_p / "stop", p2, seed=9, resume=True, config=dict(grad_sync="explicit"))
+    out["resumed"] = run(par, data, root_p / "stop", p2, seed=9, resume=True, config=dict(grad_sync="explicit"))
     dp = setup_parallel(ep_size=1)
     for sync in ("ddp", "explicit"):
-        out[f"ep1-{sync}"] = _run(dp, data, root_p / f"ep1-{sync}", config=dict(grad_sync=sync))
+        out[f"ep1-{sync}"] = run(dp, data, root_p / f"ep1-{sync}", config=dict(grad_sync=sync))
     return out
-
-
-@pytest.fixture(scope="module")
-def data():
-    pytest.importorskip("tokenizers")
-    from occult.lm.data import load_dataset
-
-    return load_dataset(TINY, vocab_size=300, val_fraction=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -134,27 +99,11 @@ def ranks(data, tmp_path_factory):
     for name, kw in (("full", {}), ("moe", dict(moe_only=True, steps=10, eval_every=5, save_every=0))):
         torch.manual_seed(0)
         ref = OccultLM(config(data))
-        single[name] = _snapshot(ref, train(ref, data, cfg(**kw), root / f"single-{name}", progress=False, log=None))
+        single[name] = snapshot(ref, train(ref, data, cfg(**kw), root / f"single-{name}", progress=False, log=None))
     torch.manual_seed(5)
     back = OccultLM(config(data))
-    single["stop1"] = _snapshot(back, train(back, data, cfg(), root / "stop1", resume=True, progress=False, log=None))
+    single["stop1"] = snapshot(back, train(back, data, cfg(), root / "stop1", resume=True, progress=False, log=None))
     return {"root": root, "ranks": ranks, "single": single}
-
-
-def _rel(p: np.ndarray, q: np.ndarray) -> float:
-    return float(np.abs(p - q).max() / max(np.abs(q).max(), 1e-30))
-
-
-def assert_matches(got: dict, want: dict, rtol: float, steps: int = 20) -> None:
-    """Losses per step, validation losses, and every parameter `got`'s rank holds."""
-    assert len(got["losses"]) == len(want["losses"]) == steps
-    np.testing.assert_allclose(got["losses"], want["losses"], rtol=rtol)
-    np.testing.assert_allclose(got["val"], want["val"], rtol=rtol)
-    for name, p in got["params"].items():
-        q = want["params"][name]
-        if name in got["ids"] and len(want["ids"][name]) != len(got["ids"][name]):
-            q = q[got["ids"][name]]  # one process holds every expert
-        assert _rel(p, q) <= rtol, f"{name}: max |diff| / max |weight| = {_rel(p, q):.2e}"
 
 
 def test_one_step_gradients_are_those_of_the_global_batch(ranks, data):
@@ -174,9 +123,9 @@ def test_one_step_gradients_are_those_of_the_global_batch(ranks, data):
         assert set(g["grads"]) == set(want)
         for name, grad in g["grads"].items():
             q = want[name][g["ids"][name]] if name in g["ids"] else want[name]
-            assert _rel(grad, q) <= 1e-5, f"{name}: {_rel(grad, q):.2e}"
+            assert rel(grad, q) <= 1e-5, f"{name}: {rel(grad, q):.2e}"
         # Without the wrapper (expert-only sync) the replicated gradients are this rank's alone.
-        assert max(_rel(got["plain"]["grads"][n], want[n]) for n in replicated) > 1e-2
+        assert max(rel(got["plain"]["grads"][n], want[n]) for n in replicated) > 1e-2
 
 
 def test_ddp_equals_explicit_and_one_process(ranks):

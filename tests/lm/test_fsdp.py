@@ -28,7 +28,7 @@ import torch
 from occult.distributed import run_ranks
 from occult.lm.data import train_batch
 from occult.lm.fsdp import full_tensor, is_sharded, local_tensor, wrap_fsdp
-from occult.lm.model import ModelConfig, OccultLM
+from occult.lm.model import OccultLM
 from occult.lm.parallel import (
     clip_grad_norm,
     full_model,
@@ -39,39 +39,19 @@ from occult.lm.parallel import (
 from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
 from occult.placement import Placement
 
+from _train_helpers import PLACEMENT, RTOL, assert_matches, config, rel, run, snapshot, train_config
+
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
-TINY = Path(__file__).resolve().parents[1] / "data" / "shakespeare_tiny"
-MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2, expert_ffn_size=16, max_seq_len=32)
-PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
-RTOL = 1e-5  # against one process (test_ddp.py's tolerance, adam eps 1e-6)
 CLIP = 0.05  # below every step's gradient norm here: every step is clipped
 
 
 def cfg(**kw) -> TrainConfig:
-    base = dict(steps=20, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=3, eval_every=10, save_every=10,
-                eval_tokens=512, device="cpu", adam_eps=1e-6, grad_clip=CLIP, grad_sync="fsdp")
-    return TrainConfig(**{**base, **kw})
-
-
-def config(data) -> ModelConfig:
-    return ModelConfig(vocab_size=data.vocab_size, **MODEL)
-
-
-def _snapshot(model: OccultLM, result) -> dict:
-    return {
-        "losses": list(result.train_losses),
-        "val": [h["val_loss"] for h in result.history],
-        "params": {n: full_tensor(p.detach()).numpy().copy() for n, p in model.named_parameters()},  # a collective
-        "ids": {n: ids.numpy().copy() for n, (_, ids) in model.expert_parameters().items()},
-    }
+    return train_config(**{"grad_clip": CLIP, "grad_sync": "fsdp", **kw})
 
 
 def _run(par, data, out, placement=None, seed=0, **kw) -> dict:
-    torch.manual_seed(seed)
-    model = shard_model(full_model(config(data), par), par, placement)
-    c = cfg(**kw.pop("config", {}))
-    return _snapshot(model, train(model, data, c, out, parallel=par, progress=False, log=None, **kw))
+    return run(par, data, out, placement, seed, cfg=cfg, **kw)
 
 
 def _one_step(par, data) -> dict:
@@ -135,14 +115,6 @@ def four_rank_worker(rank: int, world_size: int, data, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def data():
-    pytest.importorskip("tokenizers")
-    from occult.lm.data import load_dataset
-
-    return load_dataset(TINY, vocab_size=300, val_fraction=0.1)
-
-
-@pytest.fixture(scope="module")
 def ranks(data, tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     ranks = run_ranks(fsdp_worker, 2, data, str(root), timeout_s=300)
@@ -151,28 +123,11 @@ def ranks(data, tmp_path_factory):
                      ("six", dict(steps=6, eval_every=3, save_every=0)), ("fp32", dict(steps=5, eval_every=0, save_every=0))):
         torch.manual_seed(0)
         ref = OccultLM(config(data))
-        single[name] = _snapshot(ref, train(ref, data, cfg(**kw), root / f"single-{name}", progress=False, log=None, plot=False))
+        single[name] = snapshot(ref, train(ref, data, cfg(**kw), root / f"single-{name}", progress=False, log=None, plot=False))
     torch.manual_seed(5)
     back = OccultLM(config(data))
-    single["stop1"] = _snapshot(back, train(back, data, cfg(), root / "stop1", resume=True, progress=False, log=None))
+    single["stop1"] = snapshot(back, train(back, data, cfg(), root / "stop1", resume=True, progress=False, log=None))
     return {"root": root, "ranks": ranks, "single": single}
-
-
-def _rel(p: np.ndarray, q: np.ndarray) -> float:
-    return float(np.abs(p - q).max() / max(np.abs(q).max(), 1e-30))
-
-
-def assert_matches(got: dict, want: dict, rtol: float, steps: int = 20) -> None:
-    """Losses per step, validation losses, and every parameter (full, or this rank's experts)."""
-    assert len(got["losses"]) == len(want["losses"]) == steps
-    np.testing.assert_allclose(got["losses"], want["losses"], rtol=rtol)
-    np.testing.assert_allclose(got["val"], want["val"], rtol=rtol)
-    assert set(got["params"]) == set(want["params"])
-    for name, p in got["params"].items():
-        q = want["params"][name]
-        if name in got["ids"] and len(want["ids"][name]) != len(got["ids"][name]):
-            q = q[got["ids"][name]]  # one process holds every expert
-        assert _rel(p, q) <= rtol, f"{name}: max |diff| / max |weight| = {_rel(p, q):.2e}"
 
 
 def test_one_step_sharding_gradients_and_clipping_norm(ranks, data):
@@ -198,7 +153,7 @@ def test_one_step_sharding_gradients_and_clipping_norm(ranks, data):
             assert set(grads) == set(ref_grads)
             for name, grad in grads.items():
                 q = ref_grads[name][g["ids"][name]] if name in g["ids"] else ref_grads[name]
-                assert _rel(grad, q) <= 1e-5, f"{name}: {_rel(grad, q):.2e}"
+                assert rel(grad, q) <= 1e-5, f"{name}: {rel(grad, q):.2e}"
 
 
 def test_fsdp_equals_one_process(ranks):

@@ -28,45 +28,17 @@ import torch
 
 from occult.distributed import RankFailure, run_ranks
 from occult.lm.checkpoint import CheckpointError, load_model
-from occult.lm.model import ModelConfig, OccultLM
+from occult.lm.model import OccultLM
 from occult.lm.parallel import full_model, setup_parallel, shard_model
 from occult.lm.sharded import DCP_DIR, LATEST, find_sharded, load_sharded, read_sharded_meta, save_sharded
-from occult.lm.train import FINAL, PLOT, TrainConfig, make_optimizer, train, trainable_names
+from occult.lm.train import FINAL, PLOT, make_optimizer, train, trainable_names
 from occult.placement import Placement
 
+from _train_helpers import MODEL, PLACEMENT, RTOL, TINY, config, snapshot
+from _train_helpers import run as _run
+from _train_helpers import train_config as cfg
+
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
-
-TINY = Path(__file__).resolve().parents[1] / "data" / "shakespeare_tiny"
-MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2, expert_ffn_size=16, max_seq_len=32)
-# A non-contiguous placement: device of each expert, per layer.
-PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
-RTOL = 1e-5
-
-
-def cfg(**kw) -> TrainConfig:
-    base = dict(steps=20, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=3, eval_every=10, save_every=10,
-                eval_tokens=512, device="cpu", adam_eps=1e-6)
-    return TrainConfig(**{**base, **kw})
-
-
-def config(data, **kw) -> ModelConfig:
-    return ModelConfig(vocab_size=data.vocab_size, **{**MODEL, **kw})
-
-
-def _snapshot(model: OccultLM, result) -> dict:
-    experts = model.expert_parameters()
-    return {
-        "losses": list(result.train_losses),
-        "val": [h["val_loss"] for h in result.history],
-        "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-        "ids": {n: ids.numpy().copy() for n, (_, ids) in experts.items()},
-    }
-
-
-def _run(par, data, out, ep_placement=None, seed=0, **kw) -> dict:
-    torch.manual_seed(seed)
-    model = shard_model(full_model(config(data), par), par, ep_placement)
-    return _snapshot(model, train(model, data, cfg(**kw.pop("config", {})), out, parallel=par, progress=False, log=None, **kw))
 
 
 def two_rank_worker(rank: int, world_size: int, data, root: str) -> dict:
@@ -86,20 +58,12 @@ def two_rank_worker(rank: int, world_size: int, data, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def data():
-    pytest.importorskip("tokenizers")
-    from occult.lm.data import load_dataset
-
-    return load_dataset(TINY, vocab_size=300, val_fraction=0.1)
-
-
-@pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
     """The single-process reference, the 2-rank runs, and C resumed in one process."""
     root = tmp_path_factory.mktemp("parallel")
     torch.manual_seed(0)
     ref = OccultLM(config(data))
-    single = _snapshot(ref, train(ref, data, cfg(), root / "single", progress=False, log=None))
+    single = snapshot(ref, train(ref, data, cfg(), root / "single", progress=False, log=None))
     torch.manual_seed(0)
     train(OccultLM(config(data)), data, cfg(), root / "D", stop_after=10, progress=False, log=None)
     start = time.monotonic()
@@ -107,7 +71,7 @@ def runs(data, tmp_path_factory):
     elapsed = time.monotonic() - start
     torch.manual_seed(7)
     back = OccultLM(config(data))
-    c = _snapshot(back, train(back, data, cfg(), root / "C", resume=True, progress=False, log=None))
+    c = snapshot(back, train(back, data, cfg(), root / "C", resume=True, progress=False, log=None))
     return {"root": root, "single": single, "ranks": ranks, "C": c, "elapsed": elapsed}
 
 
@@ -160,7 +124,7 @@ def test_ep_groups_times_data_parallel_replicas(data, tmp_path):
     """4 ranks = 2 EP groups of 2 (experts sharded in each) x 2 replicas == 1 process, 10 steps (DDP and explicit)."""
     torch.manual_seed(0)
     ref = OccultLM(config(data))
-    single = _snapshot(ref, train(ref, data, cfg(steps=10, eval_every=5), tmp_path / "single", progress=False, log=None))
+    single = snapshot(ref, train(ref, data, cfg(steps=10, eval_every=5), tmp_path / "single", progress=False, log=None))
     for rank, runs in enumerate(run_ranks(ep_dp_worker, 4, data, str(tmp_path), timeout_s=240)):
         out = runs["ddp"]
         assert sorted(out["ids"]["blocks.1.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT[1]) if d == rank % 2]
@@ -185,14 +149,14 @@ def two_level_worker(rank: int, world_size: int, data, root: str) -> dict:
     layers = list(model.moe_layers())
     assert all(isinstance(m.dispatcher, TwoLevelDispatcher) and m.dispatcher.num_nodes == 2 for m in layers)
     result = train(model, data, cfg(steps=10, eval_every=5), Path(root) / "dedup2", parallel=par, progress=False, log=None)
-    return _snapshot(model, result)
+    return snapshot(model, result)
 
 
 def test_two_level_dispatcher_trains_like_one_process(data, tmp_path):
     """`occult train --dispatcher dedup2`: 4 ranks as 2 nodes x 2, non-contiguous placement == 1 process, 10 steps."""
     torch.manual_seed(0)
     ref = OccultLM(config(data))
-    single = _snapshot(ref, train(ref, data, cfg(steps=10, eval_every=5), tmp_path / "single", progress=False, log=None))
+    single = snapshot(ref, train(ref, data, cfg(steps=10, eval_every=5), tmp_path / "single", progress=False, log=None))
     for rank, out in enumerate(run_ranks(two_level_worker, 4, data, str(tmp_path), timeout_s=240)):
         assert sorted(out["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT_4[0]) if d == rank]
         assert_matches(out, single, steps=10)

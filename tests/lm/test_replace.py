@@ -27,7 +27,7 @@ import torch
 from occult.distributed import run_ranks
 from occult.lm.data import train_batch
 from occult.lm.migrate import current_placement, migrate
-from occult.lm.model import ModelConfig, OccultLM
+from occult.lm.model import OccultLM
 from occult.lm.parallel import full_model, gathered_tensors, global_mean, setup_parallel, shard_model, sync_gradients
 from occult.lm.replace import LOG_FILE
 from occult.lm.sharded import state_tensors
@@ -36,26 +36,19 @@ from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
 from occult.placement import Placement, PlacementError
 from occult.placement.synthetic import planted_trace
 
+from _train_helpers import PLACEMENT as P0
+from _train_helpers import RTOL, config, train_config
+
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
-TINY = Path(__file__).resolve().parents[1] / "data" / "shakespeare_tiny"
-MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2, expert_ffn_size=16, max_seq_len=32)
-P0 = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
 P1 = [[0, 0, 1, 1, 1, 0, 0, 1], [1, 1, 0, 0, 1, 0, 1, 0]]
-RTOL = 1e-5
 
 
 def cfg(**kw) -> TrainConfig:
-    base = dict(steps=12, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=3, eval_every=6, save_every=6,
-                eval_tokens=256, device="cpu", adam_eps=1e-6)
-    return TrainConfig(**{**base, **kw})
+    return train_config(**{"steps": 12, "eval_every": 6, "save_every": 6, "eval_tokens": 256, **kw})
 
 
 FORCED = dict(replace_every=3, replace_wait=True, replace_check_every=1, replace_min_gain=0.0)
-
-
-def config(data, **kw) -> ModelConfig:
-    return ModelConfig(vocab_size=data.vocab_size, **{**MODEL, **kw})
 
 
 class RandomJob:
@@ -142,14 +135,6 @@ def migrate_worker(rank: int, world_size: int, data) -> dict:
     out["errors"] = errors
     out["loss_after_errors"] = loss(a)
     return out
-
-
-@pytest.fixture(scope="module")
-def data():
-    pytest.importorskip("tokenizers")
-    from occult.lm.data import load_dataset
-
-    return load_dataset(TINY, vocab_size=300, val_fraction=0.1)
 
 
 @pytest.fixture(scope="module")
