@@ -46,6 +46,7 @@ def unavailable(model_type: str) -> str | None:
         return (f"TorchTitan's MoE models include Qwen3-MoE, the family e2e.py maps onto it: use --model qwen3 "
                 f"(or tiny-qwen3), not a {model_type} model")
     try:
+        torch_compat()  # stand-ins for what TorchTitan 0.3.0 imports and this torch lacks (peer_torchtitan)
         import spmd_types  # noqa: F401
         import torchtitan.models.qwen3  # noqa: F401
     except Exception as e:  # an ImportError, or one of its imports failing on this torch
@@ -54,27 +55,42 @@ def unavailable(model_type: str) -> str | None:
     return None
 
 
-def _cpu_attention() -> None:
-    """CPU smoke runs only: FlexAttention has no CPU backward and compiling it needs inductor's C++
-    toolchain, so its kernel becomes causal SDPA. Exact here: every row is one document from
-    position 0, so TorchTitan's document-causal block mask is the causal mask."""
+def _attention_compat(device: torch.device) -> list[str]:
+    """FlexAttention as TorchTitan 0.3.0 calls it, on this torch and device; returns what was changed.
+
+    - torch 2.11's `create_block_mask` has no `separate_full_blocks` (newer torch: default True,
+      what 2.11 always does): TorchTitan's mask builder gets a version that drops it when True.
+    - CPU smoke runs only: FlexAttention has no CPU backward and compiling it needs inductor's C++
+      toolchain, so its kernel becomes causal SDPA and the masks are built eagerly. Exact here:
+      every row is one document from position 0, so TorchTitan's document-causal mask is causal.
+    """
+    import inspect
+
+    from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.models.common import attention
 
-    def causal_sdpa(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
-                    kernel_options=None):
-        if score_mod is not None or (return_aux is not None and return_aux.lse):
-            raise NotImplementedError("the CPU attention stand-in computes plain causal attention only")
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-        return out, None
+    changed, build = [], create_block_mask
+    if "separate_full_blocks" not in inspect.signature(create_block_mask).parameters:
+        def build(*args: Any, separate_full_blocks: bool = True, **kwargs: Any) -> Any:
+            if not separate_full_blocks:
+                raise NotImplementedError("this torch's create_block_mask always separates full blocks")
+            return create_block_mask(*args, **kwargs)
+        changed.append("create_block_mask without separate_full_blocks")
+    if device.type == "cpu":
+        def causal_sdpa(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
+                        kernel_options=None):
+            if score_mod is not None or (return_aux is not None and return_aux.lse):
+                raise NotImplementedError("the CPU attention stand-in computes plain causal attention only")
+            out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                             enable_gqa=enable_gqa)
+            return out, None
 
-    attention.FlexAttention._compiled_flex_attn = causal_sdpa
-    attention._compiled_create_block_mask = _eager_block_mask
-
-
-def _eager_block_mask(*args: Any, **kwargs: Any) -> Any:
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return create_block_mask(*args, **kwargs)
+        attention.FlexAttention._compiled_flex_attn = causal_sdpa
+        attention._compiled_create_block_mask = build
+        changed.append("CPU: causal SDPA for FlexAttention, eager block masks")
+    elif build is not create_block_mask:
+        attention._compiled_create_block_mask = torch.compile(build)
+    return changed
 
 
 def _titan_config(cfg: Any, max_seq: int) -> Any:
@@ -156,7 +172,7 @@ class TitanLM:
         self.torch_stand_ins = torch_compat()
         if device.type == "cpu":
             cpu_shims()
-            _cpu_attention()
+        self.torch_stand_ins += _attention_compat(device)
         tt_dist.set_spmd_backend(SPMD_BACKEND)
         tcfg = _titan_config(hf_model.config, max_seq)
         with torch.device(device):
@@ -170,9 +186,18 @@ class TitanLM:
         name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
         training = TrainingConfig(mixed_precision_param=name)
         training.mixed_precision_reduce = name  # type: ignore[assignment]  (see the module docstring)
-        self.model = parallelize_qwen3(model, parallel_dims=dims, training=training,
-                                       parallelism=ParallelismConfig(spmd_backend=SPMD_BACKEND),
-                                       compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
+        self.parallelize = "parallelize_qwen3 (EP + FSDP2)"
+        if _per_param_fsdp_meshes():
+            self.model = parallelize_qwen3(model, parallel_dims=dims, training=training,
+                                           parallelism=ParallelismConfig(spmd_backend=SPMD_BACKEND),
+                                           compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
+        else:  # torch 2.11 (the GPU image): FSDP2 has no per-parameter meshes, which TorchTitan's EP + FSDP uses
+            model.parallelize(dims)  # EP, as parallelize_qwen3 does first
+            _fsdp_experts_unsharded(model, dims.get_mesh(["fsdp"]), dtype)
+            self.model = model
+            self.parallelize = ("EP by TorchTitan's model.parallelize, FSDP2 per block with the experts left to EP "
+                                "(this torch has no per-parameter FSDP meshes for parallelize_qwen3)")
+        self.world = world
         if device.type == "cpu":  # gloo has no PREMUL_SUM, the op of TorchTitan's gradient divide factor
             from torch.distributed.fsdp import FSDPModule
 
@@ -224,10 +249,45 @@ class TitanLM:
         ex = self.model.layers["0"].moe.routed_experts
         w = ex.inner_experts.w1_EFD
         return {"torchtitan": self.version, "spmd_backend": SPMD_BACKEND, "tensors_copied": self.copied,
-                "dispatcher": type(ex.token_dispatcher).__name__, "parallelize": "parallelize_qwen3 (EP + FSDP2)",
+                "dispatcher": type(ex.token_dispatcher).__name__, "parallelize": self.parallelize,
                 "local_experts": int((w.to_local() if hasattr(w, "to_local") else w).shape[0]),
                 "attention": "FlexAttention (compiled by TorchTitan)" if self.device.type == "cuda" else "causal SDPA (CPU stand-in for FlexAttention)",
                 "torch_stand_ins": self.torch_stand_ins}
+
+
+def _per_param_fsdp_meshes() -> bool:
+    """Whether this torch's FSDP2 takes a mesh per parameter (`ShardPlacementResult`; newer than 2.11)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return hasattr(_fsdp_common, "ShardPlacementResult")
+
+
+def _fsdp_experts_unsharded(model: nn.Module, mesh: Any, dtype: torch.dtype) -> None:
+    """What TorchTitan's `apply_fsdp_to_decoder` does when the experts' FSDP mesh has one rank
+    (EP degree = FSDP degree, the setting here), on a torch without per-parameter meshes: the
+    same units (embeddings; norm + head, not resharded after forward; each block; the root), the
+    expert weights left out of FSDP (EP already gives each rank its own), the same explicit
+    prefetching, and no automatic gradient division (TorchTitan scales the loss instead)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    cfg = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, cast_forward_inputs=False)}
+    fully_shard(model.tok_embeddings, **cfg, reshard_after_forward=True)
+    fully_shard([model.norm, model.lm_head], **cfg, reshard_after_forward=False)
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, **cfg, reshard_after_forward=True,
+                    ignored_params=set(block.moe.routed_experts.inner_experts.parameters()))
+    fully_shard(model, **cfg)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+    model.tok_embeddings.set_modules_to_forward_prefetch([blocks[0]])
+    for block, nxt in zip(blocks, blocks[1:] + [None]):
+        block.set_modules_to_forward_prefetch([nxt] if nxt is not None else [model.norm, model.lm_head])
+    back = blocks[::-1]
+    model.lm_head.set_modules_to_backward_prefetch([back[0]])
+    for block, prev in zip(back, back[1:] + [None]):
+        block.set_modules_to_backward_prefetch([prev] if prev is not None else [model.tok_embeddings])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -249,6 +309,6 @@ def make_step(peer: TitanLM, phase: str, optimizer: torch.optim.Optimizer | None
         optimizer.zero_grad(set_to_none=True)
         logits_BSV = peer.logits(ids_BS)
         loss = nn.functional.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
-        loss.backward()
+        (loss / peer.world).backward()  # FSDP sums gradients (division off, as TorchTitan): mean over the global batch
         optimizer.step()
     return train

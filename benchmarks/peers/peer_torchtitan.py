@@ -46,13 +46,26 @@ def cpu_shims() -> None:
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
 
 
+_ADDED: list[str] = []  # every stand-in torch_compat has put in place in this process
+
+
 def torch_compat() -> list[str]:
-    """Stand-ins for the torch APIs TorchTitan 0.3.0 calls that this torch lacks; returns their names."""
-    added = []
+    """Stand-ins for the torch APIs TorchTitan 0.3.0 calls that this torch lacks; returns the names of
+    all stand-ins in place (this call's and earlier calls')."""
+    added = _ADDED
     if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch 2.11: only is_compiling()
         torch.compiler._is_non_strict_tracing = lambda: False  # type: ignore[attr-defined]
         added.append("torch.compiler._is_non_strict_tracing")
-    return added
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):  # torch 2.11; imported by TorchTitan's FSDP helpers
+        class DataParallelMeshDims:  # built only by the "full_dtensor" SPMD backend, which the peers do not use
+            def __init__(self, *args, **kwargs) -> None:
+                raise NotImplementedError("this torch has no fsdp.DataParallelMeshDims (TorchTitan's full_dtensor backend)")
+
+        fsdp.DataParallelMeshDims = DataParallelMeshDims  # type: ignore[attr-defined]
+        added.append("torch.distributed.fsdp.DataParallelMeshDims")
+    return list(added)
 
 
 class TorchTitanPeer(Peer):

@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from _bench_helpers import ROOT, python, torchrun  # tests/tools/_bench_helpers.py
+
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "e2e.py"
 VARIANTS = ("replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
 EXACT = ("replicated", "standard", "dedup", "dedup+placement")
 PHASES = ("prefill", "train")
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+_torchrun = functools.partial(torchrun, SCRIPT)
 
 
 def test_e2e_tiny_every_variant_and_phase(tmp_path):
@@ -77,8 +66,7 @@ def test_e2e_pipelined_and_two_batch_variants_are_exact_and_send_the_same_rows(t
 
 def test_e2e_unknown_variant_fails_clearly():
     for bad in ("dedup,bogus", "dedup/c0", "hf-ep/c2", "hf-ep/tbo", "dedup/tbo/c2", "torchtitan/tbo"):
-        res = subprocess.run([sys.executable, str(SCRIPT), "--variants", bad], cwd=ROOT, env=_env(),
-                             capture_output=True, text=True, timeout=120, check=False)
+        res = python(SCRIPT, "--variants", bad)
         assert res.returncode != 0
         assert "unknown variant" in res.stderr and bad.split(",")[-1] in res.stderr
 
@@ -124,7 +112,7 @@ def test_e2e_torchtitan_whole_model_peer_matches_and_trains(tmp_path):
     assert tt["exact"] and tt["check"]["passed"] and tt["check"]["median_rel_err"] < 2e-2, tt["check"]
     assert report["dedup"]["check"]["median_rel_err"] < 1e-4
     info = tt["torchtitan"]
-    assert info["dispatcher"] == "AllToAllTokenDispatcher" and info["parallelize"].startswith("parallelize_qwen3")
+    assert info["dispatcher"] == "AllToAllTokenDispatcher" and "EP" in info["parallelize"]
     assert info["local_experts"] * 2 == 8  # tiny-qwen3: 8 experts, half on each rank (EP over both)
     for phase in PHASES:
         assert tt["phases"][phase]["ms_median"] > 0 and tt["phases"][phase]["comm"] == {}
