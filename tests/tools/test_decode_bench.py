@@ -3,32 +3,20 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from _bench_helpers import ROOT, python, torchrun  # tests/tools/_bench_helpers.py
+
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "decode.py"
 EAGER = ("replicated", "standard", "dedup", "standard-syncfree", "dedup-syncfree")
 GRAPH = ("replicated+graph", "standard-syncfree+graph", "dedup-syncfree+graph")
 BATCHES = ("1", "4")
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+_torchrun = functools.partial(torchrun, SCRIPT)
 
 
 def test_decode_tiny_every_variant(tmp_path):
@@ -69,8 +57,7 @@ def test_decode_tiny_every_variant(tmp_path):
     (["--batch", "x"], "batch sizes must be integers"),
 ])
 def test_decode_bad_arguments_fail_clearly(args, message):
-    res = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=120, check=False)
+    res = python(SCRIPT, *args)
     assert res.returncode != 0
     assert message in res.stderr, res.stderr[-2000:]
 
@@ -86,11 +73,7 @@ def test_decode_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
 SERVE = ROOT / "benchmarks" / "serve.py"
 SERVE_EAGER = ("replicated", "standard", "dedup", "dedup-syncfree")
 SERVE_GRAPH = ("replicated+graph", "standard-syncfree+graph", "dedup-syncfree+graph")
-
-
-def _torchrun_serve(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SERVE), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+_torchrun_serve = functools.partial(torchrun, SERVE)
 
 
 def test_serve_tiny_every_variant(tmp_path):
@@ -130,9 +113,7 @@ def test_serve_verify_generation(tmp_path):
 
 
 def test_serve_bad_arguments_fail_clearly():
-    res = subprocess.run([sys.executable, str(SERVE), "--variants", "dedup,bogus"], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=120, check=False)
+    res = python(SERVE, "--variants", "dedup,bogus")
     assert res.returncode != 0 and "unknown variant" in res.stderr
-    res = subprocess.run([sys.executable, str(SERVE), "--new-tokens", "0"], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=120, check=False)
+    res = python(SERVE, "--new-tokens", "0")
     assert res.returncode != 0 and "must be >= 1" in res.stderr
