@@ -1,7 +1,8 @@
-"""Timing, checking and reporting helpers shared by benchmarks/e2e.py, decode.py and serve.py.
+"""Timing, checking and reporting helpers shared by benchmarks/e2e.py, decode.py and serve.py (and
+scripts/reduce_overhead_probe.py: `capture_graph`).
 
-Every function that meets the other ranks (`slowest`, `logit_errors`, `time_steps`,
-`agree_on_error`) is a collective: call it on every rank in the same order. Timing on GPUs uses
+Every function that meets the other ranks (`slowest`, `logit_errors`, `checked`, `time_steps`,
+`agree_on_error`, `finish`) is a collective: call it on every rank in the same order. Timing on GPUs uses
 CUDA events, on CPU the wall clock; a step's time is the slowest rank's.
 """
 
@@ -12,6 +13,7 @@ import gc
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -72,6 +74,20 @@ def agree_on_error(error: str | None) -> str | None:
     return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
 
 
+def finish(script: str, table: str, failed: list[str], tol: float, what: str = "variant(s)") -> int:
+    """A run's end: the table (rank 0), the process group destroyed; the exit status, 1 (rank 0 names the
+    variants) if any failed its check against the unconverted model, else 0."""
+    log("\n" + table)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if failed:
+        if rank == 0:
+            print(f"{script}: error: {what} {', '.join(failed)} differ from the unconverted model "
+                  f"(median relative logit error above --tol {tol})", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 # ------------------------------------------------------------------ arguments
 def batch_list(text: str) -> list[int]:
     """argparse type: a comma list of batch sizes (tokens per GPU), each >= 1."""
@@ -120,6 +136,25 @@ def logit_errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     return {"median_rel_err": float(q_2[0]), "p95_rel_err": float(q_2[1]), "argmax_agreement": float(same_1)}
 
 
+def checked(out: torch.Tensor, ref: torch.Tensor, tol: float) -> dict[str, Any]:
+    """`logit_errors` (a collective) and whether the median is within `tol` ("passed")."""
+    res = logit_errors(out, ref)
+    return {**res, "passed": res["median_rel_err"] <= tol}
+
+
+def describe(name: str, batch: int, r: dict[str, Any], timing: Callable[[dict[str, Any]], str]) -> str:
+    """One log line for a (variant, batch) result: why it was not run, or its check and then, if it
+    passed, `timing(r)`."""
+    head = f"{name} B={batch}:"
+    if "skipped" in r or "error" in r:
+        return f"{head} {r.get('skipped') or r['error']}"
+    c = r["check"]
+    text = f"{head} check median {c['median_rel_err']:.2e} p95 {c['p95_rel_err']:.2e}"
+    if not c["passed"]:
+        return text + "  FAILED"
+    return f"{text}; {timing(r)}"
+
+
 class Stopwatch:
     """Intervals on this rank without waiting between them: CUDA events on GPUs, else wall clock."""
 
@@ -160,6 +195,27 @@ def time_steps(step: Callable[[Any], Any], inputs: Callable[[], Any], warmup: in
         if i >= warmup:
             times.append(watch.ms(0, 1))
     return slowest(times, device)
+
+
+def capture_graph(fn: Callable[[torch.Tensor], torch.Tensor], static_in: torch.Tensor,
+                  warmup: int = 3) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+    """`fn(static_in)` captured in a CUDA graph after `warmup` calls on a side stream (Triton compilation,
+    allocator); returns (step, graph): step(x) copies x into `static_in`, replays, returns the static output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn(static_in)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn(static_in)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        static_in.copy_(x)
+        graph.replay()
+        return static_out
+    return step, graph
 
 
 # ------------------------------------------------------------------ tables

@@ -52,8 +52,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tables shared with e2e.py, serve.py)
-    agree_on_error, batch_list, environment, floor_rows, free_memory, log, logit_errors, markdown_table, quantiles,
-    ratio, time_steps as _time_steps, variant_list as _variant_list, write_json,
+    agree_on_error, batch_list, capture_graph, checked, describe as _describe, environment, finish, floor_rows,
+    free_memory, log, markdown_table, quantiles, ratio, time_steps as _time_steps, variant_list as _variant_list,
+    write_json,
 )
 from e2e import MODELS, TINY, build_model, comm_stats, random_ids, start_run  # noqa: E402  (model building)
 from occult import set_sync_free  # noqa: E402
@@ -137,29 +138,12 @@ def eager_step(model: nn.Module) -> Step:
 
 def graph_step(model: nn.Module, ids_B1: torch.Tensor) -> tuple[Step, torch.cuda.CUDAGraph]:
     """Capture one decode forward at ids_B1's shape; the step copies ids into the static buffer and replays."""
-    forward = eager_step(model)
-    static_ids_B1 = ids_B1.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (Triton compilation, allocator) off the capture stream
-        for _ in range(3):
-            forward(static_ids_B1)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_logits_B1V = forward(static_ids_B1)
-
-    def step(new_ids_B1: torch.Tensor) -> torch.Tensor:
-        static_ids_B1.copy_(new_ids_B1)
-        graph.replay()
-        return static_logits_B1V
-    return step, graph
+    return capture_graph(eager_step(model), ids_B1.clone())
 
 
 def check(step: Step, ids_B1: torch.Tensor, ref_B1V: torch.Tensor, tol: float) -> dict[str, Any]:
     """Per-token relative L2 error of the step's logits vs the unconverted model (max over ranks)."""
-    res = logit_errors(step(ids_B1).float(), ref_B1V)
-    return {**res, "passed": res["median_rel_err"] <= tol}
+    return checked(step(ids_B1).float(), ref_B1V, tol)
 
 
 def time_steps(step: Step, batch: int, args: argparse.Namespace, vocab: int, device: torch.device) -> dict[str, Any]:
@@ -202,15 +186,8 @@ def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, c
 
 def describe(name: str, batch: int, r: dict[str, Any]) -> str:
     """One log line for a (variant, batch) result."""
-    head = f"{name} B={batch}:"
-    if "skipped" in r or "error" in r:
-        return f"{head} {r.get('skipped') or r['error']}"
-    c = r["check"]
-    text = f"{head} check median {c['median_rel_err']:.2e} p95 {c['p95_rel_err']:.2e}"
-    if not c["passed"]:
-        return text + "  FAILED"
-    return text + (f"; {r['ms_p50']:.2f} ms p50 (p10 {r['ms_p10']:.2f}, p99 {r['ms_p99']:.2f}), "
-                   f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+    return _describe(name, batch, r, lambda r: (f"{r['ms_p50']:.2f} ms p50 (p10 {r['ms_p10']:.2f}, p99 {r['ms_p99']:.2f}), "
+                                                f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"))
 
 
 def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> list[dict[str, Any]]:
@@ -277,14 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = sorted({n for n, v in report["variants"].items() for r in v["batches"].values() if "error" in r})
     if errors:
         log(f"warning: CUDA-graph capture failed for {', '.join(errors)} (error text above and in the JSON)")
-    log("\n" + table(report["table"]))
-    dist.destroy_process_group()
-    if failed:
-        if rank == 0:
-            print(f"decode.py: error: variant(s) {', '.join(failed)} differ from the unconverted model "
-                  f"(median relative logit error above --tol {args.tol})", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return finish("decode.py", table(report["table"]), failed, args.tol)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
-    environment, free_memory, log, logit_errors, quantiles, synchronize, time_steps as _time_steps, write_json,
+    environment, finish, free_memory, log, logit_errors, quantiles, synchronize, time_steps as _time_steps, write_json,
 )
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
@@ -471,14 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 and args.out:
             write_json(args.out, report)
     failed = [v for v, r in report["variants"].items() if not r["check"]["passed"]]
-    log("\n" + table(report["variants"], args.phases))
-    dist.destroy_process_group()
-    if failed:
-        if rank == 0:
-            print(f"e2e.py: error: exact variant(s) {', '.join(failed)} differ from the unconverted model "
-                  f"(median relative logit error above --tol {args.tol})", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return finish("e2e.py", table(report["variants"], args.phases), failed, args.tol, what="exact variant(s)")
 
 
 if __name__ == "__main__":

@@ -59,8 +59,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tables shared with e2e.py, decode.py)
-    Stopwatch, agree_on_error, batch_list, environment, floor_rows, free_memory, log, logit_errors, markdown_table,
-    quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
+    Stopwatch, agree_on_error, batch_list, checked, describe as _describe, environment, finish, floor_rows,
+    free_memory, log, markdown_table, quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
 )
 from decode import build_base, model_config  # noqa: E402
 from e2e import MODELS, TINY, build_model, random_ids, start_run  # noqa: E402
@@ -136,11 +136,6 @@ def forced_logits(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Ten
     return torch.stack(out, dim=1)
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, tol: float) -> dict[str, Any]:
-    res = logit_errors(out, ref)
-    return {**res, "passed": res["median_rel_err"] <= tol}
-
-
 # ------------------------------------------------------------------ timing
 @torch.no_grad()
 def serve_run(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor, sync_free: bool,
@@ -183,7 +178,7 @@ def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, c
             if error:
                 return {"error": f"capture failed: {error}"}
         out = forced_logits(dec, model, prompts_BP, forced_BK, spec.sync_free, first, batch)
-        res["check"] = compare(out, ctx["ref"][batch], args.tol)
+        res["check"] = checked(out, ctx["ref"][batch], args.tol)
         if not res["check"]["passed"]:
             return res
         serve_run(dec, model, prompts_BP, spec.sync_free, args.new_tokens, device)  # untimed
@@ -208,15 +203,9 @@ def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, c
 
 
 def describe(name: str, batch: int, r: dict[str, Any]) -> str:
-    head = f"{name} B={batch}:"
-    if "skipped" in r or "error" in r:
-        return f"{head} {r.get('skipped') or r['error']}"
-    c = r["check"]
-    text = f"{head} check median {c['median_rel_err']:.2e} p95 {c['p95_rel_err']:.2e}"
-    if not c["passed"]:
-        return text + "  FAILED"
-    return text + (f"; prefill {r['prefill_ms_p50']:.1f} ms, step {r['ms_p50']:.2f} ms p50 (p99 {r['ms_p99']:.2f}), "
-                   f"{r['decode_tokens_per_s_per_gpu']:,.0f} decode tok/s/GPU")
+    return _describe(name, batch, r, lambda r: (f"prefill {r['prefill_ms_p50']:.1f} ms, step {r['ms_p50']:.2f} ms p50 "
+                                                f"(p99 {r['ms_p99']:.2f}), {r['decode_tokens_per_s_per_gpu']:,.0f} "
+                                                "decode tok/s/GPU"))
 
 
 def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> list[dict[str, Any]]:
@@ -356,14 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         free_memory(device)
     failed = sorted({n for n, v in report["variants"].items() for r in v.values()
                      if not r.get("check", {}).get("passed", True)})
-    log("\n" + table(report["table"]))
-    dist.destroy_process_group()
-    if failed:
-        if rank == 0:
-            print(f"serve.py: error: variant(s) {', '.join(failed)} differ from the unconverted model "
-                  f"(median relative logit error above --tol {args.tol})", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return finish("serve.py", table(report["table"]), failed, args.tol)
 
 
 if __name__ == "__main__":

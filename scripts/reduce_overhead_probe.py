@@ -19,11 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 
 from occult import OccultMoE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from _timing import capture_graph  # noqa: E402  (benchmarks/_timing.py)
 
 
 def median_ms(fn, x_list: list[torch.Tensor], warmup: int = 5) -> float:
@@ -47,21 +52,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def graphed(layer: torch.nn.Module, static_x: torch.Tensor):
     """A hand-captured CUDA graph of the forward: copy the input in, replay, read the output."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            layer(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = layer(static_x)
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        static_x.copy_(x)
-        graph.replay()
-        return static_y
-    return run
+    return capture_graph(layer, static_x)[0]
 
 
 def probe(module, xs: list[torch.Tensor], static_x: torch.Tensor) -> dict:
@@ -105,8 +96,6 @@ def print_table(title: str, rows: dict) -> None:
 def model_step(layers: int, tokens: int, iters: int) -> tuple:
     """A converted, sync-free OLMoE-shape model; its decode step as a module of ids [B, 1] -> logits."""
     import os
-    import sys
-    from pathlib import Path
 
     import transformers
 
@@ -114,8 +103,7 @@ def model_step(layers: int, tokens: int, iters: int) -> tuple:
     from occult.integrations import hf
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from e2e import MODELS
+    from e2e import MODELS  # benchmarks/ is on sys.path (above)
 
     cls, fields = MODELS["olmoe"]
     cfg = getattr(transformers, cls)(**{**fields, "num_hidden_layers": layers, "tie_word_embeddings": False})
