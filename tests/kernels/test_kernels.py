@@ -1,6 +1,6 @@
 """Triton expert-MLP kernels vs the torch reference (`occult.moe.experts.expert_mlp_reference`).
 
-Without a GPU these run under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set here before
+Without a GPU these run under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set by _triton_interpreter.py before
 the kernels are imported), on small shapes with small tiles, so several tiles, experts and
 persistent-loop iterations are exercised. With a GPU they run compiled on it. The GPU-size
 check (timings, large shapes, no host sync) is `benchmarks/bench_kernels.py`.
@@ -8,42 +8,14 @@ check (timings, large shapes, no host sync) is `benchmarks/bench_kernels.py`.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Triton's CPU interpreter; it must be on before triton is first imported (its own
-    # library functions, e.g. tl.cumsum, are decorated at import).
-    os.environ["TRITON_INTERPRET"] = "1"
+# first: Triton's CPU interpreter without a GPU, or this file in a fresh process (test_in_subprocess)
+from _triton_interpreter import DEVICE, IN_PROCESS, needs_in_process, run_file_in_fresh_process
 
-triton = pytest.importorskip("triton", reason="triton is not importable: the Triton kernels cannot run (pip install triton)")
-
-
-def _interpreter_usable() -> bool:
-    if torch.cuda.is_available():
-        return True
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(triton.language.standard.cumsum, InterpretedFunction)
-
-
-# Triton was imported earlier in this process without the interpreter (by another test module):
-# run this file in a fresh interpreter instead (test_in_subprocess) and skip the rest here.
-IN_PROCESS = _interpreter_usable()
-if IN_PROCESS:
-    # kernels decide interpreted vs compiled when first imported: drop any compiled import
-    for _name in [m for m in sys.modules if m.startswith("occult.kernels.")]:
-        del sys.modules[_name]
-needs_in_process = pytest.mark.skipif(not IN_PROCESS, reason="run in a fresh process by test_in_subprocess")
-
-from occult import kernels  # noqa: E402
-from occult.moe.experts import expert_mlp, expert_mlp_reference  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from occult import kernels
+from occult.moe.experts import expert_mlp, expert_mlp_reference
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -294,9 +266,4 @@ def test_dgrad_epilogue_split_matches_unsplit():
 
 @pytest.mark.skipif(IN_PROCESS, reason="kernels already tested in this process")
 def test_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_file_in_fresh_process(__file__)

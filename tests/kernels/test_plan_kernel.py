@@ -6,37 +6,15 @@ imported; in a fresh process when another test imported Triton first, as tests/k
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+# first: Triton's CPU interpreter without a GPU, or this file in a fresh process (test_in_subprocess)
+from _triton_interpreter import DEVICE, IN_PROCESS, needs_in_process, run_file_in_fresh_process
 
-triton = pytest.importorskip("triton", reason="triton is not importable")
-
-
-def _interpreter_usable() -> bool:
-    if torch.cuda.is_available():
-        return True
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(triton.language.standard.cumsum, InterpretedFunction)
-
-
-IN_PROCESS = _interpreter_usable()
-if IN_PROCESS:
-    for _name in [m for m in sys.modules if m.startswith("occult.kernels.")]:
-        del sys.modules[_name]
-needs_in_process = pytest.mark.skipif(not IN_PROCESS, reason="run in a fresh process by test_in_subprocess")
-
-from occult.moe.plan import dedup_plan_torch, standard_plan_torch  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from occult.moe.plan import dedup_plan_torch, standard_plan_torch
 
 
 def _case(num_tokens: int, top_k: int, num_devices: int, per_device: int, seed: int):
@@ -102,7 +80,4 @@ def test_shapes_too_large_for_the_tile_fall_back():
 
 @pytest.mark.skipif(IN_PROCESS, reason="tested in this process")
 def test_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_file_in_fresh_process(__file__)
