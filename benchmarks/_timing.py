@@ -67,6 +67,15 @@ def environment(device: torch.device, world: int) -> dict[str, Any]:
     return env
 
 
+def new_report(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, world: int, cfg: Any,
+               **config: Any) -> dict[str, Any]:
+    """A run's JSON report before any variant: "config" (the arguments but --out, the dtype, `config`,
+    the model's config), "env" (`environment`), "variants" {}."""
+    return {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype), **config,
+                       "model_config": cfg.to_dict()},
+            "env": environment(device, world), "variants": {}}
+
+
 def agree_on_error(error: str | None) -> str | None:
     """The first rank's error text (any rank's failure fails all), or None if every rank succeeded."""
     errors: list[str | None] = [None] * dist.get_world_size()
@@ -89,6 +98,14 @@ def finish(script: str, table: str, failed: list[str], tol: float, what: str = "
 
 
 # ------------------------------------------------------------------ arguments
+def parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser whose help prints `description` as written and every option's default."""
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    return argparse.ArgumentParser(description=description, formatter_class=Formatter)
+
+
 def batch_list(text: str) -> list[int]:
     """argparse type: a comma list of batch sizes (tokens per GPU), each >= 1."""
     try:

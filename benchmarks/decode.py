@@ -52,8 +52,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tables shared with e2e.py, serve.py)
-    agree_on_error, batch_list, capture_graph, checked, describe as _describe, environment, finish, floor_rows,
-    free_memory, log, markdown_table, quantiles, ratio, time_steps as _time_steps, variant_list as _variant_list,
+    agree_on_error, batch_list, capture_graph, checked, describe as _describe, finish, floor_rows, free_memory, log,
+    markdown_table, new_report, parser, quantiles, ratio, time_steps as _time_steps, variant_list as _variant_list,
     write_json,
 )
 from e2e import MODELS, TINY, build_model, comm_stats, random_ids, start_run  # noqa: E402  (model building)
@@ -84,10 +84,7 @@ variant_list = _variant_list(VARIANTS)  # argparse type: a comma list of variant
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p = parser(__doc__)
     p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY],
                    help="model shape (olmoe: OLMoE-1B-7B; tiny*: CPU smoke runs)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
@@ -223,10 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world, device, dtype, cfg, self_group = run
     ctx: dict[str, Any] = {"device": device, "dtype": dtype, "self_group": self_group, "vocab": cfg.vocab_size}
-    report: dict[str, Any] = {
-        "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype),
-                   "decode": "input ids [B, 1], use_cache=False, logits of that token", "model_config": cfg.to_dict()},
-        "env": environment(device, world), "variants": {}, "table": []}
+    report: dict[str, Any] = {**new_report(args, device, dtype, world, cfg,
+                                           decode="input ids [B, 1], use_cache=False, logits of that token"), "table": []}
     report["env"]["build_s"] = reference_logits(args, cfg, ctx)
     log(f"{args.model}: {cfg.num_hidden_layers} layers, {world} ranks, "
         f"{device.type} {dtype}, batches {args.batch} per GPU, NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, "

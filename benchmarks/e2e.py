@@ -58,7 +58,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
-    environment, finish, free_memory, log, logit_errors, quantiles, synchronize, time_steps as _time_steps, write_json,
+    finish, free_memory, log, logit_errors, new_report, parser, quantiles, synchronize, time_steps as _time_steps,
+    write_json,
 )
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
@@ -123,10 +124,7 @@ def phase_list(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p = parser(__doc__)
     p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY], help="model shape (tiny*: CPU smoke runs)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--variants", type=variant_list, default=list(VARIANTS), help=f"comma list (default: {','.join(VARIANTS)}; opt-in: {','.join(PEERS)})")
@@ -443,9 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     if run is None:
         return 2
     rank, world, device, dtype, cfg, self_group = run
-    report: dict[str, Any] = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype),
-                                         "tokens_per_gpu": args.batch * args.seq, "model_config": cfg.to_dict()},
-                              "env": environment(device, world), "variants": {}}
+    report = new_report(args, device, dtype, world, cfg, tokens_per_gpu=args.batch * args.seq)
 
     # reference logits (and the placement) from the unconverted model, which is then freed
     t0 = time.perf_counter()

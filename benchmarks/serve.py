@@ -59,8 +59,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tables shared with e2e.py, decode.py)
-    Stopwatch, agree_on_error, batch_list, checked, describe as _describe, environment, finish, floor_rows,
-    free_memory, log, markdown_table, quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
+    Stopwatch, agree_on_error, batch_list, checked, describe as _describe, finish, floor_rows, free_memory, log,
+    markdown_table, new_report, parser, quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
 )
 from decode import build_base, model_config  # noqa: E402
 from e2e import MODELS, TINY, build_model, random_ids, start_run  # noqa: E402
@@ -93,10 +93,7 @@ variant_list = _variant_list(VARIANTS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p = parser(__doc__)
     p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY], help="model shape (tiny*: CPU smoke runs)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--variants", type=variant_list, default=",".join(n for n in VARIANTS if not n.startswith("hf-ep")),
@@ -300,9 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world, device, dtype, cfg, self_group = run
     ctx: dict[str, Any] = {"device": device, "dtype": dtype, "self_group": self_group}
-    report: dict[str, Any] = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype),
-                                         "model_config": cfg.to_dict()},
-                              "env": environment(device, world), "variants": {}, "table": []}
+    report: dict[str, Any] = {**new_report(args, device, dtype, world, cfg), "table": []}
     if args.verify:
         report["verify"] = verify(args, ctx)
         log(report["verify"])
