@@ -66,6 +66,14 @@ def run(par: Any, data: TokenData, out: Path, placement: Any = None, seed: int =
     return snapshot(model, train(model, data, c, out, parallel=par, progress=False, log=None, **kw))
 
 
+def one_process(data: TokenData, c: TrainConfig, out: Path, seed: int = 0, **kw: Any) -> dict:
+    """The one-process reference: the model seeded `seed`, trained with `c` (the rest of `kw` goes to
+    `train`); its snapshot."""
+    torch.manual_seed(seed)
+    model = OccultLM(config(data))
+    return snapshot(model, train(model, data, c, out, progress=False, log=None, **kw))
+
+
 def rel(p: np.ndarray, q: np.ndarray) -> float:
     """max |p - q| / max |q|."""
     return float(np.abs(p - q).max() / max(np.abs(q).max(), 1e-30))

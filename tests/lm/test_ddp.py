@@ -34,10 +34,10 @@ from occult.lm.parallel import (
     sync_gradients,
     wrap_ddp,
 )
-from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
+from occult.lm.train import TrainConfig, make_optimizer, trainable_names
 from occult.placement import Placement
 
-from _train_helpers import PLACEMENT, RTOL, assert_matches, config, rel, run, snapshot
+from _train_helpers import PLACEMENT, RTOL, assert_matches, config, one_process, rel, run
 from _train_helpers import train_config as cfg
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -97,12 +97,8 @@ def ranks(data, tmp_path_factory):
     ranks = run_ranks(ddp_worker, 2, data, str(root), timeout_s=240)
     single = {}
     for name, kw in (("full", {}), ("moe", dict(moe_only=True, steps=10, eval_every=5, save_every=0))):
-        torch.manual_seed(0)
-        ref = OccultLM(config(data))
-        single[name] = snapshot(ref, train(ref, data, cfg(**kw), root / f"single-{name}", progress=False, log=None))
-    torch.manual_seed(5)
-    back = OccultLM(config(data))
-    single["stop1"] = snapshot(back, train(back, data, cfg(), root / "stop1", resume=True, progress=False, log=None))
+        single[name] = one_process(data, cfg(**kw), root / f"single-{name}")
+    single["stop1"] = one_process(data, cfg(), root / "stop1", seed=5, resume=True)
     return {"root": root, "ranks": ranks, "single": single}
 
 

@@ -39,7 +39,7 @@ from occult.lm.parallel import (
 from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
 from occult.placement import Placement
 
-from _train_helpers import PLACEMENT, RTOL, assert_matches, config, rel, run, snapshot, train_config
+from _train_helpers import PLACEMENT, RTOL, assert_matches, config, one_process, rel, run, train_config
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -121,12 +121,8 @@ def ranks(data, tmp_path_factory):
     single = {}
     for name, kw in (("full", {}), ("moe", dict(moe_only=True, steps=10, eval_every=5, save_every=0)),
                      ("six", dict(steps=6, eval_every=3, save_every=0)), ("fp32", dict(steps=5, eval_every=0, save_every=0))):
-        torch.manual_seed(0)
-        ref = OccultLM(config(data))
-        single[name] = snapshot(ref, train(ref, data, cfg(**kw), root / f"single-{name}", progress=False, log=None, plot=False))
-    torch.manual_seed(5)
-    back = OccultLM(config(data))
-    single["stop1"] = snapshot(back, train(back, data, cfg(), root / "stop1", resume=True, progress=False, log=None))
+        single[name] = one_process(data, cfg(**kw), root / f"single-{name}", plot=False)
+    single["stop1"] = one_process(data, cfg(), root / "stop1", seed=5, resume=True)
     return {"root": root, "ranks": ranks, "single": single}
 
 

@@ -34,7 +34,7 @@ from occult.lm.sharded import DCP_DIR, LATEST, find_sharded, load_sharded, read_
 from occult.lm.train import FINAL, PLOT, make_optimizer, train, trainable_names
 from occult.placement import Placement
 
-from _train_helpers import MODEL, PLACEMENT, RTOL, TINY, config, snapshot
+from _train_helpers import MODEL, PLACEMENT, RTOL, TINY, config, one_process, snapshot
 from _train_helpers import run as _run
 from _train_helpers import train_config as cfg
 
@@ -61,17 +61,13 @@ def two_rank_worker(rank: int, world_size: int, data, root: str) -> dict:
 def runs(data, tmp_path_factory):
     """The single-process reference, the 2-rank runs, and C resumed in one process."""
     root = tmp_path_factory.mktemp("parallel")
-    torch.manual_seed(0)
-    ref = OccultLM(config(data))
-    single = snapshot(ref, train(ref, data, cfg(), root / "single", progress=False, log=None))
+    single = one_process(data, cfg(), root / "single")
     torch.manual_seed(0)
     train(OccultLM(config(data)), data, cfg(), root / "D", stop_after=10, progress=False, log=None)
     start = time.monotonic()
     ranks = run_ranks(two_rank_worker, 2, data, str(root), timeout_s=240)
     elapsed = time.monotonic() - start
-    torch.manual_seed(7)
-    back = OccultLM(config(data))
-    c = snapshot(back, train(back, data, cfg(), root / "C", resume=True, progress=False, log=None))
+    c = one_process(data, cfg(), root / "C", seed=7, resume=True)
     return {"root": root, "single": single, "ranks": ranks, "C": c, "elapsed": elapsed}
 
 
@@ -122,9 +118,7 @@ def ep_dp_worker(rank: int, world_size: int, data, root: str) -> dict:
 
 def test_ep_groups_times_data_parallel_replicas(data, tmp_path):
     """4 ranks = 2 EP groups of 2 (experts sharded in each) x 2 replicas == 1 process, 10 steps (DDP and explicit)."""
-    torch.manual_seed(0)
-    ref = OccultLM(config(data))
-    single = snapshot(ref, train(ref, data, cfg(steps=10, eval_every=5), tmp_path / "single", progress=False, log=None))
+    single = one_process(data, cfg(steps=10, eval_every=5), tmp_path / "single")
     for rank, runs in enumerate(run_ranks(ep_dp_worker, 4, data, str(tmp_path), timeout_s=240)):
         out = runs["ddp"]
         assert sorted(out["ids"]["blocks.1.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT[1]) if d == rank % 2]
@@ -154,9 +148,7 @@ def two_level_worker(rank: int, world_size: int, data, root: str) -> dict:
 
 def test_two_level_dispatcher_trains_like_one_process(data, tmp_path):
     """`occult train --dispatcher dedup2`: 4 ranks as 2 nodes x 2, non-contiguous placement == 1 process, 10 steps."""
-    torch.manual_seed(0)
-    ref = OccultLM(config(data))
-    single = snapshot(ref, train(ref, data, cfg(steps=10, eval_every=5), tmp_path / "single", progress=False, log=None))
+    single = one_process(data, cfg(steps=10, eval_every=5), tmp_path / "single")
     for rank, out in enumerate(run_ranks(two_level_worker, 4, data, str(tmp_path), timeout_s=240)):
         assert sorted(out["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT_4[0]) if d == rank]
         assert_matches(out, single, steps=10)
