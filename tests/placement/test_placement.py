@@ -166,16 +166,25 @@ def test_hypergraph_on_uniform_routing_is_no_worse_than_contiguous():
 
 # ------------------------------------------------------------------ load bound
 def test_load_bound_is_respected():
-    pt = planted_trace(12_000, 64, 8, num_groups=4, noise=0.1, skew=1.0, seed=np.random.default_rng())
-    ids = pt.trace.layer(0)
+    # The bound must bite: skewed popularity makes the planted groups' devices hot. Over 4000 fresh
+    # traces the planted grouping's max/mean device load was 1.11-2.30 (median 1.53, 33 below 1.2, 4
+    # below 1.15), so a lone draw left `free.load_imbalance > 1.1` failing ~1e-4 of runs: a trace
+    # whose groups happen to be balanced (below 1.2, ~1%) is drawn again.
+    for _ in range(10):
+        pt = planted_trace(12_000, 64, 8, num_groups=4, noise=0.1, skew=1.0, seed=np.random.default_rng())
+        ids = pt.trace.layer(0)
+        group_load = np.bincount(pt.groups_LE[0], weights=np.bincount(ids.ravel(), minlength=64), minlength=4)
+        if group_load.max() / group_load.mean() > 1.2:
+            break
     free = solve_layer(ids, 64, 4, "hypergraph")
-    assert free.load_imbalance > 1.1  # skewed popularity: the planted groups make hot devices
+    assert free.load_imbalance > 1.1  # the free solver keeps the hot planted groups together
     for method in ("hypergraph", "greedy", "contiguous"):
         res = solve_layer(ids, 64, 4, method, max_load_ratio=1.1)
         assert res.load_imbalance <= 1.1 + 1e-9, method
         assert res.warning is None
     bounded = solve_layer(ids, 64, 4, "hypergraph", max_load_ratio=1.1)
-    # balance costs some co-location, but most of the gain over contiguous remains
+    # balance costs some co-location, but most of the gain over contiguous remains: bounded/contiguous
+    # 0.54-0.75 over 100 fresh traces (mean 0.62), and at most 0.78 on the 1% most imbalanced of 3000
     assert free.mean_ct <= bounded.mean_ct < 0.85 * bounded.candidates["contiguous"]
     load = coactivation(ids, 64).diagonal()
     dev = bounded.expert_device_E
