@@ -22,6 +22,8 @@ from occult.moe.layer import OccultMoE
 from occult.placement import Placement, PlacementError
 from occult.placement.stats import comm_bytes, devices_per_token
 
+from _dense_reference import dense_backward, layer_errors
+
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
@@ -37,11 +39,6 @@ class ForcedRouter(nn.Module):
         ids = (self.expert + torch.arange(self.top_k)) % scores.shape[1]
         ids_TK = ids.expand(x_TH.shape[0], self.top_k).contiguous()
         return scores.gather(1, ids_TK), ids_TK
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    denom = b.norm().item()
-    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 
 
 def _placement(kind: str, num_experts: int, world_size: int, seed: int) -> Placement:
@@ -69,13 +66,7 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
         dense.router = ForcedRouter(dense.router.gate, case["forced_expert"], K)
         layer.router = ForcedRouter(layer.router.gate, case["forced_expert"], K)
 
-    x_ref = x_all.clone().requires_grad_()
-    y_ref = dense(x_ref)
-    if y_ref.requires_grad:  # with no tokens at all nothing reaches the parameters
-        (y_ref * g_all).sum().backward()
-    for p in (x_ref, *dense.parameters()):
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    x_ref, y_ref = dense_backward(dense, x_all, g_all)
 
     start = sum(tokens[:rank])
     sl = slice(start, start + tokens[rank])
@@ -86,14 +77,7 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     router_grad = layer.router.gate.weight.grad.clone()
     if world_size > 1:
         dist.all_reduce(router_grad)
-    ids = layer.local_expert_ids
-    errors = {
-        "output": _rel(y, y_ref[sl]),
-        "grad_x": _rel(x.grad, x_ref.grad[sl]),
-        "grad_router": _rel(router_grad, dense.router.gate.weight.grad),
-        "grad_gate_up": _rel(layer.gate_up_proj.grad, dense.gate_up_proj.grad[ids]),
-        "grad_down": _rel(layer.down_proj.grad, dense.down_proj.grad[ids]),
-    }
+    errors = layer_errors(layer, dense, x, y, x_ref, y_ref, sl, router_grad)
     with torch.no_grad():
         _, ids_TK = layer.router(x_all[sl])
     # What the statistics module predicts for this routing (rows = sum C_T or T*k; bytes = 2*rows*H*size).

@@ -23,14 +23,10 @@ from occult.moe.layer import OccultMoE
 from occult.moe.two_level import TwoLevelDispatcher
 from occult.placement import Placement
 
+from _dense_reference import dense_backward, layer_errors, rel
+
 WORLD = 4
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    denom = b.norm().item()
-    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 
 
 def expected_rows(ids_all, tokens, device_E, G, rank, two_level):
@@ -139,23 +135,10 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
         dense.router = _GivenIds(dense.router.gate, torch.cat(chosen), case["norm"])
         layer.router = layer.router.inner
 
-    x_ref = x_all.clone().requires_grad_()
-    y_ref = dense(x_ref)
-    if y_ref.requires_grad:
-        (y_ref * g_all).sum().backward()
-    for p in (x_ref, *dense.parameters()):
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    x_ref, y_ref = dense_backward(dense, x_all, g_all)
     router_grad = layer.router.gate.weight.grad.clone().double()
     dist.all_reduce(router_grad)
-    ids = layer.local_expert_ids
-    errors = {
-        "output": _rel(y, y_ref[sl]),
-        "grad_x": _rel(x.grad, x_ref.grad[sl]),
-        "grad_router": _rel(router_grad, dense.router.gate.weight.grad),
-        "grad_gate_up": _rel(layer.gate_up_proj.grad, dense.gate_up_proj.grad[ids]),
-        "grad_down": _rel(layer.down_proj.grad, dense.down_proj.grad[ids]),
-    }
+    errors = layer_errors(layer, dense, x, y, x_ref, y_ref, sl, router_grad)
     with torch.no_grad():
         _, ids_all = layer.router(x_all.to(dtype))
     G = layer.dispatcher.devices_per_node
@@ -339,7 +322,7 @@ def subgroup_worker(rank: int, world_size: int, seed: int) -> list:
     x_ref = x.detach().clone().requires_grad_()
     layer(x).sum().backward()
     dense(x_ref).sum().backward()
-    out = [layer.dispatcher.two_level, _rel(layer(x), dense(x)), _rel(x.grad, x_ref.grad)]
+    out = [layer.dispatcher.two_level, rel(layer(x), dense(x)), rel(x.grad, x_ref.grad)]
     dist.barrier()
     return out
 
