@@ -83,7 +83,10 @@ def describe(model: nn.Module) -> dict[str, Any]:
     experts = next((m for n, m in model.named_modules() if n.endswith("mlp.experts")), None)
     w = getattr(experts, "gate_up_proj", None)
     local = w.to_local().shape[0] if hasattr(w, "to_local") else (None if w is None else w.shape[0])
-    return {"tp_size": getattr(cfg, "tp_size", None), "ep_size": getattr(cfg, "ep_size", None),
+    tp, ep = getattr(cfg, "tp_size", None), getattr(cfg, "ep_size", None)
+    if ep is None and getattr(cfg, "enable_expert_parallel", False):
+        ep = tp  # transformers 5.17: no ep_size; enable_expert_parallel shards the experts over the TP group
+    return {"tp_size": tp, "ep_size": ep,
             "ep_implementation": getattr(cfg, "ep_implementation", None), "local_experts": local,
             "experts_implementation": getattr(model.config, "_experts_implementation", None)}
 
