@@ -148,6 +148,7 @@ class OccultMoE(nn.Module):
                 )
                 return y_TH.reshape(x.shape)
             pause = pause_point()  # inside `two_batch_overlap`: the other half runs while our exchanges fly
+            self._check_not_recomputed_after_two_batch(pause is not None)
             x_RH, slots_RK, gates_RK, state = self.dispatcher.dispatch(
                 x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status, sync_free=self.sync_free,
                 pause=pause,
@@ -167,6 +168,26 @@ class OccultMoE(nn.Module):
         # 5. combine
         y_TH = self.dispatcher.combine(y_RH, state, pause=pause)
         return y_TH.reshape(x.shape)
+
+    def _check_not_recomputed_after_two_batch(self, in_two_batch: bool) -> None:
+        """A layer recomputed in backward (activation checkpointing) after a forward under
+        `two_batch_overlap` would exchange outside the halves' fixed collective order, where ranks
+        can mismatch collectives: raise instead, before any collective (every rank recomputes the
+        same layers, so every rank raises). Skipped under torch.compile (no two-batch overlap there)."""
+        if torch.compiler.is_compiling():
+            return
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_two_batch:
+            self._two_batch_graph = True
+        elif in_backward and getattr(self, "_two_batch_graph", False):
+            raise RuntimeError(
+                "this MoE layer is being recomputed during backward (activation checkpointing) after a forward "
+                "under two_batch_overlap: its all-to-alls would run outside the two halves' fixed order, and the "
+                "ranks could mismatch collectives. Use two-batch overlap without checkpointing the MoE layers "
+                "(checkpoint only the attention), or checkpointing without two-batch overlap"
+            )
+        elif not in_backward:
+            self._two_batch_graph = False
 
     # ------------------------------------------------------ dense <-> sharded
     @classmethod

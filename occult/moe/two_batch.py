@@ -26,7 +26,7 @@ threads. If any rank of `group` has fewer than 2 rows, every rank runs `fn` unsp
 all-reduce decides, so the ranks never disagree). Not for CUDA-graph capture or torch.compile
 (threads): decode uses sync-free dispatch instead. Not with activation checkpointing of the MoE
 layers: a layer recomputed in backward would exchange outside the chain, in an order autograd
-picks per rank.
+picks per rank (`OccultMoE` raises a clear error instead, on every rank).
 """
 
 from __future__ import annotations

@@ -194,6 +194,40 @@ def test_bad_input_in_one_half_raises_on_every_rank():
         assert "rank 1" in msg and "NaN" in msg, msg
 
 
+def checkpointed_half(rank: int, world_size: int, seed: int, reentrant: bool) -> str:
+    from torch.utils.checkpoint import checkpoint
+
+    _, ep = _models(_case(rows=[4] * world_size, seed=seed), world_size)
+    x = torch.randn(4, 5, 16, dtype=torch.float64, requires_grad=True)
+    try:
+        y = two_batch_overlap(lambda h: checkpoint(ep, h, use_reentrant=reentrant), x)
+        y.square().sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_of_moe_layers_is_refused_on_every_rank(reentrant):
+    """Recomputing a MoE layer in backward would exchange outside the halves' order: a clear error, no hang."""
+    messages = run_ranks(checkpointed_half, 2, random.randrange(2**31), reentrant, timeout_s=120, collective_timeout_s=30)
+    for msg in messages:
+        assert "recomputed during backward" in msg and "two_batch_overlap" in msg, msg
+
+
+def test_checkpointing_without_two_batch_still_works():
+    """The check is off for layers not run under two_batch_overlap (and after a plain forward again)."""
+    from torch.utils.checkpoint import checkpoint
+
+    ref, ep = _models(_case(rows=[4], seed=random.randrange(2**31)), 1)
+    x = torch.randn(4, 5, 16, dtype=torch.float64, requires_grad=True)
+    two_batch_overlap(ep, x)  # marks the layers; the plain forward below clears the mark
+    checkpoint(ep, x, use_reentrant=False).sum().backward()
+    g, x.grad = x.grad, None
+    ref(x).sum().backward()
+    assert _rel(g, x.grad) < TOL[torch.float64]
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="batch in dim 0"):
         two_batch_overlap(lambda a, b: a, torch.zeros(4, 2), torch.zeros(3, 2))
