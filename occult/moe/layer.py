@@ -174,20 +174,19 @@ class OccultMoE(nn.Module):
         `two_batch_overlap` would exchange outside the halves' fixed collective order, where ranks
         can mismatch collectives: raise instead, before any collective (every rank recomputes the
         same layers, so every rank raises). Skipped under torch.compile (no two-batch overlap there)."""
-        if torch.compiler.is_compiling():
-            return
-        in_backward = torch._C._current_graph_task_id() != -1
         if in_two_batch:
             self._two_batch_graph = True
-        elif in_backward and getattr(self, "_two_batch_graph", False):
+            return
+        if not getattr(self, "_two_batch_graph", False) or torch.compiler.is_compiling():
+            return  # the usual case: one attribute read per forward
+        if torch._C._current_graph_task_id() != -1:  # in backward: a recomputation
             raise RuntimeError(
                 "this MoE layer is being recomputed during backward (activation checkpointing) after a forward "
                 "under two_batch_overlap: its all-to-alls would run outside the two halves' fixed order, and the "
                 "ranks could mismatch collectives. Use two-batch overlap without checkpointing the MoE layers "
                 "(checkpoint only the attention), or checkpointing without two-batch overlap"
             )
-        elif not in_backward:
-            self._two_batch_graph = False
+        self._two_batch_graph = False  # a plain forward again
 
     # ------------------------------------------------------ dense <-> sharded
     @classmethod
