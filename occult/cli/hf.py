@@ -170,6 +170,15 @@ def _hf_placements(args: Any, ep_size: int):
     return None, placement, sims
 
 
+def _num_experts(path: str) -> int:
+    """Routed experts per MoE layer, from the model directory's config.json (every supported family's key)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    raise ValueError(f"{path}/config.json names no expert count (num_experts, n_routed_experts or num_local_experts)")
+
+
 def _save_dtype(args: Any):
     """--save-dtype as a torch dtype (source: config.json's dtype / torch_dtype; fp32 when absent)."""
     import torch
@@ -193,9 +202,6 @@ def run_finetune(args: Any) -> int:
 
     if not (Path(args.hf) / "config.json").is_file():
         raise ValueError(f"--hf {args.hf}: not a transformers model directory (no config.json)")
-    if args.dispatcher == "dedup2" or getattr(args, "nodes", None) is not None:
-        raise ValueError("--dispatcher dedup2 / --nodes: not available with --hf yet (OccultLM only: occult train, "
-                         "occult finetune --init); use --dispatcher dedup or standard")
     out = Path(args.out)
     if (out / "model").exists():
         raise ValueError(f"{out / 'model'} already exists: choose another --out")
@@ -214,6 +220,10 @@ def run_finetune(args: Any) -> int:
         if device == "auto":
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         placement, routing, sims = _hf_placements(args, groups.ep_size if groups else 1)
+        if args.dispatcher == "dedup2" or getattr(args, "nodes", None) is not None:  # nodes from --nodes or the placement
+            from occult.cli.lm import _ep_placement
+
+            placement = _ep_placement(args, groups, _num_experts(args.hf), placement)
         model = hf.load_sharded(
             args.hf, group=groups.ep if groups else None, placement=placement, device=device,
             dispatcher=args.dispatcher, max_devices=args.max_devices, routing_placement=routing,

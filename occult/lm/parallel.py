@@ -110,12 +110,7 @@ def full_model(config, parallel: Parallel | None = None) -> OccultLM:
 
 def per_layer(placement: Placement, num_layers: int) -> Placement:
     """`placement` with one row per MoE layer (a one-layer placement serves every layer)."""
-    if placement.num_layers == num_layers:
-        return placement
-    if placement.num_layers == 1:
-        return Placement(np.repeat(placement.expert_device_LE, num_layers, axis=0), placement.num_devices,
-                         placement.num_nodes)
-    raise PlacementError(f"the placement has {placement.num_layers} layers, the model {num_layers} MoE layers")
+    return placement.for_layers(num_layers)
 
 
 def shard_model(full: OccultLM, parallel: Parallel, placement: Placement | None = None, dispatcher: str = "dedup") -> OccultLM:

@@ -151,6 +151,16 @@ class Placement:
         """A one-layer placement holding only `layer`."""
         return Placement(self.expert_device_LE[self._check_layer(layer)][None], self.num_devices, self.num_nodes)
 
+    def for_layers(self, num_layers: int) -> "Placement":
+        """This placement with one row per layer of a model with `num_layers` MoE layers: itself, or a
+        one-layer placement repeated (it serves every layer); any other layer count is an error."""
+        if self.num_layers == num_layers:
+            return self
+        if self.num_layers == 1:
+            return Placement(np.repeat(self.expert_device_LE, num_layers, axis=0), self.num_devices, self.num_nodes)
+        raise PlacementError(f"the placement has {self.num_layers} layer(s), but the model has {num_layers} MoE layers: "
+                             "give one row per MoE layer, or one row for all of them")
+
     def expert_device(self, layer: int = 0) -> np.ndarray:
         """[E] device of each expert."""
         return self.expert_device_LE[self._check_layer(layer)]

@@ -330,3 +330,43 @@ def test_cli_torchrun_two_ranks_equal_one_process(dirs, tmp_path, capsys):
     a, b = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d / "model") for d in ("two", "one"))
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert (p - q).abs().max() <= RTOL * q.abs().max(), name
+
+
+PLACEMENT_4 = [[3, 0, 1, 2, 2, 0, 1, 3], [0, 1, 2, 3, 3, 2, 1, 0]]  # 4 ranks = 2 nodes of 2
+
+
+def two_level_ranks(rank: int, world_size: int, path: str) -> dict:
+    from occult.moe.two_level import TwoLevelDispatcher
+
+    groups = hf.setup_groups(4)
+    model = hf.load_sharded(path, group=groups.ep, placement=Placement(np.array(PLACEMENT_4), 4, num_nodes=2),
+                            dispatcher="dedup2")
+    assert all(isinstance(b.experts.dispatcher, TwoLevelDispatcher) and b.experts.dispatcher.num_nodes == 2
+               for _, b in hf.moe_blocks(model))
+    result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), groups, progress=False)
+    return {"losses": result.losses, "params": _trained(model)}
+
+
+@pytest.mark.timeout(600)
+def test_two_level_dispatcher_finetunes_like_one_process(dirs):
+    """`occult finetune --hf --dispatcher dedup2`: OLMoE on 4 ranks as 2 nodes x 2 (non-contiguous) == 1 process."""
+    model = hf.load_sharded(dirs["olmoe"])
+    want = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), progress=False)
+    want_params = _trained(model)
+    for rank, got in enumerate(run_ranks(two_level_ranks, 4, dirs["olmoe"], timeout_s=400, collective_timeout_s=120)):
+        np.testing.assert_allclose(got["losses"], want.losses, rtol=RTOL, err_msg=f"rank {rank}")
+        for key, q in want_params.items():
+            err = np.abs(got["params"][key] - q).max() / np.abs(q).max()
+            assert err <= RTOL, f"rank {rank} {key}: max |diff| / max |weight| = {err:.2e}"
+
+
+def test_two_level_cli_needs_several_ranks_and_dedup2(dirs, tmp_path, capsys):
+    """--dispatcher dedup2 in one process, or --nodes without it: a clear error before anything is loaded."""
+    from occult.cli import main
+
+    base = ["finetune", "--hf", dirs["olmoe"], "--out", str(tmp_path / "ft"), "--steps", "1"]
+    assert main([*base, "--dispatcher", "dedup2", "--nodes", "2"]) == 2
+    assert "dedup2 needs several ranks" in capsys.readouterr().err
+    assert main([*base, "--nodes", "2"]) == 2
+    assert "--nodes applies to --dispatcher dedup2 only" in capsys.readouterr().err
+    assert not (tmp_path / "ft").exists()

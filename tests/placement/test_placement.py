@@ -106,6 +106,15 @@ def test_greedy_on_a_block_matrix():
     assert np.array_equal(np.bincount(out), [4, 4, 4])
 
 
+def test_for_layers_repeats_one_layer_and_keeps_nodes():
+    one = Placement(np.array([[1, 0, 3, 2, 2, 3, 0, 1]]), 4, num_nodes=2)
+    three = one.for_layers(3)
+    assert three.num_layers == 3 and three.num_nodes == 2 and (three.expert_device_LE == one.expert_device_LE).all()
+    assert three.for_layers(3) is three
+    with pytest.raises(PlacementError, match="has 3 layer"):
+        three.for_layers(2)
+
+
 def test_contiguous_matches_placement():
     assert np.array_equal(contiguous_layer(64, 4), Placement.contiguous(64, 4).expert_device(0))
 

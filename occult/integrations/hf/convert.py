@@ -60,6 +60,7 @@ def convert(
         placement = Placement.load(placement)
     if placement is None:
         placement = Placement.contiguous(E, num_ranks, len(blocks))
+    placement = placement.for_layers(len(blocks))  # a one-layer placement serves every layer
     placement.check_fits(E, num_ranks, len(blocks))
     per_device, top_k = E // num_ranks, shapes[0][1]
     if max_devices is not None and max_devices * per_device < top_k:

@@ -235,6 +235,7 @@ def set_routing_placement(
     blocks = moe_blocks(model)
     family = model_family(model)
     E, k = int(blocks[0][1].gate.num_experts), int(blocks[0][1].gate.top_k)
+    placement = placement.for_layers(len(blocks))  # a one-layer placement serves every layer
     placement.check_fits(E, placement.num_devices, len(blocks))
     if max_devices * (E // placement.num_devices) < k:
         raise ValueError(f"max_devices={max_devices} devices hold fewer than top_k={k} of the {E} experts")
