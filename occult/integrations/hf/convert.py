@@ -38,7 +38,7 @@ def convert(
     """Make `model` expert-parallel over `group` (default: the whole default group), in place.
 
     Every MoE block becomes an `OccultMoeBlock` whose `experts` hold only this rank's E/D
-    experts, chosen and ordered by `placement` (a `Placement` with one layer per MoE layer, or
+    experts, chosen and ordered by `placement` (a `Placement` with one layer per MoE layer or one for all, or
     its JSON path; default: contiguous). Routing is the model's own; `max_devices=N` limits
     each token to experts on N devices (collaboration pruning, approximate: fine-tune with it
     on), by `prune_method` "score" or "similarity" (then `similarity` holds one [E, E] matrix
