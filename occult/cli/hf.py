@@ -220,8 +220,8 @@ def run_finetune(args: Any) -> int:
         if device == "auto":
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         placement, routing, sims = _hf_placements(args, groups.ep_size if groups else 1)
-        if args.dispatcher == "dedup2" or getattr(args, "nodes", None) is not None:  # nodes from --nodes or the placement
-            from occult.cli.lm import _ep_placement
+        if args.ep_placement or args.dispatcher == "dedup2" or getattr(args, "nodes", None) is not None:
+            from occult.cli.lm import _ep_placement  # --ep-placement, and nodes from --nodes or the placement
 
             placement = _ep_placement(args, groups, _num_experts(args.hf), placement)
         model = hf.load_sharded(

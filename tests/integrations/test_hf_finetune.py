@@ -369,4 +369,7 @@ def test_two_level_cli_needs_several_ranks_and_dedup2(dirs, tmp_path, capsys):
     assert "dedup2 needs several ranks" in capsys.readouterr().err
     assert main([*base, "--nodes", "2"]) == 2
     assert "--nodes applies to --dispatcher dedup2 only" in capsys.readouterr().err
+    Placement(np.array(PLACEMENT_4), 4).save(tmp_path / "p4.json")  # --ep-placement is used, not ignored:
+    assert main([*base, "--ep-placement", str(tmp_path / "p4.json")]) == 2  # 4 devices, 1 process
+    assert "the placement is for 4 devices" in capsys.readouterr().err
     assert not (tmp_path / "ft").exists()
