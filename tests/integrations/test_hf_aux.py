@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
+from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
 from occult.integrations.hf.aux_loss import RouterTaps, aux_formula  # noqa: E402
 from occult.placement import Placement  # noqa: E402
 
@@ -41,14 +42,6 @@ EPS = {"olmoe": 1e-6, "deepseek_v3": 1e-4}
 def _tokens() -> torch.Tensor:
     return torch.randint(3, VOCAB, (3000,), generator=torch.Generator().manual_seed(5))
 
-
-def _trained(model) -> dict[str, np.ndarray]:
-    out = {}
-    for name, block in hf.moe_blocks(model):
-        gate_up, down = block.experts.gather_experts()
-        out[f"{name}.gate"] = block.gate.weight.detach().numpy().copy()
-        out[f"{name}.gate_up_proj"], out[f"{name}.down_proj"] = gate_up.numpy(), down.numpy()
-    return out
 
 
 def _load(dirs: dict, family: str, groups=None):

@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 from occult.distributed import RankFailure, run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
+from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
 from occult.placement import Placement, PlacementError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -70,15 +71,6 @@ def dirs(tmp_path_factory):
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out["qwen3_fused"], "model.safetensors"))
     return out
 
-
-def _trained(model) -> dict[str, np.ndarray]:
-    """Routers and every expert (gathered, expert-id order): a collective on a converted model."""
-    out = {}
-    for name, block in hf.moe_blocks(model):
-        gate_up, down = block.experts.gather_experts()
-        out[f"{name}.gate"] = block.gate.weight.detach().numpy().copy()
-        out[f"{name}.gate_up_proj"], out[f"{name}.down_proj"] = gate_up.numpy(), down.numpy()
-    return out
 
 
 # ---------------------------------------------------------------- rank side

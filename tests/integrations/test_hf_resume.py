@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
+from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
 from occult.integrations.hf import checkpoint as ckpt  # noqa: E402
 from occult.placement import Placement  # noqa: E402
 
@@ -44,15 +45,6 @@ def _placement() -> Placement:
 def _tokens() -> torch.Tensor:
     return torch.randint(3, VOCAB, (3000,), generator=torch.Generator().manual_seed(11))
 
-
-def _trained(model) -> dict[str, np.ndarray]:
-    """Routers and every expert (gathered, expert-id order): a collective on a converted model."""
-    out = {}
-    for name, block in hf.moe_blocks(model):
-        gate_up, down = block.experts.gather_experts()
-        out[f"{name}.gate"] = block.gate.weight.detach().numpy().copy()
-        out[f"{name}.gate_up_proj"], out[f"{name}.down_proj"] = gate_up.numpy(), down.numpy()
-    return out
 
 
 def _load(path: str, groups=None):
