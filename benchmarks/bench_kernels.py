@@ -68,6 +68,23 @@ SWEEP = {  # (block_m, block_n, block_k, group_m, num_warps, num_stages, flatten
         T(128, 256, 64, 1, 8, 4),
         T(256, 128, 64, 1, 8, 3),
     ],
+    "swiglu_rows": [  # the elementwise pass of the _grouped_mm dgrad1 (memory-bound): rows x columns, warps, CTAs/SM
+        T(8, 512, 1, 1, 4, 1, ctas_per_sm=16),
+        T(16, 512, 1, 1, 8, 1, ctas_per_sm=8),
+        T(4, 1024, 1, 1, 4, 1, ctas_per_sm=16),
+        T(8, 1024, 1, 1, 8, 1, ctas_per_sm=8),
+        T(32, 256, 1, 1, 8, 1, ctas_per_sm=8),
+        T(8, 256, 1, 1, 4, 1, ctas_per_sm=32),
+        T(16, 256, 1, 1, 4, 1, ctas_per_sm=16),
+    ],
+    "gather": [  # gather_pair_rows (memory-bound)
+        T(8, 1024, 1, 1, 4, 1, ctas_per_sm=4),
+        T(16, 1024, 1, 1, 8, 1, ctas_per_sm=4),
+        T(4, 2048, 1, 1, 4, 1, ctas_per_sm=8),
+        T(8, 2048, 1, 1, 8, 1, ctas_per_sm=4),
+        T(32, 512, 1, 1, 8, 1, ctas_per_sm=4),
+        T(8, 1024, 1, 1, 4, 1, ctas_per_sm=8),
+    ],
 }
 
 
@@ -197,7 +214,9 @@ def gemm_parts(prob):
     from occult.kernels.combine import combine_rows
     from occult.kernels.pairs import build_pairs, build_pairs_torch
 
-    from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, swiglu_dgrad_grouped, use_grouped_mm
+    from occult.kernels.grouped_mm import (
+        gather_pair_rows, grouped_weight_grad, swiglu_backward_rows, swiglu_dgrad_grouped, use_grouped_mm,
+    )
     from occult.kernels.op import DGRAD1_DEFAULT
 
     x, slots, gates, w1, w2, dy, K = (prob[k] for k in ("x", "slots", "gates", "w1", "w2", "dy", "K"))
@@ -223,7 +242,10 @@ def gemm_parts(prob):
     dgrad_gmm = use_grouped_mm(x, H, F, env="OCCULT_DGRAD1", default=DGRAD1_DEFAULT)
     if wgrad_gmm or dgrad_gmm:
         dy_rows = gather_pair_rows(dy, pair, offsets, K)
+        u = torch._grouped_mm(dy_rows, w2, offs=offsets[1:])
         parts.update({
+            "u_grouped_mm": lambda: torch._grouped_mm(dy_rows, w2, offs=offsets[1:]),  # dgrad1's GEMM alone
+            "swiglu_rows": lambda: swiglu_backward_rows(u, ab, pair, offsets, g),  # dgrad1's elementwise pass
             "dgrad1_grouped_mm": lambda: swiglu_dgrad_grouped(gather_pair_rows(dy, pair, offsets, K, out=rows),
                                                               pair, offsets, w2, ab, g),
             "wgrad_gate_up_grouped_mm": lambda: grouped_weight_grad(
@@ -253,7 +275,7 @@ def part_flops(prob):
     return {"gemm1": 4 * P * H * F, "gemm1_save": 4 * P * H * F, "gemm2": 2 * P * H * F, "dgrad1": 2 * P * H * F,
             "dgrad2": 4 * P * H * F, "wgrad_gate_up": 4 * P * H * F, "wgrad_down": 2 * P * H * F,
             "wgrad_gate_up_triton": 4 * P * H * F, "wgrad_down_triton": 2 * P * H * F,
-            "dgrad1_triton": 2 * P * H * F, "dgrad1_grouped_mm": 2 * P * H * F,
+            "dgrad1_triton": 2 * P * H * F, "dgrad1_grouped_mm": 2 * P * H * F, "u_grouped_mm": 2 * P * H * F,
             "wgrad_gate_up_grouped_mm": 4 * P * H * F, "wgrad_down_grouped_mm": 2 * P * H * F,
             "wgrad_down_grouped_mm_gathered": 2 * P * H * F}
 
@@ -319,19 +341,25 @@ def dense_variants(prob):
 # ----------------------------------------------------------------------------- main
 
 
-def sweep(prob, device, log):
+def sweep(prob, device, log, only=None):
     parts = gemm_parts(prob)
     flops = part_flops(prob)
     results = {}
     for name, configs in SWEEP.items():
-        keys = {"gemm1": ["gemm1"], "gemm2": ["gemm2"], "dgrad1": ["dgrad1"], "wgrad": ["wgrad_gate_up_triton", "wgrad_down_triton"]}[name]
+        if only and name not in only:
+            continue
+        keys = {"gemm1": ["gemm1"], "gemm2": ["gemm2"], "dgrad1": ["dgrad1_triton"],
+                "wgrad": ["wgrad_gate_up_triton", "wgrad_down_triton"], "swiglu_rows": ["swiglu_rows"],
+                "gather": ["gather_rows"]}[name]
+        if any(k not in parts for k in keys):
+            continue
         best = None
         results[name] = []
         for cfg in configs:
             kcfg.override(name, cfg)
             try:
                 ms = sum(timeit(parts[k], device)[0] for k in keys)
-                tf = tflops(sum(flops[k] for k in keys), ms)
+                tf = tflops(sum(flops.get(k, 0) for k in keys), ms)
             except Exception as err:  # e.g. out of shared memory
                 ms, tf = float("nan"), float("nan")
                 log(f"  sweep {name} {tuple(cfg.__dict__.values())}: failed: {str(err).splitlines()[0][:200]}")
@@ -429,6 +457,9 @@ def run_shape(name, prob, device, log, skip_reference=False):
     res["summary"]["gemms_bwd_tflops_dgrad1_triton"] = tflops(fl_b, get("kernels.dgrad1_triton") + get(wd_alone) + rest)
     res["summary"]["gemms_bwd_tflops_dgrad1_grouped_mm"] = tflops(
         fl_b, get("kernels.dgrad1_grouped_mm") + get("kernels.wgrad_down_grouped_mm_gathered") + rest)
+    # the memory-bound passes: GB/s moved (bf16 u, [a; b] read, d[a; b] written; rows read and written)
+    res["summary"]["swiglu_rows_gbs"] = P * 10 * F / get("kernels.swiglu_rows") / 1e6
+    res["summary"]["gather_rows_gbs"] = P * 4 * H / get("kernels.gather_rows") / 1e6
     return res
 
 
@@ -438,7 +469,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     ap.add_argument("--devices", type=int, default=4, help="expert-parallel ranks (rank 0 is simulated)")
-    ap.add_argument("--sweep", action="store_true", help="time a few tile configs first, keep the fastest")
+    ap.add_argument("--sweep", nargs="?", const="all", default=None, metavar="KERNELS",
+                    help="time a few tile configs first (of every kernel, or of the comma-separated KERNELS: "
+                         + ",".join(SWEEP) + "), keep the fastest")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--skip-reference", action="store_true", help="do not time the torch reference")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run under TRITON_INTERPRET=1)")
@@ -494,7 +527,7 @@ def main(argv=None):
                 entry["check"] = {"error": traceback.format_exc()[-2000:]}
                 log("  check FAILED:\n" + entry["check"]["error"])
         if args.sweep and i == 0:
-            report["sweep"] = sweep(prob, device, log)
+            report["sweep"] = sweep(prob, device, log, None if args.sweep == "all" else set(args.sweep.split(",")))
         entry.update(run_shape(name, prob, device, log, skip_reference=args.skip_reference))
         entry["configs"] = {k: kcfg.get(k).__dict__ for k in kcfg.GPU_DEFAULTS}
         report["shapes"][name] = entry
@@ -543,6 +576,13 @@ def main(argv=None):
         a, b, d = s_["gemms_bwd_tflops_dgrad1_triton"], s_["gemms_bwd_tflops_dgrad1_grouped_mm"], s_["dense_bwd_tflops"]
         log(f"{name:12s} {a:5.0f} ({100 * a / d:3.0f}%) / {b:5.0f} ({100 * b / d:3.0f}%)   "
             f"{e['ms'].get('kernels.dgrad1_triton', nan):.3f} / {e['ms'].get('kernels.dgrad1_grouped_mm', nan):.3f}")
+    log("dgrad1 via _grouped_mm, its parts: ms of the u GEMM (TF/s, % of dense) + the SwiGLU pass (GB/s) + dy gather (GB/s)")
+    for name, e in report["shapes"].items():
+        s_, ms = e["summary"], e["ms"]
+        u_ms = ms.get("kernels.u_grouped_mm", nan)
+        log(f"{name:12s} {u_ms:.3f} ({e['flops_bwd'] / 6 / u_ms / 1e9:4.0f}, {100 * ms.get('dense.dgrad1', nan) / u_ms:3.0f}%) + "
+            f"{ms.get('kernels.swiglu_rows', nan):.3f} ({s_.get('swiglu_rows_gbs', nan):5.0f}) + "
+            f"{ms.get('kernels.gather_rows', nan):.3f} ({s_.get('gather_rows_gbs', nan):5.0f})")
     log("check vs fp32 reference (relative error y/dx/dgates/dgate_up/ddown; torch bf16 path for scale)")
     for name, e in report["shapes"].items():
         c = e.get("check", {})

@@ -47,7 +47,7 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     # two programs per SM; 4 stages (one per SM) was 1.4x slower on an H100
     "wgrad": TileConfig(128, 128, 64, 1, 8, 3),
     # kernels.grouped_mm.gather_pair_rows: block_m rows x block_n columns per step
-    "gather": TileConfig(8, 1024, 1, 1, 4, 1),
+    "gather": TileConfig(8, 1024, 1, 1, 4, 1, ctas_per_sm=4),
     # kernels.grouped_mm.swiglu_dgrad_grouped's elementwise pass: block_m rows x block_n columns
     "swiglu_rows": TileConfig(8, 512, 1, 1, 4, 1, ctas_per_sm=16),
     # index row sums (kernels.rows): a row's K pair rows, a token's rows (block_m rows x block_n columns)

@@ -86,7 +86,7 @@ def gather_pair_rows(
     block_n = min(cfg.block_n, triton.next_power_of_2(n))
     programs = triton.cdiv(bound, cfg.block_m)
     if not _config.interpreting() and src_RN.is_cuda:
-        programs = min(programs, 4 * torch.cuda.get_device_properties(src_RN.device).multi_processor_count)
+        programs = min(programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(src_RN.device).multi_processor_count)
     _gather_pair_rows_kernel[(max(1, programs),)](
         src_RN, pair_P, offsets_E1, out,
         offsets_E1.numel() - 1, num_slots, n, src_RN.stride(0), out.stride(0),
@@ -134,6 +134,33 @@ def _swiglu_backward_rows_kernel(
         tl.store(dg_ptr + pair, dg, mask=mask_r)
 
 
+def swiglu_backward_rows(
+    u_PF: torch.Tensor,
+    ab_PF2: torch.Tensor,
+    pair_P: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    gates_flat: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise half of the SwiGLU dgrad, one pass over the first P sorted pairs:
+    `dh = g u`, `d[a; b]` from the saved `[a; b]`, and the gate gradient `<u, silu(a) b>` over a
+    full row (no partial sums). Returns (d[a; b] `[R*K, 2F]`, dg `[R*K]` fp32 at the flat index)."""
+    bound, ffn = pair_P.numel(), ab_PF2.shape[1] // 2
+    dab = ab_PF2.new_empty((bound, 2 * ffn))
+    dg = torch.zeros(bound, device=ab_PF2.device, dtype=torch.float32)
+    if bound == 0 or ffn == 0:
+        return dab, dg
+    cfg = _config.get("swiglu_rows")
+    programs = triton.cdiv(bound, cfg.block_m)
+    if not _config.interpreting() and u_PF.is_cuda:
+        programs = min(programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(u_PF.device).multi_processor_count)
+    _swiglu_backward_rows_kernel[(max(1, programs),)](
+        u_PF, ab_PF2, pair_P, offsets_E1, gates_flat, dab, dg,
+        offsets_E1.numel() - 1, ffn, u_PF.stride(0),
+        BLOCK_R=cfg.block_m, BLOCK_F=min(cfg.block_n, triton.next_power_of_2(ffn)), num_warps=cfg.num_warps,
+    )
+    return dab, dg
+
+
 def swiglu_dgrad_grouped(
     dy_sorted: torch.Tensor,
     pair_P: torch.Tensor,
@@ -143,19 +170,7 @@ def swiglu_dgrad_grouped(
     gates_flat: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`grouped_gemm_backward.swiglu_dgrad` from dy rows already in sorted-pair order:
-    `u = torch._grouped_mm(dy_sorted, down)` (bf16), then one pass of SwiGLU backward and the
-    gate gradient (a full row per program, no partial sums). Same outputs: (d[a; b], dg)."""
-    bound, ffn = pair_P.numel(), down_EHF.shape[2]
+    `u = torch._grouped_mm(dy_sorted, down)` (bf16), then `swiglu_backward_rows`. Same outputs:
+    (d[a; b], dg)."""
     u = torch._grouped_mm(dy_sorted, down_EHF, offs=offsets_E1[1:])
-    dab = ab_PF2.new_empty((bound, 2 * ffn))
-    dg = torch.zeros(bound, device=ab_PF2.device, dtype=torch.float32)
-    cfg = _config.get("swiglu_rows")
-    programs = triton.cdiv(bound, cfg.block_m)
-    if not _config.interpreting() and u.is_cuda:
-        programs = min(programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(u.device).multi_processor_count)
-    _swiglu_backward_rows_kernel[(max(1, programs),)](
-        u, ab_PF2, pair_P, offsets_E1, gates_flat, dab, dg,
-        offsets_E1.numel() - 1, ffn, u.stride(0),
-        BLOCK_R=cfg.block_m, BLOCK_F=min(cfg.block_n, triton.next_power_of_2(ffn)), num_warps=cfg.num_warps,
-    )
-    return dab, dg
+    return swiglu_backward_rows(u, ab_PF2, pair_P, offsets_E1, gates_flat)
