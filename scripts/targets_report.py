@@ -5,7 +5,8 @@
 Reads every `*.json` under the given files or directories and recognises three kinds by content:
 `benchmarks/e2e.py` (whole models; `--model olmoe` for issue 14, `--model qwen3` with the
 `torchtitan` variant for the whole-model peer of issues 14 and 15), `occult bench` (one layer) and
-`benchmarks/peers/run.py` (layer-level peers), and the `occult train` throughput records
+`benchmarks/peers/run.py` (layer-level peers), `benchmarks/bench_kernels.py` (the expert kernels'
+backward GEMMs against dense cuBLAS), and the `occult train` throughput records
 `multi_gpu_runs.sh train` writes (the last metrics.jsonl line with link, variant, GPUs). For each target it prints what was measured, the
 verdict (met / MISSED) and the file. Targets are the issues' own (4 GPUs in the issue text; every
 GPU count found is reported, labelled). A target whose inputs are absent is listed as "not
@@ -51,6 +52,8 @@ def kind(doc: dict) -> str | None:
         return "peers"
     if "train_tokens_per_s_per_rank" in doc and "variant" in doc:
         return "train"
+    if "info" in doc and all("summary" in v for v in doc.get("shapes", {}).values()) and doc.get("shapes"):
+        return "kernels"
     return None
 
 
@@ -128,6 +131,21 @@ def bench_rows(path: Path, doc: dict) -> list[list[str]]:
     return rows
 
 
+def kernels_rows(path: Path, doc: dict) -> list[list[str]]:
+    """Issue 14, kernels (`benchmarks/bench_kernels.py`, one GPU suffices): the backward's grouped
+    GEMMs (what the op runs) >= 75% of dense cuBLAS products of the same shapes, same run."""
+    rows, dev = [], doc["info"].get("device", "?")
+    for shape, e in doc["shapes"].items():
+        s = e["summary"]
+        ours, dense = s.get("gemms_bwd_tflops"), s.get("dense_bwd_tflops")
+        if ours and dense:
+            pct = 100 * ours / dense
+            rows.append([f"14: backward grouped GEMMs >= 75% of dense cuBLAS ({shape})",
+                         f"{pct:.0f}% ({ours:.0f} / {dense:.0f} TF/s)", "met" if pct >= 75 else "MISSED",
+                         f"{path.name} ({dev})"])
+    return rows
+
+
 def peers_rows(path: Path, doc: dict) -> list[list[str]]:
     """Issue 14, peers: occult dedup forward+backward >= 2.0x faster than the fastest peer."""
     rows = []
@@ -171,6 +189,7 @@ EXPECTED = [  # (target, what measures it): listed as "not measured" when nothin
     ("15: training step", "multi_gpu_runs.sh peer"),
     ("14: layer forward", "multi_gpu_runs.sh probe (occult bench)"),
     ("14: layer fwd+bwd", "benchmarks/peers/run.py (docs/benchmarks.md)"),
+    ("14: backward grouped GEMMs", "benchmarks/bench_kernels.py (one GPU)"),
     ("15: occult train", "multi_gpu_runs.sh train / train-slow"),
 ]
 
@@ -183,7 +202,7 @@ def report(paths: Iterable[str]) -> str:
         if k == "train":
             train_docs.append((path, doc))
         elif k is not None:
-            rows += {"e2e": e2e_rows, "bench": bench_rows, "peers": peers_rows}[k](path, doc)
+            rows += {"e2e": e2e_rows, "bench": bench_rows, "peers": peers_rows, "kernels": kernels_rows}[k](path, doc)
     rows += train_rows(train_docs)
     for prefix, how in EXPECTED:
         if not any(r[0].startswith(prefix) and not r[2].startswith("n/a") for r in rows):

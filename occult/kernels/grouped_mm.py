@@ -14,8 +14,7 @@ read. `swiglu_dgrad_grouped` computes `u = down[e]^T dy_r` the same way from the
 `use_grouped_mm` decides: CUDA, bf16, compute capability 9.x, 16-byte row strides; env
 `OCCULT_WGRAD` (weight gradients) / `OCCULT_DGRAD1` (the dgrad) = `triton` turns it off,
 `grouped_mm` forces it (also on CPU, where torch has a reference implementation; the tests use
-that), `auto` is the rule above (the default of OCCULT_WGRAD; OCCULT_DGRAD1 defaults to `triton`,
-see `occult.kernels.op.DGRAD1_DEFAULT`).
+that), `auto` is the rule above (the default of both; `occult.kernels.op.DGRAD1_DEFAULT`).
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
     for v, tps in (("floor", 9000.0), ("standard", 6000.0), ("dedup", 7500.0)):
         (tmp_path / f"train_4gpu_slow_{v}.json").write_text(json.dumps(
             {"step": 40, "train_tokens_per_s_per_rank": tps, "link": "slow", "variant": v, "gpus": 4}))
+    (tmp_path / "kernels.json").write_text(json.dumps({"info": {"device": "NVIDIA H200"}, "shapes": {
+        "olmoe": {"summary": {"gemms_bwd_tflops": 600.0, "dense_bwd_tflops": 750.0}},
+        "qwen3moe": {"summary": {"gemms_bwd_tflops": 450.0, "dense_bwd_tflops": 700.0}}}}))
     (tmp_path / "junk.json").write_text("{not json")
     got = {(r[0], r[3].split(" ")[0]): (r[1], r[2]) for r in rows_of(targets_report.report([str(tmp_path)]))}
     assert got[("14: best dedup prefill within 1.02x of the floor", "nvlink.json")] == ("1.010x (dedup)", "met")
@@ -61,6 +64,8 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
     assert got[("14: layer fwd+bwd >= 2.0x the fastest peer (olmoe, 8192 tokens)", "peers.json")] == ("1.60x (vs megatron)", "MISSED")
     assert got[("15: occult train tokens/s per GPU (OccultLM; floor = EP size 1)", "train_*.json")] == (
         "floor 9,000; standard 6,000; dedup 7,500; dedup/standard 1.25x; dedup/floor 0.83x", "-")
+    assert got[("14: backward grouped GEMMs >= 75% of dense cuBLAS (olmoe)", "kernels.json")] == ("80% (600 / 750 TF/s)", "met")
+    assert got[("14: backward grouped GEMMs >= 75% of dense cuBLAS (qwen3moe)", "kernels.json")][1] == "MISSED"
     assert not any(v[1] == "not measured" for v in got.values())
 
 
