@@ -162,4 +162,10 @@ def test_converted_model_matches_unconverted(ranks, family, dtype_name, shared_d
         # the converted model took no optimizer step: the saved weights are the loaded ones, bit for bit
         assert all(torch.equal(sd[k], sd_ref[k]) for k in sd_ref), where
         assert type(reloaded.get_submodule(blocks[0][0])) is type(blocks[0][1]), where
+    # the fine-tuning save: one shard per MoE layer from its owner rank, the same tensors
+    hf.save_finetuned(model, out_dir + "_ft")
+    if rank == 0:
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out_dir + "_ft", dtype=dtype).to(dev)
+        sd = reloaded.state_dict()
+        assert sorted(sd) == sorted(sd_ref) and all(torch.equal(sd[k], sd_ref[k]) for k in sd_ref), (where, "save_finetuned")
     dist.barrier()

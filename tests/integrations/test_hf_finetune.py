@@ -17,8 +17,10 @@ Tolerance as in tests/lm/test_parallel.py: AdamW eps=1e-6, losses and weights to
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import time
 
 import numpy as np
@@ -71,6 +73,11 @@ def dirs(tmp_path_factory):
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out["qwen3_fused"], "model.safetensors"))
     return out
 
+
+
+def _header_bytes(path: str) -> int:
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
 
 
 # ---------------------------------------------------------------- rank side
@@ -188,8 +195,23 @@ def test_two_ranks_equal_one_process(ranks, reference, run):
 def test_saved_directory_reloads_with_transformers(ranks, reference, dirs):
     saved = os.path.join(dirs["root"], "saved")
     for res in ranks:
-        assert "failed on rank 0" in res["second_save"] and "already exists" in res["second_save"], res["second_save"]
+        assert "rank 0: FileExistsError" in res["second_save"] and "already exists" in res["second_save"], res["second_save"]
     assert not [n for n in os.listdir(dirs["root"]) if n.startswith(".saved.")]  # the temporary directory is gone
+    # one shard for the rest (rank 0) and one per MoE layer, written by the layer's owner: rank i mod 2
+    from safetensors import safe_open
+
+    index = json.loads(open(os.path.join(saved, "model.safetensors.index.json")).read())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == [f"model-0000{j}-of-00003.safetensors" for j in (1, 2, 3)], shards
+    assert sorted(os.listdir(saved)) == sorted([*shards, "model.safetensors.index.json", "config.json", "generation_config.json"])
+    writers = []
+    for shard in shards[1:]:
+        with safe_open(os.path.join(saved, shard), framework="pt") as f:
+            writers.append(f.metadata()["occult_writer"])
+            assert {k.split(".mlp.")[0] for k in f.keys()} == {f"model.layers.{len(writers) - 1}"}  # one layer each
+    assert writers == ["0", "1"]
+    assert index["metadata"]["total_size"] == sum(
+        os.path.getsize(os.path.join(saved, s)) for s in shards) - sum(_header_bytes(os.path.join(saved, s)) for s in shards)
     model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     ids = torch.arange(3, 3 + 2 * 10).reshape(2, 10) % VOCAB
     with torch.no_grad():

@@ -1,5 +1,5 @@
-"""Pruning-aware fine-tuning of a converted transformers MoE model on 1 or N ranks (`finetune`),
-and saving it back to the standard transformers layout atomically (`save_finetuned`).
+"""Pruning-aware fine-tuning of a converted transformers MoE model on 1 or N ranks (`finetune`);
+`occult.integrations.hf.save.save_finetuned` writes it back to the transformers layout.
 
 What is trained: the MoE blocks' routers (the model's own gate modules) and routed experts;
 everything else (embeddings, attention, norms, shared experts, dense MLPs, head) is frozen, as
