@@ -5,7 +5,7 @@ rows per source in; a copy on one rank). `exchange` sends a plan's rows, optiona
 row's gate weights and local expert slots, as one autograd node (`_Exchange`): its backward
 sends the gradients of rows and gates along the same splits reversed, so every rank issues its
 backward collectives in the same order. Gates and slots travel packed in one integer tensor
-(`_pack_metadata`: NCCL has no 16-bit integers, so half-precision gates go as float32 bits).
+(`pack_metadata`: NCCL has no 16-bit integers, so half-precision gates go as float32 bits).
 `CommStats` counts the rows and bytes each rank sends, forward and backward, activations and
 metadata apart (the byte convention of docs/design.md).
 """
@@ -127,29 +127,30 @@ def _metadata_int(gates_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     return torch.float32, torch.int32
 
 
-def _pack_metadata(gates_PK: torch.Tensor, slots_PK: torch.Tensor) -> torch.Tensor:
+def pack_metadata(gates_PK: torch.Tensor, slots_PK: torch.Tensor) -> torch.Tensor:
     """[P, 2K] ints: the gates' bits (as float32 or float64), then the slots."""
     carrier, as_int = _metadata_int(gates_PK.dtype)
     return torch.cat([gates_PK.to(carrier).contiguous().view(as_int), slots_PK.to(as_int)], dim=1)
 
 
 def _metadata_bytes(gates_PK: torch.Tensor) -> int:
-    """Bytes `_pack_metadata` sends for these gates (and as many slots)."""
+    """Bytes `pack_metadata` sends for these gates (and as many slots)."""
     carrier, _ = _metadata_int(gates_PK.dtype)
     return 2 * gates_PK.numel() * torch.finfo(carrier).bits // 8
 
 
 def _unpack_metadata(meta_R2K: torch.Tensor, gates_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `_pack_metadata` on received rows: (gates [R, K] in `gates_dtype`, slots [R, K] int64)."""
+    """Inverse of `pack_metadata` on received rows: (gates [R, K] in `gates_dtype`, slots [R, K] int64)."""
     carrier, _ = _metadata_int(gates_dtype)
     num_k = meta_R2K.shape[1] // 2
     gates_RK = meta_R2K[:, :num_k].contiguous().view(carrier).to(gates_dtype)
     return gates_RK, meta_R2K[:, num_k:].to(torch.int64)
 
 
-def _send_metadata(gates_PK, slots_PK, send_splits, recv_splits, group):
-    """Gates and slots in one all-to-all; gates come back in their own dtype, bit-exact."""
-    out = all_to_all(_pack_metadata(gates_PK, slots_PK), send_splits, recv_splits, group)
+def _send_metadata(gates_PK, slots_PK, send_splits, recv_splits, group, packed=None):
+    """Gates and slots in one all-to-all; gates come back in their own dtype, bit-exact.
+    `packed`: `pack_metadata(gates_PK, slots_PK)` made earlier (before the host sync)."""
+    out = all_to_all(pack_metadata(gates_PK, slots_PK) if packed is None else packed, send_splits, recv_splits, group)
     return _unpack_metadata(out, gates_PK.dtype)
 
 
@@ -162,13 +163,13 @@ class _Exchange(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, gates, slots, send_splits, recv_splits, group, state):
+    def forward(ctx, rows, gates, slots, send_splits, recv_splits, group, state, packed=None):
         ctx.send_splits, ctx.recv_splits, ctx.group, ctx.state = send_splits, recv_splits, group, state
         ctx.has_gates = gates is not None
         out_rows = all_to_all(rows, send_splits, recv_splits, group)
         if gates is None:
             return out_rows, None, None
-        out_gates, out_slots = _send_metadata(gates, slots, send_splits, recv_splits, group)
+        out_gates, out_slots = _send_metadata(gates, slots, send_splits, recv_splits, group, packed)
         ctx.mark_non_differentiable(out_slots)
         return out_rows, out_gates, out_slots
 
@@ -178,7 +179,7 @@ class _Exchange(torch.autograd.Function):
         _record(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
         back_rows = all_to_all(grad_rows, ctx.recv_splits, ctx.send_splits, ctx.group)
         back_gates = all_to_all(grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group) if ctx.has_gates else None
-        return back_rows, back_gates, None, None, None, None, None
+        return back_rows, back_gates, None, None, None, None, None, None
 
 
 class _Flight:
@@ -205,11 +206,12 @@ class _Flight:
             all_to_all_wait(work)
         self.works, self.keep = [], []
 
-    def start_forward(self, rows, gates, slots) -> torch.Tensor:
+    def start_forward(self, rows, gates, slots, packed=None) -> torch.Tensor:
         """Start rows (and packed gates + slots); return the receive buffer of rows."""
         out_rows = self.start(rows, self.send_splits, self.recv_splits)
         if gates is not None:
-            self.meta = self.start(_pack_metadata(gates, slots), self.send_splits, self.recv_splits)
+            meta = pack_metadata(gates, slots) if packed is None else packed
+            self.meta = self.start(meta, self.send_splits, self.recv_splits)
         return out_rows
 
     def finish_forward(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -231,16 +233,16 @@ class _StartExchange(torch.autograd.Function):
     every rank (autograd's own order over the two halves differs between ranks)."""
 
     @staticmethod
-    def forward(ctx, rows, gates, slots, flight, token):
+    def forward(ctx, rows, gates, slots, flight, token, packed=None):
         ctx.flight = flight
-        return flight.start_forward(rows, gates, slots), None if token is None else token.new_empty(0)
+        return flight.start_forward(rows, gates, slots, packed), None if token is None else token.new_empty(0)
 
     @staticmethod
     def backward(ctx, _grad_buffer, grad_token):
         flight = ctx.flight
         flight.wait()
         grad_rows, grad_gates, flight.grad_rows, flight.grad_gates = flight.grad_rows, flight.grad_gates, None, None
-        return grad_rows, grad_gates, None, None, grad_token
+        return grad_rows, grad_gates, None, None, grad_token, None
 
 
 class _FinishExchange(torch.autograd.Function):
@@ -270,14 +272,14 @@ class _FinishExchange(torch.autograd.Function):
         return grad_rows, None, grad_token  # grad_rows: a stand-in; `_StartExchange.backward` returns the real one
 
 
-def _paused_exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause, differentiable):
+def _paused_exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause, differentiable, packed=None):
     """`exchange` that calls `pause()` between starting the all-to-alls and waiting for them
     (two-batch overlap: the other micro-batch runs meanwhile); backward is split the same way.
     `pause.chain` (when present) holds the token that orders the paused exchanges' backward."""
     flight = _Flight(send_splits, recv_splits, group, state, gates)
     if differentiable:
         chain = getattr(pause, "chain", None)
-        buffer, token = _StartExchange.apply(rows, gates, slots, flight, chain.take() if chain else None)
+        buffer, token = _StartExchange.apply(rows, gates, slots, flight, chain.take() if chain else None, packed)
         if chain:
             chain.put(token)
         pause()
@@ -285,13 +287,16 @@ def _paused_exchange(rows, gates, slots, send_splits, recv_splits, group, state,
         if chain:
             chain.put(token)
         return out_rows, out_gates, out_slots
-    buffer = flight.start_forward(rows, gates, slots)
+    buffer = flight.start_forward(rows, gates, slots, packed)
     pause()
     return (buffer, *flight.finish_forward())
 
 
-def exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause=None):
+def exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause=None, packed=None):
     """Send rows (with gates and slots, when given); record what was sent in `state.stats`.
+
+    `packed`: `pack_metadata(gates, slots)` made earlier (the dispatcher queues it before the
+    host waits for the counts, so it is not launched after the wait).
 
     Differentiable (one `_Exchange` node) when rows or gates need gradients; returns
     (rows, gates, slots) as received, gates and slots None when not given. With `pause` (a
@@ -302,10 +307,10 @@ def exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause=N
     _record(state, send_splits, rows, meta_bytes, backward=False)
     differentiable = torch.is_grad_enabled() and (rows.requires_grad or (gates is not None and gates.requires_grad))
     if pause is not None:
-        return _paused_exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause, differentiable)
+        return _paused_exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause, differentiable, packed)
     if differentiable:
-        return _Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state)
+        return _Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state, packed)
     out_rows = all_to_all(rows, send_splits, recv_splits, group)
     if gates is None:
         return out_rows, None, None
-    return (out_rows, *_send_metadata(gates, slots, send_splits, recv_splits, group))
+    return (out_rows, *_send_metadata(gates, slots, send_splits, recv_splits, group, packed))

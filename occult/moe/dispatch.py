@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from occult.moe.comm import CommStats, exchange
+from occult.moe.comm import CommStats, exchange, pack_metadata
 from occult.moe.nodes import check_devices_per_node, peer_levels
 from occult.moe.plan import DispatchPlan, dedup_plan, standard_plan, static_dedup_plan, static_standard_plan, trim
 
@@ -74,17 +74,18 @@ def token_sum(src_PH: torch.Tensor, token_P: torch.Tensor, row_TJ: torch.Tensor,
 
 
 class _GatherRows(torch.autograd.Function):
-    """rows = x[token_P]; backward sums each token's row gradients (no atomics on GPU)."""
+    """rows = x[token_P] (`early`: the same rows, gathered before the host sync); backward sums
+    each token's row gradients (no atomics on GPU)."""
 
     @staticmethod
-    def forward(ctx, x_TH, token_P, row_TJ):
+    def forward(ctx, x_TH, token_P, row_TJ, early_PH=None):
         ctx.save_for_backward(token_P, row_TJ)
-        return x_TH[token_P]
+        return x_TH[token_P] if early_PH is None else early_PH
 
     @staticmethod
     def backward(ctx, grad_PH):
         token_P, row_TJ = ctx.saved_tensors
-        return token_sum(grad_PH, token_P, row_TJ, grad_PH.dtype), None, None
+        return token_sum(grad_PH, token_P, row_TJ, grad_PH.dtype), None, None, None
 
 
 def gather_gates(weights_TK: torch.Tensor, entry_PK: torch.Tensor) -> torch.Tensor:
@@ -104,18 +105,29 @@ def scatter_gates(grad_PK: torch.Tensor, entry_PK: torch.Tensor, shape: torch.Si
 
 
 class _GatherGates(torch.autograd.Function):
-    """`gather_gates` with `scatter_gates` as its backward."""
+    """`gather_gates` (`early`: its result, made before the host sync) with `scatter_gates` as its backward."""
 
     @staticmethod
-    def forward(ctx, weights_TK, entry_PK):
+    def forward(ctx, weights_TK, entry_PK, early_PK=None):
         ctx.save_for_backward(entry_PK)
         ctx.shape = weights_TK.shape
-        return gather_gates(weights_TK, entry_PK)
+        return gather_gates(weights_TK, entry_PK) if early_PK is None else early_PK
 
     @staticmethod
     def backward(ctx, grad_PK):
         (entry_PK,) = ctx.saved_tensors
-        return scatter_gates(grad_PK, entry_PK, torch.Size(ctx.shape)), None
+        return scatter_gates(grad_PK, entry_PK, torch.Size(ctx.shape)), None, None
+
+
+def gather_early(x_TH: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, ...]:
+    """Rows, gates and packed metadata of every row a capacity-sized plan may send (the tail is
+    padding): queued before the host waits for the counts, so that after the wait only the
+    all-to-alls and the experts are launched. The forward is host-bound: on one H200 at 8192
+    tokens the GPU sat idle while the host launched these after the wait (docs/overlap.md).
+    Costs the padding rows' gather on the GPU (capacity T*min(k, D) rows vs the sent ones)."""
+    with torch.no_grad():
+        gates_PK = gather_gates(weights_TK, plan.entry_PK)
+        return x_TH[plan.token_P], gates_PK, pack_metadata(gates_PK, plan.slot_PK)
 
 
 class _SumRows(torch.autograd.Function):
@@ -223,17 +235,21 @@ class Dispatcher:
         if sync_free:
             plan = self.static_plan(ids_TK, expert_device_E, expert_slot_E)
             send_splits = recv_splits = [plan.num_rows // self.num_ranks] * self.num_ranks
+            early = (None, None, None)
         else:
             plan = self.plan(ids_TK, expert_device_E, expert_slot_E)
+            early = gather_early(x_TH, weights_TK, plan)
             send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status)
-            plan = trim(plan, sum(send_splits))
+            num_rows = sum(send_splits)
+            plan = trim(plan, num_rows)
+            early = tuple(t[:num_rows] for t in early)
         # (CommStats() given explicitly: torch.compile cannot trace the dataclass default_factory call,
         # and a graph break there made dynamo give up on the layer's whole try block)
         state = DispatchState(plan, send_splits, recv_splits, x_TH.shape[0], self.rank, CommStats(), self.peer_level)
-        gates_PK = _GatherGates.apply(weights_TK, plan.entry_PK)
+        gates_PK = _GatherGates.apply(weights_TK, plan.entry_PK, early[1])
         x_RH, gates_RK, slots_RK = exchange(
-            _GatherRows.apply(x_TH, plan.token_P, plan.row_TJ), gates_PK, plan.slot_PK, send_splits, recv_splits, self.group, state,
-            pause,
+            _GatherRows.apply(x_TH, plan.token_P, plan.row_TJ, early[0]), gates_PK, plan.slot_PK, send_splits, recv_splits,
+            self.group, state, pause, early[2],
         )
         state.stats.dispatch_rows = plan.num_rows
         return x_RH, slots_RK, gates_RK, state

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from occult.moe.comm import CommStats, _metadata_bytes, _pack_metadata, _record, _unpack_metadata, all_to_all_start, all_to_all_wait
+from occult.moe.comm import CommStats, _metadata_bytes, pack_metadata, _record, _unpack_metadata, all_to_all_start, all_to_all_wait
 from occult.moe.dispatch import Dispatcher, gather_gates, scatter_gates, token_sum
 from occult.moe.experts import expert_mlp
 from occult.moe.plan import DispatchPlan, trim
@@ -84,7 +84,7 @@ def _forward(x_TH, weights_TK, gate_up_EFH, down_EHF, pipe: _Pipeline) -> torch.
         gates_PK = gather_gates(weights_TK[ch.lo : ch.hi], ch.plan.entry_PK)
         _record(pipe, ch.send, rows_PH, _metadata_bytes(gates_PK), backward=False)
         pipe.stats.dispatch_rows += ch.plan.num_rows
-        outgoing.append((rows_PH, _pack_metadata(gates_PK, ch.plan.slot_PK)))
+        outgoing.append((rows_PH, pack_metadata(gates_PK, ch.plan.slot_PK)))
 
     def start_dispatch(c):
         ch, (rows_PH, meta_P2K) = chunks[c], outgoing[c]

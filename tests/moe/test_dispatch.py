@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occult.moe.comm import _metadata_bytes, _pack_metadata, _send_metadata
+from occult.moe.comm import _metadata_bytes, pack_metadata, _send_metadata
 
 # Integer dtypes NCCL's all-to-all accepts (ncclInt8/Uint8/Int32/Uint32/Int64/Uint64).
 NCCL_INTS = {torch.int8, torch.uint8, torch.int32, torch.int64}
@@ -19,7 +19,7 @@ def test_metadata_roundtrip_is_bit_exact_in_an_nccl_dtype(dtype):
     gates[0, 0] = torch.finfo(dtype).tiny  # smallest normal survives the carrier
     gates[1, 1] = 0.0
     slots = torch.randint(-1, 9, (rows, k), generator=gen)
-    packed = _pack_metadata(gates, slots)
+    packed = pack_metadata(gates, slots)
     assert packed.dtype in NCCL_INTS, f"{dtype} gates packed as {packed.dtype}, which NCCL cannot send"
     assert packed.shape == (rows, 2 * k)
     assert _metadata_bytes(gates) == packed.numel() * packed.element_size()
