@@ -13,6 +13,7 @@
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
 #           standard, dedup (train-slow: the same with NCCL_P2P_DISABLE=1)               issue 15
+#           (carry .gpudata: `python -m occult data prepare --out .gpudata --vocab-size 8000`)
 # serve     decode and serving, both links                                               issue 16
 # probe     torch.compile reduce-overhead with traced all-to-alls; host syncs; layer bench  issues 14, 16
 # scale     one migration of the OLMoE-shape expert state; two-level dispatch (4 GPUs)   issues 17, 18
@@ -70,10 +71,15 @@ case $part in
     run peer_slow 280 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model qwen3 --variants replicated,standard,dedup,torchtitan \
       --out "$out/e2e_qwen3_${n}gpu_peer_nop2p.json" ;;&
   train|train-slow|all)
-    data=/tmp/occult_train_data
-    [ "${DRY_RUN:-0}" = 1 ] || [ -f "$data/manifest.json" ] || \
-      python3 -m occult data prepare --out "$data" --corpus-dir tests/data/shakespeare_tiny --vocab-size 2000 > /dev/null
-    lm="--corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 2048
+    # the Shakespeare corpus, tokenized on the CPU machine (the GPU machine has no network), carried:
+    #   python -m occult data prepare --out .gpudata --vocab-size 8000     (then carry .gpudata)
+    data=${OCCULT_TRAIN_DATA:-.gpudata}
+    if [ "${DRY_RUN:-0}" != 1 ] && [ ! -f "$data/manifest.json" ]; then
+      echo "$(basename "$0"): no prepared corpus in $data: run 'python -m occult data prepare --out .gpudata --vocab-size 8000'" \
+           "where the network is, and carry .gpudata (or set OCCULT_TRAIN_DATA)" >&2
+      exit 2
+    fi
+    lm="--corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024
         --batch-size $((8 * n)) --steps 40 --eval-every 20 --eval-tokens 16384 --save-every 0 --no-progress"
     links="nvlink slow"; [ "$part" = train ] && links=nvlink; [ "$part" = train-slow ] && links=slow
     for link in $links; do

@@ -5,15 +5,16 @@
 #   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train
 #   DRY_RUN=1 bash scripts/one_gpu_runs.sh all /tmp/x   # print the commands
 #
-# kernels  the expert kernels at four real shapes (benchmarks/bench_kernels.py), fp32 check, with the
-#          _grouped_mm dgrad (OCCULT_DGRAD1=auto) and a sweep of the memory-bound passes' tiles  issue 14
-# suite    the GPU suite on 2 gloo ranks sharing the GPU (NCCL needs a GPU per rank), with
-#          OCCULT_DGRAD1=auto as well as the default dgrad for the bf16 transformers cases      issues 13-15
+# kernels  the expert kernels at four real shapes (benchmarks/bench_kernels.py), fp32 check, and a
+#          sweep of the memory-bound passes' tiles (the backward's 75%-of-dense target)       issue 14
+# suite    the GPU suite on 2 gloo ranks sharing the GPU (NCCL needs a GPU per rank), and the bf16
+#          transformers cases again with the fused Triton dgrad (OCCULT_DGRAD1=triton)         issues 13-15
 # peer     whole Qwen3-MoE-shape model on one GPU: occult (no expert-parallel traffic) against
 #          TorchTitan 0.3.0's own model, prefill and training step (needs TorchTitan's wheels in
 #          .whl/: docs/benchmarks.md, "Reproduce", step 1)                                      issues 14, 15
 # train    occult train tokens/s on one GPU (OccultLM, 4 layers, 64 experts top-8): the 1-GPU row of
-#          the training throughput table                                                        issue 15
+#          the training throughput table (carry .gpudata: `python -m occult data prepare --out
+#          .gpudata --vocab-size 8000` on a machine with network)                               issue 15
 #
 # Each command writes JSON or logs under OUT and prints its last lines.
 set -uo pipefail
@@ -40,13 +41,13 @@ run() {  # run NAME SECONDS COMMAND...: log to OUT/NAME.log, show the last lines
 }
 case $part in
   kernels|all)
-    TAIL=40 run kernels 300 env OCCULT_DGRAD1=auto python3 benchmarks/bench_kernels.py --sweep swiglu_rows,gather \
-      --skip-reference --out "$out/kernels_dgrad1_auto.json" ;;&
+    TAIL=40 run kernels 300 python3 benchmarks/bench_kernels.py --sweep swiglu_rows,gather \
+      --skip-reference --out "$out/kernels.json" ;;&
   suite|all)
-    run suite_auto 330 env OCCULT_GPU_SUITE_BACKEND=gloo OCCULT_DGRAD1=auto bash tests/gpu/run.sh "$out/suite_auto"
+    run suite 330 env OCCULT_GPU_SUITE_BACKEND=gloo bash tests/gpu/run.sh "$out/suite"
     run suite_hf_triton 200 env OCCULT_GPU_SUITE_BACKEND=gloo OCCULT_DGRAD1=triton PYTEST_ARGS="-k converted_model" \
       bash tests/gpu/run.sh "$out/suite_hf_triton"
-    [ "${DRY_RUN:-0}" = 1 ] || tar -czf "$out/suite.tgz" -C "$out" suite_auto suite_hf_triton ;;&
+    [ "${DRY_RUN:-0}" = 1 ] || tar -czf "$out/suite.tgz" -C "$out" suite suite_hf_triton ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -55,11 +56,16 @@ case $part in
     run peer_1gpu 400 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/e2e.py --model qwen3 \
       --variants replicated,torchtitan --out "$out/e2e_qwen3_1gpu_peer.json" ;;&
   train|all)
-    data=/tmp/occult_train_data
-    [ "${DRY_RUN:-0}" = 1 ] || [ -f "$data/manifest.json" ] || \
-      python3 -m occult data prepare --out "$data" --corpus-dir tests/data/shakespeare_tiny --vocab-size 2000 > /dev/null
+    # the Shakespeare corpus, tokenized on the CPU machine (the GPU machine has no network), carried:
+    #   python -m occult data prepare --out .gpudata --vocab-size 8000     (then carry .gpudata)
+    data=${OCCULT_TRAIN_DATA:-.gpudata}
+    if [ "${DRY_RUN:-0}" != 1 ] && [ ! -f "$data/manifest.json" ]; then
+      echo "$(basename "$0"): no prepared corpus in $data: run 'python -m occult data prepare --out .gpudata --vocab-size 8000'" \
+           "where the network is, and carry .gpudata (or set OCCULT_TRAIN_DATA)" >&2
+      exit 2
+    fi
     run train_1gpu 200 python3 -m occult train --corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 \
-      --top-k 8 --expert-ffn 512 --seq-len 2048 --batch-size 8 --steps 40 --eval-every 20 --eval-tokens 16384 \
+      --top-k 8 --expert-ffn 512 --seq-len 1024 --batch-size 8 --steps 40 --eval-every 20 --eval-tokens 16384 \
       --save-every 0 --no-progress --out /tmp/occult_train_1gpu
     [ "${DRY_RUN:-0}" = 1 ] || python3 -c "import json,sys; m=[json.loads(l) for l in open(sys.argv[1])][-1]; \
 json.dump(dict(m, link='none', variant='floor', gpus=1), open(sys.argv[2], 'w'))" \

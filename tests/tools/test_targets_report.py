@@ -71,8 +71,11 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
 
 def test_one_gpu_is_not_a_verdict_and_missing_runs_are_listed(tmp_path):
     (tmp_path / "one.json").write_text(json.dumps(e2e("olmoe", 1, False, {"replicated": (76.0, 264.0), "dedup": (76.5, 262.0)})))
+    (tmp_path / "peer1.json").write_text(json.dumps(e2e("qwen3", 1, False, {"replicated": (40.0, 170.0), "torchtitan": (46.0, 200.0)})))
     rows = rows_of(targets_report.report([str(tmp_path)]))
     assert [r[2] for r in rows if r[3].startswith("one.json")] == ["n/a (1 GPU)"] * 2
+    peer = [r for r in rows if r[3].startswith("peer1.json") and r[0].startswith("15:")]
+    assert [(r[1], r[2]) for r in peer] == [("1.18x (replicated 170.0 vs 200.0 ms)", "n/a (1 GPU)")]
     missing = {r[0] for r in rows if r[2] == "not measured"}
     assert "14: best dedup ..." in missing and "15: training step ..." in missing
 
