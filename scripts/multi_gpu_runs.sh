@@ -37,15 +37,7 @@ if [ "${DRY_RUN:-0}" != 1 ] && [ "$n" -lt 2 ]; then
   exit 2
 fi
 [ "$n" -ge 2 ] || n=4
-run() {  # run NAME SECONDS COMMAND...: log to OUT/NAME.log, show the last lines
-  local name=$1 secs=$2
-  shift 2
-  echo "== $name: $*"
-  [ "${DRY_RUN:-0}" = 1 ] && return 0
-  timeout "$secs" "$@" > "$out/$name.log" 2>&1
-  echo "   rc=$?"
-  tail -n 14 "$out/$name.log"
-}
+source "$(dirname "$0")/_gpu_runs_common.sh"  # run(), train_corpus()
 tr="python3 -m torch.distributed.run --standalone --nproc-per-node $n"
 e2e_all=replicated,standard,dedup,dedup+placement,pruned2,pruned1
 case $part in
@@ -71,14 +63,7 @@ case $part in
     run peer_slow 280 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model qwen3 --variants replicated,standard,dedup,torchtitan \
       --out "$out/e2e_qwen3_${n}gpu_peer_nop2p.json" ;;&
   train|train-slow|all)
-    # the Shakespeare corpus, tokenized on the CPU machine (the GPU machine has no network), carried:
-    #   python -m occult data prepare --out .gpudata --vocab-size 8000     (then carry .gpudata)
-    data=${OCCULT_TRAIN_DATA:-.gpudata}
-    if [ "${DRY_RUN:-0}" != 1 ] && [ ! -f "$data/manifest.json" ]; then
-      echo "$(basename "$0"): no prepared corpus in $data: run 'python -m occult data prepare --out .gpudata --vocab-size 8000'" \
-           "where the network is, and carry .gpudata (or set OCCULT_TRAIN_DATA)" >&2
-      exit 2
-    fi
+    data=$(train_corpus) || exit 2
     lm="--corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024
         --batch-size $((8 * n)) --steps 40 --eval-every 20 --eval-tokens 16384 --save-every 0 --no-progress"
     links="nvlink slow"; [ "$part" = train ] && links=nvlink; [ "$part" = train-slow ] && links=slow

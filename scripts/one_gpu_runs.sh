@@ -30,15 +30,7 @@ if [ "${DRY_RUN:-0}" != 1 ] && ! python3 -c 'import torch, sys; sys.exit(not tor
   echo "one_gpu_runs.sh: needs a CUDA GPU" >&2
   exit 2
 fi
-run() {  # run NAME SECONDS COMMAND...: log to OUT/NAME.log, show the last lines
-  local name=$1 secs=$2
-  shift 2
-  echo "== $name: $*"
-  [ "${DRY_RUN:-0}" = 1 ] && return 0
-  timeout "$secs" "$@" > "$out/$name.log" 2>&1
-  echo "   rc=$?"
-  tail -n "${TAIL:-14}" "$out/$name.log"
-}
+source "$(dirname "$0")/_gpu_runs_common.sh"  # run(), train_corpus()
 case $part in
   kernels|all)
     TAIL=40 run kernels 300 python3 benchmarks/bench_kernels.py --sweep swiglu_rows,gather \
@@ -56,14 +48,7 @@ case $part in
     run peer_1gpu 400 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/e2e.py --model qwen3 \
       --variants replicated,torchtitan --out "$out/e2e_qwen3_1gpu_peer.json" ;;&
   train|all)
-    # the Shakespeare corpus, tokenized on the CPU machine (the GPU machine has no network), carried:
-    #   python -m occult data prepare --out .gpudata --vocab-size 8000     (then carry .gpudata)
-    data=${OCCULT_TRAIN_DATA:-.gpudata}
-    if [ "${DRY_RUN:-0}" != 1 ] && [ ! -f "$data/manifest.json" ]; then
-      echo "$(basename "$0"): no prepared corpus in $data: run 'python -m occult data prepare --out .gpudata --vocab-size 8000'" \
-           "where the network is, and carry .gpudata (or set OCCULT_TRAIN_DATA)" >&2
-      exit 2
-    fi
+    data=$(train_corpus) || exit 2
     run train_1gpu 200 python3 -m occult train --corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 \
       --top-k 8 --expert-ffn 512 --seq-len 1024 --batch-size 8 --steps 40 --eval-every 20 --eval-tokens 16384 \
       --save-every 0 --no-progress --out /tmp/occult_train_1gpu
