@@ -59,6 +59,12 @@ def save_all(rank: int, world_size: int, dirs: dict, shapes: dict, root: str) ->
         for tag, dtype in (("same", None), ("bf16", torch.bfloat16)):
             hf.save_finetuned(model, os.path.join(root, f"{family}_{tag}"), source=dirs[family], dtype=dtype)
         res[family] = sorted(os.listdir(os.path.join(root, f"{family}_same")))
+    # hf.save_pretrained: the same writer, replacing an existing directory; with extra arguments
+    # for the model's own save_pretrained, the gathering path (rank 0 writes)
+    hf.save_pretrained(model, os.path.join(root, "pre"))
+    _perturb(model)
+    hf.save_pretrained(model, os.path.join(root, "pre"))  # replaced, not merged
+    hf.save_pretrained(model, os.path.join(root, "pre_kw"), max_shard_size="20KB")
     # a layer that rank 1 cannot write (e.g. no shared filesystem): every rank raises, nothing is left
     from occult.integrations.hf import save as save_module
 
@@ -134,6 +140,16 @@ def test_sharded_save_equals_save_pretrained(saved, family, tmp_path):
             assert t.dtype in (torch.bfloat16, torch.float32), key
             assert torch.equal(t, want[key].to(t.dtype)), key
     assert "tokenizer.json" not in os.listdir(os.path.join(root, f"{family}_same"))  # tiny models ship none
+
+
+def test_save_pretrained_replaces_and_takes_save_pretrained_arguments(saved):
+    root = saved["root"]
+    pre, kw = _files(os.path.join(root, "pre")), _files(os.path.join(root, "pre_kw"))
+    assert pre.keys() == kw.keys() and all(torch.equal(pre[k], kw[k]) for k in pre)  # two writers, one model
+    first = _files(os.path.join(root, "deepseek_v3_same"))  # the same model before its second perturbation
+    assert any(not torch.equal(pre[k], first[k]) for k in pre)  # the second save replaced the first
+    assert sum(n.endswith(".safetensors") for n in os.listdir(os.path.join(root, "pre_kw"))) > 2  # its own sharding
+    assert not [n for n in os.listdir(root) if n.startswith(".pre.")]  # nothing left beside it
 
 
 def test_a_failed_part_is_an_error_on_every_rank(saved):

@@ -31,18 +31,17 @@ GPUs) keeps ranks in step by itself; with transformers' own `model.generate` pas
 
 One module per job: `families` (supported model types, version and structure checks),
 `routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
-`sync_gradients`), `profile`, `convert` (`convert`, `unconvert`, `hf_layout`,
-`save_pretrained`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
+`sync_gradients`), `profile`, `convert` (`convert`, `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
 profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads
 only its experts), `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing
-loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`),
+loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer, written by its owner rank),
 `two_batch` (`set_two_batch`: the model's forward as two overlapped halves of the batch).
 `from occult.integrations import hf; hf.convert(...)` is the public path.
 """
 
 from occult.integrations.hf.block import OccultMoeBlock, expert_parameters, moe_blocks, sync_gradients
 from occult.integrations.hf.calibration import calibration_windows, token_stream
-from occult.integrations.hf.convert import convert, hf_layout, save_pretrained, unconvert
+from occult.integrations.hf.convert import convert, hf_layout, unconvert
 from occult.integrations.hf.finetune import (
     FinetuneConfig,
     FinetuneResult,
@@ -64,7 +63,7 @@ from occult.integrations.hf.generate import StaticDecoder, generate
 from occult.integrations.hf.loading import LoadReport, load_sharded, set_routing_placement
 from occult.integrations.hf.profile import profile
 from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
-from occult.integrations.hf.save import save_finetuned
+from occult.integrations.hf.save import save_finetuned, save_pretrained
 from occult.integrations.hf.tiny import tiny_config, tiny_random_model
 from occult.integrations.hf.two_batch import set_two_batch
 

@@ -1,5 +1,5 @@
-"""Make a transformers model expert-parallel in place (`convert`), undo it (`unconvert`,
-`hf_layout`), and save it in the standard transformers layout (`save_pretrained`).
+"""Make a transformers model expert-parallel in place (`convert`) and undo it (`unconvert`,
+`hf_layout`); `occult.integrations.hf.save` writes it in the standard transformers layout.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from occult.integrations.hf.block import OccultMoeBlock, _is_converted, moe_blocks
@@ -127,17 +126,3 @@ def hf_layout(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for name, block, _ in swapped:
             model.set_submodule(name, block)
-
-
-def save_pretrained(model: nn.Module, save_directory: str, *, group: Any = None, **kwargs: Any) -> None:
-    """Save a converted model in the standard transformers layout (experts un-permuted).
-
-    A collective: every rank calls it; rank 0 of `group` writes `save_directory` with the
-    model's own `save_pretrained(**kwargs)`, loadable by plain `from_pretrained`.
-    """
-    _, rank = _group_size(group)
-    with hf_layout(model):
-        if rank == 0:
-            model.save_pretrained(save_directory, **kwargs)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)

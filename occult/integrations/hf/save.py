@@ -1,5 +1,6 @@
-"""Saving a fine-tuned converted model back to the standard transformers layout, atomically
-and without gathering the model on one rank (`save_finetuned`).
+"""Saving a converted model back to the standard transformers layout, atomically and without
+gathering the model on one rank (`save_finetuned`; `save_pretrained`, which may replace an
+existing directory).
 
 The experts of each MoE layer are gathered to one *owner* rank of rank 0's expert-parallel
 group (layer i to the group's rank i mod S), which rebuilds the model's own block for that layer,
@@ -116,7 +117,8 @@ def _data_bytes(path: Path) -> int:
     return path.stat().st_size - 8 - header
 
 
-def _finish(tmp: Path, out: Path, rest: list[Path], layers: list[Path], source: Any, dtype: torch.dtype | None) -> None:
+def _finish(tmp: Path, out: Path, rest: list[Path], layers: list[Path], source: Any, dtype: torch.dtype | None,
+            overwrite: bool) -> None:
     """Rank 0: shard names, the index, config dtype, tokenizer files; then rename `tmp` onto `out`."""
     from safetensors import safe_open
 
@@ -142,9 +144,15 @@ def _finish(tmp: Path, out: Path, rest: list[Path], layers: list[Path], source: 
         src = Path(source) / name
         if src.is_file() and not (tmp / name).exists():
             shutil.copyfile(src, tmp / name)
-    if out.exists():
+    if not out.exists():
+        os.replace(tmp, out)
+    elif overwrite and out.is_dir():  # the old directory is moved aside, the new one put in its place
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
         raise FileExistsError(f"{out} already exists: choose another --out")
-    os.replace(tmp, out)
 
 
 def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.PathLike | None = None,
@@ -161,14 +169,42 @@ def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.Pa
     replicas only take part in agreeing on the outcome. Every rank raises if any rank's part fails,
     and the temporary directory is removed.
     """
-    out = Path(out)
+    return _save_by_layer(model, Path(out), source, dtype, overwrite=False)
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, group: Any = None, **kwargs: Any) -> None:
+    """Save a converted model in the standard transformers layout (experts un-permuted), loadable
+    by plain `from_pretrained`; an existing `save_directory` is replaced. A collective: every rank
+    calls it.
+
+    Written as `save_finetuned` writes (one shard per MoE layer by its owner rank, no rank holding
+    the whole model). With extra `kwargs` for the model's own `save_pretrained` (e.g.
+    `max_shard_size`), every rank gathers all experts (`hf_layout`) and rank 0 of `group` writes
+    the directory with them.
+    """
+    if not kwargs:
+        _save_by_layer(model, Path(save_directory), None, None, overwrite=True)
+        return
+    from occult.integrations.hf.convert import hf_layout
+    from occult.integrations.hf.families import _group_size
+
+    _, rank = _group_size(group)
+    with hf_layout(model):
+        if rank == 0:
+            model.save_pretrained(save_directory, **kwargs)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _save_by_layer(model: nn.Module, out: Path, source: Any, dtype: torch.dtype | None, overwrite: bool) -> Path:
+    """`save_finetuned`'s body; `overwrite`: replace an existing directory `out`."""
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     status = _Status()
     tmp: Path | None = None
 
     def make_tmp() -> Path:
-        if out.exists():
+        if out.exists() and not (overwrite and out.is_dir()):
             raise FileExistsError(f"{out} already exists: choose another --out")
         out.parent.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -208,7 +244,7 @@ def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.Pa
     rest = status.run(_write_rest, model, [n for n, _ in blocks], dtype, tmp) if rank == 0 else None
     error = _agree(status, distributed, rank)
     if not error and rank == 0:
-        status.run(_finish, tmp, out, rest, layers, source, dtype)
+        status.run(_finish, tmp, out, rest, layers, source, dtype, overwrite)
     error = error or _agree(status, distributed, rank)
     if error:
         if rank == 0 and tmp.exists():
@@ -217,4 +253,4 @@ def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.Pa
     return out
 
 
-__all__ = ["TOKENIZER_FILES", "save_finetuned"]
+__all__ = ["TOKENIZER_FILES", "save_finetuned", "save_pretrained"]
