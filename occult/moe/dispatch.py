@@ -119,6 +119,24 @@ class _GatherGates(torch.autograd.Function):
         return scatter_gates(grad_PK, entry_PK, torch.Size(ctx.shape)), None, None
 
 
+def read_to_host(t: torch.Tensor, while_waiting: Callable[[], None] | None = None) -> list:
+    """`t.tolist()`, running `while_waiting` between queuing the device-to-host copy and waiting
+    for it: GPU work queued there (e.g. a MoE block's shared experts) runs while the host waits
+    and keeps the GPU busy while the host then launches what needed the values."""
+    if while_waiting is None:
+        return t.tolist()
+    if not t.is_cuda:
+        while_waiting()
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    while_waiting()
+    copied.synchronize()
+    return host.tolist()
+
+
 def gather_early(x_TH: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, ...]:
     """Rows, gates and packed metadata of every row a capacity-sized plan may send (the tail is
     padding): queued before the host waits for the counts, so that after the wait only the
@@ -182,16 +200,19 @@ class Dispatcher:
         """The same rows in fixed-capacity form (`occult.moe.plan.static_capacity` per destination)."""
         raise NotImplementedError
 
-    def exchange_counts(self, send_counts_D: torch.Tensor, status: torch.Tensor) -> tuple[list[int], list[int]]:
+    def exchange_counts(self, send_counts_D: torch.Tensor, status: torch.Tensor,
+                        while_waiting: Callable[[], None] | None = None) -> tuple[list[int], list[int]]:
         """Swap row counts (and input status) with every rank; the layer's one host sync."""
-        send, recv = self.exchange_chunk_counts(send_counts_D[None], status)
+        send, recv = self.exchange_chunk_counts(send_counts_D[None], status, while_waiting)
         return send[0], recv[0]
 
-    def exchange_chunk_counts(self, send_counts_CD: torch.Tensor, status: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    def exchange_chunk_counts(self, send_counts_CD: torch.Tensor, status: torch.Tensor,
+                              while_waiting: Callable[[], None] | None = None) -> tuple[list[list[int]], list[list[int]]]:
         """Row counts of C chunks per destination, swapped in one all-to-all and read with one host sync.
 
         Returns (send splits, receive splits), each C lists of one count per rank. Raises
         `RoutingError` on every rank when any rank reports bad input in `status`.
+        `while_waiting` runs while the host waits for the counts (`read_to_host`).
         """
         num_chunks, D = send_counts_CD.shape[0], self.num_ranks
         header_DX = torch.cat([send_counts_CD.t().to(torch.int64), status.to(torch.int64).expand(D, 1)], dim=1)
@@ -200,7 +221,7 @@ class Dispatcher:
             dist.all_to_all_single(recv_DX, header_DX, group=self.group)
         else:
             recv_DX = header_DX
-        host = torch.cat([header_DX[:, :num_chunks].t().reshape(-1), recv_DX.t().reshape(-1)]).tolist()
+        host = read_to_host(torch.cat([header_DX[:, :num_chunks].t().reshape(-1), recv_DX.t().reshape(-1)]), while_waiting)
         send = [host[c * D : (c + 1) * D] for c in range(num_chunks)]
         recv_host = host[num_chunks * D :]
         recv = [recv_host[c * D : (c + 1) * D] for c in range(num_chunks)]
@@ -221,6 +242,7 @@ class Dispatcher:
         status: torch.Tensor,
         sync_free: bool = False,
         pause: Callable[[], None] | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchState]:
         """Send rows out; return (x_RH, slots_RK, gates_RK, state) as received by this rank.
 
@@ -231,15 +253,20 @@ class Dispatcher:
         no count exchange, no host wait, capturable in a CUDA graph. Every rank of the group must
         then pass the same number of tokens (pad the batch), and bad input is not reported
         (`status` is not exchanged): NaN gates give NaN outputs, out-of-range ids were clamped.
+
+        `while_waiting` (optional) is called exactly once: while the host waits for the counts
+        (GPU work that does not depend on them, e.g. shared experts), or at once when sync-free.
         """
         if sync_free:
             plan = self.static_plan(ids_TK, expert_device_E, expert_slot_E)
             send_splits = recv_splits = [plan.num_rows // self.num_ranks] * self.num_ranks
             early = (None, None, None)
+            if while_waiting is not None:
+                while_waiting()
         else:
             plan = self.plan(ids_TK, expert_device_E, expert_slot_E)
             early = gather_early(x_TH, weights_TK, plan)
-            send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status)
+            send_splits, recv_splits = self.exchange_counts(plan.send_counts_D, status, while_waiting)
             num_rows = sum(send_splits)
             plan = trim(plan, num_rows)
             early = tuple(t[:num_rows] for t in early)

@@ -10,7 +10,7 @@ Forward on one rank, top to bottom:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -117,8 +117,14 @@ class OccultMoE(nn.Module):
         self.last_comm_stats = CommStats()
 
     # --------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., H] -> [..., H]; every rank of the group must call it (any token count, even 0)."""
+    def forward(self, x: torch.Tensor, while_waiting: Callable[[], None] | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]; every rank of the group must call it (any token count, even 0).
+
+        `while_waiting` (optional) is called exactly once during the call: while the host waits
+        for the row counts (the layer's one sync), so GPU work that does not depend on this
+        layer's routing (e.g. a block's shared experts) keeps the GPU busy while the host then
+        launches the all-to-alls and the experts; at once where there is no such wait.
+        """
         if x.shape[-1] != self.hidden_size and self.sync_free:
             raise ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
         wrong_hidden = x.shape[-1] != self.hidden_size
@@ -142,6 +148,8 @@ class OccultMoE(nn.Module):
                     raise ValueError("a pipelined MoE layer (overlap_chunks > 1) cannot run inside two_batch_overlap: "
                                      "its backward collectives would not join the two halves' order; "
                                      "use set_overlap(model, 1) with two-batch overlap")
+                if while_waiting is not None:
+                    while_waiting()
                 y_TH, self.last_comm_stats = pipelined_moe(
                     self.dispatcher, x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status,
                     self.gate_up_proj, self.down_proj, self.overlap_chunks, self.expert_backend, self.sync_free,
@@ -151,7 +159,7 @@ class OccultMoE(nn.Module):
             self._check_not_recomputed_after_two_batch(pause is not None)
             x_RH, slots_RK, gates_RK, state = self.dispatcher.dispatch(
                 x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status, sync_free=self.sync_free,
-                pause=pause,
+                pause=pause, while_waiting=while_waiting,
             )
         except RoutingError as exc:
             if x.shape[-1] != self.hidden_size:

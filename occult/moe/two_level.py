@@ -162,12 +162,16 @@ class TwoLevelDispatcher(DedupDispatcher):
             text = "; ".join(f"rank {r}: {STATUS_MESSAGES.get(s, f'status {s}')}" for r, s in bad)
             raise RoutingError(f"MoE dispatch stopped on every rank because of bad input: {text}")
 
-    def dispatch(self, x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free=False, pause=None):
+    def dispatch(self, x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free=False, pause=None,
+                 while_waiting=None):
         """Send rows out in two stages; return (x_RH, slots_RK, gates_RK, state) as received here.
         `pause` (two-batch overlap) runs inside both exchanges (rail and node), so that every
         exchange's backward joins the two-batch chain."""
         if not self.two_level:
-            return super().dispatch(x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free, pause)
+            return super().dispatch(x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free, pause,
+                                    while_waiting)
+        if while_waiting is not None:  # (the two-level header is read as before)
+            while_waiting()
         G, M, T = self.devices_per_node, self.num_nodes, ids_TK.shape[0]
         S = expert_device_E.shape[0] // self.num_ranks
         node_E = expert_device_E // G

@@ -320,3 +320,27 @@ def test_sync_free_layer_runs_under_torch_compile():
         assert out["dedup"] < 1e-12 and out["standard"] < 1e-12, (rank, out)
         # routing, plan, all-to-alls, combine trace as one graph up to the torch expert path
         assert out["dedup breaks"] == out["standard breaks"] == ["experts.py"], (rank, out)
+
+
+def _while_waiting_on_ranks(rank: int, world_size: int) -> list:
+    """Each mode: `while_waiting` called exactly once, before the forward returns; output unchanged."""
+    torch.manual_seed(0)
+    out = []
+    for dispatcher, kw in (("dedup", {}), ("standard", {}), ("dedup", {"sync_free": True}),
+                           ("dedup", {"overlap_chunks": 3}), ("dedup2", {})):
+        extra = {"placement": Placement.contiguous(8, world_size, 1, num_nodes=2)} if dispatcher == "dedup2" else {}
+        torch.manual_seed(1)
+        layer = OccultMoE(16, 8, 8, 3, dispatcher=dispatcher, **kw, **extra)
+        x = torch.randn(20 + (0 if kw.get("sync_free") else rank), 16, requires_grad=True)  # sync-free: equal counts
+        calls = []
+        y = layer(x, while_waiting=lambda: calls.append(1))
+        y_plain = layer(x)
+        y.sum().backward()
+        out.append((dispatcher, sorted(kw), len(calls), torch.equal(y, y_plain), x.grad is not None))
+    return out
+
+
+def test_while_waiting_runs_once_in_every_mode():
+    for res in run_ranks(_while_waiting_on_ranks, 4):
+        for dispatcher, kw, calls, same, grad in res:
+            assert calls == 1 and same and grad, (dispatcher, kw, calls, same)

@@ -38,7 +38,9 @@ class OccultMoeBlock(nn.Module):
     forward(hidden_states [B, S, H]) -> [B, S, H], like every supported block in transformers
     5.x. Routed experts go through `experts` (an `OccultMoE`, a collective over its group);
     `shared_expert` (times `sigmoid(shared_expert_gate(x))`, Qwen2-MoE) and `shared_experts`
-    (DeepSeek-V3) run locally. Mixtral's router jitter is applied in training as the model does.
+    (DeepSeek-V3) run locally, launched while the host waits for the routed experts' row counts
+    (`OccultMoE.forward(while_waiting=...)`): the GPU computes them instead of idling while the host
+    launches the all-to-alls. Mixtral's router jitter is applied in training as the model does.
     """
 
     def __init__(self, block: nn.Module, experts: OccultMoE, family: Family) -> None:
@@ -57,12 +59,18 @@ class OccultMoeBlock(nn.Module):
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise
             )
         x_TH = hidden_states.reshape(-1, shape[-1])
-        y_TH = self.experts(x_TH)
-        if self.shared_expert is not None:
-            y_TH = y_TH + F.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
-        if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH)
-        return y_TH.reshape(shape)
+        if self.shared_expert is None and self.shared_experts is None:
+            return self.experts(x_TH).reshape(shape)
+        shared: list[torch.Tensor] = []
+
+        def shared_experts() -> None:  # queued while the host waits for the routed experts' row counts
+            if self.shared_expert is not None:
+                shared.append(F.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH))
+            else:
+                shared.append(self.shared_experts(x_TH))
+
+        y_TH = self.experts(x_TH, while_waiting=shared_experts)
+        return (y_TH + shared[0]).reshape(shape)
 
     def to_hf(self, config: Any, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> nn.Module:
         """The model's own block class holding this block's gate, shared experts and the given full experts."""
