@@ -40,6 +40,7 @@ import torch.distributed as dist
 from occult.moe.comm import CommStats, exchange
 from occult.moe.dispatch import (
     STATUS_MESSAGES, STATUS_OK, DedupDispatcher, DispatchState, RoutingError, _GatherGates, _GatherRows, _SumRows,
+    read_to_host,
 )
 from occult.moe.nodes import INTER, INTRA, SELF, node_groups
 from occult.moe.plan import DispatchPlan, dedup_plan, static_dedup_plan, trim
@@ -135,8 +136,9 @@ class TwoLevelDispatcher(DedupDispatcher):
                 "supported with it; use overlap_chunks=1 or dispatcher='dedup'"
             )
 
-    def _exchange_header(self, nodes_M, devices_D, status, G) -> tuple[list[int], list[int], list[int], list[int]]:
-        """One all-to-all of (status, rows to your node, rows for each GPU of your node); one host sync.
+    def _exchange_header(self, nodes_M, devices_D, status, G, while_waiting=None) -> tuple[list[int], list[int], list[int], list[int]]:
+        """One all-to-all of (status, rows to your node, rows for each GPU of your node); one host sync
+        (`while_waiting` runs while the host waits for it: `read_to_host`).
 
         Returns the split sizes of both stages: rail send/recv (per node), node send/recv (per GPU).
         """
@@ -148,7 +150,7 @@ class TwoLevelDispatcher(DedupDispatcher):
         ], dim=1)
         recv_DX = torch.empty_like(header_DX)
         dist.all_to_all_single(recv_DX, header_DX, group=self.group)
-        host = torch.cat([nodes_M.to(torch.int64), recv_DX.reshape(-1)]).tolist()
+        host = read_to_host(torch.cat([nodes_M.to(torch.int64), recv_DX.reshape(-1)]), while_waiting)
         rail_send, recv = host[:M], [host[M + s * (G + 2) : M + (s + 1) * (G + 2)] for s in range(D)]
         self._raise_on_bad_status([r[0] for r in recv])
         rail_recv = [recv[m * G + self.local][1] for m in range(M)]
@@ -170,14 +172,14 @@ class TwoLevelDispatcher(DedupDispatcher):
         if not self.two_level:
             return super().dispatch(x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free, pause,
                                     while_waiting)
-        if while_waiting is not None:  # (the two-level header is read as before)
-            while_waiting()
         G, M, T = self.devices_per_node, self.num_nodes, ids_TK.shape[0]
         S = expert_device_E.shape[0] // self.num_ranks
         node_E = expert_device_E // G
         code_E = (expert_device_E % G) * S + expert_slot_E
         stats = CommStats()
         if sync_free:
+            if while_waiting is not None:
+                while_waiting()
             plan1 = static_dedup_plan(ids_TK, node_E, code_E, M, S * G)
             rail_send = rail_recv = [T] * M
             node_send = node_recv = [M * T] * G
@@ -187,7 +189,7 @@ class TwoLevelDispatcher(DedupDispatcher):
             used_TD = torch.zeros((T, self.num_ranks), dtype=torch.int64, device=ids_TK.device)
             used_TD.scatter_(1, device_TK, 1)
             rail_send, rail_recv, node_send, node_recv = self._exchange_header(
-                plan1.send_counts_D, used_TD.sum(dim=0), status, G
+                plan1.send_counts_D, used_TD.sum(dim=0), status, G, while_waiting
             )
             plan1 = trim(plan1, sum(rail_send))
         rail = Stage(plan1, rail_send, rail_recv, self.rail_group, self.node,
