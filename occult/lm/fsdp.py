@@ -26,7 +26,8 @@ communication: every rank holds the full tensor).
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from occult.lm.model import OccultLM
 
@@ -37,8 +38,27 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """`t` whole: all-gathered if it is a DTensor (every rank must call it), else itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """`t` whole: all-gathered if it is a DTensor (every rank must call it), else itself.
+
+    FSDP2's layout (sharded on one dim over a 1-D mesh, `torch.chunk` sizes) is gathered with a
+    plain `all_gather` of equal padded shards: `DTensor.full_tensor`'s functional collective
+    crashed ranks with SIGSEGV over gloo (CUDA tensors on an H200 every time; CPU tensors once in
+    a CI run). Other layouts go through `full_tensor`."""
+    if not isinstance(t, DTensor):
+        return t
+    mesh, placements = t.device_mesh, t.placements
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
+        return t.full_tensor()
+    group, dim = mesh.get_group(), placements[0].dim
+    world = dist.get_world_size(group)
+    local = t.to_local().movedim(dim, 0)
+    n = t.shape[dim]
+    chunk = -(-n // world)  # every shard padded to the first (largest) one
+    padded = local.new_zeros((chunk, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat(parts)[:n].movedim(0, dim).contiguous()  # torch.chunk: full shards first
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

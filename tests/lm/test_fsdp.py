@@ -200,3 +200,21 @@ def test_grad_sync_fsdp_setting_and_cli():
     assert _train_config(args).grad_sync == "fsdp"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--out", "x", "--grad-sync", "zero3"])
+
+
+def _gather_uneven(rank: int, world_size: int) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = []
+    for shape, dim in (((7, 5), 0), ((2, 5), 0), ((4, 7), 1), ((6,), 0)):
+        full = torch.arange(float(np.prod(shape))).reshape(shape)
+        d = distribute_tensor(full, mesh, [Shard(dim)])
+        out.append(bool(torch.equal(full_tensor(d), full)))
+    return out
+
+
+def test_full_tensor_gathers_uneven_shards():
+    # torch.chunk sizes over 3 ranks (3/3/1, 1/1/0 rows, a shard on dim 1), one plain all-gather each
+    assert run_ranks(_gather_uneven, 3) == [[True] * 4] * 3
