@@ -160,3 +160,53 @@ def test_bad_arguments():
         hf.generate(model, ids, 2, attention_mask=torch.ones(1, 3))
     with pytest.raises(ValueError, match="cuda_graph=True"):
         hf.generate(model, ids, 2, cuda_graph=True)
+
+
+def _decoder_after_prefill(model, ids, max_len):
+    from occult.integrations.hf.generate import StaticDecoder
+    from occult.integrations.hf.sampling import Sampling, TokenSelector
+
+    dec = StaticDecoder(model, ids.shape[0], max_len, TokenSelector(ids.shape[0], ids.device, Sampling(), [], PAD))
+    set_sync_free(model, False)
+    dec.select(dec.prefill(ids, torch.ones_like(ids)))
+    set_sync_free(model, True)
+    return dec
+
+
+def test_decoder_warm_up_and_steps_stay_inside_the_cache():
+    """The capture's warm-up (issue 26): a decoder with room for one step (prompt + 1 new token) warms up
+    from the same state each time (before the fix the 2nd warm-up forward wrote past the cache: an
+    IndexError here, a device-side assert in a CUDA-graph capture); a step past the cache is a ValueError."""
+    model = hf.convert(hf.tiny_random_model("olmoe", seed=3, vocab_size=VOCAB).eval())
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little")))
+    plain = _decoder_after_prefill(model, ids, ids.shape[1] + 1)
+    want = plain.step().clone()
+    dec = _decoder_after_prefill(model, ids, ids.shape[1] + 1)
+    before = [t.clone() for t in dec._state()]
+    dec.warm_up(3)
+    assert all(torch.equal(a, b) for a, b in zip(before, dec._state()))
+    assert dec.free_slots == 1
+    torch.testing.assert_close(dec.step(), want)  # the warm-up's K/V write did not change the step
+    assert dec.free_slots == 0
+    with pytest.raises(ValueError, match="cache slot 6 of a StaticDecoder holding 6 positions"):
+        dec.step()
+    with pytest.raises(ValueError, match="cache slot"):
+        dec.warm_up(1)
+    from occult.integrations.hf.generate import StaticDecoder
+
+    with pytest.raises(ValueError, match="before prefill"):
+        StaticDecoder(model, 2, 9).step(ids[:, 0])
+    set_sync_free(model, False)
+
+
+def test_generate_one_new_token_between_longer_calls():
+    """The call sequence of issue 26's failing script (n, then 1, then n new tokens, decoders reused):
+    each call equals transformers' greedy generate, and 1 token is the first of n."""
+    ref = hf.tiny_random_model("olmoe", seed=4, vocab_size=VOCAB).eval()
+    model = hf.convert(hf.tiny_random_model("olmoe", seed=4, vocab_size=VOCAB).eval())
+    ids = torch.randint(3, VOCAB, (2, 6))
+    expected = ref.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                            attention_mask=torch.ones_like(ids))
+    outs = [hf.generate(model, ids, n, eos_token_id=[]) for n in (NEW, 1, NEW)]
+    assert torch.equal(outs[0], expected) and torch.equal(outs[2], expected)
+    assert torch.equal(outs[1], expected[:, : ids.shape[1] + 1])

@@ -73,6 +73,12 @@ class StaticDecoder:
     inside the captured graph: `select(logits [B, V])` chooses them from the prefill's logits
     (eagerly), then each `step()` (no ids) feeds the last choice and leaves the new one in
     `next_B` (a static buffer when graph-captured).
+
+    The cache holds `max_len` positions: a prefill of S tokens leaves room for `max_len - S`
+    steps. The host counts the steps (`free_slots`), so one more raises a ValueError before
+    anything is launched instead of writing past the cache (on CUDA a device-side assert that
+    breaks the process's CUDA context). `capture()` needs one free slot: its warm-up forwards
+    all write at the next slot (the state restored after each), never past it.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, selector: TokenSelector | None = None) -> None:
@@ -91,6 +97,7 @@ class StaticDecoder:
         self.logits_BV: torch.Tensor | None = None
         self.selector, self.next_B = selector, torch.zeros(batch_size, **kw)
         self.graph: Any = None
+        self.next_slot = 0  # host copy of slot_1: the cache slot the next step writes (no device read)
         self.eager_mask = getattr(model.config, "_attn_implementation", "eager") != "sdpa"
 
     # ---------------------------------------------------------------- state
@@ -101,6 +108,22 @@ class StaticDecoder:
     def _state(self) -> list[torch.Tensor]:
         extra = [self.next_B, self.selector.unfinished_B] if self.selector is not None else []
         return [self.mask_BL, self.pos_B1, self.slot_1, self.ids_B1, *extra, *self._counters()]
+
+    @property
+    def free_slots(self) -> int:
+        """Decode steps the cache has room for from here (0 before the first prefill)."""
+        return self.max_len - self.next_slot if self.next_slot > 0 else 0
+
+    def _check_room(self, what: str) -> None:
+        if self.next_slot == 0:
+            raise ValueError(f"{what} before prefill: call prefill(ids, mask) first")
+        if self.next_slot >= self.max_len:
+            raise ValueError(f"{what} would write cache slot {self.next_slot} of a StaticDecoder holding {self.max_len} "
+                             f"positions (prompt + new tokens); build the decoder with a larger max_len")
+
+    def _restore(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self._state(), saved):
+            t.copy_(s)
 
     # -------------------------------------------------------------- prefill
     @torch.no_grad()
@@ -117,6 +140,7 @@ class StaticDecoder:
         self.mask_BL[:, :S].copy_(mask_BS)
         self.pos_B1.copy_(pos_BS[:, -1:] + 1)
         self.slot_1.fill_(S)
+        self.next_slot = S
         attn = None if bool(mask_BS.all()) else mask_BS  # transformers drops an all-ones mask too
         out = self.model(input_ids=ids_BS, attention_mask=attn, position_ids=pos_BS, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1)
@@ -160,6 +184,8 @@ class StaticDecoder:
             self.ids_B1.copy_(ids_B.reshape(self.batch_size, 1))
         elif self.selector is None:
             raise ValueError("step() without ids needs a selector")
+        self._check_room("step()")
+        self.next_slot += 1
         if self.graph is not None:
             self.graph.replay()
             return self.logits_BV
@@ -167,14 +193,18 @@ class StaticDecoder:
 
     @torch.no_grad()
     def capture(self, warmup: int = 2) -> None:
-        """Record the decode step in a CUDA graph; the buffers and the cache are left as they were."""
+        """Record the decode step in a CUDA graph; the buffers and the cache are left as they were.
+
+        Needs one free cache slot (after `prefill`): the warm-up forwards run from the same state
+        (restored after each), so they write the next slot only; the step's first replay re-writes it.
+        """
+        self._check_room("capture()")
         saved = [t.clone() for t in self._state()]
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # Triton compilation and allocator warm-up off the capture stream
-                for _ in range(warmup):
-                    self._forward()
+                self.warm_up(warmup, saved)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             if self.selector is not None and self.selector.generator is not None:
@@ -183,8 +213,23 @@ class StaticDecoder:
                 self.logits_BV = self._forward()
             self.graph = graph
         finally:
-            for t, s in zip(self._state(), saved):  # the warm-up advanced them; the K/V it wrote is re-written
-                t.copy_(s)
+            self._restore(saved)  # the capture advanced them; the K/V written at the next slot is re-written
+
+    @torch.no_grad()
+    def warm_up(self, steps: int, saved: list[torch.Tensor] | None = None) -> None:
+        """Run `steps` decode forwards, each from the current state, then restore it: nothing advances.
+
+        Each forward writes the next cache slot only (so `steps` may exceed `free_slots`), which
+        the next real step re-writes. `saved`: the state as `[t.clone() for t in _state()]`.
+        """
+        self._check_room("warm_up()")
+        saved = [t.clone() for t in self._state()] if saved is None else saved
+        try:
+            for _ in range(steps):
+                self._forward()
+                self._restore(saved)
+        finally:
+            self._restore(saved)
 
 
 # ------------------------------------------------------------------ helpers
@@ -314,7 +359,7 @@ def generate(
         set_sync_free(model, False)  # prefill: ranks' token counts may differ, normal dispatch
         logits_PV = dec.prefill(ids_PS, mask_PS)
         set_sync_free(model, True)
-        if use_graph and dec.graph is None:
+        if use_graph and dec.graph is None and max_new_tokens > 1:  # one new token: no decode step to capture
             error = None
             try:
                 dec.capture()
