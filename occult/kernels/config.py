@@ -55,6 +55,11 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     "swiglu_rows": TileConfig(8, 256, 1, 1, 4, 1, ctas_per_sm=32),
     # index row sums (kernels.rows): a row's K pair rows, a token's rows (block_m rows x block_n columns)
     "combine": TileConfig(4, 512, 1, 1, 4, 1),
+    # kernels.small_batch (decode): block_m pairs of one expert x block_n columns per program
+    "small_gate_up": TileConfig(16, 32, 128, 1, 4, 4),
+    "small_down": TileConfig(16, 64, 128, 1, 4, 4),
+    "small_down_row": TileConfig(1, 16, 512, 1, 4, 1),
+    "small_combine": TileConfig(1, 1024, 1, 1, 4, 1),
 }
 
 INTERPRET_DEFAULTS: dict[str, TileConfig] = {
@@ -67,6 +72,10 @@ INTERPRET_DEFAULTS: dict[str, TileConfig] = {
     "gather": TileConfig(4, 32, 1, 1, 4, 1),
     "swiglu_rows": TileConfig(4, 32, 1, 1, 4, 1),
     "combine": TileConfig(4, 32, 1, 1, 4, 1),
+    "small_gate_up": TileConfig(16, 16, 16, 1, 4, 1),
+    "small_down": TileConfig(16, 16, 16, 1, 4, 1),
+    "small_down_row": TileConfig(1, 16, 16, 1, 4, 1),
+    "small_combine": TileConfig(2, 16, 1, 1, 4, 1),
 }
 
 _OVERRIDES: dict[str, TileConfig] = {}
