@@ -28,7 +28,7 @@ from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
 from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
 from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, swiglu_dgrad_grouped, use_grouped_mm
 from occult.kernels.pairs import build_pairs
-from occult.kernels.small_batch import expert_mlp_small_batch, max_pairs
+from occult.kernels.small_batch import expert_mlp_small_batch, use_small_batch
 
 # SwiGLU dgrad: torch._grouped_mm + one elementwise pass ("auto": on Hopper in bf16; `u` rounded to
 # bf16 as the torch reference's autograd does) or the fused Triton kernel ("triton", fp32 `u`; the
@@ -164,7 +164,7 @@ def expert_mlp(
     accumulation, output in x's dtype, differentiable w.r.t. x, gates, gate_up and down.
     Weights are used in x's dtype. `atomic` (default: env `OCCULT_SCATTER=atomic`) replaces the
     deterministic row combine by fp32 atomic adds in GEMM 2's epilogue. Without autograd and for
-    `R*K <= small_batch.max_pairs()` (decode) the `small_batch` kernels run instead (`atomic` unused).
+    `R*K <= small_batch.MAX_PAIRS` (decode) the `small_batch` kernels run instead (`atomic` unused).
     """
     _check(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF)
     if atomic is None:
@@ -176,6 +176,6 @@ def expert_mlp(
     w2 = down_proj_EHF.to(x.dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gates, w1, w2)):
         return _ExpertMLPFunction.apply(x, slots, gates, w1, w2, bool(atomic))
-    if slots.numel() <= max_pairs():  # decode-sized inference: kernels.small_batch
+    if use_small_batch(slots.numel()):  # decode-sized inference: kernels.small_batch
         return expert_mlp_small_batch(x, slots, gates, w1, w2)
     return _forward(x, slots, gates, w1, w2, bool(atomic), save=False)[0]

@@ -28,8 +28,6 @@ SwiGLU output), the gate is applied in fp32.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -37,20 +35,16 @@ import triton.language as tl
 from occult.kernels import config as _config
 from occult.kernels.grouped_gemm import dot_flags
 
-# Largest R*K for which `op.expert_mlp` takes this path in inference (env
-# OCCULT_SMALL_BATCH_PAIRS overrides; 0 turns it off). From the H100 measurement in docs/kernels.md.
-MAX_PAIRS_DEFAULT = 512
+# Largest R*K for which `op.expert_mlp` takes this path in inference (0 turns it off; a module
+# setting until occult.settings exists). From the H100 measurement in docs/kernels.md.
+MAX_PAIRS = 512
 # `down_by_row` is used for R <= this many rows (docs/kernels.md)
 DOWN_BY_ROW_MAX_ROWS = 0
 
 
-def max_pairs() -> int:
-    """The `R*K` threshold of the small-batch path (env `OCCULT_SMALL_BATCH_PAIRS`, else the default)."""
-    value = os.environ.get("OCCULT_SMALL_BATCH_PAIRS", "")
-    try:
-        return int(value) if value else MAX_PAIRS_DEFAULT
-    except ValueError:
-        raise ValueError(f"OCCULT_SMALL_BATCH_PAIRS must be an integer (0 = off), got {value!r}") from None
+def use_small_batch(num_pairs: int) -> bool:
+    """Whether an inference call with `num_pairs = R*K` entries takes this path."""
+    return num_pairs <= MAX_PAIRS
 
 
 @triton.jit

@@ -122,18 +122,17 @@ def test_inference_takes_the_small_batch_path(monkeypatch):
     with torch.no_grad():
         y = expert_mlp(*ins, backend="triton")
     assert calls == [1] and _rel(y, _reference(*ins)) < 1e-5
-    monkeypatch.setenv("OCCULT_SMALL_BATCH_PAIRS", "0")  # off: the grouped-GEMM path
+    from occult.kernels import small_batch
+
+    monkeypatch.setattr(small_batch, "MAX_PAIRS", 7)  # R*K = 8 > 7: the grouped-GEMM path
     with torch.no_grad():
         y = kernels.expert_mlp(*ins)
     assert calls == [1] and _rel(y, _reference(*ins)) < 1e-5
-    monkeypatch.delenv("OCCULT_SMALL_BATCH_PAIRS")
+    monkeypatch.undo()
+    monkeypatch.setattr(op, "expert_mlp_small_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = ins[0].clone().requires_grad_()  # autograd: the grouped-GEMM op
     kernels.expert_mlp(x, *ins[1:]).sum().backward()
     assert calls == [1] and x.grad is not None
-    monkeypatch.setenv("OCCULT_SMALL_BATCH_PAIRS", "many")
-    with pytest.raises(ValueError, match="OCCULT_SMALL_BATCH_PAIRS"):
-        with torch.no_grad():
-            kernels.expert_mlp(*ins)
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="kernels already tested in this process")
