@@ -8,6 +8,9 @@ Every rank builds the same random model (seeded, then broadcast from rank 0; bf1
 on CPU), with router weights re-drawn wider (std --router-std at hidden 2048, scaled by
 sqrt(2048/H)) so that top-k choices are separated as with a trained router. Variants:
 
+  native           the unconverted transformers model, its default experts implementation
+                   (grouped_mm in transformers 5.x), every rank its own batch (data parallel:
+                   its gradients are all-reduced in training); what a user runs without occult
   replicated       every rank holds all experts (converted over a one-rank group: occult's own
                    kernels, no expert-parallel traffic); the floor. Its expert gradients are
                    not all-reduced in training (that would be data-parallel traffic)
@@ -37,6 +40,11 @@ next-token cross-entropy, backward, hf.sync_gradients, optimizer step). Each ste
 random ids; ranks meet at a barrier before each step; a step's time is the slowest rank's
 (CUDA events on GPUs, wall clock on CPU). Rank 0 writes the JSON after every variant
 (atomically) and prints a Markdown table last. NCCL_P2P_DISABLE is only recorded.
+
+Hardware: the same run first measures a bf16 matmul's rate (8192^3 on GPUs) and a device copy's
+bandwidth (benchmarks/_roofline.py); every phase reports its model FLOPs (prefill: the forward with
+logits of the last position; train: 3x the forward with every position's logits), TFLOP/s and MFU
+(of the measured matmul rate), and the table its speed-up over native (native ms / its ms).
 """
 
 from __future__ import annotations
@@ -61,14 +69,15 @@ from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and 
     finish, free_memory, log, logit_errors, new_report, parser, quantiles, synchronize, time_steps as _time_steps,
     write_json,
 )
+from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
 from occult import Placement, set_overlap, two_batch_overlap  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
-VARIANTS = ("replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
-EXACT = ("replicated", "standard", "dedup", "dedup+placement", "hf-ep", "torchtitan")
+VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
+EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", "torchtitan")
 PEERS = ("hf-ep", "torchtitan")  # opt-in (not in "all" / the default list)
 PHASES = ("prefill", "train")
 TINY = {"tiny": "olmoe", "tiny-qwen3": "qwen3_moe", "tiny-deepseek": "deepseek_v3"}
@@ -94,7 +103,7 @@ def variant_list(text: str) -> list[str]:
     """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1)."""
     names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in names if split_chunks(v)[0] not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", split_chunks(v)[0])]
-    bad += [v for v in names if split_chunks(v)[0] in PEERS and v != split_chunks(v)[0]]
+    bad += [v for v in names if split_chunks(v)[0] in (*PEERS, "native") and v != split_chunks(v)[0]]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
@@ -266,6 +275,8 @@ def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.de
 
 def convert_variant(model: nn.Module, variant: str, placement: Placement | None, self_group: Any) -> nn.Module:
     """Convert `model` in place as `variant` (module docstring)."""
+    if variant == "native":
+        return model
     base, chunks = split_chunks(variant)
     if base != variant:
         model = convert_variant(model, base, placement, self_group)
@@ -382,9 +393,12 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer, is_tbo(variant))
             out = time_steps(step, args, cfg.vocab_size, device, shared)
             out["comm"] = {} if is_tbo(variant) or titan else comm_stats(model, device)
+            flops = (ctx["cost"].forward_flops(args.batch, args.seq, args.batch) if phase == "prefill"
+                     else ctx["cost"].train_flops(args.batch, args.seq))
+            out.update(rate(flops, out["ms_median"], ctx["peaks"]))
             res["phases"][phase] = out
             log(f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
-                f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+                f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU {out['mfu']:.1%}")
             del optimizer
             model.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -395,23 +409,27 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
 
 
 def table(results: dict[str, dict], phases: list[str]) -> str:
-    """Markdown: variant x phase -> ms (p10-p90), tokens/s/GPU, ratio to the replicated floor, rows sent."""
-    lines = ["| variant | phase | ms median (p10-p90) | tokens/s/GPU | x floor | rows sent/step/GPU (remote) | check median / p95 |",
-             "|---|---|---|---|---|---|---|"]
+    """Markdown: variant x phase -> ms (p10-p90), tokens/s/GPU, speed-up over native (native ms / ms), MFU,
+    ratio to the replicated floor, rows sent."""
+    lines = ["| variant | phase | ms median (p10-p90) | tokens/s/GPU | native/this | MFU | x floor | "
+             "rows sent/step/GPU (remote) | check median / p95 |", "|---|---|---|---|---|---|---|---|---|"]
     for v, r in results.items():
         chk = f"{r['check']['median_rel_err']:.1e} / {r['check']['p95_rel_err']:.1e}" + ("" if r["check"]["passed"] else " FAILED")
         for ph in phases:
             t = r["phases"].get(ph)
             if t is None:
-                lines.append(f"| {v} | {ph} | not timed | | | | {chk} |")
+                lines.append(f"| {v} | {ph} | not timed | | | | | | {chk} |")
                 continue
             floor = results.get("replicated", {}).get("phases", {}).get(ph)
             ratio = f"{t['ms_median'] / floor['ms_median']:.3f}" if floor else "-"
+            native = results.get("native", {}).get("phases", {}).get(ph)
+            speedup = f"{native['ms_median'] / t['ms_median']:.2f}" if native else "-"
+            mfu = f"{t['mfu']:.1%}" if "mfu" in t else "-"
             c = t["comm"]
             rows = (f"{c.get('forward_rows', 0) + c.get('backward_rows', 0):,.0f} "
                     f"({c.get('forward_remote_rows', 0) + c.get('backward_remote_rows', 0):,.0f})") if c else "-"
             lines.append(f"| {v} | {ph} | {t['ms_median']:.2f} ({t['ms_p10']:.2f}-{t['ms_p90']:.2f}) | "
-                         f"{t['tokens_per_s_per_gpu']:,.0f} | {ratio} | {rows} | {chk} |")
+                         f"{t['tokens_per_s_per_gpu']:,.0f} | {speedup} | {mfu} | {ratio} | {rows} | {chk} |")
     return "\n".join(lines)
 
 
@@ -458,10 +476,15 @@ def main(argv: list[str] | None = None) -> int:
     if any(v == "dedup+placement" or v.startswith("pruned") for v in (split_chunks(v)[0] for v in args.variants)):
         placement, report["placement"] = solve_placement(ref, args, device, world)
     hf_ep_dir = hf_ep.save(ref) if "hf-ep" in args.variants else None
+    cost = ModelCost.of(ref)  # of the unconverted model: all experts, whatever the world size
     del ref
     free_memory(device)
+    report["peaks"] = measure_peaks(device, dtype)
+    report["model_cost"] = cost.describe()
+    log(f"measured: {report['peaks']['matmul_tflops']:.0f} TFLOP/s ({report['peaks']['matmul_n']}^3 "
+        f"{report['peaks']['matmul_dtype']} matmul), {report['peaks']['copy_gb_s']:.0f} GB/s (device copy)")
     ctx = dict(device=device, dtype=dtype, placement=placement, self_group=self_group,
-               check_ids=check_ids, ref_logits=ref_logits, hf_ep_dir=hf_ep_dir)
+               check_ids=check_ids, ref_logits=ref_logits, hf_ep_dir=hf_ep_dir, cost=cost, peaks=report["peaks"])
     for variant in args.variants:
         report["variants"][variant] = run_variant(variant, args, cfg, ctx)
         if rank == 0 and args.out:

@@ -13,8 +13,8 @@ from _bench_helpers import ROOT, python, torchrun  # tests/tools/_bench_helpers.
 pytest.importorskip("transformers")
 
 SCRIPT = ROOT / "benchmarks" / "e2e.py"
-VARIANTS = ("replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
-EXACT = ("replicated", "standard", "dedup", "dedup+placement")
+VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
+EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement")
 PHASES = ("prefill", "train")
 _torchrun = functools.partial(torchrun, SCRIPT)
 
@@ -39,13 +39,28 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
             t = v["phases"][phase]
             assert 0 < t["ms_p10"] <= t["ms_median"] <= t["ms_p90"], (name, phase, t)
             assert len(t["ms_all"]) == 2 and t["tokens_per_s_per_gpu"] > 0
+            assert t["mfu"] == pytest.approx(t["flops"] / (t["ms_median"] / 1e3) / 1e12 / report["peaks"]["matmul_tflops"])
+            if name == "native":  # the unconverted model: no occult layers, no rows reported
+                assert t["comm"] == {}
+                continue
             assert t["comm"]["forward_rows"] > 0
             assert (t["comm"]["backward_rows"] > 0) == (phase == "train")
+    assert report["variants"]["native"]["check"]["median_rel_err"] == 0  # it is the reference model
+    peaks, cost = report["peaks"], report["model_cost"]
+    assert peaks["matmul_tflops"] > 0 and peaks["copy_gb_s"] > 0 and cost["moe_layers"] == 2
+    # tiny OLMoE (hidden 32, 4 heads and 2 KV heads of 8, 8 experts x 16, top-3, 2 layers, vocab 256), by hand
+    H, F, E, k, V, L, B, S = 32, 16, 8, 3, 256, 2, 2, 32
+    active = L * (3 * H * H + E * H + k * 3 * H * F)  # q, o: H x H; k, v: H x H/2; router; top-k experts
+    prefill = 2 * active * B * S + L * 4 * H * B * S * (S + 1) / 2 + 2 * V * H * B
+    assert report["variants"]["native"]["phases"]["prefill"]["flops"] == pytest.approx(prefill)
+    assert report["variants"]["native"]["phases"]["train"]["flops"] == pytest.approx(3 * (prefill + 2 * V * H * (B * S - B)))
     comm = {n: report["variants"][n]["phases"]["prefill"]["comm"] for n in ("replicated", "standard", "dedup")}
     assert comm["replicated"]["forward_remote_rows"] == 0  # the floor moves nothing between ranks
     assert comm["dedup"]["forward_rows"] < comm["standard"]["forward_rows"]
     last = res.stdout.strip().splitlines()
     assert last[-1].startswith("| pruned1 | train |") and any(line.startswith("| replicated | prefill |") for line in last)
+    native_row = next(line for line in last if line.startswith("| native | prefill |")).split("|")
+    assert native_row[5].strip() == "1.00" and native_row[6].strip().endswith("%")  # native/this, MFU
 
 
 def test_e2e_pipelined_and_two_batch_variants_are_exact_and_send_the_same_rows(tmp_path):
@@ -65,7 +80,7 @@ def test_e2e_pipelined_and_two_batch_variants_are_exact_and_send_the_same_rows(t
 
 
 def test_e2e_unknown_variant_fails_clearly():
-    for bad in ("dedup,bogus", "dedup/c0", "hf-ep/c2", "hf-ep/tbo", "dedup/tbo/c2", "torchtitan/tbo"):
+    for bad in ("dedup,bogus", "dedup/c0", "native/c2", "native/tbo", "hf-ep/c2", "hf-ep/tbo", "dedup/tbo/c2", "torchtitan/tbo"):
         res = python(SCRIPT, "--variants", bad)
         assert res.returncode != 0
         assert "unknown variant" in res.stderr and bad.split(",")[-1] in res.stderr
