@@ -23,9 +23,9 @@ import torch
 
 from occult.placement.layout import Placement, PlacementError
 from occult.placement.stats import (
-    _CHUNK,
-    _device_map,
-    _ids,
+    TOKEN_CHUNK,
+    as_topk_ids,
+    expert_device_map,
     analytic_mean_ct,
     coactivation,
     collaboration,
@@ -100,11 +100,11 @@ def layer_stats(
 ) -> LayerStats:
     """All statistics of one layer; pass `coact_EE` to reuse a co-activation matrix already computed.
     `num_nodes` (taken from a `Placement`) groups devices node-major for E[N_T]."""
-    ids = _ids(topk_ids_TK)
+    ids = as_topk_ids(topk_ids_TK)
     if isinstance(expert_device_E, Placement):
         num_devices = expert_device_E.num_devices
         num_nodes = expert_device_E.num_nodes
-    dev = _device_map(expert_device_E)
+    dev = expert_device_map(expert_device_E)
     if num_devices is None:
         raise ValueError("num_devices is needed when the placement is given as an array")
     if dev.shape != (num_experts,):
@@ -118,8 +118,8 @@ def layer_stats(
     rows_D = np.zeros(num_devices, dtype=np.int64)
     hist = np.zeros(min(K, num_devices) + 1, dtype=np.int64)
     nhist = np.zeros(min(K, num_nodes) + 1, dtype=np.int64)
-    for s in range(0, T, _CHUNK):
-        pres = device_presence(ids[s : s + _CHUNK], dev, num_devices)
+    for s in range(0, T, TOKEN_CHUNK):
+        pres = device_presence(ids[s : s + TOKEN_CHUNK], dev, num_devices)
         rows_D += pres.sum(0)
         hist += np.bincount(pres.sum(1), minlength=hist.shape[0])[: hist.shape[0]]
         n_T = pres.reshape(pres.shape[0], num_nodes, -1).any(2).sum(1)

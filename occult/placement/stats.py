@@ -32,7 +32,7 @@ import torch
 
 from occult.placement.layout import Placement, check_divisible
 
-_CHUNK = 1 << 17  # tokens per chunk for the dense [chunk, E] / [chunk, D] work arrays
+TOKEN_CHUNK = 1 << 17  # tokens per chunk for the dense [chunk, E] / [chunk, D] work arrays
 
 _DTYPE_ALIASES = {
     "bf16": torch.bfloat16,
@@ -63,7 +63,8 @@ def element_size(dtype: str | torch.dtype | np.dtype) -> int:
     return int(np.dtype(dtype).itemsize)
 
 
-def _ids(topk_ids_TK: Any) -> np.ndarray:
+def as_topk_ids(topk_ids_TK: Any) -> np.ndarray:
+    """[T, K] routing ids (a tensor or array-like) as a numpy array; a clear error unless it is 2-D."""
     if isinstance(topk_ids_TK, torch.Tensor):
         topk_ids_TK = topk_ids_TK.detach().cpu().numpy()
     a = np.asarray(topk_ids_TK)
@@ -72,7 +73,8 @@ def _ids(topk_ids_TK: Any) -> np.ndarray:
     return a
 
 
-def _device_map(expert_device: Placement | np.ndarray | Sequence[int], layer: int = 0) -> np.ndarray:
+def expert_device_map(expert_device: Placement | np.ndarray | Sequence[int], layer: int = 0) -> np.ndarray:
+    """[E] expert -> device of one layer, from a `Placement` or an expert -> device sequence."""
     if isinstance(expert_device, Placement):
         return expert_device.expert_device(layer)
     return np.asarray(expert_device, dtype=np.int64)
@@ -81,7 +83,7 @@ def _device_map(expert_device: Placement | np.ndarray | Sequence[int], layer: in
 # ------------------------------------------------------------------ per expert
 def expert_load(topk_ids_TK: Any, num_experts: int, weights_T: np.ndarray | None = None) -> np.ndarray:
     """[E] tokens routed to each expert (weighted by `weights_T` when given)."""
-    ids = _ids(topk_ids_TK)
+    ids = as_topk_ids(topk_ids_TK)
     w = None if weights_T is None else np.repeat(np.asarray(weights_T, np.float64), ids.shape[1])
     out = np.bincount(ids.reshape(-1).astype(np.intp), weights=w, minlength=num_experts)
     return out if w is not None else out.astype(np.int64)
@@ -93,7 +95,7 @@ def coactivation(topk_ids_TK: Any, num_experts: int, weights_T: np.ndarray | Non
     A bincount over every token's k(k-1)/2 expert pairs, in chunks of tokens: exact integer
     counts (float64 when weighted), and no BLAS, whose threads stall on shared cores.
     """
-    ids = _ids(topk_ids_TK).astype(np.intp)
+    ids = as_topk_ids(topk_ids_TK).astype(np.intp)
     T, K = ids.shape
     E = int(num_experts)
     w = None if weights_T is None else np.asarray(weights_T, np.float64)
@@ -114,8 +116,8 @@ def coactivation(topk_ids_TK: Any, num_experts: int, weights_T: np.ndarray | Non
 # ------------------------------------------------------------------ per token
 def device_presence(topk_ids_TK: Any, expert_device_E: Any, num_devices: int) -> np.ndarray:
     """[T, D] bool: does token t have at least one of its experts on device d."""
-    ids = _ids(topk_ids_TK)
-    dev = _device_map(expert_device_E)
+    ids = as_topk_ids(topk_ids_TK)
+    dev = expert_device_map(expert_device_E)
     dev_TK = dev[ids.astype(np.intp)]
     T = ids.shape[0]
     out = np.zeros((T, num_devices), dtype=bool)
@@ -125,12 +127,12 @@ def device_presence(topk_ids_TK: Any, expert_device_E: Any, num_devices: int) ->
 
 def devices_per_token(topk_ids_TK: Any, expert_device_E: Any, num_devices: int) -> np.ndarray:
     """[T] C_T: number of distinct devices among each token's experts (1 <= C_T <= min(k, D))."""
-    ids = _ids(topk_ids_TK)
-    dev = _device_map(expert_device_E)
+    ids = as_topk_ids(topk_ids_TK)
+    dev = expert_device_map(expert_device_E)
     T = ids.shape[0]
     out = np.empty(T, dtype=np.int64)
-    for s in range(0, T, _CHUNK):
-        out[s : s + _CHUNK] = device_presence(ids[s : s + _CHUNK], dev, num_devices).sum(1)
+    for s in range(0, T, TOKEN_CHUNK):
+        out[s : s + TOKEN_CHUNK] = device_presence(ids[s : s + TOKEN_CHUNK], dev, num_devices).sum(1)
     return out
 
 
@@ -158,7 +160,7 @@ def analytic_mean_ct(num_experts: int, top_k: int, num_devices: int) -> float:
 
 def collaboration(coact_EE: np.ndarray, expert_device_E: Any) -> tuple[float, float]:
     """(intra, inter): co-activated expert pairs (a < b, counted per token) on the same / different devices."""
-    dev = _device_map(expert_device_E)
+    dev = expert_device_map(expert_device_E)
     upper = np.triu(np.asarray(coact_EE, dtype=np.float64), k=1)
     same = dev[:, None] == dev[None, :]
     intra = float(upper[same].sum())

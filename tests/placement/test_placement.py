@@ -19,14 +19,14 @@ from occult.placement.solvers import (
     refine_swaps,
     solve_layer,
 )
-from occult.placement.solvers.swap import _SwapState
+from occult.placement.solvers.swap import SwapState
 from occult.placement.stats import analytic_mean_ct, coactivation, mean_ct
 from occult.placement.synthetic import planted_trace, uniform_trace
 
 
-def _state(ids: np.ndarray, E: int, D: int) -> _SwapState:
+def _state(ids: np.ndarray, E: int, D: int) -> SwapState:
     sets, w = merge_token_sets(ids, E)
-    return _SwapState(sets, w, E, D)
+    return SwapState(sets, w, E, D)
 
 
 # ------------------------------------------------------------------ building blocks

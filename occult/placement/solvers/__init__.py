@@ -14,8 +14,8 @@
 - hierarchical (`place(..., num_nodes=M)`): any method, first experts to M nodes (E[N_T]),
   then each node's experts to its D/M GPUs (E[C_T], swaps inside nodes).
 
-One module per job: `solve` (the registry: `METHODS`, `solve_layer`, `place`, `best_method`,
-the contiguous baseline), `greedy` (the paper's clustering), `hypergraph` (Mt-KaHyPar) and
+One module per job: `solve` (the registry: `solve_layer`, `place`, `best_method`), `flat` (one
+layer: `METHODS`, the candidates, the contiguous baseline), `greedy` (the paper's clustering), `hypergraph` (Mt-KaHyPar) and
 `swap` (the exact swap refinement and the load-bound repair), `hierarchical` (nodes, then GPUs).
 """
 

@@ -4,7 +4,7 @@ Across nodes the slow link dominates, so the first objective is E[N_T], the expe
 distinct *nodes* a token's experts sit on; the second, within that, is E[C_T] (distinct GPUs).
 Both are connectivity objectives of the same token hypergraph, so the solve is recursive:
 
-1. **nodes**: the flat solver (`_solve_layer`, any method) partitions the E experts into M
+1. **nodes**: the flat solver (`solve_layer_flat`, any method) partitions the E experts into M
    node-parts of E/M; for `hypergraph` that is Mt-KaHyPar plus the exact swap refinement of
    E[N_T] on all tokens, with greedy and contiguous as candidates;
 2. **GPUs**: each node's experts are partitioned into its D/M GPUs: contiguous, the paper's
@@ -25,14 +25,14 @@ import numpy as np
 
 from occult.placement.layout import PlacementError, check_divisible
 from occult.placement.solvers.greedy import greedy_layer
-from occult.placement.solvers.hypergraph import _sample_tokens, kahypar_partition
-from occult.placement.solvers.solve import LayerResult, _solve_layer
+from occult.placement.solvers.hypergraph import sample_tokens, kahypar_partition
+from occult.placement.solvers.flat import LayerResult, solve_layer_flat
 from occult.placement.solvers.swap import (
-    _device_load,
-    _imbalance,
-    _load_cap,
-    _repair_load,
-    _SwapState,
+    device_load,
+    load_imbalance,
+    device_load_cap,
+    repair_load,
+    SwapState,
     merge_token_sets,
     refine_swaps,
 )
@@ -61,7 +61,7 @@ def _node_edges(sets_UK: np.ndarray, w_U: np.ndarray, members: np.ndarray, num_e
     return [list(e) for e in merged], list(merged.values())
 
 
-def _per_node_cost(state: _SwapState, dev_E: np.ndarray, num_nodes: int) -> np.ndarray:
+def _per_node_cost(state: SwapState, dev_E: np.ndarray, num_nodes: int) -> np.ndarray:
     """[M] sum_u w_u (GPUs of node n among u's experts): E[C_T] * T split by node."""
     N_UD = state.counts(dev_E)
     G = state.D // num_nodes
@@ -69,7 +69,7 @@ def _per_node_cost(state: _SwapState, dev_E: np.ndarray, num_nodes: int) -> np.n
     return (state.w[:, None] * used).sum(0)
 
 
-def _solve_layer_hierarchical(
+def solve_layer_hierarchical(
     topk_ids_TK: np.ndarray,
     num_experts: int,
     num_devices: int,
@@ -81,21 +81,23 @@ def _solve_layer_hierarchical(
     kahypar_tokens: int,
     coact_EE: np.ndarray | None,
 ) -> LayerResult:
+    """One layer on `num_devices` devices in `num_nodes` nodes (module docstring): experts to nodes
+    by E[N_T], then each node's experts to its GPUs by E[C_T]; `mean_nt` holds E[N_T]."""
     t0 = time.perf_counter()
     G = check_nodes(num_devices, num_nodes)
     per = check_divisible(num_experts, num_devices)
     if num_nodes == 1:
-        res = _solve_layer(topk_ids_TK, num_experts, num_devices, method, max_load_ratio, seed, threads, kahypar_tokens, coact_EE)
+        res = solve_layer_flat(topk_ids_TK, num_experts, num_devices, method, max_load_ratio, seed, threads, kahypar_tokens, coact_EE)
         res.mean_nt = 1.0
         return res
     ids = np.asarray(topk_ids_TK)
     if coact_EE is None and method != "contiguous":
         coact_EE = coactivation(ids, num_experts)
-    nodes = _solve_layer(ids, num_experts, num_nodes, method, max_load_ratio, seed, threads, kahypar_tokens, coact_EE)
+    nodes = solve_layer_flat(ids, num_experts, num_nodes, method, max_load_ratio, seed, threads, kahypar_tokens, coact_EE)
     node_E = nodes.expert_device_E.astype(np.intp)
     sets, weights = merge_token_sets(ids, num_experts)
-    state = _SwapState(sets, weights, num_experts, num_devices)
-    cap = _load_cap(state.load_E, num_devices, max_load_ratio)
+    state = SwapState(sets, weights, num_experts, num_devices)
+    cap = device_load_cap(state.load_E, num_devices, max_load_ratio)
     members_M = [np.flatnonzero(node_E == n) for n in range(num_nodes)]  # ascending ids
 
     def assemble(parts: list[np.ndarray]) -> np.ndarray:
@@ -105,7 +107,7 @@ def _solve_layer_hierarchical(
         return dev
 
     def repaired(dev: np.ndarray) -> np.ndarray:
-        return dev if cap is None else _repair_load(state, dev.copy(), state.counts(dev), cap, node_E)[0]
+        return dev if cap is None else repair_load(state, dev.copy(), state.counts(dev), cap, node_E)[0]
 
     candidates: dict[str, np.ndarray] = {"contiguous": repaired(assemble([np.arange(len(m)) // per for m in members_M]))}
     if method != "contiguous" and G > 1 and per > 1:
@@ -114,7 +116,7 @@ def _solve_layer_hierarchical(
         if method == "hypergraph":
             candidates["greedy+refine"] = refine_swaps(state, greedy, cap, group_E=node_E)
             rng = np.random.default_rng(seed)
-            sub_sets, sub_w = merge_token_sets(_sample_tokens(ids, kahypar_tokens, rng), num_experts)
+            sub_sets, sub_w = merge_token_sets(sample_tokens(ids, kahypar_tokens, rng), num_experts)
             parts = []
             for n, mem in enumerate(members_M):
                 edges, w = _node_edges(sub_sets, sub_w, mem, num_experts)
@@ -122,20 +124,10 @@ def _solve_layer_hierarchical(
                 parts.append(part)
             dev = assemble([_fix_sizes(p, G) for p in parts])
             candidates["kahypar+refine"] = refine_swaps(state, dev, cap, group_E=node_E)
-    # E[C_T] is a sum over nodes: each node keeps its best (feasible) candidate.
     names = list(candidates)
     cost_CM = np.stack([_per_node_cost(state, candidates[c], num_nodes) for c in names])
-    dev = np.empty(num_experts, dtype=np.intp)
-    chosen = []
-    warning = nodes.warning
-    for n, mem in enumerate(members_M):
-        peak = [_device_load(candidates[c], state.load_E, num_devices)[n * G : (n + 1) * G].max() for c in names]
-        ok = [i for i in range(len(names)) if cap is None or peak[i] <= cap]
-        best = min(ok, key=lambda i: cost_CM[i, n]) if ok else int(np.argmin(peak))
-        if not ok and warning is None:
-            warning = f"no GPU split of node {n} meets max_load_ratio={max_load_ratio}; the most balanced one is kept"
-        dev[mem] = candidates[names[best]][mem]
-        chosen.append(names[best])
+    dev, chosen, warning = _best_per_node(state, candidates, cost_CM, members_M, cap, max_load_ratio)
+    warning = nodes.warning or warning
     scored = {f"nodes:{k}": v for k, v in nodes.candidates.items()}
     scored.update({f"gpus:{c}": float(cost_CM[i].sum() / state.total_weight) for i, c in enumerate(names)})
     wins = sorted(set(chosen), key=chosen.index)
@@ -144,11 +136,36 @@ def _solve_layer_hierarchical(
         f"{nodes.method} / {','.join(wins)}",
         state.mean_ct(dev),
         scored,
-        _imbalance(dev, state.load_E, num_devices),
+        load_imbalance(dev, state.load_E, num_devices),
         time.perf_counter() - t0,
         warning,
         mean_nt=nodes.mean_ct,
     )
+
+
+def _best_per_node(
+    state: SwapState,
+    candidates: dict[str, np.ndarray],
+    cost_CM: np.ndarray,
+    members_M: list[np.ndarray],
+    cap: float | None,
+    max_load_ratio: float | None,
+) -> tuple[np.ndarray, list[str], str | None]:
+    """E[C_T] is a sum over nodes, so each node keeps its best feasible candidate (else its most
+    balanced one, with a warning): (expert -> device, the candidate each node kept, warning)."""
+    names = list(candidates)
+    G = state.D // len(members_M)
+    dev = np.empty(state.E, dtype=np.intp)
+    chosen, warning = [], None
+    for n, mem in enumerate(members_M):
+        peak = [device_load(candidates[c], state.load_E, state.D)[n * G : (n + 1) * G].max() for c in names]
+        ok = [i for i in range(len(names)) if cap is None or peak[i] <= cap]
+        best = min(ok, key=lambda i: cost_CM[i, n]) if ok else int(np.argmin(peak))
+        if not ok and warning is None:
+            warning = f"no GPU split of node {n} meets max_load_ratio={max_load_ratio}; the most balanced one is kept"
+        dev[mem] = candidates[names[best]][mem]
+        chosen.append(names[best])
+    return dev, chosen, warning
 
 
 def _fix_sizes(part: np.ndarray, G: int) -> np.ndarray:

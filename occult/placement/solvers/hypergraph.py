@@ -2,7 +2,7 @@
 
 Tokens are hyperedges over their k experts (identical expert sets merged into one weighted
 hyperedge); the connectivity (km1) objective divided by T is E[C_T] - 1. Mt-KaHyPar partitions
-a seeded sample of the hyperedges (`_sample_tokens`) with exact balance; the swap refinement
+a seeded sample of the hyperedges (`sample_tokens`) with exact balance; the swap refinement
 (`occult.placement.solvers.swap`) then lowers E[C_T] on all tokens.
 """
 
@@ -71,7 +71,8 @@ def kahypar_partition(
         return np.asarray(part.get_partition(), dtype=np.intp)
 
 
-def _sample_tokens(topk_ids_TK: np.ndarray, max_tokens: int, rng: np.random.Generator) -> np.ndarray:
+def sample_tokens(topk_ids_TK: np.ndarray, max_tokens: int, rng: np.random.Generator) -> np.ndarray:
+    """At most `max_tokens` rows of `topk_ids_TK`, drawn without replacement with `rng`, in order."""
     T = topk_ids_TK.shape[0]
     if T <= max_tokens:
         return topk_ids_TK

@@ -1,10 +1,10 @@
 """Swap refinement: exact E[C_T] bookkeeping of one layer and the local search that lowers it.
 
 Tokens that picked the same expert set are merged into one weighted token
-(`merge_token_sets`); `_SwapState` keeps, for a layer's expert -> device map, how many of each
+(`merge_token_sets`); `SwapState` keeps, for a layer's expert -> device map, how many of each
 token's experts sit on each device. `refine_swaps` then trades experts between devices while
 the exact cost drops, keeping E/D experts per device; `rebalance_counts` repairs a partition
-whose device sizes are off, and `_repair_load` / `_repair_only` bring device loads under a
+whose device sizes are off, and `repair_load` / `repair_load_only` bring device loads under a
 `max_load_ratio` bound with the swaps that cost the least E[C_T].
 
 The swap refinement evaluates every cross-device swap at once. With B the [U, E] incidence
@@ -46,7 +46,7 @@ def merge_token_sets(topk_ids_TK: np.ndarray, num_experts: int) -> tuple[np.ndar
     return sets, counts.astype(np.int64)
 
 
-class _SwapState:
+class SwapState:
     """Tokens of one layer (merged, weighted) and exact E[C_T] bookkeeping for moves and swaps.
 
     The refinement state is `N_UD`, the pins of token u on device d, updated in place by
@@ -153,18 +153,20 @@ class _SwapState:
         dev_E[a] = q
 
 
-def _device_load(dev_E: np.ndarray, load_E: np.ndarray, num_devices: int) -> np.ndarray:
+def device_load(dev_E: np.ndarray, load_E: np.ndarray, num_devices: int) -> np.ndarray:
     """[D] token-expert assignments each device computes."""
     return np.bincount(dev_E, weights=load_E, minlength=num_devices)
 
 
-def _imbalance(dev_E: np.ndarray, load_E: np.ndarray, num_devices: int) -> float:
-    load_D = _device_load(dev_E, load_E, num_devices)
+def load_imbalance(dev_E: np.ndarray, load_E: np.ndarray, num_devices: int) -> float:
+    """max / mean device load of the map `dev_E` (1.0 when nothing is loaded)."""
+    load_D = device_load(dev_E, load_E, num_devices)
     mean = load_D.mean()
     return float(load_D.max() / mean) if mean > 0 else 1.0
 
 
-def _load_cap(load_E: np.ndarray, num_devices: int, max_load_ratio: float | None) -> float | None:
+def device_load_cap(load_E: np.ndarray, num_devices: int, max_load_ratio: float | None) -> float | None:
+    """The largest device load `max_load_ratio` allows (None: no bound); a ratio below 1 is an error."""
     if max_load_ratio is None:
         return None
     if not max_load_ratio >= 1.0:
@@ -175,13 +177,13 @@ def _load_cap(load_E: np.ndarray, num_devices: int, max_load_ratio: float | None
 
 def _swap_loads(dev_E: np.ndarray, load_E: np.ndarray, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
     """([E, E] the larger load of a's and b's devices after swapping a and b, [D] current loads)."""
-    load_D = _device_load(dev_E, load_E, num_devices)
+    load_D = device_load(dev_E, load_E, num_devices)
     lp = load_D[dev_E]
     dl = load_E[None, :] - load_E[:, None]  # a's device gains l_b - l_a, b's loses it
     return np.maximum(lp[:, None] + dl, lp[None, :] - dl), load_D
 
 
-def rebalance_counts(state: _SwapState, dev_E: np.ndarray) -> np.ndarray:
+def rebalance_counts(state: SwapState, dev_E: np.ndarray) -> np.ndarray:
     """Make every device hold exactly E/D experts, with the moves that raise the cost least."""
     dev = np.asarray(dev_E, dtype=np.intp).copy()
     per = state.E // state.D
@@ -198,7 +200,7 @@ def rebalance_counts(state: _SwapState, dev_E: np.ndarray) -> np.ndarray:
 
 
 def refine_swaps(
-    state: _SwapState,
+    state: SwapState,
     dev_E: np.ndarray,
     load_cap: float | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
@@ -209,7 +211,7 @@ def refine_swaps(
     Each round computes every swap's exact change, applies the best one, then tries the next
     best swaps of experts not yet moved this round one by one, keeping each only if the exact
     cost still drops (and the load cap holds). Ends at a swap-local optimum. With
-    `load_cap`, a start that violates the cap is first repaired (`_repair_load`); if the cap
+    `load_cap`, a start that violates the cap is first repaired (`repair_load`); if the cap
     cannot be met, the most balanced layout found is returned unrefined. With `group_E` (e.g.
     each expert's node), only experts of the same group trade places: groups keep their experts.
     """
@@ -218,8 +220,8 @@ def refine_swaps(
         return dev
     N = state.counts(dev)
     if load_cap is not None:
-        dev, N = _repair_load(state, dev, N, load_cap, group_E)
-        if _device_load(dev, state.load_E, state.D).max() > load_cap:
+        dev, N = repair_load(state, dev, N, load_cap, group_E)
+        if device_load(dev, state.load_E, state.D).max() > load_cap:
             return dev
     iu = np.triu_indices(state.E, 1)
     for _ in range(max_rounds):
@@ -243,7 +245,7 @@ def refine_swaps(
             if rejected >= MAX_REJECTS_PER_ROUND:
                 break
             if applied and load_cap is not None:
-                load_D = _device_load(dev, state.load_E, state.D)
+                load_D = device_load(dev, state.load_E, state.D)
                 d_l = state.load_E[b] - state.load_E[a]
                 if max(load_D[dev[a]] + d_l, load_D[dev[b]] - d_l) > load_cap:
                     continue
@@ -257,8 +259,8 @@ def refine_swaps(
     return dev
 
 
-def _repair_load(
-    state: _SwapState, dev: np.ndarray, N: np.ndarray, load_cap: float, group_E: np.ndarray | None = None
+def repair_load(
+    state: SwapState, dev: np.ndarray, N: np.ndarray, load_cap: float, group_E: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Swaps that lower the hottest device's load until `load_cap` holds, cheapest in E[C_T] first."""
     for _ in range(4 * state.E):  # each swap strictly cools the hottest device; bound the walk
@@ -284,7 +286,7 @@ def _repair_load(
     return dev, N
 
 
-def _repair_only(state: _SwapState, dev_E: np.ndarray, cap: float) -> np.ndarray:
+def repair_load_only(state: SwapState, dev_E: np.ndarray, cap: float) -> np.ndarray:
     """`dev_E` with its device loads brought under `cap` (cheapest swaps first), not refined further."""
     dev = np.asarray(dev_E, dtype=np.intp).copy()
-    return _repair_load(state, dev, state.counts(dev), cap)[0]
+    return repair_load(state, dev, state.counts(dev), cap)[0]
