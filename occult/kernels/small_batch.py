@@ -218,8 +218,77 @@ def _down_rows_kernel(
     tl.store(y_ptr + row.to(tl.int64) * stride_yr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
-def _bins(num_experts: int) -> int:
-    return max(16, triton.next_power_of_2(num_experts + 1))
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def swiglu_small_batch(x_RH: torch.Tensor, slots_RK: torch.Tensor, gate_up_EFH: torch.Tensor) -> torch.Tensor:
+    """Stage 1: `h [R*K, F]` (x's dtype), `h[r*K+k] = silu(x_r Wg^T) * (x_r Wu^T)` for valid
+    slots (padding rows of `h` are left unwritten). One launch, `min(R*K, E) x cdiv(F, BLOCK_N)`
+    programs."""
+    num_rows, hidden = x_RH.shape
+    num_slots = slots_RK.shape[1]
+    num_experts, two_f, _ = gate_up_EFH.shape
+    n, ffn = num_rows * num_slots, two_f // 2
+    h = x_RH.new_empty((n, ffn))
+    if n == 0 or num_experts == 0:
+        return h
+    upcast, prec = dot_flags(x_RH.dtype)
+    cfg = _config.get("small_gate_up", x_RH.dtype)
+    _gate_up_kernel[(min(n, num_experts), triton.cdiv(ffn, cfg.block_n))](
+        x_RH, slots_RK, gate_up_EFH, h, n, num_slots, num_experts, hidden, ffn,
+        x_RH.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2),
+        EVEN_K=hidden % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
+        N_POW2=_pow2(n), B_POW2=_pow2(num_experts + 1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return h
+
+
+def down_combine_small_batch(
+    h_PF: torch.Tensor,
+    slots_RK: torch.Tensor,
+    gates_RK: torch.Tensor,
+    down_EHF: torch.Tensor,
+    down_by_row: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Stage 2: `y[r] = sum_k g[r,k] * Wd[s] h[r*K+k]` over valid slots (fp32), in `out_dtype`.
+    Two launches (expert-grouped down product into fp32 pair rows, then the row combine), or
+    one with `down_by_row` (a GEMV per (row, slot); an expert is read once per row using it)."""
+    num_rows, num_slots = slots_RK.shape
+    num_experts, hidden, ffn = down_EHF.shape
+    n = num_rows * num_slots
+    y = torch.empty((num_rows, hidden), device=h_PF.device, dtype=out_dtype)
+    if n == 0 or num_experts == 0:
+        return y.zero_()
+    if down_by_row:
+        cfg = _config.get("small_down_row", h_PF.dtype)
+        _down_rows_kernel[(num_rows, triton.cdiv(hidden, cfg.block_n))](
+            h_PF, slots_RK, gates_RK, down_EHF, y, num_slots, num_experts, hidden, ffn,
+            down_EHF.stride(0), down_EHF.stride(1), down_EHF.stride(2), y.stride(0),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return y
+    upcast, prec = dot_flags(h_PF.dtype)
+    o = torch.empty((n, hidden), device=h_PF.device, dtype=torch.float32)
+    cfg = _config.get("small_down", h_PF.dtype)
+    _down_kernel[(min(n, num_experts), triton.cdiv(hidden, cfg.block_n))](
+        h_PF, slots_RK, gates_RK, down_EHF, o, n, num_experts, hidden, ffn,
+        down_EHF.stride(0), down_EHF.stride(1), down_EHF.stride(2),
+        EVEN_K=ffn % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
+        N_POW2=_pow2(n), B_POW2=_pow2(num_experts + 1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    cfg = _config.get("small_combine")
+    block_n = min(cfg.block_n, triton.next_power_of_2(hidden))
+    _combine_kernel[(triton.cdiv(num_rows, cfg.block_m), triton.cdiv(hidden, block_n))](
+        o, slots_RK, y, num_rows, num_slots, num_experts, hidden, y.stride(0),
+        BLOCK_R=cfg.block_m, BLOCK_N=block_n, num_warps=cfg.num_warps,
+    )
+    return y
 
 
 def expert_mlp_small_batch(
@@ -237,49 +306,7 @@ def expert_mlp_small_batch(
     Inputs as `op.expert_mlp` passes them: x, slots and gates contiguous, weights in x's dtype
     (any strides). No autograd. `R*K` is the grid bound; nothing is read back to the host.
     """
-    num_rows, hidden = x_RH.shape
-    num_slots = slots_RK.shape[1]
-    num_experts, two_f, _ = gate_up_EFH.shape
-    ffn = two_f // 2
-    n = num_rows * num_slots
-    y = x_RH.new_empty((num_rows, hidden))
-    if n == 0 or num_experts == 0:
-        return y.zero_()
     if down_by_row is None:
-        down_by_row = num_rows <= DOWN_BY_ROW_MAX_ROWS
-    upcast, prec = dot_flags(x_RH.dtype)
-    n_pow2, b_pow2 = max(16, triton.next_power_of_2(n)), _bins(num_experts)
-    ranks = min(n, num_experts)  # at most this many distinct experts are present
-    h = x_RH.new_empty((n, ffn))
-    cfg = _config.get("small_gate_up", x_RH.dtype)
-    _gate_up_kernel[(ranks, triton.cdiv(ffn, cfg.block_n))](
-        x_RH, slots_RK, gate_up_EFH, h, n, num_slots, num_experts, hidden, ffn,
-        x_RH.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2),
-        EVEN_K=hidden % cfg.block_k == 0, UPCAST=upcast, PREC=prec, N_POW2=n_pow2, B_POW2=b_pow2,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if down_by_row:
-        cfg = _config.get("small_down_row", x_RH.dtype)
-        _down_rows_kernel[(num_rows, triton.cdiv(hidden, cfg.block_n))](
-            h, slots_RK, gates_RK, down_EHF, y, num_slots, num_experts, hidden, ffn,
-            down_EHF.stride(0), down_EHF.stride(1), down_EHF.stride(2), y.stride(0),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return y
-    o = torch.empty((n, hidden), device=x_RH.device, dtype=torch.float32)
-    cfg = _config.get("small_down", x_RH.dtype)
-    _down_kernel[(ranks, triton.cdiv(hidden, cfg.block_n))](
-        h, slots_RK, gates_RK, down_EHF, o, n, num_experts, hidden, ffn,
-        down_EHF.stride(0), down_EHF.stride(1), down_EHF.stride(2),
-        EVEN_K=ffn % cfg.block_k == 0, UPCAST=upcast, PREC=prec, N_POW2=n_pow2, B_POW2=b_pow2,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    cfg = _config.get("small_combine")
-    block_n = min(cfg.block_n, triton.next_power_of_2(hidden))
-    _combine_kernel[(triton.cdiv(num_rows, cfg.block_m), triton.cdiv(hidden, block_n))](
-        o, slots_RK, y, num_rows, num_slots, num_experts, hidden, y.stride(0),
-        BLOCK_R=cfg.block_m, BLOCK_N=block_n, num_warps=cfg.num_warps,
-    )
-    return y
+        down_by_row = x_RH.shape[0] <= DOWN_BY_ROW_MAX_ROWS
+    h = swiglu_small_batch(x_RH, slots_RK, gate_up_EFH)
+    return down_combine_small_batch(h, slots_RK, gates_RK, down_EHF, down_by_row, x_RH.dtype)
