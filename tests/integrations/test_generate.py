@@ -200,13 +200,19 @@ def test_decoder_warm_up_and_steps_stay_inside_the_cache():
 
 
 def test_generate_one_new_token_between_longer_calls():
-    """The call sequence of issue 26's failing script (n, then 1, then n new tokens, decoders reused):
-    each call equals transformers' greedy generate, and 1 token is the first of n."""
+    """The call sequence of issue 26's failing script (n, n, then 1, then n new tokens): each call equals
+    transformers' greedy generate, 1 token is the first of n, and the kept decoder serves the shorter call
+    (a longer one needs a new one); reuse=False leaves the kept one alone."""
     ref = hf.tiny_random_model("olmoe", seed=4, vocab_size=VOCAB).eval()
     model = hf.convert(hf.tiny_random_model("olmoe", seed=4, vocab_size=VOCAB).eval())
     ids = torch.randint(3, VOCAB, (2, 6))
     expected = ref.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=None,
                             attention_mask=torch.ones_like(ids))
-    outs = [hf.generate(model, ids, n, eos_token_id=[]) for n in (NEW, 1, NEW)]
-    assert torch.equal(outs[0], expected) and torch.equal(outs[2], expected)
-    assert torch.equal(outs[1], expected[:, : ids.shape[1] + 1])
+    decoders, outs = [], []
+    for n, reuse in ((NEW, True), (NEW, True), (1, True), (1, False), (NEW, True), (NEW + 2, True)):
+        outs.append(hf.generate(model, ids, n, eos_token_id=[], reuse=reuse))
+        decoders.append(model._occult_decoder[1])
+        assert torch.equal(outs[-1], expected[:, : ids.shape[1] + n]) if n <= NEW else outs[-1].shape[1] == 6 + n
+    assert torch.equal(outs[-1][:, : 6 + NEW], expected)
+    assert all(d is decoders[0] for d in decoders[:5]) and decoders[5] is not decoders[0]
+    assert decoders[5].max_len == 6 + NEW + 2

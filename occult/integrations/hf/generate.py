@@ -8,7 +8,7 @@ forwards with, for sync-free dispatch, the same token count. `generate`:
    largest prompt length and `max_new_tokens` (which must be equal on every rank);
 2. pads its batch to the largest one with dummy rows (one pad token, attended, so every row
    stays finite) and sizes a transformers `StaticCache` to largest prompt + `max_new_tokens` on
-   every rank; its own prompts are not re-padded (each rank keeps its own prompt length);
+   every rank (or reuses the decoder kept from an earlier call if its cache is at least that long); its own prompts are not re-padded (each rank keeps its own prompt length);
 3. prefills eagerly with normal dispatch (one host synchronisation per MoE layer);
 4. decodes with `set_sync_free(model, True)`: every step is one forward of [B, 1] tokens with
    static shapes (input ids, position ids, cache slot and the 2-D attention mask live in fixed
@@ -257,12 +257,14 @@ def _all_done(done: torch.Tensor, group: Any, world: int) -> bool:
 
 def _decoder(model: nn.Module, batch: int, max_len: int, graph: bool, reuse: bool,
              selector: TokenSelector) -> StaticDecoder:
-    """A StaticDecoder of this shape and token choice: the model's kept one if it matches (its graph too), else a new one."""
-    key = (batch, max_len, graph, selector.key)
+    """A StaticDecoder of this batch and token choice holding at least `max_len` positions: the model's kept
+    one if it fits (its graph too, so calls of another length re-capture nothing), else a new one
+    (kept, replacing the old, with `reuse`; without it the kept one is left as it is)."""
+    key = (batch, graph, selector.key)
     kept = getattr(model, "_occult_decoder", None) if reuse else None
-    if kept is not None and kept[0] == key:
+    if kept is not None and kept[0] == key and kept[1].max_len >= max_len:
         return kept[1]
-    if hasattr(model, "_occult_decoder"):
+    if reuse and hasattr(model, "_occult_decoder"):
         del model._occult_decoder  # free the old cache and graph first
     dec = StaticDecoder(model, batch, max_len, selector)
     if reuse:
@@ -305,7 +307,9 @@ def generate(
     seed depend on the padded batch (the largest over the group), as the draws are [B, V].
     `cuda_graph`: "auto" captures the decode step on CUDA (eager if the capture fails on any
     rank), True requires it, False runs eagerly. `reuse=True` keeps the decoder (cache, buffers,
-    graph) on the model for the next call of the same shape; `del model._occult_decoder` frees it.
+    graph) on the model for the next call of the same padded batch and token choice whose prompt +
+    new tokens fit its cache (as transformers reuses a large enough static cache; the keys past
+    this call's length are masked); `del model._occult_decoder` frees it.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
