@@ -139,7 +139,7 @@ def _gemm_scatter_kernel(
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _num_programs(device: torch.device, bound: int, ctas_per_sm: int = 1) -> int:
+def num_programs(device: torch.device, bound: int, ctas_per_sm: int = 1) -> int:
     """Programs of a persistent launch: one (or `ctas_per_sm`) per SM, at most `bound`."""
     if _config.interpreting() or device.type != "cuda":
         return max(1, min(bound, 3))
@@ -181,7 +181,7 @@ def gather_gemm_swiglu(
     cfg = _config.get("gemm1", x_RH.dtype)
     tiles = max_tiles(bound, num_experts, cfg.block_m) * triton.cdiv(ffn, cfg.block_n)
     upcast, prec = dot_flags(x_RH.dtype)
-    grid = (_num_programs(x_RH.device, tiles, cfg.ctas_per_sm),)
+    grid = (num_programs(x_RH.device, tiles, cfg.ctas_per_sm),)
     _gather_gemm_swiglu_kernel[grid](
         x_RH, pair_P, offsets_E1, gate_up_EFH, gates_flat, h_PF, ab_PF2 if save_ab else h_PF,
         num_experts, num_slots, hidden, ffn,
@@ -215,7 +215,7 @@ def gemm_scatter(
     cfg = _config.get(config_name or ("gemm2_atomic" if atomic else "gemm2"), a_PK.dtype)
     tiles = max_tiles(bound, num_experts, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     upcast, prec = dot_flags(a_PK.dtype)
-    grid = (_num_programs(a_PK.device, tiles, cfg.ctas_per_sm),)
+    grid = (num_programs(a_PK.device, tiles, cfg.ctas_per_sm),)
     _gemm_scatter_kernel[grid](
         a_PK, pair_P, offsets_E1, b_EKN, out,
         num_experts, num_slots, n, kd,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from occult.kernels import config as _config
-from occult.kernels.grouped_gemm import _num_programs, dot_flags
+from occult.kernels.grouped_gemm import dot_flags, num_programs
 from occult.kernels.pairs import e_pow2, grouped_pid, max_tiles, tile_lookup, tile_schedule
 
 
@@ -173,7 +173,7 @@ def swiglu_dgrad(
     dg_part = torch.zeros((tiles_n, bound), device=dy_RH.device, dtype=torch.float32)
     upcast, prec = dot_flags(dy_RH.dtype)
     tiles = max_tiles(bound, num_experts, cfg.block_m) * tiles_n
-    grid = (_num_programs(dy_RH.device, tiles, cfg.ctas_per_sm),)
+    grid = (num_programs(dy_RH.device, tiles, cfg.ctas_per_sm),)
     _swiglu_dgrad_kernel[grid](
         dy_RH, pair_P, offsets_E1, down_EHF, ab_PF2, gates_flat, dab, dg_part,
         num_experts, num_slots, bound, hidden, ffn,

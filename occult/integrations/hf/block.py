@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from occult.integrations.hf.families import Family, UnsupportedModelError, _group_size, model_family
+from occult.integrations.hf.families import Family, UnsupportedModelError, group_size, model_family
 from occult.moe.layer import OccultMoE
 
 
@@ -88,7 +88,8 @@ class OccultMoeBlock(nn.Module):
         return block
 
 
-def _is_converted(model: nn.Module) -> bool:
+def is_converted(model: nn.Module) -> bool:
+    """Whether `model` already holds `OccultMoeBlock`s (converted)."""
     return any(isinstance(m, OccultMoeBlock) for m in model.modules())
 
 
@@ -107,7 +108,7 @@ def sync_gradients(model: nn.Module, group: Any = None, average: bool = True) ->
     the group size: with each rank's loss a mean over its own tokens (equal counts per rank),
     the result is the gradient of the mean over all ranks' tokens, as in data parallelism.
     """
-    size, _ = _group_size(group)
+    size, _ = group_size(group)
     if size == 1:
         return
     if group is None:

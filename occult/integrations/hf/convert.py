@@ -10,11 +10,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from occult.integrations.hf.block import OccultMoeBlock, _is_converted, moe_blocks
+from occult.integrations.hf.block import OccultMoeBlock, is_converted, moe_blocks
 from occult.integrations.hf.families import (
     UnsupportedModelError,
-    _check_block,
-    _group_size,
+    check_block,
+    group_size,
     check_transformers_version,
     model_family,
 )
@@ -47,11 +47,11 @@ def convert(
     """
     check_transformers_version()
     family = model_family(model)
-    if _is_converted(model):
+    if is_converted(model):
         raise ValueError("the model is already converted")
     blocks = moe_blocks(model)
-    num_ranks, _ = _group_size(group)
-    shapes = [_check_block(name, b, family) for name, b in blocks]
+    num_ranks, _ = group_size(group)
+    shapes = [check_block(name, b, family) for name, b in blocks]
     E = shapes[0][0]
     if any(s[0] != E for s in shapes):
         raise UnsupportedModelError("MoE layers with different expert counts are not supported")

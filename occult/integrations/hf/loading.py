@@ -96,7 +96,7 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
         mod._buffers[leaf] = value
 
 
-def _fp32_kept(model: nn.Module, name: str, dtype: torch.dtype) -> bool:
+def keeps_fp32(model: nn.Module, name: str, dtype: torch.dtype) -> bool:
     """transformers' `_keep_in_fp32_modules(_strict)` rule (fp16: both lists; bf16: strict only)."""
     keep = set()
     if dtype == torch.float16:
@@ -195,7 +195,7 @@ def load_sharded(
                 missing.append(name)
             continue
         value = files.get(names[name])
-        want = torch.float32 if _fp32_kept(model, name, dtype) else (dtype if value.is_floating_point() else value.dtype)
+        want = torch.float32 if keeps_fp32(model, name, dtype) else (dtype if value.is_floating_point() else value.dtype)
         _set(model, name, value.to(device=device, dtype=want))
     if missing:
         raise UnsupportedModelError(f"{directory}: no weights for {len(missing)} tensors, e.g. {missing[:4]}")

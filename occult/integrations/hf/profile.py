@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from occult.integrations.hf.block import OccultMoeBlock, moe_blocks
-from occult.integrations.hf.families import _group_size, check_transformers_version, model_family
+from occult.integrations.hf.families import check_transformers_version, group_size, model_family
 from occult.placement.trace import Trace, TraceRecorder, write_trace
 
 
@@ -140,7 +140,7 @@ def profile(
             [t[:max_tokens] for t in trace.topk_ids], trace.num_experts, trace.top_k,
             [None if s is None else s[:max_tokens] for s in trace.scores], trace.metadata,
         )
-    size, rank = _group_size(group) if gather else (1, 0)
+    size, rank = group_size(group) if gather else (1, 0)
     if size > 1:
         trace = _gather_trace(trace, group)
     if path is not None and rank == 0:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from occult.integrations.hf.block import moe_blocks
-from occult.integrations.hf.loading import _fp32_kept
+from occult.integrations.hf.loading import keeps_fp32
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
@@ -72,7 +72,7 @@ def _cast(model: nn.Module, sd: dict[str, torch.Tensor], dtype: torch.dtype | No
     for k, v in sd.items():
         v = v.detach()
         if dtype is not None and v.is_floating_point():
-            v = v.to(torch.float32 if _fp32_kept(model, k, dtype) else dtype)
+            v = v.to(torch.float32 if keeps_fp32(model, k, dtype) else dtype)
         out[k] = v.to("cpu").contiguous()
     return out
 
@@ -186,9 +186,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, grou
         _save_by_layer(model, Path(save_directory), None, None, overwrite=True)
         return
     from occult.integrations.hf.convert import hf_layout
-    from occult.integrations.hf.families import _group_size
+    from occult.integrations.hf.families import group_size
 
-    _, rank = _group_size(group)
+    _, rank = group_size(group)
     with hf_layout(model):
         if rank == 0:
             model.save_pretrained(save_directory, **kwargs)
