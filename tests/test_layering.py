@@ -143,7 +143,6 @@ PENDING: frozenset[str] = frozenset({
     "long function: occult.integrations.hf.profile.profile",
     "long function: occult.lm.train.train",
     "long function: occult.tools.bench._bench_variant",
-    "private: occult.cli.hf uses occult.cli.lm._ep_placement",
     "private: occult.integrations.hf.generate uses occult.integrations.hf.families._group_size",
     "private: occult.moe.overlap uses occult.moe.comm._metadata_bytes",
     "private: occult.moe.overlap uses occult.moe.comm._record",

@@ -221,9 +221,9 @@ def run_finetune(args: Any) -> int:
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         placement, routing, sims = _hf_placements(args, groups.ep_size if groups else 1)
         if args.ep_placement or args.dispatcher == "dedup2" or getattr(args, "nodes", None) is not None:
-            from occult.cli.lm import _ep_placement  # --ep-placement, and nodes from --nodes or the placement
+            from occult.cli.lm import ep_placement_from_args  # --ep-placement, and nodes from --nodes or the placement
 
-            placement = _ep_placement(args, groups, _num_experts(args.hf), placement)
+            placement = ep_placement_from_args(args, groups, _num_experts(args.hf), placement)
         model = hf.load_sharded(
             args.hf, group=groups.ep if groups else None, placement=placement, device=device,
             dispatcher=args.dispatcher, max_devices=args.max_devices, routing_placement=routing,

@@ -202,7 +202,7 @@ def _parallel(args):
     return setup_parallel(args.ep_size)
 
 
-def _ep_placement(args, par, num_experts: int, fallback=None):
+def ep_placement_from_args(args, par, num_experts: int, fallback=None):
     """The experts' placement on the EP ranks (None: contiguous), with nodes for --dispatcher dedup2."""
     from occult.placement import Placement
 
@@ -279,7 +279,7 @@ def run_train(args) -> int:
         print(f"model: {model.num_parameters():,} parameters ({model.num_parameters(active=True):,} active per token); "
               f"data: {data.train.numel():,} train / {data.val.numel():,} val tokens")
     if par is not None:
-        model = shard_model(model, par, _ep_placement(args, par, mcfg.num_experts), args.dispatcher)
+        model = shard_model(model, par, ep_placement_from_args(args, par, mcfg.num_experts), args.dispatcher)
         if main:
             print(f"{par.world_size} ranks: experts over {par.ep_size} ({args.dispatcher}), {par.replicas} data-parallel "
                   f"replica(s); {cfg.batch_size // par.world_size} of {cfg.batch_size} rows per rank; "
@@ -325,7 +325,7 @@ def run_finetune(args) -> int:
         model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
                                  method=args.prune_method, similarity=sims, resume=args.resume,
                                  stop_after=args.stop_after, progress=not args.no_progress, parallel=par,
-                                 ep_placement=_ep_placement(args, par, mcfg.num_experts, placement),
+                                 ep_placement=ep_placement_from_args(args, par, mcfg.num_experts, placement),
                                  dispatcher=args.dispatcher)
         if par is None or par.is_main:
             print(f"routing: {model.routing.describe()}")

@@ -159,25 +159,25 @@ def test_two_level_cli_arguments_are_checked():
     from argparse import Namespace
     from types import SimpleNamespace
 
-    from occult.cli.lm import _ep_placement
+    from occult.cli.lm import ep_placement_from_args
 
     par = SimpleNamespace(ep_size=4)
     args = dict(ep_placement=None, placement=None, dispatcher="dedup2", nodes=2, replace_every=0, replace_drift=0.0)
-    got = _ep_placement(Namespace(**args), par, 8)
+    got = ep_placement_from_args(Namespace(**args), par, 8)
     assert got.num_nodes == 2 and got.num_devices == 4 and list(got.expert_device(0)) == [0, 0, 1, 1, 2, 2, 3, 3]
     placed = Placement(np.array(PLACEMENT_4), 4, num_nodes=2)
-    assert _ep_placement(Namespace(**{**args, "nodes": None}), par, 8, placed) is placed
+    assert ep_placement_from_args(Namespace(**{**args, "nodes": None}), par, 8, placed) is placed
     flat = Placement(np.array(PLACEMENT_4), 4)
-    assert _ep_placement(Namespace(**args), par, 8, flat).num_nodes == 2
+    assert ep_placement_from_args(Namespace(**args), par, 8, flat).num_nodes == 2
     for bad, match in [(dict(nodes=None), "needs the ranks' nodes"), (dict(nodes=3), "must be >= 2 and divide"),
                        (dict(nodes=1), "must be >= 2"), (dict(replace_every=10), "does not support"),
                        (dict(dispatcher="dedup"), "applies to --dispatcher dedup2 only")]:
         with pytest.raises(ValueError, match=match):
-            _ep_placement(Namespace(**{**args, **bad}), par, 8)
+            ep_placement_from_args(Namespace(**{**args, **bad}), par, 8)
     with pytest.raises(ValueError, match="has 2 nodes"):
-        _ep_placement(Namespace(**{**args, "nodes": 4}), SimpleNamespace(ep_size=4), 8, placed)
+        ep_placement_from_args(Namespace(**{**args, "nodes": 4}), SimpleNamespace(ep_size=4), 8, placed)
     with pytest.raises(ValueError, match="needs several ranks"):
-        _ep_placement(Namespace(**args), None, 8)
+        ep_placement_from_args(Namespace(**args), None, 8)
 
 
 def test_resume_and_reshard(runs):
