@@ -1,0 +1,66 @@
+"""The one place where the TorchTitan integration calls occult's dispatcher (`occult.moe`).
+
+`OccultExchange` wraps a `Dispatcher` behind two calls, so a change of occult's dispatcher
+contract is a change of this file only:
+
+    received, handle = exchange.dispatch(x_TH, weights_TK, ids_TK)   # rows x_RH, slots_RK, gates_RK
+    y_TH = exchange.combine(y_RH, handle)                           # one result row per received row
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from occult.moe.dispatch import make_dispatcher
+from occult.placement import Placement
+
+
+@dataclass
+class Received:
+    """What this rank received: one row per (token, this rank) pair (dedup) or per (token, expert)
+    pair (standard), the local expert slot of each of the row's entries (-1: padding) and their gate
+    weights."""
+
+    x_RH: torch.Tensor
+    slots_RK: torch.Tensor
+    gates_RK: torch.Tensor
+
+
+class OccultExchange:
+    """occult's dispatch and combine over one process group, for one layer's placement."""
+
+    def __init__(self, dispatcher: str, group: Any, placement: Placement, layer: int, device: torch.device) -> None:
+        self.dispatcher = make_dispatcher(dispatcher, group, placement=placement)
+        self.num_experts = placement.num_experts
+        self.expert_device_E, self.expert_slot_E = placement.tensors(layer, device=device)
+
+    def to(self, device: torch.device) -> "OccultExchange":
+        if self.expert_device_E.device != device:
+            self.expert_device_E = self.expert_device_E.to(device)
+            self.expert_slot_E = self.expert_slot_E.to(device)
+        return self
+
+    def dispatch(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> tuple[Received, Any]:
+        """Send every token once per device holding any of its experts (standard: once per expert).
+
+        Bad input (ids out of range, NaN/inf gate weights) raises `occult.RoutingError` on every
+        rank of the group, not only where it happened (the status travels with the row counts)."""
+        clamped_TK = ids_TK.clamp(0, self.num_experts - 1)
+        status = torch.where((clamped_TK != ids_TK).any(), 2, (~torch.isfinite(weights_TK)).any().to(torch.int64))
+        self.to(x_TH.device)
+        x_RH, slots_RK, gates_RK, state = self.dispatcher.dispatch(
+            x_TH, weights_TK, clamped_TK, self.expert_device_E, self.expert_slot_E, status)
+        return Received(x_RH, slots_RK, gates_RK), state
+
+    def combine(self, y_RH: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Each received row's result back to its source rank, summed per token in fp32 -> y_TH."""
+        return self.dispatcher.combine(y_RH, handle)
+
+    @staticmethod
+    def stats(handle: Any) -> Any:
+        """The `occult.CommStats` of the exchange behind `handle` (rows and bytes sent; the combine's
+        and backward's rows are added as they run)."""
+        return handle.stats

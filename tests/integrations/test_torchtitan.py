@@ -1,0 +1,344 @@
+"""occult inside TorchTitan 0.3.0 (`occult.integrations.torchtitan`).
+
+On 2 and 4 gloo ranks: TorchTitan's own Qwen3-MoE block (`MoE`, built as its Qwen3-MoE model
+builds it) with `OccultTokenDispatcher` equals the same block with TorchTitan's
+`AllToAllTokenDispatcher`: outputs and every gradient (input, router, the three expert weights)
+in fp32, for a contiguous and a random placement, a rank with no tokens and top-k = all experts;
+rows sent per layer equal sum_t C_T (E[C_T] x tokens; standard: k x tokens); pruning
+(`max_devices`) equals occult's own `TopKRouter(max_devices=...)`. A TorchTitan training step of
+a tiny Qwen3-MoE model (EP + FSDP2 by `parallelize_qwen3`, the dispatcher switched on through
+TorchTitan's override mechanism, TorchTitan's loss and optimizer) matches the default
+dispatcher's losses.
+
+TorchTitan's `GroupedExperts` computes in bfloat16 even for fp32 models; the occult dispatcher
+hands it the same rows in the same order, so only the sums' order differs (fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="TorchTitan 0.3.0 is installed by .ci/run (docs/testing.md)")
+
+from occult.distributed import run_ranks  # noqa: E402
+from occult.placement import Placement  # noqa: E402
+
+H, F, E = 16, 8, 8  # hidden, expert ffn, experts
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _cpu_torchtitan() -> None:
+    """TorchTitan on CPU gloo ranks: meshes on the CPU, the DTensor-only-for-model-parallel backend."""
+    from torchtitan.distributed import parallel_dims
+    from torchtitan.distributed import utils as tt_dist
+
+    parallel_dims.device_type = "cpu"
+    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+    tt_dist.set_spmd_backend("partial_dtensor")
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch < 2.12 (the GPU image's 2.11)
+        torch.compiler._is_non_strict_tracing = lambda: False
+
+
+def _dims(world: int):
+    from torchtitan.distributed import ParallelDims
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
+                        spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    return dims
+
+
+def _moe_config(top_k: int):
+    """The MoE block of TorchTitan's Qwen3-MoE builder (softmax router, route_norm, GroupedExperts)."""
+    import spmd_types as spmd
+    from torchtitan.models.common import CosSinRoPE
+    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
+    from torchtitan.models.qwen3 import _build_qwen3_moe_layers
+
+    layer = _build_qwen3_moe_layers(n_layers=1, dim=H, n_heads=2, n_kv_heads=1, head_dim=8, moe_hidden_dim=F,
+                                    num_experts=E, top_k=top_k, attn_backend="flex", moe_comm_backend="standard",
+                                    rope=CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e4))[0]
+    moe = layer.moe
+    moe.load_balance_coeff = None
+    set_moe_sharding_config(moe, enable_ep=True, enable_sp=False,
+                            expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)})
+    return moe
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _build_block(world, top_k, weights, placement=None, dispatcher=None, max_devices=None):
+    """TorchTitan's MoE block with full weights (model order), EP over all ranks; occult's when `dispatcher`."""
+    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher
+    from torchtitan.config.override import derive
+
+    cfg = _moe_config(top_k)
+    if dispatcher is not None:
+        td = cfg.routed_experts.token_dispatcher
+        cfg.routed_experts.token_dispatcher = OccultTokenDispatcher.Config(
+            num_experts=E, top_k=top_k, dispatcher=dispatcher, placement=placement, max_devices=max_devices)
+        cfg.router = derive(cfg.router, OccultRouter.Config, max_devices=max_devices, placement=placement)
+        assert td.num_experts == E
+    moe = cfg.build()
+    gate, w1, w2, w3 = weights
+    if placement is not None:  # experts in placed order; the router's columns stay in model order
+        w1, w2, w3 = (placement.apply(w) for w in (w1, w2, w3))
+    with torch.no_grad():
+        moe.router.gate.weight.copy_(gate)
+        ex = moe.routed_experts.inner_experts
+        ex.w1_EFD.copy_(w1), ex.w2_EDF.copy_(w2), ex.w3_EFD.copy_(w3)
+    moe.parallelize(_dims(world))
+    return moe
+
+
+def _run_block(moe, x_TH, g_TH):
+    """Forward + backward of (out * g).sum(); returns out, x grad, router grad, local expert grads, ids."""
+    seen = {}
+
+    def keep_ids(module, args, out):
+        seen["ids"] = _local(out[1]).detach()
+
+    hook = moe.router.register_forward_hook(keep_ids)
+    x = x_TH.clone().requires_grad_(True)
+    out = _local(moe(x[None]))[0]
+    (out * g_TH).sum().backward()
+    hook.remove()
+    ex = moe.routed_experts.inner_experts
+    grads = [_local(p.grad) for p in (ex.w1_EFD, ex.w2_EDF, ex.w3_EFD)]
+    return out.detach(), x.grad, _local(moe.router.gate.weight.grad), grads, seen["ids"].reshape(-1, moe.router.top_k)
+
+
+def _gather(t):
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def _close(a, b, what, errors, rtol=RTOL, atol=ATOL):
+    if a.shape != b.shape or not torch.allclose(a, b, rtol=rtol, atol=atol):
+        diff = (a - b).abs().max().item() if a.shape == b.shape else f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+        errors.append(f"{what}: max abs diff {diff}")
+
+
+def _block_case(rank, world, seed, top_k, placement, tokens, dispatcher="dedup"):
+    """One comparison; returns (errors, rows sent by this rank, sum_t C_T of this rank's tokens, T)."""
+    import torch.distributed as dist
+    from occult.moe.pruning import devices_per_token
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen) * 0.3,
+               torch.randn(E, H, F, generator=gen) * 0.3, torch.randn(E, F, H, generator=gen) * 0.3)
+    per_rank = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
+    g_per_rank = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
+    x, g = per_rank[rank], g_per_rank[rank]
+    ref = _run_block(_build_block(world, top_k, weights), x, g)
+    moe = _build_block(world, top_k, weights, placement=placement, dispatcher=dispatcher)
+    got = _run_block(moe, x, g)
+    errors = []
+    for i, what in enumerate(("output", "input grad", "router grad")):
+        _close(got[i], ref[i], what, errors)
+    for name, gr, rr in zip(("w1", "w2", "w3"), got[3], ref[3]):
+        full = _gather(gr)
+        if placement is not None:
+            full = placement.invert(full)
+        _close(full, _gather(rr), f"{name} grad", errors)
+    if not torch.equal(torch.sort(got[4], 1).values, torch.sort(ref[4], 1).values):
+        errors.append("expert choices differ")
+    placed = placement if placement is not None else Placement.contiguous(E, world)
+    c_T = devices_per_token(got[4], placed.tensors(0)[0])
+    stats = moe.routed_experts.token_dispatcher.last_comm_stats
+    sent = torch.tensor([stats.dispatch_rows, stats.combine_rows, int(c_T.sum()), x.shape[0]])
+    dist.all_reduce(sent)
+    return errors, sent.tolist()
+
+
+def _random_placement(world: int, seed: int) -> Placement:
+    order = np.random.default_rng(seed).permutation(E)
+    device_E = np.empty(E, dtype=np.int64)
+    device_E[order] = np.arange(E) // (E // world)
+    return Placement(device_E[None], world)
+
+
+def _blocks(rank, world, seed):
+    """Every block case of one world size in one spawn (TorchTitan's import costs seconds per process)."""
+    _cpu_torchtitan()
+    torch.manual_seed(seed)
+    cases = {
+        "contiguous top2": (2, None, [5 + r for r in range(world)], "dedup"),
+        "random top3": (3, _random_placement(world, seed), [6] * world, "dedup"),
+        "empty rank": (2, _random_placement(world, seed + 1), [0] + [7] * (world - 1), "dedup"),
+        "top-k = all": (E, None, [4] * world, "dedup"),
+        "standard random": (3, _random_placement(world, seed + 2), [5] * world, "standard"),
+    }
+    return {name: _block_case(rank, world, seed + i, *case) for i, (name, case) in enumerate(cases.items())}
+
+
+def _check_blocks(blocks, world):
+    for name, (errors, sent) in blocks.items():
+        assert not errors, f"{world} ranks, {name}: {errors}"
+        dispatch_rows, combine_rows, sum_c, tokens = sent
+        top_k = {"contiguous top2": 2, "random top3": 3, "empty rank": 2, "top-k = all": E, "standard random": 3}[name]
+        expected = tokens * top_k if name.startswith("standard") else sum_c
+        assert dispatch_rows == combine_rows == expected, (name, sent)
+        if name == "top-k = all":
+            assert dispatch_rows == tokens * world  # every token to every rank once, not k times
+
+
+@pytest.mark.timeout(240)
+def test_block_matches_torchtitan_alltoall_on_4_ranks():
+    _check_blocks(run_ranks(_blocks, 4, int(torch.randint(0, 10_000, ())))[0], 4)
+
+
+def _cpu_attention() -> None:
+    """FlexAttention has no CPU backward: causal SDPA in its place (exact here: one document per row)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention
+
+    def causal_sdpa(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
+                    kernel_options=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                enable_gqa=enable_gqa), None
+
+    attention.FlexAttention._compiled_flex_attn = causal_sdpa
+    attention._compiled_create_block_mask = create_block_mask
+
+
+def _tiny_qwen3_spec():
+    """A tiny Qwen3-MoE `ModelSpec` (2 layers, 8 experts, top-2) as TorchTitan's registry builds one."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm, parallelize_qwen3,
+    )
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    V = 64
+    cfg = Qwen3Model.Config(
+        vocab_size=V, dim=H, norm=_qwen3_norm(H),
+        tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=H, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=H, out_features=V, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(n_layers=2, dim=H, n_heads=2, n_kv_heads=1, head_dim=8, moe_hidden_dim=F,
+                                       num_experts=E, top_k=2, attn_backend="flex", moe_comm_backend="standard",
+                                       rope=CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e4)))
+    set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=True)  # what update_from_config does for EP > 1
+    return ModelSpec(name="qwen3", flavor="tiny", model=cfg, parallelize_fn=parallelize_qwen3, pipelining_fn=None,
+                     post_optimizer_build_fn=None, state_dict_adapter=None)
+
+
+def _train_steps(spec, dims, state_dict, ids_BS, steps=2):
+    """TorchTitan's pieces: model from the spec, its parallelize (EP + FSDP2), loss, optimizer; losses."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+
+    model = spec.model.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    model.load_state_dict(state_dict)
+    model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
+                                parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+                                compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # gloo has no PREMUL_SUM
+            m.set_force_sum_reduction_for_comms(True)
+    loss_fn = CrossEntropyLoss.Config().build()
+    group = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
+    opt = OptimizersContainer.Config(param_groups=[group], implementation="for-loop").build(model_parts=[model])
+    B, S = ids_BS.shape
+    pos_BS = torch.arange(S - 1).expand(B, S - 1).contiguous()
+    tokens = torch.tensor(float(B * (S - 1) * dist.get_world_size()))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        logits = _local(model(ids_BS[:, :-1], positions=pos_BS, attention_masks=model.get_attention_masks(positions=pos_BS)))
+        loss, _ = loss_fn(logits, ids_BS[:, 1:], tokens)
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    return losses, model
+
+
+def _training(rank, world, seed, placement_path):
+    """Default dispatcher vs occult's, switched on by TorchTitan's override mechanism with a placement."""
+    from occult.integrations.torchtitan import OccultTokenDispatcher, to_placed_order
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    _cpu_attention()
+    dims = _dims(world)
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    ref_spec, occ_spec = _tiny_qwen3_spec(), _tiny_qwen3_spec()
+    init = ref_spec.model.build()
+    init.init_states(buffer_device=torch.device("cpu"))
+    state = {k: v.detach().clone() for k, v in init.state_dict().items()}
+    ids_BS = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(seed + rank))
+    ref_losses, _ = _train_steps(ref_spec, dims, state, ids_BS)
+    target = "occult.integrations.torchtitan.occult_moe"
+    lines = apply_overrides(OverrideConfig(imports=[(target, {"dispatcher": "dedup", "placement": placement_path})]),
+                            occ_spec)
+    occ_losses, model = _train_steps(occ_spec, dims, to_placed_order(state, placement_path), ids_BS)
+    used = [type(b.moe.routed_experts.token_dispatcher) is OccultTokenDispatcher for b in model.layers.values()]
+    return ref_losses, occ_losses, used, lines
+
+
+def _two_ranks(rank, world, seed, placement_path):
+    _cpu_torchtitan()
+    torch.manual_seed(seed)
+    blocks = _blocks(rank, world, seed)
+    blocks["pruned"] = _pruned_block(rank, world, seed)
+    return blocks, _training(rank, world, seed, placement_path)
+
+
+def _pruned_block(rank, world, seed):
+    """max_devices=1 through occult's dispatcher vs TorchTitan's all-to-all behind the same pruned router."""
+    from occult.integrations.torchtitan import OccultRouter
+    from torchtitan.config.override import derive
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen) * 0.3,
+               torch.randn(E, H, F, generator=gen) * 0.3, torch.randn(E, F, H, generator=gen) * 0.3)
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(seed + rank))
+    placement = _random_placement(world, seed)
+    cfg = _moe_config(3)
+    cfg.router = derive(cfg.router, OccultRouter.Config, max_devices=1, placement=placement)
+    ref_moe = cfg.build()
+    with torch.no_grad():  # the reference holds model-order experts behind TorchTitan's own all-to-all
+        ref_moe.router.gate.weight.copy_(weights[0])
+        ex = ref_moe.routed_experts.inner_experts
+        ex.w1_EFD.copy_(weights[1]), ex.w2_EDF.copy_(weights[2]), ex.w3_EFD.copy_(weights[3])
+    ref_moe.parallelize(_dims(world))
+    ref = _run_block(ref_moe, x, torch.ones_like(x))
+    moe = _build_block(world, 3, weights, placement=placement, dispatcher="dedup", max_devices=1)
+    got = _run_block(moe, x, torch.ones_like(x))
+    errors = []
+    _close(got[0], ref[0], "output", errors)
+    _close(got[1], ref[1], "input grad", errors)
+    stats = moe.routed_experts.token_dispatcher.last_comm_stats
+    return errors, [stats.dispatch_rows, x.shape[0]]
+
+
+@pytest.mark.timeout(240)
+def test_block_and_training_step_on_2_ranks(tmp_path):
+    path = tmp_path / "placement.json"
+    placement = _random_placement(2, 7)
+    placement = Placement(np.stack([placement.expert_device(0), _random_placement(2, 8).expert_device(0)]), 2)
+    placement.save(path)
+    results = run_ranks(_two_ranks, 2, int(torch.randint(0, 10_000, ())), str(path))
+    blocks, (ref_losses, occ_losses, used, lines) = results[0]
+    errors, (rows, tokens) = blocks.pop("pruned")
+    assert not errors and rows == tokens, (errors, rows, tokens)  # max_devices=1: one row per token
+    _check_blocks(blocks, 2)
+    assert all(used) and len(used) == 2 and len(lines) == 1, (used, lines)
+    assert np.allclose(occ_losses, ref_losses, rtol=1e-5), (occ_losses, ref_losses)
+    assert occ_losses[1] != occ_losses[0]  # the optimizer step changed the model
