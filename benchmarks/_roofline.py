@@ -119,9 +119,10 @@ class ModelCost:
         """Forward + backward (2x the forward), logits at every position."""
         return 3 * self.forward_flops(batch, seq, batch * seq)
 
-    def decode_bytes(self, batch: int, context: float) -> dict[str, float]:
-        """Bytes one decode step of `batch` rows must read, each row attending `context` positions."""
-        experts = sum(n * (1 - (1 - k / E) ** batch) for n, E, k in self.moe_layers)
+    def decode_bytes(self, batch: int, context: float, world: int = 1) -> dict[str, float]:
+        """Bytes one decode step of `batch` rows (per GPU) must read on each GPU, each row attending `context`
+        positions; `world` > 1: the experts are split over that many GPUs, each with its own `batch` rows."""
+        experts = sum(n * (1 - (1 - k / E) ** (batch * world)) for n, E, k in self.moe_layers) / world
         weights = (self.dense_params + self.head_params + experts) * self.bytes_per_elem
         kv = batch * context * self.kv_elems_per_token * self.bytes_per_elem
         return {"weights": weights, "kv": kv, "total": weights + kv}

@@ -118,8 +118,11 @@ def model_config(args: argparse.Namespace) -> Any:
 
 
 def build_base(base: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> nn.Module:
-    """The random model converted as `base`: replicated (one-rank group), standard or dedup (all ranks)."""
+    """The random model converted as `base`: replicated (one-rank group), standard or dedup (all ranks);
+    native: not converted (serve.py's transformers baseline)."""
     model = build_model(args, cfg, ctx["device"], ctx["dtype"]).eval()
+    if base == "native":
+        return model
     if base == "replicated":
         return hf.convert(model, group=ctx["self_group"], dispatcher="dedup")
     return hf.convert(model, dispatcher=base)

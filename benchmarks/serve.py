@@ -11,6 +11,12 @@ Per batch size B (sequences per GPU, the same on every rank) each rank draws B r
 the last logits feeds the next step, on the device). Models are built as in benchmarks/decode.py
 (seeded random weights, bf16 on GPUs, fp32 on CPU). Variants:
 
+  native                     the unconverted transformers model (its default experts implementation)
+                             through the same StaticDecoder, eager
+  native-generate            transformers' own `model.generate`, static cache, eager (disable_compile)
+  native-generate+compile    the same auto-compiled (its CUDA-graph path: torch.compile reduce-overhead);
+                             compile time reported (CUDA only: generate compiles nothing on CPU)
+  generate, generate+graph   occult's `hf.generate` (dedup, sync-free decode), eager / step captured
   replicated                 all experts on every GPU (a one-rank group): no expert-parallel traffic
   replicated+graph           the same, the decode step sync-free and captured in a CUDA graph: the floor
   standard, dedup            occult eager: one host synchronisation per MoE layer
@@ -35,6 +41,14 @@ Reported: prefill ms p50, per-token latency (decode step) p50/p90/p99, decode to
 (B / mean step), end-to-end tokens/s per GPU (B * new tokens / (prefill + steps)) and the ratio
 of the step p50 to the floor (replicated+graph, else replicated). Rank 0 writes the JSON
 atomically after every result and prints a Markdown table last.
+
+The generate variants are whole calls timed from outside (benchmarks/_generate_runs.py): step =
+(generate(n) - generate(1)) / (n - 1) with n = --new-tokens (its mean, shown as p50; no p99),
+prefill = generate(1). Every table row also gives the speed-up over native (native-generate's
+step / the row's, and native-generate+compile's; native's StaticDecoder step where generate was
+not run), the share of the copy bandwidth measured in the same run that the step's bytes need
+(weights the step must read, the experts B tokens select, and the K/V attended: benchmarks/_roofline.py),
+and the one-time cost: graph capture (StaticDecoder variants) or compile (first call - a steady one).
 
 --verify (any world size, e.g. one GPU): `hf.generate` with the decode step graph-captured gives
 exactly the tokens of the same call run eagerly, greedy and sampled (temperature 0.8, top-k 40,
@@ -62,6 +76,8 @@ from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tab
     Stopwatch, agree_on_error, batch_list, checked, describe as _describe, finish, floor_rows, free_memory, log,
     markdown_table, new_report, parser, quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
 )
+from _generate_runs import generate_fn, time_generate  # noqa: E402  (benchmarks/_generate_runs.py)
+from _roofline import ModelCost, bandwidth, measure_peaks  # noqa: E402  (benchmarks/_roofline.py)
 from decode import build_base, model_config  # noqa: E402
 from e2e import MODELS, TINY, build_model, random_ids, start_run  # noqa: E402
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
@@ -72,7 +88,8 @@ from occult.integrations import hf  # noqa: E402
 class Variant(NamedTuple):
     base: str
     sync_free: bool
-    graph: bool
+    graph: bool  # CUDA only (a captured step, or generate's auto-compile)
+    generate: str = ""  # a whole-generate variant (_generate_runs.KINDS), else the StaticDecoder loop
 
 
 VARIANTS: dict[str, Variant] = {
@@ -85,6 +102,11 @@ VARIANTS: dict[str, Variant] = {
     "dedup-syncfree+graph": Variant("dedup", True, True),
     "hf-ep": Variant("hf-ep", False, False),
     "hf-ep+graph": Variant("hf-ep", False, True),
+    "native": Variant("native", False, False),
+    "native-generate": Variant("native", False, False, "native"),
+    "native-generate+compile": Variant("native", False, True, "native+compile"),
+    "generate": Variant("dedup", True, False, "occult"),
+    "generate+graph": Variant("dedup", True, True, "occult+graph"),
 }
 CHECK_ROWS = 8
 
@@ -115,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prompt-len, --new-tokens, --repeats and --check-steps must be >= 1")
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be >= 1")
+    if args.new_tokens < 2 and any(VARIANTS[n].generate for n in args.variants):
+        p.error("the generate variants time a step as (generate(n) - generate(1)) / (n - 1): --new-tokens must be >= 2")
     return args
 
 
@@ -155,15 +179,16 @@ def serve_run(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor,
 def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
     spec, device = VARIANTS[name], ctx["device"]
     if spec.graph and device.type != "cuda":
-        return {"skipped": f"CUDA graphs need a GPU (device {device.type})"}
+        what = "transformers' generate auto-compiles" if spec.generate.startswith("native") else "CUDA graphs need a GPU"
+        return {"skipped": f"{what} on CUDA only (device {device.type})"}
     prompts_BP, forced_BK, first = ctx["prompts"][batch], ctx["forced"][batch], 0
     if spec.base == "hf-ep":  # one batch shared by the group: every rank's rows, this rank's checked
         prompts_BP, forced_BK, first = hf_ep.gather_rows(prompts_BP), hf_ep.gather_rows(forced_BK), dist.get_rank() * batch
     dec = hf.StaticDecoder(model, prompts_BP.shape[0], args.prompt_len + max(args.new_tokens, args.check_steps) + 1)
     res: dict[str, Any] = {}
     try:
-        if spec.graph:
-            error = None
+        if spec.graph and not spec.generate:
+            error, t0 = None, time.perf_counter()
             try:
                 set_sync_free(model, False)
                 dec.prefill(prompts_BP, torch.ones_like(prompts_BP))
@@ -174,10 +199,15 @@ def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, c
             error = agree_on_error(error)
             if error:
                 return {"error": f"capture failed: {error}"}
+            res["capture_s"] = time.perf_counter() - t0  # prefill + capture
         out = forced_logits(dec, model, prompts_BP, forced_BK, spec.sync_free, first, batch)
         res["check"] = checked(out, ctx["ref"][batch], args.tol)
         if not res["check"]["passed"]:
             return res
+        if spec.generate:
+            del dec
+            free_memory(device)
+            return {**res, **generate_run(model, name, batch, prompts_BP, args, ctx)}
         serve_run(dec, model, prompts_BP, spec.sync_free, args.new_tokens, device)  # untimed
         prefill, steps = [], []
         for _ in range(args.repeats):
@@ -191,31 +221,79 @@ def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, c
         res.update(prefill_ms_p50=quantiles(prefill, [0.5])[0], ms_p10=q[0], ms_p50=q[1], ms_p90=q[2], ms_p99=q[3],
                    step_ms_mean=mean_step, decode_tokens_per_s_per_gpu=batch / (mean_step / 1e3),
                    e2e_tokens_per_s_per_gpu=batch * args.new_tokens / (run_ms / 1e3), prefill_ms_all=prefill,
-                   ms_all=steps)
+                   ms_all=steps, **step_bandwidth(spec.base, batch, q[1], args, ctx))
         return res
     finally:
         set_sync_free(model, False)
-        del dec
+        dec = None
         free_memory(device)
+
+
+def step_bandwidth(base: str, batch: int, step_ms: float, args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
+    """The step's bytes (weights it must read, the K/V it attends at the mean context of the timed steps) as a
+    share of the measured copy bandwidth; experts split over the group for expert-parallel variants."""
+    if base == "hf-ep":
+        return {"hbm_fraction": None}
+    world = 1 if base in ("native", "replicated") else dist.get_world_size()
+    nbytes = ctx["cost"].decode_bytes(batch, args.prompt_len + (args.new_tokens + 1) / 2, world)
+    return {"step_bytes": nbytes, **bandwidth(nbytes["total"], step_ms, ctx["peaks"])}
+
+
+def generate_run(model: nn.Module, name: str, batch: int, prompts_BP: torch.Tensor, args: argparse.Namespace,
+                 ctx: dict) -> dict[str, Any]:
+    """A whole-generate variant timed (benchmarks/_generate_runs.py); native-generate+compile's tokens
+    compared with native-generate's (report only: bf16 kernels differ)."""
+    spec = VARIANTS[name]
+    res, ids = time_generate(generate_fn(spec.generate, model), prompts_BP, args.new_tokens, args.repeats, ctx["device"])
+    if spec.generate == "native+compile":
+        res["auto_compiled"] = hasattr(model, "_compiled_call")  # transformers' compiled forward exists
+        eager = ctx.setdefault("native_ids", {}).get(batch)
+        if eager is not None:
+            res["tokens_equal_native_eager"] = float((ids == eager).float().mean())
+    if spec.generate == "native":
+        ctx.setdefault("native_ids", {})[batch] = ids
+    res.update(step_bandwidth(spec.base, batch, res["ms_p50"], args, ctx))
+    return res
 
 
 def describe(name: str, batch: int, r: dict[str, Any]) -> str:
     return _describe(name, batch, r, lambda r: (f"prefill {r['prefill_ms_p50']:.1f} ms, step {r['ms_p50']:.2f} ms p50 "
-                                                f"(p99 {r['ms_p99']:.2f}), {r['decode_tokens_per_s_per_gpu']:,.0f} "
-                                                "decode tok/s/GPU"))
+                                                f"(p99 {_num(r['ms_p99'], '{:.2f}')}), "
+                                                f"{r['decode_tokens_per_s_per_gpu']:,.0f} decode tok/s/GPU"
+                                                + (f", compile {r['compile_s']:.1f} s" if "compile_s" in r else "")))
 
 
 def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> list[dict[str, Any]]:
-    return floor_rows(lambda n, b: report["variants"].get(n, {}).get(str(b)), names, batches,
-                      ["prefill_ms_p50", "ms_p50", "ms_p99", "decode_tokens_per_s_per_gpu", "e2e_tokens_per_s_per_gpu"])
+    """floor_rows, plus each row's speed-up over native eager / compiled, HBM share, capture or compile s."""
+    get = lambda n, b: report["variants"].get(n, {}).get(str(b))  # noqa: E731
+    rows = floor_rows(get, names, batches, ["prefill_ms_p50", "ms_p50", "ms_p99", "decode_tokens_per_s_per_gpu",
+                                            "e2e_tokens_per_s_per_gpu"])
+    for row in rows:
+        if "note" in row:
+            continue
+        r, b = get(row["variant"], row["batch"]), row["batch"]
+        eager = next((x["ms_p50"] for n in ("native-generate", "native") if (x := get(n, b)) and x.get("ms_p50")), None)
+        compiled = (get("native-generate+compile", b) or {}).get("ms_p50")
+        row.update(vs_native_eager=eager / row["ms_p50"] if eager else None,
+                   vs_native_compiled=compiled / row["ms_p50"] if compiled else None,
+                   hbm_fraction=r.get("hbm_fraction"), setup_s=r.get("capture_s", r.get("compile_s")))
+    return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(rows, [
         ("prefill ms", lambda r: f"{r['prefill_ms_p50']:.1f}"), ("step ms p50", lambda r: f"{r['ms_p50']:.2f}"),
-        ("step ms p99", lambda r: f"{r['ms_p99']:.2f}"),
+        ("step ms p99", lambda r: _num(r["ms_p99"], "{:.2f}")),
         ("decode tok/s/GPU", lambda r: f"{r['decode_tokens_per_s_per_gpu']:,.0f}"),
-        ("e2e tok/s/GPU", lambda r: f"{r['e2e_tokens_per_s_per_gpu']:,.0f}"), ("x floor", ratio)])
+        ("e2e tok/s/GPU", lambda r: f"{r['e2e_tokens_per_s_per_gpu']:,.0f}"), ("x floor", ratio),
+        ("native eager/this", lambda r: _num(r.get("vs_native_eager"), "{:.2f}")),
+        ("native compiled/this", lambda r: _num(r.get("vs_native_compiled"), "{:.2f}")),
+        ("HBM share", lambda r: _num(r.get("hbm_fraction"), "{:.1%}")),
+        ("capture/compile s", lambda r: _num(r.get("setup_s"), "{:.1f}"))])
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 # ------------------------------------------------------------------ verify
@@ -320,8 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(VARIANTS[n].base == "hf-ep" for n in args.variants):
         ctx["hf_ep_skip"] = hf_ep.unavailable()
         ctx["hf_ep_dir"] = None if ctx["hf_ep_skip"] else hf_ep.save(ref)
+    ctx["cost"] = ModelCost.of(ref)
     del ref
     free_memory(device)
+    report["peaks"] = ctx["peaks"] = measure_peaks(device, dtype)
+    report["model_cost"] = ctx["cost"].describe()
     log(f"{args.model}: {cfg.num_hidden_layers} layers, {world} ranks, {device.type} {dtype}, batches {args.batch} "
         f"per GPU, prompts {args.prompt_len}, {args.new_tokens} new tokens x {args.repeats} runs, "
         f"NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, reference built in {report['env']['build_s']:.1f} s")

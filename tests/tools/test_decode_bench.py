@@ -72,7 +72,8 @@ def test_decode_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
 # ------------------------------------------------------------ serving mode: benchmarks/serve.py
 SERVE = ROOT / "benchmarks" / "serve.py"
 SERVE_EAGER = ("replicated", "standard", "dedup", "dedup-syncfree")
-SERVE_GRAPH = ("replicated+graph", "standard-syncfree+graph", "dedup-syncfree+graph")
+SERVE_GRAPH = ("replicated+graph", "standard-syncfree+graph", "dedup-syncfree+graph", "generate+graph")
+SERVE_GENERATE = ("native-generate", "generate")  # whole generate calls timed from outside
 _torchrun_serve = functools.partial(torchrun, SERVE)
 
 
@@ -83,8 +84,8 @@ def test_serve_tiny_every_variant(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["env"]["world_size"] == 2 and report["config"]["new_tokens"] == 4
-    assert set(report["variants"]) == set(SERVE_EAGER + SERVE_GRAPH)  # the peer is opt-in (needs accelerate)
-    for name in SERVE_EAGER:
+    assert set(report["variants"]) == set(SERVE_EAGER + SERVE_GRAPH + SERVE_GENERATE + ("native", "native-generate+compile"))
+    for name in SERVE_EAGER + ("native",):
         for b in BATCHES:
             r = report["variants"][name][b]
             # fp32 on CPU: prefill + 3 forced decode steps equal the unconverted model up to rounding
@@ -93,13 +94,31 @@ def test_serve_tiny_every_variant(tmp_path):
             assert len(r["ms_all"]) == 2 * 4 and len(r["prefill_ms_all"]) == 2
             assert 0 < r["ms_p10"] <= r["ms_p50"] <= r["ms_p90"] <= r["ms_p99"], (name, b, r)
             assert r["decode_tokens_per_s_per_gpu"] > r["e2e_tokens_per_s_per_gpu"] > 0
+            assert r["hbm_fraction"] == pytest.approx(r["step_bytes"]["total"] / (r["ms_p50"] / 1e3) / 1e9
+                                                      / report["peaks"]["copy_gb_s"])
+    for name in SERVE_GENERATE:  # native: transformers' generate on the unconverted model; generate: hf.generate
+        for b in BATCHES:
+            r = report["variants"][name][b]
+            assert r["check"]["passed"] and r["ms_p50"] > 0 and r["ms_p99"] is None, (name, b, r)
+            assert len(r["generate_ms_all"]) == len(r["one_token_ms_all"]) == 2 and r["compile_s"] >= 0
+            assert r["generate_ms_p50"] == pytest.approx(r["prefill_ms_p50"] + 3 * r["ms_p50"])
+    for b in BATCHES:
+        assert report["variants"]["native"][b]["check"]["median_rel_err"] == 0  # the reference model itself
+        assert "auto-compiles on CUDA only" in report["variants"]["native-generate+compile"][b]["skipped"]
+    # bytes of one step: tiny OLMoE (2 layers, hidden 32, 8 experts x 3*32*16, top-3, head 256 x 32, 2 KV heads of 8)
+    weights_1 = (2 * (3 * 32 * 32 + 8 * 32) + 256 * 32 + 2 * 3 * 3 * 32 * 16) * 4
+    kv_1 = (8 + 2.5) * 2 * 2 * 2 * 8 * 4
+    assert report["variants"]["native"]["1"]["step_bytes"]["total"] == pytest.approx(weights_1 + kv_1)
     for name in SERVE_GRAPH:
         for b in BATCHES:
             assert "CUDA graphs need a GPU" in report["variants"][name][b]["skipped"]
     rows = {(r["batch"], r["variant"]): r for r in report["table"]}
     assert rows[(4, "replicated")]["x_floor"] == pytest.approx(1.0) and rows[(1, "dedup")]["floor"] == "replicated"
     lines = res.stdout.strip().splitlines()
-    assert "| batch | variant | prefill ms | step ms p50 | step ms p99 | decode tok/s/GPU | e2e tok/s/GPU | x floor |" in lines
+    assert ("| batch | variant | prefill ms | step ms p50 | step ms p99 | decode tok/s/GPU | e2e tok/s/GPU | x floor | "
+            "native eager/this | native compiled/this | HBM share | capture/compile s |") in lines
+    assert rows[(4, "native-generate")]["vs_native_eager"] == pytest.approx(1.0)
+    assert rows[(4, "dedup")]["vs_native_eager"] == pytest.approx(rows[(4, "native-generate")]["ms_p50"] / rows[(4, "dedup")]["ms_p50"])
 
 
 def test_serve_verify_generation(tmp_path):
