@@ -179,8 +179,9 @@ def serve_run(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor,
 def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
     spec, device = VARIANTS[name], ctx["device"]
     if spec.graph and device.type != "cuda":
-        what = "transformers' generate auto-compiles" if spec.generate.startswith("native") else "CUDA graphs need a GPU"
-        return {"skipped": f"{what} on CUDA only (device {device.type})"}
+        what = "transformers' generate auto-compiles on CUDA only" if spec.generate.startswith("native") \
+            else "CUDA graphs need a GPU"
+        return {"skipped": f"{what} (device {device.type})"}
     prompts_BP, forced_BK, first = ctx["prompts"][batch], ctx["forced"][batch], 0
     if spec.base == "hf-ep":  # one batch shared by the group: every rank's rows, this rank's checked
         prompts_BP, forced_BK, first = hf_ep.gather_rows(prompts_BP), hf_ep.gather_rows(forced_BK), dist.get_rank() * batch
