@@ -217,7 +217,6 @@ def gemm_parts(prob):
     from occult.kernels.grouped_mm import (
         gather_pair_rows, grouped_weight_grad, swiglu_backward_rows, swiglu_dgrad_grouped, use_grouped_mm,
     )
-    from occult.kernels.op import DGRAD1_DEFAULT
 
     x, slots, gates, w1, w2, dy, K = (prob[k] for k in ("x", "slots", "gates", "w1", "w2", "dy", "K"))
     g = gates.view(-1)
@@ -239,7 +238,7 @@ def gemm_parts(prob):
     # gather + torch._grouped_mm; with OCCULT_DGRAD1 the SwiGLU dgrad too, whose dy gather is then
     # shared with the down-projection weight gradient (counted in dgrad1, not again in wgrad_down)
     wgrad_gmm = use_grouped_mm(x, H, F)
-    dgrad_gmm = use_grouped_mm(x, H, F, env="OCCULT_DGRAD1", default=DGRAD1_DEFAULT)
+    dgrad_gmm = use_grouped_mm(x, H, F, which="dgrad1")
     if wgrad_gmm or dgrad_gmm:
         dy_rows = gather_pair_rows(dy, pair, offsets, K)
         u = torch._grouped_mm(dy_rows, w2, offs=offsets[1:])

@@ -14,15 +14,12 @@ backward through `torch._grouped_mm` on Hopper/bf16), `op` (the autograd op), `c
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
+from occult import settings
+
 __all__ = ["available", "expert_mlp"]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def available(device: torch.device | str | None = None) -> bool:
@@ -35,7 +32,7 @@ def available(device: torch.device | str | None = None) -> bool:
         import triton  # noqa: F401
     except Exception:
         return False
-    if _interpreting():
+    if settings.current().triton_interpret:
         return True
     try:
         if device is None:

@@ -9,10 +9,11 @@ under `TRITON_INTERPRET=1` small tiles keep the interpreter fast and exercise mu
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
+
+from occult import settings
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ _OVERRIDES: dict[str, TileConfig] = {}
 
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return settings.current().triton_interpret
 
 
 def get(name: str, dtype: torch.dtype | None = None) -> TileConfig:

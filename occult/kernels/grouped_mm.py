@@ -11,28 +11,29 @@ faster GEMM more than repays. Groups with no rows get zeros, rows past `offsets[
 read. `swiglu_dgrad_grouped` computes `u = down[e]^T dy_r` the same way from the copied dy rows
 (2-D x 3-D), then the SwiGLU backward and gate gradient in one elementwise pass.
 
-`use_grouped_mm` decides: CUDA, bf16, compute capability 9.x, 16-byte row strides; env
-`OCCULT_WGRAD` (weight gradients) / `OCCULT_DGRAD1` (the dgrad) = `triton` turns it off,
-`grouped_mm` forces it (also on CPU, where torch has a reference implementation; the tests use
-that), `auto` is the rule above (the default of both; `occult.kernels.op.DGRAD1_DEFAULT`).
+`use_grouped_mm` decides: CUDA, bf16, compute capability 9.x, 16-byte row strides; the settings
+`wgrad` (weight gradients) / `dgrad1` (the dgrad) = `triton` turn it off, `grouped_mm` forces it
+(also on CPU, where torch has a reference implementation; the tests use that), `auto` (the
+default of both) is the rule above (env `OCCULT_WGRAD` / `OCCULT_DGRAD1`, docs/settings.md).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from occult import settings
 from occult.kernels import config as _config
 
 
-def use_grouped_mm(t: torch.Tensor, *widths: int, env: str = "OCCULT_WGRAD", default: str = "auto") -> bool:
-    """Whether the weight gradients (`env="OCCULT_WGRAD"`) or the SwiGLU dgrad
-    (`env="OCCULT_DGRAD1"`) of operands like `t` with row widths `widths` use
-    `torch._grouped_mm` (module docstring). `default` is the mode when `env` is unset."""
-    mode = os.environ.get(env, default).lower()
+def use_grouped_mm(t: torch.Tensor, *widths: int, which: str = "wgrad") -> bool:
+    """Whether the weight gradients (`which="wgrad"`) or the SwiGLU dgrad (`which="dgrad1"`) of
+    operands like `t` with row widths `widths` use `torch._grouped_mm` (module docstring); the
+    mode is that setting of `occult.settings.current()`."""
+    if which not in ("wgrad", "dgrad1"):
+        raise ValueError(f"which must be 'wgrad' or 'dgrad1', got {which!r}")
+    mode = getattr(settings.current(), which)
     if mode == "triton" or not hasattr(torch, "_grouped_mm") or t.dtype != torch.bfloat16:
         return False
     if any(w % 8 for w in widths):  # 16-byte strides of bf16 rows

@@ -9,7 +9,7 @@ Forward (no host sync; every size the host uses is a shape):
 Backward: `grouped_gemm_backward.swiglu_dgrad` (d[a;b] and the gate gradient),
 `gemm_scatter` + `combine_rows` (input gradient), the two weight gradients: on Hopper in bf16
 `grouped_mm.gather_pair_rows` + `torch._grouped_mm`, else `grouped_gemm_backward.weight_grad`
-(there, by default, `grouped_mm.swiglu_dgrad_grouped` replaces `swiglu_dgrad`: `DGRAD1_DEFAULT`).
+(there, by default, `grouped_mm.swiglu_dgrad_grouped` replaces `swiglu_dgrad`: setting `dgrad1`).
 
 Intermediates are sized by the bound R*K (P, the number of valid pairs, is known only on the
 device): `hg` [R*K, F], `[a;b]` and `d[a;b]` [R*K, 2F], pair outputs [R*K, H]; only the first P
@@ -19,10 +19,9 @@ rows hold far fewer local experts pay that in memory (not in time): pass the sma
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from occult import settings
 from occult.kernels.combine import combine_rows
 from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
 from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
@@ -30,12 +29,10 @@ from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, swi
 from occult.kernels.pairs import build_pairs
 from occult.kernels.small_batch import expert_mlp_small_batch, use_small_batch
 
-# SwiGLU dgrad: torch._grouped_mm + one elementwise pass ("auto": on Hopper in bf16; `u` rounded to
-# bf16 as the torch reference's autograd does) or the fused Triton kernel ("triton", fp32 `u`; the
-# path everywhere else). "auto" is 0.05-0.95 ms faster per layer backward on an H200 at the four
-# benchmark shapes, passed the whole-op fp32 check there and the GPU suite (66 cases, 1 x H200,
-# 2026-11-25); env OCCULT_DGRAD1=triton turns it off (docs/kernels.md)
-DGRAD1_DEFAULT = "auto"
+# The SwiGLU dgrad (setting `dgrad1`, docs/settings.md): torch._grouped_mm + one elementwise pass
+# ("auto": on Hopper in bf16; `u` rounded to bf16 as the torch reference's autograd does) or the
+# fused Triton kernel ("triton", fp32 `u`; the path everywhere else). "auto" is the default because
+# it is faster at every benchmark shape and as exact: see docs/kernels.md, "Backward on one H200".
 
 
 def _check(x_RH, slots_RK, gates_RK, gate_up_EFH, down_EHF) -> None:
@@ -107,14 +104,14 @@ class _ExpertMLPFunction(torch.autograd.Function):
         dy = dy.to(x.dtype).contiguous()
         gates_flat = gates.view(-1)
         dx = dgates = dw1 = dw2 = None
-        # torch._grouped_mm on Hopper/bf16 (kernels.grouped_mm): the weight gradients (OCCULT_WGRAD),
-        # and optionally the SwiGLU dgrad (OCCULT_DGRAD1); their row-indexed operands are gathered
+        # torch._grouped_mm on Hopper/bf16 (kernels.grouped_mm): the weight gradients (setting wgrad),
+        # and optionally the SwiGLU dgrad (setting dgrad1); their row-indexed operands are gathered
         # into sorted-pair order first, [R*K, H] each: dy once (first if the dgrad needs it), x into
         # `rows_buf` (the dx pair buffer once it is consumed; dy goes there too when gathered last)
         hidden, ffn = x.shape[1], w2.shape[2]
         gmm = (need_w1 or need_w2) and use_grouped_mm(x, hidden, ffn)
         need_dab = need_x or need_g or need_w1
-        gmm_dgrad = need_dab and use_grouped_mm(x, hidden, ffn, env="OCCULT_DGRAD1", default=DGRAD1_DEFAULT)
+        gmm_dgrad = need_dab and use_grouped_mm(x, hidden, ffn, which="dgrad1")
         dy_rows = rows_buf = None
         if gmm_dgrad:
             dy_rows = gather_pair_rows(dy, pair, offsets, num_slots)
@@ -162,13 +159,13 @@ def expert_mlp(
     The contract of `occult.moe.experts.expert_mlp_reference` (docs/design.md): slot -1 is padding
     (slots outside [0, E) are treated as padding too: nothing is checked on the device), fp32
     accumulation, output in x's dtype, differentiable w.r.t. x, gates, gate_up and down.
-    Weights are used in x's dtype. `atomic` (default: env `OCCULT_SCATTER=atomic`) replaces the
+    Weights are used in x's dtype. `atomic` (default: setting `scatter` == "atomic", env `OCCULT_SCATTER`) replaces the
     deterministic row combine by fp32 atomic adds in GEMM 2's epilogue. Without autograd and for
     `R*K <= small_batch.MAX_PAIRS` (decode) the `small_batch` kernels run instead (`atomic` unused).
     """
     _check(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF)
     if atomic is None:
-        atomic = os.environ.get("OCCULT_SCATTER", "").lower() == "atomic"
+        atomic = settings.current().scatter == "atomic"
     x = x_RH.contiguous()
     slots = slots_RK.contiguous()
     gates = gates_RK.contiguous()

