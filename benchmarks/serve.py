@@ -93,6 +93,9 @@ class Variant(NamedTuple):
 
 
 VARIANTS: dict[str, Variant] = {
+    "native": Variant("native", False, False),
+    "native-generate": Variant("native", False, False, "native"),
+    "native-generate+compile": Variant("native", False, True, "native+compile"),
     "replicated": Variant("replicated", False, False),
     "replicated+graph": Variant("replicated", True, True),
     "standard": Variant("standard", False, False),
@@ -102,9 +105,6 @@ VARIANTS: dict[str, Variant] = {
     "dedup-syncfree+graph": Variant("dedup", True, True),
     "hf-ep": Variant("hf-ep", False, False),
     "hf-ep+graph": Variant("hf-ep", False, True),
-    "native": Variant("native", False, False),
-    "native-generate": Variant("native", False, False, "native"),
-    "native-generate+compile": Variant("native", False, True, "native+compile"),
     "generate": Variant("dedup", True, False, "occult"),
     "generate+graph": Variant("dedup", True, True, "occult+graph"),
 }
