@@ -73,7 +73,7 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _build_block(world, top_k, weights, placement=None, dispatcher=None, max_devices=None):
+def _build_block(world, top_k, weights, placement=None, dispatcher=None, max_devices=None, occult_router=True):
     """TorchTitan's MoE block with full weights (model order), EP over all ranks; occult's when `dispatcher`."""
     from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher
     from torchtitan.config.override import derive
@@ -83,7 +83,8 @@ def _build_block(world, top_k, weights, placement=None, dispatcher=None, max_dev
         td = cfg.routed_experts.token_dispatcher
         cfg.routed_experts.token_dispatcher = OccultTokenDispatcher.Config(
             num_experts=E, top_k=top_k, dispatcher=dispatcher, placement=placement, max_devices=max_devices)
-        cfg.router = derive(cfg.router, OccultRouter.Config, max_devices=max_devices, placement=placement)
+        if occult_router:
+            cfg.router = derive(cfg.router, OccultRouter.Config, max_devices=max_devices, placement=placement)
         assert td.num_experts == E
     moe = cfg.build()
     gate, w1, w2, w3 = weights
@@ -297,7 +298,21 @@ def _two_ranks(rank, world, seed, placement_path):
     torch.manual_seed(seed)
     blocks = _blocks(rank, world, seed)
     blocks["pruned"] = _pruned_block(rank, world, seed)
-    return blocks, _training(rank, world, seed, placement_path)
+    training = _training(rank, world, seed, placement_path)
+    return blocks, training, _limit_without_router(rank, world, seed)
+
+
+def _limit_without_router(rank, world, seed):
+    """max_devices on the dispatcher behind TorchTitan's own (unlimited) router: an error on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen),
+               torch.randn(E, H, F, generator=gen), torch.randn(E, F, H, generator=gen))
+    moe = _build_block(world, E, weights, dispatcher="dedup", max_devices=1, occult_router=False)
+    try:
+        _run_block(moe, torch.randn(3, H), torch.ones(3, H))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _pruned_block(rank, world, seed):
@@ -335,10 +350,101 @@ def test_block_and_training_step_on_2_ranks(tmp_path):
     placement = Placement(np.stack([placement.expert_device(0), _random_placement(2, 8).expert_device(0)]), 2)
     placement.save(path)
     results = run_ranks(_two_ranks, 2, int(torch.randint(0, 10_000, ())), str(path))
-    blocks, (ref_losses, occ_losses, used, lines) = results[0]
+    blocks, (ref_losses, occ_losses, used, lines), _ = results[0]
+    for r, (_, _, limit_error) in enumerate(results):
+        assert limit_error is not None and "max_devices=1" in limit_error and "install" in limit_error, (r, limit_error)
     errors, (rows, tokens) = blocks.pop("pruned")
     assert not errors and rows == tokens, (errors, rows, tokens)  # max_devices=1: one row per token
     _check_blocks(blocks, 2)
     assert all(used) and len(used) == 2 and len(lines) == 1, (used, lines)
     assert np.allclose(occ_losses, ref_losses, rtol=1e-5), (occ_losses, ref_losses)
     assert occ_losses[1] != occ_losses[0]  # the optimizer step changed the model
+
+
+def _router_config(top_k, max_devices, placement):
+    from occult.integrations.torchtitan import OccultRouter
+    from torchtitan.config.override import derive
+
+    return derive(_moe_config(top_k).router, OccultRouter.Config, max_devices=max_devices, placement=placement)
+
+
+@pytest.mark.parametrize("max_devices", [None, 1, 2])
+def test_pruning_equals_occult_max_devices_routing(max_devices):
+    """OccultRouter (TorchTitan's Qwen3 router + max_devices) chooses what occult's TopKRouter chooses."""
+    from occult.moe.routing import TopKRouter
+
+    _cpu_torchtitan()
+    placement, top_k = _random_placement(4, int(torch.randint(0, 1000, ()))), 2
+    router = _router_config(top_k, max_devices, placement).build()
+    ours = TopKRouter(H, E, top_k, norm_topk_prob=True, max_devices=max_devices)
+    ours.set_expert_device(placement.tensors(0)[0])
+    with torch.no_grad():
+        ours.gate.weight.copy_(torch.randn(E, H))
+        router.gate.weight.copy_(ours.gate.weight)
+    x = torch.randn(64, H)
+    scores, ids, _ = router(x[None])
+    want_w, want_ids = ours(x)
+    order, want_order = ids[0].sort(1), want_ids.sort(1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(scores[0].gather(1, order.indices), want_w.gather(1, want_order.indices))
+    if max_devices is not None:
+        from occult.moe.pruning import devices_per_token
+
+        spread = devices_per_token(ids[0], placement.tensors(0)[0])
+        assert int(spread.max()) <= max_devices and int(spread.min()) >= 1
+
+
+def test_install_and_override_on_qwen3_and_deepseek_v3_specs(tmp_path):
+    """Every MoE block of TorchTitan's registry specs gets occult's dispatcher and router (layer i: placement layer
+    i); the model's own router settings stay; bad input is refused when installing."""
+    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher, install
+    from occult.placement import PlacementError
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.common.moe import MoE
+    from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3
+    from torchtitan.models.qwen3 import model_registry as qwen3
+
+    spec = deepseek_v3("debugmodel")
+    before = [cfg.router for _, cfg, _, _ in spec.model.traverse(MoE.Config)]
+    target = "occult.integrations.torchtitan.occult_moe"
+    assert len(apply_overrides(OverrideConfig(imports=[(target, {"max_devices": 2})]), spec)) == 1
+    moes = [cfg for _, cfg, _, _ in spec.model.traverse(MoE.Config)]
+    assert len(moes) == 5
+    for i, moe in enumerate(moes):
+        td, router = moe.routed_experts.token_dispatcher, moe.router
+        assert isinstance(td, OccultTokenDispatcher.Config) and td.layer_index == i and td.max_devices == 2
+        assert isinstance(router, OccultRouter.Config) and router.max_devices == 2 and td.num_experts == moe.num_experts
+        for name in ("score_func", "route_norm", "route_scale", "num_expert_groups", "num_limited_groups", "top_k"):
+            assert getattr(router, name) == getattr(before[i], name), name
+    model_cfg = qwen3("debugmodel_moe").model
+    with pytest.raises(ValueError, match="dispatcher must be one of"):
+        install(model_cfg, dispatcher="fast")
+    Placement.contiguous(64, 4, num_layers=3).save(tmp_path / "p.json")
+    with pytest.raises(PlacementError, match="3 layers, but the model has 8 MoE blocks"):
+        install(model_cfg, placement=str(tmp_path / "p.json"))
+    with pytest.raises(ValueError, match="has no MoE blocks"):
+        install(qwen3("debugmodel").model)
+    assert install(model_cfg, dispatcher="standard") == 8
+
+
+def test_router_refuses_tensor_parallelism_and_state_dicts_reorder():
+    from types import SimpleNamespace
+
+    from occult.integrations.torchtitan import to_model_order, to_placed_order
+
+    _cpu_torchtitan()
+    router = _router_config(2, 1, None).build()
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        router.parallelize(SimpleNamespace(tp=2, ep=2))
+    with pytest.raises(ValueError, match="max_devices=1 EP ranks hold only 2 experts"):
+        _router_config(3, 1, _random_placement(4, 1)).build()
+    placement = _random_placement(4, 3)
+    state = {f"layers.{i}.moe.routed_experts.inner_experts.{n}": torch.randn(E, 3) for i in (0, 1)
+             for n in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    state["layers.0.attention.wo.weight"] = torch.randn(2, 2)
+    placed = to_placed_order(state, placement)
+    for r in range(4):  # TorchTitan's EP gives rank r the r-th block of E/4 rows: the placement's experts of rank r
+        block = placed["layers.1.moe.routed_experts.inner_experts.w2_EDF"][r * 2:(r + 1) * 2]
+        assert torch.equal(block, state["layers.1.moe.routed_experts.inner_experts.w2_EDF"][placement.experts_on_device(r)])
+    back = to_model_order(placed, placement)
+    assert all(torch.equal(back[k], v) for k, v in state.items())

@@ -46,6 +46,11 @@ class OccultRouter(TokenChoiceTopKRouter):
         """Where the experts live: the placement's layer, or contiguous blocks over `num_devices` ranks."""
         placement = load_placement(self.placement_spec, self.num_experts, num_devices)
         self.expert_device_E = placement.tensors(self.layer_index if placement.num_layers > 1 else 0)[0]
+        room = None if self.max_devices is None else self.max_devices * placement.experts_per_device
+        if room is not None and placement.num_devices > 1 and room < self.top_k:
+            raise ValueError(f"OccultRouter: max_devices={self.max_devices} EP ranks hold only {room} experts, fewer "
+                             f"than top_k={self.top_k}: raise max_devices to at least "
+                             f"{-(-self.top_k // placement.experts_per_device)}")
 
     def parallelize(self, parallel_dims: Any) -> None:
         if getattr(parallel_dims, "tp", 1) > 1:
