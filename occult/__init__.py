@@ -6,9 +6,14 @@ to N devices (collaboration pruning). See README.md and docs/design.md.
 """
 
 from occult.moe.comm import CommStats
+from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig
+from occult.moe.contract import Capabilities, Dispatcher, Received, Schedule
+from occult.moe.counts import RoutingError
 from occult.moe.dense import DenseMoE
-from occult.moe.dispatch import DedupDispatcher, Dispatcher, RoutingError, StandardDispatcher, make_dispatcher
+from occult.moe.dispatch import DedupDispatcher, StandardDispatcher
+from occult.moe.expert_map import ExpertMap
 from occult.moe.layer import OccultMoE, set_overlap, set_sync_free
+from occult.moe.registry import DISPATCHERS, make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.moe.two_batch import two_batch_overlap
 from occult.moe.two_level import TwoLevelDispatcher
@@ -17,7 +22,15 @@ from occult.placement import Placement, PlacementError
 __version__ = "0.1.0"
 
 __all__ = [
+    "Capabilities",
     "CommStats",
+    "DISPATCHERS",
+    "ExecConfig",
+    "ExpertMap",
+    "MoEConfig",
+    "Received",
+    "RoutingConfig",
+    "Schedule",
     "DedupDispatcher",
     "DenseMoE",
     "Dispatcher",

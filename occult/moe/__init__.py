@@ -1,14 +1,21 @@
 """One MoE layer's data flow, one module per stage; read them in this order:
 
+    config     `MoEConfig`, `RoutingConfig`, `ExecConfig`: a layer's settings, validated
     routing    `TopKRouter`: gate, softmax top-k, `norm_topk_prob`, device-limit hook
     pruning    device-limited (collaboration-pruned) top-k, expert similarity tables
+    expert_map `ExpertMap`: the device and local slot of every expert
     plan       `DispatchPlan`: which rows go to which rank (standard: k copies, dedup: one per device)
     comm       `all_to_all`, the exchange autograd node, metadata packing, `CommStats`
-    dispatch   `Dispatcher` (`StandardDispatcher`, `DedupDispatcher`): counts, dispatch, combine
+    counts     the one host sync: row counts and every rank's input status, `RoutingError`
+    gather     rows and gates between token and plan layouts, per-token sums (with gradients)
+    contract   the one dispatcher contract: `Dispatcher`, `Schedule`, `Capabilities`, `Received`
+    dispatch   the flat dispatchers (`StandardDispatcher`, `DedupDispatcher`)
+    pipeline   their pipelined schedule: token chunks, all-to-alls hidden behind expert compute
+    two_level  `TwoLevelDispatcher` ("dedup2"): one copy per node, then per GPU inside it
+    registry   the dispatcher name table, `make_dispatcher`
     experts    SwiGLU experts on received rows (torch reference; Triton via `occult.kernels`)
-    overlap    the same stages over token chunks, all-to-alls hidden behind expert compute
     two_batch  two halves of a batch interleaved at the all-to-alls (two-batch overlap)
-    layer      `OccultMoE`, the expert-parallel layer that runs the stages above
+    layer      `OccultMoE`, the expert-parallel layer: route -> dispatch -> experts -> combine
     dense      `DenseMoE`, the single-process reference, and the expert-parameter init
 
 The public names are re-exported by `occult` itself (`from occult import OccultMoE`).

@@ -69,7 +69,7 @@ def all_to_all_start(x: torch.Tensor, send_splits: list[int], recv_splits: list[
     """`all_to_all` without waiting: returns (out, work). Read `out` only after `all_to_all_wait(work)`.
 
     On NCCL the exchange runs on the communicator's stream and the caller's stream goes on with
-    other kernels until it waits: this is what lets the pipelined layer (`occult.moe.overlap`)
+    other kernels until it waits: this is what lets the pipelined schedule (`occult.moe.pipeline`)
     hide an all-to-all behind expert compute. Keep `x` alive until the wait.
     """
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
@@ -86,11 +86,11 @@ def all_to_all_wait(work: Any) -> None:
         work.wait()
 
 
-def _record(state: Any, splits: list[int], rows_PH: torch.Tensor, meta_bytes: int, backward: bool) -> None:
+def record_sent(state: Any, splits: list[int], rows_PH: torch.Tensor, meta_bytes: int, backward: bool) -> None:
     """Account the rows and bytes this rank sends (activation rows, and metadata apart).
 
     `state` is anything with `.stats` (a `CommStats`) and `.rank` (this rank in the group),
-    e.g. `occult.moe.dispatch.DispatchState`; with a `.peer_level` list (per rank of the group:
+    e.g. a dispatcher's `Handle`; with a `.peer_level` list (per rank of the group:
     0 self, 1 same node, 2 another node) the remote rows are also counted per link.
     """
     stats, rows = state.stats, sum(splits)
@@ -133,13 +133,13 @@ def pack_metadata(gates_PK: torch.Tensor, slots_PK: torch.Tensor) -> torch.Tenso
     return torch.cat([gates_PK.to(carrier).contiguous().view(as_int), slots_PK.to(as_int)], dim=1)
 
 
-def _metadata_bytes(gates_PK: torch.Tensor) -> int:
+def metadata_bytes(gates_PK: torch.Tensor) -> int:
     """Bytes `pack_metadata` sends for these gates (and as many slots)."""
     carrier, _ = _metadata_int(gates_PK.dtype)
     return 2 * gates_PK.numel() * torch.finfo(carrier).bits // 8
 
 
-def _unpack_metadata(meta_R2K: torch.Tensor, gates_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_metadata(meta_R2K: torch.Tensor, gates_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `pack_metadata` on received rows: (gates [R, K] in `gates_dtype`, slots [R, K] int64)."""
     carrier, _ = _metadata_int(gates_dtype)
     num_k = meta_R2K.shape[1] // 2
@@ -147,11 +147,11 @@ def _unpack_metadata(meta_R2K: torch.Tensor, gates_dtype: torch.dtype) -> tuple[
     return gates_RK, meta_R2K[:, num_k:].to(torch.int64)
 
 
-def _send_metadata(gates_PK, slots_PK, send_splits, recv_splits, group, packed=None):
+def send_metadata(gates_PK, slots_PK, send_splits, recv_splits, group, packed=None):
     """Gates and slots in one all-to-all; gates come back in their own dtype, bit-exact.
     `packed`: `pack_metadata(gates_PK, slots_PK)` made earlier (before the host sync)."""
     out = all_to_all(pack_metadata(gates_PK, slots_PK) if packed is None else packed, send_splits, recv_splits, group)
-    return _unpack_metadata(out, gates_PK.dtype)
+    return unpack_metadata(out, gates_PK.dtype)
 
 
 class _Exchange(torch.autograd.Function):
@@ -169,14 +169,14 @@ class _Exchange(torch.autograd.Function):
         out_rows = all_to_all(rows, send_splits, recv_splits, group)
         if gates is None:
             return out_rows, None, None
-        out_gates, out_slots = _send_metadata(gates, slots, send_splits, recv_splits, group, packed)
+        out_gates, out_slots = send_metadata(gates, slots, send_splits, recv_splits, group, packed)
         ctx.mark_non_differentiable(out_slots)
         return out_rows, out_gates, out_slots
 
     @staticmethod
     def backward(ctx, grad_rows, grad_gates, _grad_slots):
         meta_bytes = grad_gates.numel() * grad_gates.element_size() if ctx.has_gates else 0
-        _record(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
+        record_sent(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
         back_rows = all_to_all(grad_rows, ctx.recv_splits, ctx.send_splits, ctx.group)
         back_gates = all_to_all(grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group) if ctx.has_gates else None
         return back_rows, back_gates, None, None, None, None, None, None
@@ -219,7 +219,7 @@ class _Flight:
         self.wait()
         if self.gate_dtype is None:
             return None, None
-        gates, slots = _unpack_metadata(self.meta, self.gate_dtype)
+        gates, slots = unpack_metadata(self.meta, self.gate_dtype)
         self.meta = None
         return gates, slots
 
@@ -265,7 +265,7 @@ class _FinishExchange(torch.autograd.Function):
             if grad_gates is None:
                 grad_gates = grad_rows.new_zeros((grad_rows.shape[0], flight.num_k), dtype=flight.gate_dtype)
             meta_bytes = grad_gates.numel() * grad_gates.element_size()
-        _record(flight.state, flight.recv_splits, grad_rows, meta_bytes, backward=True)
+        record_sent(flight.state, flight.recv_splits, grad_rows, meta_bytes, backward=True)
         flight.grad_rows = flight.start(grad_rows, flight.recv_splits, flight.send_splits)
         if flight.gate_dtype is not None:
             flight.grad_gates = flight.start(grad_gates, flight.recv_splits, flight.send_splits)
@@ -303,8 +303,8 @@ def exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause=N
     callable, `occult.moe.two_batch`), the all-to-alls are started, `pause()` runs, then they
     are waited for, forward and backward: the same result, with other work between the halves.
     """
-    meta_bytes = 0 if gates is None else _metadata_bytes(gates)
-    _record(state, send_splits, rows, meta_bytes, backward=False)
+    meta_bytes = 0 if gates is None else metadata_bytes(gates)
+    record_sent(state, send_splits, rows, meta_bytes, backward=False)
     differentiable = torch.is_grad_enabled() and (rows.requires_grad or (gates is not None and gates.requires_grad))
     if pause is not None:
         return _paused_exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause, differentiable, packed)
@@ -313,4 +313,4 @@ def exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause=N
     out_rows = all_to_all(rows, send_splits, recv_splits, group)
     if gates is None:
         return out_rows, None, None
-    return (out_rows, *_send_metadata(gates, slots, send_splits, recv_splits, group, packed))
+    return (out_rows, *send_metadata(gates, slots, send_splits, recv_splits, group, packed))

@@ -10,6 +10,7 @@ Forward on one rank, top to bottom:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -17,10 +18,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from occult.moe.comm import CommStats
+from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, configs_from_keywords
+from occult.moe.contract import Schedule
+from occult.moe.counts import STATUS_WRONG_HIDDEN, RoutingError, routing_status
 from occult.moe.dense import DenseMoE, expert_parameters
-from occult.moe.dispatch import RoutingError, make_dispatcher
-from occult.moe.experts import expert_mlp
-from occult.moe.overlap import pipelined_moe
+from occult.moe.expert_map import ExpertMap
+from occult.moe.experts import LocalExperts
+from occult.moe.registry import make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.moe.two_batch import pause_point
 from occult.placement import Placement, check_divisible
@@ -29,81 +33,60 @@ from occult.placement import Placement, check_divisible
 class OccultMoE(nn.Module):
     """Expert-parallel MoE layer with deduplicated (or standard) all-to-all dispatch.
 
+    Built from three config objects (`occult.moe.config`): `MoEConfig` (sizes, experts, top-k,
+    dtype), `RoutingConfig` (the built-in router's rule and collaboration pruning) and
+    `ExecConfig` (dispatcher, sync-free, pipelining, expert backend), or in the keyword form
+    `OccultMoE(hidden_size, ffn_size, num_experts, top_k, dispatcher=..., max_devices=..., ...)`.
+
     Every rank of `group` holds the router (replicated, [E, H], expert-id order) and the experts
     the placement gives it, in local-slot order: `gate_up_proj` [E/D, 2F, H], `down_proj`
-    [E/D, H, F]. `dispatcher="dedup"` sends a token once per device holding any of its experts;
-    `"standard"` once per expert. Both compute the same function as `DenseMoE`.
+    [E/D, H, F]. Every dispatcher computes the same function as `DenseMoE`.
 
     The router's gradient is this rank's contribution: all-reduce it over the data-parallel
     group as for any replicated parameter. `init_weights=False` leaves the expert weights
     uninitialised, for callers that load them (`from_dense` does). `last_comm_stats` holds the
     rows and bytes sent by the last forward (and, after it, backward).
 
-    `sync_free=True` (settable at any time, e.g. for decode; `set_sync_free` walks a model)
-    dispatches fixed-capacity plans whose all-to-all sizes follow from shapes alone: no host
-    wait, so a forward can be captured in a CUDA graph. Every rank must then pass the same
-    number of tokens, and bad input is not reported across ranks (a wrong hidden size raises on
-    its own rank only). It sends more rows (unused capacity) and is meant for small batches.
-
-    `overlap_chunks=C > 1` (settable at any time; `set_overlap` walks a model) pipelines the
-    layer over C chunks of the rank's tokens (`occult.moe.overlap`): the all-to-alls of one chunk
-    run under the experts of another, forward and backward; the same rows, the same function,
-    still one host sync. All ranks of the group must use the same C.
-
-    Called inside `occult.two_batch_overlap`, the layer hands the turn to the other half of the
-    batch after starting each all-to-all (pipelined layers raise there: use one or the other).
+    `sync_free` and `overlap_chunks` may be changed at any time (`set_sync_free` / `set_overlap`
+    walk a model): sync-free dispatch has no host wait (CUDA-graph capturable; every rank passes
+    the same token count, bad input is not reported across ranks, unused capacity is sent: for
+    small batches); `overlap_chunks=C > 1` pipelines the layer over C token chunks (the same rows,
+    the same function; all ranks the same C). Called inside `occult.two_batch_overlap`, the layer
+    hands the turn to the other half of the batch after starting each all-to-all.
     """
 
     def __init__(
         self,
-        hidden_size: int,
-        ffn_size: int,
-        num_experts: int,
-        top_k: int,
-        *,
-        norm_topk_prob: bool = False,
+        config: MoEConfig | int | None = None,
+        *sizes: int,
+        routing: RoutingConfig | None = None,
+        execution: ExecConfig | None = None,
         placement: Placement | None = None,
         layer_index: int = 0,
-        dispatcher: str = "dedup",
         group: Any = None,
         router: nn.Module | None = None,
-        max_devices: int | None = None,
-        prune_method: str = "score",
-        similarity_EE: torch.Tensor | None = None,
-        expert_backend: str = "auto",
-        sync_free: bool = False,
-        overlap_chunks: int = 1,
         init_weights: bool = True,
-        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        **settings: Any,
     ) -> None:
         super().__init__()
+        config, routing, execution = configs_from_keywords(config, sizes, settings, routing, execution)
+        self.config, self.routing = config, routing
         # a name ("standard", "dedup", "dedup2": nodes from the placement) or a built Dispatcher
-        self.dispatcher = make_dispatcher(dispatcher, group, placement=placement)
+        self.dispatcher = make_dispatcher(execution.dispatcher, group, placement=placement)
+        self.execution = execution
         num_ranks, rank = self.dispatcher.num_ranks, self.dispatcher.rank
-        check_divisible(num_experts, num_ranks)
+        check_divisible(config.num_experts, num_ranks)
         if placement is None:
-            placement = Placement.contiguous(num_experts, num_ranks)
-            layer_index = 0
-        placement.check_fits(num_experts, num_ranks)
-        self.hidden_size, self.ffn_size = hidden_size, ffn_size
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+            placement, layer_index = Placement.contiguous(config.num_experts, num_ranks), 0
+        placement.check_fits(config.num_experts, num_ranks)
+        self.hidden_size, self.ffn_size = config.hidden_size, config.ffn_size
+        self.num_experts, self.top_k, self.norm_topk_prob = config.num_experts, config.top_k, routing.norm_topk_prob
         self.num_ranks, self.rank = num_ranks, rank
         self.placement, self.layer_index = placement.layer(layer_index), layer_index
-        self.expert_backend = expert_backend
-        self.sync_free = sync_free
-        if overlap_chunks < 1:
-            raise ValueError(f"overlap_chunks must be >= 1 (1 = no pipelining), got {overlap_chunks}")
-        self.overlap_chunks = overlap_chunks
-        if router is None:
-            router = TopKRouter(
-                hidden_size, num_experts, top_k, norm_topk_prob,
-                max_devices=max_devices, prune_method=prune_method, similarity_EE=similarity_EE,
-                dtype=dtype, device=device,
-            )
-        elif max_devices is not None:
+        self.router = router if router is not None else TopKRouter.from_config(config, routing, device=device)
+        if router is not None and routing.limited:
             raise ValueError("max_devices applies to the built-in router; give your router its own device limit")
-        self.router = router
         expert_device_E, expert_slot_E = self.placement.tensors(0, device=device)
         self.register_buffer("expert_device_E", expert_device_E, persistent=False)
         self.register_buffer("expert_slot_E", expert_slot_E, persistent=False)
@@ -112,9 +95,39 @@ class OccultMoE(nn.Module):
         if hasattr(self.router, "set_expert_device"):
             self.router.set_expert_device(expert_device_E)
         self.gate_up_proj, self.down_proj = expert_parameters(
-            num_experts // num_ranks, hidden_size, ffn_size, dtype, device, init=init_weights
+            config.num_experts // num_ranks, config.hidden_size, config.ffn_size, config.dtype, device, init=init_weights
         )
         self.last_comm_stats = CommStats()
+
+    # ------------------------------------------------------- execution settings
+    @property
+    def sync_free(self) -> bool:
+        return self.execution.sync_free
+
+    @sync_free.setter
+    def sync_free(self, enabled: bool) -> None:
+        self.execution = replace(self.execution, sync_free=enabled)
+
+    @property
+    def overlap_chunks(self) -> int:
+        return self.execution.overlap_chunks
+
+    @overlap_chunks.setter
+    def overlap_chunks(self, chunks: int) -> None:
+        self.execution = replace(self.execution, overlap_chunks=chunks)
+
+    @property
+    def expert_backend(self) -> str:
+        return self.execution.expert_backend
+
+    @property
+    def expert_map(self) -> ExpertMap:
+        """Device and local slot of every expert (a view of this layer's buffers)."""
+        return ExpertMap(self.expert_device_E, self.expert_slot_E)
+
+    def local_experts(self) -> LocalExperts:
+        """This rank's experts as the function the dispatcher's received rows are run through."""
+        return LocalExperts(self.gate_up_proj, self.down_proj, self.execution.expert_backend)
 
     # --------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, while_waiting: Callable[[], None] | None = None) -> torch.Tensor:
@@ -125,57 +138,38 @@ class OccultMoE(nn.Module):
         layer's routing (e.g. a block's shared experts) keeps the GPU busy while the host then
         launches the all-to-alls and the experts; at once where there is no such wait.
         """
-        if x.shape[-1] != self.hidden_size and self.sync_free:
-            raise ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
-        wrong_hidden = x.shape[-1] != self.hidden_size
-        # Tell the other ranks before raising (status 3), so no rank is left waiting in a collective.
-        x_TH = x.new_zeros((0, self.hidden_size)) if wrong_hidden else x.reshape(-1, self.hidden_size)
-
-        # 1. route; the input status travels with the counts (`occult.moe.dispatch.STATUS_MESSAGES`):
-        # 2 ids out of range, else 1 NaN/inf gates, else 0 (few launches: the forward is host-bound)
-        weights_TK, ids_TK = self.router(x_TH)
-        clamped_TK = ids_TK.clamp(0, self.num_experts - 1)
-        status = torch.where((clamped_TK != ids_TK).any(), 2, (~torch.isfinite(weights_TK)).any().to(torch.int64))
-        if wrong_hidden:
-            status = status + 3
-        ids_TK = clamped_TK
-
-        # 2-5. plan, dispatch, experts, combine (the one host sync is the count exchange, unless
-        # sync_free); pipelined over token chunks when overlap_chunks > 1
-        try:
-            if self.overlap_chunks > 1:
-                if pause_point() is not None:
-                    raise ValueError("a pipelined MoE layer (overlap_chunks > 1) cannot run inside two_batch_overlap: "
-                                     "its backward collectives would not join the two halves' order; "
-                                     "use set_overlap(model, 1) with two-batch overlap")
-                if while_waiting is not None:
-                    while_waiting()
-                y_TH, self.last_comm_stats = pipelined_moe(
-                    self.dispatcher, x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status,
-                    self.gate_up_proj, self.down_proj, self.overlap_chunks, self.expert_backend, self.sync_free,
-                )
-                return y_TH.reshape(x.shape)
-            pause = pause_point()  # inside `two_batch_overlap`: the other half runs while our exchanges fly
-            self._check_not_recomputed_after_two_batch(pause is not None)
-            x_RH, slots_RK, gates_RK, state = self.dispatcher.dispatch(
-                x_TH, weights_TK, ids_TK, self.expert_device_E, self.expert_slot_E, status, sync_free=self.sync_free,
-                pause=pause, while_waiting=while_waiting,
-            )
+        x_TH, wrong_hidden = self._tokens(x)
+        weights_TK, ids_TK = self.router(x_TH)  # 1. route
+        ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
+        if wrong_hidden:  # tell the other ranks before raising, so none is left waiting in a collective
+            status = status + STATUS_WRONG_HIDDEN
+        schedule = self._schedule(while_waiting)
+        try:  # 2-3. plan and dispatch (the one host sync is the count exchange, unless sync-free)
+            received, handle = self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, schedule, status)
         except RoutingError as exc:
-            if x.shape[-1] != self.hidden_size:
-                raise ValueError(
-                    f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}"
-                ) from exc
+            if wrong_hidden:
+                raise self._wrong_hidden(x) from exc
             raise
-        self.last_comm_stats = state.stats
+        self.last_comm_stats = handle.stats
+        y = received.apply(self.local_experts())  # 4. experts, gate-weighted, pre-reduced per row
+        return self.dispatcher.combine(y, handle).reshape(x.shape)  # 5. combine
 
-        # 4. local experts, gate-weighted and pre-reduced per received row
-        y_RH = expert_mlp(x_RH, slots_RK, gates_RK.to(torch.promote_types(x_RH.dtype, torch.float32)),
-                          self.gate_up_proj, self.down_proj, backend=self.expert_backend)
+    def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(x as [T, H], whether the hidden size is wrong: then no rows, and the error travels)."""
+        if x.shape[-1] == self.hidden_size:
+            return x.reshape(-1, self.hidden_size), False
+        if self.sync_free:  # no count exchange to carry the error: raise on this rank
+            raise self._wrong_hidden(x)
+        return x.new_zeros((0, self.hidden_size)), True
 
-        # 5. combine
-        y_TH = self.dispatcher.combine(y_RH, state, pause=pause)
-        return y_TH.reshape(x.shape)
+    def _wrong_hidden(self, x: torch.Tensor) -> ValueError:
+        return ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
+
+    def _schedule(self, while_waiting: Callable[[], None] | None) -> Schedule:
+        """This call's schedule: the layer's settings, and the two-batch pause when inside `two_batch_overlap`."""
+        pause = pause_point()  # inside `two_batch_overlap`: the other half runs while our exchanges fly
+        self._check_not_recomputed_after_two_batch(pause is not None)
+        return Schedule(self.execution.sync_free, self.execution.overlap_chunks, pause, while_waiting)
 
     def _check_not_recomputed_after_two_batch(self, in_two_batch: bool) -> None:
         """A layer recomputed in backward (activation checkpointing) after a forward under
@@ -203,17 +197,19 @@ class OccultMoE(nn.Module):
         dense: DenseMoE,
         placement: Placement | None = None,
         layer_index: int = 0,
-        dispatcher: str = "dedup",
+        dispatcher: Any = None,
         group: Any = None,
         **kwargs: Any,
     ) -> "OccultMoE":
-        """Shard a full set of expert weights onto this rank by `placement` (default contiguous)."""
+        """Shard a full set of expert weights onto this rank by `placement` (default contiguous).
+        `dispatcher` and `kwargs` as for the constructor (settings or `routing=` / `execution=`)."""
         ref = dense.gate_up_proj
-        layer = cls(
-            dense.hidden_size, dense.ffn_size, dense.num_experts, dense.top_k,
-            norm_topk_prob=dense.norm_topk_prob, placement=placement, layer_index=layer_index,
-            dispatcher=dispatcher, group=group, dtype=ref.dtype, device=ref.device, init_weights=False, **kwargs,
-        )
+        config = MoEConfig(dense.hidden_size, dense.ffn_size, dense.num_experts, dense.top_k, ref.dtype)
+        routing = replace(kwargs.pop("routing", None) or RoutingConfig(), norm_topk_prob=dense.norm_topk_prob)
+        if dispatcher is not None:
+            kwargs["dispatcher"] = dispatcher
+        layer = cls(config, routing=routing, placement=placement, layer_index=layer_index, group=group,
+                    device=ref.device, init_weights=False, **kwargs)
         with torch.no_grad():
             layer.router.gate.weight.copy_(dense.router.gate.weight)
             layer.gate_up_proj.copy_(dense.gate_up_proj[layer.local_expert_ids])

@@ -9,6 +9,8 @@ per token (collaboration pruning, see `occult.moe.pruning`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -78,6 +80,15 @@ class TopKRouter(nn.Module):
         self.prune_method = prune_method
         self.register_buffer("similarity_EE", similarity_EE, persistent=False)
         self.register_buffer("expert_device_E", None, persistent=False)
+
+    @classmethod
+    def from_config(cls, config: Any, routing: Any, device: torch.device | str | None = None) -> "TopKRouter":
+        """The router of a `MoEConfig` with the rule of a `RoutingConfig` (`occult.moe.config`)."""
+        return cls(
+            config.hidden_size, config.num_experts, config.top_k, routing.norm_topk_prob,
+            max_devices=routing.max_devices, prune_method=routing.prune_method, similarity_EE=routing.similarity_EE,
+            max_nodes=routing.max_nodes, devices_per_node=routing.devices_per_node, dtype=config.dtype, device=device,
+        )
 
     @property
     def weight(self) -> torch.Tensor:

@@ -25,8 +25,8 @@ status, rows this rank sends to that rank's node, and rows destined to each GPU 
 gives every split size of both stages. `sync_free=True` uses fixed capacities (T rows per node,
 then M*T per GPU) and needs no count exchange at all.
 
-With one node (G = D) or one GPU per node (G = 1) two levels are one: the dispatcher is then
-exactly the flat `DedupDispatcher` (still reporting its rows per link).
+With one node (G = D) or one GPU per node (G = 1) two levels are one: the dispatcher's route is
+then the flat `DedupDispatcher` (still reporting its rows per link), chosen once when it is built.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 
 from occult.moe.comm import CommStats, exchange
-from occult.moe.dispatch import (
-    STATUS_MESSAGES, STATUS_OK, DedupDispatcher, DispatchState, RoutingError, _GatherGates, _GatherRows, _SumRows,
-    read_to_host,
-)
+from occult.moe.contract import Capabilities, Dispatcher, Handle, Received, Schedule
+from occult.moe.counts import raise_on_bad_status, read_to_host, routing_status
+from occult.moe.dispatch import DedupDispatcher
+from occult.moe.expert_map import ExpertMap
+from occult.moe.gather import gather_gate_weights, gather_rows, sum_rows
 from occult.moe.nodes import INTER, INTRA, SELF, node_groups
 from occult.moe.plan import DispatchPlan, dedup_plan, static_dedup_plan, trim
 
@@ -60,13 +61,14 @@ class Stage:
 
 
 @dataclass
-class TwoLevelState:
+class TwoLevelHandle(Handle):
     """What combine and backward need from a two-level dispatch."""
 
     rail: Stage
     node: Stage
     num_tokens: int
     stats: CommStats = field(default_factory=CommStats)
+    pause: Any = None
 
 
 def fanout_plan(codes_RK: torch.Tensor, devices_per_node: int, experts_per_device: int, sync_free: bool) -> DispatchPlan:
@@ -97,17 +99,19 @@ def fanout_plan(codes_RK: torch.Tensor, devices_per_node: int, experts_per_devic
     )
 
 
-class TwoLevelDispatcher(DedupDispatcher):
+class TwoLevelDispatcher(Dispatcher):
     """Deduplicated dispatch in two levels: once per node over the rail, once per GPU inside it.
 
     `devices_per_node` (G) must divide the group size; ranks are node-major. Computes the same
     function as `DedupDispatcher` (to rounding: the node-level partial sums are rounded to the
     row dtype once before they cross the rail). `CommStats` reports inter- and intra-node rows.
+    Not pipelined (`Schedule.chunks` must be 1).
     """
 
     name = "dedup2"
+    capabilities = Capabilities(deduplicated=True, pipelined=False, two_level=True)
 
-    def __init__(self, group=None, devices_per_node: int | None = None) -> None:
+    def __init__(self, group: Any = None, devices_per_node: int | None = None) -> None:
         super().__init__(group)
         if devices_per_node is None and self.num_ranks == 1:
             devices_per_node = 1
@@ -115,111 +119,100 @@ class TwoLevelDispatcher(DedupDispatcher):
         G = self.devices_per_node
         self.node, self.local = divmod(self.rank, G)
         self.two_level = G not in (1, self.num_ranks)
-        self.node_group = self.rail_group = None
-        if self.two_level:
-            groups = node_groups(self.group, G)
-            self.node_group, self.rail_group = groups.node_group, groups.rail_group
+        # one node, or one GPU per node: the flat deduplicated exchange is the whole route
+        self.route = NodeStages(self) if self.two_level else DedupDispatcher(group, G)
 
-    # The pipelined layer (`occult.moe.overlap`) builds flat plans from these.
-    def plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
-        self._flat_only()
-        return super().plan(ids_TK, expert_device_E, expert_slot_E)
+    def dispatch(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, expert_map: ExpertMap,
+                 schedule: Schedule = Schedule(), status: torch.Tensor | None = None) -> tuple[Received, Handle]:
+        """Send rows out in two stages (`pause`: inside both exchanges, rail and node, so that
+        every exchange's backward joins the two-batch chain)."""
+        self.check_schedule(schedule)
+        if status is None:
+            ids_TK, status = routing_status(weights_TK, ids_TK, expert_map.num_experts)
+        return self.route.dispatch(x_TH, weights_TK, ids_TK, expert_map, schedule, status)
 
-    def static_plan(self, ids_TK, expert_device_E, expert_slot_E) -> DispatchPlan:
-        self._flat_only()
-        return super().static_plan(ids_TK, expert_device_E, expert_slot_E)
+    def combine(self, y: torch.Tensor, handle: Handle) -> torch.Tensor:
+        """Rows back to the gateways, summed per (token, node); one row per node back to the source."""
+        return self.route.combine(y, handle)
 
-    def _flat_only(self) -> None:
-        if self.two_level:
-            raise ValueError(
-                "the two-level dispatcher ('dedup2') has no flat plan: overlap_chunks > 1 (pipelining) is not "
-                "supported with it; use overlap_chunks=1 or dispatcher='dedup'"
-            )
 
-    def _exchange_header(self, nodes_M, devices_D, status, G, while_waiting=None) -> tuple[list[int], list[int], list[int], list[int]]:
+class NodeStages:
+    """The two-level route of a `TwoLevelDispatcher` with G not in (1, D): rail stage, then node stage."""
+
+    def __init__(self, owner: TwoLevelDispatcher) -> None:
+        self.owner = owner
+        groups = node_groups(owner.group, owner.devices_per_node)
+        self.node_group, self.rail_group = groups.node_group, groups.rail_group
+
+    def exchange_header(self, nodes_M, devices_D, status, while_waiting=None) -> tuple[list[int], list[int], list[int], list[int]]:
         """One all-to-all of (status, rows to your node, rows for each GPU of your node); one host sync
         (`while_waiting` runs while the host waits for it: `read_to_host`).
 
         Returns the split sizes of both stages: rail send/recv (per node), node send/recv (per GPU).
         """
-        M, D = self.num_nodes, self.num_ranks
+        own = self.owner
+        M, D, G = own.num_nodes, own.num_ranks, own.devices_per_node
         header_DX = torch.cat([
             status.to(torch.int64).expand(D, 1),
             nodes_M.to(torch.int64).repeat_interleave(G)[:, None],
             devices_D.to(torch.int64).view(M, G).repeat_interleave(G, dim=0),
         ], dim=1)
         recv_DX = torch.empty_like(header_DX)
-        dist.all_to_all_single(recv_DX, header_DX, group=self.group)
+        dist.all_to_all_single(recv_DX, header_DX, group=own.group)
         host = read_to_host(torch.cat([nodes_M.to(torch.int64), recv_DX.reshape(-1)]), while_waiting)
         rail_send, recv = host[:M], [host[M + s * (G + 2) : M + (s + 1) * (G + 2)] for s in range(D)]
-        self._raise_on_bad_status([r[0] for r in recv])
-        rail_recv = [recv[m * G + self.local][1] for m in range(M)]
-        node_send = [sum(recv[m * G + self.local][2 + g] for m in range(M)) for g in range(G)]
-        node_recv = [sum(recv[m * G + g][2 + self.local] for m in range(M)) for g in range(G)]
+        raise_on_bad_status([r[0] for r in recv])
+        rail_recv = [recv[m * G + own.local][1] for m in range(M)]
+        node_send = [sum(recv[m * G + own.local][2 + g] for m in range(M)) for g in range(G)]
+        node_recv = [sum(recv[m * G + g][2 + own.local] for m in range(M)) for g in range(G)]
         return rail_send, rail_recv, node_send, node_recv
 
-    def _raise_on_bad_status(self, statuses: list[int]) -> None:
-        bad = [(r, s) for r, s in enumerate(statuses) if s != STATUS_OK]
-        if bad:
-            text = "; ".join(f"rank {r}: {STATUS_MESSAGES.get(s, f'status {s}')}" for r, s in bad)
-            raise RoutingError(f"MoE dispatch stopped on every rank because of bad input: {text}")
+    def split_sizes(self, ids_TK, expert_map, plan1, status, schedule):
+        """Both stages' split sizes: from shapes alone (sync-free: T rows per node, M*T per GPU) or
+        swapped in one header exchange."""
+        own = self.owner
+        M, G, T = own.num_nodes, own.devices_per_node, ids_TK.shape[0]
+        if schedule.sync_free:
+            schedule.run_while_waiting()
+            return [T] * M, [T] * M, [M * T] * G, [M * T] * G
+        used_TD = torch.zeros((T, own.num_ranks), dtype=torch.int64, device=ids_TK.device)
+        used_TD.scatter_(1, expert_map.device_E[ids_TK], 1)
+        return self.exchange_header(plan1.send_counts_D, used_TD.sum(dim=0), status, schedule.while_waiting)
 
-    def dispatch(self, x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free=False, pause=None,
-                 while_waiting=None):
-        """Send rows out in two stages; return (x_RH, slots_RK, gates_RK, state) as received here.
-        `pause` (two-batch overlap) runs inside both exchanges (rail and node), so that every
-        exchange's backward joins the two-batch chain."""
-        if not self.two_level:
-            return super().dispatch(x_TH, weights_TK, ids_TK, expert_device_E, expert_slot_E, status, sync_free, pause,
-                                    while_waiting)
-        G, M, T = self.devices_per_node, self.num_nodes, ids_TK.shape[0]
-        S = expert_device_E.shape[0] // self.num_ranks
-        node_E = expert_device_E // G
-        code_E = (expert_device_E % G) * S + expert_slot_E
-        stats = CommStats()
-        if sync_free:
-            if while_waiting is not None:
-                while_waiting()
-            plan1 = static_dedup_plan(ids_TK, node_E, code_E, M, S * G)
-            rail_send = rail_recv = [T] * M
-            node_send = node_recv = [M * T] * G
+    def dispatch(self, x_TH, weights_TK, ids_TK, expert_map: ExpertMap, schedule: Schedule, status):
+        own = self.owner
+        G, M, T = own.devices_per_node, own.num_nodes, ids_TK.shape[0]
+        S = expert_map.experts_per_device(own.num_ranks)
+        node_map = expert_map.coarsen(G, S)
+        if schedule.sync_free:
+            plan1 = static_dedup_plan(ids_TK, node_map.device_E, node_map.slot_E, M, S * G)
         else:
-            plan1 = dedup_plan(ids_TK, node_E, code_E, M)
-            device_TK = expert_device_E[ids_TK]
-            used_TD = torch.zeros((T, self.num_ranks), dtype=torch.int64, device=ids_TK.device)
-            used_TD.scatter_(1, device_TK, 1)
-            rail_send, rail_recv, node_send, node_recv = self._exchange_header(
-                plan1.send_counts_D, used_TD.sum(dim=0), status, G, while_waiting
-            )
-            plan1 = trim(plan1, sum(rail_send))
-        rail = Stage(plan1, rail_send, rail_recv, self.rail_group, self.node,
-                     [SELF if n == self.node else INTER for n in range(M)], stats)
+            plan1 = dedup_plan(ids_TK, node_map.device_E, node_map.slot_E, M)
+        rail_send, rail_recv, node_send, node_recv = self.split_sizes(ids_TK, expert_map, plan1, status, schedule)
+        plan1 = trim(plan1, sum(rail_send))
+        stats, pause = CommStats(), schedule.pause
+        rail = Stage(plan1, rail_send, rail_recv, self.rail_group, own.node,
+                     [SELF if n == own.node else INTER for n in range(M)], stats)
         # 1. rail: one row per (token, node), with the token's gates and node-local expert codes
         x1_RH, gates1_RK, codes1_RK = exchange(
-            _GatherRows.apply(x_TH, plan1.token_P, plan1.row_TJ), _GatherGates.apply(weights_TK, plan1.entry_PK),
+            gather_rows(x_TH, plan1.token_P, plan1.row_TJ), gather_gate_weights(weights_TK, plan1.entry_PK),
             plan1.slot_PK, rail_send, rail_recv, rail.group, rail, pause,
         )
         # 2. node: the gateway fans each row out once per GPU of its node holding its experts
-        plan2 = fanout_plan(codes1_RK, G, S, sync_free)
-        if not sync_free:
-            plan2 = trim(plan2, sum(node_send))
-        node = Stage(plan2, node_send, node_recv, self.node_group, self.local,
-                     [SELF if g == self.local else INTRA for g in range(G)], stats)
+        plan2 = trim(fanout_plan(codes1_RK, G, S, schedule.sync_free), sum(node_send))
+        node = Stage(plan2, node_send, node_recv, self.node_group, own.local,
+                     [SELF if g == own.local else INTRA for g in range(G)], stats)
         x_RH, gates_RK, slots_RK = exchange(
-            _GatherRows.apply(x1_RH, plan2.token_P, plan2.row_TJ), _GatherGates.apply(gates1_RK, plan2.entry_PK),
+            gather_rows(x1_RH, plan2.token_P, plan2.row_TJ), gather_gate_weights(gates1_RK, plan2.entry_PK),
             plan2.slot_PK, node_send, node_recv, node.group, node, pause,
         )
         stats.dispatch_rows = plan1.num_rows + plan2.num_rows
-        return x_RH, slots_RK, gates_RK, TwoLevelState(rail, node, T, stats)
+        return Received(x_RH, slots_RK, gates_RK), TwoLevelHandle(rail, node, T, stats, pause)
 
-    def combine(self, y_RH: torch.Tensor, state, pause=None) -> torch.Tensor:
-        """Rows back to the gateways, summed per (token, node); one row per node back to the source
-        (`pause` inside both exchanges)."""
-        if isinstance(state, DispatchState):
-            return super().combine(y_RH, state, pause)
-        rail, node = state.rail, state.node
+    def combine(self, y_RH: torch.Tensor, handle: "TwoLevelHandle") -> torch.Tensor:
+        rail, node, pause = handle.rail, handle.node, handle.pause
         y2_PH, _, _ = exchange(y_RH, None, None, node.recv_splits, node.send_splits, node.group, node, pause)
-        y1_RH = _SumRows.apply(y2_PH, node.plan.token_P, node.plan.row_TJ)  # node-level pre-reduction
+        y1_RH = sum_rows(y2_PH, node.plan.token_P, node.plan.row_TJ)  # node-level pre-reduction
         y1_PH, _, _ = exchange(y1_RH, None, None, rail.recv_splits, rail.send_splits, rail.group, rail, pause)
-        state.stats.combine_rows = y_RH.shape[0] + y1_RH.shape[0]
-        return _SumRows.apply(y1_PH, rail.plan.token_P, rail.plan.row_TJ)
+        handle.stats.combine_rows = y_RH.shape[0] + y1_RH.shape[0]
+        return sum_rows(y1_PH, rail.plan.token_P, rail.plan.row_TJ)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ from occult.distributed import pick_backend, run_ranks
 from occult.moe.comm import all_to_all
 from occult.moe.experts import expert_mlp
 from occult.moe.layer import OccultMoE
+from occult.moe.registry import capabilities
 from occult.placement import Placement
 from occult.placement.cost import SHAPES as MODEL_SHAPES
 from occult.placement.cost import Shape
@@ -36,6 +38,8 @@ SHAPES: dict[str, Shape] = {
     "tiny": Shape("tiny", 64, 32, 16, 4),
 }
 VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2")
+# the dispatcher each variant runs (dedup+placement: dedup on the solved placement)
+VARIANT_DISPATCHER = {"standard": "standard", "dedup": "dedup", "dedup+placement": "dedup", "dedup2": "dedup2"}
 
 
 class PresetRouter(nn.Module):
@@ -172,7 +176,8 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
                 for variant, chunks in [(v, c) for v in args["variants"] for c in args.get("overlap_chunks", [1])]:
                     run = _bench_variant(
                         variant, shape, placement if variant == "dedup+placement" else
-                        Placement.contiguous(shape.experts, world, num_nodes=args.get("nodes", 1) if variant == "dedup2" else 1),
+                        Placement.contiguous(shape.experts, world, num_nodes=args.get("nodes", 1)
+                                            if capabilities(VARIANT_DISPATCHER[variant]).two_level else 1),
                         w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, {**args, "chunks": chunks},
                     )
                     name = variant if chunks == 1 else f"{variant}/c{chunks}"
@@ -187,11 +192,12 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
     return result
 
 
-def _count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int:
-    """Device-to-host synchronisations in one call of fn (CUDA's sync debug mode); -1 on CPU.
-    Call it on a warm fn: a first call's kernel compilation and autotuning synchronise too."""
+def _count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """Device-to-host synchronisations in one call of fn (CUDA's sync debug mode); None on CPU,
+    where there is no device to wait for. Call it on a warm fn: a first call's kernel compilation
+    and autotuning synchronise too."""
     if device.type != "cuda":
-        return -1
+        return None
     import warnings
 
     torch.cuda.synchronize()
@@ -206,7 +212,7 @@ def _count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int:
 
 
 def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args):
-    dispatcher = variant if variant in ("standard", "dedup2") else "dedup"
+    dispatcher = VARIANT_DISPATCHER[variant]
     layer = OccultMoE(
         shape.hidden, shape.ffn, shape.experts, shape.top_k, placement=placement, dispatcher=dispatcher,
         expert_backend=args["expert_backend"], overlap_chunks=args.get("chunks", 1), dtype=w1_full.dtype, device=device,
@@ -254,11 +260,8 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
     with torch.no_grad():
         x_TH = xs[0]
         weights_TK, ids_TK = layer.router(x_TH)
-        status = torch.zeros((), dtype=torch.int64, device=device)
-        x_RH, slots_RK, gates_RK, st = layer.dispatcher.dispatch(
-            x_TH, weights_TK, ids_TK, layer.expert_device_E, layer.expert_slot_E, status
-        )
-    gates_RK = gates_RK.float()
+        received, st = layer.dispatcher.dispatch(x_TH, weights_TK, ids_TK, layer.expert_map)
+    x_RH, slots_RK, gates_RK = received.x_RH, received.slots_RK, received.gates_RK.float()
     expert_ms = timer(lambda: expert_mlp(x_RH, slots_RK, gates_RK, layer.gate_up_proj.detach(), layer.down_proj.detach(),
                                          backend=args["expert_backend"]), warmup, iters)
     group = layer.dispatcher.group
@@ -296,22 +299,39 @@ def _row(run: dict[str, Any]) -> str:
     return (f"{run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}{run['mean_ct']:>6.2f}"
             f"{run['forward_ms']:>9.2f}{run['fwd_bwd_ms']:>10.2f}{run['floor_ms']:>9.2f}{run['expert_ms']:>9.2f}"
             f"{run['all_to_all_ms']:>9.2f}{run['all_to_all_GBps']:>10.1f}{run['expert_tflops']:>9.1f}{run['rel_error']:>9.1e}"
-            f"{run['host_syncs_fwd_bwd']:>6d}")
+            f"{_syncs(run['host_syncs_fwd_bwd']):>6}")
+
+
+def _syncs(n: int | None) -> str:
+    return "n/a" if n is None or n < 0 else str(n)
 
 
 HEADER = (f"{'shape':<9}{'routing':<8}{'tokens':>6} {'variant':<16}{'E[C_T]':>6}{'fwd ms':>9}{'fwd+bwd':>10}{'floor':>9}"
           f"{'experts':>9}{'a2a ms':>9}{'a2a GB/s':>10}{'TFLOP/s':>9}{'rel err':>9}{'syncs':>6}")
 
 
-def summarize(result: dict[str, Any]) -> str:
-    lines = [HEADER, "-" * len(HEADER)]
+LEGEND = {
+    "E[C_T]": "rows each token sends (standard: top-k)",
+    "fwd ms, fwd+bwd": "the layer's median time, forward and forward+backward (the slowest rank's median)",
+    "floor": "experts + a2a ms: the expert compute and the all-to-alls alone, nothing else",
+    "experts": "the expert MLP alone on the received rows, ms",
+    "a2a ms, a2a GB/s": "the dispatch + combine all-to-alls alone; remote bytes leaving a rank / that time",
+    "TFLOP/s": "expert FLOPs / experts time",
+    "rel err": "output vs a float32 dense reference (256 tokens)",
+    "syncs": "device-to-host synchronisations in one forward+backward (CUDA sync debug mode; n/a on CPU)",
+}
+
+
+def summarize(result: dict[str, Any], table: bool = True) -> str:
+    """The report: the table (unless it was already printed row by row), what every column means,
+    speed-ups against standard, and the measured ceilings."""
+    lines = [HEADER, "-" * len(HEADER)] + [_row(run) for run in result["runs"]] if table else []
     base: dict[tuple, dict] = {}
     for run in result["runs"]:
-        lines.append(_row(run))
         key = (run["shape"], run["routing"], run["tokens"])
         if run["variant"] == "standard":
             base[key] = run
-    lines.append("")
+    lines += ["columns:"] + [f"  {k:<17}{v}" for k, v in LEGEND.items()] + [""]
     lines.append("speedup vs standard (fwd / fwd+bwd), and time over floor (fwd / floor):")
     for run in result["runs"]:
         b = base.get((run["shape"], run["routing"], run["tokens"]))
@@ -323,67 +343,53 @@ def summarize(result: dict[str, Any]) -> str:
         lines.append("dedup2: its E[C_T] column counts the rows of both stages per token (over the rail, then inside "
                      "the node); its all-to-alls are not timed alone (floor = experts)")
     c = result["ceilings"]
-    lines.append("ceilings: " + ", ".join(f"{k}={v:.1f}" for k, v in c.items()))
+    names = {"matmul_tflops": "bf16 matmul TFLOP/s", "all_to_all_GBps": "all_to_all_single GB/s leaving a rank",
+             "all_to_all_MB": "its message MB"}
+    if c:
+        lines.append("ceilings (measured): " + ", ".join(f"{names.get(k, k)} {v:.1f}" for k, v in c.items()))
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: all GPUs, else 2 CPU ranks)")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    parser.add_argument("--shapes", default=None, help=f"comma list of {','.join(SHAPES)} (default: olmoe on GPU, tiny on CPU)")
-    parser.add_argument("--tokens", default=None, help="tokens per rank, comma list (default 8192 on GPU, 256 on CPU)")
-    parser.add_argument("--routing", default="random,planted", help="comma list: random, planted")
-    parser.add_argument("--variants", default="standard,dedup,dedup+placement",
-                        help="comma list of " + ", ".join(VARIANTS) + " (default: the first three)")
-    parser.add_argument("--nodes", type=int, default=1,
-                        help="nodes the ranks are grouped into for the two-level 'dedup2' variant (node-major ranks; "
-                             "on one host: simulated nodes)")
-    parser.add_argument("--overlap-chunks", default="1",
-                        help="comma list: time each variant pipelined over C token chunks (1 = no overlap; 'dedup/c4' rows)")
-    parser.add_argument("--expert-backend", choices=["auto", "torch", "triton"], default="auto")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--input-sets", type=int, default=3, help="fresh random inputs rotated between timed calls")
-    parser.add_argument("--out", default=None, help="write all numbers as JSON here")
-
-
 def main(args: argparse.Namespace) -> int:
+    from occult.distributed import RankFailure
+
     backend = pick_backend(args.backend)
     on_gpu = backend == "nccl"
+    if on_gpu and torch.cuda.device_count() < 1:
+        raise ValueError("--backend nccl needs CUDA GPUs and none is visible: use --backend gloo (CPU ranks)")
     world = args.world_size or (torch.cuda.device_count() if on_gpu else 2)
-    shapes = (args.shapes or ("olmoe" if on_gpu else "tiny")).split(",")
+    if on_gpu and world > torch.cuda.device_count():
+        raise ValueError(f"--world-size {world} over NCCL needs one GPU per rank, {torch.cuda.device_count()} visible")
+    shapes = list(args.shapes or ["olmoe" if on_gpu else "tiny"])
     for s in shapes:
         if s not in SHAPES:
-            raise SystemExit(f"occult: error: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+            raise ValueError(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
         if SHAPES[s].experts % world:
-            raise SystemExit(f"occult: error: shape {s} has {SHAPES[s].experts} experts, not divisible by {world} ranks")
-    variants = args.variants.split(",")
-    for v in variants:
+            raise ValueError(f"shape {s} has {SHAPES[s].experts} experts, not divisible by {world} ranks")
+    for v in args.variants:
         if v not in VARIANTS:
-            raise SystemExit(f"occult: error: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
-    if args.nodes < 1 or world % args.nodes:
-        raise SystemExit(f"occult: error: --nodes {args.nodes} must be >= 1 and divide the {world} ranks")
-    try:
-        overlap_chunks = [int(c) for c in args.overlap_chunks.split(",")]
-    except ValueError:
-        overlap_chunks = [0]
-    if min(overlap_chunks) < 1:
-        raise SystemExit(f"occult: error: --overlap-chunks wants positive integers, got {args.overlap_chunks!r}")
+            raise ValueError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    if world % args.nodes:
+        raise ValueError(f"--nodes {args.nodes} must divide the {world} ranks")
     conf = dict(
-        backend=backend, shapes=shapes, variants=variants, routings=args.routing.split(","),
-        tokens=[int(t) for t in (args.tokens or ("8192" if on_gpu else "256")).split(",")],
+        backend=backend, shapes=shapes, variants=list(args.variants), routings=list(args.routing),
+        tokens=list(args.tokens or [8192 if on_gpu else 256]),
         warmup=args.warmup, iters=args.iters, input_sets=args.input_sets, expert_backend=args.expert_backend,
-        overlap_chunks=overlap_chunks, nodes=args.nodes, verbose=True,
+        overlap_chunks=list(args.overlap_chunks), nodes=args.nodes, verbose=True,
     )
     print(f"occult bench: {world} rank(s), backend {backend}, shapes {shapes}, tokens/rank {conf['tokens']}", flush=True)
-    print(HEADER, flush=True)
-    results = run_ranks(bench_worker, world, conf, backend=backend, timeout_s=3000)
+    print(HEADER, flush=True)  # rank 0 prints each row as it is measured
+    try:
+        results = run_ranks(bench_worker, world, conf, backend=backend, timeout_s=3000)
+    except RankFailure as exc:
+        print(f"occult bench: FAILED: {exc}", file=sys.stderr)
+        return 1
     result = results[0]
     result["config"] = {**conf, "world": world, "torch": torch.__version__,
                         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
     bad = [r for r in result["runs"] if not r["rel_error"] < (2e-2 if on_gpu else 1e-4)]
     print()
-    print(summarize(result))
+    print(summarize(result, table=False))
     if args.out:
         write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occult.moe.comm import _metadata_bytes, pack_metadata, _send_metadata
+from occult.moe.comm import metadata_bytes, pack_metadata, send_metadata
 
 # Integer dtypes NCCL's all-to-all accepts (ncclInt8/Uint8/Int32/Uint32/Int64/Uint64).
 NCCL_INTS = {torch.int8, torch.uint8, torch.int32, torch.int64}
@@ -22,8 +22,8 @@ def test_metadata_roundtrip_is_bit_exact_in_an_nccl_dtype(dtype):
     packed = pack_metadata(gates, slots)
     assert packed.dtype in NCCL_INTS, f"{dtype} gates packed as {packed.dtype}, which NCCL cannot send"
     assert packed.shape == (rows, 2 * k)
-    assert _metadata_bytes(gates) == packed.numel() * packed.element_size()
-    out_gates, out_slots = _send_metadata(gates, slots, [rows], [rows], None)
+    assert metadata_bytes(gates) == packed.numel() * packed.element_size()
+    out_gates, out_slots = send_metadata(gates, slots, [rows], [rows], None)
     assert out_gates.dtype == dtype
     assert torch.equal(out_gates.view(-1).view(torch.uint8), gates.view(-1).view(torch.uint8))
     assert torch.equal(out_slots, slots)

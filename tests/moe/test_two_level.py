@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from occult.distributed import run_ranks
 from occult.moe.dense import DenseMoE
-from occult.moe.dispatch import RoutingError, make_dispatcher
+from occult.moe.counts import RoutingError
+from occult.moe.registry import make_dispatcher
 from occult.moe.layer import OccultMoE
 from occult.moe.two_level import TwoLevelDispatcher
 from occult.placement import Placement

@@ -1,0 +1,160 @@
+"""The one contract every dispatcher implements, and the schedule it honours.
+
+    received, handle = dispatcher.dispatch(x_TH, weights_TK, ids_TK, expert_map, schedule)
+    y = received.apply(experts)              # experts(x_RH, slots_RK, gates_RK) -> y_RH
+    y_TH = dispatcher.combine(y, handle)
+
+`dispatch` plans where each token's rows go (`occult.moe.plan`), swaps the row counts (the one
+host sync, none when sync-free) and sends the rows with their local expert slots and gate
+weights; `combine` brings one result row back per sent row and sums each token's rows. What
+differs between calls is data, not code paths: a `Schedule` says how to run (sync-free
+capacity, pipelining over token chunks, the two-batch pause, work to run while the host waits)
+and each dispatcher declares the `Capabilities` it honours; `check_schedule` refuses the rest
+with one clear error. Dispatchers are stateless between calls: one serves every layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from occult.moe.comm import CommStats
+from occult.moe.expert_map import ExpertMap
+from occult.moe.nodes import check_devices_per_node, peer_levels
+
+# experts(x_RH, slots_RK, gates_RK) -> y_RH (`occult.moe.experts.expert_mlp` with the layer's weights)
+ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one call runs; the same function is computed under every schedule.
+
+    `sync_free`: fixed-capacity plans whose all-to-all sizes follow from shapes alone (no host
+    wait, CUDA-graph capturable; every rank passes the same token count, bad input is not
+    reported across ranks). `chunks=C > 1`: the call pipelined over C token chunks, one chunk's
+    all-to-alls under another's experts (every rank the same C). `pause`: called between starting
+    and finishing every all-to-all (two-batch overlap, `occult.moe.two_batch`). `while_waiting`:
+    called exactly once, while the host waits for the counts (at once when there is no wait).
+    """
+
+    sync_free: bool = False
+    chunks: int = 1
+    pause: Callable[[], None] | None = None
+    while_waiting: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"overlap_chunks must be >= 1 (1 = no pipelining), got {self.chunks!r}")
+        if self.chunks > 1 and self.pause is not None:
+            raise ValueError("a pipelined MoE layer (overlap_chunks > 1) cannot run inside two_batch_overlap: "
+                             "its backward collectives would not join the two halves' order; "
+                             "use set_overlap(model, 1) with two-batch overlap")
+
+    def run_while_waiting(self) -> None:
+        """Call `while_waiting` now (for schedules with no host wait)."""
+        if self.while_waiting is not None:
+            self.while_waiting()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a dispatcher honours; the layer, the CLI, `occult bench` and the cost model ask these
+    instead of comparing dispatcher names."""
+
+    deduplicated: bool = True  # one row per (token, device) instead of per (token, expert)
+    sync_free: bool = True
+    pipelined: bool = True  # Schedule.chunks > 1
+    pausable: bool = True  # Schedule.pause (two-batch overlap)
+    two_level: bool = False  # one row per node across nodes, then per GPU inside (needs a node layout)
+
+
+@dataclass
+class Received:
+    """The rows this rank received: activations, local expert slots (-1 = padding) and gate weights."""
+
+    x_RH: torch.Tensor
+    slots_RK: torch.Tensor
+    gates_RK: torch.Tensor
+
+    def apply(self, experts: ExpertFn) -> Any:
+        """Run the local experts on the received rows (what `combine` takes back)."""
+        return experts(self.x_RH, self.slots_RK, self.gates_RK)
+
+
+class Handle:
+    """What `combine` (and backward) need from `dispatch`; each dispatcher has its own kind.
+    `stats` holds the rows and bytes sent, forward and (after it) backward."""
+
+    stats: CommStats
+
+
+class Dispatcher(ABC):
+    """Sends token rows to the ranks holding their experts and brings results back (see module doc).
+
+    `group`: the expert-parallel process group (None: the default group, or one rank).
+    `devices_per_node` (G, ranks node-major): with it, `CommStats` splits remote rows into
+    inter-node and intra-node ones.
+    """
+
+    name: ClassVar[str] = "base"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, group: Any = None, devices_per_node: int | None = None) -> None:
+        self.group = group
+        if group is None and dist.is_available() and dist.is_initialized():
+            self.group = dist.group.WORLD
+        if self.group is not None:
+            self.num_ranks = dist.get_world_size(self.group)
+            self.rank = dist.get_rank(self.group)
+        else:
+            self.num_ranks, self.rank = 1, 0
+        if self.num_ranks == 1:
+            self.group = None  # a single rank needs no communication
+        self.devices_per_node = self.num_nodes = self.peer_level = None
+        if devices_per_node is not None:
+            self.set_devices_per_node(devices_per_node)
+
+    def set_devices_per_node(self, devices_per_node: int) -> None:
+        """Declare the node layout (ranks node-major, G per node)."""
+        G = check_devices_per_node(devices_per_node, self.num_ranks)
+        self.devices_per_node, self.num_nodes = G, self.num_ranks // G
+        self.peer_level = peer_levels(self.num_ranks, self.rank, G)
+
+    def check_schedule(self, schedule: Schedule) -> None:
+        """Refuse, with one clear error, a schedule this dispatcher does not honour."""
+        caps = self.capabilities
+        if schedule.chunks > 1 and not caps.pipelined:
+            raise ValueError(f"the {self.name!r} dispatcher cannot be pipelined: overlap_chunks > 1 is not supported "
+                             "with it; use overlap_chunks=1 or dispatcher='dedup'")
+        if schedule.sync_free and not caps.sync_free:
+            raise ValueError(f"the {self.name!r} dispatcher has no sync-free mode; use sync_free=False")
+        if schedule.pause is not None and not caps.pausable:
+            raise ValueError(f"the {self.name!r} dispatcher cannot run inside two_batch_overlap")
+
+    @abstractmethod
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        weights_TK: torch.Tensor,
+        ids_TK: torch.Tensor,
+        expert_map: ExpertMap,
+        schedule: Schedule = Schedule(),
+        status: torch.Tensor | None = None,
+    ) -> tuple[Received, Handle]:
+        """Send each token's rows to the ranks holding its experts (`ids_TK`, global ids, with
+        gate weights `weights_TK`); return what this rank received and the handle for `combine`.
+
+        `status` (a 0-dim device tensor; `occult.moe.counts.routing_status` makes one) travels
+        with the counts so that bad input on any rank raises `RoutingError` on every rank; None:
+        checked here. Every rank of the group calls it, with any number of tokens (even 0).
+        """
+
+    @abstractmethod
+    def combine(self, y: Any, handle: Handle) -> torch.Tensor:
+        """Return each received row's result (`Received.apply`'s output) to its source; y_TH
+        with each token's rows summed (fp32 accumulation)."""

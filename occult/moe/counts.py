@@ -1,0 +1,85 @@
+"""The layer's one host synchronisation: row counts (and every rank's input status) swapped in
+one small all-to-all and read once, so bad input on one rank raises the same clear error on
+every rank instead of leaving the others waiting in a collective."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class RoutingError(ValueError):
+    """Input or router output that cannot be dispatched; raised on every rank of the group."""
+
+
+# Status codes exchanged with the counts; 0 = fine.
+STATUS_OK = 0
+STATUS_MESSAGES = {
+    1: "router produced NaN/inf gate weights (check the input activations and router weights for NaN/inf)",
+    2: "router returned expert ids out of range",
+    3: "input hidden size does not match the layer",
+}
+STATUS_WRONG_HIDDEN = 3
+
+
+def routing_status(weights_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids clamped into [0, E), status): 2 ids out of range, else 1 NaN/inf gates, else 0.
+    A device tensor (no host sync: the status travels with the counts); few launches."""
+    clamped_TK = ids_TK.clamp(0, num_experts - 1)
+    status = torch.where((clamped_TK != ids_TK).any(), 2, (~torch.isfinite(weights_TK)).any().to(torch.int64))
+    return clamped_TK, status
+
+
+def raise_on_bad_status(statuses: list[int]) -> None:
+    """Raise `RoutingError` naming every rank that reported bad input (the same text on every rank)."""
+    bad = [(r, s) for r, s in enumerate(statuses) if s != STATUS_OK]
+    if bad:
+        text = "; ".join(f"rank {r}: {STATUS_MESSAGES.get(s, f'status {s}')}" for r, s in bad)
+        raise RoutingError(f"MoE dispatch stopped on every rank because of bad input: {text}")
+
+
+def read_to_host(t: torch.Tensor, while_waiting: Callable[[], None] | None = None) -> list:
+    """`t.tolist()`, running `while_waiting` between queuing the device-to-host copy and waiting
+    for it: GPU work queued there (e.g. a MoE block's shared experts) runs while the host waits
+    and keeps the GPU busy while the host then launches what needed the values."""
+    if while_waiting is None:
+        return t.tolist()
+    if not t.is_cuda:
+        while_waiting()
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    while_waiting()
+    copied.synchronize()
+    return host.tolist()
+
+
+def exchange_counts(
+    send_counts_CD: torch.Tensor,
+    status: torch.Tensor,
+    group: Any,
+    while_waiting: Callable[[], None] | None = None,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Row counts of C chunks per destination, swapped in one all-to-all and read with one host sync.
+
+    Returns (send splits, receive splits), each C lists of one count per rank. Raises
+    `RoutingError` on every rank when any rank reports bad input in `status`.
+    `while_waiting` runs while the host waits for the counts (`read_to_host`).
+    """
+    num_chunks, D = send_counts_CD.shape
+    header_DX = torch.cat([send_counts_CD.t().to(torch.int64), status.to(torch.int64).expand(D, 1)], dim=1)
+    if group is not None:
+        recv_DX = torch.empty_like(header_DX)
+        dist.all_to_all_single(recv_DX, header_DX, group=group)
+    else:
+        recv_DX = header_DX
+    host = read_to_host(torch.cat([header_DX[:, :num_chunks].t().reshape(-1), recv_DX.t().reshape(-1)]), while_waiting)
+    send = [host[c * D : (c + 1) * D] for c in range(num_chunks)]
+    recv_host = host[num_chunks * D :]
+    recv = [recv_host[c * D : (c + 1) * D] for c in range(num_chunks)]
+    raise_on_bad_status(recv_host[num_chunks * D :])
+    return send, recv
