@@ -31,6 +31,8 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
   torchtitan       (opt-in; --model qwen3 / tiny-qwen3) TorchTitan 0.3.0's own Qwen3-MoE with the same
                    weights, parallelised by its parallelize_qwen3: EP over all ranks, FSDP2 for the
                    rest (benchmarks/tt_model.py); prefill and train, each rank its own batch
+  torchtitan+occult  (opt-in) the same TorchTitan model with occult's dedup token dispatcher switched on
+                   (occult.integrations.torchtitan.install; contiguous experts, as torchtitan)
 
 Before timing, each variant's logits on a small batch are compared with the unconverted model
 (per-token relative L2 error, median and p95, max over ranks); an exact variant whose median is
@@ -77,8 +79,8 @@ from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
-EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", "torchtitan")
-PEERS = ("hf-ep", "torchtitan")  # opt-in (not in "all" / the default list)
+EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", *tt_model.VARIANTS)
+PEERS = ("hf-ep", *tt_model.VARIANTS)  # opt-in (not in "all" / the default list)
 PHASES = ("prefill", "train")
 TINY = {"tiny": "olmoe", "tiny-qwen3": "qwen3_moe", "tiny-deepseek": "deepseek_v3"}
 MODELS = {  # name -> (transformers config class, fields); real shapes, fewer layers for Qwen3 / DeepSeek
@@ -189,7 +191,7 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
             return f"{v}: {v[6:]} device(s) hold {int(v[6:]) * (E // world)} experts, fewer than top_k={k}"
     if "hf-ep" in args.variants and (reason := hf_ep.unavailable()):
         return f"hf-ep: {reason}"
-    if "torchtitan" in args.variants and (reason := tt_model.unavailable(cfg.model_type)):
+    if set(tt_model.VARIANTS) & set(args.variants) and (reason := tt_model.unavailable(cfg.model_type)):
         return f"torchtitan: {reason}"
     return None
 
@@ -352,10 +354,11 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     shared, check_ids, rows = variant == "hf-ep", ctx["check_ids"], slice(None)
-    titan = variant == "torchtitan"
+    titan = variant in tt_model.VARIANTS
     if titan:  # the same seeded transformers model's weights, in TorchTitan's model and parallelisation
         hf_model = build_model(args, cfg, device, ctx["dtype"])
-        model = tt_model.TitanLM(hf_model, dist.get_world_size(), device, ctx["dtype"], max(args.seq, args.check_seq))
+        model = tt_model.TitanLM(hf_model, dist.get_world_size(), device, ctx["dtype"], max(args.seq, args.check_seq),
+                                 occult=variant == "torchtitan+occult")
         del hf_model
         free_memory(device)
     elif shared:  # one batch of every rank's sequences; this rank's rows are checked
@@ -392,7 +395,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                              if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=args.lr))
             step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer, is_tbo(variant))
             out = time_steps(step, args, cfg.vocab_size, device, shared)
-            out["comm"] = {} if is_tbo(variant) or titan else comm_stats(model, device)
+            out["comm"] = model.comm_stats() if titan else {} if is_tbo(variant) else comm_stats(model, device)
             flops = (ctx["cost"].forward_flops(args.batch, args.seq, args.batch) if phase == "prefill"
                      else ctx["cost"].train_flops(args.batch, args.seq))
             out.update(rate(flops, out["ms_median"], ctx["peaks"]))

@@ -1,5 +1,7 @@
 """TorchTitan's own Qwen3-MoE model, expert- and data-parallel the way its trainer sets it up: the
-whole-model peer of benchmarks/e2e.py (variant `torchtitan`).
+whole-model peer of benchmarks/e2e.py (variants `torchtitan`, and `torchtitan+occult`: the same model
+with occult's deduplicated token dispatcher installed in its config by
+`occult.integrations.torchtitan.install`, contiguous experts; nothing else differs).
 
 TorchTitan 0.3.0's `Qwen3Model` is built at the shape of the transformers Qwen3-MoE model e2e.py
 builds (`_build_qwen3_moe_layers`: fused QKV, per-head q/k RMSNorm, `CosSinRoPE` at the model's
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from peer_torchtitan import SPMD_BACKEND, cpu_shims, torch_compat  # noqa: E402  (benchmarks/peers)
 
 MODEL_TYPES = ("qwen3_moe",)
+VARIANTS = ("torchtitan", "torchtitan+occult")  # TorchTitan's own dispatcher / occult's (dedup)
 
 
 def unavailable(model_type: str) -> str | None:
@@ -162,7 +165,7 @@ class TitanLM:
     """TorchTitan's Qwen3-MoE, weights from a transformers model, parallelised by TorchTitan (EP + FSDP2)."""
 
     def __init__(self, hf_model: nn.Module, world: int, device: torch.device, dtype: torch.dtype,
-                 max_seq: int) -> None:
+                 max_seq: int, occult: bool = False) -> None:
         import torchtitan
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
         from torchtitan.distributed import ParallelDims
@@ -175,6 +178,10 @@ class TitanLM:
         self.torch_stand_ins += _attention_compat(device)
         tt_dist.set_spmd_backend(SPMD_BACKEND)
         tcfg = _titan_config(hf_model.config, max_seq)
+        if occult:  # occult's dedup dispatcher (and router, plain without max_devices) in every MoE block
+            from occult.integrations.torchtitan import install
+
+            install(tcfg, dispatcher="dedup")
         with torch.device(device):
             model = tcfg.build()
         model.init_states(buffer_device=device)  # rope cache and MoE buffers; the weights come next
@@ -244,6 +251,21 @@ class TitanLM:
         for p in self.model.parameters():
             groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
         return torch.optim.AdamW([{"params": g} for g in groups.values()], lr=lr, fused=self.device.type == "cuda")
+
+    def comm_stats(self) -> dict[str, float]:
+        """occult's dispatcher: rows and bytes sent in the last step, summed over MoE layers, mean over
+        ranks (as e2e.comm_stats); TorchTitan's own dispatcher exposes none: {}."""
+        import torch.distributed as dist
+
+        per_layer = [getattr(b.moe.routed_experts.token_dispatcher, "last_comm_stats", None)
+                     for b in self.model.layers.values()]
+        if not per_layer or any(s is None for s in per_layer):
+            return {}
+        keys = sorted(k for k, v in vars(per_layer[0]).items() if isinstance(v, int))
+        sums_K = torch.tensor([sum(int(getattr(s, k)) for s in per_layer) for k in keys], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(sums_K)
+        return {k: float(v) / self.world for k, v in zip(keys, sums_K.tolist())}
 
     def describe(self) -> dict[str, Any]:
         ex = self.model.layers["0"].moe.routed_experts
