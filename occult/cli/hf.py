@@ -220,7 +220,9 @@ def run_finetune(args: Any) -> int:
         if device == "auto":
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         placement, routing, sims = _hf_placements(args, groups.ep_size if groups else 1)
-        if args.ep_placement or args.dispatcher == "dedup2" or getattr(args, "nodes", None) is not None:
+        from occult.moe.registry import capabilities
+
+        if args.ep_placement or capabilities(args.dispatcher).two_level or getattr(args, "nodes", None) is not None:
             from occult.cli.lm import ep_placement_from_args  # --ep-placement, and nodes from --nodes or the placement
 
             placement = ep_placement_from_args(args, groups, _num_experts(args.hf), placement)

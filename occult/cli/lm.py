@@ -204,6 +204,7 @@ def _parallel(args):
 
 def ep_placement_from_args(args, par, num_experts: int, fallback=None):
     """The experts' placement on the EP ranks (None: contiguous), with nodes for --dispatcher dedup2."""
+    from occult.moe.registry import capabilities
     from occult.placement import Placement
 
     placement = None
@@ -212,7 +213,7 @@ def ep_placement_from_args(args, par, num_experts: int, fallback=None):
     elif fallback is not None and par is not None and fallback.num_devices == par.ep_size:
         placement = fallback
     nodes = getattr(args, "nodes", None)
-    if args.dispatcher != "dedup2":
+    if not capabilities(args.dispatcher).two_level:
         if nodes is not None:
             raise ValueError("--nodes applies to --dispatcher dedup2 only")
         return placement
