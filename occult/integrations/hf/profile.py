@@ -64,77 +64,25 @@ def profile(
         raise ValueError(f"scores must be None, 'topk' or 'all', got {scores!r}")
     blocks = moe_blocks(model)
     family = model_family(model)
-    num_experts = int(blocks[0][1].gate.num_experts)
-    top_k = int(blocks[0][1].gate.top_k)
-    rec = TraceRecorder(num_experts, top_k)
-    sims = None
-    if similarity_path is not None:
-        from occult.moe.pruning import SimilarityAccumulator
-
-        sims = [SimilarityAccumulator(num_experts) for _ in blocks]
-    state: dict[str, Any] = {"keep": None}
-    last_logits: dict[int, torch.Tensor] = {}
-    routers = [
-        b.experts.router if isinstance(b, OccultMoeBlock) else family.router(b.gate) for _, b in blocks
-    ]
-
-    def add(layer: int, logits, weights, ids) -> None:
-        keep = state["keep"]
-        ids = ids.reshape(-1, top_k)
-        sel = slice(None) if keep is None else keep
-        s = None
-        if scores == "topk":
-            s = weights.reshape(-1, top_k)[sel].float()
-        elif scores == "all":
-            s = routers[layer].scores(logits.reshape(-1, num_experts))[sel]
-        rec.add(layer, ids[sel], s)
-        if sims is not None:
-            sims[layer].add(logits.reshape(-1, num_experts)[sel])
-
-    def gate_hook(layer: int, converted: bool):
-        def hook(_mod, _args, out):
-            if converted:
-                last_logits[layer] = out[0]
-            else:
-                add(layer, out[0], out[1], out[2])
-        return hook
-
-    def router_hook(layer: int):
-        def hook(_mod, _args, out):
-            add(layer, last_logits.pop(layer, None), out[0], out[1])
-        return hook
-
-    handles = []
-    for i, (_, block) in enumerate(blocks):
-        converted = isinstance(block, OccultMoeBlock)
-        handles.append(block.gate.register_forward_hook(gate_hook(i, converted)))
-        if converted:
-            handles.append(block.experts.router.register_forward_hook(router_hook(i)))
+    taps = _RoutingTaps(model, blocks, scores, similarity=similarity_path is not None)
+    handles = taps.attach(blocks)
     was_training = model.training
     model.eval()
-    seen = 0
     try:
-        for batch in batches:
-            kwargs, mask = _batch_kwargs(batch)
-            state["keep"] = None if mask is None else mask.reshape(-1).bool().to(next(model.parameters()).device)
-            model(**kwargs, use_cache=False)
-            seen += int(mask.sum()) if mask is not None else int(kwargs["input_ids"].numel())
-            if max_tokens is not None and seen >= max_tokens:
-                break
+        _run_batches(model, batches, taps, max_tokens)
     finally:
         for h in handles:
             h.remove()
         model.train(was_training)
-    names = [n for n, _ in blocks]
     meta = {
         "source": "occult.integrations.hf.profile",
         "model_type": family.model_type,
         "model": str(getattr(model.config, "_name_or_path", "") or ""),
-        "moe_modules": json.dumps(names),
+        "moe_modules": json.dumps([n for n, _ in blocks]),
     }
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
-    rec.metadata.update(meta)
-    trace = rec.to_trace()
+    taps.rec.metadata.update(meta)
+    trace = taps.rec.to_trace()
     if max_tokens is not None:  # the last batch may overshoot
         trace = Trace(
             [t[:max_tokens] for t in trace.topk_ids], trace.num_experts, trace.top_k,
@@ -145,19 +93,93 @@ def profile(
         trace = _gather_trace(trace, group)
     if path is not None and rank == 0:
         write_trace(path, trace)
-    if sims is not None:
-        from occult.moe.pruning import save_similarity
-
-        gram = torch.stack([acc.gram_EE for acc in sims])
-        if size > 1:  # float64 Gram matrices add up over ranks' tokens (on the model's device for NCCL)
-            gram = gram.to(next(model.parameters()).device)
-            dist.all_reduce(gram, group=group)
-            gram = gram.cpu()
-        for acc, g in zip(sims, gram):
-            acc.gram_EE, acc.tokens = g, max(acc.tokens, 1)
-        if rank == 0:
-            save_similarity(similarity_path, [acc.similarity() for acc in sims], {"model_type": family.model_type})
+    if taps.sims is not None:
+        _save_similarity(model, taps.sims, group, size, rank, similarity_path, family.model_type)
     return trace
+
+
+class _RoutingTaps:
+    """Forward hooks on every MoE block's gate (and a converted block's router) that record each
+    token's top-k ids (and `scores`) and, with `similarity`, the router logits' Gram matrices.
+    `keep` masks out padding tokens of the current batch."""
+
+    def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]], scores: str | None, similarity: bool):
+        family = model_family(model)
+        self.num_experts = int(blocks[0][1].gate.num_experts)
+        self.top_k = int(blocks[0][1].gate.top_k)
+        self.scores = scores
+        self.rec = TraceRecorder(self.num_experts, self.top_k)
+        self.sims = None
+        if similarity:
+            from occult.moe.pruning import SimilarityAccumulator
+
+            self.sims = [SimilarityAccumulator(self.num_experts) for _ in blocks]
+        self.keep: torch.Tensor | None = None
+        self.last_logits: dict[int, torch.Tensor] = {}
+        self.routers = [b.experts.router if isinstance(b, OccultMoeBlock) else family.router(b.gate) for _, b in blocks]
+
+    def add(self, layer: int, logits, weights, ids) -> None:
+        ids = ids.reshape(-1, self.top_k)
+        sel = slice(None) if self.keep is None else self.keep
+        s = None
+        if self.scores == "topk":
+            s = weights.reshape(-1, self.top_k)[sel].float()
+        elif self.scores == "all":
+            s = self.routers[layer].scores(logits.reshape(-1, self.num_experts))[sel]
+        self.rec.add(layer, ids[sel], s)
+        if self.sims is not None:
+            self.sims[layer].add(logits.reshape(-1, self.num_experts)[sel])
+
+    def attach(self, blocks: list[tuple[str, nn.Module]]) -> list[Any]:
+        """Register the hooks; a converted block's gate hands its logits to its router's hook,
+        which records the ids actually dispatched. Returns the handles."""
+        def gate_hook(layer: int, converted: bool):
+            def hook(_mod, _args, out):
+                if converted:
+                    self.last_logits[layer] = out[0]
+                else:
+                    self.add(layer, out[0], out[1], out[2])
+            return hook
+
+        def router_hook(layer: int):
+            def hook(_mod, _args, out):
+                self.add(layer, self.last_logits.pop(layer, None), out[0], out[1])
+            return hook
+
+        handles = []
+        for i, (_, block) in enumerate(blocks):
+            converted = isinstance(block, OccultMoeBlock)
+            handles.append(block.gate.register_forward_hook(gate_hook(i, converted)))
+            if converted:
+                handles.append(block.experts.router.register_forward_hook(router_hook(i)))
+        return handles
+
+
+def _run_batches(model: nn.Module, batches: Iterable[Any], taps: _RoutingTaps, max_tokens: int | None) -> None:
+    """Forward every batch (no KV cache) until `max_tokens` real tokens were seen."""
+    seen = 0
+    for batch in batches:
+        kwargs, mask = _batch_kwargs(batch)
+        taps.keep = None if mask is None else mask.reshape(-1).bool().to(next(model.parameters()).device)
+        model(**kwargs, use_cache=False)
+        seen += int(mask.sum()) if mask is not None else int(kwargs["input_ids"].numel())
+        if max_tokens is not None and seen >= max_tokens:
+            break
+
+
+def _save_similarity(model: nn.Module, sims: list[Any], group: Any, size: int, rank: int, path: str, model_type: str) -> None:
+    """Sum the ranks' Gram matrices and write the similarity tables (rank 0)."""
+    from occult.moe.pruning import save_similarity
+
+    gram = torch.stack([acc.gram_EE for acc in sims])
+    if size > 1:  # float64 Gram matrices add up over ranks' tokens (on the model's device for NCCL)
+        gram = gram.to(next(model.parameters()).device)
+        dist.all_reduce(gram, group=group)
+        gram = gram.cpu()
+    for acc, g in zip(sims, gram):
+        acc.gram_EE, acc.tokens = g, max(acc.tokens, 1)
+    if rank == 0:
+        save_similarity(path, [acc.similarity() for acc in sims], {"model_type": model_type})
 
 
 def _gather_trace(trace: Trace, group: Any) -> Trace:
