@@ -119,7 +119,7 @@ def test_e2e_torchtitan_whole_model_peer_matches_and_trains(tmp_path):
     if (reason := _torchtitan_missing()) is not None:
         pytest.skip(reason)
     out = tmp_path / "e2e.json"
-    res = _torchrun(2, "--model", "tiny-qwen3", "--variants", "dedup,torchtitan", "--batch", "2", "--seq", "32",
+    res = _torchrun(2, "--model", "tiny-qwen3", "--variants", "dedup,torchtitan,torchtitan+occult", "--batch", "2", "--seq", "32",
                     "--check-seq", "32", "--warmup", "1", "--iters", "1", "--out", str(out), timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())["variants"]
@@ -131,6 +131,11 @@ def test_e2e_torchtitan_whole_model_peer_matches_and_trains(tmp_path):
     assert info["local_experts"] * 2 == 8  # tiny-qwen3: 8 experts, half on each rank (EP over both)
     for phase in PHASES:
         assert tt["phases"][phase]["ms_median"] > 0 and tt["phases"][phase]["comm"] == {}
+    occ = report["torchtitan+occult"]  # the same model with occult's dedup dispatcher: the same logits
+    assert occ["torchtitan"]["dispatcher"] == "OccultTokenDispatcher" and occ["check"]["passed"], occ["check"]
+    assert abs(occ["check"]["median_rel_err"] - tt["check"]["median_rel_err"]) < 1e-4, (occ["check"], tt["check"])
+    for phase in PHASES:  # at most k rows per token and layer (2 x 32 tokens, top-2, 2 layers; exact: test_torchtitan)
+        assert 0 < occ["phases"][phase]["comm"]["dispatch_rows"] <= 2 * 32 * 2 * 2, occ["phases"][phase]["comm"]
 
 
 def test_e2e_torchtitan_peer_needs_qwen3_and_says_so(tmp_path):
