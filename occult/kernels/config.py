@@ -1,7 +1,7 @@
 """Tile configurations of the expert-MLP kernels.
 
-One `TileConfig` per kernel. The GPU defaults were chosen for Hopper (H100/H200, 132 SMs,
-228 KB of shared memory per SM) by a small sweep on an H200 (docs/kernels.md has the numbers);
+One `TileConfig` per kernel. The GPU defaults were chosen for Hopper by a small sweep
+(`benchmarks/bench_kernels.py --sweep`; docs/kernels.md, "Numbers", has the machine and results);
 under `TRITON_INTERPRET=1` small tiles keep the interpreter fast and exercise multi-tile paths.
 `override(name, ...)` replaces a kernel's tiles for the process (the benchmark uses it to sweep).
 """
@@ -29,8 +29,8 @@ class TileConfig:
     split: int = 1  # `dgrad1`: epilogue in this many column slices of the tile (1 or 2)
 
 
-# name -> config on a CUDA device: the winners of `benchmarks/bench_kernels.py --sweep` on an
-# H200 (OLMoE shape; docs/kernels.md). Hopper-tuned; on Ampere (less shared memory) the
+# name -> config on a CUDA device: the winners of `benchmarks/bench_kernels.py --sweep` at the
+# OLMoE shape (docs/kernels.md, "Numbers"). Hopper-tuned; on Ampere (less shared memory) the
 # 4-stage configs may need `override(..., num_stages=2)`.
 GPU_DEFAULTS: dict[str, TileConfig] = {
     # gather x rows, [gate; up] dual accumulator (effective 128 x 256 tile), SwiGLU epilogue
@@ -45,14 +45,14 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     "dgrad2": TileConfig(128, 256, 64, 8, 8, 4, flatten=True),
     # backward: per-expert weight gradients, reduction over the expert's pairs (the Triton path;
     # on Hopper in bf16 they go through torch._grouped_mm, see kernels.grouped_mm). 3 stages:
-    # two programs per SM; 4 stages (one per SM) was 1.4x slower on an H100
+    # two programs per SM, faster than 4 stages with one (docs/kernels.md, "Backward on one H100")
     "wgrad": TileConfig(128, 128, 64, 1, 8, 3),
     # kernels.grouped_mm.gather_pair_rows: block_m rows x block_n columns per step
-    # (the six configs swept on an H200 ran within 0.133-0.138 ms at OLMoE's shape: noise)
+    # (every tile swept ran within noise of the others: docs/kernels.md, "Backward on one H200")
     "gather": TileConfig(16, 1024, 1, 1, 8, 1, ctas_per_sm=4),
     # kernels.grouped_mm.swiglu_backward_rows (the elementwise pass of the _grouped_mm dgrad):
-    # block_m rows x block_n columns; 8 x 256 with 32 programs per SM ran 0.180 ms at OLMoE's
-    # shape on an H200 (3.7 TB/s) against 0.230 for 8 x 512 at 16 per SM
+    # block_m rows x block_n columns; 8 x 256 at 32 programs per SM won the sweep against the former
+    # 8 x 512 at 16 (docs/kernels.md, "Backward on one H200")
     "swiglu_rows": TileConfig(8, 256, 1, 1, 4, 1, ctas_per_sm=32),
     # index row sums (kernels.rows): a row's K pair rows, a token's rows (block_m rows x block_n columns)
     "combine": TileConfig(4, 512, 1, 1, 4, 1),

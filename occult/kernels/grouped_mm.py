@@ -6,8 +6,8 @@ an expert's pairs. On Hopper with bf16 operands `torch._grouped_mm`'s K-grouped 
 near dense cuBLAS speed (TMA, warp-specialised, clusters), the Triton `weight_grad` well below
 it (docs/kernels.md). It needs both operands in sorted-pair order, so the row-indexed one
 (`x` or `dy`) is first copied by `gather_pair_rows`: the first P rows only (P is read on the
-device, no host sync), about 0.19 ms per `[P, 2048]` bf16 at OLMoE's shape on an H100, which the
-faster GEMM more than repays. Groups with no rows get zeros, rows past `offsets[E]` are never
+device, no host sync), a copy which the faster GEMM more than repays (docs/kernels.md, "Design",
+has its cost). Groups with no rows get zeros, rows past `offsets[E]` are never
 read. `swiglu_dgrad_grouped` computes `u = down[e]^T dy_r` the same way from the copied dy rows
 (2-D x 3-D), then the SwiGLU backward and gate gradient in one elementwise pass.
 

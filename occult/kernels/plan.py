@@ -1,7 +1,8 @@
 """The deduplicated dispatch plan in five launches instead of ~30 torch ops.
 
-One MoE layer's forward at 8192 tokens per GPU is host-bound: the GPU needs ~2 ms, the host
-~25 us per launched op (docs/benchmarks.md, "host time"). The torch version of the dedup plan
+One MoE layer's forward is host-bound at the benchmark shapes: the host takes longer to launch
+its many small ops than the GPU to run them (docs/overlap.md, "The host's share of a layer", has
+the numbers). The torch version of the dedup plan
 (`occult.moe.plan.dedup_plan`) is the longest chain of small ops before the layer's host sync.
 This builds the same plan — rows ordered by destination device, then by token; row `r` carries
 token `token[r]` and, in column j, entry `t*k + j` and its local slot when the token's j-th

@@ -31,8 +31,8 @@ from occult.placement.stats import coactivation
 METHODS = ("contiguous", "greedy", "hypergraph")
 
 # Mt-KaHyPar sees at most this many sampled tokens per layer: its run time grows with the
-# number of hyperedges (about 7 s for 200k tokens of 64 experts on 2 cores, 0.3 s for 8k)
-# while the partition it finds on a sample is as good once refined on all tokens.
+# number of hyperedges, while the partition it finds on a sample is as good once refined on all
+# tokens (docs/benchmarks.md, "Placement solver on CPU", has the times).
 DEFAULT_KAHYPAR_TOKENS = 8_000
 
 
