@@ -69,7 +69,8 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     _add_data(p)
     g = p.add_argument_group("optimisation")
     g.add_argument("--out", required=True, help="run directory (checkpoints, metrics)")
-    g.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
+    g.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS}); may grow on --resume: the learning rate "
+                   "goes on from its value at the resume step along a new cosine to the floor at the new last step")
     g.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     g.add_argument("--seq-len", type=int, default=SEQ_LEN)
     lr, warm = (FINETUNE_LR, FINETUNE_WARMUP) if finetune else (LR, WARMUP)
@@ -89,7 +90,7 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="validation tokens per evaluation")
     g.add_argument("--save-every", type=int, default=SAVE_EVERY)
     g.add_argument("--patience", type=int, default=None, help="stop when val loss has not improved for this many evaluations")
-    g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out (same settings; a larger --steps continues the run further)")
     g.add_argument("--stop-after", type=int, default=None, help="return after this many steps (resume later)")
     g.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("several ranks (torchrun --nproc-per-node N -m occult ...)")
@@ -244,13 +245,15 @@ def _finish(par) -> None:
         dist.destroy_process_group()
 
 
-def _report(result) -> None:
+def _report(result, steps: int) -> None:
     from occult.lm.train import BEST, PLOT, FINAL, latest_state
 
     last = result.last_eval
-    if last:
+    if last:  # the step of that evaluation, not where the run stopped
         extra = f", E[C_T] {last['mean_ct']:.3f}" if "mean_ct" in last else ""
-        print(f"step {result.step}: val loss {last['val_loss']:.4f}, ppl {last['val_ppl']:.2f}{extra}; best {result.best_val_loss:.4f}")
+        print(f"step {last['step']}: val loss {last['val_loss']:.4f}, ppl {last['val_ppl']:.2f}{extra}; best {result.best_val_loss:.4f}")
+    if result.step < steps and not result.stopped_early:
+        print(f"stopped at step {result.step} of {steps}: continue with --resume")
     state = latest_state(result.out_dir)
     plot = f", loss curve: {result.out_dir / PLOT}" if (result.out_dir / PLOT).exists() else ""
     print(f"weights: {result.out_dir / FINAL} (best: {result.out_dir / BEST}), resume state: {state[1] if state else None}{plot}")
@@ -289,7 +292,7 @@ def run_train(args) -> int:
         result = train(model, data, cfg, args.out, resume=args.resume, stop_after=args.stop_after,
                        progress=not args.no_progress, parallel=par)
         if main:
-            _report(result)
+            _report(result, cfg.steps)
     finally:
         _finish(par)
     return 0
@@ -330,7 +333,7 @@ def run_finetune(args) -> int:
                                  dispatcher=args.dispatcher)
         if par is None or par.is_main:
             print(f"routing: {model.routing.describe()}")
-            _report(result)
+            _report(result, cfg.steps)
     finally:
         _finish(par)
     return 0

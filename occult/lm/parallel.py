@@ -23,6 +23,10 @@ whole model (replicated parameters counted once, FSDP shards summed over the den
 shards summed over the EP group). The load-balancing loss is
 computed over the global batch (`OccultLM.set_aux_group`).
 
+`Parallel`, `setup_parallel` and `global_mean` live in `occult.training.parallel` (re-exported
+here); the gradient sync, DDP wrapping and clipping in `occult.training.grads`, which the
+functions here call with this model's dense / expert split.
+
 `shard_model(full, parallel, placement)` builds this rank's model from a full single-process
 one (every rank builds the same full model from the same seed, with `full_model`), so an N-rank run starts from
 exactly the weights a single-process run would, and `gathered_tensors` is the inverse, for the
@@ -31,76 +35,15 @@ weights files (every rank calls it; rank 0 writes).
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-from typing import Any, Iterable
-
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from occult.lm.fsdp import full_tensor, is_sharded, local_tensor
 from occult.lm.model import OccultLM
-from occult.placement import Placement, PlacementError
-
-
-@dataclass
-class Parallel:
-    """This rank's place in the world: EP group (experts sharded) x replicas (data parallel)."""
-
-    rank: int
-    world_size: int
-    ep_size: int
-    ep_group: Any
-    replica_group: Any
-    world_group: Any
-    local_group: Any  # this rank alone: build a full single-process model with `group=local_group`
-    dense_group: Any = None  # every rank, apart from world_group: DDP's all-reduce of replicated gradients
-
-    @property
-    def ep_rank(self) -> int:
-        return self.rank % self.ep_size
-
-    @property
-    def replicas(self) -> int:
-        return self.world_size // self.ep_size
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.world_group)
-
-
-def setup_parallel(ep_size: int | None = None) -> Parallel:
-    """Groups for the initialised default process group (every rank must call it)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("setup_parallel needs an initialised process group (occult.distributed.init_distributed)")
-    W, rank = dist.get_world_size(), dist.get_rank()
-    S = W if ep_size is None else int(ep_size)
-    if S < 1 or W % S:
-        raise ValueError(f"--ep-size {S} must divide the world size {W}")
-    world = dist.group.WORLD
-    ep_group = replica_group = None
-    for g in range(W // S):  # every rank creates every group, in the same order
-        grp = world if S == W else dist.new_group(list(range(g * S, (g + 1) * S)))
-        if rank // S == g:
-            ep_group = grp
-    for j in range(S):
-        grp = world if S == 1 else dist.new_group(list(range(j, W, S)))
-        if rank % S == j:
-            replica_group = grp
-    local_group = None
-    for r in range(W):
-        grp = dist.new_group([r])
-        if r == rank:
-            local_group = grp
-    # DDP's all-reduces get a communicator of their own: they never queue behind the EP all-to-alls
-    dense_group = dist.new_group(list(range(W))) if W > 1 else world
-    return Parallel(rank, W, S, ep_group, replica_group, world, local_group, dense_group)
+from occult.placement import Placement
+from occult.training import grads
+from occult.training.dtensor import full_tensor
+from occult.training.parallel import Parallel, global_mean, setup_parallel  # noqa: F401  (re-exported)
 
 
 def full_model(config, parallel: Parallel | None = None) -> OccultLM:
@@ -162,42 +105,18 @@ def gathered_tensors(model: OccultLM) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------- gradients
-def _split(model: OccultLM) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+def split_trained(model: OccultLM) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense, expert) parameters of `model` that train (requires_grad)."""
     experts = {id(p) for p, _ in model.expert_parameters().values()}
     trained = [p for p in model.parameters() if p.requires_grad]
     return [p for p in trained if id(p) not in experts], [p for p in trained if id(p) in experts]
 
 
-def _all_reduce_grads(params: Iterable[nn.Parameter], group: Any, divide: int, reduce: bool) -> None:
-    buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for ps in buckets.values():
-        if not reduce:
-            for p in ps:
-                p.grad.div_(divide)
-            continue
-        flat = torch.cat([p.grad.reshape(-1) for p in ps])
-        dist.all_reduce(flat, group=group)
-        flat.div_(divide)
-        offset = 0
-        for p in ps:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
-
-
 def sync_gradients(model: OccultLM, parallel: Parallel, replicated: bool = True) -> None:
-    """Every rank's gradients become those of the global-batch loss (see the module docstring).
+    """Every rank's gradients become those of the global-batch loss (`occult.training.grads`).
 
     `replicated=False`: the expert gradients only (DDP has averaged the replicated ones)."""
-    dense, experts = _split(model)
-    W = parallel.world_size
-    if replicated:
-        _all_reduce_grads(dense, parallel.world_group, W, reduce=W > 1)
-    _all_reduce_grads(experts, parallel.replica_group, W, reduce=parallel.replicas > 1)
+    grads.sync_gradients(*split_trained(model), parallel, replicated)
 
 
 def wrap_ddp(model: OccultLM, parallel: Parallel) -> DistributedDataParallel | None:
@@ -206,66 +125,24 @@ def wrap_ddp(model: OccultLM, parallel: Parallel) -> DistributedDataParallel | N
     Expert parameters (their gradients are complete on the EP group after the backward
     all-to-all) and every buffer (e.g. the rank's `local_expert_ids`) are ignored by DDP, so
     neither is broadcast from rank 0, and re-placement may move experts in place. Call the
-    wrapper for the training forward (DDP's backward hooks fire for that graph only), then
-    `sync_gradients(model, parallel, replicated=False)`; everything else uses `model`, whose
-    parameter names (checkpoints) are unchanged. No broadcast at wrapping (`init_sync=False`: the
-    ranks already hold the same weights, as with the explicit sync); the replicated gradients
-    are views into DDP's buckets (`gradient_as_bucket_view`: no second copy).
+    wrapper for the training forward, then `sync_gradients(model, parallel, replicated=False)`
+    (`occult.training.grads.wrap_ddp`).
     """
-    if not _split(model)[0]:
+    if not split_trained(model)[0]:
         return None
     ignore = list(model.expert_parameters()) + [n for n, _ in model.named_buffers()]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    group = parallel.dense_group if parallel.dense_group is not None else parallel.world_group
-    device = next(model.parameters()).device
-    ids = [device.index] if device.type == "cuda" and device.index is not None else None
-    return DistributedDataParallel(model, process_group=group, device_ids=ids, init_sync=False,
-                                   gradient_as_bucket_view=True, **_no_buffer_sync())
+    return grads.wrap_ddp(model, ignore, parallel)
 
 
-def _no_buffer_sync() -> dict[str, bool]:
-    """DDP's switch for buffer broadcasts at every forward, by the name this torch knows
-    (`forward_sync_buffers` in torch 2.13, `broadcast_buffers` before, e.g. the GPU image's 2.11)."""
-    known = inspect.signature(DistributedDataParallel.__init__).parameters
-    return {"forward_sync_buffers": False} if "forward_sync_buffers" in known else {"broadcast_buffers": False}
-
-
-def clip_grad_norm(model: OccultLM, parallel: Parallel, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: OccultLM, parallel: Parallel | None, max_norm: float) -> torch.Tensor:
     """Clip by the global gradient norm of the whole model; returns that norm (as torch does).
 
     Squared norms: replicated gradients once, FSDP shards (DTensor) summed over the dense group,
-    expert shards summed over the EP group."""
-    dense, experts = _split(model)
-    device = next(model.parameters()).device
-    sq = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(3)]  # replicated, FSDP shards, experts
-    expert_ids = {id(p) for p in experts}
-    for p in dense + experts:
-        if p.grad is not None:
-            i = 2 if id(p) in expert_ids else int(is_sharded(p.grad))
-            sq[i] = sq[i] + local_tensor(p.grad).detach().float().pow(2).sum()
-    if any(p.grad is not None and is_sharded(p.grad) for p in dense):
-        dist.all_reduce(sq[1], group=parallel.dense_group if parallel.dense_group is not None else parallel.world_group)
-    if parallel.ep_size > 1:
-        dist.all_reduce(sq[2], group=parallel.ep_group)
-    total = (sq[0] + sq[1] + sq[2]).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in dense + experts:
-        if p.grad is not None:
-            g = local_tensor(p.grad)
-            g.mul_(coef.to(g.dtype))
-    return total
-
-
-def global_mean(values: torch.Tensor, parallel: Parallel | None) -> torch.Tensor:
-    """Mean over the world's ranks (equal token counts per rank: the global-batch mean)."""
-    if parallel is None or parallel.world_size == 1:
-        return values
-    out = values.detach().clone()
-    dist.all_reduce(out, group=parallel.world_group)
-    return out / parallel.world_size
+    expert shards summed over the EP group (`occult.training.grads.clip_grad_norm`)."""
+    return grads.clip_grad_norm(*split_trained(model), parallel, max_norm)
 
 
 __all__ = [
     "Parallel", "full_model", "setup_parallel", "shard_model", "shard_tensors", "gathered_tensors", "sync_gradients",
-    "wrap_ddp", "clip_grad_norm", "global_mean", "per_layer",
+    "wrap_ddp", "clip_grad_norm", "global_mean", "per_layer", "split_trained",
 ]

@@ -1,7 +1,7 @@
 """Re-placing experts while training: collect routing, solve in the background, migrate together.
 
 Which experts are chosen together drifts as a model trains, so a placement solved once goes
-stale. `Replacer(model, parallel, config)` (made by `occult.lm.train.train` when
+stale. `Replacer(model, parallel, config)` (a `StepHook` of the training loop, made by `occult.lm.train.train` when
 `TrainConfig.replace_every` or `replace_drift` is set) does, on every rank:
 
     collect   `RoutingSample`: a strided sample of each MoE layer's top-k ids on this rank, at
@@ -46,6 +46,7 @@ from occult.lm.parallel import Parallel
 from occult.lm.solve_job import SolveJob, SolverProcess
 from occult.moe.pruning import devices_per_token
 from occult.placement import Placement
+from occult.training.hooks import StepHook
 
 LOG_FILE = "replace.jsonl"
 NOT_READY, MIGRATE, KEEP, FAILED = 0, 1, 2, 3
@@ -95,9 +96,10 @@ class RoutingSample:
         return sums, counts
 
 
-class Replacer:
-    """Re-placement on every rank of `parallel` (see the module docstring). Call `after_step` after
-    every optimizer step, on every rank, between `start()` and `close()`."""
+class Replacer(StepHook):
+    """Re-placement on every rank of `parallel` (see the module docstring): a hook of the training
+    loop (`occult.training.hooks`), `after_step` after every optimizer step on every rank, between
+    `start()` and `close()`."""
 
     def __init__(self, model: OccultLM, parallel: Parallel | None, cfg: Any, out_dir: str | Path | None = None,
                  log: Callable[[str], None] | None = None, mode: str | None = None) -> None:

@@ -1,10 +1,11 @@
 """Training state of `OccultLM`: settings, schedule, optimizer and its tensors, resume checks.
 
-`TrainConfig` (optimisation settings), `TrainResult`, `lr_at` (warm-up then cosine),
+`TrainConfig` (optimisation settings), `TrainResult`, `lr_at` / `schedule_for` (warm-up then
+cosine, `occult.training.schedule`; extended when a resumed run gets more steps),
 `make_optimizer` (AdamW, no decay on norms and embeddings), `optimizer_tensors` /
 `load_optimizer_tensors` (AdamW state as `optim.<param>.<key>` tensors, the layout both the
 safetensors and the sharded checkpoints use) and `check_resume` (what must match to continue a
-run). The training loop is `occult.lm.train`.
+run; `steps` may grow). The loop is `occult.training.loop`, driven by `occult.lm.train`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,9 +20,11 @@ from typing import Any, Mapping
 import torch
 
 from occult.lm.checkpoint import CheckpointError, config_from_metadata
-from occult.lm.fsdp import is_sharded, like_param
 from occult.lm.model import OccultLM
 from occult.placement.solvers import METHODS
+from occult.training.dcp import load_optimizer_state
+from occult.training.dtensor import is_sharded
+from occult.training.schedule import CosineSchedule
 
 
 GRAD_SYNCS = ("ddp", "explicit", "fsdp")  # how the dense gradients of N ranks are synchronised
@@ -30,7 +32,8 @@ GRAD_SYNCS = ("ddp", "explicit", "fsdp")  # how the dense gradients of N ranks a
 
 @dataclass
 class TrainConfig:
-    """Optimisation settings. Fields in `LOGGING_FIELDS` may change on resume; the rest may not.
+    """Optimisation settings. Fields in `LOGGING_FIELDS` may change on resume, and `steps` (the
+    learning-rate schedule is then extended: `occult.training.schedule`); the rest may not.
 
     (`grad_sync` may change: DDP, the explicit all-reduce and FSDP2 give the same gradients up to rounding.)"""
 
@@ -125,12 +128,17 @@ class TrainResult:
 # ----------------------------------------------------------------- helpers
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up over `warmup_steps`, then cosine from `lr` to `min_lr_ratio * lr` at `steps`."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return schedule_for(cfg)(step)
+
+
+def schedule_for(cfg: TrainConfig, meta: Mapping[str, str] | None = None) -> CosineSchedule:
+    """The schedule of `cfg`; with a checkpoint's metadata, the checkpoint's schedule continued from its
+    step to `cfg.steps` (the rate at the resume step kept, then a cosine to the floor at the new end)."""
+    schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    if meta is None:
+        return schedule
+    saved = json.loads(meta.get("train_config", "{}")).get("steps", cfg.steps)
+    return schedule.resumed(json.loads(meta.get("lr_schedule", "null")), saved, int(meta.get("step", 0)))
 
 
 def tensor_hash(t: torch.Tensor) -> str:
@@ -173,20 +181,8 @@ def optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer) -> dict[str, 
 
 
 def load_optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], source: str) -> None:
-    params = dict(model.named_parameters())
-    name_of = {id(p): n for n, p in params.items()}
-    sd = opt.state_dict()
-    order = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for i, name in enumerate(order):
-        entry = {k.rsplit(".", 1)[1]: like_param(v, params[name]) for k, v in tensors.items()
-                 if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
-        if entry:
-            state[i] = entry
-    if state and len(state) != len(order):
-        raise CheckpointError(f"{source}: optimizer state covers {len(state)} of {len(order)} trained parameters")
-    sd["state"] = state
-    opt.load_state_dict(sd)
+    """Put `optim.<name>.<key>` tensors (full, or this rank's experts) into `opt`."""
+    load_optimizer_state(opt, dict(model.named_parameters()), tensors, CheckpointError, source)
 
 
 # ------------------------------------------------------------------ resume
@@ -205,10 +201,14 @@ def check_resume(meta: Mapping[str, str], model: OccultLM, cfg: TrainConfig, dat
     diffs = [
         f"{k}: checkpoint {saved.get(k, default[k])!r}, now {now[k]!r}"
         for k in now
-        if k not in TrainConfig.LOGGING_FIELDS and saved.get(k, default[k]) != now[k]
+        if k not in (*TrainConfig.LOGGING_FIELDS, "steps") and saved.get(k, default[k]) != now[k]
     ]
     if diffs:
         raise CheckpointError(f"{path}: training config mismatch on resume ({'; '.join(diffs)}); use the same settings or another --out")
+    at = int(meta.get("step", 0))
+    if cfg.steps < at:
+        raise CheckpointError(f"{path}: the checkpoint is at step {at}, past --steps {cfg.steps}; pass --steps {at} or more "
+                              "to continue it (a larger value continues training)")
     if json.loads(meta.get("routing", "null")) != json.loads(model.routing.to_json()):
         raise CheckpointError(f"{path}: routing mismatch on resume: checkpoint {meta.get('routing')}, now {model.routing.to_json()}")
     if meta.get("data_hash") != data_sig:

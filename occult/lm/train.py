@@ -8,7 +8,9 @@ validation loss flattens (`patience`), and a tqdm progress bar (loss, tokens/s).
 updates only the MoE blocks (routers and experts), everything else frozen (the paper's
 pruning-aware fine-tuning). `finetune(init, ...)` loads weights, applies a routing rule and
 trains. Settings, schedule and optimizer are in `occult.lm.state`; evaluation in
-`occult.lm.evaluate`.
+`occult.lm.evaluate`. The step loop, gradient sync, clipping and the sharded checkpoint writer are
+the training core's (`occult.training`): this module says how a batch of `OccultLM` becomes a
+loss and adds its evaluation and checkpoint hooks.
 
 On N ranks (`parallel=`, an `occult.lm.parallel.Parallel`; the model from `shard_model`), the
 experts are sharded over each EP group and everything else is data parallel: every rank reads
@@ -34,16 +36,17 @@ Resume (`resume=True`) continues the newer of the two checkpoints, on any number
 2-rank checkpoint resumes on 1 and vice versa): the checkpoint's model config, trajectory-relevant
 training settings, routing rule, training data and (for fine-tunes) initial weights must match,
 or a `CheckpointError` names what differs. Batches depend only on (seed, step), so a resumed run
-continues exactly as the uninterrupted one would have.
+continues exactly as the uninterrupted one would have. `steps` may grow on resume: the run goes
+on to the new total, the learning rate continuing from its value at the resume step along a new
+cosine to the floor at the new last step (`occult.training.schedule`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -76,12 +79,7 @@ from occult.lm.parallel import (
 )
 from occult.lm.plot import plot_losses
 from occult.lm.replace import Replacer
-from occult.lm.sharded import (
-    find_sharded,
-    load_sharded,
-    read_sharded_meta,
-    save_sharded,
-)
+from occult.lm.sharded import find_sharded, load_sharded, read_sharded_meta, save_sharded
 from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
     TrainConfig,
     TrainResult,
@@ -90,10 +88,14 @@ from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
     lr_at,
     make_optimizer,
     optimizer_tensors,
+    schedule_for,
     tensor_hash,
     trainable_names,
 )
 from occult.placement import Placement
+from occult.training.hooks import StepHook
+from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
+from occult.training.schedule import CosineSchedule
 
 CHECKPOINT = "checkpoint.safetensors"
 BEST = "best.safetensors"
@@ -111,6 +113,188 @@ def latest_state(out: Path) -> tuple[str, Path, Mapping[str, Any]] | None:
     if (out / CHECKPOINT).exists():
         found.append(("safetensors", out / CHECKPOINT, read_checkpoint(out / CHECKPOINT, prefixes=())[1]))
     return max(found, key=lambda f: int(f[2].get("step", 0)), default=None)
+
+
+@dataclass
+class _Run:
+    """One `train` call's model, settings and the state its checkpoints carry besides the loop's."""
+
+    model: OccultLM
+    data: TokenData
+    cfg: TrainConfig
+    out: Path
+    par: Parallel | None
+    log: Callable[[str], None] | None
+    opt: torch.optim.Optimizer
+    replacer: Replacer | None
+    meta_base: dict[str, Any]
+    schedule: CosineSchedule
+    best: float | None = None
+    history: list[dict] = field(default_factory=list)
+    saved_at: int = -1
+    loop: TrainLoop | None = None
+
+    @property
+    def main(self) -> bool:
+        return self.par is None or self.par.is_main
+
+    def metadata(self) -> dict[str, str]:
+        loop = self.loop
+        meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in self.meta_base.items()}
+        meta.update(model_metadata(self.model))
+        meta.update(step=str(loop.step), best_val_loss=json.dumps(self.best), history=json.dumps(self.history),
+                    stopped_early="true" if loop.stopped else "false", train_losses=json.dumps(loop.losses))
+        if self.schedule.restarts:  # extended on a resume with more steps
+            meta["lr_schedule"] = json.dumps(self.schedule.to_json())
+        if self.replacer is not None:
+            meta["replace"] = json.dumps(self.replacer.state())
+        return meta
+
+    def save(self, path: Path, with_optimizer: bool) -> None:
+        """A weights file (`with_optimizer=False`) or the resume state: sharded on N ranks (once per step)."""
+        import safetensors.torch
+
+        meta = self.metadata()
+        if self.par is not None and with_optimizer:
+            if self.saved_at != self.loop.step:
+                save_sharded(self.out, self.model, self.opt, meta, self.loop.step)
+                self.saved_at = self.loop.step
+            return
+        tensors = gathered_tensors(self.model) if self.par is not None else model_tensors(self.model)
+        if with_optimizer:
+            tensors.update(optimizer_tensors(self.model, self.opt))
+        if self.main:
+            with atomic_path(path) as tmp:
+                safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+
+    def evaluate(self, train_loss: float | None = None) -> dict:
+        """Validation loss (one line of metrics.jsonl, with the training tokens/s since the last one)."""
+        cfg, par = self.cfg, self.par
+        steps, seconds = self.loop.clock.take()
+        rate = {}
+        if steps and seconds > 0:  # the losses read back before an evaluation synchronised the device
+            tps = steps * cfg.batch_size * cfg.seq_len / seconds
+            rate = {"train_tokens_per_s": tps, "train_tokens_per_s_per_rank": tps / (par.world_size if par else 1)}
+        r = evaluate(self.model, self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.seq_len, cfg.eval_tokens,
+                     cfg.precision, parallel=par)
+        reshard(self.model)  # FSDP: the root's weights back to shards after a forward without backward
+        r["step"] = self.loop.step
+        r.update(rate)
+        if train_loss is not None:
+            r["train_loss"] = train_loss
+        self.history.append(r)
+        if self.main:
+            with open(self.out / METRICS, "a") as f:
+                f.write(json.dumps(r) + "\n")
+        r["improved"] = self.best is None or r["val_loss"] < self.best * (1 - cfg.min_delta)
+        if self.best is None or r["val_loss"] < self.best:
+            self.best = r["val_loss"]
+            self.save(self.out / BEST, with_optimizer=False)
+        else:
+            r["improved"] = False
+        self.loop.postfix["val"] = f"{r['val_loss']:.3f}"
+        return r
+
+    def plateaued(self) -> bool:
+        p = self.cfg.patience
+        if p is None or len(self.history) <= p:
+            return False
+        return not any(h.get("improved") for h in self.history[-p:])
+
+
+class _EvalAndSave(StepHook):
+    """Evaluation every `eval_every` steps (early stop on a plateau), resume state every `save_every`."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+
+    def after_step(self, step: int, optimizer: torch.optim.Optimizer | None) -> None:
+        run, cfg, loop = self.run, self.run.cfg, self.run.loop
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            run.evaluate(loop.flush())
+            if run.plateaued():
+                loop.stop()
+                if run.log:
+                    run.log(f"validation loss flat for {cfg.patience} evaluations: stopping at step {step}")
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps or loop.stopped):
+            loop.flush()
+            loop.clock.pause()
+            run.save(run.out / CHECKPOINT, with_optimizer=True)
+
+
+def _step_parts(run: _Run) -> StepParts:
+    """How a step of `OccultLM` goes: its rows of the global batch, its loss (+ aux), its gradient sync."""
+    model, cfg, par = run.model, run.cfg, run.par
+    device = next(model.parameters()).device
+    shard = (par.rank, par.world_size) if par is not None else ()
+    ddp = wrap_ddp(model, par) if par is not None and cfg.grad_sync == "ddp" else None
+    forward = ddp if ddp is not None else model  # DDP (or FSDP's hooks) average the dense gradients during backward
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = train_batch(run.data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step, *shard)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    def loss(xy: tuple[torch.Tensor, torch.Tensor]) -> StepLoss:
+        with autocast_for(device, cfg.precision):
+            out = forward(*xy, return_logits=False)
+            return StepLoss(out.loss + cfg.aux_loss_coef * out.aux_loss, out.loss, out.aux_loss)
+
+    def sync() -> None:
+        if par is not None:  # experts (and replicated ones with the explicit sync)
+            sync_gradients(model, par, replicated=cfg.grad_sync == "explicit")
+
+    return StepParts(batch=batch, loss=loss, sync=sync, clip=lambda m: clip_grad_norm(model, par, m),
+                     lr=run.schedule, mean=lambda t: global_mean(t, par))
+
+
+def _resume(run: _Run, state: tuple[str, Path, Mapping[str, Any]], data_sig: str, init_hash: str | None) -> None:
+    """Check the checkpoint against this run, then load it into the model, optimizer and loop."""
+    kind, path, meta = state
+    model, par = run.model, run.par
+    saved = json.loads(meta.get("replace") or "null")  # the placement in use when it was saved
+    if saved is not None and (run.replacer is None or not run.replacer.load_state(saved)):
+        follow_routing(model, Placement.from_json_dict(saved["placement"], str(path)))  # device-limited routing as it was
+    check_resume(meta, model, run.cfg, data_sig, init_hash, path)
+    if kind == "dcp":
+        load_sharded(path, meta, model, run.opt)
+    else:
+        tensors, meta = read_checkpoint(path)
+        if par is not None:
+            tensors = shard_tensors(model, tensors)
+        load_weights(model, tensors, str(path))
+        load_optimizer_tensors(model, run.opt, tensors, str(path))
+    loop = run.loop
+    loop.step = int(meta.get("step", 0))
+    loop.losses = json.loads(meta.get("train_losses", "[]"))
+    loop.stopped = meta.get("stopped_early") == "true"
+    run.best = json.loads(meta.get("best_val_loss", "null"))
+    run.history = json.loads(meta.get("history", "[]"))
+    run.schedule = schedule_for(run.cfg, meta)
+    if run.schedule.restarts and run.log:
+        at, rate, _ = run.schedule.restarts[-1]
+        if at == loop.step:
+            run.log(f"--steps {run.cfg.steps}: continuing from step {at} at learning rate {rate:.3g}, cosine to "
+                    f"{run.cfg.lr * run.cfg.min_lr_ratio:.3g} at step {run.cfg.steps}")
+    if run.log:
+        run.log(f"resumed {path} at step {loop.step}")
+
+
+def _prepare(model: OccultLM, data: TokenData, cfg: TrainConfig, out: Path, par: Parallel | None,
+             log: Callable[[str], None] | None, meta_base: dict[str, Any]) -> _Run:
+    """Checks, device, FSDP wrapping, optimizer and re-placement of a run."""
+    device = pick_device(cfg.device)
+    model.to(device)
+    if data.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the data use {data.vocab_size} token ids, the model's vocab_size is {model.config.vocab_size}")
+    if par is not None and cfg.batch_size % par.world_size:
+        raise ValueError(f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks")
+    if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
+        wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
+    opt = make_optimizer(model, trainable_names(model, cfg.moe_only), cfg)
+    replacer = Replacer(model, par, cfg, out, log) if cfg.replaces and par is not None and par.ep_size > 1 else None
+    if cfg.replaces and replacer is None and log:
+        log("experts are not sharded (one process or EP size 1): nothing to re-place")
+    return _Run(model, data, cfg, out, par, log, opt, replacer, meta_base, schedule_for(cfg))
 
 
 def train(
@@ -135,202 +319,35 @@ def train(
     every rank of it (each rank calls `train` with its shard of the model).
     """
     par = parallel if parallel is not None and parallel.world_size > 1 else None
-    main = par is None or par.is_main
-    log = log if main else None
+    log = log if par is None or par.is_main else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    device = pick_device(cfg.device)
-    model.to(device)
-    if data.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the data use {data.vocab_size} token ids, the model's vocab_size is {model.config.vocab_size}")
-    if par is not None and cfg.batch_size % par.world_size:
-        raise ValueError(f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks")
-    if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
-        wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
-    names = trainable_names(model, cfg.moe_only)
-    opt = make_optimizer(model, names, cfg)
     data_sig = f"{data.train.numel()}:{tensor_hash(data.train)}"
-    step, best, history, stopped, losses = 0, None, [], False, []
-    replacer = Replacer(model, par, cfg, out, log) if cfg.replaces and par is not None and par.ep_size > 1 else None
-    if cfg.replaces and replacer is None and log:
-        log("experts are not sharded (one process or EP size 1): nothing to re-place")
-    state = latest_state(out)
-    if state is not None:
-        kind, path, meta = state
-        if not resume:
-            raise CheckpointError(f"{out} already holds a checkpoint: pass --resume to continue it, or choose another --out")
-        saved = json.loads(meta.get("replace") or "null")  # the placement in use when it was saved
-        if saved is not None and (replacer is None or not replacer.load_state(saved)):
-            follow_routing(model, Placement.from_json_dict(saved["placement"], str(path)))  # device-limited routing as it was
-        check_resume(meta, model, cfg, data_sig, init_hash, path)
-        if kind == "dcp":
-            load_sharded(path, meta, model, opt)
-        else:
-            tensors, meta = read_checkpoint(path)
-            if par is not None:
-                tensors = shard_tensors(model, tensors)
-            load_weights(model, tensors, str(path))
-            load_optimizer_tensors(model, opt, tensors, str(path))
-        step = int(meta.get("step", 0))
-        best = json.loads(meta.get("best_val_loss", "null"))
-        history = json.loads(meta.get("history", "[]"))
-        losses = json.loads(meta.get("train_losses", "[]"))
-        stopped = meta.get("stopped_early") == "true"
-        if log:
-            log(f"resumed {path} at step {step}")
-    eval_bs = cfg.eval_batch_size or cfg.batch_size
     meta_base = dict(extra_metadata or {})
     meta_base.update(train_config=json.dumps(cfg.to_dict()), data_hash=data_sig, init_hash=init_hash or "")
-    saved_at = -1
-
-    def save(path: Path, with_optimizer: bool) -> None:
-        nonlocal saved_at
-        import safetensors.torch
-
-        meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in meta_base.items()}
-        meta.update(model_metadata(model))
-        meta.update(step=str(step), best_val_loss=json.dumps(best), history=json.dumps(history),
-                    stopped_early="true" if stopped else "false", train_losses=json.dumps(losses))
-        if replacer is not None:
-            meta["replace"] = json.dumps(replacer.state())
-        if par is not None and with_optimizer:
-            if saved_at != step:
-                save_sharded(out, model, opt, meta, step)
-                saved_at = step
-            return
-        tensors = gathered_tensors(model) if par is not None else model_tensors(model)
-        if with_optimizer:
-            tensors.update(optimizer_tensors(model, opt))
-        if main:
-            with atomic_path(path) as tmp:
-                safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
-
-    clock = {"s": 0.0, "steps": 0, "since": None}  # training time since the last evaluation (evals, saves excluded)
-
-    def pause_clock() -> None:
-        if clock["since"] is not None:
-            clock["s"] += time.perf_counter() - clock["since"]
-            clock["since"] = None
-
-    def do_eval(train_loss: float | None = None) -> dict:
-        nonlocal best
-        pause_clock()
-        rate = {}
-        if clock["steps"] and clock["s"] > 0:  # flush() before an eval synchronised the device (losses read back)
-            tps = clock["steps"] * tokens_per_step / clock["s"]
-            rate = {"train_tokens_per_s": tps, "train_tokens_per_s_per_rank": tps / (par.world_size if par else 1)}
-        clock.update(s=0.0, steps=0)
-        r = evaluate(model, data.val, eval_bs, cfg.seq_len, cfg.eval_tokens, cfg.precision, parallel=par)
-        reshard(model)  # FSDP: the root's weights back to shards after a forward without backward
-        r["step"] = step
-        r.update(rate)
-        if train_loss is not None:
-            r["train_loss"] = train_loss
-        history.append(r)
-        if main:
-            with open(out / METRICS, "a") as f:
-                f.write(json.dumps(r) + "\n")
-        if best is None or r["val_loss"] < best:
-            improved = best is None or r["val_loss"] < best * (1 - cfg.min_delta)
-            best = r["val_loss"]
-            save(out / BEST, with_optimizer=False)
-            r["improved"] = improved
-        else:
-            r["improved"] = False
-        return r
-
-    def plateaued() -> bool:
-        if cfg.patience is None or len(history) <= cfg.patience:
-            return False
-        return not any(h.get("improved") for h in history[-cfg.patience:])
-
-    pending: list[torch.Tensor] = []
-
-    def flush() -> float:
-        """Record the pending steps' losses (means over the global batch); the last one."""
-        if pending:
-            losses.extend(global_mean(torch.stack(pending).float(), par).tolist())
-            pending.clear()
-        return losses[-1] if losses else float("nan")
-
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    if cfg.eval_at_start and step == 0 and not history and cfg.eval_every:
-        do_eval()
-    from tqdm.auto import tqdm
-
-    show = ((not progress) if progress is not None else None) if main else True
-    bar = tqdm(total=cfg.steps, initial=step, desc="train" if not cfg.moe_only else "finetune (MoE only)",
-               unit="step", disable=show, dynamic_ncols=True)
+    run = _prepare(model, data, cfg, out, par, log, meta_base)
+    settings = LoopSettings(cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len,
+                            "train" if not cfg.moe_only else "finetune (MoE only)", progress, run.main)
+    hooks = ([run.replacer] if run.replacer is not None else []) + [_EvalAndSave(run)]
+    run.loop = TrainLoop(None, run.opt, settings, hooks)  # its parts after the resume (DDP wraps the loaded model)
+    state = latest_state(out)
+    if state is not None:
+        if not resume:
+            raise CheckpointError(f"{out} already holds a checkpoint: pass --resume to continue it, or choose another --out")
+        _resume(run, state, data_sig, init_hash)
+    loop = run.loop
+    if cfg.eval_at_start and loop.step == 0 and not run.history and cfg.eval_every:
+        run.evaluate()
     model.train()
-    trained = [p for p in model.parameters() if p.requires_grad]
-    t_last, s_last = time.perf_counter(), step
-    if replacer is not None:
-        replacer.start()
-    last_step = cfg.steps if stop_after is None else min(cfg.steps, step + int(stop_after))
-    shard = (par.rank, par.world_size) if par is not None else ()
-    ddp = wrap_ddp(model, par) if par is not None and cfg.grad_sync == "ddp" else None
-    forward = ddp if ddp is not None else model  # DDP (or FSDP's hooks) average the dense gradients during backward
-    try:
-        while step < last_step and not stopped:
-            if clock["since"] is None:
-                clock["since"] = time.perf_counter()
-            lr = lr_at(step, cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            x, y = train_batch(data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step, *shard)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast_for(device, cfg.precision):
-                out_ = forward(x, y, return_logits=False)
-                loss = out_.loss + cfg.aux_loss_coef * out_.aux_loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = None
-            if par is not None:
-                sync_gradients(model, par, replicated=cfg.grad_sync == "explicit")  # experts (and replicated, explicit)
-                gnorm = clip_grad_norm(model, par, cfg.grad_clip) if cfg.grad_clip > 0 else None
-            elif cfg.grad_clip > 0:
-                gnorm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
-            opt.step()
-            step += 1
-            clock["steps"] += 1
-            if replacer is not None:
-                replacer.after_step(step, opt)
-            pending.append(out_.loss.detach())
-            bar.update(1)
-            if step % 10 == 0 or step == cfg.steps:
-                last_loss = flush()
-                if not math.isfinite(last_loss):
-                    raise FloatingPointError(f"training loss is {last_loss} at step {step}; lower the learning rate")
-                now = time.perf_counter()
-                tps = tokens_per_step * (step - s_last) / max(1e-9, now - t_last)
-                t_last, s_last = now, step
-                post = {"loss": f"{last_loss:.3f}", "aux": f"{float(out_.aux_loss.detach()):.3f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
-                if gnorm is not None:
-                    post["gnorm"] = f"{float(gnorm):.2f}"
-                if history:
-                    post["val"] = f"{history[-1]['val_loss']:.3f}"
-                bar.set_postfix(post, refresh=False)
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                do_eval(flush())
-                if plateaued():
-                    stopped = True
-                    if log:
-                        log(f"validation loss flat for {cfg.patience} evaluations: stopping at step {step}")
-            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps or stopped):
-                flush()
-                pause_clock()
-                save(out / CHECKPOINT, with_optimizer=True)
-    finally:
-        bar.close()
-        if replacer is not None:
-            replacer.close()
-    flush()
-    save(out / CHECKPOINT, with_optimizer=True)
-    if step >= cfg.steps or stopped:
-        save(out / FINAL, with_optimizer=False)
-        if main and plot and plot_losses(out / PLOT, losses, history, title=str(out.name)) is None and log:
+    loop.parts = _step_parts(run)
+    loop.run(cfg.steps if stop_after is None else min(cfg.steps, loop.step + int(stop_after)))
+    run.save(out / CHECKPOINT, with_optimizer=True)
+    if loop.step >= cfg.steps or loop.stopped:
+        run.save(out / FINAL, with_optimizer=False)
+        if run.main and plot and plot_losses(out / PLOT, loop.losses, run.history, title=str(out.name)) is None and log:
             log("no loss plot: matplotlib is not installed")
-    return TrainResult(step, best, history, stopped, out, losses, list(replacer.migrations) if replacer else [])
+    migrations = list(run.replacer.migrations) if run.replacer is not None else []
+    return TrainResult(loop.step, run.best, run.history, loop.stopped, out, loop.losses, migrations)
 
 
 def finetune(

@@ -164,14 +164,14 @@ def test_grad_sync_setting_and_cli():
 def test_ddp_buffer_switch_follows_the_installed_torch(monkeypatch):
     """torch 2.13 calls it `forward_sync_buffers`, the GPU image's torch 2.11 `broadcast_buffers`
     (passing the new name there failed every multi-rank `occult train` on GPUs)."""
-    import occult.lm.parallel as parallel
+    import occult.training.grads as grads
 
-    assert parallel._no_buffer_sync() in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
+    assert grads.no_buffer_sync() in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
 
     class OldDDP:
         def __init__(self, module, device_ids=None, broadcast_buffers=True, init_sync=True, process_group=None,
                      gradient_as_bucket_view=False):
             pass
 
-    monkeypatch.setattr(parallel, "DistributedDataParallel", OldDDP)
-    assert parallel._no_buffer_sync() == {"broadcast_buffers": False}
+    monkeypatch.setattr(grads, "DistributedDataParallel", OldDDP)
+    assert grads.no_buffer_sync() == {"broadcast_buffers": False}

@@ -1,0 +1,194 @@
+"""The one training step loop of `occult train`, `occult finetune` and `occult finetune --hf`.
+
+`TrainLoop(parts, optimizer, settings, hooks).run(last)` does, per step on every rank:
+
+    lr         `parts.lr(step)` into every parameter group
+    batch      `parts.batch(step)`: this rank's rows of global batch `step` (a function of the
+               seed and the step only, so the data position is the step and a resume is exact)
+    loss       `parts.loss(batch)` -> `StepLoss` (the model's forward, its own precision)
+    backward   `total.backward()` (DDP / FSDP2 hooks reduce dense gradients during it)
+    sync       `parts.sync()`: gradients of the global-batch loss (`occult.training.grads`)
+    clip       `parts.clip(grad_clip)`: clip by the global norm; the norm is recorded
+    step       `optimizer.step()`, then every hook's `after_step` (`occult.training.hooks`)
+    metrics    every `log_every` steps (and at the last) the pending per-step losses become global
+               means (`parts.mean`: one all-reduce), a non-finite loss stops the run with a clear
+               error, and the progress bar (rank 0) shows loss, aux loss, lr, gradient norm,
+               tokens/s and whatever the hooks put in `postfix`
+
+`TrainClock` counts training time between evaluations (hooks pause it for evaluations and
+saves), for the tokens/s a run's metrics report. The model-specific parts (how a batch becomes
+a loss, which parameters train, how gradients sync) are the adapters' (`occult.lm.train`,
+`occult.integrations.hf.finetune`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from occult.training.hooks import StepHook
+
+
+@dataclass
+class StepLoss:
+    """One forward's losses: `total` is what the backward runs on, `logged` the recorded loss
+    (this rank's mean), `aux` a load-balancing loss shown on the progress bar (or None)."""
+
+    total: torch.Tensor
+    logged: torch.Tensor
+    aux: torch.Tensor | None = None
+
+
+@dataclass
+class StepParts:
+    """The model-specific parts of a step (module docstring)."""
+
+    batch: Callable[[int], Any]
+    loss: Callable[[Any], StepLoss]
+    sync: Callable[[], None]
+    clip: Callable[[float], torch.Tensor | None]
+    lr: Callable[[int], float]
+    mean: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LoopSettings:
+    """`steps`: the run's total (the bar and the last report); `tokens_per_step`: global."""
+
+    steps: int
+    grad_clip: float
+    tokens_per_step: int
+    desc: str = "train"
+    progress: bool | None = None  # None: a bar only on a terminal
+    main: bool = True
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.tokens_per_step < 1 or self.log_every < 1:
+            raise ValueError(f"need steps, tokens_per_step and log_every >= 1, got {self.steps}, "
+                             f"{self.tokens_per_step}, {self.log_every}")
+
+
+@dataclass
+class TrainClock:
+    """Training seconds and steps since the last `take()`; paused for evaluations and saves."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    since: float | None = None
+
+    def run(self) -> None:
+        if self.since is None:
+            self.since = time.perf_counter()
+
+    def pause(self) -> None:
+        if self.since is not None:
+            self.seconds += time.perf_counter() - self.since
+            self.since = None
+
+    def take(self) -> tuple[int, float]:
+        """(steps, seconds) since the last take (the clock paused), then reset."""
+        self.pause()
+        out = (self.steps, self.seconds)
+        self.steps, self.seconds = 0, 0.0
+        return out
+
+
+@dataclass
+class TrainLoop:
+    """The loop's state: steps done, every step's global loss, gradient norms (module docstring)."""
+
+    parts: StepParts | None  # may be set after construction (e.g. after a resume), before `run`
+    optimizer: torch.optim.Optimizer
+    settings: LoopSettings
+    hooks: Sequence[StepHook] = ()
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[Any] = field(default_factory=list)  # tensors until `norms()`
+    stopped: bool = False
+    postfix: dict[str, str] = field(default_factory=dict)  # extra progress-bar fields (hooks)
+    clock: TrainClock = field(default_factory=TrainClock)
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+    def flush(self) -> float:
+        """Record the pending steps' losses (means over the global batch); the last one."""
+        if self.pending:
+            self.losses.extend(self.parts.mean(torch.stack(self.pending).float()).tolist())
+            self.pending.clear()
+        return self.losses[-1] if self.losses else float("nan")
+
+    def norms(self) -> list[float]:
+        """Every step's gradient norm as floats."""
+        self.grad_norms = [float(n) for n in self.grad_norms]
+        return list(self.grad_norms)
+
+    def stop(self) -> None:
+        """End the run after this step (a hook's decision, e.g. validation loss flat)."""
+        self.stopped = True
+
+    def run(self, last: int) -> None:
+        """Train until `last` steps are done (or a hook stops the run)."""
+        from tqdm.auto import tqdm
+
+        if self.parts is None:
+            raise ValueError("TrainLoop.run needs its StepParts (TrainLoop.parts)")
+        s = self.settings
+        show = ((not s.progress) if s.progress is not None else None) if s.main else True
+        bar = tqdm(total=s.steps, initial=self.step, desc=s.desc, unit="step", disable=show, dynamic_ncols=True)
+        mark = (time.perf_counter(), self.step)
+        for hook in self.hooks:
+            hook.start()
+        try:
+            while self.step < last and not self.stopped:
+                lr, out, gnorm = self._one_step()
+                bar.update(1)
+                if self.step % s.log_every == 0 or self.step == s.steps:
+                    mark = self._report(bar, mark, lr, out, gnorm)
+                for hook in self.hooks:
+                    hook.after_step(self.step, self.optimizer)
+        finally:
+            bar.close()
+            for hook in self.hooks:
+                hook.close()
+        self.flush()
+
+    def _one_step(self) -> tuple[float, StepLoss, torch.Tensor | None]:
+        self.clock.run()
+        lr = self.parts.lr(self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        out = self.parts.loss(self.parts.batch(self.step))
+        self.optimizer.zero_grad(set_to_none=True)
+        out.total.backward()
+        self.parts.sync()
+        gnorm = self.parts.clip(self.settings.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        self.clock.steps += 1
+        if gnorm is not None:
+            self.grad_norms.append(gnorm.detach())
+        self.pending.append(out.logged.detach())
+        return lr, out, gnorm
+
+    def _report(self, bar: Any, mark: tuple[float, int], lr: float, out: StepLoss,
+                gnorm: torch.Tensor | None) -> tuple[float, int]:
+        last_loss = self.flush()
+        if not math.isfinite(last_loss):
+            raise FloatingPointError(f"training loss is {last_loss} at step {self.step}; lower the learning rate")
+        now = time.perf_counter()
+        tps = self.settings.tokens_per_step * (self.step - mark[1]) / max(1e-9, now - mark[0])
+        post = {"loss": f"{last_loss:.4f}"}
+        if out.aux is not None:
+            post["aux"] = f"{float(out.aux.detach()):.3f}"
+        post.update({"lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"})
+        if gnorm is not None:
+            post["gnorm"] = f"{float(gnorm):.2f}"
+        bar.set_postfix({**post, **self.postfix}, refresh=False)
+        return now, self.step
+
+
+__all__ = ["StepLoss", "StepParts", "LoopSettings", "TrainClock", "TrainLoop"]
