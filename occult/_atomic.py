@@ -4,29 +4,84 @@ published behind a `latest` pointer (used by `occult.lm.sharded` and `occult.int
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 
+def _os_error(exc_type: type[OSError], err: int, what: str, path: Path) -> OSError:
+    """An OSError whose message and `filename` name the user's target, never a temporary file."""
+    return exc_type(err, what, str(path))
+
+
+def _writable(st: os.stat_result, path: Path) -> bool:
+    """Writable for this process, and not read-only by its mode: a file or directory with no write
+    bit at all is read-only even for root (an atomic rename must not bypass that)."""
+    return os.access(path, os.W_OK) and bool(st.st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """Raise a clear OSError naming `path` if a file cannot be written there atomically.
+
+    Refused: `path` is a directory, a read-only file, or in a read-only directory (or under a
+    path component that is a file). Missing parent directories are fine (they are created).
+    Commands call this before their long part; `atomic_path` calls it again.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise _os_error(IsADirectoryError, errno.EISDIR, "is a directory: give a file path (a name inside it)", path)
+    if path.exists() or path.is_symlink():
+        st = path.stat() if path.exists() else path.lstat()
+        if not _writable(st, path):
+            raise _os_error(PermissionError, errno.EACCES, "is read-only: make it writable or choose another path", path)
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise _os_error(NotADirectoryError, errno.ENOTDIR, f"cannot be written: {parent} is not a directory", path)
+    if not _writable(parent.stat(), parent):
+        raise _os_error(PermissionError, errno.EACCES, f"cannot be written: the directory {parent} is read-only", path)
+    return path
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
+
+    The target's permissions hold: a read-only file or directory is refused (`check_writable`),
+    and a file that is replaced keeps its mode. Errors name `path`, not the temporary file.
+    """
+    path = check_writable(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _os_error(type(exc), exc.errno or errno.EIO, f"cannot be written ({exc.strerror or exc})", path) from exc
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        # mkstemp creates 0600 files; give the result the usual permissions (umask applied).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)
-        os.replace(tmp_path, path)
+        try:
+            yield tmp_path
+        except OSError as exc:
+            if exc.filename is not None and Path(exc.filename) == tmp_path:
+                raise _os_error(type(exc), exc.errno or errno.EIO, exc.strerror or str(exc), path) from exc
+            raise
+        if path.exists():  # keep the mode of the file replaced
+            mode = stat.S_IMODE(path.stat().st_mode)
+        else:  # mkstemp creates 0600 files; give a new one the usual permissions (umask applied)
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        try:
+            os.chmod(tmp_path, mode)
+            os.replace(tmp_path, path)
+        except OSError as exc:
+            raise _os_error(type(exc), exc.errno or errno.EIO, f"cannot be written ({exc.strerror or exc})", path) from exc
     finally:
         if tmp_path.exists():
             tmp_path.unlink()

@@ -18,9 +18,13 @@ module that has `add_arguments(parser)` and `main(args)`; the module is imported
 that command is on the command line, so `occult --help` and the other commands do not pay
 for it. Nothing in the library imports from here.
 
-Bad input (missing or corrupt files, mismatched shapes, impossible device counts) prints
-`occult: error: <message>` on stderr and exits with status 2; set OCCULT_DEBUG=1 to get the
-traceback instead. Progress bars go to stderr, and only when it is a terminal.
+Exit statuses, one convention for every command (`EXIT_HELP`, shown by every `--help`): 0
+success; 1 the run failed (a check did not pass, e.g. a variant differs from the reference, or
+a rank crashed); 2 bad input or usage: argparse errors (a negative size, an unknown choice), and
+`occult: error: <message>` on stderr for missing or corrupt files, mismatched shapes, impossible
+device counts, outputs that cannot be written (a directory, a read-only file or directory: the
+message names the user's path, never a temporary file); 130 interrupted. Set OCCULT_DEBUG=1 to
+get the traceback instead. Progress bars go to stderr, and only when it is a terminal.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, Sequence
 
 from occult.cli import hf, lm
 from occult.cli.place import PLACE, STATS
-from occult.cli.registry import EXIT_USAGE, Command, CommandError, RunFn, lazy, lazy_command
+from occult.cli.registry import EXIT_FAILED, EXIT_HELP, EXIT_USAGE, Command, CommandError, RunFn, lazy, lazy_command
 from occult.cli.tools import BENCH, DEMO
 
 
@@ -75,7 +79,7 @@ FINETUNE = Command("finetune", lm.FINETUNE.help + "; or a transformers model's r
 
 COMMANDS: list[Command] = [PLACE, STATS, DEMO, BENCH, lm.DATA, lm.TRAIN, FINETUNE, PROFILE]
 
-__all__ = ["COMMANDS", "EXIT_USAGE", "Command", "CommandError", "RunFn", "build_parser", "lazy", "lazy_command", "main"]
+__all__ = ["COMMANDS", "EXIT_FAILED", "EXIT_HELP", "EXIT_USAGE", "Command", "CommandError", "RunFn", "build_parser", "lazy", "lazy_command", "main"]
 
 
 def build_parser(commands: Sequence[Command] | None = None, chosen: str | None = None) -> argparse.ArgumentParser:
@@ -83,10 +87,11 @@ def build_parser(commands: Sequence[Command] | None = None, chosen: str | None =
     parser = argparse.ArgumentParser(
         prog="occult",
         description="Expert-parallel MoE with deduplicated all-to-all and co-activation-aware expert placement.",
+        epilog=EXIT_HELP,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in commands if commands is not None else COMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, epilog=EXIT_HELP)
         if not cmd.lazy or cmd.name == chosen:
             cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
@@ -100,6 +105,14 @@ def _chosen_command(argv: Sequence[str]) -> str | None:
 def _error(message: str) -> int:
     print(f"occult: error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for the user: an OSError as `PATH: reason` (no errno, no repr quotes)."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        two = f" -> {exc.filename2}" if exc.filename2 is not None else ""
+        return f"{exc.filename}{two}: {exc.strerror}"
+    return str(exc) or type(exc).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,5 +142,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CommandError, ValueError, OSError, ImportError) as exc:
         if debug:
             raise
-        return _error(str(exc) or type(exc).__name__)
+        return _error(_describe(exc))
 

@@ -33,7 +33,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from occult.cli.registry import check_input, check_output, check_output_dir, positive_int
+
 _OWN_DEFAULTS = {"tokens": 65536, "batch_size": 8, "seq_len": None}
+
+
+def _check_data(path: str | None) -> None:
+    """--data: a file, or the word 'random'."""
+    if path is not None and str(path).lower() != "random":
+        check_input("--data", path)
 
 
 def is_transformers_model(path: str | os.PathLike) -> bool:
@@ -61,9 +69,9 @@ def add_profile_arguments(p: Any) -> None:
     add("--out", required=True, help="trace file to write (.safetensors)")
     add("--data", default=None,
         help="transformers models: calibration data (.txt, .jsonl, .safetensors/.npy/.pt token ids, or 'random')")
-    add("--tokens", type=int, default=_OWN_DEFAULTS["tokens"], help="tokens to profile")
-    add("--batch-size", type=int, default=_OWN_DEFAULTS["batch_size"])
-    add("--seq-len", type=int, default=None, help="default: min(512, the model's max positions)")
+    add("--tokens", type=positive_int, default=_OWN_DEFAULTS["tokens"], help="tokens to profile")
+    add("--batch-size", type=positive_int, default=_OWN_DEFAULTS["batch_size"])
+    add("--seq-len", type=positive_int, default=None, help="default: min(512, the model's max positions)")
     add("--scores", action="store_true", help="also store the router probabilities [T, E]")
     add("--similarity", default=None, help="similarity table path (default: OUT.similarity.safetensors)")
     add("--device", default="auto")
@@ -80,6 +88,9 @@ def run_profile(args: Any) -> int:
 
     if not getattr(args, "data", None):
         raise ValueError("profiling a transformers model needs --data (a text/jsonl file, token ids, or 'random')")
+    _check_data(args.data)
+    check_output("--out", args.out, "trace.safetensors")
+    check_output("--similarity", getattr(args, "similarity", None), "similarity.safetensors")
     device = getattr(args, "device", "auto")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,8 +214,13 @@ def run_finetune(args: Any) -> int:
     if not (Path(args.hf) / "config.json").is_file():
         raise ValueError(f"--hf {args.hf}: not a transformers model directory (no config.json)")
     out = Path(args.out)
+    check_output_dir("--out", args.out)
     if (out / "model").exists():
         raise ValueError(f"{out / 'model'} already exists: choose another --out")
+    _check_data(getattr(args, "data", None))
+    check_input("--corpus-dir", getattr(args, "corpus_dir", None), "dir")
+    for flag in ("placement", "similarity", "ep_placement"):
+        check_input("--" + flag.replace("_", "-"), getattr(args, flag, None))
     groups = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from occult.distributed import init_distributed

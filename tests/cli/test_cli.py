@@ -198,19 +198,49 @@ def test_registry_and_lazy_commands(capsys):
         args._run(args)
     names = [c.name for c in cli.COMMANDS]
     assert {"place", "stats", "demo"} <= set(names)
-    demo = next(c for c in cli.COMMANDS if c.name == "demo")
-    assert demo.lazy
     p = cli.build_parser(chosen="demo")
     a = p.parse_args(["demo", "--world-size", "2", "--tokens", "64", "--steps", "1", "--backend", "gloo"])
     assert (a.world_size, a.tokens, a.steps, a.backend) == (2, 64, 1, "gloo")
+    a = p.parse_args(["bench", "--tokens", "64,128", "--overlap-chunks", "1,2", "--shapes", "tiny", "--variants", "dedup"])
+    assert (a.tokens, a.overlap_chunks, a.shapes, a.variants) == ([64, 128], [1, 2], ["tiny"], ["dedup"])
+
+
+def test_demo_and_bench_flags_do_not_import_the_tools():
+    """Building `occult demo` / `occult bench` parsers (and --help) imports neither tool module."""
+    code = ("import sys; from occult.cli import build_parser; p = build_parser(chosen='bench'); "
+            "p.parse_args(['bench', '--tokens', '8']); p.parse_args(['demo']); "
+            "print([m for m in ('occult.tools.demo', 'occult.tools.bench') if m in sys.modules])")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_cli_constants_mirror_the_library():
     from occult.cli import place as place_cli
+    from occult.cli import tools as tools_cli
     from occult.placement import solvers as placement_solvers
+    from occult.tools import bench
 
     assert place_cli.PLACE_METHODS == placement_solvers.METHODS
     assert place_cli.DEFAULT_KAHYPAR_TOKENS == placement_solvers.DEFAULT_KAHYPAR_TOKENS
+    assert tools_cli.BENCH_SHAPES == tuple(bench.SHAPES) and tools_cli.BENCH_VARIANTS == bench.VARIANTS
+
+
+def test_place_hypergraph_says_why_each_layer_chose_its_candidate(capsys):
+    code, out, err = run(capsys, "place", "--trace", REPO / "occult/data/example_trace.safetensors", "-d", 4)
+    assert code == 0, err
+    code, js, _ = run(capsys, "place", "--trace", REPO / "occult/data/example_trace.safetensors", "-d", 4, "--json")
+    rep = json.loads(js)
+    assert "why chosen: hypergraph solves contiguous, greedy, greedy+refine, kahypar+refine and keeps the lowest E[C_T]" in out
+    why = [line for line in out.splitlines() if line.startswith("  layer ") and ": chosen " in line]
+    assert len(why) == len(rep["layers"])
+    for line, layer in zip(why, rep["layers"]):
+        assert line.startswith(f"  layer {layer['layer']}: chosen {layer['winner']}: {layer['winner']} ")
+        for name, value in layer["candidates"].items():
+            assert f"{name} {value:.4f}" in line
+        best = min(layer["candidates"].values())
+        assert layer["candidates"][layer["winner"]] == best  # the reason given is the true one
 
 
 def test_python_dash_m(planted):
