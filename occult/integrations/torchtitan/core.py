@@ -9,24 +9,14 @@ contract is a change of this file only:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from occult.moe.dispatch import make_dispatcher
+from occult.moe.contract import Received, Schedule
+from occult.moe.expert_map import ExpertMap
+from occult.moe.registry import make_dispatcher
 from occult.placement import Placement
-
-
-@dataclass
-class Received:
-    """What this rank received: one row per (token, this rank) pair (dedup) or per (token, expert)
-    pair (standard), the local expert slot of each of the row's entries (-1: padding) and their gate
-    weights."""
-
-    x_RH: torch.Tensor
-    slots_RK: torch.Tensor
-    gates_RK: torch.Tensor
 
 
 class OccultExchange:
@@ -34,26 +24,22 @@ class OccultExchange:
 
     def __init__(self, dispatcher: str, group: Any, placement: Placement, layer: int, device: torch.device) -> None:
         self.dispatcher = make_dispatcher(dispatcher, group, placement=placement)
-        self.num_experts = placement.num_experts
-        self.expert_device_E, self.expert_slot_E = placement.tensors(layer, device=device)
+        self.expert_map = ExpertMap(*placement.tensors(layer, device=device))
 
     def to(self, device: torch.device) -> "OccultExchange":
-        if self.expert_device_E.device != device:
-            self.expert_device_E = self.expert_device_E.to(device)
-            self.expert_slot_E = self.expert_slot_E.to(device)
+        if self.expert_map.device_E.device != device:
+            self.expert_map = ExpertMap(self.expert_map.device_E.to(device), self.expert_map.slot_E.to(device))
         return self
 
     def dispatch(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> tuple[Received, Any]:
         """Send every token once per device holding any of its experts (standard: once per expert).
 
-        Bad input (ids out of range, NaN/inf gate weights) raises `occult.RoutingError` on every
-        rank of the group, not only where it happened (the status travels with the row counts)."""
-        clamped_TK = ids_TK.clamp(0, self.num_experts - 1)
-        status = torch.where((clamped_TK != ids_TK).any(), 2, (~torch.isfinite(weights_TK)).any().to(torch.int64))
+        `Received` holds one row per (token, this rank) pair (dedup) or per (token, expert) pair
+        (standard), the local expert slot of each of the row's entries (-1: padding) and their gate
+        weights. Bad input (ids out of range, NaN/inf gate weights) raises `occult.RoutingError` on
+        every rank of the group, not only where it happened (the status travels with the row counts)."""
         self.to(x_TH.device)
-        x_RH, slots_RK, gates_RK, state = self.dispatcher.dispatch(
-            x_TH, weights_TK, clamped_TK, self.expert_device_E, self.expert_slot_E, status)
-        return Received(x_RH, slots_RK, gates_RK), state
+        return self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, Schedule())
 
     def combine(self, y_RH: torch.Tensor, handle: Any) -> torch.Tensor:
         """Each received row's result back to its source rank, summed per token in fp32 -> y_TH."""

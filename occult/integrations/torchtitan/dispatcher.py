@@ -115,7 +115,7 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
 
     def _check_limit(self, ids_TK: torch.Tensor) -> None:
         """Once, on every rank: `max_devices` is a routing rule, so the router must have applied it."""
-        spread = devices_per_token(ids_TK, self.exchange.expert_device_E.to(ids_TK.device))
+        spread = devices_per_token(ids_TK, self.exchange.expert_map.device_E.to(ids_TK.device))
         worst = torch.stack([spread.max() if spread.numel() else spread.new_zeros(())]).to(torch.int64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.ep_mesh.get_group())
         if int(worst) > self.max_devices:
