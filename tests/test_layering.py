@@ -135,7 +135,6 @@ PENDING: frozenset[str] = frozenset({
     "long file: occult/moe/pruning.py",
     "long function: occult.integrations.hf.finetune.finetune",
     "long function: occult.integrations.hf.generate.generate",
-    "long function: occult.tools.bench._bench_variant",
     "private: occult.integrations.hf.generate uses occult.integrations.hf.families._group_size",
 })
 

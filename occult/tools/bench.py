@@ -211,17 +211,42 @@ def _count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int | None
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args):
-    dispatcher = VARIANT_DISPATCHER[variant]
+def _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets, device, args):
+    """The variant's layer with this rank's share of the full weights, and one preset router per batch."""
     layer = OccultMoE(
-        shape.hidden, shape.ffn, shape.experts, shape.top_k, placement=placement, dispatcher=dispatcher,
+        shape.hidden, shape.ffn, shape.experts, shape.top_k, placement=placement, dispatcher=VARIANT_DISPATCHER[variant],
         expert_backend=args["expert_backend"], overlap_chunks=args.get("chunks", 1), dtype=w1_full.dtype, device=device,
     )
     with torch.no_grad():
         layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])
         layer.down_proj.copy_(w2_full[layer.local_expert_ids])
         layer.router.gate.weight.copy_(gate_w)
-    routers = [PresetRouter(layer.router.gate, ids_sets[i]) for i in range(len(xs))]
+    return layer, [PresetRouter(layer.router.gate, ids) for ids in ids_sets]
+
+
+def _time_pieces(layer, router, x_TH, timer, warmup, iters, args):
+    """(expert ms, all-to-all ms, pairs): the expert compute on one batch's received rows, and its
+    dispatch + combine all-to-alls alone (0 for the two-level dispatch: four exchanges on two
+    groups, not timed alone; its floor is the experts)."""
+    layer.router = router
+    with torch.no_grad():
+        weights_TK, ids_TK = layer.router(x_TH)
+        received, st = layer.dispatcher.dispatch(x_TH, weights_TK, ids_TK, layer.expert_map)
+    x_RH, slots_RK, gates_RK = received.x_RH, received.slots_RK, received.gates_RK.float()
+    expert_ms = timer(lambda: expert_mlp(x_RH, slots_RK, gates_RK, layer.gate_up_proj.detach(), layer.down_proj.detach(),
+                                         backend=args["expert_backend"]), warmup, iters)
+    group = layer.dispatcher.group
+    a2a_ms = 0.0
+    if hasattr(st, "plan"):
+        rows_out = x_TH[st.plan.token_P]
+        y_back = x_RH.clone()
+        a2a_ms = timer(lambda: (all_to_all(rows_out, st.send_splits, st.recv_splits, group),
+                                all_to_all(y_back, st.recv_splits, st.send_splits, group)), warmup, iters)
+    return expert_ms, a2a_ms, int((slots_RK >= 0).sum())
+
+
+def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args):
+    layer, routers = _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets[: len(xs)], device, args)
 
     # 1. correctness first: a slice of tokens against a float32 dense reference
     layer.router = routers[0]
@@ -256,22 +281,7 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
     layer.zero_grad(set_to_none=True)
 
     # 2. the pieces alone: expert compute on the received rows, and the all-to-alls
-    layer.router = routers[0]
-    with torch.no_grad():
-        x_TH = xs[0]
-        weights_TK, ids_TK = layer.router(x_TH)
-        received, st = layer.dispatcher.dispatch(x_TH, weights_TK, ids_TK, layer.expert_map)
-    x_RH, slots_RK, gates_RK = received.x_RH, received.slots_RK, received.gates_RK.float()
-    expert_ms = timer(lambda: expert_mlp(x_RH, slots_RK, gates_RK, layer.gate_up_proj.detach(), layer.down_proj.detach(),
-                                         backend=args["expert_backend"]), warmup, iters)
-    group = layer.dispatcher.group
-    a2a_ms = 0.0  # the two-level dispatch has four exchanges on two groups: not timed alone (its floor is the experts)
-    if hasattr(st, "plan"):
-        rows_out = x_TH[st.plan.token_P]
-        y_back = x_RH.clone()
-        a2a_ms = timer(lambda: (all_to_all(rows_out, st.send_splits, st.recv_splits, group),
-                                all_to_all(y_back, st.recv_splits, st.send_splits, group)), warmup, iters)
-    pairs = int((slots_RK >= 0).sum())
+    expert_ms, a2a_ms, pairs = _time_pieces(layer, routers[0], xs[0], timer, warmup, iters, args)
     flops = 2 * pairs * 3 * shape.hidden * shape.ffn  # GEMM1 (2F x H) + GEMM2 (H x F)
     tot = torch.tensor([flops, stats.forward_remote_rows, stats.dispatch_rows, xs[0].shape[0], stats.forward_bytes],
                        dtype=torch.float64, device=device)
