@@ -133,7 +133,6 @@ PENDING: frozenset[str] = frozenset({
     "env: occult.cli reads OCCULT_DEBUG",
     "env: occult.moe.plan reads OCCULT_PLAN",
     "long file: occult/moe/pruning.py",
-    "long function: occult.integrations.hf.finetune.finetune",
     "long function: occult.integrations.hf.generate.generate",
     "private: occult.integrations.hf.generate uses occult.integrations.hf.families._group_size",
 })

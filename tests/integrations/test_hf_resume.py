@@ -208,3 +208,32 @@ def test_cli_stop_after_then_resume(runs, tmp_path, capsys):
     a, b = (json.loads((tmp_path / d / "metrics.json").read_text())["losses"] for d in ("straight", "split"))
     assert len(a) == 6 and a == b
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "split" / "model")
+
+
+def test_a_checkpoint_of_the_old_code_resumes(tmp_path):
+    """A checkpoint written at step 3 of 6 by the code before `occult.training`
+    (tests/data/old_checkpoints/make.py) resumes and continues as the old code did uninterrupted;
+    with more --steps the run goes on past 6 (the schedule extended), the first 6 steps unchanged."""
+    import importlib.util
+
+    old = Path(__file__).resolve().parents[1] / "data" / "old_checkpoints"
+    spec = importlib.util.spec_from_file_location("old_checkpoints_make", old / "make.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    model_dir = str(tmp_path / "olmoe")
+    hf.tiny_random_model("olmoe", model_dir, seed=1, **make.HF_MODEL)
+    want = json.loads((old / "reference.json").read_text())["hf_straight"]
+    for steps in (6, 8):
+        run = tmp_path / f"run{steps}"
+        shutil.copytree(old / "hf_one", run)
+        cfg = hf.FinetuneConfig(**{**make.HF_TRAIN, "steps": steps})
+        res = hf.finetune(hf.load_sharded(model_dir), make.hf_tokens(), cfg, progress=False, log=None,
+                          checkpoint_dir=run, resume=True, save_every=2)
+        assert len(res.losses) == steps == len(res.grad_norms)
+        np.testing.assert_allclose(res.losses[:3], want[:3], rtol=1e-6, atol=0)
+        same = 6 if steps == 6 else 5  # step 4 of the longer run uses the rate of step 4 of the new cosine
+        np.testing.assert_allclose(res.losses[3:same], want[3:same], rtol=1e-5, atol=0)
+        assert ckpt.find_state(run).name == f"step-{steps:08d}"
+    with pytest.raises(ckpt.FinetuneCheckpointError, match="at step 8, past --steps 7; pass --steps 8 or more"):
+        hf.finetune(hf.load_sharded(model_dir), make.hf_tokens(), hf.FinetuneConfig(**{**make.HF_TRAIN, "steps": 7}),
+                    progress=False, log=None, checkpoint_dir=tmp_path / "run8", resume=True)

@@ -12,9 +12,9 @@ replicas. Every rank reads its own B/W rows of each global batch of B rows (wind
 offsets of the token stream, drawn from a generator seeded by (seed, step)), so the global loss
 is the mean of the ranks' mean losses. Gradients:
   - routers (replicated): torch's `DistributedDataParallel` over the whole model with the expert
-    parameters ignored (`_set_params_and_buffers_to_ignore_for_model`) -- everything else is
+    parameters ignored (`occult.training.grads.wrap_ddp`) -- everything else is
     frozen, so DDP reduces exactly the routers, averaged over the world, in buckets that overlap
-    the backward. It runs on a process group of its own (`Groups.ddp`), so its asynchronous
+    the backward. It runs on a process group of its own (`Groups.ddp`, the dense group), so its asynchronous
     all-reduces never interleave with the MoE all-to-alls on the EP group.
   - experts: the all-to-all already brought back every EP-group rank's contribution; they are
     all-reduced over the replica group (only when S < W) and divided by W.
@@ -23,18 +23,20 @@ EP group). With precision "bf16" (default on GPUs) the forward runs under bf16 a
 master weights. `aux_loss_coef > 0` adds the load-balancing loss over the global batch
 (`occult.integrations.hf.aux_loss`); `checkpoint_dir` makes the run resumable
 (`occult.integrations.hf.checkpoint`). The result equals single-process training on the same global batch
-(tests/integrations/test_hf_finetune.py; docs/training.md).
+(tests/integrations/test_hf_finetune.py; docs/training.md). The step loop, the gradient sync and
+clipping, the schedule and the checkpoint writer are the training core's (`occult.training`):
+this module says how a batch becomes a loss and which parameters train. `Groups` is the core's
+`Parallel` (`ep`, `replica` and `ddp` name its EP, replica and dense groups).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,13 @@ import torch.nn.functional as F
 from occult.integrations.hf import checkpoint as ckpt
 from occult.integrations.hf.aux_loss import RouterTaps
 from occult.integrations.hf.block import OccultMoeBlock
+from occult.training import grads
+from occult.training.hooks import StepHook
+from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
+from occult.training.parallel import Parallel, global_mean, setup_parallel
+from occult.training.schedule import CosineSchedule
+
+Groups = Parallel  # the world of a fine-tuning run: `setup_groups`
 
 
 @dataclass
@@ -83,40 +92,17 @@ class FinetuneResult:
     trained_parameters: int = 0    # on this rank
 
 
-@dataclass
-class Groups:
-    """World W = (W/S EP groups of S ranks) x replicas; `ddp`: the routers' own all-reduce group."""
-
-    rank: int
-    world_size: int
-    ep_size: int
-    ep: Any
-    replica: Any
-    ddp: Any
-
-    @property
-    def replicas(self) -> int:
-        return self.world_size // self.ep_size
-
-
 def setup_groups(ep_size: int | None = None) -> Groups | None:
     """Groups of the initialised default process group (every rank calls it); None for one rank."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if ep_size not in (None, 1):
             raise ValueError(f"an EP size of {ep_size} needs that many ranks: run under torchrun --nproc-per-node N")
         return None
-    W, rank = dist.get_world_size(), dist.get_rank()
+    W = dist.get_world_size()
     S = W if ep_size is None else int(ep_size)
     if S < 1 or W % S:
         raise ValueError(f"the EP size {S} must divide the world size {W}")
-    ep = replica = None
-    for g in range(W // S):  # every rank creates every group, in the same order
-        grp = dist.group.WORLD if S == W else dist.new_group(list(range(g * S, (g + 1) * S)))
-        ep = grp if rank // S == g else ep
-    for j in range(S):
-        grp = dist.group.WORLD if S == 1 else dist.new_group(list(range(j, W, S)))
-        replica = grp if rank % S == j else replica
-    return Groups(rank, W, S, ep, replica, dist.new_group(list(range(W))))
+    return setup_parallel(S)
 
 
 def trainable_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -136,11 +122,7 @@ def trainable_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.
 
 def lr_at(step: int, cfg: FinetuneConfig) -> float:
     """Linear warm-up to `lr`, then cosine decay to `min_lr_ratio * lr` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    t = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    return CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)(step)
 
 
 def batch_rows(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, step: int,
@@ -181,19 +163,112 @@ def _autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def _clip(routers: list[nn.Parameter], experts: list[nn.Parameter], groups: Groups | None, max_norm: float) -> torch.Tensor:
-    """Scale every trained gradient by min(1, max_norm / global norm); return the global norm."""
-    sq = [sum((p.grad.detach().float().pow(2).sum() for p in ps if p.grad is not None),
-              torch.zeros((), device=experts[0].device)) for ps in (routers, experts)]
-    if groups is not None and groups.ep_size > 1:
-        dist.all_reduce(sq[1], group=groups.ep)
-    total = (sq[0] + sq[1]).sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in routers + experts:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
-    return total
+def _autocast(device: torch.device, precision: str):
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _check_inputs(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, groups: Groups | None,
+                  experts: list[nn.Parameter]) -> None:
+    W = groups.world_size if groups is not None else 1
+    if cfg.batch_size % W:
+        raise ValueError(f"--batch-size {cfg.batch_size} (the global batch) is not divisible by the {W} ranks")
+    vocab = int(model.config.vocab_size)
+    if tokens.dim() != 1 or tokens.numel() < cfg.seq_len + 2:
+        raise ValueError(f"need a 1-D token stream of more than seq_len + 1 = {cfg.seq_len + 1} ids, got {list(tokens.shape)}")
+    if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
+        raise ValueError(f"the data hold token ids outside the model's vocabulary [0, {vocab})")
+    sharded = max(b.experts.num_ranks for b in model.modules() if isinstance(b, OccultMoeBlock))
+    if groups is None and sharded > 1:
+        raise ValueError(f"the experts are sharded over {sharded} ranks: pass groups=setup_groups(...) (the gradient sync)")
+    if groups is not None and sharded != groups.ep_size:
+        raise ValueError(f"the experts are sharded over {sharded} ranks, the EP size is {groups.ep_size}: convert over groups.ep")
+
+
+def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, groups: Groups | None,
+                trained: tuple[list[nn.Parameter], list[nn.Parameter]], taps: RouterTaps | None,
+                schedule: Callable[[int], float]) -> StepParts:
+    """A step of a converted transformers model: its rows, the cross-entropy (+ aux), the gradient sync."""
+    routers, experts = trained
+    device = experts[0].device
+    rank, W = (groups.rank, groups.world_size) if groups is not None else (0, 1)
+    net: nn.Module = model
+    if groups is not None:  # DDP for the routers; the experts (each rank its own) and every buffer ignored
+        expert_ids = {id(p) for p in experts}
+        ignore = [n for n, p in model.named_parameters() if id(p) in expert_ids] + [n for n, _ in model.named_buffers()]
+        net = grads.wrap_ddp(model, ignore, groups)
+
+    def batch(step: int) -> torch.Tensor:
+        return batch_rows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step, rank, W).to(device)
+
+    def loss(win: torch.Tensor) -> StepLoss:
+        x, y = win[:, :-1], win[:, 1:]
+        with _autocast(device, cfg.precision):
+            logits = net(input_ids=x, use_cache=False).logits
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        aux = taps.loss(groups.ddp if groups is not None else None) if taps is not None else None
+        return StepLoss(ce if aux is None else ce + cfg.aux_loss_coef * aux, ce, aux)
+
+    def sync() -> None:
+        if groups is not None:  # DDP has averaged the routers when the backward returns
+            grads.sync_gradients(routers, experts, groups, replicated=False)
+
+    return StepParts(batch=batch, loss=loss, sync=sync, clip=lambda m: grads.clip_grad_norm(routers, experts, groups, m),
+                     lr=schedule, mean=lambda t: global_mean(t, groups))
+
+
+class _Saver(StepHook):
+    """A checkpoint every `save_every` steps (not at the run's last step: `finetune` saves that)."""
+
+    def __init__(self, loop: TrainLoop, directory: str | os.PathLike, model: nn.Module, extra: Callable[[], dict],
+                 save_every: int, last: int) -> None:
+        self.loop, self.directory, self.model, self.extra = loop, directory, model, extra
+        self.save_every, self.last = save_every, last
+
+    def save(self, step: int) -> None:
+        self.loop.flush()
+        ckpt.save_state(self.directory, self.model, self.loop.optimizer, step,
+                        {**self.extra(), "losses": self.loop.losses, "grad_norms": self.loop.norms()})
+
+    def after_step(self, step: int, optimizer: torch.optim.Optimizer | None) -> None:
+        if self.save_every and step % self.save_every == 0 and step < self.last:
+            self.save(step)
+
+
+class _Taps(StepHook):
+    """Closes the router taps of the load-balancing loss when the loop ends."""
+
+    def __init__(self, taps: RouterTaps) -> None:
+        self.taps = taps
+
+    def close(self) -> None:
+        self.taps.close()
+
+
+def _resume(loop: TrainLoop, model: nn.Module, cfg: FinetuneConfig, checkpoint_dir: str | os.PathLike, sig: dict,
+            resume: bool, log: Callable[[str], None] | None) -> CosineSchedule:
+    """Load the run directory's checkpoint into the model, optimizer and loop (when there is one); the schedule."""
+    schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    found = ckpt.find_state(checkpoint_dir)
+    if found is not None and not resume:
+        raise ckpt.FinetuneCheckpointError(f"{checkpoint_dir} already holds a checkpoint ({found.name}): resume it "
+                                           "(--resume) or choose another --out")
+    if found is None:
+        return schedule
+    doc = ckpt.read_meta(found)
+    ckpt.check_signature(doc.get("signature", {}), sig, str(found))
+    start = int(doc["step"])
+    if cfg.steps < start:
+        raise ckpt.FinetuneCheckpointError(f"{found} is at step {start}, past --steps {cfg.steps}; pass --steps {start} "
+                                           "or more to continue it (a larger value continues training)")
+    ckpt.load_state(found, doc, model, loop.optimizer)
+    loop.step, loop.losses, loop.grad_norms = start, list(doc["losses"]), list(doc["grad_norms"])
+    saved_steps = int(doc.get("signature", {}).get("settings", {}).get("steps", cfg.steps))
+    schedule = schedule.resumed(doc.get("lr_schedule"), saved_steps, start)
+    if log is not None:
+        log(f"resumed {found} at step {start}")
+    return schedule
 
 
 def finetune(
@@ -218,128 +293,47 @@ def finetune(
     `checkpoint_dir` (the run directory): write a sharded checkpoint there every `save_every`
     steps and at the end (with `save_every=0` only when stopping early;
     `occult.integrations.hf.checkpoint`); `resume=True` continues the one
-    it holds (it must be of this model, expert count, routing, settings and data), and without
+    it holds (it must be of this model, expert count, routing, settings and data; `steps` may
+    grow, the schedule then extended as for `occult train`), and without
     it an existing checkpoint is an error. Batches depend on (seed, step) alone, so a resumed run
     continues exactly as the uninterrupted one. `stop_after=n`: return after n more steps.
     """
-    from tqdm.auto import tqdm
-
-    W, rank = (groups.world_size, groups.rank) if groups is not None else (1, 0)
-    main = rank == 0
-    if cfg.batch_size % W:
-        raise ValueError(f"--batch-size {cfg.batch_size} (the global batch) is not divisible by the {W} ranks")
-    vocab = int(model.config.vocab_size)
-    if tokens.dim() != 1 or tokens.numel() < cfg.seq_len + 2:
-        raise ValueError(f"need a 1-D token stream of more than seq_len + 1 = {cfg.seq_len + 1} ids, got {list(tokens.shape)}")
-    if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
-        raise ValueError(f"the data hold token ids outside the model's vocabulary [0, {vocab})")
+    main = groups is None or groups.rank == 0
+    log = log if main else None
     routers, experts = trainable_parameters(model)
-    sharded = max(b.experts.num_ranks for b in model.modules() if isinstance(b, OccultMoeBlock))
-    if groups is None and sharded > 1:
-        raise ValueError(f"the experts are sharded over {sharded} ranks: pass groups=setup_groups(...) (the gradient sync)")
-    if groups is not None and sharded != groups.ep_size:
-        raise ValueError(f"the experts are sharded over {sharded} ranks, the EP size is {groups.ep_size}: convert over groups.ep")
-    device = experts[0].device
-    net: nn.Module = model
-    if groups is not None:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # DDP must touch neither the experts (each rank its own) nor any buffer (e.g. `local_expert_ids`
-        # differ per rank): ignore both; it then all-reduces exactly the routers' gradients.
-        expert_ids = {id(p) for p in experts}
-        ignore = [n for n, p in model.named_parameters() if id(p) in expert_ids] + [n for n, _ in model.named_buffers()]
-        DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
-        net = DDP(model, process_group=groups.ddp, init_sync=False,
-                  device_ids=[device.index] if device.type == "cuda" else None)
-    if log is not None and main:
-        n_r, n_e = sum(p.numel() for p in routers), sum(p.numel() for p in experts)
-        log(f"training {n_r:,} router and {n_e:,} expert parameters on rank 0 (everything else frozen)")
-    opt = torch.optim.AdamW(routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay)
-    start, losses, norms, pending = 0, [], [], []
+    _check_inputs(model, tokens, cfg, groups, experts)
+    if log is not None:
+        log(f"training {sum(p.numel() for p in routers):,} router and {sum(p.numel() for p in experts):,} expert "
+            "parameters on rank 0 (everything else frozen)")
+    opt = torch.optim.AdamW(routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    settings = LoopSettings(cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len, "finetune (routers + experts)",
+                            progress, main)
+    loop = TrainLoop(None, opt, settings)
+    schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     if checkpoint_dir is not None:  # resume state: occult.integrations.hf.checkpoint
         sig = ckpt.signature(model, tokens, vars(cfg))
-        found = ckpt.find_state(checkpoint_dir)
-        if found is not None and not resume:
-            raise ckpt.FinetuneCheckpointError(f"{checkpoint_dir} already holds a checkpoint ({found.name}): resume it "
-                                               "(--resume) or choose another --out")
-        if found is not None:
-            doc = ckpt.read_meta(found)
-            ckpt.check_signature(doc.get("signature", {}), sig, str(found))
-            ckpt.load_state(found, doc, model, opt)
-            start, losses, norms = int(doc["step"]), list(doc["losses"]), list(doc["grad_norms"])
-            if log is not None and main:
-                log(f"resumed {found} at step {start}")
+        schedule = _resume(loop, model, cfg, checkpoint_dir, sig, resume, log)
     elif resume:
         raise ValueError("resume=True needs checkpoint_dir (the run directory)")
+    start = loop.step
     last = cfg.steps if stop_after is None else min(cfg.steps, start + int(stop_after))
-
-    def flush() -> None:
-        if pending:
-            t = torch.stack(pending).float()
-            if groups is not None:
-                dist.all_reduce(t, group=groups.ddp)
-                t /= W
-            losses.extend(t.tolist())
-            pending.clear()
-
-    def save(step: int) -> None:
-        flush()
-        ckpt.save_state(checkpoint_dir, model, opt, step, {"signature": sig, "losses": losses,
-                                                            "grad_norms": [float(n) for n in norms]})
-
     taps = RouterTaps(model) if cfg.aux_loss_coef > 0 else None
-    if taps is not None and log is not None and main:
+    if taps is not None and log is not None:
         log(f"load-balancing loss: {taps.formula} formula, weight {cfg.aux_loss_coef:g}, over the global batch")
+    loop.parts = _step_parts(model, tokens, cfg, groups, (routers, experts), taps, schedule)
+    saver = None
+    if checkpoint_dir is not None:
+        extra = {"signature": sig, **({"lr_schedule": schedule.to_json()} if schedule.restarts else {})}
+        saver = _Saver(loop, checkpoint_dir, model, lambda: extra, save_every, last)
+    loop.hooks = [h for h in (saver, _Taps(taps) if taps is not None else None) if h is not None]
     model.train()
-    bar = tqdm(total=cfg.steps, initial=start, desc="finetune (routers + experts)", unit="step", dynamic_ncols=True,
-               disable=((not progress) if progress is not None else None) if main else True)  # None: only on a terminal
-    t0 = t_last = time.perf_counter()
-    s_last, tokens_per_step = start, cfg.batch_size * cfg.seq_len
-    try:
-        for step in range(start, last):
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg)
-            win = batch_rows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step, rank, W).to(device)
-            x, y = win[:, :-1], win[:, 1:]
-            with _autocast(device, cfg.precision):
-                logits = net(input_ids=x, use_cache=False).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-            aux = taps.loss(groups.ddp if groups is not None else None) if taps is not None else None
-            opt.zero_grad(set_to_none=True)
-            (loss if aux is None else loss + cfg.aux_loss_coef * aux).backward()  # DDP: routers averaged when it returns
-            if groups is not None:
-                for p in experts:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    if groups.replicas > 1:
-                        dist.all_reduce(p.grad, group=groups.replica)
-                    p.grad.div_(W)
-            norms.append(_clip(routers, experts, groups, cfg.grad_clip))
-            opt.step()
-            pending.append(loss.detach())
-            bar.update(1)
-            if (step + 1) % 10 == 0 or step + 1 == cfg.steps:
-                flush()
-                if not math.isfinite(losses[-1]):
-                    raise FloatingPointError(f"the loss is {losses[-1]} at step {step + 1}; lower the learning rate")
-                now = time.perf_counter()
-                tps = tokens_per_step * (step + 1 - s_last) / max(1e-9, now - t_last)
-                t_last, s_last = now, step + 1
-                bar.set_postfix({"loss": f"{losses[-1]:.4f}", "tok/s": f"{tps:,.0f}", "gnorm": f"{float(norms[-1]):.2f}"},
-                                refresh=False)
-            if checkpoint_dir is not None and save_every and (step + 1) % save_every == 0 and step + 1 < last:
-                save(step + 1)
-    finally:
-        bar.close()
-        if taps is not None:
-            taps.close()
-    flush()
-    if checkpoint_dir is not None and last > start and (save_every or last < cfg.steps):
-        save(last)
+    t0 = time.perf_counter()
+    loop.run(last)
+    if saver is not None and last > start and (save_every or last < cfg.steps):
+        saver.save(last)
     model.eval()
     elapsed = time.perf_counter() - t0
-    return FinetuneResult(losses, [float(n) for n in norms], tokens_per_step * (last - start) / max(elapsed, 1e-9),
+    return FinetuneResult(loop.losses, loop.norms(), settings.tokens_per_step * (last - start) / max(elapsed, 1e-9),
                           sum(p.numel() for p in routers + experts))
 
 
