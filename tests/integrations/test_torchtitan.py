@@ -404,10 +404,13 @@ def test_install_and_override_on_qwen3_and_deepseek_v3_specs(tmp_path):
     from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3
     from torchtitan.models.qwen3 import model_registry as qwen3
 
+    from torchtitan.config.override import parse_cli_imports
+
     spec = deepseek_v3("debugmodel")
     before = [cfg.router for _, cfg, _, _ in spec.model.traverse(MoE.Config)]
-    target = "occult.integrations.torchtitan.occult_moe"
-    assert len(apply_overrides(OverrideConfig(imports=[(target, {"max_devices": 2})]), spec)) == 1
+    # the command line of docs/integrations.md: --override.imports 'occult.integrations.torchtitan.occult_moe={...}'
+    imports = parse_cli_imports(['occult.integrations.torchtitan.occult_moe={"dispatcher": "dedup", "max_devices": 2}'])
+    assert len(apply_overrides(OverrideConfig(imports=imports), spec)) == 1
     moes = [cfg for _, cfg, _, _ in spec.model.traverse(MoE.Config)]
     assert len(moes) == 5
     for i, moe in enumerate(moes):
@@ -445,6 +448,6 @@ def test_router_refuses_tensor_parallelism_and_state_dicts_reorder():
     placed = to_placed_order(state, placement)
     for r in range(4):  # TorchTitan's EP gives rank r the r-th block of E/4 rows: the placement's experts of rank r
         block = placed["layers.1.moe.routed_experts.inner_experts.w2_EDF"][r * 2:(r + 1) * 2]
-        assert torch.equal(block, state["layers.1.moe.routed_experts.inner_experts.w2_EDF"][placement.experts_on_device(r)])
+        assert torch.equal(block, state["layers.1.moe.routed_experts.inner_experts.w2_EDF"][placement.experts_on_device(r).copy()])
     back = to_model_order(placed, placement)
     assert all(torch.equal(back[k], v) for k, v in state.items())
