@@ -9,6 +9,10 @@ Run one process per device with torchrun (CPU ranks use gloo, GPUs NCCL, one GPU
     torchrun --nproc-per-node 4 examples/hf_expert_parallel.py --model /models/OLMoE-1B-7B-0924 \\
         --data calib.txt --prompt-data calib.txt --tokens 65536 --method hypergraph --save out/
 
+Its files (the tiny model, trace.safetensors, placement.json, the similarity table) go to
+`--workdir DIR`, by default a fresh temporary directory that is removed at the end (the
+repository stays clean); `--save DIR` keeps the fine-tuned model.
+
 What it does, on every rank:
  1. load the model (bf16 on GPUs, fp32 on CPU);
  2. profile: each rank runs its share of the calibration windows through the model's own
@@ -31,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,7 +75,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--check", action="store_true", help="compare generation with the unconverted model")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
-    p.add_argument("--workdir", default="hf_ep_work")
+    p.add_argument("--workdir", default=None,
+                   help="keep the tiny model, trace, placement and similarity table here (default: a temporary "
+                        "directory on rank 0's host, removed at the end; give a shared path for several hosts)")
     p.add_argument("--save", default=None, help="save the fine-tuned model here (standard layout)")
     return p.parse_args()
 
@@ -77,6 +85,21 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     rank, world = init_distributed()
+    own_workdir = args.workdir is None
+    if own_workdir:  # one temporary directory, named by rank 0, shared by every rank of this host
+        box = [tempfile.mkdtemp(prefix="occult-hf-ep-") if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        args.workdir = box[0]
+    try:
+        run(args, rank, world)
+        dist.barrier()  # every rank is done with the work directory
+    finally:
+        if own_workdir and rank == 0:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, rank: int, world: int) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -179,8 +202,6 @@ def main() -> None:
     if args.save:
         hf.save_pretrained(model, args.save)
         log(f"saved to {args.save} (plain transformers can load it)")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

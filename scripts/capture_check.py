@@ -2,6 +2,8 @@
 
     python scripts/capture_check.py            (one GPU, single rank: no collectives involved)
 
+Needs a CUDA GPU: without one it says so and exits with status 2 (`--help` works anywhere).
+
 Checks, each on its own: a sync-free `OccultMoE` layer; a tiny transformers OLMoE model,
 unconverted; the same converted (one rank) with `set_sync_free`; and the converted model with
 explicit position ids and cache positions (in case the model builds them on the host).
@@ -9,18 +11,17 @@ explicit position ids and cache positions (in case the model builds them on the 
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
 
-from occult import OccultMoE, set_sync_free  # noqa: E402
-from occult.integrations import hf  # noqa: E402
+def capture(name: str, step, *inputs) -> None:
+    import torch
 
-
-def capture(name: str, step, *inputs: torch.Tensor) -> None:
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -41,7 +42,21 @@ def capture(name: str, step, *inputs: torch.Tensor) -> None:
         print(f"[FAIL] {name}:\n{traceback.format_exc()}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n")[0],
+        epilog="Needs a CUDA GPU; exit status 0 when every check ran (each prints [ok] or [FAIL]), 2 without a GPU.",
+    )
+    parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("capture_check: error: needs a CUDA GPU (CUDA graphs are a GPU feature); none is visible here",
+              file=sys.stderr)
+        return 2
+    from occult import OccultMoE, set_sync_free
+    from occult.integrations import hf
+
     dev = torch.device("cuda")
     torch.manual_seed(0)
     layer = OccultMoE(256, 128, 16, 4, sync_free=True, dtype=torch.bfloat16, device=dev)
@@ -57,7 +72,8 @@ def main() -> None:
     cache_pos = torch.zeros(1, dtype=torch.long, device=dev)
     capture("converted, explicit position ids and cache position",
             lambda i: model(input_ids=i, position_ids=pos, cache_position=cache_pos, use_cache=False).logits, ids)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
