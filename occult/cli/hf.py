@@ -236,6 +236,7 @@ def run_finetune(args: Any) -> int:
         if device == "auto":
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         placement, routing, sims = _hf_placements(args, groups.ep_size if groups else 1)
+        from occult.moe.config import ExecConfig, RoutingConfig
         from occult.moe.registry import capabilities
 
         if args.ep_placement or capabilities(args.dispatcher).two_level or getattr(args, "nodes", None) is not None:
@@ -244,8 +245,8 @@ def run_finetune(args: Any) -> int:
             placement = ep_placement_from_args(args, groups, _num_experts(args.hf), placement)
         model = hf.load_sharded(
             args.hf, group=groups.ep if groups else None, placement=placement, device=device,
-            dispatcher=args.dispatcher, max_devices=args.max_devices, routing_placement=routing,
-            prune_method=args.prune_method, similarity=sims,
+            routing=RoutingConfig(max_devices=args.max_devices, prune_method=args.prune_method),
+            execution=ExecConfig(dispatcher=args.dispatcher), routing_placement=routing, similarity=sims,
         )
         rep = model.occult_load_report
         log(f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "

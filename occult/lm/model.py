@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig
 from occult.moe.layer import OccultMoE
 from occult.moe.pruning import METHODS, PruningError, limit_routers
 from occult.placement import Placement
@@ -149,10 +150,10 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.moe = OccultMoE(
-            cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k,
-            norm_topk_prob=cfg.norm_topk_prob, placement=placement,
-            layer_index=layer_index if placement is not None else 0,
-            dispatcher=dispatcher, group=group, expert_backend=cfg.expert_backend,
+            MoEConfig(cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k),
+            routing=RoutingConfig(norm_topk_prob=cfg.norm_topk_prob),
+            execution=ExecConfig(dispatcher=dispatcher, expert_backend=cfg.expert_backend),
+            placement=placement, layer_index=layer_index if placement is not None else 0, group=group,
         )
         self.observers: list[RoutingObserver] = []
         self.want_aux = True

@@ -57,7 +57,8 @@ class RoutingConfig:
     with it on), `max_nodes=M` to at most M nodes of `devices_per_node` GPUs (DeepSeek-V3's
     node-limited routing). `prune_method` "score" keeps the top-k among the allowed devices'
     experts; "similarity" replaces each dropped expert by its most similar allowed one and needs
-    `similarity_EE` (`occult.moe.pruning.expert_similarity`).
+    `similarity_EE` (`occult.moe.pruning.expert_similarity`; transformers models take one per
+    layer: `hf.convert(..., similarity=[...])`).
     """
 
     norm_topk_prob: bool = False
@@ -75,8 +76,6 @@ class RoutingConfig:
             raise ValueError("max_nodes needs devices_per_node (GPUs per node; the node of device d is d // it)")
         if self.prune_method not in PRUNE_METHODS:
             raise ValueError(f"prune_method must be one of {PRUNE_METHODS}, got {self.prune_method!r}")
-        if self.prune_method == "similarity" and self.limited and self.similarity_EE is None:
-            raise ValueError("prune_method='similarity' needs similarity_EE (see occult.moe.pruning.expert_similarity)")
 
     @property
     def limited(self) -> bool:
@@ -161,3 +160,15 @@ def _merge(base: Any, keywords: dict[str, Any], keys: set[str], name: str) -> An
     if clash:
         raise TypeError(f"{clash} set both in the {name} config and as keywords; set them in one place")
     return replace(base, **chosen)
+
+
+def merge_settings(routing: RoutingConfig | None, execution: ExecConfig | None,
+                   **keywords: Any) -> tuple[RoutingConfig, ExecConfig]:
+    """(RoutingConfig, ExecConfig) from config objects and the keyword form of an API that takes
+    both (`hf.convert(..., dispatcher=..., max_devices=...)`); keywords given as None are unset."""
+    given = {k: v for k, v in keywords.items() if v is not None}
+    routing = _merge(routing or RoutingConfig(), given, _ROUTING_KEYS, "routing")
+    execution = _merge(execution or ExecConfig(), given, _EXEC_KEYS, "execution")
+    if given:
+        raise TypeError(f"unknown MoE settings {sorted(given)}; see RoutingConfig and ExecConfig")
+    return routing, execution

@@ -18,6 +18,7 @@ from occult.integrations.hf.families import (
     check_transformers_version,
     model_family,
 )
+from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, merge_settings
 from occult.moe.layer import OccultMoE
 from occult.placement import Placement
 
@@ -26,12 +27,14 @@ def convert(
     model: nn.Module,
     group: Any = None,
     placement: Placement | str | None = None,
-    dispatcher: str = "dedup",
+    dispatcher: Any = None,
     max_devices: int | None = None,
     *,
-    prune_method: str = "score",
+    routing: RoutingConfig | None = None,
+    execution: ExecConfig | None = None,
+    prune_method: str | None = None,
     similarity: Sequence[torch.Tensor] | torch.Tensor | None = None,
-    expert_backend: str = "auto",
+    expert_backend: str | None = None,
     expert_weights: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> nn.Module:
     """Make `model` expert-parallel over `group` (default: the whole default group), in place.
@@ -44,8 +47,17 @@ def convert(
     per MoE layer). Call on every rank, with the same full model loaded on each. With
     `expert_weights(i, local_ids) -> (gate_up_proj, down_proj)` this rank's experts of MoE layer i
     come from there instead (`load_sharded`: the blocks' own expert tensors are on the meta device).
+    Settings as config objects: `routing` (`occult.RoutingConfig`: `max_devices`, `prune_method`;
+    the model's own `norm_topk_prob` is kept) and `execution` (`occult.ExecConfig`: dispatcher,
+    sync-free, overlap chunks, expert backend), or as the keywords above (default dedup, unpruned).
     """
     check_transformers_version()
+    routing, execution = merge_settings(routing, execution, dispatcher=dispatcher, max_devices=max_devices,
+                                        prune_method=prune_method, expert_backend=expert_backend)
+    if routing.max_nodes is not None:
+        raise ValueError("max_nodes (node-limited routing) is not supported for transformers models yet; "
+                         "use max_devices, or DeepSeek-V3's own group-limited routing (topk_group)")
+    max_devices = routing.max_devices
     family = model_family(model)
     if is_converted(model):
         raise ValueError("the model is already converted")
@@ -73,13 +85,13 @@ def convert(
         ref = block.experts.gate_up_proj
         device = block.gate.weight.device if ref.is_meta else ref.device
         router = family.router(
-            block.gate, max_devices=max_devices, prune_method=prune_method,
+            block.gate, max_devices=max_devices, prune_method=routing.prune_method,
             similarity_EE=None if similarity is None else torch.as_tensor(similarity[i], device=device),
         )
         experts = OccultMoE(
-            H, F_, E, k, norm_topk_prob=bool(getattr(block.gate, "norm_topk_prob", True)),
-            placement=placement, layer_index=i, dispatcher=dispatcher, group=group, router=router,
-            expert_backend=expert_backend, dtype=ref.dtype, device=device, init_weights=expert_weights is None,
+            MoEConfig(H, F_, E, k, ref.dtype), routing=RoutingConfig(bool(getattr(block.gate, "norm_topk_prob", True))),
+            execution=execution, placement=placement, layer_index=i, group=group, router=router, device=device,
+            init_weights=expert_weights is None,
         )
         ids = experts.local_expert_ids
         gate_up, down = (block.experts.gate_up_proj[ids], block.experts.down_proj[ids]) if expert_weights is None else expert_weights(i, ids)

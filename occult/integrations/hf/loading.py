@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,6 +26,7 @@ import torch.nn as nn
 from occult.integrations.hf.block import moe_blocks
 from occult.integrations.hf.convert import convert
 from occult.integrations.hf.families import UnsupportedModelError, check_transformers_version, model_family
+from occult.moe.config import ExecConfig, RoutingConfig, merge_settings
 from occult.placement import Placement
 
 # checkpoint name -> module name, per model type (what transformers' conversion mapping renames)
@@ -154,19 +155,22 @@ def load_sharded(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    dispatcher: str = "dedup",
+    dispatcher: Any = None,
     max_devices: int | None = None,
+    routing: RoutingConfig | None = None,
+    execution: ExecConfig | None = None,
     routing_placement: Placement | None = None,
-    prune_method: str = "score",
+    prune_method: str | None = None,
     similarity: Sequence[torch.Tensor] | None = None,
-    expert_backend: str = "auto",
+    expert_backend: str | None = None,
 ) -> nn.Module:
     """The converted model of a transformers directory, this rank holding only its experts.
 
     Equals `convert(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), group, placement, ...)`
     without ever loading another rank's experts. `routing_placement` (with `max_devices`): the
     device of each expert for device-limited routing when it differs from where the experts
-    are (e.g. 4 virtual devices in one process); default `placement`. Call on every rank.
+    are (e.g. 4 virtual devices in one process); default `placement`. Settings as for `convert`
+    (`routing` / `execution` config objects, or the keywords). Call on every rank.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -211,11 +215,13 @@ def load_sharded(
             if model.get_buffer(name).isnan().any():
                 raise UnsupportedModelError(f"cannot materialise buffer {name}: the model's _init_weights leaves it unset")
     E = int(moe_blocks(model)[0][1].gate.num_experts)
-    convert(model, group, placement, dispatcher, max_devices if routing_placement is None else None,
-            prune_method=prune_method, similarity=similarity, expert_backend=expert_backend,
+    routing, execution = merge_settings(routing, execution, dispatcher=dispatcher, max_devices=max_devices,
+                                        prune_method=prune_method, expert_backend=expert_backend)
+    limit_here = routing if routing_placement is None else replace(routing, max_devices=None)
+    convert(model, group, placement, routing=limit_here, execution=execution, similarity=similarity,
             expert_weights=_expert_reader(files, names, blocks, E))
-    if routing_placement is not None and max_devices is not None:
-        set_routing_placement(model, routing_placement, max_devices, prune_method, similarity)
+    if routing_placement is not None and routing.max_devices is not None:
+        set_routing_placement(model, routing_placement, routing.max_devices, routing.prune_method, similarity)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"load_sharded left tensors on the meta device: {left[:4]}")
