@@ -16,8 +16,7 @@ from occult.settings import Settings, SettingsError
 def clean_env(monkeypatch):
     for name in settings.VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    yield monkeypatch
-    settings.reload()
+    return monkeypatch  # current() re-reads once monkeypatch restores the environment
 
 
 def test_defaults_with_nothing_set(clean_env):
@@ -45,6 +44,7 @@ def test_a_change_is_seen_at_the_next_call_and_nothing_is_parsed_otherwise(clean
     assert settings.current().triton_interpret is False
     clean_env.delenv("OCCULT_SCATTER")
     assert settings.current() == first
+    assert settings.reload() == first and settings.current() is not first  # reload: parsed anew
 
 
 @pytest.mark.parametrize("name, value, allowed", [
@@ -72,3 +72,16 @@ def test_docs_list_every_variable_with_its_default():
         default = getattr(Settings(), field)
         if isinstance(default, str):
             assert f"`{default}`" in rows[name], (name, rows[name])
+
+
+def test_occult_debug_shows_the_traceback_and_a_bad_value_is_a_clear_cli_error(clean_env, tmp_path, capsys):
+    from occult.cli import main
+    from occult.cli.registry import CommandError
+
+    argv = ["stats", "--trace", str(tmp_path / "missing.safetensors"), "--placement", str(tmp_path / "missing.json")]
+    assert main(argv) == 2 and "occult: error:" in capsys.readouterr().err
+    clean_env.setenv("OCCULT_DEBUG", "1")
+    with pytest.raises(CommandError, match="does not exist"):
+        main(argv)
+    clean_env.setenv("OCCULT_DEBUG", "maybe")
+    assert main(argv) == 2 and "OCCULT_DEBUG='maybe'" in capsys.readouterr().err

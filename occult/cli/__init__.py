@@ -35,6 +35,7 @@ import sys
 import warnings
 from typing import Any, Sequence
 
+from occult import settings
 from occult.cli import hf, lm
 from occult.cli.place import PLACE, STATS
 from occult.cli.registry import EXIT_FAILED, EXIT_HELP, EXIT_USAGE, Command, CommandError, RunFn, lazy, lazy_command
@@ -120,7 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(chosen=_chosen_command(argv))
     args = parser.parse_args(argv)  # usage errors: argparse prints `occult ...: error:` and exits 2
-    debug = bool(os.environ.get("OCCULT_DEBUG"))
+    try:
+        debug = settings.current().debug  # OCCULT_DEBUG (docs/settings.md)
+    except settings.SettingsError as exc:
+        return _error(str(exc))
 
     def show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         print(f"occult: warning: {message}", file=sys.stderr)

@@ -31,6 +31,7 @@ from occult.moe.registry import capabilities
 from occult.placement import Placement
 from occult.placement.cost import SHAPES as MODEL_SHAPES
 from occult.placement.cost import Shape
+from occult.tools.bench_report import HEADER, LEGEND, format_row, summarize  # noqa: F401 (the report's names)
 
 # The model shapes are the cost model's (one table); `tiny` is for CPU smoke runs.
 SHAPES: dict[str, Shape] = {
@@ -184,7 +185,7 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
                     run.update(shape=shape.name, tokens=tokens, routing=routing, variant=name, world=world, overlap_chunks=chunks)
                     result["runs"].append(run)
                     if rank == 0 and args.get("verbose"):
-                        print(_row(run), flush=True)
+                        print(format_row(run), flush=True)
                 del xs, gs
         del w1_full, w2_full
         if device.type == "cuda":
@@ -303,61 +304,6 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
         "pairs_per_rank": pairs,
         "host_syncs_fwd_bwd": syncs,
     }
-
-
-def _row(run: dict[str, Any]) -> str:
-    return (f"{run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}{run['mean_ct']:>6.2f}"
-            f"{run['forward_ms']:>9.2f}{run['fwd_bwd_ms']:>10.2f}{run['floor_ms']:>9.2f}{run['expert_ms']:>9.2f}"
-            f"{run['all_to_all_ms']:>9.2f}{run['all_to_all_GBps']:>10.1f}{run['expert_tflops']:>9.1f}{run['rel_error']:>9.1e}"
-            f"{_syncs(run['host_syncs_fwd_bwd']):>6}")
-
-
-def _syncs(n: int | None) -> str:
-    return "n/a" if n is None or n < 0 else str(n)
-
-
-HEADER = (f"{'shape':<9}{'routing':<8}{'tokens':>6} {'variant':<16}{'E[C_T]':>6}{'fwd ms':>9}{'fwd+bwd':>10}{'floor':>9}"
-          f"{'experts':>9}{'a2a ms':>9}{'a2a GB/s':>10}{'TFLOP/s':>9}{'rel err':>9}{'syncs':>6}")
-
-
-LEGEND = {
-    "E[C_T]": "rows each token sends (standard: top-k)",
-    "fwd ms, fwd+bwd": "the layer's median time, forward and forward+backward (the slowest rank's median)",
-    "floor": "experts + a2a ms: the expert compute and the all-to-alls alone, nothing else",
-    "experts": "the expert MLP alone on the received rows, ms",
-    "a2a ms, a2a GB/s": "the dispatch + combine all-to-alls alone; remote bytes leaving a rank / that time",
-    "TFLOP/s": "expert FLOPs / experts time",
-    "rel err": "output vs a float32 dense reference (256 tokens)",
-    "syncs": "device-to-host synchronisations in one forward+backward (CUDA sync debug mode; n/a on CPU)",
-}
-
-
-def summarize(result: dict[str, Any], table: bool = True) -> str:
-    """The report: the table (unless it was already printed row by row), what every column means,
-    speed-ups against standard, and the measured ceilings."""
-    lines = [HEADER, "-" * len(HEADER)] + [_row(run) for run in result["runs"]] if table else []
-    base: dict[tuple, dict] = {}
-    for run in result["runs"]:
-        key = (run["shape"], run["routing"], run["tokens"])
-        if run["variant"] == "standard":
-            base[key] = run
-    lines += ["columns:"] + [f"  {k:<17}{v}" for k, v in LEGEND.items()] + [""]
-    lines.append("speedup vs standard (fwd / fwd+bwd), and time over floor (fwd / floor):")
-    for run in result["runs"]:
-        b = base.get((run["shape"], run["routing"], run["tokens"]))
-        if b and run["variant"] != "standard":
-            lines.append(f"  {run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}"
-                         f"{b['forward_ms'] / run['forward_ms']:>6.2f}x {b['fwd_bwd_ms'] / run['fwd_bwd_ms']:>6.2f}x"
-                         f"   {run['forward_ms'] / run['floor_ms']:>5.2f}x floor")
-    if any(run["variant"].startswith("dedup2") for run in result["runs"]):
-        lines.append("dedup2: its E[C_T] column counts the rows of both stages per token (over the rail, then inside "
-                     "the node); its all-to-alls are not timed alone (floor = experts)")
-    c = result["ceilings"]
-    names = {"matmul_tflops": "bf16 matmul TFLOP/s", "all_to_all_GBps": "all_to_all_single GB/s leaving a rank",
-             "all_to_all_MB": "its message MB"}
-    if c:
-        lines.append("ceilings (measured): " + ", ".join(f"{names.get(k, k)} {v:.1f}" for k, v in c.items()))
-    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
