@@ -357,7 +357,7 @@ def test_block_and_training_step_on_2_ranks(tmp_path):
     assert not errors and rows == tokens, (errors, rows, tokens)  # max_devices=1: one row per token
     _check_blocks(blocks, 2)
     assert all(used) and len(used) == 2 and len(lines) == 1, (used, lines)
-    assert np.allclose(occ_losses, ref_losses, rtol=1e-5), (occ_losses, ref_losses)
+    assert np.allclose(occ_losses, ref_losses, rtol=2e-6, atol=0), (occ_losses, ref_losses)  # same rows, same order
     assert occ_losses[1] != occ_losses[0]  # the optimizer step changed the model
 
 
