@@ -15,10 +15,11 @@ counts are needed on the host (for the all-to-all split sizes), see `occult.moe.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from occult import settings
 
 
 @dataclass
@@ -86,7 +87,7 @@ def standard_plan_torch(
 
 def _plan_kernel_usable(ids_TK: torch.Tensor, num_devices: int, top_k: int | None = None) -> bool:
     """The Triton plans (`occult.kernels.plan`) serve CUDA tensors; `OCCULT_PLAN=torch` turns them off."""
-    if not ids_TK.is_cuda or os.environ.get("OCCULT_PLAN", "").lower() == "torch":
+    if not ids_TK.is_cuda or settings.current().plan == "torch":
         return False
     from occult import kernels
 
