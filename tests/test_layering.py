@@ -291,10 +291,10 @@ def structure_findings(root: Path = PACKAGE_DIR) -> dict[str, str]:
         for line, qualname, n in long_functions(source):
             found[f"long function: {name}.{qualname}"] = f"{rel}:{line}, {n} lines (at most {MAX_FUNCTION_LINES})"
         if (n := len(source.splitlines())) > MAX_LINES:
-            found[f"long file: {rel}"] = f"{n} lines (at most {MAX_LINES}; split it by job)"
+            found[f"long file: {rel}"] = f"{n} lines"
         if name != SETTINGS_MODULE:
             for line, var in env_names(source):
-                found.setdefault(f"env: {name} reads {var}", f"{rel}:{line} (read it from occult.settings)")
+                found.setdefault(f"env: {name} reads {var}", f"{rel}:{line}")
     return found
 
 
@@ -312,6 +312,7 @@ _FINDINGS: dict[str, str] = {}
 
 
 def assert_rule(kind: str, fix: str) -> None:
+    """Fail on a new violation of rule `kind` (saying how to `fix` it) or on a stale PENDING entry."""
     if not _FINDINGS:
         _FINDINGS.update(structure_findings())
     new, stale = rule_problems(_FINDINGS, PENDING, kind)
