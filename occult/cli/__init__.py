@@ -52,6 +52,9 @@ def run_profile(args: argparse.Namespace) -> int | None:
     """occult profile: a transformers model directory (a config.json) or an occult checkpoint."""
     if hf.is_transformers_model(args.model):
         return hf.run_profile(args)
+    if os.path.isfile(os.path.join(args.model, "config.json")):
+        raise CommandError(f"--model {args.model}: its config.json is not a transformers config (not JSON, or no "
+                           "model_type); give a transformers model directory or an occult checkpoint file")
     return lm.run_profile(args)
 
 

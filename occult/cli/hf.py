@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from occult.cli.registry import check_input, check_output, check_output_dir, positive_int
+from occult.cli.registry import CommandError, check_input, check_output, check_output_dir, positive_int
 
 _OWN_DEFAULTS = {"tokens": 65536, "batch_size": 8, "seq_len": None}
 
@@ -42,6 +42,46 @@ def _check_data(path: str | None) -> None:
     """--data: a file, or the word 'random'."""
     if path is not None and str(path).lower() != "random":
         check_input("--data", path)
+
+
+DATA_FORMATS = ".txt, .jsonl (a \"text\" field per line), .safetensors (input_ids), .npy, .pt, or 'random'"
+
+
+def read_token_ids(data: str, model_dir: str, vocab_size: int) -> Any:
+    """`hf.token_stream` of --data, with one clear error naming --data for a file that is
+    unreadable, empty, or holds ids outside the model's vocabulary."""
+    from occult.integrations import hf
+
+    try:
+        ids = hf.token_stream(data, model_dir, vocab_size)
+    except ValueError as exc:
+        if str(exc).startswith("--data"):
+            raise
+        raise CommandError(f"--data {data} is not readable calibration data ({exc}); give {DATA_FORMATS}") from None
+    except Exception as exc:  # safetensors, numpy, torch.load, tokenizer: whatever the file made them raise
+        raise CommandError(f"--data {data} is not readable calibration data ({type(exc).__name__}: {exc}); "
+                           f"give {DATA_FORMATS}") from None
+    return check_token_ids(ids, data, vocab_size)
+
+
+def check_token_ids(ids: Any, data: str, vocab_size: int) -> Any:
+    """Refuse no tokens, or ids outside [0, vocab_size), naming --data."""
+    if ids.numel() == 0:
+        raise CommandError(f"--data {data} holds no tokens")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise CommandError(f"--data {data} holds token ids in [{lo}, {hi}], outside the model's vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _quiet_unless_terminal() -> None:
+    """transformers' progress bars (loading weights) only on a terminal, like occult's own."""
+    import sys
+
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def is_transformers_model(path: str | os.PathLike) -> bool:
@@ -86,6 +126,8 @@ def run_profile(args: Any) -> int:
     from occult.integrations import hf
     from occult.moe.pruning import similarity_path
 
+    _quiet_unless_terminal()
+
     if not getattr(args, "data", None):
         raise ValueError("profiling a transformers model needs --data (a text/jsonl file, token ids, or 'random')")
     _check_data(args.data)
@@ -103,7 +145,7 @@ def run_profile(args: Any) -> int:
     seq_len = getattr(args, "seq_len", None) or min(512, int(getattr(model.config, "max_position_embeddings", 512)))
     tokens = int(getattr(args, "tokens", None) or _OWN_DEFAULTS["tokens"])
     batch_size = int(getattr(args, "batch_size", None) or _OWN_DEFAULTS["batch_size"])
-    ids = hf.token_stream(args.data, args.model, int(model.config.vocab_size))
+    ids = read_token_ids(args.data, args.model, int(model.config.vocab_size))
     sim = getattr(args, "similarity", None) or str(similarity_path(args.out))
     batches = (b.to(device) for b in hf.calibration_windows(ids, seq_len, tokens).split(batch_size))
     trace = hf.profile(
@@ -146,17 +188,36 @@ def _hf_tokens(args: Any, vocab_size: int, log) -> Any:
 
     data = getattr(args, "data", None)
     if data is not None and not str(data).lower().endswith((".txt", ".jsonl")):
-        return hf.token_stream(data, args.hf, vocab_size).reshape(-1)
+        return read_token_ids(data, args.hf, vocab_size).reshape(-1)
     if data is not None:
-        lines = Path(data).read_text(encoding="utf-8").splitlines()
-        texts = [json.loads(x)["text"] for x in lines if x.strip()] if data.endswith(".jsonl") else ["\n".join(lines)]
+        texts = _read_texts(data)
     else:
         from occult.lm.corpus import fetch_corpus, read_texts
 
         texts = [t for _, t in read_texts(Path(args.corpus_dir) if args.corpus_dir else fetch_corpus())]
     ids, how = hf.tokenize_texts(texts, args.hf, vocab_size)
     log(f"data: {ids.numel():,} tokens ({how})")
-    return ids
+    return check_token_ids(ids, data or "(the corpus)", vocab_size)
+
+
+def _read_texts(data: str) -> list[str]:
+    """The documents of a .txt file (one) or a .jsonl file (a "text" field per line), errors naming the line."""
+    try:
+        lines = Path(data).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise CommandError(f"--data {data} is not UTF-8 text; give {DATA_FORMATS}") from None
+    if not data.endswith(".jsonl"):
+        return ["\n".join(lines)]
+    texts = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            texts.append(doc["text"])
+        except (ValueError, KeyError, TypeError):
+            raise CommandError(f"--data {data} line {i}: expected a JSON object with a \"text\" field") from None
+    return texts
 
 
 def _hf_placements(args: Any, ep_size: int):
@@ -213,6 +274,7 @@ def run_finetune(args: Any) -> int:
 
     if not (Path(args.hf) / "config.json").is_file():
         raise ValueError(f"--hf {args.hf}: not a transformers model directory (no config.json)")
+    _quiet_unless_terminal()
     out = Path(args.out)
     check_output_dir("--out", args.out)
     if (out / "model").exists():

@@ -14,7 +14,15 @@ import os
 import sys
 from typing import Any
 
-from occult.cli.registry import Command, CommandError, check_input, check_output, positive_float, positive_int
+from occult.cli.registry import (
+    Command,
+    CommandError,
+    check_input,
+    check_output,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 
 PLACE_METHODS = ("contiguous", "greedy", "hypergraph")
 DEFAULT_KAHYPAR_TOKENS = 8_000
@@ -22,9 +30,12 @@ DEFAULT_KAHYPAR_TOKENS = 8_000
 
 def _layer_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        layers = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+        layers = []
+    if not layers or min(layers) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices (0, 1, ...), got {text!r}")
+    return layers
 
 
 def _add_report_args(p: argparse.ArgumentParser) -> None:
@@ -219,7 +230,7 @@ def _add_place_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", "-m", choices=PLACE_METHODS, default="hypergraph", help="placement solver (default hypergraph)")
     p.add_argument("--out", "-o", help="write the placement JSON here")
     p.add_argument("--max-load", type=positive_float, metavar="RATIO", help="bound on max/mean per-device token-expert load, e.g. 1.1")
-    p.add_argument("--seed", type=int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
     p.add_argument("--jobs", "-j", type=positive_int, help="worker processes solving layers in parallel (default: one per CPU for large traces)")
     p.add_argument("--kahypar-tokens", type=positive_int, default=DEFAULT_KAHYPAR_TOKENS,
                    help=f"tokens per layer Mt-KaHyPar sees; the refinement uses all (default {DEFAULT_KAHYPAR_TOKENS})")

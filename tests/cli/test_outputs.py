@@ -192,6 +192,8 @@ def test_profile_outputs_read_only(tmp_path, capsys):
     ["train", "--out", "x", "--steps", "-3"], ["train", "--out", "x", "--lr", "0"], ["train", "--out", "x", "--batch-size", "0"],
     ["finetune", "--init", "x", "--out", "y", "--max-devices", "0"], ["data", "prepare", "--out", "x", "--vocab-size", "-1"],
     ["profile", "--model", "m", "--out", "t", "--tokens", "0"], ["place", "--trace", "t", "-d", "4", "--max-load", "-1"],
+    ["place", "--trace", "t", "-d", "4", "--seed", "-1"], ["stats", "--trace", "t", "-d", "4", "--plot-layers", ","],
+    ["stats", "--trace", "t", "-d", "4", "--plot-layers", "-1"], ["stats", "--trace", "t", "-d", "4", "--hidden", "0"],
 ])
 def test_bad_sizes_are_usage_errors(capsys, argv):
     with pytest.raises(SystemExit) as exc:
@@ -225,3 +227,42 @@ def test_help_documents_exit_statuses(capsys):
         assert exc.value.code == 0
         out = " ".join(capsys.readouterr().out.split())
         assert "exit status: 0 success; 1 the run failed" in out and "2 bad input or usage" in out
+
+
+# ------------------------------------------------------------------ transformers models: bad calibration data
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from occult.integrations import hf
+
+    path = tmp_path_factory.mktemp("hf") / "tiny-olmoe"
+    hf.tiny_random_model("olmoe", str(path))
+    return path
+
+
+def test_hf_profile_and_finetune_bad_data(tiny_hf, tmp_path, capsys):
+    import numpy as np
+
+    out = tmp_path / "trace.safetensors"
+    garbage = tmp_path / "ids.safetensors"
+    garbage.write_bytes(b"garbage\n")
+    code, _, err = run(capsys, "profile", "--model", tiny_hf, "--out", out, "--data", garbage)
+    one_clean_line(code, err, f"--data {garbage} is not readable calibration data")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    code, _, err = run(capsys, "profile", "--model", tiny_hf, "--out", out, "--data", empty)
+    one_clean_line(code, err, f"--data {empty} holds no tokens")
+    big = tmp_path / "big.npy"
+    np.save(big, np.array([1, 2, 10**6]))
+    code, _, err = run(capsys, "profile", "--model", tiny_hf, "--out", out, "--data", big)
+    one_clean_line(code, err, "outside the model's vocabulary")
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"text": "fine"}\nnot json\n')
+    code, _, err = run(capsys, "finetune", "--hf", tiny_hf, "--out", tmp_path / "ft", "--data", bad_jsonl, "--steps", 1)
+    one_clean_line(code, err, f"--data {bad_jsonl} line 2")
+    assert not out.exists()
+    notjson = tmp_path / "notjson"
+    notjson.mkdir()
+    (notjson / "config.json").write_text("{garbage")
+    code, _, err = run(capsys, "profile", "--model", notjson, "--out", out, "--data", "random")
+    one_clean_line(code, err, f"--model {notjson}: its config.json is not a transformers config")
