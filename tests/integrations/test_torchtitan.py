@@ -73,7 +73,8 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _build_block(world, top_k, weights, placement=None, dispatcher=None, max_devices=None, occult_router=True):
+def _build_block(world, top_k, weights, placement=None, dispatcher=None, max_devices=None, occult_router=True,
+                 dims=None):
     """TorchTitan's MoE block with full weights (model order), EP over all ranks; occult's when `dispatcher`."""
     from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher
     from torchtitan.config.override import derive
@@ -94,7 +95,7 @@ def _build_block(world, top_k, weights, placement=None, dispatcher=None, max_dev
         moe.router.gate.weight.copy_(gate)
         ex = moe.routed_experts.inner_experts
         ex.w1_EFD.copy_(w1), ex.w2_EDF.copy_(w2), ex.w3_EFD.copy_(w3)
-    moe.parallelize(_dims(world))
+    moe.parallelize(dims if dims is not None else _dims(world))
     return moe
 
 
@@ -299,7 +300,41 @@ def _two_ranks(rank, world, seed, placement_path):
     blocks = _blocks(rank, world, seed)
     blocks["pruned"] = _pruned_block(rank, world, seed)
     training = _training(rank, world, seed, placement_path)
-    return blocks, training, _limit_without_router(rank, world, seed)
+    limit_error = _limit_without_router(rank, world, seed)
+    blocks["spmd_types"] = _spmd_types_block(rank, world, seed)  # last: it switches TorchTitan's SPMD backend
+    return blocks, training, limit_error
+
+
+def _spmd_types_block(rank, world, seed):
+    """Under TorchTitan's default SPMD backend, inside the SPMD mesh context its trainer sets up, against
+    TorchTitan's all-to-all under partial_dtensor (its own under spmd_types needs equal all-to-all sizes on gloo)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (TorchTitan's meshes use a "fake" backend)
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as tt_dist
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen) * 0.3,
+               torch.randn(E, H, F, generator=gen) * 0.3, torch.randn(E, F, H, generator=gen) * 0.3)
+    x = torch.randn(5 + rank, H, generator=torch.Generator().manual_seed(seed + rank))
+    ref = _run_block(_build_block(world, 3, weights), x, torch.ones_like(x))
+    tt_dist.set_spmd_backend("spmd_types")
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
+                        spmd_backend="spmd_types")
+    dims.build_mesh()
+    placement = _random_placement(world, seed)
+    with tt_dist.get_spmd_context(parallel_dims=dims)():
+        moe = _build_block(world, 3, weights, placement=placement, dispatcher="dedup", dims=dims)
+        got = _run_block(moe, x, torch.ones_like(x))
+    tt_dist.set_spmd_backend("partial_dtensor")
+    errors = []
+    for i, what in enumerate(("output", "input grad", "router grad")):
+        _close(got[i], ref[i], what, errors)
+    for name, gr, rr in zip(("w1", "w2", "w3"), got[3], ref[3]):
+        _close(placement.invert(_gather(gr)), _gather(rr), f"{name} grad", errors)
+    stats = moe.routed_experts.token_dispatcher.last_comm_stats
+    sent = torch.tensor([stats.dispatch_rows, stats.combine_rows])
+    torch.distributed.all_reduce(sent)  # every row sent out comes back once
+    return errors, sent.tolist() + [0, 0]
 
 
 def _limit_without_router(rank, world, seed):
@@ -355,6 +390,8 @@ def test_block_and_training_step_on_2_ranks(tmp_path):
         assert limit_error is not None and "max_devices=1" in limit_error and "install" in limit_error, (r, limit_error)
     errors, (rows, tokens) = blocks.pop("pruned")
     assert not errors and rows == tokens, (errors, rows, tokens)  # max_devices=1: one row per token
+    errors, (rows, back, _, _) = blocks.pop("spmd_types")
+    assert not errors and 0 < rows == back, (errors, rows, back)
     _check_blocks(blocks, 2)
     assert all(used) and len(used) == 2 and len(lines) == 1, (used, lines)
     assert np.allclose(occ_losses, ref_losses, rtol=2e-6, atol=0), (occ_losses, ref_losses)  # same rows, same order
