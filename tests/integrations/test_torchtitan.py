@@ -5,7 +5,8 @@ builds it) with `OccultTokenDispatcher` equals the same block with TorchTitan's
 `AllToAllTokenDispatcher`: outputs and every gradient (input, router, the three expert weights)
 in fp32, for a contiguous and a random placement, a rank with no tokens and top-k = all experts;
 rows sent per layer equal sum_t C_T (E[C_T] x tokens; standard: k x tokens); pruning
-(`max_devices`) equals occult's own `TopKRouter(max_devices=...)`. A TorchTitan training step of
+(`max_devices`) equals occult's own `TopKRouter(max_devices=...)`; the block also runs under TorchTitan's
+default `spmd_types` backend inside its trainer's SPMD mesh context. A TorchTitan training step of
 a tiny Qwen3-MoE model (EP + FSDP2 by `parallelize_qwen3`, the dispatcher switched on through
 TorchTitan's override mechanism, TorchTitan's loss and optimizer) matches the default
 dispatcher's losses.
