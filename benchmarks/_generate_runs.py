@@ -4,10 +4,13 @@ auto-compiled (its CUDA-graph path: torch.compile, mode reduce-overhead), and oc
 `hf.generate` (eager, or the decode step captured in a CUDA graph) on a converted one.
 
 A call's per-step time is not visible from outside, so a decode step is
-(median time of generate(n) - median time of generate(1)) / (n - 1), both with every row forced to
-its n tokens (no eos), and "prefill" is generate(1): the prompt's forward and the first token. The
-first call's wall time (compilation or graph capture included) minus a steady call's is reported
-as `compile_s`. Each call's time is the slowest rank's (ranks meet at a barrier before each).
+(median time of generate(n) - median time of generate(m)) / (n - m), m = max(2, n // 2), every row
+forced to its n (m) tokens (no eos): both calls run the same decode path on the same kept cache
+(compiled forward, captured graph), so their fixed costs cancel; a one-token call would not (it
+skips the decode path, and a shorter occult call with a new decoder pays for its cache). "Prefill"
+(time to the first token) is generate(m) - (m - 1) steps. The first call's wall time (compilation
+or graph capture included) minus a steady call's is reported as `compile_s`. Each call's time is
+the slowest rank's (ranks meet at a barrier before each).
 """
 
 from __future__ import annotations
@@ -23,26 +26,26 @@ import torch.nn as nn
 from _timing import quantiles, slowest, synchronize  # benchmarks/_timing.py
 
 KINDS = ("native", "native+compile", "occult", "occult+graph")
-Generate = Callable[[torch.Tensor, int, bool], torch.Tensor]  # (prompts [B, P], new tokens, keep state) -> ids
+Generate = Callable[[torch.Tensor, int], torch.Tensor]  # (prompts [B, P], new tokens) -> ids
 
 
 def generate_fn(kind: str, model: nn.Module) -> Generate:
-    """generate(prompts, n, keep) of `kind` on `model`, greedy, exactly n new tokens per row (no eos).
-    `keep=False` (the one-token calls) leaves occult's kept decoder alone."""
+    """generate(prompts, n) of `kind` on `model`, greedy, exactly n new tokens per row (no eos); occult's
+    decoder (cache, graph) is kept on the model for the next call that fits it."""
     if kind not in KINDS:
         raise ValueError(f"unknown generate kind {kind!r}; choose from {', '.join(KINDS)}")
     if kind.startswith("native"):
         model.generation_config.eos_token_id = None
 
-        def native(ids_BP: torch.Tensor, n: int, keep: bool = True) -> torch.Tensor:
+        def native(ids_BP: torch.Tensor, n: int) -> torch.Tensor:
             return model.generate(ids_BP, attention_mask=torch.ones_like(ids_BP), max_new_tokens=n, min_new_tokens=n,
                                   do_sample=False, cache_implementation="static", pad_token_id=0,
                                   disable_compile=kind == "native")
         return native
     from occult.integrations import hf
 
-    def occult(ids_BP: torch.Tensor, n: int, keep: bool = True) -> torch.Tensor:
-        return hf.generate(model, ids_BP, n, cuda_graph=kind == "occult+graph", eos_token_id=[], reuse=keep)
+    def occult(ids_BP: torch.Tensor, n: int) -> torch.Tensor:
+        return hf.generate(model, ids_BP, n, cuda_graph=kind == "occult+graph", eos_token_id=[])
     return occult
 
 
@@ -57,22 +60,24 @@ def _wall_ms(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[floa
 
 def time_generate(gen: Generate, prompts_BP: torch.Tensor, new_tokens: int, repeats: int,
                   device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
-    """(numbers, the ids of the first call): first call, one untimed, then `repeats` x (n tokens, 1 token)."""
-    if new_tokens < 2:
-        raise ValueError("timing a decode step from whole generate calls needs --new-tokens >= 2")
-    first_ms, out = _wall_ms(lambda: gen(prompts_BP, new_tokens, True), device)
-    _wall_ms(lambda: gen(prompts_BP, new_tokens, True), device)
-    many, one = [], []
+    """(numbers, the ids of the first call): first call, one untimed, then `repeats` x (n tokens, m tokens)."""
+    half = max(2, new_tokens // 2)
+    if new_tokens <= half:
+        raise ValueError("timing a decode step from whole generate calls needs --new-tokens >= 3")
+    first_ms, out = _wall_ms(lambda: gen(prompts_BP, new_tokens), device)
+    _wall_ms(lambda: gen(prompts_BP, new_tokens), device)
+    many, fewer = [], []
     for _ in range(repeats):
-        many.append(_wall_ms(lambda: gen(prompts_BP, new_tokens, True), device)[0])
-        one.append(_wall_ms(lambda: gen(prompts_BP, 1, False), device)[0])
-    many, one = slowest(many, device), slowest(one, device)
+        many.append(_wall_ms(lambda: gen(prompts_BP, new_tokens), device)[0])
+        fewer.append(_wall_ms(lambda: gen(prompts_BP, half), device)[0])
+    many, fewer = slowest(many, device), slowest(fewer, device)
     first_ms = slowest([first_ms], device)[0]
-    many_ms, one_ms = quantiles(many, [0.5])[0], quantiles(one, [0.5])[0]
-    step_ms = max(many_ms - one_ms, 1e-6) / (new_tokens - 1)
+    many_ms, fewer_ms = quantiles(many, [0.5])[0], quantiles(fewer, [0.5])[0]
+    step_ms = max(many_ms - fewer_ms, 1e-6) / (new_tokens - half)
     B = prompts_BP.shape[0]
-    return {"prefill_ms_p50": one_ms, "ms_p50": step_ms, "ms_p99": None, "step_ms_mean": step_ms,
-            "generate_ms_p50": many_ms, "generate_ms_all": many, "one_token_ms_all": one,
+    return {"prefill_ms_p50": fewer_ms - (half - 1) * step_ms, "ms_p50": step_ms, "ms_p99": None,
+            "step_ms_mean": step_ms, "generate_ms_p50": many_ms, "generate_ms_all": many, "shorter_calls_tokens": half,
+            "shorter_ms_all": fewer,
             "first_call_s": first_ms / 1e3, "compile_s": max(first_ms - many_ms, 0.0) / 1e3,
             "decode_tokens_per_s_per_gpu": B / (step_ms / 1e3),
             "e2e_tokens_per_s_per_gpu": B * new_tokens / (many_ms / 1e3)}, out

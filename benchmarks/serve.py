@@ -43,8 +43,8 @@ of the step p50 to the floor (replicated+graph, else replicated). Rank 0 writes 
 atomically after every result and prints a Markdown table last.
 
 The generate variants are whole calls timed from outside (benchmarks/_generate_runs.py): step =
-(generate(n) - generate(1)) / (n - 1) with n = --new-tokens (its mean, shown as p50; no p99),
-prefill = generate(1). Every table row also gives the speed-up over native (native-generate's
+(generate(n) - generate(m)) / (n - m) with n = --new-tokens, m = max(2, n // 2) (a mean, shown as
+p50; no p99), prefill = generate(m) - (m - 1) steps. Every table row also gives the speed-up over native (native-generate's
 step / the row's, and native-generate+compile's; native's StaticDecoder step where generate was
 not run), the share of the copy bandwidth measured in the same run that the step's bytes need
 (weights the step must read, the experts B tokens select, and the K/V attended: benchmarks/_roofline.py),
@@ -137,8 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prompt-len, --new-tokens, --repeats and --check-steps must be >= 1")
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be >= 1")
-    if args.new_tokens < 2 and any(VARIANTS[n].generate for n in args.variants):
-        p.error("the generate variants time a step as (generate(n) - generate(1)) / (n - 1): --new-tokens must be >= 2")
+    if args.new_tokens < 3 and any(VARIANTS[n].generate for n in args.variants):
+        p.error("the generate variants time a step as (generate(n) - generate(n/2)) / (n - n/2): --new-tokens must be >= 3")
     return args
 
 

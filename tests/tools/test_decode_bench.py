@@ -100,7 +100,8 @@ def test_serve_tiny_every_variant(tmp_path):
         for b in BATCHES:
             r = report["variants"][name][b]
             assert r["check"]["passed"] and r["ms_p50"] > 0 and r["ms_p99"] is None, (name, b, r)
-            assert len(r["generate_ms_all"]) == len(r["one_token_ms_all"]) == 2 and r["compile_s"] >= 0
+            assert len(r["generate_ms_all"]) == len(r["shorter_ms_all"]) == 2 and r["compile_s"] >= 0
+            assert r["shorter_calls_tokens"] == 2
             assert r["generate_ms_p50"] == pytest.approx(r["prefill_ms_p50"] + 3 * r["ms_p50"])
     for b in BATCHES:
         assert report["variants"]["native"][b]["check"]["median_rel_err"] == 0  # the reference model itself
