@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from occult import cli
 from occult._atomic import atomic_path, check_writable, write_text_atomic
@@ -218,6 +219,10 @@ def test_demo_input_errors_exit_2_not_1(capsys):
     one_clean_line(code, err, "--top-k 8")
     code, _, err = run(capsys, "bench", "--world-size", "2", "--nodes", "3", "--backend", "gloo")
     one_clean_line(code, err, "--nodes 3")
+    if not torch.cuda.is_available():
+        for command in ("demo", "bench"):
+            code, _, err = run(capsys, command, "--backend", "nccl")
+            one_clean_line(code, err, "--backend nccl needs CUDA GPUs")
 
 
 def test_help_documents_exit_statuses(capsys):
