@@ -489,3 +489,31 @@ def test_router_refuses_tensor_parallelism_and_state_dicts_reorder():
         assert torch.equal(block, state["layers.1.moe.routed_experts.inner_experts.w2_EDF"][placement.experts_on_device(r).copy()])
     back = to_model_order(placed, placement)
     assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_one_rank_without_expert_parallelism_uses_the_placed_order():
+    """EP = 1 (no EP mesh): TorchTitan's local reordering, experts in placed order; the same block function."""
+    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher
+    from torchtitan.config.override import derive
+
+    _cpu_torchtitan()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
+    gate, w1, w2, w3 = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen) * 0.3,
+                        torch.randn(E, H, F, generator=gen) * 0.3, torch.randn(E, F, H, generator=gen) * 0.3)
+    placement, outs = _random_placement(4, 5), []
+    for occult in (False, True):
+        cfg = _moe_config(3)
+        if occult:
+            cfg.routed_experts.token_dispatcher = OccultTokenDispatcher.Config(num_experts=E, top_k=3, placement=placement)
+            cfg.router = derive(cfg.router, OccultRouter.Config, placement=placement)
+        moe = cfg.build()
+        weights = [placement.apply(w) if occult else w for w in (w1, w2, w3)]
+        with torch.no_grad():
+            moe.router.gate.weight.copy_(gate)
+            ex = moe.routed_experts.inner_experts
+            ex.w1_EFD.copy_(weights[0]), ex.w2_EDF.copy_(weights[1]), ex.w3_EFD.copy_(weights[2])
+        x = torch.randn(11, H, generator=torch.Generator().manual_seed(1))
+        out, x_grad, router_grad, grads, _ = _run_block(moe, x, torch.ones_like(x))
+        outs.append((out, x_grad, router_grad, *[placement.invert(g) if occult else g for g in grads]))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)

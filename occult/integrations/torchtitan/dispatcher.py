@@ -88,7 +88,7 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
     def dispatch(self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, topk_expert_ids_TK: torch.Tensor,
                  num_local_tokens_per_expert_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """-> (rows x_ND expert-major, rows per local expert counts_e, metadata for `combine`)."""
-        if self.exchange is None:
+        if self.exchange is None:  # EP = 1 (wire_meshes gave no mesh, or the model was never parallelised)
             return self._local_dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK)
         if self.max_devices is not None and not self.limit_checked:
             self._check_limit(topk_expert_ids_TK)
@@ -107,8 +107,11 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
 
     def _local_dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
         """EP = 1: TorchTitan's local reordering, expert ids turned into placed-order positions."""
-        physical_E = self.physical_E.to(topk_expert_ids_TK.device)
-        ids_TK = physical_E[topk_expert_ids_TK]
+        if self.physical_E is None:
+            self.init_buffer()
+        if self.physical_E.device != topk_expert_ids_TK.device:
+            self.physical_E = self.physical_E.to(topk_expert_ids_TK.device)
+        ids_TK = self.physical_E[topk_expert_ids_TK]
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=ids_TK.device)
         counts_E.index_add_(0, ids_TK.reshape(-1), torch.ones_like(ids_TK.reshape(-1)))
         return LocalTokenDispatcher.dispatch(self, x_TD, topk_scores_TK, ids_TK, counts_E)
