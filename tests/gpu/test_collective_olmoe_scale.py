@@ -66,10 +66,10 @@ def _sized_shape(ranks) -> dict:
     """OLMOE_1B_7B with as many layers as every rank's share of its GPU holds (the same on every rank)."""
     torch.cuda.empty_cache()
     dist.barrier()
-    gpu = torch.tensor([ranks.device.index or 0], device=ranks.device)
-    gpus = [torch.zeros_like(gpu) for _ in range(ranks.world_size)]
-    dist.all_gather(gpus, gpu)
-    sharing = sum(int(g.item()) == int(gpu.item()) for g in gpus)
+    on_gpu = torch.zeros(torch.cuda.device_count(), dtype=torch.float64, device=ranks.device)
+    on_gpu[ranks.device.index or 0] = 1.0
+    dist.all_reduce(on_gpu)  # ranks per GPU (all_reduce: what the suite's other checks use, NCCL and gloo)
+    sharing = int(on_gpu[ranks.device.index or 0].item())
     free, _ = torch.cuda.mem_get_info(ranks.device)
     layers = torch.tensor([fitting_layers(free, sharing, OLMOE_1B_7B, ranks.world_size)], device=ranks.device)
     dist.all_reduce(layers, op=dist.ReduceOp.MIN)
