@@ -32,7 +32,8 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
                    weights, parallelised by its parallelize_qwen3: EP over all ranks, FSDP2 for the
                    rest (benchmarks/tt_model.py); prefill and train, each rank its own batch
   torchtitan+occult  (opt-in) the same TorchTitan model with occult's dedup token dispatcher switched on
-                   (occult.integrations.torchtitan.install; contiguous experts, as torchtitan)
+                   (occult.integrations.torchtitan.install; contiguous experts, as torchtitan);
+                   torchtitan+occult+placement: with the placement dedup+placement solves
 
 Before timing, each variant's logits on a small batch are compared with the unconverted model
 (per-token relative L2 error, median and p95, max over ranks); an exact variant whose median is
@@ -358,7 +359,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     if titan:  # the same seeded transformers model's weights, in TorchTitan's model and parallelisation
         hf_model = build_model(args, cfg, device, ctx["dtype"])
         model = tt_model.TitanLM(hf_model, dist.get_world_size(), device, ctx["dtype"], max(args.seq, args.check_seq),
-                                 occult=variant == "torchtitan+occult")
+                                 occult=variant != "torchtitan",
+                                 placement=ctx["placement"] if variant.endswith("+placement") else None)
         del hf_model
         free_memory(device)
     elif shared:  # one batch of every rank's sequences; this rank's rows are checked
@@ -476,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         ref_logits = ref.eval()(input_ids=check_ids, use_cache=False).logits.float()
     placement = None
-    if any(v == "dedup+placement" or v.startswith("pruned") for v in (split_chunks(v)[0] for v in args.variants)):
+    if any(v.endswith("+placement") or v.startswith("pruned") for v in (split_chunks(v)[0] for v in args.variants)):
         placement, report["placement"] = solve_placement(ref, args, device, world)
     hf_ep_dir = hf_ep.save(ref) if "hf-ep" in args.variants else None
     cost = ModelCost.of(ref)  # of the unconverted model: all experts, whatever the world size

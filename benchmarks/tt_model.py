@@ -1,7 +1,8 @@
 """TorchTitan's own Qwen3-MoE model, expert- and data-parallel the way its trainer sets it up: the
 whole-model peer of benchmarks/e2e.py (variants `torchtitan`, and `torchtitan+occult`: the same model
 with occult's deduplicated token dispatcher installed in its config by
-`occult.integrations.torchtitan.install`, contiguous experts; nothing else differs).
+`occult.integrations.torchtitan.install`, contiguous experts; nothing else differs;
+`torchtitan+occult+placement`: the same with e2e's solved placement, expert weights in placed order).
 
 TorchTitan 0.3.0's `Qwen3Model` is built at the shape of the transformers Qwen3-MoE model e2e.py
 builds (`_build_qwen3_moe_layers`: fused QKV, per-head q/k RMSNorm, `CosSinRoPE` at the model's
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from peer_torchtitan import SPMD_BACKEND, cpu_shims, torch_compat  # noqa: E402  (benchmarks/peers)
 
 MODEL_TYPES = ("qwen3_moe",)
-VARIANTS = ("torchtitan", "torchtitan+occult")  # TorchTitan's own dispatcher / occult's (dedup)
+VARIANTS = ("torchtitan", "torchtitan+occult", "torchtitan+occult+placement")  # TorchTitan's dispatcher / occult's
 
 
 def unavailable(model_type: str) -> str | None:
@@ -165,7 +166,7 @@ class TitanLM:
     """TorchTitan's Qwen3-MoE, weights from a transformers model, parallelised by TorchTitan (EP + FSDP2)."""
 
     def __init__(self, hf_model: nn.Module, world: int, device: torch.device, dtype: torch.dtype,
-                 max_seq: int, occult: bool = False) -> None:
+                 max_seq: int, occult: bool = False, placement: Any = None) -> None:
         import torchtitan
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
         from torchtitan.distributed import ParallelDims
@@ -181,12 +182,16 @@ class TitanLM:
         if occult:  # occult's dedup dispatcher (and router, plain without max_devices) in every MoE block
             from occult.integrations.torchtitan import install
 
-            install(tcfg, dispatcher="dedup")
+            install(tcfg, dispatcher="dedup", placement=placement)
         with torch.device(device):
             model = tcfg.build()
         model.init_states(buffer_device=device)  # rope cache and MoE buffers; the weights come next
         model = model.to(dtype)
         self.copied = copy_weights(hf_model, model)
+        if placement is not None:  # TorchTitan's EP cuts the experts into contiguous blocks: placed order
+            from occult.integrations.torchtitan import to_placed_order
+
+            model.load_state_dict(to_placed_order(model.state_dict(), placement))
         dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
                             spmd_backend=SPMD_BACKEND)
         dims.build_mesh()
