@@ -1,6 +1,6 @@
 """Collaboration pruning: limit every token to experts on at most N devices.
 
-Two variants (the paper's collaboration pruning), both for any placement (any expert -> device map with equal
+Three variants (the paper's two and a third), all for any placement (any expert -> device map with equal
 experts per device, not only contiguous groups):
 
 - **router-score** (`method="score"`): walk the token's experts by descending score and collect
@@ -12,6 +12,10 @@ experts per device, not only contiguous groups):
   order, by the most similar not-yet-chosen expert on an allowed device. Similarity is the
   cosine of the experts' router-logit columns measured on profiling data
   (`expert_similarity`, `SimilarityAccumulator`, `occult profile`).
+- **gate mass** (`method="mass"`): the allowed devices are the N devices holding the most of the
+  token's plain top-k gate weight (the sum of its top-k scores on each device); then the top-k
+  among all experts on those devices, as for `score`. It keeps the devices that carry most of the
+  token's output rather than the one best expert's. (Meant for probabilities: scores >= 0.)
 
 **Gate weights** after pruning are the router's probabilities (`scores_TE`, e.g. the softmax
 over all E experts) of the experts finally chosen, *not* re-softmaxed over the allowed set.
@@ -47,7 +51,7 @@ from occult.moe.similarity import (  # noqa: F401 - re-exported: the similarity 
     PruningError, SimilarityAccumulator, expert_similarity, load_similarity, save_similarity, similarity_path,
 )
 
-METHODS = ("score", "similarity")
+METHODS = ("score", "similarity", "mass")
 
 
 def _experts_per_device(expert_device_E: torch.Tensor) -> int:
@@ -94,6 +98,23 @@ def allowed_devices(scores_TE: torch.Tensor, expert_device_E: torch.Tensor, max_
     best_TD = torch.full((T, E), float("-inf"), dtype=scores_TE.dtype, device=scores_TE.device)
     best_TD = best_TD.scatter_reduce(1, dev_TE, scores_TE, reduce="amax", include_self=True)
     top_TN = best_TD.topk(min(max_devices, E), dim=1).indices
+    allowed_TD = torch.zeros((T, E), dtype=torch.bool, device=scores_TE.device).scatter_(1, top_TN, True)
+    return allowed_TD.gather(1, dev_TE)
+
+
+def allowed_by_mass(scores_TE: torch.Tensor, expert_device_E: torch.Tensor, max_devices: int, top_k: int) -> torch.Tensor:
+    """[T, E] bool mask of the experts on each token's `max_devices` devices of largest top-k gate mass.
+
+    A device's mass is the sum of the token's top-k scores (of `scores_TE`, -inf = not allowed)
+    on it; devices without any of them have mass 0 (-inf where no expert may be chosen).
+    """
+    T, E = scores_TE.shape
+    dev_TE = expert_device_E.to(scores_TE.device, torch.int64).expand(T, E)
+    top_w, top_ids = scores_TE.topk(top_k, dim=1)
+    mass_TD = torch.full((T, E), float("-inf"), dtype=scores_TE.dtype, device=scores_TE.device)
+    mass_TD = mass_TD.scatter_reduce(1, dev_TE, scores_TE.clamp(max=0.0), reduce="amax", include_self=True)
+    mass_TD = mass_TD.scatter_add(1, dev_TE.gather(1, top_ids), top_w)
+    top_TN = mass_TD.topk(min(max_devices, E), dim=1).indices
     allowed_TD = torch.zeros((T, E), dtype=torch.bool, device=scores_TE.device).scatter_(1, top_TN, True)
     return allowed_TD.gather(1, dev_TE)
 
@@ -164,11 +185,11 @@ def device_limited_topk(
         allowed_TE = within_T = None
         for map_E, lim, _ in limits:
             masked = sel if allowed_TE is None else sel.masked_fill(~allowed_TE, float("-inf"))
-            now_TE = allowed_devices(masked, map_E, lim)
+            now_TE = allowed_by_mass(masked, map_E, lim, top_k) if method == "mass" else allowed_devices(masked, map_E, lim)
             allowed_TE = now_TE if allowed_TE is None else allowed_TE & now_TE
             ok_T = devices_per_token(plain_ids, map_E) <= lim
             within_T = ok_T if within_T is None else within_T & ok_T
-        if method == "score":
+        if method in ("score", "mass"):
             ids_TK = sel.masked_fill(~allowed_TE, float("-inf")).topk(top_k, dim=-1).indices
         else:
             ids_TK = _similarity_replace(plain_ids, allowed_TE, similarity_EE.to(sel.device))
@@ -293,6 +314,7 @@ __all__ = [
     "METHODS",
     "device_limited_topk",
     "allowed_devices",
+    "allowed_by_mass",
     "devices_per_token",
     "expert_similarity",
     "SimilarityAccumulator",
