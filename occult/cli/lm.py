@@ -145,9 +145,15 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing (collaboration pruning)")
     g.add_argument("--max-devices", type=positive_int, default=None, help="limit every token to N devices")
     g.add_argument("--placement", default=None, help="placement JSON (occult place); any device count, e.g. 4 virtual devices")
-    g.add_argument("--prune-method", default="score", choices=["score", "similarity"])
+    g.add_argument("--prune-method", default="score", choices=["score", "similarity", "mass"], help="a token's N devices: "
+                   "those of its best experts (score, default), similarity replacement, or most of its top-k gate weight (mass)")
     g.add_argument("--similarity", default=None,
                    help="similarity table (default: beside the placement, PLACEMENT.similarity.safetensors)")
+    g = p.add_argument_group("pruning-aware fine-tuning (occult.lm.distill; OccultLM checkpoints, not --hf)")
+    g.add_argument("--distill-weight", type=nonnegative_float, default=0.0, help="add W * T^2 * KL(teacher || model) of the logits; "
+                   "the teacher: the same weights with standard routing, no gradient, same step (default 0: off)")
+    g.add_argument("--distill-temperature", type=positive_float, default=1.0, help="T of --distill-weight (default 1)")
+    g.add_argument("--train", dest="train_part", choices=["routers", "experts", "both"], help="what trains (default: --moe-only's)")
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
@@ -205,6 +211,7 @@ def _train_config(args):
         replace_every=args.replace_every, replace_min_gain=args.replace_min_gain, replace_drift=args.replace_drift,
         replace_check_every=args.replace_check_every, replace_samples=args.replace_samples,
         replace_method=args.replace_method, replace_wait=args.replace_wait, grad_sync=args.grad_sync,
+        **{k: getattr(args, k) for k in ("distill_weight", "distill_temperature", "train_part") if hasattr(args, k)},
     )
 
 
@@ -228,10 +235,8 @@ def ep_placement_from_args(args, par, num_experts: int, fallback=None):
     from occult.moe.registry import capabilities
     from occult.placement import Placement
 
-    placement = None
-    if args.ep_placement:
-        placement = Placement.load(args.ep_placement)
-    elif fallback is not None and par is not None and fallback.num_devices == par.ep_size:
+    placement = Placement.load(args.ep_placement) if args.ep_placement else None
+    if placement is None and fallback is not None and par is not None and fallback.num_devices == par.ep_size:
         placement = fallback
     nodes = getattr(args, "nodes", None)
     if not capabilities(args.dispatcher).two_level:
@@ -327,11 +332,10 @@ def load_routing_args(args, num_experts: int, num_layers: int):
     placement = Placement.load(args.placement) if args.placement else None
     if args.max_devices is not None and placement is None:
         raise PruningError("--max-devices needs --placement (which device holds each expert)")
-    sims = None
-    if args.prune_method == "similarity" and args.max_devices is not None:
-        path = args.similarity or similarity_path(args.placement)
-        sims = load_similarity(path, num_experts=num_experts, num_layers=num_layers)
-    return placement, sims
+    if args.prune_method != "similarity" or args.max_devices is None:
+        return placement, None
+    path = args.similarity or similarity_path(args.placement)
+    return placement, load_similarity(path, num_experts=num_experts, num_layers=num_layers)
 
 
 def run_finetune(args) -> int:
@@ -352,10 +356,9 @@ def run_finetune(args) -> int:
     par = _parallel(args)
     try:
         model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
-                                 method=args.prune_method, similarity=sims, resume=args.resume,
-                                 stop_after=args.stop_after, progress=not args.no_progress, parallel=par,
-                                 ep_placement=ep_placement_from_args(args, par, mcfg.num_experts, placement),
-                                 dispatcher=args.dispatcher)
+                                 method=args.prune_method, similarity=sims, resume=args.resume, stop_after=args.stop_after,
+                                 progress=not args.no_progress, parallel=par, dispatcher=args.dispatcher,
+                                 ep_placement=ep_placement_from_args(args, par, mcfg.num_experts, placement))
         if par is None or par.is_main:
             print(f"routing: {model.routing.describe()}")
             _report(result, cfg.steps)

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from occult.lm.checkpoint import CheckpointError, config_from_metadata
+from occult.lm.distill import TRAIN_PARTS, part_names
 from occult.lm.model import OccultLM
 from occult.placement.solvers import METHODS
 from occult.training.dcp import load_optimizer_state
@@ -69,6 +70,10 @@ class TrainConfig:
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
     replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
     grad_sync: str = "ddp"  # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
+    # pruning-aware fine-tuning recipes (occult.lm.distill)
+    distill_weight: float = 0.0  # > 0: + W * T^2 * KL(unpruned teacher || pruned student) of the logits
+    distill_temperature: float = 1.0
+    train_part: str | None = None  # "routers" | "experts" | "both" (the MoE blocks); None: moe_only decides
 
     LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta",
                       "grad_sync")
@@ -93,6 +98,11 @@ class TrainConfig:
                              f"{self.replace_check_every}, {self.replace_samples}")
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {self.grad_sync!r}")
+        if self.distill_weight < 0 or self.distill_temperature <= 0:
+            raise ValueError(f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "
+                             f"{self.distill_temperature}")
+        if self.train_part not in (None, *TRAIN_PARTS):
+            raise ValueError(f"train_part must be None or one of {TRAIN_PARTS}, got {self.train_part!r}")
         if self.replace_method not in ("auto", *METHODS):
             raise ValueError(f"replace_method must be 'auto' or one of {METHODS}, got {self.replace_method!r}")
 
@@ -145,8 +155,13 @@ def tensor_hash(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def trainable_names(model: OccultLM, moe_only: bool) -> list[str]:
-    names = model.moe_parameter_names() if moe_only else [n for n, _ in model.named_parameters()]
+def trainable_names(model: OccultLM, moe_only: bool, part: str | None = None) -> list[str]:
+    """What trains: `part` of the MoE blocks (`occult.lm.distill.part_names`), else the MoE blocks
+    (`moe_only`), else everything."""
+    if part is not None:
+        names = part_names(model, part)
+    else:
+        names = model.moe_parameter_names() if moe_only else [n for n, _ in model.named_parameters()]
     if not names:
         raise ValueError("no parameters to train")
     return names

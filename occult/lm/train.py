@@ -7,7 +7,7 @@ when the model has a routing placement) every `eval_every` steps, optional early
 validation loss flattens (`patience`), and a tqdm progress bar (loss, tokens/s). `moe_only=True`
 updates only the MoE blocks (routers and experts), everything else frozen (the paper's
 pruning-aware fine-tuning). `finetune(init, ...)` loads weights, applies a routing rule and
-trains. Settings, schedule and optimizer are in `occult.lm.state`; evaluation in
+trains (recipes: `distill_weight`, `train_part`, `occult.lm.distill`). Settings, schedule and optimizer are in `occult.lm.state`; evaluation in
 `occult.lm.evaluate`. The step loop, gradient sync, clipping and the sharded checkpoint writer are
 the training core's (`occult.training`): this module says how a batch of `OccultLM` becomes a
 loss and adds its evaluation and checkpoint hooks.
@@ -62,6 +62,7 @@ from occult.lm.checkpoint import (
     read_checkpoint,
 )
 from occult.lm.data import TokenData, train_batch
+from occult.lm.distill import distilled_loss
 from occult.lm.evaluate import autocast_dtype, autocast_for, evaluate, pick_device
 from occult.lm.fsdp import reshard, wrap_fsdp
 from occult.lm.migrate import follow_routing
@@ -236,6 +237,8 @@ def _step_parts(run: _Run) -> StepParts:
 
     def loss(xy: tuple[torch.Tensor, torch.Tensor]) -> StepLoss:
         with autocast_for(device, cfg.precision):
+            if cfg.distill_weight:  # the unpruned model as the teacher (occult.lm.distill)
+                return distilled_loss(model, forward, xy, cfg.aux_loss_coef, cfg.distill_weight, cfg.distill_temperature)
             out = forward(*xy, return_logits=False)
             return StepLoss(out.loss + cfg.aux_loss_coef * out.aux_loss, out.loss, out.aux_loss)
 
@@ -290,7 +293,7 @@ def _prepare(model: OccultLM, data: TokenData, cfg: TrainConfig, out: Path, par:
         raise ValueError(f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks")
     if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
         wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
-    opt = make_optimizer(model, trainable_names(model, cfg.moe_only), cfg)
+    opt = make_optimizer(model, trainable_names(model, cfg.moe_only, cfg.train_part), cfg)
     replacer = Replacer(model, par, cfg, out, log) if cfg.replaces and par is not None and par.ep_size > 1 else None
     if cfg.replaces and replacer is None and log:
         log("experts are not sharded (one process or EP size 1): nothing to re-place")
@@ -384,15 +387,5 @@ def finetune(
     return model, result
 
 
-__all__ = [
-    "TrainConfig",
-    "TrainResult",
-    "train",
-    "finetune",
-    "evaluate",
-    "lr_at",
-    "pick_device",
-    "autocast_for",
-    "CheckpointError",
-    "latest_state",
-]
+__all__ = ["TrainConfig", "TrainResult", "train", "finetune", "evaluate", "lr_at", "pick_device", "autocast_for",
+           "CheckpointError", "latest_state"]

@@ -1,0 +1,81 @@
+"""Pruning-aware fine-tuning recipes of `occult finetune`: distillation from the unpruned model,
+and which MoE parameters train.
+
+Distillation (`TrainConfig.distill_weight` W > 0, `distill_temperature` T): the teacher is the
+same weights with standard routing. Every step runs the model twice on the batch: first under
+`torch.no_grad()` with every router's device / node limit switched off (`unlimited_routing`:
+the plain top-k, the experts where they are), then the pruned forward with the gradient. The
+loss is cross-entropy + aux + W * T^2 * KL(teacher || student) of the logits softened by T
+(`distill_kl`, mean over tokens), so no second copy of the experts is held; the cost is one more
+forward without a backward. The logged loss stays the cross-entropy (comparable with plain
+fine-tuning). W = 0 runs no teacher: the step is plain fine-tuning, bit for bit.
+
+What trains (`TrainConfig.train_part`): "routers" (the router gates only), "experts" (the expert
+weights only), "both" (the MoE blocks, as `moe_only`), or None (today's rule: `moe_only`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from occult.lm.model import OccultLM
+from occult.training.loop import StepLoss
+
+TRAIN_PARTS = ("routers", "experts", "both")
+
+
+def part_names(model: OccultLM, part: str) -> list[str]:
+    """Names of the parameters `part` trains ("routers", "experts" or "both": the MoE blocks)."""
+    if part not in TRAIN_PARTS:
+        raise ValueError(f"train part must be one of {TRAIN_PARTS}, got {part!r}")
+    names = model.moe_parameter_names()
+    experts = set(model.expert_parameters())
+    if part == "routers":
+        return [n for n in names if ".router." in n]
+    if part == "experts":
+        return [n for n in names if n in experts]
+    return names
+
+
+@contextlib.contextmanager
+def unlimited_routing(model: OccultLM) -> Iterator[None]:
+    """Every router's device and node limit off inside (standard top-k routing), restored after."""
+    routers = model.routers()
+    saved = [(r.max_devices, getattr(r, "max_nodes", None)) for r in routers]
+    try:
+        for r in routers:
+            r.max_devices = None
+            if hasattr(r, "max_nodes"):
+                r.max_nodes = None
+        yield
+    finally:
+        for r, (devices, nodes) in zip(routers, saved):
+            r.max_devices = devices
+            if hasattr(r, "max_nodes"):
+                r.max_nodes = nodes
+
+
+def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * KL(softmax(teacher / T) || softmax(student / T)), mean over tokens (fp32)."""
+    vocab = student_logits.shape[-1]
+    s = F.log_softmax(student_logits.float().reshape(-1, vocab) / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float().reshape(-1, vocab) / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+
+
+def distilled_loss(model: OccultLM, forward: Callable[..., Any], xy: tuple[torch.Tensor, torch.Tensor],
+                   aux_coef: float, weight: float, temperature: float) -> StepLoss:
+    """One step's loss with the unpruned model as the teacher (module docstring). `forward` is the
+    training forward (the model or its DDP wrapper); the teacher runs on the model itself."""
+    with torch.no_grad(), unlimited_routing(model):
+        teacher = model(xy[0], return_logits=True).logits
+    out = forward(*xy, return_logits=True)
+    kl = distill_kl(out.logits, teacher, temperature)
+    return StepLoss(out.loss + aux_coef * out.aux_loss + weight * kl, out.loss, out.aux_loss)
+
+
+__all__ = ["TRAIN_PARTS", "part_names", "unlimited_routing", "distill_kl", "distilled_loss"]
