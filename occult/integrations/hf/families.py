@@ -118,8 +118,3 @@ def group_size(group: Any) -> tuple[int, int]:
     if group is None:
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
-
-
-# generate.py still imports the old private name; its owner moves it to `group_size`
-# (tests/test_layering.py, PENDING), then this alias goes.
-_group_size = group_size
