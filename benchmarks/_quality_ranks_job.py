@@ -1,6 +1,6 @@
 """One seed of the multi-rank quality study, on every rank of a torchrun job (`benchmarks/quality_ranks.py`).
 
-    torchrun --nproc-per-node R benchmarks/_quality_ranks_job.py train|tune SEED_DIR/job.json
+    torchrun --nproc-per-node R benchmarks/_quality_ranks_job.py train|tune|recipes SEED_DIR/job.json
 
 The phases of `benchmarks/quality_study.py`, with every training and fine-tuning run a real
 R-rank job (`occult.lm.parallel`: experts sharded over the R ranks, everything else data
@@ -14,6 +14,10 @@ parallel, the load-balancing loss over the global batch):
             really sends every token to at most N ranks
   tune: finetune  standard and every pruned variant on R ranks, experts placed by the study's placement
 
+  recipes   (only with `recipes` in the job) the no-fine-tuning pruned rows and the pruning-aware
+            fine-tuning recipes (`RECIPES`, `occult.lm.distill`) for every N x method, on the tune
+            phase's base and placement -> SEED_DIR/recipes.json (the driver merges its rows)
+
 E[C_T] is measured from the dispatcher: the rows each MoE layer's dedup dispatch sent
 (`OccultMoE.last_comm_stats.dispatch_rows`, one per (token, destination rank), itself included)
 summed over ranks, layers and validation batches, divided by tokens x layers. `mean_ct_observed`
@@ -24,6 +28,7 @@ reports); the two agree exactly. Rank 0 writes SEED_DIR/tune.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -43,6 +48,28 @@ from occult.lm.parallel import full_model, setup_parallel, shard_model  # noqa: 
 from occult.lm.train import BEST, FINAL, finetune, train  # noqa: E402
 from occult.moe.pruning import load_similarity, similarity_path  # noqa: E402
 from occult.placement import Placement  # noqa: E402
+
+RECIPES = {  # pruning-aware fine-tuning recipes (occult finetune's options), by the name the rows carry
+    "distill": dict(distill_weight=1.0, distill_temperature=1.0),
+    "distill-T2": dict(distill_weight=1.0, distill_temperature=2.0),
+    "distill-0.1": dict(distill_weight=0.1, distill_temperature=1.0),
+    "routers": dict(train_part="routers"),
+    "experts": dict(train_part="experts"),
+    "long": dict(steps=200, eval_every=50, save_every=100),  # twice the fine-tuning steps (--ft-steps 100)
+    "experts-long": dict(train_part="experts", steps=200, eval_every=50, save_every=100),
+}
+
+
+def finetune_runs(args, recipes: bool) -> list[tuple]:
+    """(row name, run directory, N, method, TrainConfig changes) of the tune phase (standard and plain
+    pruned fine-tuning) or of the recipes phase (every recipe of the job x N x method)."""
+    cells = [(n, m) for n in args.max_devices for m in args.methods]
+    plain = [(f"pruned N={n} ({m}) + fine-tuning", f"ft-n{n}-{m}", n, m, {}) for n, m in cells]
+    if not recipes:
+        return [("standard fine-tuning", "ft-standard", None, "score", {})] + plain
+    return plain + [(f"pruned N={n} ({m}) + fine-tuning [{r}]", f"ft-n{n}-{m}-{r}", n, m, RECIPES[r])
+                    for r in getattr(args, "recipes", None) or [] for n, m in cells]
+
 
 def dispatcher_eval(model, data, args, par, placement=None) -> dict:
     """`evaluate` on every rank, plus E[C_T] from the rows the real dispatcher sent."""
@@ -114,14 +141,16 @@ def phase_train(args, data, par, log):
     return run / BEST, res.history, secs
 
 
-def phase_evaluate(args, data, par, base, placement, sims, log):
+def phase_evaluate(args, data, par, base, placement, sims, log, pruned_only=False):
     cont = Placement.contiguous(args.experts, par.world_size, args.layers)
     rows = []
-    model = sharded_base(base, par, cont)
-    rows.append(row("standard routing (contiguous placement)", dispatcher_eval(model, data, args, par, cont),
-                       group="no fine-tuning"))
+    if not pruned_only:
+        model = sharded_base(base, par, cont)
+        rows.append(row("standard routing (contiguous placement)", dispatcher_eval(model, data, args, par, cont),
+                        group="no fine-tuning"))
     model = sharded_base(base, par, placement)
-    rows.append(row("placement only", dispatcher_eval(model, data, args, par, placement), group="no fine-tuning"))
+    if not pruned_only:
+        rows.append(row("placement only", dispatcher_eval(model, data, args, par, placement), group="no fine-tuning"))
     for n in args.max_devices:
         for m in args.methods:
             model.set_routing(n, placement, m, sims)
@@ -132,13 +161,11 @@ def phase_evaluate(args, data, par, base, placement, sims, log):
     return rows
 
 
-def phase_finetune(args, data, par, base, placement, sims, log):
-    cfg = qs.train_config(args, finetune_=True)
-    runs = [("standard fine-tuning", None, "score")] + [
-        (f"pruned N={n} ({m}) + fine-tuning", n, m) for n in args.max_devices for m in args.methods]
+def phase_finetune(args, data, par, base, placement, sims, log, recipes=False):
     rows, curves, secs = [], {}, {}
-    for name, n, m in runs:
-        run = args.out / ("ft-standard" if n is None else f"ft-n{n}-{m}")
+    for name, run_dir, n, m, changes in finetune_runs(args, recipes):
+        cfg = dataclasses.replace(qs.train_config(args, finetune_=True), **changes)
+        run = args.out / run_dir
         t0 = time.perf_counter()
         model, res = finetune(base, data, cfg, run, max_devices=n, placement=placement if n else None, method=m,
                               similarity=sims if n else None, resume=args.resume and run.exists(), progress=False,
@@ -147,14 +174,15 @@ def phase_finetune(args, data, par, base, placement, sims, log):
         if n is not None:
             check_rank_map(model, placement)
         rows.append(row(name, dispatcher_eval(model, data, args, par, placement), n=n, method=m if n else None,
-                           finetuned=True, group="fine-tuned"))
+                        finetuned=True, group="fine-tuned"))
+        rows[-1]["recipe"] = changes
         curves[name] = [(h["step"], h["val_loss"]) for h in res.history]
         log(f"finetune: {name}: val loss {rows[-1]['val_loss']:.4f}, E[C_T] {rows[-1]['mean_ct']:.3f}")
     return rows, curves, secs
 
 
 def run_job(phase: str, job: Path) -> int:
-    """`train` (base model) or `tune` (evaluation and fine-tuning) of one seed, on every rank."""
+    """`train` (base model), `tune` (evaluation and fine-tuning) or `recipes` of one seed, on every rank."""
     args = argparse.Namespace(**json.loads(job.read_text()))
     args.out = Path(args.out)
     _, world = init_distributed()
@@ -175,10 +203,10 @@ def run_job(phase: str, job: Path) -> int:
         base = args.out / "base" / BEST
         placement = Placement.load(args.out / "placement.json")
         sims = load_similarity(similarity_path(args.out / "placement.json"), args.experts, args.layers)
-        rows = phase_evaluate(args, data, par, base, placement, sims, log)
+        rows = phase_evaluate(args, data, par, base, placement, sims, log, pruned_only=phase == "recipes")
         t = time.perf_counter()
-        ft_rows, curves, ft_secs = phase_finetune(args, data, par, base, placement, sims, log)
-        result = {"rows": rows + ft_rows, "ft_curves": curves, "ranks": world,
+        ft_rows, curves, ft_secs = phase_finetune(args, data, par, base, placement, sims, log, phase == "recipes")
+        result = {"rows": rows + ft_rows, "ft_curves": curves, "ranks": world, "ft_seconds": ft_secs,
                   "seconds": {"evaluate": t - t0, "fine-tuning": sum(ft_secs.values())}}
     if par.is_main:
         path = args.out / f"{phase}.json"
@@ -200,6 +228,6 @@ def _quiet(fn, *a):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("train", "tune"):
+    if len(sys.argv) != 3 or sys.argv[1] not in ("train", "tune", "recipes"):
         raise SystemExit(__doc__)
     raise SystemExit(run_job(sys.argv[1], Path(sys.argv[2])))

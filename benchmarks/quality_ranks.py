@@ -35,6 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import quality_study as qs  # noqa: E402  (puts the repository root on sys.path)
+from _quality_ranks_job import RECIPES  # noqa: E402
 from _quality_ranks_report import render  # noqa: E402
 
 JOB = HERE / "_quality_ranks_job.py"
@@ -58,10 +59,15 @@ def parse_args(argv=None):
     p.add_argument("--doc", default=None, help="report (default OUT/quality_ranks.md)")
     p.add_argument("--results", default=None, help="aggregated JSON (default beside --doc, .json)")
     p.add_argument("--max-devices", type=int, nargs="+", default=[2, 1])
-    p.add_argument("--methods", nargs="+", default=["score", "similarity"], choices=["score", "similarity"])
+    p.add_argument("--methods", nargs="+", default=["score", "similarity"], choices=["score", "similarity", "mass"])
+    p.add_argument("--recipes", nargs="*", default=[], choices=list(RECIPES),
+                   help="also fine-tune every N x method with these pruning-aware recipes (_quality_ranks_job.RECIPES: "
+                        "distillation from the unpruned model, routers or experts only); rows named '... [RECIPE]'")
     p.add_argument("--placement-method", default="auto", choices=["auto", "hypergraph", "greedy", "contiguous"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks, >= 1)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (default 1, on every machine: the thread count changes the fp32 "
+                        "summation order of the CPU kernels, and a changed order moves a seed's numbers; docs/quality_ranks.md)")
     p.add_argument("--resume", action="store_true", help="skip seeds with a result.json; resume their runs")
     p.add_argument("--render-only", action="store_true", help="only re-write the report from --results")
     p.add_argument("--no-check-sim", action="store_true", help="skip the one-process re-evaluation of the base")
@@ -79,15 +85,13 @@ def parse_args(argv=None):
     args.out = Path(args.out or ("out/quality-ranks-tiny" if args.tiny else "out/quality-ranks"))
     args.doc = Path(args.doc) if args.doc else args.out / "quality_ranks.md"
     args.results = Path(args.results) if args.results else args.doc.with_suffix(".json")
-    if args.threads is None:
-        args.threads = max(1, (os.cpu_count() or 1) // args.ranks)
     return args
 
 
 def job_spec(args, seed: int) -> dict:
     """What `_quality_ranks_job.py` reads: quality_study's argument names, this seed's directory."""
     keys = list(REAL) + ["tiny", "corpus_dir", "tokenizer", "max_devices", "methods", "placement_method", "device",
-                         "resume", "expert_backend", "threads"]
+                         "resume", "expert_backend", "threads", "recipes"]
     spec = {k: getattr(args, k) for k in keys}
     if spec["corpus_dir"] is None and args.tiny:
         spec["corpus_dir"] = str(qs.TINY_CORPUS)
@@ -113,13 +117,14 @@ def run_seed(args, seed: int) -> dict:
     """Base training on R ranks, profile + placement here (one process), evaluation and fine-tuning on R ranks."""
     out = args.out / f"seed{seed}"
     done = out / "result.json"
+    job = out / "job.json"
     if args.resume and done.exists():
         qs.log(f"seed {seed}: reusing {done}")
-        return json.loads(done.read_text())
+        job.write_text(json.dumps(job_spec(args, seed), indent=1) + "\n")
+        return with_recipes(args, seed, json.loads(done.read_text()))
     if out.exists() and not args.resume:
         raise SystemExit(f"{out} exists: pass --resume to continue it, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    job = out / "job.json"
     spec = job_spec(args, seed)
     job.write_text(json.dumps(spec, indent=1) + "\n")
     trained = _torchrun(args, "train", job, seed)
@@ -135,9 +140,32 @@ def run_seed(args, seed: int) -> dict:
     result = dict(trained, **tuned, seed=seed, placement_method=placement_method, placement_comparison=comparison)
     result["seconds"] = dict(trained["seconds"], **{"profile+place": secs}, **tuned["seconds"])
     result["seconds"]["total"] = sum(result["seconds"].values())
-    tmp = done.with_suffix(".json.tmp")
+    _write(done, result)
+    return with_recipes(args, seed, result)
+
+
+def _write(path: Path, result: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(done)
+    tmp.replace(path)
+
+
+def with_recipes(args, seed: int, result: dict) -> dict:
+    """`result` with the rows of `--recipes` (run on this seed's base and placement when any is missing)."""
+    wanted = [f"pruned N={n} ({m}) + fine-tuning [{r}]" for r in args.recipes for n in args.max_devices for m in args.methods]
+    have = {r["name"] for r in result["rows"]}
+    if all(w in have for w in wanted) and all(f"pruned N={n} ({m})" in have for n in args.max_devices for m in args.methods):
+        return result
+    extra = _torchrun(args, "recipes", args.out / f"seed{seed}" / "job.json", seed)
+    new = {r["name"]: r for r in extra["rows"]}
+    rows = [new.pop(r["name"], r) for r in result["rows"]]
+    at = max((i for i, r in enumerate(rows) if not r["finetuned"]), default=-1) + 1
+    rows[at:at] = [r for r in new.values() if not r["finetuned"]]  # no-fine-tuning rows before the fine-tuned ones
+    rows += [r for r in new.values() if r["finetuned"]]
+    result.update(rows=rows, ft_curves=dict(result.get("ft_curves", {}), **extra["ft_curves"]))
+    result["seconds"]["recipes"] = extra["seconds"]["evaluate"] + extra["seconds"]["fine-tuning"]
+    result["seconds"]["total"] = sum(v for k, v in result["seconds"].items() if k != "total")
+    _write(args.out / f"seed{seed}" / "result.json", result)
     return result
 
 
@@ -174,7 +202,8 @@ def spread(values: list[float]) -> dict:
 
 def aggregate(per_seed: list[dict]) -> list[dict]:
     """One row per routing: every metric's mean / std / min / max over the seeds (Δ ppl per seed first)."""
-    names = [r["name"] for r in per_seed[0]["rows"]]
+    names = [r["name"] for r in per_seed[0]["rows"]  # the rows every seed has
+             if all(any(x["name"] == r["name"] for x in res["rows"]) for res in per_seed)]
     out = []
     for name in names:
         rows = []
@@ -183,7 +212,7 @@ def aggregate(per_seed: list[dict]) -> list[dict]:
             ref_name = "standard fine-tuning" if r["finetuned"] else "standard routing (contiguous placement)"
             ref = next(x for x in res["rows"] if x["name"] == ref_name)
             rows.append(dict(r, rel_ppl=r["val_ppl"] / ref["val_ppl"] - 1))
-        agg = {k: rows[0][k] for k in ("name", "group", "max_devices", "method", "finetuned")}
+        agg = {k: rows[0].get(k) for k in ("name", "group", "max_devices", "method", "finetuned", "recipe")}
         for m in METRICS:
             vals = [r[m] for r in rows if r.get(m) is not None]
             agg[m] = spread(vals) if vals else None
@@ -233,7 +262,8 @@ def main(argv=None) -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "env": {"device": (f"{args.ranks} x {torch.cuda.get_device_name(0)} (NCCL)" if cuda else
                            f"{args.ranks} CPU gloo ranks on {os.cpu_count()} cores ({platform.machine()})"),
-                "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")},
+                "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+                "threads_per_rank": args.threads, "grad_sync": "ddp"},
         "seeds": per_seed, "rows": rows, "targets": targets(rows), "simulation_check": checks,
         "wall_seconds": time.perf_counter() - t0, "command": command_line(args),
     }

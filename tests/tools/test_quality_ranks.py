@@ -104,3 +104,25 @@ def test_aggregate_spread_targets_and_report(tmp_path, monkeypatch):
     assert "**missed**" in text
     svg = doc.with_suffix(".svg").read_text()
     assert svg.count("<circle") == 4 and svg.count("<line") > 20  # fine-tuned points with min..max bars
+
+
+def test_recipe_runs_and_rows_only_every_seed_has(monkeypatch):
+    """`--recipes`: the recipes phase fine-tunes every N x method plainly (re-evaluated when finished) and with
+    each recipe (rows '... [RECIPE]', the TrainConfig changes of `RECIPES`); a row some seed lacks is left out."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _quality_ranks_job as job
+    import quality_ranks as qr
+
+    args = argparse.Namespace(max_devices=[2, 1], methods=["score", "mass"], recipes=["distill", "experts"])
+    tune = job.finetune_runs(args, recipes=False)
+    assert [r[0] for r in tune][:2] == ["standard fine-tuning", "pruned N=2 (score) + fine-tuning"] and len(tune) == 5
+    runs = {r[0]: r for r in job.finetune_runs(args, recipes=True)}
+    assert len(runs) == 4 + 8 and runs["pruned N=1 (mass) + fine-tuning [distill]"][1:] == (
+        "ft-n1-mass-distill", 1, "mass", job.RECIPES["distill"])
+    assert job.RECIPES["experts"] == {"train_part": "experts"}
+    names = ["standard routing (contiguous placement)", "standard fine-tuning", "pruned N=1 (score) + fine-tuning"]
+    one = _fake_seed(0, dict(zip(names, [10.0, 9.0, 9.18])), dict(zip(names, [3.0, 2.0, 1.0])))
+    two = _fake_seed(1, dict(zip(names[:2], [20.0, 10.0])), dict(zip(names[:2], [3.2, 2.2])))
+    assert [r["name"] for r in qr.aggregate([one, two])] == names[:2]
