@@ -57,7 +57,7 @@ from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tab
     write_json,
 )
 from e2e import MODELS, TINY, build_model, comm_stats, random_ids, start_run  # noqa: E402  (model building)
-from occult import set_sync_free  # noqa: E402
+from occult import ExecConfig, set_sync_free  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 
@@ -124,8 +124,8 @@ def build_base(base: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> nn.M
     if base == "native":
         return model
     if base == "replicated":
-        return hf.convert(model, group=ctx["self_group"], dispatcher="dedup")
-    return hf.convert(model, dispatcher=base)
+        return hf.convert(model, group=ctx["self_group"], execution=ExecConfig(dispatcher="dedup"))
+    return hf.convert(model, execution=ExecConfig(dispatcher=base))
 
 
 def eager_step(model: nn.Module) -> Step:

@@ -75,7 +75,7 @@ from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and 
 from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
-from occult import Placement, set_overlap, two_batch_overlap  # noqa: E402
+from occult import ExecConfig, Placement, RoutingConfig, set_overlap, two_batch_overlap  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
@@ -286,12 +286,13 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         set_overlap(model, chunks)  # 1 for /tbo: two_batch_overlap needs unpipelined layers
         return model
     if variant == "replicated":
-        return hf.convert(model, group=self_group, dispatcher="dedup")
+        return hf.convert(model, group=self_group, execution=ExecConfig(dispatcher="dedup"))
     if variant in ("standard", "dedup"):
-        return hf.convert(model, dispatcher=variant)
+        return hf.convert(model, execution=ExecConfig(dispatcher=variant))
     if variant == "dedup+placement":
-        return hf.convert(model, placement=placement, dispatcher="dedup")
-    return hf.convert(model, placement=placement, dispatcher="dedup", max_devices=int(variant[len("pruned"):]))
+        return hf.convert(model, placement=placement, execution=ExecConfig(dispatcher="dedup"))
+    return hf.convert(model, placement=placement, execution=ExecConfig(dispatcher="dedup"),
+                      routing=RoutingConfig(max_devices=int(variant[len("pruned"):])))
 
 
 def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:

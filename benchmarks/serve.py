@@ -81,7 +81,7 @@ from _roofline import ModelCost, bandwidth, measure_peaks  # noqa: E402  (benchm
 from decode import build_base, model_config  # noqa: E402
 from e2e import MODELS, TINY, build_model, random_ids, start_run  # noqa: E402
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
-from occult import set_sync_free  # noqa: E402
+from occult import ExecConfig, set_sync_free  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 
@@ -305,7 +305,7 @@ def verify(args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
         sub = argparse.Namespace(**{**vars(args), "model": name, "layers": None if name in TINY else args.layers})
         cfg = model_config(sub)
         ref = build_model(sub, cfg, device, dtype).eval()
-        model = hf.convert(build_model(sub, cfg, device, dtype).eval(), dispatcher="dedup")
+        model = hf.convert(build_model(sub, cfg, device, dtype).eval(), execution=ExecConfig(dispatcher="dedup"))
         gen = torch.Generator().manual_seed(40_000 + args.seed + dist.get_rank())
         ids = random_ids(4, 24, cfg.vocab_size, device, gen)
         mask = torch.ones_like(ids)

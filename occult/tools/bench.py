@@ -26,6 +26,7 @@ from occult._atomic import write_text_atomic
 from occult.distributed import pick_backend, run_ranks
 from occult.moe.comm import all_to_all
 from occult.moe.experts import expert_mlp
+from occult.moe.config import ExecConfig, MoEConfig
 from occult.moe.layer import OccultMoE
 from occult.moe.registry import capabilities
 from occult.placement import Placement
@@ -215,8 +216,9 @@ def _count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int | None
 def _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets, device, args):
     """The variant's layer with this rank's share of the full weights, and one preset router per batch."""
     layer = OccultMoE(
-        shape.hidden, shape.ffn, shape.experts, shape.top_k, placement=placement, dispatcher=VARIANT_DISPATCHER[variant],
-        expert_backend=args["expert_backend"], overlap_chunks=args.get("chunks", 1), dtype=w1_full.dtype, device=device,
+        MoEConfig(shape.hidden, shape.ffn, shape.experts, shape.top_k, w1_full.dtype), placement=placement,
+        execution=ExecConfig(VARIANT_DISPATCHER[variant], overlap_chunks=args.get("chunks", 1),
+                             expert_backend=args["expert_backend"]), device=device,
     )
     with torch.no_grad():
         layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from occult.distributed import pick_backend, run_ranks
 from occult.moe.dense import DenseMoE
+from occult.moe.config import ExecConfig
 from occult.moe.layer import OccultMoE
 from occult.placement import Placement
 
@@ -121,9 +122,9 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig, placement: Placemen
     with torch.no_grad():
         reference = dense(x).float()
     variants = {
-        "standard": OccultMoE.from_dense(dense, dispatcher="standard", expert_backend="auto"),
-        "dedup": OccultMoE.from_dense(dense, dispatcher="dedup"),
-        "dedup+placement": OccultMoE.from_dense(dense, placement=placement, dispatcher="dedup"),
+        "standard": OccultMoE.from_dense(dense, execution=ExecConfig(dispatcher="standard")),
+        "dedup": OccultMoE.from_dense(dense, execution=ExecConfig(dispatcher="dedup")),
+        "dedup+placement": OccultMoE.from_dense(dense, placement=placement, execution=ExecConfig(dispatcher="dedup")),
     }
     del dense
     fwd: dict[str, list[float]] = {name: [] for name in variants}
