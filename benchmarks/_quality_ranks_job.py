@@ -168,8 +168,8 @@ def phase_finetune(args, data, par, base, placement, sims, log, recipes=False):
         run = args.out / run_dir
         t0 = time.perf_counter()
         model, res = finetune(base, data, cfg, run, max_devices=n, placement=placement if n else None, method=m,
-                              similarity=sims if n else None, resume=args.resume and run.exists(), progress=False,
-                              log=log, parallel=par, ep_placement=placement, dispatcher="dedup")
+                              similarity=sims if n else None, resume=(args.resume or recipes) and run.exists(),
+                              progress=False, log=log, parallel=par, ep_placement=placement, dispatcher="dedup")
         secs[name] = time.perf_counter() - t0
         if n is not None:
             check_rank_map(model, placement)
