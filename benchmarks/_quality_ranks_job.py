@@ -57,6 +57,7 @@ RECIPES = {  # pruning-aware fine-tuning recipes (occult finetune's options), by
     "experts": dict(train_part="experts"),
     "long": dict(steps=200, eval_every=50, save_every=100),  # twice the fine-tuning steps (--ft-steps 100)
     "experts-long": dict(train_part="experts", steps=200, eval_every=50, save_every=100),
+    "experts-x4": dict(train_part="experts", steps=400, eval_every=100, save_every=200),  # four times
 }
 
 
