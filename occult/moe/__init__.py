@@ -11,6 +11,7 @@
     contract   the one dispatcher contract: `Dispatcher`, `Schedule`, `Capabilities`, `Received`
     dispatch   the flat dispatchers (`StandardDispatcher`, `DedupDispatcher`)
     pipeline   their pipelined schedule: token chunks, all-to-alls hidden behind expert compute
+    local      their one-rank schedule: an identity, no host wait (status read one layer later)
     two_level  `TwoLevelDispatcher` ("dedup2"): one copy per node, then per GPU inside it
     registry   the dispatcher name table, `make_dispatcher`
     experts    SwiGLU experts on received rows (torch reference; Triton via `occult.kernels`)

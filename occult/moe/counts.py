@@ -24,10 +24,15 @@ STATUS_MESSAGES = {
 STATUS_WRONG_HIDDEN = 3
 
 
+def clamp_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Expert ids clamped into [0, E): safe to index with, whatever a router returned (one launch)."""
+    return ids_TK.clamp(0, num_experts - 1)
+
+
 def routing_status(weights_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids clamped into [0, E), status): 2 ids out of range, else 1 NaN/inf gates, else 0.
     A device tensor (no host sync: the status travels with the counts); few launches."""
-    clamped_TK = ids_TK.clamp(0, num_experts - 1)
+    clamped_TK = clamp_ids(ids_TK, num_experts)
     status = torch.where((clamped_TK != ids_TK).any(), 2, (~torch.isfinite(weights_TK)).any().to(torch.int64))
     return clamped_TK, status
 

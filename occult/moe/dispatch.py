@@ -8,6 +8,8 @@ one autograd node, or two around the two-batch pause). `combine` returns one row
 row and sums each token's rows. Backward sends as many rows as forward: gradient rows retrace
 both all-to-alls in reverse, and the gate gradients (k scalars per row) return with the
 dispatch's backward. `Schedule.chunks > 1` runs the same plans pipelined (`occult.moe.pipeline`).
+On a group of one rank (outside two-batch overlap) every schedule is the identity of
+`occult.moe.local`: no plan, no copies, no host wait.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from typing import Any, Callable
 
 import torch
 
-from occult.moe import pipeline
+from occult.moe import local, pipeline
 from occult.moe.comm import CommStats, exchange
 from occult.moe.contract import Capabilities, Dispatcher, Handle, Received, Schedule
-from occult.moe.counts import exchange_counts, routing_status
+from occult.moe.counts import clamp_ids, exchange_counts, routing_status
 from occult.moe.expert_map import ExpertMap
 from occult.moe.gather import gather_early, gather_gate_weights, gather_rows, sum_rows
 from occult.moe.plan import DispatchPlan, dedup_plan, standard_plan, static_dedup_plan, static_standard_plan, trim
@@ -58,8 +60,13 @@ class FlatDispatcher(Dispatcher):
         status: torch.Tensor | None = None,
     ) -> tuple[Received, Handle]:
         self.check_schedule(schedule)
-        if status is None:
+        if status is None and schedule.sync_free:
+            ids_TK = clamp_ids(ids_TK, expert_map.num_experts)  # nothing is reported: only keep indices in range
+        elif status is None:
             ids_TK, status = routing_status(weights_TK, ids_TK, expert_map.num_experts)
+        if self.num_ranks == 1 and schedule.pause is None:  # nothing to send (any chunks: the same function)
+            return local.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status,
+                                        self.capabilities.deduplicated)
         if schedule.chunks > 1:
             return pipeline.dispatch_chunks(self, x_TH, weights_TK, ids_TK, expert_map, schedule, status)
         plan = self.plan_rows(ids_TK, expert_map, schedule.sync_free)
@@ -84,6 +91,8 @@ class FlatDispatcher(Dispatcher):
         return Received(x_RH, slots_RK, gates_RK), handle
 
     def combine(self, y: Any, handle: Handle) -> torch.Tensor:
+        if isinstance(handle, local.LocalHandle):
+            return local.combine_local(y, handle)
         if isinstance(handle, pipeline.ChunkedHandle):  # the pipelined schedule combined chunk by chunk
             return handle.output(y)
         handle.stats.combine_rows = y.shape[0]

@@ -140,7 +140,9 @@ class OccultMoE(nn.Module):
         """
         x_TH, wrong_hidden = self._tokens(x)
         weights_TK, ids_TK = self.router(x_TH)  # 1. route
-        ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
+        status = None  # sync-free: nothing is reported (the dispatcher only clamps the ids)
+        if not self.sync_free:
+            ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
         if wrong_hidden:  # tell the other ranks before raising, so none is left waiting in a collective
             status = status + STATUS_WRONG_HIDDEN
         schedule = self._schedule(while_waiting)
@@ -158,7 +160,7 @@ class OccultMoE(nn.Module):
         """(x as [T, H], whether the hidden size is wrong: then no rows, and the error travels)."""
         if x.shape[-1] == self.hidden_size:
             return x.reshape(-1, self.hidden_size), False
-        if self.sync_free:  # no count exchange to carry the error: raise on this rank
+        if self.sync_free or self.num_ranks == 1:  # no count exchange to carry the error: raise on this rank
             raise self._wrong_hidden(x)
         return x.new_zeros((0, self.hidden_size)), True
 

@@ -20,6 +20,7 @@ from occult.integrations.hf.families import (
 )
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, merge_settings
 from occult.moe.layer import OccultMoE
+from occult.moe.local import check_routing
 from occult.placement import Placement
 
 
@@ -100,7 +101,13 @@ def convert(
             experts.down_proj.copy_(down)
         model.set_submodule(name, OccultMoeBlock(block, experts, family))
     model.occult_placement = placement
+    if num_ranks == 1:  # one-rank layers report bad routing one layer late: the last layer's at the end
+        model.occult_routing_check = model.register_forward_hook(_check_routing)
     return model
+
+
+def _check_routing(module: nn.Module, args: Any, output: Any) -> None:
+    check_routing()
 
 
 def _hf_blocks(model: nn.Module) -> list[tuple[str, OccultMoeBlock, nn.Module]]:
@@ -120,6 +127,9 @@ def unconvert(model: nn.Module) -> nn.Module:
         model.set_submodule(name, hf_block)
     if hasattr(model, "occult_placement"):
         del model.occult_placement
+    if hasattr(model, "occult_routing_check"):
+        model.occult_routing_check.remove()
+        del model.occult_routing_check
     return model
 
 

@@ -1,0 +1,90 @@
+"""The one-rank schedule (`occult.moe.local`): an identity with no host wait, still exact and
+still reporting bad input.
+
+Exactness of every dispatcher and schedule on one rank (outputs and gradients against
+`DenseMoE`, edge cases, CommStats) is in tests/moe/test_layer.py::test_single_process_matches_dense;
+here: that one rank really takes the identity (no count exchange, no plan), that bad input still
+raises (at once on CPU; one layer later on CUDA, tests/gpu/test_local_gpu.py), and the deferred
+check's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import occult.moe.local as local
+from occult import DenseMoE, OccultMoE, RoutingError, check_routing
+from occult.moe import counts, dispatch
+
+
+def _no_host_wait(*args, **kwargs):
+    raise AssertionError("a one-rank dispatch must not plan rows or exchange counts")
+
+
+@pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_one_rank_takes_the_identity_and_matches_dense(monkeypatch, dispatcher, chunks):
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    T, H, F, E, K = random.randrange(1, 40), 16, 12, 8, random.randrange(1, 9)
+    dense = DenseMoE(H, F, E, K, norm_topk_prob=bool(seed % 2), dtype=torch.float64)
+    layer = OccultMoE.from_dense(dense, dispatcher=dispatcher, overlap_chunks=chunks)
+    monkeypatch.setattr(dispatch, "exchange_counts", _no_host_wait)
+    monkeypatch.setattr(dispatch.FlatDispatcher, "plan_rows", _no_host_wait)
+    x = torch.randn(T, H, dtype=torch.float64)
+    g = torch.randn(T, H, dtype=torch.float64)
+    x_ref = x.clone().requires_grad_()
+    y_ref = dense(x_ref)
+    (y_ref * g).sum().backward()
+    x_occ = x.clone().requires_grad_()
+    y = layer(x_occ)
+    (y * g).sum().backward()
+    assert torch.allclose(y, y_ref, rtol=1e-10, atol=1e-12), seed
+    assert torch.allclose(x_occ.grad, x_ref.grad, rtol=1e-10, atol=1e-12), seed
+    assert torch.allclose(layer.router.gate.weight.grad, dense.router.gate.weight.grad, rtol=1e-10, atol=1e-12), seed
+    assert torch.allclose(layer.gate_up_proj.grad, dense.gate_up_proj.grad, rtol=1e-10, atol=1e-12), seed
+    assert torch.allclose(layer.down_proj.grad, dense.down_proj.grad, rtol=1e-10, atol=1e-12), seed
+    stats = layer.last_comm_stats
+    rows = T if dispatcher == "dedup" else T * K
+    assert stats.dispatch_rows == stats.combine_rows == rows
+    assert stats.forward_rows == stats.backward_rows == 2 * rows
+    assert stats.forward_remote_rows == stats.backward_remote_rows == 0
+    assert stats.forward_bytes == stats.backward_bytes == 2 * rows * H * 8
+
+
+def test_one_rank_bad_input_raises_and_the_layer_still_works():
+    layer = OccultMoE(8, 4, 8, 2, dtype=torch.float64)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    x[2, 3] = float("nan")
+    with pytest.raises(RoutingError, match="rank 0: router produced NaN"):
+        layer(x)
+    with pytest.raises(ValueError, match="hidden size 7"):
+        layer(torch.randn(6, 7, dtype=torch.float64))
+    assert layer(torch.randn(5, 8, dtype=torch.float64)).shape == (5, 8)
+    with torch.no_grad():  # ids out of range from a custom router
+        layer.router = _OutOfRange(layer.router)
+        with pytest.raises(RoutingError, match="expert ids out of range"):
+            layer(torch.randn(5, 8, dtype=torch.float64))
+
+
+class _OutOfRange(torch.nn.Module):
+    def __init__(self, router):
+        super().__init__()
+        self.inner = router
+
+    def forward(self, x):
+        weights, ids = self.inner(x)
+        return weights, ids + 100
+
+
+def test_deferred_statuses_are_read_by_check_routing(monkeypatch):
+    """The bookkeeping of the CUDA path, with host tensors standing in for the pinned copies."""
+    monkeypatch.setattr(local, "_PENDING", [])
+    local._PENDING.extend([(torch.tensor([0]), None), (torch.tensor([counts.STATUS_WRONG_HIDDEN - 2]), None)])
+    with pytest.raises(RoutingError, match="NaN"):
+        check_routing()
+    assert local._PENDING == []  # read once: the next check has nothing left
+    check_routing()
