@@ -119,7 +119,11 @@ def model_config(args: argparse.Namespace) -> Any:
 
 def build_base(base: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> nn.Module:
     """The random model converted as `base`: replicated (one-rank group), standard or dedup (all ranks);
-    native: not converted (serve.py's transformers baseline)."""
+    native: not converted (serve.py's transformers baseline); `<base>/compile`: then `hf.compile_layers`."""
+    if base.endswith("/compile"):  # the decoder layers torch.compiled around the MoE blocks
+        model = build_base(base[: -len("/compile")], args, cfg, ctx)
+        hf.compile_layers(model)
+        return model
     model = build_model(args, cfg, ctx["device"], ctx["dtype"]).eval()
     if base == "native":
         return model

@@ -25,6 +25,10 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
                    in two halves, one half's all-to-alls under the other's attention and experts),
                    e.g. dedup/tbo; replicated/tbo is its own floor (no traffic: the cost of splitting).
                    Rows sent are not reported for /tbo (each layer keeps only its last half's stats)
+  <variant>/compile  any variant, native too, with its decoder layers torch.compiled around the MoE
+                   blocks (occult.integrations.hf.compile_layers: inductor fuses the norms, rotary and
+                   residual adds; MoE blocks stay eager); each phase's compile time is reported apart
+                   (its first step less a steady one), e.g. native/compile,replicated/compile
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -106,20 +110,30 @@ def variant_list(text: str) -> list[str]:
     """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1)."""
     names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in names if split_chunks(v)[0] not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", split_chunks(v)[0])]
-    bad += [v for v in names if split_chunks(v)[0] in (*PEERS, "native") and v != split_chunks(v)[0]]
+    bad += [v for v in names if split_chunks(v)[0] in PEERS and v != split_chunks(v)[0]]
+    bad += [v for v in names if split_chunks(v)[0] == "native" and v not in ("native", "native/compile")]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
-            f"each optionally /cN (N chunks) or /tbo (two-batch overlap), or the peers {', '.join(PEERS)}")
+            f"each optionally /cN (N chunks), /tbo (two-batch overlap) or /compile (native too), "
+            f"or the peers {', '.join(PEERS)}")
     return names
 
 
 def split_chunks(variant: str) -> tuple[str, int]:
-    """'dedup/c4' -> ('dedup', 4); 'dedup/tbo' -> ('dedup', 1); no suffix: not pipelined (1)."""
+    """'dedup/c4' -> ('dedup', 4); 'dedup/tbo', 'dedup/compile' -> ('dedup', 1); no suffix: not pipelined (1)."""
     m = re.fullmatch(r"(.+)/c([1-9]\d*)", variant)
     if m:
         return m.group(1), int(m.group(2))
-    return (variant[: -len("/tbo")], 1) if is_tbo(variant) else (variant, 1)
+    for suffix in ("/tbo", "/compile"):
+        if variant.endswith(suffix):
+            return variant[: -len(suffix)], 1
+    return variant, 1
+
+
+def is_compiled(variant: str) -> bool:
+    """'replicated/compile': the decoder layers torch.compiled around the MoE blocks (hf.compile_layers)."""
+    return variant.endswith("/compile")
 
 
 def is_tbo(variant: str) -> bool:
@@ -283,7 +297,9 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
     base, chunks = split_chunks(variant)
     if base != variant:
         model = convert_variant(model, base, placement, self_group)
-        set_overlap(model, chunks)  # 1 for /tbo: two_batch_overlap needs unpipelined layers
+        set_overlap(model, chunks)  # 1 for /tbo and /compile: two_batch_overlap needs unpipelined layers
+        if is_compiled(variant):
+            hf.compile_layers(model)
         return model
     if variant == "replicated":
         return hf.convert(model, group=self_group, execution=ExecConfig(dispatcher="dedup"))
@@ -349,6 +365,16 @@ def time_steps(step: Callable[[torch.Tensor], None], args: argparse.Namespace, v
             "tokens_per_s_per_gpu": args.batch * args.seq / (q[0] / 1e3)}
 
 
+def first_step_s(step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device) -> float:
+    """Wall seconds of one untimed step (the first of a phase: what compiling it costs, plus a step)."""
+    ids_BS = random_ids(args.batch, args.seq, vocab, device, torch.Generator().manual_seed(30_000 + args.seed))
+    synchronize(device)
+    t0 = time.perf_counter()
+    step(ids_BS)
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
 def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> dict:
     """Build, convert, check, then time every phase of one variant; frees its model."""
     device = ctx["device"]
@@ -397,7 +423,10 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                 optimizer = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
                              if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=args.lr))
             step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer, is_tbo(variant))
+            first_s = first_step_s(step, args, cfg.vocab_size, device) if is_compiled(variant) else None
             out = time_steps(step, args, cfg.vocab_size, device, shared)
+            if first_s is not None:  # the phase's compilation: its first step less a steady one
+                out["compile_s"] = first_s - out["ms_median"] / 1e3
             out["comm"] = model.comm_stats() if titan else {} if is_tbo(variant) else comm_stats(model, device)
             flops = (ctx["cost"].forward_flops(args.batch, args.seq, args.batch) if phase == "prefill"
                      else ctx["cost"].train_flops(args.batch, args.seq))

@@ -17,8 +17,12 @@ the last logits feeds the next step, on the device). Models are built as in benc
   native-generate+compile    the same auto-compiled (its CUDA-graph path: torch.compile reduce-overhead);
                              compile time reported (CUDA only: generate compiles nothing on CPU)
   generate, generate+graph   occult's `hf.generate` (dedup, sync-free decode), eager / step captured
+  generate+compile+graph     the same after `hf.compile_layers` (decoder layers torch.compiled around the
+                             MoE blocks; compiled in the check and the first call: compile_s is what the
+                             first call adds, the check's share is not counted)
   replicated                 all experts on every GPU (a one-rank group): no expert-parallel traffic
   replicated+graph           the same, the decode step sync-free and captured in a CUDA graph: the floor
+  replicated+compile+graph   the same after `hf.compile_layers` (capture_s includes compiling the step)
   standard, dedup            occult eager: one host synchronisation per MoE layer
   dedup-syncfree             eager, sync-free dispatch (fixed-capacity all-to-all, no host wait)
   standard-syncfree+graph,   sync-free, the decode step captured once per batch size
@@ -107,6 +111,8 @@ VARIANTS: dict[str, Variant] = {
     "hf-ep+graph": Variant("hf-ep", False, True),
     "generate": Variant("dedup", True, False, "occult"),
     "generate+graph": Variant("dedup", True, True, "occult+graph"),
+    "generate+compile+graph": Variant("dedup/compile", True, True, "occult+graph"),
+    "replicated+compile+graph": Variant("replicated/compile", True, True),
 }
 CHECK_ROWS = 8
 
@@ -235,7 +241,7 @@ def step_bandwidth(base: str, batch: int, step_ms: float, args: argparse.Namespa
     share of the measured copy bandwidth; experts split over the group for expert-parallel variants."""
     if base == "hf-ep":
         return {"hbm_fraction": None}
-    world = 1 if base in ("native", "replicated") else dist.get_world_size()
+    world = 1 if base.split("/")[0] in ("native", "replicated") else dist.get_world_size()
     nbytes = ctx["cost"].decode_bytes(batch, args.prompt_len + (args.new_tokens + 1) / 2, world)
     return {"step_bytes": nbytes, **bandwidth(nbytes["total"], step_ms, ctx["peaks"])}
 

@@ -10,6 +10,7 @@ SwiGLU that the occult expert kernels do not compute.
     trace = profile(model, batches)                          # routing trace of every MoE layer
     placement = place(trace, num_devices).placement          # occult.placement.solvers / `occult place`
     convert(model, placement=placement)                      # on every rank of the EP group
+    compile_layers(model)                                    # optional: torch.compile the dense parts (once per shape)
     out = generate(model, ids, max_new_tokens=64)            # static KV cache, graph-captured decode
     out = model.generate(ids, synced_gpus=True)              # or transformers' own: all ranks step together
     loss.backward(); sync_gradients(model); opt.step()       # replicated grads averaged
@@ -31,7 +32,7 @@ GPUs) keeps ranks in step by itself; with transformers' own `model.generate` pas
 
 One module per job: `families` (supported model types, version and structure checks),
 `routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
-`sync_gradients`), `profile`, `convert` (`convert`, `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
+`sync_gradients`), `profile`, `compiled` (`compile_layers`: torch.compile around the MoE blocks), `convert` (`convert`, `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
 profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads
 only its experts), `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing
 loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer, written by its owner rank),
@@ -41,6 +42,7 @@ loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save
 
 from occult.integrations.hf.block import OccultMoeBlock, expert_parameters, moe_blocks, sync_gradients
 from occult.integrations.hf.calibration import calibration_windows, token_stream
+from occult.integrations.hf.compiled import compile_layers, decoder_layers
 from occult.integrations.hf.convert import convert, hf_layout, unconvert
 from occult.integrations.hf.finetune import (
     FinetuneConfig,
@@ -69,6 +71,8 @@ from occult.integrations.hf.two_batch import set_two_batch
 
 __all__ = [
     "FAMILIES",
+    "compile_layers",
+    "decoder_layers",
     "FinetuneConfig",
     "FinetuneResult",
     "Groups",

@@ -1,0 +1,50 @@
+"""`compile_layers`: torch.compile a transformers model's decoder layers around its MoE blocks.
+
+A decoder layer's dense part (RMSNorms, q/k norms, rotary embedding, residual adds; tens of
+small memory-bound kernels) costs more GPU time than its attention matmuls at OLMoE's shape and
+dominates a decode step's launches. Inductor fuses it. The MoE block itself stays eager
+(`OccultMoeBlock.forward` is excluded from tracing: its kernels are already fused, and on
+several ranks it waits on the host for the row counts), so each decoder layer compiles to the
+graph before the MoE block and the one after it.
+
+Decoder layers share one class and one forward, and torch.compile treats module parameters as
+inputs, so the layers share compiled graphs where nothing else differs. With a KV cache each
+layer reads its own cache slot (`layer_idx`), which specialises a graph per layer: the helper
+raises Dynamo's recompile limit to fit every layer (a process-wide setting) instead of letting
+layers past the limit fall back to eager silently.
+
+Works on plain and converted models; every rank compiles its own copy (no collectives here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers (`model.model.layers` in every supported family)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"{type(model).__name__} has no `model.layers` list of decoder layers to compile")
+    return list(layers)
+
+
+def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
+    """Compile every decoder layer of `model` in place (`nn.Module.compile(**compile_kwargs)`, default
+    `dynamic=False`); returns how many. Call after `convert` (MoE blocks run eager either way).
+
+    The first forward of each new shape (prefill length, decode batch) compiles: time it apart.
+    """
+    layers = decoder_layers(model)
+    compile_kwargs.setdefault("dynamic", False)
+    limit = 2 * len(layers) + 8  # one graph per layer and cache slot, twice (before and after the MoE block)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, limit)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * limit)
+    for layer in layers:
+        layer.compile(**compile_kwargs)
+    return len(layers)

@@ -1,0 +1,172 @@
+"""Where a whole transformers MoE model's step goes on one GPU: kernel families, launches, idle.
+
+Builds the random OLMoE-1B-7B-shape model of `benchmarks/e2e.py` (fewer layers with --layers),
+then, per variant (`native`: unconverted; `occult`: converted over a one-rank group, dedup) and
+phase (`prefill`: 4 x 2048 tokens, logits of the last position; `train`: forward + backward;
+`decode`: one B-row step of `hf.StaticDecoder`, graph-captured for occult with sync-free dispatch,
+eager for native), profiles a few steps under torch.profiler and prints: wall ms per step (CUDA
+events), GPU busy ms (union of kernel intervals), idle = wall - busy (the host-bound share),
+kernels per step, and time per kernel family (matmul, attention, occult Triton, elementwise).
+The top kernels go to --out as JSON.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 1 scripts/profile_model.py \
+        --layers 4 --phases prefill,train,decode --out prof/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import e2e  # noqa: E402  (benchmarks/e2e.py: the model and its conversion)
+from occult import set_sync_free  # noqa: E402
+from occult.distributed import init_distributed  # noqa: E402
+from occult.integrations import hf  # noqa: E402
+from occult.integrations.hf.block import is_converted  # noqa: E402
+
+FAMILIES = (  # (family, substrings of kernel names), first match wins; occult's Triton kernels are `_name_kernel`
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "grouped_mm")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("copy/index", ("copy", "memcpy", "fill", "memset", "cat", "index", "scatter", "gather")),
+    ("elementwise/reduce", ("elementwise", "reduce", "softmax", "topk", "sort", "scan")),
+)
+
+
+def family_of(name: str) -> str:
+    if name.startswith("_") and not name.startswith("_Z"):
+        return "occult triton"
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total, end = total + e - s, e
+        elif e > end:
+            total, end = total + e - end, e
+    return total
+
+
+def profile_steps(step, steps: int) -> dict:
+    """Time `steps` calls with CUDA events, then profile as many; kernel statistics per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps / 1e3
+    per_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = per_kernel.setdefault(e.name, [0.0, 0])
+        entry[0] += e.time_range.elapsed_us() / steps
+        entry[1] += 1 / steps
+    fams: dict[str, list[float]] = {}
+    for name, (us, n) in per_kernel.items():
+        f = fams.setdefault(family_of(name), [0.0, 0])
+        f[0] += us
+        f[1] += n
+    wall = statistics.median(times)
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:40]
+    return {"wall_ms": wall, "busy_ms": busy, "idle_ms": wall - busy, "kernels": len(kernels) / steps,
+            "families": {k: {"ms": v[0] / 1e3, "count": v[1]} for k, v in fams.items()},
+            "top": [{"name": n[:160], "us": v[0], "count": v[1]} for n, v in top]}
+
+
+def phase_step(model, phase: str, args, device):
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    if phase in ("prefill", "train"):
+        step = e2e.make_step(model, phase, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+                             if phase == "train" else None)
+        return lambda: step(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
+    model.eval()
+    B = args.decode_batch
+    decoder = hf.StaticDecoder(model, B, args.prompt + 64)
+    ids = e2e.random_ids(B, args.prompt, vocab, device, gen)
+    decoder.prefill(ids, torch.ones_like(ids))
+    if args.graph and is_converted(model):
+        decoder.capture()
+    next_B = ids[:, -1].clone()
+
+    def step():
+        if decoder.free_slots < 2:
+            decoder.prefill(ids, torch.ones_like(ids))
+        decoder.step(next_B)
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="olmoe", choices=sorted(e2e.MODELS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--variants", default="native,occult")
+    p.add_argument("--phases", default="prefill,train,decode")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--decode-batch", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="occult decode eager (sync-free still)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device())
+    self_group = torch.distributed.new_group([0])
+    eargs = e2e.parse_args(["--model", args.model, "--layers", str(args.layers)])
+    cfg = e2e.model_config(eargs)
+    results = {}
+    for variant in args.variants.split(","):
+        model = e2e.build_model(eargs, cfg, device, torch.bfloat16)
+        if variant == "occult":
+            model = e2e.convert_variant(model, "replicated", None, self_group)
+        for phase in args.phases.split(","):
+            if variant == "occult":
+                set_sync_free(model, phase == "decode")
+            results[f"{variant}/{phase}"] = r = profile_steps(phase_step(model, phase, args, device), args.steps)
+            print(f"{variant}/{phase}: wall {r['wall_ms']:.2f} ms, busy {r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, "
+                  f"kernels {r['kernels']:.0f}", flush=True)
+            for t in r["top"][:12]:
+                print(f"   {t['us']:9.1f} us {t['count']:6.0f}x  {t['name'][:100]}")
+        del model
+        torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "profile_model.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"\nOLMoE shape, {args.layers} layers; per step (ms) and kernel families (ms / launches)")
+    fams = sorted({f for r in results.values() for f in r["families"]})
+    print(f"{'run':<18}{'wall':>8}{'busy':>8}{'idle':>8}{'kernels':>8}  " + "  ".join(f"{f:>22}" for f in fams))
+    for name, r in results.items():
+        cells = [f"{r['families'].get(f, {}).get('ms', 0):8.2f}/{r['families'].get(f, {}).get('count', 0):<6.0f}" for f in fams]
+        print(f"{name:<18}{r['wall_ms']:>8.2f}{r['busy_ms']:>8.2f}{r['idle_ms']:>8.2f}{r['kernels']:>8.0f}  "
+              + "  ".join(f"{c:>22}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
