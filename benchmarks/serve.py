@@ -115,6 +115,7 @@ VARIANTS: dict[str, Variant] = {
     "replicated+compile+graph": Variant("replicated/compile", True, True),
 }
 CHECK_ROWS = 8
+OPT_IN = ("hf-ep", "hf-ep+graph", "generate+compile+graph", "replicated+compile+graph")  # not in the default list
 
 
 variant_list = _variant_list(VARIANTS)
@@ -124,8 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY], help="model shape (tiny*: CPU smoke runs)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
-    p.add_argument("--variants", type=variant_list, default=",".join(n for n in VARIANTS if not n.startswith("hf-ep")),
-                   help=f"comma list or 'all' of {', '.join(VARIANTS)} (default: all but the hf-ep peer, which needs accelerate)")
+    p.add_argument("--variants", type=variant_list, default=",".join(n for n in VARIANTS if n not in OPT_IN),
+                   help=f"comma list or 'all' of {', '.join(VARIANTS)} (default: all but {', '.join(OPT_IN)}: the hf-ep "
+                        "peer needs accelerate, the compiled ones take a while to compile)")
     p.add_argument("--batch", type=batch_list, default="1,8,64,256", help="comma list of sequences per GPU")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps per run")

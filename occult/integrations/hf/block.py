@@ -52,7 +52,6 @@ class OccultMoeBlock(nn.Module):
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.hf_block_class = type(block)
 
-    @torch.compiler.disable  # eager under torch.compile: fused kernels already, a host wait on several ranks
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:

@@ -3,15 +3,18 @@
 A decoder layer's dense part (RMSNorms, q/k norms, rotary embedding, residual adds; tens of
 small memory-bound kernels) costs more GPU time than its attention matmuls at OLMoE's shape and
 dominates a decode step's launches. Inductor fuses it. The MoE block itself stays eager
-(`OccultMoeBlock.forward` is excluded from tracing: its kernels are already fused, and on
+(each `OccultMoeBlock`'s forward is excluded from tracing: its kernels are already fused, and on
 several ranks it waits on the host for the row counts), so each decoder layer compiles to the
-graph before the MoE block and the one after it.
+graph before the MoE block and the one after it. (A whole converted model can also be given to
+`torch.compile` directly, MoE blocks traced: docs/benchmarks.md, "torch.compile on the decode path".)
 
 Decoder layers share one class and one forward, and torch.compile treats module parameters as
 inputs, so the layers share compiled graphs where nothing else differs. With a KV cache each
 layer reads its own cache slot (`layer_idx`), which specialises a graph per layer: the helper
-raises Dynamo's recompile limit to fit every layer (a process-wide setting) instead of letting
-layers past the limit fall back to eager silently.
+raises Dynamo's recompile limit to fit every layer for 16 shapes (a process-wide setting) instead
+of letting layers past the limit fall back to eager silently. Each new shape compiles again
+(`dynamic=False` by default: the fastest code for fixed serving shapes; pass `dynamic=True` or
+pad prompts to a few lengths where they vary).
 
 Works on plain and converted models; every rank compiles its own copy (no collectives here).
 """
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from occult.integrations.hf.block import OccultMoeBlock
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -41,10 +46,16 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> int:
     """
     layers = decoder_layers(model)
     compile_kwargs.setdefault("dynamic", False)
-    limit = 2 * len(layers) + 8  # one graph per layer and cache slot, twice (before and after the MoE block)
+    # per input shape (each prefill length, each decode batch), one graph per layer (its cache slot)
+    # twice (before and after the MoE block): room for 16 shapes before a layer would fall back to eager
+    limit = 32 * len(layers) + 8
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, limit)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * limit)
     for layer in layers:
+        for block in layer.modules():
+            if isinstance(block, OccultMoeBlock) and not getattr(block, "occult_eager", False):
+                block.forward = torch.compiler.disable(block.forward)  # this instance only: eager inside
+                block.occult_eager = True
         layer.compile(**compile_kwargs)
     return len(layers)

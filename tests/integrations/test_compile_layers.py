@@ -1,0 +1,61 @@
+"""`hf.compile_layers`: the decoder layers torch.compiled around eager MoE blocks, same logits.
+
+Dynamo's "eager" backend keeps this fast on CPU; it checks what the helper controls (which parts
+are traced, the graphs shared between layers, the recompile limit), not Inductor's code
+(benchmarks/e2e.py `replicated/compile` and the GPU runs in docs/benchmarks.md measure that).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from occult.integrations import hf  # noqa: E402
+
+
+def test_compiled_layers_give_the_same_logits_and_share_graphs():
+    from torch._dynamo.utils import counters
+
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    model = hf.tiny_random_model("olmoe", seed=seed % 1000, vocab_size=64, num_hidden_layers=3).eval()
+    hf.convert(model, group=None)
+    ids = torch.randint(64, (2, random.randrange(3, 12)))
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+    torch._dynamo.reset()
+    counters.clear()
+    assert hf.compile_layers(model, backend="eager") == 3
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False).logits  # no cache: no per-layer slot to specialise on
+        again = model(input_ids=ids, use_cache=False).logits
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6), seed
+    assert torch.equal(out, again)
+    # two graphs (before and after the eager MoE block), shared by every layer
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert all(block.occult_eager for _, block in hf.moe_blocks(model))
+    assert torch._dynamo.config.recompile_limit >= 32 * 3
+
+
+def test_compiled_layers_train_like_eager():
+    torch.manual_seed(0)
+    model = hf.tiny_random_model("olmoe", seed=1, vocab_size=64, num_hidden_layers=2)
+    hf.convert(model, group=None)
+    ids = torch.randint(64, (2, 9))
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    hf.compile_layers(model, backend="aot_eager")
+    model(input_ids=ids, labels=ids).loss.backward()
+    for name, grad in ref.items():
+        got = dict(model.named_parameters())[name].grad
+        assert got is not None and torch.allclose(got, grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    with pytest.raises(ValueError, match="no `model.layers`"):
+        hf.compile_layers(torch.nn.Linear(2, 2))
