@@ -263,6 +263,19 @@ def _save_dtype(args: Any):
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
+def _finetune_config(args: Any) -> Any:
+    """The `hf.FinetuneConfig` of `occult finetune --hf`'s flags."""
+    from occult.integrations import hf
+
+    return hf.FinetuneConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
+        warmup_steps=args.warmup, weight_decay=args.weight_decay, adam_eps=args.adam_eps, grad_clip=args.grad_clip,
+        seed=args.seed, precision=args.precision, aux_loss_coef=getattr(args, "aux_loss_coef", None) or 0.0,
+        distill_weight=args.distill_weight, distill_temperature=args.distill_temperature,
+        train_part=args.train_part or "both",
+    )
+
+
 def run_finetune(args: Any) -> int:
     """`occult finetune --hf DIR`: routers and experts of a transformers model, on 1 or N ranks."""
     import os
@@ -314,11 +327,7 @@ def run_finetune(args: Any) -> int:
         log(f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "
             f"on this rank ({rep.layout} checkpoint; rank 0 read {rep.expert_bytes:,} bytes of experts)")
         tokens = _hf_tokens(args, int(model.config.vocab_size), log)
-        cfg = hf.FinetuneConfig(
-            steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
-            warmup_steps=args.warmup, weight_decay=args.weight_decay, adam_eps=args.adam_eps, grad_clip=args.grad_clip,
-            seed=args.seed, precision=args.precision, aux_loss_coef=getattr(args, "aux_loss_coef", None) or 0.0,
-        )
+        cfg = _finetune_config(args)
         if groups is not None:
             log(f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "
                 f"data-parallel replica(s); {cfg.batch_size // groups.world_size} of {cfg.batch_size} rows per rank")

@@ -149,11 +149,11 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    "those of its best experts (score, default), similarity replacement, or most of its top-k gate weight (mass)")
     g.add_argument("--similarity", default=None,
                    help="similarity table (default: beside the placement, PLACEMENT.similarity.safetensors)")
-    g = p.add_argument_group("pruning-aware fine-tuning (occult.lm.distill; OccultLM checkpoints, not --hf)")
+    g = p.add_argument_group("pruning-aware fine-tuning (occult.lm.distill; with --hf: occult.integrations.hf.finetune)")
     g.add_argument("--distill-weight", type=nonnegative_float, default=0.0, help="add W * T^2 * KL(teacher || model) of the logits; "
                    "the teacher: the same weights with standard routing, no gradient, same step (default 0: off)")
     g.add_argument("--distill-temperature", type=positive_float, default=1.0, help="T of --distill-weight (default 1)")
-    g.add_argument("--train", dest="train_part", choices=["routers", "experts", "both"], help="what trains (default: --moe-only's)")
+    g.add_argument("--train", dest="train_part", choices=["routers", "experts", "both"], help="what trains (default: --moe-only's; with --hf: both)")
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:

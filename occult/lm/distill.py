@@ -20,12 +20,11 @@ import contextlib
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from occult.lm.model import OccultLM
+from occult.training.distill import TRAIN_PARTS, distill_kl
 from occult.training.loop import StepLoss
 
-TRAIN_PARTS = ("routers", "experts", "both")
 
 
 def part_names(model: OccultLM, part: str) -> list[str]:
@@ -57,14 +56,6 @@ def unlimited_routing(model: OccultLM) -> Iterator[None]:
             r.max_devices = devices
             if hasattr(r, "max_nodes"):
                 r.max_nodes = nodes
-
-
-def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """T^2 * KL(softmax(teacher / T) || softmax(student / T)), mean over tokens (fp32)."""
-    vocab = student_logits.shape[-1]
-    s = F.log_softmax(student_logits.float().reshape(-1, vocab) / temperature, dim=-1)
-    t = F.log_softmax(teacher_logits.float().reshape(-1, vocab) / temperature, dim=-1)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
 
 
 def distilled_loss(model: OccultLM, forward: Callable[..., Any], xy: tuple[torch.Tensor, torch.Tensor],

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-PRUNE_METHODS = ("score", "similarity")
+PRUNE_METHODS = ("score", "similarity", "mass")  # occult.moe.pruning.METHODS
 EXPERT_BACKENDS = ("auto", "torch", "triton")
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from occult.moe.config import PRUNE_METHODS
+
 
 def softmax_topk(
     logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool = False
@@ -65,8 +67,8 @@ class TopKRouter(nn.Module):
             raise ValueError(f"max_nodes must be >= 1 or None, got {max_nodes}")
         if max_nodes is not None and not (devices_per_node and devices_per_node >= 1):
             raise ValueError("max_nodes needs devices_per_node (GPUs per node; the node of device d is d // it)")
-        if prune_method not in ("score", "similarity"):
-            raise ValueError(f"prune_method must be 'score' or 'similarity', got {prune_method!r}")
+        if prune_method not in PRUNE_METHODS:
+            raise ValueError(f"prune_method must be one of {', '.join(PRUNE_METHODS)}, got {prune_method!r}")
         if prune_method == "similarity" and (max_devices, max_nodes) != (None, None) and similarity_EE is None:
             raise ValueError("prune_method='similarity' needs similarity_EE (see occult.moe.pruning.expert_similarity)")
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)

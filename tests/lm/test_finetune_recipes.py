@@ -172,11 +172,3 @@ def _twice_worker(rank: int, world_size: int, data, root: str) -> dict:
 def test_two_rank_runs_repeat_bit_for_bit(data, tmp_path):
     for rank in run_ranks(_twice_worker, 2, data, str(tmp_path), timeout_s=240):
         assert rank["a"] == rank["b"] and len(rank["a"][2]) == FT["steps"]
-
-
-def test_hf_finetune_refuses_the_recipes_it_does_not_have(tmp_path, capsys):
-    from occult.cli import main
-
-    for flags in (["--train", "routers"], ["--distill-weight", "1"], ["--prune-method", "mass"]):
-        assert main(["finetune", "--hf", str(tmp_path), "--out", str(tmp_path / "o"), *flags]) == 2
-        assert "not yet to --hf" in capsys.readouterr().err

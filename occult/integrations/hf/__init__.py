@@ -50,6 +50,7 @@ from occult.integrations.hf.finetune import (
     Groups,
     finetune,
     setup_groups,
+    standard_routing,
     tokenize_texts,
     trainable_parameters,
 )
@@ -72,6 +73,7 @@ from occult.integrations.hf.two_batch import set_two_batch
 __all__ = [
     "FAMILIES",
     "compile_layers",
+    "standard_routing",
     "decoder_layers",
     "FinetuneConfig",
     "FinetuneResult",

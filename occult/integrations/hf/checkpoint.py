@@ -94,8 +94,9 @@ def check_signature(saved: Mapping[str, Any], now: Mapping[str, Any], source: st
                       ("data", "training data")):
         if saved.get(key) != now[key]:
             raise FinetuneCheckpointError(f"{source}: the {what} differ from the checkpoint's; use the same or another --out")
-    diffs = [f"{k}: checkpoint {saved['settings'].get(k)!r}, now {v!r}" for k, v in now["settings"].items()
-             if k not in EXTENDABLE and saved.get("settings", {}).get(k) != v]
+    before, after = saved.get("settings", {}), now["settings"]  # a key absent on one side: a setting at its default
+    diffs = [f"{k}: checkpoint {before.get(k)!r}, now {after.get(k)!r}" for k in sorted(set(before) | set(after))
+             if k not in EXTENDABLE and before.get(k) != after.get(k)]
     if diffs:
         raise FinetuneCheckpointError(f"{source}: training settings differ ({'; '.join(diffs)}); use the same or another --out")
 

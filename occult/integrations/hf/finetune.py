@@ -36,7 +36,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from occult.integrations.hf import checkpoint as ckpt
 from occult.integrations.hf.aux_loss import RouterTaps
 from occult.integrations.hf.block import OccultMoeBlock
 from occult.training import grads
+from occult.training.distill import TRAIN_PARTS, distill_kl
 from occult.training.hooks import StepHook
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.parallel import Parallel, global_mean, setup_parallel
@@ -71,6 +72,9 @@ class FinetuneConfig:
     aux_loss_coef: float = 0.0  # load-balancing loss weight (0 = off), over the global batch (hf.aux_loss)
     seed: int = 0
     precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; or "bf16" / "fp32"
+    distill_weight: float = 0.0  # W > 0: + W * T^2 * KL(teacher || model) of the logits, teacher = standard routing
+    distill_temperature: float = 1.0  # T
+    train_part: str = "both"  # what trains: "routers", "experts" or "both"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -82,6 +86,18 @@ class FinetuneConfig:
             raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
+        if self.distill_weight < 0 or self.distill_temperature <= 0:
+            raise ValueError(f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "
+                             f"{self.distill_temperature}")
+        if self.train_part not in TRAIN_PARTS:
+            raise ValueError(f"train_part must be one of {', '.join(TRAIN_PARTS)}, got {self.train_part!r}")
+
+
+    def signature_settings(self) -> dict:
+        """The settings a resumed run must share; the recipe options only when not at their defaults
+        (checkpoints written before they existed hold none of them)."""
+        recipe = {"distill_weight": 0.0, "distill_temperature": 1.0, "train_part": "both"}
+        return {k: v for k, v in vars(self).items() if k not in recipe or v != recipe[k]}
 
 
 @dataclass
@@ -105,8 +121,11 @@ def setup_groups(ep_size: int | None = None) -> Groups | None:
     return setup_parallel(S)
 
 
-def trainable_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Freeze everything but the MoE blocks' routers and experts; return (routers, experts)."""
+def trainable_parameters(model: nn.Module, part: str = "both") -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Freeze everything but the MoE blocks' routers and/or experts (`part`: "routers", "experts"
+    or "both"); return the trained (routers, experts), the other list empty when it is frozen."""
+    if part not in TRAIN_PARTS:
+        raise ValueError(f"part must be one of {', '.join(TRAIN_PARTS)}, got {part!r}")
     model.requires_grad_(False)
     routers, experts = [], []
     for block in model.modules():
@@ -115,9 +134,26 @@ def trainable_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.
             experts += [block.experts.gate_up_proj, block.experts.down_proj]
     if not experts:
         raise ValueError("the model has no converted MoE blocks: convert it (hf.convert / hf.load_sharded) first")
+    routers, experts = (routers if part != "experts" else []), (experts if part != "routers" else [])
     for p in routers + experts:
         p.requires_grad_(True)
     return routers, experts
+
+
+@contextlib.contextmanager
+def standard_routing(model: nn.Module) -> Iterator[None]:
+    """Every MoE block's device limit off inside (the plain top-k: the distillation teacher), restored after."""
+    routers = [b.experts.router for b in model.modules() if isinstance(b, OccultMoeBlock)]
+    saved = [getattr(r, "max_devices", None) for r in routers]
+    try:
+        for r in routers:
+            if hasattr(r, "max_devices"):
+                r.max_devices = None
+        yield
+    finally:
+        for r, limit in zip(routers, saved):
+            if hasattr(r, "max_devices"):
+                r.max_devices = limit
 
 
 def lr_at(step: int, cfg: FinetuneConfig) -> float:
@@ -163,12 +199,6 @@ def _autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def _autocast(device: torch.device, precision: str):
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def _check_inputs(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, groups: Groups | None,
                   experts: list[nn.Parameter]) -> None:
     W = groups.world_size if groups is not None else 1
@@ -191,10 +221,10 @@ def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, gro
                 schedule: Callable[[int], float]) -> StepParts:
     """A step of a converted transformers model: its rows, the cross-entropy (+ aux), the gradient sync."""
     routers, experts = trained
-    device = experts[0].device
+    device = (routers + experts)[0].device
     rank, W = (groups.rank, groups.world_size) if groups is not None else (0, 1)
     net: nn.Module = model
-    if groups is not None:  # DDP for the routers; the experts (each rank its own) and every buffer ignored
+    if groups is not None and routers:  # DDP for the routers; the experts (each rank its own) and every buffer ignored
         expert_ids = {id(p) for p in experts}
         ignore = [n for n, p in model.named_parameters() if id(p) in expert_ids] + [n for n, _ in model.named_buffers()]
         net = grads.wrap_ddp(model, ignore, groups)
@@ -204,15 +234,24 @@ def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, gro
 
     def loss(win: torch.Tensor) -> StepLoss:
         x, y = win[:, :-1], win[:, 1:]
+        teacher = None
+        if cfg.distill_weight > 0:  # the same weights with standard routing, no gradient, this step
+            with torch.no_grad(), standard_routing(model), _autocast(device, cfg.precision):
+                teacher = model(input_ids=x, use_cache=False).logits
+            if taps is not None:
+                taps.clear()  # the aux loss is the student's routing
         with _autocast(device, cfg.precision):
             logits = net(input_ids=x, use_cache=False).logits
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         aux = taps.loss(groups.ddp if groups is not None else None) if taps is not None else None
-        return StepLoss(ce if aux is None else ce + cfg.aux_loss_coef * aux, ce, aux)
+        total = ce if aux is None else ce + cfg.aux_loss_coef * aux
+        if teacher is not None:
+            total = total + cfg.distill_weight * distill_kl(logits, teacher, cfg.distill_temperature)
+        return StepLoss(total, ce, aux)
 
     def sync() -> None:
-        if groups is not None:  # DDP has averaged the routers when the backward returns
-            grads.sync_gradients(routers, experts, groups, replicated=False)
+        if groups is not None:  # DDP (when routers train) has averaged the routers when the backward returns
+            grads.sync_gradients(routers, experts, groups, replicated=net is model)
 
     return StepParts(batch=batch, loss=loss, sync=sync, clip=lambda m: grads.clip_grad_norm(routers, experts, groups, m),
                      lr=schedule, mean=lambda t: global_mean(t, groups))
@@ -300,18 +339,20 @@ def finetune(
     """
     main = groups is None or groups.rank == 0
     log = log if main else None
-    routers, experts = trainable_parameters(model)
+    routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
     if log is not None:
         log(f"training {sum(p.numel() for p in routers):,} router and {sum(p.numel() for p in experts):,} expert "
-            "parameters on rank 0 (everything else frozen)")
+            "parameters on rank 0 (everything else frozen)"
+            + (f"; distilling from standard routing (weight {cfg.distill_weight:g}, T {cfg.distill_temperature:g})"
+               if cfg.distill_weight > 0 else ""))
     opt = torch.optim.AdamW(routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     settings = LoopSettings(cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len, "finetune (routers + experts)",
                             progress, main)
     loop = TrainLoop(None, opt, settings)
     schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     if checkpoint_dir is not None:  # resume state: occult.integrations.hf.checkpoint
-        sig = ckpt.signature(model, tokens, vars(cfg))
+        sig = ckpt.signature(model, tokens, cfg.signature_settings())
         schedule = _resume(loop, model, cfg, checkpoint_dir, sig, resume, log)
     elif resume:
         raise ValueError("resume=True needs checkpoint_dir (the run directory)")
@@ -337,5 +378,5 @@ def finetune(
                           sum(p.numel() for p in routers + experts))
 
 
-__all__ = ["FinetuneConfig", "FinetuneResult", "Groups", "batch_rows", "finetune", "lr_at",
-           "setup_groups", "tokenize_texts", "trainable_parameters"]
+__all__ = ["FinetuneConfig", "FinetuneResult", "Groups", "TRAIN_PARTS", "batch_rows", "finetune", "lr_at",
+           "setup_groups", "standard_routing", "tokenize_texts", "trainable_parameters"]

@@ -49,8 +49,10 @@ class HFGateRouter(nn.Module):
         self.num_experts = int(gate.num_experts)
         if max_devices is not None and max_devices < 1:
             raise ValueError(f"max_devices must be >= 1 or None, got {max_devices}")
-        if prune_method not in ("score", "similarity"):
-            raise ValueError(f"prune_method must be 'score' or 'similarity', got {prune_method!r}")
+        from occult.moe.pruning import METHODS
+
+        if prune_method not in METHODS:
+            raise ValueError(f"prune_method must be one of {', '.join(METHODS)}, got {prune_method!r}")
         if max_devices is not None:
             if prune_method == "similarity" and similarity_EE is None:
                 raise ValueError("prune_method='similarity' needs similarity_EE (see occult.moe.pruning)")

@@ -1,0 +1,18 @@
+"""Distillation loss shared by occult's fine-tuning adapters (`occult.lm.distill` for OccultLM,
+`occult.integrations.hf.finetune` for transformers models): the student's logits against a
+teacher's, both softened by a temperature."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TRAIN_PARTS = ("routers", "experts", "both")  # what a pruning-aware fine-tuning trains
+
+
+def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * KL(softmax(teacher / T) || softmax(student / T)), mean over tokens (fp32)."""
+    vocab = student_logits.shape[-1]
+    s = F.log_softmax(student_logits.float().reshape(-1, vocab) / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float().reshape(-1, vocab) / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
