@@ -338,6 +338,8 @@ def train(
         if not resume:
             raise CheckpointError(f"{out} already holds a checkpoint: pass --resume to continue it, or choose another --out")
         _resume(run, state, data_sig, init_hash)
+    elif resume and run.log:
+        run.log(f"resume: {out} holds no checkpoint yet: starting at step 0")
     loop = run.loop
     if cfg.eval_at_start and loop.step == 0 and not run.history and cfg.eval_every:
         run.evaluate()
