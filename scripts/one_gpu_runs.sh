@@ -2,7 +2,7 @@
 # What one GPU can measure for the open issues (multi_gpu_runs.sh has the rest), one part per
 # device call, repo root:
 #
-#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train
+#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train | native | native_decode
 #   DRY_RUN=1 bash scripts/one_gpu_runs.sh all /tmp/x   # print the commands
 #
 # kernels  the expert kernels at four real shapes (benchmarks/bench_kernels.py), fp32 check, and a
@@ -15,14 +15,18 @@
 # train    occult train tokens/s on one GPU (OccultLM, 4 layers, 64 experts top-8): the 1-GPU row of
 #          the training throughput table (carry .gpudata: `python -m occult data prepare --out
 #          .gpudata --vocab-size 8000` on a machine with network)                               issue 15
+# native   whole Qwen3-MoE and DeepSeek-V3-shape models against plain transformers, eager and with
+#          hf.compile_layers on both, prefill and training step (benchmarks/e2e.py)         issue 26
+# native_decode  the same shapes, hf.generate (graph; compile_layers + graph) against transformers'
+#          compiled generate, 128-token prompts, 128 new tokens, B = 1, 8, 64 (benchmarks/serve.py)  issue 26
 #
 # Each command writes JSON or logs under OUT and prints its last lines.
 set -uo pipefail
 part=${1:?usage: one_gpu_runs.sh PART OUT}
 out=${2:?usage: one_gpu_runs.sh PART OUT}
 case $part in
-  kernels|suite|peer|train|all) ;;
-  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, all)" >&2; exit 2 ;;
+  kernels|suite|peer|train|native|native_decode|all) ;;
+  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, native, native_decode, all)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -47,6 +51,18 @@ case $part in
     fi
     run peer_1gpu 400 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/e2e.py --model qwen3 \
       --variants replicated,torchtitan --out "$out/e2e_qwen3_1gpu_peer.json" ;;&
+  native|all)
+    for model in qwen3 deepseek; do
+      run "e2e_${model}_native" 280 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/e2e.py \
+        --model $model --variants native,replicated,replicated/compile,native/compile --warmup 2 --iters 5 \
+        --out "$out/e2e_${model}_native_1gpu.json"
+    done ;;&
+  native_decode|all)
+    for model in qwen3 deepseek; do
+      run "serve_${model}_native" 290 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/serve.py \
+        --model $model --batch 1,8,64 --prompt-len 128 --new-tokens 128 --repeats 2 \
+        --variants native-generate+compile,generate+graph,generate+compile+graph --out "$out/serve_${model}_native_1gpu.json"
+    done ;;&
   train|all)
     data=$(train_corpus) || exit 2
     run train_1gpu 200 python3 -m occult train --corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 \
