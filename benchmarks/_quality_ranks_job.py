@@ -220,6 +220,52 @@ def run_job(phase: str, job: Path) -> int:
     return 0
 
 
+def simulate(phase: str, spec: dict) -> dict:
+    """`run_job`'s result for one seed in ONE process, the R devices simulated (`quality_ranks.py --simulate`,
+    for one GPU): the routers limited against the study's R-device placement, every expert local
+    (`quality_study`'s phases), so E[C_T] is counted from the routed ids on the placement (the quantity
+    the R-rank runs' dispatchers were shown to send, `mean_ct_observed` there); no dispatcher rows."""
+    args = argparse.Namespace(**spec)
+    args.out = Path(args.out)
+    torch.set_num_threads(max(1, int(args.threads)))
+    data, _corpus = qs.phase_data(args)
+    t0 = time.perf_counter()
+    if phase == "train":
+        _, history, secs = qs.phase_train(args, data)
+        return {"train_curve": [(h["step"], h["val_loss"]) for h in history],
+                "train_steps_done": history[-1]["step"] if history else 0,
+                "best_train_val": min(h["val_loss"] for h in history), "seconds": {"train": secs},
+                "vocab": data.vocab_size, "train_tokens": int(data.train.numel()), "val_tokens": int(data.val.numel())}
+    base = args.out / "base" / BEST
+    placement = Placement.load(args.out / "placement.json")
+    sims = load_similarity(similarity_path(args.out / "placement.json"), args.experts, args.layers)
+    rows = [_simulated(r) for r in qs.phase_evaluate(args, data, base, placement, sims)
+            if phase != "recipes" or r["max_devices"] is not None]
+    t = time.perf_counter()
+    kw = dict(batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.eval_tokens or None)
+    curves, secs = {}, {}
+    for name, run_dir, n, m, changes in finetune_runs(args, phase == "recipes"):
+        cfg = dataclasses.replace(qs.train_config(args, finetune_=True), **changes)
+        run = args.out / run_dir
+        t1 = time.perf_counter()
+        model, res = finetune(base, data, cfg, run, max_devices=n, placement=placement if n else None, method=m,
+                              similarity=sims if n else None, resume=(args.resume or phase == "recipes") and run.exists(),
+                              progress=False, log=qs.log)
+        secs[name] = time.perf_counter() - t1
+        ev = evaluate(model, data.val, placement=placement, **kw)
+        rows.append(dict(_simulated(qs.row(name, ev, n=n, method=m if n else None, finetuned=True, group="fine-tuned")),
+                         recipe=changes))
+        curves[name] = [(h["step"], h["val_loss"]) for h in res.history]
+        qs.log(f"finetune: {name}: val loss {ev['val_loss']:.4f}, E[C_T] {ev['mean_ct']:.3f} ({secs[name]:.0f} s)")
+    return {"rows": rows, "ft_curves": curves, "ranks": 1, "ft_seconds": secs,
+            "seconds": {"evaluate": t - t0, "fine-tuning": sum(secs.values())}}
+
+
+def _simulated(r: dict) -> dict:
+    """A one-process row in the R-rank rows' shape: E[C_T] counted from the ids, no dispatcher rows."""
+    return dict(r, mean_ct_observed=r["mean_ct"], dispatch_rows=None, routed_tokens=None, val_tokens=None)
+
+
 def _quiet(fn, *a):
     import contextlib
     import io

@@ -12,6 +12,8 @@ the spread.
 
   python benchmarks/quality_ranks.py --ranks 4 --seeds 0,1,2 --corpus-dir out/shakespeare   # GPUs (NCCL)
   python benchmarks/quality_ranks.py --tiny --ranks 4 --seeds 0,1,2    # CPU gloo ranks, the bundled slice
+  python benchmarks/quality_ranks.py --simulate --ranks 4 --seeds 0,1,2 --corpus-dir out/shakespeare --hidden 512 \
+      --layers 8 --max-devices 3 2 1 --recipes distill --expert-backend auto    # one GPU, 4 devices simulated
   python benchmarks/quality_ranks.py --render-only --results docs/results/quality_ranks.json
 
 Default model: 64 experts top-8 (OLMoE's ratios: k/E = 1/8, 16 experts per rank on 4 ranks).
@@ -35,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import quality_study as qs  # noqa: E402  (puts the repository root on sys.path)
-from _quality_ranks_job import RECIPES  # noqa: E402
+from _quality_ranks_job import RECIPES, simulate  # noqa: E402
 from _quality_ranks_report import render  # noqa: E402
 
 JOB = HERE / "_quality_ranks_job.py"
@@ -68,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per rank (default 1, on every machine: the thread count changes the fp32 "
                         "summation order of the CPU kernels, and a changed order moves a seed's numbers; docs/quality_ranks.md)")
+    p.add_argument("--simulate", action="store_true",
+                   help="one process simulating --ranks devices (routers limited against the placement, every expert "
+                        "local: quality_study.py's way, for one GPU); E[C_T] counted from the routed ids, no dispatcher")
     p.add_argument("--resume", action="store_true", help="skip seeds with a result.json; resume their runs")
     p.add_argument("--render-only", action="store_true", help="only re-write the report from --results")
     p.add_argument("--no-check-sim", action="store_true", help="skip the one-process re-evaluation of the base")
@@ -100,6 +105,11 @@ def job_spec(args, seed: int) -> dict:
 
 
 def _torchrun(args, phase: str, job: Path, seed: int) -> dict:
+    if args.simulate:  # one process, the ranks simulated (one GPU): _quality_ranks_job.simulate
+        qs.log(f"seed {seed}: {phase} in one process, {args.ranks} devices simulated")
+        result = simulate(phase, json.loads(job.read_text()))
+        _write(job.parent / f"{phase}.json", result)
+        return result
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
            str(JOB), phase, str(job)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
@@ -234,6 +244,8 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def command_line(args) -> str:
     parts = ["python benchmarks/quality_ranks.py", f"--ranks {args.ranks}", f"--seeds {args.seeds}"]
+    if args.simulate:
+        parts.append("--simulate")
     if args.tiny:
         parts.append("--tiny")
     if args.corpus_dir:
@@ -253,14 +265,16 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     per_seed = [run_seed(args, s) for s in args.seed_list]
-    checks = [] if args.no_check_sim else [check_simulation(args, s, r) for s, r in zip(args.seed_list, per_seed)]
+    checks = [] if args.no_check_sim or args.simulate else [check_simulation(args, s, r) for s, r in zip(args.seed_list, per_seed)]
     rows = aggregate(per_seed)
     import torch
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
     results = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "env": {"device": (f"{args.ranks} x {torch.cuda.get_device_name(0)} (NCCL)" if cuda else
+        "env": {"device": (f"one process, {args.ranks} devices simulated, on "
+                           f"{torch.cuda.get_device_name(0) if cuda else f'{os.cpu_count()} CPU cores'}" if args.simulate else
+                           f"{args.ranks} x {torch.cuda.get_device_name(0)} (NCCL)" if cuda else
                            f"{args.ranks} CPU gloo ranks on {os.cpu_count()} cores ({platform.machine()})"),
                 "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
                 "threads_per_rank": args.threads, "grad_sync": "ddp"},

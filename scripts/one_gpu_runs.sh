@@ -2,7 +2,7 @@
 # What one GPU can measure for the open issues (multi_gpu_runs.sh has the rest), one part per
 # device call, repo root:
 #
-#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train | native | native_decode
+#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train | native | native_decode | quality
 #   DRY_RUN=1 bash scripts/one_gpu_runs.sh all /tmp/x   # print the commands
 #
 # kernels  the expert kernels at four real shapes (benchmarks/bench_kernels.py), fp32 check, and a
@@ -19,14 +19,19 @@
 #          hf.compile_layers on both, prefill and training step (benchmarks/e2e.py)         issue 26
 # native_decode  the same shapes, hf.generate (graph; compile_layers + graph) against transformers'
 #          compiled generate, 128-token prompts, 128 new tokens, B = 1, 8, 64 (benchmarks/serve.py)  issue 26
+# quality  the pruning quality study on one GPU, 4 devices simulated (benchmarks/quality_ranks.py --simulate):
+#          hidden 512, 8 layers, 64 experts top-8, N = 3/2/1 x score/similarity, plain and distilled
+#          fine-tuning; one seed per call (SEEDS=0, then 1, 2: each seed's result.json comes back under
+#          OUT/quality/seedS/; copy them to out/quality-ranks/seedS/ and aggregate on the CPU with
+#          `python benchmarks/quality_ranks.py --simulate --resume --seeds 0,1,2 ...` (same flags)); carry .gpudata   issue 28
 #
 # Each command writes JSON or logs under OUT and prints its last lines.
 set -uo pipefail
 part=${1:?usage: one_gpu_runs.sh PART OUT}
 out=${2:?usage: one_gpu_runs.sh PART OUT}
 case $part in
-  kernels|suite|peer|train|native|native_decode|all) ;;
-  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, native, native_decode, all)" >&2; exit 2 ;;
+  kernels|suite|peer|train|native|native_decode|quality|all) ;;
+  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, native, native_decode, quality, all)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -63,6 +68,17 @@ case $part in
         --model $model --batch 1,8,64 --prompt-len 128 --new-tokens 128 --repeats 2 \
         --variants native-generate+compile,generate+graph,generate+compile+graph --out "$out/serve_${model}_native_1gpu.json"
     done ;;&
+  quality|all)
+    data=$(train_corpus) || exit 2
+    seeds=${SEEDS:-0}
+    run "quality_seeds_${seeds//,/_}" 570 python3 benchmarks/quality_ranks.py --simulate --ranks 4 --seeds "$seeds" \
+      --corpus-dir $data --hidden 512 --layers 8 --heads 8 --experts 64 --top-k 8 --max-devices 3 2 1 \
+      --methods score similarity --recipes distill --expert-backend auto --out /tmp/quality --resume
+    if [ "${DRY_RUN:-0}" != 1 ]; then
+      for s in ${seeds//,/ }; do
+        mkdir -p "$out/quality/seed$s" && cp /tmp/quality/seed$s/*.json "$out/quality/seed$s/" 2>/dev/null
+      done
+    fi ;;&
   train|all)
     data=$(train_corpus) || exit 2
     run train_1gpu 200 python3 -m occult train --corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 \

@@ -126,3 +126,30 @@ def test_recipe_runs_and_rows_only_every_seed_has(monkeypatch):
     one = _fake_seed(0, dict(zip(names, [10.0, 9.0, 9.18])), dict(zip(names, [3.0, 2.0, 1.0])))
     two = _fake_seed(1, dict(zip(names[:2], [20.0, 10.0])), dict(zip(names[:2], [3.2, 2.2])))
     assert [r["name"] for r in qr.aggregate([one, two])] == names[:2]
+
+
+def test_simulated_devices_in_one_process(tmp_path):
+    """`--simulate` (the one-GPU study): one process, 4 devices simulated, seeds, N=3/2/1 and the distilled recipe."""
+    out = tmp_path / "s"
+    cmd = [sys.executable, str(SCRIPT), "--simulate", "--tiny", "--ranks", "4", "--seeds", "1,2", "--out", str(out),
+           "--vocab", "512", "--experts", "16", "--top-k", "4", "--layers", "2", "--hidden", "32", "--expert-ffn", "16",
+           "--train-steps", "8", "--eval-every", "4", "--ft-steps", "3", "--profile-tokens", "2048", "--eval-tokens", "2048",
+           "--max-devices", "3", "1", "--methods", "score", "--recipes", "distill", "--placement-method", "greedy"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "quality_ranks.json").read_text())
+    assert "4 devices simulated" in res["env"]["device"] and "--simulate" in res["command"]
+    assert [s["seed"] for s in res["seeds"]] == [1, 2] and res["simulation_check"] == []
+    rows = {r["name"]: r for r in res["rows"]}
+    assert {"pruned N=3 (score) + fine-tuning", "pruned N=1 (score) + fine-tuning [distill]"} <= set(rows)
+    for r in rows.values():
+        ct = r["mean_ct"]["values"]
+        if r["max_devices"] == 1:
+            assert ct == [1.0, 1.0], r["name"]
+        else:
+            assert all(1.0 < c <= 4.0 for c in ct), r["name"]
+        if r["max_devices"] == 3:
+            assert all(c <= 3.0 for c in ct), r["name"]
+    distilled = rows["pruned N=1 (score) + fine-tuning [distill]"]["val_loss"]["values"]
+    plain = rows["pruned N=1 (score) + fine-tuning"]["val_loss"]["values"]
+    assert distilled != plain  # the teacher's KL changed the updates
