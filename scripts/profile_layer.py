@@ -1,8 +1,9 @@
 """Where one MoE layer's forward time goes on one GPU: kernels vs host gaps, per dispatcher.
 
-Runs `OccultMoE` (one rank, so no all-to-all traffic: what is left is routing, the plan, the
-gathers, the count exchange's host sync, the experts and the per-token sums) under
-torch.profiler and prints, per variant: wall time per forward, GPU busy time, the idle gap
+Runs `OccultMoE` on one rank under torch.profiler. Since issue 26 a one-rank layer takes the
+identity schedule (`occult.moe.local`: routing, the experts, nothing else, no host wait), so this
+now profiles that, the same for every dispatcher and chunk count; the multi-rank path's host share
+(plan, gathers, count exchange) needs two or more ranks. Prints, per variant: wall time per forward, GPU busy time, the idle gap
 (wall - busy: host-bound time, e.g. launches after the host sync), and the top kernels.
 Chrome traces go to --out.
 
