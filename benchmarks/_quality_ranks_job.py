@@ -53,6 +53,9 @@ RECIPES = {  # pruning-aware fine-tuning recipes (occult finetune's options), by
     "distill": dict(distill_weight=1.0, distill_temperature=1.0),
     "distill-T2": dict(distill_weight=1.0, distill_temperature=2.0),
     "distill-0.1": dict(distill_weight=0.1, distill_temperature=1.0),
+    # the teacher: the standard-routing fine-tune of the same base (its run directory's final weights)
+    "distill-ft": dict(distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
+    "distill-ft-0.3": dict(distill_weight=0.3, distill_temperature=1.0, distill_from="ft-standard"),
     "routers": dict(train_part="routers"),
     "experts": dict(train_part="experts"),
     "long": dict(steps=200, eval_every=50, save_every=100),  # twice the fine-tuning steps (--ft-steps 100)
@@ -68,8 +71,16 @@ def finetune_runs(args, recipes: bool) -> list[tuple]:
     plain = [(f"pruned N={n} ({m}) + fine-tuning", f"ft-n{n}-{m}", n, m, {}) for n, m in cells]
     if not recipes:
         return [("standard fine-tuning", "ft-standard", None, "score", {})] + plain
-    return plain + [(f"pruned N={n} ({m}) + fine-tuning [{r}]", f"ft-n{n}-{m}-{r}", n, m, RECIPES[r])
+    return plain + [(f"pruned N={n} ({m}) + fine-tuning [{r}]", f"ft-n{n}-{m}-{r}", n, m, recipe_changes(args, r))
                     for r in getattr(args, "recipes", None) or [] for n, m in cells]
+
+
+def recipe_changes(args, name: str) -> dict:
+    """`RECIPES[name]` as TrainConfig changes: a `distill_from` run directory becomes its final weights' path."""
+    changes = dict(RECIPES[name])
+    if "distill_from" in changes:
+        changes["distill_from"] = str(Path(args.out) / changes["distill_from"] / FINAL)
+    return changes
 
 
 def dispatcher_eval(model, data, args, par, placement=None) -> dict:

@@ -153,6 +153,9 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distill-weight", type=nonnegative_float, default=0.0, help="add W * T^2 * KL(teacher || model) of the logits; "
                    "the teacher: the same weights with standard routing, no gradient, same step (default 0: off)")
     g.add_argument("--distill-temperature", type=positive_float, default=1.0, help="T of --distill-weight (default 1)")
+    g.add_argument("--distill-from", default=None, metavar="CKPT",
+                   help="teacher checkpoint for --distill-weight (e.g. the standard-routing fine-tune's final.safetensors; "
+                        "default: the model's own weights with standard routing; occult checkpoints, not --hf)")
     g.add_argument("--train", dest="train_part", choices=["routers", "experts", "both"], help="what trains (default: --moe-only's; with --hf: both)")
 
 
@@ -211,7 +214,7 @@ def _train_config(args):
         replace_every=args.replace_every, replace_min_gain=args.replace_min_gain, replace_drift=args.replace_drift,
         replace_check_every=args.replace_check_every, replace_samples=args.replace_samples,
         replace_method=args.replace_method, replace_wait=args.replace_wait, grad_sync=args.grad_sync,
-        **{k: getattr(args, k) for k in ("distill_weight", "distill_temperature", "train_part") if hasattr(args, k)},
+        **{k: getattr(args, k) for k in ("distill_weight", "distill_temperature", "distill_from", "train_part") if hasattr(args, k)},
     )
 
 
@@ -345,6 +348,7 @@ def run_finetune(args) -> int:
     from occult.lm.train import finetune
 
     check_input("--init", args.init, "any")
+    check_input("--distill-from", getattr(args, "distill_from", None), "any")
     check_input("--placement", args.placement)
     check_input("--similarity", args.similarity)
     _check_run_paths(args)

@@ -114,15 +114,17 @@ def routing_from_metadata(meta: Mapping[str, str], tensors: Mapping[str, torch.T
 
 
 def load_model(
-    path: str | os.PathLike, device: torch.device | str | None = None, routing: bool = True
+    path: str | os.PathLike, device: torch.device | str | None = None, routing: bool = True, group: Any = None
 ) -> OccultLM:
     """Build an `OccultLM` from any occult checkpoint (weights file or training checkpoint).
 
-    `routing=True` restores the routing rule it was saved with (e.g. a pruned fine-tune).
+    `routing=True` restores the routing rule it was saved with (e.g. a pruned fine-tune). `group`:
+    the process group its MoE layers span (default: the default group, or one process); pass a
+    one-rank group for a full single-process copy inside a multi-rank job.
     """
     tensors, meta = read_checkpoint(path, prefixes=("model.", "routing."))
     cfg = config_from_metadata(meta, str(path))
-    model = OccultLM(cfg)
+    model = OccultLM(cfg, group=group)
     load_weights(model, tensors, str(path))
     if routing:
         spec = routing_from_metadata(meta, tensors)

@@ -9,6 +9,9 @@ loss is cross-entropy + aux + W * T^2 * KL(teacher || student) of the logits sof
 (`distill_kl`, mean over tokens), so no second copy of the experts is held; the cost is one more
 forward without a backward. The logged loss stays the cross-entropy (comparable with plain
 fine-tuning). W = 0 runs no teacher: the step is plain fine-tuning, bit for bit.
+`TrainConfig.distill_from` (a checkpoint path) takes another model as the teacher instead, e.g. the
+standard-routing fine-tune of the same base (a better target than the base itself): a full copy,
+loaded once per run (on N ranks a single-process copy on every rank), frozen, in eval mode.
 
 What trains (`TrainConfig.train_part`): "routers" (the router gates only), "experts" (the expert
 weights only), "both" (the MoE blocks, as `moe_only`), or None (today's rule: `moe_only`).
@@ -59,11 +62,16 @@ def unlimited_routing(model: OccultLM) -> Iterator[None]:
 
 
 def distilled_loss(model: OccultLM, forward: Callable[..., Any], xy: tuple[torch.Tensor, torch.Tensor],
-                   aux_coef: float, weight: float, temperature: float) -> StepLoss:
-    """One step's loss with the unpruned model as the teacher (module docstring). `forward` is the
-    training forward (the model or its DDP wrapper); the teacher runs on the model itself."""
-    with torch.no_grad(), unlimited_routing(model):
-        teacher = model(xy[0], return_logits=True).logits
+                   aux_coef: float, weight: float, temperature: float, teacher_model: OccultLM | None = None) -> StepLoss:
+    """One step's loss with a teacher (module docstring): `teacher_model` (another checkpoint, e.g. the
+    standard fine-tune: `TrainConfig.distill_from`), else the model itself with standard routing.
+    `forward` is the training forward (the model or its DDP wrapper)."""
+    with torch.no_grad():
+        if teacher_model is not None:
+            teacher = teacher_model(xy[0], return_logits=True).logits
+        else:
+            with unlimited_routing(model):
+                teacher = model(xy[0], return_logits=True).logits
     out = forward(*xy, return_logits=True)
     kl = distill_kl(out.logits, teacher, temperature)
     return StepLoss(out.loss + aux_coef * out.aux_loss + weight * kl, out.loss, out.aux_loss)

@@ -73,6 +73,7 @@ class TrainConfig:
     # pruning-aware fine-tuning recipes (occult.lm.distill)
     distill_weight: float = 0.0  # > 0: + W * T^2 * KL(unpruned teacher || pruned student) of the logits
     distill_temperature: float = 1.0
+    distill_from: str | None = None  # teacher checkpoint (e.g. the standard fine-tune); None: own weights, standard routing
     train_part: str | None = None  # "routers" | "experts" | "both" (the MoE blocks); None: moe_only decides
 
     LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta",
@@ -101,6 +102,8 @@ class TrainConfig:
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise ValueError(f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "
                              f"{self.distill_temperature}")
+        if self.distill_from is not None and not self.distill_weight:
+            raise ValueError("distill_from (a teacher checkpoint) needs distill_weight > 0")
         if self.train_part not in (None, *TRAIN_PARTS):
             raise ValueError(f"train_part must be None or one of {TRAIN_PARTS}, got {self.train_part!r}")
         if self.replace_method not in ("auto", *METHODS):

@@ -56,6 +56,7 @@ from occult._atomic import atomic_path
 from occult.lm.checkpoint import (
     CheckpointError,
     config_from_metadata,
+    load_model,
     load_weights,
     model_metadata,
     model_tensors,
@@ -223,6 +224,16 @@ class _EvalAndSave(StepHook):
             run.save(run.out / CHECKPOINT, with_optimizer=True)
 
 
+def load_teacher(path: str, student: OccultLM, device: torch.device, par: Any) -> OccultLM:
+    """The frozen teacher of `TrainConfig.distill_from`: a full single-process copy (on N ranks, on every rank)."""
+    teacher = load_model(path, device=device, routing=False, group=par.local_group if par is not None else None)
+    if teacher.config.vocab_size != student.config.vocab_size:
+        raise CheckpointError(f"distill_from {path}: its vocabulary has {teacher.config.vocab_size} ids, the model's "
+                              f"{student.config.vocab_size}: give a checkpoint trained on the same tokenizer")
+    teacher.eval().requires_grad_(False)
+    return teacher
+
+
 def _step_parts(run: _Run) -> StepParts:
     """How a step of `OccultLM` goes: its rows of the global batch, its loss (+ aux), its gradient sync."""
     model, cfg, par = run.model, run.cfg, run.par
@@ -235,10 +246,13 @@ def _step_parts(run: _Run) -> StepParts:
         x, y = train_batch(run.data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step, *shard)
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
+    teacher = load_teacher(cfg.distill_from, model, device, par) if cfg.distill_from else None
+
     def loss(xy: tuple[torch.Tensor, torch.Tensor]) -> StepLoss:
         with autocast_for(device, cfg.precision):
-            if cfg.distill_weight:  # the unpruned model as the teacher (occult.lm.distill)
-                return distilled_loss(model, forward, xy, cfg.aux_loss_coef, cfg.distill_weight, cfg.distill_temperature)
+            if cfg.distill_weight:  # the unpruned model (or --distill-from) as the teacher (occult.lm.distill)
+                return distilled_loss(model, forward, xy, cfg.aux_loss_coef, cfg.distill_weight, cfg.distill_temperature,
+                                      teacher)
             out = forward(*xy, return_logits=False)
             return StepLoss(out.loss + cfg.aux_loss_coef * out.aux_loss, out.loss, out.aux_loss)
 

@@ -172,3 +172,26 @@ def _twice_worker(rank: int, world_size: int, data, root: str) -> dict:
 def test_two_rank_runs_repeat_bit_for_bit(data, tmp_path):
     for rank in run_ranks(_twice_worker, 2, data, str(tmp_path), timeout_s=240):
         assert rank["a"] == rank["b"] and len(rank["a"][2]) == FT["steps"]
+
+
+def test_distill_from_another_checkpoint(base, data, tmp_path):
+    """`distill_from`: the teacher is that checkpoint, frozen. Teacher = the base and no binding limit:
+    the first step is plain fine-tuning (KL 0, zero gradient), then the student leaves the frozen base
+    and the KL pulls it back; a teacher fine-tuned further gives yet another run."""
+    plain_m, plain = tune(base, data, tmp_path / "plain", n=None)
+    same_m, same = tune(base, data, tmp_path / "same", n=None, distill_weight=1000.0, distill_from=str(base))
+    assert same.train_losses[:2] == plain.train_losses[:2]
+    assert same.train_losses[2:] != plain.train_losses[2:]
+    better = tmp_path / "plain" / FINAL  # the standard fine-tune as the teacher of a pruned run
+    _, pruned = tune(base, data, tmp_path / "pruned_ft_teacher", distill_weight=1000.0, distill_from=str(better))
+    _, pruned_self = tune(base, data, tmp_path / "pruned_self_teacher", distill_weight=1000.0)
+    assert pruned.train_losses[1:] != pruned_self.train_losses[1:]
+    with pytest.raises(ValueError, match="distill_from"):
+        TrainConfig(distill_from=str(base))  # without a weight
+
+
+def test_cli_distill_from(base, data, tmp_path, capsys):
+    from occult.cli import main
+
+    assert main(["finetune", "--hf", str(tmp_path), "--out", str(tmp_path / "o"), "--distill-from", str(base)]) == 2
+    assert "--distill-from applies to occult checkpoints" in capsys.readouterr().err
