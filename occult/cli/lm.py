@@ -153,9 +153,8 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distill-weight", type=nonnegative_float, default=0.0, help="add W * T^2 * KL(teacher || model) of the logits; "
                    "the teacher: the same weights with standard routing, no gradient, same step (default 0: off)")
     g.add_argument("--distill-temperature", type=positive_float, default=1.0, help="T of --distill-weight (default 1)")
-    g.add_argument("--distill-from", default=None, metavar="CKPT",
-                   help="teacher checkpoint for --distill-weight (e.g. the standard-routing fine-tune's final.safetensors; "
-                        "default: the model's own weights with standard routing; occult checkpoints, not --hf)")
+    g.add_argument("--distill-from", default=None, metavar="CKPT", help="teacher of --distill-weight (e.g. a standard fine-tune's "
+                   "final.safetensors; default: the model's own weights, standard routing; not --hf)")
     g.add_argument("--train", dest="train_part", choices=["routers", "experts", "both"], help="what trains (default: --moe-only's; with --hf: both)")
 
 
@@ -204,18 +203,12 @@ def _check_run_paths(args) -> None:
 def _train_config(args):
     from occult.lm.train import TrainConfig
 
-    return TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, aux_loss_coef=AUX_LOSS_COEF if args.aux_loss_coef is None else args.aux_loss_coef,
-        adam_eps=args.adam_eps, moe_only=args.moe_only, seed=args.seed,
-        precision=args.precision, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
-        save_every=args.save_every, patience=args.patience, device=args.device,
-        replace_every=args.replace_every, replace_min_gain=args.replace_min_gain, replace_drift=args.replace_drift,
-        replace_check_every=args.replace_check_every, replace_samples=args.replace_samples,
-        replace_method=args.replace_method, replace_wait=args.replace_wait, grad_sync=args.grad_sync,
-        **{k: getattr(args, k) for k in ("distill_weight", "distill_temperature", "distill_from", "train_part") if hasattr(args, k)},
-    )
+    same = ("steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "weight_decay", "grad_clip", "adam_eps", "moe_only",
+            "seed", "precision", "eval_every", "eval_tokens", "save_every", "patience", "device", "replace_every",
+            "replace_min_gain", "replace_drift", "replace_check_every", "replace_samples", "replace_method", "replace_wait",
+            "grad_sync", "distill_weight", "distill_temperature", "distill_from", "train_part")  # finetune's only: the last 4
+    return TrainConfig(warmup_steps=args.warmup, aux_loss_coef=AUX_LOSS_COEF if args.aux_loss_coef is None else args.aux_loss_coef,
+                       **{k: getattr(args, k) for k in same if hasattr(args, k)})
 
 
 def _parallel(args):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from occult.lm.checkpoint import CheckpointError, load_model
 from occult.lm.model import OccultLM
 from occult.training.distill import TRAIN_PARTS, distill_kl
 from occult.training.loop import StepLoss
@@ -77,4 +78,14 @@ def distilled_loss(model: OccultLM, forward: Callable[..., Any], xy: tuple[torch
     return StepLoss(out.loss + aux_coef * out.aux_loss + weight * kl, out.loss, out.aux_loss)
 
 
-__all__ = ["TRAIN_PARTS", "part_names", "unlimited_routing", "distill_kl", "distilled_loss"]
+def load_teacher(path: str, student: OccultLM, device: torch.device, par: Any) -> OccultLM:
+    """The frozen teacher of `TrainConfig.distill_from`: a full single-process copy (on N ranks, on every rank)."""
+    teacher = load_model(path, device=device, routing=False, group=par.local_group if par is not None else None)
+    if teacher.config.vocab_size != student.config.vocab_size:
+        raise CheckpointError(f"distill_from {path}: its vocabulary has {teacher.config.vocab_size} ids, the model's "
+                              f"{student.config.vocab_size}: give a checkpoint trained on the same tokenizer")
+    teacher.eval().requires_grad_(False)
+    return teacher
+
+
+__all__ = ["TRAIN_PARTS", "part_names", "unlimited_routing", "distill_kl", "distilled_loss", "load_teacher"]

@@ -56,14 +56,13 @@ from occult._atomic import atomic_path
 from occult.lm.checkpoint import (
     CheckpointError,
     config_from_metadata,
-    load_model,
     load_weights,
     model_metadata,
     model_tensors,
     read_checkpoint,
 )
 from occult.lm.data import TokenData, train_batch
-from occult.lm.distill import distilled_loss
+from occult.lm.distill import distilled_loss, load_teacher
 from occult.lm.evaluate import autocast_dtype, autocast_for, evaluate, pick_device
 from occult.lm.fsdp import reshard, wrap_fsdp
 from occult.lm.migrate import follow_routing
@@ -222,16 +221,6 @@ class _EvalAndSave(StepHook):
             loop.flush()
             loop.clock.pause()
             run.save(run.out / CHECKPOINT, with_optimizer=True)
-
-
-def load_teacher(path: str, student: OccultLM, device: torch.device, par: Any) -> OccultLM:
-    """The frozen teacher of `TrainConfig.distill_from`: a full single-process copy (on N ranks, on every rank)."""
-    teacher = load_model(path, device=device, routing=False, group=par.local_group if par is not None else None)
-    if teacher.config.vocab_size != student.config.vocab_size:
-        raise CheckpointError(f"distill_from {path}: its vocabulary has {teacher.config.vocab_size} ids, the model's "
-                              f"{student.config.vocab_size}: give a checkpoint trained on the same tokenizer")
-    teacher.eval().requires_grad_(False)
-    return teacher
 
 
 def _step_parts(run: _Run) -> StepParts:
