@@ -193,6 +193,14 @@ def phase_finetune(args, data, par, base, placement, sims, log, recipes=False):
     return rows, curves, secs
 
 
+def train_result(history: list[dict], secs: float, data) -> dict:
+    """What the train phase of a seed reports (SEED_DIR/train.json)."""
+    return {"train_curve": [(h["step"], h["val_loss"]) for h in history],
+            "train_steps_done": history[-1]["step"] if history else 0,
+            "best_train_val": min(h["val_loss"] for h in history), "seconds": {"train": secs},
+            "vocab": data.vocab_size, "train_tokens": int(data.train.numel()), "val_tokens": int(data.val.numel())}
+
+
 def run_job(phase: str, job: Path) -> int:
     """`train` (base model), `tune` (evaluation and fine-tuning) or `recipes` of one seed, on every rank."""
     args = argparse.Namespace(**json.loads(job.read_text()))
@@ -207,10 +215,7 @@ def run_job(phase: str, job: Path) -> int:
     t0 = time.perf_counter()
     if phase == "train":
         _, history, secs = phase_train(args, data, par, log)
-        result = {"train_curve": [(h["step"], h["val_loss"]) for h in history],
-                  "train_steps_done": history[-1]["step"] if history else 0,
-                  "best_train_val": min(h["val_loss"] for h in history), "seconds": {"train": secs},
-                  "vocab": data.vocab_size, "train_tokens": int(data.train.numel()), "val_tokens": int(data.val.numel())}
+        result = train_result(history, secs, data)
     else:
         base = args.out / "base" / BEST
         placement = Placement.load(args.out / "placement.json")
@@ -243,10 +248,7 @@ def simulate(phase: str, spec: dict) -> dict:
     t0 = time.perf_counter()
     if phase == "train":
         _, history, secs = qs.phase_train(args, data)
-        return {"train_curve": [(h["step"], h["val_loss"]) for h in history],
-                "train_steps_done": history[-1]["step"] if history else 0,
-                "best_train_val": min(h["val_loss"] for h in history), "seconds": {"train": secs},
-                "vocab": data.vocab_size, "train_tokens": int(data.train.numel()), "val_tokens": int(data.val.numel())}
+        return train_result(history, secs, data)
     base = args.out / "base" / BEST
     placement = Placement.load(args.out / "placement.json")
     sims = load_similarity(similarity_path(args.out / "placement.json"), args.experts, args.layers)

@@ -22,7 +22,7 @@ from occult.moe.layer import OccultMoE
 from occult.placement.cost import SHAPES
 
 
-def _merge(intervals: list[tuple[float, float]]) -> float:
+def union_us(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals (us)."""
     total, end = 0.0, float("-inf")
     for s, e in sorted(intervals):
@@ -58,7 +58,7 @@ def profile_variant(name: str, layer: OccultMoE, xs: list[torch.Tensor], iters: 
             step(i)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_us = _merge([(e.time_range.start, e.time_range.end) for e in kernels]) / iters
+    busy_us = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / iters
     # the largest idle gaps of the GPU inside one forward (the last profiled), kernel before -> after
     last = sorted(kernels, key=lambda e: e.time_range.start)[-len(kernels) // iters :]
     gaps = sorted(((b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(last, last[1:])), reverse=True)[:8]

@@ -27,6 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import e2e  # noqa: E402  (benchmarks/e2e.py: the model and its conversion)
+from _timing import time_steps  # noqa: E402  (benchmarks/_timing.py: CUDA-event step times)
+from profile_layer import union_us  # noqa: E402  (scripts/profile_layer.py: busy time of kernel intervals)
 from occult import set_sync_free  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -50,31 +52,11 @@ def family_of(name: str) -> str:
     return "other"
 
 
-def union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if s > end:
-            total, end = total + e - s, e
-        elif e > end:
-            total, end = total + e - end, e
-    return total
-
-
 def profile_steps(step, steps: int) -> dict:
     """Time `steps` calls with CUDA events, then profile as many; kernel statistics per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+    times = time_steps(lambda _: step(), lambda: None, 3, steps, torch.device("cuda", torch.cuda.current_device()))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -102,9 +84,9 @@ def phase_step(model, phase: str, args, device):
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     if phase in ("prefill", "train"):
-        step = e2e.make_step(model, phase, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+        full = e2e.make_step(model, phase, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
                              if phase == "train" else None)
-        return lambda: step(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
+        return lambda: full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
     model.eval()
     B = args.decode_batch
     decoder = hf.StaticDecoder(model, B, args.prompt + 64)

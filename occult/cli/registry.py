@@ -119,26 +119,24 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
+def _finite_float(text: str, ok, what: str) -> float:
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (v > 0 and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not (ok(v) and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    return _finite_float(text, lambda v: v > 0, "a positive number")
 
 
 def nonnegative_float(text: str) -> float:
     """argparse type: a finite number >= 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (v >= 0 and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+    return _finite_float(text, lambda v: v >= 0, "a number >= 0")
 
 
 def check_output(flag: str, path: str | None, example: str | None = None) -> None:

@@ -20,13 +20,13 @@ weights only), "both" (the MoE blocks, as `moe_only`), or None (today's rule: `m
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from occult.lm.checkpoint import CheckpointError, load_model
 from occult.lm.model import OccultLM
-from occult.training.distill import TRAIN_PARTS, distill_kl
+from occult.training.distill import TRAIN_PARTS, distill_kl, unlimited
 from occult.training.loop import StepLoss
 
 
@@ -44,22 +44,9 @@ def part_names(model: OccultLM, part: str) -> list[str]:
     return names
 
 
-@contextlib.contextmanager
-def unlimited_routing(model: OccultLM) -> Iterator[None]:
+def unlimited_routing(model: OccultLM) -> contextlib.AbstractContextManager:
     """Every router's device and node limit off inside (standard top-k routing), restored after."""
-    routers = model.routers()
-    saved = [(r.max_devices, getattr(r, "max_nodes", None)) for r in routers]
-    try:
-        for r in routers:
-            r.max_devices = None
-            if hasattr(r, "max_nodes"):
-                r.max_nodes = None
-        yield
-    finally:
-        for r, (devices, nodes) in zip(routers, saved):
-            r.max_devices = devices
-            if hasattr(r, "max_nodes"):
-                r.max_nodes = nodes
+    return unlimited(model.routers())
 
 
 def distilled_loss(model: OccultLM, forward: Callable[..., Any], xy: tuple[torch.Tensor, torch.Tensor],

@@ -4,6 +4,9 @@ teacher's, both softened by a temperature."""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -16,3 +19,22 @@ def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     s = F.log_softmax(student_logits.float().reshape(-1, vocab) / temperature, dim=-1)
     t = F.log_softmax(teacher_logits.float().reshape(-1, vocab) / temperature, dim=-1)
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+
+
+@contextlib.contextmanager
+def unlimited(routers: Iterable[Any]) -> Iterator[None]:
+    """Every router's device (and node) limit off inside: the plain top-k, the distillation teacher's
+    routing; the limits restored after, also on an error. Routers without a limit are left alone."""
+    routers = [r for r in routers if hasattr(r, "max_devices")]
+    saved = [(r.max_devices, getattr(r, "max_nodes", None)) for r in routers]
+    try:
+        for r in routers:
+            r.max_devices = None
+            if hasattr(r, "max_nodes"):
+                r.max_nodes = None
+        yield
+    finally:
+        for r, (devices, nodes) in zip(routers, saved):
+            r.max_devices = devices
+            if hasattr(r, "max_nodes"):
+                r.max_nodes = nodes

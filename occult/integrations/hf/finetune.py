@@ -36,7 +36,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from occult.integrations.hf import checkpoint as ckpt
 from occult.integrations.hf.aux_loss import RouterTaps
 from occult.integrations.hf.block import OccultMoeBlock
 from occult.training import grads
-from occult.training.distill import TRAIN_PARTS, distill_kl
+from occult.training.distill import TRAIN_PARTS, distill_kl, unlimited
 from occult.training.hooks import StepHook
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.parallel import Parallel, global_mean, setup_parallel
@@ -140,20 +140,9 @@ def trainable_parameters(model: nn.Module, part: str = "both") -> tuple[list[nn.
     return routers, experts
 
 
-@contextlib.contextmanager
-def standard_routing(model: nn.Module) -> Iterator[None]:
+def standard_routing(model: nn.Module) -> contextlib.AbstractContextManager:
     """Every MoE block's device limit off inside (the plain top-k: the distillation teacher), restored after."""
-    routers = [b.experts.router for b in model.modules() if isinstance(b, OccultMoeBlock)]
-    saved = [getattr(r, "max_devices", None) for r in routers]
-    try:
-        for r in routers:
-            if hasattr(r, "max_devices"):
-                r.max_devices = None
-        yield
-    finally:
-        for r, limit in zip(routers, saved):
-            if hasattr(r, "max_devices"):
-                r.max_devices = limit
+    return unlimited(b.experts.router for b in model.modules() if isinstance(b, OccultMoeBlock))
 
 
 def lr_at(step: int, cfg: FinetuneConfig) -> float:
