@@ -153,10 +153,53 @@ def logit_errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     return {"median_rel_err": float(q_2[0]), "p95_rel_err": float(q_2[1]), "argmax_agreement": float(same_1)}
 
 
-def checked(out: torch.Tensor, ref: torch.Tensor, tol: float) -> dict[str, Any]:
-    """`logit_errors` (a collective) and whether the median is within `tol` ("passed")."""
+class Truth:
+    """The fp32 logits of the unconverted model (its half-precision weights, upcast) and how far the
+    unconverted model in half precision is from them (`native_err`, median relative error).
+
+    Discrete routing makes half precision a poor exact reference on its own: where router scores
+    nearly tie (DeepSeek-V3's sigmoid scores with group top-k, random weights), any change of rounding,
+    compiled kernels of transformers' own model included, picks other experts for some tokens, and
+    the half-precision model's distance from the fp32 one moves with the batch and the kernels
+    (DeepSeek shape, H100: 0.11-0.16 eager, transformers' compiled generate 0.06 from its own eager:
+    docs/benchmarks.md). A variant then passes if its distance from the fp32 model is within
+    MARGIN of the native model's own, plus the tolerance: an error of the same order as native
+    bf16's, where a wrong result (other experts' weights, a lost combine weight) is ~1."""
+
+    MARGIN = 1.25
+
+    def __init__(self, logits: torch.Tensor, native: torch.Tensor) -> None:
+        self.logits = logits.float()
+        self.native_err = logit_errors(native.float(), self.logits)["median_rel_err"]
+
+
+def checked(out: torch.Tensor, ref: torch.Tensor, tol: float, truth: Truth | None = None) -> dict[str, Any]:
+    """`logit_errors` vs the unconverted model in the same dtype (a collective) and whether the median
+    is within `tol` ("passed"); with `truth` (on every rank or none) also the errors vs the fp32 model,
+    passing a variant whose distance from it is of the native model's order (see Truth)."""
     res = logit_errors(out, ref)
-    return {**res, "passed": res["median_rel_err"] <= tol}
+    passed = res["median_rel_err"] <= tol
+    if truth is not None:
+        t = logit_errors(out, truth.logits)
+        res.update(fp32_median_rel_err=t["median_rel_err"], fp32_p95_rel_err=t["p95_rel_err"],
+                   native_fp32_median_rel_err=truth.native_err)
+        passed = passed or t["median_rel_err"] <= Truth.MARGIN * truth.native_err + tol
+    return {**res, "passed": passed}
+
+
+def fp32_copy_logits(model: torch.nn.Module, logits_of: Callable[[torch.nn.Module], torch.Tensor]) -> torch.Tensor:
+    """`logits_of(model)` with the model upcast to fp32 in place (its weights are the half-precision
+    ones, so this is the exact-arithmetic reference of the same model). The model stays fp32: call
+    this last, before freeing it."""
+    with torch.no_grad():
+        return logits_of(model.float().eval()).float()
+
+
+def fp32_note(check: dict[str, Any]) -> str:
+    """' (vs fp32 median X, native Y)' when the check has the fp32 reference, else ''."""
+    if "fp32_median_rel_err" not in check:
+        return ""
+    return f" (vs fp32 median {check['fp32_median_rel_err']:.2e}, native {check['native_fp32_median_rel_err']:.2e})"
 
 
 def describe(name: str, batch: int, r: dict[str, Any], timing: Callable[[dict[str, Any]], str]) -> str:
@@ -166,7 +209,7 @@ def describe(name: str, batch: int, r: dict[str, Any], timing: Callable[[dict[st
     if "skipped" in r or "error" in r:
         return f"{head} {r.get('skipped') or r['error']}"
     c = r["check"]
-    text = f"{head} check median {c['median_rel_err']:.2e} p95 {c['p95_rel_err']:.2e}"
+    text = f"{head} check median {c['median_rel_err']:.2e} p95 {c['p95_rel_err']:.2e}" + fp32_note(c)
     if not c["passed"]:
         return text + "  FAILED"
     return f"{text}; {timing(r)}"

@@ -41,7 +41,11 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
 
 Before timing, each variant's logits on a small batch are compared with the unconverted model
 (per-token relative L2 error, median and p95, max over ranks); an exact variant whose median is
-above --tol makes the run exit 1 (after the others are measured). Phases: prefill (eval,
+above --tol makes the run exit 1 (after the others are measured). In half precision the unconverted
+model is also run upcast to fp32, and a variant passes too if its error against that fp32 model is
+at most 1.25x the half-precision native model's own plus --tol (discrete routing with near-tied scores, as
+DeepSeek-V3's on random weights, picks other experts under any change of rounding, compiled kernels
+of transformers' own model included). Phases: prefill (eval,
 no_grad, forward with logits of the last position as `generate` does) and train (forward,
 next-token cross-entropy, backward, hf.sync_gradients, optimizer step). Each step gets fresh
 random ids; ranks meet at a barrier before each step; a step's time is the slowest rank's
@@ -73,7 +77,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
-    finish, free_memory, log, logit_errors, new_report, parser, quantiles, synchronize, time_steps as _time_steps,
+    Truth, checked, finish, fp32_copy_logits, fp32_note, free_memory, log, new_report, parser, quantiles, synchronize, time_steps as _time_steps,
     write_json,
 )
 from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
@@ -253,11 +257,12 @@ def logits_fn(model: nn.Module, tbo: bool, **kw: Any) -> Callable[[torch.Tensor]
 
 
 @torch.no_grad()
-def check_logits(model: nn.Module, ids_BS: torch.Tensor, ref_BSV: torch.Tensor, rows: slice = slice(None),
-                 tbo: bool = False) -> dict[str, float]:
-    """Per-token relative L2 error of the logits (of `rows`) vs the reference: median and p95 (max over ranks)."""
+def check_logits(model: nn.Module, ids_BS: torch.Tensor, ctx: dict, tol: float, rows: slice = slice(None),
+                 tbo: bool = False) -> dict[str, Any]:
+    """Per-token relative L2 error of the logits (of `rows`) vs the reference: median and p95 (max over
+    ranks), and vs the fp32 reference in half precision (`_timing.checked`)."""
     model.eval()
-    return logit_errors(logits_fn(model, tbo)(ids_BS)[rows].float(), ref_BSV)
+    return checked(logits_fn(model, tbo)(ids_BS)[rows].float(), ctx["ref_logits"], tol, ctx["truth"])
 
 
 def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.device, world: int) -> tuple[Placement, dict]:
@@ -405,12 +410,12 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         res["torchtitan"] = model.describe()
         with torch.no_grad():
             model.eval()
-            res["check"] = logit_errors(model.logits(check_ids).float(), ctx["ref_logits"])
+            res["check"] = checked(model.logits(check_ids).float(), ctx["ref_logits"], args.tol, ctx["truth"])
     else:
-        res["check"] = check_logits(model, check_ids, ctx["ref_logits"], rows, tbo=is_tbo(variant))
-    res["check"]["passed"] = res["check"]["median_rel_err"] <= args.tol or not res["exact"]
+        res["check"] = check_logits(model, check_ids, ctx, args.tol, rows, tbo=is_tbo(variant))
+    res["check"]["passed"] = res["check"]["passed"] or not res["exact"]
     log(f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
-        + ("" if res["exact"] else " (approximate: report only)") + ("" if res["check"]["passed"] else "  FAILED"))
+        + fp32_note(res["check"]) + ("" if res["exact"] else " (approximate: report only)") + ("" if res["check"]["passed"] else "  FAILED"))
     if res["check"]["passed"]:
         for phase in args.phases:
             if shared and phase == "train":
@@ -512,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         placement, report["placement"] = solve_placement(ref, args, device, world)
     hf_ep_dir = hf_ep.save(ref) if "hf-ep" in args.variants else None
     cost = ModelCost.of(ref)  # of the unconverted model: all experts, whatever the world size
+    truth = None
+    if dtype != torch.float32:  # last use of ref: upcast in place
+        truth = Truth(fp32_copy_logits(ref, lambda m: m(input_ids=check_ids, use_cache=False).logits), ref_logits)
+        log(f"{args.model}: unconverted model in {dtype} vs fp32: median relative logit error {truth.native_err:.2e}")
     del ref
     free_memory(device)
     report["peaks"] = measure_peaks(device, dtype)
@@ -519,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"measured: {report['peaks']['matmul_tflops']:.0f} TFLOP/s ({report['peaks']['matmul_n']}^3 "
         f"{report['peaks']['matmul_dtype']} matmul), {report['peaks']['copy_gb_s']:.0f} GB/s (device copy)")
     ctx = dict(device=device, dtype=dtype, placement=placement, self_group=self_group,
-               check_ids=check_ids, ref_logits=ref_logits, hf_ep_dir=hf_ep_dir, cost=cost, peaks=report["peaks"])
+               check_ids=check_ids, ref_logits=ref_logits, truth=truth, hf_ep_dir=hf_ep_dir, cost=cost, peaks=report["peaks"])
     for variant in args.variants:
         report["variants"][variant] = run_variant(variant, args, cfg, ctx)
         if rank == 0 and args.out:

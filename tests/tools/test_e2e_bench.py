@@ -146,3 +146,39 @@ def test_e2e_torchtitan_peer_needs_qwen3_and_says_so(tmp_path):
     assert res.returncode != 0  # e2e.py exits 2; torchrun reports a failed child as 1
     assert "use --model qwen3" in res.stdout + res.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_e2e_half_precision_checks_against_the_fp32_model_too(tmp_path):
+    out = tmp_path / "e2e_bf16.json"
+    res = _torchrun(1, "--model", "tiny-deepseek", "--dtype", "bf16", "--variants", "native,dedup", "--phases", "prefill",
+                    "--batch", "2", "--seq", "16", "--check-seq", "16", "--warmup", "1", "--iters", "1", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    variants = json.loads(out.read_text())["variants"]
+    native = variants["native"]["check"]
+    assert native["median_rel_err"] == 0 and native["fp32_median_rel_err"] == native["native_fp32_median_rel_err"] > 0
+    assert variants["dedup"]["check"]["passed"] and "fp32_median_rel_err" in variants["dedup"]["check"]
+
+
+def test_checked_passes_a_half_precision_variant_as_close_to_fp32_as_native(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _timing import Truth, checked
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+        fp32_TV = torch.randn(64, 50, generator=gen)
+        native_TV = fp32_TV + 0.1 * torch.randn(64, 50, generator=gen)  # ~10% off fp32 (routing flips)
+        other_TV = fp32_TV + 0.1 * torch.randn(64, 50, generator=gen)  # as far, elsewhere: > tol from native
+        truth = Truth(fp32_TV, native_TV)
+        assert 0.05 < truth.native_err < 0.2
+        assert not checked(other_TV, native_TV, 0.02)["passed"]  # without the fp32 model: fails
+        res = checked(other_TV, native_TV, 0.02, truth)
+        assert res["passed"] and res["native_fp32_median_rel_err"] == truth.native_err
+        far_TV = fp32_TV + 0.2 * torch.randn(64, 50, generator=gen)  # 2x native's distance from fp32
+        assert not checked(far_TV, native_TV, 0.02, truth)["passed"]
+        assert checked(native_TV, native_TV, 0.02, truth)["passed"]
+    finally:
+        dist.destroy_process_group()
