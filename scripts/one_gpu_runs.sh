@@ -18,7 +18,8 @@
 # native   whole Qwen3-MoE and DeepSeek-V3-shape models against plain transformers, eager and with
 #          hf.compile_layers on both, prefill and training step (benchmarks/e2e.py)         issue 26
 # native_decode  the same shapes, hf.generate (graph; compile_layers + graph) against transformers'
-#          compiled generate, 128-token prompts, 128 new tokens, B = 1, 8, 64 (benchmarks/serve.py)  issue 26
+#          compiled generate, 128-token prompts, 128 new tokens, B = 1, 8, 64 (benchmarks/serve.py);
+#          one model per call (MODELS=qwen3, then MODELS=deepseek: ~300-370 s each)           issue 26
 # quality  the pruning quality study on one GPU, 4 devices simulated (benchmarks/quality_ranks.py --simulate):
 #          hidden 512, 8 layers, 64 experts top-8, N = 3/2/1 x score/similarity, plain and distilled
 #          fine-tuning; one seed per call (SEEDS=0, then 1, 2: each seed's result.json comes back under
@@ -63,10 +64,12 @@ case $part in
         --out "$out/e2e_${model}_native_1gpu.json"
     done ;;&
   native_decode|all)
-    for model in qwen3 deepseek; do
-      run "serve_${model}_native" 290 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/serve.py \
-        --model $model --batch 1,8,64 --prompt-len 128 --new-tokens 128 --repeats 2 \
-        --variants native-generate+compile,generate+graph,generate+compile+graph --out "$out/serve_${model}_native_1gpu.json"
+    for model in ${MODELS:-qwen3 deepseek}; do  # one model per call: MODELS=qwen3, then MODELS=deepseek
+      for variants in native-generate+compile generate+graph,generate+compile+graph; do
+        run "serve_${model}_${variants%%+*}" 280 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+          benchmarks/serve.py --model $model --batch 1,8,64 --prompt-len 128 --new-tokens 128 --repeats 2 \
+          --variants $variants --out "$out/serve_${model}_${variants%%+*}_1gpu.json"
+      done
     done ;;&
   quality|all)
     data=$(train_corpus) || exit 2
