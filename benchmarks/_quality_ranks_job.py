@@ -61,7 +61,17 @@ RECIPES = {  # pruning-aware fine-tuning recipes (occult finetune's options), by
     "long": dict(steps=200, eval_every=50, save_every=100),  # twice the fine-tuning steps (--ft-steps 100)
     "experts-long": dict(train_part="experts", steps=200, eval_every=50, save_every=100),
     "experts-x4": dict(train_part="experts", steps=400, eval_every=100, save_every=200),  # four times
+    # experts only, longer, distilled from the standard fine-tune of the same length
+    "distill-ft-experts-long": dict(train_part="experts", steps=200, eval_every=50, save_every=100,
+                                    distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
+    "distill-ft-experts-x4": dict(train_part="experts", steps=400, eval_every=100, save_every=200,
+                                  distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
+    "distill-ft-x4": dict(steps=400, eval_every=100, save_every=200,  # routers and experts
+                          distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
+    "distill-ft-experts-x8": dict(train_part="experts", steps=800, eval_every=200, save_every=400,
+                                  distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
 }
+LENGTH = ("steps", "eval_every", "save_every")  # a recipe's schedule; its reference is standard fine-tuning as long
 
 
 def finetune_runs(args, recipes: bool) -> list[tuple]:
@@ -71,15 +81,37 @@ def finetune_runs(args, recipes: bool) -> list[tuple]:
     plain = [(f"pruned N={n} ({m}) + fine-tuning", f"ft-n{n}-{m}", n, m, {}) for n, m in cells]
     if not recipes:
         return [("standard fine-tuning", "ft-standard", None, "score", {})] + plain
-    return plain + [(f"pruned N={n} ({m}) + fine-tuning [{r}]", f"ft-n{n}-{m}-{r}", n, m, recipe_changes(args, r))
-                    for r in getattr(args, "recipes", None) or [] for n, m in cells]
+    names = getattr(args, "recipes", None) or []
+    return plain + reference_runs(args, names) + [
+        (f"pruned N={n} ({m}) + fine-tuning [{r}]", f"ft-n{n}-{m}-{r}", n, m, recipe_changes(args, r))
+        for r in names for n, m in cells]
+
+
+def reference_of(args, changes: dict) -> str:
+    """The reference row of a fine-tuned row with these TrainConfig changes (its schedule's length)."""
+    steps = changes.get("steps", args.ft_steps)
+    return "standard fine-tuning" if steps == args.ft_steps else f"standard fine-tuning ({steps} steps)"
+
+
+def reference_runs(args, names: list[str]) -> list[tuple]:
+    """Standard fine-tuning as long as each recipe that changes the schedule (the rows' reference and
+    the `distill_from` teacher of such a recipe), once per length."""
+    runs = {}
+    for r in names:
+        length = {k: v for k, v in RECIPES[r].items() if k in LENGTH}
+        if length.get("steps", args.ft_steps) != args.ft_steps:
+            runs[length["steps"]] = (reference_of(args, length), f"ft-standard-s{length['steps']}", None, "score", length)
+    return list(runs.values())
 
 
 def recipe_changes(args, name: str) -> dict:
-    """`RECIPES[name]` as TrainConfig changes: a `distill_from` run directory becomes its final weights' path."""
+    """`RECIPES[name]` as TrainConfig changes: a `distill_from` run directory becomes its final weights'
+    path; "ft-standard" is the standard fine-tune of the recipe's length."""
     changes = dict(RECIPES[name])
     if "distill_from" in changes:
-        changes["distill_from"] = str(Path(args.out) / changes["distill_from"] / FINAL)
+        steps = changes.get("steps", args.ft_steps)
+        run = changes["distill_from"] + ("" if steps == args.ft_steps else f"-s{steps}")
+        changes["distill_from"] = str(Path(args.out) / run / FINAL)
     return changes
 
 
@@ -187,7 +219,7 @@ def phase_finetune(args, data, par, base, placement, sims, log, recipes=False):
             check_rank_map(model, placement)
         rows.append(row(name, dispatcher_eval(model, data, args, par, placement), n=n, method=m if n else None,
                         finetuned=True, group="fine-tuned"))
-        rows[-1]["recipe"] = changes
+        rows[-1].update(recipe=changes, reference=reference_of(args, changes))
         curves[name] = [(h["step"], h["val_loss"]) for h in res.history]
         log(f"finetune: {name}: val loss {rows[-1]['val_loss']:.4f}, E[C_T] {rows[-1]['mean_ct']:.3f}")
     return rows, curves, secs
@@ -267,7 +299,7 @@ def simulate(phase: str, spec: dict) -> dict:
         secs[name] = time.perf_counter() - t1
         ev = evaluate(model, data.val, placement=placement, **kw)
         rows.append(dict(_simulated(qs.row(name, ev, n=n, method=m if n else None, finetuned=True, group="fine-tuned")),
-                         recipe=changes))
+                         recipe=changes, reference=reference_of(args, changes)))
         curves[name] = [(h["step"], h["val_loss"]) for h in res.history]
         qs.log(f"finetune: {name}: val loss {ev['val_loss']:.4f}, E[C_T] {ev['mean_ct']:.3f} ({secs[name]:.0f} s)")
     return {"rows": rows, "ft_curves": curves, "ranks": 1, "ft_seconds": secs,

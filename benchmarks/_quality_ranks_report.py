@@ -156,14 +156,17 @@ def render(results: dict, doc: Path) -> None:
             vals = [c[m] for c in cmp]
             st = {"mean": sum(vals) / len(vals), "std": _std(vals), "min": min(vals), "max": max(vals), "values": vals}
             lines.append(f"| {m} | {_fmt(st)} | {st['mean'] / a['top_k']:.1%} |")
-    lines += ["", "**Targets** (perplexity after fine-tuning relative to standard fine-tuning): N=2 within 1%, N=1 within 3%.", ""]
+    lines += ["", "**Targets** (perplexity after fine-tuning relative to standard fine-tuning of the same length): "
+              "N=2 within 0.3% on the mean, 0.5% on the worst seed; N=1 within 3%, 4%.", ""]
     for t in results["targets"]:
         if t["limit"] is None:
             lines.append(f"- {t['name']}: mean {t['rel_ppl_mean'] * 100:+.2f}%, worst seed {t['rel_ppl_max'] * 100:+.2f}%")
             continue
-        verdict = "met on every seed" if t["met_every_seed"] else ("met on the mean, **not on every seed**" if t["met_mean"] else "**missed**")
+        verdict = "met on every seed" if t["met_every_seed"] and t["met_mean"] else \
+            ("met on the mean, **not on every seed**" if t["met_mean"] else "**missed**")
+        worst = t.get("limit_worst", t["limit"])
         lines.append(f"- {t['name']}: mean {t['rel_ppl_mean'] * 100:+.2f}%, worst seed {t['rel_ppl_max'] * 100:+.2f}% "
-                     f"(limit {t['limit'] * 100:.0f}%): {verdict}")
+                     f"(limits {t['limit'] * 100:g}%, {worst * 100:g}%): {verdict}")
     placed = next((r["mean_ct"]["mean"] for r in results["rows"] if r["name"] == "placement only"), None)
     if placed is not None:
         lines += ["", f"The targets were set on [quality.md](quality.md) (32 experts top-4, hidden 256, one process, one seed), "
