@@ -73,8 +73,6 @@ def run_finetune(args: argparse.Namespace) -> int | None:
     if getattr(args, "hf", None):
         if args.init:
             raise CommandError("give --init (an occult checkpoint) or --hf (a transformers model directory), not both")
-        if getattr(args, "distill_from", None):
-            raise CommandError("--distill-from applies to occult checkpoints (--init), not yet to --hf")
         return hf.run_finetune(args)
     if not args.init:
         raise CommandError("occult finetune needs --init CKPT (an occult checkpoint) or --hf DIR (a transformers model)")

@@ -182,6 +182,18 @@ def add_finetune_arguments(p: Any) -> None:
                             "corpus texts of --corpus-dir or the cached Shakespeare corpus)")
 
 
+def _check_teacher_dir(args: Any) -> None:
+    """--distill-from with --hf: a transformers model directory of the same model, and a weight."""
+    teacher = getattr(args, "distill_from", None)
+    if teacher is None:
+        return
+    if not (Path(teacher) / "config.json").is_file():
+        raise ValueError(f"--distill-from {teacher}: with --hf the teacher is a transformers model directory (no "
+                         "config.json there), e.g. OUT/model of a standard `occult finetune --hf` run")
+    if not args.distill_weight > 0:
+        raise ValueError("--distill-from needs --distill-weight W > 0 (the weight of the teacher's KL term)")
+
+
 def _hf_tokens(args: Any, vocab_size: int, log) -> Any:
     """The token stream: --data, else the corpus texts; the model's tokenizer, else UTF-8 bytes."""
     from occult.integrations import hf
@@ -272,7 +284,7 @@ def _finetune_config(args: Any) -> Any:
         warmup_steps=args.warmup, weight_decay=args.weight_decay, adam_eps=args.adam_eps, grad_clip=args.grad_clip,
         seed=args.seed, precision=args.precision, aux_loss_coef=getattr(args, "aux_loss_coef", None) or 0.0,
         distill_weight=args.distill_weight, distill_temperature=args.distill_temperature,
-        train_part=args.train_part or "both",
+        train_part=args.train_part or "both", distill_from=getattr(args, "distill_from", None),
     )
 
 
@@ -296,6 +308,7 @@ def run_finetune(args: Any) -> int:
     check_input("--corpus-dir", getattr(args, "corpus_dir", None), "dir")
     for flag in ("placement", "similarity", "ep_placement"):
         check_input("--" + flag.replace("_", "-"), getattr(args, flag, None))
+    _check_teacher_dir(args)
     groups = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from occult.distributed import init_distributed
@@ -326,13 +339,19 @@ def run_finetune(args: Any) -> int:
         rep = model.occult_load_report
         log(f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "
             f"on this rank ({rep.layout} checkpoint; rank 0 read {rep.expert_bytes:,} bytes of experts)")
+        teacher = None
+        if args.distill_from:  # the same experts on this rank as the student, its own (standard) routing
+            teacher = hf.load_sharded(args.distill_from, group=groups.ep if groups else None, placement=placement,
+                                      device=device, execution=ExecConfig(dispatcher=args.dispatcher))
+            log(f"teacher: {args.distill_from} (standard routing, frozen)")
         tokens = _hf_tokens(args, int(model.config.vocab_size), log)
         cfg = _finetune_config(args)
         if groups is not None:
             log(f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "
                 f"data-parallel replica(s); {cfg.batch_size // groups.world_size} of {cfg.batch_size} rows per rank")
         result = hf.finetune(model, tokens, cfg, groups, progress=False if args.no_progress else None, log=log,
-                             checkpoint_dir=out, save_every=args.save_every, resume=args.resume, stop_after=args.stop_after)
+                             checkpoint_dir=out, save_every=args.save_every, resume=args.resume, stop_after=args.stop_after,
+                             teacher=teacher)
         if len(result.losses) < cfg.steps:
             log(f"stopped at step {len(result.losses)} of {cfg.steps}: continue with --resume (checkpoint in {out / 'checkpoint'})")
             return 0

@@ -154,7 +154,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    "the teacher: the same weights with standard routing, no gradient, same step (default 0: off)")
     g.add_argument("--distill-temperature", type=positive_float, default=1.0, help="T of --distill-weight (default 1)")
     g.add_argument("--distill-from", default=None, metavar="CKPT", help="teacher of --distill-weight (e.g. a standard fine-tune's "
-                   "final.safetensors; default: the model's own weights, standard routing; not --hf)")
+                   "final.safetensors; with --hf its OUT/model directory; default: the model's own weights, standard routing)")
     g.add_argument("--train", dest="train_part", choices=["routers", "experts", "both"], help="what trains (default: --moe-only's; with --hf: both)")
 
 

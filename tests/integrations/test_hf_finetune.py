@@ -110,6 +110,20 @@ def _train(path: str, ep_size: int) -> dict:
     return {"model": model, "losses": result.losses, "params": _trained(model)}
 
 
+TEACHER = dict(distill_weight=1.0, train_part="experts")  # + distill_from: the unpruned model's directory
+
+
+def _train_distilled(path: str, ep_size: int | None) -> dict:
+    """Pruned to 1 device, distilled from a frozen unpruned copy loaded as the teacher (`--distill-from`)."""
+    groups = hf.setup_groups(ep_size) if ep_size else None
+    where = dict(group=groups.ep, placement=_placement()) if groups else {}
+    teacher = hf.load_sharded(path, **where)
+    model = hf.load_sharded(path, **where, max_devices=1, **({} if groups else {"routing_placement": _placement()}))
+    cfg = hf.FinetuneConfig(**CFG, **TEACHER, distill_from=path)
+    result = hf.finetune(model, _tokens(), cfg, groups, progress=False, teacher=teacher)
+    return {"losses": result.losses, "params": _trained(model)}
+
+
 def two_ranks(rank: int, world_size: int, dirs: dict) -> dict:
     torch.manual_seed(rank)  # nothing may depend on it
     res: dict = {"loading": {name: _check_loading(rank, dirs[name]) for name in ("olmoe", "qwen3_fused")}}
@@ -131,6 +145,7 @@ def two_ranks(rank: int, world_size: int, dirs: dict) -> dict:
                 res["logits"] = run["model"](ids).logits.numpy()
     run = _train(dirs["olmoe"], 1)
     res["olmoe/ep1"] = {"losses": run["losses"], "params": run["params"]}
+    res["olmoe-teacher/ep2"] = _train_distilled(dirs["olmoe"], 2)
     return res
 
 
@@ -162,6 +177,7 @@ def reference(dirs):
         model = hf.load_sharded(dirs[name], routing_placement=_placement(), max_devices=1)
         result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), progress=False)
         out[family] = {"losses": result.losses, "params": _trained(model), "model": model}
+    out["olmoe-teacher"] = _train_distilled(dirs["olmoe"], None)
     return out
 
 
@@ -178,7 +194,7 @@ def test_each_rank_loads_only_its_experts_and_equals_convert(ranks, name):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("run", ["olmoe/ep2", "qwen3_moe/ep2", "olmoe/ep1"])
+@pytest.mark.parametrize("run", ["olmoe/ep2", "qwen3_moe/ep2", "olmoe/ep1", "olmoe-teacher/ep2"])
 def test_two_ranks_equal_one_process(ranks, reference, run):
     want = reference[run.split("/")[0]]
     assert np.mean(want["losses"][-5:]) < np.mean(want["losses"][:5]) - 0.1  # it learns

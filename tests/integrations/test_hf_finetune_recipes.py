@@ -37,8 +37,8 @@ def _tokens() -> torch.Tensor:
     return torch.randint(VOCAB, (600,), generator=torch.Generator().manual_seed(11))
 
 
-def _run(model, **cfg):
-    return hf.finetune(model, _tokens(), hf.FinetuneConfig(**{**CFG, **cfg}), progress=False, log=None)
+def _run(model, teacher=None, **cfg):
+    return hf.finetune(model, _tokens(), hf.FinetuneConfig(**{**CFG, **cfg}), progress=False, log=None, teacher=teacher)
 
 
 def test_distillation_of_an_unpruned_model_is_plain_fine_tuning():
@@ -86,6 +86,27 @@ def test_gate_mass_rule_limits_devices():
     assert _run(model, steps=2).losses  # and it fine-tunes
 
 
+def test_a_teacher_model_is_the_distillation_target():
+    """teacher= (a frozen copy of the same weights, standard routing): the first update is the one of the
+    self-teacher (same logits), later ones differ (the copy does not follow the student); it never moves."""
+    own = _run(_model(1), distill_weight=1.0)
+    teacher = _model(None)
+    before = {n: p.detach().clone() for n, p in teacher.named_parameters()}
+    cfg = hf.FinetuneConfig(**{**CFG, "distill_weight": 1.0, "distill_from": "teacher-dir"})
+    copied = hf.finetune(_model(1), _tokens(), cfg, progress=False, log=None, teacher=teacher)
+    assert copied.losses[:2] == own.losses[:2] and copied.losses[2:] != own.losses[2:]
+    assert all(torch.equal(p, before[n]) and not p.requires_grad for n, p in teacher.named_parameters())
+
+
+def test_bad_teacher_settings_are_refused():
+    with pytest.raises(ValueError, match="distill_from"):
+        _run(_model(1), distill_weight=1.0, teacher=_model(None))
+    with pytest.raises(ValueError, match="teacher="):
+        _run(_model(1), distill_weight=1.0, distill_from="dir")
+    with pytest.raises(ValueError, match="distill_weight > 0"):
+        _run(_model(1), distill_from="dir", teacher=_model(None))
+
+
 def test_bad_recipe_settings_are_refused():
     with pytest.raises(ValueError, match="train_part"):
         hf.FinetuneConfig(train_part="heads")
@@ -105,3 +126,11 @@ def test_cli_runs_the_recipes(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "training 0 router" in out and "distilling from standard routing (weight 0.5" in out
+    teacher = tmp_path / "run" / "model"  # that run's weights as the teacher of the next
+    assert main([*args[:4], str(tmp_path / "run2"), *args[5:], "--distill-from", str(teacher)]) == 0
+    assert f"distilling from {teacher} (weight 0.5" in capsys.readouterr().out
+    for bad, message in (([], "needs --distill-weight"), (["--distill-from", str(tmp_path / "p.json")], "transformers model directory")):
+        rest = [a for a in args[5:] if a not in ("--distill-weight", "0.5")] if bad == [] else args[5:]
+        extra = ["--distill-from", str(teacher)] if bad == [] else bad
+        assert main([*args[:4], str(tmp_path / "run3"), *rest, *extra]) != 0
+        assert message in capsys.readouterr().err

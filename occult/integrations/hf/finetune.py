@@ -75,6 +75,7 @@ class FinetuneConfig:
     distill_weight: float = 0.0  # W > 0: + W * T^2 * KL(teacher || model) of the logits, teacher = standard routing
     distill_temperature: float = 1.0  # T
     train_part: str = "both"  # what trains: "routers", "experts" or "both"
+    distill_from: str | None = None  # the teacher's directory (e.g. the standard fine-tune): pass its model as teacher=
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -96,7 +97,7 @@ class FinetuneConfig:
     def signature_settings(self) -> dict:
         """The settings a resumed run must share; the recipe options only when not at their defaults
         (checkpoints written before they existed hold none of them)."""
-        recipe = {"distill_weight": 0.0, "distill_temperature": 1.0, "train_part": "both"}
+        recipe = {"distill_weight": 0.0, "distill_temperature": 1.0, "train_part": "both", "distill_from": None}
         return {k: v for k, v in vars(self).items() if k not in recipe or v != recipe[k]}
 
 
@@ -205,9 +206,18 @@ def _check_inputs(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, g
         raise ValueError(f"the experts are sharded over {sharded} ranks, the EP size is {groups.ep_size}: convert over groups.ep")
 
 
+def _teacher_logits(model: nn.Module, teacher: nn.Module | None, x: torch.Tensor, precision: str) -> torch.Tensor:
+    """The distillation target, no gradient: `teacher`'s logits, or the model's own with standard routing."""
+    with torch.no_grad(), _autocast(x.device, precision):
+        if teacher is not None:
+            return teacher(input_ids=x, use_cache=False).logits
+        with standard_routing(model):
+            return model(input_ids=x, use_cache=False).logits
+
+
 def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, groups: Groups | None,
                 trained: tuple[list[nn.Parameter], list[nn.Parameter]], taps: RouterTaps | None,
-                schedule: Callable[[int], float]) -> StepParts:
+                schedule: Callable[[int], float], teacher: nn.Module | None = None) -> StepParts:
     """A step of a converted transformers model: its rows, the cross-entropy (+ aux), the gradient sync."""
     routers, experts = trained
     device = (routers + experts)[0].device
@@ -223,10 +233,9 @@ def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, gro
 
     def loss(win: torch.Tensor) -> StepLoss:
         x, y = win[:, :-1], win[:, 1:]
-        teacher = None
-        if cfg.distill_weight > 0:  # the same weights with standard routing, no gradient, this step
-            with torch.no_grad(), standard_routing(model), _autocast(device, cfg.precision):
-                teacher = model(input_ids=x, use_cache=False).logits
+        target = None
+        if cfg.distill_weight > 0:  # the teacher model's, or the same weights with standard routing; this step
+            target = _teacher_logits(model, teacher, x, cfg.precision)
             if taps is not None:
                 taps.clear()  # the aux loss is the student's routing
         with _autocast(device, cfg.precision):
@@ -234,8 +243,8 @@ def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, gro
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         aux = taps.loss(groups.ddp if groups is not None else None) if taps is not None else None
         total = ce if aux is None else ce + cfg.aux_loss_coef * aux
-        if teacher is not None:
-            total = total + cfg.distill_weight * distill_kl(logits, teacher, cfg.distill_temperature)
+        if target is not None:
+            total = total + cfg.distill_weight * distill_kl(logits, target, cfg.distill_temperature)
         return StepLoss(total, ce, aux)
 
     def sync() -> None:
@@ -244,6 +253,18 @@ def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, gro
 
     return StepParts(batch=batch, loss=loss, sync=sync, clip=lambda m: grads.clip_grad_norm(routers, experts, groups, m),
                      lr=schedule, mean=lambda t: global_mean(t, groups))
+
+
+def _check_teacher(cfg: FinetuneConfig, teacher: nn.Module | None) -> None:
+    """A teacher model goes with `cfg.distill_from` and a distillation weight; it is frozen."""
+    if (teacher is None) != (cfg.distill_from is None):
+        raise ValueError("pass the teacher model (teacher=) together with FinetuneConfig.distill_from (its directory)"
+                         if teacher is None else "teacher= needs FinetuneConfig.distill_from (the teacher's directory)")
+    if teacher is not None:
+        if cfg.distill_weight <= 0:
+            raise ValueError("a teacher (--distill-from) needs a distillation weight: set distill_weight > 0 (--distill-weight W)")
+        teacher.requires_grad_(False)
+        teacher.eval()
 
 
 class _Saver(StepHook):
@@ -311,6 +332,7 @@ def finetune(
     save_every: int = 0,
     resume: bool = False,
     stop_after: int | None = None,
+    teacher: nn.Module | None = None,
 ) -> FinetuneResult:
     """Fine-tune the routers and experts of a converted `model` on windows of `tokens` (1-D ids).
 
@@ -325,16 +347,21 @@ def finetune(
     grow, the schedule then extended as for `occult train`), and without
     it an existing checkpoint is an error. Batches depend on (seed, step) alone, so a resumed run
     continues exactly as the uninterrupted one. `stop_after=n`: return after n more steps.
+
+    `teacher` (with `cfg.distill_from`, its directory, and `cfg.distill_weight` > 0): the distillation
+    target is this frozen model's logits (e.g. the standard-routing fine-tune, converted over the
+    same group) instead of the model's own weights with standard routing.
     """
     main = groups is None or groups.rank == 0
     log = log if main else None
+    _check_teacher(cfg, teacher)
     routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
     if log is not None:
         log(f"training {sum(p.numel() for p in routers):,} router and {sum(p.numel() for p in experts):,} expert "
             "parameters on rank 0 (everything else frozen)"
-            + (f"; distilling from standard routing (weight {cfg.distill_weight:g}, T {cfg.distill_temperature:g})"
-               if cfg.distill_weight > 0 else ""))
+            + (f"; distilling from {cfg.distill_from or 'standard routing'} (weight {cfg.distill_weight:g}, "
+               f"T {cfg.distill_temperature:g})" if cfg.distill_weight > 0 else ""))
     opt = torch.optim.AdamW(routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     settings = LoopSettings(cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len, "finetune (routers + experts)",
                             progress, main)
@@ -350,7 +377,7 @@ def finetune(
     taps = RouterTaps(model) if cfg.aux_loss_coef > 0 else None
     if taps is not None and log is not None:
         log(f"load-balancing loss: {taps.formula} formula, weight {cfg.aux_loss_coef:g}, over the global batch")
-    loop.parts = _step_parts(model, tokens, cfg, groups, (routers, experts), taps, schedule)
+    loop.parts = _step_parts(model, tokens, cfg, groups, (routers, experts), taps, schedule, teacher)
     saver = None
     if checkpoint_dir is not None:
         extra = {"signature": sig, **({"lr_schedule": schedule.to_json()} if schedule.restarts else {})}
