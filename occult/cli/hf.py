@@ -288,11 +288,42 @@ def _finetune_config(args: Any) -> Any:
     )
 
 
+def _load_models(args: Any, groups: Any, log) -> tuple[Any, Any]:
+    """The student (`--hf`, pruned as asked) and the teacher (`--distill-from`, or None), each rank its experts."""
+    import torch
+
+    from occult.integrations import hf
+    from occult.moe.config import ExecConfig, RoutingConfig
+    from occult.moe.registry import capabilities
+
+    device = args.device
+    if device == "auto":
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    placement, routing, sims = _hf_placements(args, groups.ep_size if groups else 1)
+    if args.ep_placement or capabilities(args.dispatcher).two_level or getattr(args, "nodes", None) is not None:
+        from occult.cli.lm import ep_placement_from_args  # --ep-placement, and nodes from --nodes or the placement
+
+        placement = ep_placement_from_args(args, groups, _num_experts(args.hf), placement)
+    model = hf.load_sharded(
+        args.hf, group=groups.ep if groups else None, placement=placement, device=device,
+        routing=RoutingConfig(max_devices=args.max_devices, prune_method=args.prune_method),
+        execution=ExecConfig(dispatcher=args.dispatcher), routing_placement=routing, similarity=sims,
+    )
+    rep = model.occult_load_report
+    log(f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "
+        f"on this rank ({rep.layout} checkpoint; rank 0 read {rep.expert_bytes:,} bytes of experts)")
+    teacher = None
+    if args.distill_from:  # the same experts on this rank as the student, its own (standard) routing
+        teacher = hf.load_sharded(args.distill_from, group=groups.ep if groups else None, placement=placement,
+                                  device=device, execution=ExecConfig(dispatcher=args.dispatcher))
+        log(f"teacher: {args.distill_from} (standard routing, frozen)")
+    return model, teacher
+
+
 def run_finetune(args: Any) -> int:
     """`occult finetune --hf DIR`: routers and experts of a transformers model, on 1 or N ranks."""
     import os
 
-    import torch
     import torch.distributed as dist
 
     from occult.integrations import hf
@@ -320,30 +351,7 @@ def run_finetune(args: Any) -> int:
     main = groups is None or groups.rank == 0
     log = print if main else (lambda *_: None)
     try:
-        device = args.device
-        if device == "auto":
-            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        placement, routing, sims = _hf_placements(args, groups.ep_size if groups else 1)
-        from occult.moe.config import ExecConfig, RoutingConfig
-        from occult.moe.registry import capabilities
-
-        if args.ep_placement or capabilities(args.dispatcher).two_level or getattr(args, "nodes", None) is not None:
-            from occult.cli.lm import ep_placement_from_args  # --ep-placement, and nodes from --nodes or the placement
-
-            placement = ep_placement_from_args(args, groups, _num_experts(args.hf), placement)
-        model = hf.load_sharded(
-            args.hf, group=groups.ep if groups else None, placement=placement, device=device,
-            routing=RoutingConfig(max_devices=args.max_devices, prune_method=args.prune_method),
-            execution=ExecConfig(dispatcher=args.dispatcher), routing_placement=routing, similarity=sims,
-        )
-        rep = model.occult_load_report
-        log(f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "
-            f"on this rank ({rep.layout} checkpoint; rank 0 read {rep.expert_bytes:,} bytes of experts)")
-        teacher = None
-        if args.distill_from:  # the same experts on this rank as the student, its own (standard) routing
-            teacher = hf.load_sharded(args.distill_from, group=groups.ep if groups else None, placement=placement,
-                                      device=device, execution=ExecConfig(dispatcher=args.dispatcher))
-            log(f"teacher: {args.distill_from} (standard routing, frozen)")
+        model, teacher = _load_models(args, groups, log)
         tokens = _hf_tokens(args, int(model.config.vocab_size), log)
         cfg = _finetune_config(args)
         if groups is not None:
