@@ -22,7 +22,7 @@
 #          one model per call (MODELS=qwen3, then MODELS=deepseek: ~300-370 s each)           issue 26
 # quality  the pruning quality study on one GPU, 4 devices simulated (benchmarks/quality_ranks.py --simulate):
 #          hidden 512, 8 layers, 64 experts top-8, N = 3/2/1 x score/similarity, plain fine-tuning and the
-#          recipes in RECIPES (default: distill, distill-ft, distill-ft-experts-long); one seed per call (SEEDS=0, then 1, 2: each seed's result.json comes back under
+#          recipes in RECIPES (default: the CPU study's winners distill-ft-x4, distill-ft-experts-x8); one seed per call (SEEDS=0, then 1, 2: each seed's result.json comes back under
 #          OUT/quality/seedS/; copy them to out/quality-ranks/seedS/ and aggregate on the CPU with
 #          `python benchmarks/quality_ranks.py --simulate --resume --seeds 0,1,2 ...` (same flags)); carry .gpudata   issue 28
 #
@@ -76,7 +76,7 @@ case $part in
     seeds=${SEEDS:-0}
     run "quality_seeds_${seeds//,/_}" 570 python3 benchmarks/quality_ranks.py --simulate --ranks 4 --seeds "$seeds" \
       --corpus-dir $data --hidden 512 --layers 8 --heads 8 --experts 64 --top-k 8 --max-devices 3 2 1 \
-      --methods score similarity --recipes ${RECIPES:-distill distill-ft distill-ft-experts-long} --expert-backend auto --out /tmp/quality --resume
+      --methods score similarity --recipes ${RECIPES:-distill-ft-x4 distill-ft-experts-x8} --expert-backend auto --out /tmp/quality --resume
     if [ "${DRY_RUN:-0}" != 1 ]; then
       for s in ${seeds//,/ }; do
         mkdir -p "$out/quality/seed$s" && cp /tmp/quality/seed$s/*.json "$out/quality/seed$s/" 2>/dev/null
