@@ -193,5 +193,10 @@ def test_distill_from_another_checkpoint(base, data, tmp_path):
 def test_cli_distill_from(base, data, tmp_path, capsys):
     from occult.cli import main
 
-    assert main(["finetune", "--hf", str(tmp_path), "--out", str(tmp_path / "o"), "--distill-from", str(base)]) == 2
-    assert "--distill-from applies to occult checkpoints" in capsys.readouterr().err
+    pytest.importorskip("transformers")
+    from occult.integrations import hf
+
+    hf.tiny_random_model("olmoe", str(tmp_path / "m"), seed=3, vocab_size=96)
+    args = ["finetune", "--hf", str(tmp_path / "m"), "--out", str(tmp_path / "o"), "--distill-weight", "1"]
+    assert main([*args, "--distill-from", str(base)]) == 2  # an occult checkpoint cannot teach a transformers model
+    assert "with --hf the teacher is a transformers model directory" in capsys.readouterr().err
