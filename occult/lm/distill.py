@@ -26,7 +26,7 @@ import torch
 
 from occult.lm.checkpoint import CheckpointError, load_model
 from occult.lm.model import OccultLM
-from occult.training.distill import TRAIN_PARTS, distill_kl, unlimited
+from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
 from occult.training.loop import StepLoss
 
 
@@ -54,12 +54,7 @@ def distilled_loss(model: OccultLM, forward: Callable[..., Any], xy: tuple[torch
     """One step's loss with a teacher (module docstring): `teacher_model` (another checkpoint, e.g. the
     standard fine-tune: `TrainConfig.distill_from`), else the model itself with standard routing.
     `forward` is the training forward (the model or its DDP wrapper)."""
-    with torch.no_grad():
-        if teacher_model is not None:
-            teacher = teacher_model(xy[0], return_logits=True).logits
-        else:
-            with unlimited_routing(model):
-                teacher = model(xy[0], return_logits=True).logits
+    teacher = teacher_logits(lambda m: m(xy[0], return_logits=True).logits, model, model.routers(), teacher_model)
     out = forward(*xy, return_logits=True)
     kl = distill_kl(out.logits, teacher, temperature)
     return StepLoss(out.loss + aux_coef * out.aux_loss + weight * kl, out.loss, out.aux_loss)

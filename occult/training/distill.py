@@ -5,7 +5,7 @@ teacher's, both softened by a temperature."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -38,3 +38,14 @@ def unlimited(routers: Iterable[Any]) -> Iterator[None]:
             r.max_devices = devices
             if hasattr(r, "max_nodes"):
                 r.max_nodes = nodes
+
+
+def teacher_logits(logits_of: Callable[[Any], torch.Tensor], model: Any, routers: Iterable[Any],
+                   teacher: Any = None) -> torch.Tensor:
+    """The distillation target, no gradient: `logits_of(teacher)`, or without a teacher model
+    `logits_of(model)` with `routers` (the model's) unlimited: the same weights, standard routing."""
+    with torch.no_grad():
+        if teacher is not None:
+            return logits_of(teacher)
+        with unlimited(routers):
+            return logits_of(model)

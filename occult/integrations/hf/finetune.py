@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -47,7 +47,7 @@ from occult.integrations.hf import checkpoint as ckpt
 from occult.integrations.hf.aux_loss import RouterTaps
 from occult.integrations.hf.block import OccultMoeBlock
 from occult.training import grads
-from occult.training.distill import TRAIN_PARTS, distill_kl, unlimited
+from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
 from occult.training.hooks import StepHook
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.parallel import Parallel, global_mean, setup_parallel
@@ -93,12 +93,12 @@ class FinetuneConfig:
         if self.train_part not in TRAIN_PARTS:
             raise ValueError(f"train_part must be one of {', '.join(TRAIN_PARTS)}, got {self.train_part!r}")
 
-
     def signature_settings(self) -> dict:
         """The settings a resumed run must share; the recipe options only when not at their defaults
         (checkpoints written before they existed hold none of them)."""
-        recipe = {"distill_weight": 0.0, "distill_temperature": 1.0, "train_part": "both", "distill_from": None}
-        return {k: v for k, v in vars(self).items() if k not in recipe or v != recipe[k]}
+        recipe = ("distill_weight", "distill_temperature", "train_part", "distill_from")
+        default = {f.name: f.default for f in fields(self) if f.name in recipe}
+        return {k: v for k, v in vars(self).items() if k not in default or v != default[k]}
 
 
 @dataclass
@@ -141,9 +141,13 @@ def trainable_parameters(model: nn.Module, part: str = "both") -> tuple[list[nn.
     return routers, experts
 
 
+def _routers(model: nn.Module) -> list[nn.Module]:
+    return [b.experts.router for b in model.modules() if isinstance(b, OccultMoeBlock)]
+
+
 def standard_routing(model: nn.Module) -> contextlib.AbstractContextManager:
     """Every MoE block's device limit off inside (the plain top-k: the distillation teacher), restored after."""
-    return unlimited(b.experts.router for b in model.modules() if isinstance(b, OccultMoeBlock))
+    return unlimited(_routers(model))
 
 
 def lr_at(step: int, cfg: FinetuneConfig) -> float:
@@ -208,11 +212,8 @@ def _check_inputs(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, g
 
 def _teacher_logits(model: nn.Module, teacher: nn.Module | None, x: torch.Tensor, precision: str) -> torch.Tensor:
     """The distillation target, no gradient: `teacher`'s logits, or the model's own with standard routing."""
-    with torch.no_grad(), _autocast(x.device, precision):
-        if teacher is not None:
-            return teacher(input_ids=x, use_cache=False).logits
-        with standard_routing(model):
-            return model(input_ids=x, use_cache=False).logits
+    with _autocast(x.device, precision):
+        return teacher_logits(lambda m: m(input_ids=x, use_cache=False).logits, model, _routers(model), teacher)
 
 
 def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, groups: Groups | None,
