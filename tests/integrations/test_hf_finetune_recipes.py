@@ -105,6 +105,9 @@ def test_bad_teacher_settings_are_refused():
         _run(_model(1), distill_weight=1.0, distill_from="dir")
     with pytest.raises(ValueError, match="distill_weight > 0"):
         _run(_model(1), distill_from="dir", teacher=_model(None))
+    other = hf.convert(hf.tiny_random_model("olmoe", seed=3, vocab_size=VOCAB + 8))
+    with pytest.raises(ValueError, match="same tokenizer"):
+        _run(_model(1), distill_weight=1.0, distill_from="dir", teacher=other)
 
 
 def test_bad_recipe_settings_are_refused():

@@ -210,12 +210,6 @@ def _check_inputs(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, g
         raise ValueError(f"the experts are sharded over {sharded} ranks, the EP size is {groups.ep_size}: convert over groups.ep")
 
 
-def _teacher_logits(model: nn.Module, teacher: nn.Module | None, x: torch.Tensor, precision: str) -> torch.Tensor:
-    """The distillation target, no gradient: `teacher`'s logits, or the model's own with standard routing."""
-    with _autocast(x.device, precision):
-        return teacher_logits(lambda m: m(input_ids=x, use_cache=False).logits, model, _routers(model), teacher)
-
-
 def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, groups: Groups | None,
                 trained: tuple[list[nn.Parameter], list[nn.Parameter]], taps: RouterTaps | None,
                 schedule: Callable[[int], float], teacher: nn.Module | None = None) -> StepParts:
@@ -236,7 +230,8 @@ def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, gro
         x, y = win[:, :-1], win[:, 1:]
         target = None
         if cfg.distill_weight > 0:  # the teacher model's, or the same weights with standard routing; this step
-            target = _teacher_logits(model, teacher, x, cfg.precision)
+            with _autocast(device, cfg.precision):
+                target = teacher_logits(lambda m: m(input_ids=x, use_cache=False).logits, model, _routers(model), teacher)
             if taps is not None:
                 taps.clear()  # the aux loss is the student's routing
         with _autocast(device, cfg.precision):
@@ -256,14 +251,17 @@ def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, gro
                      lr=schedule, mean=lambda t: global_mean(t, groups))
 
 
-def _check_teacher(cfg: FinetuneConfig, teacher: nn.Module | None) -> None:
-    """A teacher model goes with `cfg.distill_from` and a distillation weight; it is frozen."""
+def _check_teacher(cfg: FinetuneConfig, model: nn.Module, teacher: nn.Module | None) -> None:
+    """A teacher model goes with `cfg.distill_from`, a distillation weight and the model's vocabulary; it is frozen."""
     if (teacher is None) != (cfg.distill_from is None):
         raise ValueError("pass the teacher model (teacher=) together with FinetuneConfig.distill_from (its directory)"
                          if teacher is None else "teacher= needs FinetuneConfig.distill_from (the teacher's directory)")
     if teacher is not None:
         if cfg.distill_weight <= 0:
             raise ValueError("a teacher (--distill-from) needs a distillation weight: set distill_weight > 0 (--distill-weight W)")
+        if teacher.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the teacher {cfg.distill_from} has {teacher.config.vocab_size} token ids, the model "
+                             f"{model.config.vocab_size}: distil from a model with the same tokenizer")
         teacher.requires_grad_(False)
         teacher.eval()
 
@@ -355,7 +353,7 @@ def finetune(
     """
     main = groups is None or groups.rank == 0
     log = log if main else None
-    _check_teacher(cfg, teacher)
+    _check_teacher(cfg, model, teacher)
     routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
     if log is not None:
