@@ -40,7 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality_study as qs  # noqa: E402  (puts the repository root on sys.path)
 
-from occult.distributed import init_distributed  # noqa: E402
+from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 from occult.lm.checkpoint import config_from_metadata, load_weights, read_checkpoint  # noqa: E402
 from occult.lm.evaluate import evaluate  # noqa: E402
 from occult.lm.model import ModelConfig  # noqa: E402
@@ -263,8 +263,7 @@ def run_job(phase: str, job: Path) -> int:
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         tmp.replace(path)
         log(f"{phase}: {time.perf_counter() - t0:.0f} s on {world} ranks -> {path}")
-    par.barrier()
-    dist.destroy_process_group()
+    finish_distributed()
     return 0
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from occult.distributed import finish_distributed
+
 
 # ------------------------------------------------------------------ process
 def log(*args: Any) -> None:
@@ -88,7 +90,7 @@ def finish(script: str, table: str, failed: list[str], tol: float, what: str = "
     variants) if any failed its check against the unconverted model, else 0."""
     log("\n" + table)
     rank = dist.get_rank()
-    dist.destroy_process_group()
+    finish_distributed()
     if failed:
         if rank == 0:
             print(f"{script}: error: {what} {', '.join(failed)} differ from the unconverted model "

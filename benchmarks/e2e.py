@@ -84,7 +84,7 @@ from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
 from occult import ExecConfig, Placement, RoutingConfig, set_overlap, two_batch_overlap  # noqa: E402
-from occult.distributed import init_distributed  # noqa: E402
+from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
@@ -487,7 +487,7 @@ def start_run(args: argparse.Namespace, script: str, config_of: Callable[[argpar
     if problem:
         if rank == 0:
             print(f"{script}: error: {problem}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
+        finish_distributed(ok=False)
         return None
     self_groups = [dist.new_group([r]) for r in range(world)]
     return rank, world, device, dtype, cfg, self_groups[rank]

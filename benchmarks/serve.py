@@ -90,6 +90,7 @@ from decode import build_base, model_config  # noqa: E402
 from e2e import MODELS, TINY, build_model, random_ids, start_run  # noqa: E402
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 from occult import ExecConfig, set_sync_free  # noqa: E402
+from occult.distributed import finish_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 and args.out:
             write_json(args.out, report)
         ok = all(r["passed_all_ranks"] for r in report["verify"].values())
-        dist.destroy_process_group()
+        finish_distributed()
         return 0 if ok else 1
     gen = torch.Generator().manual_seed(50_000 + args.seed + rank)
     ctx["prompts"] = {b: random_ids(b, args.prompt_len, cfg.vocab_size, device, gen) for b in args.batch}

@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from occult.distributed import init_distributed  # noqa: E402
+from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 from occult.integrations.hf import calibration_windows, token_stream  # noqa: E402
 from occult.placement import Placement  # noqa: E402
@@ -96,7 +96,7 @@ def main() -> None:
     finally:
         if own_workdir and rank == 0:
             shutil.rmtree(args.workdir, ignore_errors=True)
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def run(args: argparse.Namespace, rank: int, world: int) -> None:

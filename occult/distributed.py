@@ -9,6 +9,7 @@ deadline, ends in an exception on the caller within a bounded time, never a hang
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import queue
@@ -58,6 +59,26 @@ def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
     return dist.get_rank(), dist.get_world_size()
 
 
+def finish_distributed(ok: bool = True) -> None:
+    """Leave the process groups: on success wait for every rank (a barrier), then destroy them all.
+
+    Why the barrier: a gloo worker thread can still be dropping the last collective's tensors
+    when a rank with nothing left to do returns; if its interpreter is already finalizing when
+    that thread needs the GIL, the process aborts ("terminate called without an active
+    exception"). Holding every rank until the slowest is done closes that window, and
+    `gc.collect()` first frees reference cycles (modules, DDP) that keep groups alive past the
+    destroy. After a failure no barrier (a peer may never come): the groups are destroyed at once.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    try:
+        if ok:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -81,11 +102,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
     except Exception as exc:
         payload = ("error", f"rank {rank} returned an unpicklable result: {exc}")
     results.put((rank, payload))
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+    try:
+        finish_distributed(ok=payload[0] == "ok")
+    except Exception:
+        pass  # the result is reported; a peer that failed may break the closing barrier
 
 
 def run_ranks(

@@ -324,8 +324,6 @@ def run_finetune(args: Any) -> int:
     """`occult finetune --hf DIR`: routers and experts of a transformers model, on 1 or N ranks."""
     import os
 
-    import torch.distributed as dist
-
     from occult.integrations import hf
 
     if not (Path(args.hf) / "config.json").is_file():
@@ -340,44 +338,52 @@ def run_finetune(args: Any) -> int:
     for flag in ("placement", "similarity", "ep_placement"):
         check_input("--" + flag.replace("_", "-"), getattr(args, flag, None))
     _check_teacher_dir(args)
-    groups = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from occult.distributed import init_distributed
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if args.ep_size not in (None, 1):
+            raise ValueError(f"--ep-size {args.ep_size} needs that many ranks: run under torchrun --nproc-per-node N")
+        return _finetune(args, None, out)
+    from occult.distributed import finish_distributed, init_distributed
 
-        init_distributed()
-        groups = hf.setup_groups(args.ep_size)
-    elif args.ep_size not in (None, 1):
-        raise ValueError(f"--ep-size {args.ep_size} needs that many ranks: run under torchrun --nproc-per-node N")
+    init_distributed()
+    ok = False
+    try:
+        status = _finetune(args, hf.setup_groups(args.ep_size), out)
+        ok = True
+        return status
+    finally:  # after _finetune returned: its model (and DDP) are gone before the groups go
+        finish_distributed(ok)
+
+
+def _finetune(args: Any, groups: Any, out: Path) -> int:
+    """The fine-tuning run of `run_finetune` on this rank (`groups` None: one process)."""
+    from occult.integrations import hf
+
     main = groups is None or groups.rank == 0
     log = print if main else (lambda *_: None)
-    try:
-        model, teacher = _load_models(args, groups, log)
-        tokens = _hf_tokens(args, int(model.config.vocab_size), log)
-        cfg = _finetune_config(args)
-        if groups is not None:
-            log(f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "
-                f"data-parallel replica(s); {cfg.batch_size // groups.world_size} of {cfg.batch_size} rows per rank")
-        result = hf.finetune(model, tokens, cfg, groups, progress=False if args.no_progress else None, log=log,
-                             checkpoint_dir=out, save_every=args.save_every, resume=args.resume, stop_after=args.stop_after,
-                             teacher=teacher)
-        if len(result.losses) < cfg.steps:
-            log(f"stopped at step {len(result.losses)} of {cfg.steps}: continue with --resume (checkpoint in {out / 'checkpoint'})")
-            return 0
-        hf.save_finetuned(model, out / "model", source=args.hf, dtype=_save_dtype(args))
-        if main:
-            from occult._atomic import write_text_atomic
-            from occult.lm.plot import plot_losses
+    model, teacher = _load_models(args, groups, log)
+    tokens = _hf_tokens(args, int(model.config.vocab_size), log)
+    cfg = _finetune_config(args)
+    if groups is not None:
+        log(f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "
+            f"data-parallel replica(s); {cfg.batch_size // groups.world_size} of {cfg.batch_size} rows per rank")
+    result = hf.finetune(model, tokens, cfg, groups, progress=False if args.no_progress else None, log=log,
+                         checkpoint_dir=out, save_every=args.save_every, resume=args.resume, stop_after=args.stop_after,
+                         teacher=teacher)
+    if len(result.losses) < cfg.steps:
+        log(f"stopped at step {len(result.losses)} of {cfg.steps}: continue with --resume (checkpoint in {out / 'checkpoint'})")
+        return 0
+    hf.save_finetuned(model, out / "model", source=args.hf, dtype=_save_dtype(args))
+    if main:
+        from occult._atomic import write_text_atomic
+        from occult.lm.plot import plot_losses
 
-            write_text_atomic(out / "metrics.json", json.dumps(
-                {"hf": str(args.hf), "config": vars(cfg), "losses": result.losses, "grad_norms": result.grad_norms,
-                 "tokens_per_s": result.tokens_per_s, "world_size": groups.world_size if groups else 1}, indent=1) + "\n")
-            plot = plot_losses(out / "loss.png", result.losses, [], title=f"{Path(args.hf).name}: routers + experts")
-            log(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {cfg.steps} steps, "
-                f"{result.tokens_per_s:,.0f} tokens/s; loss curve: {plot or 'not drawn (no matplotlib)'}")
-            log(f"wrote {out / 'model'} (transformers layout: AutoModelForCausalLM.from_pretrained loads it)")
-    finally:
-        if groups is not None and dist.is_initialized():
-            dist.destroy_process_group()
+        write_text_atomic(out / "metrics.json", json.dumps(
+            {"hf": str(args.hf), "config": vars(cfg), "losses": result.losses, "grad_norms": result.grad_norms,
+             "tokens_per_s": result.tokens_per_s, "world_size": groups.world_size if groups else 1}, indent=1) + "\n")
+        plot = plot_losses(out / "loss.png", result.losses, [], title=f"{Path(args.hf).name}: routers + experts")
+        log(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {cfg.steps} steps, "
+            f"{result.tokens_per_s:,.0f} tokens/s; loss curve: {plot or 'not drawn (no matplotlib)'}")
+        log(f"wrote {out / 'model'} (transformers layout: AutoModelForCausalLM.from_pretrained loads it)")
     return 0
 
 

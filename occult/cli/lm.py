@@ -259,11 +259,12 @@ def ep_placement_from_args(args, par, num_experts: int, fallback=None):
     return Placement(placement.expert_device_LE, placement.num_devices, nodes)
 
 
-def _finish(par) -> None:
+def _finish(par, ok: bool) -> None:
+    """Leave the process groups (`occult.distributed.finish_distributed`) after a run on several ranks."""
     if par is not None:
-        import torch.distributed as dist
+        from occult.distributed import finish_distributed
 
-        dist.destroy_process_group()
+        finish_distributed(ok)
 
 
 def _report(result, steps: int) -> None:
@@ -310,13 +311,16 @@ def run_train(args) -> int:
             print(f"{par.world_size} ranks: experts over {par.ep_size} ({args.dispatcher}), {par.replicas} data-parallel "
                   f"replica(s); {cfg.batch_size // par.world_size} of {cfg.batch_size} rows per rank; "
                   f"dense parameters: {dict(ddp='DDP', explicit='explicit all-reduce', fsdp='FSDP2')[cfg.grad_sync]}")
+    ok = False
     try:
         result = train(model, data, cfg, args.out, resume=args.resume, stop_after=args.stop_after,
                        progress=not args.no_progress, parallel=par)
         if main:
             _report(result, cfg.steps)
+        ok = True
     finally:
-        _finish(par)
+        model = None  # the model (and its DDP) let go before the groups are destroyed
+        _finish(par, ok)
     return 0
 
 
@@ -351,6 +355,7 @@ def run_finetune(args) -> int:
     placement, sims = load_routing_args(args, mcfg.num_experts, mcfg.num_layers)
     cfg = _train_config(args)
     par = _parallel(args)
+    ok = False
     try:
         model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
                                  method=args.prune_method, similarity=sims, resume=args.resume, stop_after=args.stop_after,
@@ -359,8 +364,10 @@ def run_finetune(args) -> int:
         if par is None or par.is_main:
             print(f"routing: {model.routing.describe()}")
             _report(result, cfg.steps)
+        ok = True
     finally:
-        _finish(par)
+        model = None  # the model (and its DDP) let go before the groups are destroyed
+        _finish(par, ok)
     return 0
 
 
