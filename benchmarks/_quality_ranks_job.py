@@ -58,20 +58,27 @@ RECIPES = {  # pruning-aware fine-tuning recipes (occult finetune's options), by
     "distill-ft-0.3": dict(distill_weight=0.3, distill_temperature=1.0, distill_from="ft-standard"),
     "routers": dict(train_part="routers"),
     "experts": dict(train_part="experts"),
-    "long": dict(steps=200, eval_every=50, save_every=100),  # twice the fine-tuning steps (--ft-steps 100)
-    "experts-long": dict(train_part="experts", steps=200, eval_every=50, save_every=100),
-    "experts-x4": dict(train_part="experts", steps=400, eval_every=100, save_every=200),  # four times
+    # `length`: the schedule is that many times --ft-steps ("long" twice, "-x4" four times, ...)
+    "long": dict(length=2),
+    "experts-long": dict(train_part="experts", length=2),
+    "experts-x4": dict(train_part="experts", length=4),
     # experts only, longer, distilled from the standard fine-tune of the same length
-    "distill-ft-experts-long": dict(train_part="experts", steps=200, eval_every=50, save_every=100,
+    "distill-ft-experts-long": dict(train_part="experts", length=2,
                                     distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
-    "distill-ft-experts-x4": dict(train_part="experts", steps=400, eval_every=100, save_every=200,
+    "distill-ft-experts-x4": dict(train_part="experts", length=4,
                                   distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
-    "distill-ft-x4": dict(steps=400, eval_every=100, save_every=200,  # routers and experts
+    "distill-ft-x4": dict(length=4,  # routers and experts
                           distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
-    "distill-ft-experts-x8": dict(train_part="experts", steps=800, eval_every=200, save_every=400,
+    "distill-ft-experts-x8": dict(train_part="experts", length=8,
                                   distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
 }
-LENGTH = ("steps", "eval_every", "save_every")  # a recipe's schedule; its reference is standard fine-tuning as long
+
+
+def schedule(args, length: int = 1) -> dict:
+    """The TrainConfig schedule of a fine-tune `length` times --ft-steps long (evaluated 4 times, saved twice,
+    as the plain fine-tune)."""
+    steps = length * args.ft_steps
+    return {"steps": steps, "eval_every": max(1, steps // 4), "save_every": max(1, steps // 2)}
 
 
 def finetune_runs(args, recipes: bool) -> list[tuple]:
@@ -98,16 +105,20 @@ def reference_runs(args, names: list[str]) -> list[tuple]:
     the `distill_from` teacher of such a recipe), once per length."""
     runs = {}
     for r in names:
-        length = {k: v for k, v in RECIPES[r].items() if k in LENGTH}
-        if length.get("steps", args.ft_steps) != args.ft_steps:
-            runs[length["steps"]] = (reference_of(args, length), f"ft-standard-s{length['steps']}", None, "score", length)
+        length = RECIPES[r].get("length", 1)
+        if length != 1:
+            changes = schedule(args, length)
+            runs[length] = (reference_of(args, changes), f"ft-standard-s{changes['steps']}", None, "score", changes)
     return list(runs.values())
 
 
 def recipe_changes(args, name: str) -> dict:
-    """`RECIPES[name]` as TrainConfig changes: a `distill_from` run directory becomes its final weights'
-    path; "ft-standard" is the standard fine-tune of the recipe's length."""
+    """`RECIPES[name]` as TrainConfig changes: `length` becomes the schedule (`schedule`); a `distill_from`
+    run directory becomes its final weights' path, "ft-standard" the standard fine-tune of the recipe's length."""
     changes = dict(RECIPES[name])
+    length = changes.pop("length", 1)
+    if length != 1:
+        changes.update(schedule(args, length))
     if "distill_from" in changes:
         steps = changes.get("steps", args.ft_steps)
         run = changes["distill_from"] + ("" if steps == args.ft_steps else f"-s{steps}")

@@ -177,8 +177,16 @@ def test_longer_recipes_get_a_standard_reference_as_long_and_distil_from_it(monk
     assert teacher("distill-ft") == str(Path("/runs/seed0/ft-standard/model.safetensors"))
     assert teacher("distill-ft-experts-long") == str(Path("/runs/seed0/ft-standard-s200/model.safetensors"))
     assert teacher("distill-ft-experts-x4") == str(Path("/runs/seed0/ft-standard-s400/model.safetensors"))
-    assert job.reference_of(args, job.RECIPES["experts-long"]) == "standard fine-tuning (200 steps)"
-    assert job.reference_of(args, job.RECIPES["distill"]) == "standard fine-tuning"
+    assert job.reference_of(args, job.recipe_changes(args, "experts-long")) == "standard fine-tuning (200 steps)"
+    assert job.reference_of(args, job.recipe_changes(args, "distill")) == "standard fine-tuning"
+    # the schedule is a multiple of --ft-steps: "-x4" is four times the plain fine-tune at any size
+    args.ft_steps = 200
+    assert job.recipe_changes(args, "distill-ft-x4")["steps"] == 800
+    assert job.recipe_changes(args, "distill-ft-experts-x8") | {"distill_from": None} == {
+        "train_part": "experts", "steps": 1600, "eval_every": 400, "save_every": 800, "distill_weight": 1.0,
+        "distill_temperature": 1.0, "distill_from": None}
+    assert [r[1] for r in job.reference_runs(args, ["distill-ft-x4", "experts-x4", "long"])] == [
+        "ft-standard-s800", "ft-standard-s400"]
     names = ["standard routing (contiguous placement)", "standard fine-tuning", "standard fine-tuning (200 steps)",
              "pruned N=1 (score) + fine-tuning [experts-long]"]
     seed = _fake_seed(0, dict(zip(names, [10.0, 9.0, 8.0, 8.4])), dict(zip(names, [3.0, 2.0, 2.0, 1.0])))
