@@ -14,7 +14,7 @@ train_corpus() {  # print the prepared corpus folder, or exit 2 saying how to ma
   # the Shakespeare corpus, tokenized on the CPU machine (the GPU machine has no network), carried
   local data=${OCCULT_TRAIN_DATA:-.gpudata}
   if [ "${DRY_RUN:-0}" != 1 ] && [ ! -f "$data/manifest.json" ]; then
-    echo "$(basename "$0"): no prepared corpus in $data: run 'python -m occult data prepare --out .gpudata --vocab-size 8000'" \
+    echo "$(basename "$0"): no prepared corpus in $data: run 'python -m occult data prepare --corpus shakespeare,gcide --out .gpudata --vocab-size 8000 \&\& rm -r .gpudata/texts'" \
          "where the network is, and carry .gpudata (or set OCCULT_TRAIN_DATA)" >&2
     exit 2
   fi

