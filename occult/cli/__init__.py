@@ -8,7 +8,7 @@
     occult profile --model CKPT|HF_DIR --out T [--data F]    occult finetune --init CKPT --out RUN [--max-devices N --placement P]
     occult finetune --hf HF_DIR --out RUN [--data F] [--max-devices N --placement P]   (torchrun: N ranks)
 
-One file per command group: `place` (place, stats), `tools` (demo, bench), `lm` (data, train,
+One file per command group: `place` (place, stats), `tools` (demo, bench), `data` (data prepare), `lm` (train,
 finetune, profile of occult checkpoints), `hf` (profile and finetune of transformers models); `registry`
 says what a command is. Adding a command is one entry in `COMMANDS`: a `Command` with a name,
 a help line, a function that adds its arguments to an argparse parser, and a function that
@@ -36,7 +36,7 @@ import warnings
 from typing import Any, Sequence
 
 from occult import settings
-from occult.cli import hf, lm
+from occult.cli import data, hf, lm
 from occult.cli.place import PLACE, STATS
 from occult.cli.registry import EXIT_FAILED, EXIT_HELP, EXIT_USAGE, Command, CommandError, RunFn, lazy, lazy_command
 from occult.cli.tools import BENCH, DEMO
@@ -81,7 +81,7 @@ def run_finetune(args: argparse.Namespace) -> int | None:
 
 FINETUNE = Command("finetune", lm.FINETUNE.help + "; or a transformers model's routers and experts (--hf)", _add_finetune_args, run_finetune)
 
-COMMANDS: list[Command] = [PLACE, STATS, DEMO, BENCH, lm.DATA, lm.TRAIN, FINETUNE, PROFILE]
+COMMANDS: list[Command] = [PLACE, STATS, DEMO, BENCH, data.DATA, lm.TRAIN, FINETUNE, PROFILE]
 
 __all__ = ["COMMANDS", "EXIT_FAILED", "EXIT_HELP", "EXIT_USAGE", "Command", "CommandError", "RunFn", "build_parser", "lazy", "lazy_command", "main"]
 

@@ -169,6 +169,7 @@ def test_profile_writes_trace_and_similarity(data, tmp_path):
 
 
 def test_cli_defaults_mirror_the_dataclasses():
+    from occult.cli import data as CD
     from occult.cli import lm as C
     from occult.lm import data as D
 
@@ -180,7 +181,7 @@ def test_cli_defaults_mirror_the_dataclasses():
         t.steps, t.batch_size, t.seq_len, t.lr, t.min_lr_ratio, t.warmup_steps, t.weight_decay, t.grad_clip,
         t.aux_loss_coef, t.seed, t.precision, t.device, t.eval_every, t.eval_tokens, t.save_every)
     assert C.ADAM_EPS == t.adam_eps
-    assert (C.VOCAB, C.VAL_FRACTION) == (D.DEFAULT_VOCAB, D.DEFAULT_VAL_FRACTION)
+    assert (CD.VOCAB, CD.VAL_FRACTION) == (D.DEFAULT_VOCAB, D.DEFAULT_VAL_FRACTION)
 
 
 def test_cli_pipeline(tmp_path, capsys):
