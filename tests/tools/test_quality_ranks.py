@@ -194,3 +194,37 @@ def test_longer_recipes_get_a_standard_reference_as_long_and_distil_from_it(monk
         r.update(finetuned=True, reference="standard fine-tuning (200 steps)")
     rows = {r["name"]: r for r in qr.aggregate([seed])}
     assert math.isclose(rows["pruned N=1 (score) + fine-tuning [experts-long]"]["rel_ppl"]["mean"], 0.05)
+
+
+def test_report_of_a_simulated_run_says_so_and_draws_the_pareto_front(tmp_path, monkeypatch):
+    """`--simulate` reports (the one-GPU study) name their method, count E[C_T] from routed ids (no claim about a
+    dispatcher), and give the Pareto front of the fine-tuned rows (lower E[C_T] and lower perplexity)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _quality_ranks_report as rep
+    import quality_ranks as qr
+
+    names = ["standard routing (contiguous placement)", "standard fine-tuning", "pruned N=2 (score) + fine-tuning",
+             "pruned N=1 (score) + fine-tuning", "pruned N=1 (similarity) + fine-tuning"]
+    ppl, ct = [10.0, 9.0, 9.1, 9.5, 9.6], [3.0, 2.5, 1.9, 1.0, 1.0]
+    seed = _fake_seed(0, dict(zip(names, ppl)), dict(zip(names, ct)))
+    for r in seed["rows"]:
+        r.pop("mean_ct_observed")  # a simulated run has no dispatcher
+    seed["rows"][-1]["method"] = "similarity"
+    rows = qr.aggregate([seed])
+    assert [r["name"] for r in rep.pareto_front(rows)] == names[3:0:-1]  # N=1 score, N=2, standard FT
+    results = {"args": {"tiny": False, "simulate": True, "seeds": "0", "layers": 8, "hidden": 512, "heads": 8,
+                        "experts": 64, "top_k": 8, "expert_ffn": 128, "seq_len": 256, "batch_size": 64, "ranks": 4,
+                        "warmup": 1, "lr": 1e-3, "patience": 3, "profile_tokens": 10, "ft_steps": 2, "ft_lr": 1e-3,
+                        "ft_warmup": 1},
+               "env": {"device": "one process, 4 devices simulated", "torch": "x", "python": "y", "date": "z"},
+               "seeds": [seed], "rows": rows, "targets": qr.targets(rows), "simulation_check": [], "wall_seconds": 1.0,
+               "command": "cmd"}
+    doc = tmp_path / "r.md"
+    rep.render(results, doc)
+    text = doc.read_text()
+    assert text.startswith("# Collaboration pruning: quality study with simulated devices")
+    assert "torchrun" not in text and "dispatcher's rows" not in text and "rows per rank" not in text
+    assert "E[C_T] (routed ids on the placement)" in text
+    assert "Pareto front of the fine-tuned rows" in text and "pruned N=1 (similarity)" not in text.split("Pareto front")[1]
+    svg = doc.with_suffix(".svg").read_text()
+    assert svg.count('stroke-dasharray="5,4"') == 1 and "routed ids on the placement" in svg
