@@ -81,17 +81,36 @@ def schedule(args, length: int = 1) -> dict:
     return {"steps": steps, "eval_every": max(1, steps // 4), "save_every": max(1, steps // 2)}
 
 
+def parse_recipe(spec: str, max_devices: list[int]) -> tuple[str, list[int]]:
+    """`NAME` (every N of `max_devices`) or `NAME@N,N` (only those): the recipe and the device limits it runs at."""
+    name, at, ns = spec.partition("@")
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r} in {spec!r}: choose from {', '.join(RECIPES)}")
+    try:
+        only = [int(n) for n in ns.split(",")] if at else list(max_devices)
+    except ValueError:
+        raise ValueError(f"{spec!r}: after @ give device limits, e.g. {name}@2,1") from None
+    if not only or any(n not in max_devices for n in only):
+        raise ValueError(f"{spec!r}: every N after @ must be one of --max-devices {' '.join(map(str, max_devices))}")
+    return name, only
+
+
+def recipe_cells(args) -> list[tuple[str, int, str]]:
+    """(recipe, N, method) of every recipe row of the job (`parse_recipe` of each `--recipes` entry)."""
+    specs = [parse_recipe(s, args.max_devices) for s in getattr(args, "recipes", None) or []]
+    return [(r, n, m) for r, only in specs for n in args.max_devices if n in only for m in args.methods]
+
+
 def finetune_runs(args, recipes: bool) -> list[tuple]:
     """(row name, run directory, N, method, TrainConfig changes) of the tune phase (standard and plain
-    pruned fine-tuning) or of the recipes phase (every recipe of the job x N x method)."""
+    pruned fine-tuning) or of the recipes phase (every recipe of the job x its N x method)."""
     cells = [(n, m) for n in args.max_devices for m in args.methods]
     plain = [(f"pruned N={n} ({m}) + fine-tuning", f"ft-n{n}-{m}", n, m, {}) for n, m in cells]
     if not recipes:
         return [("standard fine-tuning", "ft-standard", None, "score", {})] + plain
-    names = getattr(args, "recipes", None) or []
-    return plain + reference_runs(args, names) + [
-        (f"pruned N={n} ({m}) + fine-tuning [{r}]", f"ft-n{n}-{m}-{r}", n, m, recipe_changes(args, r))
-        for r in names for n, m in cells]
+    rows = recipe_cells(args)
+    return plain + reference_runs(args, list(dict.fromkeys(r for r, _, _ in rows))) + [
+        (f"pruned N={n} ({m}) + fine-tuning [{r}]", f"ft-n{n}-{m}-{r}", n, m, recipe_changes(args, r)) for r, n, m in rows]
 
 
 def reference_of(args, changes: dict) -> str:

@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import quality_study as qs  # noqa: E402  (puts the repository root on sys.path)
-from _quality_ranks_job import RECIPES, simulate  # noqa: E402
+from _quality_ranks_job import RECIPES, parse_recipe, recipe_cells, simulate  # noqa: E402
 from _quality_ranks_report import render  # noqa: E402
 
 JOB = HERE / "_quality_ranks_job.py"
@@ -63,9 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--results", default=None, help="aggregated JSON (default beside --doc, .json)")
     p.add_argument("--max-devices", type=int, nargs="+", default=[2, 1])
     p.add_argument("--methods", nargs="+", default=["score", "similarity"], choices=["score", "similarity", "mass"])
-    p.add_argument("--recipes", nargs="*", default=[], choices=list(RECIPES),
+    p.add_argument("--recipes", nargs="*", default=[], metavar="RECIPE[@N,...]",
                    help="also fine-tune every N x method with these pruning-aware recipes (_quality_ranks_job.RECIPES: "
-                        "distillation from the unpruned model, routers or experts only); rows named '... [RECIPE]'")
+                        "distillation from the unpruned model, routers or experts only; longer schedules), or only at the "
+                        "N after @ (distill-ft-x4@3,2); rows named '... [RECIPE]'. Recipes: " + ", ".join(RECIPES))
     p.add_argument("--placement-method", default="auto", choices=["auto", "hypergraph", "greedy", "contiguous"])
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=1,
@@ -88,6 +89,11 @@ def parse_args(argv=None):
     args.seed_list = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     if not args.seed_list:
         p.error("--seeds needs at least one seed")
+    for spec in args.recipes:
+        try:
+            parse_recipe(spec, args.max_devices)
+        except ValueError as exc:
+            p.error(f"--recipes: {exc}")
     args.out = Path(args.out or ("out/quality-ranks-tiny" if args.tiny else "out/quality-ranks"))
     args.doc = Path(args.doc) if args.doc else args.out / "quality_ranks.md"
     args.results = Path(args.results) if args.results else args.doc.with_suffix(".json")
@@ -163,7 +169,7 @@ def _write(path: Path, result: dict) -> None:
 
 def with_recipes(args, seed: int, result: dict) -> dict:
     """`result` with the rows of `--recipes` (run on this seed's base and placement when any is missing)."""
-    wanted = [f"pruned N={n} ({m}) + fine-tuning [{r}]" for r in args.recipes for n in args.max_devices for m in args.methods]
+    wanted = [f"pruned N={n} ({m}) + fine-tuning [{r}]" for r, n, m in recipe_cells(args)]
     have = {r["name"] for r in result["rows"]}
     if all(w in have for w in wanted) and all(f"pruned N={n} ({m})" in have for n in args.max_devices for m in args.methods):
         return result

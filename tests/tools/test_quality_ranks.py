@@ -228,3 +228,26 @@ def test_report_of_a_simulated_run_says_so_and_draws_the_pareto_front(tmp_path, 
     assert "Pareto front of the fine-tuned rows" in text and "pruned N=1 (similarity)" not in text.split("Pareto front")[1]
     svg = doc.with_suffix(".svg").read_text()
     assert svg.count('stroke-dasharray="5,4"') == 1 and "routed ids on the placement" in svg
+
+
+def test_a_recipe_can_run_at_some_device_limits_only(monkeypatch):
+    """`--recipes NAME@N,N`: that recipe's rows (and its reference run) only at those N; bad specs are errors."""
+    import argparse
+
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _quality_ranks_job as job
+
+    args = argparse.Namespace(max_devices=[3, 2, 1], methods=["score", "similarity"], ft_steps=100, out="/r/seed0",
+                              recipes=["distill-ft-x4@3,2", "distill-ft-experts-x8@1"])
+    names = [r[0] for r in job.finetune_runs(args, recipes=True)]
+    tagged = [n for n in names if "[" in n]
+    assert tagged == [f"pruned N={n} ({m}) + fine-tuning [distill-ft-x4]" for n in (3, 2) for m in ("score", "similarity")] + [
+        f"pruned N=1 ({m}) + fine-tuning [distill-ft-experts-x8]" for m in ("score", "similarity")]
+    assert "standard fine-tuning (400 steps)" in names and "standard fine-tuning (800 steps)" in names
+    assert job.parse_recipe("distill", [2, 1]) == ("distill", [2, 1])
+    for bad, message in (("distill@3", "must be one of --max-devices 2 1"), ("distill@", "after @ give device limits"),
+                         ("distill@a", "after @ give device limits"), ("nope@1", "unknown recipe")):
+        with pytest.raises(ValueError, match=message):
+            job.parse_recipe(bad, [2, 1])
