@@ -8,7 +8,9 @@ A call's per-step time is not visible from outside, so a decode step is
 forced to its n (m) tokens (no eos): both calls run the same decode path on the same kept cache
 (compiled forward, captured graph), so their fixed costs cancel; a one-token call would not (it
 skips the decode path, and a shorter occult call with a new decoder pays for its cache). "Prefill"
-(time to the first token) is generate(m) - (m - 1) steps. The first call's wall time (compilation
+(time to the first token) is generate(m) - (m - 1) steps, reported only when positive: noise, or later
+steps slower than earlier ones, can make the estimate negative, and then `prefill_ms_p50` is None (the
+raw number stays in `prefill_estimate_ms`). The first call's wall time (compilation
 or graph capture included) minus a steady call's is reported as `compile_s`. Each call's time is
 the slowest rank's (ranks meet at a barrier before each).
 """
@@ -77,7 +79,9 @@ def time_generate(gen: Generate, prompts_BP: torch.Tensor, new_tokens: int, repe
     B = prompts_BP.shape[0]
     # (the n-token call = prefill + (n - 1) steps; the same as fewer_ms - (half - 1) * step_ms unless
     # noise made the longer call the faster one and step_ms was clipped)
-    return {"prefill_ms_p50": many_ms - (new_tokens - 1) * step_ms, "ms_p50": step_ms, "ms_p99": None,
+    prefill_ms = many_ms - (new_tokens - 1) * step_ms
+    return {"prefill_ms_p50": prefill_ms if prefill_ms > 0 else None, "prefill_estimate_ms": prefill_ms,
+            "ms_p50": step_ms, "ms_p99": None,
             "step_ms_mean": step_ms, "generate_ms_p50": many_ms, "generate_ms_all": many, "shorter_calls_tokens": half,
             "shorter_ms_all": fewer,
             "first_call_s": first_ms / 1e3, "compile_s": max(first_ms - many_ms, 0.0) / 1e3,

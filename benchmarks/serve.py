@@ -50,7 +50,7 @@ atomically after every result and prints a Markdown table last.
 
 The generate variants are whole calls timed from outside (benchmarks/_generate_runs.py): step =
 (generate(n) - generate(m)) / (n - m) with n = --new-tokens, m = max(2, n // 2) (a mean, shown as
-p50; no p99), prefill = generate(m) - (m - 1) steps. Every table row also gives the speed-up over native (native-generate's
+p50; no p99), prefill = generate(m) - (m - 1) steps (none when that estimate is not positive). Every table row also gives the speed-up over native (native-generate's
 step / the row's, and native-generate+compile's; native's StaticDecoder step where generate was
 not run), the share of the copy bandwidth measured in the same run that the step's bytes need
 (weights the step must read, the experts B tokens select, and the K/V attended: benchmarks/_roofline.py),
@@ -285,7 +285,7 @@ def generate_run(model: nn.Module, name: str, batch: int, prompts_BP: torch.Tens
 
 
 def describe(name: str, batch: int, r: dict[str, Any]) -> str:
-    return _describe(name, batch, r, lambda r: (f"prefill {r['prefill_ms_p50']:.1f} ms, step {r['ms_p50']:.2f} ms p50 "
+    return _describe(name, batch, r, lambda r: (f"prefill {_num(r['prefill_ms_p50'], '{:.1f}')} ms, step {r['ms_p50']:.2f} ms p50 "
                                                 f"(p99 {_num(r['ms_p99'], '{:.2f}')}), "
                                                 f"{r['decode_tokens_per_s_per_gpu']:,.0f} decode tok/s/GPU"
                                                 + (f", compile {r['compile_s']:.1f} s" if "compile_s" in r else "")))
@@ -310,7 +310,7 @@ def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> lis
 
 def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(rows, [
-        ("prefill ms", lambda r: f"{r['prefill_ms_p50']:.1f}"), ("step ms p50", lambda r: f"{r['ms_p50']:.2f}"),
+        ("prefill ms", lambda r: _num(r["prefill_ms_p50"], "{:.1f}")), ("step ms p50", lambda r: f"{r['ms_p50']:.2f}"),
         ("step ms p99", lambda r: _num(r["ms_p99"], "{:.2f}")),
         ("decode tok/s/GPU", lambda r: f"{r['decode_tokens_per_s_per_gpu']:,.0f}"),
         ("e2e tok/s/GPU", lambda r: f"{r['e2e_tokens_per_s_per_gpu']:,.0f}"), ("x floor", ratio),

@@ -102,7 +102,9 @@ def test_serve_tiny_every_variant(tmp_path):
             assert r["check"]["passed"] and r["ms_p50"] > 0 and r["ms_p99"] is None, (name, b, r)
             assert len(r["generate_ms_all"]) == len(r["shorter_ms_all"]) == 2 and r["compile_s"] >= 0
             assert r["shorter_calls_tokens"] == 2
-            assert r["generate_ms_p50"] == pytest.approx(r["prefill_ms_p50"] + 3 * r["ms_p50"])
+            assert r["generate_ms_p50"] == pytest.approx(r["prefill_estimate_ms"] + 3 * r["ms_p50"])
+            # prefill is that estimate when positive, else none (noise: never a negative time)
+            assert r["prefill_ms_p50"] == (r["prefill_estimate_ms"] if r["prefill_estimate_ms"] > 0 else None)
     for b in BATCHES:
         assert report["variants"]["native"][b]["check"]["median_rel_err"] == 0  # the reference model itself
         assert "auto-compiles on CUDA only" in report["variants"]["native-generate+compile"][b]["skipped"]
@@ -137,3 +139,24 @@ def test_serve_bad_arguments_fail_clearly():
     assert res.returncode != 0 and "unknown variant" in res.stderr
     res = python(SERVE, "--new-tokens", "0")
     assert res.returncode != 0 and "must be >= 1" in res.stderr
+
+
+def test_generate_timing_never_reports_a_negative_prefill(monkeypatch):
+    """When later steps cost more than the average (or noise), generate(n) - (n - 1) marginal steps is negative:
+    no prefill is reported then, the raw estimate is kept, and the table shows '-'."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _generate_runs as gr
+    import serve
+
+    calls = {4: 10.0, 2: 2.0}  # ms of generate(n): the marginal step (4 ms) exceeds the average
+    monkeypatch.setattr(gr, "_wall_ms", lambda fn, device: (calls[fn()], None))
+    monkeypatch.setattr(gr, "slowest", lambda values, device: values)
+    res, _ = gr.time_generate(lambda ids, n: n, torch.zeros(1, 3), 4, 2, torch.device("cpu"))
+    assert res["ms_p50"] == 4.0 and res["prefill_estimate_ms"] == 10.0 - 3 * 4.0 and res["prefill_ms_p50"] is None
+    row = {"batch": 1, "variant": "generate", **res, "x_floor": None, "floor": None}
+    assert serve.table([row]).splitlines()[-1].startswith("| 1 | generate | - | 4.00 |")
+    calls.update({4: 14.0, 2: 8.0})  # a positive estimate is reported as it is
+    res, _ = gr.time_generate(lambda ids, n: n, torch.zeros(1, 3), 4, 2, torch.device("cpu"))
+    assert res["ms_p50"] == 3.0 and res["prefill_ms_p50"] == res["prefill_estimate_ms"] == 14.0 - 3 * 3.0
