@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,6 +77,10 @@ def parse_args(argv=None):
                    help="one process simulating --ranks devices (routers limited against the placement, every expert "
                         "local: quality_study.py's way, for one GPU); E[C_T] counted from the routed ids, no dispatcher")
     p.add_argument("--resume", action="store_true", help="skip seeds with a result.json; resume their runs")
+    p.add_argument("--drop-weights", action="store_true",
+                   help="when a seed is done, delete its fine-tuning runs' weights and resume states (ft-*/: about 2 GB a "
+                        "run at hidden 512), keeping base/, the placement and every JSON and metrics file: what a "
+                        "disk-limited GPU machine needs (adding recipes to such a seed later trains its runs again)")
     p.add_argument("--render-only", action="store_true", help="only re-write the report from --results")
     p.add_argument("--no-check-sim", action="store_true", help="skip the one-process re-evaluation of the base")
     p.add_argument("--expert-backend", default="torch", choices=["torch", "triton", "auto"])
@@ -159,6 +164,21 @@ def run_seed(args, seed: int) -> dict:
     result["seconds"]["total"] = sum(result["seconds"].values())
     _write(done, result)
     return with_recipes(args, seed, result)
+
+
+def drop_weights(seed_dir: Path) -> int:
+    """Delete the `*.safetensors` files and checkpoint directories of `seed_dir`'s fine-tuning runs (ft-*/); bytes freed.
+    Its base model, placement, trace and every JSON/metrics/plot file stay."""
+    freed = 0
+    for run in sorted(seed_dir.glob("ft-*")):
+        for f in run.iterdir() if run.is_dir() else ():
+            if f.is_dir():
+                freed += sum(p.stat().st_size for p in f.rglob("*") if p.is_file())
+                shutil.rmtree(f)
+            elif f.suffix == ".safetensors":
+                freed += f.stat().st_size
+                f.unlink()
+    return freed
 
 
 def _write(path: Path, result: dict) -> None:
@@ -272,7 +292,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"--experts {args.experts} must be divisible by --ranks {args.ranks}")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    per_seed = [run_seed(args, s) for s in args.seed_list]
+    per_seed = []
+    for s in args.seed_list:
+        per_seed.append(run_seed(args, s))
+        if args.drop_weights:
+            freed = drop_weights(args.out / f"seed{s}")
+            qs.log(f"seed {s}: dropped the fine-tuning runs' weights ({freed / 1e9:.1f} GB)")
     checks = [] if args.no_check_sim or args.simulate else [check_simulation(args, s, r) for s, r in zip(args.seed_list, per_seed)]
     rows = aggregate(per_seed)
     import torch

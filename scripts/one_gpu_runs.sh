@@ -79,7 +79,7 @@ case $part in
     run "quality_seeds_${seeds//,/_}" 570 python3 benchmarks/quality_ranks.py --simulate --ranks 4 --seeds "$seeds" \
       --corpus-dir $data --hidden 512 --layers 8 --heads 8 --experts 64 --top-k 8 --max-devices 3 2 1 \
       --methods score similarity --recipes ${RECIPES:-distill-ft-x4@3,2 distill-ft-experts-x8@1} --expert-backend auto \
-      --eval-tokens 262144 ${QUALITY_ARGS:-} --out out/quality-gpu --resume
+      --eval-tokens 262144 --drop-weights ${QUALITY_ARGS:-} --out out/quality-gpu --resume
     if [ "${DRY_RUN:-0}" != 1 ]; then  # every JSON and metrics log (no weights): a seed cut short still reports its runs
       for s in ${seeds//,/ }; do
         mkdir -p "$out/quality" && (cd out/quality-gpu && find "seed$s" -name '*.json*' -size -5M \

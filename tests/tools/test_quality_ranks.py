@@ -134,11 +134,19 @@ def test_simulated_devices_in_one_process(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--simulate", "--tiny", "--ranks", "4", "--seeds", "1,2", "--out", str(out),
            "--vocab", "512", "--experts", "16", "--top-k", "4", "--layers", "2", "--hidden", "32", "--expert-ffn", "16",
            "--train-steps", "8", "--eval-every", "4", "--ft-steps", "3", "--profile-tokens", "2048", "--eval-tokens", "2048",
-           "--max-devices", "3", "1", "--methods", "score", "--recipes", "distill", "--placement-method", "greedy"]
+           "--max-devices", "3", "1", "--methods", "score", "--recipes", "distill", "--placement-method", "greedy",
+           "--drop-weights"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "quality_ranks.json").read_text())
     assert "4 devices simulated" in res["env"]["device"] and "--simulate" in res["command"]
+    # --drop-weights: a finished seed keeps its base and every JSON/metrics file, no fine-tuning weights
+    for seed in ("seed1", "seed2"):
+        assert (out / seed / "base" / "best.safetensors").is_file() and (out / seed / "result.json").is_file()
+        runs = sorted((out / seed).glob("ft-*"))
+        assert len(runs) == 1 + 2 + 2 and all((r / "metrics.jsonl").is_file() for r in runs)
+        assert not [f for r in runs for f in r.rglob("*.safetensors")] and not [d for r in runs for d in r.iterdir() if d.is_dir()]
+    assert "dropped the fine-tuning runs' weights" in proc.stdout + proc.stderr
     assert [s["seed"] for s in res["seeds"]] == [1, 2] and res["simulation_check"] == []
     rows = {r["name"]: r for r in res["rows"]}
     assert {"pruned N=3 (score) + fine-tuning", "pruned N=1 (score) + fine-tuning [distill]"} <= set(rows)
