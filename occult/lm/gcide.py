@@ -1,4 +1,4 @@
-"""A second real corpus, 8x the Shakespeare texts: GCIDE, from Debian's package `dict-gcide`.
+"""A second real corpus, about 6x the Shakespeare texts: GCIDE, from Debian's package `dict-gcide`.
 
 The GNU Collaborative International Dictionary of English (Webster's Revised Unabridged of 1913,
 WordNet glosses and the quotations that illustrate them; GPL) is about 40 MB of English text, the
