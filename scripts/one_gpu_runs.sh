@@ -23,7 +23,8 @@
 # quality  the pruning quality study on one GPU, 4 devices simulated (benchmarks/quality_ranks.py --simulate):
 #          hidden 512, 8 layers, 64 experts top-8, N = 3/2/1 x score/similarity, plain fine-tuning and the
 #          recipes in RECIPES (default: the CPU study's winners, each at its N: distill-ft-x4@3,2 distill-ft-experts-x8@1), more flags in
-#          QUALITY_ARGS (e.g. "--ft-steps 100"); one seed per call (SEEDS=0, then 1, 2). Runs live in out/quality-gpu
+#          QUALITY_ARGS (e.g. "--ft-steps 100"); SEEDS=0,1,2 runs one process per seed at once, each cut at
+#          QUALITY_SECONDS (default 570) and resumed by the next call. Runs live in out/quality-gpu
 #          (kept while the machine stays warm: a call cut short resumes there); every seed's JSON and metrics logs come
 #          back under OUT/quality/seedS/: copy them to a run directory's seedS/ and aggregate on the CPU with
 #          `python benchmarks/quality_ranks.py --simulate --resume --seeds 0,1,2 ...` (same flags); carry .gpudata   issue 28
@@ -76,10 +77,13 @@ case $part in
   quality|all)
     data=$(train_corpus) || exit 2
     seeds=${SEEDS:-0}
-    run "quality_seeds_${seeds//,/_}" 570 python3 benchmarks/quality_ranks.py --simulate --ranks 4 --seeds "$seeds" \
-      --corpus-dir $data --hidden 512 --layers 8 --heads 8 --experts 64 --top-k 8 --max-devices 3 2 1 \
-      --methods score similarity --recipes ${RECIPES:-distill-ft-x4@3,2 distill-ft-experts-x8@1} --expert-backend auto \
-      --eval-tokens 262144 --drop-weights ${QUALITY_ARGS:-} --out out/quality-gpu --resume
+    for s in ${seeds//,/ }; do  # one process per seed, all at once: the model is too small to fill the GPU alone
+      run "quality_seed_$s" ${QUALITY_SECONDS:-570} python3 benchmarks/quality_ranks.py --simulate --ranks 4 --seeds "$s" \
+        --corpus-dir $data --hidden 512 --layers 8 --heads 8 --experts 64 --top-k 8 --max-devices 3 2 1 \
+        --methods score similarity --recipes ${RECIPES:-distill-ft-x4@3,2 distill-ft-experts-x8@1} --expert-backend auto \
+        --eval-tokens 262144 --drop-weights ${QUALITY_ARGS:-} --out out/quality-gpu --resume &
+    done
+    wait
     if [ "${DRY_RUN:-0}" != 1 ]; then  # every JSON and metrics log (no weights): a seed cut short still reports its runs
       for s in ${seeds//,/ }; do
         mkdir -p "$out/quality" && (cd out/quality-gpu && find "seed$s" -name '*.json*' -size -5M \
