@@ -98,7 +98,8 @@ def parse_recipe(spec: str, max_devices: list[int]) -> tuple[str, list[int]]:
 def recipe_cells(args) -> list[tuple[str, int, str]]:
     """(recipe, N, method) of every recipe row of the job (`parse_recipe` of each `--recipes` entry)."""
     specs = [parse_recipe(s, args.max_devices) for s in getattr(args, "recipes", None) or []]
-    return [(r, n, m) for r, only in specs for n in args.max_devices if n in only for m in args.methods]
+    methods = getattr(args, "recipe_methods", None) or args.methods
+    return [(r, n, m) for r, only in specs for n in args.max_devices if n in only for m in methods]
 
 
 def finetune_runs(args, recipes: bool) -> list[tuple]:

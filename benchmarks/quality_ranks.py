@@ -68,6 +68,8 @@ def parse_args(argv=None):
                    help="also fine-tune every N x method with these pruning-aware recipes (_quality_ranks_job.RECIPES: "
                         "distillation from the unpruned model, routers or experts only; longer schedules), or only at the "
                         "N after @ (distill-ft-x4@3,2); rows named '... [RECIPE]'. Recipes: " + ", ".join(RECIPES))
+    p.add_argument("--recipe-methods", nargs="+", default=None, choices=["score", "similarity", "mass"],
+                   help="the pruning methods the recipes run with (default: every --methods); the plain rows keep --methods")
     p.add_argument("--placement-method", default="auto", choices=["auto", "hypergraph", "greedy", "contiguous"])
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=1,
@@ -108,7 +110,8 @@ def parse_args(argv=None):
 def job_spec(args, seed: int) -> dict:
     """What `_quality_ranks_job.py` reads: quality_study's argument names, this seed's directory."""
     keys = list(REAL) + ["tiny", "corpus_dir", "tokenizer", "max_devices", "methods", "placement_method", "device",
-                         "resume", "expert_backend", "threads", "recipes"]
+                         "resume", "expert_backend", "threads", "recipes",
+                         "recipe_methods"]
     spec = {k: getattr(args, k) for k in keys}
     if spec["corpus_dir"] is None and args.tiny:
         spec["corpus_dir"] = str(qs.TINY_CORPUS)
