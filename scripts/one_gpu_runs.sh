@@ -85,9 +85,9 @@ case $part in
     done
     wait
     if [ "${DRY_RUN:-0}" != 1 ]; then  # every JSON and metrics log (no weights): a seed cut short still reports its runs
+      mkdir -p "$out/quality" && dest=$(cd "$out/quality" && pwd)  # absolute: OUT may be either
       for s in ${seeds//,/ }; do
-        mkdir -p "$out/quality" && (cd out/quality-gpu && find "seed$s" -name '*.json*' -size -5M \
-          -exec cp --parents {} "$OLDPWD/$out/quality/" \;) 2>/dev/null
+        (cd out/quality-gpu && find "seed$s" -name '*.json*' -size -5M -exec cp --parents {} "$dest/" \;)
       done
     fi ;;&
   train|all)
