@@ -165,6 +165,7 @@ def run_seed(args, seed: int) -> dict:
     result = dict(trained, **tuned, seed=seed, placement_method=placement_method, placement_comparison=comparison)
     result["seconds"] = dict(trained["seconds"], **{"profile+place": secs}, **tuned["seconds"])
     result["seconds"]["total"] = sum(result["seconds"].values())
+    result["env"] = run_env(args)  # where this seed ran: a later aggregation may run elsewhere
     _write(done, result)
     return with_recipes(args, seed, result)
 
@@ -273,6 +274,30 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def run_env(args) -> dict:
+    """The machine, versions and date of this process (a seed's run, or the aggregation)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    gpu = torch.cuda.get_device_name(0) if cuda else None
+    device = (f"one process, {args.ranks} devices simulated, on {gpu or f'{os.cpu_count()} CPU cores'}" if args.simulate else
+              f"{args.ranks} x {gpu} (NCCL)" if cuda else
+              f"{args.ranks} CPU gloo ranks on {os.cpu_count()} cores ({platform.machine()})")
+    return {"device": device, "torch": torch.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d"), "threads_per_rank": args.threads, "grad_sync": "ddp"}
+
+
+def corpus_sources(corpus_dir) -> list[str]:
+    """The `occult data prepare --corpus` names a prepared directory was made from (its manifest's source)."""
+    from occult.lm.data import SOURCES
+
+    manifest = Path(corpus_dir or "") / "manifest.json"
+    if not corpus_dir or not manifest.exists():
+        return []
+    source = json.loads(manifest.read_text()).get("source", "")
+    return [name for name, (_, description) in SOURCES.items() if description in source]
+
+
 def command_line(args) -> str:
     parts = ["python benchmarks/quality_ranks.py", f"--ranks {args.ranks}", f"--seeds {args.seeds}"]
     if args.simulate:
@@ -283,6 +308,13 @@ def command_line(args) -> str:
         parts.append(f"--corpus-dir {args.corpus_dir}")
     defaults = TINY if args.tiny else REAL
     parts += [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in REAL if getattr(args, k) != defaults[k]]
+    parts += [f"--max-devices {' '.join(map(str, args.max_devices))}", f"--methods {' '.join(args.methods)}"]
+    if args.recipes:
+        parts.append(f"--recipes {' '.join(args.recipes)}")
+    if args.recipe_methods:
+        parts.append(f"--recipe-methods {' '.join(args.recipe_methods)}")
+    if args.expert_backend != "torch":
+        parts.append(f"--expert-backend {args.expert_backend}")
     return " ".join(parts)
 
 
@@ -303,19 +335,12 @@ def main(argv=None) -> int:
             qs.log(f"seed {s}: dropped the fine-tuning runs' weights ({freed / 1e9:.1f} GB)")
     checks = [] if args.no_check_sim or args.simulate else [check_simulation(args, s, r) for s, r in zip(args.seed_list, per_seed)]
     rows = aggregate(per_seed)
-    import torch
-
-    cuda = torch.cuda.is_available() and args.device != "cpu"
     results = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "env": {"device": (f"one process, {args.ranks} devices simulated, on "
-                           f"{torch.cuda.get_device_name(0) if cuda else f'{os.cpu_count()} CPU cores'}" if args.simulate else
-                           f"{args.ranks} x {torch.cuda.get_device_name(0)} (NCCL)" if cuda else
-                           f"{args.ranks} CPU gloo ranks on {os.cpu_count()} cores ({platform.machine()})"),
-                "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-                "threads_per_rank": args.threads, "grad_sync": "ddp"},
+        "env": run_env(args),
         "seeds": per_seed, "rows": rows, "targets": targets(rows), "simulation_check": checks,
         "wall_seconds": time.perf_counter() - t0, "command": command_line(args),
+        "corpus_sources": corpus_sources(args.corpus_dir),
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.results.with_suffix(".json.tmp")

@@ -180,7 +180,7 @@ def test_longer_recipes_get_a_standard_reference_as_long_and_distil_from_it(monk
     assert names.index("standard fine-tuning (400 steps)") < names.index("pruned N=1 (score) + fine-tuning [distill-ft-experts-x4]")
     by = {r[0]: r for r in runs}
     assert by["standard fine-tuning (200 steps)"][1:4] == ("ft-standard-s200", None, "score")
-    assert by["standard fine-tuning (200 steps)"][4] == {"steps": 200, "eval_every": 50, "save_every": 100}
+    assert by["standard fine-tuning (200 steps)"][4] == {"steps": 200, "eval_every": 50, "save_every": 50}
     teacher = lambda r: by[f"pruned N=1 (score) + fine-tuning [{r}]"][4]["distill_from"]  # noqa: E731
     assert teacher("distill-ft") == str(Path("/runs/seed0/ft-standard/model.safetensors"))
     assert teacher("distill-ft-experts-long") == str(Path("/runs/seed0/ft-standard-s200/model.safetensors"))
@@ -191,7 +191,7 @@ def test_longer_recipes_get_a_standard_reference_as_long_and_distil_from_it(monk
     args.ft_steps = 200
     assert job.recipe_changes(args, "distill-ft-x4")["steps"] == 800
     assert job.recipe_changes(args, "distill-ft-experts-x8") | {"distill_from": None} == {
-        "train_part": "experts", "steps": 1600, "eval_every": 400, "save_every": 800, "distill_weight": 1.0,
+        "train_part": "experts", "steps": 1600, "eval_every": 400, "save_every": 400, "distill_weight": 1.0,
         "distill_temperature": 1.0, "distill_from": None}
     assert [r[1] for r in job.reference_runs(args, ["distill-ft-x4", "experts-x4", "long"])] == [
         "ft-standard-s800", "ft-standard-s400"]
@@ -215,9 +215,8 @@ def test_report_of_a_simulated_run_says_so_and_draws_the_pareto_front(tmp_path, 
              "pruned N=1 (score) + fine-tuning", "pruned N=1 (similarity) + fine-tuning"]
     ppl, ct = [10.0, 9.0, 9.1, 9.5, 9.6], [3.0, 2.5, 1.9, 1.0, 1.0]
     seed = _fake_seed(0, dict(zip(names, ppl)), dict(zip(names, ct)))
-    for r in seed["rows"]:
-        r.pop("mean_ct_observed")  # a simulated run has no dispatcher
-    seed["rows"][-1]["method"] = "similarity"
+    seed["rows"][-1]["method"] = "similarity"  # simulated rows copy mean_ct into mean_ct_observed: no dispatcher claim
+    seed["env"] = {"device": "one process, 4 devices simulated, on NVIDIA H200", "torch": "2.11"}  # ran elsewhere
     rows = qr.aggregate([seed])
     assert [r["name"] for r in rep.pareto_front(rows)] == names[3:0:-1]  # N=1 score, N=2, standard FT
     results = {"args": {"tiny": False, "simulate": True, "seeds": "0", "layers": 8, "hidden": 512, "heads": 8,
@@ -233,9 +232,14 @@ def test_report_of_a_simulated_run_says_so_and_draws_the_pareto_front(tmp_path, 
     assert text.startswith("# Collaboration pruning: quality study with simulated devices")
     assert "torchrun" not in text and "dispatcher's rows" not in text and "rows per rank" not in text
     assert "E[C_T] (routed ids on the placement)" in text
+    assert "The seeds ran on one process, 4 devices simulated, on NVIDIA H200 (torch 2.11)." in text
+    assert "did not record its machine" not in text
     assert "Pareto front of the fine-tuned rows" in text and "pruned N=1 (similarity)" not in text.split("Pareto front")[1]
     svg = doc.with_suffix(".svg").read_text()
     assert svg.count('stroke-dasharray="5,4"') == 1 and "routed ids on the placement" in svg
+    del seed["env"]  # a seed from before the machine was recorded
+    rep.render(results, doc)
+    assert "Seed(s) 0 came from a run that did not record its machine" in doc.read_text()
 
 
 def test_a_recipe_can_run_at_some_device_limits_only(monkeypatch):
@@ -259,3 +263,52 @@ def test_a_recipe_can_run_at_some_device_limits_only(monkeypatch):
                          ("distill@a", "after @ give device limits"), ("nope@1", "unknown recipe")):
         with pytest.raises(ValueError, match=message):
             job.parse_recipe(bad, [2, 1])
+
+
+def test_recipe_methods_limit_the_recipe_rows_not_the_plain_ones(monkeypatch):
+    """`--recipe-methods score`: the recipes run with score only; the plain rows keep every --methods."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _quality_ranks_job as job
+
+    args = argparse.Namespace(max_devices=[3, 2, 1], methods=["score", "similarity"], ft_steps=100, out="/r/seed0",
+                              recipes=["distill-ft-x4@2,1"], recipe_methods=["score"])
+    names = [r[0] for r in job.finetune_runs(args, recipes=True)]
+    assert [n for n in names if "[" in n] == [f"pruned N={n} (score) + fine-tuning [distill-ft-x4]" for n in (2, 1)]
+    assert sum("(similarity) + fine-tuning" in n for n in names) == 3 and "standard fine-tuning (400 steps)" in names
+    args.recipe_methods = None
+    assert sum("[distill-ft-x4]" in r[0] for r in job.finetune_runs(args, recipes=True)) == 4
+
+
+def test_rows_from_logs_against_their_references(tmp_path, monkeypatch):
+    """`quality_logs.py`: a seed's rows from its log, each against its reference (the base, the standard
+    fine-tune of its length), mean ± std [min, max] over the logs; a log without rows is an error."""
+    import random
+
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import quality_logs
+
+    logs = []
+    for seed in range(2):
+        base, std, std4 = (round(random.uniform(3, 4), 4) for _ in range(3))
+        text = (f"[t] train: 800 steps in 116 s, best val loss {base}\n"
+                f"[t] evaluate: N=2 score: val loss {base + 0.01:.4f}, E[C_T] 1.977\n"
+                f"[t] finetune: standard fine-tuning: val loss {std}, E[C_T] 3.05 (25 s)\n"
+                f"[t] finetune: pruned N=2 (score) + fine-tuning: val loss {std + 0.02 * (seed + 1):.4f}, E[C_T] 1.98 (3 s)\n"
+                f"[t] finetune: standard fine-tuning (400 steps): val loss {std4}, E[C_T] 3.05 (45 s)\n"
+                f"[t] finetune: pruned N=1 (score) + fine-tuning [distill-ft-x4]: val loss {std4 + 0.03:.4f}, E[C_T] 1.000 (61 s)\n"
+                f"[t] evaluate: N=2 score: val loss 9.0, E[C_T] 1.0\n")  # a re-evaluation keeps the first value
+        logs.append(quality_logs.parse_log(text))
+    text = quality_logs.table(logs)
+    rel = [math.exp(0.02) - 1, math.exp(0.04) - 1]
+    assert f"| pruned N=2 (score) + fine-tuning | {sum(rel) / 2 * 100:+.2f}% ±" in text
+    assert f"| pruned N=2 (score) | {(math.exp(0.01) - 1) * 100:+.2f}% ± 0.00" in text
+    assert f"| pruned N=1 (score) + fine-tuning [distill-ft-x4] | {(math.exp(0.03) - 1) * 100:+.2f}% ± 0.00" in text
+    assert "| standard fine-tuning (400 steps) | +0.00% ± 0.00 [+0.00%, +0.00%] | 3.050 |" in text
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing here\n")
+    with pytest.raises(SystemExit, match="no study rows in"):
+        quality_logs.main([str(empty)])
