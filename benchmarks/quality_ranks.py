@@ -204,7 +204,8 @@ def with_recipes(args, seed: int, result: dict) -> dict:
     rows[at:at] = [r for r in new.values() if not r["finetuned"]]  # no-fine-tuning rows before the fine-tuned ones
     rows += [r for r in new.values() if r["finetuned"]]
     result.update(rows=rows, ft_curves=dict(result.get("ft_curves", {}), **extra["ft_curves"]))
-    result["seconds"]["recipes"] = extra["seconds"]["evaluate"] + extra["seconds"]["fine-tuning"]
+    result["seconds"]["recipes"] = (result["seconds"].get("recipes", 0.0)  # recipes added in several runs: every run's time
+                                    + extra["seconds"]["evaluate"] + extra["seconds"]["fine-tuning"])
     result["seconds"]["total"] = sum(v for k, v in result["seconds"].items() if k != "total")
     _write(args.out / f"seed{seed}" / "result.json", result)
     return result
@@ -315,6 +316,8 @@ def command_line(args) -> str:
         parts.append(f"--recipe-methods {' '.join(args.recipe_methods)}")
     if args.expert_backend != "torch":
         parts.append(f"--expert-backend {args.expert_backend}")
+    if args.threads != 1:  # the thread count moves a seed's numbers (the fp32 summation order)
+        parts.append(f"--threads {args.threads}")
     return " ".join(parts)
 
 
