@@ -24,8 +24,9 @@
 #          hidden 512, 8 layers, 64 experts top-8, N = 3/2/1 x score/similarity, plain fine-tuning and the
 #          recipes in RECIPES (default: the CPU study's winners, each at its N: distill-ft-x4@3,2 distill-ft-experts-x8@1), more flags in
 #          QUALITY_ARGS (e.g. "--ft-steps 100"); SEEDS=0,1,2 runs one process per seed at once, each cut at
-#          QUALITY_SECONDS (default 570) and resumed by the next call. Runs live in out/quality-gpu
-#          (kept while the machine stays warm: a call cut short resumes there); every seed's JSON and metrics logs come
+#          QUALITY_SECONDS (default 570) and resumed by the next call. Runs live in out/quality-gpu, kept only
+#          while the machine stays warm (it is released about 30 s after a call returns: a call cut short must be
+#          followed at once, so size a call to finish its seed: docs/quality_ranks.md); every seed's JSON and metrics logs come
 #          back under OUT/quality/seedS/: copy them to a run directory's seedS/ and aggregate on the CPU with
 #          `python benchmarks/quality_ranks.py --simulate --resume --seeds 0,1,2 ...` (same flags); carry .gpudata   issue 28
 #
