@@ -21,9 +21,12 @@
 #          compiled generate, 128-token prompts, 128 new tokens, B = 1, 8, 64 (benchmarks/serve.py);
 #          one model per call (MODELS=qwen3, then MODELS=deepseek: ~300-370 s each)           issue 26
 # quality  the pruning quality study on one GPU, 4 devices simulated (benchmarks/quality_ranks.py --simulate):
-#          hidden 512, 8 layers, 64 experts top-8, N = 3/2/1 x score/similarity, plain fine-tuning and the
-#          recipes in RECIPES (default: the CPU study's winners, each at its N: distill-ft-x4@3,2 distill-ft-experts-x8@1), more flags in
-#          QUALITY_ARGS (e.g. "--ft-steps 100"); SEEDS=0,1,2 runs one process per seed at once, each cut at
+#          hidden 512, 8 layers, 64 experts top-8; by default what one 10-minute call finishes for one seed (about
+#          400 s on an H200), the configuration of the published seed 0: N = 2/1 (MAX_DEVICES), score (METHODS), plain
+#          fine-tuning of FT_STEPS=100 and the recipes in RECIPES (distill-ft-x4@2,1) with RECIPE_METHODS (score);
+#          the whole study: MAX_DEVICES="3 2 1" METHODS="score similarity" RECIPE_METHODS="score similarity"
+#          RECIPES="distill-ft-x4@3,2 distill-ft-experts-x8@1" FT_STEPS=200 (several calls a seed). More flags in
+#          QUALITY_ARGS. SEEDS=0,1,2 runs one process per seed at once (1.36x the throughput of one), each cut at
 #          QUALITY_SECONDS (default 570) and resumed by the next call. Runs live in out/quality-gpu, kept only
 #          while the machine stays warm (it is released about 30 s after a call returns: a call cut short must be
 #          followed at once, so size a call to finish its seed: docs/quality_ranks.md); every seed's JSON and metrics logs come
@@ -80,9 +83,10 @@ case $part in
     seeds=${SEEDS:-0}
     for s in ${seeds//,/ }; do  # one process per seed, all at once: the model is too small to fill the GPU alone
       run "quality_seed_$s" ${QUALITY_SECONDS:-570} python3 benchmarks/quality_ranks.py --simulate --ranks 4 --seeds "$s" \
-        --corpus-dir $data --hidden 512 --layers 8 --heads 8 --experts 64 --top-k 8 --max-devices 3 2 1 \
-        --methods score similarity --recipes ${RECIPES:-distill-ft-x4@3,2 distill-ft-experts-x8@1} --expert-backend auto \
-        --eval-tokens 262144 --drop-weights ${QUALITY_ARGS:-} --out out/quality-gpu --resume &
+        --corpus-dir $data --hidden 512 --layers 8 --heads 8 --experts 64 --top-k 8 --max-devices ${MAX_DEVICES:-2 1} \
+        --methods ${METHODS:-score} --recipes ${RECIPES:-distill-ft-x4@2,1} --recipe-methods ${RECIPE_METHODS:-score} \
+        --ft-steps ${FT_STEPS:-100} --expert-backend auto --eval-tokens 262144 --drop-weights ${QUALITY_ARGS:-} \
+        --out out/quality-gpu --resume &
     done
     wait
     if [ "${DRY_RUN:-0}" != 1 ]; then  # every JSON and metrics log (no weights): a seed cut short still reports its runs
