@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import statistics
 from pathlib import Path
+
+from quality_ranks import spread  # benchmarks/: mean, std, min, max of a row over the seeds
 
 BASE = re.compile(r"train: \d+ steps in [\d.]+ s, best val loss ([\d.]+)")
 EVAL = re.compile(r"evaluate: N=(\d+) (\w+): val loss ([\d.]+), E\[C_T\] ([\d.]+)")
@@ -55,10 +56,9 @@ def table(seeds: list[dict[str, dict]]) -> str:
             rels.append(math.exp(r["loss"] - ref["loss"]) - 1 if ref else 0.0)
             if r["ct"] is not None:
                 cts.append(r["ct"])
-        std = statistics.stdev(rels) if len(rels) > 1 else 0.0
-        cell = (f"{statistics.mean(rels) * 100:+.2f}% ± {std * 100:.2f} "
-                f"[{min(rels) * 100:+.2f}%, {max(rels) * 100:+.2f}%]")
-        out.append(f"| {name} | {cell} | {statistics.mean(cts):.3f} |" if cts else f"| {name} | {cell} | — |")
+        rel = spread(rels)
+        cell = f"{rel['mean'] * 100:+.2f}% ± {rel['std'] * 100:.2f} [{rel['min'] * 100:+.2f}%, {rel['max'] * 100:+.2f}%]"
+        out.append(f"| {name} | {cell} | {spread(cts)['mean']:.3f} |" if cts else f"| {name} | {cell} | — |")
     return "\n".join(out)
 
 
