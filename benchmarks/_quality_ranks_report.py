@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-COLORS = ["#1f77b4", "#7f7f7f", "#2ca02c", "#17becf", "#d62728", "#ff7f0e", "#9467bd", "#8c564b"]
+COLORS = ["#1f77b4", "#7f7f7f", "#2ca02c", "#17becf", "#d62728", "#ff7f0e", "#9467bd", "#8c564b",
+          "#bcbd22", "#e377c2", "#000000", "#aec7e8", "#98df8a", "#ff9896"]
 
 
 def _fmt(s: dict | None, digits: int = 3, pct: bool = False) -> str:
@@ -64,9 +65,9 @@ def svg_plot(results: dict) -> str:
             else:
                 d = " ".join(f"{'M' if j == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for j, (x, y) in enumerate(pts))
                 out.append(f'<path d="{d}" fill="none" stroke="{c}" stroke-width="1.8"/>')
-            ly = top + 14 + 13 * i
-            out.append(f'<rect x="{right - 150}" y="{ly - 8}" width="10" height="10" fill="{c}"/>')
-            out.append(f'<text x="{right - 136}" y="{ly + 1}">{label}</text>')
+            ly, lx = top + 14 + 13 * i, right - max(150, 6 * max(len(s[0]) for s in series) + 20)
+            out.append(f'<rect x="{lx}" y="{ly - 8}" width="10" height="10" fill="{c}"/>')
+            out.append(f'<text x="{lx + 14}" y="{ly + 1}">{label}</text>')
         if front:  # the Pareto front: lower E[C_T] and lower perplexity cannot both be had beyond it
             d = " ".join(f"{'M' if j == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for j, (x, y) in enumerate(front))
             out.append(f'<path d="{d}" fill="none" stroke="#000" stroke-width="1.2" stroke-dasharray="5,4"/>')
@@ -86,7 +87,9 @@ def svg_plot(results: dict) -> str:
     tuned = []
     for r in results["rows"]:
         if r["finetuned"]:
-            label = "standard FT" if r["max_devices"] is None else f"N={r['max_devices']} {r['method']}"
+            tag = r["name"][r["name"].index("["):] if "[" in r["name"] else ""  # a recipe's rows apart from the plain ones
+            label = (r["name"].replace("standard fine-tuning", "standard FT") if r["max_devices"] is None
+                     else f"N={r['max_devices']} {r['method']} {tag}".strip())
             rel = {k: (v * 100 if k != "values" else v) for k, v in r["rel_ppl"].items()}
             tuned.append((label, [(r["mean_ct"], rel, True)]))
     panel(2 * third, third, "fine-tuned: Δ ppl vs standard FT (bars: min..max)", tuned,
@@ -112,6 +115,31 @@ def _where_seeds_ran(env: dict, seeds: list[dict]) -> str:
     return text.strip()
 
 
+def _run_flags(spec: dict) -> str:
+    """A merged run's row choices as quality_ranks.py flags."""
+    flags = [f"--max-devices {' '.join(map(str, spec.get('max_devices') or []))}",
+             f"--methods {' '.join(spec.get('methods') or [])}"]
+    if spec.get("recipes"):
+        flags.append(f"--recipes {' '.join(spec['recipes'])}")
+    if spec.get("recipe_methods"):
+        flags.append(f"--recipe-methods {' '.join(spec['recipe_methods'])}")
+    return " ".join(flags)
+
+
+def _merged_runs(seeds: list[dict]) -> list[str]:
+    """Where seeds were merged from several runs (`quality_merge.py`): what each run measured."""
+    merged = [sd for sd in seeds if sd.get("merged_from")]
+    if not merged:
+        return []
+    runs = list(dict.fromkeys(_run_flags(spec) for sd in merged for spec in sd["merged_from"]))
+    tol = max(sd.get("merge_tol", 0.0) for sd in merged)
+    return [f"Seed(s) {', '.join(str(sd['seed']) for sd in merged)}: rows merged from {len(runs)} runs of the same seed "
+            "(`benchmarks/quality_merge.py`, one device call each), which share the base training, placement and standard "
+            f"fine-tunes, checked equal (every shared row's validation loss and E[C_T] to {tol:g}): "
+            + "; ".join(f"`{r}`" for r in runs) + ". A seed's time adds up every run's fine-tunes (the standard references "
+            "were fine-tuned again in each run); base training, profiling and evaluation count once.", ""]
+
+
 def render(results: dict, doc: Path) -> None:
     a, env, seeds = results["args"], results["env"], results["seeds"]
     doc.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +157,7 @@ def render(results: dict, doc: Path) -> None:
         f"{env['date']}; {n} seed(s) ({a['seeds']}), every phase once per seed, {_seed_minutes(seeds):.1f} min of "
         f"phases in all. {_where_seeds_ran(env, seeds)}",
         "",
+        *_merged_runs(seeds),
         f"Model: `OccultLM`, {a['layers']} layers, hidden {a['hidden']}, {a['heads']} heads, **{a['experts']} experts top-{a['top_k']}** "
         f"(expert SwiGLU width {a['expert_ffn']}), vocab {s0['vocab']}; {s0['train_tokens']:,} training / {s0['val_tokens']:,} "
         f"validation tokens, sequences of {a['seq_len']}, global batches of {a['batch_size']}"
@@ -203,6 +232,11 @@ def render(results: dict, doc: Path) -> None:
         sources = results.get("corpus_sources") or []
         corpus = f" --corpus {','.join(sources)}" if sources and sources != ["shakespeare"] else ""
         lines.append(f"occult data prepare{corpus} --out {a['corpus_dir']} --vocab-size {s0['vocab']}   # once")
+    runs = dict.fromkeys(_run_flags(spec) for sd in seeds for spec in sd.get("merged_from") or [])
+    if runs:
+        lines += ["# the aggregation of the merged seeds; they ran as these runs, one device call each, merged with",
+                  "#   python benchmarks/quality_merge.py --out OUT RUN_DIR_1 RUN_DIR_2 ...",
+                  *(f"#   quality_ranks.py <the flags below, one seed> {r}" for r in runs)]
     lines += [results["command"], "```", ""]
     tmp = doc.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines))

@@ -31,7 +31,9 @@
 #          while the machine stays warm (it is released about 30 s after a call returns: a call cut short must be
 #          followed at once, so size a call to finish its seed: docs/quality_ranks.md); every seed's JSON and metrics logs come
 #          back under OUT/quality/seedS/: copy them to a run directory's seedS/ and aggregate on the CPU with
-#          `python benchmarks/quality_ranks.py --simulate --resume --seeds 0,1,2 ...` (same flags); carry .gpudata   issue 28
+#          `python benchmarks/quality_ranks.py --simulate --resume --seeds 0,1,2 ...` (same flags); a seed measured as
+#          several runs (e.g. METHODS=score, then METHODS=similarity) is merged first: benchmarks/quality_merge.py
+#          (docs/quality_ranks.md has the published study's commands); carry .gpudata                      issue 28
 #
 # Each command writes JSON or logs under OUT and prints its last lines.
 set -uo pipefail
