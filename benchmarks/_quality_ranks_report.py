@@ -134,10 +134,10 @@ def _merged_runs(seeds: list[dict]) -> list[str]:
     runs = list(dict.fromkeys(_run_flags(spec) for sd in merged for spec in sd["merged_from"]))
     tol = max(sd.get("merge_tol", 0.0) for sd in merged)
     return [f"Seed(s) {', '.join(str(sd['seed']) for sd in merged)}: rows merged from {len(runs)} runs of the same seed "
-            "(`benchmarks/quality_merge.py`, one device call each), which share the base training, placement and standard "
+            "(`benchmarks/quality_merge.py`; separate device calls), which share the base training, placement and standard "
             f"fine-tunes, checked equal (every shared row's validation loss and E[C_T] to {tol:g}): "
             + "; ".join(f"`{r}`" for r in runs) + ". A seed's time adds up every run's fine-tunes (the standard references "
-            "were fine-tuned again in each run); base training, profiling and evaluation count once.", ""]
+            "were fine-tuned again in each run); base training, profiling and evaluation count once (the fastest run's).", ""]
 
 
 def render(results: dict, doc: Path) -> None:
@@ -234,7 +234,7 @@ def render(results: dict, doc: Path) -> None:
         lines.append(f"occult data prepare{corpus} --out {a['corpus_dir']} --vocab-size {s0['vocab']}   # once")
     runs = dict.fromkeys(_run_flags(spec) for sd in seeds for spec in sd.get("merged_from") or [])
     if runs:
-        lines += ["# the aggregation of the merged seeds; they ran as these runs, one device call each, merged with",
+        lines += ["# the aggregation of the merged seeds; they ran as these runs (separate device calls), merged with",
                   "#   python benchmarks/quality_merge.py --out OUT RUN_DIR_1 RUN_DIR_2 ...",
                   *(f"#   quality_ranks.py <the flags below, one seed> {r}" for r in runs)]
     lines += [results["command"], "```", ""]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 METHOD_ORDER = {"score": 0, "similarity": 1}
 KEPT = ("job.json", "placement.json", "train.json")  # copied from the first run (equal where it matters: checked)
-SAME_WORK = ("train", "profile+place", "evaluate")  # every run repeats these: the merged seed did them once
+SAME_WORK = ("train", "profile+place", "evaluate")  # every run repeats these: the merged seed needs them once
 
 
 def row_order(row: dict) -> tuple:
@@ -55,8 +55,8 @@ def merge_seed(results: list[dict], dirs: list[Path], tol: float) -> dict:
     for key in ("ft_curves", "ft_seconds"):
         merged[key] = {k: v for res in reversed(results) for k, v in res.get(key, {}).items()}
     merged["env"] = next((res["env"] for res in results if res.get("env")), None)
-    seconds = {k: max(res["seconds"].get(k, 0.0) for res in results) for k in SAME_WORK
-               if any(k in res["seconds"] for res in results)}
+    seconds = {k: min(res["seconds"][k] for res in results if k in res["seconds"]) for k in SAME_WORK
+               if any(k in res["seconds"] for res in results)}  # the fastest run: runs may have shared the GPU
     later = dict.fromkeys(k for res in results for k in res["seconds"] if k not in SAME_WORK and k != "total")
     for k in later:
         seconds[k] = sum(res["seconds"].get(k, 0.0) for res in results)  # every run's fine-tunes, references included
