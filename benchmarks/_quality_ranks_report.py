@@ -126,12 +126,17 @@ def _run_flags(spec: dict) -> str:
     return " ".join(flags)
 
 
+def _merged_run_flags(seeds: list[dict]) -> list[str]:
+    """The distinct runs merged into the seeds (`quality_merge.py`), as their flags; empty when none was merged."""
+    return list(dict.fromkeys(_run_flags(spec) for sd in seeds for spec in sd.get("merged_from") or []))
+
+
 def _merged_runs(seeds: list[dict]) -> list[str]:
     """Where seeds were merged from several runs (`quality_merge.py`): what each run measured."""
     merged = [sd for sd in seeds if sd.get("merged_from")]
     if not merged:
         return []
-    runs = list(dict.fromkeys(_run_flags(spec) for sd in merged for spec in sd["merged_from"]))
+    runs = _merged_run_flags(merged)
     tol = max(sd.get("merge_tol", 0.0) for sd in merged)
     return [f"Seed(s) {', '.join(str(sd['seed']) for sd in merged)}: rows merged from {len(runs)} runs of the same seed "
             "(`benchmarks/quality_merge.py`; separate device calls), which share the base training, placement and standard "
@@ -232,7 +237,7 @@ def render(results: dict, doc: Path) -> None:
         sources = results.get("corpus_sources") or []
         corpus = f" --corpus {','.join(sources)}" if sources and sources != ["shakespeare"] else ""
         lines.append(f"occult data prepare{corpus} --out {a['corpus_dir']} --vocab-size {s0['vocab']}   # once")
-    runs = dict.fromkeys(_run_flags(spec) for sd in seeds for spec in sd.get("merged_from") or [])
+    runs = _merged_run_flags(seeds)
     if runs:
         lines += ["# the aggregation of the merged seeds; they ran as these runs (separate device calls), merged with",
                   "#   python benchmarks/quality_merge.py --out OUT RUN_DIR_1 RUN_DIR_2 ...",

@@ -3,7 +3,7 @@
 A seed of the one-GPU study at the issue's size does not fit one device call with every row (N = 3/2/1 x score /
 similarity x plain / distilled), so it runs as several `quality_ranks.py` runs, one call each, that share the seed's
 base training, placement and standard fine-tunes and differ in `--max-devices/--methods/--recipes/--recipe-methods`.
-This script checks that the shared part really is the same (the same base training curve, the same placement, and
+This script checks that the shared part really is the same (the same best base validation loss, the same placement, and
 every row the runs share to `--tol` in validation loss and E[C_T]: a seed repeats exactly on one machine, so a
 difference means a different configuration, not noise), then writes one `seedS/` per seed with the union of the rows.
 Aggregate the merged directory as usual (`quality_ranks.py --resume --out OUT`, flags covering the merged rows).
