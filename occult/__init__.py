@@ -13,7 +13,7 @@ from occult.moe.dense import DenseMoE
 from occult.moe.dispatch import DedupDispatcher, StandardDispatcher
 from occult.moe.expert_map import ExpertMap
 from occult.moe.layer import OccultMoE, set_overlap, set_sync_free
-from occult.moe.local import check_routing
+from occult.moe.status import check_routing
 from occult.moe.registry import DISPATCHERS, make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.moe.two_batch import two_batch_overlap

@@ -23,7 +23,7 @@ from occult.cli.registry import (
 )
 
 BENCH_SHAPES = ("olmoe", "qwen3", "deepseek", "mixtral", "tiny")
-BENCH_VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2")
+BENCH_VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@counts", "dedup@counts")
 BENCH_ROUTINGS = ("random", "planted")
 
 
@@ -65,7 +65,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", type=choice_list(BENCH_ROUTINGS, "routing"), default=list(BENCH_ROUTINGS),
                         help="comma list: random, planted (default both)")
     parser.add_argument("--variants", type=choice_list(BENCH_VARIANTS, "variant"), default=list(BENCH_VARIANTS[:3]),
-                        help="comma list of " + ", ".join(BENCH_VARIANTS) + " (default: the first three)")
+                        help="comma list of " + ", ".join(BENCH_VARIANTS) + " (default: the first three; "
+                             "'@counts': the count exchange instead of the device transport, side by side)")
     parser.add_argument("--nodes", type=positive_int, default=1,
                         help="nodes the ranks are grouped into for the two-level 'dedup2' variant (node-major ranks; "
                              "on one host: simulated nodes)")

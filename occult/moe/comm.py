@@ -93,26 +93,23 @@ def record_sent(state: Any, splits: list[int], rows_PH: torch.Tensor, meta_bytes
     e.g. a dispatcher's `Handle`; with a `.peer_level` list (per rank of the group:
     0 self, 1 same node, 2 another node) the remote rows are also counted per link.
     """
-    stats, rows = state.stats, sum(splits)
-    row_bytes = rows_PH.numel() * rows_PH.element_size()
-    levels = getattr(state, "peer_level", None)
+    one_row = rows_PH[0].numel() * rows_PH.element_size() if rows_PH.shape[0] else 0
+    count_sent(state.stats, splits, state.rank, getattr(state, "peer_level", None), one_row, meta_bytes, backward)
+
+
+def count_sent(stats: CommStats, splits: list[int], rank: int, levels: list[int] | None, row_bytes: int,
+               meta_bytes: int, backward: bool) -> None:
+    """Add `splits[d]` rows of `row_bytes` each sent to rank d (and `meta_bytes` of metadata) to `stats`."""
+    rows = sum(splits)
+    direction = "backward" if backward else "forward"
     if levels is not None:
-        one_row = rows_PH[0].numel() * rows_PH.element_size() if rows_PH.shape[0] else 0
-        direction = "backward" if backward else "forward"
         for level, name in ((1, "intranode"), (2, "internode")):
             count = sum(n for n, lv in zip(splits, levels) if lv == level)
             setattr(stats, f"{direction}_{name}_rows", getattr(stats, f"{direction}_{name}_rows") + count)
-            setattr(stats, f"{direction}_{name}_bytes", getattr(stats, f"{direction}_{name}_bytes") + count * one_row)
-    if backward:
-        stats.backward_rows += rows
-        stats.backward_remote_rows += rows - splits[state.rank]
-        stats.backward_bytes += row_bytes
-        stats.backward_metadata_bytes += meta_bytes
-    else:
-        stats.forward_rows += rows
-        stats.forward_remote_rows += rows - splits[state.rank]
-        stats.forward_bytes += row_bytes
-        stats.forward_metadata_bytes += meta_bytes
+            setattr(stats, f"{direction}_{name}_bytes", getattr(stats, f"{direction}_{name}_bytes") + count * row_bytes)
+    for name, value in (("rows", rows), ("remote_rows", rows - splits[rank]), ("bytes", rows * row_bytes),
+                        ("metadata_bytes", meta_bytes)):
+        setattr(stats, f"{direction}_{name}", getattr(stats, f"{direction}_{name}") + value)
 
 
 def _metadata_int(gates_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:

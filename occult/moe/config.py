@@ -19,6 +19,7 @@ import torch
 
 PRUNE_METHODS = ("score", "similarity", "mass")  # occult.moe.pruning.METHODS
 EXPERT_BACKENDS = ("auto", "torch", "triton")
+TRANSPORTS = ("auto", "device", "counts")
 
 
 def _positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -91,13 +92,17 @@ class ExecConfig:
     node, then per GPU; needs a node layout), or a built `Dispatcher`. `sync_free`: fixed-capacity
     plans, no host wait (CUDA-graph capturable; every rank passes the same token count).
     `overlap_chunks=C > 1`: the layer pipelined over C token chunks. `expert_backend`: "auto"
-    (Triton on GPUs), "torch" or "triton".
+    (Triton on GPUs), "torch" or "triton". `transport`: how the all-to-alls learn their sizes,
+    chosen once when the layer is built: "auto" (the device transport, counts kept on the GPU and
+    no host wait, where the group has it: NCCL with NVSHMEM symmetric memory; else the count
+    exchange), "device" (an error where it cannot run) or "counts" (the count exchange everywhere).
     """
 
     dispatcher: Any = "dedup"
     sync_free: bool = False
     overlap_chunks: int = 1
     expert_backend: str = "auto"
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap_chunks, bool) or not isinstance(self.overlap_chunks, int) or self.overlap_chunks < 1:
@@ -106,6 +111,8 @@ class ExecConfig:
             raise ValueError(f"expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}")
         if not isinstance(self.sync_free, bool):
             raise ValueError(f"sync_free must be True or False, got {self.sync_free!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 
 
 _MOE_POSITIONAL = ("hidden_size", "ffn_size", "num_experts", "top_k")

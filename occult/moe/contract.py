@@ -25,6 +25,7 @@ import torch.distributed as dist
 from occult.moe.comm import CommStats
 from occult.moe.expert_map import ExpertMap
 from occult.moe.nodes import check_devices_per_node, peer_levels
+from occult.moe.symm import choose_transport
 
 # experts(x_RH, slots_RK, gates_RK) -> y_RH (`occult.moe.experts.expert_mlp` with the layer's weights)
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,13 +99,15 @@ class Dispatcher(ABC):
 
     `group`: the expert-parallel process group (None: the default group, or one rank).
     `devices_per_node` (G, ranks node-major): with it, `CommStats` splits remote rows into
-    inter-node and intra-node ones.
+    inter-node and intra-node ones. `transport`: "auto" (the device transport where the group
+    has it, `occult.moe.symm`), "device" (required: an error where it cannot run) or "counts"
+    (the count exchange: one host wait per call); `self.transport` is the chosen one or None.
     """
 
     name: ClassVar[str] = "base"
     capabilities: ClassVar[Capabilities] = Capabilities()
 
-    def __init__(self, group: Any = None, devices_per_node: int | None = None) -> None:
+    def __init__(self, group: Any = None, devices_per_node: int | None = None, transport: str = "auto") -> None:
         self.group = group
         if group is None and dist.is_available() and dist.is_initialized():
             self.group = dist.group.WORLD
@@ -118,6 +121,12 @@ class Dispatcher(ABC):
         self.devices_per_node = self.num_nodes = self.peer_level = None
         if devices_per_node is not None:
             self.set_devices_per_node(devices_per_node)
+        self.transport = choose_transport(transport, self.group)
+
+    @property
+    def transport_name(self) -> str:
+        """"device" or "counts": how this dispatcher's exchanges learn their sizes."""
+        return "device" if self.transport is not None else "counts"
 
     def set_devices_per_node(self, devices_per_node: int) -> None:
         """Declare the node layout (ranks node-major, G per node)."""
@@ -145,13 +154,16 @@ class Dispatcher(ABC):
         expert_map: ExpertMap,
         schedule: Schedule = Schedule(),
         status: torch.Tensor | None = None,
+        host_status: int = 0,
     ) -> tuple[Received, Handle]:
         """Send each token's rows to the ranks holding its experts (`ids_TK`, global ids, with
         gate weights `weights_TK`); return what this rank received and the handle for `combine`.
 
         `status` (a 0-dim device tensor; `occult.moe.counts.routing_status` makes one) travels
         with the counts so that bad input on any rank raises `RoutingError` on every rank; None:
-        checked here. Every rank of the group calls it, with any number of tokens (even 0).
+        checked here. `host_status`: a status this rank already knows on the host (its input's
+        hidden size or dtype is wrong); the device transport raises it on every rank at once.
+        Every rank of the group calls it, with any number of tokens (even 0).
         """
 
     @abstractmethod

@@ -20,8 +20,10 @@ STATUS_MESSAGES = {
     1: "router produced NaN/inf gate weights (check the input activations and router weights for NaN/inf)",
     2: "router returned expert ids out of range",
     3: "input hidden size does not match the layer",
+    4: "input dtype does not match the layer's weights (cast the input or the layer)",
 }
 STATUS_WRONG_HIDDEN = 3
+STATUS_WRONG_DTYPE = 4
 
 
 def clamp_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -9,7 +9,9 @@ row and sums each token's rows. Backward sends as many rows as forward: gradient
 both all-to-alls in reverse, and the gate gradients (k scalars per row) return with the
 dispatch's backward. `Schedule.chunks > 1` runs the same plans pipelined (`occult.moe.pipeline`).
 On a group of one rank (outside two-batch overlap) every schedule is the identity of
-`occult.moe.local`: no plan, no copies, no host wait.
+`occult.moe.local`: no plan, no copies, no host wait. Where the group has the device transport
+(`occult.moe.symm`, chosen once when the dispatcher is built: NCCL groups with NVSHMEM), the plain
+schedule runs over it (`occult.moe.device_exchange`): the counts stay on the device, no host wait.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from occult.moe import local, pipeline
+from occult.moe import device_exchange, local, pipeline
 from occult.moe.comm import CommStats, exchange
 from occult.moe.contract import Capabilities, Dispatcher, Handle, Received, Schedule
 from occult.moe.counts import clamp_ids, exchange_counts, routing_status
@@ -58,6 +60,7 @@ class FlatDispatcher(Dispatcher):
         expert_map: ExpertMap,
         schedule: Schedule = Schedule(),
         status: torch.Tensor | None = None,
+        host_status: int = 0,
     ) -> tuple[Received, Handle]:
         self.check_schedule(schedule)
         if status is None and schedule.sync_free:
@@ -70,6 +73,9 @@ class FlatDispatcher(Dispatcher):
         if schedule.chunks > 1:
             return pipeline.dispatch_chunks(self, x_TH, weights_TK, ids_TK, expert_map, schedule, status)
         plan = self.plan_rows(ids_TK, expert_map, schedule.sync_free)
+        if self.uses_device_transport(schedule):
+            return device_exchange.dispatch_device(self, x_TH, weights_TK, plan, status, host_status, schedule,
+                                                   expert_map.experts_per_device(self.num_ranks))
         if schedule.sync_free:
             early = (None, None, None)
             send = recv = [plan.num_rows // self.num_ranks] * self.num_ranks
@@ -93,11 +99,25 @@ class FlatDispatcher(Dispatcher):
     def combine(self, y: Any, handle: Handle) -> torch.Tensor:
         if isinstance(handle, local.LocalHandle):
             return local.combine_local(y, handle)
+        if isinstance(handle, device_exchange.DeviceHandle):
+            return device_exchange.combine_device(y, handle)
         if isinstance(handle, pipeline.ChunkedHandle):  # the pipelined schedule combined chunk by chunk
             return handle.output(y)
         handle.stats.combine_rows = y.shape[0]
         y_PH, _, _ = exchange(y, None, None, handle.recv_splits, handle.send_splits, self.group, handle, handle.pause)
         return sum_rows(y_PH, handle.plan.token_P, handle.plan.row_TJ)
+
+
+    def uses_device_transport(self, schedule: Schedule) -> bool:
+        """Whether this call runs over the device transport: the plain schedule, where the group has it."""
+        return self.transport is not None and not schedule.sync_free and schedule.pause is None
+
+    def rows_per_token(self, top_k: int, num_ranks: int, experts_per_device: int) -> tuple[int, int]:
+        """(rows one token can send to one rank, rows one token can send in all): the bounds the
+        device transport sizes its buffers by."""
+        if self.capabilities.deduplicated:
+            return 1, min(top_k, num_ranks)
+        return min(top_k, experts_per_device), top_k
 
 
 class StandardDispatcher(FlatDispatcher):

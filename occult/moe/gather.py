@@ -31,8 +31,10 @@ def token_sum(src_PH: torch.Tensor, token_P: torch.Tensor, row_TJ: torch.Tensor,
 
         return gather_sum(src_PH, row_TJ, out_dtype)
     acc = torch.promote_types(src_PH.dtype, torch.float32)
-    out = src_PH.new_zeros((row_TJ.shape[0], src_PH.shape[1]), dtype=acc)
-    return out.index_add_(0, token_P, src_PH.to(acc)).to(out_dtype)
+    num_tokens = row_TJ.shape[0]
+    out = src_PH.new_zeros((num_tokens + 1, src_PH.shape[1]), dtype=acc)  # + a spare row for padding rows (-1)
+    index = torch.where(token_P >= 0, token_P, num_tokens)
+    return out.index_add_(0, index, src_PH.to(acc))[:num_tokens].to(out_dtype)
 
 
 class _GatherRows(torch.autograd.Function):

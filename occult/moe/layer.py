@@ -20,7 +20,7 @@ import torch.nn as nn
 from occult.moe.comm import CommStats
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, configs_from_keywords
 from occult.moe.contract import Schedule
-from occult.moe.counts import STATUS_WRONG_HIDDEN, RoutingError, routing_status
+from occult.moe.counts import STATUS_WRONG_DTYPE, STATUS_WRONG_HIDDEN, RoutingError, routing_status
 from occult.moe.dense import DenseMoE, expert_parameters
 from occult.moe.expert_map import ExpertMap
 from occult.moe.experts import LocalExperts
@@ -73,7 +73,8 @@ class OccultMoE(nn.Module):
         config, routing, execution = configs_from_keywords(config, sizes, settings, routing, execution)
         self.config, self.routing = config, routing
         # a name ("standard", "dedup", "dedup2": nodes from the placement) or a built Dispatcher
-        self.dispatcher = make_dispatcher(execution.dispatcher, group, placement=placement)
+        self.dispatcher = make_dispatcher(execution.dispatcher, group, placement=placement,
+                                          transport=execution.transport)
         self.execution = execution
         num_ranks, rank = self.dispatcher.num_ranks, self.dispatcher.rank
         check_divisible(config.num_experts, num_ranks)
@@ -138,34 +139,47 @@ class OccultMoE(nn.Module):
         layer's routing (e.g. a block's shared experts) keeps the GPU busy while the host then
         launches the all-to-alls and the experts; at once where there is no such wait.
         """
-        x_TH, wrong_hidden = self._tokens(x)
+        x_TH, bad_input = self._tokens(x)
         weights_TK, ids_TK = self.router(x_TH)  # 1. route
         status = None  # sync-free: nothing is reported (the dispatcher only clamps the ids)
         if not self.sync_free:
             ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
-        if wrong_hidden:  # tell the other ranks before raising, so none is left waiting in a collective
-            status = status + STATUS_WRONG_HIDDEN
+        if bad_input:  # tell the other ranks before raising, so none is left waiting in a collective
+            status = status + bad_input
         schedule = self._schedule(while_waiting)
-        try:  # 2-3. plan and dispatch (the one host sync is the count exchange, unless sync-free)
-            received, handle = self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, schedule, status)
+        try:  # 2-3. plan and dispatch (the count exchange's host wait, or none: device transport, sync-free)
+            received, handle = self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, schedule, status,
+                                                        bad_input)
         except RoutingError as exc:
-            if wrong_hidden:
-                raise self._wrong_hidden(x) from exc
+            if bad_input:
+                raise self._bad_input(x) from exc
             raise
         self.last_comm_stats = handle.stats
         y = received.apply(self.local_experts())  # 4. experts, gate-weighted, pre-reduced per row
         return self.dispatcher.combine(y, handle).reshape(x.shape)  # 5. combine
 
-    def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(x as [T, H], whether the hidden size is wrong: then no rows, and the error travels)."""
-        if x.shape[-1] == self.hidden_size:
-            return x.reshape(-1, self.hidden_size), False
-        if self.sync_free or self.num_ranks == 1:  # no count exchange to carry the error: raise on this rank
-            raise self._wrong_hidden(x)
-        return x.new_zeros((0, self.hidden_size)), True
+    def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(x as [T, H], the status of a wrong hidden size or dtype, 0 if neither: then no rows,
+        and the error travels to every rank)."""
+        status = self._input_status(x)
+        if not status:
+            return x.reshape(-1, self.hidden_size), 0
+        if self.sync_free or self.num_ranks == 1:  # no exchange to carry the error: raise on this rank
+            raise self._bad_input(x)
+        return self.gate_up_proj.new_zeros((0, self.hidden_size)), status
 
-    def _wrong_hidden(self, x: torch.Tensor) -> ValueError:
-        return ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
+    def _input_status(self, x: torch.Tensor) -> int:
+        if x.shape[-1] != self.hidden_size:
+            return STATUS_WRONG_HIDDEN
+        if x.dtype != self.gate_up_proj.dtype and not torch.is_autocast_enabled(x.device.type):
+            return STATUS_WRONG_DTYPE
+        return 0
+
+    def _bad_input(self, x: torch.Tensor) -> ValueError:
+        if x.shape[-1] != self.hidden_size:
+            return ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
+        return ValueError(f"input has dtype {x.dtype} but this MoE layer's weights are {self.gate_up_proj.dtype}: "
+                          f"cast the input (x.to({self.gate_up_proj.dtype})) or the layer")
 
     def _schedule(self, while_waiting: Callable[[], None] | None) -> Schedule:
         """This call's schedule: the layer's settings, and the two-batch pause when inside `two_batch_overlap`."""
@@ -249,7 +263,7 @@ class OccultMoE(nn.Module):
         return (
             f"hidden={self.hidden_size}, ffn={self.ffn_size}, experts={self.num_experts} "
             f"({self.num_experts // self.num_ranks} on rank {self.rank} of {self.num_ranks}), "
-            f"top_k={self.top_k}, dispatcher={self.dispatcher.name}"
+            f"top_k={self.top_k}, dispatcher={self.dispatcher.name}, transport={self.dispatcher.transport_name}"
         )
 
 

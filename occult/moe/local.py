@@ -27,10 +27,8 @@ import torch
 
 from occult.moe.comm import CommStats, metadata_bytes
 from occult.moe.contract import Handle, Received, Schedule
-from occult.moe.counts import raise_on_bad_status
 from occult.moe.expert_map import ExpertMap
-
-_PENDING: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # statuses on their way to the host
+from occult.moe.status import check_routing, queue
 
 
 @dataclass
@@ -45,33 +43,10 @@ class LocalHandle(Handle):
     stats: CommStats = field(default_factory=CommStats)
 
 
-def check_routing() -> None:
-    """Read every pending one-rank routing status and raise `RoutingError` if one was bad.
-
-    Waits only for the GPU to reach those statuses (each recorded right after its routing)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return  # no waiting inside a capture: read after it
-    pending = list(_PENDING)
-    _PENDING.clear()
-    for host, ready in pending:
-        if ready is not None:
-            ready.synchronize()
-        raise_on_bad_status([int(v) for v in host.tolist()])
-
-
 def _check_later(status: torch.Tensor) -> None:
     """Queue `status` for `check_routing` (a CPU status is read at once: no wait to avoid)."""
     check_routing()  # the previous one-rank call's: its routing ran before this call's attention
-    if not status.is_cuda:
-        raise_on_bad_status([int(status)])
-        return
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-        return  # nothing can be read here: as sync-free dispatch
-    host = torch.empty((1,), dtype=torch.int64, pin_memory=True)
-    host.copy_(status.reshape(1), non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    _PENDING.append((host, ready))
+    queue(status.reshape(1))
 
 
 def dispatch_local(

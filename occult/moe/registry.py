@@ -37,12 +37,13 @@ def _group_size(group: Any) -> int:
 
 
 def make_dispatcher(name: str | Dispatcher, group: Any = None, *, devices_per_node: int | None = None,
-                    placement: Any = None) -> Dispatcher:
+                    placement: Any = None, transport: str = "auto") -> Dispatcher:
     """Build a dispatcher by name ("standard", "dedup" or "dedup2"), or check and return a built one.
 
     The node layout (G GPUs per node, ranks node-major) is `devices_per_node`, else that of
     `placement` (a `Placement` with `num_nodes` > 1 over as many devices as the group has ranks).
     Two-level dispatchers need it; the flat ones use it to split `CommStats` by link.
+    `transport` ("auto", "device", "counts"): see `ExecConfig.transport`.
     """
     built = isinstance(name, Dispatcher)
     size = name.num_ranks if built else _group_size(group)
@@ -60,4 +61,5 @@ def make_dispatcher(name: str | Dispatcher, group: Any = None, *, devices_per_no
                              f"{placed} ({placement.num_nodes} nodes); make them agree")
         return name
     cls = dispatcher_class(name)
-    return cls(group, devices_per_node=devices_per_node if devices_per_node is not None else placed)
+    return cls(group, devices_per_node=devices_per_node if devices_per_node is not None else placed,
+               transport=transport)

@@ -111,8 +111,8 @@ class TwoLevelDispatcher(Dispatcher):
     name = "dedup2"
     capabilities = Capabilities(deduplicated=True, pipelined=False, two_level=True)
 
-    def __init__(self, group: Any = None, devices_per_node: int | None = None) -> None:
-        super().__init__(group)
+    def __init__(self, group: Any = None, devices_per_node: int | None = None, transport: str = "auto") -> None:
+        super().__init__(group, transport="counts")
         if devices_per_node is None and self.num_ranks == 1:
             devices_per_node = 1
         self.set_devices_per_node(devices_per_node)
@@ -120,15 +120,18 @@ class TwoLevelDispatcher(Dispatcher):
         self.node, self.local = divmod(self.rank, G)
         self.two_level = G not in (1, self.num_ranks)
         # one node, or one GPU per node: the flat deduplicated exchange is the whole route
-        self.route = NodeStages(self) if self.two_level else DedupDispatcher(group, G)
+        self.route = NodeStages(self) if self.two_level else DedupDispatcher(group, G, transport)
 
     def dispatch(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, expert_map: ExpertMap,
-                 schedule: Schedule = Schedule(), status: torch.Tensor | None = None) -> tuple[Received, Handle]:
+                 schedule: Schedule = Schedule(), status: torch.Tensor | None = None,
+                 host_status: int = 0) -> tuple[Received, Handle]:
         """Send rows out in two stages (`pause`: inside both exchanges, rail and node, so that
         every exchange's backward joins the two-batch chain)."""
         self.check_schedule(schedule)
         if status is None:
             ids_TK, status = routing_status(weights_TK, ids_TK, expert_map.num_experts)
+        if isinstance(self.route, DedupDispatcher):
+            return self.route.dispatch(x_TH, weights_TK, ids_TK, expert_map, schedule, status, host_status)
         return self.route.dispatch(x_TH, weights_TK, ids_TK, expert_map, schedule, status)
 
     def combine(self, y: torch.Tensor, handle: Handle) -> torch.Tensor:

@@ -39,9 +39,16 @@ SHAPES: dict[str, Shape] = {
     **{name: MODEL_SHAPES[name] for name in ("olmoe", "qwen3", "deepseek", "mixtral")},
     "tiny": Shape("tiny", 64, 32, 16, 4),
 }
-VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2")
+VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@counts", "dedup@counts")
 # the dispatcher each variant runs (dedup+placement: dedup on the solved placement)
-VARIANT_DISPATCHER = {"standard": "standard", "dedup": "dedup", "dedup+placement": "dedup", "dedup2": "dedup2"}
+VARIANT_DISPATCHER = {"standard": "standard", "dedup": "dedup", "dedup+placement": "dedup", "dedup2": "dedup2",
+                      "standard@counts": "standard", "dedup@counts": "dedup"}
+
+
+def variant_transport(variant: str) -> str:
+    """The transport a variant asks for: "@counts" the count exchange, else "auto" (the device
+    transport where the group has it)."""
+    return "counts" if variant.endswith("@counts") else "auto"
 
 
 class PresetRouter(nn.Module):
@@ -218,7 +225,7 @@ def _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets
     layer = OccultMoE(
         MoEConfig(shape.hidden, shape.ffn, shape.experts, shape.top_k, w1_full.dtype), placement=placement,
         execution=ExecConfig(VARIANT_DISPATCHER[variant], overlap_chunks=args.get("chunks", 1),
-                             expert_backend=args["expert_backend"]), device=device,
+                             expert_backend=args["expert_backend"], transport=variant_transport(variant)), device=device,
     )
     with torch.no_grad():
         layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])
@@ -235,17 +242,42 @@ def _time_pieces(layer, router, x_TH, timer, warmup, iters, args):
     with torch.no_grad():
         weights_TK, ids_TK = layer.router(x_TH)
         received, st = layer.dispatcher.dispatch(x_TH, weights_TK, ids_TK, layer.expert_map)
-    x_RH, slots_RK, gates_RK = received.x_RH, received.slots_RK, received.gates_RK.float()
+    n = sum(_splits(st)[1]) if hasattr(st, "plan") else received.x_RH.shape[0]  # the received rows, not the masked tail
+    x_RH, slots_RK, gates_RK = received.x_RH[:n], received.slots_RK[:n], received.gates_RK[:n].float()
     expert_ms = timer(lambda: expert_mlp(x_RH, slots_RK, gates_RK, layer.gate_up_proj.detach(), layer.down_proj.detach(),
                                          backend=args["expert_backend"]), warmup, iters)
     group = layer.dispatcher.group
     a2a_ms = 0.0
     if hasattr(st, "plan"):
-        rows_out = x_TH[st.plan.token_P]
-        y_back = x_RH.clone()
-        a2a_ms = timer(lambda: (all_to_all(rows_out, st.send_splits, st.recv_splits, group),
-                                all_to_all(y_back, st.recv_splits, st.send_splits, group)), warmup, iters)
+        send, recv = _splits(st)
+        rows_out = x_TH[st.plan.token_P[: sum(send)]]
+        y_back = x_RH[: sum(recv)].clone()
+        a2a_ms = timer(lambda: (all_to_all(rows_out, send, recv, group),
+                                all_to_all(y_back, recv, send, group)), warmup, iters)
     return expert_ms, a2a_ms, int((slots_RK >= 0).sum())
+
+
+def _splits(handle) -> tuple[list[int], list[int]]:
+    """(send, receive) rows per rank of a flat dispatch: on the host already (count exchange), or
+    read from the device (device transport)."""
+    if hasattr(handle, "send_splits"):
+        return handle.send_splits, handle.recv_splits
+    return handle.send_counts_D.tolist(), handle.recv_counts_D.tolist()
+
+
+def _host_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float | None:
+    """Median host time of one call of fn started on an idle GPU: how long the host takes to
+    launch it (with any wait for the GPU inside it); None on CPU."""
+    if device.type != "cuda":
+        return None
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return float(statistics.median(times))
 
 
 def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args):
@@ -280,6 +312,7 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
         layer(x).backward(gs[i])
 
     fwd_ms = timer(forward, warmup, iters)
+    host_ms = _host_ms(forward, device, iters)
     step_ms = timer(forward_backward, warmup, iters)
     layer.zero_grad(set_to_none=True)
 
@@ -305,6 +338,8 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
         "expert_tflops": flops / expert_ms / 1e9 if expert_ms > 0 else 0.0,
         "pairs_per_rank": pairs,
         "host_syncs_fwd_bwd": syncs,
+        "host_ms_fwd": host_ms,
+        "transport": layer.dispatcher.transport_name,
     }
 
 

@@ -11,7 +11,11 @@ def format_row(run: dict[str, Any]) -> str:
     return (f"{run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}{run['mean_ct']:>6.2f}"
             f"{run['forward_ms']:>9.2f}{run['fwd_bwd_ms']:>10.2f}{run['floor_ms']:>9.2f}{run['expert_ms']:>9.2f}"
             f"{run['all_to_all_ms']:>9.2f}{run['all_to_all_GBps']:>10.1f}{run['expert_tflops']:>9.1f}{run['rel_error']:>9.1e}"
-            f"{_syncs(run['host_syncs_fwd_bwd']):>6}")
+            f"{_syncs(run['host_syncs_fwd_bwd']):>6}{_ms(run.get('host_ms_fwd')):>8} {run.get('transport', ''):<7}")
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _syncs(n: int | None) -> str:
@@ -19,7 +23,7 @@ def _syncs(n: int | None) -> str:
 
 
 HEADER = (f"{'shape':<9}{'routing':<8}{'tokens':>6} {'variant':<16}{'E[C_T]':>6}{'fwd ms':>9}{'fwd+bwd':>10}{'floor':>9}"
-          f"{'experts':>9}{'a2a ms':>9}{'a2a GB/s':>10}{'TFLOP/s':>9}{'rel err':>9}{'syncs':>6}")
+          f"{'experts':>9}{'a2a ms':>9}{'a2a GB/s':>10}{'TFLOP/s':>9}{'rel err':>9}{'syncs':>6}{'host ms':>8} {'via':<7}")
 
 
 LEGEND = {
@@ -31,6 +35,8 @@ LEGEND = {
     "TFLOP/s": "expert FLOPs / experts time",
     "rel err": "output vs a float32 dense reference (256 tokens)",
     "syncs": "device-to-host synchronisations in one forward+backward (CUDA sync debug mode; n/a on CPU)",
+    "host ms": "the host's time to issue one forward on an idle GPU (its waits for the GPU included; n/a on CPU)",
+    "via": "the transport: device (counts stay on the GPU, no host wait) or counts (the count exchange's host wait)",
 }
 
 

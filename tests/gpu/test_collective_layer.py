@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from occult import DenseMoE, OccultMoE, Placement, RoutingError, two_batch_overlap
+from occult import DenseMoE, OccultMoE, Placement, RoutingError, check_routing, two_batch_overlap
 
 # Relative error bounds against the fp32 reference. fp32: exact ("ieee") products in the Triton
 # kernels; bf16/fp16: the inputs, weights and every intermediate are rounded (8 and 11 bits).
@@ -84,7 +84,7 @@ def _placement(kind: str, num_experts: int, world_size: int, seed: int) -> Place
 
 def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=None, top_k=4,
              tokens=None, max_devices=None, router_weights_dtype=None, norm=False, sync_free=False, chunks=1, salt=0,
-             two_batch=False) -> dict:
+             two_batch=False, transport="auto") -> dict:
     """One layer forward+backward on every rank; the worst relative errors over all ranks."""
     D, rank, dev = ranks.world_size, ranks.rank, ranks.device
     E = experts or 8 * D
@@ -99,7 +99,7 @@ def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=No
         for p32, p in zip(dense32.parameters(), low.parameters()):
             p32.copy_(p.float())
     layer = OccultMoE.from_dense(low, placement=_placement(placement, E, D, seed), dispatcher=dispatcher,
-                                 max_devices=max_devices, sync_free=sync_free, overlap_chunks=chunks)
+                                 max_devices=max_devices, sync_free=sync_free, overlap_chunks=chunks, transport=transport)
     layer.router = RecordingRouter(layer.router, router_weights_dtype)
 
     counts = tokens if tokens is not None else [384 + 61 * r for r in range(D)]
@@ -148,13 +148,15 @@ def _assert_within(errors: dict, tol: float, where: str) -> None:
     assert max(worst.values()) <= tol, (where, f"tolerance {tol:g}", worst)
 
 
+@pytest.mark.parametrize("transport", ["auto", "counts"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("placement", ["contiguous", "random"])
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
-def test_layer_matches_fp32_reference(ranks, dispatcher, placement, dtype_name):
+def test_layer_matches_fp32_reference(ranks, dispatcher, placement, dtype_name, transport):
+    """Both transports (auto: the device transport over NCCL with NVSHMEM, else the count exchange)."""
     dtype = DTYPES[dtype_name]
-    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, placement=placement, salt=1)
-    _assert_within(errors, TOL[dtype], f"{dispatcher}/{placement}/{dtype_name} seed {ranks.seed}")
+    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, placement=placement, salt=1, transport=transport)
+    _assert_within(errors, TOL[dtype], f"{dispatcher}/{placement}/{dtype_name}/{transport} seed {ranks.seed}")
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -174,10 +176,11 @@ def test_router_returning_half_precision_weights(ranks, dispatcher, dtype_name):
     _assert_within(errors, TOL[dtype], f"half-precision router weights, {dispatcher}/{dtype_name}")
 
 
+@pytest.mark.parametrize("transport", ["auto", "counts"])
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
-def test_rank_with_no_tokens(ranks, dispatcher):
+def test_rank_with_no_tokens(ranks, dispatcher, transport):
     tokens = [0 if r == 1 else 300 + 17 * r for r in range(ranks.world_size)]
-    errors = run_case(ranks, dtype=torch.bfloat16, dispatcher=dispatcher, tokens=tokens, salt=4)
+    errors = run_case(ranks, dtype=torch.bfloat16, dispatcher=dispatcher, tokens=tokens, salt=4, transport=transport)
     _assert_within(errors, TOL[torch.bfloat16], f"rank 1 without tokens, {dispatcher}")
 
 
@@ -259,25 +262,30 @@ def test_sync_free_forward_replays_in_a_cuda_graph(ranks, dispatcher):
     assert ranks.all_max(worst) < 1e-2, worst
 
 
-def test_nan_input_raises_on_every_rank_and_the_group_survives(ranks):
-    """NaN activations on one rank: every rank raises the same clear error, then works on."""
+@pytest.mark.parametrize("transport", ["auto", "counts"])
+def test_nan_input_raises_on_every_rank_and_the_group_survives(ranks, transport):
+    """NaN activations on one rank: every rank raises the same clear error, then works on. The
+    count exchange raises in the call; the device transport (no host wait) at the latest in
+    `check_routing()` (a converted model calls it after every forward), on every rank."""
     torch.manual_seed(ranks.seed + 6)
     dense = DenseMoE(HIDDEN, FFN, 8 * ranks.world_size, 4, dtype=torch.bfloat16, device=ranks.device)
-    layer = OccultMoE.from_dense(dense)
+    layer = OccultMoE.from_dense(dense, transport=transport)
     x = torch.randn(64, HIDDEN, dtype=torch.bfloat16, device=ranks.device)
     bad = x.clone()
     if ranks.rank == ranks.world_size - 1:
         bad[3, 5] = float("nan")
     with pytest.raises(RoutingError, match=f"rank {ranks.world_size - 1}: router produced NaN"):
         layer(bad)
+        check_routing()
     y = layer(x)  # the same group still works after the error
     assert torch.isfinite(y).all()
 
 
-def test_wrong_hidden_size_raises_on_every_rank(ranks):
+@pytest.mark.parametrize("transport", ["auto", "counts"])
+def test_wrong_hidden_size_raises_on_every_rank(ranks, transport):
     torch.manual_seed(ranks.seed + 7)
     dense = DenseMoE(HIDDEN, FFN, 8 * ranks.world_size, 4, dtype=torch.bfloat16, device=ranks.device)
-    layer = OccultMoE.from_dense(dense)
+    layer = OccultMoE.from_dense(dense, transport=transport)
     width = HIDDEN + 1 if ranks.rank == 0 else HIDDEN
     x = torch.randn(32, width, dtype=torch.bfloat16, device=ranks.device)
     if ranks.rank == 0:
@@ -288,3 +296,38 @@ def test_wrong_hidden_size_raises_on_every_rank(ranks):
             layer(x)
     y = layer(torch.randn(32, HIDDEN, dtype=torch.bfloat16, device=ranks.device))
     assert torch.isfinite(y).all()
+
+
+def test_device_transport_has_no_host_wait(ranks):
+    """Over NCCL with NVSHMEM the default transport is the device one: a forward and backward
+    with no device-to-host synchronisation (CUDA's sync debug mode raises on any), also when the
+    buffers grow and the ranks' token counts differ; the same result as the count exchange."""
+    if ranks.device.type != "cuda" or ranks.backend != "nccl":
+        pytest.skip("the device transport needs GPUs with NCCL")
+    torch.manual_seed(ranks.seed + 13)
+    E = 8 * ranks.world_size
+    dense = DenseMoE(HIDDEN, FFN, E, 4, dtype=torch.bfloat16, device=ranks.device)
+    device = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed))
+    counts = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed),
+                                  transport="counts")
+    assert "transport=device" in repr(device) and "transport=counts" in repr(counts), repr(device)
+    worst = 0.0
+    for tokens in (64 + 9 * ranks.rank, 3000 + 77 * ranks.rank):  # the second call grows the buffers
+        x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=ranks.device).requires_grad_()
+        device(x).float().sum().backward()  # warm: kernels compile, buffers are allocated
+        torch.cuda.synchronize()
+        x.grad = None
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = device(x)
+            y.float().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        x2 = x.detach().clone().requires_grad_()
+        y2 = counts(x2)
+        y2.float().sum().backward()
+        worst = max(worst, _rel(y, y2), _rel(x.grad, x2.grad))
+        assert device.last_comm_stats.forward_rows == counts.last_comm_stats.forward_rows
+        assert device.last_comm_stats.backward_rows == counts.last_comm_stats.backward_rows
+    check_routing()
+    assert ranks.all_max(worst) < 1e-2, worst

@@ -237,6 +237,12 @@ def bad_input_worker(rank: int, world_size: int, seed: int, chunks: int = 1) -> 
         out["hidden"] = "no error"
     except ValueError as exc:
         out["hidden"] = str(exc)
+    x = torch.randn(6, 8, dtype=torch.float64 if rank == 0 else torch.float32)
+    try:
+        layer(x)
+        out["dtype"] = "no error"
+    except ValueError as exc:
+        out["dtype"] = str(exc)
     # The layer still works after the errors.
     y = layer(torch.randn(5, 8, dtype=torch.float64))
     out["after"] = str(tuple(y.shape))
@@ -256,6 +262,10 @@ def test_bad_input_raises_clear_errors_on_every_rank(chunks):
             assert "hidden size 7" in out["hidden"], out["hidden"]
         else:
             assert "rank 1" in out["hidden"] and "hidden size" in out["hidden"], out["hidden"]
+        if rank == 1:  # the rank with the wrong dtype names both; the other names the rank
+            assert "dtype torch.float32" in out["dtype"] and "torch.float64" in out["dtype"], out["dtype"]
+        else:
+            assert "rank 1" in out["dtype"] and "dtype does not match" in out["dtype"], out["dtype"]
         assert out["after"] == "(5, 8)"
 
 

@@ -15,9 +15,8 @@ import random
 import pytest
 import torch
 
-import occult.moe.local as local
 from occult import DenseMoE, OccultMoE, RoutingError, check_routing
-from occult.moe import counts, dispatch
+from occult.moe import counts, dispatch, status
 
 
 def _no_host_wait(*args, **kwargs):
@@ -82,9 +81,9 @@ class _OutOfRange(torch.nn.Module):
 
 def test_deferred_statuses_are_read_by_check_routing(monkeypatch):
     """The bookkeeping of the CUDA path, with host tensors standing in for the pinned copies."""
-    monkeypatch.setattr(local, "_PENDING", [])
-    local._PENDING.extend([(torch.tensor([0]), None), (torch.tensor([counts.STATUS_WRONG_HIDDEN - 2]), None)])
+    monkeypatch.setattr(status, "_PENDING", [])
+    status._PENDING.extend([(torch.tensor([0]), None), (torch.tensor([counts.STATUS_WRONG_HIDDEN - 2]), None)])
     with pytest.raises(RoutingError, match="NaN"):
         check_routing()
-    assert local._PENDING == []  # read once: the next check has nothing left
+    assert status._PENDING == []  # read once: the next check has nothing left
     check_routing()

@@ -20,7 +20,7 @@ from occult.integrations.hf.families import (
 )
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, merge_settings
 from occult.moe.layer import OccultMoE
-from occult.moe.local import check_routing
+from occult.moe.status import check_routing
 from occult.placement import Placement
 
 

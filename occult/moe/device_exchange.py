@@ -1,0 +1,258 @@
+"""Dispatch and combine over the device transport (`occult.moe.symm`): a layer call with no host wait.
+
+The same plans as the count-exchange path (`occult.moe.dispatch`), kept at their capacity size
+with their row counts on the device. One call:
+
+  1. `agree`: the largest token count of any rank, and every rank's input status known on the host
+     (wrong hidden size or dtype; and routing statuses of earlier calls the GPU has reached), over
+     a host-only gloo exchange: bad input raises `RoutingError` on every rank at once;
+  2. this call's routing status (ids out of range, NaN/inf gates) all-reduced on the device and
+     queued (`occult.moe.status`): raised on every rank by a later call or `check_routing()`;
+  3. rows, their gate weights and local expert slots written side by side into one buffer row
+     (`RowLayout`) and sent by one `all_to_all_vdev`; received rows past the total are masked
+     (slot -1, gate 0), so the experts skip them;
+  4. combine: one row back per received row, by a second all-to-all; each token's rows summed.
+
+Backward mirrors both all-to-alls with the same device counts. `CommStats` are filled from the
+device counts when first read (`DeviceCommStats`): reading them is a host sync, at the reader's choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from occult.moe import status as pending
+from occult.moe.comm import CommStats, count_sent
+from occult.moe.contract import Handle, Received
+from occult.moe.counts import raise_on_bad_status
+from occult.moe.gather import gather_gate_weights, gather_rows, sum_rows
+from occult.moe.plan import DispatchPlan
+from occult.moe.symm import DeviceTransport, row_bytes, token_bucket
+
+_FIELDS = tuple(f.name for f in fields(CommStats))
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """One dispatched row in bytes: the activation, then K gates (fp32, fp64 for fp64 gates) and K
+    slots (int32); a returned row holds the activation only. Both padded (`symm.row_bytes`)."""
+
+    hidden: int
+    dtype: torch.dtype
+    top_k: int
+    gates_dtype: torch.dtype
+
+    @property
+    def carrier(self) -> torch.dtype:
+        return torch.float64 if self.gates_dtype == torch.float64 else torch.float32
+
+    @property
+    def x_bytes(self) -> int:
+        return -(-self.hidden * torch.finfo(self.dtype).bits // 8 // 16) * 16
+
+    @property
+    def gate_bytes(self) -> int:
+        return self.top_k * torch.finfo(self.carrier).bits // 8
+
+    @property
+    def width(self) -> int:
+        return row_bytes(self.x_bytes + self.gate_bytes + 4 * self.top_k)
+
+    @property
+    def back_width(self) -> int:
+        return row_bytes(self.hidden * torch.finfo(self.dtype).bits // 8)
+
+    def write(self, buf_NW: torch.Tensor, x_NH: torch.Tensor, gates_NK: torch.Tensor | None = None,
+              slots_NK: torch.Tensor | None = None) -> None:
+        """Write rows (and their gates, slots) into the first rows of a byte buffer."""
+        n = x_NH.shape[0]
+        buf_NW[:n].view(self.dtype)[:, : self.hidden].copy_(x_NH)
+        if gates_NK is not None:
+            g0, s0 = self.x_bytes, self.x_bytes + self.gate_bytes
+            buf_NW[:n, g0:s0].view(self.carrier).copy_(gates_NK)
+            if slots_NK is not None:
+                buf_NW[:n, s0 : s0 + 4 * self.top_k].view(torch.int32).copy_(slots_NK)
+
+    def read_x(self, buf_NW: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n rows' activations, copied out of the buffer (it is reused by the next all-to-all)."""
+        return buf_NW[:n].view(self.dtype)[:, : self.hidden].contiguous()
+
+    def read_gates(self, buf_NW: torch.Tensor, n: int) -> torch.Tensor:
+        return buf_NW[:n, self.x_bytes : self.x_bytes + self.gate_bytes].view(self.carrier).to(self.gates_dtype)
+
+    def read_slots(self, buf_NW: torch.Tensor, n: int) -> torch.Tensor:
+        s0 = self.x_bytes + self.gate_bytes
+        return buf_NW[:n, s0 : s0 + 4 * self.top_k].view(torch.int32).to(torch.int64)
+
+
+class DeviceCommStats(CommStats):
+    """`CommStats` whose row counts are still on the device; filled (one host sync) at the first read."""
+
+    def __init__(self, rank: int, levels: list[int] | None) -> None:
+        super().__init__()
+        object.__setattr__(self, "_pending", [])
+        object.__setattr__(self, "_where", (rank, levels))
+
+    def add(self, counts_D: torch.Tensor, row_bytes: int, meta_bytes_per_row: int, backward: bool,
+            end: str | None = None) -> None:
+        """Count rows sent to each rank (`counts_D`, device) later; `end`: also set `dispatch_rows`
+        ("dispatch") or `combine_rows` ("combine") to the total."""
+        object.__getattribute__(self, "_pending").append((counts_D, row_bytes, meta_bytes_per_row, backward, end))
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _FIELDS and object.__getattribute__(self, "_pending"):
+            object.__getattribute__(self, "_resolve")()
+        return object.__getattribute__(self, name)
+
+    def _resolve(self) -> None:
+        rank, levels = object.__getattribute__(self, "_where")
+        queued = object.__getattribute__(self, "_pending")
+        object.__setattr__(self, "_pending", [])
+        for counts_D, width, meta, backward, end in queued:
+            splits = [int(v) for v in counts_D.tolist()]
+            count_sent(self, splits, rank, levels, width, meta * sum(splits), backward)
+            if end is not None:
+                setattr(self, f"{end}_rows", sum(splits))
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+@dataclass
+class DeviceHandle(Handle):
+    """One call's state: the plan, the device counts each way, the layout and the transport."""
+
+    transport: DeviceTransport
+    layout: RowLayout
+    plan: DispatchPlan
+    send_counts_D: torch.Tensor
+    num_recv: int  # rows of the received buffer handed to the experts (a bound; the rest masked)
+    stats: CommStats = field(default_factory=CommStats)
+    recv_counts_D: torch.Tensor | None = None
+
+    def exchange(self, width: int, counts_D: torch.Tensor, write) -> torch.Tensor:
+        """One all-to-all: `write(buffer)` fills the send rows; returns the received byte rows."""
+        transport = self.transport
+        slot = transport.next_slot()
+        write(transport.send_view(slot, width))
+        recv, recv_counts_D = transport.all_to_all(slot, width, counts_D)
+        if self.recv_counts_D is None:
+            self.recv_counts_D = recv_counts_D
+        return recv
+
+    def dispatch_rows(self, rows_PH, gates_PK, slots_PK):
+        """Rows out with gates and slots; (x_RH, gates_RK, slots_RK) received, the tail masked."""
+        L = self.layout
+        recv = self.exchange(L.width, self.send_counts_D, lambda buf: L.write(buf, rows_PH, gates_PK.to(L.carrier),
+                                                                              slots_PK.to(torch.int32)))
+        valid_R1 = (torch.arange(self.num_recv, device=recv.device) < self.recv_counts_D.sum())[:, None]
+        x_RH = L.read_x(recv, self.num_recv)
+        gates_RK = torch.where(valid_R1, L.read_gates(recv, self.num_recv), 0)
+        slots_RK = torch.where(valid_R1, L.read_slots(recv, self.num_recv), -1)
+        self.stats.add(self.send_counts_D, x_RH.shape[1] * x_RH.element_size(), L.gate_bytes + 4 * L.top_k, False,
+                       "dispatch")
+        return x_RH, gates_RK, slots_RK
+
+    def dispatch_grads(self, grad_x_RH, grad_gates_RK):
+        """The gradients of the received rows and gates back to their sources (send layout)."""
+        L, n = self.layout, self.plan.num_rows
+        recv = self.exchange(L.width, self.recv_counts_D, lambda buf: L.write(buf, grad_x_RH, grad_gates_RK.to(L.carrier)))
+        self.stats.add(self.recv_counts_D, grad_x_RH.shape[1] * grad_x_RH.element_size(), L.gate_bytes, True)
+        return L.read_x(recv, n), L.read_gates(recv, n)
+
+    def return_rows(self, y_RH: torch.Tensor, counts_D: torch.Tensor, num_out: int, backward: bool) -> torch.Tensor:
+        """Rows back along `counts_D` (combine forward, or the combine's gradient); the first num_out
+        received rows (a view of the buffer in forward, consumed at once; a copy in backward)."""
+        L = self.layout
+        recv = self.exchange(L.back_width, counts_D, lambda buf: L.write(buf, y_RH))
+        self.stats.add(counts_D, y_RH.shape[1] * y_RH.element_size(), 0, backward, None if backward else "combine")
+        out = recv[:num_out].view(L.dtype)[:, : L.hidden]
+        return out.contiguous() if backward else out
+
+
+class _DeviceDispatch(torch.autograd.Function):
+    """Rows, gates and slots out by the device transport; backward sends the row and gate gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows_PH, gates_PK, slots_PK, handle):
+        ctx.handle = handle
+        x_RH, gates_RK, slots_RK = handle.dispatch_rows(rows_PH, gates_PK, slots_PK)
+        ctx.mark_non_differentiable(slots_RK)
+        return x_RH, gates_RK, slots_RK
+
+    @staticmethod
+    def backward(ctx, grad_x_RH, grad_gates_RK, _grad_slots):
+        handle = ctx.handle
+        if grad_x_RH is None:
+            grad_x_RH = torch.zeros((handle.num_recv, handle.layout.hidden), dtype=handle.layout.dtype,
+                                    device=handle.send_counts_D.device)
+        if grad_gates_RK is None:
+            grad_gates_RK = grad_x_RH.new_zeros((grad_x_RH.shape[0], handle.layout.top_k), dtype=torch.float32)
+        grad_rows_PH, grad_gates_PK = handle.dispatch_grads(grad_x_RH, grad_gates_RK)
+        return grad_rows_PH, grad_gates_PK, None, None
+
+
+class _DeviceCombine(torch.autograd.Function):
+    """One row back per received row; backward sends each row's gradient out again."""
+
+    @staticmethod
+    def forward(ctx, y_RH, handle):
+        ctx.handle = handle
+        return handle.return_rows(y_RH, handle.recv_counts_D, handle.plan.num_rows, backward=False)
+
+    @staticmethod
+    def backward(ctx, grad_y_PH):
+        handle = ctx.handle
+        return handle.return_rows(grad_y_PH, handle.send_counts_D, handle.num_recv, backward=True), None
+
+
+def agree_and_check(transport: DeviceTransport, num_tokens: int, host_status: int) -> int:
+    """The largest token count of any rank; raises `RoutingError` on every rank when any rank
+    reports bad input (now, or a routing status of an earlier call the GPU has reached)."""
+    statuses = pending.take_ready(transport.num_ranks)
+    statuses[transport.rank] = max(statuses[transport.rank], host_status)
+    max_tokens, statuses = transport.agree(num_tokens, statuses)
+    if any(statuses):
+        pending.clear()
+        raise_on_bad_status(statuses)
+    return max_tokens
+
+
+def queue_status(transport: DeviceTransport, status: torch.Tensor) -> None:
+    """This call's routing status, one entry per rank, all-reduced on the device and queued for a later read."""
+    D, r = transport.num_ranks, transport.rank
+    status_D = F.pad(status.to(torch.int64).reshape(1), (r, D - r - 1))
+    dist.all_reduce(status_D, op=dist.ReduceOp.MAX, group=transport.group)
+    pending.queue(status_D)
+
+
+def dispatch_device(dispatcher: Any, x_TH: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan,
+                    status: torch.Tensor, host_status: int, schedule: Any,
+                    experts_per_device: int) -> tuple[Received, DeviceHandle]:
+    """The flat dispatch over the device transport (module docstring); `plan` at capacity size."""
+    transport: DeviceTransport = dispatcher.transport
+    D, top_k = transport.num_ranks, weights_TK.shape[1]
+    max_tokens = agree_and_check(transport, x_TH.shape[0], host_status)
+    queue_status(transport, status)
+    schedule.run_while_waiting()
+    per_rank, per_token = dispatcher.rows_per_token(top_k, D, experts_per_device)
+    layout = RowLayout(x_TH.shape[1], x_TH.dtype, plan.slot_PK.shape[1], weights_TK.dtype)
+    bucket = token_bucket(max_tokens)
+    transport.reserve(max(D * per_rank, per_token) * bucket * layout.width)
+    stats = DeviceCommStats(dispatcher.rank, dispatcher.peer_level)
+    handle = DeviceHandle(transport, layout, plan, plan.send_counts_D, D * per_rank * max_tokens, stats)
+    rows_PH = gather_rows(x_TH, plan.token_P, plan.row_TJ)
+    gates_PK = gather_gate_weights(weights_TK, plan.entry_PK)
+    x_RH, gates_RK, slots_RK = _DeviceDispatch.apply(rows_PH, gates_PK, plan.slot_PK, handle)
+    return Received(x_RH, slots_RK, gates_RK), handle
+
+
+def combine_device(y_RH: torch.Tensor, handle: DeviceHandle) -> torch.Tensor:
+    """Each received row's result back to its source; y_TH with each token's rows summed."""
+    y_PH = _DeviceCombine.apply(y_RH, handle)
+    return sum_rows(y_PH, handle.plan.token_P, handle.plan.row_TJ)

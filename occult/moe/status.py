@@ -1,0 +1,77 @@
+"""Routing statuses read later, not waited for: the queue behind `check_routing`.
+
+A layer whose dispatch does not wait for the GPU (the one-rank schedule, `occult.moe.local`, and
+the device transport, `occult.moe.device_exchange`) cannot read its routing status (ids out of
+range, NaN/inf gates; `occult.moe.counts.routing_status`) when it is made. It is copied to pinned
+host memory as the GPU reaches it and queued here; `check_routing()` waits for and reads every
+queued status, `take_ready()` reads only those the GPU has already reached. A status is a vector
+with one entry per rank of the layer's group (one entry on one rank), so the error names the rank
+whose input was bad. Under CUDA-graph capture and torch.compile nothing is queued or read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from occult.moe.counts import raise_on_bad_status
+
+_PENDING: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # statuses on their way to the host
+
+
+def capturing() -> bool:
+    """Inside CUDA-graph capture or torch.compile tracing: nothing can be read to the host."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def clear() -> None:
+    """Drop every queued status (after an error was raised for them)."""
+    _PENDING.clear()
+
+
+def check_routing() -> None:
+    """Read every pending routing status and raise `RoutingError` if one was bad.
+
+    Waits only for the GPU to reach those statuses (each recorded right after its routing)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return  # no waiting inside a capture: read after it
+    pending = list(_PENDING)
+    _PENDING.clear()
+    for host, ready in pending:
+        if ready is not None:
+            ready.synchronize()
+        raise_on_bad_status([int(v) for v in host.tolist()])
+
+
+def queue(status_D: torch.Tensor) -> None:
+    """Queue a device status vector for `check_routing` / `take_ready` (a CPU one is read at once)."""
+    if not status_D.is_cuda:
+        raise_on_bad_status([int(v) for v in status_D.reshape(-1).tolist()])
+        return
+    if capturing():
+        return
+    host = torch.empty(status_D.numel(), dtype=torch.int64, pin_memory=True)
+    host.copy_(status_D.reshape(-1), non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    _PENDING.append((host, ready))
+
+
+def take_ready(num_ranks: int, max_pending: int = 8) -> list[int]:
+    """The element-wise maximum of the queued statuses the GPU has reached (zeros: none bad),
+    removing them; waits for the oldest ones only while more than `max_pending` are queued."""
+    seen = [0] * num_ranks
+    while _PENDING:
+        host, ready = _PENDING[0]
+        if ready is not None and not ready.query():
+            if len(_PENDING) <= max_pending:
+                break
+            ready.synchronize()
+        _PENDING.pop(0)
+        values = host.tolist()
+        if len(values) == num_ranks:
+            seen = [max(a, int(b)) for a, b in zip(seen, values)]
+        elif any(values):  # a one-rank status: this rank's own
+            seen = [max(s, int(max(values))) for s in seen]
+    return seen

@@ -1,0 +1,126 @@
+"""Where an expert-parallel MoE layer call's time goes on 2+ GPUs: host time, GPU busy, host ops.
+
+Run under torchrun, one rank per GPU. For each transport (the device transport and the count
+exchange) and token count, rank 0 prints: the wall time of a forward (GPU-bound or host-bound),
+the host's time to issue it on an idle GPU, the GPU busy time (union of kernel intervals) per
+forward, and the host ops that cost the most CPU time (torch.profiler's self CPU time), so the
+host share of a layer call can be read off directly. JSON with every row to --out.
+
+    torchrun --nproc-per-node 2 scripts/profile_ep_layer.py --tokens 512,8192 --out prof.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from occult.distributed import finish_distributed, init_distributed
+from occult.moe.layer import OccultMoE
+from occult.placement.cost import SHAPES
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (us)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total, end = total + e - s, e
+        elif e > end:
+            total, end = total + e - end, e
+    return total
+
+
+def host_ms(fn, iters: int) -> float:
+    """Median host time of one call issued on an idle GPU."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def wall_ms(fn, iters: int) -> float:
+    """Back-to-back calls: the time per call once the host and GPU are both busy."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def profile_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        def fn():
+            layer(x)
+
+        for _ in range(3):
+            fn()
+        row = {"host_ms": host_ms(fn, iters), "wall_ms": wall_ms(fn, iters)}
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    row["gpu_busy_ms"] = union_us(kernels) / 1e3 / iters
+    ops = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
+    row["top_host_ops"] = [(a.key, round(a.self_cpu_time_total / 1e3 / iters, 3), a.count // iters) for a in ops]
+    gpu = sorted(prof.key_averages(), key=lambda a: getattr(a, "self_device_time_total", 0), reverse=True)[:8]
+    row["top_kernels"] = [(a.key[:90], round(getattr(a, "self_device_time_total", 0) / 1e3 / iters, 3), a.count // iters)
+                          for a in gpu]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", default="512,8192", help="comma list of tokens per rank (default 512,8192)")
+    parser.add_argument("--transports", default="device,counts", help="comma list of device, counts (default both)")
+    parser.add_argument("--dispatcher", default="dedup", help="standard or dedup (default dedup)")
+    parser.add_argument("--iters", type=int, default=20, help="calls per measurement (default 20)")
+    parser.add_argument("--out", default=None, help="JSON file for every row (default: none)")
+    args = parser.parse_args()
+    rank, world = init_distributed()
+    shape = SHAPES[args.shape]
+    rows = []
+    ok = False
+    try:
+        for transport in args.transports.split(","):
+            torch.manual_seed(0)
+            layer = OccultMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, dtype=torch.bfloat16,
+                              dispatcher=args.dispatcher, transport=transport, device="cuda")
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device="cuda")
+                row = {"transport": layer.dispatcher.transport_name, "tokens": tokens, **profile_row(layer, x, args.iters)}
+                rows.append(row)
+                if rank == 0:
+                    print(f"{row['transport']:<7}{tokens:>6}  wall {row['wall_ms']:.2f} ms  host {row['host_ms']:.2f} ms  "
+                          f"gpu busy {row['gpu_busy_ms']:.2f} ms", flush=True)
+                    for key, ms, count in row["top_host_ops"]:
+                        print(f"      host {ms:8.3f} ms  x{count:<4} {key}", flush=True)
+                    for key, ms, count in row["top_kernels"]:
+                        print(f"      gpu  {ms:8.3f} ms  x{count:<4} {key}", flush=True)
+        if rank == 0 and args.out:
+            with open(args.out, "w") as f:
+                json.dump({"world": world, "shape": args.shape, "device": torch.cuda.get_device_name(0), "rows": rows}, f,
+                          indent=1)
+        ok = True
+    finally:
+        finish_distributed(ok)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The device transport's data flow on CPU gloo ranks (`occult.moe.device_exchange`).
+
+`all_to_all_vdev` needs GPUs with NVSHMEM (the GPU suite runs the real one); here a stand-in
+transport moves the same byte rows with gloo, so everything else is checked on the CPU: the
+row layout (activations, gates and slots side by side), the masking of the received tail, the
+capacity agreement between ranks with different token counts, backward through both all-to-alls,
+the statuses raised on every rank, and the counts read lazily into `CommStats`. Outputs and
+gradients must equal the count-exchange path's and the single-process `DenseMoE`'s.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from occult import DenseMoE, OccultMoE, Placement, RoutingError
+from occult.distributed import run_ranks
+from occult.moe import symm
+
+
+class GlooTransport(symm.DeviceTransport):
+    """`DeviceTransport` with plain buffers and gloo's `all_to_all_single` (the counts read on the host)."""
+
+    def __init__(self, group) -> None:  # noqa: D107 (no symmetric memory here)
+        self.group, self.group_name = group, "stand-in"
+        self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.host_group = group
+        self.capacity_bytes, self._slots, self._turn = 0, [], 0
+        self.grown = 0
+
+    def reserve(self, num_bytes: int) -> None:
+        if num_bytes > self.capacity_bytes:
+            self.grown += 1
+            self.capacity_bytes = num_bytes
+            self._slots = [symm._Slot(torch.empty(num_bytes, dtype=torch.uint8), torch.full((num_bytes,), 255, dtype=torch.uint8),
+                                      torch.empty(self.num_ranks, dtype=torch.int64),
+                                      torch.empty((2, self.num_ranks), dtype=torch.int64)) for _ in range(2)]
+
+    def all_to_all(self, slot, width, counts_D):
+        send = [int(v) for v in counts_D.tolist()]
+        recv_counts = torch.empty_like(counts_D)
+        dist.all_to_all_single(recv_counts, counts_D.clone(), group=self.group)
+        recv = [int(v) for v in recv_counts.tolist()]
+        rows = self.capacity_bytes // width
+        out = slot.recv[: rows * width].view(rows, width)
+        src = self.send_view(slot, width)[: sum(send)].contiguous()
+        got = torch.empty((sum(recv), width), dtype=torch.uint8)
+        dist.all_to_all_single(got, src, recv, send, group=self.group)
+        out[: sum(recv)] = got
+        return out, recv_counts
+
+
+def _layers(dense: DenseMoE, placement: Placement, dispatcher: str):
+    device = OccultMoE.from_dense(dense, placement, dispatcher=dispatcher)
+    device.dispatcher.transport = GlooTransport(device.dispatcher.group)
+    counts = OccultMoE.from_dense(dense, placement, dispatcher=dispatcher, transport="counts")
+    return device, counts
+
+
+def exactness_worker(rank: int, world: int, seed: int, dispatcher: str, dtype_name: str) -> dict:
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(seed)
+    E, H, k = 8, 16, 3
+    dense = DenseMoE(H, 8, E, k, dtype=dtype)
+    placement = Placement(torch.randperm(E).remainder(world).numpy()[None], world)
+    device, counts = _layers(dense, placement, dispatcher)
+    assert device.dispatcher.transport_name == "device" and counts.dispatcher.transport_name == "counts"
+    out = {"worst": 0.0}
+    for call, tokens in enumerate(([5, 0], [3, 40], [300, 1])):  # uneven, an empty rank, then growth
+        x = torch.randn(tokens[rank], H, dtype=dtype, generator=torch.Generator().manual_seed(seed + 10 * call + rank))
+        g = torch.randn_like(x)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        ys = [layer(xi) for layer, xi in zip((device, counts), xs)]
+        for y in ys:
+            (y * g).sum().backward()
+        ref = DenseMoE(H, 8, E, k, dtype=dtype)
+        ref.load_state_dict(dense.state_dict())
+        x_ref = x.clone().requires_grad_()
+        y_ref = ref(x_ref)
+        pairs = [(ys[0], ys[1]), (xs[0].grad, xs[1].grad), (ys[0], y_ref)]
+        out["worst"] = max([out["worst"]] + [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in pairs])
+        for name in ("forward_rows", "backward_rows", "forward_bytes", "dispatch_rows", "combine_rows"):
+            assert getattr(device.last_comm_stats, name) == getattr(counts.last_comm_stats, name), name
+    for p_dev, p_cnt in zip(device.parameters(), counts.parameters()):
+        out["worst"] = max(out["worst"], float((p_dev.grad - p_cnt.grad).abs().max()))
+    out["grown"] = device.dispatcher.transport.grown
+    return out
+
+
+@pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_device_path_equals_count_exchange_and_reference(dispatcher, dtype_name):
+    results = run_ranks(exactness_worker, 2, random.randrange(2**31), dispatcher, dtype_name, timeout_s=120)
+    tol = 1e-12 if dtype_name == "float64" else 1e-5
+    for out in results:
+        assert out["worst"] < tol, out
+        assert out["grown"] == 2  # 256-token bucket, then 512 for the 300-token call
+
+
+def bad_input_worker(rank: int, world: int, seed: int) -> dict:
+    torch.manual_seed(seed)
+    dense = DenseMoE(8, 4, 4, 2, dtype=torch.float64)
+    device, _ = _layers(dense, Placement.contiguous(4, world), "dedup")
+    out = {}
+    x = torch.randn(6, 8, dtype=torch.float64)
+    if rank == 1:
+        x[2, 3] = float("nan")
+    for name, inp in (("nan", x), ("hidden", torch.randn(6, 8 if rank == 0 else 7, dtype=torch.float64))):
+        try:
+            device(inp)
+            out[name] = "no error"
+        except (RoutingError, ValueError) as exc:
+            out[name] = str(exc)
+    out["after"] = tuple(device(torch.randn(5, 8, dtype=torch.float64)).shape)
+    return out
+
+
+def test_device_path_reports_bad_input_on_every_rank():
+    results = run_ranks(bad_input_worker, 2, random.randrange(2**31), timeout_s=120)
+    for rank, out in enumerate(results):
+        assert "rank 1: router produced NaN" in out["nan"], out
+        assert ("hidden size 7" if rank == 1 else "rank 1: input hidden size") in out["hidden"], out
+        assert out["after"] == (5, 8)
+
+
+def test_row_layout_pads_rows_to_whole_blocks():
+    from occult.moe.device_exchange import RowLayout
+
+    for hidden, dtype, k in ((7, torch.bfloat16, 1), (2048, torch.bfloat16, 8), (5, torch.float64, 3)):
+        layout = RowLayout(hidden, dtype, k, dtype)
+        assert layout.width % symm.ROW_ALIGN == 0 and layout.back_width % symm.ROW_ALIGN == 0
+        assert layout.width >= layout.x_bytes + layout.gate_bytes + 4 * k
+        buf = torch.zeros((3, layout.width), dtype=torch.uint8)
+        x, g, s = torch.randn(3, hidden).to(dtype), torch.rand(3, k).to(layout.carrier), torch.randint(-1, 9, (3, k))
+        layout.write(buf, x, g, s.to(torch.int32))
+        assert torch.equal(layout.read_x(buf, 3), x)
+        assert torch.equal(layout.read_gates(buf, 3), g.to(dtype)) and torch.equal(layout.read_slots(buf, 3), s)
+    assert symm.token_bucket(0) == symm.token_bucket(256) == 256 and symm.token_bucket(257) == 512
