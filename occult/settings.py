@@ -39,7 +39,7 @@ class Settings:
     scatter: str = "deterministic"  # OCCULT_SCATTER: the kernels' row combine, or fp32 atomics ("atomic")
     plan: str = "auto"  # OCCULT_PLAN: dispatch plans by Triton on CUDA ("auto") or torch ops ("torch")
     cache: Path | None = None  # OCCULT_CACHE: where downloaded corpora are kept (None: the XDG cache)
-    debug: bool = False  # OCCULT_DEBUG: the command line shows tracebacks instead of one-line errors
+    debug: bool = False  # OCCULT_DEBUG: the command line adds the traceback to a one-line error
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton runs kernels in its CPU interpreter
 
     @classmethod

@@ -24,7 +24,7 @@ a rank crashed); 2 bad input or usage: argparse errors (a negative size, an unkn
 `occult: error: <message>` on stderr for missing or corrupt files, mismatched shapes, impossible
 device counts, outputs that cannot be written (a directory, a read-only file or directory: the
 message names the user's path, never a temporary file); 130 interrupted. Set OCCULT_DEBUG=1 to
-get the traceback instead. Progress bars go to stderr, and only when it is a terminal.
+get the traceback too (the exit status stays the same). Progress bars go to stderr, and only when it is a terminal.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 import warnings
 from typing import Any, Sequence
 
@@ -50,6 +51,11 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
 
 def run_profile(args: argparse.Namespace) -> int | None:
     """occult profile: a transformers model directory (a config.json) or an occult checkpoint."""
+    from occult._atomic import names_stdout
+
+    if names_stdout(args.out) and not args.similarity:
+        raise CommandError(f"--out {args.out} writes the trace to stdout; the similarity table goes beside --out "
+                           "by default: give --similarity PATH too")
     if hf.is_transformers_model(args.model):
         return hf.run_profile(args)
     if os.path.isfile(os.path.join(args.model, "config.json")):
@@ -119,6 +125,47 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def _long_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """{dest: its long flag} over the parser and its subcommands (`train_part` -> `--train`)."""
+    flags: dict[str, str] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags.update(_long_flags(sub))
+        elif action.option_strings:
+            flags[action.dest] = max(action.option_strings, key=len)
+    return flags
+
+
+def _check_values(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """Refuse an empty value (`--out ""`) naming its flag; return the flags whose value names
+    stdout (`-`, /dev/stdout), at most one: the file the command writes there."""
+    from occult._atomic import names_stdout
+
+    given = {flags[k]: v for k, v in vars(args).items() if k in flags and isinstance(v, str)}
+    for flag, value in given.items():
+        if not value:
+            raise CommandError(f"{flag} is empty: give a value")
+    to_stdout = [flag for flag, value in given.items() if names_stdout(value)]
+    if len(to_stdout) > 1:
+        raise CommandError(f"{' and '.join(to_stdout)} name stdout: only one output can go there")
+    return to_stdout
+
+
+def _run_command(args: argparse.Namespace, flags: dict[str, str]) -> int:
+    """Run the chosen command, warnings as `occult: warning:` lines; with a file written to stdout,
+    everything the command prints goes to stderr."""
+    from occult._atomic import reserve_stdout
+
+    def show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        print(f"occult: warning: {message}", file=sys.stderr)
+
+    to_stdout = _check_values(args, flags)
+    with warnings.catch_warnings(), reserve_stdout(bool(to_stdout)):
+        warnings.showwarning = show_warning
+        return int(args._run(args) or 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `occult` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -128,15 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         debug = settings.current().debug  # OCCULT_DEBUG (docs/settings.md)
     except settings.SettingsError as exc:
         return _error(str(exc))
-
-    def show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        print(f"occult: warning: {message}", file=sys.stderr)
-
     try:
-        with warnings.catch_warnings():
-            warnings.showwarning = show_warning
-            status = args._run(args)
-        return int(status or 0)
+        return _run_command(args, _long_flags(parser))
     except KeyboardInterrupt:
         print("occult: interrupted", file=sys.stderr)
         return 130
@@ -147,7 +187,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 0
     except (CommandError, ValueError, OSError, ImportError) as exc:
-        if debug:
-            raise
+        if debug:  # the traceback too; the exit status stays the same
+            traceback.print_exc()
         return _error(_describe(exc))
-

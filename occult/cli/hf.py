@@ -109,13 +109,13 @@ def add_profile_arguments(p: Any) -> None:
     add("--out", required=True, help="trace file to write (.safetensors)")
     add("--data", default=None,
         help="transformers models: calibration data (.txt, .jsonl, .safetensors/.npy/.pt token ids, or 'random')")
-    add("--tokens", type=positive_int, default=_OWN_DEFAULTS["tokens"], help="tokens to profile")
-    add("--batch-size", type=positive_int, default=_OWN_DEFAULTS["batch_size"])
+    add("--tokens", type=positive_int, default=_OWN_DEFAULTS["tokens"], help=f"tokens to profile (default {_OWN_DEFAULTS['tokens']})")
+    add("--batch-size", type=positive_int, default=_OWN_DEFAULTS["batch_size"], help=f"sequences per forward pass (default {_OWN_DEFAULTS['batch_size']})")
     add("--seq-len", type=positive_int, default=None, help="default: min(512, the model's max positions)")
     add("--scores", action="store_true", help="also store the router probabilities [T, E]")
     add("--similarity", default=None, help="similarity table path (default: OUT.similarity.safetensors)")
-    add("--device", default="auto")
-    add("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    add("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:1, ... (default auto)")
+    add("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPU, fp32 on CPU (default auto)")
 
 
 def run_profile(args: Any) -> int:
@@ -169,7 +169,7 @@ def add_finetune_arguments(p: Any) -> None:
         have["--init"].help += " (or --hf DIR)"
     if "--aux-loss-coef" in have:  # off unless asked for with --hf; OccultLM keeps its default (occult.cli.lm)
         have["--aux-loss-coef"].default = None
-        have["--aux-loss-coef"].help += (" (default 0.01; with --hf 0 = off: the family's own load_balancing_loss_func, or "
+        have["--aux-loss-coef"].help += ("; with --hf default 0 = off (the family's own load_balancing_loss_func, or "
                                          "the Switch formula for DeepSeek-V3, over the global batch)")
     g = p.add_argument_group("transformers models (--hf)")
     g.add_argument("--hf", default=None, metavar="DIR",

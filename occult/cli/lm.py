@@ -44,8 +44,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--experts", type=positive_int, default=EXPERTS, help=f"experts per MoE layer (default {EXPERTS})")
     g.add_argument("--top-k", type=positive_int, default=TOP_K, help=f"experts per token (default {TOP_K})")
     g.add_argument("--expert-ffn", type=positive_int, default=EXPERT_FFN, help=f"expert SwiGLU width (default {EXPERT_FFN})")
-    g.add_argument("--norm-topk-prob", action="store_true", help="renormalise the top-k gate weights to sum 1")
-    g.add_argument("--expert-backend", default=EXPERT_BACKEND, choices=["auto", "torch", "triton"])
+    g.add_argument("--norm-topk-prob", action="store_true", help="renormalise the top-k gate weights to sum 1 (default: off)")
+    g.add_argument("--expert-backend", default=EXPERT_BACKEND, choices=["auto", "torch", "triton"],
+                   help=f"expert MLP: the torch reference, the Triton kernels, or auto (Triton on a CUDA GPU, else torch) (default {EXPERT_BACKEND})")
 
 
 def _add_data(p: argparse.ArgumentParser) -> None:
@@ -63,28 +64,31 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--out", required=True, help="run directory (checkpoints, metrics)")
     g.add_argument("--steps", type=positive_int, default=STEPS, help=f"optimizer steps (default {STEPS}); may grow on --resume: the learning rate "
                    "goes on from its value at the resume step along a new cosine to the floor at the new last step")
-    g.add_argument("--batch-size", type=positive_int, default=BATCH_SIZE)
-    g.add_argument("--seq-len", type=positive_int, default=SEQ_LEN)
+    g.add_argument("--batch-size", type=positive_int, default=BATCH_SIZE,
+                   help=f"sequences per optimizer step, all ranks together (default {BATCH_SIZE})")
+    g.add_argument("--seq-len", type=positive_int, default=SEQ_LEN, help=f"tokens per training sequence (default {SEQ_LEN})")
     lr, warm = (FINETUNE_LR, FINETUNE_WARMUP) if finetune else (LR, WARMUP)
     g.add_argument("--lr", type=positive_float, default=lr, help=f"peak learning rate (default {lr:g})")
-    g.add_argument("--min-lr-ratio", type=nonnegative_float, default=MIN_LR_RATIO, help="cosine floor as a fraction of --lr")
+    g.add_argument("--min-lr-ratio", type=nonnegative_float, default=MIN_LR_RATIO, help=f"cosine floor as a fraction of --lr (default {MIN_LR_RATIO})")
     g.add_argument("--warmup", type=nonnegative_int, default=warm, help=f"linear warm-up steps (default {warm})")
-    g.add_argument("--weight-decay", type=nonnegative_float, default=WEIGHT_DECAY)
+    g.add_argument("--weight-decay", type=nonnegative_float, default=WEIGHT_DECAY, help=f"AdamW weight decay (default {WEIGHT_DECAY})")
     g.add_argument("--adam-eps", type=positive_float, default=ADAM_EPS, help=f"AdamW epsilon (default {ADAM_EPS:g})")
-    g.add_argument("--grad-clip", type=nonnegative_float, default=GRAD_CLIP, help="gradient-norm clip, 0 = off")
-    g.add_argument("--aux-loss-coef", type=nonnegative_float, default=AUX_LOSS_COEF, help="load-balancing loss weight")
+    g.add_argument("--grad-clip", type=nonnegative_float, default=GRAD_CLIP, help=f"gradient-norm clip, 0 = off (default {GRAD_CLIP})")
+    g.add_argument("--aux-loss-coef", type=nonnegative_float, default=AUX_LOSS_COEF, help=f"load-balancing loss weight (default {AUX_LOSS_COEF})")
     g.add_argument("--moe-only", action=argparse.BooleanOptionalAction, default=finetune,
                    help=f"update only the MoE blocks (routers and experts) (default {'on' if finetune else 'off'})")
-    g.add_argument("--seed", type=int, default=SEED)
-    g.add_argument("--precision", default=PRECISION, choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPU, fp32 on CPU")
-    g.add_argument("--device", default=DEVICE, help="auto, cpu, cuda, cuda:1, ...")
-    g.add_argument("--eval-every", type=nonnegative_int, default=EVAL_EVERY)
-    g.add_argument("--eval-tokens", type=positive_int, default=EVAL_TOKENS, help="validation tokens per evaluation")
-    g.add_argument("--save-every", type=nonnegative_int, default=SAVE_EVERY)
-    g.add_argument("--patience", type=positive_int, default=None, help="stop when val loss has not improved for this many evaluations")
+    g.add_argument("--seed", type=int, default=SEED, help=f"seed of the weight init and the batch order (default {SEED})")
+    g.add_argument("--precision", default=PRECISION, choices=["auto", "bf16", "fp32"], help=f"auto: bf16 on GPU, fp32 on CPU (default {PRECISION})")
+    g.add_argument("--device", default=DEVICE, help=f"auto (cuda if present, else cpu), cpu, cuda, cuda:1, ... (default {DEVICE})")
+    g.add_argument("--eval-every", type=nonnegative_int, default=EVAL_EVERY,
+                   help=f"steps between validation evaluations, and at the last step; 0 = none (default {EVAL_EVERY})")
+    g.add_argument("--eval-tokens", type=positive_int, default=EVAL_TOKENS, help=f"validation tokens per evaluation (default {EVAL_TOKENS})")
+    g.add_argument("--save-every", type=nonnegative_int, default=SAVE_EVERY,
+                   help=f"steps between resume checkpoints, and at the last step; 0 = none (default {SAVE_EVERY})")
+    g.add_argument("--patience", type=positive_int, default=None, help="stop when val loss has not improved for this many evaluations (default: never)")
     g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out (same settings; a larger --steps continues the run further)")
-    g.add_argument("--stop-after", type=positive_int, default=None, help="return after this many steps (resume later)")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--stop-after", type=positive_int, default=None, help="return after this many steps (resume later; default: run to --steps)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on a terminal)")
     g = p.add_argument_group("several ranks (torchrun --nproc-per-node N -m occult ...)")
     g.add_argument("--ep-size", type=positive_int, default=None,
                    help="ranks each MoE layer's experts are sharded over (default: all); the world size / EP size "
@@ -95,7 +99,7 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--dispatcher", default="dedup", choices=["dedup", "standard", "dedup2"],
                    help="all-to-all dispatch: one copy per device (dedup) or per expert (standard); dedup2: two "
                         "levels, one copy per node over the links between nodes, then one per GPU inside the node "
-                        "(needs --nodes, or an --ep-placement solved with occult place --nodes)")
+                        "(needs --nodes, or an --ep-placement solved with occult place --nodes) (default dedup)")
     g.add_argument("--nodes", type=positive_int, default=None,
                    help="for --dispatcher dedup2: the EP ranks are this many nodes of EP_SIZE/NODES ranks each, "
                         "node-major (rank n*G + g is GPU g of node n)")
@@ -117,7 +121,7 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--replace-samples", type=positive_int, default=REPLACE_SAMPLES,
                    help=f"routed tokens per layer and rank kept for the next solve (default {REPLACE_SAMPLES})")
     g.add_argument("--replace-method", default="auto", choices=["auto", "greedy", "hypergraph", "contiguous"],
-                   help="placement solver (auto: hypergraph if Mt-KaHyPar is installed, else greedy)")
+                   help="placement solver (auto: hypergraph if Mt-KaHyPar is installed, else greedy) (default auto)")
     g.add_argument("--replace-wait", action="store_true",
                    help="solve inline, training waits (deterministic), instead of in a background process")
 
@@ -143,17 +147,17 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint (occult train / finetune output)")
-    p.add_argument("--out", required=True, help="trace file to write (.safetensors)")
+    p.add_argument("--out", required=True, help="trace file to write (.safetensors; '-': stdout, with --similarity)")
     _add_data(p)
-    p.add_argument("--split", default="train", choices=["train", "val"])
+    p.add_argument("--split", default="train", choices=["train", "val"], help="corpus split to profile (default train)")
     p.add_argument("--tokens", type=positive_int, default=65536, help="tokens to profile (default 65536)")
-    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per forward pass (default 16)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="default: the model's max_seq_len")
     p.add_argument("--scores", action="store_true", help="also store the router probabilities [T, E]")
     p.add_argument("--as-routed", action="store_true", help="record the ids the model's (pruned) routing uses")
     p.add_argument("--similarity", default=None, help="similarity table path (default: OUT.similarity.safetensors)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:1, ... (default auto)")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPU, fp32 on CPU (default auto)")
 
 
 # ------------------------------------------------------------------ run the commands

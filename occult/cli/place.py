@@ -42,7 +42,8 @@ def _add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=positive_int, default=2048, help="hidden size for the byte counts (default 2048)")
     p.add_argument("--dtype", default="bf16", help="activation dtype for the byte counts: bf16, fp16, fp32, fp8 (default bf16)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the table")
-    p.add_argument("--plot", metavar="FILE.png", help="draw co-activation heat maps ordered by device, before and after (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw co-activation heat maps ordered by device, before and after (needs matplotlib; '-': "
+                   "stdout; default: none)")
     p.add_argument("--plot-layers", type=_layer_list, metavar="I,J,...", help="layers to draw (default: the first 8)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
@@ -228,7 +229,8 @@ def _add_place_args(p: argparse.ArgumentParser) -> None:
                    help="nodes of D/M devices each: place experts on nodes first (fewest nodes per token, E[N_T]), "
                    "then on each node's devices (E[C_T]); device ids node-major (default 1: flat)")
     p.add_argument("--method", "-m", choices=PLACE_METHODS, default="hypergraph", help="placement solver (default hypergraph)")
-    p.add_argument("--out", "-o", help="write the placement JSON here")
+    p.add_argument("--out", "-o", help="write the placement JSON to this file ('-': stdout, the report then on stderr; "
+                   "a device or FIFO is written in place; default: none)")
     p.add_argument("--max-load", type=positive_float, metavar="RATIO", help="bound on max/mean per-device token-expert load, e.g. 1.1")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
     p.add_argument("--jobs", "-j", type=positive_int, help="worker processes solving layers in parallel (default: one per CPU for large traces)")

@@ -2,7 +2,7 @@
 (bad user input, printed as `occult: error: ...`, exit 2), and `lazy` / `lazy_command`, which
 import a command's module only when that command runs. Shared argument types (`positive_int`,
 `positive_int_list`, ...) and the output check every `--out` gets before the long part
-(`check_output`).
+(`check_output`; an empty path is refused naming its flag, `check_not_empty`).
 
 Exit statuses, the same for every command (`EXIT_HELP` says it in `occult --help`):
 0 success; 1 the run failed (a check did not pass, e.g. a variant differs from the reference, or
@@ -24,7 +24,7 @@ EXIT_USAGE = 2
 EXIT_HELP = (
     "exit status: 0 success; 1 the run failed (a check did not pass, a rank crashed); 2 bad input or usage "
     "(a bad flag, a missing, corrupt or mismatched file, an output that cannot be written); 130 interrupted. "
-    "OCCULT_DEBUG=1 shows the traceback of an error."
+    "OCCULT_DEBUG=1 adds the traceback of an error (the exit status stays the same)."
 )
 
 RunFn = Callable[[argparse.Namespace], "int | None"]
@@ -139,9 +139,17 @@ def nonnegative_float(text: str) -> float:
     return _finite_float(text, lambda v: v >= 0, "a number >= 0")
 
 
+def check_not_empty(flag: str, path: str | None, what: str = "file") -> None:
+    """Refuse an empty path (`--out ""`), naming the flag."""
+    if path is not None and not str(path):
+        raise CommandError(f"{flag} is empty: give a {what} path")
+
+
 def check_output(flag: str, path: str | None, example: str | None = None) -> None:
-    """Refuse an output file that cannot be written (a directory, read-only, in a read-only
-    directory) before a command does its work: `CommandError` naming the flag and the user's path."""
+    """Refuse an output file that cannot be written (empty, a directory, read-only, in a read-only
+    directory) before a command does its work: `CommandError` naming the flag and the user's path.
+    `-` (stdout), a device such as /dev/null, or a FIFO is fine: it is written in place."""
+    check_not_empty(flag, path)
     if path is None:
         return
     from occult._atomic import check_writable
@@ -156,14 +164,17 @@ def check_output(flag: str, path: str | None, example: str | None = None) -> Non
 
 
 def check_output_dir(flag: str, path: str | None) -> None:
-    """Refuse an output directory that is an existing file, or that cannot be created or written."""
+    """Refuse an output directory that is empty, stdout, an existing file, or cannot be created or written."""
+    check_not_empty(flag, path, "directory")
     if path is None:
         return
+    from occult._atomic import check_writable, names_stdout
+
+    if names_stdout(path):
+        raise CommandError(f"{flag} {path} names stdout, but this command writes a directory: give a directory path")
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise CommandError(f"{flag} {path} is a file, not a directory: give a directory path (new or existing)")
-    from occult._atomic import check_writable
-
     try:
         check_writable(p / ".occult-write-check")
     except OSError as exc:
@@ -171,7 +182,8 @@ def check_output_dir(flag: str, path: str | None) -> None:
 
 
 def check_input(flag: str, path: str | None, kind: str = "file") -> None:
-    """Refuse a missing input, or one of the wrong kind (`file`, `dir`, or `any`), naming the flag."""
+    """Refuse an empty or missing input, or one of the wrong kind (`file`, `dir`, or `any`), naming the flag."""
+    check_not_empty(flag, path, "directory" if kind == "dir" else "file")
     if path is None:
         return
     p = Path(path)

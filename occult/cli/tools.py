@@ -46,18 +46,20 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=5,
                         help="timed rounds after one warm-up round (default 5); each round times every variant once, "
                              "interleaved; medians reported")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto", help="NCCL when GPUs are present, else gloo")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="process-group backend; auto: NCCL when CUDA GPUs are present, else gloo (default auto)")
     parser.add_argument("--hidden", type=positive_int, default=None, help="hidden size (default: 2048 on GPU, 256 on CPU)")
     parser.add_argument("--ffn", type=positive_int, default=None, help="expert ffn size (default: 1024 on GPU, 128 on CPU)")
     parser.add_argument("--experts", type=positive_int, default=None, help="number of experts (default 64)")
     parser.add_argument("--top-k", type=positive_int, default=None, help="experts per token (default 8)")
-    parser.add_argument("--noise", type=nonnegative_float, default=0.8, help="spread of tokens around their group centroid")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noise", type=nonnegative_float, default=0.8, help="spread of tokens around their group centroid (default 0.8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the layer's weights, expert groups and tokens (default 0)")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=positive_int, default=None, help="ranks (default: all GPUs, else 2 CPU ranks)")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="process-group backend; auto: NCCL when CUDA GPUs are present, else gloo (default auto)")
     parser.add_argument("--shapes", type=choice_list(BENCH_SHAPES, "shape"), default=None,
                         help=f"comma list of {','.join(BENCH_SHAPES)} (default: olmoe on GPU, tiny on CPU)")
     parser.add_argument("--tokens", type=positive_int_list, default=None,
@@ -69,14 +71,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "'@counts': the count exchange instead of the device transport, side by side)")
     parser.add_argument("--nodes", type=positive_int, default=1,
                         help="nodes the ranks are grouped into for the two-level 'dedup2' variant (node-major ranks; "
-                             "on one host: simulated nodes)")
+                             "on one host: simulated nodes) (default 1)")
     parser.add_argument("--overlap-chunks", type=positive_int_list, default=[1],
-                        help="comma list: time each variant pipelined over C token chunks (1 = no overlap; 'dedup/c4' rows)")
-    parser.add_argument("--expert-backend", choices=["auto", "torch", "triton"], default="auto")
+                        help="comma list: time each variant pipelined over C token chunks (1 = no overlap; 'dedup/c4' rows) "
+                             "(default 1)")
+    parser.add_argument("--expert-backend", choices=["auto", "torch", "triton"], default="auto",
+                        help="expert MLP: the torch reference, the Triton kernels, or auto (Triton on a CUDA GPU, else torch) (default auto)")
     parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed calls before each timing (default 5)")
     parser.add_argument("--iters", type=positive_int, default=20, help="timed calls; the median is reported (default 20)")
-    parser.add_argument("--input-sets", type=positive_int, default=3, help="fresh random inputs rotated between timed calls")
-    parser.add_argument("--out", default=None, help="write all numbers as JSON here")
+    parser.add_argument("--input-sets", type=positive_int, default=3, help="fresh random inputs rotated between timed calls (default 3)")
+    parser.add_argument("--out", default=None, help="write all numbers as JSON to this file ('-': stdout; default: none)")
 
 
 def _run_bench(args: argparse.Namespace) -> int | None:
