@@ -270,6 +270,10 @@ def main(args: argparse.Namespace) -> int:
     except RankFailure as exc:
         print(f"occult demo: FAILED: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if cfg.progress:  # rank 0's bar may end the terminal's last line
+            print(file=sys.stderr)
+        raise
     # E[C_T] measured on the timed tokens: forward rows are dispatch + combine = 2 * sum C_T.
     total_tokens = cfg.tokens * cfg.world_size
     for name in ("dedup", "dedup+placement"):
