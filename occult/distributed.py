@@ -4,19 +4,25 @@
 `run_ranks` starts `world_size` local processes with gloo (or NCCL, one GPU each), runs a
 function on each, and returns every rank's result; a rank that fails or dies, or a run past its
 deadline, ends in an exception on the caller within a bounded time, never a hang.
+
+Ctrl-C belongs to the caller: the ranks start with SIGINT blocked (the mask is inherited, so a
+rank still importing torch never prints a KeyboardInterrupt traceback), and an interrupted
+caller terminates them before the KeyboardInterrupt goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -108,6 +114,63 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
         pass  # the result is reported; a peer that failed may break the closing barrier
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread meanwhile: processes started inside inherit the mask (through
+    fork and exec), so they never see a Ctrl-C; the caller gets a pending one when it is unblocked."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _collect(procs: list, results: Any, timeout_s: float) -> dict[int, tuple[str, Any]]:
+    """Every rank's ("ok" | "error", payload): its report, or why none came (died, deadline)."""
+    world_size = len(procs)
+    outcome: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outcome) < world_size:
+        try:
+            rank, payload = results.get(timeout=0.2)
+            outcome[rank] = payload
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+        if dead:
+            # Give the queue a moment: a rank may have exited right after reporting.
+            time.sleep(0.5)
+            while True:
+                try:
+                    rank, payload = results.get_nowait()
+                    outcome[rank] = payload
+                except queue.Empty:
+                    break
+            for r in dead:
+                if r not in outcome:
+                    outcome[r] = ("error", f"rank {r} died (exit code {procs[r].exitcode}) without reporting")
+        if time.monotonic() > deadline:
+            for r in range(world_size):
+                outcome.setdefault(r, ("error", f"rank {r} did not finish within {timeout_s:.0f} s"))
+            break
+    return outcome
+
+
+def _end(procs: list, wait_s: float) -> None:
+    """Wait up to `wait_s` for each started rank, then kill what is left."""
+    for p in procs:
+        if p.pid is None:  # never started
+            continue
+        p.join(timeout=wait_s)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -119,7 +182,8 @@ def run_ranks(
     """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return their results.
 
     `fn` must be importable (module level). Raises `RankFailure` with every failing rank's
-    traceback if any rank raises or dies, or if the run exceeds `timeout_s`.
+    traceback if any rank raises or dies, or if the run exceeds `timeout_s`. The ranks ignore
+    Ctrl-C; on a KeyboardInterrupt (or any exception) here they are terminated at once.
     """
     backend = pick_backend(backend)
     ctx = mp.get_context("spawn")
@@ -130,41 +194,20 @@ def run_ranks(
         ctx.Process(target=_worker, args=(r, world_size, port, backend, coll_timeout, fn, args, results), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    outcome: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
+    wait_s = 5.0
     try:
-        while len(outcome) < world_size:
-            try:
-                rank, payload = results.get(timeout=0.2)
-                outcome[rank] = payload
-                continue
-            except queue.Empty:
-                pass
-            dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
-            if dead:
-                # Give the queue a moment: a rank may have exited right after reporting.
-                time.sleep(0.5)
-                while True:
-                    try:
-                        rank, payload = results.get_nowait()
-                        outcome[rank] = payload
-                    except queue.Empty:
-                        break
-                for r in dead:
-                    if r not in outcome:
-                        outcome[r] = ("error", f"rank {r} died (exit code {procs[r].exitcode}) without reporting")
-            if time.monotonic() > deadline:
-                for r in range(world_size):
-                    outcome.setdefault(r, ("error", f"rank {r} did not finish within {timeout_s:.0f} s"))
-                break
-    finally:
+        with _sigint_blocked():
+            for p in procs:
+                p.start()
+        outcome = _collect(procs, results, timeout_s)
+    except BaseException:
         for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+            if p.pid is not None and p.exitcode is None:
+                p.terminate()
+        wait_s = 1.0
+        raise
+    finally:
+        _end(procs, wait_s)
     errors = {r: msg for r, (kind, msg) in sorted(outcome.items()) if kind == "error"}
     if errors:
         text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in errors.items())

@@ -171,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(chosen=_chosen_command(argv))
     args = parser.parse_args(argv)  # usage errors: argparse prints `occult ...: error:` and exits 2
+    args.argv = argv  # the command line as given (`occult train` names it to resume an interrupted run)
     try:
         debug = settings.current().debug  # OCCULT_DEBUG (docs/settings.md)
     except settings.SettingsError as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from occult.cli.interrupt import interruptible
 from occult.cli.registry import (
     Command,
     check_input,
@@ -251,7 +252,11 @@ def _report(result, steps: int) -> None:
 
 
 def run_train(args) -> int:
-    """occult train: a new `OccultLM` on the corpus."""
+    """occult train: a new `OccultLM` on the corpus (a Ctrl-C: `occult.cli.interrupt`)."""
+    return interruptible(_train, args)
+
+
+def _train(args) -> int:
     import torch
 
     from occult.lm.data import load_dataset
@@ -309,6 +314,10 @@ def load_routing_args(args, num_experts: int, num_layers: int):
 
 def run_finetune(args) -> int:
     """occult finetune: a checkpoint trained further, optionally with tokens limited to N devices."""
+    return interruptible(_finetune, args)
+
+
+def _finetune(args) -> int:
     from occult.lm.checkpoint import config_from_metadata, read_checkpoint
     from occult.lm.data import load_dataset
     from occult.lm.train import finetune

@@ -54,6 +54,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=positive_int, default=None, help="experts per token (default 8)")
     parser.add_argument("--noise", type=nonnegative_float, default=0.8, help="spread of tokens around their group centroid (default 0.8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the layer's weights, expert groups and tokens (default 0)")
+    parser.add_argument("--quiet", "-q", action="store_true",
+                        help="no progress bar (it is drawn on stderr only when that is a terminal)")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

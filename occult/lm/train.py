@@ -53,14 +53,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from occult._atomic import atomic_path
-from occult.lm.checkpoint import (
-    CheckpointError,
-    config_from_metadata,
-    load_weights,
-    model_metadata,
-    model_tensors,
-    read_checkpoint,
-)
+from occult.lm.checkpoint import (CheckpointError, config_from_metadata, load_weights, model_metadata, model_tensors,
+                                  read_checkpoint)
 from occult.lm.data import TokenData, train_batch
 from occult.lm.distill import distilled_loss, load_teacher
 from occult.lm.evaluate import autocast_dtype, autocast_for, evaluate, pick_device
@@ -322,7 +316,9 @@ def train(
 
     `stop_after=n` returns after n more steps (checkpoint saved; resume later with
     `resume=True`), e.g. to split a long run into jobs under a time limit. `parallel`: train on
-    every rank of it (each rank calls `train` with its shard of the model).
+    every rank of it (each rank calls `train` with its shard of the model). In one process a
+    Ctrl-C ends the run after the step under way, saves it (if a step was done) and raises
+    KeyboardInterrupt; a second Ctrl-C raises at once.
     """
     par = parallel if parallel is not None and parallel.world_size > 1 else None
     log = log if par is None or par.is_main else None
@@ -333,7 +329,8 @@ def train(
     meta_base.update(train_config=json.dumps(cfg.to_dict()), data_hash=data_sig, init_hash=init_hash or "")
     run = _prepare(model, data, cfg, out, par, log, meta_base)
     settings = LoopSettings(cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len,
-                            "train" if not cfg.moe_only else "finetune (MoE only)", progress, run.main)
+                            "train" if not cfg.moe_only else "finetune (MoE only)", progress, run.main,
+                            stop_on_interrupt=par is None)
     hooks = ([run.replacer] if run.replacer is not None else []) + [_EvalAndSave(run)]
     run.loop = TrainLoop(None, run.opt, settings, hooks)  # its parts after the resume (DDP wraps the loaded model)
     state = latest_state(out)
@@ -347,9 +344,13 @@ def train(
     if cfg.eval_at_start and loop.step == 0 and not run.history and cfg.eval_every:
         run.evaluate()
     model.train()
-    loop.parts = _step_parts(run)
+    loop.parts, start = _step_parts(run), loop.step
     loop.run(cfg.steps if stop_after is None else min(cfg.steps, loop.step + int(stop_after)))
+    if loop.interrupted and loop.step == start:
+        raise KeyboardInterrupt
     run.save(out / CHECKPOINT, with_optimizer=True)
+    if loop.interrupted:
+        raise KeyboardInterrupt  # the step reached is saved: `--resume` continues it
     if loop.step >= cfg.steps or loop.stopped:
         run.save(out / FINAL, with_optimizer=False)
         if run.main and plot and plot_losses(out / PLOT, loop.losses, run.history, title=str(out.name)) is None and log:

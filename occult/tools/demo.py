@@ -4,6 +4,7 @@ Spawns ranks (gloo on CPU, or NCCL with one GPU each), builds a layer whose rout
 planted co-activation structure (experts fall into hidden groups that tokens mostly pick
 within), profiles its routing, places it, then runs the three variants on the same tokens,
 checks that they agree with the dense reference, and prints E[C_T], rows, bytes and times.
+Rank 0 draws a progress bar of the timed rounds on stderr when it is a terminal (not with `-q`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class DemoConfig:
     seed: int
     backend: str
     dtype: str
+    progress: bool = False  # rank 0's bar of the rounds (stderr)
 
 
 def build_planted_dense(cfg: DemoConfig, device: str) -> tuple[DenseMoE, torch.Tensor, torch.Tensor]:
@@ -112,6 +114,32 @@ def _cpu_threads(world_size: int) -> int:
     return max(1, cores // world_size)
 
 
+Times = dict[str, list[float]]  # variant -> ms per timed round
+
+
+def _timed_rounds(variants: dict[str, torch.nn.Module], x: torch.Tensor, grad: torch.Tensor, device: str,
+                  cfg: DemoConfig, show: bool) -> tuple[Times, Times, dict[str, torch.Tensor]]:
+    """Forward and fwd+bwd times (ms) of every variant over `cfg.steps` rounds after a warm-up
+    round, and each variant's last output; `show`: a tqdm bar of the rounds on stderr."""
+    from tqdm.auto import tqdm
+
+    fwd: Times = {name: [] for name in variants}
+    step: Times = {name: [] for name in variants}
+    last: dict[str, torch.Tensor] = {}
+    # Interleaved: every round times each variant once, so a burst of other load on the
+    # machine hits all variants alike instead of one variant's whole series.
+    with tqdm(total=cfg.steps + 1, desc="demo rounds", unit="round", disable=not show, file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        for i in range(cfg.steps + 1):  # round 0 warms up
+            for name, layer in variants.items():
+                f, s, last[name] = _time_step(layer, x, grad, device)
+                if i:
+                    fwd[name].append(f)
+                    step[name].append(s)
+            bar.update(1)
+    return fwd, step, last
+
+
 def demo_worker(rank: int, world_size: int, cfg: DemoConfig, placement: Placement) -> dict[str, Any]:
     device = f"cuda:{rank}" if cfg.backend == "nccl" else "cpu"
     if cfg.backend == "gloo":
@@ -127,17 +155,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig, placement: Placemen
         "dedup+placement": OccultMoE.from_dense(dense, placement=placement, execution=ExecConfig(dispatcher="dedup")),
     }
     del dense
-    fwd: dict[str, list[float]] = {name: [] for name in variants}
-    step: dict[str, list[float]] = {name: [] for name in variants}
-    last: dict[str, torch.Tensor] = {}
-    # Interleaved: every round times each variant once, so a burst of other load on the
-    # machine hits all variants alike instead of one variant's whole series.
-    for i in range(cfg.steps + 1):  # round 0 warms up
-        for name, layer in variants.items():
-            f, s, last[name] = _time_step(layer, x, grad, device)
-            if i:
-                fwd[name].append(f)
-                step[name].append(s)
+    fwd, step, last = _timed_rounds(variants, x, grad, device, cfg, show=cfg.progress and rank == 0)
     out: dict[str, Any] = {}
     for name, layer in variants.items():
         stats = layer.last_comm_stats
@@ -171,6 +189,7 @@ def _defaults(args: argparse.Namespace, backend: str) -> DemoConfig:
         seed=args.seed,
         backend=backend,
         dtype="bfloat16" if on_gpu else "float32",
+        progress=not getattr(args, "quiet", False) and sys.stderr.isatty(),
     )
 
 
@@ -251,6 +270,10 @@ def main(args: argparse.Namespace) -> int:
     except RankFailure as exc:
         print(f"occult demo: FAILED: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if cfg.progress:  # rank 0's bar may end the terminal's last line
+            print(file=sys.stderr)
+        raise
     # E[C_T] measured on the timed tokens: forward rows are dispatch + combine = 2 * sum C_T.
     total_tokens = cfg.tokens * cfg.world_size
     for name in ("dedup", "dedup+placement"):

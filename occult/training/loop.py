@@ -13,7 +13,12 @@
     metrics    every `log_every` steps (and at the last) the pending per-step losses become global
                means (`parts.mean`: one all-reduce), a non-finite loss stops the run with a clear
                error, and the progress bar (rank 0) shows loss, aux loss, lr, gradient norm,
-               tokens/s and whatever the hooks put in `postfix`
+               tokens/s and whatever the hooks put in `postfix` (shown after the hooks ran, so
+               an evaluation at this step is on the bar at once)
+
+With `LoopSettings.stop_on_interrupt` (one process only: ranks would disagree on the step), a
+Ctrl-C ends the loop after the step under way, which the adapter then saves (`interrupted` is
+set); a second Ctrl-C raises KeyboardInterrupt at once.
 
 `TrainClock` counts training time between evaluations (hooks pause it for evaluations and
 saves), for the tokens/s a run's metrics report. The model-specific parts (how a batch becomes
@@ -23,10 +28,13 @@ a loss, which parameters train, how gradients sync) are the adapters' (`occult.l
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -66,6 +74,7 @@ class LoopSettings:
     progress: bool | None = None  # None: a bar only on a terminal
     main: bool = True
     log_every: int = 10
+    stop_on_interrupt: bool = False  # a first Ctrl-C ends the loop after the current step (module docstring)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.tokens_per_step < 1 or self.log_every < 1:
@@ -110,6 +119,7 @@ class TrainLoop:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[Any] = field(default_factory=list)  # tensors until `norms()`
     stopped: bool = False
+    interrupted: bool = False  # a Ctrl-C ended the loop (`LoopSettings.stop_on_interrupt`)
     postfix: dict[str, str] = field(default_factory=dict)  # extra progress-bar fields (hooks)
     clock: TrainClock = field(default_factory=TrainClock)
     pending: list[torch.Tensor] = field(default_factory=list)
@@ -131,7 +141,7 @@ class TrainLoop:
         self.stopped = True
 
     def run(self, last: int) -> None:
-        """Train until `last` steps are done (or a hook stops the run)."""
+        """Train until `last` steps are done (or a hook stops the run, or a Ctrl-C)."""
         from tqdm.auto import tqdm
 
         if self.parts is None:
@@ -139,22 +149,47 @@ class TrainLoop:
         s = self.settings
         show = ((not s.progress) if s.progress is not None else None) if s.main else True
         bar = tqdm(total=s.steps, initial=self.step, desc=s.desc, unit="step", disable=show, dynamic_ncols=True)
-        mark = (time.perf_counter(), self.step)
+        mark, shown, extra = (time.perf_counter(), self.step), {}, dict(self.postfix)
         for hook in self.hooks:
             hook.start()
         try:
-            while self.step < last and not self.stopped:
-                lr, out, gnorm = self._one_step()
-                bar.update(1)
-                if self.step % s.log_every == 0 or self.step == s.steps:
-                    mark = self._report(bar, mark, lr, out, gnorm)
-                for hook in self.hooks:
-                    hook.after_step(self.step, self.optimizer)
+            with self._interruptible():
+                while self.step < last and not self.stopped and not self.interrupted:
+                    lr, out, gnorm = self._one_step()
+                    bar.update(1)
+                    logged = self.step % s.log_every == 0 or self.step == s.steps
+                    if logged:
+                        mark, shown = self._measure(mark, lr, out, gnorm)
+                    for hook in self.hooks:
+                        hook.after_step(self.step, self.optimizer)
+                    if logged or self.postfix != extra:  # after the hooks: this step's evaluation too
+                        extra = dict(self.postfix)
+                        bar.set_postfix({**shown, **extra}, refresh=False)
         finally:
             bar.close()
             for hook in self.hooks:
                 hook.close()
         self.flush()
+
+    @contextlib.contextmanager
+    def _interruptible(self) -> Iterator[None]:
+        """With `stop_on_interrupt`, the first SIGINT sets `interrupted` (the loop ends after this
+        step) and puts Python's handler back, so a second one raises at once."""
+        on = (self.settings.stop_on_interrupt and threading.current_thread() is threading.main_thread()
+              and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if not on:
+            yield
+            return
+
+        def first(signum: int, frame: Any) -> None:
+            self.interrupted = True
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        signal.signal(signal.SIGINT, first)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _one_step(self) -> tuple[float, StepLoss, torch.Tensor | None]:
         self.clock.run()
@@ -174,8 +209,10 @@ class TrainLoop:
         self.pending.append(out.logged.detach())
         return lr, out, gnorm
 
-    def _report(self, bar: Any, mark: tuple[float, int], lr: float, out: StepLoss,
-                gnorm: torch.Tensor | None) -> tuple[float, int]:
+    def _measure(self, mark: tuple[float, int], lr: float, out: StepLoss,
+                 gnorm: torch.Tensor | None) -> tuple[tuple[float, int], dict[str, str]]:
+        """The global loss of the pending steps (a non-finite one stops the run), and the bar's
+        fields: loss, aux, lr, tokens/s since `mark`, gradient norm."""
         last_loss = self.flush()
         if not math.isfinite(last_loss):
             raise FloatingPointError(f"training loss is {last_loss} at step {self.step}; lower the learning rate")
@@ -187,8 +224,7 @@ class TrainLoop:
         post.update({"lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"})
         if gnorm is not None:
             post["gnorm"] = f"{float(gnorm):.2f}"
-        bar.set_postfix({**post, **self.postfix}, refresh=False)
-        return now, self.step
+        return (now, self.step), post
 
 
 __all__ = ["StepLoss", "StepParts", "LoopSettings", "TrainClock", "TrainLoop"]

@@ -15,6 +15,7 @@ def test_demo_runs_and_variants_agree():
     proc = _occult("demo", "--world-size", "2", "--tokens", "96", "--steps", "1",
                    "--hidden", "32", "--ffn", "16", "--experts", "8", "--top-k", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == ""  # no progress bar: stderr is not a terminal
     out = proc.stdout
     assert "All variants match the dense reference" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
@@ -83,3 +84,44 @@ def test_bench_rejects_bad_shape():
     assert proc.returncode == 2 and "--nodes 3" in proc.stderr and proc.stdout == ""
     proc = _occult("bench", "--overlap-chunks", "0")
     assert proc.returncode == 2 and "--overlap-chunks" in proc.stderr
+
+
+def _on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """`python -m occult ARGS` with stderr a pseudo-terminal: (exit status, stdout, what the terminal got)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 120 columns (a new one has 0)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "occult", *args], stdout=subprocess.PIPE, stderr=slave, text=True)
+        os.close(slave)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the terminal's last writer is gone
+                break
+            if not chunk:
+                break
+            seen += chunk
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        os.close(master)
+    return proc.returncode, out, seen.decode(errors="replace")
+
+
+def test_demo_draws_rank_0s_progress_bar_on_a_terminal_only():
+    """stderr a terminal: rank 0's bar of the rounds, once (not once per rank); with `-q` nothing
+    (and nothing when stderr is not a terminal: test_demo_runs_and_variants_agree)."""
+    small = ["demo", "--world-size", "2", "--tokens", "64", "--steps", "3", "--hidden", "32", "--ffn", "16",
+             "--experts", "8", "--top-k", "4"]
+    code, out, term = _on_a_terminal(*small)
+    assert code == 0, out + term
+    assert "demo rounds" in term and "4/4" in term
+    assert term.count("0/4") == 1  # rank 0 alone
+    code, out, term = _on_a_terminal(*small, "-q")
+    assert code == 0 and term == "", out + term
