@@ -9,19 +9,21 @@ mirror `occult.placement.solvers` so that building the parser imports neither nu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from typing import Any
 
+from occult.cli.inputs import reading
 from occult.cli.registry import (
     Command,
     CommandError,
     check_input,
     check_output,
-    nonnegative_int,
     positive_float,
     positive_int,
+    seed_int,
 )
 
 PLACE_METHODS = ("contiguous", "greedy", "hypergraph")
@@ -190,10 +192,34 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
+MAX_EXPERTS = 16384  # co-activation matrices are E x E int64 per layer: 2 GiB each at this size
+
+
 def _load_trace(path: str) -> Any:
+    """The trace of --trace, errors naming the flag; refused when its E x E matrices would not fit."""
     from occult.placement.trace import read_trace
 
-    return read_trace(path)
+    with reading("--trace", path):
+        trace = read_trace(path)
+    if trace.num_experts > MAX_EXPERTS:
+        raise CommandError(f"--trace {path}: num_experts {trace.num_experts} is more than occult place / stats handle "
+                           f"({MAX_EXPERTS}: their co-activation matrices are E x E per layer)")
+    return trace
+
+
+def _check_devices(trace: Any, devices: int) -> None:
+    """--devices must split the trace's experts evenly."""
+    from occult.placement import check_divisible
+
+    with reading("--devices", str(devices)):
+        check_divisible(trace.num_experts, devices)
+
+
+def _load_placement(path: str) -> Any:
+    from occult.placement import Placement
+
+    with reading("--placement", path):
+        return Placement.load(path)
 
 
 def _coacts(trace: Any, progress: bool) -> list[Any]:
@@ -230,7 +256,7 @@ def _add_place_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", "-m", choices=PLACE_METHODS, default="hypergraph", help="placement solver (default hypergraph)")
     p.add_argument("--out", "-o", help="write the placement JSON here")
     p.add_argument("--max-load", type=positive_float, metavar="RATIO", help="bound on max/mean per-device token-expert load, e.g. 1.1")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
     p.add_argument("--jobs", "-j", type=positive_int, help="worker processes solving layers in parallel (default: one per CPU for large traces)")
     p.add_argument("--kahypar-tokens", type=positive_int, default=DEFAULT_KAHYPAR_TOKENS,
                    help=f"tokens per layer Mt-KaHyPar sees; the refinement uses all (default {DEFAULT_KAHYPAR_TOKENS})")
@@ -251,6 +277,7 @@ def run_place(args: argparse.Namespace) -> int:
     if args.devices % args.nodes:
         raise CommandError(f"--nodes {args.nodes} must divide --devices {args.devices} (every node holds D/M devices)")
     trace = _load_trace(args.trace)
+    _check_devices(trace, args.devices)
     progress = _progress(args)
     coacts = _coacts(trace, progress)
     result = place(
@@ -334,7 +361,7 @@ def run_stats(args: argparse.Namespace) -> int:
     check_input("--placement", args.placement)
     if args.placement is None and args.devices is None:
         raise CommandError("give --placement FILE, or --devices D for the contiguous layout")
-    placement = Placement.load(args.placement) if args.placement else None
+    placement = _load_placement(args.placement) if args.placement else None
     if placement is not None and args.devices is not None and args.devices != placement.num_devices:
         raise CommandError(
             f"--devices {args.devices} does not match the placement, which is for {placement.num_devices} devices"
@@ -346,9 +373,11 @@ def run_stats(args: argparse.Namespace) -> int:
         raise CommandError(f"--nodes {nodes} must divide --devices {args.devices}")
     trace = _load_trace(args.trace)
     if placement is None:
+        _check_devices(trace, args.devices)
         placement = Placement.contiguous(trace.num_experts, args.devices, trace.num_layers, nodes)
     coacts = _coacts(trace, _progress(args))
-    report = compare_placements(trace, placement, None, args.hidden, args.dtype, coacts)
+    with reading("--placement", args.placement) if args.placement else contextlib.nullcontext():  # fits the trace?
+        report = compare_placements(trace, placement, None, args.hidden, args.dtype, coacts)
     name = "placement" if args.placement else "contiguous"
     contiguous = Placement.contiguous(trace.num_experts, placement.num_devices, trace.num_layers, placement.num_nodes)
     plotted = _maybe_plot(args, trace, coacts, placement, contiguous, ("contiguous", name))
