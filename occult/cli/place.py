@@ -207,6 +207,13 @@ def _load_trace(path: str) -> Any:
     return trace
 
 
+def _check_plot_layers(args: argparse.Namespace, trace: Any) -> None:
+    """--plot-layers inside the trace, checked before anything is solved or written."""
+    bad = [i for i in (args.plot_layers or []) if i >= trace.num_layers]
+    if args.plot and bad:
+        raise CommandError(f"--plot-layers: layer {bad[0]} is out of range: the trace has {trace.num_layers} layer(s)")
+
+
 def _check_devices(trace: Any, devices: int) -> None:
     """--devices must split the trace's experts evenly."""
     from occult.placement import check_divisible
@@ -278,6 +285,7 @@ def run_place(args: argparse.Namespace) -> int:
         raise CommandError(f"--nodes {args.nodes} must divide --devices {args.devices} (every node holds D/M devices)")
     trace = _load_trace(args.trace)
     _check_devices(trace, args.devices)
+    _check_plot_layers(args, trace)
     progress = _progress(args)
     coacts = _coacts(trace, progress)
     result = place(
@@ -372,6 +380,7 @@ def run_stats(args: argparse.Namespace) -> int:
     if placement is None and args.devices % nodes:
         raise CommandError(f"--nodes {nodes} must divide --devices {args.devices}")
     trace = _load_trace(args.trace)
+    _check_plot_layers(args, trace)
     if placement is None:
         _check_devices(trace, args.devices)
         placement = Placement.contiguous(trace.num_experts, args.devices, trace.num_layers, nodes)
