@@ -68,9 +68,9 @@ def read_token_ids(data: str, model_dir: str, vocab_size: int) -> Any:
     except ValueError as exc:
         if str(exc).startswith("--data"):
             raise
-        raise CommandError(f"--data {data} is not readable calibration data ({exc}); give {DATA_FORMATS}") from None
+        raise CommandError(f"--data {data} is not readable calibration data ({one_line(str(exc))}); give {DATA_FORMATS}") from None
     except Exception as exc:  # safetensors, numpy, torch.load, tokenizer: whatever the file made them raise
-        raise CommandError(f"--data {data} is not readable calibration data ({type(exc).__name__}: {exc}); "
+        raise CommandError(f"--data {data} is not readable calibration data ({type(exc).__name__}: {one_line(str(exc))}); "
                            f"give {DATA_FORMATS}") from None
     return check_token_ids(ids, data, vocab_size)
 
@@ -164,3 +164,34 @@ def load_token_data(args: Any) -> Any:
         if args.tokenizer is not None and str(args.tokenizer) in str(exc):
             raise input_error("--tokenizer", args.tokenizer, exc) from None
         raise input_error("--corpus-dir", args.corpus_dir or "(the cached corpus)", exc) from None
+
+
+MAX_EXPERTS = 16384  # co-activation matrices are E x E int64 per layer: 2 GiB each at this size
+
+
+def load_trace(path: str) -> Any:
+    """The trace of --trace, errors naming the flag; refused when its E x E matrices would not fit."""
+    from occult.placement.trace import read_trace
+
+    with reading("--trace", path):
+        trace = read_trace(path)
+    if trace.num_experts > MAX_EXPERTS:
+        raise CommandError(f"--trace {path}: num_experts {trace.num_experts} is more than occult place / stats handle "
+                           f"({MAX_EXPERTS}: their co-activation matrices are E x E per layer)")
+    return trace
+
+
+def check_devices(trace: Any, devices: int) -> None:
+    """--devices must split the trace's experts evenly."""
+    from occult.placement import check_divisible
+
+    with reading("--devices", str(devices)):
+        check_divisible(trace.num_experts, devices)
+
+
+def load_placement(path: str) -> Any:
+    """The placement JSON of --placement, errors naming the flag."""
+    from occult.placement import Placement
+
+    with reading("--placement", path):
+        return Placement.load(path)

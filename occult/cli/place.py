@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from occult.cli.inputs import reading
+from occult.cli.inputs import check_devices, load_placement, load_trace, reading
 from occult.cli.registry import (
     Command,
     CommandError,
@@ -192,41 +192,11 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-MAX_EXPERTS = 16384  # co-activation matrices are E x E int64 per layer: 2 GiB each at this size
-
-
-def _load_trace(path: str) -> Any:
-    """The trace of --trace, errors naming the flag; refused when its E x E matrices would not fit."""
-    from occult.placement.trace import read_trace
-
-    with reading("--trace", path):
-        trace = read_trace(path)
-    if trace.num_experts > MAX_EXPERTS:
-        raise CommandError(f"--trace {path}: num_experts {trace.num_experts} is more than occult place / stats handle "
-                           f"({MAX_EXPERTS}: their co-activation matrices are E x E per layer)")
-    return trace
-
-
 def _check_plot_layers(args: argparse.Namespace, trace: Any) -> None:
     """--plot-layers inside the trace, checked before anything is solved or written."""
     bad = [i for i in (args.plot_layers or []) if i >= trace.num_layers]
     if args.plot and bad:
         raise CommandError(f"--plot-layers: layer {bad[0]} is out of range: the trace has {trace.num_layers} layer(s)")
-
-
-def _check_devices(trace: Any, devices: int) -> None:
-    """--devices must split the trace's experts evenly."""
-    from occult.placement import check_divisible
-
-    with reading("--devices", str(devices)):
-        check_divisible(trace.num_experts, devices)
-
-
-def _load_placement(path: str) -> Any:
-    from occult.placement import Placement
-
-    with reading("--placement", path):
-        return Placement.load(path)
 
 
 def _coacts(trace: Any, progress: bool) -> list[Any]:
@@ -283,8 +253,8 @@ def run_place(args: argparse.Namespace) -> int:
     check_input("--trace", args.trace)
     if args.devices % args.nodes:
         raise CommandError(f"--nodes {args.nodes} must divide --devices {args.devices} (every node holds D/M devices)")
-    trace = _load_trace(args.trace)
-    _check_devices(trace, args.devices)
+    trace = load_trace(args.trace)
+    check_devices(trace, args.devices)
     _check_plot_layers(args, trace)
     progress = _progress(args)
     coacts = _coacts(trace, progress)
@@ -369,7 +339,7 @@ def run_stats(args: argparse.Namespace) -> int:
     check_input("--placement", args.placement)
     if args.placement is None and args.devices is None:
         raise CommandError("give --placement FILE, or --devices D for the contiguous layout")
-    placement = _load_placement(args.placement) if args.placement else None
+    placement = load_placement(args.placement) if args.placement else None
     if placement is not None and args.devices is not None and args.devices != placement.num_devices:
         raise CommandError(
             f"--devices {args.devices} does not match the placement, which is for {placement.num_devices} devices"
@@ -379,10 +349,10 @@ def run_stats(args: argparse.Namespace) -> int:
     nodes = args.nodes or 1
     if placement is None and args.devices % nodes:
         raise CommandError(f"--nodes {nodes} must divide --devices {args.devices}")
-    trace = _load_trace(args.trace)
+    trace = load_trace(args.trace)
     _check_plot_layers(args, trace)
     if placement is None:
-        _check_devices(trace, args.devices)
+        check_devices(trace, args.devices)
         placement = Placement.contiguous(trace.num_experts, args.devices, trace.num_layers, nodes)
     coacts = _coacts(trace, _progress(args))
     with reading("--placement", args.placement) if args.placement else contextlib.nullcontext():  # fits the trace?

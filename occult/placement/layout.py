@@ -297,8 +297,9 @@ class Placement:
                 raise PlacementError(
                     f"{source}: layer {i} lists {len(row)} experts, but num_experts is {num_experts}"
                 )
-            if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < num_devices for v in row):
-                raise PlacementError(f"{source}: layer {i} holds a device id that is not an integer in [0, {num_devices})")
+            bad = next((v for v in row if not isinstance(v, int) or isinstance(v, bool) or not -2**63 <= v < 2**63), None)
+            if bad is not None:  # an int64 here; the range check proper is Placement's
+                raise PlacementError(f"{source}: layer {i} holds device id {bad!r:.40}, not an integer in [0, {num_devices})")
         try:
             return cls(np.asarray(layers, dtype=np.int64), num_devices, nodes)
         except PlacementError as exc:
