@@ -33,45 +33,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+from occult.cli.inputs import (
+    check_data,
+    check_token_ids,
+    loading_model,
+    read_hf_config,
+    read_texts,
+    read_token_ids,
+    reading,
+)
 from occult.cli.registry import CommandError, check_input, check_output, check_output_dir, positive_int
 
 _OWN_DEFAULTS = {"tokens": 65536, "batch_size": 8, "seq_len": None}
-
-
-def _check_data(path: str | None) -> None:
-    """--data: a file, or the word 'random'."""
-    if path is not None and str(path).lower() != "random":
-        check_input("--data", path)
-
-
-DATA_FORMATS = ".txt, .jsonl (a \"text\" field per line), .safetensors (input_ids), .npy, .pt, or 'random'"
-
-
-def read_token_ids(data: str, model_dir: str, vocab_size: int) -> Any:
-    """`hf.token_stream` of --data, with one clear error naming --data for a file that is
-    unreadable, empty, or holds ids outside the model's vocabulary."""
-    from occult.integrations import hf
-
-    try:
-        ids = hf.token_stream(data, model_dir, vocab_size)
-    except ValueError as exc:
-        if str(exc).startswith("--data"):
-            raise
-        raise CommandError(f"--data {data} is not readable calibration data ({exc}); give {DATA_FORMATS}") from None
-    except Exception as exc:  # safetensors, numpy, torch.load, tokenizer: whatever the file made them raise
-        raise CommandError(f"--data {data} is not readable calibration data ({type(exc).__name__}: {exc}); "
-                           f"give {DATA_FORMATS}") from None
-    return check_token_ids(ids, data, vocab_size)
-
-
-def check_token_ids(ids: Any, data: str, vocab_size: int) -> Any:
-    """Refuse no tokens, or ids outside [0, vocab_size), naming --data."""
-    if ids.numel() == 0:
-        raise CommandError(f"--data {data} holds no tokens")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise CommandError(f"--data {data} holds token ids in [{lo}, {hi}], outside the model's vocabulary [0, {vocab_size})")
-    return ids
 
 
 def _quiet_unless_terminal() -> None:
@@ -85,14 +58,14 @@ def _quiet_unless_terminal() -> None:
 
 
 def is_transformers_model(path: str | os.PathLike) -> bool:
-    """True for a directory holding a transformers `config.json` (with a `model_type`)."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
+    """True for a directory holding a transformers `config.json` (a JSON object with a `model_type`)."""
+    if not (Path(path) / "config.json").is_file():
         return False
     try:
-        return "model_type" in json.loads(cfg.read_text())
-    except (OSError, ValueError):
+        read_hf_config("--model", path)
+    except CommandError:
         return False
+    return True
 
 
 def add_profile_arguments(p: Any) -> None:
@@ -130,7 +103,7 @@ def run_profile(args: Any) -> int:
 
     if not getattr(args, "data", None):
         raise ValueError("profiling a transformers model needs --data (a text/jsonl file, token ids, or 'random')")
-    _check_data(args.data)
+    check_data(args.data)
     check_output("--out", args.out, "trace.safetensors")
     check_output("--similarity", getattr(args, "similarity", None), "similarity.safetensors")
     device = getattr(args, "device", "auto")
@@ -140,9 +113,11 @@ def run_profile(args: Any) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
         precision, torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     )
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-    hf.model_family(model)
-    seq_len = getattr(args, "seq_len", None) or min(512, int(getattr(model.config, "max_position_embeddings", 512)))
+    with loading_model("--model", args.model):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+        hf.model_family(model)
+        max_positions = int(getattr(model.config, "max_position_embeddings", 512))
+    seq_len = getattr(args, "seq_len", None) or min(512, max_positions)
     tokens = int(getattr(args, "tokens", None) or _OWN_DEFAULTS["tokens"])
     batch_size = int(getattr(args, "batch_size", None) or _OWN_DEFAULTS["batch_size"])
     ids = read_token_ids(args.data, args.model, int(model.config.vocab_size))
@@ -202,34 +177,16 @@ def _hf_tokens(args: Any, vocab_size: int, log) -> Any:
     if data is not None and not str(data).lower().endswith((".txt", ".jsonl")):
         return read_token_ids(data, args.hf, vocab_size).reshape(-1)
     if data is not None:
-        texts = _read_texts(data)
+        texts = read_texts(data)
     else:
-        from occult.lm.corpus import fetch_corpus, read_texts
+        from occult.lm.corpus import fetch_corpus, read_texts as corpus_texts
 
-        texts = [t for _, t in read_texts(Path(args.corpus_dir) if args.corpus_dir else fetch_corpus())]
-    ids, how = hf.tokenize_texts(texts, args.hf, vocab_size)
+        with reading("--corpus-dir", args.corpus_dir or "(the cached corpus)"):
+            texts = [t for _, t in corpus_texts(Path(args.corpus_dir) if args.corpus_dir else fetch_corpus())]
+    with reading("--hf", args.hf):  # its tokenizer
+        ids, how = hf.tokenize_texts(texts, args.hf, vocab_size)
     log(f"data: {ids.numel():,} tokens ({how})")
     return check_token_ids(ids, data or "(the corpus)", vocab_size)
-
-
-def _read_texts(data: str) -> list[str]:
-    """The documents of a .txt file (one) or a .jsonl file (a "text" field per line), errors naming the line."""
-    try:
-        lines = Path(data).read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise CommandError(f"--data {data} is not UTF-8 text; give {DATA_FORMATS}") from None
-    if not data.endswith(".jsonl"):
-        return ["\n".join(lines)]
-    texts = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            doc = json.loads(line)
-            texts.append(doc["text"])
-        except (ValueError, KeyError, TypeError):
-            raise CommandError(f"--data {data} line {i}: expected a JSON object with a \"text\" field") from None
-    return texts
 
 
 def _hf_placements(args: Any, ep_size: int):
@@ -237,13 +194,15 @@ def _hf_placements(args: Any, ep_size: int):
     from occult.moe.pruning import load_similarity, similarity_path
     from occult.placement import Placement
 
-    placement = Placement.load(args.placement) if args.placement else None
+    with reading("--placement", args.placement):
+        placement = Placement.load(args.placement) if args.placement else None
     if args.max_devices is not None and placement is None:
         raise ValueError("--max-devices needs --placement (which device holds each expert)")
     sims = None
     if placement is not None and args.prune_method == "similarity" and args.max_devices is not None:
-        sims = load_similarity(args.similarity or similarity_path(args.placement),
-                               num_experts=placement.num_experts, num_layers=placement.num_layers)
+        path = args.similarity or similarity_path(args.placement)
+        with reading("--similarity", path):
+            sims = load_similarity(path, num_experts=placement.num_experts, num_layers=placement.num_layers)
     if placement is None or placement.num_devices == ep_size:
         return placement, None, sims
     if args.max_devices is None:
@@ -256,11 +215,13 @@ def _hf_placements(args: Any, ep_size: int):
 
 def _num_experts(path: str) -> int:
     """Routed experts per MoE layer, from the model directory's config.json (every supported family's key)."""
-    cfg = json.loads((Path(path) / "config.json").read_text())
+    cfg = read_hf_config("--hf", path)
     for key in ("num_experts", "n_routed_experts", "num_local_experts"):
-        if cfg.get(key):
-            return int(cfg[key])
-    raise ValueError(f"{path}/config.json names no expert count (num_experts, n_routed_experts or num_local_experts)")
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    raise CommandError(f"--hf {path}: config.json names no expert count (a positive num_experts, n_routed_experts or "
+                       "num_local_experts)")
 
 
 def _save_dtype(args: Any):
@@ -269,7 +230,7 @@ def _save_dtype(args: Any):
 
     name = {"fp32": "float32", "bf16": "bfloat16"}.get(args.save_dtype)
     if name is None:
-        cfg = json.loads((Path(args.hf) / "config.json").read_text())
+        cfg = read_hf_config("--hf", args.hf)
         name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
@@ -294,7 +255,9 @@ def _load_models(args: Any, groups: Any, log) -> tuple[Any, Any]:
 
     from occult.integrations import hf
     from occult.moe.config import ExecConfig, RoutingConfig
+    from occult.moe.pruning import PruningError
     from occult.moe.registry import capabilities
+    from occult.placement import PlacementError
 
     device = args.device
     if device == "auto":
@@ -304,18 +267,20 @@ def _load_models(args: Any, groups: Any, log) -> tuple[Any, Any]:
         from occult.cli.lm import ep_placement_from_args  # --ep-placement, and nodes from --nodes or the placement
 
         placement = ep_placement_from_args(args, groups, _num_experts(args.hf), placement)
-    model = hf.load_sharded(
-        args.hf, group=groups.ep if groups else None, placement=placement, device=device,
-        routing=RoutingConfig(max_devices=args.max_devices, prune_method=args.prune_method),
-        execution=ExecConfig(dispatcher=args.dispatcher), routing_placement=routing, similarity=sims,
-    )
+    with loading_model("--hf", args.hf, keep=(PlacementError, PruningError)):
+        model = hf.load_sharded(
+            args.hf, group=groups.ep if groups else None, placement=placement, device=device,
+            routing=RoutingConfig(max_devices=args.max_devices, prune_method=args.prune_method),
+            execution=ExecConfig(dispatcher=args.dispatcher), routing_placement=routing, similarity=sims,
+        )
     rep = model.occult_load_report
     log(f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "
         f"on this rank ({rep.layout} checkpoint; rank 0 read {rep.expert_bytes:,} bytes of experts)")
     teacher = None
     if args.distill_from:  # the same experts on this rank as the student, its own (standard) routing
-        teacher = hf.load_sharded(args.distill_from, group=groups.ep if groups else None, placement=placement,
-                                  device=device, execution=ExecConfig(dispatcher=args.dispatcher))
+        with loading_model("--distill-from", args.distill_from, keep=(PlacementError,)):
+            teacher = hf.load_sharded(args.distill_from, group=groups.ep if groups else None, placement=placement,
+                                      device=device, execution=ExecConfig(dispatcher=args.dispatcher))
         log(f"teacher: {args.distill_from} (standard routing, frozen)")
     return model, teacher
 
@@ -326,14 +291,13 @@ def run_finetune(args: Any) -> int:
 
     from occult.integrations import hf
 
-    if not (Path(args.hf) / "config.json").is_file():
-        raise ValueError(f"--hf {args.hf}: not a transformers model directory (no config.json)")
+    read_hf_config("--hf", args.hf)
     _quiet_unless_terminal()
     out = Path(args.out)
     check_output_dir("--out", args.out)
     if (out / "model").exists():
         raise ValueError(f"{out / 'model'} already exists: choose another --out")
-    _check_data(getattr(args, "data", None))
+    check_data(getattr(args, "data", None))
     check_input("--corpus-dir", getattr(args, "corpus_dir", None), "dir")
     for flag in ("placement", "similarity", "ep_placement"):
         check_input("--" + flag.replace("_", "-"), getattr(args, flag, None))

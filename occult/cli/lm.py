@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from occult.cli.inputs import check_checkpoint, input_error, load_token_data, reading
 from occult.cli.interrupt import interruptible
 from occult.cli.registry import (
     Command,
@@ -26,6 +27,7 @@ from occult.cli.registry import (
     nonnegative_int,
     positive_float,
     positive_int,
+    positive_int_at_most,
 )
 
 # ModelConfig defaults
@@ -34,6 +36,7 @@ HIDDEN, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, EXPERT_BACKEND = 256, 4, 4, 3
 STEPS, BATCH_SIZE, SEQ_LEN, LR, MIN_LR_RATIO, WARMUP = 2000, 32, 256, 1e-3, 0.1, 100
 WEIGHT_DECAY, GRAD_CLIP, AUX_LOSS_COEF, SEED, PRECISION, DEVICE = 0.1, 1.0, 0.01, 0, "auto", "auto"
 ADAM_EPS = 1e-8
+MAX_SEQ_LEN = 1 << 20  # occult.lm.checkpoint.MAX_SEQ_LEN: rotary tables of that many positions
 REPLACE_MIN_GAIN, REPLACE_CHECK, REPLACE_SAMPLES = 0.02, 10, 2048
 EVAL_EVERY, EVAL_TOKENS, SAVE_EVERY = 200, 131072, 500
 FINETUNE_LR, FINETUNE_WARMUP = 3e-4, 20
@@ -67,7 +70,8 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
                    "goes on from its value at the resume step along a new cosine to the floor at the new last step")
     g.add_argument("--batch-size", type=positive_int, default=BATCH_SIZE,
                    help=f"sequences per optimizer step, all ranks together (default {BATCH_SIZE})")
-    g.add_argument("--seq-len", type=positive_int, default=SEQ_LEN, help=f"tokens per training sequence (default {SEQ_LEN})")
+    g.add_argument("--seq-len", type=positive_int_at_most(MAX_SEQ_LEN), default=SEQ_LEN,
+                   help=f"tokens per training sequence, and the model's max_seq_len (at most {MAX_SEQ_LEN}; default {SEQ_LEN})")
     lr, warm = (FINETUNE_LR, FINETUNE_WARMUP) if finetune else (LR, WARMUP)
     g.add_argument("--lr", type=positive_float, default=lr, help=f"peak learning rate (default {lr:g})")
     g.add_argument("--min-lr-ratio", type=nonnegative_float, default=MIN_LR_RATIO, help=f"cosine floor as a fraction of --lr (default {MIN_LR_RATIO})")
@@ -201,7 +205,8 @@ def ep_placement_from_args(args, par, num_experts: int, fallback=None):
     from occult.moe.registry import capabilities
     from occult.placement import Placement
 
-    placement = Placement.load(args.ep_placement) if args.ep_placement else None
+    with reading("--ep-placement", args.ep_placement):
+        placement = Placement.load(args.ep_placement) if args.ep_placement else None
     if placement is None and fallback is not None and par is not None and fallback.num_devices == par.ep_size:
         placement = fallback
     nodes = getattr(args, "nodes", None)
@@ -259,7 +264,7 @@ def run_train(args) -> int:
 def _train(args) -> int:
     import torch
 
-    from occult.lm.data import load_dataset
+    from occult.lm.checkpoint import CheckpointError
     from occult.lm.model import ModelConfig
     from occult.lm.parallel import full_model, shard_model
     from occult.lm.train import train
@@ -267,7 +272,7 @@ def _train(args) -> int:
     _check_run_paths(args)
     par = _parallel(args)
     main = par is None or par.is_main
-    data = load_dataset(args.corpus_dir, args.tokenizer)
+    data = load_token_data(args)
     cfg = _train_config(args)
     mcfg = ModelConfig(
         vocab_size=data.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
@@ -287,8 +292,11 @@ def _train(args) -> int:
                   f"dense parameters: {dict(ddp='DDP', explicit='explicit all-reduce', fsdp='FSDP2')[cfg.grad_sync]}")
     ok = False
     try:
-        result = train(model, data, cfg, args.out, resume=args.resume, stop_after=args.stop_after,
-                       progress=not args.no_progress, parallel=par)
+        try:
+            result = train(model, data, cfg, args.out, resume=args.resume, stop_after=args.stop_after,
+                           progress=not args.no_progress, parallel=par)
+        except CheckpointError as exc:  # the resume state in --out
+            raise input_error("--out", args.out, exc) from None
         if main:
             _report(result, cfg.steps)
         ok = True
@@ -303,13 +311,15 @@ def load_routing_args(args, num_experts: int, num_layers: int):
     from occult.moe.pruning import PruningError, load_similarity, similarity_path
     from occult.placement import Placement
 
-    placement = Placement.load(args.placement) if args.placement else None
+    with reading("--placement", args.placement):
+        placement = Placement.load(args.placement) if args.placement else None
     if args.max_devices is not None and placement is None:
         raise PruningError("--max-devices needs --placement (which device holds each expert)")
     if args.prune_method != "similarity" or args.max_devices is None:
         return placement, None
     path = args.similarity or similarity_path(args.placement)
-    return placement, load_similarity(path, num_experts=num_experts, num_layers=num_layers)
+    with reading("--similarity", path):
+        return placement, load_similarity(path, num_experts=num_experts, num_layers=num_layers)
 
 
 def run_finetune(args) -> int:
@@ -318,8 +328,7 @@ def run_finetune(args) -> int:
 
 
 def _finetune(args) -> int:
-    from occult.lm.checkpoint import config_from_metadata, read_checkpoint
-    from occult.lm.data import load_dataset
+    from occult.lm.checkpoint import CheckpointError
     from occult.lm.train import finetune
 
     check_input("--init", args.init, "any")
@@ -327,18 +336,21 @@ def _finetune(args) -> int:
     check_input("--placement", args.placement)
     check_input("--similarity", args.similarity)
     _check_run_paths(args)
-    data = load_dataset(args.corpus_dir, args.tokenizer)
-    _, meta = read_checkpoint(args.init, prefixes=())
-    mcfg = config_from_metadata(meta, args.init)
+    data = load_token_data(args)
+    mcfg = check_checkpoint("--init", args.init)
     placement, sims = load_routing_args(args, mcfg.num_experts, mcfg.num_layers)
     cfg = _train_config(args)
     par = _parallel(args)
     ok = False
     try:
-        model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
-                                 method=args.prune_method, similarity=sims, resume=args.resume, stop_after=args.stop_after,
-                                 progress=not args.no_progress, parallel=par, dispatcher=args.dispatcher,
-                                 ep_placement=ep_placement_from_args(args, par, mcfg.num_experts, placement))
+        ep_placement = ep_placement_from_args(args, par, mcfg.num_experts, placement)
+        try:
+            model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
+                                     method=args.prune_method, similarity=sims, resume=args.resume,
+                                     stop_after=args.stop_after, progress=not args.no_progress, parallel=par,
+                                     dispatcher=args.dispatcher, ep_placement=ep_placement)
+        except CheckpointError as exc:  # the resume state in --out
+            raise input_error("--out", args.out, exc) from None
         if par is None or par.is_main:
             print(f"routing: {model.routing.describe()}")
             _report(result, cfg.steps)
@@ -351,7 +363,6 @@ def _finetune(args) -> int:
 
 def run_profile(args) -> int:
     """occult profile of an occult checkpoint: its routing trace and expert-similarity table."""
-    from occult.lm.data import load_dataset
     from occult.lm.profile import profile_checkpoint
     from occult.placement.stats import analytic_mean_ct
 
@@ -360,7 +371,8 @@ def run_profile(args) -> int:
     check_output("--similarity", args.similarity, "similarity.safetensors")
     check_input("--corpus-dir", args.corpus_dir, "dir")
     check_input("--tokenizer", args.tokenizer)
-    data = load_dataset(args.corpus_dir, args.tokenizer)
+    check_checkpoint("--model", args.model)
+    data = load_token_data(args)
     trace, sim_path = profile_checkpoint(
         args.model, data, args.out, split=args.split, tokens=args.tokens, batch_size=args.batch_size,
         seq_len=args.seq_len, with_scores=args.scores, as_routed=args.as_routed,

@@ -9,19 +9,21 @@ mirror `occult.placement.solvers` so that building the parser imports neither nu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from typing import Any
 
+from occult.cli.inputs import check_devices, load_placement, load_trace, reading
 from occult.cli.registry import (
     Command,
     CommandError,
     check_input,
     check_output,
-    nonnegative_int,
     positive_float,
     positive_int,
+    seed_int,
 )
 
 PLACE_METHODS = ("contiguous", "greedy", "hypergraph")
@@ -191,10 +193,11 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-def _load_trace(path: str) -> Any:
-    from occult.placement.trace import read_trace
-
-    return read_trace(path)
+def _check_plot_layers(args: argparse.Namespace, trace: Any) -> None:
+    """--plot-layers inside the trace, checked before anything is solved or written."""
+    bad = [i for i in (args.plot_layers or []) if i >= trace.num_layers]
+    if args.plot and bad:
+        raise CommandError(f"--plot-layers: layer {bad[0]} is out of range: the trace has {trace.num_layers} layer(s)")
 
 
 def _coacts(trace: Any, progress: bool) -> list[Any]:
@@ -232,7 +235,7 @@ def _add_place_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "-o", help="write the placement JSON to this file ('-': stdout, the report then on stderr; "
                    "a device or FIFO is written in place; default: none)")
     p.add_argument("--max-load", type=positive_float, metavar="RATIO", help="bound on max/mean per-device token-expert load, e.g. 1.1")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
     p.add_argument("--jobs", "-j", type=positive_int, help="worker processes solving layers in parallel (default: one per CPU for large traces)")
     p.add_argument("--kahypar-tokens", type=positive_int, default=DEFAULT_KAHYPAR_TOKENS,
                    help=f"tokens per layer Mt-KaHyPar sees; the refinement uses all (default {DEFAULT_KAHYPAR_TOKENS})")
@@ -252,7 +255,9 @@ def run_place(args: argparse.Namespace) -> int:
     check_input("--trace", args.trace)
     if args.devices % args.nodes:
         raise CommandError(f"--nodes {args.nodes} must divide --devices {args.devices} (every node holds D/M devices)")
-    trace = _load_trace(args.trace)
+    trace = load_trace(args.trace)
+    check_devices(trace, args.devices)
+    _check_plot_layers(args, trace)
     progress = _progress(args)
     coacts = _coacts(trace, progress)
     result = place(
@@ -336,7 +341,7 @@ def run_stats(args: argparse.Namespace) -> int:
     check_input("--placement", args.placement)
     if args.placement is None and args.devices is None:
         raise CommandError("give --placement FILE, or --devices D for the contiguous layout")
-    placement = Placement.load(args.placement) if args.placement else None
+    placement = load_placement(args.placement) if args.placement else None
     if placement is not None and args.devices is not None and args.devices != placement.num_devices:
         raise CommandError(
             f"--devices {args.devices} does not match the placement, which is for {placement.num_devices} devices"
@@ -346,11 +351,14 @@ def run_stats(args: argparse.Namespace) -> int:
     nodes = args.nodes or 1
     if placement is None and args.devices % nodes:
         raise CommandError(f"--nodes {nodes} must divide --devices {args.devices}")
-    trace = _load_trace(args.trace)
+    trace = load_trace(args.trace)
+    _check_plot_layers(args, trace)
     if placement is None:
+        check_devices(trace, args.devices)
         placement = Placement.contiguous(trace.num_experts, args.devices, trace.num_layers, nodes)
     coacts = _coacts(trace, _progress(args))
-    report = compare_placements(trace, placement, None, args.hidden, args.dtype, coacts)
+    with reading("--placement", args.placement) if args.placement else contextlib.nullcontext():  # fits the trace?
+        report = compare_placements(trace, placement, None, args.hidden, args.dtype, coacts)
     name = "placement" if args.placement else "contiguous"
     contiguous = Placement.contiguous(trace.num_experts, placement.num_devices, trace.num_layers, placement.num_nodes)
     plotted = _maybe_plot(args, trace, coacts, placement, contiguous, ("contiguous", name))

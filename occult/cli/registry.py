@@ -108,6 +108,29 @@ def nonnegative_int(text: str) -> int:
     return v
 
 
+def positive_int_at_most(limit: int) -> Callable[[str], int]:
+    """argparse type: an integer in [1, limit] (a size that is allocated as a whole, e.g. a sequence length)."""
+
+    def parse(text: str) -> int:
+        v = positive_int(text)
+        if v > limit:
+            raise argparse.ArgumentTypeError(f"expected a positive integer up to {limit}, got {v}")
+        return v
+
+    return parse
+
+
+MAX_SEED = 2**31 - 1  # what every consumer takes (Mt-KaHyPar's seed is a C int)
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a random seed, an integer in [0, 2^31 - 1]."""
+    v = _int(text, "an integer seed")
+    if not 0 <= v <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a seed in [0, {MAX_SEED}], got {v}")
+    return v
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type: a comma list of integers >= 1, e.g. `1,2,4`."""
     items = [t.strip() for t in text.split(",")]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -73,11 +74,49 @@ def read_checkpoint(path: str | os.PathLike, prefixes: Sequence[str] | None = No
     return tensors, meta
 
 
+MAX_SEQ_LEN = 1 << 20  # rotary tables are [max_seq_len, head_dim / 2]: a corrupt size must not allocate them
+
+
+def _check_values(cfg: ModelConfig) -> None:
+    """What `ModelConfig` leaves to its callers: numbers, flags and a bounded max_seq_len."""
+    if cfg.max_seq_len > MAX_SEQ_LEN:
+        raise ValueError(f"max_seq_len must be at most {MAX_SEQ_LEN}, got {cfg.max_seq_len}")
+    for name in ("rope_theta", "rms_eps", "init_std"):
+        v = getattr(cfg, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+            raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+    for name in ("norm_topk_prob", "tie_embeddings"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
+
+
 def config_from_metadata(meta: Mapping[str, str], source: str = "checkpoint") -> ModelConfig:
+    """The checkpoint's `ModelConfig`, every value checked (`CheckpointError` naming `source`)."""
     try:
-        return ModelConfig.from_dict(json.loads(meta["model_config"]))
-    except (ValueError, TypeError, KeyError) as exc:
+        cfg = ModelConfig.from_dict(json.loads(meta["model_config"]))
+        _check_values(cfg)
+        return cfg
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{source}: bad model_config in metadata ({exc})") from None
+
+
+def check_sizes(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Refuse a `model_config` that the checkpoint's own tensors contradict, before a model of that
+    size is built: a corrupt size must be an error, not an allocation of any size."""
+    want = {
+        "model.embed.weight": (cfg.vocab_size, cfg.hidden_size),
+        "model.blocks.0.moe.moe.router.gate.weight": (cfg.num_experts, cfg.hidden_size),
+        "model.blocks.0.moe.moe.down_proj": (cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size),
+    }
+    for key, shape in want.items():
+        t = tensors.get(key)
+        got = "missing" if t is None else f"shape {list(t.shape)}"
+        if t is None or tuple(t.shape) != shape:
+            raise CheckpointError(f"{source}: {key} is {got}, but the metadata's model_config says {list(shape)}")
+    blocks = {int(m.group(1)) for k in tensors if (m := re.match(r"model\.blocks\.(\d+)\.", k))}
+    if blocks != set(range(cfg.num_layers)):
+        raise CheckpointError(f"{source}: holds {len(blocks)} decoder block(s), but the metadata's model_config says "
+                              f"num_layers={cfg.num_layers}")
 
 
 def load_weights(model: OccultLM, tensors: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
@@ -124,12 +163,16 @@ def load_model(
     """
     tensors, meta = read_checkpoint(path, prefixes=("model.", "routing."))
     cfg = config_from_metadata(meta, str(path))
+    check_sizes(cfg, tensors, str(path))
     model = OccultLM(cfg, group=group)
     load_weights(model, tensors, str(path))
     if routing:
-        spec = routing_from_metadata(meta, tensors)
-        if spec.max_devices is not None:
-            model.set_routing(spec.max_devices, spec.placement, spec.method, spec.similarity)
+        try:
+            spec = routing_from_metadata(meta, tensors)
+            if spec.max_devices is not None:
+                model.set_routing(spec.max_devices, spec.placement, spec.method, spec.similarity)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+            raise CheckpointError(f"{path}: bad routing in the metadata ({type(exc).__name__}: {exc})") from None
     if device is not None:
         model.to(device)
     return model
@@ -144,5 +187,6 @@ __all__ = [
     "model_tensors",
     "model_metadata",
     "config_from_metadata",
+    "check_sizes",
     "routing_from_metadata",
 ]

@@ -43,6 +43,15 @@ def check_divisible(num_experts: int, num_devices: int) -> int:
     return num_experts // num_devices
 
 
+def _json_count(doc: dict[str, Any], key: str, source: str) -> int:
+    """`doc[key]` of a placement file: a positive integer (not a bool, float or string)."""
+    value = doc[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise PlacementError(f"{source}: {key!r} must be a positive integer, got {shown}")
+    return value
+
+
 @dataclass(frozen=True)
 class Placement:
     """Per-layer expert -> device map with equal experts per device.
@@ -278,22 +287,21 @@ class Placement:
         missing = [k for k in ("num_devices", "num_experts", "layers") if k not in doc]
         if missing:
             raise PlacementError(f"{source}: missing key(s) {missing}; expected {{'num_devices', 'num_experts', 'layers'}}")
+        num_devices, num_experts = (_json_count(doc, k, source) for k in ("num_devices", "num_experts"))
+        nodes = _json_count(doc, "num_nodes", source) if "num_nodes" in doc else 1
         layers = doc["layers"]
         if not isinstance(layers, list) or not layers or not all(isinstance(r, list) for r in layers):
             raise PlacementError(f"{source}: 'layers' must be a non-empty list of lists of device ids")
-        num_experts = doc["num_experts"]
         for i, row in enumerate(layers):
             if len(row) != num_experts:
                 raise PlacementError(
                     f"{source}: layer {i} lists {len(row)} experts, but num_experts is {num_experts}"
                 )
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
-                raise PlacementError(f"{source}: layer {i} holds a non-integer device id")
-        nodes = doc.get("num_nodes", 1)
-        if not isinstance(nodes, int) or isinstance(nodes, bool):
-            raise PlacementError(f"{source}: 'num_nodes' must be an integer, got {nodes!r}")
+            bad = next((v for v in row if not isinstance(v, int) or isinstance(v, bool) or not -2**63 <= v < 2**63), None)
+            if bad is not None:  # an int64 here; the range check proper is Placement's
+                raise PlacementError(f"{source}: layer {i} holds device id {bad!r:.40}, not an integer in [0, {num_devices})")
         try:
-            return cls(np.asarray(layers, dtype=np.int64), int(doc["num_devices"]), nodes)
+            return cls(np.asarray(layers, dtype=np.int64), num_devices, nodes)
         except PlacementError as exc:
             raise PlacementError(f"{source}: {exc}") from None
 
@@ -310,6 +318,8 @@ class Placement:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlacementError(f"{path} is not valid JSON ({exc}); is the file truncated or corrupted?") from None
+        except RecursionError:
+            raise PlacementError(f"{path} is not a placement JSON file (nested too deeply)") from None
         return cls.from_json_dict(doc, source=str(path))
 
     def __eq__(self, other: object) -> bool:

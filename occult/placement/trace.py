@@ -214,6 +214,17 @@ def _parse_int_meta(meta: Mapping[str, str], key: str, path: str) -> int | None:
     return v
 
 
+def _missing_layers(found: Mapping[int, set[str]], n: int, most: int = 8) -> list[int]:
+    """The first `most` layers of 0..n-1 without a topk_ids tensor (n may be huge: a corrupt key)."""
+    missing: list[int] = []
+    i = 0
+    while i < n and len(missing) < most:
+        if "topk_ids" not in found.get(i, ()):
+            missing.append(i)
+        i += 1
+    return missing
+
+
 def read_trace(path: str | os.PathLike, layers: Sequence[int] | None = None) -> Trace:
     """Read and validate a trace file; `layers` loads only those layer indices (renumbered 0..)."""
     from safetensors import safe_open
@@ -251,7 +262,7 @@ def read_trace(path: str | os.PathLike, layers: Sequence[int] | None = None) -> 
                 f"{p}: no tensors named 'layers.<i>.topk_ids' (found {keys[:5]}{'...' if len(keys) > 5 else ''})"
             )
         n = max(found) + 1
-        missing = [i for i in range(n) if "topk_ids" not in found.get(i, ())]
+        missing = _missing_layers(found, n)
         if missing:
             raise TraceError(
                 f"{p}: layer(s) {missing} missing: expected tensors 'layers.0.topk_ids' ... "
