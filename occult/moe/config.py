@@ -93,9 +93,9 @@ class ExecConfig:
     plans, no host wait (CUDA-graph capturable; every rank passes the same token count).
     `overlap_chunks=C > 1`: the layer pipelined over C token chunks. `expert_backend`: "auto"
     (Triton on GPUs), "torch" or "triton". `transport`: how the all-to-alls learn their sizes,
-    chosen once when the layer is built: "auto" (the device transport, counts kept on the GPU and
-    no host wait, where the group has it: NCCL with NVSHMEM symmetric memory; else the count
-    exchange), "device" (an error where it cannot run) or "counts" (the count exchange everywhere).
+    chosen once when the layer is built: "counts" (the count exchange: one host wait a call),
+    "device" (counts kept on the GPU, no host wait: NCCL groups with NVSHMEM symmetric memory;
+    an error elsewhere) or "auto" (today the count exchange: `occult.moe.symm.choose_transport`).
     """
 
     dispatcher: Any = "dedup"

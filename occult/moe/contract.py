@@ -99,9 +99,9 @@ class Dispatcher(ABC):
 
     `group`: the expert-parallel process group (None: the default group, or one rank).
     `devices_per_node` (G, ranks node-major): with it, `CommStats` splits remote rows into
-    inter-node and intra-node ones. `transport`: "auto" (the device transport where the group
-    has it, `occult.moe.symm`), "device" (required: an error where it cannot run) or "counts"
-    (the count exchange: one host wait per call); `self.transport` is the chosen one or None.
+    inter-node and intra-node ones. `transport`: "device" (`occult.moe.symm`: counts kept on
+    the GPU, no host wait; an error where it cannot run), "counts" (the count exchange: one host
+    wait per call) or "auto" (`symm.choose_transport`); `self.transport` is the device one or None.
     """
 
     name: ClassVar[str] = "base"

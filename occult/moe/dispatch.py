@@ -9,9 +9,9 @@ row and sums each token's rows. Backward sends as many rows as forward: gradient
 both all-to-alls in reverse, and the gate gradients (k scalars per row) return with the
 dispatch's backward. `Schedule.chunks > 1` runs the same plans pipelined (`occult.moe.pipeline`).
 On a group of one rank (outside two-batch overlap) every schedule is the identity of
-`occult.moe.local`: no plan, no copies, no host wait. Where the group has the device transport
-(`occult.moe.symm`, chosen once when the dispatcher is built: NCCL groups with NVSHMEM), the plain
-schedule runs over it (`occult.moe.device_exchange`): the counts stay on the device, no host wait.
+`occult.moe.local`: no plan, no copies, no host wait. With the device transport (`occult.moe.symm`,
+chosen once when the dispatcher is built: `transport="device"`, NCCL groups with NVSHMEM), the
+plain schedule runs over it (`occult.moe.device_exchange`): the counts stay on the device.
 """
 
 from __future__ import annotations

@@ -39,16 +39,15 @@ SHAPES: dict[str, Shape] = {
     **{name: MODEL_SHAPES[name] for name in ("olmoe", "qwen3", "deepseek", "mixtral")},
     "tiny": Shape("tiny", 64, 32, 16, 4),
 }
-VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@counts", "dedup@counts")
+VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@device", "dedup@device")
 # the dispatcher each variant runs (dedup+placement: dedup on the solved placement)
 VARIANT_DISPATCHER = {"standard": "standard", "dedup": "dedup", "dedup+placement": "dedup", "dedup2": "dedup2",
-                      "standard@counts": "standard", "dedup@counts": "dedup"}
+                      "standard@device": "standard", "dedup@device": "dedup"}
 
 
 def variant_transport(variant: str) -> str:
-    """The transport a variant asks for: "@counts" the count exchange, else "auto" (the device
-    transport where the group has it)."""
-    return "counts" if variant.endswith("@counts") else "auto"
+    """The transport a variant asks for: "@device" the device transport (`occult.moe.symm`), else "auto"."""
+    return "device" if variant.endswith("@device") else "auto"
 
 
 class PresetRouter(nn.Module):

@@ -82,12 +82,22 @@ def _placement(kind: str, num_experts: int, world_size: int, seed: int) -> Place
     return Placement(rng.permutation(np.arange(num_experts) % world_size)[None], world_size)
 
 
+def skip_without_transport(ranks, transport: str) -> None:
+    """Skip the device-transport cases where it cannot run (gloo, CPU ranks, no NVSHMEM)."""
+    from occult.moe.symm import unavailable_reason
+
+    reason = unavailable_reason(dist.group.WORLD) if transport == "device" else None
+    if reason:
+        pytest.skip(f"device transport: {reason}")
+
+
 def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=None, top_k=4,
              tokens=None, max_devices=None, router_weights_dtype=None, norm=False, sync_free=False, chunks=1, salt=0,
              two_batch=False, transport="auto") -> dict:
     """One layer forward+backward on every rank; the worst relative errors over all ranks."""
     D, rank, dev = ranks.world_size, ranks.rank, ranks.device
     E = experts or 8 * D
+    skip_without_transport(ranks, transport)
     seed = ranks.seed + salt
     torch.manual_seed(seed)  # same weights on every rank
     dense32 = DenseMoE(HIDDEN, FFN, E, top_k, norm_topk_prob=norm, dtype=torch.float32, device=dev)
@@ -148,7 +158,7 @@ def _assert_within(errors: dict, tol: float, where: str) -> None:
     assert max(worst.values()) <= tol, (where, f"tolerance {tol:g}", worst)
 
 
-@pytest.mark.parametrize("transport", ["auto", "counts"])
+@pytest.mark.parametrize("transport", ["device", "counts"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("placement", ["contiguous", "random"])
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
@@ -176,7 +186,7 @@ def test_router_returning_half_precision_weights(ranks, dispatcher, dtype_name):
     _assert_within(errors, TOL[dtype], f"half-precision router weights, {dispatcher}/{dtype_name}")
 
 
-@pytest.mark.parametrize("transport", ["auto", "counts"])
+@pytest.mark.parametrize("transport", ["device", "counts"])
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
 def test_rank_with_no_tokens(ranks, dispatcher, transport):
     tokens = [0 if r == 1 else 300 + 17 * r for r in range(ranks.world_size)]
@@ -262,13 +272,14 @@ def test_sync_free_forward_replays_in_a_cuda_graph(ranks, dispatcher):
     assert ranks.all_max(worst) < 1e-2, worst
 
 
-@pytest.mark.parametrize("transport", ["auto", "counts"])
+@pytest.mark.parametrize("transport", ["device", "counts"])
 def test_nan_input_raises_on_every_rank_and_the_group_survives(ranks, transport):
     """NaN activations on one rank: every rank raises the same clear error, then works on. The
     count exchange raises in the call; the device transport (no host wait) at the latest in
     `check_routing()` (a converted model calls it after every forward), on every rank."""
     torch.manual_seed(ranks.seed + 6)
     dense = DenseMoE(HIDDEN, FFN, 8 * ranks.world_size, 4, dtype=torch.bfloat16, device=ranks.device)
+    skip_without_transport(ranks, transport)
     layer = OccultMoE.from_dense(dense, transport=transport)
     x = torch.randn(64, HIDDEN, dtype=torch.bfloat16, device=ranks.device)
     bad = x.clone()
@@ -281,10 +292,11 @@ def test_nan_input_raises_on_every_rank_and_the_group_survives(ranks, transport)
     assert torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("transport", ["auto", "counts"])
+@pytest.mark.parametrize("transport", ["device", "counts"])
 def test_wrong_hidden_size_raises_on_every_rank(ranks, transport):
     torch.manual_seed(ranks.seed + 7)
     dense = DenseMoE(HIDDEN, FFN, 8 * ranks.world_size, 4, dtype=torch.bfloat16, device=ranks.device)
+    skip_without_transport(ranks, transport)
     layer = OccultMoE.from_dense(dense, transport=transport)
     width = HIDDEN + 1 if ranks.rank == 0 else HIDDEN
     x = torch.randn(32, width, dtype=torch.bfloat16, device=ranks.device)
@@ -299,15 +311,15 @@ def test_wrong_hidden_size_raises_on_every_rank(ranks, transport):
 
 
 def test_device_transport_has_no_host_wait(ranks):
-    """Over NCCL with NVSHMEM the default transport is the device one: a forward and backward
+    """Over NCCL with NVSHMEM the device transport runs a forward and backward
     with no device-to-host synchronisation (CUDA's sync debug mode raises on any), also when the
     buffers grow and the ranks' token counts differ; the same result as the count exchange."""
-    if ranks.device.type != "cuda" or ranks.backend != "nccl":
-        pytest.skip("the device transport needs GPUs with NCCL")
+    skip_without_transport(ranks, "device")
     torch.manual_seed(ranks.seed + 13)
     E = 8 * ranks.world_size
     dense = DenseMoE(HIDDEN, FFN, E, 4, dtype=torch.bfloat16, device=ranks.device)
-    device = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed))
+    device = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed),
+                                  transport="device")
     counts = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed),
                                   transport="counts")
     assert "transport=device" in repr(device) and "transport=counts" in repr(counts), repr(device)

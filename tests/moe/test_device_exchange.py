@@ -139,3 +139,19 @@ def test_row_layout_pads_rows_to_whole_blocks():
         assert torch.equal(layout.read_x(buf, 3), x)
         assert torch.equal(layout.read_gates(buf, 3), g.to(dtype)) and torch.equal(layout.read_slots(buf, 3), s)
     assert symm.token_bucket(0) == symm.token_bucket(256) == 256 and symm.token_bucket(257) == 512
+
+
+def refusal_worker(rank: int, world: int) -> str:
+    try:
+        OccultMoE(8, 4, 4, 2, transport="device")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_device_transport_is_refused_clearly_where_it_cannot_run():
+    for message in run_ranks(refusal_worker, 2, timeout_s=60):
+        assert "device transport cannot run here" in message and "transport='counts'" in message, message
+    with pytest.raises(ValueError, match="transport must be one of"):
+        OccultMoE(8, 4, 4, 2, transport="nvshmem")
+    assert "transport=counts" in repr(OccultMoE(8, 4, 4, 2))
