@@ -179,6 +179,15 @@ class StaticDecoder:
         finally:
             self._restore(saved)  # the capture advanced them; the K/V written at the next slot is re-written
 
+    def release(self) -> None:
+        """Free the captured graph now, not when the garbage collector reaches it: a graph that
+        holds NCCL collectives still alive at `dist.destroy_process_group()` hangs every rank there
+        (seen on 2 GPUs after `compile_layers`, issue 37)."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.device)
+            self.graph.reset()
+            self.graph = None
+
     @torch.no_grad()
     def warm_up(self, steps: int, saved: list[torch.Tensor] | None = None) -> None:
         """Run `steps` decode forwards, each from the current state, then restore it: nothing advances.

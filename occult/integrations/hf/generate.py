@@ -154,6 +154,7 @@ def generate(
         seed = int(torch.randint(2**62, (1,), generator=generator,
                                  device=generator.device if generator is not None else "cpu"))
     previous = [(m, m.sync_free) for m in model.modules() if isinstance(m, OccultMoE)]
+    dec = None
     try:
         dec = _decoder(model, B_max, S_max + max_new_tokens, use_graph, reuse,
                        TokenSelector(B_max, device, sampling, eos, pad))
@@ -164,10 +165,12 @@ def generate(
             _capture(dec, cuda_graph, group, world, device)
         dec.selector.reset(B, seed)  # after the capture: its warm-up draws do not count
         new = _decode(dec, logits_PV, max_new_tokens, every if any_eos else 0, group, world)
+        return _until_eos(ids_BS, torch.stack(new, dim=1)[:B], eos, dec)
     finally:
         for m, flag in previous:
             m.sync_free = flag
-    return _until_eos(ids_BS, torch.stack(new, dim=1)[:B], eos, dec)
+        if dec is not None and not reuse:
+            dec.release()  # the graph goes now: alive at destroy_process_group, it hangs the ranks
 
 
 def _check_args(input_ids: torch.Tensor, max_new_tokens: int, sync_every: int) -> None:
