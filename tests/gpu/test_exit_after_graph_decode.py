@@ -1,9 +1,10 @@
-"""Issue 37's hang at exit: 2 ranks, `compile_layers` + graph-captured `hf.generate`, then a plain
-`dist.destroy_process_group()`. Every rank must leave within 30 s of its last decode step.
+"""Issue 37's hang at exit: 2 ranks, `compile_layers` + graph-captured `hf.generate`, then the
+process group destroyed. Every rank must leave within 30 s of its last decode step.
 
-The cause was the decode step's CUDA graph (it holds NCCL collectives) still alive, waiting for the
-garbage collector, when the process group was destroyed: `hf.generate` now frees it on return
-(`StaticDecoder.release`). Runs `scripts/exit_probe.py` under torchrun (single-process stage).
+Seen on 2 x H200: a plain `dist.destroy_process_group()` with the converted, compiled model still
+alive hangs both ranks inside it (freeing the decode graph on return, `StaticDecoder.release`, is
+not enough); `occult.distributed.finish_distributed` (the model freed and collected, a barrier,
+then destroy) exits at once. Runs `scripts/exit_probe.py` under torchrun (single-process stage).
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
-def test_ranks_exit_after_compiled_graph_decode():
+@pytest.mark.parametrize("teardown", [
+    "finish",
+    pytest.param("destroy", marks=pytest.mark.xfail(reason="issue 37: destroy_process_group with the compiled model "
+                                                           "alive hangs; free it first (finish_distributed)")),
+])
+def test_ranks_exit_after_compiled_graph_decode(teardown):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "scripts" / "exit_probe.py"), "--layers", "2", "--teardown", "destroy"]
+           str(ROOT / "scripts" / "exit_probe.py"), "--layers", "2", "--teardown", teardown]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
