@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from occult import settings
 from occult.moe import status as pending
 from occult.moe.comm import CommStats, count_sent
 from occult.moe.contract import Handle, Received
 from occult.moe.counts import raise_on_bad_status
-from occult.moe.gather import gather_gate_weights, gather_rows, sum_rows
+from occult.moe.gather import gather_gate_weights, gather_rows, scatter_gates, sum_rows, token_sum
 from occult.moe.plan import DispatchPlan
 from occult.moe.symm import DeviceTransport, row_bytes, token_bucket
 
@@ -142,8 +143,24 @@ class DeviceHandle(Handle):
         write(transport.send_view(slot, width))
         recv, recv_counts_D = transport.all_to_all(slot, width, counts_D)
         if self.recv_counts_D is None:
-            self.recv_counts_D = recv_counts_D
+            self.recv_counts_D = recv_counts_D.clone()
         return recv
+
+    def dispatch_packed(self, x_TH: torch.Tensor, weights_TK: torch.Tensor):
+        """`dispatch_rows` from the tokens themselves, in two kernels (`occult.kernels.pack`): the
+        rows, gates and slots gathered straight into the send buffer, the received ones unpacked
+        and masked in one pass."""
+        from occult.kernels.pack import pack_rows, unpack_rows
+
+        L, plan = self.layout, self.plan
+        g0, s0 = L.x_bytes, L.x_bytes + L.gate_bytes
+        recv = self.exchange(L.width, self.send_counts_D, lambda buf: pack_rows(
+            buf, x_TH, plan.token_P, weights_TK, plan.entry_PK, plan.slot_PK, g0, s0))
+        x_RH, gates_RK, slots_RK = unpack_rows(recv, self.num_recv, L.hidden, L.top_k, L.dtype, L.gates_dtype,
+                                               self.recv_counts_D, g0, s0)
+        self.stats.add(self.send_counts_D, L.hidden * x_TH.element_size(), L.gate_bytes + 4 * L.top_k, False,
+                       "dispatch")
+        return x_RH, gates_RK, slots_RK
 
     def dispatch_rows(self, rows_PH, gates_PK, slots_PK):
         """Rows out with gates and slots; (x_RH, gates_RK, slots_RK) received, the tail masked."""
@@ -187,14 +204,37 @@ class _DeviceDispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x_RH, grad_gates_RK, _grad_slots):
-        handle = ctx.handle
-        if grad_x_RH is None:
-            grad_x_RH = torch.zeros((handle.num_recv, handle.layout.hidden), dtype=handle.layout.dtype,
-                                    device=handle.send_counts_D.device)
-        if grad_gates_RK is None:
-            grad_gates_RK = grad_x_RH.new_zeros((grad_x_RH.shape[0], handle.layout.top_k), dtype=torch.float32)
-        grad_rows_PH, grad_gates_PK = handle.dispatch_grads(grad_x_RH, grad_gates_RK)
+        grad_rows_PH, grad_gates_PK = _dispatch_grads(ctx.handle, grad_x_RH, grad_gates_RK)
         return grad_rows_PH, grad_gates_PK, None, None
+
+
+def _dispatch_grads(handle: DeviceHandle, grad_x_RH, grad_gates_RK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The received rows' and gates' gradients back to their sources (zeros where autograd gave none)."""
+    if grad_x_RH is None:
+        grad_x_RH = torch.zeros((handle.num_recv, handle.layout.hidden), dtype=handle.layout.dtype,
+                                device=handle.send_counts_D.device)
+    if grad_gates_RK is None:
+        grad_gates_RK = grad_x_RH.new_zeros((grad_x_RH.shape[0], handle.layout.top_k), dtype=torch.float32)
+    return handle.dispatch_grads(grad_x_RH, grad_gates_RK)
+
+
+class _DevicePackedDispatch(torch.autograd.Function):
+    """`_DeviceDispatch` fused with the row and gate gathers (GPU kernels); backward sums each
+    token's row gradients and scatters the gate gradients back to the top-k entries."""
+
+    @staticmethod
+    def forward(ctx, x_TH, weights_TK, handle):
+        ctx.handle, ctx.weights_shape = handle, weights_TK.shape
+        x_RH, gates_RK, slots_RK = handle.dispatch_packed(x_TH, weights_TK)
+        ctx.mark_non_differentiable(slots_RK)
+        return x_RH, gates_RK, slots_RK
+
+    @staticmethod
+    def backward(ctx, grad_x_RH, grad_gates_RK, _grad_slots):
+        grad_rows_PH, grad_gates_PK = _dispatch_grads(ctx.handle, grad_x_RH, grad_gates_RK)
+        plan = ctx.handle.plan
+        grad_x_TH = token_sum(grad_rows_PH, plan.token_P, plan.row_TJ, grad_rows_PH.dtype)
+        return grad_x_TH, scatter_gates(grad_gates_PK, plan.entry_PK, torch.Size(ctx.weights_shape)), None
 
 
 class _DeviceCombine(torch.autograd.Function):
@@ -246,10 +286,22 @@ def dispatch_device(dispatcher: Any, x_TH: torch.Tensor, weights_TK: torch.Tenso
     transport.reserve(max(D * per_rank, per_token) * bucket * layout.width)
     stats = DeviceCommStats(dispatcher.rank, dispatcher.peer_level)
     handle = DeviceHandle(transport, layout, plan, plan.send_counts_D, D * per_rank * max_tokens, stats)
-    rows_PH = gather_rows(x_TH, plan.token_P, plan.row_TJ)
-    gates_PK = gather_gate_weights(weights_TK, plan.entry_PK)
-    x_RH, gates_RK, slots_RK = _DeviceDispatch.apply(rows_PH, gates_PK, plan.slot_PK, handle)
+    if packable(x_TH, weights_TK):
+        x_RH, gates_RK, slots_RK = _DevicePackedDispatch.apply(x_TH, weights_TK, handle)
+    else:
+        rows_PH = gather_rows(x_TH, plan.token_P, plan.row_TJ)
+        gates_PK = gather_gate_weights(weights_TK, plan.entry_PK)
+        x_RH, gates_RK, slots_RK = _DeviceDispatch.apply(rows_PH, gates_PK, plan.slot_PK, handle)
     return Received(x_RH, slots_RK, gates_RK), handle
+
+
+def packable(x_TH: torch.Tensor, weights_TK: torch.Tensor) -> bool:
+    """Whether the pack/unpack kernels serve these tensors (CUDA, or Triton's interpreter; fp32 gates carrier)."""
+    if x_TH.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weights_TK.dtype == torch.float64:
+        return False
+    from occult import kernels
+
+    return kernels.available(x_TH.device) and (x_TH.is_cuda or settings.current().triton_interpret)
 
 
 def combine_device(y_RH: torch.Tensor, handle: DeviceHandle) -> torch.Tensor:

@@ -8,9 +8,9 @@ symmetric-memory buffers sized from shapes, so a layer call queues all its work 
 
 What the host still needs is a bound on the rows each rank can receive. It follows from the
 largest token count of any rank, which is a shape every host knows about itself: `agree` swaps it
-(with every rank's input status known on the host) over a small gloo group beside the NCCL one, a
-host-only exchange that never waits for the GPU. Buffers grow, collectively, only when that bound
-grows (sized in powers of two of tokens).
+(with every rank's input status known on the host) host to host, never waiting for the GPU
+(`occult.moe.agree`: a shared-memory page where the group is on one host, else gloo). Buffers
+grow, collectively, only when that bound grows (sized in powers of two of tokens).
 
 Two sets of buffers (`_Slot`) alternate between consecutive all-to-alls: `all_to_all_vdev` pulls
 rows out of the senders' buffers, and a sender may reuse its buffer only after every peer has
@@ -25,13 +25,13 @@ buffers of at least `MIN_BUFFER_BYTES`, so it always runs its full block count, 
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from occult.moe.agree import gloo_group, make_board
 from occult.moe.config import TRANSPORTS
 
 ROW_ALIGN = 64  # bytes per row: a multiple of this divides evenly over any power-of-two block count <= 64
@@ -111,9 +111,8 @@ class DeviceTransport:
 
         self.group, self.group_name = group, group.group_name
         self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        ranks = dist.get_process_group_ranks(group)
-        self.host_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
-                                         timeout=datetime.timedelta(seconds=AGREE_TIMEOUT_S))
+        self.host_group = gloo_group(dist.get_process_group_ranks(group), AGREE_TIMEOUT_S)
+        self.board = make_board(self.host_group, 1 + self.num_ranks, AGREE_TIMEOUT_S)
         if symm_mem.get_backend(torch.device("cuda")) != "NVSHMEM":
             symm_mem.set_backend("NVSHMEM")
         symm_mem.enable_symm_mem_for_group(self.group_name)
@@ -136,9 +135,7 @@ class DeviceTransport:
         `statuses_D` holds this rank's knowledge (0 = fine) per rank of the group; the result is
         their element-wise maximum over ranks, the same list on every rank.
         """
-        payload = torch.tensor([num_tokens, *statuses_D], dtype=torch.int64)
-        dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=self.host_group)
-        values = payload.tolist()
+        values = self.board.max_reduce([num_tokens, *statuses_D])
         return values[0], values[1:]
 
     def reserve(self, num_bytes: int) -> None:
@@ -172,15 +169,15 @@ class DeviceTransport:
         `counts_D[d]` to rank d, a device tensor) to their ranks.
 
         Returns (received bytes as [rows, width], packed by source rank in rank order; rows past
-        the received total are stale, and received rows per source, int64 [D], a new tensor).
-        Nothing waits on the host.
+        the received total are stale, and received rows per source, int64 [D]: a view of the
+        slot's buffer, valid until its next use: clone it to keep it). Nothing waits on the host.
         """
         rows = self.capacity_bytes // width
         send = slot.send[: rows * width].view(rows, width)
         recv = slot.recv[: rows * width].view(rows, width)
         slot.in_splits.copy_(counts_D)
         torch.ops.symm_mem.all_to_all_vdev(send, recv, slot.in_splits, slot.out_splits_offsets, self.group_name)
-        return recv, slot.out_splits_offsets[0].clone()
+        return recv, slot.out_splits_offsets[0]
 
     def send_view(self, slot: _Slot, width: int) -> torch.Tensor:
         """`slot.send` as rows of `width` bytes (fill the first rows before `all_to_all`)."""

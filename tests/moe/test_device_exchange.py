@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from occult import DenseMoE, OccultMoE, Placement, RoutingError
 from occult.distributed import run_ranks
-from occult.moe import symm
+from occult.moe import agree, symm
 
 
 class GlooTransport(symm.DeviceTransport):
@@ -28,6 +28,7 @@ class GlooTransport(symm.DeviceTransport):
         self.group, self.group_name = group, "stand-in"
         self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.host_group = group
+        self.board = agree.make_board(group, 1 + self.num_ranks, 60.0)  # on one host: the shared page
         self.capacity_bytes, self._slots, self._turn = 0, [], 0
         self.grown = 0
 
@@ -87,6 +88,9 @@ def exactness_worker(rank: int, world: int, seed: int, dispatcher: str, dtype_na
     for p_dev, p_cnt in zip(device.parameters(), counts.parameters()):
         out["worst"] = max(out["worst"], float((p_dev.grad - p_cnt.grad).abs().max()))
     out["grown"] = device.dispatcher.transport.grown
+    from occult.moe.device_exchange import packable
+
+    out["packed"] = packable(x, torch.zeros(1, k, dtype=dtype))
     return out
 
 
@@ -98,6 +102,17 @@ def test_device_path_equals_count_exchange_and_reference(dispatcher, dtype_name)
     for out in results:
         assert out["worst"] < tol, out
         assert out["grown"] == 2  # 256-token bucket, then 512 for the 300-token call
+
+
+@pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
+def test_pack_kernels_equal_the_torch_path(dispatcher, monkeypatch):
+    """float32 ranks take the pack/unpack kernels (`occult.kernels.pack`) under Triton's CPU
+    interpreter: the same outputs, gradients and counts as the count exchange."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks start with it
+    results = run_ranks(exactness_worker, 2, random.randrange(2**31), dispatcher, "float32", timeout_s=300)
+    for out in results:
+        assert out["packed"] and out["worst"] < 1e-5, out
 
 
 def bad_input_worker(rank: int, world: int, seed: int) -> dict:

@@ -1,0 +1,104 @@
+"""One launch each way for the device transport's byte rows (`occult.moe.device_exchange.RowLayout`).
+
+`pack_rows`: send row p = token `token_P[p]`'s activation, its gates (`weights.flat[entry_PK[p]]`,
+0 where entry is -1; fp32) and local slots (int32), side by side in one buffer row; rows with token
+-1 (the plan's unused capacity) are left as they are (never sent). It replaces the row gather, the
+gate gather and three strided copies: the host launches one kernel instead of about a dozen ops.
+
+`unpack_rows`: the first R received rows back into an activation tensor [R, H], gates [R, K] (in the
+gates' dtype) and slots [R, K] (int64); rows at or past the received total (the sum of the device
+counts, read by the kernel) are masked: activation 0, gate 0, slot -1, so the experts skip them.
+
+The buffer is passed three times, viewed as the activations' dtype, as float32 and as int32 (the
+same bytes); row strides and column offsets are in those views' elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pack_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, bx_ptr, bg_ptr, bs_ptr,
+                 K, x_stride, bx_stride, bw_stride, gate_col, slot_col,
+                 H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tok = tl.load(token_ptr + row)
+    used = tok >= 0
+    tok = tl.maximum(tok, 0)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + tok * x_stride + h, mask=(h < H) & used)
+        tl.store(bx_ptr + row * bx_stride + h, x, mask=(h < H) & used)
+    k = tl.arange(0, K_POW2)
+    entry = tl.load(entry_ptr + row * K + k, mask=k < K, other=-1)
+    gate = tl.load(w_ptr + tl.maximum(entry, 0), mask=(k < K) & (entry >= 0), other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + row * K + k, mask=k < K, other=-1)
+    tl.store(bg_ptr + row * bw_stride + gate_col + k, gate, mask=(k < K) & used)
+    tl.store(bs_ptr + row * bw_stride + slot_col + k, slot.to(tl.int32), mask=(k < K) & used)
+
+
+@triton.jit
+def _unpack_kernel(bx_ptr, bg_ptr, bs_ptr, counts_ptr, x_ptr, gates_ptr, slots_ptr,
+                   K, D, bx_stride, bw_stride, gate_col, slot_col,
+                   H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, D_POW2)
+    total = tl.sum(tl.load(counts_ptr + d, mask=d < D, other=0), axis=0)
+    valid = row < total
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(bx_ptr + row * bx_stride + h, mask=(h < H) & valid, other=0.0)
+        tl.store(x_ptr + row * H + h, x, mask=h < H)
+    k = tl.arange(0, K_POW2)
+    gate = tl.load(bg_ptr + row * bw_stride + gate_col + k, mask=(k < K) & valid, other=0.0)
+    slot = tl.load(bs_ptr + row * bw_stride + slot_col + k, mask=(k < K) & valid, other=-1)
+    tl.store(gates_ptr + row * K + k, gate.to(gates_ptr.dtype.element_ty), mask=k < K)
+    tl.store(slots_ptr + row * K + k, slot.to(tl.int64), mask=k < K)
+
+
+def _views(buf_NW: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return buf_NW.view(dtype), buf_NW.view(torch.float32), buf_NW.view(torch.int32)
+
+
+def _block_h(hidden: int) -> int:
+    return min(1024, triton.next_power_of_2(max(hidden, 16)))
+
+
+def pack_rows(buf_NW: torch.Tensor, x_TH: torch.Tensor, token_P: torch.Tensor, weights_TK: torch.Tensor,
+              entry_PK: torch.Tensor, slot_PK: torch.Tensor, gate_byte: int, slot_byte: int) -> None:
+    """Write plan rows (activation, fp32 gates at byte `gate_byte`, int32 slots at `slot_byte`) into
+    the first rows of the byte buffer `buf_NW` [N, W] (module docstring)."""
+    num_rows, num_k = entry_PK.shape
+    if num_rows == 0:
+        return
+    bx, bg, bs = _views(buf_NW, x_TH.dtype)
+    x_TH, weights = x_TH.contiguous(), weights_TK.contiguous()
+    _pack_kernel[(num_rows,)](
+        x_TH, token_P.contiguous(), weights, entry_PK.contiguous(), slot_PK.contiguous(), bx, bg, bs,
+        num_k, x_TH.stride(0), bx.stride(0), bg.stride(0), gate_byte // 4, slot_byte // 4,
+        H=x_TH.shape[1], BLOCK_H=_block_h(x_TH.shape[1]), K_POW2=triton.next_power_of_2(num_k),
+    )
+
+
+def unpack_rows(buf_NW: torch.Tensor, num_rows: int, hidden: int, num_k: int, dtype: torch.dtype,
+                gates_dtype: torch.dtype, counts_D: torch.Tensor, gate_byte: int,
+                slot_byte: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [R, H], gates [R, K], slots [R, K] int64) from the first R rows of `buf_NW`, rows past
+    `counts_D.sum()` masked (module docstring)."""
+    dev = buf_NW.device
+    x = torch.empty((num_rows, hidden), dtype=dtype, device=dev)
+    gates = torch.empty((num_rows, num_k), dtype=gates_dtype, device=dev)
+    slots = torch.empty((num_rows, num_k), dtype=torch.int64, device=dev)
+    if num_rows == 0:
+        return x, gates, slots
+    bx, bg, bs = _views(buf_NW, dtype)
+    D = counts_D.shape[0]
+    _unpack_kernel[(num_rows,)](
+        bx, bg, bs, counts_D, x, gates, slots, num_k, D, bx.stride(0), bg.stride(0),
+        gate_byte // 4, slot_byte // 4,
+        H=hidden, BLOCK_H=_block_h(hidden), K_POW2=triton.next_power_of_2(num_k), D_POW2=triton.next_power_of_2(D),
+    )
+    return x, gates, slots

@@ -1,0 +1,60 @@
+"""`occult.moe.agree`: the host-only maximum the device transport agrees on, on 3 CPU ranks."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch.distributed as dist
+
+from occult.distributed import run_ranks
+from occult.moe.agree import GlooBoard, SharedBoard, make_board
+
+
+def rounds_worker(rank: int, world: int, seed: int) -> list[list[int]]:
+    board = make_board(dist.group.WORLD, 4, 30.0)
+    gloo = GlooBoard(dist.group.WORLD)
+    assert isinstance(board, SharedBoard)  # every rank on this host
+    rng = random.Random(seed + rank)
+    out = []
+    for step in range(300):
+        values = [rng.randrange(-5, 1000) for _ in range(4)]
+        if step % 37 == rank:
+            time.sleep(0.01)  # one rank late now and then: the others wait for it
+        shared = board.max_reduce(values)
+        assert shared == gloo.max_reduce(values), (step, shared)
+        out.append(shared)
+    return out
+
+
+def test_shared_board_equals_gloo_over_many_rounds():
+    results = run_ranks(rounds_worker, 3, random.randrange(2**31), timeout_s=120)
+    assert results[0] == results[1] == results[2] and len(results[0]) == 300
+
+
+def dead_peer_worker(rank: int, world: int) -> str:
+    board = make_board(dist.group.WORLD, 1, 2.0)
+    board.max_reduce([rank])
+    if rank == 1:
+        return "left"  # never joins round 2
+    try:
+        board.max_reduce([rank])
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_peer_that_never_arrives_is_a_clear_error():
+    out = run_ranks(dead_peer_worker, 2, timeout_s=60)
+    assert out[1] == "left"
+    assert "ranks [1] did not reach" in out[0] and "2 s" in out[0], out[0]
+
+
+@pytest.mark.parametrize("world", [1])
+def test_one_rank_board(world):
+    assert run_ranks(lambda_free_worker, world, timeout_s=60) == [[7, 3]]
+
+
+def lambda_free_worker(rank: int, world: int) -> list[int]:
+    return make_board(dist.group.WORLD, 2, 5.0).max_reduce([7, 3])
