@@ -200,11 +200,15 @@ def run_ranks(
             for p in procs:
                 p.start()
         outcome = _collect(procs, results, timeout_s)
-    except BaseException:
+    except BaseException as exc:
         for p in procs:
             if p.pid is not None and p.exitcode is None:
                 p.terminate()
         wait_s = 1.0
+        # Let the queue go now: the traceback's frames would keep it (and its semaphores) to the
+        # interpreter's exit, where the resource tracker reports them as leaked on stderr.
+        traceback.clear_frames(exc.__traceback__)
+        del results
         raise
     finally:
         _end(procs, wait_s)
