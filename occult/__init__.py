@@ -12,11 +12,10 @@ from occult.moe.counts import RoutingError
 from occult.moe.dense import DenseMoE
 from occult.moe.dispatch import DedupDispatcher, StandardDispatcher
 from occult.moe.expert_map import ExpertMap
-from occult.moe.layer import OccultMoE, set_overlap, set_sync_free
+from occult.moe.layer import OccultMoE, set_sync_free
 from occult.moe.status import check_routing
 from occult.moe.registry import DISPATCHERS, make_dispatcher
 from occult.moe.routing import TopKRouter
-from occult.moe.two_batch import two_batch_overlap
 from occult.moe.two_level import TwoLevelDispatcher
 from occult.placement import Placement, PlacementError
 
@@ -44,7 +43,5 @@ __all__ = [
     "TwoLevelDispatcher",
     "check_routing",
     "make_dispatcher",
-    "set_overlap",
     "set_sync_free",
-    "two_batch_overlap",
 ]

@@ -74,9 +74,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=positive_int, default=1,
                         help="nodes the ranks are grouped into for the two-level 'dedup2' variant (node-major ranks; "
                              "on one host: simulated nodes) (default 1)")
-    parser.add_argument("--overlap-chunks", type=positive_int_list, default=[1],
-                        help="comma list: time each variant pipelined over C token chunks (1 = no overlap; 'dedup/c4' rows) "
-                             "(default 1)")
     parser.add_argument("--expert-backend", choices=["auto", "torch", "triton"], default="auto",
                         help="expert MLP: the torch reference, the Triton kernels, or auto (Triton on a CUDA GPU, else torch) (default auto)")
     parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed calls before each timing (default 5)")

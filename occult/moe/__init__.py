@@ -10,12 +10,10 @@
     gather     rows and gates between token and plan layouts, per-token sums (with gradients)
     contract   the one dispatcher contract: `Dispatcher`, `Schedule`, `Capabilities`, `Received`
     dispatch   the flat dispatchers (`StandardDispatcher`, `DedupDispatcher`)
-    pipeline   their pipelined schedule: token chunks, all-to-alls hidden behind expert compute
     local      their one-rank schedule: an identity, no host wait (status read one layer later)
     two_level  `TwoLevelDispatcher` ("dedup2"): one copy per node, then per GPU inside it
     registry   the dispatcher name table, `make_dispatcher`
     experts    SwiGLU experts on received rows (torch reference; Triton via `occult.kernels`)
-    two_batch  two halves of a batch interleaved at the all-to-alls (two-batch overlap)
     layer      `OccultMoE`, the expert-parallel layer: route -> dispatch -> experts -> combine
     dense      `DenseMoE`, the single-process reference, and the expert-parameter init
 

@@ -65,27 +65,6 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
     return out
 
 
-def all_to_all_start(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> tuple[torch.Tensor, Any]:
-    """`all_to_all` without waiting: returns (out, work). Read `out` only after `all_to_all_wait(work)`.
-
-    On NCCL the exchange runs on the communicator's stream and the caller's stream goes on with
-    other kernels until it waits: this is what lets the pipelined schedule (`occult.moe.pipeline`)
-    hide an all-to-all behind expert compute. Keep `x` alive until the wait.
-    """
-    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    if group is None:
-        out.copy_(x)
-        return out, None
-    work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True)
-    return out, work
-
-
-def all_to_all_wait(work: Any) -> None:
-    """Make the current stream (NCCL) or the host (gloo) wait for `all_to_all_start`'s exchange."""
-    if work is not None:
-        work.wait()
-
-
 def record_sent(state: Any, splits: list[int], rows_PH: torch.Tensor, meta_bytes: int, backward: bool) -> None:
     """Account the rows and bytes this rank sends (activation rows, and metadata apart).
 
@@ -179,132 +158,18 @@ class _Exchange(torch.autograd.Function):
         return back_rows, back_gates, None, None, None, None, None, None
 
 
-class _Flight:
-    """One exchange split around a pause: the started works and the buffers they fill, forward
-    and backward (what `_StartExchange` and `_FinishExchange` hand each other)."""
-
-    def __init__(self, send_splits, recv_splits, group, state, gates):
-        self.send_splits, self.recv_splits, self.group, self.state = send_splits, recv_splits, group, state
-        self.gate_dtype = None if gates is None else gates.dtype  # None: rows only
-        self.num_k = 0 if gates is None else gates.shape[1]
-        self.works: list = []
-        self.keep: list = []  # tensors an in-flight exchange reads, alive until its wait
-        self.meta = self.grad_rows = self.grad_gates = None
-
-    def start(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        x = x.contiguous()
-        out, work = all_to_all_start(x, send, recv, self.group)
-        self.works.append(work)
-        self.keep.append(x)
-        return out
-
-    def wait(self) -> None:
-        for work in self.works:
-            all_to_all_wait(work)
-        self.works, self.keep = [], []
-
-    def start_forward(self, rows, gates, slots, packed=None) -> torch.Tensor:
-        """Start rows (and packed gates + slots); return the receive buffer of rows."""
-        out_rows = self.start(rows, self.send_splits, self.recv_splits)
-        if gates is not None:
-            meta = pack_metadata(gates, slots) if packed is None else packed
-            self.meta = self.start(meta, self.send_splits, self.recv_splits)
-        return out_rows
-
-    def finish_forward(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Wait; return the received (gates, slots), None without gates."""
-        self.wait()
-        if self.gate_dtype is None:
-            return None, None
-        gates, slots = unpack_metadata(self.meta, self.gate_dtype)
-        self.meta = None
-        return gates, slots
-
-
-class _StartExchange(torch.autograd.Function):
-    """First half of a paused exchange: forward starts the all-to-alls and returns the (not yet
-    filled) receive buffer; backward waits for the gradient exchange `_FinishExchange.backward`
-    started, so whatever autograd runs between the two nodes overlaps it. `token` (an empty
-    tensor, or None) threads every paused exchange of a two-batch call into one chain, so
-    backward runs them, and issues their collectives, in exactly the reverse forward order on
-    every rank (autograd's own order over the two halves differs between ranks)."""
-
-    @staticmethod
-    def forward(ctx, rows, gates, slots, flight, token, packed=None):
-        ctx.flight = flight
-        return flight.start_forward(rows, gates, slots, packed), None if token is None else token.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _grad_buffer, grad_token):
-        flight = ctx.flight
-        flight.wait()
-        grad_rows, grad_gates, flight.grad_rows, flight.grad_gates = flight.grad_rows, flight.grad_gates, None, None
-        return grad_rows, grad_gates, None, None, grad_token, None
-
-
-class _FinishExchange(torch.autograd.Function):
-    """Second half: forward waits and unpacks; backward starts the gradient exchange (rows, and
-    gates when sent) along the reversed splits and returns at once."""
-
-    @staticmethod
-    def forward(ctx, rows_buffer, flight, token):
-        ctx.flight = flight
-        gates, slots = flight.finish_forward()
-        if slots is not None:
-            ctx.mark_non_differentiable(slots)
-        return rows_buffer, gates, slots, None if token is None else token.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, grad_rows, grad_gates, _grad_slots, grad_token):
-        flight = ctx.flight
-        meta_bytes = 0
-        if flight.gate_dtype is not None:
-            if grad_gates is None:
-                grad_gates = grad_rows.new_zeros((grad_rows.shape[0], flight.num_k), dtype=flight.gate_dtype)
-            meta_bytes = grad_gates.numel() * grad_gates.element_size()
-        record_sent(flight.state, flight.recv_splits, grad_rows, meta_bytes, backward=True)
-        flight.grad_rows = flight.start(grad_rows, flight.recv_splits, flight.send_splits)
-        if flight.gate_dtype is not None:
-            flight.grad_gates = flight.start(grad_gates, flight.recv_splits, flight.send_splits)
-        return grad_rows, None, grad_token  # grad_rows: a stand-in; `_StartExchange.backward` returns the real one
-
-
-def _paused_exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause, differentiable, packed=None):
-    """`exchange` that calls `pause()` between starting the all-to-alls and waiting for them
-    (two-batch overlap: the other micro-batch runs meanwhile); backward is split the same way.
-    `pause.chain` (when present) holds the token that orders the paused exchanges' backward."""
-    flight = _Flight(send_splits, recv_splits, group, state, gates)
-    if differentiable:
-        chain = getattr(pause, "chain", None)
-        buffer, token = _StartExchange.apply(rows, gates, slots, flight, chain.take() if chain else None, packed)
-        if chain:
-            chain.put(token)
-        pause()
-        out_rows, out_gates, out_slots, token = _FinishExchange.apply(buffer, flight, chain.take() if chain else None)
-        if chain:
-            chain.put(token)
-        return out_rows, out_gates, out_slots
-    buffer = flight.start_forward(rows, gates, slots, packed)
-    pause()
-    return (buffer, *flight.finish_forward())
-
-
-def exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause=None, packed=None):
+def exchange(rows, gates, slots, send_splits, recv_splits, group, state, packed=None):
     """Send rows (with gates and slots, when given); record what was sent in `state.stats`.
 
     `packed`: `pack_metadata(gates, slots)` made earlier (the dispatcher queues it before the
     host waits for the counts, so it is not launched after the wait).
 
     Differentiable (one `_Exchange` node) when rows or gates need gradients; returns
-    (rows, gates, slots) as received, gates and slots None when not given. With `pause` (a
-    callable, `occult.moe.two_batch`), the all-to-alls are started, `pause()` runs, then they
-    are waited for, forward and backward: the same result, with other work between the halves.
+    (rows, gates, slots) as received, gates and slots None when not given.
     """
     meta_bytes = 0 if gates is None else metadata_bytes(gates)
     record_sent(state, send_splits, rows, meta_bytes, backward=False)
     differentiable = torch.is_grad_enabled() and (rows.requires_grad or (gates is not None and gates.requires_grad))
-    if pause is not None:
-        return _paused_exchange(rows, gates, slots, send_splits, recv_splits, group, state, pause, differentiable, packed)
     if differentiable:
         return _Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state, packed)
     out_rows = all_to_all(rows, send_splits, recv_splits, group)

@@ -3,7 +3,7 @@
 - `MoEConfig`: what the layer computes (sizes, experts, top-k, dtype);
 - `RoutingConfig`: how the built-in router chooses experts (`norm_topk_prob`, collaboration
   pruning `max_devices` / `max_nodes`, `prune_method`, the similarity table);
-- `ExecConfig`: how it runs (dispatcher, sync-free, pipelining over chunks, expert backend).
+- `ExecConfig`: how it runs (dispatcher, sync-free, expert backend, transport).
 
 `OccultMoE`, `hf.convert`, `hf.load_sharded`, the CLI and the benchmarks pass these objects;
 `configs_from_keywords` maps the older keyword form (`OccultMoE(2048, 1024, 64, 8, dispatcher=...)`)
@@ -91,8 +91,7 @@ class ExecConfig:
     `dispatcher`: "dedup" (one copy per device), "standard" (one per expert), "dedup2" (one per
     node, then per GPU; needs a node layout), or a built `Dispatcher`. `sync_free`: fixed-capacity
     plans, no host wait (CUDA-graph capturable; every rank passes the same token count).
-    `overlap_chunks=C > 1`: the layer pipelined over C token chunks. `expert_backend`: "auto"
-    (Triton on GPUs), "torch" or "triton". `transport`: how the all-to-alls learn their sizes,
+    `expert_backend`: "auto" (Triton on GPUs), "torch" or "triton". `transport`: how the all-to-alls learn their sizes,
     chosen once when the layer is built: "counts" (the count exchange: one host wait a call),
     "device" (counts kept on the GPU, no host wait: NCCL groups with NVSHMEM symmetric memory;
     an error elsewhere) or "auto" (today the count exchange: `occult.moe.symm.choose_transport`).
@@ -100,13 +99,10 @@ class ExecConfig:
 
     dispatcher: Any = "dedup"
     sync_free: bool = False
-    overlap_chunks: int = 1
     expert_backend: str = "auto"
     transport: str = "auto"
 
     def __post_init__(self) -> None:
-        if isinstance(self.overlap_chunks, bool) or not isinstance(self.overlap_chunks, int) or self.overlap_chunks < 1:
-            raise ValueError(f"overlap_chunks must be >= 1 (1 = no pipelining), got {self.overlap_chunks!r}")
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}")
         if not isinstance(self.sync_free, bool):

@@ -8,8 +8,7 @@
 host sync, none when sync-free) and sends the rows with their local expert slots and gate
 weights; `combine` brings one result row back per sent row and sums each token's rows. What
 differs between calls is data, not code paths: a `Schedule` says how to run (sync-free
-capacity, pipelining over token chunks, the two-batch pause, work to run while the host waits)
-and each dispatcher declares the `Capabilities` it honours; `check_schedule` refuses the rest
+capacity, work to run while the host waits) and each dispatcher declares the `Capabilities` it honours; `check_schedule` refuses the rest
 with one clear error. Dispatchers are stateless between calls: one serves every layer.
 """
 
@@ -37,24 +36,12 @@ class Schedule:
 
     `sync_free`: fixed-capacity plans whose all-to-all sizes follow from shapes alone (no host
     wait, CUDA-graph capturable; every rank passes the same token count, bad input is not
-    reported across ranks). `chunks=C > 1`: the call pipelined over C token chunks, one chunk's
-    all-to-alls under another's experts (every rank the same C). `pause`: called between starting
-    and finishing every all-to-all (two-batch overlap, `occult.moe.two_batch`). `while_waiting`:
-    called exactly once, while the host waits for the counts (at once when there is no wait).
+    reported across ranks). `while_waiting`: called exactly once, while the host waits for the
+    counts (at once when there is no wait).
     """
 
     sync_free: bool = False
-    chunks: int = 1
-    pause: Callable[[], None] | None = None
     while_waiting: Callable[[], None] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ValueError(f"overlap_chunks must be >= 1 (1 = no pipelining), got {self.chunks!r}")
-        if self.chunks > 1 and self.pause is not None:
-            raise ValueError("a pipelined MoE layer (overlap_chunks > 1) cannot run inside two_batch_overlap: "
-                             "its backward collectives would not join the two halves' order; "
-                             "use set_overlap(model, 1) with two-batch overlap")
 
     def run_while_waiting(self) -> None:
         """Call `while_waiting` now (for schedules with no host wait)."""
@@ -69,8 +56,6 @@ class Capabilities:
 
     deduplicated: bool = True  # one row per (token, device) instead of per (token, expert)
     sync_free: bool = True
-    pipelined: bool = True  # Schedule.chunks > 1
-    pausable: bool = True  # Schedule.pause (two-batch overlap)
     two_level: bool = False  # one row per node across nodes, then per GPU inside (needs a node layout)
 
 
@@ -136,14 +121,8 @@ class Dispatcher(ABC):
 
     def check_schedule(self, schedule: Schedule) -> None:
         """Refuse, with one clear error, a schedule this dispatcher does not honour."""
-        caps = self.capabilities
-        if schedule.chunks > 1 and not caps.pipelined:
-            raise ValueError(f"the {self.name!r} dispatcher cannot be pipelined: overlap_chunks > 1 is not supported "
-                             "with it; use overlap_chunks=1 or dispatcher='dedup'")
-        if schedule.sync_free and not caps.sync_free:
+        if schedule.sync_free and not self.capabilities.sync_free:
             raise ValueError(f"the {self.name!r} dispatcher has no sync-free mode; use sync_free=False")
-        if schedule.pause is not None and not caps.pausable:
-            raise ValueError(f"the {self.name!r} dispatcher cannot run inside two_batch_overlap")
 
     @abstractmethod
     def dispatch(

@@ -66,27 +66,25 @@ def read_to_host(t: torch.Tensor, while_waiting: Callable[[], None] | None = Non
 
 
 def exchange_counts(
-    send_counts_CD: torch.Tensor,
+    send_counts_D: torch.Tensor,
     status: torch.Tensor,
     group: Any,
     while_waiting: Callable[[], None] | None = None,
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Row counts of C chunks per destination, swapped in one all-to-all and read with one host sync.
+) -> tuple[list[int], list[int]]:
+    """Row counts per destination, swapped in one all-to-all and read with one host sync.
 
-    Returns (send splits, receive splits), each C lists of one count per rank. Raises
-    `RoutingError` on every rank when any rank reports bad input in `status`.
-    `while_waiting` runs while the host waits for the counts (`read_to_host`).
+    Returns (send splits, receive splits), one count per rank each. Raises `RoutingError` on
+    every rank when any rank reports bad input in `status`. `while_waiting` runs while the host
+    waits for the counts (`read_to_host`).
     """
-    num_chunks, D = send_counts_CD.shape
-    header_DX = torch.cat([send_counts_CD.t().to(torch.int64), status.to(torch.int64).expand(D, 1)], dim=1)
+    D = send_counts_D.shape[0]
+    header_D2 = torch.stack([send_counts_D.to(torch.int64), status.to(torch.int64).expand(D)], dim=1)
     if group is not None:
-        recv_DX = torch.empty_like(header_DX)
-        dist.all_to_all_single(recv_DX, header_DX, group=group)
+        recv_D2 = torch.empty_like(header_D2)
+        dist.all_to_all_single(recv_D2, header_D2, group=group)
     else:
-        recv_DX = header_DX
-    host = read_to_host(torch.cat([header_DX[:, :num_chunks].t().reshape(-1), recv_DX.t().reshape(-1)]), while_waiting)
-    send = [host[c * D : (c + 1) * D] for c in range(num_chunks)]
-    recv_host = host[num_chunks * D :]
-    recv = [recv_host[c * D : (c + 1) * D] for c in range(num_chunks)]
-    raise_on_bad_status(recv_host[num_chunks * D :])
+        recv_D2 = header_D2
+    host = read_to_host(torch.cat([header_D2[:, 0], recv_D2.t().reshape(-1)]), while_waiting)
+    send, recv, statuses = host[:D], host[D : 2 * D], host[2 * D :]
+    raise_on_bad_status(statuses)
     return send, recv

@@ -4,12 +4,10 @@
 `dispatch` plans the rows, swaps the counts (`occult.moe.counts`: the one host wait; rows,
 gates and packed metadata are gathered before it, so after it only the all-to-alls and the
 experts are launched) and sends rows with their slots and gates (`occult.moe.comm.exchange`:
-one autograd node, or two around the two-batch pause). `combine` returns one row per received
-row and sums each token's rows. Backward sends as many rows as forward: gradient rows retrace
-both all-to-alls in reverse, and the gate gradients (k scalars per row) return with the
-dispatch's backward. `Schedule.chunks > 1` runs the same plans pipelined (`occult.moe.pipeline`).
-On a group of one rank (outside two-batch overlap) every schedule is the identity of
-`occult.moe.local`: no plan, no copies, no host wait. With the device transport (`occult.moe.symm`,
+one autograd node). `combine` returns one row per received row and sums each token's rows.
+Backward sends as many rows as forward: gradient rows retrace both all-to-alls in reverse, and
+the gate gradients (k scalars per row) return with the dispatch's backward. On a group of one
+rank every schedule is the identity of `occult.moe.local`: no plan, no copies, no host wait. With the device transport (`occult.moe.symm`,
 chosen once when the dispatcher is built: `transport="device"`, NCCL groups with NVSHMEM), the
 plain schedule runs over it (`occult.moe.device_exchange`): the counts stay on the device.
 """
@@ -17,11 +15,11 @@ plain schedule runs over it (`occult.moe.device_exchange`): the counts stay on t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from occult.moe import device_exchange, local, pipeline
+from occult.moe import device_exchange, local
 from occult.moe.comm import CommStats, exchange
 from occult.moe.contract import Capabilities, Dispatcher, Handle, Received, Schedule
 from occult.moe.counts import clamp_ids, exchange_counts, routing_status
@@ -41,7 +39,6 @@ class FlatHandle(Handle):
     rank: int
     stats: CommStats = field(default_factory=CommStats)
     peer_level: list[int] | None = None  # per rank: 0 self, 1 same node, 2 other node (None: unknown)
-    pause: Callable[[], None] | None = None
 
 
 class FlatDispatcher(Dispatcher):
@@ -67,11 +64,9 @@ class FlatDispatcher(Dispatcher):
             ids_TK = clamp_ids(ids_TK, expert_map.num_experts)  # nothing is reported: only keep indices in range
         elif status is None:
             ids_TK, status = routing_status(weights_TK, ids_TK, expert_map.num_experts)
-        if self.num_ranks == 1 and schedule.pause is None:  # nothing to send (any chunks: the same function)
+        if self.num_ranks == 1:  # nothing to send
             return local.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status,
                                         self.capabilities.deduplicated)
-        if schedule.chunks > 1:
-            return pipeline.dispatch_chunks(self, x_TH, weights_TK, ids_TK, expert_map, schedule, status)
         plan = self.plan_rows(ids_TK, expert_map, schedule.sync_free)
         if self.uses_device_transport(schedule):
             return device_exchange.dispatch_device(self, x_TH, weights_TK, plan, status, host_status, schedule,
@@ -82,16 +77,16 @@ class FlatDispatcher(Dispatcher):
             schedule.run_while_waiting()
         else:
             early = gather_early(x_TH, weights_TK, plan)
-            (send,), (recv,) = exchange_counts(plan.send_counts_D[None], status, self.group, schedule.while_waiting)
+            send, recv = exchange_counts(plan.send_counts_D, status, self.group, schedule.while_waiting)
             num_rows = sum(send)
             plan = trim(plan, num_rows)
             early = tuple(t[:num_rows] for t in early)
         # (CommStats() given explicitly: torch.compile cannot trace the dataclass default_factory call)
-        handle = FlatHandle(plan, send, recv, x_TH.shape[0], self.rank, CommStats(), self.peer_level, schedule.pause)
+        handle = FlatHandle(plan, send, recv, x_TH.shape[0], self.rank, CommStats(), self.peer_level)
         gates_PK = gather_gate_weights(weights_TK, plan.entry_PK, early[1])
         x_RH, gates_RK, slots_RK = exchange(
             gather_rows(x_TH, plan.token_P, plan.row_TJ, early[0]), gates_PK, plan.slot_PK, send, recv,
-            self.group, handle, schedule.pause, early[2],
+            self.group, handle, early[2],
         )
         handle.stats.dispatch_rows = plan.num_rows
         return Received(x_RH, slots_RK, gates_RK), handle
@@ -101,16 +96,14 @@ class FlatDispatcher(Dispatcher):
             return local.combine_local(y, handle)
         if isinstance(handle, device_exchange.DeviceHandle):
             return device_exchange.combine_device(y, handle)
-        if isinstance(handle, pipeline.ChunkedHandle):  # the pipelined schedule combined chunk by chunk
-            return handle.output(y)
         handle.stats.combine_rows = y.shape[0]
-        y_PH, _, _ = exchange(y, None, None, handle.recv_splits, handle.send_splits, self.group, handle, handle.pause)
+        y_PH, _, _ = exchange(y, None, None, handle.recv_splits, handle.send_splits, self.group, handle)
         return sum_rows(y_PH, handle.plan.token_P, handle.plan.row_TJ)
 
 
     def uses_device_transport(self, schedule: Schedule) -> bool:
         """Whether this call runs over the device transport: the plain schedule, where the group has it."""
-        return self.transport is not None and not schedule.sync_free and schedule.pause is None
+        return self.transport is not None and not schedule.sync_free
 
     def rows_per_token(self, top_k: int, num_ranks: int, experts_per_device: int) -> tuple[int, int]:
         """(rows one token can send to one rank, rows one token can send in all): the bounds the

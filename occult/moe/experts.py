@@ -92,8 +92,7 @@ class LocalExperts:
     """This rank's experts as the function `Received.apply` runs: (x_RH, slots_RK, gates_RK) -> y_RH.
 
     Gates are promoted to at least fp32 before the gate-weighted sum. `weights` are the tensors
-    it differentiates through; `with_weights` runs the same experts on stand-ins for them (the
-    pipelined schedule differentiates each chunk against detached leaves).
+    it differentiates through.
     """
 
     def __init__(self, gate_up_proj_EFH: torch.Tensor, down_proj_EHF: torch.Tensor, backend: str = "auto") -> None:
@@ -103,6 +102,3 @@ class LocalExperts:
     def __call__(self, x_RH: torch.Tensor, slots_RK: torch.Tensor, gates_RK: torch.Tensor) -> torch.Tensor:
         gates_RK = gates_RK.to(torch.promote_types(x_RH.dtype, torch.float32))
         return expert_mlp(x_RH, slots_RK, gates_RK, *self.weights, backend=self.backend)
-
-    def with_weights(self, gate_up_proj_EFH: torch.Tensor, down_proj_EHF: torch.Tensor) -> "LocalExperts":
-        return LocalExperts(gate_up_proj_EFH, down_proj_EHF, self.backend)

@@ -26,7 +26,6 @@ from occult.moe.expert_map import ExpertMap
 from occult.moe.experts import LocalExperts
 from occult.moe.registry import make_dispatcher
 from occult.moe.routing import TopKRouter
-from occult.moe.two_batch import pause_point
 from occult.placement import Placement, check_divisible
 
 
@@ -35,7 +34,7 @@ class OccultMoE(nn.Module):
 
     Built from three config objects (`occult.moe.config`): `MoEConfig` (sizes, experts, top-k,
     dtype), `RoutingConfig` (the built-in router's rule and collaboration pruning) and
-    `ExecConfig` (dispatcher, sync-free, pipelining, expert backend), or in the keyword form
+    `ExecConfig` (dispatcher, sync-free, expert backend, transport), or in the keyword form
     `OccultMoE(hidden_size, ffn_size, num_experts, top_k, dispatcher=..., max_devices=..., ...)`.
 
     Every rank of `group` holds the router (replicated, [E, H], expert-id order) and the experts
@@ -47,12 +46,9 @@ class OccultMoE(nn.Module):
     uninitialised, for callers that load them (`from_dense` does). `last_comm_stats` holds the
     rows and bytes sent by the last forward (and, after it, backward).
 
-    `sync_free` and `overlap_chunks` may be changed at any time (`set_sync_free` / `set_overlap`
-    walk a model): sync-free dispatch has no host wait (CUDA-graph capturable; every rank passes
-    the same token count, bad input is not reported across ranks, unused capacity is sent: for
-    small batches); `overlap_chunks=C > 1` pipelines the layer over C token chunks (the same rows,
-    the same function; all ranks the same C). Called inside `occult.two_batch_overlap`, the layer
-    hands the turn to the other half of the batch after starting each all-to-all.
+    `sync_free` may be changed at any time (`set_sync_free` walks a model): sync-free dispatch
+    has no host wait (CUDA-graph capturable; every rank passes the same token count, bad input is
+    not reported across ranks, unused capacity is sent: for small batches).
     """
 
     def __init__(
@@ -110,14 +106,6 @@ class OccultMoE(nn.Module):
         self.execution = replace(self.execution, sync_free=enabled)
 
     @property
-    def overlap_chunks(self) -> int:
-        return self.execution.overlap_chunks
-
-    @overlap_chunks.setter
-    def overlap_chunks(self, chunks: int) -> None:
-        self.execution = replace(self.execution, overlap_chunks=chunks)
-
-    @property
     def expert_backend(self) -> str:
         return self.execution.expert_backend
 
@@ -146,7 +134,7 @@ class OccultMoE(nn.Module):
             ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
         if bad_input:  # tell the other ranks before raising, so none is left waiting in a collective
             status = status + bad_input
-        schedule = self._schedule(while_waiting)
+        schedule = Schedule(sync_free=self.execution.sync_free, while_waiting=while_waiting)
         try:  # 2-3. plan and dispatch (the count exchange's host wait, or none: device transport, sync-free)
             received, handle = self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, schedule, status,
                                                         bad_input)
@@ -180,31 +168,6 @@ class OccultMoE(nn.Module):
             return ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
         return ValueError(f"input has dtype {x.dtype} but this MoE layer's weights are {self.gate_up_proj.dtype}: "
                           f"cast the input (x.to({self.gate_up_proj.dtype})) or the layer")
-
-    def _schedule(self, while_waiting: Callable[[], None] | None) -> Schedule:
-        """This call's schedule: the layer's settings, and the two-batch pause when inside `two_batch_overlap`."""
-        pause = pause_point()  # inside `two_batch_overlap`: the other half runs while our exchanges fly
-        self._check_not_recomputed_after_two_batch(pause is not None)
-        return Schedule(self.execution.sync_free, self.execution.overlap_chunks, pause, while_waiting)
-
-    def _check_not_recomputed_after_two_batch(self, in_two_batch: bool) -> None:
-        """A layer recomputed in backward (activation checkpointing) after a forward under
-        `two_batch_overlap` would exchange outside the halves' fixed collective order, where ranks
-        can mismatch collectives: raise instead, before any collective (every rank recomputes the
-        same layers, so every rank raises). Skipped under torch.compile (no two-batch overlap there)."""
-        if in_two_batch:
-            self._two_batch_graph = True
-            return
-        if not getattr(self, "_two_batch_graph", False) or torch.compiler.is_compiling():
-            return  # the usual case: one attribute read per forward
-        if torch._C._current_graph_task_id() != -1:  # in backward: a recomputation
-            raise RuntimeError(
-                "this MoE layer is being recomputed during backward (activation checkpointing) after a forward "
-                "under two_batch_overlap: its all-to-alls would run outside the two halves' fixed order, and the "
-                "ranks could mismatch collectives. Use two-batch overlap without checkpointing the MoE layers "
-                "(checkpoint only the attention), or checkpointing without two-batch overlap"
-            )
-        self._two_batch_graph = False  # a plain forward again
 
     # ------------------------------------------------------ dense <-> sharded
     @classmethod
@@ -274,12 +237,3 @@ def set_sync_free(module: nn.Module, enabled: bool = True) -> int:
         layer.sync_free = enabled
     return len(layers)
 
-
-def set_overlap(module: nn.Module, chunks: int) -> int:
-    """Pipeline every `OccultMoE` inside `module` over `chunks` token chunks (1 = off); returns how many."""
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1 (1 = no pipelining), got {chunks}")
-    layers = [m for m in module.modules() if isinstance(m, OccultMoE)]
-    for layer in layers:
-        layer.overlap_chunks = chunks
-    return len(layers)

@@ -68,7 +68,6 @@ class TwoLevelHandle(Handle):
     node: Stage
     num_tokens: int
     stats: CommStats = field(default_factory=CommStats)
-    pause: Any = None
 
 
 def fanout_plan(codes_RK: torch.Tensor, devices_per_node: int, experts_per_device: int, sync_free: bool) -> DispatchPlan:
@@ -105,11 +104,10 @@ class TwoLevelDispatcher(Dispatcher):
     `devices_per_node` (G) must divide the group size; ranks are node-major. Computes the same
     function as `DedupDispatcher` (to rounding: the node-level partial sums are rounded to the
     row dtype once before they cross the rail). `CommStats` reports inter- and intra-node rows.
-    Not pipelined (`Schedule.chunks` must be 1).
     """
 
     name = "dedup2"
-    capabilities = Capabilities(deduplicated=True, pipelined=False, two_level=True)
+    capabilities = Capabilities(deduplicated=True, two_level=True)
 
     def __init__(self, group: Any = None, devices_per_node: int | None = None, transport: str = "auto") -> None:
         super().__init__(group, transport="counts")
@@ -125,8 +123,7 @@ class TwoLevelDispatcher(Dispatcher):
     def dispatch(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, expert_map: ExpertMap,
                  schedule: Schedule = Schedule(), status: torch.Tensor | None = None,
                  host_status: int = 0) -> tuple[Received, Handle]:
-        """Send rows out in two stages (`pause`: inside both exchanges, rail and node, so that
-        every exchange's backward joins the two-batch chain)."""
+        """Send rows out in two stages: over the rail to each node's gateway, then inside the node."""
         self.check_schedule(schedule)
         if status is None:
             ids_TK, status = routing_status(weights_TK, ids_TK, expert_map.num_experts)
@@ -193,13 +190,13 @@ class NodeStages:
             plan1 = dedup_plan(ids_TK, node_map.device_E, node_map.slot_E, M)
         rail_send, rail_recv, node_send, node_recv = self.split_sizes(ids_TK, expert_map, plan1, status, schedule)
         plan1 = trim(plan1, sum(rail_send))
-        stats, pause = CommStats(), schedule.pause
+        stats = CommStats()
         rail = Stage(plan1, rail_send, rail_recv, self.rail_group, own.node,
                      [SELF if n == own.node else INTER for n in range(M)], stats)
         # 1. rail: one row per (token, node), with the token's gates and node-local expert codes
         x1_RH, gates1_RK, codes1_RK = exchange(
             gather_rows(x_TH, plan1.token_P, plan1.row_TJ), gather_gate_weights(weights_TK, plan1.entry_PK),
-            plan1.slot_PK, rail_send, rail_recv, rail.group, rail, pause,
+            plan1.slot_PK, rail_send, rail_recv, rail.group, rail,
         )
         # 2. node: the gateway fans each row out once per GPU of its node holding its experts
         plan2 = trim(fanout_plan(codes1_RK, G, S, schedule.sync_free), sum(node_send))
@@ -207,15 +204,15 @@ class NodeStages:
                      [SELF if g == own.local else INTRA for g in range(G)], stats)
         x_RH, gates_RK, slots_RK = exchange(
             gather_rows(x1_RH, plan2.token_P, plan2.row_TJ), gather_gate_weights(gates1_RK, plan2.entry_PK),
-            plan2.slot_PK, node_send, node_recv, node.group, node, pause,
+            plan2.slot_PK, node_send, node_recv, node.group, node,
         )
         stats.dispatch_rows = plan1.num_rows + plan2.num_rows
-        return Received(x_RH, slots_RK, gates_RK), TwoLevelHandle(rail, node, T, stats, pause)
+        return Received(x_RH, slots_RK, gates_RK), TwoLevelHandle(rail, node, T, stats)
 
     def combine(self, y_RH: torch.Tensor, handle: "TwoLevelHandle") -> torch.Tensor:
-        rail, node, pause = handle.rail, handle.node, handle.pause
-        y2_PH, _, _ = exchange(y_RH, None, None, node.recv_splits, node.send_splits, node.group, node, pause)
+        rail, node = handle.rail, handle.node
+        y2_PH, _, _ = exchange(y_RH, None, None, node.recv_splits, node.send_splits, node.group, node)
         y1_RH = sum_rows(y2_PH, node.plan.token_P, node.plan.row_TJ)  # node-level pre-reduction
-        y1_PH, _, _ = exchange(y1_RH, None, None, rail.recv_splits, rail.send_splits, rail.group, rail, pause)
+        y1_PH, _, _ = exchange(y1_RH, None, None, rail.recv_splits, rail.send_splits, rail.group, rail)
         handle.stats.combine_rows = y_RH.shape[0] + y1_RH.shape[0]
         return sum_rows(y1_PH, rail.plan.token_P, rail.plan.row_TJ)

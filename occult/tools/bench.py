@@ -181,15 +181,14 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
                 ids_sets = ids_all[:, :, :, :][rank]
                 xs = [torch.randn(tokens, shape.hidden, device=device, dtype=dtype) for _ in range(args["input_sets"])]
                 gs = [torch.randn(tokens, shape.hidden, device=device, dtype=dtype) for _ in range(args["input_sets"])]
-                for variant, chunks in [(v, c) for v in args["variants"] for c in args.get("overlap_chunks", [1])]:
+                for variant in args["variants"]:
                     run = _bench_variant(
                         variant, shape, placement if variant == "dedup+placement" else
                         Placement.contiguous(shape.experts, world, num_nodes=args.get("nodes", 1)
                                             if capabilities(VARIANT_DISPATCHER[variant]).two_level else 1),
-                        w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, {**args, "chunks": chunks},
+                        w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args,
                     )
-                    name = variant if chunks == 1 else f"{variant}/c{chunks}"
-                    run.update(shape=shape.name, tokens=tokens, routing=routing, variant=name, world=world, overlap_chunks=chunks)
+                    run.update(shape=shape.name, tokens=tokens, routing=routing, variant=variant, world=world)
                     result["runs"].append(run)
                     if rank == 0 and args.get("verbose"):
                         print(format_row(run), flush=True)
@@ -223,8 +222,8 @@ def _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets
     """The variant's layer with this rank's share of the full weights, and one preset router per batch."""
     layer = OccultMoE(
         MoEConfig(shape.hidden, shape.ffn, shape.experts, shape.top_k, w1_full.dtype), placement=placement,
-        execution=ExecConfig(VARIANT_DISPATCHER[variant], overlap_chunks=args.get("chunks", 1),
-                             expert_backend=args["expert_backend"], transport=variant_transport(variant)), device=device,
+        execution=ExecConfig(VARIANT_DISPATCHER[variant], expert_backend=args["expert_backend"],
+                             transport=variant_transport(variant)), device=device,
     )
     with torch.no_grad():
         layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])
@@ -367,7 +366,7 @@ def main(args: argparse.Namespace) -> int:
         backend=backend, shapes=shapes, variants=list(args.variants), routings=list(args.routing),
         tokens=list(args.tokens or [8192 if on_gpu else 256]),
         warmup=args.warmup, iters=args.iters, input_sets=args.input_sets, expert_backend=args.expert_backend,
-        overlap_chunks=list(args.overlap_chunks), nodes=args.nodes, verbose=True,
+        nodes=args.nodes, verbose=True,
     )
     print(f"occult bench: {world} rank(s), backend {backend}, shapes {shapes}, tokens/rank {conf['tokens']}", flush=True)
     print(HEADER, flush=True)  # rank 0 prints each row as it is measured

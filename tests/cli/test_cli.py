@@ -201,8 +201,8 @@ def test_registry_and_lazy_commands(capsys):
     p = cli.build_parser(chosen="demo")
     a = p.parse_args(["demo", "--world-size", "2", "--tokens", "64", "--steps", "1", "--backend", "gloo"])
     assert (a.world_size, a.tokens, a.steps, a.backend) == (2, 64, 1, "gloo")
-    a = p.parse_args(["bench", "--tokens", "64,128", "--overlap-chunks", "1,2", "--shapes", "tiny", "--variants", "dedup"])
-    assert (a.tokens, a.overlap_chunks, a.shapes, a.variants) == ([64, 128], [1, 2], ["tiny"], ["dedup"])
+    a = p.parse_args(["bench", "--tokens", "64,128", "--shapes", "tiny", "--variants", "dedup"])
+    assert (a.tokens, a.shapes, a.variants) == ([64, 128], ["tiny"], ["dedup"])
 
 
 def test_demo_and_bench_flags_do_not_import_the_tools():

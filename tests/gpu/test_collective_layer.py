@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from occult import DenseMoE, OccultMoE, Placement, RoutingError, check_routing, two_batch_overlap
+from occult import DenseMoE, OccultMoE, Placement, RoutingError, check_routing
 
 # Relative error bounds against the fp32 reference. fp32: exact ("ieee") products in the Triton
 # kernels; bf16/fp16: the inputs, weights and every intermediate are rounded (8 and 11 bits).
@@ -92,8 +92,8 @@ def skip_without_transport(ranks, transport: str) -> None:
 
 
 def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=None, top_k=4,
-             tokens=None, max_devices=None, router_weights_dtype=None, norm=False, sync_free=False, chunks=1, salt=0,
-             two_batch=False, transport="auto") -> dict:
+             tokens=None, max_devices=None, router_weights_dtype=None, norm=False, sync_free=False, salt=0,
+             transport="auto") -> dict:
     """One layer forward+backward on every rank; the worst relative errors over all ranks."""
     D, rank, dev = ranks.world_size, ranks.rank, ranks.device
     E = experts or 8 * D
@@ -109,7 +109,7 @@ def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=No
         for p32, p in zip(dense32.parameters(), low.parameters()):
             p32.copy_(p.float())
     layer = OccultMoE.from_dense(low, placement=_placement(placement, E, D, seed), dispatcher=dispatcher,
-                                 max_devices=max_devices, sync_free=sync_free, overlap_chunks=chunks, transport=transport)
+                                 max_devices=max_devices, sync_free=sync_free, transport=transport)
     layer.router = RecordingRouter(layer.router, router_weights_dtype)
 
     counts = tokens if tokens is not None else [384 + 61 * r for r in range(D)]
@@ -118,7 +118,7 @@ def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=No
     g32 = torch.randn(counts[rank], HIDDEN, device=dev, generator=gen)
 
     x = x32.to(dtype).requires_grad_()
-    y = two_batch_overlap(layer, x) if two_batch else layer(x)
+    y = layer(x)
     (y.float() * g32).sum().backward()
 
     dense32.router = GivenIdsRouter(dense32.router.gate, layer.router.ids_TK, norm)
@@ -200,30 +200,6 @@ def test_top1_and_topk_all(ranks, top_k):
     k = 1 if top_k == "one" else E
     errors = run_case(ranks, dtype=torch.bfloat16, experts=E, top_k=k, salt=5)
     _assert_within(errors, TOL[torch.bfloat16], f"top_k={k} of {E}")
-
-
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
-def test_pipelined_layer_matches_fp32_reference(ranks, dispatcher, dtype_name):
-    """overlap_chunks > 1 (async all-to-alls on the NCCL stream under expert compute): same function."""
-    dtype = DTYPES[dtype_name]
-    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, chunks=3, salt=9)
-    _assert_within(errors, TOL[dtype], f"pipelined (3 chunks) {dispatcher}/{dtype_name} seed {ranks.seed}")
-    tokens = [0 if r == 1 else 5 + r for r in range(ranks.world_size)]  # an empty rank, chunks with no tokens
-    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, tokens=tokens, chunks=8, salt=10)
-    _assert_within(errors, TOL[dtype], f"pipelined (8 chunks, few tokens) {dispatcher}/{dtype_name}")
-
-
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
-def test_two_batch_layer_matches_fp32_reference(ranks, dispatcher, dtype_name):
-    """Two-batch overlap (two threads, paused async all-to-alls, chained backward): same function."""
-    dtype = DTYPES[dtype_name]
-    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, two_batch=True, salt=11)
-    _assert_within(errors, TOL[dtype], f"two-batch {dispatcher}/{dtype_name} seed {ranks.seed}")
-    tokens = [1 if r == 1 else 7 + r for r in range(ranks.world_size)]  # one rank too small to split: all unsplit
-    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, tokens=tokens, two_batch=True, salt=12)
-    _assert_within(errors, TOL[dtype], f"two-batch, a one-token rank {dispatcher}/{dtype_name}")
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))

@@ -11,15 +11,15 @@ from occult.moe.registry import DISPATCHERS, capabilities
 
 def test_keyword_form_and_config_form_build_the_same_layer():
     torch.manual_seed(0)
-    a = OccultMoE(16, 8, 8, 2, norm_topk_prob=True, dispatcher="standard", overlap_chunks=2, dtype=torch.float64)
+    a = OccultMoE(16, 8, 8, 2, norm_topk_prob=True, dispatcher="standard", sync_free=True, dtype=torch.float64)
     torch.manual_seed(0)
     b = OccultMoE(MoEConfig(16, 8, 8, 2, torch.float64), routing=RoutingConfig(norm_topk_prob=True),
-                  execution=ExecConfig(dispatcher="standard", overlap_chunks=2))
+                  execution=ExecConfig(dispatcher="standard", sync_free=True))
     assert a.config == b.config and a.routing == b.routing and a.execution == b.execution
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     x = torch.randn(9, 16, dtype=torch.float64)
     assert torch.equal(a(x), b(x))
-    assert a.dispatcher.name == "standard" and a.overlap_chunks == 2 and a.norm_topk_prob
+    assert a.dispatcher.name == "standard" and a.sync_free and a.norm_topk_prob
 
 
 @pytest.mark.parametrize("make, match", [
@@ -29,7 +29,6 @@ def test_keyword_form_and_config_form_build_the_same_layer():
     (lambda: RoutingConfig(max_devices=0), "max_devices"),
     (lambda: RoutingConfig(max_nodes=1), "devices_per_node"),
     (lambda: RoutingConfig(prune_method="nearest"), "prune_method"),
-    (lambda: ExecConfig(overlap_chunks=0), "overlap_chunks"),
     (lambda: ExecConfig(expert_backend="cuda"), "expert_backend"),
     (lambda: ExecConfig(sync_free="yes"), "sync_free"),
 ])
@@ -41,6 +40,8 @@ def test_bad_settings_raise_a_clear_error(make, match):
 @pytest.mark.parametrize("make, match", [
     (lambda: OccultMoE(16, 8, 8), "missing"),
     (lambda: OccultMoE(16, 8, 8, 2, hidden=3), "unknown"),
+    (lambda: OccultMoE(16, 8, 8, 2, overlap_chunks=2), r"unknown MoE layer settings \['overlap_chunks'\]"),  # removed (issue 36)
+    (lambda: ExecConfig(overlap_chunks=2), "overlap_chunks"),
     (lambda: OccultMoE(16, 8, 8, 2, top_k=2), "twice"),
     (lambda: OccultMoE(16, 8, 8, 2, execution=ExecConfig(dispatcher="standard"), dispatcher="dedup2"), "both"),
     (lambda: OccultMoE(MoEConfig(16, 8, 8, 2), 4), "positionally"),
@@ -55,12 +56,10 @@ def test_settings_changed_later_are_validated_and_used():
     layer = OccultMoE.from_dense(dense, execution=ExecConfig(dispatcher="standard"))
     assert layer.dispatcher.name == "standard"
     x = torch.randn(5, 8, dtype=torch.float64)
-    for chunks, free in ((3, False), (1, True), (2, True)):
-        layer.overlap_chunks, layer.sync_free = chunks, free
-        assert layer.execution == ExecConfig("standard", free, chunks)
+    for free in (True, False, True):
+        layer.sync_free = free
+        assert layer.execution == ExecConfig("standard", free)
         assert torch.allclose(layer(x), dense(x), rtol=1e-12, atol=1e-13)
-    with pytest.raises(ValueError, match="overlap_chunks"):
-        layer.overlap_chunks = 0
     with pytest.raises(ValueError, match="sync_free"):
         layer.sync_free = None
 
@@ -68,7 +67,7 @@ def test_settings_changed_later_are_validated_and_used():
 def test_capabilities_describe_every_dispatcher():
     assert set(DISPATCHERS) == {"standard", "dedup", "dedup2"}
     assert not capabilities("standard").deduplicated and capabilities("dedup").deduplicated
-    assert capabilities("dedup2").two_level and not capabilities("dedup2").pipelined
-    assert all(capabilities(n).sync_free and capabilities(n).pausable for n in DISPATCHERS)
+    assert capabilities("dedup2").two_level and not capabilities("dedup").two_level
+    assert all(capabilities(n).sync_free for n in DISPATCHERS)
     with pytest.raises(ValueError, match="unknown dispatcher 'dedup3'"):
         capabilities("dedup3")

@@ -24,13 +24,12 @@ def _no_host_wait(*args, **kwargs):
 
 
 @pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_one_rank_takes_the_identity_and_matches_dense(monkeypatch, dispatcher, chunks):
+def test_one_rank_takes_the_identity_and_matches_dense(monkeypatch, dispatcher):
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     T, H, F, E, K = random.randrange(1, 40), 16, 12, 8, random.randrange(1, 9)
     dense = DenseMoE(H, F, E, K, norm_topk_prob=bool(seed % 2), dtype=torch.float64)
-    layer = OccultMoE.from_dense(dense, dispatcher=dispatcher, overlap_chunks=chunks)
+    layer = OccultMoE.from_dense(dense, dispatcher=dispatcher)
     monkeypatch.setattr(dispatch, "exchange_counts", _no_host_wait)
     monkeypatch.setattr(dispatch.FlatDispatcher, "plan_rows", _no_host_wait)
     x = torch.randn(T, H, dtype=torch.float64)

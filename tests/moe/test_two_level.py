@@ -174,15 +174,6 @@ def error_checks(rank: int, world_size: int) -> dict:
             out[name] = str(exc)
     layer = OccultMoE(8, 4, 8, 2, dispatcher="dedup2", placement=Placement.contiguous(8, world_size, num_nodes=2),
                       dtype=torch.float64)
-    if hasattr(layer, "overlap_chunks"):  # the pipelined layer builds flat plans: refused clearly
-        layer.overlap_chunks = 2
-        try:
-            layer(torch.randn(5, 8, dtype=torch.float64))
-            out["overlap"] = "no error"
-        except ValueError as exc:
-            out["overlap"] = str(exc)
-    layer = OccultMoE(8, 4, 8, 2, dispatcher="dedup2", placement=Placement.contiguous(8, world_size, num_nodes=2),
-                      dtype=torch.float64)
     x = torch.randn(6, 8, dtype=torch.float64)
     if rank == 3:
         x[1, 2] = float("nan")
@@ -285,8 +276,6 @@ def test_two_level_matches_dense_on_2_nodes_x_2_gpus():
         assert "devices_per_node=3" in err["not_dividing"] and "[1, 2, 4]" in err["not_dividing"], err
         assert "make them agree" in err["disagree"], err
         assert "dedup2" in err["unknown"], err
-        if "overlap" in err:
-            assert "overlap_chunks" in err["overlap"], err
         assert "rank 3" in err["nan"] and "NaN" in err["nan"], err["nan"]
         assert err["after"] == "(5, 8)"
 

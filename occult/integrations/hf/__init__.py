@@ -14,7 +14,6 @@ SwiGLU that the occult expert kernels do not compute.
     out = generate(model, ids, max_new_tokens=64)            # static KV cache, graph-captured decode
     out = model.generate(ids, synced_gpus=True)              # or transformers' own: all ranks step together
     loss.backward(); sync_gradients(model); opt.step()       # replicated grads averaged
-    set_two_batch(model)                                     # model(ids, labels=...) as two overlapped halves
     save_pretrained(model, "out/")                           # standard layout, plain transformers
     model = load_sharded("DIR", group, placement)            # or: each rank reads only its experts
     finetune(model, ids, FinetuneConfig(), setup_groups())   # routers + experts, N ranks == 1 process
@@ -35,8 +34,7 @@ One module per job: `families` (supported model types, version and structure che
 `sync_gradients`), `profile`, `compiled` (`compile_layers`: torch.compile around the MoE blocks), `convert` (`convert`, `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
 profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads
 only its experts), `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing
-loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer, written by its owner rank),
-`two_batch` (`set_two_batch`: the model's forward as two overlapped halves of the batch).
+loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer, written by its owner rank).
 `from occult.integrations import hf; hf.convert(...)` is the public path.
 """
 
@@ -68,7 +66,6 @@ from occult.integrations.hf.profile import profile
 from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
 from occult.integrations.hf.save import save_finetuned, save_pretrained
 from occult.integrations.hf.tiny import tiny_config, tiny_random_model
-from occult.integrations.hf.two_batch import set_two_batch
 
 __all__ = [
     "FAMILIES",
@@ -102,7 +99,6 @@ __all__ = [
     "save_pretrained",
     "set_routing_placement",
     "setup_groups",
-    "set_two_batch",
     "sync_gradients",
     "tiny_config",
     "tiny_random_model",

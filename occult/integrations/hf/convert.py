@@ -50,7 +50,7 @@ def convert(
     come from there instead (`load_sharded`: the blocks' own expert tensors are on the meta device).
     Settings as config objects: `routing` (`occult.RoutingConfig`: `max_devices`, `prune_method`;
     the model's own `norm_topk_prob` is kept) and `execution` (`occult.ExecConfig`: dispatcher,
-    sync-free, overlap chunks, expert backend), or as the keywords above (default dedup, unpruned).
+    sync-free, expert backend, transport), or as the keywords above (default dedup, unpruned).
     """
     check_transformers_version()
     routing, execution = merge_settings(routing, execution, dispatcher=dispatcher, max_devices=max_devices,
