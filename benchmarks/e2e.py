@@ -19,12 +19,6 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
   dedup+placement  dedup over a greedy placement solved from the model's own routing
                    (hf.profile on a calibration batch of random ids per rank)
   prunedN          dedup + placement with max_devices=N (approximate: its check is report-only)
-  <variant>/cN     any occult variant pipelined over N token chunks (OccultMoE overlap_chunks=N:
-                   each chunk's all-to-alls run under another chunk's experts), e.g. dedup/c4
-  <variant>/tbo    any occult variant with two-batch overlap (occult.two_batch_overlap: the batch
-                   in two halves, one half's all-to-alls under the other's attention and experts),
-                   e.g. dedup/tbo; replicated/tbo is its own floor (no traffic: the cost of splitting).
-                   Rows sent are not reported for /tbo (each layer keeps only its last half's stats)
   <variant>/compile  any variant, native too, with its decoder layers torch.compiled around the MoE
                    blocks (occult.integrations.hf.compile_layers: inductor fuses the norms, rotary and
                    residual adds; MoE blocks stay eager); each phase's compile time is reported apart
@@ -83,7 +77,7 @@ from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and 
 from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
-from occult import ExecConfig, Placement, RoutingConfig, set_overlap, two_batch_overlap  # noqa: E402
+from occult import ExecConfig, Placement, RoutingConfig  # noqa: E402
 from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
@@ -113,36 +107,24 @@ MODELS = {  # name -> (transformers config class, fields); real shapes, fewer la
 def variant_list(text: str) -> list[str]:
     """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1)."""
     names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if split_chunks(v)[0] not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", split_chunks(v)[0])]
-    bad += [v for v in names if split_chunks(v)[0] in PEERS and v != split_chunks(v)[0]]
-    bad += [v for v in names if split_chunks(v)[0] == "native" and v not in ("native", "native/compile")]
+    bad = [v for v in names if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))]
+    bad += [v for v in names if base_variant(v) in PEERS and v != base_variant(v)]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
-            f"each optionally /cN (N chunks), /tbo (two-batch overlap) or /compile (native too), "
-            f"or the peers {', '.join(PEERS)}")
+            f"each optionally /compile, or the peers {', '.join(PEERS)} "
+            f"(the overlap schedules /cN and /tbo were removed: docs/overlap.md)")
     return names
 
 
-def split_chunks(variant: str) -> tuple[str, int]:
-    """'dedup/c4' -> ('dedup', 4); 'dedup/tbo', 'dedup/compile' -> ('dedup', 1); no suffix: not pipelined (1)."""
-    m = re.fullmatch(r"(.+)/c([1-9]\d*)", variant)
-    if m:
-        return m.group(1), int(m.group(2))
-    for suffix in ("/tbo", "/compile"):
-        if variant.endswith(suffix):
-            return variant[: -len(suffix)], 1
-    return variant, 1
+def base_variant(variant: str) -> str:
+    """'dedup/compile' -> 'dedup'; a variant without the suffix is its own base."""
+    return variant.removesuffix("/compile")
 
 
 def is_compiled(variant: str) -> bool:
     """'replicated/compile': the decoder layers torch.compiled around the MoE blocks (hf.compile_layers)."""
     return variant.endswith("/compile")
-
-
-def is_tbo(variant: str) -> bool:
-    """'dedup/tbo': run with two-batch overlap."""
-    return variant.endswith("/tbo")
 
 
 def phase_list(text: str) -> list[str]:
@@ -205,7 +187,7 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
     k = cfg.num_experts_per_tok
     if E % world:
         return f"{args.model} has {E} experts, not divisible by world size {world}: use a world size dividing {E}"
-    for v in (split_chunks(v)[0] for v in args.variants):
+    for v in (base_variant(v) for v in args.variants):
         if v.startswith("pruned") and int(v[6:]) * (E // world) < k:
             return f"{v}: {v[6:]} device(s) hold {int(v[6:]) * (E // world)} experts, fewer than top_k={k}"
     if "hf-ep" in args.variants and (reason := hf_ep.unavailable()):
@@ -249,20 +231,19 @@ def random_ids(batch: int, seq: int, vocab: int, device: torch.device, gen: torc
     return torch.randint(vocab, (batch, seq), generator=gen).to(device)
 
 
-def logits_fn(model: nn.Module, tbo: bool, **kw: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """ids [B, S] -> logits, the whole batch at once or as two overlapped halves (`tbo`)."""
+def logits_fn(model: nn.Module, **kw: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """ids [B, S] -> logits."""
     def forward(ids_BS: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids_BS, use_cache=False, **kw).logits
-    return (lambda ids_BS: two_batch_overlap(forward, ids_BS)) if tbo else forward
+    return forward
 
 
 @torch.no_grad()
-def check_logits(model: nn.Module, ids_BS: torch.Tensor, ctx: dict, tol: float, rows: slice = slice(None),
-                 tbo: bool = False) -> dict[str, Any]:
+def check_logits(model: nn.Module, ids_BS: torch.Tensor, ctx: dict, tol: float, rows: slice = slice(None)) -> dict[str, Any]:
     """Per-token relative L2 error of the logits (of `rows`) vs the reference: median and p95 (max over
     ranks), and vs the fp32 reference in half precision (`_timing.checked`)."""
     model.eval()
-    return checked(logits_fn(model, tbo)(ids_BS)[rows].float(), ctx["ref_logits"], tol, ctx["truth"])
+    return checked(logits_fn(model)(ids_BS)[rows].float(), ctx["ref_logits"], tol, ctx["truth"])
 
 
 def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.device, world: int) -> tuple[Placement, dict]:
@@ -299,12 +280,9 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
     """Convert `model` in place as `variant` (module docstring)."""
     if variant == "native":
         return model
-    base, chunks = split_chunks(variant)
-    if base != variant:
-        model = convert_variant(model, base, placement, self_group)
-        set_overlap(model, chunks)  # 1 for /tbo and /compile: two_batch_overlap needs unpipelined layers
-        if is_compiled(variant):
-            hf.compile_layers(model)
+    if is_compiled(variant):
+        model = convert_variant(model, base_variant(variant), placement, self_group)
+        hf.compile_layers(model)
         return model
     if variant == "replicated":
         return hf.convert(model, group=self_group, execution=ExecConfig(dispatcher="dedup"))
@@ -327,29 +305,21 @@ def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
     return {k: float(v) / dist.get_world_size() for k, v in zip(keys, sums_K.tolist())}
 
 
-def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | None,
-              tbo: bool = False) -> Callable[[torch.Tensor], None]:
-    """One prefill or train step on ids [B, S] (`tbo`: as two overlapped halves)."""
+def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], None]:
+    """One prefill or train step on ids [B, S]."""
     if phase == "prefill":
         model.eval()
-        forward = logits_fn(model, tbo, logits_to_keep=1)
+        forward = logits_fn(model, logits_to_keep=1)
 
         def prefill(ids_BS: torch.Tensor) -> None:
             with torch.no_grad():
                 forward(ids_BS)
         return prefill
     model.train()
-    forward = logits_fn(model, tbo)
-
-    def loss_of(ids_BS: torch.Tensor) -> torch.Tensor:
-        if not tbo:
-            return model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
-        logits_BSV = forward(ids_BS)  # the model's own loss: next-token cross-entropy in fp32, mean over tokens
-        return nn.functional.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
 
     def train(ids_BS: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss_of(ids_BS).backward()
+        model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss.backward()
         hf.sync_gradients(model)
         optimizer.step()
     return train
@@ -403,7 +373,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     else:
         model = convert_variant(build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"],
                                 ctx["self_group"])
-    res: dict[str, Any] = {"exact": split_chunks(variant)[0] in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
+    res: dict[str, Any] = {"exact": base_variant(variant) in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
     if shared:
         res["hf_ep"] = hf_ep.describe(model)
     if titan:
@@ -412,7 +382,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             model.eval()
             res["check"] = checked(model.logits(check_ids).float(), ctx["ref_logits"], args.tol, ctx["truth"])
     else:
-        res["check"] = check_logits(model, check_ids, ctx, args.tol, rows, tbo=is_tbo(variant))
+        res["check"] = check_logits(model, check_ids, ctx, args.tol, rows)
     res["check"]["passed"] = res["check"]["passed"] or not res["exact"]
     log(f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
         + fp32_note(res["check"]) + ("" if res["exact"] else " (approximate: report only)") + ("" if res["check"]["passed"] else "  FAILED"))
@@ -427,12 +397,12 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             elif phase == "train":
                 optimizer = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
                              if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=args.lr))
-            step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer, is_tbo(variant))
+            step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer)
             first_s = first_step_s(step, args, cfg.vocab_size, device) if is_compiled(variant) else None
             out = time_steps(step, args, cfg.vocab_size, device, shared)
             if first_s is not None:  # the phase's compilation: its first step less a steady one
                 out["compile_s"] = first_s - out["ms_median"] / 1e3
-            out["comm"] = model.comm_stats() if titan else {} if is_tbo(variant) else comm_stats(model, device)
+            out["comm"] = model.comm_stats() if titan else comm_stats(model, device)
             flops = (ctx["cost"].forward_flops(args.batch, args.seq, args.batch) if phase == "prefill"
                      else ctx["cost"].train_flops(args.batch, args.seq))
             out.update(rate(flops, out["ms_median"], ctx["peaks"]))
@@ -513,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         ref_logits = ref.eval()(input_ids=check_ids, use_cache=False).logits.float()
     placement = None
-    if any(v.endswith("+placement") or v.startswith("pruned") for v in (split_chunks(v)[0] for v in args.variants)):
+    if any(v.endswith("+placement") or v.startswith("pruned") for v in (base_variant(v) for v in args.variants)):
         placement, report["placement"] = solve_placement(ref, args, device, world)
     hf_ep_dir = hf_ep.save(ref) if "hf-ep" in args.variants else None
     cost = ModelCost.of(ref)  # of the unconverted model: all experts, whatever the world size

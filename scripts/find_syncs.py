@@ -3,7 +3,7 @@
 A synchronisation drains the GPU queue: the host waits, then every launch after it is exposed
 until a long kernel lets the host get ahead again. The layer is meant to have exactly one per
 forward (the count exchange); sync-free dispatch none. This runs CUDA's sync debug mode over
-`OccultMoE` (both dispatchers, pipelined or not) and a converted transformers model of every
+`OccultMoE` (both dispatchers, sync-free or not) and a converted transformers model of every
 family (tiny shapes), and prints each synchronising call site inside occult or transformers.
 
     python scripts/find_syncs.py          (GPU)
@@ -55,17 +55,16 @@ def main() -> None:
     dev = torch.device("cuda")
     report = {}
     for dispatcher in ("standard", "dedup"):
-        for chunks in (1, 2):
-            for sync_free in (False, True):
-                layer = OccultMoE(256, 128, 16, 4, dispatcher=dispatcher, overlap_chunks=chunks, sync_free=sync_free,
-                                  dtype=torch.bfloat16, device=dev)
-                x = torch.randn(512, 256, device=dev, dtype=torch.bfloat16)
-                layer(x)  # warm-up (Triton compiles)
-                layer(x.requires_grad_()).float().sum().backward()
-                name = f"{dispatcher} chunks={chunks}{' sync_free' if sync_free else ''}"
-                with torch.no_grad():
-                    report[f"{name} forward"] = syncs_in(lambda: layer(x))
-                report[f"{name} fwd+bwd"] = syncs_in(lambda: layer(x).float().sum().backward())
+        for sync_free in (False, True):
+            layer = OccultMoE(256, 128, 16, 4, dispatcher=dispatcher, sync_free=sync_free,
+                              dtype=torch.bfloat16, device=dev)
+            x = torch.randn(512, 256, device=dev, dtype=torch.bfloat16)
+            layer(x)  # warm-up (Triton compiles)
+            layer(x.requires_grad_()).float().sum().backward()
+            name = f"{dispatcher}{' sync_free' if sync_free else ''}"
+            with torch.no_grad():
+                report[f"{name} forward"] = syncs_in(lambda: layer(x))
+            report[f"{name} fwd+bwd"] = syncs_in(lambda: layer(x).float().sum().backward())
     try:
         from occult.integrations import hf
         from occult.integrations.hf.families import FAMILIES

@@ -2,13 +2,13 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | overlap | peer | train | train-slow | serve | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | peer | train | train-slow | serve | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
 # e2e       whole OLMoE-shape model, NVLink: floor, standard, dedup, placement, pruned  issue 14
-# e2e-slow  the same with NCCL_P2P_DISABLE=1 (~31 GB/s all-to-all), plus overlap variants issue 14
-# overlap   NVLink: pipelined (/c2, /c4) and two-batch (/tbo) variants                 issue 14
+# e2e-slow  the same with NCCL_P2P_DISABLE=1 (~31 GB/s all-to-all)                      issue 14
+#           (the overlap schedules' part is gone: they never won, docs/overlap.md)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -25,8 +25,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|overlap|peer|train|train-slow|serve|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, overlap, peer, train, train-slow, serve, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|peer|train|train-slow|serve|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, peer, train, train-slow, serve, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -47,12 +47,7 @@ case $part in
     run e2e_nvlink 560 $tr benchmarks/e2e.py --model olmoe --variants $e2e_all --out "$out/e2e_${n}gpu.json" ;;&
   e2e-slow|all)
     run e2e_slow 560 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe \
-      --variants replicated,standard,dedup,dedup+placement,dedup/c2,dedup/tbo,replicated/tbo --out "$out/e2e_${n}gpu_nop2p.json" ;;&
-  overlap|all)
-    run overlap_nvlink 400 $tr benchmarks/e2e.py --model olmoe \
-      --variants replicated,dedup,dedup/c2,dedup/c4,dedup/tbo,replicated/tbo --out "$out/e2e_${n}gpu_overlap.json"
-    run bench_overlap 150 python3 -m occult.cli bench --world-size "$n" --shapes olmoe --overlap-chunks 1,2,4 \
-      --out "$out/bench_overlap_${n}gpu.json" ;;&
+      --variants replicated,standard,dedup,dedup+placement --out "$out/e2e_${n}gpu_nop2p.json" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -2,7 +2,7 @@
 
 Runs `OccultMoE` on one rank under torch.profiler. Since issue 26 a one-rank layer takes the
 identity schedule (`occult.moe.local`: routing, the experts, nothing else, no host wait), so this
-now profiles that, the same for every dispatcher and chunk count; the multi-rank path's host share
+now profiles that, the same for every dispatcher; the multi-rank path's host share
 (plan, gathers, count exchange) needs two or more ranks. Prints, per variant: wall time per forward, GPU busy time, the idle gap
 (wall - busy: host-bound time, e.g. launches after the host sync), and the top kernels.
 Chrome traces go to --out.
@@ -65,7 +65,7 @@ def profile_variant(name: str, layer: OccultMoE, xs: list[torch.Tensor], iters: 
     per_kernel: dict[str, float] = {}
     for e in kernels:
         per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / iters
-    if out and name.endswith("_c1"):
+    if out:
         prof.export_chrome_trace(os.path.join(out, f"trace_{name}.json"))
     wall = statistics.median(times)
     return {"variant": name, "wall_ms": wall, "gpu_busy_ms": busy_us / 1e3, "idle_ms": wall - busy_us / 1e3,
@@ -78,7 +78,6 @@ def main() -> None:
     parser.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--chunks", default="1,2,4", help="comma list of overlap_chunks values to profile")
     parser.add_argument("--out", default=None, help="folder for chrome traces")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -90,12 +89,11 @@ def main() -> None:
     xs = [torch.randn(args.tokens, shape.hidden, device=dev, dtype=torch.bfloat16) for _ in range(3)]
     rows = []
     for dispatcher in ("standard", "dedup"):
-        for chunks in [int(c) for c in args.chunks.split(",")]:
-            torch.manual_seed(0)
-            layer = OccultMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, dispatcher=dispatcher,
-                              overlap_chunks=chunks, dtype=torch.bfloat16, device=dev)
-            rows.append(profile_variant(f"{dispatcher}_c{chunks}", layer, xs, args.iters, args.out))
-            del layer
+        torch.manual_seed(0)
+        layer = OccultMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, dispatcher=dispatcher,
+                          dtype=torch.bfloat16, device=dev)
+        rows.append(profile_variant(dispatcher, layer, xs, args.iters, args.out))
+        del layer
     for r in rows:
         print(f"\n{r['variant']}: top kernels (us per forward)")
         for k, v in r["top"]:

@@ -63,24 +63,10 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
     assert native_row[5].strip() == "1.00" and native_row[6].strip().endswith("%")  # native/this, MFU
 
 
-def test_e2e_pipelined_and_two_batch_variants_are_exact_and_send_the_same_rows(tmp_path):
-    out = tmp_path / "e2e.json"
-    res = _torchrun(2, "--model", "tiny", "--variants", "dedup,dedup/c3,pruned1/c2,standard/tbo,replicated/tbo",
-                    "--batch", "2", "--seq", "32", "--check-seq", "32", "--warmup", "1", "--iters", "1", "--out", str(out))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    report = json.loads(out.read_text())["variants"]
-    for name in ("dedup/c3", "standard/tbo", "replicated/tbo"):
-        assert report[name]["exact"] and report[name]["check"]["median_rel_err"] < 1e-4, (name, report[name]["check"])
-    for phase in PHASES:  # two-batch variants time both phases; their rows are not reported (per-half stats)
-        assert report["standard/tbo"]["phases"][phase]["ms_median"] > 0 and report["standard/tbo"]["phases"][phase]["comm"] == {}
-    assert not report["pruned1/c2"]["exact"]
-    for phase in PHASES:
-        plain, piped = report["dedup"]["phases"][phase]["comm"], report["dedup/c3"]["phases"][phase]["comm"]
-        assert piped["forward_rows"] == plain["forward_rows"] and piped["backward_rows"] == plain["backward_rows"]
-
-
 def test_e2e_unknown_variant_fails_clearly():
-    for bad in ("dedup,bogus", "dedup/c0", "native/c2", "native/tbo", "hf-ep/c2", "hf-ep/tbo", "dedup/tbo/c2", "torchtitan/tbo"):
+    # the overlap schedules' /cN and /tbo variants were removed (issue 36): unknown now
+    for bad in ("dedup,bogus", "dedup/c0", "dedup/c2", "dedup/tbo", "replicated/tbo", "native/c2", "native/tbo",
+                "hf-ep/c2", "hf-ep/compile", "dedup/tbo/c2", "torchtitan/tbo"):
         res = python(SCRIPT, "--variants", bad)
         assert res.returncode != 0
         assert "unknown variant" in res.stderr and bad.split(",")[-1] in res.stderr

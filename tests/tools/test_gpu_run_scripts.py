@@ -20,7 +20,7 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
 
 @pytest.mark.parametrize("script, parts", [
     ("one_gpu_runs.sh", ["kernels", "suite", "peer", "train", "native", "native_decode", "quality"]),
-    ("multi_gpu_runs.sh", ["suite", "e2e", "e2e-slow", "overlap", "peer", "train", "train-slow", "serve", "probe", "scale"]),
+    ("multi_gpu_runs.sh", ["suite", "e2e", "e2e-slow", "peer", "train", "train-slow", "serve", "probe", "scale"]),
 ])
 def test_dry_run_lists_every_part(tmp_path, script, parts):
     res = _run(script, "all", tmp_path, DRY_RUN="1")

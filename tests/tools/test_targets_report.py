@@ -34,7 +34,7 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
         "replicated": (100.0, 290.0), "standard": (106.0, 291.0), "dedup": (101.0, 300.0)})))
     (tmp_path / "a" / "slow.json").write_text(json.dumps(e2e("olmoe", 4, True, {
         "replicated": (100.0, 290.0), "standard": (335.0, 737.0), "dedup": (199.0, 459.0),
-        "dedup/tbo": (110.0, 320.0)}, failed=("dedup/tbo",))))  # a failed check never counts
+        "dedup+placement": (110.0, 320.0)}, failed=("dedup+placement",))))  # a failed check never counts
     (tmp_path / "peer.json").write_text(json.dumps(e2e("qwen3", 2, False, {
         "replicated": (50.0, 150.0), "standard": (60.0, 170.0), "dedup": (55.0, 160.0), "torchtitan": (70.0, 240.0)})))
     (tmp_path / "bench.json").write_text(json.dumps({"ceilings": {}, "runs": [
