@@ -8,8 +8,9 @@
 host sync, none when sync-free) and sends the rows with their local expert slots and gate
 weights; `combine` brings one result row back per sent row and sums each token's rows. What
 differs between calls is data, not code paths: a `Schedule` says how to run (sync-free
-capacity, work to run while the host waits) and each dispatcher declares the `Capabilities` it honours; `check_schedule` refuses the rest
-with one clear error. Dispatchers are stateless between calls: one serves every layer.
+capacity, work to run while the host waits) and each dispatcher declares the `Capabilities` it
+honours; `check_schedule` refuses the rest with one clear error. Dispatchers are stateless
+between calls: one serves every layer.
 """
 
 from __future__ import annotations
