@@ -17,9 +17,9 @@ import datetime
 import gc
 import os
 import pickle
-import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable, Iterator
@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import connection as mp_connection
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -97,6 +98,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
+    _thread_lock_for_tqdm()
     try:
         init_distributed(backend, timeout_s)
         out = fn(rank, world_size, *args)
@@ -107,11 +109,23 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
         pickle.dumps(payload)
     except Exception as exc:
         payload = ("error", f"rank {rank} returned an unpicklable result: {exc}")
-    results.put((rank, payload))
+    results.send(payload)
+    results.close()
     try:
         finish_distributed(ok=payload[0] == "ok")
     except Exception:
         pass  # the result is reported; a peer that failed may break the closing barrier
+
+
+def _thread_lock_for_tqdm() -> None:
+    """tqdm's default lock holds a multiprocessing semaphore; a rank terminated on Ctrl-C cannot
+    release it, and the resource tracker then prints a leak warning on the terminal. A rank's bars
+    never share a lock with another process: a thread lock does."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 @contextlib.contextmanager
@@ -128,31 +142,21 @@ def _sigint_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _collect(procs: list, results: Any, timeout_s: float) -> dict[int, tuple[str, Any]]:
-    """Every rank's ("ok" | "error", payload): its report, or why none came (died, deadline)."""
+def _collect(procs: list, readers: list, timeout_s: float) -> dict[int, tuple[str, Any]]:
+    """Every rank's ("ok" | "error", payload): its report (one message on its pipe), or why none
+    came (died, deadline)."""
     world_size = len(procs)
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
     while len(outcome) < world_size:
-        try:
-            rank, payload = results.get(timeout=0.2)
-            outcome[rank] = payload
-            continue
-        except queue.Empty:
-            pass
-        dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
-        if dead:
-            # Give the queue a moment: a rank may have exited right after reporting.
-            time.sleep(0.5)
-            while True:
-                try:
-                    rank, payload = results.get_nowait()
-                    outcome[rank] = payload
-                except queue.Empty:
-                    break
-            for r in dead:
-                if r not in outcome:
-                    outcome[r] = ("error", f"rank {r} died (exit code {procs[r].exitcode}) without reporting")
+        waiting = [readers[r] for r in range(world_size) if r not in outcome]
+        for conn in mp_connection.wait(waiting, timeout=0.2):
+            rank = readers.index(conn)
+            try:
+                outcome[rank] = conn.recv()
+            except EOFError:  # the pipe closed without a report: the rank died
+                outcome[rank] = ("error", f"rank {rank} died (exit code {procs[rank].join(5) or procs[rank].exitcode}) "
+                                          "without reporting")
         if time.monotonic() > deadline:
             for r in range(world_size):
                 outcome.setdefault(r, ("error", f"rank {r} did not finish within {timeout_s:.0f} s"))
@@ -187,11 +191,13 @@ def run_ranks(
     """
     backend = pick_backend(backend)
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = free_port()
     coll_timeout = collective_timeout_s if collective_timeout_s is not None else timeout_s
+    # one pipe per rank for its report (no queue: its semaphores, left behind by an interrupted
+    # run, made the resource tracker print a leak warning on the terminal)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, coll_timeout, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, coll_timeout, fn, args, pipes[r][1]), daemon=True)
         for r in range(world_size)
     ]
     wait_s = 5.0
@@ -199,19 +205,19 @@ def run_ranks(
         with _sigint_blocked():
             for p in procs:
                 p.start()
-        outcome = _collect(procs, results, timeout_s)
-    except BaseException as exc:
+        for _, writer in pipes:
+            writer.close()  # the ranks hold the write ends: a dead rank's pipe reads EOF
+        outcome = _collect(procs, [reader for reader, _ in pipes], timeout_s)
+    except BaseException:
         for p in procs:
             if p.pid is not None and p.exitcode is None:
                 p.terminate()
         wait_s = 1.0
-        # Let the queue go now: the traceback's frames would keep it (and its semaphores) to the
-        # interpreter's exit, where the resource tracker reports them as leaked on stderr.
-        traceback.clear_frames(exc.__traceback__)
-        del results
         raise
     finally:
         _end(procs, wait_s)
+        for reader, _ in pipes:
+            reader.close()
     errors = {r: msg for r, (kind, msg) in sorted(outcome.items()) if kind == "error"}
     if errors:
         text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in errors.items())
