@@ -5,7 +5,11 @@ expert); co-activated experts are placed on the same device; optionally each tok
 to N devices (collaboration pruning). See README.md and docs/design.md.
 """
 
-from occult.moe.comm import CommStats
+from occult._rank_signals import ignore_interrupts_in_ranks
+
+ignore_interrupts_in_ranks()  # first, before torch loads: a rank process leaves Ctrl-C to its parent
+
+from occult.moe.comm import CommStats  # noqa: E402
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig
 from occult.moe.contract import Capabilities, Dispatcher, Received, Schedule
 from occult.moe.counts import RoutingError

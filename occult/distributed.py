@@ -24,10 +24,12 @@ import time
 import traceback
 from typing import Any, Callable, Iterator
 
+from multiprocessing import connection as mp_connection
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing import connection as mp_connection
+
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -197,7 +199,8 @@ def run_ranks(
     # run, made the resource tracker print a leak warning on the terminal)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, coll_timeout, fn, args, pipes[r][1]), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, coll_timeout, fn, args, pipes[r][1]), daemon=True,
+                    name=f"occult-rank-{r}")  # the name occult._rank_signals ignores Ctrl-C in
         for r in range(world_size)
     ]
     wait_s = 5.0
