@@ -12,7 +12,7 @@ largest token count of any rank, which is a shape every host knows about itself:
 (`occult.moe.agree`: a shared-memory page where the group is on one host, else gloo). Buffers
 grow, collectively, only when that bound grows (sized in powers of two of tokens).
 
-Two sets of buffers (`_Slot`) alternate between consecutive all-to-alls: `all_to_all_vdev` pulls
+Two sets of buffers (`Slot`) alternate between consecutive all-to-alls: `all_to_all_vdev` pulls
 rows out of the senders' buffers, and a sender may reuse its buffer only after every peer has
 pulled; the next all-to-all (on the other set) begins with a barrier of all ranks, which each
 reaches only after its earlier pulls completed, so every set is free again when its turn comes.
@@ -93,7 +93,7 @@ def token_bucket(num_tokens: int) -> int:
 
 
 @dataclass
-class _Slot:
+class Slot:
     """One set of symmetric buffers: send and receive bytes, the send splits, and the kernel's
     output splits/offsets (also its exchange scratch)."""
 
@@ -118,7 +118,7 @@ class DeviceTransport:
         symm_mem.enable_symm_mem_for_group(self.group_name)
         self._symm_mem = symm_mem
         self.capacity_bytes = 0
-        self._slots: list[_Slot] = []
+        self._slots: list[Slot] = []
         self._turn = 0
 
     @classmethod
@@ -149,7 +149,7 @@ class DeviceTransport:
         device = torch.device("cuda", torch.cuda.current_device())
         empty, D = self._symm_mem.empty, self.num_ranks
         for _ in range(2):
-            slot = _Slot(empty(num_bytes, dtype=torch.uint8, device=device),
+            slot = Slot(empty(num_bytes, dtype=torch.uint8, device=device),
                          empty(num_bytes, dtype=torch.uint8, device=device),
                          empty(D, dtype=torch.int64, device=device),
                          empty((2, D), dtype=torch.int64, device=device))
@@ -158,13 +158,13 @@ class DeviceTransport:
             self._slots.append(slot)
         self.capacity_bytes = num_bytes
 
-    def next_slot(self) -> _Slot:
+    def next_slot(self) -> Slot:
         """The buffers of the next all-to-all (the two sets alternate)."""
         slot = self._slots[self._turn]
         self._turn ^= 1
         return slot
 
-    def all_to_all(self, slot: _Slot, width: int, counts_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_to_all(self, slot: Slot, width: int, counts_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Send the first rows of `slot.send` (as rows of `width` bytes, grouped by destination,
         `counts_D[d]` to rank d, a device tensor) to their ranks.
 
@@ -179,7 +179,7 @@ class DeviceTransport:
         torch.ops.symm_mem.all_to_all_vdev(send, recv, slot.in_splits, slot.out_splits_offsets, self.group_name)
         return recv, slot.out_splits_offsets[0]
 
-    def send_view(self, slot: _Slot, width: int) -> torch.Tensor:
+    def send_view(self, slot: Slot, width: int) -> torch.Tensor:
         """`slot.send` as rows of `width` bytes (fill the first rows before `all_to_all`)."""
         rows = self.capacity_bytes // width
         return slot.send[: rows * width].view(rows, width)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,31 +17,15 @@ import torch
 from occult import cli
 from occult._atomic import atomic_path, check_writable, write_text_atomic
 
-REPO = Path(__file__).resolve().parents[2]
-TRACE = REPO / "occult" / "data" / "example_trace.safetensors"
+from _cli_helpers import REPO, TRACE, occult, one_clean_line
+
 CORPUS = REPO / "tests" / "data" / "shakespeare_tiny"
-
-
-def occult(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m occult ARGS`, as a user runs it."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "occult", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd or REPO, env=env, timeout=timeout)
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
     code = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def one_clean_line(code: int, err: str, *needles: str) -> None:
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("occult: error: "), err
-    assert ".tmp" not in err and "Traceback" not in err and "Errno" not in err, err
-    for n in needles:
-        assert n in err, err
 
 
 def read_only(path: Path) -> Path:

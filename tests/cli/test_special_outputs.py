@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -21,25 +19,7 @@ import pytest
 from occult import cli
 from occult._atomic import check_writable, names_stdout, write_text_atomic
 
-REPO = Path(__file__).resolve().parents[2]
-TRACE = REPO / "occult" / "data" / "example_trace.safetensors"
-
-
-def occult(*args, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    """`python -m occult ARGS`, as a user runs it (with `env` added to the environment)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
-    return subprocess.run([sys.executable, "-m", "occult", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=timeout)
-
-
-def one_clean_line(code: int, err: str, *needles: str) -> None:
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("occult: error: "), err
-    assert ".tmp" not in err and "Traceback" not in err and "Errno" not in err, err
-    for n in needles:
-        assert n in err, err
-
+from _cli_helpers import REPO, TRACE, occult, one_clean_line
 
 PLACE = ("place", "--trace", TRACE, "--devices", 4, "--method", "greedy", "-q")
 

@@ -36,7 +36,7 @@ class GlooTransport(symm.DeviceTransport):
         if num_bytes > self.capacity_bytes:
             self.grown += 1
             self.capacity_bytes = num_bytes
-            self._slots = [symm._Slot(torch.empty(num_bytes, dtype=torch.uint8), torch.full((num_bytes,), 255, dtype=torch.uint8),
+            self._slots = [symm.Slot(torch.empty(num_bytes, dtype=torch.uint8), torch.full((num_bytes,), 255, dtype=torch.uint8),
                                       torch.empty(self.num_ranks, dtype=torch.int64),
                                       torch.empty((2, self.num_ranks), dtype=torch.int64)) for _ in range(2)]
 
