@@ -55,6 +55,7 @@ logits of the last position; train: 3x the forward with every position's logits)
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -77,6 +78,7 @@ from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and 
 from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
+import _router_trace  # noqa: E402  (benchmarks/_router_trace.py: routers with a trace's co-activation)
 from occult import ExecConfig, Placement, RoutingConfig  # noqa: E402
 from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -152,6 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--router-std", type=float, default=0.05, help="router weight std at hidden 2048")
     p.add_argument("--router-groups", type=int, default=0,
                    help="plant co-activation: experts in this many hidden groups share a router direction (0: off)")
+    p.add_argument("--router-trace", default=None,
+                   help="routers with the co-activation structure of this routing trace (occult profile of a trained "
+                        "model with as many experts), layer l from its layer l mod its layers (benchmarks/_router_trace.py)")
     p.add_argument("--check-batch", type=int, default=2, help="sequences per rank in the correctness check")
     p.add_argument("--check-seq", type=int, default=256, help="sequence length of the correctness check")
     p.add_argument("--tol", type=float, default=2e-2, help="max median relative logit error of an exact variant")
@@ -190,6 +195,8 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
     for v in (base_variant(v) for v in args.variants):
         if v.startswith("pruned") and int(v[6:]) * (E // world) < k:
             return f"{v}: {v[6:]} device(s) hold {int(v[6:]) * (E // world)} experts, fewer than top_k={k}"
+    if args.router_trace and (reason := trace_mismatch(args.router_trace, E)):
+        return reason
     if "hf-ep" in args.variants and (reason := hf_ep.unavailable()):
         return f"hf-ep: {reason}"
     if set(tt_model.VARIANTS) & set(args.variants) and (reason := tt_model.unavailable(cfg.model_type)):
@@ -197,18 +204,56 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
     return None
 
 
-def redraw_routers(model: nn.Module, std: float, groups: int, seed: int) -> None:
-    """Router weights ~ N(0, (std * sqrt(2048/H))^2); with `groups`, rows share hidden group directions."""
-    gen = torch.Generator().manual_seed(seed + 1)
+def trace_mismatch(path: str, num_experts: int) -> str | None:
+    """Why --router-trace cannot shape this model's routers, or None."""
+    from occult.placement.trace import TraceError, trace_info
+
+    try:
+        found = trace_info(path)["num_experts"]
+    except TraceError as exc:
+        return f"--router-trace: {exc}"
+    if found is None or int(found) != num_experts:
+        return (f"--router-trace {path}: {found} experts, the model has {num_experts}: profile a model with "
+                f"{num_experts} experts (occult profile)")
+    return None
+
+
+def redraw_routers(model: nn.Module, args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """Router weights ~ N(0, (std * sqrt(2048/H))^2); with --router-groups, rows share hidden group
+    directions; with --router-trace, rows carry that trace's co-activation structure (layer l takes the
+    trace's layer l mod its layers: benchmarks/_router_trace.py). Returns what --router-trace fitted."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    trace_path = getattr(args, "router_trace", None)  # decode.py and serve.py build models with their own flags
+    factors = trace_factors(trace_path, world, args.seed) if trace_path else None
     with torch.no_grad():
-        for _, block in hf.moe_blocks(model):
+        for i, (_, block) in enumerate(hf.moe_blocks(model)):
             w_EH = block.gate.weight
             E, H = w_EH.shape
+            row_norm = args.router_std * math.sqrt(2048 / H) * math.sqrt(H)
+            if factors is not None:
+                u_EE = factors["u"][i % len(factors["u"])]
+                if u_EE.shape[0] != E:
+                    raise SystemExit(f"--router-trace {trace_path}: {u_EE.shape[0]} experts, the model has {E}: "
+                                     f"profile a model with {E} experts (occult profile)")
+                w_EH.copy_(_router_trace.rows_from_factor(u_EE, H, row_norm, gen))
+                continue
             rows_EH = torch.randn(E, H, generator=gen)
-            if groups > 0:  # a random (non-contiguous) expert -> group map, unit variance kept
-                group_E = torch.randperm(E, generator=gen) % groups
-                rows_EH = 0.8 * torch.randn(groups, H, generator=gen)[group_E] + 0.6 * rows_EH
-            w_EH.copy_(rows_EH * std * math.sqrt(2048 / H))
+            if args.router_groups > 0:  # a random (non-contiguous) expert -> group map, unit variance kept
+                group_E = torch.randperm(E, generator=gen) % args.router_groups
+                rows_EH = 0.8 * torch.randn(args.router_groups, H, generator=gen)[group_E] + 0.6 * rows_EH
+            w_EH.copy_(rows_EH * row_norm / math.sqrt(H))
+    return {} if factors is None else {"trace": str(trace_path), "per_trace_layer": factors["info"]}
+
+
+@functools.lru_cache(maxsize=2)
+def trace_factors(path: str, world: int, seed: int) -> dict[str, Any]:
+    """Per trace layer, the logit factor U of _router_trace.sharpen (calibrated for `world` devices)."""
+    from occult.placement.trace import read_trace
+
+    trace = read_trace(path)
+    fitted = [_router_trace.sharpen(trace.layer(i), trace.num_experts, max(world, 2), seed)
+              for i in range(trace.num_layers)]
+    return {"u": [u for u, _ in fitted], "info": [info for _, info in fitted]}
 
 
 def build_model(args: argparse.Namespace, cfg: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -218,7 +263,7 @@ def build_model(args: argparse.Namespace, cfg: Any, device: torch.device, dtype:
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    redraw_routers(model, args.router_std, args.router_groups, args.seed)
+    model.router_init = redraw_routers(model, args, dist.get_world_size())
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             if t.is_floating_point():
@@ -475,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     ref = build_model(args, cfg, device, dtype)
     report["env"]["build_s"] = time.perf_counter() - t0
+    report["router_init"] = ref.router_init
     log(f"{args.model}: {len(hf.moe_blocks(ref))} MoE layers, {world} ranks, {device.type} {dtype}, "
         f"{args.batch}x{args.seq} tokens/GPU, NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, "
         f"built in {report['env']['build_s']:.1f} s")

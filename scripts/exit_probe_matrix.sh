@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 37's hang at exit, one configuration per run (2 GPUs, each bounded): which step before
+# dist.destroy_process_group() lets a compile_layers + graph-decode run end names the cause.
+#   bash scripts/exit_probe_matrix.sh OUT
+set -uo pipefail
+out=${1:?usage: exit_probe_matrix.sh OUT}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+tr="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
+probe() {  # probe NAME FLAGS...
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout -k 5 70 $tr scripts/exit_probe.py --layers 2 "$@" > "$out/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - t0)) s: $*" | tee -a "$out/summary.txt"
+}
+probe baseline
+probe release --before release
+probe workers --before workers-shutdown
+probe no_graph --no-graph
+probe dynamo --before dynamo-reset
+probe no_compile --no-compile
