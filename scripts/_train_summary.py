@@ -66,7 +66,7 @@ def summarise_run(run_dir: Path, link: str, variant: str, gpus: int, peak: dict 
     cfg, tcfg = json.loads(meta["model_config"]), json.loads(meta["train_config"])
     tps = metrics[-1]["train_tokens_per_s"]
     r = {"link": link, "variant": variant, "gpus": gpus, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / gpus,
-         "tokens_per_s_first_window": metrics[0]["train_tokens_per_s"], "val_loss": metrics[-1]["val_loss"],
+         "tokens_per_s_first_window": metrics[0].get("train_tokens_per_s"), "val_loss": metrics[-1]["val_loss"],
          "flops_per_token": flops_per_token(cfg, tcfg["seq_len"]), "losses": json.loads(meta["train_losses"]),
          "batch_size": tcfg["batch_size"], "seq_len": tcfg["seq_len"], "steps": tcfg["steps"]}
     if peak:

@@ -26,8 +26,8 @@ source "$(dirname "$0")/_gpu_runs_common.sh"  # run(), train_corpus()
 export TAIL=${TAIL:-6}
 here=$(dirname "$0")
 tr="python3 -m torch.distributed.run --standalone --nproc-per-node 2"  # --standalone: a free port per job
-runs=${RUNS_DIR:-/tmp/occult_two_gpu}
-budget=${BUDGET_S:-290}  # no train run starts later than this (seconds into the job)
+runs=${RUNS_DIR:-/tmp/occult_two_gpu.$$}  # per job: two jobs may share the host
+budget=${BUDGET_S:-300}  # no train run starts later than this (seconds into the job)
 if [ "${TINY:-0}" = 1 ]; then  # CPU gloo ranks, the same commands at toy sizes
   export OCCULT_TRAIN_DATA=${OCCULT_TRAIN_DATA:-$runs/tinydata}
   [ -f "$OCCULT_TRAIN_DATA/manifest.json" ] || [ "${DRY_RUN:-0}" = 1 ] || python3 -m occult data prepare --out "$OCCULT_TRAIN_DATA" \
@@ -95,7 +95,7 @@ more_part() {
   if [ "${TINY:-0}" = 1 ]; then  # the test's own check on CPU gloo ranks (pytest skips it without GPUs)
     run resume_test 150 python3 tests/gpu/test_resume_across_gpu_counts.py --device cpu
   else
-    run resume_test 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_resume_across_gpu_counts.py
+    run resume_test 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_resume_across_gpu_counts.py
   fi
   for r in off every; do  # the same run without and with re-placement (plain top-k routing: exact)
     local flags=""; [ $r = every ] && flags="--replace-every $revery --replace-check-every 10"
@@ -111,4 +111,5 @@ more_part() {
 
 case $part in train|all) train_part ;; esac
 case $part in more|all) more_part ;; esac
+[ "${DRY_RUN:-0}" = 1 ] || [ -n "${RUNS_DIR:-}" ] || rm -rf "$runs"
 echo "== done in ${SECONDS}s"

@@ -75,6 +75,7 @@ def check(runs: dict[str, list[float]]) -> None:
     assert len(want) == STEPS
     for name in ("two_one", "one_two"):
         assert len(runs[name]) == STEPS, name
+        print(f"{name}: max relative loss difference {max(abs(a - b) / abs(b) for a, b in zip(runs[name], want)):.1e}")
         np.testing.assert_allclose(runs[name], want, rtol=RTOL, err_msg=name)
 
 
