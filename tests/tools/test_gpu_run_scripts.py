@@ -33,3 +33,45 @@ def test_dry_run_lists_every_part(tmp_path, script, parts):
     assert any("--corpus-dir .gpudata" in line for line in res.stdout.splitlines())  # the carried corpus
     bad = _run(script, "nope", tmp_path, DRY_RUN="1")
     assert bad.returncode == 2 and "unknown part 'nope'" in bad.stderr
+
+
+def _two_gpu(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return subprocess.run(["bash", str(ROOT / "scripts" / "two_gpu_training.sh"), str(out), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path, **env})
+
+
+def test_two_gpu_training_dry_run_and_errors(tmp_path):
+    """Issue 38's script: every run of both parts listed, multicast off, a bad part or no GPUs is exit 2."""
+    res = _two_gpu(tmp_path, "nvlink slow", "all", DRY_RUN="1")
+    assert res.returncode == 0, res.stderr
+    names = [line.split(":")[0][3:] for line in res.stdout.splitlines() if line.startswith("== ")]
+    assert {"train_nvlink_1gpu", "train_nvlink_dedup_fsdp", "train_slow_standard_ddp", "finetune_hf_2gpu",
+            "resume_test", "replace_every"} <= set(names)
+    assert not any(n.startswith("train_slow_") and "fsdp" in n for n in names)
+    assert "NCCL_P2P_DISABLE=1" in next(line for line in res.stdout.splitlines() if "train_slow_floor" in line)
+    bad = _two_gpu(tmp_path, "nvlink", "nope", DRY_RUN="1")
+    assert bad.returncode == 2 and "unknown part 'nope'" in bad.stderr
+    if not __import__("torch").cuda.is_available():
+        none = _two_gpu(tmp_path, "nvlink", "train")
+        assert none.returncode == 2 and "needs 2 GPUs" in none.stderr
+
+
+def test_train_report_table_and_plot(tmp_path):
+    """scripts/train_report.py on a made-up link file: variants, ratios against the targets, a PNG."""
+    import json
+
+    pytest.importorskip("matplotlib")
+    run = {"gpus": 2, "tokens_per_s": 2000.0, "tokens_per_s_per_gpu": 1000.0, "batch_size": 2, "seq_len": 8, "mfu": 0.1,
+           "losses": [5.0, 4.9]}
+    doc = {"link": "slow", "peak": None, "variants": {"floor": run, "dedup_ddp": dict(run, tokens_per_s_per_gpu=900.0)},
+           "ratios": {"dedup_over_floor_per_gpu": 0.9, "dedup_over_standard": None}, "loss_max_rel_diff_vs": "floor",
+           "loss_max_rel_diff": {"dedup_ddp": 1e-3}, "skipped": ["standard_ddp"]}
+    (tmp_path / "train_slow_2xGPU.json").write_text(json.dumps(doc))
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_report.py"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "| slow | dedup_ddp | 2 | 900 | 2,000 | 10.0 | 8 | 1.0e-03 |" in res.stdout
+    assert "| slow | EP dedup tokens/s per GPU / data-parallel floor | 0.900 | 0.85 | met |" in res.stdout
+    assert "Skipped (over the time budget): slow: standard_ddp" in res.stdout
+    assert (tmp_path / "train_report.png").stat().st_size > 0

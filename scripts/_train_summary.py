@@ -1,0 +1,177 @@
+"""Summaries for scripts/two_gpu_training.sh (issue 38), one subcommand per job:
+
+    peak OUT.json                     the matmul ceiling: median of an 8192^3 bf16 product (CPU: 1024^3 fp32)
+    run RUN_DIR OUT.json --link L --variant V --gpus G   one `occult train` run: tokens/s, MFU, per-step losses
+    link OUT LINK                     the runs of one link -> OUT/train_{LINK}_2xGPU.json with the issue's ratios
+    replace OFF_DIR EVERY_DIR OUT.json   re-placement: migrations, E[C_T] and tokens/s before/after, losses vs off
+
+MFU = model FLOPs per token x tokens/s per GPU / measured matmul peak. Model FLOPs per token of a
+training step: 3 x the forward, whose matmuls are 2 x (attention projections + router + top-k experts'
+SwiGLU + tied LM head) per token plus the causal attention scores and values (4 x hidden per
+(query, key) pair per layer, (seq + 1) / 2 keys per query on average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def measure_peak() -> dict[str, Any]:
+    """TFLOP/s of one large matmul on this process's device (the median of 20)."""
+    cuda = torch.cuda.is_available()
+    n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    dev = torch.device("cuda" if cuda else "cpu")
+    a_NN, b_NN = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    times = []
+    for i in range(23 if cuda else 5):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.mm(a_NN, b_NN)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 3 or not cuda:
+            times.append(time.perf_counter() - t0)
+    s = sorted(times)[len(times) // 2]
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    return {"device": name, "matmul_n": n, "dtype": str(dtype).replace("torch.", ""), "tflops": 2 * n**3 / s / 1e12}
+
+
+def flops_per_token(cfg: dict[str, Any], seq_len: int) -> float:
+    """Training FLOPs per token of an OccultLM config (module docstring)."""
+    h, f, e, k, layers = cfg["hidden_size"], cfg["expert_ffn_size"], cfg["num_experts"], cfg["top_k"], cfg["num_layers"]
+    per_layer = 4 * h * h + h * e + k * 3 * h * f
+    forward = 2 * (layers * per_layer + cfg["vocab_size"] * h) + layers * 4 * h * (seq_len + 1) / 2
+    return 3 * forward
+
+
+def read_meta(path: Path) -> dict[str, str]:
+    """The metadata of a safetensors file (header only)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}
+
+
+def summarise_run(run_dir: Path, link: str, variant: str, gpus: int, peak: dict | None) -> dict[str, Any]:
+    """tokens/s (steady: the last evaluation window, after the first), MFU, per-step losses of one run."""
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    meta = read_meta(run_dir / "model.safetensors")
+    cfg, tcfg = json.loads(meta["model_config"]), json.loads(meta["train_config"])
+    tps = metrics[-1]["train_tokens_per_s"]
+    r = {"link": link, "variant": variant, "gpus": gpus, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / gpus,
+         "tokens_per_s_first_window": metrics[0].get("train_tokens_per_s"), "val_loss": metrics[-1]["val_loss"],
+         "flops_per_token": flops_per_token(cfg, tcfg["seq_len"]), "losses": json.loads(meta["train_losses"]),
+         "batch_size": tcfg["batch_size"], "seq_len": tcfg["seq_len"], "steps": tcfg["steps"]}
+    if peak:
+        r["mfu"] = r["flops_per_token"] * r["tokens_per_s_per_gpu"] / (peak["tflops"] * 1e12)
+    return r
+
+
+def loss_agreement(runs: dict[str, dict], ref: str) -> dict[str, float]:
+    """Largest relative difference of each run's per-step losses from the reference run's."""
+    base = runs[ref]["losses"]
+    return {v: max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base)) for v, r in runs.items() if v != ref}
+
+
+def ratio(runs: dict[str, dict], a: str, b: str, key: str) -> float | None:
+    return runs[a][key] / runs[b][key] if a in runs and b in runs else None
+
+
+def link_report(out: Path, link: str) -> dict[str, Any]:
+    """Every run of one link (and the 1-GPU reference) with the issue 38 targets' ratios."""
+    runs = {}
+    for p in sorted((out / "runs").glob("train_*.json")):
+        r = json.loads(p.read_text())
+        if r["link"] == link or (r["variant"] == "1gpu" and link != "nvlink"):
+            runs[r["variant"]] = r
+    skipped = (out / "skipped.txt").read_text().split("\n") if (out / "skipped.txt").exists() else []
+    ratios = {"dedup_over_floor_per_gpu": ratio(runs, "dedup_ddp", "floor", "tokens_per_s_per_gpu"),
+              "dedup_over_standard": ratio(runs, "dedup_ddp", "standard_ddp", "tokens_per_s"),
+              "dedup_fsdp_over_standard_fsdp": ratio(runs, "dedup_fsdp", "standard_fsdp", "tokens_per_s"),
+              "two_gpu_dedup_over_one_gpu_job": ratio(runs, "dedup_ddp", "1gpu", "tokens_per_s"),
+              "two_gpu_floor_over_one_gpu_job": ratio(runs, "floor", "1gpu", "tokens_per_s")}
+    ref = "1gpu" if "1gpu" in runs else "floor"
+    peak_p = out / "peak.json"
+    return {"link": link, "peak": json.loads(peak_p.read_text()) if peak_p.exists() else None, "variants": runs,
+            "ratios": ratios, "loss_max_rel_diff_vs": ref, "loss_max_rel_diff": loss_agreement(runs, ref) if runs else {},
+            "skipped": [s.split()[1] for s in skipped if s.startswith(link + " ")]}
+
+
+def measures(run_dir: Path) -> list[dict]:
+    p = run_dir / "replace.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def window_rate(events: list[dict], tokens: int, lo: int, hi: int) -> float | None:
+    """Median tokens/s over the measurement windows with lo < step <= hi (evaluation windows included)."""
+    m = [e for e in events if e["event"] == "measure"]
+    rates = sorted((b["step"] - a["step"]) * tokens / (b["time"] - a["time"]) for a, b in zip(m, m[1:])
+                   if lo < a["step"] and b["step"] <= hi and b["time"] > a["time"])
+    return rates[len(rates) // 2] if rates else None
+
+
+def replace_report(off: Path, every: Path) -> dict[str, Any]:
+    """Migrations of the re-placing run against the run without: time, E[C_T], tokens/s, losses."""
+    meta_off, meta_on = read_meta(off / "model.safetensors"), read_meta(every / "model.safetensors")
+    tcfg = json.loads(meta_on["train_config"])
+    tokens = tcfg["batch_size"] * tcfg["seq_len"]
+    events = measures(every)
+    migs = [e for e in events if e["event"] == "migrate"]
+    l_off, l_on = json.loads(meta_off["train_losses"]), json.loads(meta_on["train_losses"])
+    first = migs[0]["step"] if migs else len(l_on)
+    rel = [abs(a - b) / abs(b) for a, b in zip(l_on, l_off)]
+    ct = [(e["step"], e["mean_ct"]) for e in events if e["event"] == "measure"]
+    report = {"steps": tcfg["steps"], "replace_every": tcfg.get("replace_every"), "tokens_per_step": tokens,
+              "migrations": [{k: m[k] for k in ("step", "old_ct", "new_ct", "experts_moved", "bytes_sent", "migrate_s")}
+                             for m in migs],
+              "ct_first_window": ct[0][1] if ct else None, "ct_last_window": ct[-1][1] if ct else None,
+              "ct_before_first_migration": next((v for s, v in reversed(ct) if s <= first), None),
+              "ct_after_first_migration": next((v for s, v in ct if s > first), None) if migs else None,
+              "tokens_per_s_before": window_rate(events, tokens, 0, first),
+              "tokens_per_s_after": window_rate(events, tokens, first, tcfg["steps"]) if migs else None,
+              "loss_max_rel_diff_before_first_migration": max(rel[:first], default=None),
+              "loss_max_rel_diff_after": max(rel[first:], default=None),
+              "losses_equal_before_first_migration": rel[:first] == [0.0] * first}
+    if migs and report["tokens_per_s_before"]:
+        step_s = tokens / report["tokens_per_s_before"]
+        report["migration_share_of_training"] = max(m["migrate_s"] for m in migs) / (step_s * (tcfg.get("replace_every") or 1))
+    return report
+
+
+def write(path: str | Path, doc: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("job", choices=["peak", "run", "link", "replace"])
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--link", default="nvlink")
+    p.add_argument("--variant", default="")
+    p.add_argument("--gpus", type=int, default=1)
+    a = p.parse_args()
+    if a.job == "peak":
+        write(a.paths[0], measure_peak())
+    elif a.job == "run":
+        run_dir, dest = Path(a.paths[0]), Path(a.paths[1])
+        peak_p = dest.parent.parent / "peak.json"
+        peak = json.loads(peak_p.read_text()) if peak_p.exists() else None
+        write(dest, summarise_run(run_dir, a.link, a.variant, a.gpus, peak))
+    elif a.job == "link":
+        out = Path(a.paths[0])
+        write(out / f"train_{a.paths[1]}_2xGPU.json", link_report(out, a.paths[1]))
+    else:
+        write(a.paths[2], replace_report(Path(a.paths[0]), Path(a.paths[1])))
+
+
+if __name__ == "__main__":
+    main()

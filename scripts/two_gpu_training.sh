@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Issue 38 on a pair of GPUs (the ones CUDA_VISIBLE_DEVICES names), one device call per part:
+#
+#   bash scripts/two_gpu_training.sh OUT [LINKS] [PART]   LINKS: "nvlink slow" (default), PART: train (default) | more | all
+#   DRY_RUN=1 bash scripts/two_gpu_training.sh /tmp/x "nvlink slow" all   # print every command
+#   TINY=1 bash scripts/two_gpu_training.sh /tmp/x "nvlink slow" all      # the same on 2 CPU gloo ranks, tiny sizes
+#
+# train  occult train tokens/s (OccultLM 4 layers, hidden 1024, 64 experts x 512 top-8, seq 1024, bf16):
+#        1 GPU; 2 GPUs floor (--ep-size 1); EP standard / dedup with ddp and fsdp (slow link: floor and
+#        the two dispatchers with ddp). Runs go in order of importance; one that would start after
+#        BUDGET_S seconds is skipped and listed as such. -> OUT/train_{link}_2xGPU.json
+# more   finetune --hf on 1 and 2 GPUs + logits through plain transformers -> OUT/finetune_hf_2xGPU.json;
+#        tests/gpu/test_resume_across_gpu_counts.py; re-placement over NCCL -> OUT/replacement_2xGPU.json
+#
+# Carry .gpudata (python -m occult data prepare --corpus shakespeare,gcide --out .gpudata --vocab-size 8000
+# && rm -r .gpudata/texts). "slow" = NCCL_P2P_DISABLE=1. NVLink multicast stays off in every process.
+set -uo pipefail
+out=${1:?usage: two_gpu_training.sh OUT [LINKS] [PART]}
+links=${2:-nvlink slow}
+part=${3:-train}
+case $part in train|more|all) ;; *) echo "two_gpu_training.sh: unknown part '$part' (train, more, all)" >&2; exit 2 ;; esac
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/_gpu_runs_common.sh"  # run(), train_corpus()
+export TAIL=${TAIL:-6}
+here=$(dirname "$0")
+tr="python3 -m torch.distributed.run --standalone --nproc-per-node 2"  # --standalone: a free port per job
+runs=${RUNS_DIR:-/tmp/occult_two_gpu.$$}  # per job: two jobs may share the host
+budget=${BUDGET_S:-300}  # no train run starts later than this (seconds into the job)
+if [ "${TINY:-0}" = 1 ]; then  # CPU gloo ranks, the same commands at toy sizes
+  export OCCULT_TRAIN_DATA=${OCCULT_TRAIN_DATA:-$runs/tinydata}
+  [ -f "$OCCULT_TRAIN_DATA/manifest.json" ] || [ "${DRY_RUN:-0}" = 1 ] || python3 -m occult data prepare --out "$OCCULT_TRAIN_DATA" \
+    --corpus-dir tests/data/shakespeare_tiny --vocab-size 300 > /dev/null || exit 1
+  size="--hidden 32 --layers 2 --heads 2 --experts 8 --top-k 2 --expert-ffn 16 --seq-len 32 --device cpu"
+  cpu="--device cpu"
+  steps=${STEPS:-6}; every=3; rsteps=${REPLACE_STEPS:-40}; revery=10; tmo=120
+else
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [ "${DRY_RUN:-0}" != 1 ] && [ "$n" -lt 2 ]; then echo "two_gpu_training.sh: needs 2 GPUs (found $n); TINY=1 for CPU" >&2; exit 2; fi
+  size="--hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024"
+  cpu=""
+  steps=${STEPS:-40}; every=20; rsteps=${REPLACE_STEPS:-1500}; revery=300; tmo=70
+fi
+mkdir -p "$runs"
+
+train_run() {  # train_run LINK VARIANT GPUS FLAGS...: one occult train run, its summary in OUT/runs/
+  local link=$1 v=$2 gpus=$3 env_=""
+  shift 3
+  [ "$link" = slow ] && env_="NCCL_P2P_DISABLE=1"
+  if [ "${DRY_RUN:-0}" != 1 ] && [ "$SECONDS" -gt "$budget" ]; then
+    echo "== train_${link}_$v: skipped (${SECONDS}s > BUDGET_S=$budget)"; echo "$link $v" >> "$out/skipped.txt"; return
+  fi
+  local launch=$tr batch=$((8 * gpus))
+  [ "$gpus" = 1 ] && launch=python3
+  [ "${TINY:-0}" = 1 ] && batch=4
+  local dir="$runs/train_${link}_$v"
+  rm -rf "$dir"
+  run "train_${link}_$v" $tmo env $env_ $launch -m occult train --corpus-dir "$data" $size --batch-size $batch \
+    --steps $steps --eval-every $every --eval-tokens 8192 --save-every 0 --no-progress --out "$dir" "$@"
+  [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" run "$dir" "$out/runs/train_${link}_$v.json" \
+    --link "$link" --variant "$v" --gpus "$gpus"
+  [ "${DRY_RUN:-0}" = 1 ] || rm -rf "$dir"/*.safetensors "$dir/checkpoint"  # ~8 GB a run at the GPU size
+}
+
+train_part() {
+  data=$(train_corpus) || exit 2
+  mkdir -p "$out/runs"
+  rm -f "$out/skipped.txt"
+  run peak 60 python3 "$here/_train_summary.py" peak "$out/peak.json"
+  for link in $links; do  # the runs every ratio needs first
+    [ "$link" = nvlink ] && train_run nvlink 1gpu 1
+    train_run "$link" floor 2 --ep-size 1
+    train_run "$link" dedup_ddp 2 --dispatcher dedup --grad-sync ddp
+    train_run "$link" standard_ddp 2 --dispatcher standard --grad-sync ddp
+  done
+  if [[ " $links " == *" nvlink "* ]]; then
+    train_run nvlink dedup_fsdp 2 --dispatcher dedup --grad-sync fsdp
+    train_run nvlink standard_fsdp 2 --dispatcher standard --grad-sync fsdp
+  fi
+  for link in $links; do
+    [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" link "$out" "$link"
+  done
+}
+
+more_part() {
+  data=$(train_corpus) || exit 2
+  local hf="$runs/hf" ft=${FT_STEPS:-30}
+  local hfsize="" ftflags="--data random --steps $ft --save-every 0 --no-progress --seq-len 512 --batch-size 8"
+  if [ "${TINY:-0}" = 1 ]; then hfsize=tiny; ftflags="--data random --steps 4 --save-every 0 --no-progress --seq-len 16 --batch-size 4 --device cpu"; fi
+  [ "${DRY_RUN:-0}" = 1 ] || { rm -rf "$hf"; python3 "$here/_hf_check.py" make "$hf/src" $hfsize || exit 1; }
+  run finetune_hf_1gpu 120 python3 -m occult finetune --hf "$hf/src" --out "$hf/ft1" $ftflags
+  run finetune_hf_2gpu 120 $tr -m occult finetune --hf "$hf/src" --out "$hf/ft2" $ftflags
+  run finetune_hf_check 90 python3 "$here/_hf_check.py" check "$hf" "$out/finetune_hf_2xGPU.json"
+  if [ "${TINY:-0}" = 1 ]; then  # the test's own check on CPU gloo ranks (pytest skips it without GPUs)
+    run resume_test 150 python3 tests/gpu/test_resume_across_gpu_counts.py --device cpu
+  else
+    run resume_test 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_resume_across_gpu_counts.py
+  fi
+  for r in off every; do  # the same run without and with re-placement (plain top-k routing: exact)
+    local flags=""; [ $r = every ] && flags="--replace-every $revery --replace-check-every 10"
+    rm -rf "$runs/replace_$r"
+    run "replace_$r" 150 $tr -m occult train --corpus-dir "$data" --hidden 64 --layers 2 --heads 2 --experts 16 \
+      --top-k 4 --expert-ffn 64 --seq-len 64 --batch-size 16 --steps $rsteps --eval-every $((rsteps / 2)) \
+      --eval-tokens 8192 --save-every 0 --lr 3e-3 --warmup 20 --no-progress $cpu \
+      --out "$runs/replace_$r" $flags
+  done
+  [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" replace "$runs/replace_off" "$runs/replace_every" \
+    "$out/replacement_2xGPU.json"
+}
+
+case $part in train|all) train_part ;; esac
+case $part in more|all) more_part ;; esac
+[ "${DRY_RUN:-0}" = 1 ] || [ -n "${RUNS_DIR:-}" ] || rm -rf "$runs"
+echo "== done in ${SECONDS}s"
