@@ -4,8 +4,8 @@
         --out docs/results/fourgpu/cost_check_4xH100.json
 
 Fits `occult.placement.cost` on the `occult bench` runs of --fit (one machine, fewer GPUs), then
-predicts every run of --check: rows per token (standard: k; dedup: E[C_T] of uniform routing, and
-the measured E[C_T] of the run itself) and the layer's forward and forward+backward times from its
+predicts every run of --check: rows per token (standard: k; dedup: E[C_T] of uniform routing, next
+to the measured E[C_T] of the run itself) and the layer's forward and forward+backward times from its
 measured E[C_T]. The two-level `dedup2` rows are predicted as `two_level` with the simulated
 "nodes" linked by NVLink (the fitted NVLink bandwidth stands in for the inter-node one; E[N_T] of
 uniform routing over the nodes). Prints a Markdown table; --out writes the constants and rows.
@@ -31,17 +31,25 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     return [json.loads(Path(p).read_text()) for p in paths]
 
 
-def predict_run(run: dict[str, Any], c: Any, nodes: int) -> dict[str, Any]:
-    """Predicted rows and times of one measured bench run, with relative errors."""
+def predict_run(run: dict[str, Any], runs: list[dict[str, Any]], c: Any, nodes: int) -> dict[str, Any]:
+    """Predicted rows and times of one measured bench run, with relative errors. A dedup2 run's
+    E[C_T] column counts both stages' rows; its model takes E[C_T] from the flat dedup run of the
+    same shape and routing, and its predicted rows are both stages': E[N_T] + E[C_T] (uniform)."""
     shape = SHAPES[run["shape"]]
     D = int(run["world"])
     two_level = run["variant"] == "dedup2"
     variant = "two_level" if two_level else ("standard" if run["variant"] == "standard" else "dedup")
     M = nodes if two_level else 1
+    mean_ct = float(run["mean_ct"])
     uniform_ct = float(shape.top_k) if variant == "standard" else analytic_mean_ct(shape.experts, shape.top_k, D)
     mean_nt = analytic_mean_ct(shape.experts, shape.top_k, M)
+    if two_level:
+        flat = [r for r in runs if r["variant"] == "dedup" and r["shape"] == run["shape"]
+                and r["routing"] == run["routing"] and r["world"] == run["world"]]
+        mean_ct = float(flat[0]["mean_ct"]) if flat else uniform_ct
+        uniform_ct = uniform_ct + mean_nt  # both stages: one row per destination node, then per GPU
     consts = c.__class__(**{**c.to_dict(), "internode_GBps": c.nvlink_GBps})  # simulated nodes: NVLink
-    p = layer_time(shape, int(run["tokens"]), D, M, variant, consts, float(run["mean_ct"]), mean_nt)
+    p = layer_time(shape, int(run["tokens"]), D, M, variant, consts, mean_ct, mean_nt)
     return {
         "point": f"{D}x {run['shape']} {run['routing']} {run['variant']}",
         "rows_per_token": run["mean_ct"], "rows_uniform_pred": uniform_ct,
@@ -69,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes of the dedup2 runs")
     p.add_argument("--out", default=None, help="write constants and rows as JSON")
     args = p.parse_args(argv)
-    points = [m for doc in load(args.fit) for m in measured_from_bench(doc) if m.world > 1 or m.variant == "dedup"]
+    points = [m for doc in load(args.fit) for m in measured_from_bench(doc) if m.a2a_ms > 0 and not m.label.endswith("dedup2")]  # fit() divides by a2a_ms
     c = fit(points)
-    rows = [predict_run(r, c, args.nodes) for doc in load(args.check) for r in doc["runs"]]
+    rows = [predict_run(r, doc["runs"], c, args.nodes) for doc in load(args.check) for r in doc["runs"]]
     print(table(rows))
     within = sum(abs(r["forward_err"]) <= 0.15 for r in rows)
     print(f"\n{within} of {len(rows)} forward predictions within 15%; constants: "

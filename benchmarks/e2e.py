@@ -195,7 +195,8 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
     for v in (base_variant(v) for v in args.variants):
         if v.startswith("pruned") and int(v[6:]) * (E // world) < k:
             return f"{v}: {v[6:]} device(s) hold {int(v[6:]) * (E // world)} experts, fewer than top_k={k}"
-    if args.router_trace and (reason := trace_mismatch(args.router_trace, E)):
+    trace_path = getattr(args, "router_trace", None)  # decode.py and serve.py share this check
+    if trace_path and (reason := trace_mismatch(trace_path, E)):
         return reason
     if "hf-ep" in args.variants and (reason := hf_ep.unavailable()):
         return f"hf-ep: {reason}"

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from occult.teardown import release_captured
+
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -80,6 +82,7 @@ def finish_distributed(ok: bool = True) -> None:
     """
     if not dist.is_initialized():
         return
+    release_captured()  # graphs holding collectives first (occult.teardown)
     gc.collect()
     try:
         if ok:

@@ -4,7 +4,10 @@
     bash scripts/exit_probe_matrix.sh OUT     # every configuration below, each bounded (2 GPUs)
 
 Each rank converts an OLMoE-shape model (random weights), compiles its decoder layers, generates
-with the decode step captured in a CUDA graph at B=1 and B=8, then leaves the process group. Every
+with the decode step captured in a CUDA graph at B=1 and B=8, then leaves the process group.
+Found with it: the decode graph kept on the model for the next call holds captured NCCL
+collectives, and destroy_process_group waited for it forever (`--before release` ended at once;
+occult.teardown now does that release inside destroy_process_group). Every
 phase is printed with its time; a rank still running 25 s after its last phase dumps every
 thread's stack (faulthandler) to stderr, so a hang names where it waits.
 """

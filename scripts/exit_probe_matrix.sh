@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37's hang at exit, one configuration per run (2 GPUs, each bounded): which step before
 # dist.destroy_process_group() lets a compile_layers + graph-decode run end names the cause.
-#   bash scripts/exit_probe_matrix.sh OUT
+#   bash scripts/exit_probe_matrix.sh OUT [NAME ...]     (default: every configuration, in this order)
 set -uo pipefail
 out=${1:?usage: exit_probe_matrix.sh OUT}
 mkdir -p "$out"
@@ -13,9 +13,11 @@ probe() {  # probe NAME FLAGS...
   timeout -k 5 70 $tr scripts/exit_probe.py --layers 2 "$@" > "$out/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0)) s: $*" | tee -a "$out/summary.txt"
 }
-probe baseline
-probe release --before release
-probe workers --before workers-shutdown
-probe no_graph --no-graph
-probe dynamo --before dynamo-reset
-probe no_compile --no-compile
+declare -A flags=([baseline]="" [release]="--before release" [workers]="--before workers-shutdown"
+                   [no_graph]="--no-graph" [dynamo]="--before dynamo-reset" [no_compile]="--no-compile")
+shift
+names=("$@"); [ ${#names[@]} -gt 0 ] || names=(baseline release workers no_graph dynamo no_compile)
+for name in "${names[@]}"; do
+  [ -n "${flags[$name]+x}" ] || { echo "exit_probe_matrix.sh: unknown configuration '$name' (${!flags[*]})" >&2; exit 2; }
+  probe "$name" ${flags[$name]}
+done

@@ -2,7 +2,7 @@
 # Issue 39's runs on one 4-GPU machine (nvidia-h100-x4 / nvidia-h200-x4), one part per device call
 # (each sized for the device tool's 10-minute limit). Repo root:
 #
-#   bash scripts/four_gpu_runs.sh PART OUT      PART: olmoe | olmoe-slow-floor | qwen3 | layer | serve
+#   bash scripts/four_gpu_runs.sh PART OUT      PART: olmoe | olmoe-slow-floor | qwen3 | layer | serve | serve-graph
 #   DRY_RUN=1 bash scripts/four_gpu_runs.sh all /tmp/x   # print every command
 #
 # olmoe   benchmarks/e2e.py, OLMoE shape, NVLink then NCCL_P2P_DISABLE=1 (the replicated floor sends no
@@ -12,6 +12,7 @@
 # layer   `occult bench` on 1, 2 and 4 GPUs (OLMoE, flat and two-level `dedup2 --nodes 2`): the cost
 #         model is fitted on 1-2 GPUs and checked against 4 (benchmarks/cost_check.py, run after)
 # serve   benchmarks/serve.py at B=1 and B=64 per GPU, NVLink: EP decode against the replicated floor
+#         and transformers' compiled generate (serve-graph: graph-captured floor and EP only, no compile)
 #
 # Routing with a trained model's co-activation structure: the routers are drawn from the trace of an
 # OccultLM trained on Shakespeare (benchmarks/_router_trace.py; TRACE_OLMOE 64 experts, TRACE_QWEN3
@@ -20,8 +21,9 @@ set -uo pipefail
 part=${1:?usage: four_gpu_runs.sh PART OUT}
 out=${2:?usage: four_gpu_runs.sh PART OUT}
 case $part in
-  olmoe|olmoe-slow-floor|qwen3|layer|serve|all) ;;
-  *) echo "four_gpu_runs.sh: unknown part '$part' (olmoe, olmoe-slow-floor, qwen3, layer, serve, all)" >&2; exit 2 ;;
+  olmoe|olmoe-slow-floor|qwen3|layer|serve|serve-graph|all) ;;
+  *) echo "four_gpu_runs.sh: unknown part '$part' (olmoe, olmoe-slow-floor, qwen3, layer, serve, serve-graph, all)" >&2
+     exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
@@ -54,7 +56,7 @@ case $part in
       --out "$out/e2e_qwen3_slow.json" ;;&
   layer|all)
     for ws in 1 2 4; do
-      vars=standard,dedup,dedup+placement; [ $ws = 4 ] && vars=$vars,dedup2
+      vars=standard,dedup,dedup+placement; [ $ws = 4 ] && vars=$vars,dedup2; [ $ws = 1 ] && vars=dedup
       nodes=1; [ $ws = 4 ] && nodes=2
       run "bench_${ws}gpu" 150 python3 -m occult bench --world-size $ws --shapes olmoe,qwen3 --tokens 8192 \
         --variants $vars --nodes $nodes --iters 10 --out "$out/bench_${ws}gpu.json"
@@ -63,4 +65,7 @@ case $part in
     run serve_olmoe_nvlink 280 $tr benchmarks/serve.py --model olmoe --batch 1,64 --prompt-len 128 --new-tokens 32 \
       --repeats 2 --variants native-generate+compile,replicated+compile+graph,generate+graph,generate+compile+graph \
       --out "$out/serve_olmoe_nvlink.json" ;;&
+  serve-graph)  # EP decode against the floor without compile (quick: no compile of either)
+    run serve_graph_olmoe_nvlink 110 $tr benchmarks/serve.py --model olmoe --batch 1,64 --prompt-len 128 --new-tokens 32 \
+      --repeats 2 --variants replicated+graph,generate+graph --out "$out/serve_graph_olmoe_nvlink.json" ;;
 esac

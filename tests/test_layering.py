@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "occult._rank_signals": 0,
     "occult.settings": 0,
     "occult.distributed": 0,
+    "occult.teardown": 0,
     "occult.placement": 1,
     "occult.kernels": 1,
     "occult.moe": 2,

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from occult.integrations.hf.families import UnsupportedModelError
+from occult.teardown import hold_collectives
 from occult.integrations.hf.sampling import TokenSelector
 
 
@@ -176,13 +177,15 @@ class StaticDecoder:
             with torch.cuda.graph(graph):
                 self.logits_BV = self._forward()
             self.graph = graph
+            if torch.distributed.is_initialized():  # its collectives must go before the process group
+                hold_collectives(self)
         finally:
             self._restore(saved)  # the capture advanced them; the K/V written at the next slot is re-written
 
     def release(self) -> None:
-        """Free the captured graph now, not when the garbage collector reaches it: a graph that
-        holds NCCL collectives still alive at `dist.destroy_process_group()` hangs every rank there
-        (seen on 2 GPUs after `compile_layers`, issue 37)."""
+        """Free the captured graph now (the next `generate` re-captures): a graph that holds NCCL
+        collectives still alive at `dist.destroy_process_group()` hangs every rank there, so
+        `occult.teardown` calls this before any process group is destroyed."""
         if self.graph is not None:
             torch.cuda.synchronize(self.device)
             self.graph.reset()
