@@ -13,7 +13,8 @@ Bytes per all-to-all are rows x H x 2. Rows per token and how they split over li
 - `standard` (k copies) and `dedup` (one copy per GPU, r = E[C_T]): of r rows a token sends,
   r/D stay on its GPU, r(G-1)/D go over NVLink, r(D-G)/D cross nodes;
 - `two_level` (one copy per destination node, fanned out inside it: `dispatcher="dedup2"`, whose
-  row counts match these on simulated nodes, `benchmarks/two_level_rows.py`; its times are predicted):
+  row counts match these on simulated nodes, `benchmarks/two_level_rows.py`; its measured times run above these,
+  docs/fourgpu.md):
   E[N_T](M-1)/M rows cross nodes, E[C_T](G-1)/G move inside nodes, E[C_T]/G stay local.
 
 The intra- and inter-node transfers of one all-to-all are taken to overlap (the max), and
