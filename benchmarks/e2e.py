@@ -6,7 +6,8 @@ the no-communication floor (issue 14, item 1).
 
 Every rank builds the same random model (seeded, then broadcast from rank 0; bf16 on GPUs, fp32
 on CPU), with router weights re-drawn wider (std --router-std at hidden 2048, scaled by
-sqrt(2048/H)) so that top-k choices are separated as with a trained router. Variants:
+sqrt(2048/H)) so that top-k choices are separated as with a trained router; --router-trace gives
+them a trained model's co-activation structure (benchmarks/_router_trace.py). Variants:
 
   native           the unconverted transformers model, its default experts implementation
                    (grouped_mm in transformers 5.x), every rank its own batch (data parallel:
@@ -23,6 +24,13 @@ sqrt(2048/H)) so that top-k choices are separated as with a trained router. Vari
                    blocks (occult.integrations.hf.compile_layers: inductor fuses the norms, rotary and
                    residual adds; MoE blocks stay eager); each phase's compile time is reported apart
                    (its first step less a steady one), e.g. native/compile,replicated/compile
+  <variant>@device   an expert-parallel variant over the device transport (ExecConfig(transport="device"):
+                   row counts stay on the GPU, NVSHMEM all-to-all, no host wait; NCCL with NVSHMEM
+                   only, skipped elsewhere with the reason), e.g. dedup@device, dedup@device/compile
+  <variant>/graph  prefill only, its whole forward captured once in a CUDA graph and replayed with fresh
+                   ids (benchmarks/_graphed.py): the host costs one launch a step. For @device variants
+                   and replicated (sync-free on its one rank); the replay is checked against the eager
+                   forward (its max relative error above --tol fails the variant). GPUs only
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -82,6 +90,10 @@ import _router_trace  # noqa: E402  (benchmarks/_router_trace.py: routers with a
 from occult import ExecConfig, Placement, RoutingConfig  # noqa: E402
 from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
+from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
+from occult.moe.layer import set_sync_free  # noqa: E402
+from occult.teardown import release_captured  # noqa: E402
+from _graphed import GraphedPrefill  # noqa: E402  (benchmarks/_graphed.py: prefill in one CUDA graph)
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
 EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", *tt_model.VARIANTS)
@@ -107,26 +119,40 @@ MODELS = {  # name -> (transformers config class, fields); real shapes, fewer la
 
 
 def variant_list(text: str) -> list[str]:
-    """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1)."""
+    """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1), each
+    optionally over the device transport (`@device`) and compiled (`/compile`) or graph-captured (`/graph`)."""
     names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in names if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))]
     bad += [v for v in names if base_variant(v) in PEERS and v != base_variant(v)]
+    bad += [v for v in names if on_device(v) and base_variant(v) in ("native", "replicated")]
+    bad += [v for v in names if is_graphed(v) and not (on_device(v) or base_variant(v) == "replicated")]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
-            f"each optionally /compile, or the peers {', '.join(PEERS)} "
-            f"(the overlap schedules /cN and /tbo were removed: docs/overlap.md)")
+            f"each optionally /compile, the expert-parallel ones @device (the device transport) and "
+            f"replicated or @device ones /graph (prefill in one CUDA graph: no host wait), or the peers "
+            f"{', '.join(PEERS)} (the overlap schedules /cN and /tbo were removed: docs/overlap.md)")
     return names
 
 
 def base_variant(variant: str) -> str:
-    """'dedup/compile' -> 'dedup'; a variant without the suffix is its own base."""
-    return variant.removesuffix("/compile")
+    """'dedup@device/compile' -> 'dedup'; a variant without modifiers is its own base."""
+    return variant.removesuffix("/compile").removesuffix("/graph").removesuffix("@device")
+
+
+def on_device(variant: str) -> bool:
+    """'dedup@device': the device transport (counts on the GPU, NVSHMEM all-to-all; no host wait)."""
+    return variant.removesuffix("/compile").removesuffix("/graph").endswith("@device")
 
 
 def is_compiled(variant: str) -> bool:
     """'replicated/compile': the decoder layers torch.compiled around the MoE blocks (hf.compile_layers)."""
     return variant.endswith("/compile")
+
+
+def is_graphed(variant: str) -> bool:
+    """'dedup@device/graph': the whole prefill forward captured in one CUDA graph (benchmarks/_graphed.py)."""
+    return variant.endswith("/graph")
 
 
 def phase_list(text: str) -> list[str]:
@@ -324,20 +350,25 @@ def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.de
 
 def convert_variant(model: nn.Module, variant: str, placement: Placement | None, self_group: Any) -> nn.Module:
     """Convert `model` in place as `variant` (module docstring)."""
-    if variant == "native":
+    base = base_variant(variant)
+    if base == "native":
         return model
     if is_compiled(variant):
-        model = convert_variant(model, base_variant(variant), placement, self_group)
+        model = convert_variant(model, variant.removesuffix("/compile"), placement, self_group)
         hf.compile_layers(model)
         return model
-    if variant == "replicated":
-        return hf.convert(model, group=self_group, execution=ExecConfig(dispatcher="dedup"))
-    if variant in ("standard", "dedup"):
-        return hf.convert(model, execution=ExecConfig(dispatcher=variant))
-    if variant == "dedup+placement":
-        return hf.convert(model, placement=placement, execution=ExecConfig(dispatcher="dedup"))
-    return hf.convert(model, placement=placement, execution=ExecConfig(dispatcher="dedup"),
-                      routing=RoutingConfig(max_devices=int(variant[len("pruned"):])))
+    if base == "replicated":  # /graph: sync-free on its one rank (T rows, nothing padded), no host wait
+        model = hf.convert(model, group=self_group, execution=ExecConfig(dispatcher="dedup"))
+        set_sync_free(model, is_graphed(variant))
+        return model
+    execution = ExecConfig(dispatcher="standard" if base == "standard" else "dedup",
+                           transport="device" if on_device(variant) else "auto")
+    if base in ("standard", "dedup"):
+        return hf.convert(model, execution=execution)
+    if base == "dedup+placement":
+        return hf.convert(model, placement=placement, execution=execution)
+    return hf.convert(model, placement=placement, execution=execution,
+                      routing=RoutingConfig(max_devices=int(base[len("pruned"):])))
 
 
 def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
@@ -396,6 +427,32 @@ def first_step_s(step: Callable[[torch.Tensor], None], args: argparse.Namespace,
     return time.perf_counter() - t0
 
 
+def unavailable(variant: str, device: torch.device) -> str | None:
+    """Why `variant` cannot run here (a CPU run of a GPU-only variant), or None."""
+    if is_graphed(variant) and device.type != "cuda":
+        return "CUDA graphs need a GPU"
+    if on_device(variant) and (reason := symm.unavailable_reason(dist.group.WORLD)) is not None:
+        return f"the device transport cannot run here: {reason}"
+    return None
+
+
+def graphed_step(model: nn.Module, args: argparse.Namespace, vocab: int,
+                 device: torch.device) -> tuple[Callable[[torch.Tensor], None], dict[str, float]]:
+    """The prefill step replayed from one CUDA graph, and the graph's logits against the eager
+    forward's on one fresh batch (relative L2 per row: max and median)."""
+    model.eval()
+    t0 = time.perf_counter()
+    graphed = GraphedPrefill(model, args.batch, args.seq, device)
+    capture_s = time.perf_counter() - t0
+    ids_BS = random_ids(args.batch, args.seq, vocab, device, torch.Generator().manual_seed(50_000 + dist.get_rank()))
+    with torch.no_grad():
+        eager_BV = model(input_ids=ids_BS, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+        err_B = (graphed(ids_BS).float() - eager_BV).norm(dim=-1) / eager_BV.norm(dim=-1).clamp_min(1e-30)
+    log(f"  graph: captured in {capture_s:.1f} s; replay vs eager: max relative error {err_B.max().item():.2e}")
+    return (lambda ids: graphed(ids)), {"capture_s": capture_s, "vs_eager_max_rel_err": err_B.max().item(),
+                                         "vs_eager_median_rel_err": err_B.median().item()}
+
+
 def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> dict:
     """Build, convert, check, then time every phase of one variant; frees its model."""
     device = ctx["device"]
@@ -416,6 +473,10 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         hf_ep.remove(ctx["hf_ep_dir"])
         check_ids = hf_ep.gather_rows(check_ids)
         rows = slice(dist.get_rank() * args.check_batch, (dist.get_rank() + 1) * args.check_batch)
+    elif (reason := unavailable(variant, device)) is not None:
+        log(f"{variant}: skipped ({reason})")
+        return {"exact": base_variant(variant) in EXACT, "skipped": reason, "phases": {},
+                "check": {"passed": True, "median_rel_err": float("nan"), "p95_rel_err": float("nan")}}
     else:
         model = convert_variant(build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"],
                                 ctx["self_group"])
@@ -434,8 +495,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         + fp32_note(res["check"]) + ("" if res["exact"] else " (approximate: report only)") + ("" if res["check"]["passed"] else "  FAILED"))
     if res["check"]["passed"]:
         for phase in args.phases:
-            if shared and phase == "train":
-                log(f"  {phase}: not timed for {variant} (inference peer)")
+            if (shared or is_graphed(variant)) and phase == "train":
+                log(f"  {phase}: not timed for {variant} ({'inference peer' if shared else 'prefill only'})")
                 continue
             optimizer = None
             if phase == "train" and titan:
@@ -443,7 +504,14 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             elif phase == "train":
                 optimizer = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
                              if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=args.lr))
-            step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer)
+            if is_graphed(variant):
+                step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device)
+                if res["graph"]["vs_eager_max_rel_err"] > args.tol:  # the replay must compute the eager forward
+                    res["check"]["passed"] = False
+                    log(f"  graph: replay differs from the eager forward  FAILED")
+                    break
+            else:
+                step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer)
             first_s = first_step_s(step, args, cfg.vocab_size, device) if is_compiled(variant) else None
             out = time_steps(step, args, cfg.vocab_size, device, shared)
             if first_s is not None:  # the phase's compilation: its first step less a steady one
@@ -459,6 +527,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    release_captured()  # a graphed prefill's graph (with its collectives) goes with its model
     del model
     free_memory(device)
     return res
@@ -470,6 +539,9 @@ def table(results: dict[str, dict], phases: list[str]) -> str:
     lines = ["| variant | phase | ms median (p10-p90) | tokens/s/GPU | native/this | MFU | x floor | "
              "rows sent/step/GPU (remote) | check median / p95 |", "|---|---|---|---|---|---|---|---|---|"]
     for v, r in results.items():
+        if "skipped" in r:
+            lines.append(f"| {v} | - | skipped: {r['skipped']} | | | | | | |")
+            continue
         chk = f"{r['check']['median_rel_err']:.1e} / {r['check']['p95_rel_err']:.1e}" + ("" if r["check"]["passed"] else " FAILED")
         for ph in phases:
             t = r["phases"].get(ph)

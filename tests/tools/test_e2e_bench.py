@@ -168,3 +168,29 @@ def test_checked_passes_a_half_precision_variant_as_close_to_fp32_as_native(tmp_
         assert checked(native_TV, native_TV, 0.02, truth)["passed"]
     finally:
         dist.destroy_process_group()
+
+
+def test_e2e_transport_and_graph_modifiers():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    ok = "dedup@device,dedup@device/graph,replicated/graph,dedup+placement@device/compile,pruned2@device,standard@device"
+    names = e2e.variant_list(ok)
+    assert [e2e.base_variant(v) for v in names] == ["dedup", "dedup", "replicated", "dedup+placement", "pruned2", "standard"]
+    assert [e2e.on_device(v) for v in names] == [True, True, False, True, True, True]
+    assert [e2e.is_graphed(v) for v in names] == [False, True, True, False, False, False]
+    for bad in ("dedup/graph", "replicated@device", "native@device", "torchtitan@device", "dedup@device/tbo"):
+        with pytest.raises(Exception, match="unknown variant"):
+            e2e.variant_list(bad)
+
+
+def test_e2e_gpu_only_variants_are_skipped_on_cpu_with_the_reason(tmp_path):
+    out = tmp_path / "e2e.json"
+    res = _torchrun(2, "--model", "tiny", "--batch", "1", "--seq", "16", "--check-seq", "16", "--warmup", "1",
+                    "--iters", "1", "--variants", "dedup,replicated/graph,dedup@device", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    variants = json.loads(out.read_text())["variants"]
+    assert variants["replicated/graph"]["skipped"] == "CUDA graphs need a GPU"
+    assert variants["dedup@device"]["skipped"].startswith("the device transport cannot run here: no CUDA GPU")
+    assert variants["dedup"]["phases"]["prefill"]["ms_median"] > 0
+    assert "| dedup@device | - | skipped: the device transport cannot run here" in res.stdout
