@@ -3,7 +3,7 @@
 # (each sized for the device tool's 10-minute limit). Repo root:
 #
 #   bash scripts/four_gpu_runs.sh PART OUT      PART: olmoe | olmoe-slow-floor | qwen3 | layer | serve | serve-graph
-#   DRY_RUN=1 bash scripts/four_gpu_runs.sh all /tmp/x   # print every command
+#   DRY_RUN=1 bash scripts/four_gpu_runs.sh all /tmp/x   # print every command (all: more than one call holds)
 #
 # olmoe   benchmarks/e2e.py, OLMoE shape, NVLink then NCCL_P2P_DISABLE=1 (the replicated floor sends no
 #         expert rows, but its training all-reduces the dense gradients: it is measured on both links)
@@ -41,9 +41,9 @@ case $part in
       --variants replicated,replicated/compile,$occult_variants --out "$out/e2e_olmoe_nvlink.json"
     run e2e_olmoe_slow 240 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe --router-trace "$TRACE_OLMOE" \
       $steps --variants replicated,replicated/compile,$occult_variants --out "$out/e2e_olmoe_slow.json" ;;&
-  olmoe-slow-floor)  # the slow link's compiled floor alone (the first 4-GPU call left it out)
+  olmoe-slow-floor|all)  # the slow link's compiled floor alone (the first 4-GPU call left it out)
     run e2e_olmoe_slow_floor 150 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe \
-      --router-trace "$TRACE_OLMOE" $steps --variants replicated/compile --out "$out/e2e_olmoe_slow_floor.json" ;;
+      --router-trace "$TRACE_OLMOE" $steps --variants replicated/compile --out "$out/e2e_olmoe_slow_floor.json" ;;&
   qwen3|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -65,7 +65,7 @@ case $part in
     run serve_olmoe_nvlink 280 $tr benchmarks/serve.py --model olmoe --batch 1,64 --prompt-len 128 --new-tokens 32 \
       --repeats 2 --variants native-generate+compile,replicated+compile+graph,generate+graph,generate+compile+graph \
       --out "$out/serve_olmoe_nvlink.json" ;;&
-  serve-graph)  # EP decode against the floor without compile (quick: no compile of either)
+  serve-graph|all)  # EP decode against the floor without compile (quick: no compile of either)
     run serve_graph_olmoe_nvlink 110 $tr benchmarks/serve.py --model olmoe --batch 1,64 --prompt-len 128 --new-tokens 32 \
-      --repeats 2 --variants replicated+graph,generate+graph --out "$out/serve_graph_olmoe_nvlink.json" ;;
+      --repeats 2 --variants replicated+graph,generate+graph --out "$out/serve_graph_olmoe_nvlink.json" ;;&
 esac

@@ -2,13 +2,16 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | peer | train | train-slow | serve | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | peer | train | train-slow | serve | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
 # e2e       whole OLMoE-shape model, NVLink: floor, standard, dedup, placement, pruned  issue 14
 # e2e-slow  the same with NCCL_P2P_DISABLE=1 (~31 GB/s all-to-all)                      issue 14
 #           (the overlap schedules' part is gone: they never won, docs/overlap.md)
+# graph     issue 36's question: does the layer reach its floor once the host is out of the way? Whole
+#           OLMoE-shape and Qwen3-shape prefill with the device transport, eager and captured in one CUDA
+#           graph, against the replicated floor eager, compiled and captured (NVLink)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -25,8 +28,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|peer|train|train-slow|serve|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, peer, train, train-slow, serve, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|peer|train|train-slow|serve|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, peer, train, train-slow, serve, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -48,6 +51,12 @@ case $part in
   e2e-slow|all)
     run e2e_slow 560 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe \
       --variants replicated,standard,dedup,dedup+placement --out "$out/e2e_${n}gpu_nop2p.json" ;;&
+  graph|all)
+    for model in olmoe qwen3; do
+      run "graph_$model" 280 $tr benchmarks/e2e.py --model $model --phases prefill \
+        --variants replicated,replicated/compile,replicated/graph,dedup,dedup/compile,dedup@device,dedup@device/graph \
+        --out "$out/e2e_graph_${model}_${n}gpu.json"
+    done ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
