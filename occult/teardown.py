@@ -10,7 +10,9 @@ hung every rank; freeing that one graph first (`StaticDecoder.release`) let the 
 So whatever captures collectives registers here (`hold_collectives`), and the first registration
 wraps `torch.distributed.destroy_process_group` once: the wrapper releases every registered holder,
 then destroys as before. A released holder re-captures on its next use. `release_captured` does the
-same by hand (`occult.distributed.finish_distributed` calls it).
+same by hand (`occult.distributed.finish_distributed` calls it). A name bound before the first
+capture (`from torch.distributed import destroy_process_group`) still calls the unwrapped function:
+call `release_captured()` first there.
 """
 
 from __future__ import annotations
