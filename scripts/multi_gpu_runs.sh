@@ -33,8 +33,10 @@ case $part in  # checked first: the parts below fall through (;;&), so a catch-a
      exit 2 ;;
 esac
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-n=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1
+n=4  # a dry run prints the 4-GPU commands without asking torch
+[ "${DRY_RUN:-0}" = 1 ] || n=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "${DRY_RUN:-0}" != 1 ] && [ "$n" -lt 2 ]; then
   echo "multi_gpu_runs.sh: needs 2+ GPUs (found $n)" >&2
   exit 2
