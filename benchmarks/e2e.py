@@ -39,7 +39,8 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    rest (benchmarks/tt_model.py); prefill and train, each rank its own batch
   torchtitan+occult  (opt-in) the same TorchTitan model with occult's dedup token dispatcher switched on
                    (occult.integrations.torchtitan.install; contiguous experts, as torchtitan);
-                   torchtitan+occult+placement: with the placement dedup+placement solves
+                   torchtitan+occult+placement: with the placement dedup+placement solves;
+                   torchtitan+occult@device (and +placement@device): over the device transport
 
 Before timing, each variant's logits on a small batch are compared with the unconverted model
 (per-token relative L2 error, median and p95, max over ranks); an exact variant whose median is
@@ -123,15 +124,16 @@ def variant_list(text: str) -> list[str]:
     optionally over the device transport (`@device`) and compiled (`/compile`) or graph-captured (`/graph`)."""
     names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in names if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))]
-    bad += [v for v in names if base_variant(v) in PEERS and v != base_variant(v)]
-    bad += [v for v in names if on_device(v) and base_variant(v) in ("native", "replicated")]
+    bad += [v for v in names if base_variant(v) in PEERS and v.removesuffix("@device") != base_variant(v)]
+    bad += [v for v in names if on_device(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
     bad += [v for v in names if is_graphed(v) and not (on_device(v) or base_variant(v) == "replicated")]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
             f"each optionally /compile, the expert-parallel ones @device (the device transport) and "
             f"replicated or @device ones /graph (prefill in one CUDA graph: no host wait), or the peers "
-            f"{', '.join(PEERS)} (the overlap schedules /cN and /tbo were removed: docs/overlap.md)")
+            f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN and /tbo were "
+            f"removed: docs/overlap.md)")
     return names
 
 
@@ -226,7 +228,7 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
         return reason
     if "hf-ep" in args.variants and (reason := hf_ep.unavailable()):
         return f"hf-ep: {reason}"
-    if set(tt_model.VARIANTS) & set(args.variants) and (reason := tt_model.unavailable(cfg.model_type)):
+    if set(tt_model.VARIANTS) & {base_variant(v) for v in args.variants} and (reason := tt_model.unavailable(cfg.model_type)):
         return f"torchtitan: {reason}"
     return None
 
@@ -460,12 +462,17 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     shared, check_ids, rows = variant == "hf-ep", ctx["check_ids"], slice(None)
-    titan = variant in tt_model.VARIANTS
+    titan = base_variant(variant) in tt_model.VARIANTS
+    if (reason := unavailable(variant, device)) is not None:
+        log(f"{variant}: skipped ({reason})")
+        return {"exact": base_variant(variant) in EXACT, "skipped": reason, "phases": {},
+                "check": {"passed": True, "median_rel_err": float("nan"), "p95_rel_err": float("nan")}}
     if titan:  # the same seeded transformers model's weights, in TorchTitan's model and parallelisation
         hf_model = build_model(args, cfg, device, ctx["dtype"])
         model = tt_model.TitanLM(hf_model, dist.get_world_size(), device, ctx["dtype"], max(args.seq, args.check_seq),
-                                 occult=variant != "torchtitan",
-                                 placement=ctx["placement"] if variant.endswith("+placement") else None)
+                                 occult=base_variant(variant) != "torchtitan",
+                                 placement=ctx["placement"] if base_variant(variant).endswith("+placement") else None,
+                                 transport="device" if on_device(variant) else "auto")
         del hf_model
         free_memory(device)
     elif shared:  # one batch of every rank's sequences; this rank's rows are checked
@@ -473,10 +480,6 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         hf_ep.remove(ctx["hf_ep_dir"])
         check_ids = hf_ep.gather_rows(check_ids)
         rows = slice(dist.get_rank() * args.check_batch, (dist.get_rank() + 1) * args.check_batch)
-    elif (reason := unavailable(variant, device)) is not None:
-        log(f"{variant}: skipped ({reason})")
-        return {"exact": base_variant(variant) in EXACT, "skipped": reason, "phases": {},
-                "check": {"passed": True, "median_rel_err": float("nan"), "p95_rel_err": float("nan")}}
     else:
         model = convert_variant(build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"],
                                 ctx["self_group"])

@@ -166,7 +166,7 @@ class TitanLM:
     """TorchTitan's Qwen3-MoE, weights from a transformers model, parallelised by TorchTitan (EP + FSDP2)."""
 
     def __init__(self, hf_model: nn.Module, world: int, device: torch.device, dtype: torch.dtype,
-                 max_seq: int, occult: bool = False, placement: Any = None) -> None:
+                 max_seq: int, occult: bool = False, placement: Any = None, transport: str = "auto") -> None:
         import torchtitan
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
         from torchtitan.distributed import ParallelDims
@@ -182,7 +182,7 @@ class TitanLM:
         if occult:  # occult's dedup dispatcher (and router, plain without max_devices) in every MoE block
             from occult.integrations.torchtitan import install
 
-            install(tcfg, dispatcher="dedup", placement=placement)
+            install(tcfg, dispatcher="dedup", placement=placement, transport=transport)
         with torch.device(device):
             model = tcfg.build()
         model.init_states(buffer_device=device)  # rope cache and MoE buffers; the weights come next

@@ -11,7 +11,8 @@
 #           (the overlap schedules' part is gone: they never won, docs/overlap.md)
 # graph     issue 36's question: does the layer reach its floor once the host is out of the way? Whole
 #           OLMoE-shape and Qwen3-shape prefill with the device transport, eager and captured in one CUDA
-#           graph, against the replicated floor eager, compiled and captured (NVLink)
+#           graph, against the replicated floor eager, compiled and captured (NVLink); TorchTitan + occult
+#           over the device transport (carry .whl for it)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -54,11 +55,16 @@ case $part in
     run e2e_slow 560 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe \
       --variants replicated,standard,dedup,dedup+placement --out "$out/e2e_${n}gpu_nop2p.json" ;;&
   graph|all)
-    for model in olmoe qwen3; do
-      run "graph_$model" 280 $tr benchmarks/e2e.py --model $model --phases prefill \
-        --variants replicated,replicated/compile,replicated/graph,dedup,dedup/compile,dedup@device,dedup@device/graph \
-        --out "$out/e2e_graph_${model}_${n}gpu.json"
-    done ;;&
+    run graph_olmoe 280 $tr benchmarks/e2e.py --model olmoe --phases prefill \
+      --variants replicated,replicated/compile,replicated/graph,dedup,dedup/compile,dedup@device,dedup@device/graph \
+      --out "$out/e2e_graph_olmoe_${n}gpu.json"
+    if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then  # TorchTitan for its +occult@device row (peer part: the wheels)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      export PYTHONPATH=$PYTHONPATH:/tmp/site
+    fi
+    run graph_qwen3 300 $tr benchmarks/e2e.py --model qwen3 \
+      --variants replicated/compile,replicated/graph,dedup/compile,dedup@device,dedup@device/graph,torchtitan+occult,torchtitan+occult@device \
+      --out "$out/e2e_graph_qwen3_${n}gpu.json" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

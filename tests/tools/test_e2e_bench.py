@@ -190,6 +190,8 @@ def test_e2e_transport_and_graph_modifiers():
     assert [e2e.base_variant(v) for v in names] == ["dedup", "dedup", "replicated", "dedup+placement", "pruned2", "standard"]
     assert [e2e.on_device(v) for v in names] == [True, True, False, True, True, True]
     assert [e2e.is_graphed(v) for v in names] == [False, True, True, False, False, False]
-    for bad in ("dedup/graph", "replicated@device", "native@device", "torchtitan@device", "dedup@device/tbo"):
+    assert e2e.variant_list("torchtitan+occult@device") == ["torchtitan+occult@device"]  # TorchTitan's seam too
+    for bad in ("dedup/graph", "replicated@device", "native@device", "torchtitan@device", "dedup@device/tbo",
+                "hf-ep@device", "torchtitan+occult/graph"):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)

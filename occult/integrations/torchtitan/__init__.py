@@ -31,8 +31,8 @@ __all__ = [
           description="occult: deduplicated all-to-all token dispatch (one row per token and EP rank), expert "
                       "placement, collaboration pruning")
 def occult_moe(cfg: Any, *, dispatcher: str = "dedup", placement: str | None = None,
-               max_devices: int | None = None) -> Any:
+               max_devices: int | None = None, transport: str = "auto") -> Any:
     """TorchTitan override: `--override.imports 'occult.integrations.torchtitan.occult_moe={"placement": "p.json"}'`
-    (keys: dispatcher, placement, max_devices) runs `install` on the model config."""
-    install(cfg, dispatcher=dispatcher, placement=placement, max_devices=max_devices)
+    (keys: dispatcher, placement, max_devices, transport) runs `install` on the model config."""
+    install(cfg, dispatcher=dispatcher, placement=placement, max_devices=max_devices, transport=transport)
     return cfg

@@ -22,8 +22,9 @@ from occult.placement import Placement
 class OccultExchange:
     """occult's dispatch and combine over one process group, for one layer's placement."""
 
-    def __init__(self, dispatcher: str, group: Any, placement: Placement, layer: int, device: torch.device) -> None:
-        self.dispatcher = make_dispatcher(dispatcher, group, placement=placement)
+    def __init__(self, dispatcher: str, group: Any, placement: Placement, layer: int, device: torch.device,
+                 transport: str = "auto") -> None:
+        self.dispatcher = make_dispatcher(dispatcher, group, placement=placement, transport=transport)
         self.expert_map = ExpertMap(*placement.tensors(layer, device=device))
 
     def to(self, device: torch.device) -> "OccultExchange":

@@ -52,6 +52,7 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
         placement: Any = None  # JSON path or occult.Placement (None: contiguous blocks, TorchTitan's own)
         layer_index: int = 0  # which layer of a multi-layer placement this MoE layer is
         max_devices: int | None = None  # the router limits each token to this many EP ranks (OccultRouter)
+        transport: str = "auto"  # how rows travel: ExecConfig.transport ("device": counts stay on the GPU)
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -62,7 +63,7 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
             raise ValueError(f"OccultTokenDispatcher: max_devices must be >= 1 or None, got {config.max_devices}")
         self.dispatcher_name = config.dispatcher
         self.placement_spec, self.layer_index = config.placement, config.layer_index
-        self.max_devices = config.max_devices
+        self.max_devices, self.transport = config.max_devices, config.transport
         self.exchange: OccultExchange | None = None
         self.physical_E: torch.Tensor | None = None
         self.limit_checked = False
@@ -83,7 +84,8 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
             raise PlacementError(f"the placement is for {placement.num_devices} devices, but TorchTitan's EP mesh has "
                                  f"{num_ranks} ranks: make one with `occult place --devices {num_ranks}`")
         device = torch.device(self.ep_mesh.device_type)
-        self.exchange = OccultExchange(self.dispatcher_name, self.ep_mesh.get_group(), placement.layer(layer), 0, device)
+        self.exchange = OccultExchange(self.dispatcher_name, self.ep_mesh.get_group(), placement.layer(layer), 0, device,
+                                       self.transport)
 
     def dispatch(self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, topk_expert_ids_TK: torch.Tensor,
                  num_local_tokens_per_expert_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:

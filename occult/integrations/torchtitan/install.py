@@ -20,19 +20,24 @@ from torchtitan.models.common.moe import MoE
 
 from occult.integrations.torchtitan.dispatcher import DISPATCHERS, OccultTokenDispatcher
 from occult.integrations.torchtitan.router import OccultRouter
+from occult.moe.config import TRANSPORTS
 from occult.placement import Placement, PlacementError
 
 
 def install(model_config: Any, *, dispatcher: str = "dedup", placement: "str | Placement | None" = None,
-            max_devices: int | None = None) -> int:
+            max_devices: int | None = None, transport: str = "auto") -> int:
     """Put occult's dispatcher (and router) into every MoE block of `model_config`; returns how many.
 
     `placement`: a JSON path or `occult.Placement` (None: TorchTitan's contiguous blocks); the
     expert weights must then be in placed order (`to_placed_order`). `max_devices`: limit each
     token to experts on that many EP ranks (collaboration pruning, approximate: fine-tune with it).
+    `transport`: how rows travel, as `ExecConfig.transport` ("device": counts kept on the GPU, no
+    host wait; NCCL groups with NVSHMEM, an error elsewhere when the EP group is built).
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"occult dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if max_devices is not None and int(max_devices) < 1:
         raise ValueError(f"max_devices must be >= 1 or None, got {max_devices}")
     found = [(parent, attr, cfg) for _, cfg, parent, attr in model_config.traverse(MoE.Config)]
@@ -52,7 +57,7 @@ def install(model_config: Any, *, dispatcher: str = "dedup", placement: "str | P
         td = moe.routed_experts.token_dispatcher
         moe.routed_experts.token_dispatcher = OccultTokenDispatcher.Config(
             num_experts=td.num_experts, top_k=td.top_k, dispatcher=dispatcher, placement=placement,
-            layer_index=i, max_devices=max_devices)
+            layer_index=i, max_devices=max_devices, transport=transport)
         moe.router = derive(moe.router, OccultRouter.Config, max_devices=max_devices, placement=placement,
                             layer_index=i)
         if isinstance(attr, int):
