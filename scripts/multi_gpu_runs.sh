@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | peer | train | train-slow | serve | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -18,7 +18,9 @@
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
 #           standard, dedup (train-slow: the same with NCCL_P2P_DISABLE=1)               issue 15
 #           (carry .gpudata: `python -m occult data prepare --out .gpudata --vocab-size 8000`)
-# serve     decode and serving, both links                                               issue 16
+# serve     decode and serving, OLMoE and Qwen3 shapes, B = 1-256 per GPU: transformers' compiled generate,
+#           the replicated floor (compiled, captured) and occult EP generate (captured, +compiled), NVLink
+#           (serve-slow: NCCL_P2P_DISABLE=1); then benchmarks/serve_plot.py: table and plot    issues 16, 37
 # probe     torch.compile reduce-overhead with traced all-to-alls; host syncs; layer bench  issues 14, 16
 # scale     one migration of the OLMoE-shape expert state; two-level dispatch (4 GPUs)   issues 17, 18
 #           (the re-placement training report, ~20 min: docs/replacement.md)
@@ -29,8 +31,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|peer|train|train-slow|serve|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, peer, train, train-slow, serve, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -89,9 +91,19 @@ json.dump(dict(m, link=sys.argv[2], variant=sys.argv[3], gpus=$n), open(sys.argv
           "/tmp/occult_train_${link}_$v/metrics.jsonl" $link $v "$out/train_${n}gpu_${link}_$v.json"
       done
     done ;;&
-  serve|all)
-    run serve_nvlink 270 $tr benchmarks/serve.py --model olmoe --out "$out/serve_${n}gpu.json"
-    run serve_slow 270 env NCCL_P2P_DISABLE=1 $tr benchmarks/serve.py --model olmoe --out "$out/serve_${n}gpu_nop2p.json" ;;&
+  serve|serve-slow|all)  # issue 37: EP decode against transformers' compiled generate and the replicated floor
+    links="nvlink slow"; [ "$part" = serve ] && links=nvlink; [ "$part" = serve-slow ] && links=slow
+    for link in $links; do
+      env_=""; [ $link = slow ] && env_="NCCL_P2P_DISABLE=1"
+      for model in ${MODELS:-olmoe qwen3}; do  # ~4-5 min a shape: MODELS=olmoe for one shape a call
+        run "serve_${model}_$link" 330 env $env_ $tr benchmarks/serve.py --model $model --batch 1,8,64,256 \
+          --prompt-len 128 --new-tokens 32 --repeats 3 \
+          --variants native-generate+compile,replicated+compile+graph,generate+graph,generate+compile+graph \
+          --out "$out/serve_${model}_${link}_${n}gpu.json"
+      done
+    done
+    [ "${DRY_RUN:-0}" = 1 ] || python3 benchmarks/serve_plot.py "$out"/serve_*_"${n}"gpu.json --plot "$out/serve_${n}gpu.png" \
+      --md "$out/serve_${n}gpu.md" ;;&
   probe|all)
     run reduce_overhead 200 $tr scripts/reduce_overhead_probe.py --out "$out/reduce_overhead_${n}gpu.json"
     run find_syncs 120 python3 scripts/find_syncs.py

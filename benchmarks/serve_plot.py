@@ -1,0 +1,100 @@
+"""Latency against throughput from `benchmarks/serve.py` JSON (issue 37, item 3).
+
+    python benchmarks/serve_plot.py docs/results/twogpu/serve_olmoe_nvlink_2xH200.json [more.json ...] \\
+        --plot docs/results/twogpu/serve_2xH200.png --md tables.md
+
+One panel per file: for every variant, its decode step p50 (ms per token, the y axis) against decode
+tokens/s per GPU (x), one point per batch size, labelled with B; the step over the floor's
+(`replicated+compile+graph`, else `replicated+graph`, else `replicated`) at the same B goes into the
+Markdown table beside transformers' compiled generate over occult's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+FLOORS = ("replicated+compile+graph", "replicated+graph", "replicated")
+NATIVE = "native-generate+compile"
+
+
+def points(variant: dict[str, Any]) -> list[tuple[int, float, float]]:
+    """(B, step ms p50, decode tokens/s per GPU) of every batch size that was timed."""
+    out = []
+    for b, r in sorted(variant.items(), key=lambda kv: int(kv[0])):
+        if isinstance(r, dict) and r.get("ms_p50") and r.get("decode_tokens_per_s_per_gpu"):
+            out.append((int(b), float(r["ms_p50"]), float(r["decode_tokens_per_s_per_gpu"])))
+    return out
+
+
+def floor_of(variants: dict[str, Any]) -> str | None:
+    return next((f for f in FLOORS if f in variants and points(variants[f])), None)
+
+
+def table(name: str, variants: dict[str, Any]) -> list[str]:
+    floor = floor_of(variants)
+    base = {b: ms for b, ms, _ in points(variants[floor])} if floor else {}
+    native = {b: ms for b, ms, _ in points(variants[NATIVE])} if NATIVE in variants else {}
+    lines = [f"### {name}", "", f"| variant | B | step ms p50 | decode tok/s/GPU | x floor ({floor or '-'}) | "
+             f"{NATIVE} / this |", "|---|---|---|---|---|---|"]
+    for v, runs in variants.items():
+        for b, ms, tps in points(runs):
+            x = f"{ms / base[b]:.2f}" if b in base else "-"
+            n = f"{native[b] / ms:.2f}" if b in native else "-"
+            lines.append(f"| {v} | {b} | {ms:.2f} | {tps:,.0f} | {x} | {n} |")
+    return lines + [""]
+
+
+def plot(docs: dict[str, dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(docs), figsize=(5.5 * len(docs), 4.2), squeeze=False)
+    for ax, (name, variants) in zip(axes[0], docs.items()):
+        for v, runs in variants.items():
+            pts = points(runs)
+            if not pts:
+                continue
+            ax.plot([p[2] for p in pts], [p[1] for p in pts], marker="o", lw=1, label=v)
+            for b, ms, tps in pts:
+                ax.annotate(str(b), (tps, ms), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("decode tokens/s per GPU")
+        ax.set_ylabel("ms per decode step (p50)")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", nargs="+", help="serve.py --out files")
+    p.add_argument("--plot", default=None, help="PNG: latency against throughput, one panel per file")
+    p.add_argument("--md", default=None, help="write the tables here (default: stdout)")
+    args = p.parse_args(argv)
+    docs = {}
+    for f in args.json:
+        try:
+            docs[Path(f).stem] = json.loads(Path(f).read_text())["variants"]
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"serve_plot.py: {f}: not a serve.py result ({exc})", file=sys.stderr)
+            return 2
+    text = "\n".join(line for name, variants in docs.items() for line in table(name, variants))
+    if args.md:
+        Path(args.md).write_text(text)
+    else:
+        print(text)
+    if args.plot:
+        plot(docs, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
