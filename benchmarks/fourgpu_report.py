@@ -17,6 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import emit  # noqa: E402  (benchmarks/_report.py)
+
 PHASES = ("prefill", "train")
 FLOORS = ("replicated", "replicated/compile")
 BEST_DEDUP = ("dedup", "dedup/compile", "dedup+placement")
@@ -146,12 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fourgpu_report.py: no e2e_*_4x{args.card}.json in {args.root}", file=sys.stderr)
         return 2
     text = render(runs)
-    if args.md:
-        Path(args.md).write_text(text)
-    else:
-        print(text)
-    if args.plot:
-        plot(runs, args.plot)
+    emit(text, args.md, lambda path: plot(runs, path), args.plot)
     return 0
 
 

@@ -17,6 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import emit  # noqa: E402  (benchmarks/_report.py)
+
 FLOORS = ("replicated+compile+graph", "replicated+graph", "replicated")
 NATIVE = "native-generate+compile"
 
@@ -87,12 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"serve_plot.py: {f}: not a serve.py result ({exc})", file=sys.stderr)
             return 2
     text = "\n".join(line for name, variants in docs.items() for line in table(name, variants))
-    if args.md:
-        Path(args.md).write_text(text)
-    else:
-        print(text)
-    if args.plot:
-        plot(docs, args.plot)
+    emit(text, args.md, lambda path: plot(docs, path), args.plot)
     return 0
 
 
