@@ -118,8 +118,9 @@ def model_config(args: argparse.Namespace) -> Any:
 
 
 def build_base(base: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> nn.Module:
-    """The random model converted as `base`: replicated (one-rank group), standard or dedup (all ranks);
-    native: not converted (serve.py's transformers baseline); `<base>/compile`: then `hf.compile_layers`."""
+    """The random model converted as `base`: replicated (one-rank group), standard or dedup (all ranks;
+    `dedup@device`: over the device transport); native: not converted (serve.py's transformers
+    baseline); `<base>/compile`: then `hf.compile_layers`."""
     if base.endswith("/compile"):  # the decoder layers torch.compiled around the MoE blocks
         model = build_base(base[: -len("/compile")], args, cfg, ctx)
         hf.compile_layers(model)
@@ -129,7 +130,8 @@ def build_base(base: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> nn.M
         return model
     if base == "replicated":
         return hf.convert(model, group=ctx["self_group"], execution=ExecConfig(dispatcher="dedup"))
-    return hf.convert(model, execution=ExecConfig(dispatcher=base))
+    dispatcher, _, transport = base.partition("@")
+    return hf.convert(model, execution=ExecConfig(dispatcher=dispatcher, transport=transport or "auto"))
 
 
 def eager_step(model: nn.Module) -> Step:

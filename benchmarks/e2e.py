@@ -25,7 +25,7 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    residual adds; MoE blocks stay eager); each phase's compile time is reported apart
                    (its first step less a steady one), e.g. native/compile,replicated/compile
   <variant>@device   an expert-parallel variant over the device transport (ExecConfig(transport="device"):
-                   row counts stay on the GPU, NVSHMEM all-to-all, no host wait; NCCL with NVSHMEM
+                   row counts stay on the GPU, rows stored into the peers' memory, no host wait; GPUs of one host
                    only, skipped elsewhere with the reason), e.g. dedup@device, dedup@device/compile
   <variant>/graph  prefill only, its whole forward captured once in a CUDA graph and replayed with fresh
                    ids (benchmarks/_graphed.py): the host costs one launch a step. For @device variants
@@ -143,7 +143,7 @@ def base_variant(variant: str) -> str:
 
 
 def on_device(variant: str) -> bool:
-    """'dedup@device': the device transport (counts on the GPU, NVSHMEM all-to-all; no host wait)."""
+    """'dedup@device': the device transport (counts on the GPU, rows stored into the peers' memory; no host wait)."""
     return variant.removesuffix("/compile").removesuffix("/graph").endswith("@device")
 
 

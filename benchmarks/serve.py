@@ -20,6 +20,10 @@ the last logits feeds the next step, on the device). Models are built as in benc
   generate+compile+graph     the same after `hf.compile_layers` (decoder layers torch.compiled around the
                              MoE blocks; compiled in the check and the first call: compile_s is what the
                              first call adds, the check's share is not counted)
+  dedup@device+graph         dedup over the device transport (`transport="device"`: exact rows stored into
+                             the peers' memory, counts on the GPU), the decode step captured (StaticDecoder)
+  generate@device+graph      occult's `hf.generate` of that model: prefill and decode over the device
+                             transport, the step captured (both opt-in; GPUs of one host)
   replicated                 all experts on every GPU (a one-rank group): no expert-parallel traffic
   replicated+graph           the same, the decode step sync-free and captured in a CUDA graph: the floor
   replicated+compile+graph   the same after `hf.compile_layers` (capture_s includes compiling the step)
@@ -87,6 +91,8 @@ from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tab
 from _generate_runs import generate_fn, time_generate  # noqa: E402  (benchmarks/_generate_runs.py)
 from _roofline import ModelCost, bandwidth, measure_peaks  # noqa: E402  (benchmarks/_roofline.py)
 from decode import build_base, model_config  # noqa: E402
+
+from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
 from e2e import MODELS, TINY, build_model, random_ids, start_run  # noqa: E402
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 from occult import ExecConfig, set_sync_free  # noqa: E402
@@ -118,9 +124,12 @@ VARIANTS: dict[str, Variant] = {
     "generate+graph": Variant("dedup", True, True, "occult+graph"),
     "generate+compile+graph": Variant("dedup/compile", True, True, "occult+graph"),
     "replicated+compile+graph": Variant("replicated/compile", True, True),
+    "dedup@device+graph": Variant("dedup@device", False, True),
+    "generate@device+graph": Variant("dedup@device", False, True, "occult+graph"),
 }
 CHECK_ROWS = 8
-OPT_IN = ("hf-ep", "hf-ep+graph", "generate+compile+graph", "replicated+compile+graph")  # not in the default list
+OPT_IN = ("hf-ep", "hf-ep+graph", "generate+compile+graph", "replicated+compile+graph", "dedup@device+graph",
+          "generate@device+graph")  # not in the default list
 
 
 variant_list = _variant_list(VARIANTS)
@@ -374,9 +383,16 @@ def verify(args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
 
 def build_variant_model(base: str, args: argparse.Namespace, cfg: Any, ctx: dict, report: dict) -> nn.Module | None:
     """The converted model of `base`, or transformers' expert-parallel load (None, with the reason in ctx, if it cannot)."""
+    if base.endswith("@device"):
+        reason = symm.unavailable_reason(dist.group.WORLD) if dist.get_world_size() > 1 else "one rank"
+        if reason:
+            ctx["skip_reason"] = f"the device transport cannot run here: {reason}"
+            log(f"{base}: skipped: {ctx['skip_reason']}")
+            return None
     if base != "hf-ep":
         return build_base(base, args, cfg, ctx)
     if ctx["hf_ep_skip"]:
+        ctx["skip_reason"] = ctx["hf_ep_skip"]
         log(f"hf-ep: skipped: {ctx['hf_ep_skip']}")
         return None
     t0 = time.perf_counter()
@@ -388,7 +404,7 @@ def build_variant_model(base: str, args: argparse.Namespace, cfg: Any, ctx: dict
     error = agree_on_error(error)
     hf_ep.remove(ctx["hf_ep_dir"])
     if error:
-        ctx["hf_ep_skip"] = f"transformers' expert-parallel load failed: {error}"
+        ctx["hf_ep_skip"] = ctx["skip_reason"] = f"transformers' expert-parallel load failed: {error}"
         log(f"hf-ep: {ctx['hf_ep_skip']}")
         return None
     report["hf_ep"] = {**hf_ep.describe(model), "load_s": time.perf_counter() - t0}
@@ -440,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in args.variants if VARIANTS[n].base == base]
         for batch in args.batch:
             for n in names:
-                r = run_one(model, n, batch, args, ctx) if model is not None else {"skipped": ctx["hf_ep_skip"]}
+                r = run_one(model, n, batch, args, ctx) if model is not None else {"skipped": ctx["skip_reason"]}
                 report["variants"].setdefault(n, {})[str(batch)] = r
                 log(describe(n, batch, r))
                 report["table"] = summary(report, args.variants, args.batch)

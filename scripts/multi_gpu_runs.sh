@@ -9,10 +9,11 @@
 # e2e       whole OLMoE-shape model, NVLink: floor, standard, dedup, placement, pruned  issue 14
 # e2e-slow  the same with NCCL_P2P_DISABLE=1 (~31 GB/s all-to-all)                      issue 14
 #           (the overlap schedules' part is gone: they never won, docs/overlap.md)
-# graph     issue 36's question: does the layer reach its floor once the host is out of the way? Whole
-#           OLMoE-shape and Qwen3-shape prefill with the device transport, eager and captured in one CUDA
-#           graph, against the replicated floor eager, compiled and captured (NVLink); TorchTitan + occult
-#           over the device transport (carry .whl for it)
+# graph     issue 36's question: does the layer reach its floor once the host is out of the way? One
+#           layer on both transports (occult bench); whole OLMoE-shape and Qwen3-shape prefill with the
+#           device transport, eager and captured in one CUDA graph, against the replicated floor eager,
+#           compiled and captured (NVLink); TorchTitan and TorchTitan + occult over the device transport
+#           (carry .whl for it); decode steps over the device transport (issue 37), B = 1 and 64
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -57,16 +58,21 @@ case $part in
     run e2e_slow 560 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe \
       --variants replicated,standard,dedup,dedup+placement --out "$out/e2e_${n}gpu_nop2p.json" ;;&
   graph|all)
-    run graph_olmoe 280 $tr benchmarks/e2e.py --model olmoe --phases prefill \
+    run bench_transport 110 python3 -m occult.cli bench --world-size "$n" --shapes olmoe,qwen3 --routing random \
+      --variants dedup,dedup@device,standard,standard@device --tokens 512,8192 --out "$out/bench_transport_${n}gpu.json"
+    run graph_olmoe 150 $tr benchmarks/e2e.py --model olmoe --phases prefill \
       --variants replicated,replicated/compile,replicated/graph,dedup,dedup/compile,dedup@device,dedup@device/graph \
       --out "$out/e2e_graph_olmoe_${n}gpu.json"
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then  # TorchTitan for its +occult@device row (peer part: the wheels)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
-    run graph_qwen3 300 $tr benchmarks/e2e.py --model qwen3 \
-      --variants replicated/compile,replicated/graph,dedup/compile,dedup@device,dedup@device/graph,torchtitan+occult,torchtitan+occult@device \
-      --out "$out/e2e_graph_qwen3_${n}gpu.json" ;;&
+    run graph_qwen3 150 $tr benchmarks/e2e.py --model qwen3 \
+      --variants replicated/compile,replicated/graph,dedup/compile,dedup@device,dedup@device/graph,torchtitan,torchtitan+occult,torchtitan+occult@device \
+      --out "$out/e2e_graph_qwen3_${n}gpu.json"
+    run decode_device 150 $tr benchmarks/serve.py --model olmoe --batch 1,64 --prompt-len 128 --new-tokens 32 --repeats 3 \
+      --variants replicated+graph,dedup-syncfree+graph,dedup@device+graph,generate+graph,generate@device+graph \
+      --out "$out/decode_device_olmoe_${n}gpu.json" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

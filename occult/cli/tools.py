@@ -70,7 +70,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list: random, planted (default both)")
     parser.add_argument("--variants", type=choice_list(BENCH_VARIANTS, "variant"), default=list(BENCH_VARIANTS[:3]),
                         help="comma list of " + ", ".join(BENCH_VARIANTS) + " (default: the first three; "
-                             "'@device': over the device transport, no host wait; GPUs with NVSHMEM)")
+                             "'@device': over the device transport, no host wait; GPUs of one host)")
     parser.add_argument("--nodes", type=positive_int, default=1,
                         help="nodes the ranks are grouped into for the two-level 'dedup2' variant (node-major ranks; "
                              "on one host: simulated nodes) (default 1)")

@@ -5,9 +5,10 @@
 -1 (the plan's unused capacity) are left as they are (never sent). It replaces the row gather, the
 gate gather and three strided copies: the host launches one kernel instead of about a dozen ops.
 
-`unpack_rows`: the first R received rows back into an activation tensor [R, H], gates [R, K] (in the
-gates' dtype) and slots [R, K] (int64); rows at or past the received total (the sum of the device
-counts, read by the kernel) are masked: activation 0, gate 0, slot -1, so the experts skip them.
+`unpack_rows`: the R received rows (regions of `stride` rows, one per source rank) back into an
+activation tensor [R, H], gates [R, K] (in the gates' dtype) and slots [R, K] (int64); rows past
+their region's count (read by the kernel from the device counts) are masked: activation 0, gate 0,
+slot -1, so the experts skip them.
 
 The buffer is passed three times, viewed as the activations' dtype, as float32 and as int32 (the
 same bytes); row strides and column offsets are in those views' elements.
@@ -42,12 +43,11 @@ def _pack_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, bx_ptr, bg_ptr, b
 
 @triton.jit
 def _unpack_kernel(bx_ptr, bg_ptr, bs_ptr, counts_ptr, x_ptr, gates_ptr, slots_ptr,
-                   K, D, bx_stride, bw_stride, gate_col, slot_col,
-                   H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr):
+                   K, stride, bx_stride, bw_stride, gate_col, slot_col,
+                   H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, D_POW2)
-    total = tl.sum(tl.load(counts_ptr + d, mask=d < D, other=0), axis=0)
-    valid = row < total
+    source = row // stride
+    valid = (row - source * stride) < tl.load(counts_ptr + source)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         x = tl.load(bx_ptr + row * bx_stride + h, mask=(h < H) & valid, other=0.0)
@@ -84,10 +84,10 @@ def pack_rows(buf_NW: torch.Tensor, x_TH: torch.Tensor, token_P: torch.Tensor, w
 
 
 def unpack_rows(buf_NW: torch.Tensor, num_rows: int, hidden: int, num_k: int, dtype: torch.dtype,
-                gates_dtype: torch.dtype, counts_D: torch.Tensor, gate_byte: int,
+                gates_dtype: torch.dtype, counts_D: torch.Tensor, stride: int, gate_byte: int,
                 slot_byte: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [R, H], gates [R, K], slots [R, K] int64) from the first R rows of `buf_NW`, rows past
-    `counts_D.sum()` masked (module docstring)."""
+    """(x [R, H], gates [R, K], slots [R, K] int64) from the first R rows of `buf_NW`, regions of
+    `stride` rows, row i valid while i % stride < counts_D[i // stride] (module docstring)."""
     dev = buf_NW.device
     x = torch.empty((num_rows, hidden), dtype=dtype, device=dev)
     gates = torch.empty((num_rows, num_k), dtype=gates_dtype, device=dev)
@@ -95,10 +95,9 @@ def unpack_rows(buf_NW: torch.Tensor, num_rows: int, hidden: int, num_k: int, dt
     if num_rows == 0:
         return x, gates, slots
     bx, bg, bs = _views(buf_NW, dtype)
-    D = counts_D.shape[0]
     _unpack_kernel[(num_rows,)](
-        bx, bg, bs, counts_D, x, gates, slots, num_k, D, bx.stride(0), bg.stride(0),
+        bx, bg, bs, counts_D, x, gates, slots, num_k, stride, bx.stride(0), bg.stride(0),
         gate_byte // 4, slot_byte // 4,
-        H=hidden, BLOCK_H=_block_h(hidden), K_POW2=triton.next_power_of_2(num_k), D_POW2=triton.next_power_of_2(D),
+        H=hidden, BLOCK_H=_block_h(hidden), K_POW2=triton.next_power_of_2(num_k),
     )
     return x, gates, slots

@@ -93,7 +93,7 @@ class ExecConfig:
     plans, no host wait (CUDA-graph capturable; every rank passes the same token count).
     `expert_backend`: "auto" (Triton on GPUs), "torch" or "triton". `transport`: how the all-to-alls learn their sizes,
     chosen once when the layer is built: "counts" (the count exchange: one host wait a call),
-    "device" (counts kept on the GPU, no host wait: NCCL groups with NVSHMEM symmetric memory;
+    "device" (counts kept on the GPU, no host wait: NCCL groups of one host, peer-mapped symmetric memory;
     an error elsewhere) or "auto" (today the count exchange: `occult.moe.symm.choose_transport`).
     """
 

@@ -5,13 +5,19 @@ with their row counts on the device. One call:
 
   1. `agree`: the largest token count of any rank, and every rank's input status known on the host
      (wrong hidden size or dtype; and routing statuses of earlier calls the GPU has reached), over
-     a host-only gloo exchange: bad input raises `RoutingError` on every rank at once;
+     a host-only exchange (`occult.moe.agree`): bad input raises `RoutingError` on every rank at once;
   2. this call's routing status (ids out of range, NaN/inf gates) all-reduced on the device and
      queued (`occult.moe.status`): raised on every rank by a later call or `check_routing()`;
-  3. rows, their gate weights and local expert slots written side by side into one buffer row
-     (`RowLayout`) and sent by one `all_to_all_vdev`; received rows past the total are masked
+  3. rows, their gate weights and local expert slots written side by side into one byte row
+     (`RowLayout`), in plan order, and stored into the peers' receive regions by one all-to-all
+     (`DeviceTransport.exchange`); received rows past their region's count are masked
      (slot -1, gate 0), so the experts skip them;
-  4. combine: one row back per received row, by a second all-to-all; each token's rows summed.
+  4. combine: one row back per received row, by a second all-to-all, into regions at the source,
+     read back in plan order (`region_index`); each token's rows summed.
+
+Under CUDA-graph capture a call runs the same kernels; the host-side agreement runs at capture
+time only (the captured shapes fix the bound), and routing statuses are not queued (as with the
+sync-free schedule).
 
 Backward mirrors both all-to-alls with the same device counts. `CommStats` are filled from the
 device counts when first read (`DeviceCommStats`): reading them is a host sync, at the reader's choice.
@@ -124,51 +130,92 @@ class DeviceCommStats(CommStats):
         return {name: getattr(self, name) for name in _FIELDS}
 
 
+def region_valid(num_rows: int, stride: int, counts_D: torch.Tensor) -> torch.Tensor:
+    """[num_rows, 1] bool: row i of a region-per-source buffer holds data (i % stride < counts_D[i // stride])."""
+    row_R = torch.arange(num_rows, device=counts_D.device)
+    return ((row_R % stride) < counts_D[row_R // stride])[:, None]
+
+
+def region_index(counts_D: torch.Tensor, num_rows: int, stride: int) -> torch.Tensor:
+    """Where each of `num_rows` rows packed by destination (`counts_D[d]` rows to rank d, then unused
+    rows) comes back in a region-per-rank buffer: row p to rank d at region d, row p - start_d."""
+    ends_D = torch.cumsum(counts_D, 0)
+    row_P = torch.arange(num_rows, device=counts_D.device)
+    dest_P = torch.bucketize(row_P, ends_D, right=True).clamp_(max=counts_D.shape[0] - 1)
+    index_P = dest_P * stride + row_P - (ends_D - counts_D)[dest_P]
+    return index_P.clamp_(0, counts_D.shape[0] * stride - 1)
+
+
 @dataclass
 class DeviceHandle(Handle):
-    """One call's state: the plan, the device counts each way, the layout and the transport."""
+    """One call's state: the plan, the device counts each way, the layout and the transport.
+
+    Rows go out packed by destination (the plan's order) and arrive in regions of `stride` rows, one
+    per source rank; rows coming back land in the same kind of regions at their source, which reads
+    them in plan order through `back_index_P`."""
 
     transport: DeviceTransport
     layout: RowLayout
     plan: DispatchPlan
     send_counts_D: torch.Tensor
-    num_recv: int  # rows of the received buffer handed to the experts (a bound; the rest masked)
+    stride: int  # rows one source can send to one rank, at most (the regions' size)
     stats: CommStats = field(default_factory=CommStats)
     recv_counts_D: torch.Tensor | None = None
+    _back_index_P: torch.Tensor | None = None
 
-    def exchange(self, width: int, counts_D: torch.Tensor, write) -> torch.Tensor:
-        """One all-to-all: `write(buffer)` fills the send rows; returns the received byte rows."""
-        transport = self.transport
-        slot = transport.next_slot()
-        write(transport.send_view(slot, width))
-        recv, recv_counts_D = transport.all_to_all(slot, width, counts_D)
+    @property
+    def num_recv(self) -> int:
+        """Rows of the received buffer handed to the experts (every region; the gaps masked)."""
+        return self.transport.num_ranks * self.stride
+
+    @property
+    def back_index_P(self) -> torch.Tensor:
+        if self._back_index_P is None:
+            self._back_index_P = region_index(self.send_counts_D, self.plan.num_rows, self.stride)
+        return self._back_index_P
+
+    def send_out(self, width: int, write) -> torch.Tensor:
+        """Rows in plan order (`write(staging)` fills them) to their ranks; the received regions."""
+        staging = torch.empty((self.plan.num_rows, width), dtype=torch.uint8, device=self.send_counts_D.device)
+        write(staging)
+        offsets_D = torch.cumsum(self.send_counts_D, 0) - self.send_counts_D
+        recv, recv_counts_D = self.transport.exchange(staging, self.send_counts_D, offsets_D, self.stride)
         if self.recv_counts_D is None:
-            self.recv_counts_D = recv_counts_D.clone()
+            self.recv_counts_D = recv_counts_D
         return recv
+
+    def send_back(self, width: int, write) -> torch.Tensor:
+        """Received rows (`write(staging)` fills them, region layout) back to their sources; [P, W] in plan order."""
+        D = self.transport.num_ranks
+        staging = torch.empty((self.num_recv, width), dtype=torch.uint8, device=self.send_counts_D.device)
+        write(staging)
+        offsets_D = torch.arange(D, device=staging.device) * self.stride
+        recv, _ = self.transport.exchange(staging, self.recv_counts_D, offsets_D, self.stride)
+        return recv.index_select(0, self.back_index_P)
 
     def dispatch_packed(self, x_TH: torch.Tensor, weights_TK: torch.Tensor):
         """`dispatch_rows` from the tokens themselves, in two kernels (`occult.kernels.pack`): the
-        rows, gates and slots gathered straight into the send buffer, the received ones unpacked
+        rows, gates and slots gathered straight into the send rows, the received ones unpacked
         and masked in one pass."""
         from occult.kernels.pack import pack_rows, unpack_rows
 
         L, plan = self.layout, self.plan
         g0, s0 = L.x_bytes, L.x_bytes + L.gate_bytes
-        recv = self.exchange(L.width, self.send_counts_D, lambda buf: pack_rows(
+        recv = self.send_out(L.width, lambda buf: pack_rows(
             buf, x_TH, plan.token_P, weights_TK, plan.entry_PK, plan.slot_PK, g0, s0))
         x_RH, gates_RK, slots_RK = unpack_rows(recv, self.num_recv, L.hidden, L.top_k, L.dtype, L.gates_dtype,
-                                               self.recv_counts_D, g0, s0)
+                                               self.recv_counts_D, self.stride, g0, s0)
         self.stats.add(self.send_counts_D, L.hidden * x_TH.element_size(), L.gate_bytes + 4 * L.top_k, False,
                        "dispatch")
         return x_RH, gates_RK, slots_RK
 
     def dispatch_rows(self, rows_PH, gates_PK, slots_PK):
-        """Rows out with gates and slots; (x_RH, gates_RK, slots_RK) received, the tail masked."""
+        """Rows out with gates and slots; (x_RH, gates_RK, slots_RK) received, the gaps masked."""
         L = self.layout
-        recv = self.exchange(L.width, self.send_counts_D, lambda buf: L.write(buf, rows_PH, gates_PK.to(L.carrier),
-                                                                              slots_PK.to(torch.int32)))
-        valid_R1 = (torch.arange(self.num_recv, device=recv.device) < self.recv_counts_D.sum())[:, None]
-        x_RH = L.read_x(recv, self.num_recv)
+        recv = self.send_out(L.width, lambda buf: L.write(buf, rows_PH, gates_PK.to(L.carrier),
+                                                         slots_PK.to(torch.int32)))
+        valid_R1 = region_valid(self.num_recv, self.stride, self.recv_counts_D)
+        x_RH = torch.where(valid_R1, L.read_x(recv, self.num_recv), 0)
         gates_RK = torch.where(valid_R1, L.read_gates(recv, self.num_recv), 0)
         slots_RK = torch.where(valid_R1, L.read_slots(recv, self.num_recv), -1)
         self.stats.add(self.send_counts_D, x_RH.shape[1] * x_RH.element_size(), L.gate_bytes + 4 * L.top_k, False,
@@ -176,20 +223,26 @@ class DeviceHandle(Handle):
         return x_RH, gates_RK, slots_RK
 
     def dispatch_grads(self, grad_x_RH, grad_gates_RK):
-        """The gradients of the received rows and gates back to their sources (send layout)."""
+        """The gradients of the received rows and gates back to their sources (plan order)."""
         L, n = self.layout, self.plan.num_rows
-        recv = self.exchange(L.width, self.recv_counts_D, lambda buf: L.write(buf, grad_x_RH, grad_gates_RK.to(L.carrier)))
+        back = self.send_back(L.width, lambda buf: L.write(buf, grad_x_RH, grad_gates_RK.to(L.carrier)))
         self.stats.add(self.recv_counts_D, grad_x_RH.shape[1] * grad_x_RH.element_size(), L.gate_bytes, True)
-        return L.read_x(recv, n), L.read_gates(recv, n)
+        return L.read_x(back, n), L.read_gates(back, n)
 
-    def return_rows(self, y_RH: torch.Tensor, counts_D: torch.Tensor, num_out: int, backward: bool) -> torch.Tensor:
-        """Rows back along `counts_D` (combine forward, or the combine's gradient); the first num_out
-        received rows (a view of the buffer in forward, consumed at once; a copy in backward)."""
+    def combine_rows(self, y_RH: torch.Tensor) -> torch.Tensor:
+        """Each received row's result back to its source, in plan order [P, H]."""
         L = self.layout
-        recv = self.exchange(L.back_width, counts_D, lambda buf: L.write(buf, y_RH))
-        self.stats.add(counts_D, y_RH.shape[1] * y_RH.element_size(), 0, backward, None if backward else "combine")
-        out = recv[:num_out].view(L.dtype)[:, : L.hidden]
-        return out.contiguous() if backward else out
+        back = self.send_back(L.back_width, lambda buf: L.write(buf, y_RH))
+        self.stats.add(self.recv_counts_D, y_RH.shape[1] * y_RH.element_size(), 0, False, "combine")
+        return back.view(L.dtype)[:, : L.hidden]
+
+    def combine_grads(self, grad_y_PH: torch.Tensor) -> torch.Tensor:
+        """The combine's gradient: each plan row's gradient out to its rank again [num_recv, H], gaps zero."""
+        L = self.layout
+        recv = self.send_out(L.back_width, lambda buf: L.write(buf, grad_y_PH))
+        self.stats.add(self.send_counts_D, grad_y_PH.shape[1] * grad_y_PH.element_size(), 0, True)
+        grad_RH = recv.view(L.dtype)[:, : L.hidden]
+        return torch.where(region_valid(self.num_recv, self.stride, self.recv_counts_D), grad_RH, 0)
 
 
 class _DeviceDispatch(torch.autograd.Function):
@@ -243,18 +296,20 @@ class _DeviceCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RH, handle):
         ctx.handle = handle
-        return handle.return_rows(y_RH, handle.recv_counts_D, handle.plan.num_rows, backward=False)
+        return handle.combine_rows(y_RH)
 
     @staticmethod
     def backward(ctx, grad_y_PH):
-        handle = ctx.handle
-        return handle.return_rows(grad_y_PH, handle.send_counts_D, handle.num_recv, backward=True), None
+        return ctx.handle.combine_grads(grad_y_PH.contiguous()), None
 
 
 def agree_and_check(transport: DeviceTransport, num_tokens: int, host_status: int) -> int:
     """The largest token count of any rank; raises `RoutingError` on every rank when any rank
-    reports bad input (now, or a routing status of an earlier call the GPU has reached)."""
-    statuses = pending.take_ready(transport.num_ranks)
+    reports bad input (now, or a routing status of an earlier call the GPU has reached).
+
+    Under CUDA-graph capture the queue is not read (that would query events on a capturing
+    stream): the earlier calls' statuses wait for the next eager call or `check_routing()`."""
+    statuses = [0] * transport.num_ranks if pending.capturing() else pending.take_ready(transport.num_ranks)
     statuses[transport.rank] = max(statuses[transport.rank], host_status)
     max_tokens, statuses = transport.agree(num_tokens, statuses)
     if any(statuses):
@@ -280,12 +335,12 @@ def dispatch_device(dispatcher: Any, x_TH: torch.Tensor, weights_TK: torch.Tenso
     max_tokens = agree_and_check(transport, x_TH.shape[0], host_status)
     queue_status(transport, status)
     schedule.run_while_waiting()
-    per_rank, per_token = dispatcher.rows_per_token(top_k, D, experts_per_device)
+    per_rank, _ = dispatcher.rows_per_token(top_k, D, experts_per_device)
     layout = RowLayout(x_TH.shape[1], x_TH.dtype, plan.slot_PK.shape[1], weights_TK.dtype)
     bucket = token_bucket(max_tokens)
-    transport.reserve(max(D * per_rank, per_token) * bucket * layout.width)
+    transport.reserve(D * per_rank * bucket * layout.width)
     stats = DeviceCommStats(dispatcher.rank, dispatcher.peer_level)
-    handle = DeviceHandle(transport, layout, plan, plan.send_counts_D, D * per_rank * max_tokens, stats)
+    handle = DeviceHandle(transport, layout, plan, plan.send_counts_D, per_rank * max_tokens, stats)
     if packable(x_TH, weights_TK):
         x_RH, gates_RK, slots_RK = _DevicePackedDispatch.apply(x_TH, weights_TK, handle)
     else:

@@ -9,7 +9,7 @@ Backward sends as many rows as forward: gradient rows retrace both all-to-alls i
 the gate gradients (k scalars per row) return with the dispatch's backward. On a group of one
 rank every schedule is the identity of `occult.moe.local`: no plan, no copies, no host wait.
 With the device transport (`occult.moe.symm`, chosen once when the dispatcher is built:
-`transport="device"`, NCCL groups with NVSHMEM), the plain schedule runs over it
+`transport="device"`, NCCL groups of one host), the plain schedule runs over it
 (`occult.moe.device_exchange`): the counts stay on the device.
 """
 

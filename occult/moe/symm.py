@@ -2,29 +2,29 @@
 
 The count-exchange path (`occult.moe.counts`) reads every layer's row counts on the host before it
 can size its all-to-alls: the host waits for the GPU in the middle of every layer call, and the
-GPU then idles while the host launches the rest. Here the counts stay on the device: rows travel
-through `torch.ops.symm_mem.all_to_all_vdev` (NVSHMEM, splits read by the kernel) between
-symmetric-memory buffers sized from shapes, so a layer call queues all its work without waiting.
+GPU then idles while the host launches the rest. Here the counts stay on the device. Every rank
+maps every peer's receive buffer (CUDA symmetric memory, `torch.distributed._symmetric_memory`:
+the ranks of one host, NVLink or PCIe peer access), and an all-to-all is one kernel that stores
+each rank's rows straight into the peers' buffers (`occult.kernels.push`), then a barrier of the
+group on the device. A receive buffer holds one region per source rank, as many rows as a source
+can send (a bound from shapes), so no rank needs another's counts to know where to write, and
+each region's row count arrives beside it.
 
-What the host still needs is a bound on the rows each rank can receive. It follows from the
-largest token count of any rank, which is a shape every host knows about itself: `agree` swaps it
-(with every rank's input status known on the host) host to host, never waiting for the GPU
-(`occult.moe.agree`: a shared-memory page where the group is on one host, else gloo). Buffers
-grow, collectively, only when that bound grows (sized in powers of two of tokens).
+What the host still needs is that bound. It follows from the largest token count of any rank,
+which is a shape every host knows about itself: `agree` swaps it (with every rank's input status
+known on the host) host to host, never waiting for the GPU (`occult.moe.agree`: a shared-memory
+page). Buffers grow, collectively, only when that bound grows (sized in powers of two of tokens).
 
-Two sets of buffers (`Slot`) alternate between consecutive all-to-alls: `all_to_all_vdev` pulls
-rows out of the senders' buffers, and a sender may reuse its buffer only after every peer has
-pulled; the next all-to-all (on the other set) begins with a barrier of all ranks, which each
-reaches only after its earlier pulls completed, so every set is free again when its turn comes.
-Every rank runs the same sequence of all-to-alls (as for NCCL), hence the same sets.
-
-The kernel splits each peer's bytes evenly over its thread blocks and requires that they divide
-(a device assert otherwise): rows are padded to `ROW_ALIGN` bytes and every call passes whole
-buffers of at least `MIN_BUFFER_BYTES`, so it always runs its full block count, a power of two.
+Two sets of buffers (`Slot`) alternate between consecutive all-to-alls. A rank reads what it
+received before its next all-to-all (stream order), whose barrier every rank must reach before any
+rank goes on to the all-to-all after it, the one that writes into this set again. Every rank runs
+the same sequence of all-to-alls (as for NCCL), hence the same sets. A layer call (forward or
+backward) makes two, so a CUDA graph of whole calls leaves the alternation where it found it.
 """
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,16 +34,19 @@ import torch.distributed as dist
 from occult.moe.agree import gloo_group, make_board
 from occult.moe.config import TRANSPORTS
 
-ROW_ALIGN = 64  # bytes per row: a multiple of this divides evenly over any power-of-two block count <= 64
-MIN_BUFFER_BYTES = 8 << 20  # whole buffers this large always run the kernel's maximum block count
+ROW_ALIGN = 64  # bytes per row: whole cache lines (the push kernel moves 4-byte words)
+COUNTS_BYTES = 64 * 8  # each buffer starts with one int64 row count per source rank (up to 64 ranks)
+MIN_BUFFER_BYTES = 1 << 20
 MIN_TOKENS = 256  # the smallest token bucket buffers are sized for
 AGREE_TIMEOUT_S = 120.0
+BARRIER_TIMEOUT_MS = 120_000  # a peer that never reaches the barrier ends the process (device trap)
 
 _TRANSPORTS: dict[str, "DeviceTransport"] = {}
 
 
 def unavailable_reason(group: Any) -> str | None:
-    """Why the device transport cannot serve `group` (None: it can)."""
+    """Why the device transport cannot serve `group` (None: it can). A collective over `group`
+    (the ranks swap their host names): every rank of the group calls it at the same point."""
     if group is None:
         return "the group has one rank"
     if not torch.cuda.is_available():
@@ -51,16 +54,16 @@ def unavailable_reason(group: Any) -> str | None:
     if dist.get_backend(group) != "nccl":
         return f"the group's backend is {dist.get_backend(group)}, not nccl"
     size = dist.get_world_size(group)
-    if size & (size - 1) or size > 64:
-        return f"the group has {size} ranks (the transport needs a power of two up to 64)"
+    if size > COUNTS_BYTES // 8:
+        return f"the group has {size} ranks (the transport serves up to {COUNTS_BYTES // 8})"
     try:
-        import torch.distributed._symmetric_memory as symm_mem
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
     except ImportError:
         return "this torch has no symmetric memory"
-    if not (hasattr(symm_mem, "is_nvshmem_available") and symm_mem.is_nvshmem_available()):
-        return "NVSHMEM is not available to this torch"
-    if not hasattr(torch.ops.symm_mem, "all_to_all_vdev"):
-        return "this torch has no symm_mem.all_to_all_vdev"
+    hosts: list[Any] = [None] * size
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        return f"the group spans {len(set(hosts))} hosts (the transport maps peers' memory: one host)"
     return None
 
 
@@ -68,10 +71,8 @@ def choose_transport(choice: str, group: Any) -> "DeviceTransport | None":
     """The device transport of `group` for "device" (a clear error where it cannot run); None (the
     count exchange) for "counts", for "auto" and on a group of one rank.
 
-    "auto" takes the count exchange today: on 2 x H200 the device transport is exact and has no
-    host wait but is not faster (its all-to-all kernel is slower than NCCL's and the layer call's
-    host time is the same; docs/benchmarks.md, "The device transport"); it becomes "auto"'s
-    choice where it is measured faster."""
+    "auto" takes the count exchange (docs/benchmarks.md, "The device transport", says where each
+    is faster); it becomes "auto"'s choice where it is measured faster."""
     if choice not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {choice!r}")
     if choice != "device" or group is None:
@@ -94,17 +95,26 @@ def token_bucket(num_tokens: int) -> int:
 
 @dataclass
 class Slot:
-    """One set of symmetric buffers: send and receive bytes, the send splits, and the kernel's
-    output splits/offsets (also its exchange scratch)."""
+    """One receive buffer of the group: `COUNTS_BYTES` of row counts (one int64 per source rank),
+    then the rows; its rendezvous handle (the barrier) and every rank's rows and counts as
+    addresses this process can store to (int64 device tensors, one entry per rank)."""
 
-    send: torch.Tensor
-    recv: torch.Tensor
-    in_splits: torch.Tensor
-    out_splits_offsets: torch.Tensor
+    buffer: torch.Tensor
+    handle: Any
+    peer_rows_D: torch.Tensor
+    peer_counts_D: torch.Tensor
+
+    def rows(self, num_rows: int, width: int) -> torch.Tensor:
+        """This rank's received rows as [num_rows, width] bytes."""
+        return self.buffer[COUNTS_BYTES : COUNTS_BYTES + num_rows * width].view(num_rows, width)
+
+    def counts(self, num_ranks: int) -> torch.Tensor:
+        """Rows received from each source rank (int64 [D], a view of the buffer)."""
+        return self.buffer[: 8 * num_ranks].view(torch.int64)
 
 
 class DeviceTransport:
-    """Device-driven all-to-alls over one NCCL group (one instance per group: `for_group`)."""
+    """Device-driven all-to-alls over one NCCL group of one host (one instance per group: `for_group`)."""
 
     def __init__(self, group: Any) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -113,12 +123,14 @@ class DeviceTransport:
         self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.host_group = gloo_group(dist.get_process_group_ranks(group), AGREE_TIMEOUT_S)
         self.board = make_board(self.host_group, 1 + self.num_ranks, AGREE_TIMEOUT_S)
-        if symm_mem.get_backend(torch.device("cuda")) != "NVSHMEM":
-            symm_mem.set_backend("NVSHMEM")
-        symm_mem.enable_symm_mem_for_group(self.group_name)
+        device = torch.device("cuda", torch.cuda.current_device())
+        if symm_mem.get_backend(device) != "CUDA":
+            symm_mem.set_backend("CUDA")  # peer-mapped buffers (NVSHMEM's are not needed here)
         self._symm_mem = symm_mem
         self.capacity_bytes = 0
         self._slots: list[Slot] = []
+        self._retired: list[Slot] = []  # buffers outgrown while a captured graph may still use them
+        self._captured = False
         self._turn = 0
 
     @classmethod
@@ -139,24 +151,33 @@ class DeviceTransport:
         return values[0], values[1:]
 
     def reserve(self, num_bytes: int) -> None:
-        """Make every buffer hold at least `num_bytes` (a collective when they grow: every rank
-        passes the same value, derived from `agree`'s result)."""
+        """Make every receive buffer hold at least `num_bytes` of rows (a collective when they grow:
+        every rank passes the same value, derived from `agree`'s result)."""
         num_bytes = max(num_bytes, MIN_BUFFER_BYTES)
         if num_bytes <= self.capacity_bytes:
             return
         num_bytes = 1 << (num_bytes - 1).bit_length()
-        self._slots = []  # free the old buffers first
-        device = torch.device("cuda", torch.cuda.current_device())
-        empty, D = self._symm_mem.empty, self.num_ranks
-        for _ in range(2):
-            slot = Slot(empty(num_bytes, dtype=torch.uint8, device=device),
-                         empty(num_bytes, dtype=torch.uint8, device=device),
-                         empty(D, dtype=torch.int64, device=device),
-                         empty((2, D), dtype=torch.int64, device=device))
-            for t in (slot.send, slot.recv, slot.in_splits, slot.out_splits_offsets):
-                self._symm_mem.rendezvous(t, group=self.group_name)
-            self._slots.append(slot)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the device transport's buffers must grow to {num_bytes} bytes inside a CUDA-graph capture, "
+                "where they cannot be allocated: run the same forward once eagerly (a warm-up at the captured "
+                "shape) before capturing it")
+        if self._captured:
+            self._retired.extend(self._slots)  # a captured graph still writes and reads them
+        self._slots = []  # free the old buffers first (unless a graph holds them)
+        self._slots = [self._make_slot(COUNTS_BYTES + num_bytes) for _ in range(2)]
         self.capacity_bytes = num_bytes
+
+    def _make_slot(self, num_bytes: int) -> Slot:
+        device = torch.device("cuda", torch.cuda.current_device())
+        buffer = self._symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
+        handle = self._symm_mem.rendezvous(buffer, group=self.group_name)
+        shift = buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # where the tensor starts in its allocation
+        bases = [handle.buffer_ptrs[d] + shift for d in range(self.num_ranks)]
+        # (the counts are not zeroed: a peer may already have written its count here, and every
+        # all-to-all writes every count before its barrier)
+        return Slot(buffer, handle, torch.tensor([b + COUNTS_BYTES for b in bases], dtype=torch.int64, device=device),
+                    torch.tensor(bases, dtype=torch.int64, device=device))
 
     def next_slot(self) -> Slot:
         """The buffers of the next all-to-all (the two sets alternate)."""
@@ -164,25 +185,28 @@ class DeviceTransport:
         self._turn ^= 1
         return slot
 
-    def all_to_all(self, slot: Slot, width: int, counts_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send the first rows of `slot.send` (as rows of `width` bytes, grouped by destination,
-        `counts_D[d]` to rank d, a device tensor) to their ranks.
+    def exchange(self, src_NW: torch.Tensor, counts_D: torch.Tensor, offsets_D: torch.Tensor,
+                 stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send rows of `src_NW` (bytes [N, W]): `counts_D[d]` rows from row `offsets_D[d]` on to rank d
+        (device tensors). Every rank passes the same W and `stride` (rows a source can send to one
+        rank, at most).
 
-        Returns (received bytes as [rows, width], packed by source rank in rank order; rows past
-        the received total are stale, and received rows per source, int64 [D]: a view of the
-        slot's buffer, valid until its next use: clone it to keep it). Nothing waits on the host.
-        """
-        rows = self.capacity_bytes // width
-        send = slot.send[: rows * width].view(rows, width)
-        recv = slot.recv[: rows * width].view(rows, width)
-        slot.in_splits.copy_(counts_D)
-        torch.ops.symm_mem.all_to_all_vdev(send, recv, slot.in_splits, slot.out_splits_offsets, self.group_name)
-        return recv, slot.out_splits_offsets[0]
+        Returns (received rows [D * stride, W]: region s holds rank s's rows, the first
+        `recv_counts_D[s]` valid, the rest stale; a view of the buffer: launch every read of it
+        before this rank's next all-to-all, copy what must live longer; received rows per source,
+        int64 [D], a copy). Nothing waits on the host."""
+        from occult.kernels.push import push_rows
 
-    def send_view(self, slot: Slot, width: int) -> torch.Tensor:
-        """`slot.send` as rows of `width` bytes (fill the first rows before `all_to_all`)."""
-        rows = self.capacity_bytes // width
-        return slot.send[: rows * width].view(rows, width)
+        D, width = self.num_ranks, src_NW.shape[1]
+        if D * stride * width > self.capacity_bytes:
+            raise RuntimeError(f"an all-to-all of {D} x {stride} rows of {width} bytes exceeds the reserved "
+                               f"{self.capacity_bytes} bytes (reserve first)")
+        if torch.cuda.is_current_stream_capturing():
+            self._captured = True
+        slot = self.next_slot()
+        push_rows(src_NW, counts_D, offsets_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride)
+        slot.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        return slot.rows(D * stride, width), slot.counts(D).clone()
 
 
 def reset() -> None:

@@ -169,3 +169,28 @@ def test_converted_model_matches_unconverted(ranks, family, dtype_name, shared_d
         sd = reloaded.state_dict()
         assert sorted(sd) == sorted(sd_ref) and all(torch.equal(sd[k], sd_ref[k]) for k in sd_ref), (where, "save_finetuned")
     dist.barrier()
+
+
+def test_generate_over_the_device_transport(ranks):
+    """`hf.generate` of a model converted with `transport="device"` (prefill and decode over it, the
+    decode step captured in a CUDA graph) returns the tokens of the same model over the count
+    exchange (decode sync-free), with different prompt lengths and batches per rank."""
+    from occult import ExecConfig
+    from occult.moe.symm import unavailable_reason
+
+    reason = unavailable_reason(dist.group.WORLD)
+    if reason:
+        pytest.skip(f"device transport: {reason}")
+    D, rank, dev = ranks.world_size, ranks.rank, ranks.device
+    seed = ranks.seed + 101
+    base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB).to(dev, torch.float32).eval()
+    E = int(hf.moe_blocks(base)[0][1].gate.weight.shape[0])
+    placement = _random_placement(E, len(hf.moe_blocks(base)), D, seed)
+    models = {t: hf.convert(copy.deepcopy(base), placement=placement, dispatcher="dedup",
+                            execution=ExecConfig(transport=t)) for t in ("device", "counts")}
+    gen = torch.Generator().manual_seed(seed + rank)
+    ids = torch.randint(3, VOCAB, (1 + rank, 5 + 3 * rank), generator=gen).to(dev)
+    out = {t: hf.generate(m, ids, 6, cuda_graph=(t == "device"), eos_token_id=[], reuse=False) for t, m in models.items()}
+    eager = hf.generate(models["device"], ids, 6, cuda_graph=False, eos_token_id=[], reuse=False)
+    same = float(torch.equal(out["device"], out["counts"]) and torch.equal(eager, out["counts"]))
+    assert ranks.all_max(1.0 - same) == 0.0, (out, eager)

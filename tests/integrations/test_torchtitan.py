@@ -469,7 +469,7 @@ def test_install_and_override_on_qwen3_and_deepseek_v3_specs(tmp_path):
     with pytest.raises(ValueError, match="transport must be one of"):
         install(model_cfg, transport="nvshmem")
     model_cfg = qwen3("debugmodel_moe").model
-    assert install(model_cfg, transport="device") == 8  # checked where the EP group is built (NCCL + NVSHMEM)
+    assert install(model_cfg, transport="device") == 8  # checked where the EP group is built (NCCL, one host)
     assert {cfg.routed_experts.token_dispatcher.transport for _, cfg, _, _ in model_cfg.traverse(MoE.Config)} == {"device"}
 
 

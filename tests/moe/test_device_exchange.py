@@ -1,8 +1,9 @@
 """The device transport's data flow on CPU gloo ranks (`occult.moe.device_exchange`).
 
-`all_to_all_vdev` needs GPUs with NVSHMEM (the GPU suite runs the real one); here a stand-in
-transport moves the same byte rows with gloo, so everything else is checked on the CPU: the
-row layout (activations, gates and slots side by side), the masking of the received tail, the
+The real transport stores into peers' memory (GPUs of one host; the GPU suite runs it, and
+tests/kernels/test_push_kernel.py its kernel); here a stand-in transport moves the same byte rows
+with gloo into the same region-per-source layout, so everything else is checked on the CPU: the
+row layout (activations, gates and slots side by side), the masking of each region's tail, the
 capacity agreement between ranks with different token counts, backward through both all-to-alls,
 the statuses raised on every rank, and the counts read lazily into `CommStats`. Outputs and
 gradients must equal the count-exchange path's and the single-process `DenseMoE`'s.
@@ -22,35 +23,36 @@ from occult.moe import agree, symm
 
 
 class GlooTransport(symm.DeviceTransport):
-    """`DeviceTransport` with plain buffers and gloo's `all_to_all_single` (the counts read on the host)."""
+    """`DeviceTransport` with plain buffers and gloo's `all_to_all_single` (the counts read on the host),
+    delivering into the same region-per-source layout; the unwritten rows of a region hold junk (255s)."""
 
     def __init__(self, group) -> None:  # noqa: D107 (no symmetric memory here)
         self.group, self.group_name = group, "stand-in"
         self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.host_group = group
         self.board = agree.make_board(group, 1 + self.num_ranks, 60.0)  # on one host: the shared page
-        self.capacity_bytes, self._slots, self._turn = 0, [], 0
+        self.capacity_bytes = 0
         self.grown = 0
 
     def reserve(self, num_bytes: int) -> None:
         if num_bytes > self.capacity_bytes:
             self.grown += 1
             self.capacity_bytes = num_bytes
-            self._slots = [symm.Slot(torch.empty(num_bytes, dtype=torch.uint8), torch.full((num_bytes,), 255, dtype=torch.uint8),
-                                      torch.empty(self.num_ranks, dtype=torch.int64),
-                                      torch.empty((2, self.num_ranks), dtype=torch.int64)) for _ in range(2)]
 
-    def all_to_all(self, slot, width, counts_D):
-        send = [int(v) for v in counts_D.tolist()]
+    def exchange(self, src_NW, counts_D, offsets_D, stride):
+        D, width = self.num_ranks, src_NW.shape[1]
+        assert D * stride * width <= self.capacity_bytes
+        send, first = [int(v) for v in counts_D.tolist()], [int(v) for v in offsets_D.tolist()]
+        assert max(send) <= stride
         recv_counts = torch.empty_like(counts_D)
         dist.all_to_all_single(recv_counts, counts_D.clone(), group=self.group)
         recv = [int(v) for v in recv_counts.tolist()]
-        rows = self.capacity_bytes // width
-        out = slot.recv[: rows * width].view(rows, width)
-        src = self.send_view(slot, width)[: sum(send)].contiguous()
+        rows = torch.cat([src_NW[o : o + n] for o, n in zip(first, send)])
         got = torch.empty((sum(recv), width), dtype=torch.uint8)
-        dist.all_to_all_single(got, src, recv, send, group=self.group)
-        out[: sum(recv)] = got
+        dist.all_to_all_single(got, rows.contiguous(), recv, send, group=self.group)
+        out = torch.full((D * stride, width), 255, dtype=torch.uint8)
+        for s, part in enumerate(got.split(recv)):
+            out[s * stride : s * stride + recv[s]] = part
         return out, recv_counts
 
 
@@ -170,3 +172,4 @@ def test_device_transport_is_refused_clearly_where_it_cannot_run():
     with pytest.raises(ValueError, match="transport must be one of"):
         OccultMoE(8, 4, 4, 2, transport="nvshmem")
     assert "transport=counts" in repr(OccultMoE(8, 4, 4, 2))
+

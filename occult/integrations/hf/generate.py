@@ -10,7 +10,9 @@ forwards with, for sync-free dispatch, the same token count. `generate`:
    stays finite) and sizes a transformers `StaticCache` to largest prompt + `max_new_tokens` on
    every rank (or reuses the decoder kept from an earlier call if its cache is at least that long); its own prompts are not re-padded (each rank keeps its own prompt length);
 3. prefills eagerly with normal dispatch (one host synchronisation per MoE layer);
-4. decodes with `set_sync_free(model, True)`: every step is one forward of [B, 1] tokens with
+4. decodes with no host wait: layers over the device transport (`transport="device"`: exact, only
+   real rows sent) as they are, the others switched to sync-free dispatch (`_decode_dispatch`);
+   every step is one forward of [B, 1] tokens with
    static shapes (input ids, position ids, cache slot and the 2-D attention mask live in fixed
    buffers; the StaticCache's K/V tensors and length counters are updated in place), replayed
    from a `torch.cuda.CUDAGraph` on CUDA (`cuda_graph` True or "auto"), run eagerly on CPU; the
@@ -160,7 +162,7 @@ def generate(
                        TokenSelector(B_max, device, sampling, eos, pad))
         set_sync_free(model, False)  # prefill: ranks' token counts may differ, normal dispatch
         logits_PV = dec.prefill(ids_PS, mask_PS)
-        set_sync_free(model, True)
+        _decode_dispatch(model)
         if use_graph and dec.graph is None and max_new_tokens > 1:  # one new token: no decode step to capture
             _capture(dec, cuda_graph, group, world, device)
         dec.selector.reset(B, seed)  # after the capture: its warm-up draws do not count
@@ -171,6 +173,14 @@ def generate(
             m.sync_free = flag
         if dec is not None and not reuse:
             dec.release()  # the graph goes now: alive at destroy_process_group, it hangs the ranks
+
+
+def _decode_dispatch(model: nn.Module) -> None:
+    """Decode steps must not wait for the GPU (they are captured, and run B tokens): each MoE layer
+    over the device transport keeps it (exact rows, counts on the GPU); the others go sync-free."""
+    for m in model.modules():
+        if isinstance(m, OccultMoE):
+            m.sync_free = m.dispatcher.transport_name != "device"
 
 
 def _check_args(input_ids: torch.Tensor, max_new_tokens: int, sync_every: int) -> None:

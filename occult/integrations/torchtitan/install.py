@@ -32,7 +32,7 @@ def install(model_config: Any, *, dispatcher: str = "dedup", placement: "str | P
     expert weights must then be in placed order (`to_placed_order`). `max_devices`: limit each
     token to experts on that many EP ranks (collaboration pruning, approximate: fine-tune with it).
     `transport`: how rows travel, as `ExecConfig.transport` ("device": counts kept on the GPU, no
-    host wait; NCCL groups with NVSHMEM, an error elsewhere when the EP group is built).
+    host wait; NCCL groups of one host, an error elsewhere when the EP group is built).
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"occult dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
