@@ -30,7 +30,9 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>/graph  prefill only, its whole forward captured once in a CUDA graph and replayed with fresh
                    ids (benchmarks/_graphed.py): the host costs one launch a step. For @device variants
                    and replicated (sync-free on its one rank); the replay is checked against the eager
-                   forward (its max relative error above --tol fails the variant). GPUs only
+                   forward (its max relative error above --tol fails the variant). GPUs only.
+                   After /compile: the compiled layers captured too (e.g. dedup@device/compile/graph,
+                   replicated/compile/graph; the compilation runs in the capture's warm-up)
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -138,18 +140,19 @@ def variant_list(text: str) -> list[str]:
 
 
 def base_variant(variant: str) -> str:
-    """'dedup@device/compile' -> 'dedup'; a variant without modifiers is its own base."""
-    return variant.removesuffix("/compile").removesuffix("/graph").removesuffix("@device")
+    """'dedup@device/compile/graph' -> 'dedup'; a variant without modifiers is its own base."""
+    return variant.removesuffix("/graph").removesuffix("/compile").removesuffix("@device")
 
 
 def on_device(variant: str) -> bool:
     """'dedup@device': the device transport (counts on the GPU, rows stored into the peers' memory; no host wait)."""
-    return variant.removesuffix("/compile").removesuffix("/graph").endswith("@device")
+    return variant.removesuffix("/graph").removesuffix("/compile").endswith("@device")
 
 
 def is_compiled(variant: str) -> bool:
-    """'replicated/compile': the decoder layers torch.compiled around the MoE blocks (hf.compile_layers)."""
-    return variant.endswith("/compile")
+    """'replicated/compile' (or '.../compile/graph'): the decoder layers torch.compiled around the MoE
+    blocks (hf.compile_layers)."""
+    return variant.removesuffix("/graph").endswith("/compile")
 
 
 def is_graphed(variant: str) -> bool:
@@ -356,7 +359,7 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
     if base == "native":
         return model
     if is_compiled(variant):
-        model = convert_variant(model, variant.removesuffix("/compile"), placement, self_group)
+        model = convert_variant(model, variant.replace("/compile", ""), placement, self_group)
         hf.compile_layers(model)
         return model
     if base == "replicated":  # /graph: sync-free on its one rank (T rows, nothing padded), no host wait
@@ -515,7 +518,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                     break
             else:
                 step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer)
-            first_s = first_step_s(step, args, cfg.vocab_size, device) if is_compiled(variant) else None
+            first_s = (first_step_s(step, args, cfg.vocab_size, device)
+                       if is_compiled(variant) and not is_graphed(variant) else None)  # (graphs compile in the capture)
             out = time_steps(step, args, cfg.vocab_size, device, shared)
             if first_s is not None:  # the phase's compilation: its first step less a steady one
                 out["compile_s"] = first_s - out["ms_median"] / 1e3

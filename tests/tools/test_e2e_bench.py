@@ -191,7 +191,12 @@ def test_e2e_transport_and_graph_modifiers():
     assert [e2e.on_device(v) for v in names] == [True, True, False, True, True, True]
     assert [e2e.is_graphed(v) for v in names] == [False, True, True, False, False, False]
     assert e2e.variant_list("torchtitan+occult@device") == ["torchtitan+occult@device"]  # TorchTitan's seam too
+    both = e2e.variant_list("dedup@device/compile/graph,replicated/compile/graph")  # compiled layers, captured
+    assert [e2e.base_variant(v) for v in both] == ["dedup", "replicated"]
+    assert [(e2e.on_device(v), e2e.is_compiled(v), e2e.is_graphed(v)) for v in both] == [(True, True, True),
+                                                                                         (False, True, True)]
     for bad in ("dedup/graph", "replicated@device", "native@device", "torchtitan@device", "dedup@device/tbo",
-                "hf-ep@device", "torchtitan+occult/graph"):
+                "hf-ep@device", "torchtitan+occult/graph", "dedup/compile/graph", "native/compile/graph",
+                "dedup@device/graph/compile"):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)

@@ -20,7 +20,7 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
 
 @pytest.mark.parametrize("script, parts", [
     ("one_gpu_runs.sh", ["kernels", "suite", "peer", "train", "native", "native_decode", "quality"]),
-    ("multi_gpu_runs.sh", ["suite", "e2e", "e2e-slow", "graph", "peer", "train", "train-slow", "serve", "serve-slow", "probe",
+    ("multi_gpu_runs.sh", ["suite", "e2e", "e2e-slow", "graph", "decode", "peer", "train", "train-slow", "serve", "serve-slow", "probe",
                            "scale"]),
     ("four_gpu_runs.sh", ["olmoe", "olmoe-slow-floor", "qwen3", "layer", "serve", "serve-graph"]),
 ])
