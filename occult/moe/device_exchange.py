@@ -319,7 +319,11 @@ def agree_and_check(transport: DeviceTransport, num_tokens: int, host_status: in
 
 
 def queue_status(transport: DeviceTransport, status: torch.Tensor) -> None:
-    """This call's routing status, one entry per rank, all-reduced on the device and queued for a later read."""
+    """This call's routing status, one entry per rank, all-reduced on the device and queued for a later
+    read; nothing under CUDA-graph capture or compilation, where no status is queued (`occult.moe.status`):
+    a captured decode step would otherwise replay an all-reduce per layer whose result nobody reads."""
+    if pending.capturing():
+        return
     D, r = transport.num_ranks, transport.rank
     status_D = F.pad(status.to(torch.int64).reshape(1), (r, D - r - 1))
     dist.all_reduce(status_D, op=dist.ReduceOp.MAX, group=transport.group)

@@ -25,7 +25,7 @@ holding this rank's E/D experts in local-slot order of the placement), and the s
 run on every rank's own tokens with no communication. Non-expert parameter names are unchanged.
 
 Every rank of the group must run the same number of forward passes (each MoE layer is a
-collective): `generate` (static KV cache, sync-free decode step captured in a CUDA graph on
+collective): `generate` (static KV cache, decode step with no host wait captured in a CUDA graph on
 GPUs) keeps ranks in step by itself; with transformers' own `model.generate` pass
 `synced_gpus=True` so ranks whose sequences finished keep stepping until all are done.
 

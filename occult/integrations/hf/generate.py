@@ -1,5 +1,6 @@
 """Generation with a static KV cache on every rank of a converted model's group (`generate`), the
-decode step sync-free and, on CUDA, captured once in a CUDA graph (`StaticDecoder`).
+decode step with no host wait (sync-free, or over the device transport) and, on CUDA, captured once
+in a CUDA graph (`StaticDecoder`).
 
 Every MoE layer of a converted model is a collective, so all ranks must run the same number of
 forwards with, for sync-free dispatch, the same token count. `generate`:
