@@ -28,7 +28,7 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    row counts stay on the GPU, rows stored into the peers' memory, no host wait; GPUs of one host
                    only, skipped elsewhere with the reason), e.g. dedup@device, dedup@device/compile
   <variant>/graph  prefill only, its whole forward captured once in a CUDA graph and replayed with fresh
-                   ids (benchmarks/_graphed.py): the host costs one launch a step. For @device variants
+                   ids (occult.integrations.hf.GraphedForward): the host costs one launch a step. For @device variants
                    and replicated (sync-free on its one rank); the replay is checked against the eager
                    forward (its max relative error above --tol fails the variant). GPUs only.
                    After /compile: the compiled layers captured too (e.g. dedup@device/compile/graph,
@@ -96,7 +96,6 @@ from occult.integrations import hf  # noqa: E402
 from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
 from occult.moe.layer import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
-from _graphed import GraphedPrefill  # noqa: E402  (benchmarks/_graphed.py: prefill in one CUDA graph)
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
 EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", *tt_model.VARIANTS)
@@ -156,7 +155,7 @@ def is_compiled(variant: str) -> bool:
 
 
 def is_graphed(variant: str) -> bool:
-    """'dedup@device/graph': the whole prefill forward captured in one CUDA graph (benchmarks/_graphed.py)."""
+    """'dedup@device/graph': the whole prefill forward captured in one CUDA graph (hf.GraphedForward)."""
     return variant.endswith("/graph")
 
 
@@ -447,7 +446,7 @@ def graphed_step(model: nn.Module, args: argparse.Namespace, vocab: int,
     forward's on one fresh batch (relative L2 per row: max and median)."""
     model.eval()
     t0 = time.perf_counter()
-    graphed = GraphedPrefill(model, args.batch, args.seq, device)
+    graphed = hf.GraphedForward(model, args.batch, args.seq)
     capture_s = time.perf_counter() - t0
     ids_BS = random_ids(args.batch, args.seq, vocab, device, torch.Generator().manual_seed(50_000 + dist.get_rank()))
     with torch.no_grad():

@@ -194,3 +194,35 @@ def test_generate_over_the_device_transport(ranks):
     eager = hf.generate(models["device"], ids, 6, cuda_graph=False, eos_token_id=[], reuse=False)
     same = float(torch.equal(out["device"], out["counts"]) and torch.equal(eager, out["counts"]))
     assert ranks.all_max(1.0 - same) == 0.0, (out, eager)
+
+
+def test_graphed_forward_over_the_device_transport(ranks):
+    """`hf.GraphedForward` of a model over the device transport: each replay with fresh ids gives the
+    eager forward's last-position logits (fp32, the same kernels: within 1e-5), also after an eager
+    call of another shape between replays; a wrong shape is a ValueError."""
+    from occult import ExecConfig
+    from occult.moe.symm import unavailable_reason
+
+    reason = unavailable_reason(dist.group.WORLD)
+    if reason:
+        pytest.skip(f"device transport: {reason}")
+    D, dev = ranks.world_size, ranks.device
+    seed = ranks.seed + 202
+    base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB).to(dev, torch.float32).eval()
+    E = int(hf.moe_blocks(base)[0][1].gate.weight.shape[0])
+    model = hf.convert(base, placement=_random_placement(E, len(hf.moe_blocks(base)), D, seed),
+                       dispatcher="dedup", execution=ExecConfig(transport="device"))
+    gen = torch.Generator().manual_seed(seed + ranks.rank)
+    graphed = hf.GraphedForward(model, 3, 7)
+    worst = 0.0
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(3, VOCAB, (3, 7), generator=gen).to(dev)
+            got = graphed(ids).clone()
+            eager = model(input_ids=ids, use_cache=False).logits[:, -1]
+            worst = max(worst, _rel(got, eager))
+            model(input_ids=torch.randint(3, VOCAB, (5, 40), generator=gen).to(dev), use_cache=False)
+    with pytest.raises(ValueError, match="captured for"):
+        graphed(torch.zeros(2, 7, dtype=torch.long, device=dev))
+    graphed.release()
+    assert ranks.all_max(worst) < 1e-5, worst

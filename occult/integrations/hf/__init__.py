@@ -12,6 +12,7 @@ SwiGLU that the occult expert kernels do not compute.
     convert(model, placement=placement)                      # on every rank of the EP group
     compile_layers(model)                                    # optional: torch.compile the dense parts (once per shape)
     out = generate(model, ids, max_new_tokens=64)            # static KV cache, graph-captured decode
+    graphed = GraphedForward(model, batch, seq); graphed(ids) # a whole forward in one CUDA graph (no host wait)
     out = model.generate(ids, synced_gpus=True)              # or transformers' own: all ranks step together
     loss.backward(); sync_gradients(model); opt.step()       # replicated grads averaged
     save_pretrained(model, "out/")                           # standard layout, plain transformers
@@ -31,7 +32,7 @@ GPUs) keeps ranks in step by itself; with transformers' own `model.generate` pas
 
 One module per job: `families` (supported model types, version and structure checks),
 `routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
-`sync_gradients`), `profile`, `compiled` (`compile_layers`: torch.compile around the MoE blocks), `convert` (`convert`, `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `calibration` (token ids for
+`sync_gradients`), `profile`, `compiled` (`compile_layers`: torch.compile around the MoE blocks), `convert` (`convert`, `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `graphed` (`GraphedForward`), `calibration` (token ids for
 profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads
 only its experts), `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing
 loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer, written by its owner rank).
@@ -61,6 +62,7 @@ from occult.integrations.hf.families import (
     model_family,
 )
 from occult.integrations.hf.generate import StaticDecoder, generate
+from occult.integrations.hf.graphed import GraphedForward
 from occult.integrations.hf.loading import LoadReport, load_sharded, set_routing_placement
 from occult.integrations.hf.profile import profile
 from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
@@ -74,6 +76,7 @@ __all__ = [
     "decoder_layers",
     "FinetuneConfig",
     "FinetuneResult",
+    "GraphedForward",
     "Groups",
     "LoadReport",
     "SUPPORTED_TRANSFORMERS",

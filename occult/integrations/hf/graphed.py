@@ -1,0 +1,87 @@
+"""A converted model's whole forward captured once in a CUDA graph (`GraphedForward`).
+
+An expert-parallel layer costs milliseconds of host time a call (plan, pack, all-to-alls, experts,
+combine: ~100 launches and their Python); a forward of a 16-layer model is host-bound even when it
+does not wait for the GPU. Where no MoE layer waits for the GPU (the device transport,
+`ExecConfig(transport="device")`, or the sync-free schedule), the whole forward can be recorded once
+and replayed: the host then costs one launch a call, and the call takes what the GPU work takes
+(on 2 x H100, a captured OLMoE-shape prefill over the device transport runs at 1.12x the
+replicated model's captured one; docs/benchmarks.md).
+
+One graph serves one input shape [B, S]; fresh ids are copied into its input buffer before each
+replay, and the logits are written into the same output buffer each time (clone what you keep).
+Inference only (no autograd). Every rank of the group captures and replays together, like any
+forward of a converted model. The graph holds the layers' collectives, so it is registered with
+`occult.teardown` (released before any process group is destroyed); `release()` frees it sooner.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from occult.moe.layer import OccultMoE
+from occult.teardown import hold_collectives
+
+
+def host_waiting_layers(model: nn.Module) -> list[str]:
+    """Names of the model's MoE layers that wait for the GPU in a forward (the count exchange on a
+    group of several ranks, not sync-free): such a forward cannot be captured."""
+    return [name for name, m in model.named_modules() if isinstance(m, OccultMoE)
+            and m.dispatcher.num_ranks > 1 and m.dispatcher.transport_name != "device" and not m.sync_free]
+
+
+class GraphedForward:
+    """`model(input_ids=ids)` logits for ids [B, S] of one shape, replayed from a CUDA graph.
+
+    `last_only`: the last position's logits [B, V] (a prefill; transformers' `logits_to_keep=1`),
+    else every position's [B, S, V]. `warmup`: eager forwards at the shape before the capture (on
+    a side stream: Triton compiles, buffers grow, the allocator settles).
+    """
+
+    def __init__(self, model: nn.Module, batch: int, seq: int, last_only: bool = True, warmup: int = 3) -> None:
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"GraphedForward captures a CUDA graph: the model is on {device.type}")
+        waiting = host_waiting_layers(model)
+        if waiting:
+            raise ValueError(
+                f"{len(waiting)} MoE layer(s) wait for the GPU in a forward (the count exchange), e.g. {waiting[0]}: "
+                "convert with execution=ExecConfig(transport=\"device\") or call occult.set_sync_free(model) first")
+        if batch < 1 or seq < 1:
+            raise ValueError(f"batch and seq must be >= 1, got {batch} and {seq}")
+        self.last_only = last_only
+        self.ids_BS = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        self._model = model
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):
+                self._forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+        if torch.distributed.is_initialized():  # its collectives must go before the process group
+            hold_collectives(self)
+
+    def _forward(self) -> torch.Tensor:
+        out = self._model(input_ids=self.ids_BS, use_cache=False, logits_to_keep=1 if self.last_only else 0).logits
+        return out[:, -1] if self.last_only else out
+
+    def __call__(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        """The logits of `ids_BS` (the captured shape), in the graph's output buffer."""
+        if self.graph is None:
+            raise RuntimeError("this GraphedForward was released")
+        if tuple(ids_BS.shape) != tuple(self.ids_BS.shape):
+            raise ValueError(f"ids of shape {tuple(ids_BS.shape)}: this graph was captured for {tuple(self.ids_BS.shape)}")
+        self.ids_BS.copy_(ids_BS)
+        self.graph.replay()
+        return self.logits
+
+    def release(self) -> None:
+        """Free the graph (and the collectives it holds) now."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+            self.graph = None
