@@ -77,6 +77,7 @@ train_part() {
   if [[ " $links " == *" nvlink "* ]]; then
     train_run nvlink dedup_fsdp 2 --dispatcher dedup --grad-sync fsdp
     train_run nvlink standard_fsdp 2 --dispatcher standard --grad-sync fsdp
+    train_run nvlink dedup_device_ddp 2 --dispatcher dedup --grad-sync ddp --transport device  # issue 36: no host wait
   fi
   for link in $links; do
     [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" link "$out" "$link"

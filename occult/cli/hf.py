@@ -271,7 +271,7 @@ def _load_models(args: Any, groups: Any, log) -> tuple[Any, Any]:
         model = hf.load_sharded(
             args.hf, group=groups.ep if groups else None, placement=placement, device=device,
             routing=RoutingConfig(max_devices=args.max_devices, prune_method=args.prune_method),
-            execution=ExecConfig(dispatcher=args.dispatcher), routing_placement=routing, similarity=sims,
+            execution=ExecConfig(dispatcher=args.dispatcher, transport=args.transport), routing_placement=routing, similarity=sims,
         )
     rep = model.occult_load_report
     log(f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "
@@ -280,7 +280,7 @@ def _load_models(args: Any, groups: Any, log) -> tuple[Any, Any]:
     if args.distill_from:  # the same experts on this rank as the student, its own (standard) routing
         with loading_model("--distill-from", args.distill_from, keep=(PlacementError,)):
             teacher = hf.load_sharded(args.distill_from, group=groups.ep if groups else None, placement=placement,
-                                      device=device, execution=ExecConfig(dispatcher=args.dispatcher))
+                                      device=device, execution=ExecConfig(dispatcher=args.dispatcher, transport=args.transport))
         log(f"teacher: {args.distill_from} (standard routing, frozen)")
     return model, teacher
 

@@ -105,6 +105,10 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
                    help="all-to-all dispatch: one copy per device (dedup) or per expert (standard); dedup2: two "
                         "levels, one copy per node over the links between nodes, then one per GPU inside the node "
                         "(needs --nodes, or an --ep-placement solved with occult place --nodes) (default dedup)")
+    g.add_argument("--transport", default="auto", choices=["auto", "counts", "device"],
+                   help="how the all-to-alls learn their sizes: counts (the row counts read on the host once per "
+                        "layer call), device (counts kept on the GPU, rows stored straight into the peers' memory, "
+                        "no host wait: NCCL ranks of one host) or auto (the count exchange) (default auto)")
     g.add_argument("--nodes", type=positive_int, default=None,
                    help="for --dispatcher dedup2: the EP ranks are this many nodes of EP_SIZE/NODES ranks each, "
                         "node-major (rank n*G + g is GPU g of node n)")
@@ -278,6 +282,7 @@ def _train(args) -> int:
         vocab_size=data.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
         num_experts=args.experts, top_k=args.top_k, expert_ffn_size=args.expert_ffn,
         norm_topk_prob=args.norm_topk_prob, max_seq_len=args.seq_len, expert_backend=args.expert_backend,
+        transport=args.transport,
     )
     torch.manual_seed(cfg.seed)
     model = full_model(mcfg, par)  # every rank the same weights, as one process would have
@@ -348,7 +353,7 @@ def _finetune(args) -> int:
             model, result = finetune(args.init, data, cfg, args.out, max_devices=args.max_devices, placement=placement,
                                      method=args.prune_method, similarity=sims, resume=args.resume,
                                      stop_after=args.stop_after, progress=not args.no_progress, parallel=par,
-                                     dispatcher=args.dispatcher, ep_placement=ep_placement)
+                                     dispatcher=args.dispatcher, transport=args.transport, ep_placement=ep_placement)
         except CheckpointError as exc:  # the resume state in --out
             raise input_error("--out", args.out, exc) from None
         if par is None or par.is_main:

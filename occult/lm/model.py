@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig
+from occult.moe.config import TRANSPORTS, ExecConfig, MoEConfig, RoutingConfig
 from occult.moe.layer import OccultMoE
 from occult.moe.pruning import METHODS, PruningError, limit_routers
 from occult.placement import Placement
@@ -56,6 +56,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     expert_backend: str = "torch"
+    transport: str = "auto"  # the all-to-alls' transport (ExecConfig.transport): execution only, results equal
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +75,8 @@ class ModelConfig:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.expert_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"expert_backend must be 'auto', 'torch' or 'triton', got {self.expert_backend!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -152,7 +155,7 @@ class MoEBlock(nn.Module):
         self.moe = OccultMoE(
             MoEConfig(cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k),
             routing=RoutingConfig(norm_topk_prob=cfg.norm_topk_prob),
-            execution=ExecConfig(dispatcher=dispatcher, expert_backend=cfg.expert_backend),
+            execution=ExecConfig(dispatcher=dispatcher, expert_backend=cfg.expert_backend, transport=cfg.transport),
             placement=placement, layer_index=layer_index if placement is not None else 0, group=group,
         )
         self.observers: list[RoutingObserver] = []

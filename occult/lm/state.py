@@ -205,8 +205,8 @@ def load_optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer, tensors:
 
 # ------------------------------------------------------------------ resume
 def check_resume(meta: Mapping[str, str], model: OccultLM, cfg: TrainConfig, data_sig: str, init_sig: str | None, path: Path) -> None:
-    saved_model = config_from_metadata(meta, str(path))
-    if saved_model != model.config:
+    saved_model = dataclasses.replace(config_from_metadata(meta, str(path)), transport=model.config.transport)
+    if saved_model != model.config:  # (the transport is how the all-to-alls run, not the model: it may change)
         diffs = [
             f"{k}: checkpoint {getattr(saved_model, k)!r}, now {getattr(model.config, k)!r}"
             for k in model.config.to_dict()

@@ -43,6 +43,8 @@ cosine to the floor at the new last step (`occult.training.schedule`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import os
@@ -376,13 +378,15 @@ def finetune(
     parallel: Parallel | None = None,
     ep_placement=None,
     dispatcher: str = "dedup",
+    transport: str = "auto",
 ) -> tuple[OccultLM, TrainResult]:
     """Load `init`'s weights (its routing rule is ignored), set the routing rule, train.
 
-    `parallel`: on every rank of it, experts sharded by `ep_placement` (default contiguous).
+    `parallel`: on every rank of it, experts sharded by `ep_placement` (default contiguous), their
+    all-to-alls over `transport` (`ExecConfig.transport`).
     """
     tensors, meta = read_checkpoint(init, prefixes=("model.",))
-    model = full_model(config_from_metadata(meta, str(init)), parallel)
+    model = full_model(dataclasses.replace(config_from_metadata(meta, str(init)), transport=transport), parallel)
     load_weights(model, tensors, str(init))
     model.set_routing(max_devices, placement, method, similarity)
     if parallel is not None and parallel.world_size > 1:
