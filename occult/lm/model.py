@@ -15,7 +15,6 @@ next-token cross entropy, `aux_loss` the mean over MoE layers of the load-balanc
 `E * sum_e f_e * P_e` (f_e: share of the token-expert assignments that went to e, P_e: mean
 router probability of e; 1.0 when perfectly balanced). `observe_routing(fn)` calls
 `fn(layer, logits_TE, weights_TK, ids_TK)` after every MoE layer's routing (profiling, E[C_T]).
-
 Saving and loading weights: `occult.lm.checkpoint`.
 """
 

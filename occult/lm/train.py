@@ -382,9 +382,7 @@ def finetune(
 ) -> tuple[OccultLM, TrainResult]:
     """Load `init`'s weights (its routing rule is ignored), set the routing rule, train.
 
-    `parallel`: on every rank of it, experts sharded by `ep_placement` (default contiguous), their
-    all-to-alls over `transport` (`ExecConfig.transport`).
-    """
+    `parallel`: experts sharded over its ranks by `ep_placement` (default contiguous), all-to-alls over `transport`."""
     tensors, meta = read_checkpoint(init, prefixes=("model.",))
     model = full_model(dataclasses.replace(config_from_metadata(meta, str(init)), transport=transport), parallel)
     load_weights(model, tensors, str(init))

@@ -27,7 +27,7 @@ from occult._atomic import atomic_path
 
 TOPK_KEY = "layers.{}.topk_ids"
 SCORES_KEY = "layers.{}.scores"
-_KEY_RE = re.compile(r"^layers\.(\d+)\.(topk_ids|scores)$")
+_KEY_RE = re.compile(r"^layers\.(0|[1-9]\d*)\.(topk_ids|scores)$")  # no leading zeros: "layers.00" is not layer 0
 _RESERVED_META = ("num_experts", "top_k", "num_layers", "format")
 FORMAT_TAG = "occult-trace-v1"
 
@@ -306,6 +306,9 @@ def trace_info(path: str | os.PathLike) -> dict[str, Any]:
     except Exception as exc:
         raise TraceError(f"{path} is not a readable safetensors file ({exc})") from None
     layers = sorted(int(m.group(1)) for k in shapes if (m := _KEY_RE.match(k)) and m.group(2) == "topk_ids")
+    flat = [TOPK_KEY.format(i) for i in layers if len(shapes[TOPK_KEY.format(i)]) != 2]
+    if flat:
+        raise TraceError(f"{path}: {flat[0]} has shape {shapes[flat[0]]}, expected [tokens, top_k]")
     return {
         "num_experts": meta.get("num_experts"),
         "top_k": meta.get("top_k"),

@@ -141,6 +141,19 @@ def test_missing_layer(tmp_path):
         read_trace(path)
 
 
+def test_layer_numbers_with_leading_zeros_are_not_layers(tmp_path):
+    """'layers.00.topk_ids' is not layer 0 (found by the trace fuzzer: it was read as layer 0, then
+    'layers.0.topk_ids' looked up, a raw SafetensorError); a 0-d ids tensor is refused by trace_info."""
+    path = tmp_path / "zeros.safetensors"
+    save_file({"layers.1.topk_ids": np.array(0, dtype=np.int8), "layers.00.topk_ids": np.array(0, dtype=np.int8)},
+              str(path), metadata=_meta())
+    with pytest.raises(TraceError, match=r"layer\(s\) \[0\] missing"):
+        read_trace(path)
+    save_file({"layers.0.topk_ids": np.array(0, dtype=np.int8)}, str(path), metadata=_meta())
+    with pytest.raises(TraceError, match=r"shape \[\], expected \[tokens, top_k\]"):
+        trace_info(path)
+
+
 def test_num_layers_metadata_mismatch(tmp_path):
     rng = np.random.default_rng(6)
     path = tmp_path / "short.safetensors"
