@@ -36,7 +36,7 @@ from occult.moe.config import TRANSPORTS
 
 ROW_ALIGN = 64  # bytes per row: whole cache lines (the push kernel moves 4-byte words)
 COUNTS_BYTES = 64 * 8  # each buffer starts with one int64 row count per source rank (up to 64 ranks)
-MIN_BUFFER_BYTES = 1 << 20
+MIN_BUFFER_BYTES = 1 << 20  # the smallest receive buffer (tiny calls share one size)
 MIN_TOKENS = 256  # the smallest token bucket buffers are sized for
 AGREE_TIMEOUT_S = 120.0
 BARRIER_TIMEOUT_MS = 120_000  # a peer that never reaches the barrier ends the process (device trap)
@@ -77,6 +77,9 @@ def choose_transport(choice: str, group: Any) -> "DeviceTransport | None":
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {choice!r}")
     if choice != "device" or group is None:
         return None
+    existing = _TRANSPORTS.get(group.group_name)
+    if existing is not None and existing.group is group:
+        return existing  # checked when it was made: the check is a collective, once per group, not per layer
     reason = unavailable_reason(group)
     if reason is not None:
         raise ValueError(f"the device transport cannot run here: {reason}; use transport='counts' or 'auto'")
