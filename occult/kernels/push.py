@@ -7,10 +7,17 @@ into region r of d's buffer, and its row count into slot r of d's count vector. 
 leave the GPU and nothing is exchanged first (NVSHMEM's `all_to_all_vdev` swaps split sizes with a
 team barrier before it moves a byte).
 
-`push_rows`: rows `src[offsets[d] + i]`, i < counts[d], go to peer d's region `rank` (one program per
-(destination, block of rows), a grid-stride loop over the rows), and counts[d] to peer d's count slot
-`rank`. Rows are words of 4 bytes (the buffers' rows are padded to whole 64-byte lines). The caller
-orders the stores before any read with a barrier of the group (`symm.DeviceTransport.exchange`).
+`push_rows`: the rows for rank d are `counts[d]` rows of `src` starting at row `d * src_stride`
+(rows in regions, as received) or, with `src_stride` 0, after the rows of every lower rank (rows
+packed by destination, as a dispatch plan lists them; the prefix is summed in the kernel). They
+go to peer d's region `rank` (one program per (destination, block of rows), a grid-stride loop over
+the rows), and counts[d] to peer d's count slot `rank`. Rows are words of 4 bytes (the buffers' rows
+are padded to whole 64-byte lines). The caller orders the stores before any read with a barrier of
+the group (`symm.DeviceTransport.exchange`).
+
+`region_rows`: where rows listed in plan order (packed by destination) come back in a
+region-per-rank buffer: `index[i] = d * stride + p - start_d` for p = rows[i] >= 0 sent to rank d
+(-1 stays -1); one launch for what takes ~8 torch ops (`occult.moe.device_exchange.region_index`).
 """
 
 from __future__ import annotations
@@ -26,12 +33,17 @@ BLOCK_ROWS = 4
 
 
 @triton.jit
-def _push_kernel(src_ptr, counts_ptr, offsets_ptr, peer_rows_ptr, peer_counts_ptr, rank, stride_rows,
-                 W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+def _push_kernel(src_ptr, counts_ptr, peer_rows_ptr, peer_counts_ptr, rank, stride_rows, src_stride, D,
+                 W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                 PACKED: tl.constexpr, D_POW2: tl.constexpr):
     d = tl.program_id(0)
     blk = tl.program_id(1)
     n = tl.load(counts_ptr + d)
-    first = tl.load(offsets_ptr + d)
+    if PACKED:
+        lower = tl.arange(0, D_POW2)
+        first = tl.sum(tl.load(counts_ptr + lower, mask=lower < d, other=0), axis=0).to(tl.int64)
+    else:
+        first = d.to(tl.int64) * src_stride
     dst = tl.load(peer_rows_ptr + d).to(tl.pointer_type(tl.int32))
     if blk == 0:
         dst_counts = tl.load(peer_counts_ptr + d).to(tl.pointer_type(tl.int64))
@@ -47,19 +59,51 @@ def _push_kernel(src_ptr, counts_ptr, offsets_ptr, peer_rows_ptr, peer_counts_pt
             tl.store(dst + (region + rows)[:, None] * W + w[None, :], v, mask=mask)
 
 
-def push_rows(src_NW: torch.Tensor, counts_D: torch.Tensor, offsets_D: torch.Tensor, peer_rows_D: torch.Tensor,
-              peer_counts_D: torch.Tensor, rank: int, stride_rows: int) -> None:
+@triton.jit
+def _region_rows_kernel(rows_ptr, counts_ptr, out_ptr, N, stride, D,
+                        BLOCK: tl.constexpr, D_POW2: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < N
+    p = tl.load(rows_ptr + i, mask=live, other=-1)
+    ranks = tl.arange(0, D_POW2)
+    counts = tl.load(counts_ptr + ranks, mask=ranks < D, other=0)
+    ends = tl.cumsum(counts, axis=0)
+    # the destination of row p: how many ranks' rows end at or before it
+    dest = tl.sum(((ends[None, :] <= p[:, None]) & (ranks[None, :] < D)).to(tl.int64), axis=1)
+    dest = tl.minimum(dest, D - 1)
+    start = tl.sum(tl.where(ranks[None, :] < dest[:, None], counts[None, :], 0), axis=1)
+    index = dest.to(tl.int64) * stride + p - start
+    tl.store(out_ptr + i, tl.where((p >= 0) & (p < tl.sum(counts, axis=0)), index, -1), mask=live)
+
+
+def push_rows(src_NW: torch.Tensor, counts_D: torch.Tensor, peer_rows_D: torch.Tensor, peer_counts_D: torch.Tensor,
+              rank: int, stride_rows: int, src_stride: int = 0) -> None:
     """Store rows of `src_NW` (bytes, [N, W], W a multiple of 4) into the peers' receive regions.
 
-    `counts_D`, `offsets_D` (int64, device): rows for rank d and where they start in `src_NW`;
-    `peer_rows_D`, `peer_counts_D` (int64 addresses, device): each rank's receive rows and count
-    vector, as this process maps them; `stride_rows`: rows per source region (>= every count)."""
+    `counts_D` (int64, device): rows for each rank; where they start in `src_NW`: `d * src_stride`,
+    or packed by destination when `src_stride` is 0 (module docstring); `peer_rows_D`,
+    `peer_counts_D` (int64 addresses, device): each rank's receive rows and count vector, as this
+    process maps them; `stride_rows`: rows per receive region (>= every count)."""
     num_ranks, width = counts_D.shape[0], src_NW.shape[1]
-    if width % 4:
-        raise ValueError(f"rows must be whole 4-byte words, got {width} bytes")
+    if width % 4 or src_NW.stride(1) != 1 or src_NW.stride(0) != width:
+        raise ValueError(f"rows must be contiguous whole 4-byte words, got {width} bytes, strides {src_NW.stride()}")
     words = src_NW.view(torch.int32)
     W = width // 4
     _push_kernel[(num_ranks, BLOCKS_PER_PEER)](
-        words, counts_D, offsets_D, peer_rows_D, peer_counts_D, rank, stride_rows,
+        words, counts_D, peer_rows_D, peer_counts_D, rank, stride_rows, src_stride, num_ranks,
         W=W, BLOCK_R=BLOCK_ROWS, BLOCK_W=min(1024, triton.next_power_of_2(W)), NUM_BLOCKS=BLOCKS_PER_PEER,
+        PACKED=src_stride == 0, D_POW2=triton.next_power_of_2(num_ranks),
     )
+
+
+def region_rows(rows: torch.Tensor, counts_D: torch.Tensor, stride: int) -> torch.Tensor:
+    """For row numbers in plan order (`rows`, any shape, -1 = none), their rows in a region-per-rank
+    buffer (module docstring); same shape, int64."""
+    flat = rows.reshape(-1).contiguous()
+    out = torch.empty_like(flat, dtype=torch.int64)
+    if flat.numel():
+        D = counts_D.shape[0]
+        block = 256
+        _region_rows_kernel[(triton.cdiv(flat.numel(), block),)](
+            flat, counts_D, out, flat.numel(), stride, D, BLOCK=block, D_POW2=triton.next_power_of_2(D))
+    return out.reshape(rows.shape)

@@ -37,7 +37,7 @@ from occult.moe import status as pending
 from occult.moe.comm import CommStats, count_sent
 from occult.moe.contract import Handle, Received
 from occult.moe.counts import raise_on_bad_status
-from occult.moe.gather import gather_gate_weights, gather_rows, scatter_gates, sum_rows, token_sum
+from occult.moe.gather import gather_gate_weights, gather_rows, scatter_gates, token_sum
 from occult.moe.plan import DispatchPlan
 from occult.moe.symm import DeviceTransport, row_bytes, token_bucket
 
@@ -136,14 +136,28 @@ def region_valid(num_rows: int, stride: int, counts_D: torch.Tensor) -> torch.Te
     return ((row_R % stride) < counts_D[row_R // stride])[:, None]
 
 
-def region_index(counts_D: torch.Tensor, num_rows: int, stride: int) -> torch.Tensor:
-    """Where each of `num_rows` rows packed by destination (`counts_D[d]` rows to rank d, then unused
-    rows) comes back in a region-per-rank buffer: row p to rank d at region d, row p - start_d."""
+def region_index(rows: torch.Tensor, counts_D: torch.Tensor, stride: int) -> torch.Tensor:
+    """Where rows listed in plan order (packed by destination: `counts_D[d]` rows to rank d) come back
+    in a region-per-rank buffer: row p sent to rank d at region d, row p - start_d. `rows`: row
+    numbers, any shape; -1 (none) and rows past the total stay -1. One kernel on a GPU."""
+    from occult import kernels
+
+    if counts_D.is_cuda and kernels.available(counts_D.device):
+        from occult.kernels.push import region_rows
+
+        return region_rows(rows, counts_D, stride)
     ends_D = torch.cumsum(counts_D, 0)
-    row_P = torch.arange(num_rows, device=counts_D.device)
-    dest_P = torch.bucketize(row_P, ends_D, right=True).clamp_(max=counts_D.shape[0] - 1)
-    index_P = dest_P * stride + row_P - (ends_D - counts_D)[dest_P]
-    return index_P.clamp_(0, counts_D.shape[0] * stride - 1)
+    row = rows.clamp(min=0)
+    dest = torch.bucketize(row, ends_D, right=True).clamp_(max=counts_D.shape[0] - 1)
+    index = dest * stride + row - (ends_D - counts_D)[dest]
+    return torch.where((rows >= 0) & (rows < ends_D[-1]), index, -1)
+
+
+def as_byte_rows(t_NH: torch.Tensor, width: int) -> torch.Tensor | None:
+    """`t_NH`'s own memory as byte rows of `width` (no copy), where its rows are exactly that wide."""
+    if t_NH.is_contiguous() and t_NH.shape[1] * t_NH.element_size() == width:
+        return t_NH.view(torch.uint8).view(t_NH.shape[0], width)
+    return None
 
 
 @dataclass
@@ -151,8 +165,8 @@ class DeviceHandle(Handle):
     """One call's state: the plan, the device counts each way, the layout and the transport.
 
     Rows go out packed by destination (the plan's order) and arrive in regions of `stride` rows, one
-    per source rank; rows coming back land in the same kind of regions at their source, which reads
-    them in plan order through `back_index_P`."""
+    per source rank; rows coming back land in the same kind of regions at their source, which finds
+    them through `region_index`."""
 
     transport: DeviceTransport
     layout: RowLayout
@@ -161,37 +175,34 @@ class DeviceHandle(Handle):
     stride: int  # rows one source can send to one rank, at most (the regions' size)
     stats: CommStats = field(default_factory=CommStats)
     recv_counts_D: torch.Tensor | None = None
-    _back_index_P: torch.Tensor | None = None
 
     @property
     def num_recv(self) -> int:
         """Rows of the received buffer handed to the experts (every region; the gaps masked)."""
         return self.transport.num_ranks * self.stride
 
-    @property
-    def back_index_P(self) -> torch.Tensor:
-        if self._back_index_P is None:
-            self._back_index_P = region_index(self.send_counts_D, self.plan.num_rows, self.stride)
-        return self._back_index_P
+    def byte_rows(self, num_rows: int, width: int, write) -> torch.Tensor:
+        """Staging rows [num_rows, width] filled by `write(rows)`."""
+        rows = torch.empty((num_rows, width), dtype=torch.uint8, device=self.send_counts_D.device)
+        write(rows)
+        return rows
 
-    def send_out(self, width: int, write) -> torch.Tensor:
-        """Rows in plan order (`write(staging)` fills them) to their ranks; the received regions."""
-        staging = torch.empty((self.plan.num_rows, width), dtype=torch.uint8, device=self.send_counts_D.device)
-        write(staging)
-        offsets_D = torch.cumsum(self.send_counts_D, 0) - self.send_counts_D
-        recv, recv_counts_D = self.transport.exchange(staging, self.send_counts_D, offsets_D, self.stride)
+    def send_out(self, rows_PW: torch.Tensor) -> torch.Tensor:
+        """Rows in plan order to their ranks; the received regions."""
+        recv, recv_counts_D = self.transport.exchange(rows_PW, self.send_counts_D, self.stride)
         if self.recv_counts_D is None:
             self.recv_counts_D = recv_counts_D
         return recv
 
-    def send_back(self, width: int, write) -> torch.Tensor:
-        """Received rows (`write(staging)` fills them, region layout) back to their sources; [P, W] in plan order."""
-        D = self.transport.num_ranks
-        staging = torch.empty((self.num_recv, width), dtype=torch.uint8, device=self.send_counts_D.device)
-        write(staging)
-        offsets_D = torch.arange(D, device=staging.device) * self.stride
-        recv, _ = self.transport.exchange(staging, self.recv_counts_D, offsets_D, self.stride)
-        return recv.index_select(0, self.back_index_P)
+    def send_back(self, rows_RW: torch.Tensor) -> torch.Tensor:
+        """Received rows (region layout) back to their sources; the regions there (read them at once)."""
+        recv, _ = self.transport.exchange(rows_RW, self.recv_counts_D, self.stride, src_stride=self.stride)
+        return recv
+
+    def in_plan_order(self, back_RW: torch.Tensor) -> torch.Tensor:
+        """Rows come back in regions, read in plan order [P, W] (a copy)."""
+        rows_P = torch.arange(self.plan.num_rows, device=back_RW.device)
+        return back_RW.index_select(0, region_index(rows_P, self.send_counts_D, self.stride).clamp_(min=0))
 
     def dispatch_packed(self, x_TH: torch.Tensor, weights_TK: torch.Tensor):
         """`dispatch_rows` from the tokens themselves, in two kernels (`occult.kernels.pack`): the
@@ -201,8 +212,8 @@ class DeviceHandle(Handle):
 
         L, plan = self.layout, self.plan
         g0, s0 = L.x_bytes, L.x_bytes + L.gate_bytes
-        recv = self.send_out(L.width, lambda buf: pack_rows(
-            buf, x_TH, plan.token_P, weights_TK, plan.entry_PK, plan.slot_PK, g0, s0))
+        recv = self.send_out(self.byte_rows(plan.num_rows, L.width, lambda buf: pack_rows(
+            buf, x_TH, plan.token_P, weights_TK, plan.entry_PK, plan.slot_PK, g0, s0)))
         x_RH, gates_RK, slots_RK = unpack_rows(recv, self.num_recv, L.hidden, L.top_k, L.dtype, L.gates_dtype,
                                                self.recv_counts_D, self.stride, g0, s0)
         self.stats.add(self.send_counts_D, L.hidden * x_TH.element_size(), L.gate_bytes + 4 * L.top_k, False,
@@ -212,8 +223,8 @@ class DeviceHandle(Handle):
     def dispatch_rows(self, rows_PH, gates_PK, slots_PK):
         """Rows out with gates and slots; (x_RH, gates_RK, slots_RK) received, the gaps masked."""
         L = self.layout
-        recv = self.send_out(L.width, lambda buf: L.write(buf, rows_PH, gates_PK.to(L.carrier),
-                                                         slots_PK.to(torch.int32)))
+        recv = self.send_out(self.byte_rows(self.plan.num_rows, L.width, lambda buf: L.write(
+            buf, rows_PH, gates_PK.to(L.carrier), slots_PK.to(torch.int32))))
         valid_R1 = region_valid(self.num_recv, self.stride, self.recv_counts_D)
         x_RH = torch.where(valid_R1, L.read_x(recv, self.num_recv), 0)
         gates_RK = torch.where(valid_R1, L.read_gates(recv, self.num_recv), 0)
@@ -225,21 +236,37 @@ class DeviceHandle(Handle):
     def dispatch_grads(self, grad_x_RH, grad_gates_RK):
         """The gradients of the received rows and gates back to their sources (plan order)."""
         L, n = self.layout, self.plan.num_rows
-        back = self.send_back(L.width, lambda buf: L.write(buf, grad_x_RH, grad_gates_RK.to(L.carrier)))
+        back = self.send_back(self.byte_rows(self.num_recv, L.width, lambda buf: L.write(
+            buf, grad_x_RH, grad_gates_RK.to(L.carrier))))
+        back = self.in_plan_order(back)
         self.stats.add(self.recv_counts_D, grad_x_RH.shape[1] * grad_x_RH.element_size(), L.gate_bytes, True)
         return L.read_x(back, n), L.read_gates(back, n)
 
-    def combine_rows(self, y_RH: torch.Tensor) -> torch.Tensor:
-        """Each received row's result back to its source, in plan order [P, H]."""
-        L = self.layout
-        back = self.send_back(L.back_width, lambda buf: L.write(buf, y_RH))
+    def combine_sum(self, y_RH: torch.Tensor) -> torch.Tensor:
+        """Each received row's result back to its source, and each token's rows summed there: y_TH."""
+        L, plan = self.layout, self.plan
+        rows_RW = as_byte_rows(y_RH, L.back_width)
+        if rows_RW is None:
+            rows_RW = self.byte_rows(self.num_recv, L.back_width, lambda buf: L.write(buf, y_RH))
+        back = self.send_back(rows_RW)
         self.stats.add(self.recv_counts_D, y_RH.shape[1] * y_RH.element_size(), 0, False, "combine")
-        return back.view(L.dtype)[:, : L.hidden]
+        from occult import kernels
+
+        if y_RH.is_cuda and y_RH.dtype != torch.float64 and kernels.available(y_RH.device):
+            from occult.kernels.rows import gather_sum  # one pass over the regions, fp32 sums
+
+            rows_TJ = region_index(plan.row_TJ, self.send_counts_D, self.stride)
+            return gather_sum(back.view(L.dtype)[:, : L.hidden], rows_TJ, L.dtype)
+        y_PH = self.in_plan_order(back).view(L.dtype)[:, : L.hidden]
+        return token_sum(y_PH, plan.token_P, plan.row_TJ, L.dtype)
 
     def combine_grads(self, grad_y_PH: torch.Tensor) -> torch.Tensor:
         """The combine's gradient: each plan row's gradient out to its rank again [num_recv, H], gaps zero."""
         L = self.layout
-        recv = self.send_out(L.back_width, lambda buf: L.write(buf, grad_y_PH))
+        rows_PW = as_byte_rows(grad_y_PH, L.back_width)
+        if rows_PW is None:
+            rows_PW = self.byte_rows(self.plan.num_rows, L.back_width, lambda buf: L.write(buf, grad_y_PH))
+        recv = self.send_out(rows_PW)
         self.stats.add(self.send_counts_D, grad_y_PH.shape[1] * grad_y_PH.element_size(), 0, True)
         grad_RH = recv.view(L.dtype)[:, : L.hidden]
         return torch.where(region_valid(self.num_recv, self.stride, self.recv_counts_D), grad_RH, 0)
@@ -291,16 +318,19 @@ class _DevicePackedDispatch(torch.autograd.Function):
 
 
 class _DeviceCombine(torch.autograd.Function):
-    """One row back per received row; backward sends each row's gradient out again."""
+    """One row back per received row, each token's rows summed at its source; backward hands each
+    plan row its token's gradient and sends it out again."""
 
     @staticmethod
     def forward(ctx, y_RH, handle):
         ctx.handle = handle
-        return handle.combine_rows(y_RH)
+        return handle.combine_sum(y_RH)
 
     @staticmethod
-    def backward(ctx, grad_y_PH):
-        return ctx.handle.combine_grads(grad_y_PH.contiguous()), None
+    def backward(ctx, grad_y_TH):
+        handle = ctx.handle
+        grad_PH = grad_y_TH[handle.plan.token_P]  # (unused plan rows take any token's: they are not sent)
+        return handle.combine_grads(grad_PH.contiguous()), None
 
 
 def agree_and_check(transport: DeviceTransport, num_tokens: int, host_status: int) -> int:
@@ -365,5 +395,4 @@ def packable(x_TH: torch.Tensor, weights_TK: torch.Tensor) -> bool:
 
 def combine_device(y_RH: torch.Tensor, handle: DeviceHandle) -> torch.Tensor:
     """Each received row's result back to its source; y_TH with each token's rows summed."""
-    y_PH = _DeviceCombine.apply(y_RH, handle)
-    return sum_rows(y_PH, handle.plan.token_P, handle.plan.row_TJ)
+    return _DeviceCombine.apply(y_RH, handle)

@@ -188,11 +188,11 @@ class DeviceTransport:
         self._turn ^= 1
         return slot
 
-    def exchange(self, src_NW: torch.Tensor, counts_D: torch.Tensor, offsets_D: torch.Tensor,
-                 stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send rows of `src_NW` (bytes [N, W]): `counts_D[d]` rows from row `offsets_D[d]` on to rank d
-        (device tensors). Every rank passes the same W and `stride` (rows a source can send to one
-        rank, at most).
+    def exchange(self, src_NW: torch.Tensor, counts_D: torch.Tensor, stride: int,
+                 src_stride: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send rows of `src_NW` (bytes [N, W]): `counts_D[d]` rows (a device tensor) to rank d, starting
+        at row `d * src_stride`, or packed by destination when `src_stride` is 0. Every rank passes
+        the same W and `stride` (rows a source can send to one rank, at most).
 
         Returns (received rows [D * stride, W]: region s holds rank s's rows, the first
         `recv_counts_D[s]` valid, the rest stale; a view of the buffer: launch every read of it
@@ -207,7 +207,7 @@ class DeviceTransport:
         if torch.cuda.is_current_stream_capturing():
             self._captured = True
         slot = self.next_slot()
-        push_rows(src_NW, counts_D, offsets_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride)
+        push_rows(src_NW, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride, src_stride)
         slot.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         return slot.rows(D * stride, width), slot.counts(D).clone()
 

@@ -1,8 +1,8 @@
-"""The device transport's all-to-all kernel (`occult.kernels.push.push_rows`), on one process.
+"""The device transport's kernels (`occult.kernels.push`): `push_rows` and `region_rows`, on one process.
 
-Without a GPU it runs under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set by
+Without a GPU they run under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set by
 _triton_interpreter.py); the "peers" are buffers of this process, their addresses passed as the
-transport passes the peer-mapped ones. The GPU suite runs it between real GPUs.
+transport passes the peer-mapped ones. The GPU suite runs them between real GPUs.
 """
 
 from __future__ import annotations
@@ -15,43 +15,93 @@ import torch
 # first: Triton's CPU interpreter without a GPU, or this file in a fresh process (test_in_subprocess)
 from _triton_interpreter import DEVICE, IN_PROCESS, needs_in_process, run_file_in_fresh_process
 
-from occult.kernels.push import push_rows
+from occult.kernels.push import push_rows, region_rows
+
+
+def _peers(D, stride, W):
+    bufs = [torch.full((D * stride, W), 255, dtype=torch.uint8, device=DEVICE) for _ in range(D)]
+    counts = [torch.full((D,), -1, dtype=torch.int64, device=DEVICE) for _ in range(D)]
+    return bufs, counts, torch.tensor([b.data_ptr() for b in bufs], device=DEVICE), \
+        torch.tensor([c.data_ptr() for c in counts], device=DEVICE)
 
 
 @needs_in_process
-def test_rows_land_in_each_peers_region_and_nothing_else_is_written():
-    """Rows offsets[d]..+counts[d] land in region `rank` of buffer d, counts[d] in its count slot
-    `rank`; the rest of every buffer is untouched (empty destinations, uneven counts, odd widths)."""
+@pytest.mark.parametrize("source", ["packed", "regions"])
+def test_rows_land_in_each_peers_region_and_nothing_else_is_written(source):
+    """Rows for rank d (packed by destination, or in regions of `src_stride` rows) land in region
+    `rank` of buffer d, counts[d] in its count slot `rank`; the rest of every buffer is untouched
+    (empty destinations, uneven counts, odd widths)."""
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     for D, stride in ((3, 7), (2, 1), (4, 20)):
         W = 4 * int(torch.randint(1, 40, (1,), generator=gen))
-        bufs = [torch.full((D * stride, W), 255, dtype=torch.uint8, device=DEVICE) for _ in range(D)]
-        counts = [torch.full((D,), -1, dtype=torch.int64, device=DEVICE) for _ in range(D)]
-        peer_rows = torch.tensor([b.data_ptr() for b in bufs], device=DEVICE)
-        peer_counts = torch.tensor([c.data_ptr() for c in counts], device=DEVICE)
+        bufs, counts, peer_rows, peer_counts = _peers(D, stride, W)
         for rank in range(D):
             send_D = torch.randint(0, stride + 1, (D,), generator=gen)
             send_D[int(torch.randint(0, D, (1,), generator=gen))] = 0
-            src = torch.randint(0, 255, (int(send_D.sum()) + 2, W), dtype=torch.uint8, generator=gen)
-            offsets_D = torch.cumsum(send_D, 0) - send_D
-            push_rows(src.to(DEVICE), send_D.to(DEVICE), offsets_D.to(DEVICE), peer_rows, peer_counts, rank, stride)
+            src_stride = stride + 2 if source == "regions" else 0
+            first_D = torch.arange(D) * src_stride if src_stride else torch.cumsum(send_D, 0) - send_D
+            src = torch.randint(0, 255, (int(first_D[-1] + send_D[-1]) + 2, W), dtype=torch.uint8, generator=gen)
+            push_rows(src.to(DEVICE), send_D.to(DEVICE), peer_rows, peer_counts, rank, stride, src_stride)
             for d in range(D):
-                n, o = int(send_D[d]), int(offsets_D[d])
+                n, o = int(send_D[d]), int(first_D[d])
                 region = bufs[d][rank * stride : (rank + 1) * stride].cpu()
                 assert torch.equal(region[:n], src[o : o + n]), (D, stride, rank, d)
                 assert bool((region[n:] == 255).all()), (D, stride, rank, d)
                 assert int(counts[d][rank]) == n
 
 
-def test_rows_must_be_whole_words():
-    bad = torch.zeros((2, 6), dtype=torch.uint8, device=DEVICE)
+@needs_in_process
+def test_region_rows_maps_plan_rows_to_their_regions():
+    """Row p of a plan packed by destination comes back at d * stride + p - start_d; -1 and rows
+    past the total stay -1; any shape."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    for D in (1, 2, 3, 8):
+        stride = int(torch.randint(1, 9, (1,), generator=gen))
+        counts_D = torch.randint(0, stride + 1, (D,), generator=gen)
+        total = int(counts_D.sum())
+        rows = torch.randint(-1, total + 3, (5, 4), generator=gen)
+        got = region_rows(rows.to(DEVICE), counts_D.to(DEVICE), stride).cpu()
+        starts = torch.cumsum(counts_D, 0) - counts_D
+        for p, g in zip(rows.reshape(-1).tolist(), got.reshape(-1).tolist()):
+            if p < 0 or p >= total:
+                assert g == -1, (p, g)
+                continue
+            d = int((torch.cumsum(counts_D, 0) <= p).sum())
+            assert g == d * stride + p - int(starts[d]), (D, stride, counts_D.tolist(), p, g)
+
+
+@needs_in_process
+def test_region_sums_equal_plan_order_sums():
+    """The GPU combine of the device transport: each token's rows summed straight out of the
+    region-per-rank buffer (`gather_sum` at `region_rows(row_TJ)`) equals reading the rows back in
+    plan order first and summing them (the CPU path)."""
+    from occult.kernels.rows import gather_sum
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    D, stride, T, J, H = 3, 6, 5, 3, 8
+    counts_D = torch.randint(0, stride + 1, (D,), generator=gen)
+    total = int(counts_D.sum())
+    row_TJ = torch.full((T, J), -1, dtype=torch.int64)
+    for p in range(total):  # every plan row belongs to one token, at most J rows a token
+        free = [(t, j) for t in range(T) for j in range(J) if row_TJ[t, j] < 0]
+        t, j = free[int(torch.randint(0, len(free), (1,), generator=gen))]
+        row_TJ[t, j] = p
+    regions_RH = torch.randn(D * stride, H, generator=gen)
+    starts = torch.cumsum(counts_D, 0) - counts_D
+    plan_PH = torch.stack([regions_RH[d * stride + i] for d in range(D) for i in range(int(counts_D[d]))]) \
+        if total else torch.zeros(0, H)
+    expected = torch.stack([sum((plan_PH[p] for p in row_TJ[t].tolist() if p >= 0), torch.zeros(H)) for t in range(T)])
+    rows_TJ = region_rows(row_TJ.to(DEVICE), counts_D.to(DEVICE), stride)
+    got = gather_sum(regions_RH.to(DEVICE), rows_TJ, torch.float32).cpu()
+    assert torch.allclose(got, expected, atol=1e-6), (counts_D.tolist(), starts.tolist())
+
+
+def test_rows_must_be_contiguous_whole_words():
     zeros = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    try:
-        push_rows(bad, zeros, zeros, zeros, zeros, 0, 2)
-    except ValueError as err:
-        assert "4-byte words" in str(err)
-    else:
-        raise AssertionError("a 6-byte row was accepted")
+    for bad in (torch.zeros((2, 6), dtype=torch.uint8, device=DEVICE),
+                torch.zeros((2, 16), dtype=torch.uint8, device=DEVICE)[:, :8]):
+        with pytest.raises(ValueError, match="4-byte words"):
+            push_rows(bad, zeros, zeros, zeros, 0, 2)
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="kernels already tested in this process")

@@ -39,10 +39,11 @@ class GlooTransport(symm.DeviceTransport):
             self.grown += 1
             self.capacity_bytes = num_bytes
 
-    def exchange(self, src_NW, counts_D, offsets_D, stride):
+    def exchange(self, src_NW, counts_D, stride, src_stride=0):
         D, width = self.num_ranks, src_NW.shape[1]
         assert D * stride * width <= self.capacity_bytes
-        send, first = [int(v) for v in counts_D.tolist()], [int(v) for v in offsets_D.tolist()]
+        send = [int(v) for v in counts_D.tolist()]
+        first = [d * src_stride for d in range(D)] if src_stride else [sum(send[:d]) for d in range(D)]
         assert max(send) <= stride
         recv_counts = torch.empty_like(counts_D)
         dist.all_to_all_single(recv_counts, counts_D.clone(), group=self.group)
