@@ -11,7 +11,8 @@ team barrier before it moves a byte).
 (rows in regions, as received) or, with `src_stride` 0, after the rows of every lower rank (rows
 packed by destination, as a dispatch plan lists them; the prefix is summed in the kernel). They
 go to peer d's region `rank` (one program per (destination, block of rows), a grid-stride loop over
-the rows), and counts[d] to peer d's count slot `rank`. Rows are words of 4 bytes (the buffers' rows
+the rows), counts[d] to peer d's count slot `rank`, and, for a dispatch, this rank's routing status to
+its status slot `rank` (the statuses arrive with the rows: no all-reduce of their own). Rows are words of 4 bytes (the buffers' rows
 are padded to whole 64-byte lines). The caller orders the stores before any read with a barrier of
 the group (`symm.DeviceTransport.exchange`).
 
@@ -33,9 +34,9 @@ BLOCK_ROWS = 4
 
 
 @triton.jit
-def _push_kernel(src_ptr, counts_ptr, peer_rows_ptr, peer_counts_ptr, rank, stride_rows, src_stride, D,
-                 W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-                 PACKED: tl.constexpr, D_POW2: tl.constexpr):
+def _push_kernel(src_ptr, counts_ptr, status_ptr, peer_rows_ptr, peer_counts_ptr, rank, stride_rows, src_stride, D,
+                 status_slot, W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                 NUM_BLOCKS: tl.constexpr, PACKED: tl.constexpr, D_POW2: tl.constexpr, HAS_STATUS: tl.constexpr):
     d = tl.program_id(0)
     blk = tl.program_id(1)
     n = tl.load(counts_ptr + d)
@@ -48,6 +49,8 @@ def _push_kernel(src_ptr, counts_ptr, peer_rows_ptr, peer_counts_ptr, rank, stri
     if blk == 0:
         dst_counts = tl.load(peer_counts_ptr + d).to(tl.pointer_type(tl.int64))
         tl.store(dst_counts + rank, n)
+        if HAS_STATUS:
+            tl.store(dst_counts + status_slot + rank, tl.load(status_ptr).to(tl.int64))
     region = rank * stride_rows
     for r0 in range(blk * BLOCK_R, n, NUM_BLOCKS * BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
@@ -77,22 +80,25 @@ def _region_rows_kernel(rows_ptr, counts_ptr, out_ptr, N, stride, D,
 
 
 def push_rows(src_NW: torch.Tensor, counts_D: torch.Tensor, peer_rows_D: torch.Tensor, peer_counts_D: torch.Tensor,
-              rank: int, stride_rows: int, src_stride: int = 0) -> None:
+              rank: int, stride_rows: int, src_stride: int = 0, status: torch.Tensor | None = None,
+              status_slot: int = 64) -> None:
     """Store rows of `src_NW` (bytes, [N, W], W a multiple of 4) into the peers' receive regions.
 
     `counts_D` (int64, device): rows for each rank; where they start in `src_NW`: `d * src_stride`,
     or packed by destination when `src_stride` is 0 (module docstring); `peer_rows_D`,
     `peer_counts_D` (int64 addresses, device): each rank's receive rows and count vector, as this
-    process maps them; `stride_rows`: rows per receive region (>= every count)."""
+    process maps them; `stride_rows`: rows per receive region (>= every count). `status` (a device
+    integer scalar, optional): also stored at entry `status_slot + rank` of every peer's count vector."""
     num_ranks, width = counts_D.shape[0], src_NW.shape[1]
     if width % 4 or src_NW.stride(1) != 1 or src_NW.stride(0) != width:
         raise ValueError(f"rows must be contiguous whole 4-byte words, got {width} bytes, strides {src_NW.stride()}")
     words = src_NW.view(torch.int32)
     W = width // 4
     _push_kernel[(num_ranks, BLOCKS_PER_PEER)](
-        words, counts_D, peer_rows_D, peer_counts_D, rank, stride_rows, src_stride, num_ranks,
+        words, counts_D, counts_D if status is None else status, peer_rows_D, peer_counts_D, rank, stride_rows,
+        src_stride, num_ranks, status_slot,
         W=W, BLOCK_R=BLOCK_ROWS, BLOCK_W=min(1024, triton.next_power_of_2(W)), NUM_BLOCKS=BLOCKS_PER_PEER,
-        PACKED=src_stride == 0, D_POW2=triton.next_power_of_2(num_ranks),
+        PACKED=src_stride == 0, D_POW2=triton.next_power_of_2(num_ranks), HAS_STATUS=status is not None,
     )
 
 

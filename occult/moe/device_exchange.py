@@ -6,8 +6,9 @@ with their row counts on the device. One call:
   1. `agree`: the largest token count of any rank, and every rank's input status known on the host
      (wrong hidden size or dtype; and routing statuses of earlier calls the GPU has reached), over
      a host-only exchange (`occult.moe.agree`): bad input raises `RoutingError` on every rank at once;
-  2. this call's routing status (ids out of range, NaN/inf gates) all-reduced on the device and
-     queued (`occult.moe.status`): raised on every rank by a later call or `check_routing()`;
+  2. this call's routing status (ids out of range, NaN/inf gates) travels with the dispatch's rows
+     to every rank (`occult.kernels.push`) and is queued there (`occult.moe.status`): raised on every
+     rank by a later call or `check_routing()`;
   3. rows, their gate weights and local expert slots written side by side into one byte row
      (`RowLayout`), in plan order, and stored into the peers' receive regions by one all-to-all
      (`DeviceTransport.exchange`); received rows past their region's count are masked
@@ -29,8 +30,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from occult import settings
 from occult.moe import status as pending
@@ -175,6 +174,7 @@ class DeviceHandle(Handle):
     stride: int  # rows one source can send to one rank, at most (the regions' size)
     stats: CommStats = field(default_factory=CommStats)
     recv_counts_D: torch.Tensor | None = None
+    status: torch.Tensor | None = None  # this call's routing status (device scalar), sent with the rows
 
     @property
     def num_recv(self) -> int:
@@ -188,15 +188,20 @@ class DeviceHandle(Handle):
         return rows
 
     def send_out(self, rows_PW: torch.Tensor) -> torch.Tensor:
-        """Rows in plan order to their ranks; the received regions."""
-        recv, recv_counts_D = self.transport.exchange(rows_PW, self.send_counts_D, self.stride)
-        if self.recv_counts_D is None:
+        """Rows in plan order to their ranks; the received regions. The first call (the dispatch)
+        carries the routing status and queues every rank's."""
+        first = self.recv_counts_D is None
+        recv, recv_counts_D, statuses_D = self.transport.exchange(
+            rows_PW, self.send_counts_D, self.stride, status=self.status if first else None)
+        if first:
             self.recv_counts_D = recv_counts_D
+            if statuses_D is not None and not pending.capturing():
+                pending.queue(statuses_D)
         return recv
 
     def send_back(self, rows_RW: torch.Tensor) -> torch.Tensor:
         """Received rows (region layout) back to their sources; the regions there (read them at once)."""
-        recv, _ = self.transport.exchange(rows_RW, self.recv_counts_D, self.stride, src_stride=self.stride)
+        recv, _, _ = self.transport.exchange(rows_RW, self.recv_counts_D, self.stride, src_stride=self.stride)
         return recv
 
     def in_plan_order(self, back_RW: torch.Tensor) -> torch.Tensor:
@@ -348,18 +353,6 @@ def agree_and_check(transport: DeviceTransport, num_tokens: int, host_status: in
     return max_tokens
 
 
-def queue_status(transport: DeviceTransport, status: torch.Tensor) -> None:
-    """This call's routing status, one entry per rank, all-reduced on the device and queued for a later
-    read; nothing under CUDA-graph capture or compilation, where no status is queued (`occult.moe.status`):
-    a captured decode step would otherwise replay an all-reduce per layer whose result nobody reads."""
-    if pending.capturing():
-        return
-    D, r = transport.num_ranks, transport.rank
-    status_D = F.pad(status.to(torch.int64).reshape(1), (r, D - r - 1))
-    dist.all_reduce(status_D, op=dist.ReduceOp.MAX, group=transport.group)
-    pending.queue(status_D)
-
-
 def dispatch_device(dispatcher: Any, x_TH: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan,
                     status: torch.Tensor, host_status: int, schedule: Any,
                     experts_per_device: int) -> tuple[Received, DeviceHandle]:
@@ -367,14 +360,14 @@ def dispatch_device(dispatcher: Any, x_TH: torch.Tensor, weights_TK: torch.Tenso
     transport: DeviceTransport = dispatcher.transport
     D, top_k = transport.num_ranks, weights_TK.shape[1]
     max_tokens = agree_and_check(transport, x_TH.shape[0], host_status)
-    queue_status(transport, status)
     schedule.run_while_waiting()
     per_rank, _ = dispatcher.rows_per_token(top_k, D, experts_per_device)
     layout = RowLayout(x_TH.shape[1], x_TH.dtype, plan.slot_PK.shape[1], weights_TK.dtype)
     bucket = token_bucket(max_tokens)
     transport.reserve(D * per_rank * bucket * layout.width)
     stats = DeviceCommStats(dispatcher.rank, dispatcher.peer_level)
-    handle = DeviceHandle(transport, layout, plan, plan.send_counts_D, per_rank * max_tokens, stats)
+    handle = DeviceHandle(transport, layout, plan, plan.send_counts_D, per_rank * max_tokens, stats,
+                          status=status.to(torch.int64).reshape(()))
     if packable(x_TH, weights_TK):
         x_RH, gates_RK, slots_RK = _DevicePackedDispatch.apply(x_TH, weights_TK, handle)
     else:

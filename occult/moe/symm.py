@@ -35,7 +35,8 @@ from occult.moe.agree import gloo_group, make_board
 from occult.moe.config import TRANSPORTS
 
 ROW_ALIGN = 64  # bytes per row: whole cache lines (the push kernel moves 4-byte words)
-COUNTS_BYTES = 64 * 8  # each buffer starts with one int64 row count per source rank (up to 64 ranks)
+MAX_RANKS = 64
+COUNTS_BYTES = 2 * MAX_RANKS * 8  # each buffer starts with an int64 row count, then a status, per source rank
 MIN_BUFFER_BYTES = 1 << 20  # the smallest receive buffer (tiny calls share one size)
 MIN_TOKENS = 256  # the smallest token bucket buffers are sized for
 AGREE_TIMEOUT_S = 120.0
@@ -54,8 +55,8 @@ def unavailable_reason(group: Any) -> str | None:
     if dist.get_backend(group) != "nccl":
         return f"the group's backend is {dist.get_backend(group)}, not nccl"
     size = dist.get_world_size(group)
-    if size > COUNTS_BYTES // 8:
-        return f"the group has {size} ranks (the transport serves up to {COUNTS_BYTES // 8})"
+    if size > MAX_RANKS:
+        return f"the group has {size} ranks (the transport serves up to {MAX_RANKS})"
     try:
         import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
     except ImportError:
@@ -98,8 +99,8 @@ def token_bucket(num_tokens: int) -> int:
 
 @dataclass
 class Slot:
-    """One receive buffer of the group: `COUNTS_BYTES` of row counts (one int64 per source rank),
-    then the rows; its rendezvous handle (the barrier) and every rank's rows and counts as
+    """One receive buffer of the group: `COUNTS_BYTES` of row counts and routing statuses (one int64
+    each per source rank), then the rows; its rendezvous handle (the barrier) and every rank's rows and counts as
     addresses this process can store to (int64 device tensors, one entry per rank)."""
 
     buffer: torch.Tensor
@@ -114,6 +115,10 @@ class Slot:
     def counts(self, num_ranks: int) -> torch.Tensor:
         """Rows received from each source rank (int64 [D], a view of the buffer)."""
         return self.buffer[: 8 * num_ranks].view(torch.int64)
+
+    def statuses(self, num_ranks: int) -> torch.Tensor:
+        """The routing status each source rank sent with its rows (int64 [D], a view of the buffer)."""
+        return self.buffer[8 * MAX_RANKS : 8 * (MAX_RANKS + num_ranks)].view(torch.int64)
 
 
 class DeviceTransport:
@@ -188,16 +193,18 @@ class DeviceTransport:
         self._turn ^= 1
         return slot
 
-    def exchange(self, src_NW: torch.Tensor, counts_D: torch.Tensor, stride: int,
-                 src_stride: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def exchange(self, src_NW: torch.Tensor, counts_D: torch.Tensor, stride: int, src_stride: int = 0,
+                 status: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Send rows of `src_NW` (bytes [N, W]): `counts_D[d]` rows (a device tensor) to rank d, starting
         at row `d * src_stride`, or packed by destination when `src_stride` is 0. Every rank passes
-        the same W and `stride` (rows a source can send to one rank, at most).
+        the same W and `stride` (rows a source can send to one rank, at most). `status` (a device
+        integer scalar, optional): this rank's routing status, delivered to every rank with the rows.
 
         Returns (received rows [D * stride, W]: region s holds rank s's rows, the first
         `recv_counts_D[s]` valid, the rest stale; a view of the buffer: launch every read of it
         before this rank's next all-to-all, copy what must live longer; received rows per source,
-        int64 [D], a copy). Nothing waits on the host."""
+        int64 [D], a copy; with `status`: every rank's status, int64 [D], a copy, else None). Nothing
+        waits on the host."""
         from occult.kernels.push import push_rows
 
         D, width = self.num_ranks, src_NW.shape[1]
@@ -207,9 +214,11 @@ class DeviceTransport:
         if torch.cuda.is_current_stream_capturing():
             self._captured = True
         slot = self.next_slot()
-        push_rows(src_NW, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride, src_stride)
+        push_rows(src_NW, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride, src_stride,
+                  status, MAX_RANKS)
         slot.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        return slot.rows(D * stride, width), slot.counts(D).clone()
+        statuses_D = None if status is None else slot.statuses(D).clone()
+        return slot.rows(D * stride, width), slot.counts(D).clone(), statuses_D
 
 
 def reset() -> None:

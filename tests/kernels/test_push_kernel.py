@@ -96,6 +96,22 @@ def test_region_sums_equal_plan_order_sums():
     assert torch.allclose(got, expected, atol=1e-6), (counts_D.tolist(), starts.tolist())
 
 
+@needs_in_process
+def test_status_lands_in_each_peers_status_slot():
+    """With `status`, every peer's count vector gets it at `status_slot + rank` (next to the count)."""
+    D, stride, W = 3, 4, 8
+    bufs, counts, peer_rows, peer_counts = _peers(D, stride, W)
+    counts = [torch.full((2 * D,), -1, dtype=torch.int64, device=DEVICE) for _ in range(D)]
+    peer_counts = torch.tensor([c.data_ptr() for c in counts], device=DEVICE)
+    for rank, status in enumerate((0, 2, 1)):
+        send_D = torch.tensor([1, 2, 0])
+        src = torch.zeros((3, W), dtype=torch.uint8)
+        push_rows(src.to(DEVICE), send_D.to(DEVICE), peer_rows, peer_counts, rank, stride,
+                  status=torch.tensor(status, device=DEVICE), status_slot=D)
+    for d in range(D):
+        assert counts[d].tolist() == [[1, 2, 0][d]] * D + [0, 2, 1], (d, counts[d].tolist())
+
+
 def test_rows_must_be_contiguous_whole_words():
     zeros = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     for bad in (torch.zeros((2, 6), dtype=torch.uint8, device=DEVICE),

@@ -39,7 +39,7 @@ class GlooTransport(symm.DeviceTransport):
             self.grown += 1
             self.capacity_bytes = num_bytes
 
-    def exchange(self, src_NW, counts_D, stride, src_stride=0):
+    def exchange(self, src_NW, counts_D, stride, src_stride=0, status=None):
         D, width = self.num_ranks, src_NW.shape[1]
         assert D * stride * width <= self.capacity_bytes
         send = [int(v) for v in counts_D.tolist()]
@@ -54,7 +54,11 @@ class GlooTransport(symm.DeviceTransport):
         out = torch.full((D * stride, width), 255, dtype=torch.uint8)
         for s, part in enumerate(got.split(recv)):
             out[s * stride : s * stride + recv[s]] = part
-        return out, recv_counts
+        statuses = None
+        if status is not None:  # every rank's status, as the push kernel stores them
+            statuses = torch.empty(D, dtype=torch.int64)
+            dist.all_gather_into_tensor(statuses, status.reshape(1).to(torch.int64), group=self.group)
+        return out, recv_counts, statuses
 
 
 def _layers(dense: DenseMoE, placement: Placement, dispatcher: str):
