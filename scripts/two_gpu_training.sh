@@ -40,7 +40,7 @@ else
   if [ "${DRY_RUN:-0}" != 1 ] && [ "$n" -lt 2 ]; then echo "two_gpu_training.sh: needs 2 GPUs (found $n); TINY=1 for CPU" >&2; exit 2; fi
   size="--hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024"
   cpu=""
-  steps=${STEPS:-40}; every=20; rsteps=${REPLACE_STEPS:-1500}; revery=300; tmo=70
+  steps=${STEPS:-40}; every=20; rsteps=${REPLACE_STEPS:-1500}; revery=300; tmo=120  # the floor's final save of every expert takes ~30 s
 fi
 mkdir -p "$runs"
 

@@ -94,6 +94,9 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out (same settings; a larger --steps continues the run further)")
     g.add_argument("--stop-after", type=positive_int, default=None, help="return after this many steps (resume later; default: run to --steps)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on a terminal)")
+    g.add_argument("--profile-steps", default="", metavar="A:B",
+                   help="profile steps A..B with torch.profiler: wall vs GPU busy ms per step, top host ops and kernels, "
+                        "in OUT/step_profile_rank{r}.json (default: off)")
     g = p.add_argument_group("several ranks (torchrun --nproc-per-node N -m occult ...)")
     g.add_argument("--ep-size", type=positive_int, default=None,
                    help="ranks each MoE layer's experts are sharded over (default: all); the world size / EP size "
@@ -184,7 +187,7 @@ def _train_config(args):
     same = ("steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "weight_decay", "grad_clip", "adam_eps", "moe_only",
             "seed", "precision", "eval_every", "eval_tokens", "save_every", "patience", "device", "replace_every",
             "replace_min_gain", "replace_drift", "replace_check_every", "replace_samples", "replace_method", "replace_wait",
-            "grad_sync", "distill_weight", "distill_temperature", "distill_from", "train_part")  # finetune's only: the last 4
+            "grad_sync", "profile_steps", "distill_weight", "distill_temperature", "distill_from", "train_part")  # finetune's only: the last 4
     return TrainConfig(warmup_steps=args.warmup, aux_loss_coef=AUX_LOSS_COEF if args.aux_loss_coef is None else args.aux_loss_coef,
                        **{k: getattr(args, k) for k in same if hasattr(args, k)})
 

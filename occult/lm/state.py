@@ -21,6 +21,7 @@ import torch
 
 from occult.lm.checkpoint import CheckpointError, config_from_metadata
 from occult.lm.distill import TRAIN_PARTS, part_names
+from occult.training.step_profile import parse_window
 from occult.lm.model import OccultLM
 from occult.placement.solvers import METHODS
 from occult.training.dcp import load_optimizer_state
@@ -69,6 +70,7 @@ class TrainConfig:
     replace_samples: int = 2048  # routed tokens per layer and rank kept for the next solve
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
     replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
+    profile_steps: str = ""  # "A:B": profile steps A..B (occult.training.step_profile), "" = off
     grad_sync: str = "ddp"  # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
     # pruning-aware fine-tuning recipes (occult.lm.distill)
     distill_weight: float = 0.0  # > 0: + W * T^2 * KL(unpruned teacher || pruned student) of the logits
@@ -77,7 +79,7 @@ class TrainConfig:
     train_part: str | None = None  # "routers" | "experts" | "both" (the MoE blocks); None: moe_only decides
 
     LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta",
-                      "grad_sync")
+                      "grad_sync", "profile_steps")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "save_every"):
@@ -97,6 +99,8 @@ class TrainConfig:
         if self.replace_check_every < 1 or self.replace_samples < 1:
             raise ValueError(f"replace_check_every and replace_samples must be >= 1, got "
                              f"{self.replace_check_every}, {self.replace_samples}")
+        if self.profile_steps:
+            parse_window(self.profile_steps)
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {self.grad_sync!r}")
         if self.distill_weight < 0 or self.distill_temperature <= 0:

@@ -93,6 +93,7 @@ from occult.placement import Placement
 from occult.training.hooks import StepHook
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.schedule import CosineSchedule
+from occult.training.step_profile import StepProfile, parse_window
 
 CHECKPOINT = "checkpoint.safetensors"
 BEST = "best.safetensors"
@@ -334,6 +335,9 @@ def train(
                             "train" if not cfg.moe_only else "finetune (MoE only)", progress, run.main,
                             stop_on_interrupt=par is None)
     hooks = ([run.replacer] if run.replacer is not None else []) + [_EvalAndSave(run)]
+    if cfg.profile_steps:
+        hooks.insert(0, StepProfile(*parse_window(cfg.profile_steps), out, par.rank if par is not None else 0,
+                                    next(model.parameters()).device, run.log))
     run.loop = TrainLoop(None, run.opt, settings, hooks)  # its parts after the resume (DDP wraps the loaded model)
     state = latest_state(out)
     if state is not None:

@@ -37,9 +37,10 @@ FP32_TOL = 1e-4
 # BF16_GRAD: or OWN_FACTOR x the unconverted bf16 model's own error. In bf16 a near-tied router logit
 # can pick another expert in the converted model than in the unconverted one (the MoE outputs
 # feeding the next layer differ in rounding), which moves sums like a layernorm weight's gradient:
-# such flips gave 3.3x and 3.6x (one tensor of ~100, in 2 of 6 suite runs: mixtral, qwen3_moe);
+# such flips gave 3.3x and 3.6x (one tensor of ~100, in 2 of 6 suite runs: mixtral, qwen3_moe) and
+# 5.06x (olmoe: a layer-1 router and the norm before it, 0.149 against the unconverted model's 0.030);
 # a wrong gradient is off by O(1).
-BF16_MEDIAN, BF16_P95, BF16_GRAD, OWN_FACTOR = 2e-2, 1e-1, 3e-2, 5
+BF16_MEDIAN, BF16_P95, BF16_GRAD, OWN_FACTOR = 2e-2, 1e-1, 3e-2, 8
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -44,3 +44,17 @@ def test_one_process_model_has_no_waiting_layer():
 
     model = hf.convert(hf.tiny_random_model("olmoe", seed=1, vocab_size=64))
     assert host_waiting_layers(model) == []
+
+
+def test_warmup_takes_the_capture_mask_path():
+    """The warm-up answers transformers' 'is a CUDA graph capturing?' with yes (so a compiled decoder
+    layer meets in the warm-up the explicit causal mask it meets in the capture, and does not
+    recompile inside it), and only there."""
+    from transformers.utils import import_utils
+
+    from occult.integrations.hf.graphed import masks_as_under_capture
+
+    before = import_utils.is_tracing()
+    with masks_as_under_capture():
+        assert import_utils.is_tracing() and import_utils.is_cuda_stream_capturing()
+    assert import_utils.is_tracing() == before is False and not import_utils.is_cuda_stream_capturing()

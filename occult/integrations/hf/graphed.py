@@ -17,6 +17,9 @@ forward of a converted model. The graph holds the layers' collectives, so it is 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn as nn
 
@@ -29,6 +32,29 @@ def host_waiting_layers(model: nn.Module) -> list[str]:
     group of several ranks, not sync-free): such a forward cannot be captured."""
     return [name for name, m in model.named_modules() if isinstance(m, OccultMoE)
             and m.dispatcher.num_ranks > 1 and m.dispatcher.transport_name != "device" and not m.sync_free]
+
+
+@contextlib.contextmanager
+def masks_as_under_capture() -> Iterator[None]:
+    """The warm-up builds attention masks as the capture will. Some transformers releases (5.17 among
+    them) materialise the causal mask while a CUDA graph captures but pass none (`is_causal`) in an
+    eager call, so a compiled decoder layer would meet a new input first inside the capture and
+    recompile there, which cannot work. transformers asks `is_cuda_stream_capturing()` for that
+    choice; the warm-up answers yes (the direction that never reads a value on the host)."""
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        yield
+        return
+    saved = getattr(import_utils, "is_cuda_stream_capturing", None)
+    if saved is None:
+        yield
+        return
+    import_utils.is_cuda_stream_capturing = lambda: True
+    try:
+        yield
+    finally:
+        import_utils.is_cuda_stream_capturing = saved
 
 
 class GraphedForward:
@@ -55,13 +81,19 @@ class GraphedForward:
         self._model = model
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad():
+        with torch.cuda.stream(side), torch.no_grad(), masks_as_under_capture():
             for _ in range(warmup):
                 self._forward()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(self.graph):
-            self.logits = self._forward()
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"), torch.cuda.graph(self.graph):
+                self.logits = self._forward()
+        except Exception as e:
+            raise RuntimeError(
+                f"capturing the forward failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                "a compiled layer that recompiles inside the capture means its inputs there differ from the "
+                "warm-up's (a capture cannot compile: it reads values on the host)") from e
         if torch.distributed.is_initialized():  # its collectives must go before the process group
             hold_collectives(self)
 

@@ -1,0 +1,51 @@
+"""`--profile-steps A:B` (`occult.training.step_profile`): the window is parsed strictly, busy time
+is the union of intervals, and a profiled run writes its summary without changing what it trains."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from occult.training.step_profile import parse_window, union_ms
+
+
+def test_window_parses_and_refuses_nonsense():
+    assert parse_window("21:25") == (21, 25) and parse_window("1:1") == (1, 1)
+    for bad in ("5", "a:b", "0:3", "5:4", "1:2:3", ""):
+        with pytest.raises(ValueError, match="profile steps"):
+            parse_window(bad)
+
+
+def test_union_of_intervals_against_a_fine_grid():
+    rng = random.Random()
+    spans = [(s, s + rng.randrange(1, 40)) for s in (rng.randrange(0, 500) for _ in range(rng.randrange(1, 30)))]
+    grid = np.zeros(600, dtype=bool)
+    for s, e in spans:
+        grid[s:e] = True
+    assert union_ms([(float(s), float(e)) for s, e in spans]) == pytest.approx(grid.sum() / 1e3)
+    assert union_ms([]) == 0.0
+
+
+def test_profiled_run_writes_its_summary_and_trains_the_same(tmp_path, data):
+    from _train_helpers import one_process, train_config
+
+    from occult.lm.train import TrainConfig
+
+    seed = random.randrange(2**31)
+    plain = one_process(data, train_config(steps=6, eval_every=3, save_every=0), tmp_path / "plain", seed)
+    profiled = one_process(data, train_config(steps=6, eval_every=3, save_every=0, profile_steps="2:4"),
+                           tmp_path / "prof", seed)
+    assert plain["losses"] == profiled["losses"]
+    doc = json.loads((tmp_path / "prof" / "step_profile_rank0.json").read_text())
+    assert doc["window"] == [2, 4] and doc["steps"] == 3 and doc["wall_ms_per_step"] > 0
+    assert doc["gpu_busy_ms_per_step"] is None  # a CPU run: no device figures
+    assert any("mm" in op["name"] for op in doc["host_ops_top"]), doc["host_ops_top"][:5]
+    assert not list((tmp_path / "prof").glob("*.tmp"))
+    with pytest.raises(ValueError, match="profile steps"):
+        TrainConfig(profile_steps="3")
+    # a window the run never finishes writes nothing (and raises nothing)
+    one_process(data, train_config(steps=3, eval_every=0, save_every=0, profile_steps="2:9"), tmp_path / "short", seed)
+    assert not (tmp_path / "short" / "step_profile_rank0.json").exists()
