@@ -31,7 +31,7 @@ from occult.cli.registry import (
 )
 
 # ModelConfig defaults
-HIDDEN, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, EXPERT_BACKEND = 256, 4, 4, 32, 4, 256, "torch"
+HIDDEN, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, EXPERT_BACKEND = 256, 4, 4, 32, 4, 256, "auto"
 # TrainConfig defaults
 STEPS, BATCH_SIZE, SEQ_LEN, LR, MIN_LR_RATIO, WARMUP = 2000, 32, 256, 1e-3, 0.1, 100
 WEIGHT_DECAY, GRAD_CLIP, AUX_LOSS_COEF, SEED, PRECISION, DEVICE = 0.1, 1.0, 0.01, 0, "auto", "auto"
@@ -94,7 +94,7 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out (same settings; a larger --steps continues the run further)")
     g.add_argument("--stop-after", type=positive_int, default=None, help="return after this many steps (resume later; default: run to --steps)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on a terminal)")
-    g.add_argument("--profile-steps", default="", metavar="A:B",
+    g.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="profile steps A..B with torch.profiler: wall vs GPU busy ms per step, top host ops and kernels, "
                         "in OUT/step_profile_rank{r}.json (default: off)")
     g = p.add_argument_group("several ranks (torchrun --nproc-per-node N -m occult ...)")

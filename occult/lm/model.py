@@ -54,7 +54,7 @@ class ModelConfig:
     rms_eps: float = 1e-6
     tie_embeddings: bool = True
     init_std: float = 0.02
-    expert_backend: str = "torch"
+    expert_backend: str = "auto"  # the expert MLP's kernels (ExecConfig.expert_backend): Triton on a CUDA GPU, else torch
     transport: str = "auto"  # the all-to-alls' transport (ExecConfig.transport): execution only, results equal
 
     def __post_init__(self) -> None:

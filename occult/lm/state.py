@@ -70,7 +70,7 @@ class TrainConfig:
     replace_samples: int = 2048  # routed tokens per layer and rank kept for the next solve
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
     replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
-    profile_steps: str = ""  # "A:B": profile steps A..B (occult.training.step_profile), "" = off
+    profile_steps: str | None = None  # "A:B": profile steps A..B (occult.training.step_profile); None = off
     grad_sync: str = "ddp"  # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
     # pruning-aware fine-tuning recipes (occult.lm.distill)
     distill_weight: float = 0.0  # > 0: + W * T^2 * KL(unpruned teacher || pruned student) of the logits
@@ -209,8 +209,9 @@ def load_optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer, tensors:
 
 # ------------------------------------------------------------------ resume
 def check_resume(meta: Mapping[str, str], model: OccultLM, cfg: TrainConfig, data_sig: str, init_sig: str | None, path: Path) -> None:
-    saved_model = dataclasses.replace(config_from_metadata(meta, str(path)), transport=model.config.transport)
-    if saved_model != model.config:  # (the transport is how the all-to-alls run, not the model: it may change)
+    saved_model = dataclasses.replace(config_from_metadata(meta, str(path)), transport=model.config.transport,
+                                      expert_backend=model.config.expert_backend)
+    if saved_model != model.config:  # (the transport and the expert kernels are how it runs, not the model: they may change)
         diffs = [
             f"{k}: checkpoint {getattr(saved_model, k)!r}, now {getattr(model.config, k)!r}"
             for k in model.config.to_dict()
