@@ -67,7 +67,8 @@ def expert_mlp(
     """Run the local experts on received rows; `backend` is "torch", "triton" or "auto".
 
     "auto" takes the Triton kernels for bf16/fp16/fp32 on a CUDA GPU (fp32 with exact, not tf32,
-    products) and the torch reference path otherwise (CPU, float64).
+    products) and the torch reference path otherwise (CPU, float64). Under autocast the Triton
+    kernels run in the autocast dtype, as the reference's matmuls do; the output keeps x's dtype.
     """
     if backend == "auto":
         backend = "torch"
@@ -82,7 +83,10 @@ def expert_mlp(
     if backend == "triton":
         from occult import kernels
 
-        return kernels.expert_mlp(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF)
+        out_dtype = x_RH.dtype
+        if torch.is_autocast_enabled(x_RH.device.type):  # autocast casts a matmul's inputs, a custom kernel's not:
+            x_RH = x_RH.to(torch.get_autocast_dtype(x_RH.device.type))  # the kernels run in x's dtype (weights too)
+        return kernels.expert_mlp(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF).to(out_dtype)
     if backend != "torch":
         raise ValueError(f"unknown expert backend {backend!r}; use 'auto', 'torch' or 'triton'")
     return expert_mlp_reference(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF)
