@@ -94,9 +94,8 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out (same settings; a larger --steps continues the run further)")
     g.add_argument("--stop-after", type=positive_int, default=None, help="return after this many steps (resume later; default: run to --steps)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on a terminal)")
-    g.add_argument("--profile-steps", default=None, metavar="A:B",
-                   help="profile steps A..B with torch.profiler: wall vs GPU busy ms per step, top host ops and kernels, "
-                        "in OUT/step_profile_rank{r}.json (default: off)")
+    g.add_argument("--profile-steps", default=None, metavar="A:B", help="profile steps A..B (torch.profiler): wall vs "
+                   "GPU busy ms per step, top host ops and kernels, in OUT/step_profile_rank{r}.json (default: off)")
     g = p.add_argument_group("several ranks (torchrun --nproc-per-node N -m occult ...)")
     g.add_argument("--ep-size", type=positive_int, default=None,
                    help="ranks each MoE layer's experts are sharded over (default: all); the world size / EP size "

@@ -6,11 +6,10 @@ load-balancing auxiliary loss (`aux_loss_coef`), validation loss / perplexity (a
 when the model has a routing placement) every `eval_every` steps, optional early stop when
 validation loss flattens (`patience`), and a tqdm progress bar (loss, tokens/s). `moe_only=True`
 updates only the MoE blocks (routers and experts), everything else frozen (the paper's
-pruning-aware fine-tuning). `finetune(init, ...)` loads weights, applies a routing rule and
-trains (recipes: `distill_weight`, `train_part`, `occult.lm.distill`). Settings, schedule and optimizer are in `occult.lm.state`; evaluation in
-`occult.lm.evaluate`. The step loop, gradient sync, clipping and the sharded checkpoint writer are
-the training core's (`occult.training`): this module says how a batch of `OccultLM` becomes a
-loss and adds its evaluation and checkpoint hooks.
+pruning-aware fine-tuning). `finetune(init, ...)` loads weights, applies a routing rule and trains
+(recipes: `distill_weight`, `train_part`, `occult.lm.distill`). Settings, schedule and optimizer: `occult.lm.state`;
+evaluation: `occult.lm.evaluate`; the step loop, gradient sync, clipping, checkpoint writer and step profile: the
+training core (`occult.training`). This module says how a batch becomes a loss and adds its hooks.
 
 On N ranks (`parallel=`, an `occult.lm.parallel.Parallel`; the model from `shard_model`), the
 experts are sharded over each EP group and everything else is data parallel: every rank reads
@@ -44,7 +43,6 @@ cosine to the floor at the new last step (`occult.training.schedule`).
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import json
 import os
@@ -93,7 +91,7 @@ from occult.placement import Placement
 from occult.training.hooks import StepHook
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.schedule import CosineSchedule
-from occult.training.step_profile import StepProfile, parse_window
+from occult.training.step_profile import StepProfile
 
 CHECKPOINT = "checkpoint.safetensors"
 BEST = "best.safetensors"
@@ -334,10 +332,9 @@ def train(
     settings = LoopSettings(cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len,
                             "train" if not cfg.moe_only else "finetune (MoE only)", progress, run.main,
                             stop_on_interrupt=par is None)
-    hooks = ([run.replacer] if run.replacer is not None else []) + [_EvalAndSave(run)]
-    if cfg.profile_steps:
-        hooks.insert(0, StepProfile(*parse_window(cfg.profile_steps), out, par.rank if par is not None else 0,
-                                    next(model.parameters()).device, run.log))
+    hooks = [StepProfile(cfg.profile_steps, out, par.rank if par else 0, next(model.parameters()).device, run.log)
+             ] if cfg.profile_steps else []  # first: it stops before step B's evaluation (A - 1 should have none)
+    hooks += ([run.replacer] if run.replacer is not None else []) + [_EvalAndSave(run)]
     run.loop = TrainLoop(None, run.opt, settings, hooks)  # its parts after the resume (DDP wraps the loaded model)
     state = latest_state(out)
     if state is not None:

@@ -74,11 +74,12 @@ def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict
 
 
 class StepProfile(StepHook):
-    """Profile steps `first..last` (1-based) and write the summary to `out_dir` (module docstring)."""
+    """Profile the steps of `window` ('A:B', 1-based) and write the summary to `out_dir` (module docstring)."""
 
-    def __init__(self, first: int, last: int, out_dir: str | Path, rank: int = 0, device: torch.device | None = None,
+    def __init__(self, window: str, out_dir: str | Path, rank: int = 0, device: torch.device | None = None,
                  log: Any = None) -> None:
-        self.first, self.last, self.rank, self.device, self.log = first, last, rank, device, log
+        self.first, self.last = parse_window(window)
+        self.rank, self.device, self.log = rank, device, log
         self.path = Path(out_dir) / f"step_profile_rank{rank}.json"
         self._prof: Any = None
         self._on_gpu = device is not None and device.type == "cuda"

@@ -297,3 +297,17 @@ def test_cli_profile_then_place(model_dirs, tmp_path):
     placement = Placement.load(placement_path)
     assert placement.num_layers == 2 and placement.num_devices == 2
     assert main(["profile", "--model", model_dirs["qwen2_moe"], "--out", str(trace_path)]) == 2  # no --data
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 9])
+def test_a_gate_top_k_outside_the_experts_is_refused_by_profile_and_convert(top_k):
+    """A config whose experts per token is not 1..E (the fuzzer's find: -1 reached torch.topk as a
+    raw RuntimeError) is refused clearly before any forward, by profile and by convert."""
+    model = hf.tiny_random_model("olmoe", seed=0, vocab_size=VOCAB)
+    for _, block in hf.moe_blocks(model):
+        block.gate.top_k = top_k
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with pytest.raises(hf.UnsupportedModelError, match=f"top_k={top_k} of 8 experts.*num_experts_per_tok"):
+        hf.profile(model, [ids], gather=False)
+    with pytest.raises(hf.UnsupportedModelError, match=r"\(num_experts_per_tok\) must be 1\.\.8"):
+        hf.convert(model)

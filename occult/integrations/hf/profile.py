@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from occult.integrations.hf.block import OccultMoeBlock, moe_blocks
-from occult.integrations.hf.families import check_transformers_version, group_size, model_family
+from occult.integrations.hf.families import check_block, check_transformers_version, group_size, model_family
 from occult.placement.trace import Trace, TraceRecorder, write_trace
 
 
@@ -64,6 +64,9 @@ def profile(
         raise ValueError(f"scores must be None, 'topk' or 'all', got {scores!r}")
     blocks = moe_blocks(model)
     family = model_family(model)
+    for name, block in blocks:
+        if not isinstance(block, OccultMoeBlock):  # a converted block was checked when converted
+            check_block(name, block, family)
     taps = _RoutingTaps(model, blocks, scores, similarity=similarity_path is not None)
     handles = taps.attach(blocks)
     was_training = model.training
