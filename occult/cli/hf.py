@@ -246,6 +246,7 @@ def _finetune_config(args: Any) -> Any:
         seed=args.seed, precision=args.precision, aux_loss_coef=getattr(args, "aux_loss_coef", None) or 0.0,
         distill_weight=args.distill_weight, distill_temperature=args.distill_temperature,
         train_part=args.train_part or "both", distill_from=getattr(args, "distill_from", None),
+        profile_steps=getattr(args, "profile_steps", None),
     )
 
 

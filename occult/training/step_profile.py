@@ -113,6 +113,7 @@ class StepProfile(StepHook):
             prof, self._prof = self._prof, None
             prof.__exit__(None, None, None)
             doc = {"rank": self.rank, "window": [self.first, self.last], **summarise(prof, self.last - self.first + 1, wall, self._on_gpu)}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text(json.dumps(doc, indent=1) + "\n")
             os.replace(tmp, self.path)

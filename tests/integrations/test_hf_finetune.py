@@ -406,3 +406,19 @@ def test_two_level_cli_needs_several_ranks_and_dedup2(dirs, tmp_path, capsys):
     assert main([*base, "--ep-placement", str(tmp_path / "p4.json")]) == 2  # 4 devices, 1 process
     assert "the placement is for 4 devices" in capsys.readouterr().err
     assert not (tmp_path / "ft").exists()
+
+
+def test_profile_steps_write_a_profile_and_change_nothing(dirs, tmp_path):
+    """`FinetuneConfig.profile_steps` (`occult finetune --hf --profile-steps A:B`): the profile lands in
+    the run directory, the losses are those of the run without it, and a resume may change it."""
+    cfg = dict(CFG, steps=4)
+    plain = hf.finetune(hf.load_sharded(dirs["olmoe"]), _tokens(), hf.FinetuneConfig(**cfg), progress=False, log=None)
+    run = tmp_path / "run"
+    profiled = hf.finetune(hf.load_sharded(dirs["olmoe"]), _tokens(), hf.FinetuneConfig(**cfg, profile_steps="2:3"),
+                           progress=False, log=None, checkpoint_dir=run)
+    assert profiled.losses == plain.losses
+    doc = json.loads((run / "step_profile_rank0.json").read_text())
+    assert doc["window"] == [2, 3] and doc["wall_ms_per_step"] > 0
+    assert "profile_steps" not in hf.FinetuneConfig(**cfg, profile_steps="1:2").signature_settings()
+    with pytest.raises(ValueError, match="profile steps"):
+        hf.FinetuneConfig(**cfg, profile_steps="2")

@@ -52,6 +52,7 @@ from occult.training.hooks import StepHook
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
+from occult.training.step_profile import StepProfile, parse_window
 
 Groups = Parallel  # the world of a fine-tuning run: `setup_groups`
 
@@ -76,6 +77,7 @@ class FinetuneConfig:
     distill_temperature: float = 1.0  # T
     train_part: str = "both"  # what trains: "routers", "experts" or "both"
     distill_from: str | None = None  # the teacher's directory (e.g. the standard fine-tune): pass its model as teacher=
+    profile_steps: str | None = None  # "A:B": profile steps A..B into checkpoint_dir (else the working directory)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -92,13 +94,14 @@ class FinetuneConfig:
                              f"{self.distill_temperature}")
         if self.train_part not in TRAIN_PARTS:
             raise ValueError(f"train_part must be one of {', '.join(TRAIN_PARTS)}, got {self.train_part!r}")
+        parse_window(self.profile_steps) if self.profile_steps else None  # a clear error for a bad window
 
     def signature_settings(self) -> dict:
         """The settings a resumed run must share; the recipe options only when not at their defaults
         (checkpoints written before they existed hold none of them)."""
         recipe = ("distill_weight", "distill_temperature", "train_part", "distill_from")
         default = {f.name: f.default for f in fields(self) if f.name in recipe}
-        return {k: v for k, v in vars(self).items() if k not in default or v != default[k]}
+        return {k: v for k, v in vars(self).items() if (k not in default or v != default[k]) and k != "profile_steps"}
 
 
 @dataclass
@@ -164,9 +167,8 @@ def batch_rows(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, s
     if batch_size % world_size:
         raise ValueError(f"the global batch size {batch_size} is not divisible by the {world_size} ranks")
     g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
-    start = torch.randint(0, n + 1, (batch_size,), generator=g)
     per = batch_size // world_size
-    start = start[rank * per : (rank + 1) * per]
+    start = torch.randint(0, n + 1, (batch_size,), generator=g)[rank * per : (rank + 1) * per]
     return tokens[start[:, None] + torch.arange(seq_len + 1)[None, :]]
 
 
@@ -357,10 +359,9 @@ def finetune(
     routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
     if log is not None:
-        log(f"training {sum(p.numel() for p in routers):,} router and {sum(p.numel() for p in experts):,} expert "
-            "parameters on rank 0 (everything else frozen)"
-            + (f"; distilling from {cfg.distill_from or 'standard routing'} (weight {cfg.distill_weight:g}, "
-               f"T {cfg.distill_temperature:g})" if cfg.distill_weight > 0 else ""))
+        log(f"training {sum(p.numel() for p in routers):,} router and {sum(p.numel() for p in experts):,} expert parameters "
+            "on rank 0 (everything else frozen)" + (f"; distilling from {cfg.distill_from or 'standard routing'} (weight "
+                                                    f"{cfg.distill_weight:g}, T {cfg.distill_temperature:g})" if cfg.distill_weight > 0 else ""))
     opt = torch.optim.AdamW(routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     settings = LoopSettings(cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len, "finetune (routers + experts)",
                             progress, main)
@@ -381,7 +382,9 @@ def finetune(
     if checkpoint_dir is not None:
         extra = {"signature": sig, **({"lr_schedule": schedule.to_json()} if schedule.restarts else {})}
         saver = _Saver(loop, checkpoint_dir, model, lambda: extra, save_every, last)
-    loop.hooks = [h for h in (saver, _Taps(taps) if taps is not None else None) if h is not None]
+    profile = StepProfile(cfg.profile_steps, checkpoint_dir or ".", groups.rank if groups else 0,
+                          next(model.parameters()).device, log) if cfg.profile_steps else None
+    loop.hooks = [h for h in (profile, saver, _Taps(taps) if taps is not None else None) if h is not None]
     model.train()
     t0 = time.perf_counter()
     loop.run(last)
