@@ -97,6 +97,7 @@ def run_profile(args: Any) -> int:
     from transformers import AutoModelForCausalLM
 
     from occult.integrations import hf
+    from occult.integrations.hf.families import check_block
     from occult.moe.pruning import similarity_path
 
     _quiet_unless_terminal()
@@ -115,7 +116,9 @@ def run_profile(args: Any) -> int:
     )
     with loading_model("--model", args.model):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-        hf.model_family(model)
+        family = hf.model_family(model)
+        for name, block in hf.moe_blocks(model):  # a bad config (e.g. top-k outside 1..E) names --model
+            check_block(name, block, family)
         max_positions = int(getattr(model.config, "max_position_embeddings", 512))
     seq_len = getattr(args, "seq_len", None) or min(512, max_positions)
     tokens = int(getattr(args, "tokens", None) or _OWN_DEFAULTS["tokens"])
