@@ -36,7 +36,7 @@ from occult.moe import status as pending
 from occult.moe.comm import CommStats, count_sent
 from occult.moe.contract import Handle, Received
 from occult.moe.counts import raise_on_bad_status
-from occult.moe.gather import gather_gate_weights, gather_rows, scatter_gates, token_sum
+from occult.moe.gather import gather_gate_weights, gather_rows, scatter_gates, token_sum, triton_sums
 from occult.moe.plan import DispatchPlan
 from occult.moe.symm import DeviceTransport, row_bytes, token_bucket
 
@@ -255,9 +255,7 @@ class DeviceHandle(Handle):
             rows_RW = self.byte_rows(self.num_recv, L.back_width, lambda buf: L.write(buf, y_RH))
         back = self.send_back(rows_RW)
         self.stats.add(self.recv_counts_D, y_RH.shape[1] * y_RH.element_size(), 0, False, "combine")
-        from occult import kernels
-
-        if y_RH.is_cuda and y_RH.dtype != torch.float64 and kernels.available(y_RH.device):
+        if triton_sums(y_RH):
             from occult.kernels.rows import gather_sum  # one pass over the regions, fp32 sums
 
             rows_TJ = region_index(plan.row_TJ, self.send_counts_D, self.stride)

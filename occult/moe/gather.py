@@ -15,7 +15,7 @@ from occult.moe.comm import pack_metadata
 from occult.moe.plan import DispatchPlan
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def triton_sums(t: torch.Tensor) -> bool:
     """The Triton row sums (fp32 accumulation) serve bf16/fp16/fp32 CUDA tensors."""
     if not t.is_cuda or t.dtype == torch.float64:
         return False
@@ -26,7 +26,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 def token_sum(src_PH: torch.Tensor, token_P: torch.Tensor, row_TJ: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Sum each token's rows (fp32 accumulation): one pass on GPU, `index_add` elsewhere."""
-    if _use_triton(src_PH):
+    if triton_sums(src_PH):
         from occult.kernels.rows import gather_sum
 
         return gather_sum(src_PH, row_TJ, out_dtype)
