@@ -24,6 +24,7 @@ the last logits feeds the next step, on the device). Models are built as in benc
                              the peers' memory, counts on the GPU), the decode step captured (StaticDecoder)
   generate@device+graph      occult's `hf.generate` of that model: prefill and decode over the device
                              transport, the step captured (both opt-in; GPUs of one host)
+  generate@device+compile+graph  the same after `hf.compile_layers` (opt-in)
   replicated                 all experts on every GPU (a one-rank group): no expert-parallel traffic
   replicated+graph           the same, the decode step sync-free and captured in a CUDA graph: the floor
   replicated+compile+graph   the same after `hf.compile_layers` (capture_s includes compiling the step)
@@ -126,10 +127,11 @@ VARIANTS: dict[str, Variant] = {
     "replicated+compile+graph": Variant("replicated/compile", True, True),
     "dedup@device+graph": Variant("dedup@device", False, True),
     "generate@device+graph": Variant("dedup@device", False, True, "occult+graph"),
+    "generate@device+compile+graph": Variant("dedup@device/compile", False, True, "occult+graph"),
 }
 CHECK_ROWS = 8
 OPT_IN = ("hf-ep", "hf-ep+graph", "generate+compile+graph", "replicated+compile+graph", "dedup@device+graph",
-          "generate@device+graph")  # not in the default list
+          "generate@device+graph", "generate@device+compile+graph")  # not in the default list
 
 
 variant_list = _variant_list(VARIANTS)
@@ -383,7 +385,7 @@ def verify(args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
 
 def build_variant_model(base: str, args: argparse.Namespace, cfg: Any, ctx: dict, report: dict) -> nn.Module | None:
     """The converted model of `base`, or transformers' expert-parallel load (None, with the reason in ctx, if it cannot)."""
-    if base.endswith("@device"):
+    if "@device" in base:
         reason = symm.unavailable_reason(dist.group.WORLD) if dist.get_world_size() > 1 else "one rank"
         if reason:
             ctx["skip_reason"] = f"the device transport cannot run here: {reason}"

@@ -8,7 +8,8 @@
 # train  occult train tokens/s (OccultLM 4 layers, hidden 1024, 64 experts x 512 top-8, seq 1024, bf16):
 #        1 GPU; 2 GPUs floor (--ep-size 1); EP standard / dedup with ddp and fsdp (slow link: floor and
 #        the two dispatchers with ddp). Runs go in order of importance; one that would start after
-#        BUDGET_S seconds is skipped and listed as such. -> OUT/train_{link}_2xGPU.json
+#        BUDGET_S seconds is skipped and listed as such; ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
+#        those (LINK_VARIANT names as in OUT/runs). -> OUT/train_{link}_2xGPU.json
 # more   finetune --hf on 1 and 2 GPUs + logits through plain transformers -> OUT/finetune_hf_2xGPU.json;
 #        tests/gpu/test_resume_across_gpu_counts.py; re-placement over NCCL -> OUT/replacement_2xGPU.json
 #
@@ -48,6 +49,7 @@ train_run() {  # train_run LINK VARIANT GPUS FLAGS...: one occult train run, its
   local link=$1 v=$2 gpus=$3 env_=""
   shift 3
   [ "$link" = slow ] && env_="NCCL_P2P_DISABLE=1"
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" ${link}_$v "* ]]; then return; fi
   if [ "${DRY_RUN:-0}" != 1 ] && [ "$SECONDS" -gt "$budget" ]; then
     echo "== train_${link}_$v: skipped (${SECONDS}s > BUDGET_S=$budget)"; echo "$link $v" >> "$out/skipped.txt"; return
   fi
