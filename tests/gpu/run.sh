@@ -9,6 +9,10 @@
 #                                                          GPUs, so 1 GPU gives 2 ranks: not NCCL)
 #        OCCULT_GPU_SUITE_ON_CPU=1 bash tests/gpu/run.sh  (the collective tests on 2 CPU gloo ranks:
 #                                                          checks the suite's logic, not NCCL)
+#        OCCULT_GPU_SUITE_STAGES=1 bash tests/gpu/run.sh   (stage 1 only; =2: stage 2 only. The two take
+#                                                          ~3 and ~6 min on 2 x H200: on 4 GPUs run one per
+#                                                          pair, CUDA_VISIBLE_DEVICES=0,1 / 2,3, OUT apart)
+# A partial summary is written after stage 1, so a run stopped in stage 2 keeps stage 1's table.
 # Extra pytest arguments go in PYTEST_ARGS, parsed like a shell command line
 # (e.g. PYTEST_ARGS="-k olmoe", PYTEST_ARGS="-k 'not olmoe_1b_7b'").
 set -uo pipefail
@@ -23,7 +27,9 @@ if [ -n "${PYTEST_ARGS:-}" ]; then
   parsed=$(printf '%s' "$PYTEST_ARGS" | xargs -n1 printf '%s\n') || { echo "PYTEST_ARGS does not parse: $PYTEST_ARGS" >&2; exit 2; }
   mapfile -t extra <<< "$parsed"
 fi
-rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single.xml
+rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single.xml "$out"/versions.txt "$out"/summary.md
+stages=" ${OCCULT_GPU_SUITE_STAGES:-1 2} "
+case $stages in *" 1 "*|*" 2 "*) ;; *) echo "OCCULT_GPU_SUITE_STAGES='${OCCULT_GPU_SUITE_STAGES}': give 1, 2 or '1 2'" >&2; exit 2 ;; esac
 python=${PYTHON:-python3}
 if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" = 1 ]; then
   nproc=${OCCULT_GPU_SUITE_NPROC:-2}
@@ -40,16 +46,20 @@ else
     exit 2
   fi
 fi
-echo "== stage 1: collective tests on $nproc ranks (torchrun)"
-$python -m torch.distributed.run --standalone --nproc-per-node "$nproc" tests/gpu/rank_pytest.py \
-  tests/gpu -q -p no:cacheprovider "${extra[@]}"
-rc1=$?
-for r in $(seq 0 $((nproc - 1))); do
-  code=$(cat "$out/rank$r.rc" 2>/dev/null || echo missing)
-  [ "$code" = 0 ] || { echo "rank $r: pytest exit code $code (log: $out/rank$r.log)"; rc1=1; }
-done
+rc1=0
+if [[ $stages == *" 1 "* ]]; then
+  echo "== stage 1: collective tests on $nproc ranks (torchrun)"
+  $python -m torch.distributed.run --standalone --nproc-per-node "$nproc" tests/gpu/rank_pytest.py \
+    tests/gpu -q -p no:cacheprovider "${extra[@]}"
+  rc1=$?
+  for r in $(seq 0 $((nproc - 1))); do
+    code=$(cat "$out/rank$r.rc" 2>/dev/null || echo missing)
+    [ "$code" = 0 ] || { echo "rank $r: pytest exit code $code (log: $out/rank$r.log)"; rc1=1; }
+  done
+fi
+$python tests/gpu/summary.py "$out" > /dev/null  # stage 1's table now: kept if stage 2 is cut short
 rc2=0
-if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" != 1 ]; then
+if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" != 1 ] && [[ $stages == *" 2 "* ]]; then
   echo "== stage 2: single-process GPU tests"
     $python -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$out/single.xml" "${extra[@]}"
   rc2=$?

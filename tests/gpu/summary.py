@@ -2,6 +2,9 @@
 
 Usage: python tests/gpu/summary.py OUT   (reads OUT/rank*.xml, OUT/single.xml, OUT/olmoe_scale_*.json;
 writes OUT/summary.md and prints it)
+
+The versions are probed once and kept in OUT/versions.txt (run.sh writes a partial summary after
+stage 1), so a summary made later, or on another machine from a copy of OUT, names the GPU run's.
 """
 
 from __future__ import annotations
@@ -55,8 +58,21 @@ def _outcomes(path: str) -> dict[str, tuple[str, float]]:
     return out
 
 
+def _kept_versions(out: str) -> list[str]:
+    """OUT/versions.txt's lines, probing (and writing) them first if the file is not there."""
+    path = os.path.join(out, "versions.txt")
+    if os.path.exists(path):
+        with open(path) as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    lines = _versions()
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+    return lines
+
+
 def main(out: str) -> int:
-    lines = ["# GPU suite run", "", "- " + "\n- ".join(_versions()), ""]
+    lines = ["# GPU suite run", "", "- " + "\n- ".join(_kept_versions(out)), ""]
     ranks = sorted(glob.glob(os.path.join(out, "rank*.xml")), key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]))
     per_rank = [_outcomes(p) for p in ranks]
     collective = sorted({n for r in per_rank for n, (s, _) in r.items() if s != "skipped"})
@@ -87,8 +103,9 @@ def main(out: str) -> int:
             f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
     lines += ["", f"{counts['passed']} passed, {counts['failed']} failed"]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "summary.md"), "w") as f:
+    with open(os.path.join(out, "summary.md.tmp"), "w") as f:
         f.write(text)
+    os.replace(os.path.join(out, "summary.md.tmp"), os.path.join(out, "summary.md"))
     print(text)
     return 0
 

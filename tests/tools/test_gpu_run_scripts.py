@@ -78,3 +78,36 @@ def test_train_report_table_and_plot(tmp_path):
     assert "| slow | EP dedup tokens/s per GPU / data-parallel floor | 0.900 | 0.85 | met |" in res.stdout
     assert "Skipped (over the time budget): slow: standard_ddp" in res.stdout
     assert (tmp_path / "train_report.png").stat().st_size > 0
+
+
+def test_two_gpu_training_only_runs_the_named_variants(tmp_path):
+    """ONLY= picks training runs by their LINK_VARIANT names (a partial rerun on one machine)."""
+    res = _two_gpu(tmp_path, "nvlink slow", "train", DRY_RUN="1", ONLY="slow_floor nvlink_dedup_fsdp")
+    assert res.returncode == 0, res.stderr
+    names = [line.split(":")[0][3:] for line in res.stdout.splitlines() if line.startswith("== ")]
+    assert [n for n in names if n.startswith("train_")] == ["train_slow_floor", "train_nvlink_dedup_fsdp"]
+
+
+def test_gpu_suite_stages_are_checked(tmp_path):
+    res = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "run.sh"), str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "OCCULT_GPU_SUITE_STAGES": "3"})
+    assert res.returncode == 2 and "give 1, 2 or '1 2'" in res.stderr
+
+
+def test_gpu_suite_summary_keeps_the_run_s_versions(tmp_path):
+    """A summary remade from a copy of OUT (another machine) names the GPU run's versions, not its own."""
+    (tmp_path / "versions.txt").write_text("python 3.12.3\ntorch 2.11.0+cu130\n2 x NVIDIA H200\n")
+    case = '<testcase classname="tests.gpu.test_x" name="{}" time="1.5">{}</testcase>'
+    for r in (0, 1):
+        (tmp_path / f"rank{r}.xml").write_text(f'<testsuites><testsuite>{case.format("test_a", "")}'
+                                               f'{case.format("test_b", "<failure/>" if r else "")}</testsuite></testsuites>')
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    text = (tmp_path / "summary.md").read_text()
+    assert "- torch 2.11.0+cu130\n- 2 x NVIDIA H200" in text and "2.13" not in text
+    assert "| `test_x::test_b` | passed | FAILED | 1.5 |" in text and text.rstrip().endswith("1 passed, 1 failed")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(fresh)], capture_output=True, timeout=60)
+    assert (fresh / "versions.txt").read_text().startswith("python ")  # probed once, then kept
