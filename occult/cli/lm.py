@@ -89,8 +89,7 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
                    help=f"steps between validation evaluations, and at the last step; 0 = none (default {EVAL_EVERY})")
     g.add_argument("--eval-tokens", type=positive_int, default=EVAL_TOKENS, help=f"validation tokens per evaluation (default {EVAL_TOKENS})")
     g.add_argument("--save-every", type=nonnegative_int, default=SAVE_EVERY,
-                   help=f"steps between resume checkpoints (0 = none between); the last step always writes one, which "
-                        f"--resume with a larger --steps continues (default {SAVE_EVERY})")
+                   help=f"steps between resume checkpoints (0: none between); the last step always writes one (default {SAVE_EVERY})")
     g.add_argument("--patience", type=positive_int, default=None, help="stop when val loss has not improved for this many evaluations (default: never)")
     g.add_argument("--resume", action="store_true", help="continue the checkpoint in --out (same settings; a larger --steps continues the run further)")
     g.add_argument("--stop-after", type=positive_int, default=None, help="return after this many steps (resume later; default: run to --steps)")
