@@ -85,6 +85,13 @@ def _verdict(met: bool, world: Any) -> str:
     return "n/a (1 GPU)" if world == 1 else ("met" if met else "MISSED")
 
 
+def _whole_model_run(name: str, doc: dict) -> tuple[str, Any, str, str]:
+    """(model, GPUs, link, source label) of an e2e.py or serve.py report."""
+    env = doc["env"]
+    world, link = env.get("world_size"), _link(env)
+    return doc["config"]["model"], world, link, f"{name} ({_gpus(world)}, {link})"
+
+
 def _best(timed: dict[str, float], prefix: str) -> tuple[str, float] | None:
     named = [(n, ms) for n, ms in timed.items() if n.startswith(prefix)]
     return min(named, key=lambda x: x[1]) if named else None
@@ -102,9 +109,7 @@ def _phase_ms(doc: dict, phase: str) -> dict[str, float]:
 
 def e2e_rows(name: str, doc: dict) -> list[list[str]]:
     """Issue 36, whole models: best dedup / best replicated; Qwen3: TorchTitan / best dedup."""
-    rows, env, model = [], doc["env"], doc["config"]["model"]
-    world, link = env.get("world_size"), _link(env)
-    where = f"{name} ({_gpus(world)}, {link})"
+    rows, (model, world, link, where) = [], _whole_model_run(name, doc)
     for phase in ("prefill", "train"):
         timed = _phase_ms(doc, phase)
         floor, best = _best(timed, "replicated"), _best(timed, "dedup")
@@ -151,9 +156,7 @@ def _step_ms(doc: dict, batch: int) -> dict[str, float]:
 
 def serve_rows(name: str, doc: dict) -> list[list[str]]:
     """Issue 37: the best expert-parallel step / the floor's, and transformers' compiled generate / it."""
-    rows, env, model = [], doc["env"], doc["config"]["model"]
-    world, link = env.get("world_size"), _link(env)
-    where = f"{name} ({_gpus(world)}, {link})"
+    rows, (model, world, link, where) = [], _whole_model_run(name, doc)
     for batch in (1, 64):
         timed = _step_ms(doc, batch)
         floor = next(((f, timed[f]) for f in SERVE_FLOORS if f in timed), None)
