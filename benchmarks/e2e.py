@@ -33,6 +33,10 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    forward (its max relative error above --tol fails the variant). GPUs only.
                    After /compile: the compiled layers captured too (e.g. dedup@device/compile/graph,
                    replicated/compile/graph; the compilation runs in the capture's warm-up)
+  <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
+                   occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
+                   capture of the model's other layers); for @device variants and replicated; prefill only
+                   (training runs eagerly), e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -127,12 +131,14 @@ def variant_list(text: str) -> list[str]:
     bad = [v for v in names if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))]
     bad += [v for v in names if base_variant(v) in PEERS and v.removesuffix("@device") != base_variant(v)]
     bad += [v for v in names if on_device(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
-    bad += [v for v in names if is_graphed(v) and not (on_device(v) or base_variant(v) == "replicated")]
+    bad += [v for v in names if (is_graphed(v) or layer_graphs(v)) and not (on_device(v) or base_variant(v) == "replicated")]
+    bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
             f"each optionally /compile, the expert-parallel ones @device (the device transport) and "
-            f"replicated or @device ones /graph (prefill in one CUDA graph: no host wait), or the peers "
+            f"replicated or @device ones /graph (prefill in one CUDA graph: no host wait) or /layergraphs (each "
+            f"MoE layer's forward replayed from its graphs; not with /graph), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN and /tbo were "
             f"removed: docs/overlap.md)")
     return names
@@ -140,18 +146,24 @@ def variant_list(text: str) -> list[str]:
 
 def base_variant(variant: str) -> str:
     """'dedup@device/compile/graph' -> 'dedup'; a variant without modifiers is its own base."""
-    return variant.removesuffix("/graph").removesuffix("/compile").removesuffix("@device")
+    return variant.replace("/layergraphs", "").removesuffix("/graph").removesuffix("/compile").removesuffix("@device")
 
 
 def on_device(variant: str) -> bool:
     """'dedup@device': the device transport (counts on the GPU, rows stored into the peers' memory; no host wait)."""
-    return variant.removesuffix("/graph").removesuffix("/compile").endswith("@device")
+    return variant.replace("/layergraphs", "").removesuffix("/graph").removesuffix("/compile").endswith("@device")
 
 
 def is_compiled(variant: str) -> bool:
     """'replicated/compile' (or '.../compile/graph'): the decoder layers torch.compiled around the MoE
     blocks (hf.compile_layers)."""
-    return variant.removesuffix("/graph").endswith("/compile")
+    return variant.replace("/layergraphs", "").removesuffix("/graph").endswith("/compile")
+
+
+def layer_graphs(variant: str) -> bool:
+    """'dedup@device/layergraphs': every MoE layer's forwards replayed from its own CUDA graphs
+    (`ExecConfig(graphs=True)`)."""
+    return "/layergraphs" in variant
 
 
 def is_graphed(variant: str) -> bool:
@@ -362,11 +374,11 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         hf.compile_layers(model)
         return model
     if base == "replicated":  # /graph: sync-free on its one rank (T rows, nothing padded), no host wait
-        model = hf.convert(model, group=self_group, execution=ExecConfig(dispatcher="dedup"))
+        model = hf.convert(model, group=self_group, execution=ExecConfig(dispatcher="dedup", graphs=layer_graphs(variant)))
         set_sync_free(model, is_graphed(variant))
         return model
     execution = ExecConfig(dispatcher="standard" if base == "standard" else "dedup",
-                           transport="device" if on_device(variant) else "auto")
+                           transport="device" if on_device(variant) else "auto", graphs=layer_graphs(variant))
     if base in ("standard", "dedup"):
         return hf.convert(model, execution=execution)
     if base == "dedup+placement":

@@ -16,7 +16,7 @@ from occult.moe.counts import RoutingError
 from occult.moe.dense import DenseMoE
 from occult.moe.dispatch import DedupDispatcher, StandardDispatcher
 from occult.moe.expert_map import ExpertMap
-from occult.moe.layer import OccultMoE, set_sync_free
+from occult.moe.layer import OccultMoE, set_graphs, set_sync_free
 from occult.moe.status import check_routing
 from occult.moe.registry import DISPATCHERS, make_dispatcher
 from occult.moe.routing import TopKRouter
@@ -47,5 +47,6 @@ __all__ = [
     "TwoLevelDispatcher",
     "check_routing",
     "make_dispatcher",
+    "set_graphs",
     "set_sync_free",
 ]

@@ -83,7 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
     parser.add_argument("--tokens", default="512,8192", help="comma list of tokens per rank (default 512,8192)")
-    parser.add_argument("--transports", default="device,counts", help="comma list of device, counts (default both)")
+    parser.add_argument("--transports", default="device,counts",
+                        help="comma list of device, counts, device+graphs (the device transport with "
+                             "ExecConfig(graphs=True): forwards replayed from the layer's CUDA graphs) (default device,counts)")
     parser.add_argument("--dispatcher", default="dedup", help="standard or dedup (default dedup)")
     parser.add_argument("--iters", type=int, default=20, help="calls per measurement (default 20)")
     parser.add_argument("--out", default=None, help="JSON file for every row (default: none)")
@@ -93,16 +95,17 @@ def main() -> None:
     rows = []
     ok = False
     try:
-        for transport in args.transports.split(","):
+        for choice in args.transports.split(","):
+            transport, _, graphs = choice.partition("+")
             torch.manual_seed(0)
             layer = OccultMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, dtype=torch.bfloat16,
-                              dispatcher=args.dispatcher, transport=transport, device="cuda")
+                              dispatcher=args.dispatcher, transport=transport, graphs=graphs == "graphs", device="cuda")
             for tokens in (int(t) for t in args.tokens.split(",")):
                 x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device="cuda")
-                row = {"transport": layer.dispatcher.transport_name, "tokens": tokens, **profile_row(layer, x, args.iters)}
+                row = {"transport": choice, "tokens": tokens, **profile_row(layer, x, args.iters)}
                 rows.append(row)
                 if rank == 0:
-                    print(f"{row['transport']:<7}{tokens:>6}  wall {row['wall_ms']:.2f} ms  host {row['host_ms']:.2f} ms  "
+                    print(f"{row['transport']:<14}{tokens:>6}  wall {row['wall_ms']:.2f} ms  host {row['host_ms']:.2f} ms  "
                           f"gpu busy {row['gpu_busy_ms']:.2f} ms", flush=True)
                     for key, ms, count in row["top_host_ops"]:
                         print(f"      host {ms:8.3f} ms  x{count:<4} {key}", flush=True)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from occult.tools.bench import _timer
+from occult.tools.bench_timing import make_timer
 
 from peer_common import Peer, make_case, reference, rel_error
 
@@ -168,7 +168,7 @@ def worker(rank: int, world: int, conf: dict) -> dict[str, Any]:
     start = time.monotonic()
     device = torch.device("cuda", rank) if conf["backend"] == "nccl" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    timer = _timer(device)
+    timer = make_timer(device)
     result: dict[str, Any] = {"world": world, "runs": []}
     for shape in conf["shapes"]:
         case = make_case(shape, rank, world, device, dtype, conf["tokens"], conf["input_sets"])

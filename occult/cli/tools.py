@@ -23,7 +23,8 @@ from occult.cli.registry import (
 )
 
 BENCH_SHAPES = ("olmoe", "qwen3", "deepseek", "mixtral", "tiny")
-BENCH_VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@device", "dedup@device")
+BENCH_VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@device", "dedup@device",
+                  "standard@device/graph", "dedup@device/graph")
 BENCH_ROUTINGS = ("random", "planted")
 
 
@@ -70,7 +71,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list: random, planted (default both)")
     parser.add_argument("--variants", type=choice_list(BENCH_VARIANTS, "variant"), default=list(BENCH_VARIANTS[:3]),
                         help="comma list of " + ", ".join(BENCH_VARIANTS) + " (default: the first three; "
-                             "'@device': over the device transport, no host wait; GPUs of one host)")
+                             "'@device': over the device transport, no host wait; GPUs of one host; "
+                             "'/graph': forwards replayed from the layer's CUDA graphs, ExecConfig(graphs=True))")
     parser.add_argument("--nodes", type=positive_int, default=1,
                         help="nodes the ranks are grouped into for the two-level 'dedup2' variant (node-major ranks; "
                              "on one host: simulated nodes) (default 1)")

@@ -12,7 +12,7 @@ metadata apart (the byte convention of docs/design.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -51,6 +51,11 @@ class CommStats:
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+    def snapshot(self) -> "CommStats":
+        """A copy of these figures as they stand, apart from later changes to the tensors behind them
+        (a CUDA graph's replays rewrite the device counts its captured call read)."""
+        return replace(self)
 
 
 def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
@@ -176,3 +181,51 @@ def exchange(rows, gates, slots, send_splits, recv_splits, group, state, packed=
     if gates is None:
         return out_rows, None, None
     return (out_rows, *send_metadata(gates, slots, send_splits, recv_splits, group, packed))
+
+
+_FIELDS = tuple(f.name for f in fields(CommStats))
+
+
+class DeviceCommStats(CommStats):
+    """`CommStats` whose row counts are still on the device; filled (one host sync) at the first read."""
+
+    def __init__(self, rank: int, levels: list[int] | None) -> None:
+        super().__init__()
+        object.__setattr__(self, "_pending", [])
+        object.__setattr__(self, "_where", (rank, levels))
+
+    def add(self, counts_D: torch.Tensor, row_bytes: int, meta_bytes_per_row: int, backward: bool,
+            end: str | None = None) -> None:
+        """Count rows sent to each rank (`counts_D`, device) later; `end`: also set `dispatch_rows`
+        ("dispatch") or `combine_rows` ("combine") to the total."""
+        object.__getattribute__(self, "_pending").append((counts_D, row_bytes, meta_bytes_per_row, backward, end))
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _FIELDS and object.__getattribute__(self, "_pending"):
+            object.__getattribute__(self, "_resolve")()
+        return object.__getattribute__(self, name)
+
+    def _resolve(self) -> None:
+        rank, levels = object.__getattribute__(self, "_where")
+        queued = object.__getattribute__(self, "_pending")
+        object.__setattr__(self, "_pending", [])
+        for counts_D, width, meta, backward, end in queued:
+            splits = [int(v) for v in counts_D.tolist()]
+            count_sent(self, splits, rank, levels, width, meta * sum(splits), backward)
+            if end is not None:
+                setattr(self, f"{end}_rows", sum(splits))
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    def snapshot(self) -> "DeviceCommStats":
+        """The same figures, their device counts copied now (on the stream: no host wait)."""
+        rank, levels = object.__getattribute__(self, "_where")
+        copy = DeviceCommStats(rank, levels)
+        for name in _FIELDS:
+            object.__setattr__(copy, name, object.__getattribute__(self, name))
+        copies: dict[int, torch.Tensor] = {}
+        for counts_D, *rest in object.__getattribute__(self, "_pending"):
+            cloned = copies.setdefault(id(counts_D), counts_D.clone())
+            object.__getattribute__(copy, "_pending").append((cloned, *rest))
+        return copy

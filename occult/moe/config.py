@@ -95,18 +95,25 @@ class ExecConfig:
     chosen once when the layer is built: "counts" (the count exchange: one host wait a call),
     "device" (counts kept on the GPU, no host wait: NCCL groups of one host, peer-mapped symmetric memory;
     an error elsewhere) or "auto" (today the count exchange: `occult.moe.symm.choose_transport`).
+    `graphs`: replay each forward signature (token counts, dtype) from a CUDA graph of the layer
+    (`occult.moe.graphs`): a call's host cost becomes a copy in, one graph launch and a copy out.
+    Inference on GPUs where the layer does not wait for the GPU (device transport, sync-free, one
+    rank); elsewhere, and under autograd, the layer runs eagerly.
     """
 
     dispatcher: Any = "dedup"
     sync_free: bool = False
     expert_backend: str = "auto"
     transport: str = "auto"
+    graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}")
         if not isinstance(self.sync_free, bool):
             raise ValueError(f"sync_free must be True or False, got {self.sync_free!r}")
+        if not isinstance(self.graphs, bool):
+            raise ValueError(f"graphs must be True or False, got {self.graphs!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 

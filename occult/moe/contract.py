@@ -38,11 +38,14 @@ class Schedule:
     `sync_free`: fixed-capacity plans whose all-to-all sizes follow from shapes alone (no host
     wait, CUDA-graph capturable; every rank passes the same token count, bad input is not
     reported across ranks). `while_waiting`: called exactly once, while the host waits for the
-    counts (at once when there is no wait).
+    counts (at once when there is no wait). `agreed_tokens`: the largest token count of any rank,
+    already agreed by the caller for this call (the device transport then skips its own agreement:
+    `occult.moe.graphs` agrees before it chooses between a replay and an eager call).
     """
 
     sync_free: bool = False
     while_waiting: Callable[[], None] | None = None
+    agreed_tokens: int | None = None
 
     def run_while_waiting(self) -> None:
         """Call `while_waiting` now (for schedules with no host wait)."""

@@ -17,8 +17,9 @@ with their row counts on the device. One call:
      read back in plan order (`region_index`); each token's rows summed.
 
 Under CUDA-graph capture a call runs the same kernels; the host-side agreement runs at capture
-time only (the captured shapes fix the bound), and routing statuses are not queued (as with the
-sync-free schedule).
+time only (the captured shapes fix the bound; a caller that replays per call agrees itself and
+passes `Schedule.agreed_tokens`, as `occult.moe.graphs` does), and routing statuses are queued only
+where the capture records them (`occult.moe.status.recording`), else dropped.
 
 Backward mirrors both all-to-alls with the same device counts. `CommStats` are filled from the
 device counts when first read (`DeviceCommStats`): reading them is a host sync, at the reader's choice.
@@ -26,22 +27,19 @@ device counts when first read (`DeviceCommStats`): reading them is a host sync, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from occult import settings
 from occult.moe import status as pending
-from occult.moe.comm import CommStats, count_sent
+from occult.moe.comm import CommStats, DeviceCommStats
 from occult.moe.contract import Handle, Received
 from occult.moe.counts import raise_on_bad_status
 from occult.moe.gather import gather_gate_weights, gather_rows, scatter_gates, token_sum, triton_sums
 from occult.moe.plan import DispatchPlan
 from occult.moe.symm import DeviceTransport, row_bytes, token_bucket
-
-_FIELDS = tuple(f.name for f in fields(CommStats))
-
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -94,39 +92,6 @@ class RowLayout:
     def read_slots(self, buf_NW: torch.Tensor, n: int) -> torch.Tensor:
         s0 = self.x_bytes + self.gate_bytes
         return buf_NW[:n, s0 : s0 + 4 * self.top_k].view(torch.int32).to(torch.int64)
-
-
-class DeviceCommStats(CommStats):
-    """`CommStats` whose row counts are still on the device; filled (one host sync) at the first read."""
-
-    def __init__(self, rank: int, levels: list[int] | None) -> None:
-        super().__init__()
-        object.__setattr__(self, "_pending", [])
-        object.__setattr__(self, "_where", (rank, levels))
-
-    def add(self, counts_D: torch.Tensor, row_bytes: int, meta_bytes_per_row: int, backward: bool,
-            end: str | None = None) -> None:
-        """Count rows sent to each rank (`counts_D`, device) later; `end`: also set `dispatch_rows`
-        ("dispatch") or `combine_rows` ("combine") to the total."""
-        object.__getattribute__(self, "_pending").append((counts_D, row_bytes, meta_bytes_per_row, backward, end))
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in _FIELDS and object.__getattribute__(self, "_pending"):
-            object.__getattribute__(self, "_resolve")()
-        return object.__getattribute__(self, name)
-
-    def _resolve(self) -> None:
-        rank, levels = object.__getattribute__(self, "_where")
-        queued = object.__getattribute__(self, "_pending")
-        object.__setattr__(self, "_pending", [])
-        for counts_D, width, meta, backward, end in queued:
-            splits = [int(v) for v in counts_D.tolist()]
-            count_sent(self, splits, rank, levels, width, meta * sum(splits), backward)
-            if end is not None:
-                setattr(self, f"{end}_rows", sum(splits))
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in _FIELDS}
 
 
 def region_valid(num_rows: int, stride: int, counts_D: torch.Tensor) -> torch.Tensor:
@@ -195,8 +160,8 @@ class DeviceHandle(Handle):
             rows_PW, self.send_counts_D, self.stride, status=self.status if first else None)
         if first:
             self.recv_counts_D = recv_counts_D
-            if statuses_D is not None and not pending.capturing():
-                pending.queue(statuses_D)
+            if statuses_D is not None:
+                pending.queue(statuses_D)  # (kept by a recording capture: occult.moe.graphs)
         return recv
 
     def send_back(self, rows_RW: torch.Tensor) -> torch.Tensor:
@@ -357,7 +322,9 @@ def dispatch_device(dispatcher: Any, x_TH: torch.Tensor, weights_TK: torch.Tenso
     """The flat dispatch over the device transport (module docstring); `plan` at capacity size."""
     transport: DeviceTransport = dispatcher.transport
     D, top_k = transport.num_ranks, weights_TK.shape[1]
-    max_tokens = agree_and_check(transport, x_TH.shape[0], host_status)
+    max_tokens = schedule.agreed_tokens
+    if max_tokens is None:
+        max_tokens = agree_and_check(transport, x_TH.shape[0], host_status)
     schedule.run_while_waiting()
     per_rank, _ = dispatcher.rows_per_token(top_k, D, experts_per_device)
     layout = RowLayout(x_TH.shape[1], x_TH.dtype, plan.slot_PK.shape[1], weights_TK.dtype)

@@ -17,13 +17,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from occult.moe import status as pending
 from occult.moe.comm import CommStats
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, configs_from_keywords
 from occult.moe.contract import Schedule
 from occult.moe.counts import STATUS_WRONG_DTYPE, STATUS_WRONG_HIDDEN, RoutingError, routing_status
 from occult.moe.dense import DenseMoE, expert_parameters
+from occult.moe.device_exchange import agree_and_check
 from occult.moe.expert_map import ExpertMap
 from occult.moe.experts import LocalExperts
+from occult.moe.graphs import GraphCache, tensors_key
 from occult.moe.registry import make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.placement import Placement, check_divisible
@@ -95,6 +98,7 @@ class OccultMoE(nn.Module):
             config.num_experts // num_ranks, config.hidden_size, config.ffn_size, config.dtype, device, init=init_weights
         )
         self.last_comm_stats = CommStats()
+        self.graphs = GraphCache()  # this layer's captured calls (ExecConfig(graphs=True))
 
     # ------------------------------------------------------- execution settings
     @property
@@ -126,7 +130,15 @@ class OccultMoE(nn.Module):
         for the row counts (the layer's one sync), so GPU work that does not depend on this
         layer's routing (e.g. a block's shared experts) keeps the GPU busy while the host then
         launches the all-to-alls and the experts; at once where there is no such wait.
+        With `ExecConfig(graphs=True)` a call replays a CUDA graph where it can (`replays`).
         """
+        if self.replays(x):
+            return self._replayed(x, while_waiting)
+        return self._eager(x, while_waiting)
+
+    def _eager(self, x: torch.Tensor, while_waiting: Callable[[], None] | None = None,
+               agreed_tokens: int | None = None) -> torch.Tensor:
+        """The forward, op by op (`agreed_tokens`: the ranks' agreement, made by the caller)."""
         x_TH, bad_input = self._tokens(x)
         weights_TK, ids_TK = self.router(x_TH)  # 1. route
         status = None  # sync-free: nothing is reported (the dispatcher only clamps the ids)
@@ -134,7 +146,7 @@ class OccultMoE(nn.Module):
             ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
         if bad_input:  # tell the other ranks before raising, so none is left waiting in a collective
             status = status + bad_input
-        schedule = Schedule(sync_free=self.execution.sync_free, while_waiting=while_waiting)
+        schedule = Schedule(self.execution.sync_free, while_waiting, agreed_tokens)
         try:  # 2-3. plan and dispatch (the count exchange's host wait, or none: device transport, sync-free)
             received, handle = self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, schedule, status,
                                                         bad_input)
@@ -145,6 +157,33 @@ class OccultMoE(nn.Module):
         self.last_comm_stats = handle.stats
         y = received.apply(self.local_experts())  # 4. experts, gate-weighted, pre-reduced per row
         return self.dispatcher.combine(y, handle).reshape(x.shape)  # 5. combine
+
+    # -------------------------------------------------------- graph replays
+    def replays(self, x: torch.Tensor) -> bool:
+        """Whether a call on `x` goes through the layer's CUDA graphs: `ExecConfig(graphs=True)`, a CUDA
+        input, no autograd, not inside another capture or torch.compile, a layer that does not wait
+        for the GPU (device transport, sync-free, one rank) and an input it accepts."""
+        if not self.execution.graphs or not x.is_cuda or torch.is_grad_enabled() or pending.capturing():
+            return False
+        no_wait = self.num_ranks == 1 or self.sync_free or self.dispatcher.transport_name == "device"
+        return no_wait and not self._input_status(x)
+
+    def _replayed(self, x: torch.Tensor, while_waiting: Callable[[], None] | None) -> torch.Tensor:
+        x_TH = x.reshape(-1, self.hidden_size)
+        agreed, generation = None, None
+        transport = self.dispatcher.transport if self.num_ranks > 1 and not self.sync_free else None
+        if transport is not None:  # every rank agrees once a call, replaying or not (occult.moe.graphs)
+            agreed, generation = agree_and_check(transport, x_TH.shape[0], 0), transport.generation
+        elif self.num_ranks == 1:
+            pending.check_routing()  # the previous call's status, as the one-rank schedule reads it
+        Schedule(while_waiting=while_waiting).run_while_waiting()
+        key = (x_TH.shape[0], agreed, x.dtype, torch.is_autocast_enabled(x.device.type),
+               torch.get_autocast_dtype(x.device.type), torch.is_inference_mode_enabled(), self.sync_free,
+               id(self.router), tensors_key(self))
+        y_TH, stats = self.graphs.run(key, generation, x_TH, lambda x_: self._eager(x_, None, agreed),
+                                      lambda: self.last_comm_stats)
+        self.last_comm_stats = stats
+        return y_TH.reshape(x.shape)
 
     def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(x as [T, H], the status of a wrong hidden size or dtype, 0 if neither: then no rows,
@@ -228,6 +267,17 @@ class OccultMoE(nn.Module):
             f"({self.num_experts // self.num_ranks} on rank {self.rank} of {self.num_ranks}), "
             f"top_k={self.top_k}, dispatcher={self.dispatcher.name}, transport={self.dispatcher.transport_name}"
         )
+
+
+def set_graphs(module: nn.Module, enabled: bool = True) -> int:
+    """Switch every `OccultMoE` inside `module` to (or from) forwards replayed from CUDA graphs
+    (`ExecConfig.graphs`); returns how many. Switching off frees their graphs."""
+    layers = [m for m in module.modules() if isinstance(m, OccultMoE)]
+    for layer in layers:
+        layer.execution = replace(layer.execution, graphs=enabled)
+        if not enabled:
+            layer.graphs.release()
+    return len(layers)
 
 
 def set_sync_free(module: nn.Module, enabled: bool = True) -> int:

@@ -6,16 +6,21 @@ range, NaN/inf gates; `occult.moe.counts.routing_status`) when it is made. It is
 host memory as the GPU reaches it and queued here; `check_routing()` waits for and reads every
 queued status, `take_ready()` reads only those the GPU has already reached. A status is a vector
 with one entry per rank of the layer's group (one entry on one rank), so the error names the rank
-whose input was bad. Under CUDA-graph capture and torch.compile nothing is queued or read.
+whose input was bad. Under CUDA-graph capture and torch.compile nothing is queued or read; a
+capture inside `recording()` keeps the status tensors instead, for its replays to queue.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
 from occult.moe.counts import raise_on_bad_status
 
 _PENDING: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # statuses on their way to the host
+_RECORDERS: list[list[torch.Tensor]] = []  # captures that keep what they would queue (innermost last)
 
 
 def capturing() -> bool:
@@ -50,12 +55,26 @@ def queue(status_D: torch.Tensor) -> None:
         raise_on_bad_status([int(v) for v in status_D.reshape(-1).tolist()])
         return
     if capturing():
+        if _RECORDERS and not torch.compiler.is_compiling():
+            _RECORDERS[-1].append(status_D)
         return
     host = torch.empty(status_D.numel(), dtype=torch.int64, pin_memory=True)
     host.copy_(status_D.reshape(-1), non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
     _PENDING.append((host, ready))
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[torch.Tensor]]:
+    """Around a CUDA-graph capture: the statuses queued inside it are kept in the yielded list (the
+    tensors the graph rewrites on every replay; queue them after each replay)."""
+    kept: list[torch.Tensor] = []
+    _RECORDERS.append(kept)
+    try:
+        yield kept
+    finally:
+        _RECORDERS.remove(kept)
 
 
 def take_ready(num_ranks: int, max_pending: int = 8) -> list[int]:

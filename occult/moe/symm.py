@@ -136,6 +136,7 @@ class DeviceTransport:
             symm_mem.set_backend("CUDA")  # peer-mapped buffers (NVSHMEM's are not needed here)
         self._symm_mem = symm_mem
         self.capacity_bytes = 0
+        self.generation = 0  # counts buffer growths (the same on every rank: growth is collective)
         self._slots: list[Slot] = []
         self._retired: list[Slot] = []  # buffers outgrown while a captured graph may still use them
         self._captured = False
@@ -175,6 +176,7 @@ class DeviceTransport:
         self._slots = []  # free the old buffers first (unless a graph holds them)
         self._slots = [self._make_slot(COUNTS_BYTES + num_bytes) for _ in range(2)]
         self.capacity_bytes = num_bytes
+        self.generation += 1
 
     def _make_slot(self, num_bytes: int) -> Slot:
         device = torch.device("cuda", torch.cuda.current_device())

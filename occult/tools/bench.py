@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,11 +25,14 @@ from occult.distributed import pick_backend, run_ranks
 from occult.moe.comm import all_to_all
 from occult.moe.experts import expert_mlp
 from occult.moe.config import ExecConfig, MoEConfig
+from occult.moe.graphs import EAGER_CALLS
 from occult.moe.layer import OccultMoE
 from occult.moe.registry import capabilities
 from occult.placement import Placement
 from occult.placement.cost import SHAPES as MODEL_SHAPES
 from occult.placement.cost import Shape
+from occult.tools.bench_timing import ceilings, count_host_syncs, make_timer
+from occult.tools.bench_timing import host_ms as measure_host_ms
 from occult.tools.bench_report import HEADER, LEGEND, format_row, summarize  # noqa: F401 (the report's names)
 
 # The model shapes are the cost model's (one table); `tiny` is for CPU smoke runs.
@@ -39,15 +40,23 @@ SHAPES: dict[str, Shape] = {
     **{name: MODEL_SHAPES[name] for name in ("olmoe", "qwen3", "deepseek", "mixtral")},
     "tiny": Shape("tiny", 64, 32, 16, 4),
 }
-VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@device", "dedup@device")
-# the dispatcher each variant runs (dedup+placement: dedup on the solved placement)
-VARIANT_DISPATCHER = {"standard": "standard", "dedup": "dedup", "dedup+placement": "dedup", "dedup2": "dedup2",
-                      "standard@device": "standard", "dedup@device": "dedup"}
+VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@device", "dedup@device",
+            "standard@device/graph", "dedup@device/graph")
+
+
+def variant_dispatcher(variant: str) -> str:
+    """The dispatcher a variant runs ('dedup+placement': dedup on the solved placement)."""
+    return variant.split("/")[0].removesuffix("@device").removesuffix("+placement")
 
 
 def variant_transport(variant: str) -> str:
     """The transport a variant asks for: "@device" the device transport (`occult.moe.symm`), else "auto"."""
-    return "device" if variant.endswith("@device") else "auto"
+    return "device" if "@device" in variant else "auto"
+
+
+def variant_graphs(variant: str) -> bool:
+    """'.../graph': forwards replayed from the layer's CUDA graphs (`ExecConfig(graphs=True)`; autograd runs eagerly)."""
+    return variant.endswith("/graph")
 
 
 class PresetRouter(nn.Module):
@@ -94,58 +103,6 @@ def solve_placement_for(ids: np.ndarray, shape: Shape, world: int) -> Placement:
     return place(trace, world, method=best_method()).placement
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], Any], int, int], float]:
-    """Median milliseconds of fn over `iters` runs after `warmup` runs (CUDA events on GPU)."""
-
-    def run(fn: Callable[[], Any], warmup: int, iters: int) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                dist.barrier()
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append(1e3 * (time.perf_counter() - t0))
-        # Every rank reports the slowest rank's median: a collective step ends when the last rank does.
-        med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        return float(med.item())
-
-    return run
-
-
-def ceilings(device: torch.device, world: int, timer) -> dict[str, float]:
-    """Measured peaks: all_to_all_single GB/s leaving each rank (256 MB), bf16 matmul TFLOP/s."""
-    out: dict[str, float] = {}
-    if device.type == "cuda":
-        n = 8192
-        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        ms = timer(lambda: a @ b, 3, 10)
-        out["matmul_tflops"] = 2 * n**3 / ms / 1e9
-        del a, b
-        numel = 128 * 1024 * 1024  # 256 MB of bf16
-    else:
-        numel = 1024 * 1024
-    if world > 1:
-        buf = torch.randn(numel, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        out_buf = torch.empty_like(buf)
-        ms = timer(lambda: dist.all_to_all_single(out_buf, buf), 3, 10)
-        nbytes = buf.numel() * buf.element_size() * (world - 1) / world  # bytes leaving each rank
-        out["all_to_all_GBps"] = nbytes / ms / 1e6
-        out["all_to_all_MB"] = buf.numel() * buf.element_size() / 1e6
-    return out
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -165,7 +122,7 @@ def _dense_reference(x, ids, weights, w1_full, w2_full) -> torch.Tensor:
 def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
     device = torch.device("cuda", rank) if args["backend"] == "nccl" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    timer = _timer(device)
+    timer = make_timer(device)
     warmup, iters = args["warmup"], args["iters"]
     result: dict[str, Any] = {"ceilings": ceilings(device, world, timer), "runs": []}
     for shape_name in args["shapes"]:
@@ -185,7 +142,7 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
                     run = _bench_variant(
                         variant, shape, placement if variant == "dedup+placement" else
                         Placement.contiguous(shape.experts, world, num_nodes=args.get("nodes", 1)
-                                            if capabilities(VARIANT_DISPATCHER[variant]).two_level else 1),
+                                            if capabilities(variant_dispatcher(variant)).two_level else 1),
                         w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args,
                     )
                     run.update(shape=shape.name, tokens=tokens, routing=routing, variant=variant, world=world)
@@ -199,31 +156,12 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
     return result
 
 
-def _count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int | None:
-    """Device-to-host synchronisations in one call of fn (CUDA's sync debug mode); None on CPU,
-    where there is no device to wait for. Call it on a warm fn: a first call's kernel compilation
-    and autotuning synchronise too."""
-    if device.type != "cuda":
-        return None
-    import warnings
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 def _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets, device, args):
     """The variant's layer with this rank's share of the full weights, and one preset router per batch."""
     layer = OccultMoE(
         MoEConfig(shape.hidden, shape.ffn, shape.experts, shape.top_k, w1_full.dtype), placement=placement,
-        execution=ExecConfig(VARIANT_DISPATCHER[variant], expert_backend=args["expert_backend"],
-                             transport=variant_transport(variant)), device=device,
+        execution=ExecConfig(variant_dispatcher(variant), expert_backend=args["expert_backend"],
+                             transport=variant_transport(variant), graphs=variant_graphs(variant)), device=device,
     )
     with torch.no_grad():
         layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])
@@ -263,21 +201,6 @@ def _splits(handle) -> tuple[list[int], list[int]]:
     return handle.send_counts_D.tolist(), handle.recv_counts_D.tolist()
 
 
-def _host_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float | None:
-    """Median host time of one call of fn started on an idle GPU: how long the host takes to
-    launch it (with any wait for the GPU inside it); None on CPU."""
-    if device.type != "cuda":
-        return None
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return float(statistics.median(times))
-
-
 def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args):
     layer, routers = _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets[: len(xs)], device, args)
 
@@ -292,7 +215,7 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
     stats = layer.last_comm_stats
     step = lambda: layer(xs[0].detach().requires_grad_()).backward(gs[0])  # noqa: E731
     step()  # warm: a first backward compiles and autotunes kernels, whose synchronisations are not the layer's
-    syncs = _count_host_syncs(step, device)
+    syncs = count_host_syncs(step, device)
     layer.zero_grad(set_to_none=True)
 
     state = {"i": 0}
@@ -309,8 +232,14 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
         x = xs[i].detach().requires_grad_()
         layer(x).backward(gs[i])
 
+    if variant_graphs(variant):  # every input set captured before timing, and a replay checked
+        for _ in range((EAGER_CALLS + 1) * len(xs)):
+            forward()
+        layer.router = routers[0]
+        with torch.no_grad():
+            err = max(err, _rel(layer(xs[0])[:n], ref))
     fwd_ms = timer(forward, warmup, iters)
-    host_ms = _host_ms(forward, device, iters)
+    host_ms = measure_host_ms(forward, device, iters)
     step_ms = timer(forward_backward, warmup, iters)
     layer.zero_grad(set_to_none=True)
 
@@ -338,6 +267,7 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
         "host_syncs_fwd_bwd": syncs,
         "host_ms_fwd": host_ms,
         "transport": layer.dispatcher.transport_name,
+        "graphs": len(layer.graphs),
     }
 
 

@@ -1,0 +1,131 @@
+"""A layer's forward replayed from CUDA graphs (`ExecConfig(graphs=True)`).
+
+An eager expert-parallel forward costs milliseconds of host time (route, plan, pack, all-to-alls,
+experts, combine: ~100 launches and their Python), more than its GPU work at prefill sizes. Where
+the layer does not wait for the GPU (the device transport, the sync-free schedule, a group of one
+rank), a call of a given signature can be recorded once and replayed: the host then costs a copy
+in, one graph launch and a copy out.
+
+A graph serves one signature (`GraphCache.run`'s key: this rank's token count, the token count
+the ranks agreed on, dtype, autocast and inference mode, the transport's buffer generation, and
+which router and tensors the layer holds: replacing a parameter or the router means a new graph;
+updating one in place does not). The first `EAGER_CALLS` calls of a signature run eagerly (kernels
+compile, buffers grow), the next one captures and replays. Every rank agrees with the others once
+per call on the host whatever it runs (`occult.moe.layer`), so ranks that replay and ranks that run
+eagerly stay in step: a capture records the transport's kernels without running them, and its
+first replay meets the peers' eager call.
+
+What a replay leaves behind is copied right after it, on the stream: the output, the routing
+statuses (queued, so bad routing is still raised on every rank by a later call or
+`check_routing()`) and the row counts of `last_comm_stats`. That makes one memory pool per device
+safe for every layer's graphs (none runs while another's outputs are still read). A graph that
+captured NCCL collectives (sync-free) is released before any process group is destroyed
+(`occult.teardown`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+import torch
+
+from occult.moe import status as pending
+from occult.teardown import hold_collectives
+
+EAGER_CALLS = 2  # eager calls of a signature before it is captured (compilation, buffer growth)
+MAX_GRAPHS = 8  # graphs kept per layer (the least recently used go first)
+
+_LIVE: dict[int, "weakref.WeakSet[torch.cuda.CUDAGraph]"] = {}  # device index -> graphs alive there
+
+
+@dataclass
+class Captured:
+    """One recorded call: the graph, its input and output tensors, the routing statuses it writes,
+    and what its call left for the caller (e.g. `last_comm_stats`)."""
+
+    graph: torch.cuda.CUDAGraph
+    x_TH: torch.Tensor
+    y_TH: torch.Tensor
+    statuses: list[torch.Tensor]
+    info: Any  # has `snapshot()`: a copy apart from later replays (`CommStats.snapshot`)
+
+    def replay(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        self.x_TH.copy_(x_TH)
+        self.graph.replay()
+        for status_D in self.statuses:
+            pending.queue(status_D)
+        return self.y_TH.clone(), self.info.snapshot()
+
+
+def pool(device: torch.device) -> Any:
+    """The memory pool every layer's graphs on `device` share: a live graph's (None when none is
+    alive: the capture then makes a new one; a pool goes when its last graph does)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for graph in _LIVE.get(index, ()):
+        return graph.pool()
+    return None
+
+
+def track(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+    """Count `graph` among the live graphs of `device` (kept weakly)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _LIVE.setdefault(index, weakref.WeakSet()).add(graph)
+
+
+class GraphCache:
+    """The captured calls of one layer, by signature; `run` replays, or runs eagerly and captures."""
+
+    def __init__(self, eager_calls: int = EAGER_CALLS, max_graphs: int = MAX_GRAPHS) -> None:
+        self.eager_calls, self.max_graphs = eager_calls, max_graphs
+        self._graphs: OrderedDict[Hashable, Captured] = OrderedDict()
+        self._seen: dict[Hashable, int] = {}
+        self._generation: Hashable = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, generation: Hashable, x_TH: torch.Tensor,
+            forward: Callable[[torch.Tensor], torch.Tensor], info: Callable[[], Any]) -> tuple[torch.Tensor, Any]:
+        """`forward(x_TH)` and `info()` after it: replayed where `key` was captured, else eager (and
+        captured once `key` has run eagerly `eager_calls` times). A new `generation` (the transport's
+        buffers were replaced) drops every graph."""
+        if generation != self._generation:
+            self.release()
+            self._generation = generation
+        captured = self._graphs.get(key)
+        if captured is None:
+            seen = self._seen[key] = self._seen.get(key, 0) + 1
+            if seen <= self.eager_calls:
+                return forward(x_TH), info()
+            captured = self._capture(x_TH, forward, info)
+            self._graphs[key] = captured
+            if len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        return captured.replay(x_TH)
+
+    def _capture(self, x_TH: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor],
+                 info: Callable[[], Any]) -> Captured:
+        static_x = x_TH.clone()
+        graph = torch.cuda.CUDAGraph()
+        with pending.recording() as statuses, torch.cuda.graph(graph, pool=pool(x_TH.device)):
+            static_y = forward(static_x)
+        track(graph, x_TH.device)
+        if torch.distributed.is_initialized():
+            hold_collectives(self)
+        return Captured(graph, static_x, static_y, statuses, info())
+
+    def release(self) -> None:
+        """Free every graph (they are captured again on later calls)."""
+        self._graphs.clear()
+        self._seen.clear()
+
+
+def tensors_key(module: torch.nn.Module) -> tuple:
+    """Which tensors a module holds (the addresses of its parameters and buffers): a graph recorded
+    them, so a replaced one needs another graph."""
+    return tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
