@@ -4,7 +4,7 @@ Code asks `current()` (`current().dgrad1`, ...), never `os.environ`; a value tha
 allowed raises `SettingsError` naming the variable, the bad value and the allowed ones.
 docs/settings.md lists each variable, its default and its effect.
 
-`current()` re-parses only when one of the variables changed (it compares the raw values: seven
+`current()` re-parses only when one of the variables changed (it compares the raw values: eight
 dictionary reads, well under a microsecond), so a test that sets one (`monkeypatch.setenv`) is seen at the next call
 and hot paths (every expert-MLP call reads it) pay no parsing. `reload()` drops the cache.
 This module imports neither torch nor Triton: Triton reads `TRITON_INTERPRET` itself on import,
@@ -41,6 +41,7 @@ class Settings:
     cache: Path | None = None  # OCCULT_CACHE: where downloaded corpora are kept (None: the XDG cache)
     debug: bool = False  # OCCULT_DEBUG: the command line adds the traceback to a one-line error
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton runs kernels in its CPU interpreter
+    nccl_p2p_disable: bool = False  # NCCL_P2P_DISABLE (NCCL's own): peer-to-peer off, so transport="auto" takes the count exchange
 
     @classmethod
     def from_env(cls, env: dict[str, str | None]) -> Settings:
@@ -53,6 +54,7 @@ class Settings:
             cache=Path(env["OCCULT_CACHE"]) if env.get("OCCULT_CACHE") else None,
             debug=_flag(env, "OCCULT_DEBUG"),
             triton_interpret=_flag(env, "TRITON_INTERPRET"),
+            nccl_p2p_disable=(env.get("NCCL_P2P_DISABLE") or "").strip().lower() not in _FALSE,
         )
 
 
@@ -65,6 +67,7 @@ VARIABLES: dict[str, str] = {
     "OCCULT_CACHE": "cache",
     "OCCULT_DEBUG": "debug",
     "TRITON_INTERPRET": "triton_interpret",
+    "NCCL_P2P_DISABLE": "nccl_p2p_disable",
 }
 
 

@@ -126,12 +126,13 @@ def e2e_rows(name: str, doc: dict) -> list[list[str]]:
 
 
 def bench_rows(name: str, doc: dict) -> list[list[str]]:
-    """Issue 36, one layer: dedup forward / (experts + all-to-alls) at 8192+ tokens; host ms at 512 tokens."""
+    """Issue 36, one layer: dedup forward / (experts + all-to-alls) at 8192+ tokens; host ms at 512 tokens
+    (each dedup variant: the count exchange, the device transport, replayed from the layer's graphs)."""
     rows = []
     for r in doc["runs"]:
-        if r.get("variant") != "dedup" or not r.get("forward_ms"):
+        if not str(r.get("variant")).startswith("dedup") or "+" in str(r.get("variant")) or not r.get("forward_ms"):
             continue
-        world, tokens, what = r.get("world"), int(r.get("tokens") or 0), f"{r.get('shape')}, {r.get('transport', 'counts')}"
+        world, tokens, what = r.get("world"), int(r.get("tokens") or 0), f"{r.get('shape')}, {r.get('variant')}"
         where = f"{name} ({_gpus(world)})"
         if tokens >= 8192 and r.get("floor_ms"):
             ratio = float(r["forward_ms"]) / float(r["floor_ms"])

@@ -80,6 +80,8 @@ train_part() {
     train_run nvlink dedup_fsdp 2 --dispatcher dedup --grad-sync fsdp
     train_run nvlink standard_fsdp 2 --dispatcher standard --grad-sync fsdp
     train_run nvlink dedup_device_ddp 2 --dispatcher dedup --grad-sync ddp --transport device  # issue 36: no host wait
+    # "auto" (dedup_ddp) takes the device transport on NVLink: the count exchange beside it
+    train_run nvlink dedup_counts_ddp 2 --dispatcher dedup --grad-sync ddp --transport counts
     # FSDP2 cost 21-31 % on NVLink with the count exchange: does a layer with no host wait let it prefetch?
     train_run nvlink dedup_device_fsdp 2 --dispatcher dedup --grad-sync fsdp --transport device
   fi

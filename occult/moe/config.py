@@ -94,7 +94,8 @@ class ExecConfig:
     `expert_backend`: "auto" (Triton on GPUs), "torch" or "triton". `transport`: how the all-to-alls learn their sizes,
     chosen once when the layer is built: "counts" (the count exchange: one host wait a call),
     "device" (counts kept on the GPU, no host wait: NCCL groups of one host, peer-mapped symmetric memory;
-    an error elsewhere) or "auto" (today the count exchange: `occult.moe.symm.choose_transport`).
+    an error elsewhere) or "auto" (the device transport for the dedup dispatchers on NCCL GPUs of one
+    host with peer-to-peer on, else the count exchange: `occult.moe.symm.choose_transport`).
     `graphs`: replay each forward signature (token counts, dtype) from a CUDA graph of the layer
     (`occult.moe.graphs`): a call's host cost becomes a copy in, one graph launch and a copy out.
     Inference on GPUs where the layer does not wait for the GPU (device transport, sync-free, one

@@ -90,7 +90,9 @@ class Dispatcher(ABC):
     `devices_per_node` (G, ranks node-major): with it, `CommStats` splits remote rows into
     inter-node and intra-node ones. `transport`: "device" (`occult.moe.symm`: counts kept on
     the GPU, no host wait; an error where it cannot run), "counts" (the count exchange: one host
-    wait per call) or "auto" (`symm.choose_transport`); `self.transport` is the device one or None.
+    wait per call) or "auto" (`symm.choose_transport`: the device transport for the dedup dispatchers
+    on NCCL GPUs of one host with peer-to-peer, else the count exchange); `self.transport` is the
+    device one or None.
     """
 
     name: ClassVar[str] = "base"
@@ -110,7 +112,7 @@ class Dispatcher(ABC):
         self.devices_per_node = self.num_nodes = self.peer_level = None
         if devices_per_node is not None:
             self.set_devices_per_node(devices_per_node)
-        self.transport = choose_transport(transport, self.group)
+        self.transport = choose_transport(transport, self.group, prefer_device=self.capabilities.deduplicated)
 
     @property
     def transport_name(self) -> str:

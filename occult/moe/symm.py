@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from occult import settings
 from occult.moe.agree import gloo_group, make_board
 from occult.moe.config import TRANSPORTS
 
@@ -39,15 +40,17 @@ MAX_RANKS = 64
 COUNTS_BYTES = 2 * MAX_RANKS * 8  # each buffer starts with an int64 row count, then a status, per source rank
 MIN_BUFFER_BYTES = 1 << 20  # the smallest receive buffer (tiny calls share one size)
 MIN_TOKENS = 256  # the smallest token bucket buffers are sized for
-AGREE_TIMEOUT_S = 120.0
-BARRIER_TIMEOUT_MS = 120_000  # a peer that never reaches the barrier ends the process (device trap)
+AGREE_TIMEOUT_S = 120.0  # where the group's own collective timeout cannot be read (`group_timeout_s`)
 
 _TRANSPORTS: dict[str, "DeviceTransport"] = {}
+_AUTO_COUNTS: dict[str, Any] = {}  # groups "auto" gave the count exchange (the check is a collective: once)
 
 
-def unavailable_reason(group: Any) -> str | None:
+def unavailable_reason(group: Any, for_auto: bool = False) -> str | None:
     """Why the device transport cannot serve `group` (None: it can). A collective over `group`
-    (the ranks swap their host names): every rank of the group calls it at the same point."""
+    (the ranks swap their host names and what they see): every rank of the group calls it at the
+    same point. `for_auto`: also why "auto" should not take it where it could run (peer-to-peer
+    switched off by NCCL_P2P_DISABLE, or a GPU without peer access to another)."""
     if group is None:
         return "the group has one rank"
     if not torch.cuda.is_available():
@@ -58,33 +61,61 @@ def unavailable_reason(group: Any) -> str | None:
     if size > MAX_RANKS:
         return f"the group has {size} ranks (the transport serves up to {MAX_RANKS})"
     try:
-        import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
+        from torch.distributed import _symmetric_memory  # noqa: F401
     except ImportError:
         return "this torch has no symmetric memory"
-    hosts: list[Any] = [None] * size
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    if len(set(hosts)) > 1:
-        return f"the group spans {len(set(hosts))} hosts (the transport maps peers' memory: one host)"
+    seen: list[Any] = [None] * size
+    dist.all_gather_object(seen, (socket.gethostname(), _peer_trouble()), group=group)
+    hosts = {host for host, _ in seen}
+    if len(hosts) > 1:
+        return f"the group spans {len(hosts)} hosts (the transport maps peers' memory: one host)"
+    trouble = [f"rank {r}: {why}" for r, (_, why) in enumerate(seen) if why]
+    if for_auto and trouble:
+        return "; ".join(trouble)
     return None
 
 
-def choose_transport(choice: str, group: Any) -> "DeviceTransport | None":
-    """The device transport of `group` for "device" (a clear error where it cannot run); None (the
-    count exchange) for "counts", for "auto" and on a group of one rank.
+def _peer_trouble() -> str | None:
+    """Why this rank's GPU should not store into its peers' memory, as far as it can tell."""
+    if settings.current().nccl_p2p_disable:
+        return "NCCL_P2P_DISABLE is set (peer-to-peer off)"
+    here = torch.cuda.current_device()
+    blocked = [d for d in range(torch.cuda.device_count()) if d != here and not torch.cuda.can_device_access_peer(here, d)]
+    return f"GPU {here} has no peer access to GPU(s) {blocked}" if blocked else None
 
-    "auto" takes the count exchange (docs/benchmarks.md, "The device transport", says where each
-    is faster); it becomes "auto"'s choice where it is measured faster."""
+
+def choose_transport(choice: str, group: Any, prefer_device: bool = True) -> "DeviceTransport | None":
+    """The device transport of `group` for "device" (a clear error where it cannot run); None (the
+    count exchange) for "counts" and on a group of one rank. "auto": the device transport where
+    it runs with peer-to-peer on and `prefer_device` (the dedup dispatchers: their buffers are
+    sized by tokens x 1 row per rank; the standard one's by tokens x k, and its copies are slower
+    than the count exchange's, docs/benchmarks.md), else the count exchange."""
     if choice not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {choice!r}")
-    if choice != "device" or group is None:
+    if choice == "counts" or group is None or (choice == "auto" and not prefer_device):
         return None
     existing = _TRANSPORTS.get(group.group_name)
     if existing is not None and existing.group is group:
         return existing  # checked when it was made: the check is a collective, once per group, not per layer
-    reason = unavailable_reason(group)
+    decided = _AUTO_COUNTS.get(group.group_name)
+    if choice == "auto" and decided is group:
+        return None
+    reason = unavailable_reason(group, for_auto=choice == "auto")
+    if reason is not None and choice == "auto":
+        _AUTO_COUNTS[group.group_name] = group
+        return None
     if reason is not None:
         raise ValueError(f"the device transport cannot run here: {reason}; use transport='counts' or 'auto'")
     return DeviceTransport.for_group(group)
+
+
+def group_timeout_s(group: Any) -> float:
+    """The collective timeout `group`'s NCCL backend was made with (seconds): the transport's own
+    waits end within it too (`AGREE_TIMEOUT_S` where torch does not say)."""
+    try:
+        return float(group._get_backend(torch.device("cuda")).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError):
+        return AGREE_TIMEOUT_S
 
 
 def row_bytes(payload_bytes: int) -> int:
@@ -129,8 +160,11 @@ class DeviceTransport:
 
         self.group, self.group_name = group, group.group_name
         self.num_ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.host_group = gloo_group(dist.get_process_group_ranks(group), AGREE_TIMEOUT_S)
-        self.board = make_board(self.host_group, 1 + self.num_ranks, AGREE_TIMEOUT_S)
+        # a peer that stops calling ends every wait within the group's collective timeout: the host
+        # agreement with an error, the device barrier with a trap (the process ends)
+        self.timeout_s = group_timeout_s(group)
+        self.host_group = gloo_group(dist.get_process_group_ranks(group), self.timeout_s)
+        self.board = make_board(self.host_group, 1 + self.num_ranks, self.timeout_s)
         device = torch.device("cuda", torch.cuda.current_device())
         if symm_mem.get_backend(device) != "CUDA":
             symm_mem.set_backend("CUDA")  # peer-mapped buffers (NVSHMEM's are not needed here)
@@ -218,11 +252,12 @@ class DeviceTransport:
         slot = self.next_slot()
         push_rows(src_NW, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride, src_stride,
                   status, MAX_RANKS)
-        slot.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        slot.handle.barrier(channel=0, timeout_ms=int(self.timeout_s * 1000))
         statuses_D = None if status is None else slot.statuses(D).clone()
         return slot.rows(D * stride, width), slot.counts(D).clone(), statuses_D
 
 
 def reset() -> None:
-    """Forget every transport (their buffers go with them); for tests and process teardown."""
+    """Forget every transport (their buffers go with them) and every "auto" choice; for tests and process teardown."""
     _TRANSPORTS.clear()
+    _AUTO_COUNTS.clear()

@@ -83,13 +83,16 @@ def count_host_syncs(fn: Callable[[], Any], device: torch.device) -> int | None:
 
 
 def host_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float | None:
-    """Median host time of one call of fn started on an idle GPU: how long the host takes to
-    launch it (with any wait for the GPU inside it); None on CPU."""
+    """Median host time of one call of fn started on an idle GPU, every rank starting together (a
+    barrier first: a rank's wait for a late peer is not counted): how long the host takes to launch
+    it, with any wait for the GPU inside it; None on CPU."""
     if device.type != "cuda":
         return None
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
+        if dist.is_initialized():
+            dist.barrier()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
