@@ -10,6 +10,11 @@ activation tensor [R, H], gates [R, K] (in the gates' dtype) and slots [R, K] (i
 their region's count (read by the kernel from the device counts) are masked: activation 0, gate 0,
 slot -1, so the experts skip them.
 
+`pack_push_rows`: `pack_rows` and the device transport's push (`occult.kernels.push`) in one launch:
+each sent row is gathered straight into its destination rank's receive region (the peer's memory,
+region `rank`, row p - start_d), the row counts and this rank's status stored beside them; no staging
+rows. One launch and one pass over the bytes fewer per dispatch (decode steps make 16 of them).
+
 The buffer is passed three times, viewed as the activations' dtype, as float32 and as int32 (the
 same bytes); row strides and column offsets are in those views' elements.
 """
@@ -57,6 +62,57 @@ def _unpack_kernel(bx_ptr, bg_ptr, bs_ptr, counts_ptr, x_ptr, gates_ptr, slots_p
     slot = tl.load(bs_ptr + row * bw_stride + slot_col + k, mask=(k < K) & valid, other=-1)
     tl.store(gates_ptr + row * K + k, gate.to(gates_ptr.dtype.element_ty), mask=k < K)
     tl.store(slots_ptr + row * K + k, slot.to(tl.int64), mask=k < K)
+
+
+@triton.jit
+def _pack_push_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, counts_ptr, status_ptr, peer_rows_ptr,
+                      peer_counts_ptr, K, x_stride, rank, stride_rows, row_bytes, gate_byte, slot_byte, D, status_slot,
+                      H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr,
+                      HAS_STATUS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ranks = tl.arange(0, D_POW2)
+    counts = tl.load(counts_ptr + ranks, mask=ranks < D, other=0)
+    if row == 0:  # every destination's count (and this rank's status) into its slot `rank` there
+        for d in range(0, D):
+            dst_counts = tl.load(peer_counts_ptr + d).to(tl.pointer_type(tl.int64))
+            tl.store(dst_counts + rank, tl.load(counts_ptr + d))
+            if HAS_STATUS:
+                tl.store(dst_counts + status_slot + rank, tl.load(status_ptr).to(tl.int64))
+    ends = tl.cumsum(counts, axis=0)
+    if row < tl.sum(counts, axis=0):
+        dest = tl.sum(((ends <= row) & (ranks < D)).to(tl.int64), axis=0)
+        start = tl.sum(tl.where(ranks < dest, counts, 0), axis=0)
+        tok = tl.maximum(tl.load(token_ptr + row), 0)
+        base = tl.load(peer_rows_ptr + dest) + (rank * stride_rows + row - start) * row_bytes
+        dst_x = base.to(tl.pointer_type(x_ptr.dtype.element_ty))
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            tl.store(dst_x + h, tl.load(x_ptr + tok * x_stride + h, mask=h < H), mask=h < H)
+        k = tl.arange(0, K_POW2)
+        entry = tl.load(entry_ptr + row * K + k, mask=k < K, other=-1)
+        gate = tl.load(w_ptr + tl.maximum(entry, 0), mask=(k < K) & (entry >= 0), other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + row * K + k, mask=k < K, other=-1)
+        tl.store((base + gate_byte).to(tl.pointer_type(tl.float32)) + k, gate, mask=k < K)
+        tl.store((base + slot_byte).to(tl.pointer_type(tl.int32)) + k, slot.to(tl.int32), mask=k < K)
+
+
+def pack_push_rows(x_TH: torch.Tensor, token_P: torch.Tensor, weights_TK: torch.Tensor, entry_PK: torch.Tensor,
+                   slot_PK: torch.Tensor, gate_byte: int, slot_byte: int, row_bytes: int, counts_D: torch.Tensor,
+                   peer_rows_D: torch.Tensor, peer_counts_D: torch.Tensor, rank: int, stride_rows: int,
+                   status: torch.Tensor | None, status_slot: int) -> None:
+    """`pack_rows` into the peers' receive regions directly (module docstring): plan rows packed by
+    destination (`counts_D[d]` rows to rank d, int64 on the device), rows of `row_bytes` there;
+    `peer_rows_D`, `peer_counts_D`, `status_slot` as for `occult.kernels.push.push_rows`."""
+    num_rows, num_k = entry_PK.shape
+    D = counts_D.shape[0]
+    x_TH, weights = x_TH.contiguous(), weights_TK.contiguous()
+    _pack_push_kernel[(max(num_rows, 1),)](
+        x_TH, token_P.contiguous(), weights, entry_PK.contiguous(), slot_PK.contiguous(), counts_D,
+        counts_D if status is None else status, peer_rows_D, peer_counts_D, num_k, x_TH.stride(0), rank,
+        stride_rows, row_bytes, gate_byte, slot_byte, D, status_slot,
+        H=x_TH.shape[1], BLOCK_H=_block_h(x_TH.shape[1]), K_POW2=triton.next_power_of_2(max(num_k, 1)),
+        D_POW2=triton.next_power_of_2(D), HAS_STATUS=status is not None,
+    )
 
 
 def _views(buf_NW: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -125,6 +125,32 @@ def as_byte_rows(t_NH: torch.Tensor, width: int) -> torch.Tensor | None:
 
 
 @dataclass
+class PackedRows:
+    """A dispatch's send rows before they exist: plan row p is token `token_P[p]`'s activation, its
+    gates (`weights_TK.flat[entry_PK[p]]`) and local slots, in `RowLayout` rows of `width` bytes
+    (gates at byte `gate_byte`, slots at `slot_byte`); the transport gathers them straight into the
+    peers' regions (`DeviceTransport.exchange_packed`), or `staged()` writes them out here."""
+
+    x_TH: torch.Tensor
+    token_P: torch.Tensor
+    weights_TK: torch.Tensor
+    entry_PK: torch.Tensor
+    slot_PK: torch.Tensor
+    gate_byte: int
+    slot_byte: int
+    width: int
+
+    def staged(self) -> torch.Tensor:
+        """The rows written into a local byte buffer [P, width] (`occult.kernels.pack.pack_rows`)."""
+        from occult.kernels.pack import pack_rows
+
+        buf = torch.empty((self.entry_PK.shape[0], self.width), dtype=torch.uint8, device=self.x_TH.device)
+        pack_rows(buf, self.x_TH, self.token_P, self.weights_TK, self.entry_PK, self.slot_PK, self.gate_byte,
+                  self.slot_byte)
+        return buf
+
+
+@dataclass
 class DeviceHandle(Handle):
     """One call's state: the plan, the device counts each way, the layout and the transport.
 
@@ -166,7 +192,8 @@ class DeviceHandle(Handle):
 
     def send_back(self, rows_RW: torch.Tensor) -> torch.Tensor:
         """Received rows (region layout) back to their sources; the regions there (read them at once)."""
-        recv, _, _ = self.transport.exchange(rows_RW, self.recv_counts_D, self.stride, src_stride=self.stride)
+        recv, _, _ = self.transport.exchange(rows_RW, self.recv_counts_D, self.stride, src_stride=self.stride,
+                                             copy_counts=False)
         return recv
 
     def in_plan_order(self, back_RW: torch.Tensor) -> torch.Tensor:
@@ -176,14 +203,17 @@ class DeviceHandle(Handle):
 
     def dispatch_packed(self, x_TH: torch.Tensor, weights_TK: torch.Tensor):
         """`dispatch_rows` from the tokens themselves, in two kernels (`occult.kernels.pack`): the
-        rows, gates and slots gathered straight into the send rows, the received ones unpacked
-        and masked in one pass."""
-        from occult.kernels.pack import pack_rows, unpack_rows
+        rows, gates and slots gathered straight into the peers' receive regions, the received ones
+        unpacked and masked in one pass."""
+        from occult.kernels.pack import unpack_rows
 
         L, plan = self.layout, self.plan
         g0, s0 = L.x_bytes, L.x_bytes + L.gate_bytes
-        recv = self.send_out(self.byte_rows(plan.num_rows, L.width, lambda buf: pack_rows(
-            buf, x_TH, plan.token_P, weights_TK, plan.entry_PK, plan.slot_PK, g0, s0)))
+        rows = PackedRows(x_TH, plan.token_P, weights_TK, plan.entry_PK, plan.slot_PK, g0, s0, L.width)
+        recv, self.recv_counts_D, statuses_D = self.transport.exchange_packed(rows, self.send_counts_D, self.stride,
+                                                                             self.status)
+        if statuses_D is not None:
+            pending.queue(statuses_D)  # (kept by a recording capture: occult.moe.graphs)
         x_RH, gates_RK, slots_RK = unpack_rows(recv, self.num_recv, L.hidden, L.top_k, L.dtype, L.gates_dtype,
                                                self.recv_counts_D, self.stride, g0, s0)
         self.stats.add(self.send_counts_D, L.hidden * x_TH.element_size(), L.gate_bytes + 4 * L.top_k, False,

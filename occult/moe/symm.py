@@ -230,7 +230,8 @@ class DeviceTransport:
         return slot
 
     def exchange(self, src_NW: torch.Tensor, counts_D: torch.Tensor, stride: int, src_stride: int = 0,
-                 status: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 status: torch.Tensor | None = None, copy_counts: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Send rows of `src_NW` (bytes [N, W]): `counts_D[d]` rows (a device tensor) to rank d, starting
         at row `d * src_stride`, or packed by destination when `src_stride` is 0. Every rank passes
         the same W and `stride` (rows a source can send to one rank, at most). `status` (a device
@@ -239,22 +240,45 @@ class DeviceTransport:
         Returns (received rows [D * stride, W]: region s holds rank s's rows, the first
         `recv_counts_D[s]` valid, the rest stale; a view of the buffer: launch every read of it
         before this rank's next all-to-all, copy what must live longer; received rows per source,
-        int64 [D], a copy; with `status`: every rank's status, int64 [D], a copy, else None). Nothing
-        waits on the host."""
+        int64 [D], a copy (`copy_counts=False`: a view, valid as the rows are); with `status`: every
+        rank's status, int64 [D], a copy, else None). Nothing waits on the host."""
         from occult.kernels.push import push_rows
 
-        D, width = self.num_ranks, src_NW.shape[1]
-        if D * stride * width > self.capacity_bytes:
-            raise RuntimeError(f"an all-to-all of {D} x {stride} rows of {width} bytes exceeds the reserved "
-                               f"{self.capacity_bytes} bytes (reserve first)")
-        if torch.cuda.is_current_stream_capturing():
-            self._captured = True
-        slot = self.next_slot()
+        slot = self._begin(src_NW.shape[1], stride)
         push_rows(src_NW, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride, src_stride,
                   status, MAX_RANKS)
+        return self._end(slot, src_NW.shape[1], stride, status is not None, copy_counts)
+
+    def exchange_packed(self, rows: Any, counts_D: torch.Tensor, stride: int,
+                        status: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`exchange` of rows not yet written anywhere: `rows` (`device_exchange.PackedRows`) gathered
+        from the tokens straight into the peers' regions by one kernel (`occult.kernels.pack`)."""
+        from occult.kernels.pack import pack_push_rows
+
+        slot = self._begin(rows.width, stride)
+        pack_push_rows(rows.x_TH, rows.token_P, rows.weights_TK, rows.entry_PK, rows.slot_PK, rows.gate_byte,
+                       rows.slot_byte, rows.width, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride,
+                       status, MAX_RANKS)
+        return self._end(slot, rows.width, stride, status is not None, True)
+
+    def _begin(self, width: int, stride: int) -> Slot:
+        if self.num_ranks * stride * width > self.capacity_bytes:
+            raise RuntimeError(f"an all-to-all of {self.num_ranks} x {stride} rows of {width} bytes exceeds the "
+                               f"reserved {self.capacity_bytes} bytes (reserve first)")
+        if torch.cuda.is_current_stream_capturing():
+            self._captured = True
+        return self.next_slot()
+
+    def _end(self, slot: Slot, width: int, stride: int, with_status: bool,
+             copy_counts: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The group's barrier, then (rows, counts, statuses) as `exchange` returns them (the counts and
+        statuses copied in one launch: they sit in the buffer's head)."""
+        D = self.num_ranks
         slot.handle.barrier(channel=0, timeout_ms=int(self.timeout_s * 1000))
-        statuses_D = None if status is None else slot.statuses(D).clone()
-        return slot.rows(D * stride, width), slot.counts(D).clone(), statuses_D
+        if not with_status:
+            return slot.rows(D * stride, width), slot.counts(D).clone() if copy_counts else slot.counts(D), None
+        head = slot.buffer[: 8 * (MAX_RANKS + D)].view(torch.int64).clone()
+        return slot.rows(D * stride, width), head[:D], head[MAX_RANKS : MAX_RANKS + D]
 
 
 def reset() -> None:

@@ -79,3 +79,19 @@ def test_compiled_layers_on_two_ranks():
 
     for err in run_ranks(_two_rank_worker, 2, random.randrange(2**31), timeout_s=180):
         assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("layer_graphs", [True, False])
+def test_expert_parallel_layers_without_a_host_wait_get_layer_graphs(layer_graphs):
+    """`compile_layers` switches on `ExecConfig.graphs` for MoE layers of several ranks that do not wait
+    for the GPU (here: sync-free, stood in by setting a layer's rank count) unless `layer_graphs=False`;
+    one-rank layers and layers with the count exchange's wait are left as they are."""
+    from occult import OccultMoE
+
+    model = hf.tiny_random_model("olmoe", seed=3, vocab_size=64, num_hidden_layers=3).eval()
+    hf.convert(model, group=None)
+    layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
+    layers[0].num_ranks, layers[0].sync_free = 2, True  # expert parallel, no host wait
+    layers[1].num_ranks = 2  # expert parallel over the count exchange (its host wait)
+    hf.compile_layers(model, layer_graphs=layer_graphs, backend="eager")
+    assert [layer.execution.graphs for layer in layers] == [layer_graphs, False, False]

@@ -112,6 +112,52 @@ def test_status_lands_in_each_peers_status_slot():
         assert counts[d].tolist() == [[1, 2, 0][d]] * D + [0, 2, 1], (d, counts[d].tolist())
 
 
+@needs_in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_push_equals_pack_then_push(dtype):
+    """`pack_push_rows` (the dispatch's rows gathered straight into the peers' regions) leaves every
+    peer's buffer, counts and statuses as `pack_rows` into staging rows and then `push_rows` do;
+    unused plan rows (token -1 past the total) and empty destinations included."""
+    from occult.kernels.pack import pack_push_rows, pack_rows
+
+    seed = random.randrange(2**31)
+    D, stride, T, K, H = 3, 6, 7, 3, 24
+    W = 4 * (-(-(H * torch.finfo(dtype).bits // 8 + 8 * K) // 4) + 1)  # odd padding on purpose
+    gate_byte, slot_byte = H * torch.finfo(dtype).bits // 8, H * torch.finfo(dtype).bits // 8 + 4 * K
+    results = []
+    for fused in (True, False):
+        bufs, counts, peer_rows, peer_counts = _peers(D, stride, W)
+        counts = [torch.full((2 * D,), -1, dtype=torch.int64, device=DEVICE) for _ in range(D)]
+        peer_counts = torch.tensor([c.data_ptr() for c in counts], device=DEVICE)
+        g = torch.Generator().manual_seed(seed)  # the same plans for both ways
+        for rank in range(D):
+            send_D = torch.randint(0, stride + 1, (D,), generator=g)
+            send_D[rank % D] = 0 if rank == 1 else send_D[rank % D]
+            total, P = int(send_D.sum()), int(send_D.sum()) + 2
+            token_P = torch.cat([torch.randint(0, T, (total,), generator=g), torch.full((2,), -1)])
+            x_TH = torch.randn(T, H, generator=g).to(dtype)
+            weights_TK = torch.rand(T, K, generator=g)
+            entry_PK = torch.randint(-1, T * K, (P, K), generator=g)
+            slot_PK = torch.randint(-1, 5, (P, K), generator=g)
+            status = torch.tensor(rank + 1, device=DEVICE)
+            args = [t.to(DEVICE) for t in (x_TH, token_P, weights_TK, entry_PK, slot_PK)]
+            if fused:
+                pack_push_rows(*args, gate_byte, slot_byte, W, send_D.to(DEVICE), peer_rows, peer_counts, rank,
+                               stride, status, D)
+            else:
+                staging = torch.zeros((P, W), dtype=torch.uint8, device=DEVICE)
+                pack_rows(staging, args[0], args[1], args[2], args[3], args[4], gate_byte, slot_byte)
+                push_rows(staging, send_D.to(DEVICE), peer_rows, peer_counts, rank, stride, status=status,
+                          status_slot=D)
+        results.append(([b.cpu() for b in bufs], [c.cpu() for c in counts]))
+    for d in range(D):
+        assert torch.equal(results[0][1][d], results[1][1][d]), d
+        used = slot_byte + 4 * K  # a row's bytes (its padding is never read: staging has zeros there)
+        for r in range(D):
+            fused, staged = (results[i][0][d][r * stride:(r + 1) * stride, :used] for i in (0, 1))
+            assert torch.equal(fused, staged), (d, r)
+
+
 def test_rows_must_be_contiguous_whole_words():
     zeros = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     for bad in (torch.zeros((2, 6), dtype=torch.uint8, device=DEVICE),

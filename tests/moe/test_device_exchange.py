@@ -39,7 +39,7 @@ class GlooTransport(symm.DeviceTransport):
             self.grown += 1
             self.capacity_bytes = num_bytes
 
-    def exchange(self, src_NW, counts_D, stride, src_stride=0, status=None):
+    def exchange(self, src_NW, counts_D, stride, src_stride=0, status=None, copy_counts=True):
         D, width = self.num_ranks, src_NW.shape[1]
         assert D * stride * width <= self.capacity_bytes
         send = [int(v) for v in counts_D.tolist()]
@@ -59,6 +59,10 @@ class GlooTransport(symm.DeviceTransport):
             statuses = torch.empty(D, dtype=torch.int64)
             dist.all_gather_into_tensor(statuses, status.reshape(1).to(torch.int64), group=self.group)
         return out, recv_counts, statuses
+
+    def exchange_packed(self, rows, counts_D, stride, status=None):
+        """The real transport gathers the rows straight into the peers' memory; here: staged, then sent."""
+        return self.exchange(rows.staged(), counts_D, stride, status=status)
 
 
 def _layers(dense: DenseMoE, placement: Placement, dispatcher: str):
