@@ -22,7 +22,8 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   prunedN          dedup + placement with max_devices=N (approximate: its check is report-only)
   <variant>/compile  any variant, native too, with its decoder layers torch.compiled around the MoE
                    blocks (occult.integrations.hf.compile_layers: inductor fuses the norms, rotary and
-                   residual adds; MoE blocks stay eager); each phase's compile time is reported apart
+                   residual adds; MoE blocks stay eager, replayed from their own CUDA graphs where they are
+                   expert parallel with no host wait); each phase's compile time is reported apart
                    (its first step less a steady one), e.g. native/compile,replicated/compile
   <variant>@device   an expert-parallel variant over the device transport (ExecConfig(transport="device"):
                    row counts stay on the GPU, rows stored into the peers' memory, no host wait; GPUs of one host

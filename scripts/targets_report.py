@@ -7,8 +7,9 @@ Reads every `*.json` under the given files or directories and recognises these k
 - `benchmarks/e2e.py` (whole models), issue 36: the best dedup variant over the best replicated one
   (any compile / graph / transport suffix), per phase and link; at the Qwen3 shape TorchTitan's own
   model over the best dedup variant;
-- `occult bench` (one layer), issue 36: dedup forward over its floor (experts + all-to-alls) at 8192+
-  tokens per GPU, and the host time of a forward at 512 tokens;
+- `occult bench` (one layer), issue 36: each dedup variant's forward (the count exchange, `@device`,
+  `@device/graph`) over its floor (experts + all-to-alls) at 8192+ tokens per GPU, and the host time
+  of a forward at 512 tokens;
 - `benchmarks/serve.py`, issue 37: the best expert-parallel decode step over the floor's
   (`replicated+compile+graph`, else `replicated+graph`, else `replicated`) at B = 1 and 64 per GPU, and
   transformers' compiled generate over that step;
