@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -14,7 +14,13 @@
 #           device transport, eager and captured in one CUDA graph, against the replicated floor eager,
 #           compiled and captured (NVLink); TorchTitan and TorchTitan + occult over the device transport
 #           (carry .whl for it); the compiled layers captured too (/compile/graph)
+#           (and each MoE layer replayed from its own graphs: /layergraphs, @device/graph)
 # decode    decode steps over the device transport (issue 37), B = 1 and 64, against sync-free and the floor
+# publish   issue 36's publication set on one link: e2e.py, prefill and training, OLMoE and Qwen3 shapes
+#           (MODELS=olmoe or qwen3 for one a call, ~5 min each): replicated, replicated/compile, standard,
+#           dedup (transport auto: the device transport on NVLink), dedup/compile (+ layer graphs); Qwen3
+#           also torchtitan, torchtitan+occult (carry .whl); publish-slow: NCCL_P2P_DISABLE=1 (auto then
+#           takes the count exchange)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -34,8 +40,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -61,9 +67,10 @@ case $part in
       --variants replicated,standard,dedup,dedup+placement --out "$out/e2e_${n}gpu_nop2p.json" ;;&
   graph|all)
     run bench_transport 100 python3 -m occult.cli bench --world-size "$n" --shapes olmoe,qwen3 --routing random \
-      --variants dedup,dedup@device,standard,standard@device --tokens 512,8192 --out "$out/bench_transport_${n}gpu.json"
+      --variants dedup,dedup@device,dedup@device/graph,standard,standard@device/graph --tokens 512,8192 \
+      --out "$out/bench_transport_${n}gpu.json"
     run graph_olmoe 200 $tr benchmarks/e2e.py --model olmoe --phases prefill \
-      --variants replicated,replicated/compile,replicated/graph,replicated/compile/graph,dedup,dedup/compile,dedup@device,dedup@device/graph,dedup@device/compile/graph \
+      --variants replicated/compile,replicated/layergraphs/compile,replicated/compile/graph,dedup@device/layergraphs/compile,dedup@device/compile/graph \
       --out "$out/e2e_graph_olmoe_${n}gpu.json"
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then  # TorchTitan for its +occult@device row (peer part: the wheels)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -76,6 +83,18 @@ case $part in
     run decode_device 150 $tr benchmarks/serve.py --model olmoe --batch 1,64 --prompt-len 128 --new-tokens 32 --repeats 3 \
       --variants replicated+graph,dedup-syncfree+graph,dedup@device+graph,generate+graph,generate@device+graph \
       --out "$out/decode_device_olmoe_${n}gpu.json" ;;&
+  publish|publish-slow|all)  # issue 36's e2e set (docs/results/twogpu/e2e_{model}_{link}_2x{card}.json)
+    link=nvlink; env_=""; [ "$part" = publish-slow ] && { link=slow; env_="NCCL_P2P_DISABLE=1"; }
+    if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      export PYTHONPATH=$PYTHONPATH:/tmp/site
+    fi
+    for model in ${MODELS:-olmoe qwen3}; do
+      variants=replicated,replicated/compile,standard,dedup,dedup/compile
+      [ $model = qwen3 ] && variants=$variants,torchtitan,torchtitan+occult
+      run "publish_${model}_$link" "${PUBLISH_TIMEOUT_S:-540}" env $env_ $tr benchmarks/e2e.py --model $model \
+        --variants $variants --out "$out/e2e_${model}_${link}_${n}gpu.json"
+    done ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -110,7 +110,7 @@ def add_train_arguments(p: argparse.ArgumentParser, finetune: bool = False) -> N
     g.add_argument("--transport", default="auto", choices=["auto", "counts", "device"],
                    help="how the all-to-alls learn their sizes: counts (the row counts read on the host once per "
                         "layer call), device (counts kept on the GPU, rows stored straight into the peers' memory, "
-                        "no host wait: NCCL ranks of one host) or auto (device for dedup where peer-to-peer runs, else counts)")
+                        "no host wait: NCCL ranks of one host), auto: device for dedup where it runs (default auto)")
     g.add_argument("--nodes", type=positive_int, default=None,
                    help="for --dispatcher dedup2: the EP ranks are this many nodes of EP_SIZE/NODES ranks each, "
                         "node-major (rank n*G + g is GPU g of node n)")

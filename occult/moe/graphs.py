@@ -37,6 +37,7 @@ from occult.teardown import hold_collectives
 
 EAGER_CALLS = 2  # eager calls of a signature before it is captured (compilation, buffer growth)
 MAX_GRAPHS = 8  # graphs kept per layer (the least recently used go first)
+MAX_SEEN = 1024  # signatures counted towards a capture per layer (forgotten all at once beyond)
 
 _LIVE: dict[int, "weakref.WeakSet[torch.cuda.CUDAGraph]"] = {}  # device index -> graphs alive there
 
@@ -87,6 +88,17 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def __deepcopy__(self, memo: dict) -> "GraphCache":
+        """A copied layer (`copy.deepcopy(model)`) starts with no graphs: they hold the original's tensors."""
+        return GraphCache(self.eager_calls, self.max_graphs)
+
+    def __getstate__(self) -> dict:
+        """Pickled (`torch.save(model)`) without its graphs, which cannot be."""
+        return {"eager_calls": self.eager_calls, "max_graphs": self.max_graphs}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["eager_calls"], state["max_graphs"])
+
     def run(self, key: Hashable, generation: Hashable, x_TH: torch.Tensor,
             forward: Callable[[torch.Tensor], torch.Tensor], info: Callable[[], Any]) -> tuple[torch.Tensor, Any]:
         """`forward(x_TH)` and `info()` after it: replayed where `key` was captured, else eager (and
@@ -97,6 +109,8 @@ class GraphCache:
             self._generation = generation
         captured = self._graphs.get(key)
         if captured is None:
+            if len(self._seen) >= MAX_SEEN:
+                self._seen.clear()
             seen = self._seen[key] = self._seen.get(key, 0) + 1
             if seen <= self.eager_calls:
                 return forward(x_TH), info()

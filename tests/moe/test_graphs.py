@@ -85,3 +85,16 @@ def test_layer_with_graphs_runs_eagerly_on_cpu_and_set_graphs_switches_every_lay
     model = torch.nn.Sequential(layer, OccultMoE.from_dense(dense))
     assert set_graphs(model, False) == 2 and not layer.execution.graphs
     assert set_graphs(model) == 2 and all(m.execution.graphs for m in model)
+
+
+def test_a_copied_or_pickled_layer_starts_without_graphs():
+    import copy
+    import pickle
+
+    cache = StoodInCache(eager_calls=0)
+    cache.run("a", 0, torch.randn(2, 2), lambda t: t, CommStats)
+    assert len(cache) == 1
+    for fresh in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert len(fresh) == 0 and fresh.eager_calls == 0 and isinstance(fresh, GraphCache)
+    layer = OccultMoE(16, 8, 4, 2, graphs=True)
+    assert len(copy.deepcopy(layer).graphs) == 0

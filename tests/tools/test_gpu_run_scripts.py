@@ -20,8 +20,8 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
 
 @pytest.mark.parametrize("script, parts", [
     ("one_gpu_runs.sh", ["kernels", "suite", "peer", "train", "native", "native_decode", "quality"]),
-    ("multi_gpu_runs.sh", ["suite", "e2e", "e2e-slow", "graph", "decode", "peer", "train", "train-slow", "serve", "serve-slow", "probe",
-                           "scale"]),
+    ("multi_gpu_runs.sh", ["suite", "e2e", "e2e-slow", "graph", "decode", "publish", "publish-slow", "peer", "train",
+                           "train-slow", "serve", "serve-slow", "probe", "scale"]),
     ("four_gpu_runs.sh", ["olmoe", "olmoe-slow-floor", "qwen3", "layer", "serve", "serve-graph"]),
 ])
 def test_dry_run_lists_every_part(tmp_path, script, parts):
@@ -49,7 +49,8 @@ def test_two_gpu_training_dry_run_and_errors(tmp_path):
     res = _two_gpu(tmp_path, "nvlink slow", "all", DRY_RUN="1")
     assert res.returncode == 0, res.stderr
     names = [line.split(":")[0][3:] for line in res.stdout.splitlines() if line.startswith("== ")]
-    assert {"train_nvlink_1gpu", "train_nvlink_dedup_fsdp", "train_slow_standard_ddp", "finetune_hf_2gpu",
+    assert {"train_nvlink_1gpu", "train_nvlink_dedup_fsdp", "train_nvlink_dedup_counts_ddp", "train_slow_standard_ddp",
+            "finetune_hf_2gpu",
             "resume_test", "replace_every"} <= set(names)
     assert not any(n.startswith("train_slow_") and "fsdp" in n for n in names)
     assert "NCCL_P2P_DISABLE=1" in next(line for line in res.stdout.splitlines() if "train_slow_floor" in line)
