@@ -4,7 +4,7 @@ Code asks `current()` (`current().dgrad1`, ...), never `os.environ`; a value tha
 allowed raises `SettingsError` naming the variable, the bad value and the allowed ones.
 docs/settings.md lists each variable, its default and its effect.
 
-`current()` re-parses only when one of the variables changed (it compares the raw values: eight
+`current()` re-parses only when one of the variables changed (it compares the raw values: nine
 dictionary reads, well under a microsecond), so a test that sets one (`monkeypatch.setenv`) is seen at the next call
 and hot paths (every expert-MLP call reads it) pay no parsing. `reload()` drops the cache.
 This module imports neither torch nor Triton: Triton reads `TRITON_INTERPRET` itself on import,
@@ -22,6 +22,7 @@ __all__ = ["Settings", "SettingsError", "VARIABLES", "current", "reload"]
 GEMM_BACKENDS = ("auto", "triton", "grouped_mm")
 SCATTER_MODES = ("deterministic", "atomic")
 PLAN_BACKENDS = ("auto", "torch")
+RANK_STARTS = ("spawn", "forkserver")
 _TRUE = ("1", "true", "yes", "on", "y")
 _FALSE = ("", "0", "false", "no", "off", "n")
 
@@ -42,6 +43,7 @@ class Settings:
     debug: bool = False  # OCCULT_DEBUG: the command line adds the traceback to a one-line error
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton runs kernels in its CPU interpreter
     nccl_p2p_disable: bool = False  # NCCL_P2P_DISABLE (NCCL's own): peer-to-peer off, so transport="auto" takes the count exchange
+    rank_start: str = "spawn"  # OCCULT_RANK_START: how run_ranks starts CPU ranks ("forkserver": torch loaded once; the tests)
 
     @classmethod
     def from_env(cls, env: dict[str, str | None]) -> Settings:
@@ -55,6 +57,7 @@ class Settings:
             debug=_flag(env, "OCCULT_DEBUG"),
             triton_interpret=_flag(env, "TRITON_INTERPRET"),
             nccl_p2p_disable=(env.get("NCCL_P2P_DISABLE") or "").strip().lower() not in _FALSE,
+            rank_start=_choice(env, "OCCULT_RANK_START", RANK_STARTS),
         )
 
 
@@ -68,6 +71,7 @@ VARIABLES: dict[str, str] = {
     "OCCULT_DEBUG": "debug",
     "TRITON_INTERPRET": "triton_interpret",
     "NCCL_P2P_DISABLE": "nccl_p2p_disable",
+    "OCCULT_RANK_START": "rank_start",
 }
 
 

@@ -84,16 +84,19 @@ case $part in
       --variants replicated+graph,dedup-syncfree+graph,dedup@device+graph,generate+graph,generate@device+graph \
       --out "$out/decode_device_olmoe_${n}gpu.json" ;;&
   publish|publish-slow|all)  # issue 36's e2e set (docs/results/twogpu/e2e_{model}_{link}_2x{card}.json)
-    link=nvlink; env_=""; [ "$part" = publish-slow ] && { link=slow; env_="NCCL_P2P_DISABLE=1"; }
+    links="nvlink slow"; [ "$part" = publish ] && links=nvlink; [ "$part" = publish-slow ] && links=slow
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
-    for model in ${MODELS:-olmoe qwen3}; do
-      variants=replicated,replicated/compile,standard,dedup,dedup/compile
-      [ $model = qwen3 ] && variants=$variants,torchtitan,torchtitan+occult
-      run "publish_${model}_$link" "${PUBLISH_TIMEOUT_S:-540}" env $env_ $tr benchmarks/e2e.py --model $model \
-        --variants $variants --out "$out/e2e_${model}_${link}_${n}gpu.json"
+    for link in $links; do
+      env_=""; [ $link = slow ] && env_="NCCL_P2P_DISABLE=1"
+      for model in ${MODELS:-olmoe qwen3}; do
+        variants=replicated,replicated/compile,standard,dedup,dedup/compile
+        [ $model = qwen3 ] && variants=$variants,torchtitan,torchtitan+occult
+        run "publish_${model}_$link" "${PUBLISH_TIMEOUT_S:-540}" env $env_ $tr benchmarks/e2e.py --model $model \
+          --variants $variants --out "$out/e2e_${model}_${link}_${n}gpu.json"
+      done
     done ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then

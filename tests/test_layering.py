@@ -32,6 +32,7 @@ MAX_FUNCTION_LINES = 80
 LAYERS: dict[str, int] = {
     "occult._atomic": 0,
     "occult._rank_signals": 0,
+    "occult._rank_preload": 0,
     "occult.settings": 0,
     "occult.distributed": 0,
     "occult.teardown": 0,

@@ -22,17 +22,19 @@ def clean_env(monkeypatch):
 def test_defaults_with_nothing_set(clean_env):
     assert settings.current() == Settings()
     assert Settings() == Settings(wgrad="auto", dgrad1="auto", scatter="deterministic", plan="auto",
-                                  cache=None, debug=False, triton_interpret=False, nccl_p2p_disable=False)
+                                  cache=None, debug=False, triton_interpret=False, nccl_p2p_disable=False,
+                                  rank_start="spawn")
 
 
 def test_every_variable_sets_its_field(clean_env, tmp_path):
     values = {"OCCULT_WGRAD": "Triton", "OCCULT_DGRAD1": "grouped_mm", "OCCULT_SCATTER": "atomic",
               "OCCULT_PLAN": "torch", "OCCULT_CACHE": str(tmp_path), "OCCULT_DEBUG": "1", "TRITON_INTERPRET": "yes",
-              "NCCL_P2P_DISABLE": "1"}
+              "NCCL_P2P_DISABLE": "1", "OCCULT_RANK_START": "forkserver"}
     assert set(values) == set(settings.VARIABLES)
     for name, value in values.items():
         clean_env.setenv(name, value)
-    assert settings.current() == Settings("triton", "grouped_mm", "atomic", "torch", tmp_path, True, True, True)
+    assert settings.current() == Settings("triton", "grouped_mm", "atomic", "torch", tmp_path, True, True, True,
+                                                "forkserver")
     assert {f.name for f in dataclasses.fields(Settings)} == set(settings.VARIABLES.values())
 
 

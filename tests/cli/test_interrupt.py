@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def start(*args: str, cwd: Path) -> tuple[subprocess.Popen, Path]:
     """`python -m occult ARGS` in a process group of its own (stdout piped, stderr to a file)."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("OCCULT_RANK_START", None)  # the default (spawned ranks): what a user's Ctrl-C meets
     err = cwd / f"stderr-{time.monotonic_ns()}.txt"
     with open(err, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "occult", *map(str, args)], stdout=subprocess.PIPE, stderr=f,
