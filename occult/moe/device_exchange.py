@@ -41,6 +41,7 @@ from occult.moe.gather import gather_gate_weights, gather_rows, scatter_gates, t
 from occult.moe.plan import DispatchPlan
 from occult.moe.symm import DeviceTransport, row_bytes, token_bucket
 
+
 @dataclass(frozen=True)
 class RowLayout:
     """One dispatched row in bytes: the activation, then K gates (fp32, fp64 for fp64 gates) and K

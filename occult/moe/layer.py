@@ -266,6 +266,7 @@ class OccultMoE(nn.Module):
             f"hidden={self.hidden_size}, ffn={self.ffn_size}, experts={self.num_experts} "
             f"({self.num_experts // self.num_ranks} on rank {self.rank} of {self.num_ranks}), "
             f"top_k={self.top_k}, dispatcher={self.dispatcher.name}, transport={self.dispatcher.transport_name}"
+            + (", graphs=True" if self.execution.graphs else "")
         )
 
 

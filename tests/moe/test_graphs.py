@@ -81,9 +81,9 @@ def test_layer_with_graphs_runs_eagerly_on_cpu_and_set_graphs_switches_every_lay
     with torch.no_grad():
         assert not layer.replays(x)
         torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-6)
-    assert len(layer.graphs) == 0
+    assert len(layer.graphs) == 0 and "graphs=True" in repr(layer)
     model = torch.nn.Sequential(layer, OccultMoE.from_dense(dense))
-    assert set_graphs(model, False) == 2 and not layer.execution.graphs
+    assert set_graphs(model, False) == 2 and not layer.execution.graphs and "graphs" not in repr(layer)
     assert set_graphs(model) == 2 and all(m.execution.graphs for m in model)
 
 
