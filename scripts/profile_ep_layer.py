@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -22,25 +21,13 @@ import torch.distributed as dist
 from occult.distributed import finish_distributed, init_distributed
 from occult.moe.layer import OccultMoE
 from occult.placement.cost import SHAPES
+from occult.tools.bench_timing import host_ms
 from occult.training.step_profile import union_ms
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals (us): the library's `union_ms` in us."""
     return union_ms(intervals) * 1e3
-
-
-def host_ms(fn, iters: int) -> float:
-    """Median host time of one call issued on an idle GPU."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def wall_ms(fn, iters: int) -> float:
@@ -63,7 +50,7 @@ def profile_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
 
         for _ in range(3):
             fn()
-        row = {"host_ms": host_ms(fn, iters), "wall_ms": wall_ms(fn, iters)}
+        row = {"host_ms": host_ms(fn, x.device, iters), "wall_ms": wall_ms(fn, iters)}
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
