@@ -113,7 +113,11 @@ def rank_context(backend: str) -> Any:
     return ctx
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn, args, results) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn, args, results,
+            environ: dict[str, str]) -> None:
+    # the caller's environment as it is now (a forked rank has its fork server's, from when that started)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -218,8 +222,9 @@ def run_ranks(
     # run, made the resource tracker print a leak warning on the terminal)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, coll_timeout, fn, args, pipes[r][1]), daemon=True,
-                    name=f"occult-rank-{r}")  # the name occult._rank_signals ignores Ctrl-C in
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, coll_timeout, fn, args, pipes[r][1],
+                                          dict(os.environ)),
+                    daemon=True, name=f"occult-rank-{r}")  # the name occult._rank_signals ignores Ctrl-C in
         for r in range(world_size)
     ]
     wait_s = 5.0

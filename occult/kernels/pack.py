@@ -8,7 +8,8 @@ gate gather and three strided copies: the host launches one kernel instead of ab
 `unpack_rows`: the R received rows (regions of `stride` rows, one per source rank) back into an
 activation tensor [R, H], gates [R, K] (in the gates' dtype) and slots [R, K] (int64); rows past
 their region's count (read by the kernel from the device counts) are masked: activation 0, gate 0,
-slot -1, so the experts skip them.
+slot -1, so the experts skip them; the row counts and statuses copied out of the buffer's head by
+the same launch.
 
 `pack_push_rows`: `pack_rows` and the device transport's push (`occult.kernels.push`) in one launch:
 each sent row is gathered straight into its destination rank's receive region (the peer's memory,
@@ -47,10 +48,16 @@ def _pack_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, bx_ptr, bg_ptr, b
 
 
 @triton.jit
-def _unpack_kernel(bx_ptr, bg_ptr, bs_ptr, counts_ptr, x_ptr, gates_ptr, slots_ptr,
-                   K, stride, bx_stride, bw_stride, gate_col, slot_col,
-                   H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr):
+def _unpack_kernel(bx_ptr, bg_ptr, bs_ptr, counts_ptr, x_ptr, gates_ptr, slots_ptr, counts_out_ptr, statuses_ptr,
+                   statuses_out_ptr, K, stride, bx_stride, bw_stride, gate_col, slot_col, D,
+                   H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr,
+                   HAS_STATUS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if row == 0:  # the counts (and statuses) out of the buffer's head, which the next all-to-all reuses
+        r = tl.arange(0, D_POW2)
+        tl.store(counts_out_ptr + r, tl.load(counts_ptr + r, mask=r < D), mask=r < D)
+        if HAS_STATUS:
+            tl.store(statuses_out_ptr + r, tl.load(statuses_ptr + r, mask=r < D), mask=r < D)
     source = row // stride
     valid = (row - source * stride) < tl.load(counts_ptr + source)
     for h0 in range(0, H, BLOCK_H):
@@ -141,19 +148,25 @@ def pack_rows(buf_NW: torch.Tensor, x_TH: torch.Tensor, token_P: torch.Tensor, w
 
 def unpack_rows(buf_NW: torch.Tensor, num_rows: int, hidden: int, num_k: int, dtype: torch.dtype,
                 gates_dtype: torch.dtype, counts_D: torch.Tensor, stride: int, gate_byte: int,
-                slot_byte: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [R, H], gates [R, K], slots [R, K] int64) from the first R rows of `buf_NW`, regions of
-    `stride` rows, row i valid while i % stride < counts_D[i // stride] (module docstring)."""
+                slot_byte: int, statuses_D: torch.Tensor | None = None):
+    """(x [R, H], gates [R, K], slots [R, K] int64, a copy of `counts_D`, a copy of `statuses_D` or None)
+    from the first R rows of `buf_NW`, regions of `stride` rows, row i valid while
+    i % stride < counts_D[i // stride] (module docstring); the copies in the same launch (the
+    counts and statuses are views of the transport's buffer, which the next all-to-all reuses)."""
     dev = buf_NW.device
     x = torch.empty((num_rows, hidden), dtype=dtype, device=dev)
     gates = torch.empty((num_rows, num_k), dtype=gates_dtype, device=dev)
     slots = torch.empty((num_rows, num_k), dtype=torch.int64, device=dev)
     if num_rows == 0:
-        return x, gates, slots
+        return x, gates, slots, counts_D.clone(), None if statuses_D is None else statuses_D.clone()
+    counts_out, statuses_out = torch.empty_like(counts_D), None if statuses_D is None else torch.empty_like(statuses_D)
     bx, bg, bs = _views(buf_NW, dtype)
+    D = counts_D.shape[0]
     _unpack_kernel[(num_rows,)](
-        bx, bg, bs, counts_D, x, gates, slots, num_k, stride, bx.stride(0), bg.stride(0),
-        gate_byte // 4, slot_byte // 4,
-        H=hidden, BLOCK_H=_block_h(hidden), K_POW2=triton.next_power_of_2(num_k),
+        bx, bg, bs, counts_D, x, gates, slots, counts_out, counts_D if statuses_D is None else statuses_D,
+        counts_out if statuses_out is None else statuses_out, num_k, stride, bx.stride(0), bg.stride(0),
+        gate_byte // 4, slot_byte // 4, D,
+        H=hidden, BLOCK_H=_block_h(hidden), K_POW2=triton.next_power_of_2(num_k), D_POW2=triton.next_power_of_2(D),
+        HAS_STATUS=statuses_D is not None,
     )
-    return x, gates, slots
+    return x, gates, slots, counts_out, statuses_out

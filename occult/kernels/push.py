@@ -63,11 +63,9 @@ def _push_kernel(src_ptr, counts_ptr, status_ptr, peer_rows_ptr, peer_counts_ptr
 
 
 @triton.jit
-def _region_rows_kernel(rows_ptr, counts_ptr, out_ptr, N, stride, D,
-                        BLOCK: tl.constexpr, D_POW2: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = i < N
-    p = tl.load(rows_ptr + i, mask=live, other=-1)
+def region_of(p, counts_ptr, stride, D, D_POW2: tl.constexpr):
+    """Rows `p` (plan order, packed by destination; -1 none) in a region-per-rank buffer (-1 stays -1,
+    as do rows past the total)."""
     ranks = tl.arange(0, D_POW2)
     counts = tl.load(counts_ptr + ranks, mask=ranks < D, other=0)
     ends = tl.cumsum(counts, axis=0)
@@ -76,7 +74,16 @@ def _region_rows_kernel(rows_ptr, counts_ptr, out_ptr, N, stride, D,
     dest = tl.minimum(dest, D - 1)
     start = tl.sum(tl.where(ranks[None, :] < dest[:, None], counts[None, :], 0), axis=1)
     index = dest.to(tl.int64) * stride + p - start
-    tl.store(out_ptr + i, tl.where((p >= 0) & (p < tl.sum(counts, axis=0)), index, -1), mask=live)
+    return tl.where((p >= 0) & (p < tl.sum(counts, axis=0)), index, -1)
+
+
+@triton.jit
+def _region_rows_kernel(rows_ptr, counts_ptr, out_ptr, N, stride, D,
+                        BLOCK: tl.constexpr, D_POW2: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < N
+    p = tl.load(rows_ptr + i, mask=live, other=-1)
+    tl.store(out_ptr + i, region_of(p, counts_ptr, stride, D, D_POW2), mask=live)
 
 
 def push_rows(src_NW: torch.Tensor, counts_D: torch.Tensor, peer_rows_D: torch.Tensor, peer_counts_D: torch.Tensor,

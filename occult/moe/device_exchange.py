@@ -205,18 +205,18 @@ class DeviceHandle(Handle):
     def dispatch_packed(self, x_TH: torch.Tensor, weights_TK: torch.Tensor):
         """`dispatch_rows` from the tokens themselves, in two kernels (`occult.kernels.pack`): the
         rows, gates and slots gathered straight into the peers' receive regions, the received ones
-        unpacked and masked in one pass."""
+        unpacked and masked in one pass (which also copies out the counts and statuses)."""
         from occult.kernels.pack import unpack_rows
 
         L, plan = self.layout, self.plan
         g0, s0 = L.x_bytes, L.x_bytes + L.gate_bytes
         rows = PackedRows(x_TH, plan.token_P, weights_TK, plan.entry_PK, plan.slot_PK, g0, s0, L.width)
-        recv, self.recv_counts_D, statuses_D = self.transport.exchange_packed(rows, self.send_counts_D, self.stride,
-                                                                             self.status)
+        recv, counts_D, statuses_D = self.transport.exchange_packed(rows, self.send_counts_D, self.stride, self.status,
+                                                                   copy_counts=False)
+        x_RH, gates_RK, slots_RK, self.recv_counts_D, statuses_D = unpack_rows(
+            recv, self.num_recv, L.hidden, L.top_k, L.dtype, L.gates_dtype, counts_D, self.stride, g0, s0, statuses_D)
         if statuses_D is not None:
             pending.queue(statuses_D)  # (kept by a recording capture: occult.moe.graphs)
-        x_RH, gates_RK, slots_RK = unpack_rows(recv, self.num_recv, L.hidden, L.top_k, L.dtype, L.gates_dtype,
-                                               self.recv_counts_D, self.stride, g0, s0)
         self.stats.add(self.send_counts_D, L.hidden * x_TH.element_size(), L.gate_bytes + 4 * L.top_k, False,
                        "dispatch")
         return x_RH, gates_RK, slots_RK
@@ -254,8 +254,8 @@ class DeviceHandle(Handle):
         if triton_sums(y_RH):
             from occult.kernels.rows import gather_sum  # one pass over the regions, fp32 sums
 
-            rows_TJ = region_index(plan.row_TJ, self.send_counts_D, self.stride)
-            return gather_sum(back.view(L.dtype)[:, : L.hidden], rows_TJ, L.dtype)
+            return gather_sum(back.view(L.dtype)[:, : L.hidden], plan.row_TJ, L.dtype,
+                              regions=(self.send_counts_D, self.stride))
         y_PH = self.in_plan_order(back).view(L.dtype)[:, : L.hidden]
         return token_sum(y_PH, plan.token_P, plan.row_TJ, L.dtype)
 

@@ -8,7 +8,8 @@ one autograd node). `combine` returns one row per received row and sums each tok
 Backward sends as many rows as forward: gradient rows retrace both all-to-alls in reverse, and
 the gate gradients (k scalars per row) return with the dispatch's backward. On a group of one
 rank every schedule is the identity of `occult.moe.local`: no plan, no copies, no host wait.
-With the device transport (`occult.moe.symm`, chosen once when the dispatcher is built:
+For a decode-sized batch on a GPU the plan and the routing status come from one launch
+(`occult.moe.plan.routed_plan`). With the device transport (`occult.moe.symm`, chosen once when the dispatcher is built:
 `transport="device"`, NCCL groups of one host), the plain schedule runs over it
 (`occult.moe.device_exchange`): the counts stay on the device.
 """
@@ -26,7 +27,8 @@ from occult.moe.contract import Capabilities, Dispatcher, Handle, Received, Sche
 from occult.moe.counts import clamp_ids, exchange_counts, routing_status
 from occult.moe.expert_map import ExpertMap
 from occult.moe.gather import gather_early, gather_gate_weights, gather_rows, sum_rows
-from occult.moe.plan import DispatchPlan, dedup_plan, standard_plan, static_dedup_plan, static_standard_plan, trim
+from occult.moe.plan import (DispatchPlan, dedup_plan, routed_plan, routed_slots, standard_plan, static_dedup_plan,
+                             static_standard_plan, trim)
 
 
 @dataclass
@@ -61,14 +63,16 @@ class FlatDispatcher(Dispatcher):
         host_status: int = 0,
     ) -> tuple[Received, Handle]:
         self.check_schedule(schedule)
-        if status is None and schedule.sync_free:
-            ids_TK = clamp_ids(ids_TK, expert_map.num_experts)  # nothing is reported: only keep indices in range
-        elif status is None:
-            ids_TK, status = routing_status(weights_TK, ids_TK, expert_map.num_experts)
         if self.num_ranks == 1:  # nothing to send
-            return local.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status,
-                                        self.capabilities.deduplicated)
-        plan = self.plan_rows(ids_TK, expert_map, schedule.sync_free)
+            return self.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status)
+        # the plan and the routing status of one launch, for a decode-sized batch with no status yet
+        routed = None if status is not None or schedule.sync_free else routed_plan(
+            ids_TK, weights_TK, expert_map.device_E, expert_map.slot_E, self.num_ranks, self.capabilities.deduplicated)
+        if routed is not None:
+            plan, status = routed
+        else:
+            ids_TK, status = checked_ids(weights_TK, ids_TK, expert_map, schedule, status)
+            plan = self.plan_rows(ids_TK, expert_map, schedule.sync_free)
         if self.uses_device_transport(schedule):
             return device_exchange.dispatch_device(self, x_TH, weights_TK, plan, status, host_status, schedule,
                                                    expert_map.experts_per_device(self.num_ranks))
@@ -102,6 +106,19 @@ class FlatDispatcher(Dispatcher):
         return sum_rows(y_PH, handle.plan.token_P, handle.plan.row_TJ)
 
 
+    def dispatch_local(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                       expert_map: ExpertMap, schedule: Schedule, status: torch.Tensor | None) -> tuple[Received, Handle]:
+        """The one-rank schedule (`occult.moe.local`), the slots and the status of one launch where it can."""
+        routed = None if status is not None or schedule.sync_free else routed_slots(ids_TK, weights_TK,
+                                                                                   expert_map.slot_E)
+        slots_TK = None
+        if routed is not None:
+            slots_TK, status = routed
+        else:
+            ids_TK, status = checked_ids(weights_TK, ids_TK, expert_map, schedule, status)
+        return local.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status,
+                                    self.capabilities.deduplicated, slots_TK)
+
     def uses_device_transport(self, schedule: Schedule) -> bool:
         """Whether this call runs over the device transport: the plain schedule, where the group has it."""
         return self.transport is not None and not schedule.sync_free
@@ -112,6 +129,17 @@ class FlatDispatcher(Dispatcher):
         if self.capabilities.deduplicated:
             return 1, min(top_k, num_ranks)
         return min(top_k, experts_per_device), top_k
+
+
+def checked_ids(weights_TK: torch.Tensor, ids_TK: torch.Tensor, expert_map: ExpertMap, schedule: Schedule,
+                status: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(ids clamped into range, the routing status): as given where a status came (its ids are
+    clamped), else made (`routing_status`); sync-free reports nothing (status None)."""
+    if status is not None:
+        return ids_TK, status
+    if schedule.sync_free:
+        return clamp_ids(ids_TK, expert_map.num_experts), None
+    return routing_status(weights_TK, ids_TK, expert_map.num_experts)
 
 
 class StandardDispatcher(FlatDispatcher):

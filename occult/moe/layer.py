@@ -141,10 +141,9 @@ class OccultMoE(nn.Module):
         """The forward, op by op (`agreed_tokens`: the ranks' agreement, made by the caller)."""
         x_TH, bad_input = self._tokens(x)
         weights_TK, ids_TK = self.router(x_TH)  # 1. route
-        status = None  # sync-free: nothing is reported (the dispatcher only clamps the ids)
-        if not self.sync_free:
-            ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
+        status = None  # the dispatcher's to make (with its plan, in one launch where it can; none when sync-free)
         if bad_input:  # tell the other ranks before raising, so none is left waiting in a collective
+            ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
             status = status + bad_input
         schedule = Schedule(self.execution.sync_free, while_waiting, agreed_tokens)
         try:  # 2-3. plan and dispatch (the count exchange's host wait, or none: device transport, sync-free)

@@ -57,8 +57,10 @@ def dispatch_local(
     schedule: Schedule,
     status: torch.Tensor | None,
     deduplicated: bool,
+    slots_TK: torch.Tensor | None = None,
 ) -> tuple[Received, LocalHandle]:
-    """The one-rank dispatch (module docstring); `ids_TK` already clamped into [0, E)."""
+    """The one-rank dispatch (module docstring); `ids_TK` already clamped into [0, E), or their local
+    slots given (`slots_TK`, `occult.moe.plan.routed_slots`)."""
     if status is not None and not schedule.sync_free:
         _check_later(status)
     schedule.run_while_waiting()
@@ -69,7 +71,7 @@ def dispatch_local(
                          torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad), CommStats())
     _count(handle.stats, "forward", handle.rows, handle.row_bytes, handle.meta_bytes)
     handle.stats.dispatch_rows = rows
-    return Received(x_TH, expert_map.slot_E[ids_TK], weights_TK), handle
+    return Received(x_TH, expert_map.slot_E[ids_TK] if slots_TK is None else slots_TK, weights_TK), handle
 
 
 def combine_local(y_TH: torch.Tensor, handle: LocalHandle) -> torch.Tensor:

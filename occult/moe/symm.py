@@ -249,17 +249,19 @@ class DeviceTransport:
                   status, MAX_RANKS)
         return self._end(slot, src_NW.shape[1], stride, status is not None, copy_counts)
 
-    def exchange_packed(self, rows: Any, counts_D: torch.Tensor, stride: int,
-                        status: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def exchange_packed(self, rows: Any, counts_D: torch.Tensor, stride: int, status: torch.Tensor | None = None,
+                        copy_counts: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`exchange` of rows not yet written anywhere: `rows` (`device_exchange.PackedRows`) gathered
-        from the tokens straight into the peers' regions by one kernel (`occult.kernels.pack`)."""
+        from the tokens straight into the peers' regions by one kernel (`occult.kernels.pack`).
+        `copy_counts=False`: the counts and statuses as views of the buffer (copy them before the
+        all-to-all after next, as the unpack kernel does)."""
         from occult.kernels.pack import pack_push_rows
 
         slot = self._begin(rows.width, stride)
         pack_push_rows(rows.x_TH, rows.token_P, rows.weights_TK, rows.entry_PK, rows.slot_PK, rows.gate_byte,
                        rows.slot_byte, rows.width, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride,
                        status, MAX_RANKS)
-        return self._end(slot, rows.width, stride, status is not None, True)
+        return self._end(slot, rows.width, stride, status is not None, copy_counts)
 
     def _begin(self, width: int, stride: int) -> Slot:
         if self.num_ranks * stride * width > self.capacity_bytes:
@@ -272,11 +274,13 @@ class DeviceTransport:
     def _end(self, slot: Slot, width: int, stride: int, with_status: bool,
              copy_counts: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The group's barrier, then (rows, counts, statuses) as `exchange` returns them (the counts and
-        statuses copied in one launch: they sit in the buffer's head)."""
+        statuses copied in one launch: they sit in the buffer's head; views with `copy_counts=False`)."""
         D = self.num_ranks
         slot.handle.barrier(channel=0, timeout_ms=int(self.timeout_s * 1000))
         if not with_status:
             return slot.rows(D * stride, width), slot.counts(D).clone() if copy_counts else slot.counts(D), None
+        if not copy_counts:
+            return slot.rows(D * stride, width), slot.counts(D), slot.statuses(D)
         head = slot.buffer[: 8 * (MAX_RANKS + D)].view(torch.int64).clone()
         return slot.rows(D * stride, width), head[:D], head[MAX_RANKS : MAX_RANKS + D]
 

@@ -72,6 +72,76 @@ def test_triton_standard_plan_equals_torch_plan(num_tokens, top_k, num_devices, 
 
 
 @needs_in_process
+@pytest.mark.parametrize("deduplicated", [True, False])
+@pytest.mark.parametrize("num_tokens,top_k,num_devices,per_device", [
+    (1, 1, 2, 4), (1, 8, 2, 32), (7, 2, 2, 4), (37, 4, 4, 4), (19, 3, 3, 2), (50, 6, 2, 3),  # top-k = all
+    (64, 8, 2, 32), (33, 2, 16, 2), (1, 4, 8, 1),
+])
+def test_one_launch_plan_equals_torch_plan_and_status(deduplicated, num_tokens, top_k, num_devices, per_device):
+    """`routed_plan_rows` (the decode-sized plan with the routing status, one program) == the torch
+    plan of the clamped ids and `routing_status`, field by field, on good and on bad routing."""
+    from occult.kernels.plan import routed_plan_fits, routed_plan_rows
+    from occult.moe.counts import routing_status
+
+    seed = random.randrange(2**31)
+    ids, device_E, slot_E = _case(num_tokens, top_k, num_devices, per_device, seed)
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(num_tokens, top_k, generator=g).to(DEVICE, torch.bfloat16 if seed % 2 else torch.float32)
+    bad = seed % 4  # 0 fine, 1 a NaN gate, 2 an id out of range, 3 an inf gate and a negative id
+    if bad:
+        t, j = int(torch.randint(0, num_tokens, (1,), generator=g)), int(torch.randint(0, top_k, (1,), generator=g))
+        if bad != 2:
+            weights[t, j] = float("nan") if bad == 1 else float("inf")
+        if bad >= 2:
+            ids = ids.clone()
+            ids[t, j] = device_E.shape[0] + 3 if bad == 2 else -1
+    assert routed_plan_fits(num_tokens, num_devices, top_k, not deduplicated)
+    clamped, ref_status = routing_status(weights, ids, device_E.shape[0])
+    planner = dedup_plan_torch if deduplicated else standard_plan_torch
+    ref = planner(clamped, device_E, slot_E, num_devices)
+    *got, status = routed_plan_rows(ids, weights, device_E, slot_E, num_devices, pairs=not deduplicated)
+    where = f"seed {seed}, bad {bad}"
+    assert int(status) == int(ref_status) == (0, 1, 2, 2)[bad], where
+    for name, a, b in zip(("token_P", "entry_PK", "slot_PK", "send_counts_D", "row_TJ"), got,
+                          (ref.token_P, ref.entry_PK, ref.slot_PK, ref.send_counts_D, ref.row_TJ)):
+        assert a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), f"{name}, {where}"
+
+
+@needs_in_process
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 1, 4), (1, 8, 64), (37, 4, 16), (64, 8, 64), (5, 6, 6)])
+def test_one_launch_slots_equal_torch_and_status(num_tokens, top_k, num_experts):
+    """`routed_slots` (the one-rank dispatch's slots and routing status, one program) ==
+    `slot_E[routing_status's clamped ids]` and its status, on good and on bad routing."""
+    from occult.kernels.plan import routed_slots
+    from occult.moe.counts import routing_status
+
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    slot_E = torch.randperm(num_experts, generator=g)
+    weights = torch.rand(num_tokens, top_k, generator=g, dtype=torch.float16 if seed % 2 else torch.float32)
+    bad = seed % 3  # 0 fine, 1 an inf gate, 2 an id out of range
+    if bad == 1:
+        weights[num_tokens - 1, 0] = float("inf")
+    elif bad == 2:
+        ids[0, top_k - 1] = -5
+    ids, weights, slot_E = ids.to(DEVICE), weights.to(DEVICE), slot_E.to(DEVICE)
+    clamped, ref_status = routing_status(weights, ids, num_experts)
+    slots, status = routed_slots(ids, weights, slot_E)
+    assert int(status) == int(ref_status) == bad, f"seed {seed}"
+    assert torch.equal(slots.cpu(), slot_E[clamped].cpu()), f"seed {seed}"
+
+
+@needs_in_process
+def test_one_launch_plan_fits_decode_batches_only():
+    from occult.kernels.plan import routed_plan_fits
+
+    assert routed_plan_fits(1, 2, 8, False) and routed_plan_fits(512, 2, 8, False) and routed_plan_fits(256, 2, 8, True)
+    assert not routed_plan_fits(0, 2, 8, False) and not routed_plan_fits(513, 2, 8, False)
+    assert not routed_plan_fits(257, 2, 8, True) and not routed_plan_fits(8192, 2, 8, False)
+
+
+@needs_in_process
 def test_shapes_too_large_for_the_tile_fall_back():
     from occult.kernels.plan import supported
 

@@ -94,6 +94,10 @@ def test_region_sums_equal_plan_order_sums():
     rows_TJ = region_rows(row_TJ.to(DEVICE), counts_D.to(DEVICE), stride)
     got = gather_sum(regions_RH.to(DEVICE), rows_TJ, torch.float32).cpu()
     assert torch.allclose(got, expected, atol=1e-6), (counts_D.tolist(), starts.tolist())
+    # the same with the region rows found in the sum's own launch (the combine's path)
+    fused = gather_sum(regions_RH.to(DEVICE), row_TJ.to(DEVICE), torch.float32,
+                       regions=(counts_D.to(DEVICE), stride)).cpu()
+    assert torch.allclose(fused, expected, atol=1e-6), (counts_D.tolist(), starts.tolist())
 
 
 @needs_in_process

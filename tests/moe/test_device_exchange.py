@@ -60,8 +60,9 @@ class GlooTransport(symm.DeviceTransport):
             dist.all_gather_into_tensor(statuses, status.reshape(1).to(torch.int64), group=self.group)
         return out, recv_counts, statuses
 
-    def exchange_packed(self, rows, counts_D, stride, status=None):
-        """The real transport gathers the rows straight into the peers' memory; here: staged, then sent."""
+    def exchange_packed(self, rows, counts_D, stride, status=None, copy_counts=True):
+        """The real transport gathers the rows straight into the peers' memory; here: staged, then sent
+        (the counts and statuses are always fresh tensors: views or copies read the same)."""
         return self.exchange(rows.staged(), counts_D, stride, status=status)
 
 
