@@ -86,11 +86,15 @@ def agree_on_error(error: str | None) -> str | None:
 
 
 def finish(script: str, table: str, failed: list[str], tol: float, what: str = "variant(s)") -> int:
-    """A run's end: the table (rank 0), the process group destroyed; the exit status, 1 (rank 0 names the
-    variants) if any failed its check against the unconverted model, else 0."""
+    """A run's end: the table (rank 0), the process group destroyed (each rank says how long that took);
+    the exit status, 1 (rank 0 names the variants) if any failed its check against the unconverted
+    model, else 0."""
     log("\n" + table)
     rank = dist.get_rank()
+    started = time.perf_counter()
     finish_distributed()
+    # (a run killed after its table leaves this line out: whether it would have exited is then visible)
+    print(f"{script}: rank {rank} left the process group in {time.perf_counter() - started:.1f} s", flush=True)
     if failed:
         if rank == 0:
             print(f"{script}: error: {what} {', '.join(failed)} differ from the unconverted model "
