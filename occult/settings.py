@@ -21,7 +21,7 @@ __all__ = ["Settings", "SettingsError", "VARIABLES", "current", "reload"]
 
 GEMM_BACKENDS = ("auto", "triton", "grouped_mm")
 SCATTER_MODES = ("deterministic", "atomic")
-PLAN_BACKENDS = ("auto", "torch")
+PLAN_BACKENDS = ("auto", "torch", "triton")
 RANK_STARTS = ("spawn", "forkserver")
 _TRUE = ("1", "true", "yes", "on", "y")
 _FALSE = ("", "0", "false", "no", "off", "n")
@@ -38,7 +38,8 @@ class Settings:
     wgrad: str = "auto"  # OCCULT_WGRAD: weight gradients via torch._grouped_mm ("auto": Hopper/bf16)
     dgrad1: str = "auto"  # OCCULT_DGRAD1: the SwiGLU dgrad via torch._grouped_mm ("auto": Hopper/bf16)
     scatter: str = "deterministic"  # OCCULT_SCATTER: the kernels' row combine, or fp32 atomics ("atomic")
-    plan: str = "auto"  # OCCULT_PLAN: dispatch plans by Triton on CUDA ("auto") or torch ops ("torch")
+    plan: str = "auto"  # OCCULT_PLAN: dispatch plans by Triton on CUDA ("auto"), torch ops ("torch"), or Triton
+    # wherever it runs, its CPU interpreter too ("triton": for tests)
     cache: Path | None = None  # OCCULT_CACHE: where downloaded corpora are kept (None: the XDG cache)
     debug: bool = False  # OCCULT_DEBUG: the command line adds the traceback to a one-line error
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton runs kernels in its CPU interpreter

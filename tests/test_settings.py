@@ -54,7 +54,7 @@ def test_a_change_is_seen_at_the_next_call_and_nothing_is_parsed_otherwise(clean
     ("OCCULT_WGRAD", "cutlass", "auto, triton, grouped_mm"),
     ("OCCULT_DGRAD1", "fast", "auto, triton, grouped_mm"),
     ("OCCULT_SCATTER", "atomics", "deterministic, atomic"),
-    ("OCCULT_PLAN", "triton", "auto, torch"),
+    ("OCCULT_PLAN", "numpy", "auto, torch, triton"),
     ("OCCULT_DEBUG", "maybe", "1 or 0"),
     ("TRITON_INTERPRET", "2", "1 or 0"),
 ])

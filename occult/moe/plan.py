@@ -86,8 +86,10 @@ def standard_plan_torch(
 
 
 def _plan_kernel_usable(ids_TK: torch.Tensor, num_devices: int, top_k: int | None = None) -> bool:
-    """The Triton plans (`occult.kernels.plan`) serve CUDA tensors; `OCCULT_PLAN=torch` turns them off."""
-    if not ids_TK.is_cuda or settings.current().plan == "torch":
+    """The Triton plans (`occult.kernels.plan`) serve CUDA tensors; `OCCULT_PLAN=torch` turns them off,
+    `OCCULT_PLAN=triton` on for CPU tensors too under Triton's interpreter (`TRITON_INTERPRET=1`: tests)."""
+    chosen = settings.current()
+    if chosen.plan == "torch" or not (ids_TK.is_cuda or (chosen.plan == "triton" and chosen.triton_interpret)):
         return False
     from occult import kernels
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from occult import DenseMoE, OccultMoE, Placement, RoutingError
+from occult import DenseMoE, OccultMoE, Placement, RoutingError, check_routing
 from occult.distributed import run_ranks
 from occult.moe import agree, symm
 
@@ -101,8 +101,11 @@ def exactness_worker(rank: int, world: int, seed: int, dispatcher: str, dtype_na
         out["worst"] = max(out["worst"], float((p_dev.grad - p_cnt.grad).abs().max()))
     out["grown"] = device.dispatcher.transport.grown
     from occult.moe.device_exchange import packable
+    from occult.moe.plan import routed_plan
 
     out["packed"] = packable(x, torch.zeros(1, k, dtype=dtype))
+    out["routed"] = routed_plan(torch.zeros(4, k, dtype=torch.int64), torch.ones(4, k, dtype=dtype),
+                                device.expert_device_E, device.expert_slot_E, world, True) is not None
     return out
 
 
@@ -125,6 +128,50 @@ def test_pack_kernels_equal_the_torch_path(dispatcher, monkeypatch):
     results = run_ranks(exactness_worker, 2, random.randrange(2**31), dispatcher, "float32", timeout_s=300)
     for out in results:
         assert out["packed"] and out["worst"] < 1e-5, out
+
+
+@pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
+def test_one_launch_plan_through_the_layer(dispatcher, monkeypatch):
+    """Decode-sized batches plan and check their routing in one launch (`occult.moe.plan.routed_plan`,
+    on CPU under Triton's interpreter with OCCULT_PLAN=triton): outputs, gradients and counts equal
+    the count exchange's and the reference, calls of 5, 0, 3, 40, 300 and 1 tokens."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("OCCULT_PLAN", "triton")
+    results = run_ranks(exactness_worker, 2, random.randrange(2**31), dispatcher, "float32", timeout_s=300)
+    for out in results:
+        assert out["routed"] and out["worst"] < 1e-5, out
+
+
+def routed_status_worker(rank: int, world: int, seed: int) -> dict:
+    """NaN gates on rank 1 found by the one-launch plan: reported on every rank, over both transports."""
+    torch.manual_seed(seed)
+    dense = DenseMoE(8, 4, 4, 2, dtype=torch.float32)
+    device, counts = _layers(dense, Placement.contiguous(4, world), "dedup")
+    out = {}
+    x = torch.randn(6, 8)
+    bad = x.clone()
+    if rank == 1:
+        bad[2, 3] = float("nan")
+    for name, layer in (("device", device), ("counts", counts)):
+        try:
+            layer(bad)
+            check_routing()  # the device path raises it one call later or here
+            out[name] = "no error"
+        except RoutingError as exc:
+            out[name] = str(exc)
+        out[name + " after"] = tuple(layer(x).shape)
+    return out
+
+
+def test_one_launch_routing_status_reaches_every_rank(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("OCCULT_PLAN", "triton")
+    for out in run_ranks(routed_status_worker, 2, random.randrange(2**31), timeout_s=300):
+        for name in ("device", "counts"):
+            assert "rank 1: router produced NaN" in out[name], out
+            assert out[name + " after"] == (6, 8), out
 
 
 def bad_input_worker(rank: int, world: int, seed: int) -> dict:

@@ -86,3 +86,43 @@ def test_deferred_statuses_are_read_by_check_routing(monkeypatch):
         check_routing()
     assert status._PENDING == []  # read once: the next check has nothing left
     check_routing()
+
+
+def one_launch_worker(rank: int, world: int, seed: int, dispatcher: str) -> dict:
+    """One rank, OCCULT_PLAN=triton under Triton's interpreter: the slots and the routing status come
+    from one launch (`occult.moe.plan.routed_slots`); the layer still equals `DenseMoE`, and NaN gates
+    still raise (on CPU at the next one-rank call's check, or `check_routing()`)."""
+    from occult.moe.plan import routed_slots
+
+    torch.manual_seed(seed)
+    T, H, E, K = 1 + seed % 37, 16, 8, 1 + seed % 8
+    dense = DenseMoE(H, 12, E, K, dtype=torch.float32)
+    layer = OccultMoE.from_dense(dense, dispatcher=dispatcher)
+    x = torch.randn(T, H)
+    g = torch.randn(T, H)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    for model, xi in zip((layer, dense), xs):
+        (model(xi) * g).sum().backward()
+    out = {"routed": routed_slots(torch.zeros(2, K, dtype=torch.int64), torch.ones(2, K), layer.expert_slot_E) is not None,
+           "y": float((layer(x) - dense(x)).abs().max()), "dx": float((xs[0].grad - xs[1].grad).abs().max())}
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    try:
+        layer(bad)
+        check_routing()
+        out["nan"] = "no error"
+    except RoutingError as exc:
+        out["nan"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
+def test_one_rank_one_launch_slots_and_status(monkeypatch, dispatcher):
+    from occult.distributed import run_ranks
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("OCCULT_PLAN", "triton")
+    out = run_ranks(one_launch_worker, 1, random.randrange(2**31), dispatcher, timeout_s=300)[0]
+    assert out["routed"] and out["y"] < 1e-5 and out["dx"] < 1e-5, out
+    assert "router produced NaN" in out["nan"], out
