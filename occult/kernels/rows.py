@@ -61,9 +61,10 @@ def gather_sum(src_PN: torch.Tensor, index_TJ: torch.Tensor, out_dtype: torch.dt
     block_n = min(cfg.block_n, triton.next_power_of_2(n))
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(n, block_n))
     counts_D, region_stride = regions if regions is not None else (index_TJ, 0)
+    num_ranks = counts_D.shape[0] if regions is not None else 1  # (a constant without regions: one compile)
     _gather_sum_kernel[grid](
         src_PN, index_TJ, out, counts_D, num_tokens, n, num_j, src_PN.stride(0), out.stride(0), region_stride,
-        counts_D.shape[0], BLOCK_T=cfg.block_m, BLOCK_N=block_n, REGIONS=regions is not None,
-        D_POW2=triton.next_power_of_2(max(counts_D.shape[0], 1)), num_warps=cfg.num_warps,
+        num_ranks, BLOCK_T=cfg.block_m, BLOCK_N=block_n, REGIONS=regions is not None,
+        D_POW2=triton.next_power_of_2(num_ranks), num_warps=cfg.num_warps,
     )
     return out
