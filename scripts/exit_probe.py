@@ -1,6 +1,7 @@
 """Does a 2-rank run end after compile_layers + graph-captured decode? (issue 37's hang at exit)
 
     torchrun --nproc-per-node 2 scripts/exit_probe.py [--layers 4] [--no-compile] [--no-graph] [--before NAME]
+        [--transport auto|device|counts]
     bash scripts/exit_probe_matrix.sh OUT     # every configuration below, each bounded (2 GPUs)
 
 Each rank converts an OLMoE-shape model (random weights), compiles its decoder layers, generates
@@ -53,6 +54,7 @@ BEFORE = {"nothing": lambda model: None, "release": _release_decoder, "dynamo-re
 def main() -> None:
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
+    from occult import ExecConfig
     from occult.distributed import finish_distributed, init_distributed
     from occult.integrations import hf
 
@@ -64,6 +66,10 @@ def main() -> None:
                         help="dist.destroy_process_group() as the issue's run, or occult's finish_distributed")
     parser.add_argument("--before", choices=sorted(BEFORE), default="nothing",
                         help="what runs just before the teardown (which one lets it end names the cause)")
+    parser.add_argument("--transport", choices=["auto", "device", "counts"], default="auto",
+                        help="the layers' transport: 'counts' decodes sync-free over NCCL, so the decode graph "
+                             "holds captured NCCL collectives (the hang's configuration; 'auto' is the device "
+                             "transport on NVLink, whose graph holds none)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     rank, _ = init_distributed()
@@ -74,7 +80,7 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(dev):
         model = OlmoeForCausalLM(cfg).to(torch.bfloat16).eval()
-    hf.convert(model, dispatcher="dedup")
+    hf.convert(model, execution=ExecConfig(dispatcher="dedup", transport=args.transport))
     if not args.no_compile:
         hf.compile_layers(model)
     say(rank, t0, "converted" + ("" if args.no_compile else " + compile_layers"))

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 37's hang at exit, one configuration per run (2 GPUs, each bounded): which step before
-# dist.destroy_process_group() lets a compile_layers + graph-decode run end names the cause.
+# dist.destroy_process_group() lets a compile_layers + graph-decode run end names the cause. The layers
+# take "auto" (the device transport on NVLink: no NCCL collective in the decode graph) except in the
+# counts configurations (sync-free NCCL decode: captured NCCL collectives, as on a slow link).
 #   bash scripts/exit_probe_matrix.sh OUT [NAME ...]     (default: every configuration, in this order)
 set -uo pipefail
 out=${1:?usage: exit_probe_matrix.sh OUT}
@@ -14,9 +16,10 @@ probe() {  # probe NAME FLAGS...
   echo "$name rc=$? $((SECONDS - t0)) s: $*" | tee -a "$out/summary.txt"
 }
 declare -A flags=([baseline]="" [release]="--before release" [workers]="--before workers-shutdown"
-                   [no_graph]="--no-graph" [dynamo]="--before dynamo-reset" [no_compile]="--no-compile")
+                   [no_graph]="--no-graph" [dynamo]="--before dynamo-reset" [no_compile]="--no-compile"
+                   [counts]="--transport counts" [counts_finish]="--transport counts --teardown finish")
 shift
-names=("$@"); [ ${#names[@]} -gt 0 ] || names=(baseline release workers no_graph dynamo no_compile)
+names=("$@"); [ ${#names[@]} -gt 0 ] || names=(baseline release workers no_graph dynamo no_compile counts counts_finish)
 for name in "${names[@]}"; do
   [ -n "${flags[$name]+x}" ] || { echo "exit_probe_matrix.sh: unknown configuration '$name' (${!flags[*]})" >&2; exit 2; }
   probe "$name" ${flags[$name]}

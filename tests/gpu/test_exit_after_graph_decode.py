@@ -23,10 +23,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+@pytest.mark.parametrize("transport", ["auto", "counts"])
 @pytest.mark.parametrize("teardown", ["finish", "destroy"])
-def test_ranks_exit_after_compiled_graph_decode(teardown):
+def test_ranks_exit_after_compiled_graph_decode(teardown, transport):
+    """`auto` is the device transport on NVLink (its decode graph holds no NCCL collective); `counts`
+    decodes sync-free over NCCL, the captured collectives of the original hang (as on a slow link)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "scripts" / "exit_probe.py"), "--layers", "2", "--teardown", teardown]
+           str(ROOT / "scripts" / "exit_probe.py"), "--layers", "2", "--teardown", teardown, "--transport", transport]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
