@@ -13,6 +13,11 @@ steps slower than earlier ones, can make the estimate negative, and then `prefil
 raw number stays in `prefill_estimate_ms`). The first call's wall time (compilation
 or graph capture included) minus a steady call's is reported as `compile_s`. Each call's time is
 the slowest rank's (ranks meet at a barrier before each).
+
+Per-token latency of occult's `hf.generate` (`per_step_latency`): one more generate(n) call with each decode step
+of the decoder it keeps on the model timed (CUDA events around the step, its graph replay, the steps not
+waited on one by one; wall clock on CPU), the slowest rank's per step: p50/p90/p99 of those n - 1 steps.
+transformers' generate keeps no such step: its p99 stays None.
 """
 
 from __future__ import annotations
@@ -87,3 +92,57 @@ def time_generate(gen: Generate, prompts_BP: torch.Tensor, new_tokens: int, repe
             "first_call_s": first_ms / 1e3, "compile_s": max(first_ms - many_ms, 0.0) / 1e3,
             "decode_tokens_per_s_per_gpu": B / (step_ms / 1e3),
             "e2e_tokens_per_s_per_gpu": B * new_tokens / (many_ms / 1e3)}, out
+
+
+def per_step_latency(model: nn.Module, gen: Generate, prompts_BP: torch.Tensor, new_tokens: int,
+            device: torch.device) -> dict[str, Any]:
+    """Per-step latency of one more occult generate(n) call (module docstring): {"ms_p90", "ms_p99",
+    "step_events_ms_p50", "step_ms_all"}, or {} where the call kept no decoder on the model (or not the same one
+    on every rank)."""
+    kept = getattr(model, "_occult_decoder", None)
+    dec = kept[1] if kept is not None else None
+    times: list[Callable[[], float]] = []
+    if dec is not None:
+        original = dec.step
+
+        def timed(ids_B: torch.Tensor | None = None) -> torch.Tensor:
+            stop = _stopwatch(device)
+            logits = original(ids_B)
+            times.append(stop())
+            return logits
+
+        dec.step = timed  # this instance only, for this call
+    try:
+        dist.barrier()
+        gen(prompts_BP, new_tokens)
+    finally:
+        if dec is not None:
+            del dec.step
+    synchronize(device)
+    ms = [t() for t in times]
+    lengths = torch.tensor([len(ms), -len(ms)], device=device)
+    dist.all_reduce(lengths, op=dist.ReduceOp.MAX)
+    if not ms or int(lengths[0]) != -int(lengths[1]):
+        return {}
+    ms = slowest(ms, device)
+    p50, p90, p99 = quantiles(ms, [0.5, 0.9, 0.99])
+    return {"ms_p90": p90, "ms_p99": p99, "step_events_ms_p50": p50, "step_ms_all": ms}
+
+
+def _stopwatch(device: torch.device) -> Callable[[], Callable[[], float]]:
+    """Started now; calling it marks the end and gives a reader of the milliseconds in between (CUDA events on
+    GPUs, read after a synchronize; wall clock elsewhere)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+
+        def stop_cuda() -> Callable[[], float]:
+            end.record()
+            return lambda: start.elapsed_time(end)
+        return stop_cuda
+    t0 = time.perf_counter()
+
+    def stop_wall() -> Callable[[], float]:
+        elapsed = (time.perf_counter() - t0) * 1e3
+        return lambda: elapsed
+    return stop_wall

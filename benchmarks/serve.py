@@ -55,7 +55,8 @@ atomically after every result and prints a Markdown table last.
 
 The generate variants are whole calls timed from outside (benchmarks/_generate_runs.py): step =
 (generate(n) - generate(m)) / (n - m) with n = --new-tokens, m = max(2, n // 2) (a mean, shown as
-p50; no p99), prefill = generate(m) - (m - 1) steps (none when that estimate is not positive). Every table row also gives the speed-up over native (native-generate's
+p50; occult's `hf.generate` also gets p90/p99 from each step of one more call, timed around its decoder's
+step; transformers' generate no p99), prefill = generate(m) - (m - 1) steps (none when that estimate is not positive). Every table row also gives the speed-up over native (native-generate's
 step / the row's, and native-generate+compile's; native's StaticDecoder step where generate was
 not run), the share of the copy bandwidth measured in the same run that the step's bytes need
 (weights the step must read, the experts B tokens select, and the K/V attended: benchmarks/_roofline.py),
@@ -89,7 +90,7 @@ from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tab
     free_memory, log,
     markdown_table, new_report, parser, quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
 )
-from _generate_runs import generate_fn, time_generate  # noqa: E402  (benchmarks/_generate_runs.py)
+from _generate_runs import generate_fn, per_step_latency, time_generate  # noqa: E402  (benchmarks/_generate_runs.py)
 from _roofline import ModelCost, bandwidth, measure_peaks  # noqa: E402  (benchmarks/_roofline.py)
 from decode import build_base, model_config  # noqa: E402
 
@@ -283,7 +284,10 @@ def generate_run(model: nn.Module, name: str, batch: int, prompts_BP: torch.Tens
     """A whole-generate variant timed (benchmarks/_generate_runs.py); native-generate+compile's tokens
     compared with native-generate's (report only: bf16 kernels differ)."""
     spec = VARIANTS[name]
-    res, ids = time_generate(generate_fn(spec.generate, model), prompts_BP, args.new_tokens, args.repeats, ctx["device"])
+    gen = generate_fn(spec.generate, model)
+    res, ids = time_generate(gen, prompts_BP, args.new_tokens, args.repeats, ctx["device"])
+    if spec.generate.startswith("occult"):  # its per-token latency, from the steps of one more call
+        res.update(per_step_latency(model, gen, prompts_BP, args.new_tokens, ctx["device"]))
     if spec.generate == "native+compile":
         res["auto_compiled"] = hasattr(model, "_compiled_call")  # transformers' compiled forward exists
         eager = ctx.setdefault("native_ids", {}).get(batch)

@@ -99,7 +99,11 @@ def test_serve_tiny_every_variant(tmp_path):
     for name in SERVE_GENERATE:  # native: transformers' generate on the unconverted model; generate: hf.generate
         for b in BATCHES:
             r = report["variants"][name][b]
-            assert r["check"]["passed"] and r["ms_p50"] > 0 and r["ms_p99"] is None, (name, b, r)
+            assert r["check"]["passed"] and r["ms_p50"] > 0, (name, b, r)
+            if name == "native-generate":  # transformers' generate: no step of its own to time
+                assert r["ms_p99"] is None, (name, b, r)
+            else:  # occult's: each of one more call's 3 decode steps timed, the slowest rank's
+                assert len(r["step_ms_all"]) == 3 and 0 < r["step_events_ms_p50"] <= r["ms_p90"] <= r["ms_p99"], r
             assert len(r["generate_ms_all"]) == len(r["shorter_ms_all"]) == 2 and r["compile_s"] >= 0
             assert r["shorter_calls_tokens"] == 2
             assert r["generate_ms_p50"] == pytest.approx(r["prefill_estimate_ms"] + 3 * r["ms_p50"])
