@@ -25,6 +25,7 @@ and the routing status (`occult.moe.counts.routing_status`: ids clamped into ran
 out of it, else 1 for NaN/inf gates) in one launch, the unused rows' fill included. At batch 1 a
 layer's expert-parallel work is a chain of tiny kernels; this one replaces about a dozen of them.
 `routed_slots` is the one-rank case: the local slots of the clamped ids and the status, one launch.
+`fixed_plan_rows`: the sync-free (fixed-capacity) plans of either kind in one launch, ids clamped.
 """
 
 from __future__ import annotations
@@ -204,6 +205,88 @@ def routed_slots(ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_slot_E: 
                                num_tokens, top_k, expert_slot_E.shape[0], BLOCK_T=triton.next_power_of_2(num_tokens),
                                K_POW2=_pow2(top_k), num_warps=4)
     return slots, status
+
+
+@triton.jit
+def _fixed_plan_kernel(ids_ptr, device_of_ptr, slot_of_ptr, rows_ptr, row_TJ_ptr, counts_ptr, num_tokens, top_k,
+                       num_devices, num_experts, per_device, row_stride, BLOCK_T: tl.constexpr, K_POW2: tl.constexpr,
+                       D_POW2: tl.constexpr, J_POW2: tl.constexpr, STANDARD: tl.constexpr):
+    """The fixed-capacity plans of `occult.moe.plan.static_dedup_plan` / `static_standard_plan`, ids clamped
+    (sync-free: nothing is reported); every row written once (no fill, no ordering between stores)."""
+    t = tl.arange(0, BLOCK_T)
+    j = tl.arange(0, K_POW2)
+    in_T = t < num_tokens
+    valid_TK = in_T[:, None] & (j[None, :] < top_k)
+    ids_TK = tl.minimum(tl.maximum(tl.load(ids_ptr + t[:, None] * top_k + j[None, :], mask=valid_TK, other=0), 0),
+                        num_experts - 1)
+    dev_TK = tl.load(device_of_ptr + ids_TK, mask=valid_TK, other=-1)
+    slot_TK = tl.load(slot_of_ptr + ids_TK, mask=valid_TK, other=-1)
+    d = tl.arange(0, D_POW2)
+    d_ok = d < num_devices
+    entry_TK = (t[:, None] * top_k + j[None, :]).to(tl.int64)
+    if STANDARD:  # row d*C + t*J + i: token t's i-th expert on device d (C = T*J)
+        earlier_TKK = (j[None, None, :] < j[None, :, None]) & (dev_TK[:, None, :] == dev_TK[:, :, None])
+        pos_TK = tl.sum(earlier_TKK.to(tl.int32), axis=2)
+        capacity = num_tokens * per_device
+        # (an entry past J only comes from ids clamped onto an id the token already has: dropped, as
+        # sync-free reports nothing, rather than pointing into another token's rows)
+        tl.store(row_TJ_ptr + t[:, None] * top_k + j[None, :],
+                 tl.where(pos_TK < per_device, dev_TK.to(tl.int64) * capacity + t[:, None] * per_device + pos_TK, -1),
+                 mask=valid_TK)
+        m = tl.arange(0, D_POW2 * J_POW2)  # (device, i) pairs on one axis: tiles stay [T, M, K]
+        d_M, i_M = m // J_POW2, m % J_POW2
+        match_TMK = ((dev_TK[:, None, :] == d_M[None, :, None]) & (pos_TK[:, None, :] == i_M[None, :, None])
+                     & valid_TK[:, None, :])
+        entry_TM = tl.max(tl.where(match_TMK, entry_TK[:, None, :], -1), axis=2)
+        slot_TM = tl.max(tl.where(match_TMK, slot_TK[:, None, :].to(tl.int64), -1), axis=2)
+        at_TM = (d_M[None, :].to(tl.int64) * capacity + t[:, None] * per_device + i_M[None, :]) * row_stride
+        mask_TM = in_T[:, None] & (d_M < num_devices)[None, :] & (i_M < per_device)[None, :]
+        tl.store(rows_ptr + at_TM, t[:, None].to(tl.int64) + 0 * at_TM, mask=mask_TM)
+        tl.store(rows_ptr + at_TM + 1, entry_TM, mask=mask_TM)
+        tl.store(rows_ptr + at_TM + 2, slot_TM, mask=mask_TM)
+        tl.store(counts_ptr + d, (capacity + 0 * d).to(tl.int64), mask=d_ok)
+    else:  # row d*T + t: token t's copy for device d, its experts there (all -1 when none)
+        row_TD = d[None, :].to(tl.int64) * num_tokens + t[:, None]
+        mask_TD = in_T[:, None] & d_ok[None, :]
+        hit_TDK = dev_TK[:, None, :] == d[None, :, None]
+        tl.store(row_TJ_ptr + t[:, None] * num_devices + d[None, :],
+                 tl.where(tl.max(hit_TDK.to(tl.int32), axis=2) > 0, row_TD, -1), mask=mask_TD)
+        at_TDK = row_TD[:, :, None] * row_stride + 1 + j[None, None, :]
+        mask_TDK = mask_TD[:, :, None] & (j < top_k)[None, None, :]
+        tl.store(rows_ptr + row_TD * row_stride, t[:, None].to(tl.int64) + 0 * row_TD, mask=mask_TD)
+        tl.store(rows_ptr + at_TDK, tl.where(hit_TDK, entry_TK[:, None, :], -1), mask=mask_TDK)
+        tl.store(rows_ptr + at_TDK + top_k, tl.where(hit_TDK, slot_TK[:, None, :].to(tl.int64), -1), mask=mask_TDK)
+        tl.store(counts_ptr + d, (num_tokens + 0 * d).to(tl.int64), mask=d_ok)
+
+
+def fixed_plan_fits(num_tokens: int, num_devices: int, top_k: int, per_device: int | None) -> bool:
+    """Whether one program builds this fixed-capacity plan (`fixed_plan_rows`; `per_device` = J for the
+    standard plan, None for dedup): a decode-sized [T, D, (J,) K] tile."""
+    tile = triton.next_power_of_2(max(num_tokens, 1)) * _pow2(num_devices) * _pow2(top_k)
+    return 0 < num_tokens and tile * (_pow2(per_device) if per_device else 1) <= ROUTED_TILE
+
+
+def fixed_plan_rows(
+    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int,
+    per_device: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_P, entry_PK, slot_PK, send_counts_D, row_TJ) of the fixed-capacity dedup plan, or with
+    `per_device` = J = min(k, E/D) the standard one, as `static_dedup_plan` / `static_standard_plan` give
+    them, of ids clamped into range, in one launch. Only where `fixed_plan_fits`."""
+    num_tokens, top_k = ids_TK.shape
+    dev = ids_TK.device
+    k = 1 if per_device else top_k
+    num_rows = num_devices * num_tokens * (per_device or 1)
+    rows = torch.empty((num_rows, 1 + 2 * k), dtype=torch.int64, device=dev)
+    row_TJ = torch.empty((num_tokens, top_k if per_device else num_devices), dtype=torch.int64, device=dev)
+    counts = torch.empty(num_devices, dtype=torch.int64, device=dev)
+    _fixed_plan_kernel[(1,)](
+        ids_TK.contiguous(), expert_device_E.contiguous(), expert_slot_E.contiguous(), rows, row_TJ, counts, num_tokens,
+        top_k, num_devices, expert_device_E.shape[0], per_device or 1, rows.stride(0),
+        BLOCK_T=triton.next_power_of_2(num_tokens), K_POW2=_pow2(top_k), D_POW2=_pow2(num_devices),
+        J_POW2=_pow2(per_device or 1), STANDARD=bool(per_device), num_warps=4,
+    )
+    return rows[:, 0], rows[:, 1 : 1 + k], rows[:, 1 + k :], counts, row_TJ
 
 
 def _block_tokens(d_pow2: int, k_pow2: int) -> int:

@@ -8,8 +8,8 @@ one autograd node). `combine` returns one row per received row and sums each tok
 Backward sends as many rows as forward: gradient rows retrace both all-to-alls in reverse, and
 the gate gradients (k scalars per row) return with the dispatch's backward. On a group of one
 rank every schedule is the identity of `occult.moe.local`: no plan, no copies, no host wait.
-For a decode-sized batch on a GPU the plan and the routing status come from one launch
-(`occult.moe.plan.routed_plan`). With the device transport (`occult.moe.symm`, chosen once when the dispatcher is built:
+For a decode-sized batch on a GPU the plan and the routing status (sync-free: the fixed-capacity
+plan) come from one launch (`occult.moe.plan.routed_plan`). With the device transport (`occult.moe.symm`, chosen once when the dispatcher is built:
 `transport="device"`, NCCL groups of one host), the plain schedule runs over it
 (`occult.moe.device_exchange`): the counts stay on the device.
 """
@@ -65,9 +65,10 @@ class FlatDispatcher(Dispatcher):
         self.check_schedule(schedule)
         if self.num_ranks == 1:  # nothing to send
             return self.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status)
-        # the plan and the routing status of one launch, for a decode-sized batch with no status yet
-        routed = None if status is not None or schedule.sync_free else routed_plan(
-            ids_TK, weights_TK, expert_map.device_E, expert_map.slot_E, self.num_ranks, self.capabilities.deduplicated)
+        # the plan and the routing status (none when sync-free) of one launch, for a decode-sized batch
+        routed = None if status is not None else routed_plan(
+            ids_TK, weights_TK, expert_map.device_E, expert_map.slot_E, self.num_ranks, self.capabilities.deduplicated,
+            schedule.sync_free)
         if routed is not None:
             plan, status = routed
         else:
@@ -109,11 +110,10 @@ class FlatDispatcher(Dispatcher):
     def dispatch_local(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
                        expert_map: ExpertMap, schedule: Schedule, status: torch.Tensor | None) -> tuple[Received, Handle]:
         """The one-rank schedule (`occult.moe.local`), the slots and the status of one launch where it can."""
-        routed = None if status is not None or schedule.sync_free else routed_slots(ids_TK, weights_TK,
-                                                                                   expert_map.slot_E)
+        routed = None if status is not None else routed_slots(ids_TK, weights_TK, expert_map.slot_E, schedule.sync_free)
         slots_TK = None
         if routed is not None:
-            slots_TK, status = routed
+            slots_TK, status = routed[0], None if schedule.sync_free else routed[1]
         else:
             ids_TK, status = checked_ids(weights_TK, ids_TK, expert_map, schedule, status)
         return local.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status,

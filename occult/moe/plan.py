@@ -118,36 +118,44 @@ def dedup_plan(
 _ROUTED_GATES = (torch.float16, torch.bfloat16, torch.float32)  # what the one-launch plan checks for NaN/inf
 
 
-def _routed_usable(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_devices: int, top_k: int | None = None) -> bool:
-    """The one-launch kernels serve these tensors: the plan kernels' conditions, gates they check, and
-    not while torch.compile traces (the torch ops trace, and inductor fuses them)."""
-    return (weights_TK.dtype in _ROUTED_GATES and not torch.compiler.is_compiling()
+def _routed_usable(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_devices: int, top_k: int | None = None,
+                   sync_free: bool = False) -> bool:
+    """The one-launch kernels serve these tensors: the plan kernels' conditions, gates they check (none
+    when sync-free), and not while torch.compile traces (the torch ops trace, and inductor fuses them)."""
+    return ((sync_free or weights_TK.dtype in _ROUTED_GATES) and not torch.compiler.is_compiling()
             and _plan_kernel_usable(ids_TK, num_devices, top_k))
 
 
 def routed_plan(
     ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor,
-    num_devices: int, deduplicated: bool,
-) -> tuple[DispatchPlan, torch.Tensor] | None:
+    num_devices: int, deduplicated: bool, sync_free: bool = False,
+) -> tuple[DispatchPlan, torch.Tensor | None] | None:
     """(the dedup or standard plan, the routing status) from one launch, for a batch one Triton program
     holds on a GPU (a decode step: the layer is a chain of tiny kernels there); None elsewhere, where
-    the caller makes them apart (`occult.moe.counts.routing_status`, then the plan)."""
+    the caller makes them apart (`occult.moe.counts.routing_status`, then the plan). `sync_free`: the
+    fixed-capacity plan of the clamped ids (`static_dedup_plan`, `static_standard_plan`) and no status."""
     pairs = not deduplicated
-    if not _routed_usable(ids_TK, weights_TK, num_devices, top_k=1 if pairs else None):
+    if not ids_TK.shape[1] or not _routed_usable(ids_TK, weights_TK, num_devices, 1 if pairs else None, sync_free):
         return None
-    from occult.kernels.plan import routed_plan_fits, routed_plan_rows
+    from occult.kernels.plan import fixed_plan_fits, fixed_plan_rows, routed_plan_fits, routed_plan_rows
 
-    if not ids_TK.shape[1] or not routed_plan_fits(ids_TK.shape[0], num_devices, ids_TK.shape[1], pairs):
+    num_tokens, top_k = ids_TK.shape
+    if sync_free:
+        per_device = min(top_k, expert_device_E.shape[0] // num_devices) if pairs else None
+        if not fixed_plan_fits(num_tokens, num_devices, top_k, per_device):
+            return None
+        return DispatchPlan(*fixed_plan_rows(ids_TK, expert_device_E, expert_slot_E, num_devices, per_device)), None
+    if not routed_plan_fits(num_tokens, num_devices, top_k, pairs):
         return None
     *fields, status = routed_plan_rows(ids_TK, weights_TK, expert_device_E, expert_slot_E, num_devices, pairs)
     return DispatchPlan(*fields), status
 
 
-def routed_slots(ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_slot_E: torch.Tensor
+def routed_slots(ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_slot_E: torch.Tensor, sync_free: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(local slots of the clamped ids, routing status) from one launch, for a one-rank dispatch of a
-    batch as `routed_plan` takes; None elsewhere."""
-    if not _routed_usable(ids_TK, weights_TK, 1) or not ids_TK.shape[0] or not ids_TK.shape[1]:
+    batch as `routed_plan` takes; None elsewhere. `sync_free`: the caller drops the status (then any gates do)."""
+    if not ids_TK.shape[0] or not ids_TK.shape[1] or not _routed_usable(ids_TK, weights_TK, 1, None, sync_free):
         return None
     from occult.kernels.plan import routed_plan_fits, routed_slots as routed_slots_rows
 

@@ -14,7 +14,7 @@ import torch
 # first: Triton's CPU interpreter without a GPU, or this file in a fresh process (test_in_subprocess)
 from _triton_interpreter import DEVICE, IN_PROCESS, needs_in_process, run_file_in_fresh_process
 
-from occult.moe.plan import dedup_plan_torch, standard_plan_torch
+from occult.moe.plan import dedup_plan_torch, standard_plan_torch, static_dedup_plan, static_standard_plan
 
 
 def _case(num_tokens: int, top_k: int, num_devices: int, per_device: int, seed: int):
@@ -130,6 +130,52 @@ def test_one_launch_slots_equal_torch_and_status(num_tokens, top_k, num_experts)
     slots, status = routed_slots(ids, weights, slot_E)
     assert int(status) == int(ref_status) == bad, f"seed {seed}"
     assert torch.equal(slots.cpu(), slot_E[clamped].cpu()), f"seed {seed}"
+
+
+@needs_in_process
+@pytest.mark.parametrize("standard", [False, True])
+@pytest.mark.parametrize("num_tokens,top_k,num_devices,per_device", [
+    (1, 1, 2, 4), (1, 8, 2, 32), (7, 2, 2, 4), (37, 4, 4, 4), (19, 3, 3, 2), (50, 6, 2, 3), (16, 8, 2, 32),
+    (33, 2, 16, 2), (1, 4, 8, 1),
+])
+def test_one_launch_fixed_plan_equals_torch(standard, num_tokens, top_k, num_devices, per_device):
+    """`fixed_plan_rows` (the sync-free plans in one program) == `static_dedup_plan` / `static_standard_plan`
+    of the clamped ids, field by field (ids out of range clamped as `clamp_ids` does)."""
+    from occult.kernels.plan import fixed_plan_fits, fixed_plan_rows
+    from occult.moe.counts import clamp_ids
+
+    seed = random.randrange(2**31)
+    ids, device_E, slot_E = _case(num_tokens, top_k, num_devices, per_device, seed)
+    if seed % 3 == 1 and not standard:  # an id past the end and a negative one: clamped (the standard plan's
+        ids = ids.clone()  # torch reference cannot take the duplicates clamping may make: next test)
+        ids[0, 0], ids[-1, -1] = device_E.shape[0] + 7, -2
+    J = min(top_k, per_device) if standard else None
+    assert fixed_plan_fits(num_tokens, num_devices, top_k, J)
+    clamped = clamp_ids(ids, device_E.shape[0])
+    planner = static_standard_plan if standard else static_dedup_plan
+    ref = planner(clamped, device_E, slot_E, num_devices, per_device)
+    got = fixed_plan_rows(ids, device_E, slot_E, num_devices, J)
+    for name, a, b in zip(("token_P", "entry_PK", "slot_PK", "send_counts_D", "row_TJ"), got,
+                          (ref.token_P, ref.entry_PK, ref.slot_PK, ref.send_counts_D, ref.row_TJ)):
+        assert a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), f"{name}, seed {seed}"
+
+
+@needs_in_process
+def test_one_launch_fixed_standard_plan_drops_duplicates_clamping_makes():
+    """Ids clamped onto one the token has already: its extra entry on a full device gets no row (-1), never
+    another token's row (sync-free reports nothing; the torch plan would index out of range)."""
+    from occult.kernels.plan import fixed_plan_rows
+
+    device_E = torch.tensor([0, 0, 1, 1]).to(DEVICE)
+    slot_E = torch.tensor([0, 1, 0, 1]).to(DEVICE)
+    ids = torch.tensor([[0, 1, 9], [2, 3, 0]]).to(DEVICE)  # 9 -> 3: token 0 has two experts on device 1, fine
+    ids_dup = torch.tensor([[1, 0, 9, 7]]).to(DEVICE)  # 9, 7 -> 3, 3: device 1 gets 2 entries, room for 2 (J = 2)
+    _, _, _, _, row_TJ = fixed_plan_rows(ids, device_E, slot_E, 2, 2)
+    assert (row_TJ >= 0).all() and int(row_TJ.max()) < 2 * 2 * 2
+    ids_over = torch.tensor([[0, 1, 9, -1]]).to(DEVICE)  # -> 0, 1, 3, 0: device 0 gets 3 entries, room for 2
+    _, entry_P1, _, _, row_TJ = fixed_plan_rows(ids_over, device_E, slot_E, 2, 2)
+    assert row_TJ.cpu().tolist() == [[0, 1, 2, -1]], row_TJ
+    assert int(fixed_plan_rows(ids_dup, device_E, slot_E, 2, 2)[4].max()) < 4
 
 
 @needs_in_process

@@ -182,6 +182,18 @@ def test_ranks_match_dense(world_size):
     _check_results(cases, per_rank)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_one_launch_plans_match_dense(world_size, monkeypatch):
+    """The same cases with the decode-sized batches' one-launch kernels (`occult.moe.plan.routed_plan`: plan +
+    routing status, or the fixed-capacity plan when sync-free; `routed_slots` on one rank), run by Triton's CPU
+    interpreter (OCCULT_PLAN=triton): outputs, every gradient and row counts as exact as the torch ops'."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("OCCULT_PLAN", "triton")
+    cases = _cases_for(world_size)
+    _check_results(cases, run_ranks(run_cases, world_size, cases, timeout_s=300))
+
+
 def test_dedup_sends_fewer_rows_than_standard():
     cases = [_case(dispatcher=d, experts=16, top_k=4, tokens=[64, 64]) for d in ("dedup", "standard")]
     cases[1]["seed"] = cases[0]["seed"]
