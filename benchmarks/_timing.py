@@ -94,7 +94,8 @@ def finish(script: str, table: str, failed: list[str], tol: float, what: str = "
     started = time.perf_counter()
     finish_distributed()
     # (a run killed after its table leaves this line out: whether it would have exited is then visible)
-    print(f"{script}: rank {rank} left the process group in {time.perf_counter() - started:.1f} s", flush=True)
+    print(f"{script}: rank {rank} left the process group in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+          flush=True)
     if failed:
         if rank == 0:
             print(f"{script}: error: {what} {', '.join(failed)} differ from the unconverted model "
