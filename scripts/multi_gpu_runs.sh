@@ -27,8 +27,8 @@
 #           standard, dedup (train-slow: the same with NCCL_P2P_DISABLE=1)               issue 15
 #           (carry .gpudata: `python -m occult data prepare --out .gpudata --vocab-size 8000`)
 # serve     decode and serving, OLMoE and Qwen3 shapes, B = 1-256 per GPU: transformers' compiled generate,
-#           the replicated floor (compiled, captured) and occult EP generate (captured, +compiled; NVLink
-#           also over the device transport), NVLink
+#           the replicated floor (compiled, captured) and occult EP generate (compiled, captured; "auto": the
+#           device transport on NVLink), NVLink (SERVE_VARIANTS overrides the list)
 #           (serve-slow: NCCL_P2P_DISABLE=1); then benchmarks/serve_plot.py: table and plot    issues 16, 37
 # probe     torch.compile reduce-overhead with traced all-to-alls; host syncs; layer bench  issues 14, 16
 # scale     one migration of the OLMoE-shape expert state; two-level dispatch (4 GPUs)   issues 17, 18
@@ -126,10 +126,10 @@ json.dump(dict(m, link=sys.argv[2], variant=sys.argv[3], gpus=$n), open(sys.argv
     links="nvlink slow"; [ "$part" = serve ] && links=nvlink; [ "$part" = serve-slow ] && links=slow
     for link in $links; do
       env_=""; [ $link = slow ] && env_="NCCL_P2P_DISABLE=1"
-      # the device transport's peer stores ride NVLink whatever NCCL_P2P_DISABLE says: NVLink only
-      serve_variants=native-generate+compile,replicated+compile+graph,generate+graph,generate+compile+graph
-      [ $link = nvlink ] && serve_variants=$serve_variants,generate@device+graph,generate@device+compile+graph
-      for model in ${MODELS:-olmoe qwen3}; do  # ~5-8 min a shape: MODELS=olmoe for one shape a call
+      # issue 37's three (transformers, the floor, occult EP: "auto" = the device transport on NVLink, the
+      # sync-free count exchange with NCCL_P2P_DISABLE); SERVE_VARIANTS to choose others
+      serve_variants=${SERVE_VARIANTS:-native-generate+compile,replicated+compile+graph,generate+compile+graph}
+      for model in ${MODELS:-olmoe qwen3}; do  # ~5-6 min a shape: MODELS=olmoe for one shape a call
         run "serve_${model}_$link" "${SERVE_TIMEOUT_S:-540}" env $env_ $tr benchmarks/serve.py --model $model --batch 1,8,64,256 \
           --prompt-len 128 --new-tokens 32 --repeats 3 \
           --variants "$serve_variants" \
