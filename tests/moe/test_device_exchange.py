@@ -120,27 +120,17 @@ def test_device_path_equals_count_exchange_and_reference(dispatcher, dtype_name)
 
 
 @pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
-def test_pack_kernels_equal_the_torch_path(dispatcher, monkeypatch):
-    """float32 ranks take the pack/unpack kernels (`occult.kernels.pack`) under Triton's CPU
-    interpreter: the same outputs, gradients and counts as the count exchange."""
+def test_kernels_equal_the_torch_path(dispatcher, monkeypatch):
+    """float32 ranks under Triton's CPU interpreter take the GPU's kernels: the pack/unpack of the device
+    transport (`occult.kernels.pack`) and, with OCCULT_PLAN=triton, the decode-sized batches' plan and routing
+    check in one launch (`occult.moe.plan.routed_plan`): outputs, gradients and counts equal the count
+    exchange's and the reference, calls of 5, 0, 3, 40, 300 and 1 tokens."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks start with it
-    results = run_ranks(exactness_worker, 2, random.randrange(2**31), dispatcher, "float32", timeout_s=300)
-    for out in results:
-        assert out["packed"] and out["worst"] < 1e-5, out
-
-
-@pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
-def test_one_launch_plan_through_the_layer(dispatcher, monkeypatch):
-    """Decode-sized batches plan and check their routing in one launch (`occult.moe.plan.routed_plan`,
-    on CPU under Triton's interpreter with OCCULT_PLAN=triton): outputs, gradients and counts equal
-    the count exchange's and the reference, calls of 5, 0, 3, 40, 300 and 1 tokens."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks start with it
     monkeypatch.setenv("OCCULT_PLAN", "triton")
     results = run_ranks(exactness_worker, 2, random.randrange(2**31), dispatcher, "float32", timeout_s=300)
     for out in results:
-        assert out["routed"] and out["worst"] < 1e-5, out
+        assert out["packed"] and out["routed"] and out["worst"] < 1e-5, out
 
 
 def routed_status_worker(rank: int, world: int, seed: int) -> dict:
