@@ -90,16 +90,22 @@ def _place_kernel(ids_ptr, device_of_ptr, slot_of_ptr, counts_ptr, cum_ptr, rows
 
 
 @triton.jit
-def _checked_ids(ids_ptr, w_ptr, status_ptr, num_tokens, top_k, num_experts, BLOCK_T: tl.constexpr,
-                 K_POW2: tl.constexpr):
-    """A batch's ids [T, K] clamped into [0, E), and its routing status stored (2 ids out of range,
-    else 1 NaN/inf gates, else 0; gates checked in fp32)."""
+def _clamped_ids(ids_ptr, num_tokens, top_k, num_experts, BLOCK_T: tl.constexpr, K_POW2: tl.constexpr):
+    """A batch's ids [T, K] as given and clamped into [0, E), with their token and column indices."""
     t = tl.arange(0, BLOCK_T)
     j = tl.arange(0, K_POW2)
     in_T = t < num_tokens
     valid_TK = in_T[:, None] & (j[None, :] < top_k)
     raw_TK = tl.load(ids_ptr + t[:, None] * top_k + j[None, :], mask=valid_TK, other=0)
-    ids_TK = tl.minimum(tl.maximum(raw_TK, 0), num_experts - 1)
+    return t, j, in_T, valid_TK, raw_TK, tl.minimum(tl.maximum(raw_TK, 0), num_experts - 1)
+
+
+@triton.jit
+def _checked_ids(ids_ptr, w_ptr, status_ptr, num_tokens, top_k, num_experts, BLOCK_T: tl.constexpr,
+                 K_POW2: tl.constexpr):
+    """A batch's ids [T, K] clamped into [0, E), and its routing status stored (2 ids out of range,
+    else 1 NaN/inf gates, else 0; gates checked in fp32)."""
+    t, j, in_T, valid_TK, raw_TK, ids_TK = _clamped_ids(ids_ptr, num_tokens, top_k, num_experts, BLOCK_T, K_POW2)
     w_TK = tl.load(w_ptr + t[:, None] * top_k + j[None, :], mask=valid_TK, other=0.0).to(tl.float32)
     bad_ids = tl.max(tl.max((valid_TK & (raw_TK != ids_TK)).to(tl.int32), axis=1), axis=0)
     bad_w = tl.max(tl.max((valid_TK & ((w_TK - w_TK) != 0)).to(tl.int32), axis=1), axis=0)  # NaN or inf
@@ -213,12 +219,7 @@ def _fixed_plan_kernel(ids_ptr, device_of_ptr, slot_of_ptr, rows_ptr, row_TJ_ptr
                        D_POW2: tl.constexpr, J_POW2: tl.constexpr, STANDARD: tl.constexpr):
     """The fixed-capacity plans of `occult.moe.plan.static_dedup_plan` / `static_standard_plan`, ids clamped
     (sync-free: nothing is reported); every row written once (no fill, no ordering between stores)."""
-    t = tl.arange(0, BLOCK_T)
-    j = tl.arange(0, K_POW2)
-    in_T = t < num_tokens
-    valid_TK = in_T[:, None] & (j[None, :] < top_k)
-    ids_TK = tl.minimum(tl.maximum(tl.load(ids_ptr + t[:, None] * top_k + j[None, :], mask=valid_TK, other=0), 0),
-                        num_experts - 1)
+    t, j, in_T, valid_TK, _, ids_TK = _clamped_ids(ids_ptr, num_tokens, top_k, num_experts, BLOCK_T, K_POW2)
     dev_TK = tl.load(device_of_ptr + ids_TK, mask=valid_TK, other=-1)
     slot_TK = tl.load(slot_of_ptr + ids_TK, mask=valid_TK, other=-1)
     d = tl.arange(0, D_POW2)

@@ -110,6 +110,12 @@ class OccultMoE(nn.Module):
         self.execution = replace(self.execution, sync_free=enabled)
 
     @property
+    def waits_for_gpu(self) -> bool:
+        """Whether a forward waits on the host for the GPU (the count exchange's row counts: several
+        ranks, not sync-free, not the device transport); such a forward cannot be captured."""
+        return self.num_ranks > 1 and not self.sync_free and self.dispatcher.transport_name != "device"
+
+    @property
     def expert_backend(self) -> str:
         return self.execution.expert_backend
 
@@ -164,8 +170,7 @@ class OccultMoE(nn.Module):
         for the GPU (device transport, sync-free, one rank) and an input it accepts."""
         if not self.execution.graphs or not x.is_cuda or torch.is_grad_enabled() or pending.capturing():
             return False
-        no_wait = self.num_ranks == 1 or self.sync_free or self.dispatcher.transport_name == "device"
-        return no_wait and not self._input_status(x)
+        return not self.waits_for_gpu and not self._input_status(x)
 
     def _replayed(self, x: torch.Tensor, while_waiting: Callable[[], None] | None) -> torch.Tensor:
         x_TH = x.reshape(-1, self.hidden_size)

@@ -71,7 +71,6 @@ def compile_layers(model: nn.Module, layer_graphs: bool = True, **compile_kwargs
         layer.compile(**compile_kwargs)
     if layer_graphs:
         for moe in model.modules():
-            no_wait = isinstance(moe, OccultMoE) and (moe.sync_free or moe.dispatcher.transport_name == "device")
-            if no_wait and moe.num_ranks > 1:
+            if isinstance(moe, OccultMoE) and moe.num_ranks > 1 and not moe.waits_for_gpu:
                 moe.execution = replace(moe.execution, graphs=True)
     return len(layers)

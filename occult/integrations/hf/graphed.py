@@ -30,8 +30,7 @@ from occult.teardown import hold_collectives
 def host_waiting_layers(model: nn.Module) -> list[str]:
     """Names of the model's MoE layers that wait for the GPU in a forward (the count exchange on a
     group of several ranks, not sync-free): such a forward cannot be captured."""
-    return [name for name, m in model.named_modules() if isinstance(m, OccultMoE)
-            and m.dispatcher.num_ranks > 1 and m.dispatcher.transport_name != "device" and not m.sync_free]
+    return [name for name, m in model.named_modules() if isinstance(m, OccultMoE) and m.waits_for_gpu]
 
 
 @contextlib.contextmanager
