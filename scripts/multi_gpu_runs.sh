@@ -28,7 +28,7 @@
 #           (carry .gpudata: `python -m occult data prepare --out .gpudata --vocab-size 8000`)
 # serve     decode and serving, OLMoE and Qwen3 shapes, B = 1-256 per GPU: transformers' compiled generate,
 #           the replicated floor (compiled, captured) and occult EP generate (compiled, captured; "auto": the
-#           device transport on NVLink), NVLink (SERVE_VARIANTS overrides the list)
+#           device transport on NVLink), NVLink (SERVE_VARIANTS, SERVE_BATCH override the lists)
 #           (serve-slow: NCCL_P2P_DISABLE=1); then benchmarks/serve_plot.py: table and plot    issues 16, 37
 # probe     torch.compile reduce-overhead with traced all-to-alls; host syncs; layer bench  issues 14, 16
 # scale     one migration of the OLMoE-shape expert state; two-level dispatch (4 GPUs)   issues 17, 18
@@ -130,7 +130,7 @@ json.dump(dict(m, link=sys.argv[2], variant=sys.argv[3], gpus=$n), open(sys.argv
       # sync-free count exchange with NCCL_P2P_DISABLE); SERVE_VARIANTS to choose others
       serve_variants=${SERVE_VARIANTS:-native-generate+compile,replicated+compile+graph,generate+compile+graph}
       for model in ${MODELS:-olmoe qwen3}; do  # ~5-6 min a shape: MODELS=olmoe for one shape a call
-        run "serve_${model}_$link" "${SERVE_TIMEOUT_S:-540}" env $env_ $tr benchmarks/serve.py --model $model --batch 1,8,64,256 \
+        run "serve_${model}_$link" "${SERVE_TIMEOUT_S:-540}" env $env_ $tr benchmarks/serve.py --model $model --batch "${SERVE_BATCH:-1,8,64,256}" \
           --prompt-len 128 --new-tokens 32 --repeats 3 \
           --variants "$serve_variants" \
           --out "$out/serve_${model}_${link}_${n}gpu.json"
