@@ -166,3 +166,16 @@ def test_generate_timing_never_reports_a_negative_prefill(monkeypatch):
     calls.update({4: 14.0, 2: 8.0})  # a positive estimate is reported as it is
     res, _ = gr.time_generate(lambda ids, n: n, torch.zeros(1, 3), 4, 2, torch.device("cpu"))
     assert res["ms_p50"] == 3.0 and res["prefill_ms_p50"] == res["prefill_estimate_ms"] == 14.0 - 3 * 3.0
+
+
+def test_variants_run_in_the_order_given(monkeypatch):
+    """A job cut by a time limit keeps what was listed first: `--variants b,a` runs b first (the floor
+    listed first is measured first); 'all' keeps the known order; a repeated name runs once."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import serve
+
+    known = list(serve.VARIANTS)
+    first, last = known[0], known[-1]
+    assert serve.variant_list(f"{last},{first}") == [last, first]
+    assert serve.variant_list(f"{last},{first},{last}") == [last, first]
+    assert serve.variant_list("all") == known
