@@ -42,13 +42,14 @@ def table(name: str, variants: dict[str, Any]) -> list[str]:
     floor = floor_of(variants)
     base = {b: ms for b, ms, _ in points(variants[floor])} if floor else {}
     native = {b: ms for b, ms, _ in points(variants[NATIVE])} if NATIVE in variants else {}
-    lines = [f"### {name}", "", f"| variant | B | step ms p50 | decode tok/s/GPU | x floor ({floor or '-'}) | "
-             f"{NATIVE} / this |", "|---|---|---|---|---|---|"]
+    lines = [f"### {name}", "", f"| variant | B | step ms p50 | step ms p99 | decode tok/s/GPU | x floor ({floor or '-'}) | "
+             f"{NATIVE} / this |", "|---|---|---|---|---|---|---|"]
     for v, runs in variants.items():
         for b, ms, tps in points(runs):
             x = f"{ms / base[b]:.2f}" if b in base else "-"
             n = f"{native[b] / ms:.2f}" if b in native else "-"
-            lines.append(f"| {v} | {b} | {ms:.2f} | {tps:,.0f} | {x} | {n} |")
+            p99 = runs[str(b)].get("ms_p99")  # None where only a mean step is known (transformers' generate)
+            lines.append(f"| {v} | {b} | {ms:.2f} | {f'{p99:.2f}' if p99 else '-'} | {tps:,.0f} | {x} | {n} |")
     return lines + [""]
 
 
