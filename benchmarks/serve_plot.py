@@ -60,12 +60,14 @@ def plot(docs: dict[str, dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(docs), figsize=(5.5 * len(docs), 4.2), squeeze=False)
+    names = list(dict.fromkeys(v for variants in docs.values() for v in variants))
+    color = {v: f"C{i % 10}" for i, v in enumerate(names)}  # one colour per variant in every panel
     for ax, (name, variants) in zip(axes[0], docs.items()):
         for v, runs in variants.items():
             pts = points(runs)
             if not pts:
                 continue
-            ax.plot([p[2] for p in pts], [p[1] for p in pts], marker="o", lw=1, label=v)
+            ax.plot([p[2] for p in pts], [p[1] for p in pts], marker="o", lw=1, label=v, color=color[v])
             for b, ms, tps in pts:
                 ax.annotate(str(b), (tps, ms), fontsize=6, xytext=(2, 2), textcoords="offset points")
         ax.set_xscale("log")
