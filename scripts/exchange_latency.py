@@ -5,7 +5,9 @@ rank) it checks the device transport's exchange (every region holds its source's
 `--exchanges` back-to-back exchanges captured in one CUDA graph and issued eagerly, for the device
 transport (`occult.moe.symm.DeviceTransport.exchange`: the push kernel, the group barrier, the count
 copies) and for NCCL's `all_to_all_single` of the same bytes. Rank 0 prints microseconds per exchange
-(median over `--iters` replays, CUDA events) and writes every number to --out. A decode step makes
+(median over `--iters` replays, CUDA events) and the bytes leaving a rank per second (GB/s; at prefill
+counts such as `--rows 4096,8192 --exchanges 4` this is the transport's bandwidth against NCCL's) and
+writes every number to --out. A decode step makes
 two exchanges per MoE layer, so this is the cost that separates the expert-parallel step from the
 replicated one at small batches (docs/benchmarks.md, "Serving on 2 GPUs").
 
@@ -107,7 +109,8 @@ def measure(rows: int, args: argparse.Namespace, transport: symm.DeviceTransport
     src_NW, counts_D = send_rows(D, rank, rows, args.hidden, device)
     width = src_NW.shape[1]
     transport.reserve(D * rows * width)
-    row = {"rows_per_rank": rows, "bytes_per_rank": D * rows * width, "checked": check_device(transport, src_NW, counts_D, rows)}
+    row = {"rows_per_rank": rows, "bytes_per_rank": D * rows * width, "remote_bytes_per_rank": (D - 1) * rows * width,
+           "checked": check_device(transport, src_NW, counts_D, rows)}
     n = args.exchanges
 
     def device_batch() -> None:
@@ -126,6 +129,8 @@ def measure(rows: int, args: argparse.Namespace, transport: symm.DeviceTransport
             row[f"{name}_graph_us"] = timed_us(captured(batch), args.iters) / n
         except Exception as exc:  # noqa: BLE001 (recorded; the other numbers stand)
             row[f"{name}_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    for key in [k for k in row if k.endswith("_us")]:  # bytes leaving a rank per second (bandwidth at big counts)
+        row[key[:-3] + "_gb_s"] = row["remote_bytes_per_rank"] / row[key] / 1e3
     return row
 
 
@@ -147,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"\n{world} x {torch.cuda.get_device_name(0)}, {args.hidden} bf16 per row, {args.exchanges} exchanges "
                   "per batch; us per exchange (median)\n")
-            print("| rows per rank pair | bytes per rank | checked | device graph | device eager | NCCL graph | NCCL eager |")
-            print("|---|---|---|---|---|---|---|")
+            print("| rows per rank pair | bytes per rank | checked | device graph | device eager | NCCL graph | NCCL eager "
+                  "| device graph GB/s | NCCL graph GB/s |")
+            print("|---|---|---|---|---|---|---|---|---|")
             for r in rows:
                 cells = [f"{r[k]:.1f}" if k in r else "error" for k in
-                         ("device_graph_us", "device_eager_us", "nccl_graph_us", "nccl_eager_us")]
+                         ("device_graph_us", "device_eager_us", "nccl_graph_us", "nccl_eager_us", "device_graph_gb_s",
+                          "nccl_graph_gb_s")]
                 print(f"| {r['rows_per_rank']} | {r['bytes_per_rank']:,} | {r['checked']} | " + " | ".join(cells) + " |")
             if args.out:
                 with open(args.out, "w") as f:
