@@ -126,10 +126,11 @@ json.dump(dict(m, link=sys.argv[2], variant=sys.argv[3], gpus=$n), open(sys.argv
     links="nvlink slow"; [ "$part" = serve ] && links=nvlink; [ "$part" = serve-slow ] && links=slow
     for link in $links; do
       env_=""; [ $link = slow ] && env_="NCCL_P2P_DISABLE=1"
-      # issue 37's three (transformers, the floor, occult EP: "auto" = the device transport on NVLink, the
-      # sync-free count exchange with NCCL_P2P_DISABLE); SERVE_VARIANTS to choose others
-      serve_variants=${SERVE_VARIANTS:-native-generate+compile,replicated+compile+graph,generate+compile+graph}
-      for model in ${MODELS:-olmoe qwen3}; do  # ~5-6 min a shape: MODELS=olmoe for one shape a call
+      # issue 37's three in the order they run (the floor, occult EP: "auto" = the device transport on NVLink,
+      # the sync-free count exchange with NCCL_P2P_DISABLE; then transformers' compiled generate, the slowest: a job
+      # cut by its bound keeps the floor and EP); SERVE_VARIANTS, SERVE_BATCH to choose others
+      serve_variants=${SERVE_VARIANTS:-replicated+compile+graph,generate+compile+graph,native-generate+compile}
+      for model in ${MODELS:-olmoe qwen3}; do  # ~40-70 s a (variant, B) on 2 x H200: a 10-min call holds ~8
         run "serve_${model}_$link" "${SERVE_TIMEOUT_S:-540}" env $env_ $tr benchmarks/serve.py --model $model --batch "${SERVE_BATCH:-1,8,64,256}" \
           --prompt-len 128 --new-tokens 32 --repeats 3 \
           --variants "$serve_variants" \
