@@ -14,10 +14,15 @@ raw number stays in `prefill_estimate_ms`). The first call's wall time (compilat
 or graph capture included) minus a steady call's is reported as `compile_s`. Each call's time is
 the slowest rank's (ranks meet at a barrier before each).
 
-Per-token latency of occult's `hf.generate` (`per_step_latency`): one more generate(n) call with each decode step
-of the decoder it keeps on the model timed (CUDA events around the step, its graph replay, the steps not
-waited on one by one; wall clock on CPU), the slowest rank's per step: p50/p90/p99 of those n - 1 steps.
-transformers' generate keeps no such step: its p99 stays None.
+Per-token latency (`per_step_latency`): one more generate(n) call with a mark at each token, a CUDA event
+recorded on the stream (wall clock on CPU), nothing waited on: transformers' generate marks from a logits
+processor (called once per token, after its forward, on the host: no sync), occult's `hf.generate` after
+each step of the decoder it keeps on the model. A step is the time between consecutive marks (the GPU's
+work and any wait for the host in between), the slowest rank's; p50/p90/p99 over the call's steps. This
+p50 becomes the reported `ms_p50` (and tokens/s come from the steps' mean): whole calls vary by +-10 ms
+from run to run (host work outside the decode loop), which at B=1 moved the whole-call estimate by up to
+40 % (a slow-link job gave 1.72 ms there against steady 2.77 ms steps); that estimate stays as
+`step_ms_mean`, with `per_step_over_whole_call` their ratio.
 """
 
 from __future__ import annotations
@@ -33,25 +38,39 @@ import torch.nn as nn
 from _timing import quantiles, slowest, synchronize  # benchmarks/_timing.py
 
 KINDS = ("native", "native+compile", "occult", "occult+graph")
-Generate = Callable[[torch.Tensor, int], torch.Tensor]  # (prompts [B, P], new tokens) -> ids
+Generate = Callable[..., torch.Tensor]  # (prompts [B, P], new tokens, on_token=None) -> ids
 
 
 def generate_fn(kind: str, model: nn.Module) -> Generate:
-    """generate(prompts, n) of `kind` on `model`, greedy, exactly n new tokens per row (no eos); occult's
-    decoder (cache, graph) is kept on the model for the next call that fits it."""
+    """generate(prompts, n, on_token=None) of `kind` on `model`, greedy, exactly n new tokens per row (no eos);
+    occult's decoder (cache, graph) is kept on the model for the next call that fits it. `on_token` (transformers'
+    generate only): called once per token, from a logits processor."""
     if kind not in KINDS:
         raise ValueError(f"unknown generate kind {kind!r}; choose from {', '.join(KINDS)}")
     if kind.startswith("native"):
+        from transformers import LogitsProcessor, LogitsProcessorList
+
         model.generation_config.eos_token_id = None
 
-        def native(ids_BP: torch.Tensor, n: int) -> torch.Tensor:
+        class OnToken(LogitsProcessor):
+            def __init__(self, fn: Callable[[], None]) -> None:
+                self.fn = fn
+
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                self.fn()
+                return scores
+
+        def native(ids_BP: torch.Tensor, n: int, on_token: Callable[[], None] | None = None) -> torch.Tensor:
+            extra = {"logits_processor": LogitsProcessorList([OnToken(on_token)])} if on_token else {}
             return model.generate(ids_BP, attention_mask=torch.ones_like(ids_BP), max_new_tokens=n, min_new_tokens=n,
                                   do_sample=False, cache_implementation="static", pad_token_id=0,
-                                  disable_compile=kind == "native")
+                                  disable_compile=kind == "native", **extra)
         return native
     from occult.integrations import hf
 
-    def occult(ids_BP: torch.Tensor, n: int) -> torch.Tensor:
+    def occult(ids_BP: torch.Tensor, n: int, on_token: Callable[[], None] | None = None) -> torch.Tensor:
+        if on_token is not None:
+            raise ValueError("occult's generate is marked at its kept decoder's steps (per_step_latency)")
         return hf.generate(model, ids_BP, n, cuda_graph=kind == "occult+graph", eos_token_id=[])
     return occult
 
@@ -94,55 +113,67 @@ def time_generate(gen: Generate, prompts_BP: torch.Tensor, new_tokens: int, repe
             "e2e_tokens_per_s_per_gpu": B * new_tokens / (many_ms / 1e3)}, out
 
 
-def per_step_latency(model: nn.Module, gen: Generate, prompts_BP: torch.Tensor, new_tokens: int,
-            device: torch.device) -> dict[str, Any]:
-    """Per-step latency of one more occult generate(n) call (module docstring): {"ms_p90", "ms_p99",
-    "step_events_ms_p50", "step_ms_all"}, or {} where the call kept no decoder on the model (or not the same one
-    on every rank)."""
-    kept = getattr(model, "_occult_decoder", None)
-    dec = kept[1] if kept is not None else None
-    times: list[Callable[[], float]] = []
-    if dec is not None:
-        original = dec.step
+def per_step_latency(model: nn.Module, gen: Generate, kind: str, prompts_BP: torch.Tensor, new_tokens: int,
+                     device: torch.device) -> dict[str, Any]:
+    """Per-step latency of one more generate(n) call (module docstring): {"step_events_ms_p50", "ms_p90",
+    "ms_p99", "step_ms_all", "step_events_mean_ms"}, or {} where no steps were marked (occult: no decoder kept on
+    the model) or not as many on every rank."""
+    marks: list[Any] = []
 
-        def timed(ids_B: torch.Tensor | None = None) -> torch.Tensor:
-            stop = _stopwatch(device)
-            logits = original(ids_B)
-            times.append(stop())
-            return logits
+    def mark() -> None:
+        marks.append(_mark(device))
 
-        dec.step = timed  # this instance only, for this call
+    dec = None
+    if kind.startswith("occult"):
+        kept = getattr(model, "_occult_decoder", None)
+        dec = kept[1] if kept is not None else None
+        if dec is not None:
+            original = dec.step
+
+            def marked(ids_B: torch.Tensor | None = None) -> torch.Tensor:
+                logits = original(ids_B)
+                mark()
+                return logits
+
+            dec.step = marked  # this instance only, for this call
     try:
         dist.barrier()
-        gen(prompts_BP, new_tokens)
+        if dec is not None or not kind.startswith("occult"):
+            gen(prompts_BP, new_tokens, **({} if dec is not None else {"on_token": mark}))
     finally:
         if dec is not None:
             del dec.step
     synchronize(device)
-    ms = [t() for t in times]
+    ms = [_between(a, b) for a, b in zip(marks, marks[1:])]
     lengths = torch.tensor([len(ms), -len(ms)], device=device)
     dist.all_reduce(lengths, op=dist.ReduceOp.MAX)
     if not ms or int(lengths[0]) != -int(lengths[1]):
         return {}
     ms = slowest(ms, device)
     p50, p90, p99 = quantiles(ms, [0.5, 0.9, 0.99])
-    return {"ms_p90": p90, "ms_p99": p99, "step_events_ms_p50": p50, "step_ms_all": ms}
+    return {"step_events_ms_p50": p50, "ms_p90": p90, "ms_p99": p99, "step_ms_all": ms,
+            "step_events_mean_ms": sum(ms) / len(ms)}
 
 
-def _stopwatch(device: torch.device) -> Callable[[], Callable[[], float]]:
-    """Started now; calling it marks the end and gives a reader of the milliseconds in between (CUDA events on
-    GPUs, read after a synchronize; wall clock elsewhere)."""
+def with_per_step(res: dict[str, Any], steps: dict[str, Any], batch: int) -> dict[str, Any]:
+    """`time_generate`'s numbers with the per-step ones in: the steps' median as `ms_p50`, tokens/s from their
+    mean; the whole-call estimate stays as `step_ms_mean` (module docstring). Unchanged where `steps` is {}."""
+    if not steps:
+        return res
+    return dict(res, **steps, ms_p50=steps["step_events_ms_p50"],
+                decode_tokens_per_s_per_gpu=batch / (steps["step_events_mean_ms"] / 1e3),
+                per_step_over_whole_call=steps["step_events_ms_p50"] / res["step_ms_mean"])
+
+
+def _mark(device: torch.device) -> Any:
+    """A mark now: a CUDA event recorded on the current stream (nothing waits for it), else the wall clock in ms."""
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter() * 1e3
 
-        def stop_cuda() -> Callable[[], float]:
-            end.record()
-            return lambda: start.elapsed_time(end)
-        return stop_cuda
-    t0 = time.perf_counter()
 
-    def stop_wall() -> Callable[[], float]:
-        elapsed = (time.perf_counter() - t0) * 1e3
-        return lambda: elapsed
-    return stop_wall
+def _between(a: Any, b: Any) -> float:
+    """Milliseconds from mark `a` to mark `b` (events: read after a synchronize)."""
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else b - a

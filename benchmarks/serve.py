@@ -53,10 +53,12 @@ Reported: prefill ms p50, per-token latency (decode step) p50/p90/p99, decode to
 of the step p50 to the floor (replicated+graph, else replicated). Rank 0 writes the JSON
 atomically after every result and prints a Markdown table last.
 
-The generate variants are whole calls timed from outside (benchmarks/_generate_runs.py): step =
-(generate(n) - generate(m)) / (n - m) with n = --new-tokens, m = max(2, n // 2) (a mean, shown as
-p50; occult's `hf.generate` also gets p90/p99 from each step of one more call, timed around its decoder's
-step; transformers' generate no p99), prefill = generate(m) - (m - 1) steps (none when that estimate is not positive). Every table row also gives the speed-up over native (native-generate's
+The generate variants are whole calls timed from outside (benchmarks/_generate_runs.py), then one more
+call with a CUDA event at each token (transformers' generate: from a logits processor; occult's `hf.generate`:
+after each step of its kept decoder): the step p50/p90/p99 are those of the times between consecutive
+marks, tokens/s from their mean; the whole-call estimate (generate(n) - generate(m)) / (n - m), n =
+--new-tokens, m = max(2, n // 2), stays as `step_ms_mean` (whole calls vary by +-10 ms from run to run);
+prefill = generate(m) - (m - 1) of those steps (none when that estimate is not positive). Every table row also gives the speed-up over native (native-generate's
 step / the row's, and native-generate+compile's; native's StaticDecoder step where generate was
 not run), the share of the copy bandwidth measured in the same run that the step's bytes need
 (weights the step must read, the experts B tokens select, and the K/V attended: benchmarks/_roofline.py),
@@ -90,7 +92,7 @@ from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tab
     free_memory, log,
     markdown_table, new_report, parser, quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
 )
-from _generate_runs import generate_fn, per_step_latency, time_generate  # noqa: E402  (benchmarks/_generate_runs.py)
+from _generate_runs import generate_fn, per_step_latency, time_generate, with_per_step  # noqa: E402  (benchmarks/_generate_runs.py)
 from _roofline import ModelCost, bandwidth, measure_peaks  # noqa: E402  (benchmarks/_roofline.py)
 from decode import build_base, model_config  # noqa: E402
 
@@ -286,8 +288,9 @@ def generate_run(model: nn.Module, name: str, batch: int, prompts_BP: torch.Tens
     spec = VARIANTS[name]
     gen = generate_fn(spec.generate, model)
     res, ids = time_generate(gen, prompts_BP, args.new_tokens, args.repeats, ctx["device"])
-    if spec.generate.startswith("occult"):  # its per-token latency, from the steps of one more call
-        res.update(per_step_latency(model, gen, prompts_BP, args.new_tokens, ctx["device"]))
+    # per-token latency from the marked steps of one more call: its p50 is the reported step (_generate_runs.py)
+    steps = per_step_latency(model, gen, spec.generate, prompts_BP, args.new_tokens, ctx["device"])
+    res = with_per_step(res, steps, batch)
     if spec.generate == "native+compile":
         res["auto_compiled"] = hasattr(model, "_compiled_call")  # transformers' compiled forward exists
         eager = ctx.setdefault("native_ids", {}).get(batch)

@@ -48,7 +48,7 @@ def table(name: str, variants: dict[str, Any]) -> list[str]:
         for b, ms, tps in points(runs):
             x = f"{ms / base[b]:.2f}" if b in base else "-"
             n = f"{native[b] / ms:.2f}" if b in native else "-"
-            p99 = runs[str(b)].get("ms_p99")  # None where only a mean step is known (transformers' generate)
+            p99 = runs[str(b)].get("ms_p99")  # None where only a mean step is known (results before per-step marks)
             lines.append(f"| {v} | {b} | {ms:.2f} | {f'{p99:.2f}' if p99 else '-'} | {tps:,.0f} | {x} | {n} |")
     return lines + [""]
 
