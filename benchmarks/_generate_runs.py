@@ -138,8 +138,10 @@ def per_step_latency(model: nn.Module, gen: Generate, kind: str, prompts_BP: tor
             dec.step = marked  # this instance only, for this call
     try:
         dist.barrier()
-        if dec is not None or not kind.startswith("occult"):
-            gen(prompts_BP, new_tokens, **({} if dec is not None else {"on_token": mark}))
+        if dec is not None:  # occult: marked by its decoder's steps
+            gen(prompts_BP, new_tokens)
+        elif not kind.startswith("occult"):  # transformers: marked by a logits processor
+            gen(prompts_BP, new_tokens, on_token=mark)
     finally:
         if dec is not None:
             del dec.step
