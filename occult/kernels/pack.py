@@ -90,8 +90,11 @@ def _pack_push_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, counts_ptr, 
         dest = tl.sum(((ends <= row) & (ranks < D)).to(tl.int64), axis=0)
         start = tl.sum(tl.where(ranks < dest, counts, 0), axis=0)
         tok = tl.maximum(tl.load(token_ptr + row), 0)
-        base = tl.load(peer_rows_ptr + dest) + (rank * stride_rows + row - start) * row_bytes
-        dst_x = base.to(tl.pointer_type(x_ptr.dtype.element_ty))
+        # each peer's receive rows start 16-byte aligned (symm.DeviceTransport checks): with rows of whole
+        # 16-byte units, 16-byte stores instead of one per element
+        rows_at = tl.multiple_of(tl.load(peer_rows_ptr + dest).to(tl.pointer_type(tl.int8)), 16)
+        row_at = rows_at + (rank * stride_rows + row - start) * row_bytes
+        dst_x = row_at.to(tl.pointer_type(x_ptr.dtype.element_ty))
         for h0 in range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
             tl.store(dst_x + h, tl.load(x_ptr + tok * x_stride + h, mask=h < H), mask=h < H)
@@ -99,8 +102,8 @@ def _pack_push_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, counts_ptr, 
         entry = tl.load(entry_ptr + row * K + k, mask=k < K, other=-1)
         gate = tl.load(w_ptr + tl.maximum(entry, 0), mask=(k < K) & (entry >= 0), other=0.0).to(tl.float32)
         slot = tl.load(slot_ptr + row * K + k, mask=k < K, other=-1)
-        tl.store((base + gate_byte).to(tl.pointer_type(tl.float32)) + k, gate, mask=k < K)
-        tl.store((base + slot_byte).to(tl.pointer_type(tl.int32)) + k, slot.to(tl.int32), mask=k < K)
+        tl.store((row_at + gate_byte).to(tl.pointer_type(tl.float32)) + k, gate, mask=k < K)
+        tl.store((row_at + slot_byte).to(tl.pointer_type(tl.int32)) + k, slot.to(tl.int32), mask=k < K)
 
 
 def pack_push_rows(x_TH: torch.Tensor, token_P: torch.Tensor, weights_TK: torch.Tensor, entry_PK: torch.Tensor,

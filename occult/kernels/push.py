@@ -45,7 +45,9 @@ def _push_kernel(src_ptr, counts_ptr, status_ptr, peer_rows_ptr, peer_counts_ptr
         first = tl.sum(tl.load(counts_ptr + lower, mask=lower < d, other=0), axis=0).to(tl.int64)
     else:
         first = d.to(tl.int64) * src_stride
-    dst = tl.load(peer_rows_ptr + d).to(tl.pointer_type(tl.int32))
+    # each peer's receive rows start 16-byte aligned (symm.DeviceTransport checks): with rows of whole 16-byte
+    # units, 16-byte stores instead of 4-byte ones
+    dst = tl.multiple_of(tl.load(peer_rows_ptr + d).to(tl.pointer_type(tl.int32)), 16)
     if blk == 0:
         dst_counts = tl.load(peer_counts_ptr + d).to(tl.pointer_type(tl.int64))
         tl.store(dst_counts + rank, n)

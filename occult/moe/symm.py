@@ -218,6 +218,9 @@ class DeviceTransport:
         handle = self._symm_mem.rendezvous(buffer, group=self.group_name)
         shift = buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # where the tensor starts in its allocation
         bases = [handle.buffer_ptrs[d] + shift for d in range(self.num_ranks)]
+        if any((b + COUNTS_BYTES) % 16 for b in bases):  # the push kernels store 16 bytes at a time there
+            raise RuntimeError(f"symmetric memory mapped a receive buffer at {[hex(b) for b in bases]}, not 16-byte "
+                               "aligned: the device transport cannot use it; pass transport='counts'")
         # (the counts are not zeroed: a peer may already have written its count here, and every
         # all-to-all writes every count before its barrier)
         return Slot(buffer, handle, torch.tensor([b + COUNTS_BYTES for b in bases], dtype=torch.int64, device=device),
