@@ -15,11 +15,11 @@ fields (config, env, peaks) are the last file's (the newest job's). Written atom
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from pathlib import Path
 from typing import Any
+
+from _timing import write_json  # benchmarks/_timing.py (atomic: temporary name, then rename)
+from serve_plot import read_result  # benchmarks/serve_plot.py
 
 SAME = (("config", "model"), ("env", "world_size"), ("env", "gpu"), ("env", "NCCL_P2P_DISABLE"))
 
@@ -56,37 +56,22 @@ def merge(docs: dict[str, dict[str, Any]], keep: list[str] | None = None) -> dic
     return dict(docs[names[-1]], variants=variants, table=table, sources=sources)
 
 
-def write_atomically(path: str, doc: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", nargs="+", help="serve.py --out files of one model and link, oldest first")
     p.add_argument("--out", required=True, help="the merged JSON")
     p.add_argument("--variants", default=None, help="comma list: keep only these variants (default: all)")
     args = p.parse_args(argv)
-    docs = {}
-    for f in args.json:
-        try:
-            doc = json.loads(Path(f).read_text())
-            doc["variants"]  # noqa: B018 (a serve.py result has it)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"serve_merge.py: {f}: not a serve.py result ({exc})", file=sys.stderr)
-            return 2
-        if f in docs:
-            print(f"serve_merge.py: {f} is given twice", file=sys.stderr)
-            return 2
-        docs[f] = doc  # the path as given: two jobs' files may share a name
+    if len(set(args.json)) != len(args.json):
+        print("serve_merge.py: a file is given twice", file=sys.stderr)
+        return 2
     try:
+        docs = {f: read_result(f) for f in args.json}  # the path as given: two jobs' files may share a name
         merged = merge(docs, [v.strip() for v in args.variants.split(",")] if args.variants else None)
     except ValueError as exc:
         print(f"serve_merge.py: {exc}", file=sys.stderr)
         return 2
-    write_atomically(args.out, merged)
+    write_json(args.out, merged)
     counts = {name: len(points) for name, points in merged["sources"].items()}
     print(f"serve_merge.py: wrote {args.out}: points per source {counts}")
     return 0

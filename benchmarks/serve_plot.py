@@ -80,6 +80,17 @@ def plot(docs: dict[str, dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def read_result(path: str) -> dict[str, Any]:
+    """A `serve.py --out` file parsed; ValueError naming the file when it is not one."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        if not isinstance(doc.get("variants"), dict):
+            raise KeyError("variants")
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a serve.py result ({exc})") from None
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", nargs="+", help="serve.py --out files")
@@ -89,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     docs = {}
     for f in args.json:
         try:
-            docs[Path(f).stem] = json.loads(Path(f).read_text())["variants"]
-        except (OSError, ValueError, KeyError) as exc:
-            print(f"serve_plot.py: {f}: not a serve.py result ({exc})", file=sys.stderr)
+            docs[Path(f).stem] = read_result(f)["variants"]
+        except ValueError as exc:
+            print(f"serve_plot.py: {exc}", file=sys.stderr)
             return 2
     text = "\n".join(line for name, variants in docs.items() for line in table(name, variants))
     emit(text, args.md, lambda path: plot(docs, path), args.plot)
