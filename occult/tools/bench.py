@@ -28,6 +28,7 @@ from occult.moe.config import ExecConfig, MoEConfig
 from occult.moe.graphs import EAGER_CALLS
 from occult.moe.layer import OccultMoE
 from occult.moe.registry import capabilities
+from occult.moe.symm import DeviceTransport, row_bytes
 from occult.placement import Placement
 from occult.placement.cost import SHAPES as MODEL_SHAPES
 from occult.placement.cost import Shape
@@ -182,15 +183,40 @@ def _time_pieces(layer, router, x_TH, timer, warmup, iters, args):
     x_RH, slots_RK, gates_RK = received.x_RH[:n], received.slots_RK[:n], received.gates_RK[:n].float()
     expert_ms = timer(lambda: expert_mlp(x_RH, slots_RK, gates_RK, layer.gate_up_proj.detach(), layer.down_proj.detach(),
                                          backend=args["expert_backend"]), warmup, iters)
-    group = layer.dispatcher.group
     a2a_ms = 0.0
     if hasattr(st, "plan"):
         send, recv = _splits(st)
         rows_out = x_TH[st.plan.token_P[: sum(send)]]
         y_back = x_RH[: sum(recv)].clone()
-        a2a_ms = timer(lambda: (all_to_all(rows_out, send, recv, group),
-                                all_to_all(y_back, recv, send, group)), warmup, iters)
+        a2a_ms = timer(_round_trip(layer.dispatcher, rows_out, y_back, send, recv), warmup, iters)
     return expert_ms, a2a_ms, int((slots_RK >= 0).sum())
+
+
+def _round_trip(dispatcher, rows_out, y_back, send: list[int], recv: list[int]):
+    """One dispatch and one combine of these rows over the dispatcher's own transport: the device
+    transport's push where it has one (`symm.DeviceTransport.exchange`), else NCCL/gloo
+    `all_to_all_single` (the count exchange's)."""
+    transport, group = getattr(dispatcher, "transport", None), dispatcher.group
+    if not isinstance(transport, DeviceTransport):
+        return lambda: (all_to_all(rows_out, send, recv, group), all_to_all(y_back, recv, send, group))
+    out_NW, back_NW = _as_byte_rows(rows_out), _as_byte_rows(y_back)
+    stride = torch.tensor([max(send + recv)], device=rows_out.device)
+    dist.all_reduce(stride, op=dist.ReduceOp.MAX, group=group)  # every rank passes the same stride
+    stride = int(stride.item())
+    transport.reserve(transport.num_ranks * stride * out_NW.shape[1])
+    send_D, recv_D = (torch.tensor(c, dtype=torch.int64, device=rows_out.device) for c in (send, recv))
+    return lambda: (transport.exchange(out_NW, send_D, stride), transport.exchange(back_NW, recv_D, stride))
+
+
+def _as_byte_rows(rows_NH: torch.Tensor) -> torch.Tensor:
+    """Rows as the device transport's byte rows (padded to its row width)."""
+    raw_NB = rows_NH.contiguous().view(torch.uint8)
+    width = row_bytes(raw_NB.shape[1])
+    if width == raw_NB.shape[1]:
+        return raw_NB
+    padded_NW = raw_NB.new_zeros((raw_NB.shape[0], width))
+    padded_NW[:, : raw_NB.shape[1]] = raw_NB
+    return padded_NW
 
 
 def _splits(handle) -> tuple[list[int], list[int]]:
