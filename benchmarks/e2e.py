@@ -28,15 +28,21 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>@device   an expert-parallel variant over the device transport (ExecConfig(transport="device"):
                    row counts stay on the GPU, rows stored into the peers' memory, no host wait; GPUs of one host
                    only, skipped elsewhere with the reason), e.g. dedup@device, dedup@device/compile
+  <variant>@syncfree  an expert-parallel variant with sync-free dispatch (ExecConfig(sync_free=True): fixed-
+                   capacity all-to-alls over NCCL, no host wait; every rank the same token count), e.g. for a
+                   slow link where the device transport does not apply: dedup@syncfree/layergraphs
+  <variant>@chunksN  the same in N chunks of tokens whose all-to-alls run on a side stream under the previous
+                   chunk's experts (ExecConfig(chunks=N), occult.moe.chunked; prefill: training runs unchunked),
+                   e.g. dedup@chunks4/layergraphs
   <variant>/graph  prefill only, its whole forward captured once in a CUDA graph and replayed with fresh
-                   ids (occult.integrations.hf.GraphedForward): the host costs one launch a step. For @device variants
-                   and replicated (sync-free on its one rank); the replay is checked against the eager
+                   ids (occult.integrations.hf.GraphedForward): the host costs one launch a step. For @device,
+                   @syncfree and @chunksN variants and replicated (sync-free on its one rank); the replay is checked against the eager
                    forward (its max relative error above --tol fails the variant). GPUs only.
                    After /compile: the compiled layers captured too (e.g. dedup@device/compile/graph,
                    replicated/compile/graph; the compilation runs in the capture's warm-up)
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
-                   capture of the model's other layers); for @device variants and replicated; prefill only
+                   capture of the model's other layers); for @device, @syncfree, @chunksN variants and replicated; prefill only
                    (training runs eagerly), e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
@@ -132,27 +138,47 @@ def variant_list(text: str) -> list[str]:
     bad = [v for v in names if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))]
     bad += [v for v in names if base_variant(v) in PEERS and v.removesuffix("@device") != base_variant(v)]
     bad += [v for v in names if on_device(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
-    bad += [v for v in names if (is_graphed(v) or layer_graphs(v)) and not (on_device(v) or base_variant(v) == "replicated")]
+    bad += [v for v in names if sync_free_chunks(v) and (base_variant(v) in ("native", "replicated", *PEERS))]
+    bad += [v for v in names if (is_graphed(v) or layer_graphs(v))
+            and not (on_device(v) or sync_free_chunks(v) or base_variant(v) == "replicated")]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
-            f"each optionally /compile, the expert-parallel ones @device (the device transport) and "
-            f"replicated or @device ones /graph (prefill in one CUDA graph: no host wait) or /layergraphs (each "
+            f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
+            f"(fixed capacity, no host wait) or @chunksN (sync-free in N overlapped chunks), and replicated, "
+            f"@device, @syncfree or @chunksN ones /graph (prefill in one CUDA graph: no host wait) or /layergraphs (each "
             f"MoE layer's forward replayed from its graphs; not with /graph), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN and /tbo were "
             f"removed: docs/overlap.md)")
     return names
 
 
+_HOW = re.compile(r"@(device|syncfree|chunks[1-9]\d*)$")  # how an expert-parallel variant exchanges
+
+
+def _stem(variant: str) -> str:
+    """'dedup@chunks4/compile/graph' -> 'dedup@chunks4' (the modifiers after the slash gone)."""
+    return variant.replace("/layergraphs", "").removesuffix("/graph").removesuffix("/compile")
+
+
 def base_variant(variant: str) -> str:
     """'dedup@device/compile/graph' -> 'dedup'; a variant without modifiers is its own base."""
-    return variant.replace("/layergraphs", "").removesuffix("/graph").removesuffix("/compile").removesuffix("@device")
+    return _HOW.sub("", _stem(variant))
 
 
 def on_device(variant: str) -> bool:
     """'dedup@device': the device transport (counts on the GPU, rows stored into the peers' memory; no host wait)."""
-    return variant.replace("/layergraphs", "").removesuffix("/graph").removesuffix("/compile").endswith("@device")
+    return _stem(variant).endswith("@device")
+
+
+def sync_free_chunks(variant: str) -> int:
+    """'dedup@syncfree': 1 (sync-free, fixed-capacity dispatch: no host wait); 'dedup@chunks4': 4 (sync-free
+    in 4 chunks whose all-to-alls overlap the experts: ExecConfig(chunks=4)); otherwise 0."""
+    how = _HOW.search(_stem(variant))
+    if how is None or how.group(1) == "device":
+        return 0
+    return 1 if how.group(1) == "syncfree" else int(how.group(1)[len("chunks"):])
 
 
 def is_compiled(variant: str) -> bool:
@@ -379,7 +405,8 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         set_sync_free(model, is_graphed(variant))
         return model
     execution = ExecConfig(dispatcher="standard" if base == "standard" else "dedup",
-                           transport="device" if on_device(variant) else "auto", graphs=layer_graphs(variant))
+                           transport="device" if on_device(variant) else "auto", graphs=layer_graphs(variant),
+                           sync_free=sync_free_chunks(variant) > 0, chunks=max(1, sync_free_chunks(variant)))
     if base in ("standard", "dedup"):
         return hf.convert(model, execution=execution)
     if base == "dedup+placement":

@@ -36,7 +36,8 @@ LEGEND = {
     "rel err": "output vs a float32 dense reference (256 tokens)",
     "syncs": "device-to-host synchronisations in one forward+backward (CUDA sync debug mode; n/a on CPU)",
     "host ms": "the host's time to issue one forward on an idle GPU (its waits for the GPU included; n/a on CPU)",
-    "via": "the transport: device (counts stay on the GPU, no host wait) or counts (the count exchange's host wait)",
+    "via": "the transport: device (counts stay on the GPU, no host wait), counts (the count exchange's host wait) or "
+           "sync-free (fixed-capacity all-to-alls, no host wait)",
 }
 
 
