@@ -12,7 +12,9 @@
 #        OCCULT_GPU_SUITE_STAGES=1 bash tests/gpu/run.sh   (stage 1 only; =2: stage 2 only. The two take
 #                                                          ~3 and ~6 min on 2 x H200: on 4 GPUs run one per
 #                                                          pair, CUDA_VISIBLE_DEVICES=0,1 / 2,3, OUT apart)
-# A partial summary is written after stage 1, so a run stopped in stage 2 keeps stage 1's table.
+# A partial summary is written after stage 1, so a run stopped in stage 2 keeps stage 1's table; every case's
+# outcome is also appended to OUT/progress-*.tsv as it finishes, so a stage cut by an outer time limit
+# (`timeout`) still leaves what ran: `python tests/gpu/summary.py OUT` then reads those.
 # Extra pytest arguments go in PYTEST_ARGS, parsed like a shell command line
 # (e.g. PYTEST_ARGS="-k olmoe", PYTEST_ARGS="-k 'not olmoe_1b_7b'").
 set -uo pipefail
@@ -27,7 +29,8 @@ if [ -n "${PYTEST_ARGS:-}" ]; then
   parsed=$(printf '%s' "$PYTEST_ARGS" | xargs -n1 printf '%s\n') || { echo "PYTEST_ARGS does not parse: $PYTEST_ARGS" >&2; exit 2; }
   mapfile -t extra <<< "$parsed"
 fi
-rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single.xml "$out"/versions.txt "$out"/summary.md
+rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single.xml "$out"/versions.txt "$out"/summary.md \
+  "$out"/progress-*.tsv
 stages=" ${OCCULT_GPU_SUITE_STAGES:-1 2} "
 case $stages in *" 1 "*|*" 2 "*) ;; *) echo "OCCULT_GPU_SUITE_STAGES='${OCCULT_GPU_SUITE_STAGES}': give 1, 2 or '1 2'" >&2; exit 2 ;; esac
 python=${PYTHON:-python3}

@@ -1,7 +1,7 @@
 """Summarise a GPU-suite run: versions, then every case with its outcome on every rank (Markdown).
 
 Usage: python tests/gpu/summary.py OUT   (reads OUT/rank*.xml, OUT/single.xml, OUT/olmoe_scale_*.json;
-writes OUT/summary.md and prints it)
+where a stage was cut before pytest wrote its report, OUT/progress-*.tsv; writes OUT/summary.md and prints it)
 
 The versions are probed once and kept in OUT/versions.txt (run.sh writes a partial summary after
 stage 1), so a summary made later, or on another machine from a copy of OUT, names the GPU run's.
@@ -58,6 +58,32 @@ def _outcomes(path: str) -> dict[str, tuple[str, float]]:
     return out
 
 
+def _progress(path: str) -> dict[str, tuple[str, float]]:
+    """The same from OUT/progress-*.tsv (conftest.py appends a line per finished case): a stage cut
+    before pytest wrote its JUnit report."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            nodeid, state, secs = line.rstrip("\n").split("\t")
+            module, _, test = nodeid.partition("::")
+            out[f"{os.path.basename(module).removesuffix('.py')}::{test}"] = (state, float(secs))
+    return out
+
+
+def _stage(out: str, report: str, progress: str) -> tuple[dict[str, tuple[str, float]], bool] | None:
+    """(outcomes, cut) of one pytest process: its JUnit report, else its progress file (cut: True)."""
+    if os.path.exists(report):
+        return _outcomes(report), False
+    if os.path.exists(progress):
+        return _progress(progress), True
+    return None
+
+
+def _rank_indices(out: str) -> list[int]:
+    found = glob.glob(os.path.join(out, "rank*.xml")) + glob.glob(os.path.join(out, "progress-rank*.tsv"))
+    return sorted({int(re.findall(r"\d+", os.path.basename(p))[0]) for p in found})
+
+
 def _kept_versions(out: str) -> list[str]:
     """OUT/versions.txt's lines, probing (and writing) them first if the file is not there."""
     path = os.path.join(out, "versions.txt")
@@ -73,12 +99,15 @@ def _kept_versions(out: str) -> list[str]:
 
 def main(out: str) -> int:
     lines = ["# GPU suite run", "", "- " + "\n- ".join(_kept_versions(out)), ""]
-    ranks = sorted(glob.glob(os.path.join(out, "rank*.xml")), key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]))
-    per_rank = [_outcomes(p) for p in ranks]
+    stages = [_stage(out, os.path.join(out, f"rank{r}.xml"), os.path.join(out, f"progress-rank{r}.tsv"))
+              for r in _rank_indices(out)]
+    per_rank = [s[0] for s in stages if s is not None]
     collective = sorted({n for r in per_rank for n, (s, _) in r.items() if s != "skipped"})
     counts = {"passed": 0, "failed": 0}
     if per_rank:
-        lines += [f"## Stage 1: collective tests, {len(per_rank)} ranks", "",
+        cut = " (cut before its end: the cases that finished, from progress-rank*.tsv)" if any(
+            s is not None and s[1] for s in stages) else ""
+        lines += [f"## Stage 1: collective tests, {len(per_rank)} ranks{cut}", "",
                   "| case | " + " | ".join(f"rank {i}" for i in range(len(per_rank))) + " | s (rank 0) |",
                   "|---|" + "---|" * len(per_rank) + "---|"]
         for name in collective:
@@ -87,10 +116,11 @@ def main(out: str) -> int:
             counts["passed" if ok else "failed"] += 1
             lines.append(f"| `{name}` | " + " | ".join(states) + f" | {per_rank[0].get(name, ('', 0.0))[1]:.1f} |")
         lines.append("")
-    single = os.path.join(out, "single.xml")
-    if os.path.exists(single):
-        lines += ["## Stage 2: single-process GPU tests", "", "| case | result | s |", "|---|---|---|"]
-        for name, (state, secs) in sorted(_outcomes(single).items()):
+    single = _stage(out, os.path.join(out, "single.xml"), os.path.join(out, "progress-single.tsv"))
+    if single is not None:
+        cut = " (cut before its end: the cases that finished, from progress-single.tsv)" if single[1] else ""
+        lines += [f"## Stage 2: single-process GPU tests{cut}", "", "| case | result | s |", "|---|---|---|"]
+        for name, (state, secs) in sorted(single[0].items()):
             if state == "skipped":
                 continue
             counts["passed" if state == "passed" else "failed"] += 1

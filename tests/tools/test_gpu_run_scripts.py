@@ -112,3 +112,30 @@ def test_gpu_suite_summary_keeps_the_run_s_versions(tmp_path):
     fresh.mkdir()
     subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(fresh)], capture_output=True, timeout=60)
     assert (fresh / "versions.txt").read_text().startswith("python ")  # probed once, then kept
+
+
+def test_gpu_suite_leaves_each_case_as_it_finishes(tmp_path):
+    """Under run.sh every finished case is appended to OUT/progress-*.tsv (conftest.py), so a stage cut
+    by an outer time limit, which never writes its JUnit report, is still summarised from them."""
+    res = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu/test_generate_graph.py", "-q", "-p", "no:cacheprovider"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OCCULT_GPU_SUITE_OUT": str(tmp_path)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line.split("\t") for line in (tmp_path / "progress-single.tsv").read_text().splitlines()]
+    assert rows and all(r[0].startswith("tests/gpu/test_generate_graph.py::") for r in rows)
+    assert {r[1] for r in rows} == {"skipped"}  # no GPU here: skipped at setup, recorded all the same
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "versions.txt").write_text("python 3.12.3\n")
+    for r, last in ((0, "passed"), (1, "FAILED")):
+        (cut / f"progress-rank{r}.tsv").write_text("tests/gpu/test_x.py::test_a[bf16]\tpassed\t2.0\n"
+                                                    f"tests/gpu/test_x.py::test_b\t{last}\t1.5\n")
+    (cut / "progress-single.tsv").write_text("tests/gpu/test_y.py::test_c\tpassed\t3.0\n")
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(cut)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    text = (cut / "summary.md").read_text()
+    assert "## Stage 1: collective tests, 2 ranks (cut before its end" in text
+    assert "| `test_x::test_a[bf16]` | passed | passed | 2.0 |" in text and "| `test_x::test_b` | passed | FAILED | 1.5 |" in text
+    assert "## Stage 2: single-process GPU tests (cut before its end" in text and "| `test_y::test_c` | passed | 3.0 |" in text
+    assert text.rstrip().endswith("2 passed, 1 failed")
