@@ -107,6 +107,7 @@ from occult.integrations import hf  # noqa: E402
 from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
 from occult.moe.layer import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
+from occult.tools.bench import variant_chunks  # noqa: E402
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
 EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", *tt_model.VARIANTS)
@@ -174,11 +175,9 @@ def on_device(variant: str) -> bool:
 
 def sync_free_chunks(variant: str) -> int:
     """'dedup@syncfree': 1 (sync-free, fixed-capacity dispatch: no host wait); 'dedup@chunks4': 4 (sync-free
-    in 4 chunks whose all-to-alls overlap the experts: ExecConfig(chunks=4)); otherwise 0."""
-    how = _HOW.search(_stem(variant))
-    if how is None or how.group(1) == "device":
-        return 0
-    return 1 if how.group(1) == "syncfree" else int(how.group(1)[len("chunks"):])
+    in 4 chunks whose all-to-alls overlap the experts: ExecConfig(chunks=4)); otherwise 0 (`occult bench`'s
+    reading of the same suffixes)."""
+    return variant_chunks(_stem(variant))
 
 
 def is_compiled(variant: str) -> bool:
