@@ -31,18 +31,15 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>@syncfree  an expert-parallel variant with sync-free dispatch (ExecConfig(sync_free=True): fixed-
                    capacity all-to-alls over NCCL, no host wait; every rank the same token count), e.g. for a
                    slow link where the device transport does not apply: dedup@syncfree/layergraphs
-  <variant>@chunksN  the same in N chunks of tokens whose all-to-alls run on a side stream under the previous
-                   chunk's experts (ExecConfig(chunks=N), occult.moe.chunked; prefill: training runs unchunked),
-                   e.g. dedup@chunks4/layergraphs
   <variant>/graph  prefill only, its whole forward captured once in a CUDA graph and replayed with fresh
                    ids (occult.integrations.hf.GraphedForward): the host costs one launch a step. For @device,
-                   @syncfree and @chunksN variants and replicated (sync-free on its one rank); the replay is checked against the eager
+                   @syncfree variants and replicated (sync-free on its one rank); the replay is checked against the eager
                    forward (its max relative error above --tol fails the variant). GPUs only.
                    After /compile: the compiled layers captured too (e.g. dedup@device/compile/graph,
                    replicated/compile/graph; the compilation runs in the capture's warm-up)
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
-                   capture of the model's other layers); for @device, @syncfree, @chunksN variants and replicated; prefill only
+                   capture of the model's other layers); for @device, @syncfree variants and replicated; prefill only
                    (training runs eagerly), e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
@@ -107,7 +104,7 @@ from occult.integrations import hf  # noqa: E402
 from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
 from occult.moe.layer import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
-from occult.tools.bench import variant_chunks  # noqa: E402
+from occult.tools.bench import variant_sync_free  # noqa: E402
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
 EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", *tt_model.VARIANTS)
@@ -139,27 +136,26 @@ def variant_list(text: str) -> list[str]:
     bad = [v for v in names if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))]
     bad += [v for v in names if base_variant(v) in PEERS and v.removesuffix("@device") != base_variant(v)]
     bad += [v for v in names if on_device(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
-    bad += [v for v in names if sync_free_chunks(v) and (base_variant(v) in ("native", "replicated", *PEERS))]
+    bad += [v for v in names if sync_free(v) and (base_variant(v) in ("native", "replicated", *PEERS))]
     bad += [v for v in names if (is_graphed(v) or layer_graphs(v))
-            and not (on_device(v) or sync_free_chunks(v) or base_variant(v) == "replicated")]
+            and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
-            f"(fixed capacity, no host wait) or @chunksN (sync-free in N overlapped chunks), and replicated, "
-            f"@device, @syncfree or @chunksN ones /graph (prefill in one CUDA graph: no host wait) or /layergraphs (each "
+            f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one CUDA graph: no host wait) or /layergraphs (each "
             f"MoE layer's forward replayed from its graphs; not with /graph), or the peers "
-            f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN and /tbo were "
-            f"removed: docs/overlap.md)")
+            f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
+            f"@chunksN were removed: docs/overlap.md)")
     return names
 
 
-_HOW = re.compile(r"@(device|syncfree|chunks[1-9]\d*)$")  # how an expert-parallel variant exchanges
+_HOW = re.compile(r"@(device|syncfree)$")  # how an expert-parallel variant exchanges
 
 
 def _stem(variant: str) -> str:
-    """'dedup@chunks4/compile/graph' -> 'dedup@chunks4' (the modifiers after the slash gone)."""
+    """'dedup@syncfree/compile/graph' -> 'dedup@syncfree' (the modifiers after the slash gone)."""
     return variant.replace("/layergraphs", "").removesuffix("/graph").removesuffix("/compile")
 
 
@@ -173,11 +169,9 @@ def on_device(variant: str) -> bool:
     return _stem(variant).endswith("@device")
 
 
-def sync_free_chunks(variant: str) -> int:
-    """'dedup@syncfree': 1 (sync-free, fixed-capacity dispatch: no host wait); 'dedup@chunks4': 4 (sync-free
-    in 4 chunks whose all-to-alls overlap the experts: ExecConfig(chunks=4)); otherwise 0 (`occult bench`'s
-    reading of the same suffixes)."""
-    return variant_chunks(_stem(variant))
+def sync_free(variant: str) -> bool:
+    """'dedup@syncfree': sync-free, fixed-capacity dispatch (no host wait; `occult bench`'s reading of the suffix)."""
+    return variant_sync_free(_stem(variant))
 
 
 def is_compiled(variant: str) -> bool:
@@ -405,7 +399,7 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         return model
     execution = ExecConfig(dispatcher="standard" if base == "standard" else "dedup",
                            transport="device" if on_device(variant) else "auto", graphs=layer_graphs(variant),
-                           sync_free=sync_free_chunks(variant) > 0, chunks=max(1, sync_free_chunks(variant)))
+                           sync_free=sync_free(variant))
     if base in ("standard", "dedup"):
         return hf.convert(model, execution=execution)
     if base == "dedup+placement":

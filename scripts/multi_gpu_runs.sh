@@ -18,10 +18,10 @@
 # decode    decode steps over the device transport (issue 37), B = 1 and 64, against sync-free and the floor
 # publish   issue 36's publication set on one link: e2e.py, prefill and training, OLMoE and Qwen3 shapes
 #           (MODELS=olmoe or qwen3 for one a call, ~5 min each): replicated, replicated/compile, standard,
-#           dedup (transport auto: the device transport on NVLink), dedup/compile (+ layer graphs), the
-#           chunked schedule (dedup@chunks4/layergraphs/compile: sync-free, all-to-alls under the experts);
+#           dedup (transport auto: the device transport on NVLink), dedup/compile (+ layer graphs);
 #           Qwen3 also torchtitan, torchtitan+occult (carry .whl); publish-slow: NCCL_P2P_DISABLE=1 (auto
-#           then takes the count exchange)
+#           then takes the count exchange, whose host wait rules out layer graphs; so also the sync-free
+#           layer replayed from its graphs, dedup@syncfree/layergraphs/compile)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -93,7 +93,8 @@ case $part in
     for link in $links; do
       env_=""; [ $link = slow ] && env_="NCCL_P2P_DISABLE=1"
       for model in ${MODELS:-olmoe qwen3}; do
-        variants=replicated,replicated/compile,standard,dedup,dedup/compile,dedup@chunks4/layergraphs/compile
+        variants=replicated,replicated/compile,standard,dedup,dedup/compile
+        [ $link = slow ] && variants=$variants,dedup@syncfree/layergraphs/compile
         [ $model = qwen3 ] && variants=$variants,torchtitan,torchtitan+occult
         run "publish_${model}_$link" "${PUBLISH_TIMEOUT_S:-540}" env $env_ $tr benchmarks/e2e.py --model $model \
           --variants $variants --out "$out/e2e_${model}_${link}_${n}gpu.json"

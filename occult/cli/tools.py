@@ -24,8 +24,7 @@ from occult.cli.registry import (
 
 BENCH_SHAPES = ("olmoe", "qwen3", "deepseek", "mixtral", "tiny")
 BENCH_VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@device", "dedup@device",
-                  "standard@device/graph", "dedup@device/graph", "dedup@syncfree/graph", "dedup@chunks2/graph",
-                  "dedup@chunks4/graph")
+                  "standard@device/graph", "dedup@device/graph", "dedup@syncfree/graph")
 BENCH_ROUTINGS = ("random", "planted")
 
 
@@ -73,8 +72,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", type=choice_list(BENCH_VARIANTS, "variant"), default=list(BENCH_VARIANTS[:3]),
                         help="comma list of " + ", ".join(BENCH_VARIANTS) + " (default: the first three; "
                              "'@device': over the device transport, no host wait; GPUs of one host; '@syncfree': "
-                             "fixed-capacity all-to-alls, no host wait; '@chunksN': sync-free in N chunks whose "
-                             "all-to-alls overlap the experts, ExecConfig(chunks=N); "
+                             "fixed-capacity all-to-alls, no host wait; "
                              "'/graph': forwards replayed from the layer's CUDA graphs, ExecConfig(graphs=True))")
     parser.add_argument("--nodes", type=positive_int, default=1,
                         help="nodes the ranks are grouped into for the two-level 'dedup2' variant (node-major ranks; "

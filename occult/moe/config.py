@@ -100,9 +100,6 @@ class ExecConfig:
     (`occult.moe.graphs`): a call's host cost becomes a copy in, one graph launch and a copy out.
     Inference on GPUs where the layer does not wait for the GPU (device transport, sync-free, one
     rank); elsewhere, and under autograd, the layer runs eagerly.
-    `chunks`: run a sync-free call without autograd as this many chunks of tokens whose all-to-alls
-    run on a side stream under the previous chunk's experts (`occult.moe.chunked`: for links slower
-    than the experts); 1, and every other call, unchunked.
     """
 
     dispatcher: Any = "dedup"
@@ -110,7 +107,6 @@ class ExecConfig:
     expert_backend: str = "auto"
     transport: str = "auto"
     graphs: bool = False
-    chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.expert_backend not in EXPERT_BACKENDS:
@@ -121,8 +117,6 @@ class ExecConfig:
             raise ValueError(f"graphs must be True or False, got {self.graphs!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ValueError(f"chunks must be an integer >= 1 (1: unchunked), got {self.chunks!r}")
 
 
 _MOE_POSITIONAL = ("hidden_size", "ffn_size", "num_experts", "top_k")

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from occult.moe import status as pending
-from occult.moe.chunked import run_chunked
 from occult.moe.comm import CommStats
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, configs_from_keywords
 from occult.moe.contract import Schedule
@@ -153,10 +152,6 @@ class OccultMoE(nn.Module):
             ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
             status = status + bad_input
         schedule = Schedule(self.execution.sync_free, while_waiting, agreed_tokens)
-        if self.chunks_call(x_TH):  # 2-5 in chunks, all-to-alls overlapped with experts (occult.moe.chunked)
-            y_TH, self.last_comm_stats = run_chunked(self.dispatcher, x_TH, weights_TK, ids_TK, self.expert_map,
-                                                     self.local_experts(), schedule, self.execution.chunks)
-            return y_TH.reshape(x.shape)
         try:  # 2-3. plan and dispatch (the count exchange's host wait, or none: device transport, sync-free)
             received, handle = self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, schedule, status,
                                                         bad_input)
@@ -167,12 +162,6 @@ class OccultMoE(nn.Module):
         self.last_comm_stats = handle.stats
         y = received.apply(self.local_experts())  # 4. experts, gate-weighted, pre-reduced per row
         return self.dispatcher.combine(y, handle).reshape(x.shape)  # 5. combine
-
-    def chunks_call(self, x_TH: torch.Tensor) -> bool:
-        """Whether a call on `x_TH` runs chunked (`ExecConfig.chunks`): sync-free, several ranks, no
-        autograd, at least two tokens; every other call runs unchunked (the same function)."""
-        return (self.execution.chunks > 1 and self.sync_free and self.num_ranks > 1 and x_TH.shape[0] > 1
-                and not torch.is_grad_enabled())
 
     # -------------------------------------------------------- graph replays
     def replays(self, x: torch.Tensor) -> bool:
@@ -282,7 +271,6 @@ class OccultMoE(nn.Module):
             f"({self.num_experts // self.num_ranks} on rank {self.rank} of {self.num_ranks}), "
             f"top_k={self.top_k}, dispatcher={self.dispatcher.name}, transport={self.dispatcher.transport_name}"
             + (", graphs=True" if self.execution.graphs else "")
-            + (f", chunks={self.execution.chunks}" if self.execution.chunks > 1 else "")
         )
 
 

@@ -42,8 +42,7 @@ SHAPES: dict[str, Shape] = {
     "tiny": Shape("tiny", 64, 32, 16, 4),
 }
 VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@device", "dedup@device",
-            "standard@device/graph", "dedup@device/graph", "dedup@syncfree/graph", "dedup@chunks2/graph",
-            "dedup@chunks4/graph")
+            "standard@device/graph", "dedup@device/graph", "dedup@syncfree/graph")
 
 
 def variant_dispatcher(variant: str) -> str:
@@ -51,13 +50,9 @@ def variant_dispatcher(variant: str) -> str:
     return variant.split("/")[0].split("@")[0].removesuffix("+placement")
 
 
-def variant_chunks(variant: str) -> int:
-    """'@syncfree': 1 (sync-free, fixed-capacity dispatch); '@chunksN': N (sync-free in N chunks whose
-    all-to-alls overlap the experts, `ExecConfig(chunks=N)`); otherwise 0 (not sync-free)."""
-    how = variant.split("/")[0].partition("@")[2]
-    if how == "syncfree":
-        return 1
-    return int(how[len("chunks"):]) if how.startswith("chunks") else 0
+def variant_sync_free(variant: str) -> bool:
+    """'@syncfree': sync-free, fixed-capacity dispatch over NCCL (`ExecConfig(sync_free=True)`: no host wait)."""
+    return variant.split("/")[0].partition("@")[2] == "syncfree"
 
 
 def variant_transport(variant: str) -> str:
@@ -173,7 +168,7 @@ def _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets
         MoEConfig(shape.hidden, shape.ffn, shape.experts, shape.top_k, w1_full.dtype), placement=placement,
         execution=ExecConfig(variant_dispatcher(variant), expert_backend=args["expert_backend"],
                              transport=variant_transport(variant), graphs=variant_graphs(variant),
-                             sync_free=variant_chunks(variant) > 0, chunks=max(1, variant_chunks(variant))), device=device,
+                             sync_free=variant_sync_free(variant)), device=device,
     )
     with torch.no_grad():
         layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])

@@ -6,8 +6,6 @@ grew), in fp32, bf16 and fp16; bad routing inside a replay is still raised on ev
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from occult.moe.graphs import EAGER_CALLS
 
 from test_collective_layer import DTYPES, FFN, HIDDEN, _placement, _rel, skip_without_transport
 
+REPLAY_RESERVE_BYTES = 16 << 20  # > any call of the replay case (2 ranks x 4 rows x 256 tokens x ~2.2 KB fp32 rows)
 TOL_VS_EAGER = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -53,6 +52,10 @@ def test_replayed_forwards_match_the_eager_layer(ranks, transport, dispatcher, d
     gen = torch.Generator(device=ranks.device).manual_seed(ranks.seed * 11 + ranks.rank)
     worst = 0.0
     with torch.no_grad():
+        if not same:  # the group's transport is shared with earlier cases' layers: grow it now past what these
+            # calls need, so that only call 7's growth drops graphs (a first call that grew it, after a case
+            # with narrower rows, reset the count of calls and shifted `held`: seen once, standard fp32)
+            graphed.dispatcher.transport.reserve(REPLAY_RESERVE_BYTES)
         for i, size in enumerate(sizes):
             if i == 7 and not same:
                 transport = graphed.dispatcher.transport
@@ -175,26 +178,3 @@ def test_converted_model_with_layer_graphs_matches_and_generates_the_same_tokens
     same = float(torch.equal(tokens["graphs"], tokens["counts"]))
     assert ranks.all_max(worst) < 1e-5, worst
     assert ranks.all_max(1.0 - same) == 0.0, tokens
-
-
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
-def test_chunked_calls_match_the_eager_layer(ranks, dispatcher, dtype_name):
-    """`ExecConfig(chunks=3)` on a sync-free layer (occult.moe.chunked: all-to-alls on a side stream
-    under the previous chunk's experts), eager and replayed from its graphs (the two streams captured),
-    gives what the count exchange gives unchunked; 41 tokens make uneven chunks."""
-    dtype = DTYPES[dtype_name]
-    graphed, eager = _layers(ranks, "sync_free", dtype, 25, dispatcher)
-    chunked_eager, _ = _layers(ranks, "sync_free", dtype, 25, dispatcher)
-    for layer in (graphed, chunked_eager):
-        layer.execution = replace(layer.execution, chunks=3)
-    chunked_eager.execution = replace(chunked_eager.execution, graphs=False)
-    gen = torch.Generator(device=ranks.device).manual_seed(ranks.seed * 13 + ranks.rank)
-    worst = 0.0
-    with torch.no_grad():
-        for size in [96, 96, 96, 96, 41, 41, 41, 41]:
-            x = torch.randn(size, HIDDEN, dtype=dtype, device=ranks.device, generator=gen)
-            y_ref = eager(x)
-            worst = max(worst, _rel(graphed(x), y_ref), _rel(chunked_eager(x), y_ref))
-    assert len(graphed.graphs) == 2
-    assert ranks.all_max(worst) <= TOL_VS_EAGER[dtype], (dispatcher, dtype_name, worst)
