@@ -6,7 +6,7 @@ Reads every `*.json` under the given files or directories and recognises these k
 
 - `benchmarks/e2e.py` (whole models), issue 36: the best dedup variant over the best replicated one
   (any compile / graph / transport suffix), per phase and link; at the Qwen3 shape TorchTitan's own
-  model over the best dedup variant;
+  model over the best dedup variant and over TorchTitan with occult's dispatcher (`torchtitan+occult*`);
 - `occult bench` (one layer), issue 36: each dedup variant's forward (the count exchange, `@device`,
   `@device/graph`) over its floor (experts + all-to-alls) at 8192+ tokens per GPU, and the host time
   of a forward at 512 tokens;
@@ -32,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_report import TARGETS as TRAIN_TARGETS  # noqa: E402  (scripts/train_report.py: issue 38's ratios)
 
 WHOLE_MODEL = {("nvlink", "prefill"): 1.05, ("nvlink", "train"): 1.03, ("slow", "prefill"): 1.30, ("slow", "train"): 1.12}
-TORCHTITAN = {"prefill": 3.0, "train": 1.8}  # TorchTitan / best dedup, Qwen3, NVLink: at least
+TORCHTITAN = {("nvlink", "prefill"): 3.0, ("nvlink", "train"): 1.8,  # TorchTitan / best dedup, Qwen3: at least
+              ("slow", "prefill"): 3.5, ("slow", "train"): 2.2}
+TT_OVER_TT_OCCULT = {"nvlink": 1.2, "slow": 2.0}  # TorchTitan / TorchTitan + occult's dispatcher: at least
 LAYER_FORWARD, HOST_MS, HOST_TOKENS = 1.15, 0.3, 512
 DECODE = {("nvlink", 1): 1.35, ("nvlink", 64): 1.12, ("slow", 1): 1.8}  # EP step / floor step: at most
 NATIVE_OVER_EP = {1: 2.0, 64: 12.0}  # transformers' compiled generate / EP step, NVLink: at least
@@ -109,7 +111,8 @@ def _phase_ms(doc: dict, phase: str) -> dict[str, float]:
 
 
 def e2e_rows(name: str, doc: dict) -> list[list[str]]:
-    """Issue 36, whole models: best dedup / best replicated; Qwen3: TorchTitan / best dedup."""
+    """Issue 36, whole models: best dedup / best replicated; Qwen3: TorchTitan / best dedup, and TorchTitan /
+    TorchTitan with occult's dispatcher."""
     rows, (model, world, link, where) = [], _whole_model_run(name, doc)
     for phase in ("prefill", "train"):
         timed = _phase_ms(doc, phase)
@@ -118,11 +121,15 @@ def e2e_rows(name: str, doc: dict) -> list[list[str]]:
             limit, r = WHOLE_MODEL[(link, phase)], best[1] / floor[1]
             rows.append([f"36: whole model ({model}), best dedup / best replicated, {phase}, {link}: <= {limit}",
                          f"{r:.3f}x ({best[0]} {best[1]:.2f} vs {floor[0]} {floor[1]:.2f} ms)", _verdict(r <= limit, world), where])
-        peer = timed.get("torchtitan")
-        if model == "qwen3" and link == "nvlink" and peer and best:
-            need, s = TORCHTITAN[phase], peer / best[1]
-            rows.append([f"36: TorchTitan / best dedup (qwen3), {phase}, nvlink: >= {need}",
+        peer, ours = timed.get("torchtitan"), _best(timed, "torchtitan+occult")
+        if model == "qwen3" and peer and best:
+            need, s = TORCHTITAN[(link, phase)], peer / best[1]
+            rows.append([f"36: TorchTitan / best dedup (qwen3), {phase}, {link}: >= {need}",
                          f"{s:.2f}x ({best[0]} {best[1]:.2f} vs {peer:.2f} ms)", _verdict(s >= need, world), where])
+        if model == "qwen3" and peer and ours:
+            need, s = TT_OVER_TT_OCCULT[link], peer / ours[1]
+            rows.append([f"36: TorchTitan / TorchTitan + occult (qwen3), {phase}, {link}: >= {need}",
+                         f"{s:.2f}x ({ours[0]} {ours[1]:.2f} vs {peer:.2f} ms)", _verdict(s >= need, world), where])
     return rows
 
 

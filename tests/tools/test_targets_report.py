@@ -43,7 +43,11 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
         "replicated": (100.0, 290.0), "dedup": (199.0, 320.0), "dedup+placement": (110.0, 300.0)},
         failed=("dedup+placement",))))  # a failed check never counts
     (tmp_path / "peer.json").write_text(json.dumps(e2e("qwen3", 2, False, {
-        "replicated/compile": (20.0, 140.0), "dedup/compile": (22.0, 150.0), "torchtitan": (70.0, 240.0)})))
+        "replicated/compile": (20.0, 140.0), "dedup/compile": (22.0, 150.0), "torchtitan": (70.0, 240.0),
+        "torchtitan+occult": (60.0, 200.0), "torchtitan+occult@device": (56.0, 210.0)})))
+    (tmp_path / "peer_slow.json").write_text(json.dumps(e2e("qwen3", 2, True, {
+        "replicated/compile": (20.0, 140.0), "dedup@syncfree/layergraphs/compile": (40.0, 150.0),
+        "torchtitan": (150.0, 300.0), "torchtitan+occult": (75.0, 160.0)})))
     (tmp_path / "bench.json").write_text(json.dumps({"ceilings": {}, "runs": [
         {"variant": "dedup", "forward_ms": 3.3, "floor_ms": 3.0, "shape": "olmoe", "tokens": 8192, "world": 2},
         {"variant": "dedup@device", "forward_ms": 2.0, "floor_ms": 0.5, "shape": "olmoe", "tokens": 512, "world": 2,
@@ -71,6 +75,15 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
     assert got[("36: TorchTitan / best dedup (qwen3), train, nvlink: >= 1.8", "peer.json")] == (
         "1.60x (dedup/compile 150.00 vs 240.00 ms)", "MISSED")
     assert got[("36: TorchTitan / best dedup (qwen3), prefill, nvlink: >= 3.0", "peer.json")][1] == "met"
+    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), prefill, nvlink: >= 1.2", "peer.json")] == (
+        "1.25x (torchtitan+occult@device 56.00 vs 70.00 ms)", "met")  # the faster of its transports
+    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), train, nvlink: >= 1.2", "peer.json")][1] == "met"  # 240 / 200
+    assert got[("36: TorchTitan / best dedup (qwen3), prefill, slow: >= 3.5", "peer_slow.json")] == (
+        "3.75x (dedup@syncfree/layergraphs/compile 40.00 vs 150.00 ms)", "met")
+    assert got[("36: TorchTitan / best dedup (qwen3), train, slow: >= 2.2", "peer_slow.json")][1] == "MISSED"  # 2.0x
+    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), prefill, slow: >= 2.0", "peer_slow.json")][1] == "met"
+    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), train, slow: >= 2.0", "peer_slow.json")] == (
+        "1.88x (torchtitan+occult 160.00 vs 300.00 ms)", "MISSED")
     assert got[("36: layer forward / (experts + all-to-alls), 8192 tokens (olmoe, dedup): <= 1.15", "bench.json")] == ("1.10x", "met")
     assert got[("36: host ms per layer forward, 512 tokens (olmoe, dedup@device): <= 0.3", "bench.json")] == ("2.50 ms", "MISSED")
     assert got[("36: host ms per layer forward, 512 tokens (olmoe, dedup@device/graph): <= 0.3", "bench.json")] == (
