@@ -144,8 +144,9 @@ def variant_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
-            f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one CUDA graph: no host wait) or /layergraphs (each "
-            f"MoE layer's forward replayed from its graphs; not with /graph), or the peers "
+            f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
+            f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
+            f"with /graph), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)")
     return names

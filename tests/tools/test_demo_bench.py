@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _occult(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "occult", *args], capture_output=True, text=True, timeout=timeout)
@@ -81,6 +83,21 @@ def test_bench_rejects_bad_shape():
     assert proc.returncode == 2 and "--nodes 3" in proc.stderr and proc.stdout == ""
     proc = _occult("bench", "--overlap-chunks", "2")  # removed (issue 36): an argparse error, not ignored
     assert proc.returncode == 2 and "unrecognized arguments: --overlap-chunks" in proc.stderr
+
+
+def test_bench_variants_read_sync_free_and_refuse_the_removed_chunks():
+    import argparse
+
+    from occult.cli.tools import BENCH_VARIANTS, choice_list
+    from occult.tools.bench import variant_dispatcher, variant_sync_free, variant_transport
+
+    parse = choice_list(BENCH_VARIANTS, "variant")
+    assert parse("dedup@syncfree/graph,dedup") == ["dedup@syncfree/graph", "dedup"]
+    assert [variant_sync_free(v) for v in ("dedup@syncfree/graph", "dedup@device/graph", "dedup")] == [True, False, False]
+    assert variant_dispatcher("dedup@syncfree/graph") == "dedup" and variant_transport("dedup@syncfree/graph") != "device"
+    for removed in ("dedup@chunks4/graph", "dedup@chunks2/graph"):  # the chunked schedule (removed, issue 36)
+        with pytest.raises(argparse.ArgumentTypeError, match="chunks"):
+            parse(removed)
 
 
 def _on_a_terminal(*args: str) -> tuple[int, str, str]:

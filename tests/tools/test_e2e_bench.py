@@ -74,8 +74,10 @@ def test_e2e_unknown_variant_fails_clearly():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import e2e
 
+    # and the chunked schedule's @chunksN (issue 36, session 8): unknown too
     for bad in ("dedup,bogus", "dedup/c0", "dedup/c2", "dedup/tbo", "replicated/tbo", "native/c2", "native/tbo",
-                "hf-ep/c2", "hf-ep/compile", "dedup/tbo/c2", "torchtitan/tbo"):
+                "hf-ep/c2", "hf-ep/compile", "dedup/tbo/c2", "torchtitan/tbo", "dedup@chunks4/layergraphs/compile",
+                "dedup@chunks2"):
         with pytest.raises(Exception, match="unknown variant") as info:
             e2e.variant_list(bad)
         assert bad.split(",")[-1] in str(info.value)
@@ -191,11 +193,17 @@ def test_e2e_transport_and_graph_modifiers():
     assert [e2e.on_device(v) for v in names] == [True, True, False, True, True, True]
     assert [e2e.is_graphed(v) for v in names] == [False, True, True, False, False, False]
     assert e2e.variant_list("torchtitan+occult@device") == ["torchtitan+occult@device"]  # TorchTitan's seam too
+    free = e2e.variant_list("dedup@syncfree/layergraphs/compile,standard@syncfree/graph,dedup")  # sync-free dispatch
+    assert [(e2e.base_variant(v), e2e.sync_free(v), e2e.on_device(v)) for v in free] == [
+        ("dedup", True, False), ("standard", True, False), ("dedup", False, False)]
+    assert [(e2e.layer_graphs(v), e2e.is_graphed(v), e2e.is_compiled(v)) for v in free] == [
+        (True, False, True), (False, True, False), (False, False, False)]
     both = e2e.variant_list("dedup@device/compile/graph,replicated/compile/graph")  # compiled layers, captured
     assert [e2e.base_variant(v) for v in both] == ["dedup", "replicated"]
     assert [(e2e.on_device(v), e2e.is_compiled(v), e2e.is_graphed(v)) for v in both] == [(True, True, True),
                                                                                          (False, True, True)]
     for bad in ("dedup/graph", "replicated@device", "native@device", "torchtitan@device", "dedup@device/tbo",
+                "replicated@syncfree", "native@syncfree", "torchtitan@syncfree",
                 "hf-ep@device", "torchtitan+occult/graph", "dedup/compile/graph", "native/compile/graph",
                 "dedup@device/graph/compile"):
         with pytest.raises(Exception, match="unknown variant"):
