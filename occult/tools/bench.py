@@ -28,6 +28,7 @@ from occult.moe.config import ExecConfig, MoEConfig
 from occult.moe.graphs import EAGER_CALLS
 from occult.moe.layer import OccultMoE
 from occult.moe.registry import capabilities
+from occult.moe.device_exchange import as_byte_rows
 from occult.moe.symm import DeviceTransport, row_bytes
 from occult.placement import Placement
 from occult.placement.cost import SHAPES as MODEL_SHAPES
@@ -215,11 +216,12 @@ def _round_trip(dispatcher, rows_out, y_back, send: list[int], recv: list[int]):
 
 
 def _as_byte_rows(rows_NH: torch.Tensor) -> torch.Tensor:
-    """Rows as the device transport's byte rows (padded to its row width)."""
+    """Rows as the device transport's byte rows (padded to its row width; no copy where they fit)."""
+    width = row_bytes(rows_NH.shape[1] * rows_NH.element_size())
+    exact_NW = as_byte_rows(rows_NH, width)
+    if exact_NW is not None:
+        return exact_NW
     raw_NB = rows_NH.contiguous().view(torch.uint8)
-    width = row_bytes(raw_NB.shape[1])
-    if width == raw_NB.shape[1]:
-        return raw_NB
     padded_NW = raw_NB.new_zeros((raw_NB.shape[0], width))
     padded_NW[:, : raw_NB.shape[1]] = raw_NB
     return padded_NW
