@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from _timing import quantiles, slowest, synchronize  # benchmarks/_timing.py
 
 KINDS = ("native", "native+compile", "occult", "occult+graph")
@@ -62,9 +61,18 @@ def generate_fn(kind: str, model: nn.Module) -> Generate:
 
         def native(ids_BP: torch.Tensor, n: int, on_token: Callable[[], None] | None = None) -> torch.Tensor:
             extra = {"logits_processor": LogitsProcessorList([OnToken(on_token)])} if on_token else {}
-            return model.generate(ids_BP, attention_mask=torch.ones_like(ids_BP), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, cache_implementation="static", pad_token_id=0,
-                                  disable_compile=kind == "native", **extra)
+            return model.generate(
+                ids_BP,
+                attention_mask=torch.ones_like(ids_BP),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                cache_implementation="static",
+                pad_token_id=0,
+                disable_compile=kind == "native",
+                **extra,
+            )
+
         return native
     from occult.integrations import hf
 
@@ -72,6 +80,7 @@ def generate_fn(kind: str, model: nn.Module) -> Generate:
         if on_token is not None:
             raise ValueError("occult's generate is marked at its kept decoder's steps (per_step_latency)")
         return hf.generate(model, ids_BP, n, cuda_graph=kind == "occult+graph", eos_token_id=[])
+
     return occult
 
 
@@ -84,8 +93,9 @@ def _wall_ms(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[floa
     return (time.perf_counter() - t0) * 1e3, out
 
 
-def time_generate(gen: Generate, prompts_BP: torch.Tensor, new_tokens: int, repeats: int,
-                  device: torch.device) -> tuple[dict[str, Any], torch.Tensor]:
+def time_generate(
+    gen: Generate, prompts_BP: torch.Tensor, new_tokens: int, repeats: int, device: torch.device
+) -> tuple[dict[str, Any], torch.Tensor]:
     """(numbers, the ids of the first call): first call, one untimed, then `repeats` x (n tokens, m tokens)."""
     half = max(2, new_tokens // 2)
     if new_tokens <= half:
@@ -104,17 +114,26 @@ def time_generate(gen: Generate, prompts_BP: torch.Tensor, new_tokens: int, repe
     # (the n-token call = prefill + (n - 1) steps; the same as fewer_ms - (half - 1) * step_ms unless
     # noise made the longer call the faster one and step_ms was clipped)
     prefill_ms = many_ms - (new_tokens - 1) * step_ms
-    return {"prefill_ms_p50": prefill_ms if prefill_ms > 0 else None, "prefill_estimate_ms": prefill_ms,
-            "ms_p50": step_ms, "ms_p99": None,
-            "step_ms_mean": step_ms, "generate_ms_p50": many_ms, "generate_ms_all": many, "shorter_calls_tokens": half,
-            "shorter_ms_all": fewer,
-            "first_call_s": first_ms / 1e3, "compile_s": max(first_ms - many_ms, 0.0) / 1e3,
-            "decode_tokens_per_s_per_gpu": B / (step_ms / 1e3),
-            "e2e_tokens_per_s_per_gpu": B * new_tokens / (many_ms / 1e3)}, out
+    return {
+        "prefill_ms_p50": prefill_ms if prefill_ms > 0 else None,
+        "prefill_estimate_ms": prefill_ms,
+        "ms_p50": step_ms,
+        "ms_p99": None,
+        "step_ms_mean": step_ms,
+        "generate_ms_p50": many_ms,
+        "generate_ms_all": many,
+        "shorter_calls_tokens": half,
+        "shorter_ms_all": fewer,
+        "first_call_s": first_ms / 1e3,
+        "compile_s": max(first_ms - many_ms, 0.0) / 1e3,
+        "decode_tokens_per_s_per_gpu": B / (step_ms / 1e3),
+        "e2e_tokens_per_s_per_gpu": B * new_tokens / (many_ms / 1e3),
+    }, out
 
 
-def per_step_latency(model: nn.Module, gen: Generate, kind: str, prompts_BP: torch.Tensor, new_tokens: int,
-                     device: torch.device) -> dict[str, Any]:
+def per_step_latency(
+    model: nn.Module, gen: Generate, kind: str, prompts_BP: torch.Tensor, new_tokens: int, device: torch.device
+) -> dict[str, Any]:
     """Per-step latency of one more generate(n) call (module docstring): {"step_events_ms_p50", "ms_p90",
     "ms_p99", "step_ms_all", "step_events_mean_ms"}, or {} where no steps were marked (occult: no decoder kept on
     the model) or not as many on every rank."""
@@ -153,8 +172,13 @@ def per_step_latency(model: nn.Module, gen: Generate, kind: str, prompts_BP: tor
         return {}
     ms = slowest(ms, device)
     p50, p90, p99 = quantiles(ms, [0.5, 0.9, 0.99])
-    return {"step_events_ms_p50": p50, "ms_p90": p90, "ms_p99": p99, "step_ms_all": ms,
-            "step_events_mean_ms": sum(ms) / len(ms)}
+    return {
+        "step_events_ms_p50": p50,
+        "ms_p90": p90,
+        "ms_p99": p99,
+        "step_ms_all": ms,
+        "step_events_mean_ms": sum(ms) / len(ms),
+    }
 
 
 def with_per_step(res: dict[str, Any], steps: dict[str, Any], batch: int) -> dict[str, Any]:
@@ -162,9 +186,13 @@ def with_per_step(res: dict[str, Any], steps: dict[str, Any], batch: int) -> dic
     mean; the whole-call estimate stays as `step_ms_mean` (module docstring). Unchanged where `steps` is {}."""
     if not steps:
         return res
-    return dict(res, **steps, ms_p50=steps["step_events_ms_p50"],
-                decode_tokens_per_s_per_gpu=batch / (steps["step_events_mean_ms"] / 1e3),
-                per_step_over_whole_call=steps["step_events_ms_p50"] / res["step_ms_mean"])
+    return dict(
+        res,
+        **steps,
+        ms_p50=steps["step_events_ms_p50"],
+        decode_tokens_per_s_per_gpu=batch / (steps["step_events_mean_ms"] / 1e3),
+        per_step_over_whole_call=steps["step_events_ms_p50"] / res["step_ms_mean"],
+    )
 
 
 def _mark(device: torch.device) -> Any:

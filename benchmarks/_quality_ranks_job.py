@@ -63,14 +63,21 @@ RECIPES = {  # pruning-aware fine-tuning recipes (occult finetune's options), by
     "experts-long": dict(train_part="experts", length=2),
     "experts-x4": dict(train_part="experts", length=4),
     # experts only, longer, distilled from the standard fine-tune of the same length
-    "distill-ft-experts-long": dict(train_part="experts", length=2,
-                                    distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
-    "distill-ft-experts-x4": dict(train_part="experts", length=4,
-                                  distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
-    "distill-ft-x4": dict(length=4,  # routers and experts
-                          distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
-    "distill-ft-experts-x8": dict(train_part="experts", length=8,
-                                  distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"),
+    "distill-ft-experts-long": dict(
+        train_part="experts", length=2, distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"
+    ),
+    "distill-ft-experts-x4": dict(
+        train_part="experts", length=4, distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"
+    ),
+    "distill-ft-x4": dict(
+        length=4,  # routers and experts
+        distill_weight=1.0,
+        distill_temperature=1.0,
+        distill_from="ft-standard",
+    ),
+    "distill-ft-experts-x8": dict(
+        train_part="experts", length=8, distill_weight=1.0, distill_temperature=1.0, distill_from="ft-standard"
+    ),
 }
 
 
@@ -110,8 +117,14 @@ def finetune_runs(args, recipes: bool) -> list[tuple]:
     if not recipes:
         return [("standard fine-tuning", "ft-standard", None, "score", {})] + plain
     rows = recipe_cells(args)
-    return plain + reference_runs(args, list(dict.fromkeys(r for r, _, _ in rows))) + [
-        (f"pruned N={n} ({m}) + fine-tuning [{r}]", f"ft-n{n}-{m}-{r}", n, m, recipe_changes(args, r)) for r, n, m in rows]
+    return (
+        plain
+        + reference_runs(args, list(dict.fromkeys(r for r, _, _ in rows)))
+        + [
+            (f"pruned N={n} ({m}) + fine-tuning [{r}]", f"ft-n{n}-{m}-{r}", n, m, recipe_changes(args, r))
+            for r, n, m in rows
+        ]
+    )
 
 
 def reference_of(args, changes: dict) -> str:
@@ -157,8 +170,9 @@ def dispatcher_eval(model, data, args, par, placement=None) -> dict:
 
     hooks = [m.register_forward_hook(hook) for m in model.moe_layers()]
     try:
-        ev = evaluate(model, data.val, args.batch_size, args.seq_len, args.eval_tokens or None,
-                      placement=placement, parallel=par)
+        ev = evaluate(
+            model, data.val, args.batch_size, args.seq_len, args.eval_tokens or None, placement=placement, parallel=par
+        )
     finally:
         for h in hooks:
             h.remove()
@@ -174,8 +188,12 @@ def dispatcher_eval(model, data, args, par, placement=None) -> dict:
 def row(name, ev, **kw) -> dict:
     """`quality_study.row` plus the dispatcher's counts and the E[C_T] counted from the routed ids."""
     out = qs.row(name, ev, **kw)
-    out.update(mean_ct_observed=ev["mean_ct_observed"], dispatch_rows=ev["dispatch_rows"],
-               routed_tokens=ev["routed_tokens"], val_tokens=ev["val_tokens"])
+    out.update(
+        mean_ct_observed=ev["mean_ct_observed"],
+        dispatch_rows=ev["dispatch_rows"],
+        routed_tokens=ev["routed_tokens"],
+        val_tokens=ev["val_tokens"],
+    )
     return out
 
 
@@ -202,15 +220,31 @@ def phase_train(args, data, par, log):
     if args.resume and (run / FINAL).exists():
         log(f"train: reusing {run / BEST}")
         return run / BEST, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()], 0.0
-    mcfg = ModelConfig(vocab_size=data.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
-                       num_heads=args.heads, num_experts=args.experts, top_k=args.top_k,
-                       expert_ffn_size=args.expert_ffn, max_seq_len=args.seq_len, expert_backend=args.expert_backend)
+    mcfg = ModelConfig(
+        vocab_size=data.vocab_size,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        expert_ffn_size=args.expert_ffn,
+        max_seq_len=args.seq_len,
+        expert_backend=args.expert_backend,
+    )
     torch.manual_seed(args.seed)
     model = shard_model(full_model(mcfg, par), par, None, "dedup")
     log(f"train: {args.experts} experts top-{args.top_k} over {par.world_size} ranks, up to {args.train_steps} steps")
     t0 = time.perf_counter()
-    res = train(model, data, qs.train_config(args, finetune_=False), run, resume=args.resume and run.exists(),
-                progress=False, log=log, parallel=par)
+    res = train(
+        model,
+        data,
+        qs.train_config(args, finetune_=False),
+        run,
+        resume=args.resume and run.exists(),
+        progress=False,
+        log=log,
+        parallel=par,
+    )
     secs = time.perf_counter() - t0
     log(f"train: {res.step} steps in {secs:.0f} s, best val loss {res.best_val_loss:.4f}")
     return run / BEST, res.history, secs
@@ -221,8 +255,13 @@ def phase_evaluate(args, data, par, base, placement, sims, log, pruned_only=Fals
     rows = []
     if not pruned_only:
         model = sharded_base(base, par, cont)
-        rows.append(row("standard routing (contiguous placement)", dispatcher_eval(model, data, args, par, cont),
-                        group="no fine-tuning"))
+        rows.append(
+            row(
+                "standard routing (contiguous placement)",
+                dispatcher_eval(model, data, args, par, cont),
+                group="no fine-tuning",
+            )
+        )
     model = sharded_base(base, par, placement)
     if not pruned_only:
         rows.append(row("placement only", dispatcher_eval(model, data, args, par, placement), group="no fine-tuning"))
@@ -230,8 +269,15 @@ def phase_evaluate(args, data, par, base, placement, sims, log, pruned_only=Fals
         for m in args.methods:
             model.set_routing(n, placement, m, sims)
             check_rank_map(model, placement)
-            rows.append(row(f"pruned N={n} ({m})", dispatcher_eval(model, data, args, par), n=n, method=m,
-                               group="no fine-tuning"))
+            rows.append(
+                row(
+                    f"pruned N={n} ({m})",
+                    dispatcher_eval(model, data, args, par),
+                    n=n,
+                    method=m,
+                    group="no fine-tuning",
+                )
+            )
             log(f"evaluate: N={n} {m}: val loss {rows[-1]['val_loss']:.4f}, E[C_T] {rows[-1]['mean_ct']:.3f}")
     return rows
 
@@ -242,14 +288,35 @@ def phase_finetune(args, data, par, base, placement, sims, log, recipes=False):
         cfg = dataclasses.replace(qs.train_config(args, finetune_=True), **changes)
         run = args.out / run_dir
         t0 = time.perf_counter()
-        model, res = finetune(base, data, cfg, run, max_devices=n, placement=placement if n else None, method=m,
-                              similarity=sims if n else None, resume=(args.resume or recipes) and run.exists(),
-                              progress=False, log=log, parallel=par, ep_placement=placement, dispatcher="dedup")
+        model, res = finetune(
+            base,
+            data,
+            cfg,
+            run,
+            max_devices=n,
+            placement=placement if n else None,
+            method=m,
+            similarity=sims if n else None,
+            resume=(args.resume or recipes) and run.exists(),
+            progress=False,
+            log=log,
+            parallel=par,
+            ep_placement=placement,
+            dispatcher="dedup",
+        )
         secs[name] = time.perf_counter() - t0
         if n is not None:
             check_rank_map(model, placement)
-        rows.append(row(name, dispatcher_eval(model, data, args, par, placement), n=n, method=m if n else None,
-                        finetuned=True, group="fine-tuned"))
+        rows.append(
+            row(
+                name,
+                dispatcher_eval(model, data, args, par, placement),
+                n=n,
+                method=m if n else None,
+                finetuned=True,
+                group="fine-tuned",
+            )
+        )
         rows[-1].update(recipe=changes, reference=reference_of(args, changes))
         curves[name] = [(h["step"], h["val_loss"]) for h in res.history]
         log(f"finetune: {name}: val loss {rows[-1]['val_loss']:.4f}, E[C_T] {rows[-1]['mean_ct']:.3f}")
@@ -258,10 +325,15 @@ def phase_finetune(args, data, par, base, placement, sims, log, recipes=False):
 
 def train_result(history: list[dict], secs: float, data) -> dict:
     """What the train phase of a seed reports (SEED_DIR/train.json)."""
-    return {"train_curve": [(h["step"], h["val_loss"]) for h in history],
-            "train_steps_done": history[-1]["step"] if history else 0,
-            "best_train_val": min(h["val_loss"] for h in history), "seconds": {"train": secs},
-            "vocab": data.vocab_size, "train_tokens": int(data.train.numel()), "val_tokens": int(data.val.numel())}
+    return {
+        "train_curve": [(h["step"], h["val_loss"]) for h in history],
+        "train_steps_done": history[-1]["step"] if history else 0,
+        "best_train_val": min(h["val_loss"] for h in history),
+        "seconds": {"train": secs},
+        "vocab": data.vocab_size,
+        "train_tokens": int(data.train.numel()),
+        "val_tokens": int(data.val.numel()),
+    }
 
 
 def run_job(phase: str, job: Path) -> int:
@@ -286,8 +358,13 @@ def run_job(phase: str, job: Path) -> int:
         rows = phase_evaluate(args, data, par, base, placement, sims, log, pruned_only=phase == "recipes")
         t = time.perf_counter()
         ft_rows, curves, ft_secs = phase_finetune(args, data, par, base, placement, sims, log, phase == "recipes")
-        result = {"rows": rows + ft_rows, "ft_curves": curves, "ranks": world, "ft_seconds": ft_secs,
-                  "seconds": {"evaluate": t - t0, "fine-tuning": sum(ft_secs.values())}}
+        result = {
+            "rows": rows + ft_rows,
+            "ft_curves": curves,
+            "ranks": world,
+            "ft_seconds": ft_secs,
+            "seconds": {"evaluate": t - t0, "fine-tuning": sum(ft_secs.values())},
+        }
     if par.is_main:
         path = args.out / f"{phase}.json"
         tmp = path.with_suffix(".json.tmp")
@@ -314,8 +391,11 @@ def simulate(phase: str, spec: dict) -> dict:
     base = args.out / "base" / BEST
     placement = Placement.load(args.out / "placement.json")
     sims = load_similarity(similarity_path(args.out / "placement.json"), args.experts, args.layers)
-    rows = [_simulated(r) for r in qs.phase_evaluate(args, data, base, placement, sims)
-            if phase != "recipes" or r["max_devices"] is not None]
+    rows = [
+        _simulated(r)
+        for r in qs.phase_evaluate(args, data, base, placement, sims)
+        if phase != "recipes" or r["max_devices"] is not None
+    ]
     t = time.perf_counter()
     kw = dict(batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.eval_tokens or None)
     curves, secs = {}, {}
@@ -323,17 +403,37 @@ def simulate(phase: str, spec: dict) -> dict:
         cfg = dataclasses.replace(qs.train_config(args, finetune_=True), **changes)
         run = args.out / run_dir
         t1 = time.perf_counter()
-        model, res = finetune(base, data, cfg, run, max_devices=n, placement=placement if n else None, method=m,
-                              similarity=sims if n else None, resume=(args.resume or phase == "recipes") and run.exists(),
-                              progress=False, log=qs.log)
+        model, res = finetune(
+            base,
+            data,
+            cfg,
+            run,
+            max_devices=n,
+            placement=placement if n else None,
+            method=m,
+            similarity=sims if n else None,
+            resume=(args.resume or phase == "recipes") and run.exists(),
+            progress=False,
+            log=qs.log,
+        )
         secs[name] = time.perf_counter() - t1
         ev = evaluate(model, data.val, placement=placement, **kw)
-        rows.append(dict(_simulated(qs.row(name, ev, n=n, method=m if n else None, finetuned=True, group="fine-tuned")),
-                         recipe=changes, reference=reference_of(args, changes)))
+        rows.append(
+            dict(
+                _simulated(qs.row(name, ev, n=n, method=m if n else None, finetuned=True, group="fine-tuned")),
+                recipe=changes,
+                reference=reference_of(args, changes),
+            )
+        )
         curves[name] = [(h["step"], h["val_loss"]) for h in res.history]
         qs.log(f"finetune: {name}: val loss {ev['val_loss']:.4f}, E[C_T] {ev['mean_ct']:.3f} ({secs[name]:.0f} s)")
-    return {"rows": rows, "ft_curves": curves, "ranks": 1, "ft_seconds": secs,
-            "seconds": {"evaluate": t - t0, "fine-tuning": sum(secs.values())}}
+    return {
+        "rows": rows,
+        "ft_curves": curves,
+        "ranks": 1,
+        "ft_seconds": secs,
+        "seconds": {"evaluate": t - t0, "fine-tuning": sum(secs.values())},
+    }
 
 
 def _simulated(r: dict) -> dict:

@@ -6,8 +6,22 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-COLORS = ["#1f77b4", "#7f7f7f", "#2ca02c", "#17becf", "#d62728", "#ff7f0e", "#9467bd", "#8c564b",
-          "#bcbd22", "#e377c2", "#000000", "#aec7e8", "#98df8a", "#ff9896"]
+COLORS = [
+    "#1f77b4",
+    "#7f7f7f",
+    "#2ca02c",
+    "#17becf",
+    "#d62728",
+    "#ff7f0e",
+    "#9467bd",
+    "#8c564b",
+    "#bcbd22",
+    "#e377c2",
+    "#000000",
+    "#aec7e8",
+    "#98df8a",
+    "#ff9896",
+]
 
 
 def _fmt(s: dict | None, digits: int = 3, pct: bool = False) -> str:
@@ -22,12 +36,20 @@ def _fmt(s: dict | None, digits: int = 3, pct: bool = False) -> str:
 def svg_plot(results: dict) -> str:
     """Three panels: base validation loss per seed; ppl vs E[C_T] (all rows); Δ ppl vs E[C_T] (fine-tuned)."""
     W, H, pad = 1320, 400, 58
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
-           f'<rect width="{W}" height="{H}" fill="white"/>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+        f'<rect width="{W}" height="{H}" fill="white"/>',
+    ]
 
     def panel(x0, w, title, series, xlabel, ylabel, points=False, front=()):
-        xs = [v for _, pts in series for p in pts for v in ((p[0],) if not points else (p[0]["min"], p[0]["max"]))] or [0, 1]
-        ys = [v for _, pts in series for p in pts for v in ((p[1],) if not points else (p[1]["min"], p[1]["max"]))] or [0, 1]
+        xs = [v for _, pts in series for p in pts for v in ((p[0],) if not points else (p[0]["min"], p[0]["max"]))] or [
+            0,
+            1,
+        ]
+        ys = [v for _, pts in series for p in pts for v in ((p[1],) if not points else (p[1]["min"], p[1]["max"]))] or [
+            0,
+            1,
+        ]
         xlo, xhi, ylo, yhi = min(xs), max(xs), min(ys), max(ys)
         if xhi == xlo:
             xlo, xhi = xlo - 0.5, xhi + 0.5
@@ -44,7 +66,9 @@ def svg_plot(results: dict) -> str:
             return bottom - (y - ylo) / (yhi - ylo) * (bottom - top)
 
         out.append(f'<text x="{(left + right) / 2}" y="18" text-anchor="middle" font-size="13">{title}</text>')
-        out.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#444"/>')
+        out.append(
+            f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#444"/>'
+        )
         for i in range(5):
             yv, xv = ylo + (yhi - ylo) * i / 4, xlo + (xhi - xlo) * i / 4
             out.append(f'<text x="{left - 4}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.3g}</text>')
@@ -52,16 +76,25 @@ def svg_plot(results: dict) -> str:
             out.append(f'<line x1="{left}" x2="{right}" y1="{py(yv):.1f}" y2="{py(yv):.1f}" stroke="#eee"/>')
         out.append(f'<text x="{(left + right) / 2}" y="{H - 12}" text-anchor="middle">{xlabel}</text>')
         mid = (top + bottom) / 2
-        out.append(f'<text x="{x0 + 12}" y="{mid}" transform="rotate(-90 {x0 + 12} {mid})" text-anchor="middle">{ylabel}</text>')
+        out.append(
+            f'<text x="{x0 + 12}" y="{mid}" transform="rotate(-90 {x0 + 12} {mid})" text-anchor="middle">{ylabel}</text>'
+        )
         for i, (label, pts) in enumerate(series):
             c = COLORS[i % len(COLORS)]
             if points:
                 for sx, sy, filled in pts:
                     x, y = px(sx["mean"]), py(sy["mean"])
-                    out.append(f'<line x1="{px(sx["min"]):.1f}" x2="{px(sx["max"]):.1f}" y1="{y:.1f}" y2="{y:.1f}" stroke="{c}"/>')
-                    out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{py(sy["min"]):.1f}" y2="{py(sy["max"]):.1f}" stroke="{c}"/>')
-                    out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="5" fill="{c}"/>' if filled else
-                               f'<rect x="{x - 4.5:.1f}" y="{y - 4.5:.1f}" width="9" height="9" fill="white" stroke="{c}" stroke-width="2"/>')
+                    out.append(
+                        f'<line x1="{px(sx["min"]):.1f}" x2="{px(sx["max"]):.1f}" y1="{y:.1f}" y2="{y:.1f}" stroke="{c}"/>'
+                    )
+                    out.append(
+                        f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{py(sy["min"]):.1f}" y2="{py(sy["max"]):.1f}" stroke="{c}"/>'
+                    )
+                    out.append(
+                        f'<circle cx="{x:.1f}" cy="{y:.1f}" r="5" fill="{c}"/>'
+                        if filled
+                        else f'<rect x="{x - 4.5:.1f}" y="{y - 4.5:.1f}" width="9" height="9" fill="white" stroke="{c}" stroke-width="2"/>'
+                    )
             else:
                 d = " ".join(f"{'M' if j == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for j, (x, y) in enumerate(pts))
                 out.append(f'<path d="{d}" fill="none" stroke="{c}" stroke-width="1.8"/>')
@@ -73,27 +106,61 @@ def svg_plot(results: dict) -> str:
             out.append(f'<path d="{d}" fill="none" stroke="#000" stroke-width="1.2" stroke-dasharray="5,4"/>')
 
     third = W // 3
-    panel(0, third, "validation loss during base training", [
-        (f"seed {s['seed']}", [tuple(p) for p in s["train_curve"]]) for s in results["seeds"]], "step", "val loss")
+    panel(
+        0,
+        third,
+        "validation loss during base training",
+        [(f"seed {s['seed']}", [tuple(p) for p in s["train_curve"]]) for s in results["seeds"]],
+        "step",
+        "val loss",
+    )
     kinds: dict[str, list] = {}
     for r in results["rows"]:
-        kind = (f"N={r['max_devices']} {r['method']}" if r["max_devices"] is not None
-                else "placement only" if r["name"] == "placement only" else "standard")
+        kind = (
+            f"N={r['max_devices']} {r['method']}"
+            if r["max_devices"] is not None
+            else "placement only"
+            if r["name"] == "placement only"
+            else "standard"
+        )
         kinds.setdefault(kind, []).append((r["mean_ct"], r["val_ppl"], r["finetuned"]))
-    ct_label = "E[C_T] (routed ids on the placement)" if results["args"].get("simulate") else "E[C_T] measured by the dispatcher"
-    panel(third, third, "ppl vs E[C_T] (square: as trained, dot: fine-tuned; dashed: front)", list(kinds.items()),
-          ct_label, "val perplexity", points=True,
-          front=[(r["mean_ct"]["mean"], r["val_ppl"]["mean"]) for r in pareto_front(results["rows"])])
+    ct_label = (
+        "E[C_T] (routed ids on the placement)"
+        if results["args"].get("simulate")
+        else "E[C_T] measured by the dispatcher"
+    )
+    panel(
+        third,
+        third,
+        "ppl vs E[C_T] (square: as trained, dot: fine-tuned; dashed: front)",
+        list(kinds.items()),
+        ct_label,
+        "val perplexity",
+        points=True,
+        front=[(r["mean_ct"]["mean"], r["val_ppl"]["mean"]) for r in pareto_front(results["rows"])],
+    )
     tuned = []
     for r in results["rows"]:
         if r["finetuned"]:
-            tag = r["name"][r["name"].index("["):] if "[" in r["name"] else ""  # a recipe's rows apart from the plain ones
-            label = (r["name"].replace("standard fine-tuning", "standard FT") if r["max_devices"] is None
-                     else f"N={r['max_devices']} {r['method']} {tag}".strip())
+            tag = (
+                r["name"][r["name"].index("[") :] if "[" in r["name"] else ""
+            )  # a recipe's rows apart from the plain ones
+            label = (
+                r["name"].replace("standard fine-tuning", "standard FT")
+                if r["max_devices"] is None
+                else f"N={r['max_devices']} {r['method']} {tag}".strip()
+            )
             rel = {k: (v * 100 if k != "values" else v) for k, v in r["rel_ppl"].items()}
             tuned.append((label, [(r["mean_ct"], rel, True)]))
-    panel(2 * third, third, "fine-tuned: Δ ppl vs standard FT (bars: min..max)", tuned,
-          ct_label, "Δ perplexity, %", points=True)
+    panel(
+        2 * third,
+        third,
+        "fine-tuned: Δ ppl vs standard FT (bars: min..max)",
+        tuned,
+        ct_label,
+        "Δ perplexity, %",
+        points=True,
+    )
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
@@ -110,15 +177,19 @@ def _where_seeds_ran(env: dict, seeds: list[dict]) -> str:
     here = f"{env['device']} (torch {env['torch']})"
     text = "" if ran <= {here} else f"The seeds ran on {'; '.join(sorted(ran))}. "
     if unrecorded:
-        text += (f"Seed(s) {', '.join(unrecorded)} came from a run that did not record its machine "
-                 "(the report's text or notes beside it say where).")
+        text += (
+            f"Seed(s) {', '.join(unrecorded)} came from a run that did not record its machine "
+            "(the report's text or notes beside it say where)."
+        )
     return text.strip()
 
 
 def _run_flags(spec: dict) -> str:
     """A merged run's row choices as quality_ranks.py flags."""
-    flags = [f"--max-devices {' '.join(map(str, spec.get('max_devices') or []))}",
-             f"--methods {' '.join(spec.get('methods') or [])}"]
+    flags = [
+        f"--max-devices {' '.join(map(str, spec.get('max_devices') or []))}",
+        f"--methods {' '.join(spec.get('methods') or [])}",
+    ]
     if spec.get("recipes"):
         flags.append(f"--recipes {' '.join(spec['recipes'])}")
     if spec.get("recipe_methods"):
@@ -138,11 +209,15 @@ def _merged_runs(seeds: list[dict]) -> list[str]:
         return []
     runs = _merged_run_flags(merged)
     tol = max(sd.get("merge_tol", 0.0) for sd in merged)
-    return [f"Seed(s) {', '.join(str(sd['seed']) for sd in merged)}: rows merged from {len(runs)} runs of the same seed "
-            "(`benchmarks/quality_merge.py`; separate device calls), which share the base training, placement and standard "
-            f"fine-tunes, checked equal (every shared row's validation loss and E[C_T] to {tol:g}): "
-            + "; ".join(f"`{r}`" for r in runs) + ". A seed's time adds up every run's fine-tunes (the standard references "
-            "were fine-tuned again in each run); base training, profiling and evaluation count once (the fastest run's).", ""]
+    return [
+        f"Seed(s) {', '.join(str(sd['seed']) for sd in merged)}: rows merged from {len(runs)} runs of the same seed "
+        "(`benchmarks/quality_merge.py`; separate device calls), which share the base training, placement and standard "
+        f"fine-tunes, checked equal (every shared row's validation loss and E[C_T] to {tol:g}): "
+        + "; ".join(f"`{r}`" for r in runs)
+        + ". A seed's time adds up every run's fine-tunes (the standard references "
+        "were fine-tuned again in each run); base training, profiling and evaluation count once (the fastest run's).",
+        "",
+    ]
 
 
 def render(results: dict, doc: Path) -> None:
@@ -155,7 +230,8 @@ def render(results: dict, doc: Path) -> None:
     best = ", ".join(f"{s['best_train_val']:.4f}" for s in seeds)
     simulated = bool(a.get("simulate"))
     lines = [
-        "# Collaboration pruning: quality study " + ("with simulated devices" if simulated else "on real ranks")
+        "# Collaboration pruning: quality study "
+        + ("with simulated devices" if simulated else "on real ranks")
         + (" (CPU-sized)" if a["tiny"] else ""),
         "",
         f"Generated by `benchmarks/quality_ranks.py` on {env['device']} (torch {env['torch']}, Python {env['python']}), "
@@ -180,68 +256,120 @@ def render(results: dict, doc: Path) -> None:
     ]
     for r in results["rows"]:
         ref = r["name"] in ("standard fine-tuning", "standard routing (contiguous placement)")
-        lines.append(f"| {r['name']} | {'yes' if r['finetuned'] else 'no'} | {_fmt(r['val_loss'], 4)} | {_fmt(r['val_ppl'])} | "
-                     f"{'reference' if ref else _fmt(r['rel_ppl'], 2, pct=True)} | {_fmt(r['mean_ct'])} |")
-    obs = [abs(x - y) for r in results["rows"] if r.get("mean_ct_observed")
-           for x, y in zip(r["mean_ct"]["values"], r["mean_ct_observed"]["values"])]
+        lines.append(
+            f"| {r['name']} | {'yes' if r['finetuned'] else 'no'} | {_fmt(r['val_loss'], 4)} | {_fmt(r['val_ppl'])} | "
+            f"{'reference' if ref else _fmt(r['rel_ppl'], 2, pct=True)} | {_fmt(r['mean_ct'])} |"
+        )
+    obs = [
+        abs(x - y)
+        for r in results["rows"]
+        if r.get("mean_ct_observed")
+        for x, y in zip(r["mean_ct"]["values"], r["mean_ct_observed"]["values"])
+    ]
     if obs and not simulated:  # simulated rows copy the routed-ids count: nothing to compare
         worst = max(obs)
-        lines += ["", "E[C_T] counted from the routed ids on the placement (what the one-process study reports) "
-                  + ("equals the dispatcher's rows exactly in every row and seed." if worst == 0 else
-                     f"differs from the dispatcher's rows by up to {worst:.1e}.")]
+        lines += [
+            "",
+            "E[C_T] counted from the routed ids on the placement (what the one-process study reports) "
+            + (
+                "equals the dispatcher's rows exactly in every row and seed."
+                if worst == 0
+                else f"differs from the dispatcher's rows by up to {worst:.1e}."
+            ),
+        ]
     checks = results.get("simulation_check") or []
     if checks:
         dl = max(c["max_abs_val_loss"] for c in checks)
         dc = max(c["max_abs_mean_ct"] for c in checks)
-        lines += [f"The one-process simulated study (`quality_study.phase_evaluate`, routers limited against the same placement "
-                  f"as virtual devices) on each seed's base weights gives the rows without fine-tuning to within {dl:.1e} in "
-                  f"validation loss (fp32 summation order) and {dc:.1e} in E[C_T]: on the same weights the simulation computes "
-                  "what the ranks compute; what the real runs add is training on R ranks (sharded experts, DDP, global-batch "
-                  "load balancing) and dispatch that really goes to at most N ranks."]
+        lines += [
+            f"The one-process simulated study (`quality_study.phase_evaluate`, routers limited against the same placement "
+            f"as virtual devices) on each seed's base weights gives the rows without fine-tuning to within {dl:.1e} in "
+            f"validation loss (fp32 summation order) and {dc:.1e} in E[C_T]: on the same weights the simulation computes "
+            "what the ranks compute; what the real runs add is training on R ranks (sharded experts, DDP, global-batch "
+            "load balancing) and dispatch that really goes to at most N ranks."
+        ]
     cmp = [s["placement_comparison"] for s in seeds if s.get("placement_comparison")]
     if cmp:
-        lines += ["", f"E[C_T] of each seed's base routing (the profiled calibration trace) on {a['ranks']} devices, by solver:", "",
-                  "| placement | E[C_T] | rows vs standard (k = " + str(a["top_k"]) + ") |", "|---|---|---|"]
+        lines += [
+            "",
+            f"E[C_T] of each seed's base routing (the profiled calibration trace) on {a['ranks']} devices, by solver:",
+            "",
+            "| placement | E[C_T] | rows vs standard (k = " + str(a["top_k"]) + ") |",
+            "|---|---|---|",
+        ]
         for m in cmp[0]:
             vals = [c[m] for c in cmp]
             st = {"mean": sum(vals) / len(vals), "std": _std(vals), "min": min(vals), "max": max(vals), "values": vals}
             lines.append(f"| {m} | {_fmt(st)} | {st['mean'] / a['top_k']:.1%} |")
-    lines += ["", "**Targets** (perplexity after fine-tuning relative to standard fine-tuning of the same length): "
-              "N=2 within 0.3% on the mean, 0.5% on the worst seed; N=1 within 3%, 4%.", ""]
+    lines += [
+        "",
+        "**Targets** (perplexity after fine-tuning relative to standard fine-tuning of the same length): "
+        "N=2 within 0.3% on the mean, 0.5% on the worst seed; N=1 within 3%, 4%.",
+        "",
+    ]
     for t in results["targets"]:
         if t["limit"] is None:
-            lines.append(f"- {t['name']}: mean {t['rel_ppl_mean'] * 100:+.2f}%, worst seed {t['rel_ppl_max'] * 100:+.2f}%")
+            lines.append(
+                f"- {t['name']}: mean {t['rel_ppl_mean'] * 100:+.2f}%, worst seed {t['rel_ppl_max'] * 100:+.2f}%"
+            )
             continue
-        verdict = "met on every seed" if t["met_every_seed"] and t["met_mean"] else \
-            ("met on the mean, **not on every seed**" if t["met_mean"] else "**missed**")
+        verdict = (
+            "met on every seed"
+            if t["met_every_seed"] and t["met_mean"]
+            else ("met on the mean, **not on every seed**" if t["met_mean"] else "**missed**")
+        )
         worst = t.get("limit_worst", t["limit"])
-        lines.append(f"- {t['name']}: mean {t['rel_ppl_mean'] * 100:+.2f}%, worst seed {t['rel_ppl_max'] * 100:+.2f}% "
-                     f"(limits {t['limit'] * 100:g}%, {worst * 100:g}%): {verdict}")
+        lines.append(
+            f"- {t['name']}: mean {t['rel_ppl_mean'] * 100:+.2f}%, worst seed {t['rel_ppl_max'] * 100:+.2f}% "
+            f"(limits {t['limit'] * 100:g}%, {worst * 100:g}%): {verdict}"
+        )
     placed = next((r["mean_ct"]["mean"] for r in results["rows"] if r["name"] == "placement only"), None)
     if placed is not None:
-        more = ("so pruning to N replaces more of each token's experts" if placed > 2.05 else
-                "so pruning to N replaces fewer of each token's experts")
-        lines += ["", f"The targets were set on [quality.md](quality.md) (32 experts top-4, hidden 256, one process, one seed), "
-                  f"where a token's plain top-4 spanned 2.05 of 4 devices on the placement. Here the plain top-{a['top_k']} spans "
-                  f"{placed:.2f} of {a['ranks']} {'devices' if simulated else 'ranks'}, {more}."]
+        more = (
+            "so pruning to N replaces more of each token's experts"
+            if placed > 2.05
+            else "so pruning to N replaces fewer of each token's experts"
+        )
+        lines += [
+            "",
+            f"The targets were set on [quality.md](quality.md) (32 experts top-4, hidden 256, one process, one seed), "
+            f"where a token's plain top-4 spanned 2.05 of 4 devices on the placement. Here the plain top-{a['top_k']} spans "
+            f"{placed:.2f} of {a['ranks']} {'devices' if simulated else 'ranks'}, {more}.",
+        ]
     front = pareto_front(results["rows"])
-    lines += ["", "Pareto front of the fine-tuned rows (no other fine-tuned row has both a lower mean E[C_T] and a lower "
-              "mean perplexity), the dashed line in the plot: " + "; ".join(
-                  f"{r['name']} (E[C_T] {r['mean_ct']['mean']:.3f}, ppl {r['val_ppl']['mean']:.3f})" for r in front) + ".",
-              "", f"![base training curves, ppl vs E[C_T] with the Pareto front, fine-tuned Δ ppl with min..max bars]({plot.name})", "",
-              "Time per seed (s): " + "; ".join(
-                  f"seed {s['seed']}: " + ", ".join(f"{k} {v:.0f}" for k, v in s["seconds"].items() if k != "total")
-                  + f"; total {s['seconds'].get('total', sum(s['seconds'].values())):.0f}" for s in seeds) + ".",
-              "", "## Command", "", "```bash"]
+    lines += [
+        "",
+        "Pareto front of the fine-tuned rows (no other fine-tuned row has both a lower mean E[C_T] and a lower "
+        "mean perplexity), the dashed line in the plot: "
+        + "; ".join(f"{r['name']} (E[C_T] {r['mean_ct']['mean']:.3f}, ppl {r['val_ppl']['mean']:.3f})" for r in front)
+        + ".",
+        "",
+        f"![base training curves, ppl vs E[C_T] with the Pareto front, fine-tuned Δ ppl with min..max bars]({plot.name})",
+        "",
+        "Time per seed (s): "
+        + "; ".join(
+            f"seed {s['seed']}: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in s["seconds"].items() if k != "total")
+            + f"; total {s['seconds'].get('total', sum(s['seconds'].values())):.0f}"
+            for s in seeds
+        )
+        + ".",
+        "",
+        "## Command",
+        "",
+        "```bash",
+    ]
     if a.get("corpus_dir"):
         sources = results.get("corpus_sources") or []
         corpus = f" --corpus {','.join(sources)}" if sources and sources != ["shakespeare"] else ""
         lines.append(f"occult data prepare{corpus} --out {a['corpus_dir']} --vocab-size {s0['vocab']}   # once")
     runs = _merged_run_flags(seeds)
     if runs:
-        lines += ["# the aggregation of the merged seeds; they ran as these runs (separate device calls), merged with",
-                  "#   python benchmarks/quality_merge.py --out OUT RUN_DIR_1 RUN_DIR_2 ...",
-                  *(f"#   quality_ranks.py <the flags below, one seed> {r}" for r in runs)]
+        lines += [
+            "# the aggregation of the merged seeds; they ran as these runs (separate device calls), merged with",
+            "#   python benchmarks/quality_merge.py --out OUT RUN_DIR_1 RUN_DIR_2 ...",
+            *(f"#   quality_ranks.py <the flags below, one seed> {r}" for r in runs),
+        ]
     lines += [results["command"], "```", ""]
     tmp = doc.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines))

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
 from _timing import Stopwatch, slowest, synchronize  # benchmarks/_timing.py
 
 
@@ -43,8 +42,9 @@ def _median_ms(fn: Any, device: torch.device, reps: int, warmup: int = 2) -> flo
     return times[len(times) // 2]
 
 
-def measure_peaks(device: torch.device, dtype: torch.dtype, matmul_n: int | None = None,
-                  copy_bytes: int | None = None) -> dict[str, Any]:
+def measure_peaks(
+    device: torch.device, dtype: torch.dtype, matmul_n: int | None = None, copy_bytes: int | None = None
+) -> dict[str, Any]:
     """The matmul rate (an n x n x n product in `dtype`, random operands) and the copy bandwidth
     (bytes read + written by a device-to-device copy), the slowest rank's (a collective)."""
     cuda = device.type == "cuda"
@@ -55,15 +55,19 @@ def measure_peaks(device: torch.device, dtype: torch.dtype, matmul_n: int | None
     b_NN = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     c_NN = torch.empty_like(a_NN)
     mm_ms = _median_ms(lambda: torch.mm(a_NN, b_NN, out=c_NN), device, reps=20 if cuda else 3)
-    del a_NN, b_NN, c_NN
     src = torch.randint(-100, 100, (size // 4,), device=device, dtype=torch.int32, generator=gen)
     dst = torch.empty_like(src)
     copy_ms = _median_ms(lambda: dst.copy_(src), device, reps=20 if cuda else 3)
-    del src, dst
     mm_ms, copy_ms = slowest([mm_ms, copy_ms], device)
-    return {"matmul_n": n, "matmul_dtype": str(dtype).replace("torch.", ""), "matmul_ms": mm_ms,
-            "matmul_tflops": 2 * n**3 / (mm_ms / 1e3) / 1e12, "copy_bytes": size, "copy_ms": copy_ms,
-            "copy_gb_s": 2 * size / (copy_ms / 1e3) / 1e9}
+    return {
+        "matmul_n": n,
+        "matmul_dtype": str(dtype).replace("torch.", ""),
+        "matmul_ms": mm_ms,
+        "matmul_tflops": 2 * n**3 / (mm_ms / 1e3) / 1e12,
+        "copy_bytes": size,
+        "copy_ms": copy_ms,
+        "copy_gb_s": 2 * size / (copy_ms / 1e3) / 1e9,
+    }
 
 
 # ------------------------------------------------------------------ the model's work
@@ -79,7 +83,7 @@ class ModelCost:
     bytes_per_elem: int
 
     @classmethod
-    def of(cls, model: nn.Module) -> "ModelCost":
+    def of(cls, model: nn.Module) -> ModelCost:
         from occult.integrations import hf
 
         cfg = model.config
@@ -102,8 +106,14 @@ class ModelCost:
         L = len(layers)
         head = model.get_output_embeddings().weight
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        return cls(dense, tuple(moe), head.numel(), L * 2 * heads * (qk + v), L * kv,
-                   torch.empty((), dtype=dtype).element_size())
+        return cls(
+            dense,
+            tuple(moe),
+            head.numel(),
+            L * 2 * heads * (qk + v),
+            L * kv,
+            torch.empty((), dtype=dtype).element_size(),
+        )
 
     @property
     def active_params_per_token(self) -> int:
@@ -112,8 +122,11 @@ class ModelCost:
     def forward_flops(self, batch: int, seq: int, head_positions: int) -> float:
         """A forward of `batch` sequences of `seq` tokens (causal), logits at `head_positions` positions in all."""
         pairs = batch * seq * (seq + 1) / 2
-        return 2 * self.active_params_per_token * batch * seq + self.score_flops_per_pair * pairs \
+        return (
+            2 * self.active_params_per_token * batch * seq
+            + self.score_flops_per_pair * pairs
             + 2 * self.head_params * head_positions
+        )
 
     def train_flops(self, batch: int, seq: int) -> float:
         """Forward + backward (2x the forward), logits at every position."""
@@ -128,9 +141,14 @@ class ModelCost:
         return {"weights": weights, "kv": kv, "total": weights + kv}
 
     def describe(self) -> dict[str, Any]:
-        return {"dense_params": self.dense_params, "moe_layers": len(self.moe_layers),
-                "expert_params": sum(n for n, _, _ in self.moe_layers), "head_params": self.head_params,
-                "active_params_per_token": self.active_params_per_token, "bytes_per_elem": self.bytes_per_elem}
+        return {
+            "dense_params": self.dense_params,
+            "moe_layers": len(self.moe_layers),
+            "expert_params": sum(n for n, _, _ in self.moe_layers),
+            "head_params": self.head_params,
+            "active_params_per_token": self.active_params_per_token,
+            "bytes_per_elem": self.bytes_per_elem,
+        }
 
 
 def rate(flops: float, ms: float, peaks: dict[str, Any]) -> dict[str, float]:

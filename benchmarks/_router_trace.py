@@ -45,8 +45,9 @@ def logit_factor(corr_EE: np.ndarray, power: float) -> np.ndarray:
     return u_EE / np.maximum(np.linalg.norm(u_EE, axis=1, keepdims=True), 1e-12)
 
 
-def sharpen(topk_ids_TK: np.ndarray, num_experts: int, num_devices: int, seed: int = 0,
-            tokens: int = 16384) -> tuple[np.ndarray, dict[str, float]]:
+def sharpen(
+    topk_ids_TK: np.ndarray, num_experts: int, num_devices: int, seed: int = 0, tokens: int = 16384
+) -> tuple[np.ndarray, dict[str, float]]:
     """(U, info): the power p whose synthetic routing matches the trace's placement gain (module docstring)."""
     from occult.placement.layout import Placement
     from occult.placement.solvers import place
@@ -55,8 +56,9 @@ def sharpen(topk_ids_TK: np.ndarray, num_experts: int, num_devices: int, seed: i
 
     k = topk_ids_TK.shape[1]
     half = topk_ids_TK.shape[0] // 2
-    greedy_E = place(Trace([topk_ids_TK[:half]], num_experts, k), num_devices, method="greedy",
-                     seed=seed).placement.expert_device(0)
+    greedy_E = place(
+        Trace([topk_ids_TK[:half]], num_experts, k), num_devices, method="greedy", seed=seed
+    ).placement.expert_device(0)
     contiguous_E = Placement.contiguous(num_experts, num_devices, 1).expert_device(0)
     held_out = topk_ids_TK[half:]
     target = mean_ct(held_out, greedy_E, num_devices) / mean_ct(held_out, contiguous_E, num_devices)

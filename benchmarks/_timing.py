@@ -55,9 +55,16 @@ def environment(device: torch.device, world: int) -> dict[str, Any]:
     """World size, device, NCCL_P2P_DISABLE, backend, versions, host and GPU name."""
     import transformers
 
-    env = {"world_size": world, "device": device.type, "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE"),
-           "backend": dist.get_backend(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version(), "host": platform.node()}
+    env = {
+        "world_size": world,
+        "device": device.type,
+        "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE"),
+        "backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         try:
@@ -69,13 +76,21 @@ def environment(device: torch.device, world: int) -> dict[str, Any]:
     return env
 
 
-def new_report(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, world: int, cfg: Any,
-               **config: Any) -> dict[str, Any]:
+def new_report(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, world: int, cfg: Any, **config: Any
+) -> dict[str, Any]:
     """A run's JSON report before any variant: "config" (the arguments but --out, the dtype, `config`,
     the model's config), "env" (`environment`), "variants" {}."""
-    return {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype), **config,
-                       "model_config": cfg.to_dict()},
-            "env": environment(device, world), "variants": {}}
+    return {
+        "config": {
+            **{k: v for k, v in vars(args).items() if k != "out"},
+            "dtype": str(dtype),
+            **config,
+            "model_config": cfg.to_dict(),
+        },
+        "env": environment(device, world),
+        "variants": {},
+    }
 
 
 def agree_on_error(error: str | None) -> str | None:
@@ -94,12 +109,19 @@ def finish(script: str, table: str, failed: list[str], tol: float, what: str = "
     started = time.perf_counter()
     finish_distributed()
     # (a run killed after its table leaves this line out: whether it would have exited is then visible)
-    print(f"{script}: rank {rank} left the process group in {time.perf_counter() - started:.1f} s", file=sys.stderr,
-          flush=True)
+    print(
+        f"{script}: rank {rank} left the process group in {time.perf_counter() - started:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     if failed:
         if rank == 0:
-            print(f"{script}: error: {what} {', '.join(failed)} differ from the unconverted model "
-                  f"(median relative logit error above --tol {tol})", file=sys.stderr, flush=True)
+            print(
+                f"{script}: error: {what} {', '.join(failed)} differ from the unconverted model "
+                f"(median relative logit error above --tol {tol})",
+                file=sys.stderr,
+                flush=True,
+            )
         return 1
     return 0
 
@@ -107,6 +129,7 @@ def finish(script: str, table: str, failed: list[str], tol: float, what: str = "
 # ------------------------------------------------------------------ arguments
 def parser(description: str) -> argparse.ArgumentParser:
     """An argument parser whose help prints `description` as written and every option's default."""
+
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
@@ -135,6 +158,7 @@ def variant_list(known: Iterable[str]) -> Callable[[str], list[str]]:
         if bad or not names:
             raise argparse.ArgumentTypeError(f"unknown variant(s) {bad or text!r}; choose from {', '.join(known)}")
         return list(dict.fromkeys(names))
+
     return parse
 
 
@@ -188,8 +212,11 @@ def checked(out: torch.Tensor, ref: torch.Tensor, tol: float, truth: Truth | Non
     passed = res["median_rel_err"] <= tol
     if truth is not None:
         t = logit_errors(out, truth.logits)
-        res.update(fp32_median_rel_err=t["median_rel_err"], fp32_p95_rel_err=t["p95_rel_err"],
-                   native_fp32_median_rel_err=truth.native_err)
+        res.update(
+            fp32_median_rel_err=t["median_rel_err"],
+            fp32_p95_rel_err=t["p95_rel_err"],
+            native_fp32_median_rel_err=truth.native_err,
+        )
         passed = passed or t["median_rel_err"] <= Truth.MARGIN * truth.native_err + tol
     return {**res, "passed": passed}
 
@@ -246,8 +273,9 @@ class Stopwatch:
         return (b - a) * 1e3
 
 
-def time_steps(step: Callable[[Any], Any], inputs: Callable[[], Any], warmup: int, iters: int,
-               device: torch.device) -> list[float]:
+def time_steps(
+    step: Callable[[Any], Any], inputs: Callable[[], Any], warmup: int, iters: int, device: torch.device
+) -> list[float]:
     """`warmup` + `iters` calls of step(inputs()), ranks meeting at a barrier before each; the timed ms
     of each call, the slowest rank's."""
     times = []
@@ -264,8 +292,9 @@ def time_steps(step: Callable[[Any], Any], inputs: Callable[[], Any], warmup: in
     return slowest(times, device)
 
 
-def capture_graph(fn: Callable[[torch.Tensor], torch.Tensor], static_in: torch.Tensor,
-                  warmup: int = 3) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+def capture_graph(
+    fn: Callable[[torch.Tensor], torch.Tensor], static_in: torch.Tensor, warmup: int = 3
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
     """`fn(static_in)` captured in a CUDA graph after `warmup` calls on a side stream (Triton compilation,
     allocator); returns (step, graph): step(x) copies x into `static_in`, replays, returns the static output."""
     side = torch.cuda.Stream()
@@ -282,6 +311,7 @@ def capture_graph(fn: Callable[[torch.Tensor], torch.Tensor], static_in: torch.T
         static_in.copy_(x)
         graph.replay()
         return static_out
+
     return step, graph
 
 
@@ -289,8 +319,9 @@ def capture_graph(fn: Callable[[torch.Tensor], torch.Tensor], static_in: torch.T
 FLOORS = ("replicated+graph", "replicated")
 
 
-def floor_rows(get: Callable[[str, int], dict | None], names: list[str], batches: list[int],
-               fields: list[str]) -> list[dict[str, Any]]:
+def floor_rows(
+    get: Callable[[str, int], dict | None], names: list[str], batches: list[int], fields: list[str]
+) -> list[dict[str, Any]]:
     """Rows batch x variant: the `fields` of each timed result and its ratio of ms_p50 to the floor
     (replicated+graph at that batch size, else replicated), or a note saying why it was not timed."""
     rows = []

@@ -39,7 +39,12 @@ from occult.moe.experts import expert_mlp_reference
 
 T = kcfg.TileConfig
 SWEEP = {
-    "small_gate_up": [T(16, 32, 128, 1, 4, 4), T(16, 64, 128, 1, 4, 3), T(16, 32, 256, 1, 4, 3), T(16, 16, 256, 1, 4, 3)],
+    "small_gate_up": [
+        T(16, 32, 128, 1, 4, 4),
+        T(16, 64, 128, 1, 4, 3),
+        T(16, 32, 256, 1, 4, 3),
+        T(16, 16, 256, 1, 4, 3),
+    ],
     "small_down": [T(16, 64, 128, 1, 4, 4), T(16, 32, 128, 1, 4, 4), T(16, 128, 64, 1, 4, 4), T(16, 64, 256, 1, 8, 3)],
 }
 NSETS = 16
@@ -89,7 +94,7 @@ def variants(w1, w2):
 
 def check(w1, w2, args, device, log):
     out = {}
-    hidden, experts, ffn = w1.shape[2], w1.shape[0], w2.shape[2]
+    hidden, experts, _ffn = w1.shape[2], w1.shape[0], w2.shape[2]
     g = torch.Generator(device=device).manual_seed(1)
     torch.backends.cuda.matmul.allow_tf32 = False
     w1f, w2f = w1.float(), w2.float()
@@ -215,7 +220,9 @@ def sweep(w1, w2, args, device, log):
             kcfg.override(kernel, cfg)
             ms = {}
             for rows in args.sweep_rows:
-                ms[rows] = time_graph(fn, input_sets(rows, hidden, experts, args.top_k, device, rows), device, args.reps)
+                ms[rows] = time_graph(
+                    fn, input_sets(rows, hidden, experts, args.top_k, device, rows), device, args.reps
+                )
             total = sum(ms.values())
             log(f"sweep {kernel} {cfg}: " + ", ".join(f"R={r} {v * 1e3:.1f} us" for r, v in ms.items()))
             out.setdefault(kernel, []).append({"config": cfg.__dict__, "ms": ms})
@@ -249,8 +256,11 @@ def main(argv=None):
         print(msg, flush=True)
         lines.append(msg)
 
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "shape": {"H": hidden, "E": experts, "F": ffn, "K": args.top_k}}
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "shape": {"H": hidden, "E": experts, "F": ffn, "K": args.top_k},
+    }
     log(f"device {result['device']}, torch {torch.__version__}, H={hidden} E={experts} F={ffn} K={args.top_k}")
     w1, w2 = make_weights(hidden, experts, ffn, device, torch.bfloat16, 0)
     result["check"] = check(w1, w2, args, device, log)
@@ -273,8 +283,12 @@ def main(argv=None):
             except Exception as exc:  # noqa: BLE001 - report and go on
                 log(f"R={rows} {name}: failed: {exc!r}")
                 continue
-            cell[name] = {"graph_us": g_ms and g_ms * 1e3, "eager_us": e_ms * 1e3,
-                          "graph_GBps": g_ms and nbytes / g_ms / 1e6, "floor_us": nbytes / copy / 1e3}
+            cell[name] = {
+                "graph_us": g_ms and g_ms * 1e3,
+                "eager_us": e_ms * 1e3,
+                "graph_GBps": g_ms and nbytes / g_ms / 1e6,
+                "floor_us": nbytes / copy / 1e3,
+            }
             log(f"R={rows} {name}: graph {cell[name]['graph_us'] or float('nan'):.1f} us, eager {e_ms * 1e3:.1f} us")
         rows_out[rows] = cell
     result["rows"] = rows_out
@@ -283,15 +297,21 @@ def main(argv=None):
             json.dump(result, f, indent=1, default=str)
     log("")
     log(f"{result['device']}, copy {copy:.0f} GB/s; per call (one layer), us; GB/s = expert bytes / graph time")
-    log("| R | experts | MB | floor | small graph (GB/s, % copy) | small_row graph | grouped graph | gate_up alone (GB/s) | eager: small / grouped / torch |")
+    log(
+        "| R | experts | MB | floor | small graph (GB/s, % copy) | small_row graph | grouped graph | gate_up alone (GB/s) | eager: small / grouped / torch |"
+    )
     log("|---|---|---|---|---|---|---|---|---|")
     for rows, c in rows_out.items():
+
         def g(name, key="graph_us"):
             return c.get(name, {}).get(key) or float("nan")
-        log(f"| {rows} | {c['distinct_experts']:.1f} | {c['bytes'] / 1e6:.0f} | {c['bytes'] / copy / 1e3:.1f} | "
+
+        log(
+            f"| {rows} | {c['distinct_experts']:.1f} | {c['bytes'] / 1e6:.0f} | {c['bytes'] / copy / 1e3:.1f} | "
             f"{g('small'):.1f} ({g('small', 'graph_GBps'):.0f}, {100 * g('small', 'graph_GBps') / copy:.0f}%) | "
             f"{g('small_row'):.1f} | {g('grouped'):.1f} | {g('gate_up'):.1f} ({g('gate_up', 'graph_GBps'):.0f}) | "
-            f"{g('small', 'eager_us'):.0f} / {g('grouped', 'eager_us'):.0f} / {g('torch', 'eager_us'):.0f} |")
+            f"{g('small', 'eager_us'):.0f} / {g('grouped', 'eager_us'):.0f} / {g('torch', 'eager_us'):.0f} |"
+        )
     return 0
 
 

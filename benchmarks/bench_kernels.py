@@ -33,8 +33,8 @@ import traceback
 import torch
 
 from occult import kernels
-from occult.moe.experts import expert_mlp_reference
 from occult.kernels import config as kcfg
+from occult.moe.experts import expert_mlp_reference
 
 SHAPES = {
     # name: (hidden, experts in total, ffn, top_k)
@@ -181,8 +181,11 @@ def check(prob, device):
     ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
     yr, gr = grads_of(expert_mlp_reference, prob, leaf_inputs(prob, ref_dtype))
     out = {}
-    for name, fn in (("kernels", kernels.expert_mlp), ("kernels_atomic", lambda *a: kernels.expert_mlp(*a, atomic=True)),
-                     ("torch_bf16", expert_mlp_reference)):
+    for name, fn in (
+        ("kernels", kernels.expert_mlp),
+        ("kernels_atomic", lambda *a: kernels.expert_mlp(*a, atomic=True)),
+        ("torch_bf16", expert_mlp_reference),
+    ):
         y, g = grads_of(fn, prob, leaf_inputs(prob))
         errs = {"y": rel(y, yr)}
         errs.update({n: rel(a, b) for n, a, b in zip(("dx", "dgates", "dgate_up", "ddown"), g, gr)})
@@ -209,14 +212,17 @@ def check(prob, device):
 
 def gemm_parts(prob):
     """Pre-built pair lists and buffers to time each kernel alone."""
+    from occult.kernels.combine import combine_rows
     from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
     from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
-    from occult.kernels.combine import combine_rows
-    from occult.kernels.pairs import build_pairs, build_pairs_torch
-
     from occult.kernels.grouped_mm import (
-        gather_pair_rows, grouped_weight_grad, swiglu_backward_rows, swiglu_dgrad_grouped, use_grouped_mm,
+        gather_pair_rows,
+        grouped_weight_grad,
+        swiglu_backward_rows,
+        swiglu_dgrad_grouped,
+        use_grouped_mm,
     )
+    from occult.kernels.pairs import build_pairs, build_pairs_torch
 
     x, slots, gates, w1, w2, dy, K = (prob[k] for k in ("x", "slots", "gates", "w1", "w2", "dy", "K"))
     g = gates.view(-1)
@@ -242,21 +248,29 @@ def gemm_parts(prob):
     if wgrad_gmm or dgrad_gmm:
         dy_rows = gather_pair_rows(dy, pair, offsets, K)
         u = torch._grouped_mm(dy_rows, w2, offs=offsets[1:])
-        parts.update({
-            "u_grouped_mm": lambda: torch._grouped_mm(dy_rows, w2, offs=offsets[1:]),  # dgrad1's GEMM alone
-            "swiglu_rows": lambda: swiglu_backward_rows(u, ab, pair, offsets, g),  # dgrad1's elementwise pass
-            "dgrad1_grouped_mm": lambda: swiglu_dgrad_grouped(gather_pair_rows(dy, pair, offsets, K, out=rows),
-                                                              pair, offsets, w2, ab, g),
-            "wgrad_gate_up_grouped_mm": lambda: grouped_weight_grad(
-                dab, gather_pair_rows(x, pair, offsets, K, out=rows), offsets),
-            "wgrad_down_grouped_mm": lambda: grouped_weight_grad(
-                gather_pair_rows(dy, pair, offsets, K, out=rows), h, offsets),
-            "wgrad_down_grouped_mm_gathered": lambda: grouped_weight_grad(dy_rows, h, offsets),
-        })
+        parts.update(
+            {
+                "u_grouped_mm": lambda: torch._grouped_mm(dy_rows, w2, offs=offsets[1:]),  # dgrad1's GEMM alone
+                "swiglu_rows": lambda: swiglu_backward_rows(u, ab, pair, offsets, g),  # dgrad1's elementwise pass
+                "dgrad1_grouped_mm": lambda: swiglu_dgrad_grouped(
+                    gather_pair_rows(dy, pair, offsets, K, out=rows), pair, offsets, w2, ab, g
+                ),
+                "wgrad_gate_up_grouped_mm": lambda: grouped_weight_grad(
+                    dab, gather_pair_rows(x, pair, offsets, K, out=rows), offsets
+                ),
+                "wgrad_down_grouped_mm": lambda: grouped_weight_grad(
+                    gather_pair_rows(dy, pair, offsets, K, out=rows), h, offsets
+                ),
+                "wgrad_down_grouped_mm_gathered": lambda: grouped_weight_grad(dy_rows, h, offsets),
+            }
+        )
     parts["dgrad1"] = parts["dgrad1_grouped_mm" if dgrad_gmm else "dgrad1_triton"]
     parts["wgrad_gate_up"] = parts["wgrad_gate_up_grouped_mm" if wgrad_gmm else "wgrad_gate_up_triton"]
-    parts["wgrad_down"] = parts[("wgrad_down_grouped_mm_gathered" if dgrad_gmm else "wgrad_down_grouped_mm")
-                                if wgrad_gmm else "wgrad_down_triton"]
+    parts["wgrad_down"] = parts[
+        ("wgrad_down_grouped_mm_gathered" if dgrad_gmm else "wgrad_down_grouped_mm")
+        if wgrad_gmm
+        else "wgrad_down_triton"
+    ]
     return {
         "pairs": lambda: build_pairs(slots, w1.shape[0]),
         "pairs_torch_sort": lambda: build_pairs_torch(slots, w1.shape[0]),
@@ -271,12 +285,23 @@ def gemm_parts(prob):
 
 def part_flops(prob):
     P, H, F = prob["P"], prob["x"].shape[1], prob["w2"].shape[2]
-    return {"gemm1": 4 * P * H * F, "gemm1_save": 4 * P * H * F, "gemm2": 2 * P * H * F, "dgrad1": 2 * P * H * F,
-            "dgrad2": 4 * P * H * F, "wgrad_gate_up": 4 * P * H * F, "wgrad_down": 2 * P * H * F,
-            "wgrad_gate_up_triton": 4 * P * H * F, "wgrad_down_triton": 2 * P * H * F,
-            "dgrad1_triton": 2 * P * H * F, "dgrad1_grouped_mm": 2 * P * H * F, "u_grouped_mm": 2 * P * H * F,
-            "wgrad_gate_up_grouped_mm": 4 * P * H * F, "wgrad_down_grouped_mm": 2 * P * H * F,
-            "wgrad_down_grouped_mm_gathered": 2 * P * H * F}
+    return {
+        "gemm1": 4 * P * H * F,
+        "gemm1_save": 4 * P * H * F,
+        "gemm2": 2 * P * H * F,
+        "dgrad1": 2 * P * H * F,
+        "dgrad2": 4 * P * H * F,
+        "wgrad_gate_up": 4 * P * H * F,
+        "wgrad_down": 2 * P * H * F,
+        "wgrad_gate_up_triton": 4 * P * H * F,
+        "wgrad_down_triton": 2 * P * H * F,
+        "dgrad1_triton": 2 * P * H * F,
+        "dgrad1_grouped_mm": 2 * P * H * F,
+        "u_grouped_mm": 2 * P * H * F,
+        "wgrad_gate_up_grouped_mm": 4 * P * H * F,
+        "wgrad_down_grouped_mm": 2 * P * H * F,
+        "wgrad_down_grouped_mm_gathered": 2 * P * H * F,
+    }
 
 
 def grouped_mm_variants(prob):
@@ -332,9 +357,16 @@ def dense_variants(prob):
         torch.mm(dAB.t(), X)
         torch.mm(dY.t(), Hh)
 
-    return {"gemm1": lambda: torch.mm(X, W1.t()), "gemm2": lambda: torch.mm(Hh, W2.t()), "fwd": fwd, "bwd": bwd,
-            "dgrad1": lambda: torch.mm(dY, W2), "dgrad2": lambda: torch.mm(dAB, W1),
-            "wgrad_gate_up": lambda: torch.mm(dAB.t(), X), "wgrad_down": lambda: torch.mm(dY.t(), Hh)}
+    return {
+        "gemm1": lambda: torch.mm(X, W1.t()),
+        "gemm2": lambda: torch.mm(Hh, W2.t()),
+        "fwd": fwd,
+        "bwd": bwd,
+        "dgrad1": lambda: torch.mm(dY, W2),
+        "dgrad2": lambda: torch.mm(dAB, W1),
+        "wgrad_gate_up": lambda: torch.mm(dAB.t(), X),
+        "wgrad_down": lambda: torch.mm(dY.t(), Hh),
+    }
 
 
 # ----------------------------------------------------------------------------- main
@@ -347,9 +379,14 @@ def sweep(prob, device, log, only=None):
     for name, configs in SWEEP.items():
         if only and name not in only:
             continue
-        keys = {"gemm1": ["gemm1"], "gemm2": ["gemm2"], "dgrad1": ["dgrad1_triton"],
-                "wgrad": ["wgrad_gate_up_triton", "wgrad_down_triton"], "swiglu_rows": ["swiglu_rows"],
-                "gather": ["gather_rows"]}[name]
+        keys = {
+            "gemm1": ["gemm1"],
+            "gemm2": ["gemm2"],
+            "dgrad1": ["dgrad1_triton"],
+            "wgrad": ["wgrad_gate_up_triton", "wgrad_down_triton"],
+            "swiglu_rows": ["swiglu_rows"],
+            "gather": ["gather_rows"],
+        }[name]
         if any(k not in parts for k in keys):
             continue
         best = None
@@ -377,8 +414,19 @@ def run_shape(name, prob, device, log, skip_reference=False):
     H, F = prob["x"].shape[1], prob["w2"].shape[2]
     P = prob["P"]
     fl_f, fl_b = 6 * P * H * F, 12 * P * H * F
-    res = {"P": P, "R": prob["R"], "K": prob["K"], "E_local": prob["E"], "H": H, "F": F,
-           "flops_fwd": fl_f, "flops_bwd": fl_b, "ms": {}, "samples": {}, "errors": {}}
+    res = {
+        "P": P,
+        "R": prob["R"],
+        "K": prob["K"],
+        "E_local": prob["E"],
+        "H": H,
+        "F": F,
+        "flops_fwd": fl_f,
+        "flops_bwd": fl_b,
+        "ms": {},
+        "samples": {},
+        "errors": {},
+    }
 
     def t(key, fn):
         try:
@@ -413,8 +461,7 @@ def run_shape(name, prob, device, log, skip_reference=False):
         if key == "pipeline":
             with torch.no_grad():
                 t("grouped_mm.pipeline_fwd", lambda: fn(*[prob[k] for k in ("x", "gates", "w1", "w2")]))
-            t("grouped_mm.pipeline_fwdbwd",
-              lambda: grads_of(lambda x, s, g, a, b: fn(x, g, a, b), prob, leaves))
+            t("grouped_mm.pipeline_fwdbwd", lambda: grads_of(lambda x, s, g, a, b: fn(x, g, a, b), prob, leaves))
         else:
             t(f"grouped_mm.{key}", fn)
     for key, fn in dense_variants(prob).items():
@@ -430,7 +477,9 @@ def run_shape(name, prob, device, log, skip_reference=False):
         "fwdbwd_ms": get("kernels.fwdbwd"),
         "fwdbwd_tflops": tflops(fl_f + fl_b, get("kernels.fwdbwd")),
         "gemms_fwd_tflops": tflops(fl_f, get("kernels.gemm1") + get("kernels.gemm2")),
-        "gemms_bwd_tflops": tflops(fl_b, sum(get(f"kernels.{k}") for k in ("dgrad1", "dgrad2", "wgrad_gate_up", "wgrad_down"))),
+        "gemms_bwd_tflops": tflops(
+            fl_b, sum(get(f"kernels.{k}") for k in ("dgrad1", "dgrad2", "wgrad_gate_up", "wgrad_down"))
+        ),
         # the faster of: both products in one timed call, or each timed alone and summed
         "dense_fwd_tflops": tflops(fl_f, min(get("dense.fwd"), get("dense.gemm1") + get("dense.gemm2"))),
         "dense_bwd_tflops": tflops(fl_b, get("dense.bwd")),
@@ -444,9 +493,19 @@ def run_shape(name, prob, device, log, skip_reference=False):
     }
     # backward kernels one by one: TF/s, and % of the dense cuBLAS product of the same shape
     fl_parts = part_flops(prob)
-    for k in ("dgrad1", "dgrad2", "wgrad_gate_up", "wgrad_down", "wgrad_gate_up_triton", "wgrad_down_triton",
-              "dgrad1_triton", "dgrad1_grouped_mm", "wgrad_gate_up_grouped_mm", "wgrad_down_grouped_mm",
-              "wgrad_down_grouped_mm_gathered"):
+    for k in (
+        "dgrad1",
+        "dgrad2",
+        "wgrad_gate_up",
+        "wgrad_down",
+        "wgrad_gate_up_triton",
+        "wgrad_down_triton",
+        "dgrad1_triton",
+        "dgrad1_grouped_mm",
+        "wgrad_gate_up_grouped_mm",
+        "wgrad_down_grouped_mm",
+        "wgrad_down_grouped_mm_gathered",
+    ):
         res["summary"][f"{k}_tflops"] = tflops(fl_parts[k], get(f"kernels.{k}"))
         dense_k = k.replace("_triton", "").replace("_grouped_mm", "").replace("_gathered", "")
         res["summary"][f"{k}_pct_dense"] = 100 * get(f"dense.{dense_k}") / get(f"kernels.{k}")
@@ -455,7 +514,8 @@ def run_shape(name, prob, device, log, skip_reference=False):
     rest = get("kernels.dgrad2") + get("kernels.wgrad_gate_up")
     res["summary"]["gemms_bwd_tflops_dgrad1_triton"] = tflops(fl_b, get("kernels.dgrad1_triton") + get(wd_alone) + rest)
     res["summary"]["gemms_bwd_tflops_dgrad1_grouped_mm"] = tflops(
-        fl_b, get("kernels.dgrad1_grouped_mm") + get("kernels.wgrad_down_grouped_mm_gathered") + rest)
+        fl_b, get("kernels.dgrad1_grouped_mm") + get("kernels.wgrad_down_grouped_mm_gathered") + rest
+    )
     # the memory-bound passes: GB/s moved (bf16 u, [a; b] read, d[a; b] written; rows read and written)
     res["summary"]["swiglu_rows_gbs"] = P * 10 * F / get("kernels.swiglu_rows") / 1e6
     res["summary"]["gather_rows_gbs"] = P * 4 * H / get("kernels.gather_rows") / 1e6
@@ -468,9 +528,16 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     ap.add_argument("--devices", type=int, default=4, help="expert-parallel ranks (rank 0 is simulated)")
-    ap.add_argument("--sweep", nargs="?", const="all", default=None, metavar="KERNELS",
-                    help="time a few tile configs first (of every kernel, or of the comma-separated KERNELS: "
-                         + ",".join(SWEEP) + "), keep the fastest")
+    ap.add_argument(
+        "--sweep",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="KERNELS",
+        help="time a few tile configs first (of every kernel, or of the comma-separated KERNELS: "
+        + ",".join(SWEEP)
+        + "), keep the fastest",
+    )
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--skip-reference", action="store_true", help="do not time the torch reference")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run under TRITON_INTERPRET=1)")
@@ -493,9 +560,15 @@ def main(argv=None):
 
     import triton
 
-    info = {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
-            "argv": sys.argv, "tokens_per_rank": args.tokens, "devices": args.devices}
+    info = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+        "argv": sys.argv,
+        "tokens_per_rank": args.tokens,
+        "devices": args.devices,
+    }
     from occult.kernels.grouped_mm import use_grouped_mm
 
     probe = torch.empty((1, 8), device=device, dtype=torch.bfloat16)
@@ -513,10 +586,21 @@ def main(argv=None):
     names = [s for s in args.shapes.split(",") if s]
     for i, name in enumerate(names):
         hidden, experts, ffn, top_k = shapes[name]
-        prob = make_problem(hidden, experts, ffn, top_k, tokens=args.tokens, devices=args.devices,
-                            device=device, dtype=torch.bfloat16, seed=args.seed + i)
-        log(f"## {name}: H={hidden} E={experts} (local {prob['E']}) F={ffn} top{top_k}: R={prob['R']} rows, "
-            f"P={prob['P']} pairs, K={prob['K']}")
+        prob = make_problem(
+            hidden,
+            experts,
+            ffn,
+            top_k,
+            tokens=args.tokens,
+            devices=args.devices,
+            device=device,
+            dtype=torch.bfloat16,
+            seed=args.seed + i,
+        )
+        log(
+            f"## {name}: H={hidden} E={experts} (local {prob['E']}) F={ffn} top{top_k}: R={prob['R']} rows, "
+            f"P={prob['P']} pairs, K={prob['K']}"
+        )
         entry = {}
         if not args.no_check:
             try:
@@ -541,53 +625,77 @@ def main(argv=None):
     nan = float("nan")
     log("")
     log("forward (bf16; TF/s = 6PHF / time; %dense = kernels' GEMMs vs dense cuBLAS of the same shapes)")
-    log(f"{'shape':12s} {'P':>6s} {'op ms':>7s} {'TF/s':>5s} {'gemms':>6s} {'dense':>6s} {'%dns':>5s} "
-        f"{'gmm':>5s} {'atomic':>7s} {'ref ms':>7s} {'gmmpipe':>7s}")
+    log(
+        f"{'shape':12s} {'P':>6s} {'op ms':>7s} {'TF/s':>5s} {'gemms':>6s} {'dense':>6s} {'%dns':>5s} "
+        f"{'gmm':>5s} {'atomic':>7s} {'ref ms':>7s} {'gmmpipe':>7s}"
+    )
     for name, e in report["shapes"].items():
         s_, ms = e["summary"], e["ms"]
-        log(f"{name:12s} {e['P']:6d} {s_['fwd_ms']:7.3f} {s_['fwd_tflops']:5.0f} {s_['gemms_fwd_tflops']:6.0f} "
+        log(
+            f"{name:12s} {e['P']:6d} {s_['fwd_ms']:7.3f} {s_['fwd_tflops']:5.0f} {s_['gemms_fwd_tflops']:6.0f} "
             f"{s_['dense_fwd_tflops']:6.0f} {100 * s_['gemms_fwd_tflops'] / s_['dense_fwd_tflops']:5.0f} "
             f"{s_['grouped_mm_fwd_tflops']:5.0f} {ms.get('kernels_atomic.fwd', nan):7.3f} "
-            f"{ms.get('torch_ref.fwd', nan):7.3f} {ms.get('grouped_mm.pipeline_fwd', nan):7.3f}")
+            f"{ms.get('torch_ref.fwd', nan):7.3f} {ms.get('grouped_mm.pipeline_fwd', nan):7.3f}"
+        )
     log("backward (bwd = fwd+bwd - training fwd; TF/s = 12PHF / time)")
-    log(f"{'shape':12s} {'bwd ms':>7s} {'TF/s':>5s} {'gemms':>6s} {'dense':>6s} {'%dns':>5s} "
-        f"{'f+b ms':>7s} {'atomic':>7s} {'ref f+b':>7s} {'gmmpipe':>7s}")
+    log(
+        f"{'shape':12s} {'bwd ms':>7s} {'TF/s':>5s} {'gemms':>6s} {'dense':>6s} {'%dns':>5s} "
+        f"{'f+b ms':>7s} {'atomic':>7s} {'ref f+b':>7s} {'gmmpipe':>7s}"
+    )
     for name, e in report["shapes"].items():
         s_, ms = e["summary"], e["ms"]
-        log(f"{name:12s} {s_['bwd_ms']:7.3f} {s_['bwd_tflops']:5.0f} {s_['gemms_bwd_tflops']:6.0f} "
+        log(
+            f"{name:12s} {s_['bwd_ms']:7.3f} {s_['bwd_tflops']:5.0f} {s_['gemms_bwd_tflops']:6.0f} "
             f"{s_['dense_bwd_tflops']:6.0f} {100 * s_['gemms_bwd_tflops'] / s_['dense_bwd_tflops']:5.0f} "
             f"{s_['fwdbwd_ms']:7.3f} {ms.get('kernels_atomic.fwdbwd', nan):7.3f} "
-            f"{ms.get('torch_ref.fwdbwd', nan):7.3f} {ms.get('grouped_mm.pipeline_fwdbwd', nan):7.3f}")
-    log("backward kernels: ms, TF/s (% of the dense cuBLAS product of the same shape); wgrad = what the op runs "
-        f"({'gather + torch._grouped_mm' if info.get('wgrad_grouped_mm') else 'Triton'}), tri = the Triton weight_grad")
-    log(f"{'shape':12s} {'dgrad1':>17s} {'dgrad2':>17s} {'wgrad gate_up':>17s} {'wgrad down':>17s} "
-        f"{'tri gate_up':>12s} {'tri down':>12s} {'gather':>7s}")
+            f"{ms.get('torch_ref.fwdbwd', nan):7.3f} {ms.get('grouped_mm.pipeline_fwdbwd', nan):7.3f}"
+        )
+    log(
+        "backward kernels: ms, TF/s (% of the dense cuBLAS product of the same shape); wgrad = what the op runs "
+        f"({'gather + torch._grouped_mm' if info.get('wgrad_grouped_mm') else 'Triton'}), tri = the Triton weight_grad"
+    )
+    log(
+        f"{'shape':12s} {'dgrad1':>17s} {'dgrad2':>17s} {'wgrad gate_up':>17s} {'wgrad down':>17s} "
+        f"{'tri gate_up':>12s} {'tri down':>12s} {'gather':>7s}"
+    )
     for name, e in report["shapes"].items():
         s_, ms = e["summary"], e["ms"]
         cell = lambda k: f"{ms.get('kernels.' + k, nan):.3f} {s_[k + '_tflops']:4.0f} ({s_[k + '_pct_dense']:3.0f}%)"  # noqa: E731
-        log(f"{name:12s} {cell('dgrad1'):>17s} {cell('dgrad2'):>17s} {cell('wgrad_gate_up'):>17s} {cell('wgrad_down'):>17s} "
+        log(
+            f"{name:12s} {cell('dgrad1'):>17s} {cell('dgrad2'):>17s} {cell('wgrad_gate_up'):>17s} {cell('wgrad_down'):>17s} "
             f"{s_['wgrad_gate_up_triton_tflops']:5.0f} ({s_['wgrad_gate_up_triton_pct_dense']:3.0f}%) "
             f"{s_['wgrad_down_triton_tflops']:5.0f} ({s_['wgrad_down_triton_pct_dense']:3.0f}%) "
-            f"{ms.get('kernels.gather_rows', nan):7.3f}")
-    log("backward GEMMs TF/s (% of dense), dgrad1 = fused Triton / = gather + _grouped_mm + SwiGLU pass; dgrad1 ms both")
+            f"{ms.get('kernels.gather_rows', nan):7.3f}"
+        )
+    log(
+        "backward GEMMs TF/s (% of dense), dgrad1 = fused Triton / = gather + _grouped_mm + SwiGLU pass; dgrad1 ms both"
+    )
     for name, e in report["shapes"].items():
         s_ = e["summary"]
         a, b, d = s_["gemms_bwd_tflops_dgrad1_triton"], s_["gemms_bwd_tflops_dgrad1_grouped_mm"], s_["dense_bwd_tflops"]
-        log(f"{name:12s} {a:5.0f} ({100 * a / d:3.0f}%) / {b:5.0f} ({100 * b / d:3.0f}%)   "
-            f"{e['ms'].get('kernels.dgrad1_triton', nan):.3f} / {e['ms'].get('kernels.dgrad1_grouped_mm', nan):.3f}")
-    log("dgrad1 via _grouped_mm, its parts: ms of the u GEMM (TF/s, % of dense) + the SwiGLU pass (GB/s) + dy gather (GB/s)")
+        log(
+            f"{name:12s} {a:5.0f} ({100 * a / d:3.0f}%) / {b:5.0f} ({100 * b / d:3.0f}%)   "
+            f"{e['ms'].get('kernels.dgrad1_triton', nan):.3f} / {e['ms'].get('kernels.dgrad1_grouped_mm', nan):.3f}"
+        )
+    log(
+        "dgrad1 via _grouped_mm, its parts: ms of the u GEMM (TF/s, % of dense) + the SwiGLU pass (GB/s) + dy gather (GB/s)"
+    )
     for name, e in report["shapes"].items():
         s_, ms = e["summary"], e["ms"]
         u_ms = ms.get("kernels.u_grouped_mm", nan)
-        log(f"{name:12s} {u_ms:.3f} ({e['flops_bwd'] / 6 / u_ms / 1e9:4.0f}, {100 * ms.get('dense.dgrad1', nan) / u_ms:3.0f}%) + "
+        log(
+            f"{name:12s} {u_ms:.3f} ({e['flops_bwd'] / 6 / u_ms / 1e9:4.0f}, {100 * ms.get('dense.dgrad1', nan) / u_ms:3.0f}%) + "
             f"{ms.get('kernels.swiglu_rows', nan):.3f} ({s_.get('swiglu_rows_gbs', nan):5.0f}) + "
-            f"{ms.get('kernels.gather_rows', nan):.3f} ({s_.get('gather_rows_gbs', nan):5.0f})")
+            f"{ms.get('kernels.gather_rows', nan):.3f} ({s_.get('gather_rows_gbs', nan):5.0f})"
+        )
     log("check vs fp32 reference (relative error y/dx/dgates/dgate_up/ddown; torch bf16 path for scale)")
     for name, e in report["shapes"].items():
         c = e.get("check", {})
         fmt = lambda d: "/".join(f"{d.get(k, nan):.1e}" for k in ("y", "dx", "dgates", "dgate_up", "ddown"))  # noqa: E731
-        log(f"{name:12s} kernels {fmt(c.get('kernels', {}))}  torch {fmt(c.get('torch_bf16', {}))}  "
-            f"no-host-sync={c.get('host_sync_free')}")
+        log(
+            f"{name:12s} kernels {fmt(c.get('kernels', {}))}  torch {fmt(c.get('torch_bf16', {}))}  "
+            f"no-host-sync={c.get('host_sync_free')}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=str)

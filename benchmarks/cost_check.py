@@ -44,29 +44,43 @@ def predict_run(run: dict[str, Any], runs: list[dict[str, Any]], c: Any, nodes: 
     uniform_ct = float(shape.top_k) if variant == "standard" else analytic_mean_ct(shape.experts, shape.top_k, D)
     mean_nt = analytic_mean_ct(shape.experts, shape.top_k, M)
     if two_level:
-        flat = [r for r in runs if r["variant"] == "dedup" and r["shape"] == run["shape"]
-                and r["routing"] == run["routing"] and r["world"] == run["world"]]
+        flat = [
+            r
+            for r in runs
+            if r["variant"] == "dedup"
+            and r["shape"] == run["shape"]
+            and r["routing"] == run["routing"]
+            and r["world"] == run["world"]
+        ]
         mean_ct = float(flat[0]["mean_ct"]) if flat else uniform_ct
         uniform_ct = uniform_ct + mean_nt  # both stages: one row per destination node, then per GPU
     consts = c.__class__(**{**c.to_dict(), "internode_GBps": c.nvlink_GBps})  # simulated nodes: NVLink
     p = layer_time(shape, int(run["tokens"]), D, M, variant, consts, mean_ct, mean_nt)
     return {
         "point": f"{D}x {run['shape']} {run['routing']} {run['variant']}",
-        "rows_per_token": run["mean_ct"], "rows_uniform_pred": uniform_ct,
-        "forward_ms": run["forward_ms"], "forward_pred_ms": p["forward_ms"],
+        "rows_per_token": run["mean_ct"],
+        "rows_uniform_pred": uniform_ct,
+        "forward_ms": run["forward_ms"],
+        "forward_pred_ms": p["forward_ms"],
         "forward_err": p["forward_ms"] / run["forward_ms"] - 1,
-        "fwd_bwd_ms": run["fwd_bwd_ms"], "fwd_bwd_pred_ms": p["fwd_bwd_ms"],
+        "fwd_bwd_ms": run["fwd_bwd_ms"],
+        "fwd_bwd_pred_ms": p["fwd_bwd_ms"],
         "fwd_bwd_err": p["fwd_bwd_ms"] / run["fwd_bwd_ms"] - 1,
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| run | rows/token measured (uniform model) | forward ms measured / predicted (err) | "
-             "fwd+bwd ms measured / predicted (err) |", "|---|---|---|---|"]
+    lines = [
+        "| run | rows/token measured (uniform model) | forward ms measured / predicted (err) | "
+        "fwd+bwd ms measured / predicted (err) |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['point']} | {r['rows_per_token']:.3f} ({r['rows_uniform_pred']:.3f}) | "
-                     f"{r['forward_ms']:.2f} / {r['forward_pred_ms']:.2f} ({r['forward_err']:+.0%}) | "
-                     f"{r['fwd_bwd_ms']:.2f} / {r['fwd_bwd_pred_ms']:.2f} ({r['fwd_bwd_err']:+.0%}) |")
+        lines.append(
+            f"| {r['point']} | {r['rows_per_token']:.3f} ({r['rows_uniform_pred']:.3f}) | "
+            f"{r['forward_ms']:.2f} / {r['forward_pred_ms']:.2f} ({r['forward_err']:+.0%}) | "
+            f"{r['fwd_bwd_ms']:.2f} / {r['fwd_bwd_pred_ms']:.2f} ({r['fwd_bwd_err']:+.0%}) |"
+        )
     return "\n".join(lines)
 
 
@@ -77,16 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes of the dedup2 runs")
     p.add_argument("--out", default=None, help="write constants and rows as JSON")
     args = p.parse_args(argv)
-    points = [m for doc in load(args.fit) for m in measured_from_bench(doc) if m.a2a_ms > 0 and not m.label.endswith("dedup2")]  # fit() divides by a2a_ms
+    points = [
+        m for doc in load(args.fit) for m in measured_from_bench(doc) if m.a2a_ms > 0 and not m.label.endswith("dedup2")
+    ]  # fit() divides by a2a_ms
     c = fit(points)
     rows = [predict_run(r, doc["runs"], c, args.nodes) for doc in load(args.check) for r in doc["runs"]]
     print(table(rows))
     within = sum(abs(r["forward_err"]) <= 0.15 for r in rows)
-    print(f"\n{within} of {len(rows)} forward predictions within 15%; constants: "
-          + ", ".join(f"{k} {v:.3g}" for k, v in c.to_dict().items()))
+    print(
+        f"\n{within} of {len(rows)} forward predictions within 15%; constants: "
+        + ", ".join(f"{k} {v:.3g}" for k, v in c.to_dict().items())
+    )
     if args.out:
-        write_text_atomic(args.out, json.dumps({"constants": c.to_dict(), "fit": args.fit, "check": args.check,
-                                                "rows": rows}, indent=1))
+        write_text_atomic(
+            args.out,
+            json.dumps({"constants": c.to_dict(), "fit": args.fit, "check": args.check, "rows": rows}, indent=1),
+        )
     return 0
 
 

@@ -50,13 +50,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
-
 from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tables shared with e2e.py, serve.py)
-    agree_on_error, batch_list, capture_graph, checked, describe as _describe, finish, floor_rows, free_memory, log,
-    markdown_table, new_report, parser, quantiles, ratio, time_steps as _time_steps, variant_list as _variant_list,
+    agree_on_error,
+    batch_list,
+    capture_graph,
+    checked,
+    finish,
+    floor_rows,
+    free_memory,
+    log,
+    markdown_table,
+    new_report,
+    parser,
+    quantiles,
+    ratio,
     write_json,
 )
+from _timing import (
+    describe as _describe,
+)
+from _timing import (
+    time_steps as _time_steps,
+)
+from _timing import (
+    variant_list as _variant_list,
+)
 from e2e import MODELS, TINY, build_model, comm_stats, random_ids, start_run  # noqa: E402  (model building)
+
 from occult import ExecConfig, set_sync_free  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
@@ -85,16 +105,24 @@ variant_list = _variant_list(VARIANTS)  # argparse type: a comma list of variant
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
-    p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY],
-                   help="model shape (olmoe: OLMoE-1B-7B; tiny*: CPU smoke runs)")
+    p.add_argument(
+        "--model",
+        default="olmoe",
+        choices=[*MODELS, *TINY],
+        help="model shape (olmoe: OLMoE-1B-7B; tiny*: CPU smoke runs)",
+    )
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--variants", type=variant_list, default="all", help=f"comma list or 'all' of {', '.join(VARIANTS)}")
-    p.add_argument("--batch", type=batch_list, default="1,8,64,256", help="comma list of sequences (= tokens) per GPU per step")
+    p.add_argument(
+        "--batch", type=batch_list, default="1,8,64,256", help="comma list of sequences (= tokens) per GPU per step"
+    )
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant and batch size")
     p.add_argument("--iters", type=int, default=50, help="timed steps per variant and batch size")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
     p.add_argument("--router-std", type=float, default=0.05, help="router weight std at hidden 2048")
-    p.add_argument("--router-groups", type=int, default=0, help="plant co-activation in this many expert groups (0: off)")
+    p.add_argument(
+        "--router-groups", type=int, default=0, help="plant co-activation in this many expert groups (0: off)"
+    )
     p.add_argument("--tol", type=float, default=2e-2, help="max median relative logit error of a variant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write every number as JSON here (rank 0, atomically)")
@@ -136,9 +164,11 @@ def build_base(base: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> nn.M
 
 def eager_step(model: nn.Module) -> Step:
     """One decode forward: ids [B, 1] -> logits [B, 1, V]."""
+
     def step(ids_B1: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return model(input_ids=ids_B1, use_cache=False).logits
+
     return step
 
 
@@ -157,8 +187,15 @@ def time_steps(step: Step, batch: int, args: argparse.Namespace, vocab: int, dev
     gen = torch.Generator().manual_seed(20_000 + args.seed + dist.get_rank())
     ms = _time_steps(step, lambda: random_ids(batch, 1, vocab, device, gen), args.warmup, args.iters, device)
     q = quantiles(ms, [0.1, 0.5, 0.9, 0.99])
-    return {"ms_p10": q[0], "ms_p50": q[1], "ms_median": q[1], "ms_p90": q[2], "ms_p99": q[3],
-            "ms_all": ms, "tokens_per_s_per_gpu": batch / (q[1] / 1e3)}
+    return {
+        "ms_p10": q[0],
+        "ms_p50": q[1],
+        "ms_median": q[1],
+        "ms_p90": q[2],
+        "ms_p99": q[3],
+        "ms_all": ms,
+        "tokens_per_s_per_gpu": batch / (q[1] / 1e3),
+    }
 
 
 def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
@@ -192,20 +229,38 @@ def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, c
 
 def describe(name: str, batch: int, r: dict[str, Any]) -> str:
     """One log line for a (variant, batch) result."""
-    return _describe(name, batch, r, lambda r: (f"{r['ms_p50']:.2f} ms p50 (p10 {r['ms_p10']:.2f}, p99 {r['ms_p99']:.2f}), "
-                                                f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"))
+    return _describe(
+        name,
+        batch,
+        r,
+        lambda r: (
+            f"{r['ms_p50']:.2f} ms p50 (p10 {r['ms_p10']:.2f}, p99 {r['ms_p99']:.2f}), "
+            f"{r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
+        ),
+    )
 
 
 def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> list[dict[str, Any]]:
     """Rows batch x variant: p50, p99, tokens/s/GPU, ratio to the floor, or why not timed."""
-    return floor_rows(lambda n, b: report["variants"].get(n, {}).get("batches", {}).get(str(b)), names, batches,
-                      ["ms_p50", "ms_p99", "tokens_per_s_per_gpu"])
+    return floor_rows(
+        lambda n, b: report["variants"].get(n, {}).get("batches", {}).get(str(b)),
+        names,
+        batches,
+        ["ms_p50", "ms_p99", "tokens_per_s_per_gpu"],
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: batch x variant -> ms p50, ms p99, tokens/s/GPU, x floor."""
-    return markdown_table(rows, [("ms p50", lambda r: f"{r['ms_p50']:.2f}"), ("ms p99", lambda r: f"{r['ms_p99']:.2f}"),
-                                 ("tok/s/GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"), ("x floor", ratio)])
+    return markdown_table(
+        rows,
+        [
+            ("ms p50", lambda r: f"{r['ms_p50']:.2f}"),
+            ("ms p99", lambda r: f"{r['ms_p99']:.2f}"),
+            ("tok/s/GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"),
+            ("x floor", ratio),
+        ],
+    )
 
 
 def reference_logits(args: argparse.Namespace, cfg: Any, ctx: dict) -> float:
@@ -229,12 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world, device, dtype, cfg, self_group = run
     ctx: dict[str, Any] = {"device": device, "dtype": dtype, "self_group": self_group, "vocab": cfg.vocab_size}
-    report: dict[str, Any] = {**new_report(args, device, dtype, world, cfg,
-                                           decode="input ids [B, 1], use_cache=False, logits of that token"), "table": []}
+    report: dict[str, Any] = {
+        **new_report(args, device, dtype, world, cfg, decode="input ids [B, 1], use_cache=False, logits of that token"),
+        "table": [],
+    }
     report["env"]["build_s"] = reference_logits(args, cfg, ctx)
-    log(f"{args.model}: {cfg.num_hidden_layers} layers, {world} ranks, "
+    log(
+        f"{args.model}: {cfg.num_hidden_layers} layers, {world} ranks, "
         f"{device.type} {dtype}, batches {args.batch} per GPU, NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, "
-        f"reference built in {report['env']['build_s']:.1f} s")
+        f"reference built in {report['env']['build_s']:.1f} s"
+    )
     if device.type != "cuda" and any(VARIANTS[n].graph for n in args.variants):
         log("note: CUDA-graph variants are skipped on CPU")
     for base in dict.fromkeys(VARIANTS[n].base for n in args.variants):  # each converted model built once
@@ -253,8 +312,14 @@ def main(argv: list[str] | None = None) -> int:
                     write_json(args.out, report)
         del model
         free_memory(device)
-    failed = sorted({n for n, v in report["variants"].items() for r in v["batches"].values()
-                     if not r.get("check", {}).get("passed", True)})
+    failed = sorted(
+        {
+            n
+            for n, v in report["variants"].items()
+            for r in v["batches"].values()
+            if not r.get("check", {}).get("passed", True)
+        }
+    )
     errors = sorted({n for n, v in report["variants"].items() for r in v["batches"].values() if "error" in r})
     if errors:
         log(f"warning: CUDA-graph capture failed for {', '.join(errors)} (error text above and in the JSON)")

@@ -80,24 +80,38 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import _router_trace  # noqa: E402  (benchmarks/_router_trace.py: routers with a trace's co-activation)
+import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
-
+import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
+from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
 from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
-    Truth, checked, finish, fp32_copy_logits, fp32_note, free_memory, log, new_report, parser, quantiles, synchronize, time_steps as _time_steps,
+    Truth,
+    checked,
+    finish,
+    fp32_copy_logits,
+    fp32_note,
+    free_memory,
+    log,
+    new_report,
+    parser,
+    quantiles,
+    synchronize,
     write_json,
 )
-from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
-import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
-import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
-import _router_trace  # noqa: E402  (benchmarks/_router_trace.py: routers with a trace's co-activation)
+from _timing import (
+    time_steps as _time_steps,
+)
+
 from occult import ExecConfig, Placement, RoutingConfig  # noqa: E402
 from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -112,20 +126,63 @@ PEERS = ("hf-ep", *tt_model.VARIANTS)  # opt-in (not in "all" / the default list
 PHASES = ("prefill", "train")
 TINY = {"tiny": "olmoe", "tiny-qwen3": "qwen3_moe", "tiny-deepseek": "deepseek_v3"}
 MODELS = {  # name -> (transformers config class, fields); real shapes, fewer layers for Qwen3 / DeepSeek
-    "olmoe": ("OlmoeConfig", dict(  # OLMoE-1B-7B
-        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
-        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
-        norm_topk_prob=False)),
-    "qwen3": ("Qwen3MoeConfig", dict(  # Qwen3-30B-A3B layers, 8 of them
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
-    "deepseek": ("DeepseekV3Config", dict(  # DeepSeek-V2-Lite shape, V3 routing (sigmoid, groups), 8 layers
-        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-        num_hidden_layers=8, first_k_dense_replace=1, n_routed_experts=64, n_shared_experts=2,
-        num_experts_per_tok=6, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
-        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)),
+    "olmoe": (
+        "OlmoeConfig",
+        dict(  # OLMoE-1B-7B
+            vocab_size=50304,
+            hidden_size=2048,
+            intermediate_size=1024,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_experts=64,
+            num_experts_per_tok=8,
+            norm_topk_prob=False,
+        ),
+    ),
+    "qwen3": (
+        "Qwen3MoeConfig",
+        dict(  # Qwen3-30B-A3B layers, 8 of them
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=8,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+    ),
+    "deepseek": (
+        "DeepseekV3Config",
+        dict(  # DeepSeek-V2-Lite shape, V3 routing (sigmoid, groups), 8 layers
+            vocab_size=102400,
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            num_hidden_layers=8,
+            first_k_dense_replace=1,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+        ),
+    ),
 }
 
 
@@ -133,12 +190,19 @@ def variant_list(text: str) -> list[str]:
     """argparse type: a comma list of variants ("all" = every default one; prunedN for any N >= 1), each
     optionally over the device transport (`@device`) and compiled (`/compile`) or graph-captured (`/graph`)."""
     names = list(VARIANTS) if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))]
+    bad = [
+        v
+        for v in names
+        if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))
+    ]
     bad += [v for v in names if base_variant(v) in PEERS and v.removesuffix("@device") != base_variant(v)]
     bad += [v for v in names if on_device(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
     bad += [v for v in names if sync_free(v) and (base_variant(v) in ("native", "replicated", *PEERS))]
-    bad += [v for v in names if (is_graphed(v) or layer_graphs(v))
-            and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")]
+    bad += [
+        v
+        for v in names
+        if (is_graphed(v) or layer_graphs(v)) and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")
+    ]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
     if bad or not names:
         raise argparse.ArgumentTypeError(
@@ -148,7 +212,8 @@ def variant_list(text: str) -> list[str]:
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
             f"with /graph), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
-            f"@chunksN were removed: docs/overlap.md)")
+            f"@chunksN were removed: docs/overlap.md)"
+        )
     return names
 
 
@@ -204,22 +269,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY], help="model shape (tiny*: CPU smoke runs)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
-    p.add_argument("--variants", type=variant_list, default=list(VARIANTS), help=f"comma list (default: {','.join(VARIANTS)}; opt-in: {','.join(PEERS)})")
+    p.add_argument(
+        "--variants",
+        type=variant_list,
+        default=list(VARIANTS),
+        help=f"comma list (default: {','.join(VARIANTS)}; opt-in: {','.join(PEERS)})",
+    )
     p.add_argument("--phases", type=phase_list, default=list(PHASES), help="comma list of prefill,train")
     p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=2048, help="sequence length")
     p.add_argument("--tokens", type=int, default=None, help="tokens per GPU per step; sets --batch to tokens/seq")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and phase")
     p.add_argument("--iters", type=int, default=10, help="timed steps per variant and phase")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (fused on CUDA) or sgd (less memory)")
+    p.add_argument(
+        "--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (fused on CUDA) or sgd (less memory)"
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
     p.add_argument("--router-std", type=float, default=0.05, help="router weight std at hidden 2048")
-    p.add_argument("--router-groups", type=int, default=0,
-                   help="plant co-activation: experts in this many hidden groups share a router direction (0: off)")
-    p.add_argument("--router-trace", default=None,
-                   help="routers with the co-activation structure of this routing trace (occult profile of a trained "
-                        "model with as many experts), layer l from its layer l mod its layers (benchmarks/_router_trace.py)")
+    p.add_argument(
+        "--router-groups",
+        type=int,
+        default=0,
+        help="plant co-activation: experts in this many hidden groups share a router direction (0: off)",
+    )
+    p.add_argument(
+        "--router-trace",
+        default=None,
+        help="routers with the co-activation structure of this routing trace (occult profile of a trained "
+        "model with as many experts), layer l from its layer l mod its layers (benchmarks/_router_trace.py)",
+    )
     p.add_argument("--check-batch", type=int, default=2, help="sequences per rank in the correctness check")
     p.add_argument("--check-seq", type=int, default=256, help="sequence length of the correctness check")
     p.add_argument("--tol", type=float, default=2e-2, help="max median relative logit error of an exact variant")
@@ -263,7 +342,9 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
         return reason
     if "hf-ep" in args.variants and (reason := hf_ep.unavailable()):
         return f"hf-ep: {reason}"
-    if set(tt_model.VARIANTS) & {base_variant(v) for v in args.variants} and (reason := tt_model.unavailable(cfg.model_type)):
+    if set(tt_model.VARIANTS) & {base_variant(v) for v in args.variants} and (
+        reason := tt_model.unavailable(cfg.model_type)
+    ):
         return f"torchtitan: {reason}"
     return None
 
@@ -277,8 +358,10 @@ def trace_mismatch(path: str, num_experts: int) -> str | None:
     except TraceError as exc:
         return f"--router-trace: {exc}"
     if found is None or int(found) != num_experts:
-        return (f"--router-trace {path}: {found} experts, the model has {num_experts}: profile a model with "
-                f"{num_experts} experts (occult profile)")
+        return (
+            f"--router-trace {path}: {found} experts, the model has {num_experts}: profile a model with "
+            f"{num_experts} experts (occult profile)"
+        )
     return None
 
 
@@ -297,8 +380,10 @@ def redraw_routers(model: nn.Module, args: argparse.Namespace, world: int) -> di
             if factors is not None:
                 u_EE = factors["u"][i % len(factors["u"])]
                 if u_EE.shape[0] != E:
-                    raise SystemExit(f"--router-trace {trace_path}: {u_EE.shape[0]} experts, the model has {E}: "
-                                     f"profile a model with {E} experts (occult profile)")
+                    raise SystemExit(
+                        f"--router-trace {trace_path}: {u_EE.shape[0]} experts, the model has {E}: "
+                        f"profile a model with {E} experts (occult profile)"
+                    )
                 w_EH.copy_(_router_trace.rows_from_factor(u_EE, H, row_norm, gen))
                 continue
             rows_EH = torch.randn(E, H, generator=gen)
@@ -315,8 +400,9 @@ def trace_factors(path: str, world: int, seed: int) -> dict[str, Any]:
     from occult.placement.trace import read_trace
 
     trace = read_trace(path)
-    fitted = [_router_trace.sharpen(trace.layer(i), trace.num_experts, max(world, 2), seed)
-              for i in range(trace.num_layers)]
+    fitted = [
+        _router_trace.sharpen(trace.layer(i), trace.num_experts, max(world, 2), seed) for i in range(trace.num_layers)
+    ]
     return {"u": [u for u, _ in fitted], "info": [info for _, info in fitted]}
 
 
@@ -342,20 +428,26 @@ def random_ids(batch: int, seq: int, vocab: int, device: torch.device, gen: torc
 
 def logits_fn(model: nn.Module, **kw: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """ids [B, S] -> logits."""
+
     def forward(ids_BS: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids_BS, use_cache=False, **kw).logits
+
     return forward
 
 
 @torch.no_grad()
-def check_logits(model: nn.Module, ids_BS: torch.Tensor, ctx: dict, tol: float, rows: slice = slice(None)) -> dict[str, Any]:
+def check_logits(
+    model: nn.Module, ids_BS: torch.Tensor, ctx: dict, tol: float, rows: slice = slice(None)
+) -> dict[str, Any]:
     """Per-token relative L2 error of the logits (of `rows`) vs the reference: median and p95 (max over
     ranks), and vs the fp32 reference in half precision (`_timing.checked`)."""
     model.eval()
     return checked(logits_fn(model)(ids_BS)[rows].float(), ctx["ref_logits"], tol, ctx["truth"])
 
 
-def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.device, world: int) -> tuple[Placement, dict]:
+def solve_placement(
+    model: nn.Module, args: argparse.Namespace, device: torch.device, world: int
+) -> tuple[Placement, dict]:
     """Profile the model's routing (one calibration batch per rank), solve a greedy placement on rank 0."""
     from occult.placement.solvers import place
     from occult.placement.stats import mean_ct
@@ -371,17 +463,29 @@ def solve_placement(model: nn.Module, args: argparse.Namespace, device: torch.de
         pick = [int(ct[1][i] < ct[0][i]) for i in range(L)]
         placement = Placement.from_lists([candidates[pick[i]].expert_device(i).tolist() for i in range(L)], world)
         placed = [ct[pick[i]][i] for i in range(L)]
-        box = [(placement, {"method": "greedy, or contiguous where better", "greedy_layers": sum(pick),
-                            "calibration_tokens_per_layer": int(trace.num_tokens[0]),
-                            "mean_ct_contiguous": sum(ct[0]) / L, "mean_ct_greedy": sum(ct[1]) / L,
-                            "mean_ct_placed": sum(placed) / L, "mean_ct_contiguous_per_layer": ct[0],
-                            "mean_ct_placed_per_layer": placed})]
+        box = [
+            (
+                placement,
+                {
+                    "method": "greedy, or contiguous where better",
+                    "greedy_layers": sum(pick),
+                    "calibration_tokens_per_layer": int(trace.num_tokens[0]),
+                    "mean_ct_contiguous": sum(ct[0]) / L,
+                    "mean_ct_greedy": sum(ct[1]) / L,
+                    "mean_ct_placed": sum(placed) / L,
+                    "mean_ct_contiguous_per_layer": ct[0],
+                    "mean_ct_placed_per_layer": placed,
+                },
+            )
+        ]
     dist.broadcast_object_list(box, src=0)
     placement, info = box[0]
     info["seconds"] = time.perf_counter() - t0
-    log(f"placement: E[C_T] contiguous {info['mean_ct_contiguous']:.3f}, greedy {info['mean_ct_greedy']:.3f}, "
+    log(
+        f"placement: E[C_T] contiguous {info['mean_ct_contiguous']:.3f}, greedy {info['mean_ct_greedy']:.3f}, "
         f"placed {info['mean_ct_placed']:.3f} (greedy on {info['greedy_layers']} of {trace.num_layers} layers; "
-        f"top-{trace.top_k}, {world} devices, {info['calibration_tokens_per_layer']} calibration tokens)")
+        f"top-{trace.top_k}, {world} devices, {info['calibration_tokens_per_layer']} calibration tokens)"
+    )
     return placement, info
 
 
@@ -395,18 +499,24 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         hf.compile_layers(model)
         return model
     if base == "replicated":  # /graph: sync-free on its one rank (T rows, nothing padded), no host wait
-        model = hf.convert(model, group=self_group, execution=ExecConfig(dispatcher="dedup", graphs=layer_graphs(variant)))
+        model = hf.convert(
+            model, group=self_group, execution=ExecConfig(dispatcher="dedup", graphs=layer_graphs(variant))
+        )
         set_sync_free(model, is_graphed(variant))
         return model
-    execution = ExecConfig(dispatcher="standard" if base == "standard" else "dedup",
-                           transport="device" if on_device(variant) else "auto", graphs=layer_graphs(variant),
-                           sync_free=sync_free(variant))
+    execution = ExecConfig(
+        dispatcher="standard" if base == "standard" else "dedup",
+        transport="device" if on_device(variant) else "auto",
+        graphs=layer_graphs(variant),
+        sync_free=sync_free(variant),
+    )
     if base in ("standard", "dedup"):
         return hf.convert(model, execution=execution)
     if base == "dedup+placement":
         return hf.convert(model, placement=placement, execution=execution)
-    return hf.convert(model, placement=placement, execution=execution,
-                      routing=RoutingConfig(max_devices=int(base[len("pruned"):])))
+    return hf.convert(
+        model, placement=placement, execution=execution, routing=RoutingConfig(max_devices=int(base[len("pruned") :]))
+    )
 
 
 def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
@@ -415,7 +525,9 @@ def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
     if not per_layer or any(s is None for s in per_layer):
         return {}
     keys = sorted(k for k, v in vars(per_layer[0]).items() if isinstance(v, int))
-    sums_K = torch.tensor([sum(int(getattr(s, k)) for s in per_layer) for k in keys], dtype=torch.float64, device=device)
+    sums_K = torch.tensor(
+        [sum(int(getattr(s, k)) for s in per_layer) for k in keys], dtype=torch.float64, device=device
+    )
     dist.all_reduce(sums_K)
     return {k: float(v) / dist.get_world_size() for k, v in zip(keys, sums_K.tolist())}
 
@@ -429,6 +541,7 @@ def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | N
         def prefill(ids_BS: torch.Tensor) -> None:
             with torch.no_grad():
                 forward(ids_BS)
+
         return prefill
     model.train()
 
@@ -437,11 +550,17 @@ def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | N
         model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss.backward()
         hf.sync_gradients(model)
         optimizer.step()
+
     return train
 
 
-def time_steps(step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device,
-               shared: bool = False) -> dict:
+def time_steps(
+    step: Callable[[torch.Tensor], None],
+    args: argparse.Namespace,
+    vocab: int,
+    device: torch.device,
+    shared: bool = False,
+) -> dict:
     """Median, p10, p90 of the step time in ms (each step: the slowest rank), tokens/s per GPU (shared: every
     rank steps on all ranks' ids, gathered before the clock starts)."""
     gen = torch.Generator().manual_seed(20_000 + args.seed + dist.get_rank())
@@ -449,13 +568,21 @@ def time_steps(step: Callable[[torch.Tensor], None], args: argparse.Namespace, v
     def inputs() -> torch.Tensor:
         ids_BS = random_ids(args.batch, args.seq, vocab, device, gen)
         return hf_ep.gather_rows(ids_BS) if shared else ids_BS
+
     ms = _time_steps(step, inputs, args.warmup, args.iters, device)
     q = quantiles(ms, [0.5, 0.1, 0.9])
-    return {"ms_median": q[0], "ms_p10": q[1], "ms_p90": q[2], "ms_all": ms,
-            "tokens_per_s_per_gpu": args.batch * args.seq / (q[0] / 1e3)}
+    return {
+        "ms_median": q[0],
+        "ms_p10": q[1],
+        "ms_p90": q[2],
+        "ms_all": ms,
+        "tokens_per_s_per_gpu": args.batch * args.seq / (q[0] / 1e3),
+    }
 
 
-def first_step_s(step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device) -> float:
+def first_step_s(
+    step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device
+) -> float:
     """Wall seconds of one untimed step (the first of a phase: what compiling it costs, plus a step)."""
     ids_BS = random_ids(args.batch, args.seq, vocab, device, torch.Generator().manual_seed(30_000 + args.seed))
     synchronize(device)
@@ -474,8 +601,9 @@ def unavailable(variant: str, device: torch.device) -> str | None:
     return None
 
 
-def graphed_step(model: nn.Module, args: argparse.Namespace, vocab: int,
-                 device: torch.device) -> tuple[Callable[[torch.Tensor], None], dict[str, float]]:
+def graphed_step(
+    model: nn.Module, args: argparse.Namespace, vocab: int, device: torch.device
+) -> tuple[Callable[[torch.Tensor], None], dict[str, float]]:
     """The prefill step replayed from one CUDA graph, and the graph's logits against the eager
     forward's on one fresh batch (relative L2 per row: max and median)."""
     model.eval()
@@ -487,8 +615,11 @@ def graphed_step(model: nn.Module, args: argparse.Namespace, vocab: int,
         eager_BV = model(input_ids=ids_BS, use_cache=False, logits_to_keep=1).logits[:, -1].float()
         err_B = (graphed(ids_BS).float() - eager_BV).norm(dim=-1) / eager_BV.norm(dim=-1).clamp_min(1e-30)
     log(f"  graph: captured in {capture_s:.1f} s; replay vs eager: max relative error {err_B.max().item():.2e}")
-    return (lambda ids: graphed(ids)), {"capture_s": capture_s, "vs_eager_max_rel_err": err_B.max().item(),
-                                         "vs_eager_median_rel_err": err_B.median().item()}
+    return (lambda ids: graphed(ids)), {
+        "capture_s": capture_s,
+        "vs_eager_max_rel_err": err_B.max().item(),
+        "vs_eager_median_rel_err": err_B.median().item(),
+    }
 
 
 def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> dict:
@@ -501,14 +632,24 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     titan = base_variant(variant) in tt_model.VARIANTS
     if (reason := unavailable(variant, device)) is not None:
         log(f"{variant}: skipped ({reason})")
-        return {"exact": base_variant(variant) in EXACT, "skipped": reason, "phases": {},
-                "check": {"passed": True, "median_rel_err": float("nan"), "p95_rel_err": float("nan")}}
+        return {
+            "exact": base_variant(variant) in EXACT,
+            "skipped": reason,
+            "phases": {},
+            "check": {"passed": True, "median_rel_err": float("nan"), "p95_rel_err": float("nan")},
+        }
     if titan:  # the same seeded transformers model's weights, in TorchTitan's model and parallelisation
         hf_model = build_model(args, cfg, device, ctx["dtype"])
-        model = tt_model.TitanLM(hf_model, dist.get_world_size(), device, ctx["dtype"], max(args.seq, args.check_seq),
-                                 occult=base_variant(variant) != "torchtitan",
-                                 placement=ctx["placement"] if base_variant(variant).endswith("+placement") else None,
-                                 transport="device" if on_device(variant) else "auto")
+        model = tt_model.TitanLM(
+            hf_model,
+            dist.get_world_size(),
+            device,
+            ctx["dtype"],
+            max(args.seq, args.check_seq),
+            occult=base_variant(variant) != "torchtitan",
+            placement=ctx["placement"] if base_variant(variant).endswith("+placement") else None,
+            transport="device" if on_device(variant) else "auto",
+        )
         del hf_model
         free_memory(device)
     elif shared:  # one batch of every rank's sequences; this rank's rows are checked
@@ -517,8 +658,9 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         check_ids = hf_ep.gather_rows(check_ids)
         rows = slice(dist.get_rank() * args.check_batch, (dist.get_rank() + 1) * args.check_batch)
     else:
-        model = convert_variant(build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"],
-                                ctx["self_group"])
+        model = convert_variant(
+            build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"], ctx["self_group"]
+        )
     res: dict[str, Any] = {"exact": base_variant(variant) in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
     if shared:
         res["hf_ep"] = hf_ep.describe(model)
@@ -530,8 +672,12 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     else:
         res["check"] = check_logits(model, check_ids, ctx, args.tol, rows)
     res["check"]["passed"] = res["check"]["passed"] or not res["exact"]
-    log(f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
-        + fp32_note(res["check"]) + ("" if res["exact"] else " (approximate: report only)") + ("" if res["check"]["passed"] else "  FAILED"))
+    log(
+        f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
+        + fp32_note(res["check"])
+        + ("" if res["exact"] else " (approximate: report only)")
+        + ("" if res["check"]["passed"] else "  FAILED")
+    )
     if res["check"]["passed"]:
         for phase in args.phases:
             if (shared or is_graphed(variant)) and phase == "train":
@@ -541,28 +687,39 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             if phase == "train" and titan:
                 optimizer = model.optimizer(args.optimizer, args.lr)
             elif phase == "train":
-                optimizer = (torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
-                             if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=args.lr))
+                optimizer = (
+                    torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
+                    if args.optimizer == "adamw"
+                    else torch.optim.SGD(model.parameters(), lr=args.lr)
+                )
             if is_graphed(variant):
                 step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device)
                 if res["graph"]["vs_eager_max_rel_err"] > args.tol:  # the replay must compute the eager forward
                     res["check"]["passed"] = False
-                    log(f"  graph: replay differs from the eager forward  FAILED")
+                    log("  graph: replay differs from the eager forward  FAILED")
                     break
             else:
                 step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer)
-            first_s = (first_step_s(step, args, cfg.vocab_size, device)
-                       if is_compiled(variant) and not is_graphed(variant) else None)  # (graphs compile in the capture)
+            first_s = (
+                first_step_s(step, args, cfg.vocab_size, device)
+                if is_compiled(variant) and not is_graphed(variant)
+                else None
+            )  # (graphs compile in the capture)
             out = time_steps(step, args, cfg.vocab_size, device, shared)
             if first_s is not None:  # the phase's compilation: its first step less a steady one
                 out["compile_s"] = first_s - out["ms_median"] / 1e3
             out["comm"] = model.comm_stats() if titan else comm_stats(model, device)
-            flops = (ctx["cost"].forward_flops(args.batch, args.seq, args.batch) if phase == "prefill"
-                     else ctx["cost"].train_flops(args.batch, args.seq))
+            flops = (
+                ctx["cost"].forward_flops(args.batch, args.seq, args.batch)
+                if phase == "prefill"
+                else ctx["cost"].train_flops(args.batch, args.seq)
+            )
             out.update(rate(flops, out["ms_median"], ctx["peaks"]))
             res["phases"][phase] = out
-            log(f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
-                f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU {out['mfu']:.1%}")
+            log(
+                f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
+                f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU {out['mfu']:.1%}"
+            )
             del optimizer
             model.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -576,13 +733,18 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
 def table(results: dict[str, dict], phases: list[str]) -> str:
     """Markdown: variant x phase -> ms (p10-p90), tokens/s/GPU, speed-up over native (native ms / ms), MFU,
     ratio to the replicated floor, rows sent."""
-    lines = ["| variant | phase | ms median (p10-p90) | tokens/s/GPU | native/this | MFU | x floor | "
-             "rows sent/step/GPU (remote) | check median / p95 |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | phase | ms median (p10-p90) | tokens/s/GPU | native/this | MFU | x floor | "
+        "rows sent/step/GPU (remote) | check median / p95 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for v, r in results.items():
         if "skipped" in r:
             lines.append(f"| {v} | - | skipped: {r['skipped']} | | | | | | |")
             continue
-        chk = f"{r['check']['median_rel_err']:.1e} / {r['check']['p95_rel_err']:.1e}" + ("" if r["check"]["passed"] else " FAILED")
+        chk = f"{r['check']['median_rel_err']:.1e} / {r['check']['p95_rel_err']:.1e}" + (
+            "" if r["check"]["passed"] else " FAILED"
+        )
         for ph in phases:
             t = r["phases"].get(ph)
             if t is None:
@@ -594,10 +756,18 @@ def table(results: dict[str, dict], phases: list[str]) -> str:
             speedup = f"{native['ms_median'] / t['ms_median']:.2f}" if native else "-"
             mfu = f"{t['mfu']:.1%}" if "mfu" in t else "-"
             c = t["comm"]
-            rows = (f"{c.get('forward_rows', 0) + c.get('backward_rows', 0):,.0f} "
-                    f"({c.get('forward_remote_rows', 0) + c.get('backward_remote_rows', 0):,.0f})") if c else "-"
-            lines.append(f"| {v} | {ph} | {t['ms_median']:.2f} ({t['ms_p10']:.2f}-{t['ms_p90']:.2f}) | "
-                         f"{t['tokens_per_s_per_gpu']:,.0f} | {speedup} | {mfu} | {ratio} | {rows} | {chk} |")
+            rows = (
+                (
+                    f"{c.get('forward_rows', 0) + c.get('backward_rows', 0):,.0f} "
+                    f"({c.get('forward_remote_rows', 0) + c.get('backward_remote_rows', 0):,.0f})"
+                )
+                if c
+                else "-"
+            )
+            lines.append(
+                f"| {v} | {ph} | {t['ms_median']:.2f} ({t['ms_p10']:.2f}-{t['ms_p90']:.2f}) | "
+                f"{t['tokens_per_s_per_gpu']:,.0f} | {speedup} | {mfu} | {ratio} | {rows} | {chk} |"
+            )
     return "\n".join(lines)
 
 
@@ -609,7 +779,8 @@ def start_run(args: argparse.Namespace, script: str, config_of: Callable[[argpar
     rank, world = init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     cfg = config_of(args)
     problem = check_setup(args, cfg, world)
     if problem:
@@ -634,9 +805,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = build_model(args, cfg, device, dtype)
     report["env"]["build_s"] = time.perf_counter() - t0
     report["router_init"] = ref.router_init
-    log(f"{args.model}: {len(hf.moe_blocks(ref))} MoE layers, {world} ranks, {device.type} {dtype}, "
+    log(
+        f"{args.model}: {len(hf.moe_blocks(ref))} MoE layers, {world} ranks, {device.type} {dtype}, "
         f"{args.batch}x{args.seq} tokens/GPU, NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, "
-        f"built in {report['env']['build_s']:.1f} s")
+        f"built in {report['env']['build_s']:.1f} s"
+    )
     gen = torch.Generator().manual_seed(30_000 + args.seed + rank)
     check_ids = random_ids(args.check_batch, args.check_seq, cfg.vocab_size, device, gen)
     with torch.no_grad():
@@ -654,10 +827,22 @@ def main(argv: list[str] | None = None) -> int:
     free_memory(device)
     report["peaks"] = measure_peaks(device, dtype)
     report["model_cost"] = cost.describe()
-    log(f"measured: {report['peaks']['matmul_tflops']:.0f} TFLOP/s ({report['peaks']['matmul_n']}^3 "
-        f"{report['peaks']['matmul_dtype']} matmul), {report['peaks']['copy_gb_s']:.0f} GB/s (device copy)")
-    ctx = dict(device=device, dtype=dtype, placement=placement, self_group=self_group,
-               check_ids=check_ids, ref_logits=ref_logits, truth=truth, hf_ep_dir=hf_ep_dir, cost=cost, peaks=report["peaks"])
+    log(
+        f"measured: {report['peaks']['matmul_tflops']:.0f} TFLOP/s ({report['peaks']['matmul_n']}^3 "
+        f"{report['peaks']['matmul_dtype']} matmul), {report['peaks']['copy_gb_s']:.0f} GB/s (device copy)"
+    )
+    ctx = dict(
+        device=device,
+        dtype=dtype,
+        placement=placement,
+        self_group=self_group,
+        check_ids=check_ids,
+        ref_logits=ref_logits,
+        truth=truth,
+        hf_ep_dir=hf_ep_dir,
+        cost=cost,
+        peaks=report["peaks"],
+    )
     for variant in args.variants:
         report["variants"][variant] = run_variant(variant, args, cfg, ctx)
         if rank == 0 and args.out:

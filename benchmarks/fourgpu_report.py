@@ -86,8 +86,13 @@ def target_rows(variants: dict[str, Any], link: str) -> list[tuple[str, float | 
     out = []
     for ph, nv, slow in (("prefill", "<= 1.08", "<= 1.45"), ("train", "<= 1.04", "<= 1.15")):
         f, d = best(variants, FLOORS, ph), best(variants, BEST_DEDUP, ph)
-        out.append((f"best dedup / floor, {ph} ({d[0] if d else '-'})", d[1] / f[1] if d and f else None,
-                    nv if link == "nvlink" else slow))
+        out.append(
+            (
+                f"best dedup / floor, {ph} ({d[0] if d else '-'})",
+                d[1] / f[1] if d and f else None,
+                nv if link == "nvlink" else slow,
+            )
+        )
     for ph in PHASES:
         p, d, s = (ms(variants, n, ph) for n in ("dedup+placement", "dedup", "standard"))
         if link == "slow":
@@ -108,8 +113,11 @@ def render(runs: dict[tuple[str, str], dict[str, Any]]) -> str:
         pl = variants.get("_placement") or {}
         parts += [f"### {shape}, {link}", ""]
         if pl:
-            parts += [f"E[C_T] of the model's own routing (calibration batch, in sample): contiguous "
-                      f"{pl['mean_ct_contiguous']:.3f}, placed {pl['mean_ct_placed']:.3f}.", ""]
+            parts += [
+                f"E[C_T] of the model's own routing (calibration batch, in sample): contiguous "
+                f"{pl['mean_ct_contiguous']:.3f}, placed {pl['mean_ct_placed']:.3f}.",
+                "",
+            ]
         parts += variant_table(variants) + ["", "| target | value | target |", "|---|---|---|"]
         for metric, value, target in target_rows(variants, link):
             parts.append(f"| {metric} | {f'{value:.3f}' if value is not None else '-'} | {target} |")

@@ -45,8 +45,11 @@ def distributed_config(world: int) -> Any:
     """TP of the dense layers and EP of the experts over all `world` ranks (the documented EP inference set-up)."""
     from transformers.distributed.configuration_utils import DistributedConfig
 
-    fields = ({f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig)
-              else set(inspect.signature(DistributedConfig).parameters))
+    fields = (
+        {f.name for f in dataclasses.fields(DistributedConfig)}
+        if dataclasses.is_dataclass(DistributedConfig)
+        else set(inspect.signature(DistributedConfig).parameters)
+    )
     if "ep_size" in fields:
         return DistributedConfig(tp_size=world, ep_size=world)
     return DistributedConfig(tp_size=world, enable_expert_parallel=True)  # transformers 5.17
@@ -86,9 +89,13 @@ def describe(model: nn.Module) -> dict[str, Any]:
     tp, ep = getattr(cfg, "tp_size", None), getattr(cfg, "ep_size", None)
     if ep is None and getattr(cfg, "enable_expert_parallel", False):
         ep = tp  # transformers 5.17: no ep_size; enable_expert_parallel shards the experts over the TP group
-    return {"tp_size": tp, "ep_size": ep,
-            "ep_implementation": getattr(cfg, "ep_implementation", None), "local_experts": local,
-            "experts_implementation": getattr(model.config, "_experts_implementation", None)}
+    return {
+        "tp_size": tp,
+        "ep_size": ep,
+        "ep_implementation": getattr(cfg, "ep_implementation", None),
+        "local_experts": local,
+        "experts_implementation": getattr(model.config, "_experts_implementation", None),
+    }
 
 
 def gather_rows(x_BS: torch.Tensor) -> torch.Tensor:

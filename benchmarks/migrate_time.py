@@ -32,8 +32,16 @@ def worker(rank: int, world: int, a: dict) -> dict:
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if a["backend"] == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cfg = ModelConfig(vocab_size=256, hidden_size=a["hidden"], num_layers=a["layers"], num_heads=2,
-                      num_experts=a["experts"], top_k=a["top_k"], expert_ffn_size=a["ffn"], max_seq_len=16)
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=a["hidden"],
+        num_layers=a["layers"],
+        num_heads=2,
+        num_experts=a["experts"],
+        top_k=a["top_k"],
+        expert_ffn_size=a["ffn"],
+        max_seq_len=16,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = shard_model(full_model(cfg, par), par)
@@ -45,7 +53,9 @@ def worker(rank: int, world: int, a: dict) -> dict:
     per = cfg.num_experts // par.ep_size
     out = []
     for _ in range(a["repeats"]):
-        new = Placement(np.stack([rng.permutation(np.arange(cfg.num_experts) // per) for _ in range(cfg.num_layers)]), par.ep_size)
+        new = Placement(
+            np.stack([rng.permutation(np.arange(cfg.num_experts) // per) for _ in range(cfg.num_layers)]), par.ep_size
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
         par.barrier()
@@ -85,13 +95,17 @@ def main() -> int:
 
         results = run_ranks(worker, a["ranks"], a, timeout_s=600)
     expert_bytes = 3 * a["hidden"] * a["ffn"] * 4 * 3  # gate+up+down, fp32, weights + 2 AdamW moments
-    print(f"{a['experts']} experts x {a['layers']} layers, H={a['hidden']} F={a['ffn']}: {expert_bytes / 1e6:.2f} MB per expert "
-          f"(weights + AdamW moments, fp32)")
+    print(
+        f"{a['experts']} experts x {a['layers']} layers, H={a['hidden']} F={a['ffn']}: {expert_bytes / 1e6:.2f} MB per expert "
+        f"(weights + AdamW moments, fp32)"
+    )
     for i in range(a["repeats"]):
         secs = max(r["runs"][i]["seconds"] for r in results)
         sent = max(r["runs"][i]["bytes_sent"] for r in results)
-        print(f"  migration {i}: {results[0]['runs'][i]['moved']} experts moved, max {sent / 1e6:.1f} MB sent per rank, "
-              f"{secs * 1e3:.1f} ms (slowest rank)")
+        print(
+            f"  migration {i}: {results[0]['runs'][i]['moved']} experts moved, max {sent / 1e6:.1f} MB sent per rank, "
+            f"{secs * 1e3:.1f} ms (slowest rank)"
+        )
     if a["out"]:
         with open(a["out"], "w") as f:
             json.dump({"settings": a, "results": results}, f, indent=1)

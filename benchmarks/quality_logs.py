@@ -32,8 +32,9 @@ def parse_log(text: str) -> dict[str, dict]:
         if m := BASE.search(line):
             rows.setdefault("standard routing", {"loss": float(m[1]), "ct": None, "reference": None})
         elif m := EVAL.search(line):
-            rows.setdefault(f"pruned N={m[1]} ({m[2]})", {"loss": float(m[3]), "ct": float(m[4]),
-                                                          "reference": "standard routing"})
+            rows.setdefault(
+                f"pruned N={m[1]} ({m[2]})", {"loss": float(m[3]), "ct": float(m[4]), "reference": "standard routing"}
+            )
         elif m := TUNE.search(line):
             name = m[1]
             if name.startswith("standard fine-tuning"):
@@ -46,8 +47,7 @@ def parse_log(text: str) -> dict[str, dict]:
 def table(seeds: list[dict[str, dict]]) -> str:
     """Markdown: one line per row every seed has, relative perplexity and E[C_T] over the seeds."""
     names = [n for n in seeds[0] if all(n in s for s in seeds)]
-    out = ["| row | Δ ppl vs reference: mean ± std [min, max] | E[C_T] mean |",
-           "|---|---|---|"]
+    out = ["| row | Δ ppl vs reference: mean ± std [min, max] | E[C_T] mean |", "|---|---|---|"]
     for name in names:
         rels, cts = [], []
         for s in seeds:
@@ -57,7 +57,9 @@ def table(seeds: list[dict[str, dict]]) -> str:
             if r["ct"] is not None:
                 cts.append(r["ct"])
         rel = spread(rels)
-        cell = f"{rel['mean'] * 100:+.2f}% ± {rel['std'] * 100:.2f} [{rel['min'] * 100:+.2f}%, {rel['max'] * 100:+.2f}%]"
+        cell = (
+            f"{rel['mean'] * 100:+.2f}% ± {rel['std'] * 100:.2f} [{rel['min'] * 100:+.2f}%, {rel['max'] * 100:+.2f}%]"
+        )
         out.append(f"| {name} | {cell} | {spread(cts)['mean']:.3f} |" if cts else f"| {name} | {cell} | — |")
     return "\n".join(out)
 

@@ -49,14 +49,19 @@ def merge_seed(results: list[dict], dirs: list[Path], tol: float) -> dict:
             elif bad := _differ(r, rows[r["name"]], tol):
                 problems.append(f"{d}: row {r['name']!r} differs in {', '.join(bad)}")
     if problems:
-        raise SystemExit(f"seed {first['seed']}: the runs are not the same seed and configuration "
-                         f"(shared rows must agree to --tol {tol:g}):\n  " + "\n  ".join(problems))
+        raise SystemExit(
+            f"seed {first['seed']}: the runs are not the same seed and configuration "
+            f"(shared rows must agree to --tol {tol:g}):\n  " + "\n  ".join(problems)
+        )
     merged = dict(first, rows=sorted(rows.values(), key=row_order))
     for key in ("ft_curves", "ft_seconds"):
         merged[key] = {k: v for res in reversed(results) for k, v in res.get(key, {}).items()}
     merged["env"] = next((res["env"] for res in results if res.get("env")), None)
-    seconds = {k: min(res["seconds"][k] for res in results if k in res["seconds"]) for k in SAME_WORK
-               if any(k in res["seconds"] for res in results)}  # the fastest run: runs may have shared the GPU
+    seconds = {
+        k: min(res["seconds"][k] for res in results if k in res["seconds"])
+        for k in SAME_WORK
+        if any(k in res["seconds"] for res in results)
+    }  # the fastest run: runs may have shared the GPU
     later = dict.fromkeys(k for res in results for k in res["seconds"] if k not in SAME_WORK and k != "total")
     for k in later:
         seconds[k] = sum(res["seconds"].get(k, 0.0) for res in results)  # every run's fine-tunes, references included
@@ -79,8 +84,9 @@ def _placement(seed_dir: Path) -> dict:
 
 def merge(runs: list[Path], out: Path, tol: float) -> list[int]:
     """Merge every seed that each of `runs` holds into `out`/seedS/; the seeds merged."""
-    seeds = sorted(set.intersection(*({int(p.name[4:]) for p in r.glob("seed*") if (p / "result.json").exists()}
-                                      for r in runs)))
+    seeds = sorted(
+        set.intersection(*({int(p.name[4:]) for p in r.glob("seed*") if (p / "result.json").exists()} for r in runs))
+    )
     if not seeds:
         raise SystemExit(f"no seed has a result.json in every run ({', '.join(map(str, runs))}): nothing to merge")
     for s in seeds:
@@ -104,8 +110,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories (each holds seedS/result.json)")
     p.add_argument("--out", type=Path, required=True, help="where the merged seedS/ directories go")
-    p.add_argument("--tol", type=float, default=1e-9, help="largest difference allowed in a shared row's "
-                   "validation loss and E[C_T] (default 1e-9: a seed repeats exactly on one kind of machine)")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=1e-9,
+        help="largest difference allowed in a shared row's "
+        "validation loss and E[C_T] (default 1e-9: a seed repeats exactly on one kind of machine)",
+    )
     args = p.parse_args(argv)
     if len(args.runs) < 2:
         p.error("give at least two run directories to merge")

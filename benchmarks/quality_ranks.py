@@ -44,9 +44,28 @@ from _quality_ranks_report import render  # noqa: E402
 JOB = HERE / "_quality_ranks_job.py"
 # 64 experts top-8, sized for GPUs (the full study) and for a 2-core CPU (--tiny)
 REAL = dict(qs.REAL, experts=64, top_k=8, expert_ffn=128, batch_size=64)
-TINY = dict(qs.TINY, hidden=64, layers=4, heads=2, experts=64, top_k=8, expert_ffn=32, seq_len=64, batch_size=32,
-            train_steps=800, lr=3e-3, warmup=40, eval_every=100, patience=3, ft_steps=100, ft_lr=1e-3, ft_warmup=10,
-            profile_tokens=16384, eval_tokens=16384, vocab=1024)
+TINY = dict(
+    qs.TINY,
+    hidden=64,
+    layers=4,
+    heads=2,
+    experts=64,
+    top_k=8,
+    expert_ffn=32,
+    seq_len=64,
+    batch_size=32,
+    train_steps=800,
+    lr=3e-3,
+    warmup=40,
+    eval_every=100,
+    patience=3,
+    ft_steps=100,
+    ft_lr=1e-3,
+    ft_warmup=10,
+    profile_tokens=16384,
+    eval_tokens=16384,
+    vocab=1024,
+)
 TARGETS = {2: (0.003, 0.005), 1: (0.03, 0.04)}  # N -> Δ ppl after fine-tuning: (mean, worst seed), issue 28
 METRICS = ("val_loss", "val_ppl", "mean_ct", "mean_ct_observed", "rel_ppl")
 
@@ -56,33 +75,56 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=4, help="ranks of every training and fine-tuning job (= devices)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every phase runs once per seed")
     p.add_argument("--tiny", action="store_true", help="CPU-sized model and steps (64 experts top-8 still)")
-    p.add_argument("--corpus-dir", default=None, help="prepared directory (occult data prepare --out DIR); "
-                   "default with --tiny: the bundled slice")
+    p.add_argument(
+        "--corpus-dir",
+        default=None,
+        help="prepared directory (occult data prepare --out DIR); default with --tiny: the bundled slice",
+    )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out", default=None, help="run directory (default out/quality-ranks[-tiny])")
     p.add_argument("--doc", default=None, help="report (default OUT/quality_ranks.md)")
     p.add_argument("--results", default=None, help="aggregated JSON (default beside --doc, .json)")
     p.add_argument("--max-devices", type=int, nargs="+", default=[2, 1])
     p.add_argument("--methods", nargs="+", default=["score", "similarity"], choices=["score", "similarity", "mass"])
-    p.add_argument("--recipes", nargs="*", default=[], metavar="RECIPE[@N,...]",
-                   help="also fine-tune every N x method with these pruning-aware recipes (_quality_ranks_job.RECIPES: "
-                        "distillation from the unpruned model, routers or experts only; longer schedules), or only at the "
-                        "N after @ (distill-ft-x4@3,2); rows named '... [RECIPE]'. Recipes: " + ", ".join(RECIPES))
-    p.add_argument("--recipe-methods", nargs="+", default=None, choices=["score", "similarity", "mass"],
-                   help="the pruning methods the recipes run with (default: every --methods); the plain rows keep --methods")
+    p.add_argument(
+        "--recipes",
+        nargs="*",
+        default=[],
+        metavar="RECIPE[@N,...]",
+        help="also fine-tune every N x method with these pruning-aware recipes (_quality_ranks_job.RECIPES: "
+        "distillation from the unpruned model, routers or experts only; longer schedules), or only at the "
+        "N after @ (distill-ft-x4@3,2); rows named '... [RECIPE]'. Recipes: " + ", ".join(RECIPES),
+    )
+    p.add_argument(
+        "--recipe-methods",
+        nargs="+",
+        default=None,
+        choices=["score", "similarity", "mass"],
+        help="the pruning methods the recipes run with (default: every --methods); the plain rows keep --methods",
+    )
     p.add_argument("--placement-method", default="auto", choices=["auto", "hypergraph", "greedy", "contiguous"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per rank (default 1, on every machine: the thread count changes the fp32 "
-                        "summation order of the CPU kernels, and a changed order moves a seed's numbers; docs/quality_ranks.md)")
-    p.add_argument("--simulate", action="store_true",
-                   help="one process simulating --ranks devices (routers limited against the placement, every expert "
-                        "local: quality_study.py's way, for one GPU); E[C_T] counted from the routed ids, no dispatcher")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per rank (default 1, on every machine: the thread count changes the fp32 "
+        "summation order of the CPU kernels, and a changed order moves a seed's numbers; docs/quality_ranks.md)",
+    )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="one process simulating --ranks devices (routers limited against the placement, every expert "
+        "local: quality_study.py's way, for one GPU); E[C_T] counted from the routed ids, no dispatcher",
+    )
     p.add_argument("--resume", action="store_true", help="skip seeds with a result.json; resume their runs")
-    p.add_argument("--drop-weights", action="store_true",
-                   help="when a seed is done, delete its fine-tuning runs' weights and resume states (ft-*/: about 2 GB a "
-                        "run at hidden 512), keeping base/, the placement and every JSON and metrics file: what a "
-                        "disk-limited GPU machine needs (adding recipes to such a seed later trains its runs again)")
+    p.add_argument(
+        "--drop-weights",
+        action="store_true",
+        help="when a seed is done, delete its fine-tuning runs' weights and resume states (ft-*/: about 2 GB a "
+        "run at hidden 512), keeping base/, the placement and every JSON and metrics file: what a "
+        "disk-limited GPU machine needs (adding recipes to such a seed later trains its runs again)",
+    )
     p.add_argument("--render-only", action="store_true", help="only re-write the report from --results")
     p.add_argument("--no-check-sim", action="store_true", help="skip the one-process re-evaluation of the base")
     p.add_argument("--expert-backend", default="torch", choices=["torch", "triton", "auto"])
@@ -109,9 +151,20 @@ def parse_args(argv=None):
 
 def job_spec(args, seed: int) -> dict:
     """What `_quality_ranks_job.py` reads: quality_study's argument names, this seed's directory."""
-    keys = list(REAL) + ["tiny", "corpus_dir", "tokenizer", "max_devices", "methods", "placement_method", "device",
-                         "resume", "expert_backend", "threads", "recipes",
-                         "recipe_methods"]
+    keys = list(REAL) + [
+        "tiny",
+        "corpus_dir",
+        "tokenizer",
+        "max_devices",
+        "methods",
+        "placement_method",
+        "device",
+        "resume",
+        "expert_backend",
+        "threads",
+        "recipes",
+        "recipe_methods",
+    ]
     spec = {k: getattr(args, k) for k in keys}
     if spec["corpus_dir"] is None and args.tiny:
         spec["corpus_dir"] = str(qs.TINY_CORPUS)
@@ -125,8 +178,16 @@ def _torchrun(args, phase: str, job: Path, seed: int) -> dict:
         result = simulate(phase, json.loads(job.read_text()))
         _write(job.parent / f"{phase}.json", result)
         return result
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-           str(JOB), phase, str(job)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.ranks}",
+        str(JOB),
+        phase,
+        str(job),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([str(qs.ROOT), env.get("PYTHONPATH", "")])
     qs.log(f"seed {seed}: torchrun --nproc-per-node={args.ranks} {JOB.name} {phase} {job}")
@@ -195,7 +256,9 @@ def with_recipes(args, seed: int, result: dict) -> dict:
     """`result` with the rows of `--recipes` (run on this seed's base and placement when any is missing)."""
     wanted = [f"pruned N={n} ({m}) + fine-tuning [{r}]" for r, n, m in recipe_cells(args)]
     have = {r["name"] for r in result["rows"]}
-    if all(w in have for w in wanted) and all(f"pruned N={n} ({m})" in have for n in args.max_devices for m in args.methods):
+    if all(w in have for w in wanted) and all(
+        f"pruned N={n} ({m})" in have for n in args.max_devices for m in args.methods
+    ):
         return result
     extra = _torchrun(args, "recipes", args.out / f"seed{seed}" / "job.json", seed)
     new = {r["name"]: r for r in extra["rows"]}
@@ -204,8 +267,11 @@ def with_recipes(args, seed: int, result: dict) -> dict:
     rows[at:at] = [r for r in new.values() if not r["finetuned"]]  # no-fine-tuning rows before the fine-tuned ones
     rows += [r for r in new.values() if r["finetuned"]]
     result.update(rows=rows, ft_curves=dict(result.get("ft_curves", {}), **extra["ft_curves"]))
-    result["seconds"]["recipes"] = (result["seconds"].get("recipes", 0.0)  # recipes added in several runs: every run's time
-                                    + extra["seconds"]["evaluate"] + extra["seconds"]["fine-tuning"])
+    result["seconds"]["recipes"] = (
+        result["seconds"].get("recipes", 0.0)  # recipes added in several runs: every run's time
+        + extra["seconds"]["evaluate"]
+        + extra["seconds"]["fine-tuning"]
+    )
     result["seconds"]["total"] = sum(v for k, v in result["seconds"].items() if k != "total")
     _write(args.out / f"seed{seed}" / "result.json", result)
     return result
@@ -231,28 +297,45 @@ def check_simulation(args, seed: int, result: dict) -> dict:
     for r in sim_rows:
         diffs["val_loss"] = max(diffs["val_loss"], abs(r["val_loss"] - real[r["name"]]["val_loss"]))
         diffs["mean_ct"] = max(diffs["mean_ct"], abs(r["mean_ct"] - real[r["name"]]["mean_ct"]))
-    qs.log(f"seed {seed}: one-process simulation vs {args.ranks} ranks (no fine-tuning rows): "
-           f"max |d val loss| {diffs['val_loss']:.2e}, max |d E[C_T]| {diffs['mean_ct']:.2e}")
-    return {"seed": seed, "max_abs_val_loss": diffs["val_loss"], "max_abs_mean_ct": diffs["mean_ct"],
-            "rows": [{k: r[k] for k in ("name", "val_loss", "val_ppl", "mean_ct")} for r in sim_rows]}
+    qs.log(
+        f"seed {seed}: one-process simulation vs {args.ranks} ranks (no fine-tuning rows): "
+        f"max |d val loss| {diffs['val_loss']:.2e}, max |d E[C_T]| {diffs['mean_ct']:.2e}"
+    )
+    return {
+        "seed": seed,
+        "max_abs_val_loss": diffs["val_loss"],
+        "max_abs_mean_ct": diffs["mean_ct"],
+        "rows": [{k: r[k] for k in ("name", "val_loss", "val_ppl", "mean_ct")} for r in sim_rows],
+    }
 
 
 def spread(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values), "values": values}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "values": values,
+    }
 
 
 def aggregate(per_seed: list[dict]) -> list[dict]:
     """One row per routing: every metric's mean / std / min / max over the seeds (Δ ppl per seed first)."""
-    names = [r["name"] for r in per_seed[0]["rows"]  # the rows every seed has
-             if all(any(x["name"] == r["name"] for x in res["rows"]) for res in per_seed)]
+    names = [
+        r["name"]
+        for r in per_seed[0]["rows"]  # the rows every seed has
+        if all(any(x["name"] == r["name"] for x in res["rows"]) for res in per_seed)
+    ]
     out = []
     for name in names:
         rows = []
         for res in per_seed:
             r = next(x for x in res["rows"] if x["name"] == name)
-            ref_name = (r.get("reference") or "standard fine-tuning") if r["finetuned"] \
+            ref_name = (
+                (r.get("reference") or "standard fine-tuning")
+                if r["finetuned"]
                 else "standard routing (contiguous placement)"
+            )
             ref = next(x for x in res["rows"] if x["name"] == ref_name)
             rows.append(dict(r, rel_ppl=r["val_ppl"] / ref["val_ppl"] - 1))
         agg = {k: rows[0].get(k) for k in ("name", "group", "max_devices", "method", "finetuned", "recipe")}
@@ -269,9 +352,17 @@ def targets(rows: list[dict]) -> list[dict]:
         if r["finetuned"] and r["max_devices"] is not None:
             limit, worst = TARGETS.get(r["max_devices"], (None, None))
             rel = r["rel_ppl"]
-            out.append({"name": r["name"], "rel_ppl_mean": rel["mean"], "rel_ppl_max": rel["max"], "limit": limit,
-                        "limit_worst": worst, "met_mean": None if limit is None else rel["mean"] <= limit,
-                        "met_every_seed": None if limit is None else rel["max"] <= worst})
+            out.append(
+                {
+                    "name": r["name"],
+                    "rel_ppl_mean": rel["mean"],
+                    "rel_ppl_max": rel["max"],
+                    "limit": limit,
+                    "limit_worst": worst,
+                    "met_mean": None if limit is None else rel["mean"] <= limit,
+                    "met_every_seed": None if limit is None else rel["max"] <= worst,
+                }
+            )
     return out
 
 
@@ -281,11 +372,21 @@ def run_env(args) -> dict:
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
     gpu = torch.cuda.get_device_name(0) if cuda else None
-    device = (f"one process, {args.ranks} devices simulated, on {gpu or f'{os.cpu_count()} CPU cores'}" if args.simulate else
-              f"{args.ranks} x {gpu} (NCCL)" if cuda else
-              f"{args.ranks} CPU gloo ranks on {os.cpu_count()} cores ({platform.machine()})")
-    return {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d"), "threads_per_rank": args.threads, "grad_sync": "ddp"}
+    device = (
+        f"one process, {args.ranks} devices simulated, on {gpu or f'{os.cpu_count()} CPU cores'}"
+        if args.simulate
+        else f"{args.ranks} x {gpu} (NCCL)"
+        if cuda
+        else f"{args.ranks} CPU gloo ranks on {os.cpu_count()} cores ({platform.machine()})"
+    )
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "threads_per_rank": args.threads,
+        "grad_sync": "ddp",
+    }
 
 
 def corpus_sources(corpus_dir) -> list[str]:
@@ -336,13 +437,21 @@ def main(argv=None) -> int:
         if args.drop_weights:
             freed = drop_weights(args.out / f"seed{s}")
             qs.log(f"seed {s}: dropped the fine-tuning runs' weights ({freed / 1e9:.1f} GB)")
-    checks = [] if args.no_check_sim or args.simulate else [check_simulation(args, s, r) for s, r in zip(args.seed_list, per_seed)]
+    checks = (
+        []
+        if args.no_check_sim or args.simulate
+        else [check_simulation(args, s, r) for s, r in zip(args.seed_list, per_seed)]
+    )
     rows = aggregate(per_seed)
     results = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "env": run_env(args),
-        "seeds": per_seed, "rows": rows, "targets": targets(rows), "simulation_check": checks,
-        "wall_seconds": time.perf_counter() - t0, "command": command_line(args),
+        "seeds": per_seed,
+        "rows": rows,
+        "targets": targets(rows),
+        "simulation_check": checks,
+        "wall_seconds": time.perf_counter() - t0,
+        "command": command_line(args),
         "corpus_sources": corpus_sources(args.corpus_dir),
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
@@ -352,9 +461,11 @@ def main(argv=None) -> int:
     render(results, args.doc)
     for r in rows:
         ct = r["mean_ct"]
-        print(f"{r['name']:42s} {'FT' if r['finetuned'] else '  '} ppl {r['val_ppl']['mean']:9.3f} "
-              f"[{r['val_ppl']['min']:.3f}, {r['val_ppl']['max']:.3f}]  d {r['rel_ppl']['mean'] * 100:+6.2f}% "
-              f"E[C_T] {ct['mean']:.3f} [{ct['min']:.3f}, {ct['max']:.3f}]")
+        print(
+            f"{r['name']:42s} {'FT' if r['finetuned'] else '  '} ppl {r['val_ppl']['mean']:9.3f} "
+            f"[{r['val_ppl']['min']:.3f}, {r['val_ppl']['max']:.3f}]  d {r['rel_ppl']['mean'] * 100:+6.2f}% "
+            f"E[C_T] {ct['mean']:.3f} [{ct['min']:.3f}, {ct['max']:.3f}]"
+        )
     return 0
 
 

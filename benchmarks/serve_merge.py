@@ -36,8 +36,10 @@ def merge(docs: dict[str, dict[str, Any]], keep: list[str] | None = None) -> dic
     first = docs[names[0]]
     for name in names[1:]:
         if identity(docs[name]) != identity(first):
-            raise ValueError(f"{name} is {identity(docs[name])}, {names[0]} is {identity(first)} "
-                             f"({', '.join('.'.join(k) for k in SAME)}): merge only one model, GPU and link")
+            raise ValueError(
+                f"{name} is {identity(docs[name])}, {names[0]} is {identity(first)} "
+                f"({', '.join('.'.join(k) for k in SAME)}): merge only one model, GPU and link"
+            )
     variants: dict[str, dict[str, Any]] = {}
     sources: dict[str, list[str]] = {}
     for name in names:
@@ -51,8 +53,12 @@ def merge(docs: dict[str, dict[str, Any]], keep: list[str] | None = None) -> dic
     for variant, runs in variants.items():
         for batch, point in sorted(runs.items(), key=lambda kv: int(kv[0])):
             sources.setdefault(point["source"], []).append(f"{variant} B={batch}")
-    table = [row for name in names for row in docs[name].get("table", [])
-             if variants.get(row.get("variant"), {}).get(str(row.get("batch")), {}).get("source") == name]
+    table = [
+        row
+        for name in names
+        for row in docs[name].get("table", [])
+        if variants.get(row.get("variant"), {}).get(str(row.get("batch")), {}).get("source") == name
+    ]
     return dict(docs[names[-1]], variants=variants, table=table, sources=sources)
 
 

@@ -42,8 +42,12 @@ def table(name: str, variants: dict[str, Any]) -> list[str]:
     floor = floor_of(variants)
     base = {b: ms for b, ms, _ in points(variants[floor])} if floor else {}
     native = {b: ms for b, ms, _ in points(variants[NATIVE])} if NATIVE in variants else {}
-    lines = [f"### {name}", "", f"| variant | B | step ms p50 | step ms p99 | decode tok/s/GPU | x floor ({floor or '-'}) | "
-             f"{NATIVE} / this |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {name}",
+        "",
+        f"| variant | B | step ms p50 | step ms p99 | decode tok/s/GPU | x floor ({floor or '-'}) | {NATIVE} / this |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for v, runs in variants.items():
         for b, ms, tps in points(runs):
             x = f"{ms / base[b]:.2f}" if b in base else "-"

@@ -30,8 +30,9 @@ tokens, as transformers' loss), backward, AdamW step (FSDP reduce-scatters the g
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -47,15 +48,19 @@ VARIANTS = ("torchtitan", "torchtitan+occult", "torchtitan+occult+placement")  #
 def unavailable(model_type: str) -> str | None:
     """Why the TorchTitan peer cannot run here (not installed, another model family), or None."""
     if model_type not in MODEL_TYPES:
-        return (f"TorchTitan's MoE models include Qwen3-MoE, the family e2e.py maps onto it: use --model qwen3 "
-                f"(or tiny-qwen3), not a {model_type} model")
+        return (
+            f"TorchTitan's MoE models include Qwen3-MoE, the family e2e.py maps onto it: use --model qwen3 "
+            f"(or tiny-qwen3), not a {model_type} model"
+        )
     try:
         torch_compat()  # stand-ins for what TorchTitan 0.3.0 imports and this torch lacks (peer_torchtitan)
         import spmd_types  # noqa: F401
         import torchtitan.models.qwen3  # noqa: F401
     except Exception as e:  # an ImportError, or one of its imports failing on this torch
-        return (f"torchtitan is not importable ({type(e).__name__}: {e}); install it as "
-                "benchmarks/requirements-peers.txt says (pip install --no-deps torchtitan==0.3.0 and its listed wheels)")
+        return (
+            f"torchtitan is not importable ({type(e).__name__}: {e}); install it as "
+            "benchmarks/requirements-peers.txt says (pip install --no-deps torchtitan==0.3.0 and its listed wheels)"
+        )
     return None
 
 
@@ -75,18 +80,32 @@ def _attention_compat(device: torch.device) -> list[str]:
 
     changed, build = [], create_block_mask
     if "separate_full_blocks" not in inspect.signature(create_block_mask).parameters:
+
         def build(*args: Any, separate_full_blocks: bool = True, **kwargs: Any) -> Any:
             if not separate_full_blocks:
                 raise NotImplementedError("this torch's create_block_mask always separates full blocks")
             return create_block_mask(*args, **kwargs)
+
         changed.append("create_block_mask without separate_full_blocks")
     if device.type == "cpu":
-        def causal_sdpa(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
-                        kernel_options=None):
+
+        def causal_sdpa(
+            q,
+            k,
+            v,
+            *,
+            score_mod=None,
+            block_mask=None,
+            scale=None,
+            enable_gqa=False,
+            return_aux=None,
+            kernel_options=None,
+        ):
             if score_mod is not None or (return_aux is not None and return_aux.lse):
                 raise NotImplementedError("the CPU attention stand-in computes plain causal attention only")
-            out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                             enable_gqa=enable_gqa)
+            out = nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+            )
             return out, None
 
         attention.FlexAttention._compiled_flex_attn = causal_sdpa
@@ -101,7 +120,11 @@ def _titan_config(cfg: Any, max_seq: int) -> Any:
     """TorchTitan's Qwen3Model.Config at the transformers config's shape."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.qwen3 import (
-        _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm,
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
     )
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
@@ -114,14 +137,25 @@ def _titan_config(cfg: Any, max_seq: int) -> Any:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     V, H = cfg.vocab_size, cfg.hidden_size
     tcfg = Qwen3Model.Config(
-        vocab_size=V, dim=H, norm=_qwen3_norm(H),
+        vocab_size=V,
+        dim=H,
+        norm=_qwen3_norm(H),
         tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=H, param_init=_EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=H, out_features=V, param_init=_LINEAR_INIT),
         layers=_build_qwen3_moe_layers(
-            fuse_qkv=True, n_layers=cfg.num_hidden_layers, dim=H, n_heads=cfg.num_attention_heads,
-            n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, moe_hidden_dim=cfg.moe_intermediate_size,
-            num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, attn_backend="flex",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq, theta=theta), moe_comm_backend="standard"),
+            fuse_qkv=True,
+            n_layers=cfg.num_hidden_layers,
+            dim=H,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            moe_hidden_dim=cfg.moe_intermediate_size,
+            num_experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq, theta=theta),
+            moe_comm_backend="standard",
+        ),
     )
     set_qwen3_sharding_config(tcfg, enable_sp=False, enable_ep=True)  # what update_from_config does for EP > 1
     return tcfg
@@ -132,21 +166,29 @@ def copy_weights(hf_model: nn.Module, titan: nn.Module) -> int:
     """Copy a transformers Qwen3-MoE model's weights into TorchTitan's Qwen3Model; returns tensors copied."""
     src = hf_model.model
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
-        (titan.tok_embeddings.weight, src.embed_tokens.weight), (titan.norm.weight, src.norm.weight),
-        (titan.lm_head.weight, hf_model.lm_head.weight)]
+        (titan.tok_embeddings.weight, src.embed_tokens.weight),
+        (titan.norm.weight, src.norm.weight),
+        (titan.lm_head.weight, hf_model.lm_head.weight),
+    ]
     for i, layer in enumerate(src.layers):
         t = titan.layers[str(i)]
         att, moe = layer.self_attn, layer.mlp
         F = moe.experts.gate_up_proj.shape[1] // 2
         pairs += [
-            (t.attention.qkv_linear.wqkv.weight, _fused_qkv(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight,
-                                                            t.attention.qkv_linear.head_dim)),
-            (t.attention.wo.weight, att.o_proj.weight), (t.attention.q_norm.weight, att.q_norm.weight),
-            (t.attention.k_norm.weight, att.k_norm.weight), (t.attention_norm.weight, layer.input_layernorm.weight),
-            (t.ffn_norm.weight, layer.post_attention_layernorm.weight), (t.moe.router.gate.weight, moe.gate.weight),
+            (
+                t.attention.qkv_linear.wqkv.weight,
+                _fused_qkv(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight, t.attention.qkv_linear.head_dim),
+            ),
+            (t.attention.wo.weight, att.o_proj.weight),
+            (t.attention.q_norm.weight, att.q_norm.weight),
+            (t.attention.k_norm.weight, att.k_norm.weight),
+            (t.attention_norm.weight, layer.input_layernorm.weight),
+            (t.ffn_norm.weight, layer.post_attention_layernorm.weight),
+            (t.moe.router.gate.weight, moe.gate.weight),
             (t.moe.routed_experts.inner_experts.w1_EFD, moe.experts.gate_up_proj[:, :F]),
             (t.moe.routed_experts.inner_experts.w3_EFD, moe.experts.gate_up_proj[:, F:]),
-            (t.moe.routed_experts.inner_experts.w2_EDF, moe.experts.down_proj)]
+            (t.moe.routed_experts.inner_experts.w2_EDF, moe.experts.down_proj),
+        ]
     for dst, s in pairs:
         if dst.shape != s.shape:
             raise ValueError(f"TorchTitan peer: weight shape {tuple(dst.shape)} vs transformers {tuple(s.shape)}")
@@ -165,8 +207,17 @@ def _fused_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, head_dim: i
 class TitanLM:
     """TorchTitan's Qwen3-MoE, weights from a transformers model, parallelised by TorchTitan (EP + FSDP2)."""
 
-    def __init__(self, hf_model: nn.Module, world: int, device: torch.device, dtype: torch.dtype,
-                 max_seq: int, occult: bool = False, placement: Any = None, transport: str = "auto") -> None:
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        world: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_seq: int,
+        occult: bool = False,
+        placement: Any = None,
+        transport: str = "auto",
+    ) -> None:
         import torchtitan
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
         from torchtitan.distributed import ParallelDims
@@ -192,23 +243,32 @@ class TitanLM:
             from occult.integrations.torchtitan import to_placed_order
 
             model.load_state_dict(to_placed_order(model.state_dict(), placement))
-        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
-                            spmd_backend=SPMD_BACKEND)
+        dims = ParallelDims(
+            dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world, spmd_backend=SPMD_BACKEND
+        )
         dims.build_mesh()
         name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
         training = TrainingConfig(mixed_precision_param=name)
         training.mixed_precision_reduce = name  # type: ignore[assignment]  (see the module docstring)
         self.parallelize = "parallelize_qwen3 (EP + FSDP2)"
         if _per_param_fsdp_meshes():
-            self.model = parallelize_qwen3(model, parallel_dims=dims, training=training,
-                                           parallelism=ParallelismConfig(spmd_backend=SPMD_BACKEND),
-                                           compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
+            self.model = parallelize_qwen3(
+                model,
+                parallel_dims=dims,
+                training=training,
+                parallelism=ParallelismConfig(spmd_backend=SPMD_BACKEND),
+                compile_config=CompileConfig(enable=False),
+                ac_config=None,
+                dump_folder="/tmp",
+            )
         else:  # torch 2.11 (the GPU image): FSDP2 has no per-parameter meshes, which TorchTitan's EP + FSDP uses
             model.parallelize(dims)  # EP, as parallelize_qwen3 does first
             _fsdp_experts_unsharded(model, dims.get_mesh(["fsdp"]), dtype)
             self.model = model
-            self.parallelize = ("EP by TorchTitan's model.parallelize, FSDP2 per block with the experts left to EP "
-                                "(this torch has no per-parameter FSDP meshes for parallelize_qwen3)")
+            self.parallelize = (
+                "EP by TorchTitan's model.parallelize, FSDP2 per block with the experts left to EP "
+                "(this torch has no per-parameter FSDP meshes for parallelize_qwen3)"
+            )
         self.world = world
         if device.type == "cpu":  # gloo has no PREMUL_SUM, the op of TorchTitan's gradient divide factor
             from torch.distributed.fsdp import FSDPModule
@@ -262,24 +322,33 @@ class TitanLM:
         ranks (as e2e.comm_stats); TorchTitan's own dispatcher exposes none: {}."""
         import torch.distributed as dist
 
-        per_layer = [getattr(b.moe.routed_experts.token_dispatcher, "last_comm_stats", None)
-                     for b in self.model.layers.values()]
+        per_layer = [
+            getattr(b.moe.routed_experts.token_dispatcher, "last_comm_stats", None) for b in self.model.layers.values()
+        ]
         if not per_layer or any(s is None for s in per_layer):
             return {}
         keys = sorted(k for k, v in vars(per_layer[0]).items() if isinstance(v, int))
-        sums_K = torch.tensor([sum(int(getattr(s, k)) for s in per_layer) for k in keys], dtype=torch.float64,
-                              device=self.device)
+        sums_K = torch.tensor(
+            [sum(int(getattr(s, k)) for s in per_layer) for k in keys], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(sums_K)
         return {k: float(v) / self.world for k, v in zip(keys, sums_K.tolist())}
 
     def describe(self) -> dict[str, Any]:
         ex = self.model.layers["0"].moe.routed_experts
         w = ex.inner_experts.w1_EFD
-        return {"torchtitan": self.version, "spmd_backend": SPMD_BACKEND, "tensors_copied": self.copied,
-                "dispatcher": type(ex.token_dispatcher).__name__, "parallelize": self.parallelize,
-                "local_experts": int((w.to_local() if hasattr(w, "to_local") else w).shape[0]),
-                "attention": "FlexAttention (compiled by TorchTitan)" if self.device.type == "cuda" else "causal SDPA (CPU stand-in for FlexAttention)",
-                "torch_stand_ins": self.torch_stand_ins}
+        return {
+            "torchtitan": self.version,
+            "spmd_backend": SPMD_BACKEND,
+            "tensors_copied": self.copied,
+            "dispatcher": type(ex.token_dispatcher).__name__,
+            "parallelize": self.parallelize,
+            "local_experts": int((w.to_local() if hasattr(w, "to_local") else w).shape[0]),
+            "attention": "FlexAttention (compiled by TorchTitan)"
+            if self.device.type == "cuda"
+            else "causal SDPA (CPU stand-in for FlexAttention)",
+            "torch_stand_ins": self.torch_stand_ins,
+        }
 
 
 def _per_param_fsdp_meshes() -> bool:
@@ -297,13 +366,20 @@ def _fsdp_experts_unsharded(model: nn.Module, mesh: Any, dtype: torch.dtype) -> 
     prefetching, and no automatic gradient division (TorchTitan scales the loss instead)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    cfg = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, cast_forward_inputs=False)}
+    cfg = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, cast_forward_inputs=False),
+    }
     fully_shard(model.tok_embeddings, **cfg, reshard_after_forward=True)
     fully_shard([model.norm, model.lm_head], **cfg, reshard_after_forward=False)
     blocks = list(model.layers.values())
     for block in blocks:
-        fully_shard(block, **cfg, reshard_after_forward=True,
-                    ignored_params=set(block.moe.routed_experts.inner_experts.parameters()))
+        fully_shard(
+            block,
+            **cfg,
+            reshard_after_forward=True,
+            ignored_params=set(block.moe.routed_experts.inner_experts.parameters()),
+        )
     fully_shard(model, **cfg)
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -329,6 +405,7 @@ def make_step(peer: TitanLM, phase: str, optimizer: torch.optim.Optimizer | None
         def prefill(ids_BS: torch.Tensor) -> None:
             with torch.no_grad():
                 peer.logits(ids_BS, last_only=True)
+
         return prefill
     peer.train()
 
@@ -338,4 +415,5 @@ def make_step(peer: TitanLM, phase: str, optimizer: torch.optim.Optimizer | None
         loss = nn.functional.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
         (loss / peer.world).backward()  # FSDP sums gradients (division off, as TorchTitan): mean over the global batch
         optimizer.step()
+
     return train

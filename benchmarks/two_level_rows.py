@@ -61,9 +61,16 @@ def worker(rank: int, world: int, cfg: dict) -> list[dict]:
             x = torch.randn(share, cfg["hidden"], requires_grad=True)
             layer(x).sum().backward()
             s = layer.last_comm_stats
-            out.append(dict(placement=name, dispatcher=dispatcher, inter=s.forward_internode_rows,
-                            intra=s.forward_intranode_rows, rows=s.forward_rows,
-                            back_inter=s.backward_internode_rows))
+            out.append(
+                dict(
+                    placement=name,
+                    dispatcher=dispatcher,
+                    inter=s.forward_internode_rows,
+                    intra=s.forward_intranode_rows,
+                    rows=s.forward_rows,
+                    back_inter=s.backward_internode_rows,
+                )
+            )
     return out
 
 
@@ -88,15 +95,26 @@ def main() -> None:
         "flat greedy": place(fit, D, "greedy", seed=a.seed).placement.expert_device(0),
         "hierarchical greedy": place(fit, D, "greedy", num_nodes=M, seed=a.seed).placement.expert_device(0),
     }
-    cfg = dict(ids=test_ids.tolist(), experts=a.experts, hidden=32, ffn=16, nodes=M,
-               placements={k: v.tolist() for k, v in placements.items()})
+    cfg = dict(
+        ids=test_ids.tolist(),
+        experts=a.experts,
+        hidden=32,
+        ffn=16,
+        nodes=M,
+        placements={k: v.tolist() for k, v in placements.items()},
+    )
     t0 = time.perf_counter()
     per_rank = run_ranks(worker, D, cfg, timeout_s=600)
     T = (a.tokens // D) * D
     rows = []
-    print(f"{M} nodes x {G} GPUs, {a.experts} experts, top-{a.top_k}, {T} routed tokens "
-          f"(planted two-level trace); rows per token per direction, measured by CommStats")
-    print(f"{'placement':22s} {'E[C_T]':>7s} {'E[N_T]':>7s} " + " ".join(f"{d + ' inter/intra':>20s}" for d in DISPATCHERS))
+    print(
+        f"{M} nodes x {G} GPUs, {a.experts} experts, top-{a.top_k}, {T} routed tokens "
+        f"(planted two-level trace); rows per token per direction, measured by CommStats"
+    )
+    print(
+        f"{'placement':22s} {'E[C_T]':>7s} {'E[N_T]':>7s} "
+        + " ".join(f"{d + ' inter/intra':>20s}" for d in DISPATCHERS)
+    )
     for name, dev in placements.items():
         st = layer_stats(test_ids[:T], a.experts, Placement(dev[None], D, M))
         owner = np.repeat(np.arange(D), T // D)  # each token's own rank

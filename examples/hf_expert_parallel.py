@@ -65,8 +65,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens in all")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--method", default="hypergraph", choices=["contiguous", "greedy", "hypergraph"],
-                   help="placement solver (hypergraph keeps the best of itself, greedy and contiguous)")
+    p.add_argument(
+        "--method",
+        default="hypergraph",
+        choices=["contiguous", "greedy", "hypergraph"],
+        help="placement solver (hypergraph keeps the best of itself, greedy and contiguous)",
+    )
     p.add_argument("--dispatcher", default="dedup", choices=["dedup", "standard"])
     p.add_argument("--max-devices", type=int, default=None, help="collaboration pruning: at most N devices per token")
     p.add_argument("--prune-method", default="score", choices=["score", "similarity"])
@@ -75,9 +79,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--check", action="store_true", help="compare generation with the unconverted model")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
-    p.add_argument("--workdir", default=None,
-                   help="keep the tiny model, trace, placement and similarity table here (default: a temporary "
-                        "directory on rank 0's host, removed at the end; give a shared path for several hosts)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="keep the tiny model, trace, placement and similarity table here (default: a temporary "
+        "directory on rank 0's host, removed at the end; give a shared path for several hosts)",
+    )
     p.add_argument("--save", default=None, help="save the fine-tuned model here (standard layout)")
     return p.parse_args()
 
@@ -102,7 +109,8 @@ def main() -> None:
 def run(args: argparse.Namespace, rank: int, world: int) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     os.makedirs(args.workdir, exist_ok=True)
     from transformers import AutoModelForCausalLM
 
@@ -118,8 +126,9 @@ def run(args: argparse.Namespace, rank: int, world: int) -> None:
     log(f"{family.model_type}: {len(hf.moe_blocks(model))} MoE layers, {world} ranks, {device.type}, {dtype}")
 
     # 2. profile (each rank a share of the windows; the trace holds all of them)
-    windows = calibration_windows(token_stream(args.data, model_dir, int(model.config.vocab_size)),
-                                  args.seq_len, args.tokens)
+    windows = calibration_windows(
+        token_stream(args.data, model_dir, int(model.config.vocab_size)), args.seq_len, args.tokens
+    )
     if len(windows) < world:
         raise SystemExit(f"{len(windows)} calibration windows for {world} ranks: give more --tokens or data")
     mine = windows[rank::world]
@@ -127,7 +136,10 @@ def run(args: argparse.Namespace, rank: int, world: int) -> None:
     sim_path = os.path.join(args.workdir, "placement.similarity.safetensors")
     t0 = time.perf_counter()
     trace = hf.profile(
-        model, (b.to(device) for b in mine.split(args.batch_size)), path=trace_path, similarity_path=sim_path,
+        model,
+        (b.to(device) for b in mine.split(args.batch_size)),
+        path=trace_path,
+        similarity_path=sim_path,
     )
     log(f"profile: {trace.num_tokens[0]:,} tokens per layer in {time.perf_counter() - t0:.1f} s -> {trace_path}")
 
@@ -153,24 +165,36 @@ def run(args: argparse.Namespace, rank: int, world: int) -> None:
     placement, similarity = box
 
     # 4. convert
-    hf.convert(model, placement=placement, dispatcher=args.dispatcher, max_devices=args.max_devices,
-               prune_method=args.prune_method, similarity=similarity)
+    hf.convert(
+        model,
+        placement=placement,
+        dispatcher=args.dispatcher,
+        max_devices=args.max_devices,
+        prune_method=args.prune_method,
+        similarity=similarity,
+    )
     log(f"converted: {hf.moe_blocks(model)[0][1].experts}")
 
     # 5. generate on this rank's prompts (ranks may finish at different times: synced_gpus)
     prompt = windows[-(rank + 1)][None, : max(4, args.seq_len // 4)].to(device)
     model.eval()
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, synced_gpus=True,
-                             pad_token_id=model.config.pad_token_id or 0)
-    new = out[0, prompt.shape[1]:].tolist()
+        out = model.generate(
+            prompt,
+            max_new_tokens=args.new_tokens,
+            do_sample=False,
+            synced_gpus=True,
+            pad_token_id=model.config.pad_token_id or 0,
+        )
+    new = out[0, prompt.shape[1] :].tolist()
     stats = hf.moe_blocks(model)[0][1].experts.last_comm_stats
     print(f"rank {rank}: generated {new}  (last step, MoE layer 0: {stats.forward_rows} rows sent)", flush=True)
     if args.check:
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
         with torch.no_grad():
-            ref = plain.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False,
-                                 pad_token_id=model.config.pad_token_id or 0)
+            ref = plain.generate(
+                prompt, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=model.config.pad_token_id or 0
+            )
             a, b = model(out).logits.float(), plain(out).logits.float()
         same = torch.equal(ref, out)
         err = ((a - b).abs().max() / b.abs().max()).item()

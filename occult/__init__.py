@@ -9,7 +9,7 @@ from occult._rank_signals import ignore_interrupts_in_ranks
 
 ignore_interrupts_in_ranks()  # first, before torch loads: a rank process leaves Ctrl-C to its parent
 
-from occult.moe.comm import CommStats  # noqa: E402
+from occult.moe.comm import CommStats
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig
 from occult.moe.contract import Capabilities, Dispatcher, Received, Schedule
 from occult.moe.counts import RoutingError
@@ -17,9 +17,9 @@ from occult.moe.dense import DenseMoE
 from occult.moe.dispatch import DedupDispatcher, StandardDispatcher
 from occult.moe.expert_map import ExpertMap
 from occult.moe.layer import OccultMoE, set_graphs, set_sync_free
-from occult.moe.status import check_routing
 from occult.moe.registry import DISPATCHERS, make_dispatcher
 from occult.moe.routing import TopKRouter
+from occult.moe.status import check_routing
 from occult.moe.two_level import TwoLevelDispatcher
 from occult.placement import Placement, PlacementError
 

@@ -14,9 +14,9 @@ import shutil
 import stat
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 
 def _os_error(exc_type: type[OSError], err: int, what: str, path: str | Path) -> OSError:
@@ -114,7 +114,9 @@ def _check_descriptor(fd: int, path: Path) -> None:
     except OSError:
         raise _os_error(OSError, errno.EBADF, "cannot be written: that descriptor is not open", path) from None
     if flags & os.O_ACCMODE == os.O_RDONLY:
-        raise _os_error(PermissionError, errno.EBADF, "cannot be written: that descriptor is open for reading only", path)
+        raise _os_error(
+            PermissionError, errno.EBADF, "cannot be written: that descriptor is open for reading only", path
+        )
 
 
 def check_writable(path: str | os.PathLike) -> Path:
@@ -158,11 +160,13 @@ def _write_in_place(tmp: Path, target: _Target) -> None:
                 for chunk in iter(lambda: src.read(1 << 20), b""):
                     view = memoryview(chunk)
                     while view:
-                        view = view[os.write(fd, view):]
+                        view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
     except OSError as exc:
-        raise _os_error(type(exc), exc.errno or errno.EIO, f"cannot be written ({exc.strerror or exc})", target.path) from exc
+        raise _os_error(
+            type(exc), exc.errno or errno.EIO, f"cannot be written ({exc.strerror or exc})", target.path
+        ) from exc
 
 
 def _replace(tmp: Path, target: _Target) -> None:
@@ -178,7 +182,9 @@ def _replace(tmp: Path, target: _Target) -> None:
         os.chmod(tmp, mode)
         os.replace(tmp, real)
     except OSError as exc:
-        raise _os_error(type(exc), exc.errno or errno.EIO, f"cannot be written ({exc.strerror or exc})", target.path) from exc
+        raise _os_error(
+            type(exc), exc.errno or errno.EIO, f"cannot be written ({exc.strerror or exc})", target.path
+        ) from exc
 
 
 def _temporary(target: _Target) -> Path:
@@ -192,7 +198,9 @@ def _temporary(target: _Target) -> Path:
             real.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
     except OSError as exc:
-        raise _os_error(type(exc), exc.errno or errno.EIO, f"cannot be written ({exc.strerror or exc})", target.path) from exc
+        raise _os_error(
+            type(exc), exc.errno or errno.EIO, f"cannot be written ({exc.strerror or exc})", target.path
+        ) from exc
     os.close(fd)
     return Path(tmp)
 

@@ -23,9 +23,9 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator
-
+from collections.abc import Callable, Iterator
 from multiprocessing import connection as mp_connection
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,6 @@ import torch.multiprocessing as mp
 
 from occult import settings
 from occult.teardown import release_captured
-
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -105,22 +104,29 @@ def rank_context(backend: str) -> Any:
     that loaded torch once (`occult._rank_preload`; POSIX): ~0.2 s a call instead of ~1.8 s on 2
     cores. The fork server is started with Ctrl-C unblocked, so an interrupt during its first
     import prints a traceback: hence not the default. NCCL ranks are always spawned."""
-    if (backend != "gloo" or settings.current().rank_start != "forkserver"
-            or "forkserver" not in mp.get_all_start_methods()):
+    if (
+        backend != "gloo"
+        or settings.current().rank_start != "forkserver"
+        or "forkserver" not in mp.get_all_start_methods()
+    ):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["occult._rank_preload"])  # (no effect once its server runs)
     return ctx
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn, args, results,
-            environ: dict[str, str]) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn, args, results, environ: dict[str, str]
+) -> None:
     # the caller's environment as it is now (a forked rank has its fork server's, from when that started)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
     _thread_lock_for_tqdm()
@@ -180,8 +186,10 @@ def _collect(procs: list, readers: list, timeout_s: float) -> dict[int, tuple[st
             try:
                 outcome[rank] = conn.recv()
             except EOFError:  # the pipe closed without a report: the rank died
-                outcome[rank] = ("error", f"rank {rank} died (exit code {procs[rank].join(5) or procs[rank].exitcode}) "
-                                          "without reporting")
+                outcome[rank] = (
+                    "error",
+                    f"rank {rank} died (exit code {procs[rank].join(5) or procs[rank].exitcode}) without reporting",
+                )
         if time.monotonic() > deadline:
             for r in range(world_size):
                 outcome.setdefault(r, ("error", f"rank {r} did not finish within {timeout_s:.0f} s"))
@@ -222,9 +230,12 @@ def run_ranks(
     # run, made the resource tracker print a leak warning on the terminal)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, coll_timeout, fn, args, pipes[r][1],
-                                          dict(os.environ)),
-                    daemon=True, name=f"occult-rank-{r}")  # the name occult._rank_signals ignores Ctrl-C in
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, backend, coll_timeout, fn, args, pipes[r][1], dict(os.environ)),
+            daemon=True,
+            name=f"occult-rank-{r}",
+        )  # the name occult._rank_signals ignores Ctrl-C in
         for r in range(world_size)
     ]
     wait_s = 5.0

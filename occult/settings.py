@@ -43,8 +43,12 @@ class Settings:
     cache: Path | None = None  # OCCULT_CACHE: where downloaded corpora are kept (None: the XDG cache)
     debug: bool = False  # OCCULT_DEBUG: the command line adds the traceback to a one-line error
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton runs kernels in its CPU interpreter
-    nccl_p2p_disable: bool = False  # NCCL_P2P_DISABLE (NCCL's own): peer-to-peer off, so transport="auto" takes the count exchange
-    rank_start: str = "spawn"  # OCCULT_RANK_START: how run_ranks starts CPU ranks ("forkserver": torch loaded once; the tests)
+    nccl_p2p_disable: bool = (
+        False  # NCCL_P2P_DISABLE (NCCL's own): peer-to-peer off, so transport="auto" takes the count exchange
+    )
+    rank_start: str = (
+        "spawn"  # OCCULT_RANK_START: how run_ranks starts CPU ranks ("forkserver": torch loaded once; the tests)
+    )
 
     @classmethod
     def from_env(cls, env: dict[str, str | None]) -> Settings:
@@ -80,8 +84,10 @@ def _choice(env: dict[str, str | None], name: str, allowed: tuple[str, ...]) -> 
     raw = env.get(name) or ""
     value = raw.strip().lower() or allowed[0]
     if value not in allowed:
-        raise SettingsError(f"{name}={raw!r} is not one of {', '.join(allowed)} (default {allowed[0]}): "
-                            f"set one of those or unset it (docs/settings.md)")
+        raise SettingsError(
+            f"{name}={raw!r} is not one of {', '.join(allowed)} (default {allowed[0]}): "
+            f"set one of those or unset it (docs/settings.md)"
+        )
     return value
 
 

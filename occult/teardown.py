@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-_holders: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_holders: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
 
 

@@ -1,10 +1,10 @@
 """`occult finetune --hf` on 1 and 2 GPUs (scripts/two_gpu_training.sh, issue 38):
 
-    make DIR [tiny]      a random-weights OLMoE-shape model (4 layers, hidden 1024, 64 experts x 512 top-8,
-                         vocabulary 8192) saved with save_pretrained; "tiny": the CLI tests' tiny shape
-    check ROOT OUT.json  steps/s of ROOT/ft1 (1 GPU) and ROOT/ft2 (2 GPUs) from their metrics.json; the
-                         2-GPU model loaded by plain transformers against the same weights converted by
-                         occult (one rank): max relative logit error; and the 1- vs 2-GPU fine-tunes' weights
+make DIR [tiny]      a random-weights OLMoE-shape model (4 layers, hidden 1024, 64 experts x 512 top-8,
+                     vocabulary 8192) saved with save_pretrained; "tiny": the CLI tests' tiny shape
+check ROOT OUT.json  steps/s of ROOT/ft1 (1 GPU) and ROOT/ft2 (2 GPUs) from their metrics.json; the
+                     2-GPU model loaded by plain transformers against the same weights converted by
+                     occult (one rank): max relative logit error; and the 1- vs 2-GPU fine-tunes' weights
 """
 
 from __future__ import annotations
@@ -16,9 +16,17 @@ from typing import Any
 
 import torch
 
-OLMOE_SMALL = dict(num_hidden_layers=4, hidden_size=1024, num_attention_heads=16, num_key_value_heads=16,
-                   intermediate_size=512, num_experts=64, num_experts_per_tok=8, vocab_size=8192,
-                   max_position_embeddings=2048)
+OLMOE_SMALL = dict(
+    num_hidden_layers=4,
+    hidden_size=1024,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    intermediate_size=512,
+    num_experts=64,
+    num_experts_per_tok=8,
+    vocab_size=8192,
+    max_position_embeddings=2048,
+)
 
 
 def make(path: str, tiny: bool) -> None:
@@ -32,8 +40,12 @@ def make(path: str, tiny: bool) -> None:
 def steps_per_s(run: Path) -> dict[str, Any]:
     m = json.loads((run / "metrics.json").read_text())
     tokens = m["config"]["batch_size"] * m["config"]["seq_len"]
-    return {"world_size": m["world_size"], "tokens_per_s": m["tokens_per_s"], "steps_per_s": m["tokens_per_s"] / tokens,
-            "losses": m["losses"]}
+    return {
+        "world_size": m["world_size"],
+        "tokens_per_s": m["tokens_per_s"],
+        "steps_per_s": m["tokens_per_s"] / tokens,
+        "losses": m["losses"],
+    }
 
 
 def logit_error(model_dir: Path) -> dict[str, Any]:
@@ -44,14 +56,22 @@ def logit_error(model_dir: Path) -> dict[str, Any]:
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
-    occ = hf.convert(transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval(),
-                     group=None, dispatcher="dedup")
+    occ = hf.convert(
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval(),
+        group=None,
+        dispatcher="dedup",
+    )
     ids_BS = torch.randint(0, plain.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0)).to(dev)
     with torch.no_grad():
         ref_BSV, got_BSV = plain(ids_BS).logits.float(), occ(ids_BS).logits.float()
     rel_BS = (got_BSV - ref_BSV).norm(dim=-1) / ref_BSV.norm(dim=-1)
-    return {"logits_max_rel_err": rel_BS.max().item(), "logits_median_rel_err": rel_BS.median().item(),
-            "tokens": ids_BS.numel(), "precision": "fp32", "device": str(dev)}
+    return {
+        "logits_max_rel_err": rel_BS.max().item(),
+        "logits_median_rel_err": rel_BS.median().item(),
+        "tokens": ids_BS.numel(),
+        "precision": "fp32",
+        "device": str(dev),
+    }
 
 
 def weight_diff(a_dir: Path, b_dir: Path) -> float:
@@ -67,15 +87,21 @@ def weight_diff(a_dir: Path, b_dir: Path) -> float:
     a, b = tensors(a_dir), tensors(b_dir)
     if a.keys() != b.keys():
         raise ValueError(f"{a_dir} and {b_dir} hold different tensors")
-    return max(((a[k].float() - b[k].float()).abs().max() / a[k].float().abs().max().clamp_min(1e-30)).item() for k in a)
+    return max(
+        ((a[k].float() - b[k].float()).abs().max() / a[k].float().abs().max().clamp_min(1e-30)).item() for k in a
+    )
 
 
 def check(root: Path, dest: Path) -> None:
     one, two = steps_per_s(root / "ft1"), steps_per_s(root / "ft2")
-    doc = {"one_gpu": one, "two_gpus": two, "speedup_steps_per_s": two["steps_per_s"] / one["steps_per_s"],
-           "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(two["losses"], one["losses"])),
-           "saved_weights_max_rel_diff_1_vs_2": weight_diff(root / "ft1" / "model", root / "ft2" / "model"),
-           "plain_transformers_vs_occult": logit_error(root / "ft2" / "model")}
+    doc = {
+        "one_gpu": one,
+        "two_gpus": two,
+        "speedup_steps_per_s": two["steps_per_s"] / one["steps_per_s"],
+        "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(two["losses"], one["losses"])),
+        "saved_weights_max_rel_diff_1_vs_2": weight_diff(root / "ft1" / "model", root / "ft2" / "model"),
+        "plain_transformers_vs_occult": logit_error(root / "ft2" / "model"),
+    }
     dest.write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps({k: v for k, v in doc.items() if k not in ("one_gpu", "two_gpus")}, indent=1))
     print(f"wrote {dest}")

@@ -65,10 +65,20 @@ def summarise_run(run_dir: Path, link: str, variant: str, gpus: int, peak: dict 
     meta = read_meta(run_dir / "model.safetensors")
     cfg, tcfg = json.loads(meta["model_config"]), json.loads(meta["train_config"])
     tps = metrics[-1]["train_tokens_per_s"]
-    r = {"link": link, "variant": variant, "gpus": gpus, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / gpus,
-         "tokens_per_s_first_window": metrics[0].get("train_tokens_per_s"), "val_loss": metrics[-1]["val_loss"],
-         "flops_per_token": flops_per_token(cfg, tcfg["seq_len"]), "losses": json.loads(meta["train_losses"]),
-         "batch_size": tcfg["batch_size"], "seq_len": tcfg["seq_len"], "steps": tcfg["steps"]}
+    r = {
+        "link": link,
+        "variant": variant,
+        "gpus": gpus,
+        "tokens_per_s": tps,
+        "tokens_per_s_per_gpu": tps / gpus,
+        "tokens_per_s_first_window": metrics[0].get("train_tokens_per_s"),
+        "val_loss": metrics[-1]["val_loss"],
+        "flops_per_token": flops_per_token(cfg, tcfg["seq_len"]),
+        "losses": json.loads(meta["train_losses"]),
+        "batch_size": tcfg["batch_size"],
+        "seq_len": tcfg["seq_len"],
+        "steps": tcfg["steps"],
+    }
     if peak:
         r["mfu"] = r["flops_per_token"] * r["tokens_per_s_per_gpu"] / (peak["tflops"] * 1e12)
     return r
@@ -92,18 +102,26 @@ def link_report(out: Path, link: str) -> dict[str, Any]:
         if r["link"] == link or (r["variant"] == "1gpu" and link != "nvlink"):
             runs[r["variant"]] = r
     skipped = (out / "skipped.txt").read_text().split("\n") if (out / "skipped.txt").exists() else []
-    ratios = {"dedup_over_floor_per_gpu": ratio(runs, "dedup_ddp", "floor", "tokens_per_s_per_gpu"),
-              "dedup_over_standard": ratio(runs, "dedup_ddp", "standard_ddp", "tokens_per_s"),
-              "dedup_fsdp_over_standard_fsdp": ratio(runs, "dedup_fsdp", "standard_fsdp", "tokens_per_s"),
-              "two_gpu_dedup_over_one_gpu_job": ratio(runs, "dedup_ddp", "1gpu", "tokens_per_s"),
-              "two_gpu_floor_over_one_gpu_job": ratio(runs, "floor", "1gpu", "tokens_per_s")}
+    ratios = {
+        "dedup_over_floor_per_gpu": ratio(runs, "dedup_ddp", "floor", "tokens_per_s_per_gpu"),
+        "dedup_over_standard": ratio(runs, "dedup_ddp", "standard_ddp", "tokens_per_s"),
+        "dedup_fsdp_over_standard_fsdp": ratio(runs, "dedup_fsdp", "standard_fsdp", "tokens_per_s"),
+        "two_gpu_dedup_over_one_gpu_job": ratio(runs, "dedup_ddp", "1gpu", "tokens_per_s"),
+        "two_gpu_floor_over_one_gpu_job": ratio(runs, "floor", "1gpu", "tokens_per_s"),
+    }
     # the loss reference: the floor trains on the same global batch as the EP runs; the 1-GPU run on half
     # of it (8 sequences per GPU everywhere), so its losses differ from the first step on
     ref = "floor" if "floor" in runs else "1gpu"
     peak_p = out / "peak.json"
-    return {"link": link, "peak": json.loads(peak_p.read_text()) if peak_p.exists() else None, "variants": runs,
-            "ratios": ratios, "loss_max_rel_diff_vs": ref, "loss_max_rel_diff": loss_agreement(runs, ref) if runs else {},
-            "skipped": [s.split()[1] for s in skipped if s.startswith(link + " ")]}
+    return {
+        "link": link,
+        "peak": json.loads(peak_p.read_text()) if peak_p.exists() else None,
+        "variants": runs,
+        "ratios": ratios,
+        "loss_max_rel_diff_vs": ref,
+        "loss_max_rel_diff": loss_agreement(runs, ref) if runs else {},
+        "skipped": [s.split()[1] for s in skipped if s.startswith(link + " ")],
+    }
 
 
 def measures(run_dir: Path) -> list[dict]:
@@ -114,8 +132,11 @@ def measures(run_dir: Path) -> list[dict]:
 def window_rate(events: list[dict], tokens: int, lo: int, hi: int) -> float | None:
     """Median tokens/s over the measurement windows with lo < step <= hi (evaluation windows included)."""
     m = [e for e in events if e["event"] == "measure"]
-    rates = sorted((b["step"] - a["step"]) * tokens / (b["time"] - a["time"]) for a, b in zip(m, m[1:])
-                   if lo < a["step"] and b["step"] <= hi and b["time"] > a["time"])
+    rates = sorted(
+        (b["step"] - a["step"]) * tokens / (b["time"] - a["time"])
+        for a, b in zip(m, m[1:])
+        if lo < a["step"] and b["step"] <= hi and b["time"] > a["time"]
+    )
     return rates[len(rates) // 2] if rates else None
 
 
@@ -130,24 +151,33 @@ def replace_report(off: Path, every: Path) -> dict[str, Any]:
     first = migs[0]["step"] if migs else len(l_on)
     rel = [abs(a - b) / abs(b) for a, b in zip(l_on, l_off)]
     ct = [(e["step"], e["mean_ct"]) for e in events if e["event"] == "measure"]
-    report = {"steps": tcfg["steps"], "replace_every": tcfg.get("replace_every"), "tokens_per_step": tokens,
-              "migrations": [{k: m[k] for k in ("step", "old_ct", "new_ct", "experts_moved", "bytes_sent", "migrate_s")}
-                             for m in migs],
-              "ct_first_window": ct[0][1] if ct else None, "ct_last_window": ct[-1][1] if ct else None,
-              "ct_before_first_migration": next((v for s, v in reversed(ct) if s <= first), None),
-              "ct_after_first_migration": next((v for s, v in ct if s > first), None) if migs else None,
-              "tokens_per_s_before": window_rate(events, tokens, 0, first),
-              "tokens_per_s_after": window_rate(events, tokens, first, tcfg["steps"]) if migs else None,
-              "loss_max_rel_diff_before_first_migration": max(rel[:first], default=None),
-              "loss_max_rel_diff_after": max(rel[first:], default=None),
-              "loss_max_rel_diff_first_10_steps": max(rel[:min(first, 10)], default=None),
-              # bit-equal on CPU; on GPUs two runs of the same seed differ in the last bits (atomic adds in the
-              # backward), and the difference grows over the steps: read the first 10 steps' figure there
-              "losses_equal_before_first_migration": rel[:first] == [0.0] * first,
-              "losses_off": l_off, "losses_every": l_on}
+    report = {
+        "steps": tcfg["steps"],
+        "replace_every": tcfg.get("replace_every"),
+        "tokens_per_step": tokens,
+        "migrations": [
+            {k: m[k] for k in ("step", "old_ct", "new_ct", "experts_moved", "bytes_sent", "migrate_s")} for m in migs
+        ],
+        "ct_first_window": ct[0][1] if ct else None,
+        "ct_last_window": ct[-1][1] if ct else None,
+        "ct_before_first_migration": next((v for s, v in reversed(ct) if s <= first), None),
+        "ct_after_first_migration": next((v for s, v in ct if s > first), None) if migs else None,
+        "tokens_per_s_before": window_rate(events, tokens, 0, first),
+        "tokens_per_s_after": window_rate(events, tokens, first, tcfg["steps"]) if migs else None,
+        "loss_max_rel_diff_before_first_migration": max(rel[:first], default=None),
+        "loss_max_rel_diff_after": max(rel[first:], default=None),
+        "loss_max_rel_diff_first_10_steps": max(rel[: min(first, 10)], default=None),
+        # bit-equal on CPU; on GPUs two runs of the same seed differ in the last bits (atomic adds in the
+        # backward), and the difference grows over the steps: read the first 10 steps' figure there
+        "losses_equal_before_first_migration": rel[:first] == [0.0] * first,
+        "losses_off": l_off,
+        "losses_every": l_on,
+    }
     if migs and report["tokens_per_s_before"]:
         step_s = tokens / report["tokens_per_s_before"]
-        report["migration_share_of_training"] = max(m["migrate_s"] for m in migs) / (step_s * (tcfg.get("replace_every") or 1))
+        report["migration_share_of_training"] = max(m["migrate_s"] for m in migs) / (
+            step_s * (tcfg.get("replace_every") or 1)
+        )
     return report
 
 

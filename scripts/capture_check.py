@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("capture_check: error: needs a CUDA GPU (CUDA graphs are a GPU feature); none is visible here",
-              file=sys.stderr)
+        print(
+            "capture_check: error: needs a CUDA GPU (CUDA graphs are a GPU feature); none is visible here",
+            file=sys.stderr,
+        )
         return 2
     from occult import OccultMoE, set_sync_free
     from occult.integrations import hf
@@ -70,8 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     capture("transformers OLMoE, converted, sync-free", lambda i: model(input_ids=i, use_cache=False).logits, ids)
     pos = torch.zeros_like(ids)
     cache_pos = torch.zeros(1, dtype=torch.long, device=dev)
-    capture("converted, explicit position ids and cache position",
-            lambda i: model(input_ids=i, position_ids=pos, cache_position=cache_pos, use_cache=False).logits, ids)
+    capture(
+        "converted, explicit position ids and cache position",
+        lambda i: model(input_ids=i, position_ids=pos, cache_position=cache_pos, use_cache=False).logits,
+        ids,
+    )
     return 0
 
 

@@ -49,8 +49,9 @@ def main() -> None:
     rows = []
     for dispatcher in ("standard", "dedup"):
         torch.manual_seed(0)
-        layer = OccultMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, dispatcher=dispatcher,
-                          dtype=torch.bfloat16, device=dev)
+        layer = OccultMoE(
+            shape.hidden, shape.ffn, shape.experts, shape.top_k, dispatcher=dispatcher, dtype=torch.bfloat16, device=dev
+        )
         with torch.no_grad():
             ref = layer(xs[0])
         state = {"i": 0}
@@ -60,12 +61,14 @@ def main() -> None:
                 state["i"] += 1
                 with torch.no_grad():
                     model(xs[state["i"] % 3])
+
             return run
 
         def step(model):
             def run():
                 state["i"] += 1
                 model(xs[state["i"] % 3].requires_grad_(False)).backward(g)
+
             return run
 
         for mode in ("eager", "plan compiled", "layer compiled"):

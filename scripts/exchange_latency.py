@@ -22,7 +22,7 @@ import argparse
 import json
 import statistics
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8,64", help="rows each rank sends to each rank, comma list (default 1,8,64)")
     p.add_argument("--hidden", type=int, default=2048, help="bf16 values per row (default 2048, OLMoE)")
-    p.add_argument("--exchanges", type=int, default=32, help="exchanges per timed batch; even (default 32: a decode "
-                                                             "step of 16 MoE layers)")
+    p.add_argument(
+        "--exchanges",
+        type=int,
+        default=32,
+        help="exchanges per timed batch; even (default 32: a decode step of 16 MoE layers)",
+    )
     p.add_argument("--iters", type=int, default=50, help="timed batches (default 50)")
     p.add_argument("--out", default=None, help="JSON file for every number (rank 0)")
     args = p.parse_args(argv)
@@ -45,8 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--rows must be a comma list of integers, got {args.rows!r}")
     if min(args.rows) < 1 or args.hidden < 1 or args.iters < 1 or args.exchanges < 2 or args.exchanges % 2:
-        p.error("--rows, --hidden and --iters must be >= 1, --exchanges an even number >= 2 (the transport's two "
-                "buffer sets alternate)")
+        p.error(
+            "--rows, --hidden and --iters must be >= 1, --exchanges an even number >= 2 (the transport's two "
+            "buffer sets alternate)"
+        )
     return args
 
 
@@ -95,7 +101,9 @@ def check_device(transport: symm.DeviceTransport, src_NW: torch.Tensor, counts_D
     return bool(flag.item())
 
 
-def send_rows(num_ranks: int, rank: int, rows: int, hidden: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def send_rows(
+    num_ranks: int, rank: int, rows: int, hidden: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(byte rows [D * rows, W]: the block for rank d filled with (rank * D + d) % 251, counts [D])."""
     width = symm.row_bytes(2 * hidden)
     src_NW = torch.empty((num_ranks * rows, width), dtype=torch.uint8, device=device)
@@ -109,8 +117,12 @@ def measure(rows: int, args: argparse.Namespace, transport: symm.DeviceTransport
     src_NW, counts_D = send_rows(D, rank, rows, args.hidden, device)
     width = src_NW.shape[1]
     transport.reserve(D * rows * width)
-    row = {"rows_per_rank": rows, "bytes_per_rank": D * rows * width, "remote_bytes_per_rank": (D - 1) * rows * width,
-           "checked": check_device(transport, src_NW, counts_D, rows)}
+    row = {
+        "rows_per_rank": rows,
+        "bytes_per_rank": D * rows * width,
+        "remote_bytes_per_rank": (D - 1) * rows * width,
+        "checked": check_device(transport, src_NW, counts_D, rows),
+    }
     n = args.exchanges
 
     def device_batch() -> None:
@@ -150,20 +162,37 @@ def main(argv: list[str] | None = None) -> int:
         transport = symm.choose_transport("device", dist.group.WORLD)
         rows = [measure(r, args, transport) for r in args.rows]
         if rank == 0:
-            print(f"\n{world} x {torch.cuda.get_device_name(0)}, {args.hidden} bf16 per row, {args.exchanges} exchanges "
-                  "per batch; us per exchange (median)\n")
-            print("| rows per rank pair | bytes per rank | checked | device graph | device eager | NCCL graph | NCCL eager "
-                  "| device graph GB/s | NCCL graph GB/s |")
+            print(
+                f"\n{world} x {torch.cuda.get_device_name(0)}, {args.hidden} bf16 per row, {args.exchanges} exchanges "
+                "per batch; us per exchange (median)\n"
+            )
+            print(
+                "| rows per rank pair | bytes per rank | checked | device graph | device eager | NCCL graph | NCCL eager "
+                "| device graph GB/s | NCCL graph GB/s |"
+            )
             print("|---|---|---|---|---|---|---|---|---|")
             for r in rows:
-                cells = [f"{r[k]:.1f}" if k in r else "error" for k in
-                         ("device_graph_us", "device_eager_us", "nccl_graph_us", "nccl_eager_us", "device_graph_gb_s",
-                          "nccl_graph_gb_s")]
-                print(f"| {r['rows_per_rank']} | {r['bytes_per_rank']:,} | {r['checked']} | " + " | ".join(cells) + " |")
+                cells = [
+                    f"{r[k]:.1f}" if k in r else "error"
+                    for k in (
+                        "device_graph_us",
+                        "device_eager_us",
+                        "nccl_graph_us",
+                        "nccl_eager_us",
+                        "device_graph_gb_s",
+                        "nccl_graph_gb_s",
+                    )
+                ]
+                print(
+                    f"| {r['rows_per_rank']} | {r['bytes_per_rank']:,} | {r['checked']} | " + " | ".join(cells) + " |"
+                )
             if args.out:
                 with open(args.out, "w") as f:
-                    json.dump({"world": world, "device": torch.cuda.get_device_name(0), "args": vars(args), "rows": rows},
-                              f, indent=1)
+                    json.dump(
+                        {"world": world, "device": torch.cuda.get_device_name(0), "args": vars(args), "rows": rows},
+                        f,
+                        indent=1,
+                    )
         ok = all(r["checked"] for r in rows)
         return 0 if ok else 1
     finally:

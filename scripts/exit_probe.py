@@ -28,27 +28,33 @@ def say(rank: int, t0: float, what: str) -> None:
     print(f"[rank {rank} {time.perf_counter() - t0:7.1f} s] {what}", flush=True)
 
 
-def _release_decoder(model: "torch.nn.Module") -> None:
+def _release_decoder(model: torch.nn.Module) -> None:
     if hasattr(model, "_occult_decoder"):
         model._occult_decoder[1].release()
         del model._occult_decoder
     import gc
+
     gc.collect()
     torch.cuda.synchronize()
 
 
-def _dynamo_reset(model: "torch.nn.Module") -> None:
+def _dynamo_reset(model: torch.nn.Module) -> None:
     torch._dynamo.reset()
 
 
-def _workers_shutdown(model: "torch.nn.Module") -> None:
+def _workers_shutdown(model: torch.nn.Module) -> None:
     from torch._inductor.async_compile import shutdown_compile_workers
+
     shutdown_compile_workers()
 
 
-BEFORE = {"nothing": lambda model: None, "release": _release_decoder, "dynamo-reset": _dynamo_reset,
-          "workers-shutdown": _workers_shutdown,
-          "all": lambda model: (_release_decoder(model), _dynamo_reset(model), _workers_shutdown(model))}
+BEFORE = {
+    "nothing": lambda model: None,
+    "release": _release_decoder,
+    "dynamo-reset": _dynamo_reset,
+    "workers-shutdown": _workers_shutdown,
+    "all": lambda model: (_release_decoder(model), _dynamo_reset(model), _workers_shutdown(model)),
+}
 
 
 def main() -> None:
@@ -62,21 +68,43 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-graph", action="store_true", help="generate eagerly (cuda_graph=False)")
-    parser.add_argument("--teardown", choices=["destroy", "finish"], default="destroy",
-                        help="dist.destroy_process_group() as the issue's run, or occult's finish_distributed")
-    parser.add_argument("--before", choices=sorted(BEFORE), default="nothing",
-                        help="what runs just before the teardown (which one lets it end names the cause)")
-    parser.add_argument("--transport", choices=["auto", "device", "counts"], default="auto",
-                        help="the layers' transport: 'counts' decodes sync-free over NCCL, so the decode graph "
-                             "holds captured NCCL collectives (the hang's configuration; 'auto' is the device "
-                             "transport on NVLink, whose graph holds none)")
+    parser.add_argument(
+        "--teardown",
+        choices=["destroy", "finish"],
+        default="destroy",
+        help="dist.destroy_process_group() as the issue's run, or occult's finish_distributed",
+    )
+    parser.add_argument(
+        "--before",
+        choices=sorted(BEFORE),
+        default="nothing",
+        help="what runs just before the teardown (which one lets it end names the cause)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=["auto", "device", "counts"],
+        default="auto",
+        help="the layers' transport: 'counts' decodes sync-free over NCCL, so the decode graph "
+        "holds captured NCCL collectives (the hang's configuration; 'auto' is the device "
+        "transport on NVLink, whose graph holds none)",
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
     rank, _ = init_distributed()
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = OlmoeConfig(hidden_size=1024, intermediate_size=512, num_hidden_layers=args.layers, num_attention_heads=8,
-                      num_key_value_heads=8, num_experts=64, num_experts_per_tok=8, vocab_size=32000,
-                      max_position_embeddings=1024, eos_token_id=None, pad_token_id=0)
+    cfg = OlmoeConfig(
+        hidden_size=1024,
+        intermediate_size=512,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_experts=64,
+        num_experts_per_tok=8,
+        vocab_size=32000,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     with torch.device(dev):
         model = OlmoeForCausalLM(cfg).to(torch.bfloat16).eval()

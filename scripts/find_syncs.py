@@ -28,10 +28,15 @@ def syncs_in(fn) -> collections.Counter:
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return original(message, category, filename, lineno, file, line)
-        frames = [f for f in traceback.extract_stack()[:-1] if ("occult" in f.filename or "transformers" in f.filename)
-                  and "find_syncs" not in f.filename]
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if ("occult" in f.filename or "transformers" in f.filename) and "find_syncs" not in f.filename
+        ]
         where = frames[-1] if frames else None
-        sites[f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.name}: {where.line}" if where else "?"] += 1
+        sites[
+            f"{where.filename.split('site-packages/')[-1]}:{where.lineno} {where.name}: {where.line}" if where else "?"
+        ] += 1
 
     torch.cuda.synchronize()
     warnings.showwarning = record
@@ -56,8 +61,9 @@ def main() -> None:
     report = {}
     for dispatcher in ("standard", "dedup"):
         for sync_free in (False, True):
-            layer = OccultMoE(256, 128, 16, 4, dispatcher=dispatcher, sync_free=sync_free,
-                              dtype=torch.bfloat16, device=dev)
+            layer = OccultMoE(
+                256, 128, 16, 4, dispatcher=dispatcher, sync_free=sync_free, dtype=torch.bfloat16, device=dev
+            )
             x = torch.randn(512, 256, device=dev, dtype=torch.bfloat16)
             layer(x)  # warm-up (Triton compiles)
             layer(x.requires_grad_()).float().sum().backward()

@@ -40,8 +40,10 @@ def main() -> None:
     args = ap.parse_args()
     trace = make()
     write_trace(args.out, trace)
-    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB): {trace.num_layers} layers x "
-          f"{trace.num_tokens[0]} tokens, {trace.num_experts} experts, top-{trace.top_k}")
+    print(
+        f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB): {trace.num_layers} layers x "
+        f"{trace.num_tokens[0]} tokens, {trace.num_experts} experts, top-{trace.top_k}"
+    )
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ def profile_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
+
         def fn():
             layer(x)
 
@@ -61,8 +62,9 @@ def profile_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
     ops = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
     row["top_host_ops"] = [(a.key, round(a.self_cpu_time_total / 1e3 / iters, 3), a.count // iters) for a in ops]
     gpu = sorted(prof.key_averages(), key=lambda a: getattr(a, "self_device_time_total", 0), reverse=True)[:8]
-    row["top_kernels"] = [(a.key[:90], round(getattr(a, "self_device_time_total", 0) / 1e3 / iters, 3), a.count // iters)
-                          for a in gpu]
+    row["top_kernels"] = [
+        (a.key[:90], round(getattr(a, "self_device_time_total", 0) / 1e3 / iters, 3), a.count // iters) for a in gpu
+    ]
     return row
 
 
@@ -70,9 +72,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
     parser.add_argument("--tokens", default="512,8192", help="comma list of tokens per rank (default 512,8192)")
-    parser.add_argument("--transports", default="device,counts",
-                        help="comma list of device, counts, device+graphs (the device transport with "
-                             "ExecConfig(graphs=True): forwards replayed from the layer's CUDA graphs) (default device,counts)")
+    parser.add_argument(
+        "--transports",
+        default="device,counts",
+        help="comma list of device, counts, device+graphs (the device transport with "
+        "ExecConfig(graphs=True): forwards replayed from the layer's CUDA graphs) (default device,counts)",
+    )
     parser.add_argument("--dispatcher", default="dedup", help="standard or dedup (default dedup)")
     parser.add_argument("--iters", type=int, default=20, help="calls per measurement (default 20)")
     parser.add_argument("--out", default=None, help="JSON file for every row (default: none)")
@@ -85,23 +90,38 @@ def main() -> None:
         for choice in args.transports.split(","):
             transport, _, graphs = choice.partition("+")
             torch.manual_seed(0)
-            layer = OccultMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, dtype=torch.bfloat16,
-                              dispatcher=args.dispatcher, transport=transport, graphs=graphs == "graphs", device="cuda")
+            layer = OccultMoE(
+                shape.hidden,
+                shape.ffn,
+                shape.experts,
+                shape.top_k,
+                dtype=torch.bfloat16,
+                dispatcher=args.dispatcher,
+                transport=transport,
+                graphs=graphs == "graphs",
+                device="cuda",
+            )
             for tokens in (int(t) for t in args.tokens.split(",")):
                 x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device="cuda")
                 row = {"transport": choice, "tokens": tokens, **profile_row(layer, x, args.iters)}
                 rows.append(row)
                 if rank == 0:
-                    print(f"{row['transport']:<14}{tokens:>6}  wall {row['wall_ms']:.2f} ms  host {row['host_ms']:.2f} ms  "
-                          f"gpu busy {row['gpu_busy_ms']:.2f} ms", flush=True)
+                    print(
+                        f"{row['transport']:<14}{tokens:>6}  wall {row['wall_ms']:.2f} ms  host {row['host_ms']:.2f} ms  "
+                        f"gpu busy {row['gpu_busy_ms']:.2f} ms",
+                        flush=True,
+                    )
                     for key, ms, count in row["top_host_ops"]:
                         print(f"      host {ms:8.3f} ms  x{count:<4} {key}", flush=True)
                     for key, ms, count in row["top_kernels"]:
                         print(f"      gpu  {ms:8.3f} ms  x{count:<4} {key}", flush=True)
         if rank == 0 and args.out:
             with open(args.out, "w") as f:
-                json.dump({"world": world, "shape": args.shape, "device": torch.cuda.get_device_name(0), "rows": rows}, f,
-                          indent=1)
+                json.dump(
+                    {"world": world, "shape": args.shape, "device": torch.cuda.get_device_name(0), "rows": rows},
+                    f,
+                    indent=1,
+                )
         ok = True
     finally:
         finish_distributed(ok)

@@ -54,16 +54,24 @@ def profile_variant(name: str, layer: OccultMoE, xs: list[torch.Tensor], iters: 
     busy_us = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / iters
     # the largest idle gaps of the GPU inside one forward (the last profiled), kernel before -> after
     last = sorted(kernels, key=lambda e: e.time_range.start)[-len(kernels) // iters :]
-    gaps = sorted(((b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(last, last[1:])), reverse=True)[:8]
+    gaps = sorted(
+        ((b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(last, last[1:])), reverse=True
+    )[:8]
     per_kernel: dict[str, float] = {}
     for e in kernels:
         per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.time_range.elapsed_us() / iters
     if out:
         prof.export_chrome_trace(os.path.join(out, f"trace_{name}.json"))
     wall = statistics.median(times)
-    return {"variant": name, "wall_ms": wall, "gpu_busy_ms": busy_us / 1e3, "idle_ms": wall - busy_us / 1e3,
-            "kernels_per_forward": len(kernels) / iters,
-            "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12], "gaps": gaps}
+    return {
+        "variant": name,
+        "wall_ms": wall,
+        "gpu_busy_ms": busy_us / 1e3,
+        "idle_ms": wall - busy_us / 1e3,
+        "kernels_per_forward": len(kernels) / iters,
+        "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12],
+        "gaps": gaps,
+    }
 
 
 def main() -> None:
@@ -83,8 +91,9 @@ def main() -> None:
     rows = []
     for dispatcher in ("standard", "dedup"):
         torch.manual_seed(0)
-        layer = OccultMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, dispatcher=dispatcher,
-                          dtype=torch.bfloat16, device=dev)
+        layer = OccultMoE(
+            shape.hidden, shape.ffn, shape.experts, shape.top_k, dispatcher=dispatcher, dtype=torch.bfloat16, device=dev
+        )
         rows.append(profile_variant(dispatcher, layer, xs, args.iters, args.out))
         del layer
     for r in rows:
@@ -96,7 +105,9 @@ def main() -> None:
             print(f"  {gap:9.1f}  {a[:50]} -> {b[:50]}")
     print(f"\n{'variant':<14}{'wall ms':>9}{'GPU busy':>10}{'idle':>8}{'kernels':>9}")
     for r in rows:
-        print(f"{r['variant']:<14}{r['wall_ms']:>9.3f}{r['gpu_busy_ms']:>10.3f}{r['idle_ms']:>8.3f}{r['kernels_per_forward']:>9.0f}")
+        print(
+            f"{r['variant']:<14}{r['wall_ms']:>9.3f}{r['gpu_busy_ms']:>10.3f}{r['idle_ms']:>8.3f}{r['kernels_per_forward']:>9.0f}"
+        )
 
 
 if __name__ == "__main__":

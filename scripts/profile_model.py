@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import e2e  # noqa: E402  (benchmarks/e2e.py: the model and its conversion)
 from _timing import time_steps  # noqa: E402  (benchmarks/_timing.py: CUDA-event step times)
 from profile_layer import union_us  # noqa: E402  (scripts/profile_layer.py: busy time of kernel intervals)
+
 from occult import set_sync_free  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -75,17 +76,23 @@ def profile_steps(step, steps: int) -> dict:
         f[1] += n
     wall = statistics.median(times)
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:40]
-    return {"wall_ms": wall, "busy_ms": busy, "idle_ms": wall - busy, "kernels": len(kernels) / steps,
-            "families": {k: {"ms": v[0] / 1e3, "count": v[1]} for k, v in fams.items()},
-            "top": [{"name": n[:160], "us": v[0], "count": v[1]} for n, v in top]}
+    return {
+        "wall_ms": wall,
+        "busy_ms": busy,
+        "idle_ms": wall - busy,
+        "kernels": len(kernels) / steps,
+        "families": {k: {"ms": v[0] / 1e3, "count": v[1]} for k, v in fams.items()},
+        "top": [{"name": n[:160], "us": v[0], "count": v[1]} for n, v in top],
+    }
 
 
 def phase_step(model, phase: str, args, device):
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     if phase in ("prefill", "train"):
-        full = e2e.make_step(model, phase, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-                             if phase == "train" else None)
+        full = e2e.make_step(
+            model, phase, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if phase == "train" else None
+        )
         return lambda: full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
     model.eval()
     B = args.decode_batch
@@ -100,6 +107,7 @@ def phase_step(model, phase: str, args, device):
         if decoder.free_slots < 2:
             decoder.prefill(ids, torch.ones_like(ids))
         decoder.step(next_B)
+
     return step
 
 
@@ -131,8 +139,11 @@ def main() -> None:
             if variant == "occult":
                 set_sync_free(model, phase == "decode")
             results[f"{variant}/{phase}"] = r = profile_steps(phase_step(model, phase, args, device), args.steps)
-            print(f"{variant}/{phase}: wall {r['wall_ms']:.2f} ms, busy {r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, "
-                  f"kernels {r['kernels']:.0f}", flush=True)
+            print(
+                f"{variant}/{phase}: wall {r['wall_ms']:.2f} ms, busy {r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, "
+                f"kernels {r['kernels']:.0f}",
+                flush=True,
+            )
             for t in r["top"][:12]:
                 print(f"   {t['us']:9.1f} us {t['count']:6.0f}x  {t['name'][:100]}")
         del model
@@ -145,9 +156,14 @@ def main() -> None:
     fams = sorted({f for r in results.values() for f in r["families"]})
     print(f"{'run':<18}{'wall':>8}{'busy':>8}{'idle':>8}{'kernels':>8}  " + "  ".join(f"{f:>22}" for f in fams))
     for name, r in results.items():
-        cells = [f"{r['families'].get(f, {}).get('ms', 0):8.2f}/{r['families'].get(f, {}).get('count', 0):<6.0f}" for f in fams]
-        print(f"{name:<18}{r['wall_ms']:>8.2f}{r['busy_ms']:>8.2f}{r['idle_ms']:>8.2f}{r['kernels']:>8.0f}  "
-              + "  ".join(f"{c:>22}" for c in cells))
+        cells = [
+            f"{r['families'].get(f, {}).get('ms', 0):8.2f}/{r['families'].get(f, {}).get('count', 0):<6.0f}"
+            for f in fams
+        ]
+        print(
+            f"{name:<18}{r['wall_ms']:>8.2f}{r['busy_ms']:>8.2f}{r['idle_ms']:>8.2f}{r['kernels']:>8.0f}  "
+            + "  ".join(f"{c:>22}" for c in cells)
+        )
 
 
 if __name__ == "__main__":

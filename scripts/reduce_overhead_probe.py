@@ -61,9 +61,11 @@ def probe(module, xs: list[torch.Tensor], static_x: torch.Tensor) -> dict:
     with torch.no_grad():
         ref = [module(x).clone() for x in xs[:4]]
         rows["eager"] = {"runs": True, "max_rel_err": 0.0, "ms": median_ms(module, xs)}
-        for name, make in (("compile", lambda: torch.compile(module)),
-                           ("compile reduce-overhead", lambda: torch.compile(module, mode="reduce-overhead")),
-                           ("cuda graph (by hand)", lambda: graphed(module, static_x))):
+        for name, make in (
+            ("compile", lambda: torch.compile(module)),
+            ("compile reduce-overhead", lambda: torch.compile(module, mode="reduce-overhead")),
+            ("cuda graph (by hand)", lambda: graphed(module, static_x)),
+        ):
             row: dict = {"runs": False}
             try:
                 torch._dynamo.reset()
@@ -89,8 +91,10 @@ def print_table(title: str, rows: dict) -> None:
     print("| mode | runs | graph breaks | max rel err vs eager | ms median |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['runs']} | {r.get('graph_breaks', '-')} | {r.get('max_rel_err', float('nan')):.1e} | "
-              f"{r.get('ms', float('nan')):.3f} |" + (f" {r['error'][:120]}" if "error" in r else ""))
+        print(
+            f"| {name} | {r['runs']} | {r.get('graph_breaks', '-')} | {r.get('max_rel_err', float('nan')):.1e} | "
+            f"{r.get('ms', float('nan')):.3f} |" + (f" {r['error'][:120]}" if "error" in r else "")
+        )
 
 
 def model_step(layers: int, tokens: int, iters: int) -> tuple:
@@ -155,8 +159,10 @@ def main() -> None:
         step, ids = model_step(args.model_layers, args.tokens, args.iters)
         report["model"] = probe(step, ids, ids[0].clone())
         if rank == 0:
-            print_table(f"decode step of a converted OLMoE-shape model, {args.model_layers} layers, sync-free, {head}",
-                        report["model"])
+            print_table(
+                f"decode step of a converted OLMoE-shape model, {args.model_layers} layers, sync-free, {head}",
+                report["model"],
+            )
     if args.out and rank == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

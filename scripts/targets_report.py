@@ -25,15 +25,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_report import TARGETS as TRAIN_TARGETS  # noqa: E402  (scripts/train_report.py: issue 38's ratios)
 
-WHOLE_MODEL = {("nvlink", "prefill"): 1.05, ("nvlink", "train"): 1.03, ("slow", "prefill"): 1.30, ("slow", "train"): 1.12}
-TORCHTITAN = {("nvlink", "prefill"): 3.0, ("nvlink", "train"): 1.8,  # TorchTitan / best dedup, Qwen3: at least
-              ("slow", "prefill"): 3.5, ("slow", "train"): 2.2}
+WHOLE_MODEL = {
+    ("nvlink", "prefill"): 1.05,
+    ("nvlink", "train"): 1.03,
+    ("slow", "prefill"): 1.30,
+    ("slow", "train"): 1.12,
+}
+TORCHTITAN = {
+    ("nvlink", "prefill"): 3.0,
+    ("nvlink", "train"): 1.8,  # TorchTitan / best dedup, Qwen3: at least
+    ("slow", "prefill"): 3.5,
+    ("slow", "train"): 2.2,
+}
 TT_OVER_TT_OCCULT = {"nvlink": 1.2, "slow": 2.0}  # TorchTitan / TorchTitan + occult's dispatcher: at least
 LAYER_FORWARD, HOST_MS, HOST_TOKENS = 1.15, 0.3, 512
 DECODE = {("nvlink", 1): 1.35, ("nvlink", 64): 1.12, ("slow", 1): 1.8}  # EP step / floor step: at most
@@ -119,17 +129,35 @@ def e2e_rows(name: str, doc: dict) -> list[list[str]]:
         floor, best = _best(timed, "replicated"), _best(timed, "dedup")
         if floor and best:
             limit, r = WHOLE_MODEL[(link, phase)], best[1] / floor[1]
-            rows.append([f"36: whole model ({model}), best dedup / best replicated, {phase}, {link}: <= {limit}",
-                         f"{r:.3f}x ({best[0]} {best[1]:.2f} vs {floor[0]} {floor[1]:.2f} ms)", _verdict(r <= limit, world), where])
+            rows.append(
+                [
+                    f"36: whole model ({model}), best dedup / best replicated, {phase}, {link}: <= {limit}",
+                    f"{r:.3f}x ({best[0]} {best[1]:.2f} vs {floor[0]} {floor[1]:.2f} ms)",
+                    _verdict(r <= limit, world),
+                    where,
+                ]
+            )
         peer, ours = timed.get("torchtitan"), _best(timed, "torchtitan+occult")
         if model == "qwen3" and peer and best:
             need, s = TORCHTITAN[(link, phase)], peer / best[1]
-            rows.append([f"36: TorchTitan / best dedup (qwen3), {phase}, {link}: >= {need}",
-                         f"{s:.2f}x ({best[0]} {best[1]:.2f} vs {peer:.2f} ms)", _verdict(s >= need, world), where])
+            rows.append(
+                [
+                    f"36: TorchTitan / best dedup (qwen3), {phase}, {link}: >= {need}",
+                    f"{s:.2f}x ({best[0]} {best[1]:.2f} vs {peer:.2f} ms)",
+                    _verdict(s >= need, world),
+                    where,
+                ]
+            )
         if model == "qwen3" and peer and ours:
             need, s = TT_OVER_TT_OCCULT[link], peer / ours[1]
-            rows.append([f"36: TorchTitan / TorchTitan + occult (qwen3), {phase}, {link}: >= {need}",
-                         f"{s:.2f}x ({ours[0]} {ours[1]:.2f} vs {peer:.2f} ms)", _verdict(s >= need, world), where])
+            rows.append(
+                [
+                    f"36: TorchTitan / TorchTitan + occult (qwen3), {phase}, {link}: >= {need}",
+                    f"{s:.2f}x ({ours[0]} {ours[1]:.2f} vs {peer:.2f} ms)",
+                    _verdict(s >= need, world),
+                    where,
+                ]
+            )
     return rows
 
 
@@ -144,12 +172,24 @@ def bench_rows(name: str, doc: dict) -> list[list[str]]:
         where = f"{name} ({_gpus(world)})"
         if tokens >= 8192 and r.get("floor_ms"):
             ratio = float(r["forward_ms"]) / float(r["floor_ms"])
-            rows.append([f"36: layer forward / (experts + all-to-alls), {tokens} tokens ({what}): <= {LAYER_FORWARD}",
-                         f"{ratio:.2f}x", _verdict(ratio <= LAYER_FORWARD, world), where])
+            rows.append(
+                [
+                    f"36: layer forward / (experts + all-to-alls), {tokens} tokens ({what}): <= {LAYER_FORWARD}",
+                    f"{ratio:.2f}x",
+                    _verdict(ratio <= LAYER_FORWARD, world),
+                    where,
+                ]
+            )
         if tokens == HOST_TOKENS and r.get("host_ms_fwd") is not None:
             host = float(r["host_ms_fwd"])
-            rows.append([f"36: host ms per layer forward, {HOST_TOKENS} tokens ({what}): <= {HOST_MS}",
-                         f"{host:.2f} ms", _verdict(host <= HOST_MS, world), where])
+            rows.append(
+                [
+                    f"36: host ms per layer forward, {HOST_TOKENS} tokens ({what}): <= {HOST_MS}",
+                    f"{host:.2f} ms",
+                    _verdict(host <= HOST_MS, world),
+                    where,
+                ]
+            )
     return rows
 
 
@@ -173,12 +213,24 @@ def serve_rows(name: str, doc: dict) -> list[list[str]]:
         best = min(ep, key=lambda x: x[1]) if ep else None
         if floor and best and (link, batch) in DECODE:
             limit, r = DECODE[(link, batch)], best[1] / floor[1]
-            rows.append([f"37: EP decode step / floor ({model}), B={batch}, {link}: <= {limit}",
-                         f"{r:.2f}x ({best[0]} {best[1]:.2f} vs {floor[0]} {floor[1]:.2f} ms)", _verdict(r <= limit, world), where])
+            rows.append(
+                [
+                    f"37: EP decode step / floor ({model}), B={batch}, {link}: <= {limit}",
+                    f"{r:.2f}x ({best[0]} {best[1]:.2f} vs {floor[0]} {floor[1]:.2f} ms)",
+                    _verdict(r <= limit, world),
+                    where,
+                ]
+            )
         if NATIVE in timed and best and link == "nvlink":
             need, s = NATIVE_OVER_EP[batch], timed[NATIVE] / best[1]
-            rows.append([f"37: transformers' compiled generate / EP step ({model}), B={batch}, nvlink: >= {need}",
-                         f"{s:.2f}x ({timed[NATIVE]:.2f} vs {best[0]} {best[1]:.2f} ms)", _verdict(s >= need, world), where])
+            rows.append(
+                [
+                    f"37: transformers' compiled generate / EP step ({model}), B={batch}, nvlink: >= {need}",
+                    f"{s:.2f}x ({timed[NATIVE]:.2f} vs {best[0]} {best[1]:.2f} ms)",
+                    _verdict(s >= need, world),
+                    where,
+                ]
+            )
     return rows
 
 
@@ -188,15 +240,23 @@ def train_rows(name: str, doc: dict) -> list[list[str]]:
     for key, (what, targets) in TRAIN_TARGETS.items():
         value, target = doc["ratios"].get(key), targets.get(link)
         if value is not None and target is not None:
-            rows.append([f"38: {what}, {link}: >= {target}", f"{value:.3f}", "met" if value >= target else "MISSED", name])
+            rows.append(
+                [f"38: {what}, {link}: >= {target}", f"{value:.3f}", "met" if value >= target else "MISSED", name]
+            )
     return rows
 
 
 def replace_rows(name: str, doc: dict) -> list[list[str]]:
     """Issue 38: one migration's share of the training time it serves."""
     share = float(doc["migration_share_of_training"])
-    return [[f"38: one migration, amortised over --replace-every: <= {MIGRATION_SHARE:.0%}", f"{share:.2%}",
-             "met" if share <= MIGRATION_SHARE else "MISSED", name]]
+    return [
+        [
+            f"38: one migration, amortised over --replace-every: <= {MIGRATION_SHARE:.0%}",
+            f"{share:.2%}",
+            "met" if share <= MIGRATION_SHARE else "MISSED",
+            name,
+        ]
+    ]
 
 
 ROWS = {"e2e": e2e_rows, "bench": bench_rows, "serve": serve_rows, "train": train_rows, "replace": replace_rows}

@@ -50,8 +50,22 @@ def main() -> None:
         path = args.dir / f"{kind}_16x64x200k.safetensors"
         if not path.exists():
             make(kind, path)
-        cmd = [sys.executable, "-m", "occult", "place", "--trace", str(path), "--devices", "4",
-               "--method", args.method, "--json", "--quiet", "--out", str(args.dir / f"{kind}_placement.json")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "occult",
+            "place",
+            "--trace",
+            str(path),
+            "--devices",
+            "4",
+            "--method",
+            args.method,
+            "--json",
+            "--quiet",
+            "--out",
+            str(args.dir / f"{kind}_placement.json"),
+        ]
         t0 = time.perf_counter()
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t0
@@ -59,9 +73,11 @@ def main() -> None:
             sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr}")
         rep = json.loads(out.stdout)
         o = rep["overall"]
-        line = (f"{kind:8s} wall {wall:5.1f} s (solver {rep['seconds']:.1f} s)  E[C_T] contiguous "
-                f"{o['baseline']['mean_ct']:.4f} -> {args.method} {o['placement']['mean_ct']:.4f} "
-                f"({100 * o['reduction']:.1f}% lower)")
+        line = (
+            f"{kind:8s} wall {wall:5.1f} s (solver {rep['seconds']:.1f} s)  E[C_T] contiguous "
+            f"{o['baseline']['mean_ct']:.4f} -> {args.method} {o['placement']['mean_ct']:.4f} "
+            f"({100 * o['reduction']:.1f}% lower)"
+        )
         if kind == "planted":
             from occult.placement import Placement
             from occult.placement.stats import mean_ct
@@ -70,8 +86,10 @@ def main() -> None:
             trace = read_trace(path)
             groups = json.loads(trace.metadata["planted_groups"])
             planted = Placement(groups, 4)
-            opt = sum(mean_ct(trace.layer(i), planted.expert_device(i), 4) * trace.num_tokens[i]
-                      for i in range(trace.num_layers)) / sum(trace.num_tokens)
+            opt = sum(
+                mean_ct(trace.layer(i), planted.expert_device(i), 4) * trace.num_tokens[i]
+                for i in range(trace.num_layers)
+            ) / sum(trace.num_tokens)
             line += f"; planted optimum {opt:.4f} ({100 * (o['placement']['mean_ct'] / opt - 1):+.2f}%)"
         print(line, flush=True)
 

@@ -40,9 +40,11 @@ def variant_rows(doc: dict[str, Any]) -> list[str]:
         if v == "1gpu" and doc["link"] != "nvlink":  # the loss reference of every link, shown once
             continue
         step_ms = 1e3 * r["batch_size"] * r["seq_len"] / r["tokens_per_s"]
-        rows.append(f"| {doc['link']} | {v} | {r['gpus']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tokens_per_s']:,.0f} | "
-                    f"{fmt(r.get('mfu') and 100 * r['mfu'], '.1f')} | {step_ms:.0f} | "
-                    f"{'ref' if v == doc.get('loss_max_rel_diff_vs') else fmt(diffs.get(v), '.1e')} |")
+        rows.append(
+            f"| {doc['link']} | {v} | {r['gpus']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tokens_per_s']:,.0f} | "
+            f"{fmt(r.get('mfu') and 100 * r['mfu'], '.1f')} | {step_ms:.0f} | "
+            f"{'ref' if v == doc.get('loss_max_rel_diff_vs') else fmt(diffs.get(v), '.1e')} |"
+        )
     return rows
 
 
@@ -58,12 +60,19 @@ def ratio_rows(doc: dict[str, Any]) -> list[str]:
 
 def markdown(docs: list[dict[str, Any]]) -> str:
     peak = next((d["peak"] for d in docs if d.get("peak")), None)
-    head = [f"Matmul peak measured in the same job: {peak['tflops']:.3g} TFLOP/s ({peak['dtype']} {peak['matmul_n']}^3, "
-            f"{peak['device']})." if peak else "No matmul peak measured.", "",
-            "| link | variant | GPUs | tokens/s per GPU | tokens/s (job) | MFU % | step ms | loss max rel. diff |",
-            "|---|---|---|---|---|---|---|---|"]
+    head = [
+        f"Matmul peak measured in the same job: {peak['tflops']:.3g} TFLOP/s ({peak['dtype']} {peak['matmul_n']}^3, "
+        f"{peak['device']})."
+        if peak
+        else "No matmul peak measured.",
+        "",
+        "| link | variant | GPUs | tokens/s per GPU | tokens/s (job) | MFU % | step ms | loss max rel. diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     body = [row for d in docs for row in variant_rows(d)]
-    ratios = ["", "| link | ratio | value | target | |", "|---|---|---|---|---|"] + [row for d in docs for row in ratio_rows(d)]
+    ratios = ["", "| link | ratio | value | target | |", "|---|---|---|---|---|"] + [
+        row for d in docs for row in ratio_rows(d)
+    ]
     skipped = [f"{d['link']}: {', '.join(d['skipped'])}" for d in docs if d.get("skipped")]
     tail = ["", "Skipped (over the time budget): " + "; ".join(skipped)] if skipped else []
     return "\n".join(head + body + ratios + tail) + "\n"

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "occult"
 MAX_LINES = 400
@@ -115,7 +115,9 @@ def violations(module: str, imports: Iterable[tuple[int, str]]) -> list[str]:
         if t > r:
             out.append(f"{module}:{line} imports {target}: {tunit} (layer {t}) is above {unit} (layer {r})")
         elif t == r and r != BASE:
-            out.append(f"{module}:{line} imports {target}: {unit} and {tunit} share layer {r} and must not import each other")
+            out.append(
+                f"{module}:{line} imports {target}: {unit} and {tunit} share layer {r} and must not import each other"
+            )
     return out
 
 
@@ -132,8 +134,7 @@ def check_package(root: Path = PACKAGE_DIR) -> list[str]:
 # Violations in files being rewritten now (the moe core, the training core, hf generation), to be
 # emptied by issue 25's redesign. The list may only shrink: a new violation fails, and so does an
 # entry here that no longer violates (delete it then).
-PENDING: frozenset[str] = frozenset({
-})
+PENDING: frozenset[str] = frozenset({})
 
 ENV_NAME = re.compile(r"(OCCULT_[A-Z0-9_]+|TRITON_INTERPRET)")
 SETTINGS_MODULE = "occult.settings"
@@ -271,8 +272,13 @@ def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[i
 def env_names(source: str) -> list[tuple[int, str]]:
     """(line, name) of every string constant that is exactly an `OCCULT_*` / `TRITON_INTERPRET`
     variable name: a read of the environment outside the settings module."""
-    return sorted({(node.lineno, node.value) for node in ast.walk(ast.parse(source))
-                   if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value)})
+    return sorted(
+        {
+            (node.lineno, node.value)
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value)
+        }
+    )
 
 
 def structure_findings(root: Path = PACKAGE_DIR) -> dict[str, str]:
@@ -420,14 +426,17 @@ def _tiny_package(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_checker_finds_circles_through_function_level_imports(tmp_path):
-    pkg = _tiny_package(tmp_path, {
-        "a.py": "from occult.b import f\n",
-        "b.py": "def f():\n    from occult import a\n",  # b -> a only inside a function: still a circle
-        "c.py": "import occult.a\n",  # imports into the circle without closing one
-        "d/__init__.py": "from .e import g\n",
-        "d/e.py": "def g():\n    from . import h\n",
-        "d/h.py": "import occult.d.e\n",
-    })
+    pkg = _tiny_package(
+        tmp_path,
+        {
+            "a.py": "from occult.b import f\n",
+            "b.py": "def f():\n    from occult import a\n",  # b -> a only inside a function: still a circle
+            "c.py": "import occult.a\n",  # imports into the circle without closing one
+            "d/__init__.py": "from .e import g\n",
+            "d/e.py": "def g():\n    from . import h\n",
+            "d/h.py": "import occult.d.e\n",
+        },
+    )
     assert circles(import_graph(pkg)) == [["occult.a", "occult.b"], ["occult.d.e", "occult.d.h"]]
     found = structure_findings(pkg)
     assert found["circle: occult.a <-> occult.b"] == "occult.a:1 imports occult.b; occult.b:2 imports occult.a"
@@ -455,14 +464,23 @@ def test_checker_finds_private_names_used_across_modules():
 
 def test_checker_finds_long_functions_and_methods():
     body = "        x = 1\n"
-    src = ("class A:\n    def m(self):\n" + body * 79 + "    async def n(self):\n" + body * 80
-           + "def f():\n    def g():\n" + body * 80 + "    return g\n")
+    src = (
+        "class A:\n    def m(self):\n"
+        + body * 79
+        + "    async def n(self):\n"
+        + body * 80
+        + "def f():\n    def g():\n"
+        + body * 80
+        + "    return g\n"
+    )
     assert long_functions(src) == [(82, "A.n", 81), (163, "f", 83), (164, "f.g", 81)]  # A.m: exactly 80
 
 
 def test_checker_finds_environment_reads_and_only_them():
-    src = ('"""Set OCCULT_FOO=1 to ... (prose is not a read)."""\nimport os\n'
-           'a = os.environ.get("OCCULT_FOO", "")\nb = os.getenv("TRITON_INTERPRET")\nc = "OCCULT_FOO is bad"\n')
+    src = (
+        '"""Set OCCULT_FOO=1 to ... (prose is not a read)."""\nimport os\n'
+        'a = os.environ.get("OCCULT_FOO", "")\nb = os.getenv("TRITON_INTERPRET")\nc = "OCCULT_FOO is bad"\n'
+    )
     assert env_names(src) == [(3, "OCCULT_FOO"), (4, "TRITON_INTERPRET")]
 
 
@@ -489,7 +507,9 @@ def test_design_doc_module_map_matches_the_tree():
             listed.add(f"{package}/{name}")
     actual = {str(p.relative_to(PACKAGE_DIR.parent)) for p in PACKAGE_DIR.rglob("*.py")}
     actual |= {str(p.relative_to(PACKAGE_DIR.parent)) for p in (PACKAGE_DIR / "data").iterdir()}
-    assert listed == actual, f"missing from docs/design.md: {sorted(actual - listed)}; not in occult/: {sorted(listed - actual)}"
+    assert listed == actual, (
+        f"missing from docs/design.md: {sorted(actual - listed)}; not in occult/: {sorted(listed - actual)}"
+    )
 
 
 def test_importing_occult_leaves_triton_and_dynamo_unimported():
@@ -499,7 +519,9 @@ def test_importing_occult_leaves_triton_and_dynamo_unimported():
     import subprocess
     import sys
 
-    code = ("import sys, occult, occult.kernels, occult.moe.layer; "
-            "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
+    code = (
+        "import sys, occult, occult.kernels, occult.moe.layer; "
+        "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

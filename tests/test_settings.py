@@ -21,20 +21,37 @@ def clean_env(monkeypatch):
 
 def test_defaults_with_nothing_set(clean_env):
     assert settings.current() == Settings()
-    assert Settings() == Settings(wgrad="auto", dgrad1="auto", scatter="deterministic", plan="auto",
-                                  cache=None, debug=False, triton_interpret=False, nccl_p2p_disable=False,
-                                  rank_start="spawn")
+    assert Settings() == Settings(
+        wgrad="auto",
+        dgrad1="auto",
+        scatter="deterministic",
+        plan="auto",
+        cache=None,
+        debug=False,
+        triton_interpret=False,
+        nccl_p2p_disable=False,
+        rank_start="spawn",
+    )
 
 
 def test_every_variable_sets_its_field(clean_env, tmp_path):
-    values = {"OCCULT_WGRAD": "Triton", "OCCULT_DGRAD1": "grouped_mm", "OCCULT_SCATTER": "atomic",
-              "OCCULT_PLAN": "torch", "OCCULT_CACHE": str(tmp_path), "OCCULT_DEBUG": "1", "TRITON_INTERPRET": "yes",
-              "NCCL_P2P_DISABLE": "1", "OCCULT_RANK_START": "forkserver"}
+    values = {
+        "OCCULT_WGRAD": "Triton",
+        "OCCULT_DGRAD1": "grouped_mm",
+        "OCCULT_SCATTER": "atomic",
+        "OCCULT_PLAN": "torch",
+        "OCCULT_CACHE": str(tmp_path),
+        "OCCULT_DEBUG": "1",
+        "TRITON_INTERPRET": "yes",
+        "NCCL_P2P_DISABLE": "1",
+        "OCCULT_RANK_START": "forkserver",
+    }
     assert set(values) == set(settings.VARIABLES)
     for name, value in values.items():
         clean_env.setenv(name, value)
-    assert settings.current() == Settings("triton", "grouped_mm", "atomic", "torch", tmp_path, True, True, True,
-                                                "forkserver")
+    assert settings.current() == Settings(
+        "triton", "grouped_mm", "atomic", "torch", tmp_path, True, True, True, "forkserver"
+    )
     assert {f.name for f in dataclasses.fields(Settings)} == set(settings.VARIABLES.values())
 
 
@@ -50,14 +67,17 @@ def test_a_change_is_seen_at_the_next_call_and_nothing_is_parsed_otherwise(clean
     assert settings.reload() == first and settings.current() is not first  # reload: parsed anew
 
 
-@pytest.mark.parametrize("name, value, allowed", [
-    ("OCCULT_WGRAD", "cutlass", "auto, triton, grouped_mm"),
-    ("OCCULT_DGRAD1", "fast", "auto, triton, grouped_mm"),
-    ("OCCULT_SCATTER", "atomics", "deterministic, atomic"),
-    ("OCCULT_PLAN", "numpy", "auto, torch, triton"),
-    ("OCCULT_DEBUG", "maybe", "1 or 0"),
-    ("TRITON_INTERPRET", "2", "1 or 0"),
-])
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("OCCULT_WGRAD", "cutlass", "auto, triton, grouped_mm"),
+        ("OCCULT_DGRAD1", "fast", "auto, triton, grouped_mm"),
+        ("OCCULT_SCATTER", "atomics", "deterministic, atomic"),
+        ("OCCULT_PLAN", "numpy", "auto, torch, triton"),
+        ("OCCULT_DEBUG", "maybe", "1 or 0"),
+        ("TRITON_INTERPRET", "2", "1 or 0"),
+    ],
+)
 def test_a_bad_value_names_the_variable_and_what_is_allowed(clean_env, name, value, allowed):
     clean_env.setenv(name, value)
     with pytest.raises(SettingsError, match=re.escape(f"{name}={value!r}")) as err:

@@ -14,14 +14,14 @@ import importlib
 import json
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from peer_common import Peer, make_case, reference, rel_error
 
 from occult.tools.bench_timing import make_timer
-
-from peer_common import Peer, make_case, reference, rel_error
 
 # name -> (module, builder). Order matters only as the default run order.
 PEERS: dict[str, tuple[str, str]] = {
@@ -146,8 +146,9 @@ def run_peer(name: str, case, timer, conf: dict, device: torch.device) -> dict[s
         if not ok:
             return rec
         rec["forward_ms"] = fwd
-        ok, step = _guarded("fwd+bwd timing", lambda: timer(lambda: peer.forward_backward(nxt()), warmup, iters),
-                            device, rec)
+        ok, step = _guarded(
+            "fwd+bwd timing", lambda: timer(lambda: peer.forward_backward(nxt()), warmup, iters), device, rec
+        )
         if not ok:
             return rec
         rec["fwd_bwd_ms"] = step
@@ -195,7 +196,9 @@ def worker(rank: int, world: int, conf: dict) -> dict[str, Any]:
     return result
 
 
-HEADER = f"{'GPUs':>4} {'shape':<7}{'implementation':<28}{'fwd ms':>8}{'fwd+bwd':>9}{'rel err':>9}{'dx diff':>9}  status"
+HEADER = (
+    f"{'GPUs':>4} {'shape':<7}{'implementation':<28}{'fwd ms':>8}{'fwd+bwd':>9}{'rel err':>9}{'dx diff':>9}  status"
+)
 
 
 def format_row(rec: dict) -> str:
@@ -207,5 +210,7 @@ def format_row(rec: dict) -> str:
     status = rec.get("status", "?")
     if rec.get("error"):
         status += ": " + rec["error"].splitlines()[0][:160]
-    return (f"{rec.get('world', ''):>4} {rec.get('shape', ''):<7}{rec.get('name', rec['peer']):<28}"
-            f"{ms('forward_ms'):>8}{ms('fwd_bwd_ms'):>9}{err:>9}{dx:>9}  {status}")
+    return (
+        f"{rec.get('world', ''):>4} {rec.get('shape', ''):<7}{rec.get('name', rec['peer']):<28}"
+        f"{ms('forward_ms'):>8}{ms('fwd_bwd_ms'):>9}{err:>9}{dx:>9}  {status}"
+    )

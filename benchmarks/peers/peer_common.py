@@ -53,8 +53,16 @@ class Case:
         return slice(self.rank * n, (self.rank + 1) * n)
 
 
-def make_case(shape_name: str, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-              tokens: int, input_sets: int, seed: int = 1234) -> Case:
+def make_case(
+    shape_name: str,
+    rank: int,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokens: int,
+    input_sets: int,
+    seed: int = 1234,
+) -> Case:
     """The same weights and routing on every rank; each rank's own slice of tokens."""
     from occult.placement import synthetic
 
@@ -65,15 +73,23 @@ def make_case(shape_name: str, rank: int, world: int, device: torch.device, dtyp
     w2 = (torch.randn(E, H, F, generator=gen, device=device, dtype=torch.float32) / F**0.5).to(dtype)
     gw = (torch.randn(E, H, generator=gen, device=device, dtype=torch.float32) / H**0.5).to(dtype)
     trace = synthetic.uniform_trace(world * input_sets * tokens, E, shape.top_k, seed=7)
-    ids_all = torch.as_tensor(np.asarray(trace.topk_ids[0], dtype=np.int64)).view(world, input_sets, tokens, shape.top_k)
+    ids_all = torch.as_tensor(np.asarray(trace.topk_ids[0], dtype=np.int64)).view(
+        world, input_sets, tokens, shape.top_k
+    )
     xgen = torch.Generator(device=device).manual_seed(seed + 1 + rank)
-    xs = [torch.randn(tokens, H, generator=xgen, device=device, dtype=torch.float32).to(dtype) for _ in range(input_sets)]
-    gs = [torch.randn(tokens, H, generator=xgen, device=device, dtype=torch.float32).to(dtype) for _ in range(input_sets)]
+    xs = [
+        torch.randn(tokens, H, generator=xgen, device=device, dtype=torch.float32).to(dtype) for _ in range(input_sets)
+    ]
+    gs = [
+        torch.randn(tokens, H, generator=xgen, device=device, dtype=torch.float32).to(dtype) for _ in range(input_sets)
+    ]
     ids = [ids_all[rank, i].to(device) for i in range(input_sets)]
     return Case(shape, rank, world, device, dtype, w1, w2, gw, xs, gs, ids)
 
 
-def gate_weights(x_TH: torch.Tensor, gate_w: torch.Tensor, ids_TK: torch.Tensor, renormalize: bool = False) -> torch.Tensor:
+def gate_weights(
+    x_TH: torch.Tensor, gate_w: torch.Tensor, ids_TK: torch.Tensor, renormalize: bool = False
+) -> torch.Tensor:
     """float32 softmax over all experts of x @ gate_w^T, at the preset ids (optionally renormalised)."""
     probs = torch.softmax(x_TH.float() @ gate_w.float().t(), dim=-1).gather(1, ids_TK)
     return probs / probs.sum(-1, keepdim=True) if renormalize else probs

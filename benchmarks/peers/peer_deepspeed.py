@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from peer_common import Case, Peer
 
 _SHIFT = 1000.0
@@ -52,8 +51,9 @@ class DeepSpeedPeer(Peer):
         from deepspeed.moe.layer import MoE
 
         s = case.shape
-        ds_dist.init_distributed(dist_backend="nccl" if case.device.type == "cuda" else "gloo",
-                                 auto_mpi_discovery=False, verbose=False)
+        ds_dist.init_distributed(
+            dist_backend="nccl" if case.device.type == "cuda" else "gloo", auto_mpi_discovery=False, verbose=False
+        )
         self._cur = {"i": 0}
         if not getattr(sharded_moe, "_occult_wrapped", False):
             original = sharded_moe.topkgating
@@ -71,8 +71,18 @@ class DeepSpeedPeer(Peer):
         self._sharded_moe = sharded_moe
 
         expert = SwiGLUExpert(s.hidden, s.ffn)
-        moe = MoE(hidden_size=s.hidden, expert=expert, num_experts=s.experts, ep_size=case.world, k=s.top_k,
-                  capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0, drop_tokens=False, use_rts=False)
+        moe = MoE(
+            hidden_size=s.hidden,
+            expert=expert,
+            num_experts=s.experts,
+            ep_size=case.world,
+            k=s.top_k,
+            capacity_factor=1.0,
+            eval_capacity_factor=1.0,
+            min_capacity=0,
+            drop_tokens=False,
+            use_rts=False,
+        )
         moe.set_deepspeed_parallelism()
         moe = moe.to(device=case.device, dtype=case.dtype)
         group = moe.deepspeed_moe.ep_group

@@ -20,7 +20,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-
 from peer_common import Case, Peer
 
 BLOCKS = ("olmoe", "qwen3_moe")
@@ -28,9 +27,19 @@ BLOCKS = ("olmoe", "qwen3_moe")
 
 def _block(model: str, case: Case):
     s = case.shape
-    common = dict(hidden_size=s.hidden, num_experts=s.experts, num_experts_per_tok=s.top_k, norm_topk_prob=False,
-                  num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=16, vocab_size=128,
-                  eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    common = dict(
+        hidden_size=s.hidden,
+        num_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        norm_topk_prob=False,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=128,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
     if model == "olmoe":
         from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
         from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
@@ -46,7 +55,9 @@ def _block(model: str, case: Case):
     else:
         raise ValueError(f"unknown transformers block {model!r}; choose from {BLOCKS}")
     # What from_pretrained picks on a GPU: transformers' grouped_mm experts (torch._grouped_mm).
-    config._experts_implementation = os.environ.get("PEERS_HF_EXPERTS") or ("grouped_mm" if case.device.type == "cuda" else "eager")
+    config._experts_implementation = os.environ.get("PEERS_HF_EXPERTS") or (
+        "grouped_mm" if case.device.type == "cuda" else "eager"
+    )
     with torch.device(case.device):
         block = cls(config).to(case.dtype)
     return block
@@ -97,8 +108,11 @@ class HFExpertParallelPeer(Peer):
         return self.block(x.unsqueeze(0)).squeeze(0)
 
     def info(self) -> dict:
-        return {"ep_implementation": "all_to_all", "class": self.implementation,
-                "experts_implementation": self.experts_implementation}
+        return {
+            "ep_implementation": "all_to_all",
+            "class": self.implementation,
+            "experts_implementation": self.experts_implementation,
+        }
 
 
 def build_olmoe(case: Case) -> Peer:

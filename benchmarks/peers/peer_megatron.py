@@ -21,7 +21,6 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-
 from peer_common import Case, Peer
 
 
@@ -83,28 +82,48 @@ class MegatronPeer(Peer):
         s = case.shape
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                expert_model_parallel_size=case.world, create_gloo_process_groups=False,
+                tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1,
+                expert_model_parallel_size=case.world,
+                create_gloo_process_groups=False,
             )
         bf16 = case.dtype == torch.bfloat16
         config = TransformerConfig(
-            num_layers=1, hidden_size=s.hidden, num_attention_heads=16,
-            ffn_hidden_size=s.ffn, moe_ffn_hidden_size=s.ffn,
-            num_moe_experts=s.experts, moe_router_topk=s.top_k,
-            moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-            moe_permute_fusion=False, gradient_accumulation_fusion=False,
-            tensor_model_parallel_size=1, expert_model_parallel_size=case.world, sequence_parallel=False,
-            bf16=bf16, params_dtype=case.dtype, pipeline_dtype=case.dtype,
-            perform_initialization=False, use_cpu_initialization=on_cpu,
+            num_layers=1,
+            hidden_size=s.hidden,
+            num_attention_heads=16,
+            ffn_hidden_size=s.ffn,
+            moe_ffn_hidden_size=s.ffn,
+            num_moe_experts=s.experts,
+            moe_router_topk=s.top_k,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            bias_activation_fusion=False,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_router_dtype="fp32",
+            moe_permute_fusion=False,
+            gradient_accumulation_fusion=False,
+            tensor_model_parallel_size=1,
+            expert_model_parallel_size=case.world,
+            sequence_parallel=False,
+            bf16=bf16,
+            params_dtype=case.dtype,
+            pipeline_dtype=case.dtype,
+            perform_initialization=False,
+            use_cpu_initialization=on_cpu,
         )
         spec = get_moe_module_spec(use_te=False, num_experts=s.experts, moe_grouped_gemm=False)
         layer = spec(config=config, layer_number=1)
         layer = layer.to(device=case.device)
         local = list(layer.local_expert_indices)
         if local != list(range(case.local_slice().start, case.local_slice().stop)):
-            raise RuntimeError(f"Megatron placed experts {local} on rank {case.rank}, not a contiguous block in rank order")
+            raise RuntimeError(
+                f"Megatron placed experts {local} on rank {case.rank}, not a contiguous block in rank order"
+            )
         with torch.no_grad():
             layer.router.weight.copy_(case.gate_w.to(layer.router.weight.dtype))
             for j, e in enumerate(local):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
+from peer_common import Case, Peer
 
-from occult.tools.bench import PresetRouter
 from occult.moe.layer import OccultMoE
 from occult.placement import Placement
-
-from peer_common import Case, Peer
+from occult.tools.bench import PresetRouter
 
 
 class OccultPeer(Peer):
@@ -17,8 +16,15 @@ class OccultPeer(Peer):
         self.name = f"occult {dispatcher}"
         s = case.shape
         layer = OccultMoE(
-            s.hidden, s.ffn, s.experts, s.top_k, placement=Placement.contiguous(s.experts, case.world),
-            dispatcher=dispatcher, expert_backend=expert_backend, dtype=case.dtype, device=case.device,
+            s.hidden,
+            s.ffn,
+            s.experts,
+            s.top_k,
+            placement=Placement.contiguous(s.experts, case.world),
+            dispatcher=dispatcher,
+            expert_backend=expert_backend,
+            dtype=case.dtype,
+            device=case.device,
         )
         with torch.no_grad():
             layer.gate_up_proj.copy_(case.w1_full[layer.local_expert_ids])
@@ -33,8 +39,11 @@ class OccultPeer(Peer):
 
     def info(self) -> dict:
         st = self.layer.last_comm_stats
-        return {"forward_rows_sent": int(st.dispatch_rows), "tokens": self.case.tokens,
-                "rows_per_token": st.dispatch_rows / max(1, self.case.tokens)}
+        return {
+            "forward_rows_sent": int(st.dispatch_rows),
+            "tokens": self.case.tokens,
+            "rows_per_token": st.dispatch_rows / max(1, self.case.tokens),
+        }
 
 
 def build_standard(case: Case) -> Peer:

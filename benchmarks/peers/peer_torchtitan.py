@@ -32,7 +32,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-
 from peer_common import Case, Peer
 
 SPMD_BACKEND = "partial_dtensor"
@@ -59,9 +58,12 @@ def torch_compat() -> list[str]:
     import torch.distributed.fsdp as fsdp
 
     if not hasattr(fsdp, "DataParallelMeshDims"):  # torch 2.11; imported by TorchTitan's FSDP helpers
+
         class DataParallelMeshDims:  # built only by the "full_dtensor" SPMD backend, which the peers do not use
             def __init__(self, *args, **kwargs) -> None:
-                raise NotImplementedError("this torch has no fsdp.DataParallelMeshDims (TorchTitan's full_dtensor backend)")
+                raise NotImplementedError(
+                    "this torch has no fsdp.DataParallelMeshDims (TorchTitan's full_dtensor backend)"
+                )
 
         fsdp.DataParallelMeshDims = DataParallelMeshDims  # type: ignore[attr-defined]
         added.append("torch.distributed.fsdp.DataParallelMeshDims")
@@ -92,14 +94,27 @@ class TorchTitanPeer(Peer):
         tt_dist.set_spmd_backend(SPMD_BACKEND)
         cfg = make_moe_config(
             num_experts=E,
-            router=make_router_config(dim=H, num_experts=E, gate_param_init={}, top_k=K, score_func="softmax",
-                                      route_norm=False, route_scale=1.0),
-            routed_experts=make_routed_experts_config(dim=H, hidden_dim=Fd, num_experts=E, top_k=K, param_init={},
-                                                      comm_backend="standard"),
-            shared_experts=None, load_balance_coeff=None,
+            router=make_router_config(
+                dim=H,
+                num_experts=E,
+                gate_param_init={},
+                top_k=K,
+                score_func="softmax",
+                route_norm=False,
+                route_scale=1.0,
+            ),
+            routed_experts=make_routed_experts_config(
+                dim=H, hidden_dim=Fd, num_experts=E, top_k=K, param_init={}, comm_backend="standard"
+            ),
+            shared_experts=None,
+            load_balance_coeff=None,
         )
-        set_moe_sharding_config(cfg, enable_ep=True, enable_sp=False,  # the layout TorchTitan's models pass
-                                expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)})
+        set_moe_sharding_config(
+            cfg,
+            enable_ep=True,
+            enable_sp=False,  # the layout TorchTitan's models pass
+            expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)},
+        )
         with torch.device(case.device):
             moe = cfg.build()
         moe = moe.to(dtype=case.dtype)
@@ -109,14 +124,25 @@ class TorchTitanPeer(Peer):
             ex.w3_EFD.copy_(case.w1_full[:, Fd:])
             ex.w2_EDF.copy_(case.w2_full)
             moe.router.gate.weight.copy_(case.gate_w)
-        dims = ParallelDims(dp_replicate=1, dp_shard=case.world, cp=1, tp=1, pp=1, ep=case.world,
-                            world_size=case.world, spmd_backend=SPMD_BACKEND)
+        dims = ParallelDims(
+            dp_replicate=1,
+            dp_shard=case.world,
+            cp=1,
+            tp=1,
+            pp=1,
+            ep=case.world,
+            world_size=case.world,
+            spmd_backend=SPMD_BACKEND,
+        )
         dims.build_mesh()
         moe.parallelize(dims)
         sl = case.local_slice()
         ex = moe.routed_experts.inner_experts
-        for name, full in (("w1_EFD", case.w1_full[sl, :Fd]), ("w3_EFD", case.w1_full[sl, Fd:]),
-                           ("w2_EDF", case.w2_full[sl])):
+        for name, full in (
+            ("w1_EFD", case.w1_full[sl, :Fd]),
+            ("w3_EFD", case.w1_full[sl, Fd:]),
+            ("w2_EDF", case.w2_full[sl]),
+        ):
             p = getattr(ex, name)
             local = p.to_local() if hasattr(p, "to_local") else p
             if local.shape[0] != case.local_experts or not torch.equal(local, full):
@@ -151,9 +177,14 @@ class TorchTitanPeer(Peer):
         return out.squeeze(0)
 
     def info(self) -> dict:
-        return {"torchtitan": self.version, "dispatcher": self.dispatcher, "ep_size": self.ep_size,
-                "spmd_backend": SPMD_BACKEND, "experts": "GroupedExperts (torch._grouped_mm, bf16)",
-                "torch_stand_ins": self.compat}
+        return {
+            "torchtitan": self.version,
+            "dispatcher": self.dispatcher,
+            "ep_size": self.ep_size,
+            "spmd_backend": SPMD_BACKEND,
+            "experts": "GroupedExperts (torch._grouped_mm, bf16)",
+            "torch_stand_ins": self.compat,
+        }
 
 
 def build(case: Case) -> Peer:

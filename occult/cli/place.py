@@ -42,10 +42,16 @@ def _layer_list(text: str) -> list[int]:
 
 def _add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=positive_int, default=2048, help="hidden size for the byte counts (default 2048)")
-    p.add_argument("--dtype", default="bf16", help="activation dtype for the byte counts: bf16, fp16, fp32, fp8 (default bf16)")
+    p.add_argument(
+        "--dtype", default="bf16", help="activation dtype for the byte counts: bf16, fp16, fp32, fp8 (default bf16)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the table")
-    p.add_argument("--plot", metavar="FILE.png", help="draw co-activation heat maps ordered by device, before and after (needs matplotlib; '-': "
-                   "stdout; default: none)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw co-activation heat maps ordered by device, before and after (needs matplotlib; '-': "
+        "stdout; default: none)",
+    )
     p.add_argument("--plot-layers", type=_layer_list, metavar="I,J,...", help="layers to draw (default: the first 8)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
@@ -74,14 +80,18 @@ def _print_json(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc, default=_to_jsonable) + "\n")
 
 
-def _print_table(report: dict[str, Any], base_name: str, new_name: str, extra_cols: dict[str, list[str]] | None = None) -> None:
+def _print_table(
+    report: dict[str, Any], base_name: str, new_name: str, extra_cols: dict[str, list[str]] | None = None
+) -> None:
     """Per-layer and overall E[C_T] and dispatch+combine bytes, baseline vs placement."""
     h = report
     print(
         f"{h['num_layers']} layer(s) x {h['num_tokens'] // h['num_layers']} tokens (avg), {h['num_experts']} experts, "
         f"top-{h['top_k']}, {h['num_devices']} devices; bytes: dispatch+combine, hidden {h['hidden']} {h['dtype']}"
     )
-    print(f"uniform routing would give E[C_T] = {h['analytic_uniform_mean_ct']:.3f}; standard dispatch sends {h['top_k']} copies")
+    print(
+        f"uniform routing would give E[C_T] = {h['analytic_uniform_mean_ct']:.3f}; standard dispatch sends {h['top_k']} copies"
+    )
     cols = [
         ("layer", 7),
         (f"E[C_T] {base_name}", 19),
@@ -110,8 +120,13 @@ def _print_table(report: dict[str, Any], base_name: str, new_name: str, extra_co
         print("  ".join(f"{v:>{w}}" for v, (_, w) in zip(vals, cols)))
 
     for i, layer in enumerate(h["layers"]):
-        line(str(layer["layer"]), layer["baseline"], layer["placement"], layer["reduction"],
-             [v[i] for v in extra_cols.values()])
+        line(
+            str(layer["layer"]),
+            layer["baseline"],
+            layer["placement"],
+            layer["reduction"],
+            [v[i] for v in extra_cols.values()],
+        )
     o = h["overall"]
     line("overall", o["baseline"], o["placement"], o["reduction"], ["" for _ in extra_cols])
     n = o["placement"]
@@ -171,11 +186,15 @@ def why_chosen(layers: list[Any], max_load: float | None) -> list[str]:
     bound = f" among those within --max-load {max_load}" if max_load else ""
     first = layers[0].candidates
     if any(":" in k for k in first):  # hierarchical: nodes by E[N_T], then each node's GPUs by E[C_T]
-        head = (f"why chosen: per layer, the node split with the lowest E[N_T], then per node the GPU split with the "
-                f"lowest E[C_T]{bound} (ties: the simpler, first solved; gpus: whole-layer E[C_T] of each candidate)")
+        head = (
+            f"why chosen: per layer, the node split with the lowest E[N_T], then per node the GPU split with the "
+            f"lowest E[C_T]{bound} (ties: the simpler, first solved; gpus: whole-layer E[C_T] of each candidate)"
+        )
     else:
-        head = (f"why chosen: hypergraph solves {', '.join(first)} and keeps the lowest E[C_T]{bound} "
-                "(on a tie the simpler one, listed first)")
+        head = (
+            f"why chosen: hypergraph solves {', '.join(first)} and keeps the lowest E[C_T]{bound} "
+            "(on a tie the simpler one, listed first)"
+        )
     lines = [head]
     for i, res in enumerate(layers[:MAX_WHY_LAYERS]):
         groups: dict[str, dict[str, float]] = {}
@@ -211,7 +230,9 @@ def _coacts(trace: Any, progress: bool) -> list[Any]:
     return [coactivation(trace.layer(i), trace.num_experts) for i in layers]
 
 
-def _maybe_plot(args: argparse.Namespace, trace: Any, coacts: list[Any], placement: Any, baseline: Any, labels: tuple[str, str]) -> list[int] | None:
+def _maybe_plot(
+    args: argparse.Namespace, trace: Any, coacts: list[Any], placement: Any, baseline: Any, labels: tuple[str, str]
+) -> list[int] | None:
     if not args.plot:
         return None
     from occult.placement.plots import DEFAULT_MAX_LAYERS, coactivation_heatmaps
@@ -220,25 +241,54 @@ def _maybe_plot(args: argparse.Namespace, trace: Any, coacts: list[Any], placeme
         args.plot, coacts, placement, baseline, layers=args.plot_layers, num_tokens=trace.num_tokens, labels=labels
     )
     if args.plot_layers is None and trace.num_layers > DEFAULT_MAX_LAYERS and not args.json:
-        print(f"occult: plotted layers 0-{DEFAULT_MAX_LAYERS - 1} of {trace.num_layers}; choose others with --plot-layers", file=sys.stderr)
+        print(
+            f"occult: plotted layers 0-{DEFAULT_MAX_LAYERS - 1} of {trace.num_layers}; choose others with --plot-layers",
+            file=sys.stderr,
+        )
     return drawn
 
 
 # ------------------------------------------------------------------ place
 def _add_place_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="routing trace (.safetensors; format: the README's Files section)")
-    p.add_argument("--devices", "-d", required=True, type=positive_int, help="expert-parallel devices (ranks), all nodes together")
-    p.add_argument("--nodes", type=positive_int, default=1,
-                   help="nodes of D/M devices each: place experts on nodes first (fewest nodes per token, E[N_T]), "
-                   "then on each node's devices (E[C_T]); device ids node-major (default 1: flat)")
-    p.add_argument("--method", "-m", choices=PLACE_METHODS, default="hypergraph", help="placement solver (default hypergraph)")
-    p.add_argument("--out", "-o", help="write the placement JSON to this file ('-': stdout, the report then on stderr; "
-                   "a device or FIFO is written in place; default: none)")
-    p.add_argument("--max-load", type=positive_float, metavar="RATIO", help="bound on max/mean per-device token-expert load, e.g. 1.1")
+    p.add_argument(
+        "--devices", "-d", required=True, type=positive_int, help="expert-parallel devices (ranks), all nodes together"
+    )
+    p.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=1,
+        help="nodes of D/M devices each: place experts on nodes first (fewest nodes per token, E[N_T]), "
+        "then on each node's devices (E[C_T]); device ids node-major (default 1: flat)",
+    )
+    p.add_argument(
+        "--method", "-m", choices=PLACE_METHODS, default="hypergraph", help="placement solver (default hypergraph)"
+    )
+    p.add_argument(
+        "--out",
+        "-o",
+        help="write the placement JSON to this file ('-': stdout, the report then on stderr; "
+        "a device or FIFO is written in place; default: none)",
+    )
+    p.add_argument(
+        "--max-load",
+        type=positive_float,
+        metavar="RATIO",
+        help="bound on max/mean per-device token-expert load, e.g. 1.1",
+    )
     p.add_argument("--seed", type=seed_int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
-    p.add_argument("--jobs", "-j", type=positive_int, help="worker processes solving layers in parallel (default: one per CPU for large traces)")
-    p.add_argument("--kahypar-tokens", type=positive_int, default=DEFAULT_KAHYPAR_TOKENS,
-                   help=f"tokens per layer Mt-KaHyPar sees; the refinement uses all (default {DEFAULT_KAHYPAR_TOKENS})")
+    p.add_argument(
+        "--jobs",
+        "-j",
+        type=positive_int,
+        help="worker processes solving layers in parallel (default: one per CPU for large traces)",
+    )
+    p.add_argument(
+        "--kahypar-tokens",
+        type=positive_int,
+        default=DEFAULT_KAHYPAR_TOKENS,
+        help=f"tokens per layer Mt-KaHyPar sees; the refinement uses all (default {DEFAULT_KAHYPAR_TOKENS})",
+    )
     _add_report_args(p)
 
 
@@ -324,8 +374,14 @@ def run_place(args: argparse.Namespace) -> int:
 def _add_stats_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="routing trace (.safetensors)")
     p.add_argument("--placement", "-p", help="placement JSON (default: contiguous on --devices)")
-    p.add_argument("--devices", "-d", type=positive_int, help="devices, when no --placement is given (must match it otherwise)")
-    p.add_argument("--nodes", type=positive_int, help="nodes, when no --placement is given (default 1; a placement's own num_nodes otherwise)")
+    p.add_argument(
+        "--devices", "-d", type=positive_int, help="devices, when no --placement is given (must match it otherwise)"
+    )
+    p.add_argument(
+        "--nodes",
+        type=positive_int,
+        help="nodes, when no --placement is given (default 1; a placement's own num_nodes otherwise)",
+    )
     _add_report_args(p)
 
 
@@ -347,7 +403,9 @@ def run_stats(args: argparse.Namespace) -> int:
             f"--devices {args.devices} does not match the placement, which is for {placement.num_devices} devices"
         )
     if placement is not None and args.nodes is not None and args.nodes != placement.num_nodes:
-        raise CommandError(f"--nodes {args.nodes} does not match the placement, which has {placement.num_nodes} node(s)")
+        raise CommandError(
+            f"--nodes {args.nodes} does not match the placement, which has {placement.num_nodes} node(s)"
+        )
     nodes = args.nodes or 1
     if placement is None and args.devices % nodes:
         raise CommandError(f"--nodes {nodes} must divide --devices {args.devices}")
@@ -362,7 +420,9 @@ def run_stats(args: argparse.Namespace) -> int:
     name = "placement" if args.placement else "contiguous"
     contiguous = Placement.contiguous(trace.num_experts, placement.num_devices, trace.num_layers, placement.num_nodes)
     plotted = _maybe_plot(args, trace, coacts, placement, contiguous, ("contiguous", name))
-    report.update(command="stats", trace=args.trace, placement_file=args.placement, plot=args.plot, plotted_layers=plotted)
+    report.update(
+        command="stats", trace=args.trace, placement_file=args.placement, plot=args.plot, plotted_layers=plotted
+    )
     if args.json:
         _print_json(report)
         return 0
@@ -374,5 +434,7 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-PLACE = Command("place", "solve an expert placement from a routing trace and report E[C_T] and bytes", _add_place_args, run_place)
+PLACE = Command(
+    "place", "solve an expert placement from a routing trace and report E[C_T] and bytes", _add_place_args, run_place
+)
 STATS = Command("stats", "collaboration statistics of a trace under a placement", _add_stats_args, run_stats)

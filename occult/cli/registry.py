@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

@@ -29,12 +29,31 @@ from occult.kernels.pairs import e_pow2, grouped_pid, max_tiles, tile_lookup, ti
 
 @triton.jit
 def _gather_gemm_swiglu_kernel(
-    x_ptr, pair_ptr, offsets_ptr, w_ptr, gate_ptr, h_ptr, ab_ptr,
-    num_experts, num_slots, H, F,
-    stride_xr, stride_we, stride_wf, stride_wh,
-    SAVE_AB: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, E_POW2: tl.constexpr, FLATTEN: tl.constexpr,
+    x_ptr,
+    pair_ptr,
+    offsets_ptr,
+    w_ptr,
+    gate_ptr,
+    h_ptr,
+    ab_ptr,
+    num_experts,
+    num_slots,
+    H,
+    F,
+    stride_xr,
+    stride_we,
+    stride_wf,
+    stride_wh,
+    SAVE_AB: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -52,8 +71,12 @@ def _gather_gemm_swiglu_kernel(
         offs_nw = offs_n % F
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + row[:, None] * stride_xr + offs_k[None, :]
-        wg_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
-                   + offs_nw[None, :].to(tl.int64) * stride_wf + offs_k[:, None] * stride_wh)
+        wg_ptrs = (
+            w_ptr
+            + expert.to(tl.int64) * stride_we
+            + offs_nw[None, :].to(tl.int64) * stride_wf
+            + offs_k[:, None] * stride_wh
+        )
         wu_ptrs = wg_ptrs + F * stride_wf
         acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -89,13 +112,30 @@ def _gather_gemm_swiglu_kernel(
 
 @triton.jit
 def _gemm_scatter_kernel(
-    a_ptr, pair_ptr, offsets_ptr, b_ptr, out_ptr,
-    num_experts, num_slots, N, KD,
-    stride_am, stride_be, stride_bk, stride_bn, stride_om,
-    ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    a_ptr,
+    pair_ptr,
+    offsets_ptr,
+    b_ptr,
+    out_ptr,
+    num_experts,
+    num_slots,
+    N,
+    KD,
+    stride_am,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_om,
+    ATOMIC: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
     PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, E_POW2: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -112,8 +152,12 @@ def _gemm_scatter_kernel(
         offs_nw = offs_n % N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be
-                  + offs_k[:, None] * stride_bk + offs_nw[None, :].to(tl.int64) * stride_bn)
+        b_ptrs = (
+            b_ptr
+            + expert.to(tl.int64) * stride_be
+            + offs_k[:, None] * stride_bk
+            + offs_nw[None, :].to(tl.int64) * stride_bn
+        )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(KD, BLOCK_K)):
             if EVEN_K:
@@ -183,13 +227,33 @@ def gather_gemm_swiglu(
     upcast, prec = dot_flags(x_RH.dtype)
     grid = (num_programs(x_RH.device, tiles, cfg.ctas_per_sm),)
     _gather_gemm_swiglu_kernel[grid](
-        x_RH, pair_P, offsets_E1, gate_up_EFH, gates_flat, h_PF, ab_PF2 if save_ab else h_PF,
-        num_experts, num_slots, hidden, ffn,
-        x_RH.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2),
-        SAVE_AB=save_ab, EVEN_K=hidden % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, E_POW2=e_pow2(num_experts), FLATTEN=cfg.flatten,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x_RH,
+        pair_P,
+        offsets_E1,
+        gate_up_EFH,
+        gates_flat,
+        h_PF,
+        ab_PF2 if save_ab else h_PF,
+        num_experts,
+        num_slots,
+        hidden,
+        ffn,
+        x_RH.stride(0),
+        gate_up_EFH.stride(0),
+        gate_up_EFH.stride(1),
+        gate_up_EFH.stride(2),
+        SAVE_AB=save_ab,
+        EVEN_K=hidden % cfg.block_k == 0,
+        UPCAST=upcast,
+        PREC=prec,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        E_POW2=e_pow2(num_experts),
+        FLATTEN=cfg.flatten,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return h_PF, ab_PF2
 
@@ -217,12 +281,31 @@ def gemm_scatter(
     upcast, prec = dot_flags(a_PK.dtype)
     grid = (num_programs(a_PK.device, tiles, cfg.ctas_per_sm),)
     _gemm_scatter_kernel[grid](
-        a_PK, pair_P, offsets_E1, b_EKN, out,
-        num_experts, num_slots, n, kd,
-        a_PK.stride(0), b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2), out.stride(0),
-        ATOMIC=atomic, EVEN_K=kd % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, E_POW2=e_pow2(num_experts), FLATTEN=cfg.flatten,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a_PK,
+        pair_P,
+        offsets_E1,
+        b_EKN,
+        out,
+        num_experts,
+        num_slots,
+        n,
+        kd,
+        a_PK.stride(0),
+        b_EKN.stride(0),
+        b_EKN.stride(1),
+        b_EKN.stride(2),
+        out.stride(0),
+        ATOMIC=atomic,
+        EVEN_K=kd % cfg.block_k == 0,
+        UPCAST=upcast,
+        PREC=prec,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        E_POW2=e_pow2(num_experts),
+        FLATTEN=cfg.flatten,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

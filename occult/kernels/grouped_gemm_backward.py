@@ -29,8 +29,7 @@ from occult.kernels.pairs import e_pow2, grouped_pid, max_tiles, tile_lookup, ti
 
 
 @triton.jit
-def _swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F,
-                           WIDTH: tl.constexpr):
+def _swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, WIDTH: tl.constexpr):
     """SwiGLU backward of the `WIDTH` columns from `first_n` of one tile: stores d[a; b], returns
     the partial gate gradient `<u, h>` of each row over these columns."""
     offs_n = first_n + tl.arange(0, WIDTH)
@@ -54,12 +53,33 @@ def _swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, d
 
 @triton.jit
 def _swiglu_dgrad_kernel(
-    dy_ptr, pair_ptr, offsets_ptr, w_ptr, ab_ptr, gate_ptr, dab_ptr, dg_ptr,
-    num_experts, num_slots, num_pairs_bound, H, F,
-    stride_dyr, stride_we, stride_wh, stride_wf,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, E_POW2: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr,
+    dy_ptr,
+    pair_ptr,
+    offsets_ptr,
+    w_ptr,
+    ab_ptr,
+    gate_ptr,
+    dab_ptr,
+    dg_ptr,
+    num_experts,
+    num_slots,
+    num_pairs_bound,
+    H,
+    F,
+    stride_dyr,
+    stride_we,
+    stride_wh,
+    stride_wf,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -77,8 +97,12 @@ def _swiglu_dgrad_kernel(
         offs_nw = offs_n % F
         offs_k = tl.arange(0, BLOCK_K)
         dy_ptrs = dy_ptr + row[:, None] * stride_dyr + offs_k[None, :]
-        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
-                  + offs_k[:, None].to(tl.int64) * stride_wh + offs_nw[None, :] * stride_wf)
+        w_ptrs = (
+            w_ptr
+            + expert.to(tl.int64) * stride_we
+            + offs_k[:, None].to(tl.int64) * stride_wh
+            + offs_nw[None, :] * stride_wf
+        )
         u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_K)):
             if EVEN_K:
@@ -100,8 +124,9 @@ def _swiglu_dgrad_kernel(
         if SPLIT == 2:
             u0, u1 = tl.split(tl.permute(tl.reshape(u, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             dg = _swiglu_dgrad_epilogue(u0, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N // 2)
-            dg += _swiglu_dgrad_epilogue(u1, offs_m, mask_m, pair, first_n + BLOCK_N // 2, ab_ptr, gate_ptr, dab_ptr,
-                                         F, BLOCK_N // 2)
+            dg += _swiglu_dgrad_epilogue(
+                u1, offs_m, mask_m, pair, first_n + BLOCK_N // 2, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N // 2
+            )
         else:
             dg = _swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N)
         tl.store(dg_ptr + tile_n.to(tl.int64) * num_pairs_bound + pair, dg, mask=mask_m)
@@ -109,12 +134,26 @@ def _swiglu_dgrad_kernel(
 
 @triton.jit
 def _weight_grad_kernel(
-    a_ptr, b_ptr, pair_ptr, offsets_ptr, out_ptr,
-    num_slots, M, N,
-    stride_a, stride_b, stride_oe, stride_om, stride_on,
-    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    pair_ptr,
+    offsets_ptr,
+    out_ptr,
+    num_slots,
+    M,
+    N,
+    stride_a,
+    stride_b,
+    stride_oe,
+    stride_om,
+    stride_on,
+    A_GATHER: tl.constexpr,
+    B_GATHER: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -137,7 +176,7 @@ def _weight_grad_kernel(
     # double-buffered with a full wait every step (`async_wait num = 0`).
     offs_p = start + tl.arange(0, BLOCK_K)
     rows = (tl.load(pair_ptr + offs_p, mask=offs_p < end, other=0) // num_slots).to(tl.int64)
-    for it in range(0, tl.cdiv(end - start, BLOCK_K)):
+    for _it in range(0, tl.cdiv(end - start, BLOCK_K)):
         mask_p = offs_p < end
         rows_a = rows if A_GATHER else offs_p.to(tl.int64)
         rows_b = rows if B_GATHER else offs_p.to(tl.int64)
@@ -149,8 +188,12 @@ def _weight_grad_kernel(
         acc = tl.dot(tl.trans(at), bt, acc, input_precision=PREC)
         offs_p += BLOCK_K
         rows = (tl.load(pair_ptr + offs_p, mask=offs_p < end, other=0) // num_slots).to(tl.int64)
-    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe
-                + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on)
+    out_ptrs = (
+        out_ptr
+        + expert.to(tl.int64) * stride_oe
+        + offs_m.to(tl.int64)[:, None] * stride_om
+        + offs_n[None, :] * stride_on
+    )
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -175,13 +218,35 @@ def swiglu_dgrad(
     tiles = max_tiles(bound, num_experts, cfg.block_m) * tiles_n
     grid = (num_programs(dy_RH.device, tiles, cfg.ctas_per_sm),)
     _swiglu_dgrad_kernel[grid](
-        dy_RH, pair_P, offsets_E1, down_EHF, ab_PF2, gates_flat, dab, dg_part,
-        num_experts, num_slots, bound, hidden, ffn,
-        dy_RH.stride(0), down_EHF.stride(0), down_EHF.stride(1), down_EHF.stride(2),
-        EVEN_K=hidden % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, E_POW2=e_pow2(num_experts), FLATTEN=cfg.flatten, SPLIT=cfg.split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        dy_RH,
+        pair_P,
+        offsets_E1,
+        down_EHF,
+        ab_PF2,
+        gates_flat,
+        dab,
+        dg_part,
+        num_experts,
+        num_slots,
+        bound,
+        hidden,
+        ffn,
+        dy_RH.stride(0),
+        down_EHF.stride(0),
+        down_EHF.stride(1),
+        down_EHF.stride(2),
+        EVEN_K=hidden % cfg.block_k == 0,
+        UPCAST=upcast,
+        PREC=prec,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        E_POW2=e_pow2(num_experts),
+        FLATTEN=cfg.flatten,
+        SPLIT=cfg.split,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     dg = dg_part[0] if tiles_n == 1 else dg_part.sum(0)
     return dab, dg
@@ -209,11 +274,27 @@ def weight_grad(
     if grid[0] == 0:
         return out
     _weight_grad_kernel[grid](
-        a, b, pair_P, offsets_E1, out,
-        num_slots, m, n,
-        a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        A_GATHER=a_gather, B_GATHER=b_gather, UPCAST=upcast, PREC=prec,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a,
+        b,
+        pair_P,
+        offsets_E1,
+        out,
+        num_slots,
+        m,
+        n,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        A_GATHER=a_gather,
+        B_GATHER=b_gather,
+        UPCAST=upcast,
+        PREC=prec,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

@@ -47,9 +47,17 @@ def use_grouped_mm(t: torch.Tensor, *widths: int, which: str = "wgrad") -> bool:
 
 @triton.jit
 def _gather_pair_rows_kernel(
-    src_ptr, pair_ptr, offsets_ptr, out_ptr,
-    num_experts, num_slots, N, stride_src, stride_out,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    src_ptr,
+    pair_ptr,
+    offsets_ptr,
+    out_ptr,
+    num_experts,
+    num_slots,
+    N,
+    stride_src,
+    stride_out,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -86,11 +94,22 @@ def gather_pair_rows(
     block_n = min(cfg.block_n, triton.next_power_of_2(n))
     programs = triton.cdiv(bound, cfg.block_m)
     if not _config.interpreting() and src_RN.is_cuda:
-        programs = min(programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(src_RN.device).multi_processor_count)
+        programs = min(
+            programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(src_RN.device).multi_processor_count
+        )
     _gather_pair_rows_kernel[(max(1, programs),)](
-        src_RN, pair_P, offsets_E1, out,
-        offsets_E1.numel() - 1, num_slots, n, src_RN.stride(0), out.stride(0),
-        BLOCK_R=cfg.block_m, BLOCK_N=block_n, num_warps=cfg.num_warps,
+        src_RN,
+        pair_P,
+        offsets_E1,
+        out,
+        offsets_E1.numel() - 1,
+        num_slots,
+        n,
+        src_RN.stride(0),
+        out.stride(0),
+        BLOCK_R=cfg.block_m,
+        BLOCK_N=block_n,
+        num_warps=cfg.num_warps,
     )
     return out
 
@@ -103,9 +122,18 @@ def grouped_weight_grad(a_PM: torch.Tensor, b_PN: torch.Tensor, offsets_E1: torc
 
 @triton.jit
 def _swiglu_backward_rows_kernel(
-    u_ptr, ab_ptr, pair_ptr, offsets_ptr, gate_ptr, dab_ptr, dg_ptr,
-    num_experts, F, stride_u,
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+    u_ptr,
+    ab_ptr,
+    pair_ptr,
+    offsets_ptr,
+    gate_ptr,
+    dab_ptr,
+    dg_ptr,
+    num_experts,
+    F,
+    stride_u,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -154,9 +182,19 @@ def swiglu_backward_rows(
     if not _config.interpreting() and u_PF.is_cuda:
         programs = min(programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(u_PF.device).multi_processor_count)
     _swiglu_backward_rows_kernel[(max(1, programs),)](
-        u_PF, ab_PF2, pair_P, offsets_E1, gates_flat, dab, dg,
-        offsets_E1.numel() - 1, ffn, u_PF.stride(0),
-        BLOCK_R=cfg.block_m, BLOCK_F=min(cfg.block_n, triton.next_power_of_2(ffn)), num_warps=cfg.num_warps,
+        u_PF,
+        ab_PF2,
+        pair_P,
+        offsets_E1,
+        gates_flat,
+        dab,
+        dg,
+        offsets_E1.numel() - 1,
+        ffn,
+        u_PF.stride(0),
+        BLOCK_R=cfg.block_m,
+        BLOCK_F=min(cfg.block_n, triton.next_power_of_2(ffn)),
+        num_warps=cfg.num_warps,
     )
     return dab, dg
 

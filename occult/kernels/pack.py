@@ -28,9 +28,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _pack_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, bx_ptr, bg_ptr, bs_ptr,
-                 K, x_stride, bx_stride, bw_stride, gate_col, slot_col,
-                 H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr):
+def _pack_kernel(
+    x_ptr,
+    token_ptr,
+    w_ptr,
+    entry_ptr,
+    slot_ptr,
+    bx_ptr,
+    bg_ptr,
+    bs_ptr,
+    K,
+    x_stride,
+    bx_stride,
+    bw_stride,
+    gate_col,
+    slot_col,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    K_POW2: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     tok = tl.load(token_ptr + row)
     used = tok >= 0
@@ -48,10 +64,30 @@ def _pack_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, bx_ptr, bg_ptr, b
 
 
 @triton.jit
-def _unpack_kernel(bx_ptr, bg_ptr, bs_ptr, counts_ptr, x_ptr, gates_ptr, slots_ptr, counts_out_ptr, statuses_ptr,
-                   statuses_out_ptr, K, stride, bx_stride, bw_stride, gate_col, slot_col, D,
-                   H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr,
-                   HAS_STATUS: tl.constexpr):
+def _unpack_kernel(
+    bx_ptr,
+    bg_ptr,
+    bs_ptr,
+    counts_ptr,
+    x_ptr,
+    gates_ptr,
+    slots_ptr,
+    counts_out_ptr,
+    statuses_ptr,
+    statuses_out_ptr,
+    K,
+    stride,
+    bx_stride,
+    bw_stride,
+    gate_col,
+    slot_col,
+    D,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    K_POW2: tl.constexpr,
+    D_POW2: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     if row == 0:  # the counts (and statuses) out of the buffer's head, which the next all-to-all reuses
         r = tl.arange(0, D_POW2)
@@ -72,10 +108,31 @@ def _unpack_kernel(bx_ptr, bg_ptr, bs_ptr, counts_ptr, x_ptr, gates_ptr, slots_p
 
 
 @triton.jit
-def _pack_push_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, counts_ptr, status_ptr, peer_rows_ptr,
-                      peer_counts_ptr, K, x_stride, rank, stride_rows, row_bytes, gate_byte, slot_byte, D, status_slot,
-                      H: tl.constexpr, BLOCK_H: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr,
-                      HAS_STATUS: tl.constexpr):
+def _pack_push_kernel(
+    x_ptr,
+    token_ptr,
+    w_ptr,
+    entry_ptr,
+    slot_ptr,
+    counts_ptr,
+    status_ptr,
+    peer_rows_ptr,
+    peer_counts_ptr,
+    K,
+    x_stride,
+    rank,
+    stride_rows,
+    row_bytes,
+    gate_byte,
+    slot_byte,
+    D,
+    status_slot,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    K_POW2: tl.constexpr,
+    D_POW2: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     ranks = tl.arange(0, D_POW2)
     counts = tl.load(counts_ptr + ranks, mask=ranks < D, other=0)
@@ -106,10 +163,23 @@ def _pack_push_kernel(x_ptr, token_ptr, w_ptr, entry_ptr, slot_ptr, counts_ptr, 
         tl.store((row_at + slot_byte).to(tl.pointer_type(tl.int32)) + k, slot.to(tl.int32), mask=k < K)
 
 
-def pack_push_rows(x_TH: torch.Tensor, token_P: torch.Tensor, weights_TK: torch.Tensor, entry_PK: torch.Tensor,
-                   slot_PK: torch.Tensor, gate_byte: int, slot_byte: int, row_bytes: int, counts_D: torch.Tensor,
-                   peer_rows_D: torch.Tensor, peer_counts_D: torch.Tensor, rank: int, stride_rows: int,
-                   status: torch.Tensor | None, status_slot: int) -> None:
+def pack_push_rows(
+    x_TH: torch.Tensor,
+    token_P: torch.Tensor,
+    weights_TK: torch.Tensor,
+    entry_PK: torch.Tensor,
+    slot_PK: torch.Tensor,
+    gate_byte: int,
+    slot_byte: int,
+    row_bytes: int,
+    counts_D: torch.Tensor,
+    peer_rows_D: torch.Tensor,
+    peer_counts_D: torch.Tensor,
+    rank: int,
+    stride_rows: int,
+    status: torch.Tensor | None,
+    status_slot: int,
+) -> None:
     """`pack_rows` into the peers' receive regions directly (module docstring): plan rows packed by
     destination (`counts_D[d]` rows to rank d, int64 on the device), rows of `row_bytes` there;
     `peer_rows_D`, `peer_counts_D`, `status_slot` as for `occult.kernels.push.push_rows`."""
@@ -117,11 +187,29 @@ def pack_push_rows(x_TH: torch.Tensor, token_P: torch.Tensor, weights_TK: torch.
     D = counts_D.shape[0]
     x_TH, weights = x_TH.contiguous(), weights_TK.contiguous()
     _pack_push_kernel[(max(num_rows, 1),)](
-        x_TH, token_P.contiguous(), weights, entry_PK.contiguous(), slot_PK.contiguous(), counts_D,
-        counts_D if status is None else status, peer_rows_D, peer_counts_D, num_k, x_TH.stride(0), rank,
-        stride_rows, row_bytes, gate_byte, slot_byte, D, status_slot,
-        H=x_TH.shape[1], BLOCK_H=_block_h(x_TH.shape[1]), K_POW2=triton.next_power_of_2(max(num_k, 1)),
-        D_POW2=triton.next_power_of_2(D), HAS_STATUS=status is not None,
+        x_TH,
+        token_P.contiguous(),
+        weights,
+        entry_PK.contiguous(),
+        slot_PK.contiguous(),
+        counts_D,
+        counts_D if status is None else status,
+        peer_rows_D,
+        peer_counts_D,
+        num_k,
+        x_TH.stride(0),
+        rank,
+        stride_rows,
+        row_bytes,
+        gate_byte,
+        slot_byte,
+        D,
+        status_slot,
+        H=x_TH.shape[1],
+        BLOCK_H=_block_h(x_TH.shape[1]),
+        K_POW2=triton.next_power_of_2(max(num_k, 1)),
+        D_POW2=triton.next_power_of_2(D),
+        HAS_STATUS=status is not None,
     )
 
 
@@ -133,8 +221,16 @@ def _block_h(hidden: int) -> int:
     return min(1024, triton.next_power_of_2(max(hidden, 16)))
 
 
-def pack_rows(buf_NW: torch.Tensor, x_TH: torch.Tensor, token_P: torch.Tensor, weights_TK: torch.Tensor,
-              entry_PK: torch.Tensor, slot_PK: torch.Tensor, gate_byte: int, slot_byte: int) -> None:
+def pack_rows(
+    buf_NW: torch.Tensor,
+    x_TH: torch.Tensor,
+    token_P: torch.Tensor,
+    weights_TK: torch.Tensor,
+    entry_PK: torch.Tensor,
+    slot_PK: torch.Tensor,
+    gate_byte: int,
+    slot_byte: int,
+) -> None:
     """Write plan rows (activation, fp32 gates at byte `gate_byte`, int32 slots at `slot_byte`) into
     the first rows of the byte buffer `buf_NW` [N, W] (module docstring)."""
     num_rows, num_k = entry_PK.shape
@@ -143,15 +239,39 @@ def pack_rows(buf_NW: torch.Tensor, x_TH: torch.Tensor, token_P: torch.Tensor, w
     bx, bg, bs = _views(buf_NW, x_TH.dtype)
     x_TH, weights = x_TH.contiguous(), weights_TK.contiguous()
     _pack_kernel[(num_rows,)](
-        x_TH, token_P.contiguous(), weights, entry_PK.contiguous(), slot_PK.contiguous(), bx, bg, bs,
-        num_k, x_TH.stride(0), bx.stride(0), bg.stride(0), gate_byte // 4, slot_byte // 4,
-        H=x_TH.shape[1], BLOCK_H=_block_h(x_TH.shape[1]), K_POW2=triton.next_power_of_2(num_k),
+        x_TH,
+        token_P.contiguous(),
+        weights,
+        entry_PK.contiguous(),
+        slot_PK.contiguous(),
+        bx,
+        bg,
+        bs,
+        num_k,
+        x_TH.stride(0),
+        bx.stride(0),
+        bg.stride(0),
+        gate_byte // 4,
+        slot_byte // 4,
+        H=x_TH.shape[1],
+        BLOCK_H=_block_h(x_TH.shape[1]),
+        K_POW2=triton.next_power_of_2(num_k),
     )
 
 
-def unpack_rows(buf_NW: torch.Tensor, num_rows: int, hidden: int, num_k: int, dtype: torch.dtype,
-                gates_dtype: torch.dtype, counts_D: torch.Tensor, stride: int, gate_byte: int,
-                slot_byte: int, statuses_D: torch.Tensor | None = None):
+def unpack_rows(
+    buf_NW: torch.Tensor,
+    num_rows: int,
+    hidden: int,
+    num_k: int,
+    dtype: torch.dtype,
+    gates_dtype: torch.dtype,
+    counts_D: torch.Tensor,
+    stride: int,
+    gate_byte: int,
+    slot_byte: int,
+    statuses_D: torch.Tensor | None = None,
+):
     """(x [R, H], gates [R, K], slots [R, K] int64, a copy of `counts_D`, a copy of `statuses_D` or None)
     from the first R rows of `buf_NW`, regions of `stride` rows, row i valid while
     i % stride < counts_D[i // stride] (module docstring); the copies in the same launch (the
@@ -166,10 +286,27 @@ def unpack_rows(buf_NW: torch.Tensor, num_rows: int, hidden: int, num_k: int, dt
     bx, bg, bs = _views(buf_NW, dtype)
     D = counts_D.shape[0]
     _unpack_kernel[(num_rows,)](
-        bx, bg, bs, counts_D, x, gates, slots, counts_out, counts_D if statuses_D is None else statuses_D,
-        counts_out if statuses_out is None else statuses_out, num_k, stride, bx.stride(0), bg.stride(0),
-        gate_byte // 4, slot_byte // 4, D,
-        H=hidden, BLOCK_H=_block_h(hidden), K_POW2=triton.next_power_of_2(num_k), D_POW2=triton.next_power_of_2(D),
+        bx,
+        bg,
+        bs,
+        counts_D,
+        x,
+        gates,
+        slots,
+        counts_out,
+        counts_D if statuses_D is None else statuses_D,
+        counts_out if statuses_out is None else statuses_out,
+        num_k,
+        stride,
+        bx.stride(0),
+        bg.stride(0),
+        gate_byte // 4,
+        slot_byte // 4,
+        D,
+        H=hidden,
+        BLOCK_H=_block_h(hidden),
+        K_POW2=triton.next_power_of_2(num_k),
+        D_POW2=triton.next_power_of_2(D),
         HAS_STATUS=statuses_D is not None,
     )
     return x, gates, slots, counts_out, statuses_out

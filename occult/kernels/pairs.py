@@ -40,8 +40,18 @@ def _count_kernel(slots_ptr, counts_ptr, n, num_experts, num_blocks, BLOCK: tl.c
 
 
 @triton.jit
-def _place_kernel(slots_ptr, counts_ptr, cum_ptr, pair_ptr, offsets_ptr, n, num_experts, num_blocks,
-                  BLOCK: tl.constexpr, B_POW2: tl.constexpr):
+def _place_kernel(
+    slots_ptr,
+    counts_ptr,
+    cum_ptr,
+    pair_ptr,
+    offsets_ptr,
+    n,
+    num_experts,
+    num_blocks,
+    BLOCK: tl.constexpr,
+    B_POW2: tl.constexpr,
+):
     blk = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     offs = blk * BLOCK + i
@@ -56,7 +66,9 @@ def _place_kernel(slots_ptr, counts_ptr, cum_ptr, pair_ptr, offsets_ptr, n, num_
     if blk == 0:
         bins = tl.arange(0, B_POW2)
         ok = bins <= num_experts
-        first = tl.load(cum_ptr + bins * num_blocks, mask=ok, other=0) - tl.load(counts_ptr + bins * num_blocks, mask=ok, other=0)
+        first = tl.load(cum_ptr + bins * num_blocks, mask=ok, other=0) - tl.load(
+            counts_ptr + bins * num_blocks, mask=ok, other=0
+        )
         tl.store(offsets_ptr + bins, first, mask=ok)
 
 
@@ -81,8 +93,9 @@ def build_pairs(slots_RK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     counts = torch.empty((num_experts + 1) * num_blocks, device=device, dtype=torch.int32)
     _count_kernel[(num_blocks,)](slots, counts, n, num_experts, num_blocks, BLOCK=_PAIR_BLOCK, B_POW2=b_pow2)
     cum = torch.cumsum(counts, 0, dtype=torch.int32)
-    _place_kernel[(num_blocks,)](slots, counts, cum, pair_P, offsets_E1, n, num_experts, num_blocks,
-                                 BLOCK=_PAIR_BLOCK, B_POW2=b_pow2)
+    _place_kernel[(num_blocks,)](
+        slots, counts, cum, pair_P, offsets_E1, n, num_experts, num_blocks, BLOCK=_PAIR_BLOCK, B_POW2=b_pow2
+    )
     return pair_P, offsets_E1
 
 

@@ -38,8 +38,9 @@ from occult.kernels import config as _config  # noqa: F401  (applies the interpr
 
 
 @triton.jit
-def _used(ids_ptr, device_of_ptr, blk, num_tokens, top_k, BLOCK_T: tl.constexpr, K_POW2: tl.constexpr,
-          D_POW2: tl.constexpr):
+def _used(
+    ids_ptr, device_of_ptr, blk, num_tokens, top_k, BLOCK_T: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr
+):
     """Tokens of block `blk`: their ids' devices [T, K] (-1 padding) and used[t, d] (int32)."""
     t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, K_POW2)
@@ -53,8 +54,18 @@ def _used(ids_ptr, device_of_ptr, blk, num_tokens, top_k, BLOCK_T: tl.constexpr,
 
 
 @triton.jit
-def _count_kernel(ids_ptr, device_of_ptr, counts_ptr, num_tokens, top_k, num_devices, num_blocks,
-                  BLOCK_T: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr):
+def _count_kernel(
+    ids_ptr,
+    device_of_ptr,
+    counts_ptr,
+    num_tokens,
+    top_k,
+    num_devices,
+    num_blocks,
+    BLOCK_T: tl.constexpr,
+    K_POW2: tl.constexpr,
+    D_POW2: tl.constexpr,
+):
     blk = tl.program_id(0)
     t, j, ids_TK, dev_TK, d, used_TD = _used(ids_ptr, device_of_ptr, blk, num_tokens, top_k, BLOCK_T, K_POW2, D_POW2)
     # device-major: counts[d * num_blocks + blk], so a flat cumsum numbers rows device by device
@@ -62,20 +73,38 @@ def _count_kernel(ids_ptr, device_of_ptr, counts_ptr, num_tokens, top_k, num_dev
 
 
 @triton.jit
-def _place_kernel(ids_ptr, device_of_ptr, slot_of_ptr, counts_ptr, cum_ptr, rows_ptr, row_TJ_ptr,
-                  num_tokens, top_k, num_devices, num_blocks, row_stride,
-                  BLOCK_T: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr):
+def _place_kernel(
+    ids_ptr,
+    device_of_ptr,
+    slot_of_ptr,
+    counts_ptr,
+    cum_ptr,
+    rows_ptr,
+    row_TJ_ptr,
+    num_tokens,
+    top_k,
+    num_devices,
+    num_blocks,
+    row_stride,
+    BLOCK_T: tl.constexpr,
+    K_POW2: tl.constexpr,
+    D_POW2: tl.constexpr,
+):
     blk = tl.program_id(0)
     t, j, ids_TK, dev_TK, d, used_TD = _used(ids_ptr, device_of_ptr, blk, num_tokens, top_k, BLOCK_T, K_POW2, D_POW2)
     d_ok = d < num_devices
-    start_D = (tl.load(cum_ptr + d * num_blocks + blk, mask=d_ok, other=0)
-               - tl.load(counts_ptr + d * num_blocks + blk, mask=d_ok, other=0))
+    start_D = tl.load(cum_ptr + d * num_blocks + blk, mask=d_ok, other=0) - tl.load(
+        counts_ptr + d * num_blocks + blk, mask=d_ok, other=0
+    )
     rank_TD = tl.cumsum(used_TD, axis=0) - used_TD  # tokens of this block before t that use d
     row_TD = start_D[None, :] + rank_TD
     in_T = t < num_tokens
     live_TD = (used_TD > 0) & in_T[:, None] & d_ok[None, :]
-    tl.store(row_TJ_ptr + t[:, None] * num_devices + d[None, :], tl.where(live_TD, row_TD, -1),
-             mask=in_T[:, None] & d_ok[None, :])
+    tl.store(
+        row_TJ_ptr + t[:, None] * num_devices + d[None, :],
+        tl.where(live_TD, row_TD, -1),
+        mask=in_T[:, None] & d_ok[None, :],
+    )
     # a row holds [token, entries (K), slots (K)]
     base_TD = row_TD.to(tl.int64) * row_stride
     tl.store(rows_ptr + base_TD, t.to(tl.int64)[:, None] + 0 * base_TD, mask=live_TD)
@@ -101,8 +130,9 @@ def _clamped_ids(ids_ptr, num_tokens, top_k, num_experts, BLOCK_T: tl.constexpr,
 
 
 @triton.jit
-def _checked_ids(ids_ptr, w_ptr, status_ptr, num_tokens, top_k, num_experts, BLOCK_T: tl.constexpr,
-                 K_POW2: tl.constexpr):
+def _checked_ids(
+    ids_ptr, w_ptr, status_ptr, num_tokens, top_k, num_experts, BLOCK_T: tl.constexpr, K_POW2: tl.constexpr
+):
     """A batch's ids [T, K] clamped into [0, E), and its routing status stored (2 ids out of range,
     else 1 NaN/inf gates, else 0; gates checked in fp32)."""
     t, j, in_T, valid_TK, raw_TK, ids_TK = _clamped_ids(ids_ptr, num_tokens, top_k, num_experts, BLOCK_T, K_POW2)
@@ -114,20 +144,51 @@ def _checked_ids(ids_ptr, w_ptr, status_ptr, num_tokens, top_k, num_experts, BLO
 
 
 @triton.jit
-def _routed_slots_kernel(ids_ptr, w_ptr, slot_of_ptr, slots_ptr, status_ptr, num_tokens, top_k, num_experts,
-                         BLOCK_T: tl.constexpr, K_POW2: tl.constexpr):
-    t, j, in_T, valid_TK, ids_TK = _checked_ids(ids_ptr, w_ptr, status_ptr, num_tokens, top_k, num_experts,
-                                                BLOCK_T, K_POW2)
+def _routed_slots_kernel(
+    ids_ptr,
+    w_ptr,
+    slot_of_ptr,
+    slots_ptr,
+    status_ptr,
+    num_tokens,
+    top_k,
+    num_experts,
+    BLOCK_T: tl.constexpr,
+    K_POW2: tl.constexpr,
+):
+    t, j, in_T, valid_TK, ids_TK = _checked_ids(
+        ids_ptr, w_ptr, status_ptr, num_tokens, top_k, num_experts, BLOCK_T, K_POW2
+    )
     tl.store(slots_ptr + t[:, None] * top_k + j[None, :], tl.load(slot_of_ptr + ids_TK, mask=valid_TK), mask=valid_TK)
 
 
 @triton.jit
-def _routed_plan_kernel(ids_ptr, w_ptr, device_of_ptr, slot_of_ptr, rows_ptr, row_TJ_ptr, counts_ptr, status_ptr,
-                        num_tokens, top_k, pair_k, num_devices, num_experts, capacity, row_stride,
-                        BLOCK_T: tl.constexpr, K_POW2: tl.constexpr, D_POW2: tl.constexpr, C_POW2: tl.constexpr,
-                        BLOCK_R: tl.constexpr, PAIRS: tl.constexpr):
-    t, j, in_T, valid_TK, ids_TK = _checked_ids(ids_ptr, w_ptr, status_ptr, num_tokens, top_k, num_experts,
-                                                BLOCK_T, K_POW2)
+def _routed_plan_kernel(
+    ids_ptr,
+    w_ptr,
+    device_of_ptr,
+    slot_of_ptr,
+    rows_ptr,
+    row_TJ_ptr,
+    counts_ptr,
+    status_ptr,
+    num_tokens,
+    top_k,
+    pair_k,
+    num_devices,
+    num_experts,
+    capacity,
+    row_stride,
+    BLOCK_T: tl.constexpr,
+    K_POW2: tl.constexpr,
+    D_POW2: tl.constexpr,
+    C_POW2: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PAIRS: tl.constexpr,
+):
+    t, j, in_T, valid_TK, ids_TK = _checked_ids(
+        ids_ptr, w_ptr, status_ptr, num_tokens, top_k, num_experts, BLOCK_T, K_POW2
+    )
     dev_TK = tl.load(device_of_ptr + ids_TK, mask=valid_TK, other=-1)
     d = tl.arange(0, D_POW2)
     d_ok = d < num_devices
@@ -140,8 +201,11 @@ def _routed_plan_kernel(ids_ptr, w_ptr, device_of_ptr, slot_of_ptr, rows_ptr, ro
         tl.store(row_TJ_ptr + t, tl.max(tl.where(live_TD, row_TD, -1), axis=1), mask=in_T)
         token_T = t // pair_k
     else:
-        tl.store(row_TJ_ptr + t[:, None] * num_devices + d[None, :], tl.where(live_TD, row_TD, -1),
-                 mask=in_T[:, None] & d_ok[None, :])
+        tl.store(
+            row_TJ_ptr + t[:, None] * num_devices + d[None, :],
+            tl.where(live_TD, row_TD, -1),
+            mask=in_T[:, None] & d_ok[None, :],
+        )
         token_T = t
     base_TD = row_TD.to(tl.int64) * row_stride
     tl.store(rows_ptr + base_TD, token_T.to(tl.int64)[:, None] + 0 * base_TD, mask=live_TD)
@@ -149,15 +213,21 @@ def _routed_plan_kernel(ids_ptr, w_ptr, device_of_ptr, slot_of_ptr, rows_ptr, ro
     hit_TDK = dev_TK[:, None, :] == d[None, :, None]
     at_TDK = base_TD[:, :, None] + 1 + j[None, None, :]
     mask_TDK = live_TD[:, :, None] & (j[None, None, :] < top_k)
-    tl.store(rows_ptr + at_TDK, tl.where(hit_TDK, (t[:, None, None] * top_k + j[None, None, :]).to(tl.int64), -1),
-             mask=mask_TDK)
+    tl.store(
+        rows_ptr + at_TDK,
+        tl.where(hit_TDK, (t[:, None, None] * top_k + j[None, None, :]).to(tl.int64), -1),
+        mask=mask_TDK,
+    )
     tl.store(rows_ptr + at_TDK + top_k, tl.where(hit_TDK, slot_TK[:, None, :].to(tl.int64), -1), mask=mask_TDK)
     total = tl.sum(count_D, axis=0)
     c = tl.arange(0, C_POW2)
     for r0 in range(0, capacity, BLOCK_R):  # the rows past the true count: all -1
         r = r0 + tl.arange(0, BLOCK_R)
-        tl.store(rows_ptr + r.to(tl.int64)[:, None] * row_stride + c[None, :], tl.full((BLOCK_R, C_POW2), -1, tl.int64),
-                 mask=((r >= total) & (r < capacity))[:, None] & (c < row_stride)[None, :])
+        tl.store(
+            rows_ptr + r.to(tl.int64)[:, None] * row_stride + c[None, :],
+            tl.full((BLOCK_R, C_POW2), -1, tl.int64),
+            mask=((r >= total) & (r < capacity))[:, None] & (c < row_stride)[None, :],
+        )
 
 
 ROUTED_TILE = 8192  # [T, D, K] elements one program of `_routed_plan_kernel` may hold
@@ -174,8 +244,12 @@ def _pow2(n: int) -> int:
 
 
 def routed_plan_rows(
-    ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor,
-    num_devices: int, pairs: bool,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    expert_slot_E: torch.Tensor,
+    num_devices: int,
+    pairs: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token_P, entry_PK, slot_PK, send_counts_D, row_TJ, status) in one launch (module docstring):
     the dedup plan, or with `pairs` the standard one, of ids clamped into range, as `dedup_plan_rows`
@@ -192,31 +266,76 @@ def routed_plan_rows(
     counts = torch.empty(num_devices, dtype=torch.int64, device=dev)
     status = torch.empty((), dtype=torch.int64, device=dev)
     _routed_plan_kernel[(1,)](
-        ids_TK.contiguous(), weights_TK.contiguous(), expert_device_E.contiguous(), expert_slot_E.contiguous(), rows,
-        row_TJ, counts, status, rows_n, k, top_k, num_devices, expert_device_E.shape[0], capacity, rows.stride(0),
-        BLOCK_T=triton.next_power_of_2(rows_n), K_POW2=_pow2(k), D_POW2=_pow2(num_devices),
-        C_POW2=triton.next_power_of_2(1 + 2 * k), BLOCK_R=64, PAIRS=pairs, num_warps=4,
+        ids_TK.contiguous(),
+        weights_TK.contiguous(),
+        expert_device_E.contiguous(),
+        expert_slot_E.contiguous(),
+        rows,
+        row_TJ,
+        counts,
+        status,
+        rows_n,
+        k,
+        top_k,
+        num_devices,
+        expert_device_E.shape[0],
+        capacity,
+        rows.stride(0),
+        BLOCK_T=triton.next_power_of_2(rows_n),
+        K_POW2=_pow2(k),
+        D_POW2=_pow2(num_devices),
+        C_POW2=triton.next_power_of_2(1 + 2 * k),
+        BLOCK_R=64,
+        PAIRS=pairs,
+        num_warps=4,
     )
     return rows[:, 0], rows[:, 1 : 1 + k], rows[:, 1 + k :], counts, row_TJ, status
 
 
-def routed_slots(ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_slot_E: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def routed_slots(
+    ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_slot_E: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(local slots of the clamped ids [T, K] int64, routing status) in one launch: the one-rank
     dispatch's share of `routed_plan_rows` (every expert local). Only where `routed_plan_fits(T, 1, K)`."""
     num_tokens, top_k = ids_TK.shape
     slots = torch.empty((num_tokens, top_k), dtype=torch.int64, device=ids_TK.device)
     status = torch.empty((), dtype=torch.int64, device=ids_TK.device)
-    _routed_slots_kernel[(1,)](ids_TK.contiguous(), weights_TK.contiguous(), expert_slot_E.contiguous(), slots, status,
-                               num_tokens, top_k, expert_slot_E.shape[0], BLOCK_T=triton.next_power_of_2(num_tokens),
-                               K_POW2=_pow2(top_k), num_warps=4)
+    _routed_slots_kernel[(1,)](
+        ids_TK.contiguous(),
+        weights_TK.contiguous(),
+        expert_slot_E.contiguous(),
+        slots,
+        status,
+        num_tokens,
+        top_k,
+        expert_slot_E.shape[0],
+        BLOCK_T=triton.next_power_of_2(num_tokens),
+        K_POW2=_pow2(top_k),
+        num_warps=4,
+    )
     return slots, status
 
 
 @triton.jit
-def _fixed_plan_kernel(ids_ptr, device_of_ptr, slot_of_ptr, rows_ptr, row_TJ_ptr, counts_ptr, num_tokens, top_k,
-                       num_devices, num_experts, per_device, row_stride, BLOCK_T: tl.constexpr, K_POW2: tl.constexpr,
-                       D_POW2: tl.constexpr, J_POW2: tl.constexpr, STANDARD: tl.constexpr):
+def _fixed_plan_kernel(
+    ids_ptr,
+    device_of_ptr,
+    slot_of_ptr,
+    rows_ptr,
+    row_TJ_ptr,
+    counts_ptr,
+    num_tokens,
+    top_k,
+    num_devices,
+    num_experts,
+    per_device,
+    row_stride,
+    BLOCK_T: tl.constexpr,
+    K_POW2: tl.constexpr,
+    D_POW2: tl.constexpr,
+    J_POW2: tl.constexpr,
+    STANDARD: tl.constexpr,
+):
     """The fixed-capacity plans of `occult.moe.plan.static_dedup_plan` / `static_standard_plan`, ids clamped
     (sync-free: nothing is reported); every row written once (no fill, no ordering between stores)."""
     t, j, in_T, valid_TK, _, ids_TK = _clamped_ids(ids_ptr, num_tokens, top_k, num_experts, BLOCK_T, K_POW2)
@@ -231,13 +350,18 @@ def _fixed_plan_kernel(ids_ptr, device_of_ptr, slot_of_ptr, rows_ptr, row_TJ_ptr
         capacity = num_tokens * per_device
         # (an entry past J only comes from ids clamped onto an id the token already has: dropped, as
         # sync-free reports nothing, rather than pointing into another token's rows)
-        tl.store(row_TJ_ptr + t[:, None] * top_k + j[None, :],
-                 tl.where(pos_TK < per_device, dev_TK.to(tl.int64) * capacity + t[:, None] * per_device + pos_TK, -1),
-                 mask=valid_TK)
+        tl.store(
+            row_TJ_ptr + t[:, None] * top_k + j[None, :],
+            tl.where(pos_TK < per_device, dev_TK.to(tl.int64) * capacity + t[:, None] * per_device + pos_TK, -1),
+            mask=valid_TK,
+        )
         m = tl.arange(0, D_POW2 * J_POW2)  # (device, i) pairs on one axis: tiles stay [T, M, K]
         d_M, i_M = m // J_POW2, m % J_POW2
-        match_TMK = ((dev_TK[:, None, :] == d_M[None, :, None]) & (pos_TK[:, None, :] == i_M[None, :, None])
-                     & valid_TK[:, None, :])
+        match_TMK = (
+            (dev_TK[:, None, :] == d_M[None, :, None])
+            & (pos_TK[:, None, :] == i_M[None, :, None])
+            & valid_TK[:, None, :]
+        )
         entry_TM = tl.max(tl.where(match_TMK, entry_TK[:, None, :], -1), axis=2)
         slot_TM = tl.max(tl.where(match_TMK, slot_TK[:, None, :].to(tl.int64), -1), axis=2)
         at_TM = (d_M[None, :].to(tl.int64) * capacity + t[:, None] * per_device + i_M[None, :]) * row_stride
@@ -250,8 +374,11 @@ def _fixed_plan_kernel(ids_ptr, device_of_ptr, slot_of_ptr, rows_ptr, row_TJ_ptr
         row_TD = d[None, :].to(tl.int64) * num_tokens + t[:, None]
         mask_TD = in_T[:, None] & d_ok[None, :]
         hit_TDK = dev_TK[:, None, :] == d[None, :, None]
-        tl.store(row_TJ_ptr + t[:, None] * num_devices + d[None, :],
-                 tl.where(tl.max(hit_TDK.to(tl.int32), axis=2) > 0, row_TD, -1), mask=mask_TD)
+        tl.store(
+            row_TJ_ptr + t[:, None] * num_devices + d[None, :],
+            tl.where(tl.max(hit_TDK.to(tl.int32), axis=2) > 0, row_TD, -1),
+            mask=mask_TD,
+        )
         at_TDK = row_TD[:, :, None] * row_stride + 1 + j[None, None, :]
         mask_TDK = mask_TD[:, :, None] & (j < top_k)[None, None, :]
         tl.store(rows_ptr + row_TD * row_stride, t[:, None].to(tl.int64) + 0 * row_TD, mask=mask_TD)
@@ -268,7 +395,10 @@ def fixed_plan_fits(num_tokens: int, num_devices: int, top_k: int, per_device: i
 
 
 def fixed_plan_rows(
-    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int,
+    ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    expert_slot_E: torch.Tensor,
+    num_devices: int,
     per_device: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token_P, entry_PK, slot_PK, send_counts_D, row_TJ) of the fixed-capacity dedup plan, or with
@@ -282,10 +412,24 @@ def fixed_plan_rows(
     row_TJ = torch.empty((num_tokens, top_k if per_device else num_devices), dtype=torch.int64, device=dev)
     counts = torch.empty(num_devices, dtype=torch.int64, device=dev)
     _fixed_plan_kernel[(1,)](
-        ids_TK.contiguous(), expert_device_E.contiguous(), expert_slot_E.contiguous(), rows, row_TJ, counts, num_tokens,
-        top_k, num_devices, expert_device_E.shape[0], per_device or 1, rows.stride(0),
-        BLOCK_T=triton.next_power_of_2(num_tokens), K_POW2=_pow2(top_k), D_POW2=_pow2(num_devices),
-        J_POW2=_pow2(per_device or 1), STANDARD=bool(per_device), num_warps=4,
+        ids_TK.contiguous(),
+        expert_device_E.contiguous(),
+        expert_slot_E.contiguous(),
+        rows,
+        row_TJ,
+        counts,
+        num_tokens,
+        top_k,
+        num_devices,
+        expert_device_E.shape[0],
+        per_device or 1,
+        rows.stride(0),
+        BLOCK_T=triton.next_power_of_2(num_tokens),
+        K_POW2=_pow2(top_k),
+        D_POW2=_pow2(num_devices),
+        J_POW2=_pow2(per_device or 1),
+        STANDARD=bool(per_device),
+        num_warps=4,
     )
     return rows[:, 0], rows[:, 1 : 1 + k], rows[:, 1 + k :], counts, row_TJ
 
@@ -314,7 +458,13 @@ def dedup_plan_rows(
     rows = torch.full((capacity, 1 + 2 * top_k), -1, dtype=torch.int64, device=dev)
     row_TJ = torch.empty((num_tokens, num_devices), dtype=torch.int64, device=dev)
     if num_tokens == 0:
-        return rows[:, 0], rows[:, 1 : 1 + top_k], rows[:, 1 + top_k :], torch.zeros(num_devices, dtype=torch.int64, device=dev), row_TJ
+        return (
+            rows[:, 0],
+            rows[:, 1 : 1 + top_k],
+            rows[:, 1 + top_k :],
+            torch.zeros(num_devices, dtype=torch.int64, device=dev),
+            row_TJ,
+        )
     d_pow2 = max(2, triton.next_power_of_2(num_devices))
     k_pow2 = max(2, triton.next_power_of_2(top_k))
     block_t = _block_tokens(d_pow2, k_pow2)
@@ -323,11 +473,36 @@ def dedup_plan_rows(
     device_of = expert_device_E.contiguous()
     slot_of = expert_slot_E.contiguous()
     counts = torch.empty(num_devices * num_blocks, dtype=torch.int32, device=dev)
-    _count_kernel[(num_blocks,)](ids, device_of, counts, num_tokens, top_k, num_devices, num_blocks,
-                                 BLOCK_T=block_t, K_POW2=k_pow2, D_POW2=d_pow2)
+    _count_kernel[(num_blocks,)](
+        ids,
+        device_of,
+        counts,
+        num_tokens,
+        top_k,
+        num_devices,
+        num_blocks,
+        BLOCK_T=block_t,
+        K_POW2=k_pow2,
+        D_POW2=d_pow2,
+    )
     cum = torch.cumsum(counts, 0, dtype=torch.int32)
-    _place_kernel[(num_blocks,)](ids, device_of, slot_of, counts, cum, rows, row_TJ, num_tokens, top_k, num_devices,
-                                 num_blocks, rows.stride(0), BLOCK_T=block_t, K_POW2=k_pow2, D_POW2=d_pow2)
+    _place_kernel[(num_blocks,)](
+        ids,
+        device_of,
+        slot_of,
+        counts,
+        cum,
+        rows,
+        row_TJ,
+        num_tokens,
+        top_k,
+        num_devices,
+        num_blocks,
+        rows.stride(0),
+        BLOCK_T=block_t,
+        K_POW2=k_pow2,
+        D_POW2=d_pow2,
+    )
     send_counts_D = counts.view(num_devices, num_blocks).sum(dim=1, dtype=torch.int64)
     return rows[:, 0], rows[:, 1 : 1 + top_k], rows[:, 1 + top_k :], send_counts_D, row_TJ
 
@@ -339,7 +514,8 @@ def standard_plan_rows(
     the dedup kernels over the T*k pairs, each a one-expert token; every row is used (P = T*k)."""
     num_tokens, top_k = ids_TK.shape
     pair_P, entry_P1, slot_P1, send_counts_D, row_ND = dedup_plan_rows(
-        ids_TK.reshape(-1, 1), expert_device_E, expert_slot_E, num_devices)
+        ids_TK.reshape(-1, 1), expert_device_E, expert_slot_E, num_devices
+    )
     # a pair has one row, on its expert's device, and -1 elsewhere: the max over devices is that row
     row_TJ = row_ND.amax(dim=1).view(num_tokens, top_k) if num_tokens else row_ND.new_empty((0, top_k))
     return pair_P // top_k, entry_P1, slot_P1, send_counts_D, row_TJ

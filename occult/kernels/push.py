@@ -34,9 +34,25 @@ BLOCK_ROWS = 4
 
 
 @triton.jit
-def _push_kernel(src_ptr, counts_ptr, status_ptr, peer_rows_ptr, peer_counts_ptr, rank, stride_rows, src_stride, D,
-                 status_slot, W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-                 NUM_BLOCKS: tl.constexpr, PACKED: tl.constexpr, D_POW2: tl.constexpr, HAS_STATUS: tl.constexpr):
+def _push_kernel(
+    src_ptr,
+    counts_ptr,
+    status_ptr,
+    peer_rows_ptr,
+    peer_counts_ptr,
+    rank,
+    stride_rows,
+    src_stride,
+    D,
+    status_slot,
+    W: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
+    PACKED: tl.constexpr,
+    D_POW2: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
     d = tl.program_id(0)
     blk = tl.program_id(1)
     n = tl.load(counts_ptr + d)
@@ -80,17 +96,24 @@ def region_of(p, counts_ptr, stride, D, D_POW2: tl.constexpr):
 
 
 @triton.jit
-def _region_rows_kernel(rows_ptr, counts_ptr, out_ptr, N, stride, D,
-                        BLOCK: tl.constexpr, D_POW2: tl.constexpr):
+def _region_rows_kernel(rows_ptr, counts_ptr, out_ptr, N, stride, D, BLOCK: tl.constexpr, D_POW2: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < N
     p = tl.load(rows_ptr + i, mask=live, other=-1)
     tl.store(out_ptr + i, region_of(p, counts_ptr, stride, D, D_POW2), mask=live)
 
 
-def push_rows(src_NW: torch.Tensor, counts_D: torch.Tensor, peer_rows_D: torch.Tensor, peer_counts_D: torch.Tensor,
-              rank: int, stride_rows: int, src_stride: int = 0, status: torch.Tensor | None = None,
-              status_slot: int = 64) -> None:
+def push_rows(
+    src_NW: torch.Tensor,
+    counts_D: torch.Tensor,
+    peer_rows_D: torch.Tensor,
+    peer_counts_D: torch.Tensor,
+    rank: int,
+    stride_rows: int,
+    src_stride: int = 0,
+    status: torch.Tensor | None = None,
+    status_slot: int = 64,
+) -> None:
     """Store rows of `src_NW` (bytes, [N, W], W a multiple of 4) into the peers' receive regions.
 
     `counts_D` (int64, device): rows for each rank; where they start in `src_NW`: `d * src_stride`,
@@ -104,10 +127,23 @@ def push_rows(src_NW: torch.Tensor, counts_D: torch.Tensor, peer_rows_D: torch.T
     words = src_NW.view(torch.int32)
     W = width // 4
     _push_kernel[(num_ranks, BLOCKS_PER_PEER)](
-        words, counts_D, counts_D if status is None else status, peer_rows_D, peer_counts_D, rank, stride_rows,
-        src_stride, num_ranks, status_slot,
-        W=W, BLOCK_R=BLOCK_ROWS, BLOCK_W=min(1024, triton.next_power_of_2(W)), NUM_BLOCKS=BLOCKS_PER_PEER,
-        PACKED=src_stride == 0, D_POW2=triton.next_power_of_2(num_ranks), HAS_STATUS=status is not None,
+        words,
+        counts_D,
+        counts_D if status is None else status,
+        peer_rows_D,
+        peer_counts_D,
+        rank,
+        stride_rows,
+        src_stride,
+        num_ranks,
+        status_slot,
+        W=W,
+        BLOCK_R=BLOCK_ROWS,
+        BLOCK_W=min(1024, triton.next_power_of_2(W)),
+        NUM_BLOCKS=BLOCKS_PER_PEER,
+        PACKED=src_stride == 0,
+        D_POW2=triton.next_power_of_2(num_ranks),
+        HAS_STATUS=status is not None,
     )
 
 
@@ -120,5 +156,6 @@ def region_rows(rows: torch.Tensor, counts_D: torch.Tensor, stride: int) -> torc
         D = counts_D.shape[0]
         block = 256
         _region_rows_kernel[(triton.cdiv(flat.numel(), block),)](
-            flat, counts_D, out, flat.numel(), stride, D, BLOCK=block, D_POW2=triton.next_power_of_2(D))
+            flat, counts_D, out, flat.numel(), stride, D, BLOCK=block, D_POW2=triton.next_power_of_2(D)
+        )
     return out.reshape(rows.shape)

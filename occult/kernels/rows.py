@@ -19,9 +19,21 @@ from occult.kernels.push import region_of
 
 @triton.jit
 def _gather_sum_kernel(
-    src_ptr, index_ptr, out_ptr, counts_ptr,
-    T, N, J, stride_src, stride_out, region_stride, D,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, REGIONS: tl.constexpr, D_POW2: tl.constexpr,
+    src_ptr,
+    index_ptr,
+    out_ptr,
+    counts_ptr,
+    T,
+    N,
+    J,
+    stride_src,
+    stride_out,
+    region_stride,
+    D,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    REGIONS: tl.constexpr,
+    D_POW2: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -35,15 +47,22 @@ def _gather_sum_kernel(
         if REGIONS:  # plan rows, read where they came back (occult.kernels.push.region_of)
             row = region_of(row, counts_ptr, region_stride, D, D_POW2)
         valid = mask_t & (row >= 0)
-        v = tl.load(src_ptr + row.to(tl.int64)[:, None] * stride_src + offs_n[None, :],
-                    mask=valid[:, None] & mask_n[None, :], other=0.0)
+        v = tl.load(
+            src_ptr + row.to(tl.int64)[:, None] * stride_src + offs_n[None, :],
+            mask=valid[:, None] & mask_n[None, :],
+            other=0.0,
+        )
         acc += v.to(tl.float32)
     out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_n[None, :])
 
 
-def gather_sum(src_PN: torch.Tensor, index_TJ: torch.Tensor, out_dtype: torch.dtype | None = None,
-               regions: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+def gather_sum(
+    src_PN: torch.Tensor,
+    index_TJ: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    regions: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
     """`out[t] = sum_j src[index[t, j]]` over valid (>= 0) entries, accumulated in fp32.
 
     `regions` = (counts_D, stride): `index` holds plan rows (packed by destination, `counts_D[d]` to
@@ -63,8 +82,21 @@ def gather_sum(src_PN: torch.Tensor, index_TJ: torch.Tensor, out_dtype: torch.dt
     counts_D, region_stride = regions if regions is not None else (index_TJ, 0)
     num_ranks = counts_D.shape[0] if regions is not None else 1  # (a constant without regions: one compile)
     _gather_sum_kernel[grid](
-        src_PN, index_TJ, out, counts_D, num_tokens, n, num_j, src_PN.stride(0), out.stride(0), region_stride,
-        num_ranks, BLOCK_T=cfg.block_m, BLOCK_N=block_n, REGIONS=regions is not None,
-        D_POW2=triton.next_power_of_2(num_ranks), num_warps=cfg.num_warps,
+        src_PN,
+        index_TJ,
+        out,
+        counts_D,
+        num_tokens,
+        n,
+        num_j,
+        src_PN.stride(0),
+        out.stride(0),
+        region_stride,
+        num_ranks,
+        BLOCK_T=cfg.block_m,
+        BLOCK_N=block_n,
+        REGIONS=regions is not None,
+        D_POW2=triton.next_power_of_2(num_ranks),
+        num_warps=cfg.num_warps,
     )
     return out

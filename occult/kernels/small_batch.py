@@ -78,12 +78,27 @@ def _chunk_pairs(mine, pos, offs, count, chunk, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, slots_ptr, w_ptr, h_ptr,
-    n, num_slots, num_experts, H, F,
-    stride_xr, stride_we, stride_wf, stride_wh,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    N_POW2: tl.constexpr, B_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    slots_ptr,
+    w_ptr,
+    h_ptr,
+    n,
+    num_slots,
+    num_experts,
+    H,
+    F,
+    stride_xr,
+    stride_we,
+    stride_wf,
+    stride_wh,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    N_POW2: tl.constexpr,
+    B_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rank = tl.program_id(0)
     tile_n = tl.program_id(1)
@@ -126,12 +141,26 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, slots_ptr, gates_ptr, w_ptr, o_ptr,
-    n, num_experts, H, F,
-    stride_we, stride_wh, stride_wf,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    N_POW2: tl.constexpr, B_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr,
+    slots_ptr,
+    gates_ptr,
+    w_ptr,
+    o_ptr,
+    n,
+    num_experts,
+    H,
+    F,
+    stride_we,
+    stride_wh,
+    stride_wf,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    N_POW2: tl.constexpr,
+    B_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rank = tl.program_id(0)
     tile_n = tl.program_id(1)
@@ -169,8 +198,16 @@ def _down_kernel(
 
 @triton.jit
 def _combine_kernel(
-    o_ptr, slots_ptr, y_ptr, R, num_slots, num_experts, H, stride_yr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    o_ptr,
+    slots_ptr,
+    y_ptr,
+    R,
+    num_slots,
+    num_experts,
+    H,
+    stride_yr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,10 +225,21 @@ def _combine_kernel(
 
 @triton.jit
 def _down_rows_kernel(
-    h_ptr, slots_ptr, gates_ptr, w_ptr, y_ptr,
-    num_slots, num_experts, H, F,
-    stride_we, stride_wh, stride_wf, stride_yr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr,
+    slots_ptr,
+    gates_ptr,
+    w_ptr,
+    y_ptr,
+    num_slots,
+    num_experts,
+    H,
+    F,
+    stride_we,
+    stride_wh,
+    stride_wf,
+    stride_yr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,8 +251,12 @@ def _down_rows_kernel(
         s = tl.load(slots_ptr + flat)
         valid = (s >= 0) & (s < num_experts)
         g = tl.load(gates_ptr + flat).to(tl.float32)
-        w_ptrs = (w_ptr + tl.where(valid, s, 0).to(tl.int64) * stride_we
-                  + offs_n[:, None].to(tl.int64) * stride_wh + offs_k[None, :] * stride_wf)
+        w_ptrs = (
+            w_ptr
+            + tl.where(valid, s, 0).to(tl.int64) * stride_we
+            + offs_n[:, None].to(tl.int64) * stride_wh
+            + offs_k[None, :] * stride_wf
+        )
         h_ptrs = h_ptr + flat * F + offs_k
         part = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for f in range(0, tl.cdiv(F, BLOCK_K)):
@@ -236,12 +288,29 @@ def swiglu_small_batch(x_RH: torch.Tensor, slots_RK: torch.Tensor, gate_up_EFH: 
     upcast, prec = dot_flags(x_RH.dtype)
     cfg = _config.get("small_gate_up", x_RH.dtype)
     _gate_up_kernel[(min(n, num_experts), triton.cdiv(ffn, cfg.block_n))](
-        x_RH, slots_RK, gate_up_EFH, h, n, num_slots, num_experts, hidden, ffn,
-        x_RH.stride(0), gate_up_EFH.stride(0), gate_up_EFH.stride(1), gate_up_EFH.stride(2),
-        EVEN_K=hidden % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
-        N_POW2=_pow2(n), B_POW2=_pow2(num_experts + 1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x_RH,
+        slots_RK,
+        gate_up_EFH,
+        h,
+        n,
+        num_slots,
+        num_experts,
+        hidden,
+        ffn,
+        x_RH.stride(0),
+        gate_up_EFH.stride(0),
+        gate_up_EFH.stride(1),
+        gate_up_EFH.stride(2),
+        EVEN_K=hidden % cfg.block_k == 0,
+        UPCAST=upcast,
+        PREC=prec,
+        N_POW2=_pow2(n),
+        B_POW2=_pow2(num_experts + 1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return h
 
@@ -266,27 +335,66 @@ def down_combine_small_batch(
     if down_by_row:
         cfg = _config.get("small_down_row", h_PF.dtype)
         _down_rows_kernel[(num_rows, triton.cdiv(hidden, cfg.block_n))](
-            h_PF, slots_RK, gates_RK, down_EHF, y, num_slots, num_experts, hidden, ffn,
-            down_EHF.stride(0), down_EHF.stride(1), down_EHF.stride(2), y.stride(0),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            h_PF,
+            slots_RK,
+            gates_RK,
+            down_EHF,
+            y,
+            num_slots,
+            num_experts,
+            hidden,
+            ffn,
+            down_EHF.stride(0),
+            down_EHF.stride(1),
+            down_EHF.stride(2),
+            y.stride(0),
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         return y
     upcast, prec = dot_flags(h_PF.dtype)
     o = torch.empty((n, hidden), device=h_PF.device, dtype=torch.float32)
     cfg = _config.get("small_down", h_PF.dtype)
     _down_kernel[(min(n, num_experts), triton.cdiv(hidden, cfg.block_n))](
-        h_PF, slots_RK, gates_RK, down_EHF, o, n, num_experts, hidden, ffn,
-        down_EHF.stride(0), down_EHF.stride(1), down_EHF.stride(2),
-        EVEN_K=ffn % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
-        N_POW2=_pow2(n), B_POW2=_pow2(num_experts + 1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        h_PF,
+        slots_RK,
+        gates_RK,
+        down_EHF,
+        o,
+        n,
+        num_experts,
+        hidden,
+        ffn,
+        down_EHF.stride(0),
+        down_EHF.stride(1),
+        down_EHF.stride(2),
+        EVEN_K=ffn % cfg.block_k == 0,
+        UPCAST=upcast,
+        PREC=prec,
+        N_POW2=_pow2(n),
+        B_POW2=_pow2(num_experts + 1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     cfg = _config.get("small_combine")
     block_n = min(cfg.block_n, triton.next_power_of_2(hidden))
     _combine_kernel[(triton.cdiv(num_rows, cfg.block_m), triton.cdiv(hidden, block_n))](
-        o, slots_RK, y, num_rows, num_slots, num_experts, hidden, y.stride(0),
-        BLOCK_R=cfg.block_m, BLOCK_N=block_n, num_warps=cfg.num_warps,
+        o,
+        slots_RK,
+        y,
+        num_rows,
+        num_slots,
+        num_experts,
+        hidden,
+        y.stride(0),
+        BLOCK_R=cfg.block_m,
+        BLOCK_N=block_n,
+        num_warps=cfg.num_warps,
     )
     return y
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -38,7 +39,11 @@ def model_tensors(model: OccultLM) -> dict[str, torch.Tensor]:
 
 
 def model_metadata(model: OccultLM) -> dict[str, str]:
-    return {"format": FORMAT_TAG, "model_config": json.dumps(model.config.to_dict()), "routing": model.routing.to_json()}
+    return {
+        "format": FORMAT_TAG,
+        "model_config": json.dumps(model.config.to_dict()),
+        "routing": model.routing.to_json(),
+    }
 
 
 def save_model(path: str | os.PathLike, model: OccultLM, metadata: Mapping[str, Any] | None = None) -> None:
@@ -51,7 +56,9 @@ def save_model(path: str | os.PathLike, model: OccultLM, metadata: Mapping[str, 
         safetensors.torch.save_file(model_tensors(model), str(tmp), metadata=meta)
 
 
-def read_checkpoint(path: str | os.PathLike, prefixes: Sequence[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_checkpoint(
+    path: str | os.PathLike, prefixes: Sequence[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a checkpoint file, with clear errors for missing/corrupt files."""
     from safetensors import safe_open
 
@@ -115,14 +122,16 @@ def check_sizes(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], source: s
             raise CheckpointError(f"{source}: {key} is {got}, but the metadata's model_config says {list(shape)}")
     blocks = {int(m.group(1)) for k in tensors if (m := re.match(r"model\.blocks\.(\d+)\.", k))}
     if blocks != set(range(cfg.num_layers)):
-        raise CheckpointError(f"{source}: holds {len(blocks)} decoder block(s), but the metadata's model_config says "
-                              f"num_layers={cfg.num_layers}")
+        raise CheckpointError(
+            f"{source}: holds {len(blocks)} decoder block(s), but the metadata's model_config says "
+            f"num_layers={cfg.num_layers}"
+        )
 
 
 def load_weights(model: OccultLM, tensors: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Copy `model.<name>` tensors into `model`; every parameter must be present with its shape."""
     params = dict(model.named_parameters())
-    have = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    have = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
     missing = sorted(set(params) - set(have))
     unexpected = sorted(set(have) - set(params))
     if missing or unexpected:
@@ -142,7 +151,9 @@ def routing_from_metadata(meta: Mapping[str, str], tensors: Mapping[str, torch.T
     doc = json.loads(meta.get("routing", "null") or "null")
     if not doc:
         return RoutingSpec()
-    placement = None if doc.get("placement") is None else Placement.from_json_dict(doc["placement"], "checkpoint routing")
+    placement = (
+        None if doc.get("placement") is None else Placement.from_json_dict(doc["placement"], "checkpoint routing")
+    )
     sims = None
     if doc.get("similarity"):
         n = 0

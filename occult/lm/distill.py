@@ -20,7 +20,8 @@ weights only), "both" (the MoE blocks, as `moe_only`), or None (today's rule: `m
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,7 +29,6 @@ from occult.lm.checkpoint import CheckpointError, load_model
 from occult.lm.model import OccultLM
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
 from occult.training.loop import StepLoss
-
 
 
 def part_names(model: OccultLM, part: str) -> list[str]:
@@ -49,8 +49,15 @@ def unlimited_routing(model: OccultLM) -> contextlib.AbstractContextManager:
     return unlimited(model.routers())
 
 
-def distilled_loss(model: OccultLM, forward: Callable[..., Any], xy: tuple[torch.Tensor, torch.Tensor],
-                   aux_coef: float, weight: float, temperature: float, teacher_model: OccultLM | None = None) -> StepLoss:
+def distilled_loss(
+    model: OccultLM,
+    forward: Callable[..., Any],
+    xy: tuple[torch.Tensor, torch.Tensor],
+    aux_coef: float,
+    weight: float,
+    temperature: float,
+    teacher_model: OccultLM | None = None,
+) -> StepLoss:
     """One step's loss with a teacher (module docstring): `teacher_model` (another checkpoint, e.g. the
     standard fine-tune: `TrainConfig.distill_from`), else the model itself with standard routing.
     `forward` is the training forward (the model or its DDP wrapper)."""
@@ -64,8 +71,10 @@ def load_teacher(path: str, student: OccultLM, device: torch.device, par: Any) -
     """The frozen teacher of `TrainConfig.distill_from`: a full single-process copy (on N ranks, on every rank)."""
     teacher = load_model(path, device=device, routing=False, group=par.local_group if par is not None else None)
     if teacher.config.vocab_size != student.config.vocab_size:
-        raise CheckpointError(f"distill_from {path}: its vocabulary has {teacher.config.vocab_size} ids, the model's "
-                              f"{student.config.vocab_size}: give a checkpoint trained on the same tokenizer")
+        raise CheckpointError(
+            f"distill_from {path}: its vocabulary has {teacher.config.vocab_size} ids, the model's "
+            f"{student.config.vocab_size}: give a checkpoint trained on the same tokenizer"
+        )
     teacher.eval().requires_grad_(False)
     return teacher
 

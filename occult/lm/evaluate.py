@@ -81,11 +81,16 @@ def evaluate(
         with ctx, autocast_for(device, precision):
             for x, y in eval_batches(tokens, batch_size, seq_len, max_tokens):
                 if split:
-                    x, y = x.tensor_split(parallel.world_size)[parallel.rank], y.tensor_split(parallel.world_size)[parallel.rank]
+                    x, y = (
+                        x.tensor_split(parallel.world_size)[parallel.rank],
+                        y.tensor_split(parallel.world_size)[parallel.rank],
+                    )
                 x, y = x.to(device), y.to(device)
                 if split:  # a rank may have no rows: sum the losses, never average an empty batch
                     logits = model(x).logits
-                    total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum").double()
+                    total += F.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
+                    ).double()
                 else:
                     out = model(x, y, return_logits=False)
                     total += out.loss.double() * y.numel()
@@ -95,8 +100,14 @@ def evaluate(
     if split:
         import torch.distributed as dist
 
-        sums = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=device), ct_sum.double(),
-                            torch.tensor(float(ct_count), dtype=torch.float64, device=device)])
+        sums = torch.stack(
+            [
+                total,
+                torch.tensor(float(count), dtype=torch.float64, device=device),
+                ct_sum.double(),
+                torch.tensor(float(ct_count), dtype=torch.float64, device=device),
+            ]
+        )
         dist.all_reduce(sums, group=parallel.world_group)
         total, count, ct_sum, ct_count = sums[0], int(sums[1]), sums[2], int(sums[3])
     loss = float(total) / count

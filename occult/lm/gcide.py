@@ -34,9 +34,11 @@ MEMBER = "usr/share/dictd/gcide.dict.dz"  # dictzip: a gzip stream
 DESCRIPTION = f"Debian {PACKAGE} {VERSION}, {MEMBER} (GCIDE 0.48)"
 DOC_CHARS = 1_000_000
 
-_TAG_LINE = re.compile(r"\[[^\]\n]*\]")               # "[1913 Webster]", "[WordNet 1.5 +PJC]" alone on a line
+_TAG_LINE = re.compile(r"\[[^\]\n]*\]")  # "[1913 Webster]", "[WordNet 1.5 +PJC]" alone on a line
 _PRONUNCIATION = re.compile(r" ?\\[^\\\n]*\\(?: \([^()\n]*\))?")  # \A*buse"\ and its (a*b[=u]z") key
-_CODE = re.compile(r"\[([a-zA-Z]{1,2})(?:mac|sec|cre|um|dot|ring|til|ced|[\^`'\"~=])?\]|\[[.=`~^'\"\-,*]([a-zA-Z]{1,2})\]")
+_CODE = re.compile(
+    r"\[([a-zA-Z]{1,2})(?:mac|sec|cre|um|dot|ring|til|ced|[\^`'\"~=])?\]|\[[.=`~^'\"\-,*]([a-zA-Z]{1,2})\]"
+)
 _ENTRY_START = re.compile(r"(?m)^\S[^\n]*? \\[^\\\n]+\\")  # the first headword line: "0 \0\ adj."
 
 
@@ -46,8 +48,8 @@ def deb_member(deb: bytes, member: str) -> bytes:
         raise DataError(f"not a Debian package (no ar header): delete the cached {DEB} and fetch again")
     pos = 8
     while pos + 60 <= len(deb):
-        name, size = deb[pos:pos + 16].decode().strip().rstrip("/"), int(deb[pos + 48:pos + 58])
-        body = deb[pos + 60:pos + 60 + size]
+        name, size = deb[pos : pos + 16].decode().strip().rstrip("/"), int(deb[pos + 48 : pos + 58])
+        body = deb[pos + 60 : pos + 60 + size]
         pos += 60 + size + (size & 1)
         if name.startswith("data.tar"):
             try:
@@ -65,7 +67,7 @@ def clean(text: str) -> str:
     """Dictionary text as prose: no pronunciation keys or source-tag lines, letters for accent codes
     ("[e^]" -> "e", "[ae]" -> "ae"), words for cross references ("{Abuse}" -> "Abuse"), no indentation."""
     start = _ENTRY_START.search(text)
-    text = text[start.start():] if start else text  # the database header and licence notice go
+    text = text[start.start() :] if start else text  # the database header and licence notice go
     lines = []
     for line in text.split("\n"):
         line = line.strip()
@@ -102,9 +104,11 @@ def _download(timeout_s: float) -> bytes:
 
 
 def _offline_message(why: str) -> str:
-    return (f"cannot fetch the GCIDE corpus ({why}). On a machine without network, prepare the data on a "
-            f"connected one with `occult data prepare --corpus shakespeare,gcide --out DIR` and carry DIR "
-            f"(--corpus-dir DIR); or put {DEB} into {cache_dir()}")
+    return (
+        f"cannot fetch the GCIDE corpus ({why}). On a machine without network, prepare the data on a "
+        f"connected one with `occult data prepare --corpus shakespeare,gcide --out DIR` and carry DIR "
+        f"(--corpus-dir DIR); or put {DEB} into {cache_dir()}"
+    )
 
 
 def fetch_gcide(cache: str | os.PathLike | None = None, timeout_s: float = 300.0) -> Path:

@@ -119,8 +119,13 @@ def _moves(old_E: np.ndarray, new_E: np.ndarray, rank: int, D: int) -> tuple[lis
     return send, recv
 
 
-def migrate(model: OccultLM, optimizer: torch.optim.Optimizer | None, new_placement: Placement,
-            parallel: Parallel | None, bucket_bytes: int = BUCKET_BYTES) -> MigrationStats:
+def migrate(
+    model: OccultLM,
+    optimizer: torch.optim.Optimizer | None,
+    new_placement: Placement,
+    parallel: Parallel | None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> MigrationStats:
     """Re-place the experts of every MoE layer by `new_placement` (see the module docstring).
 
     Every rank of the world calls it with the same placement. Layers whose placement is unchanged
@@ -171,7 +176,9 @@ def _buckets(moved_L: list[int], row_bytes_L: list[int], D: int, bucket_bytes: i
     return out
 
 
-def _exchange(kinds, plans, old: Placement, new: Placement, rank: int, D: int, group: Any, bucket_bytes: int) -> tuple[int, list[str]]:
+def _exchange(
+    kinds, plans, old: Placement, new: Placement, rank: int, D: int, group: Any, bucket_bytes: int
+) -> tuple[int, list[str]]:
     """The all-to-all(s): rows [(layer, expert) that moves] x [weights | state | step], one per dtype
     and bucket of layers. Returns (bytes sent to other ranks, step-count mismatches)."""
     L = len(plans)
@@ -210,12 +217,15 @@ def _rows(kinds, js: list[int], slots: np.ndarray, dtype: torch.dtype, carries_s
         t, step = kinds[j]
         parts.append(t.index_select(0, idx).reshape(len(slots), -1))
         if carries_step:
-            parts.append(torch.full((len(slots), 1), float(step) if step is not None else -1.0, dtype=dtype, device=device))
+            parts.append(
+                torch.full((len(slots), 1), float(step) if step is not None else -1.0, dtype=dtype, device=device)
+            )
     return torch.cat(parts, 1).reshape(-1)
 
 
-def _unpack(out: torch.Tensor, plans, kinds, members, row_len, new: Placement, carries_step: bool,
-            layers: list[int], D: int) -> list[str]:
+def _unpack(
+    out: torch.Tensor, plans, kinds, members, row_len, new: Placement, carries_step: bool, layers: list[int], D: int
+) -> list[str]:
     """Write the received rows into their new local slots, in place (every row sent was copied
     out before the exchange). Returns the step-count mismatches found."""
     offset, problems = 0, []
@@ -237,7 +247,9 @@ def _unpack(out: torch.Tensor, plans, kinds, members, row_len, new: Placement, c
                 if carries_step:
                     want = float(step) if step is not None else -1.0
                     if not bool((block[:, col] == want).all()):
-                        problems.append(f"layer {i}: experts from rank {s} arrived with AdamW step counts "
-                                        f"{sorted(set(block[:, col].tolist()))}, this rank's are at {want}")
+                        problems.append(
+                            f"layer {i}: experts from rank {s} arrived with AdamW step counts "
+                            f"{sorted(set(block[:, col].tolist()))}, this rank's are at {want}"
+                        )
                     col += 1
     return problems

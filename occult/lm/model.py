@@ -24,8 +24,9 @@ import contextlib
 import dataclasses
 import json
 import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -54,15 +55,25 @@ class ModelConfig:
     rms_eps: float = 1e-6
     tie_embeddings: bool = True
     init_std: float = 0.02
-    expert_backend: str = "auto"  # the expert MLP's kernels (ExecConfig.expert_backend): Triton on a CUDA GPU, else torch
+    expert_backend: str = (
+        "auto"  # the expert MLP's kernels (ExecConfig.expert_backend): Triton on a CUDA GPU, else torch
+    )
     transport: str = "auto"  # the all-to-alls' transport (ExecConfig.transport): execution only, results equal
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts", "top_k",
-                     "expert_ffn_size", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_experts",
+            "top_k",
+            "expert_ffn_size",
+            "max_seq_len",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
@@ -81,7 +92,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -148,14 +159,18 @@ RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None
 class MoEBlock(nn.Module):
     """`OccultMoE` plus what the model needs around it: the auxiliary loss and routing observers."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int, placement: Placement | None, group: Any, dispatcher: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_index: int, placement: Placement | None, group: Any, dispatcher: str
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.moe = OccultMoE(
             MoEConfig(cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k),
             routing=RoutingConfig(norm_topk_prob=cfg.norm_topk_prob),
             execution=ExecConfig(dispatcher=dispatcher, expert_backend=cfg.expert_backend, transport=cfg.transport),
-            placement=placement, layer_index=layer_index if placement is not None else 0, group=group,
+            placement=placement,
+            layer_index=layer_index if placement is not None else 0,
+            group=group,
         )
         self.observers: list[RoutingObserver] = []
         self.want_aux = True
@@ -191,8 +206,12 @@ class MoEBlock(nn.Module):
                 E = logits.shape[-1]
                 probs_TE = torch.softmax(logits.float(), dim=-1)
                 flat = ids_TK.reshape(-1)
-                share_E = torch.zeros(E, dtype=torch.float32, device=flat.device).scatter_add_(
-                    0, flat, torch.ones_like(flat, dtype=torch.float32)) / flat.numel()  # no host sync
+                share_E = (
+                    torch.zeros(E, dtype=torch.float32, device=flat.device).scatter_add_(
+                        0, flat, torch.ones_like(flat, dtype=torch.float32)
+                    )
+                    / flat.numel()
+                )  # no host sync
                 aux = E * (share_E * probs_TE.mean(0)).sum()
         return y, aux
 
@@ -209,19 +228,22 @@ def global_aux_loss(logits_TE: torch.Tensor, ids_TK: torch.Tensor, group: Any) -
     psum_E = torch.softmax(logits_TE.float(), dim=-1).sum(0)
     flat = ids_TK.reshape(-1)
     count_E = torch.zeros(E, dtype=torch.float32, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.float32))
+        0, flat, torch.ones_like(flat, dtype=torch.float32)
+    )
     tokens = torch.full((1,), float(logits_TE.shape[0]), device=psum_E.device)
     sums = torch.cat([count_E, psum_E.detach(), tokens])
     dist.all_reduce(sums, group=group)
     share_E = sums[:E] / sums[:E].sum().clamp_min(1.0)
     total = sums[-1].clamp_min(1.0)
-    value = E * (share_E * sums[E:2 * E]).sum() / total
+    value = E * (share_E * sums[E : 2 * E]).sum() / total
     mine = E * (share_E * psum_E).sum() / total * dist.get_world_size(group)
     return mine + (value - mine).detach()
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int, placement: Placement | None, group: Any, dispatcher: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_index: int, placement: Placement | None, group: Any, dispatcher: str
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.attn = Attention(cfg)
@@ -245,12 +267,14 @@ class RoutingSpec:
     similarity: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def to_json(self) -> str:
-        return json.dumps({
-            "max_devices": self.max_devices,
-            "method": self.method,
-            "placement": None if self.placement is None else self.placement.to_json_dict(),
-            "similarity": self.similarity is not None,
-        })
+        return json.dumps(
+            {
+                "max_devices": self.max_devices,
+                "method": self.method,
+                "placement": None if self.placement is None else self.placement.to_json_dict(),
+                "similarity": self.similarity is not None,
+            }
+        )
 
     def describe(self) -> str:
         if self.max_devices is None:
@@ -273,9 +297,7 @@ class OccultLM(nn.Module):
         self.config = config
         cfg = config
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleList(
-            DecoderBlock(cfg, i, placement, group, dispatcher) for i in range(cfg.num_layers)
-        )
+        self.blocks = nn.ModuleList(DecoderBlock(cfg, i, placement, group, dispatcher) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

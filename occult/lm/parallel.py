@@ -56,7 +56,9 @@ def per_layer(placement: Placement, num_layers: int) -> Placement:
     return placement.for_layers(num_layers)
 
 
-def shard_model(full: OccultLM, parallel: Parallel, placement: Placement | None = None, dispatcher: str = "dedup") -> OccultLM:
+def shard_model(
+    full: OccultLM, parallel: Parallel, placement: Placement | None = None, dispatcher: str = "dedup"
+) -> OccultLM:
     """This rank's expert-parallel copy of `full` (same weights; experts by `placement`)."""
     cfg = full.config
     if placement is None:
@@ -96,8 +98,10 @@ def gathered_tensors(model: OccultLM) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
     for i, m in enumerate(model.moe_layers()):
         full[f"blocks.{i}.moe.moe.gate_up_proj"], full[f"blocks.{i}.moe.moe.down_proj"] = m.gather_experts()
-    out = {f"model.{n}": (full[n] if n in full else full_tensor(p.detach())).contiguous().cpu()
-           for n, p in model.named_parameters()}
+    out = {
+        f"model.{n}": (full[n] if n in full else full_tensor(p.detach())).contiguous().cpu()
+        for n, p in model.named_parameters()
+    }
     if model.routing.similarity is not None:
         for i, s in enumerate(model.routing.similarity):
             out[f"routing.similarity.{i}"] = s.detach().to(torch.float32).contiguous().cpu()
@@ -143,6 +147,16 @@ def clip_grad_norm(model: OccultLM, parallel: Parallel | None, max_norm: float) 
 
 
 __all__ = [
-    "Parallel", "full_model", "setup_parallel", "shard_model", "shard_tensors", "gathered_tensors", "sync_gradients",
-    "wrap_ddp", "clip_grad_norm", "global_mean", "per_layer", "split_trained",
+    "Parallel",
+    "full_model",
+    "setup_parallel",
+    "shard_model",
+    "shard_tensors",
+    "gathered_tensors",
+    "sync_gradients",
+    "wrap_ddp",
+    "clip_grad_norm",
+    "global_mean",
+    "per_layer",
+    "split_trained",
 ]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from occult._atomic import atomic_path
 
 
-def plot_losses(path: str | os.PathLike, train_losses: Sequence[float], history: Sequence[Mapping], title: str = "") -> Path | None:
+def plot_losses(
+    path: str | os.PathLike, train_losses: Sequence[float], history: Sequence[Mapping], title: str = ""
+) -> Path | None:
     """Write the curve to `path` (PNG or SVG by suffix); None when matplotlib is not installed."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -24,8 +26,10 @@ def plot_losses(path: str | os.PathLike, train_losses: Sequence[float], history:
         ax.plot(steps, train_losses, lw=0.8, alpha=0.5, color="tab:blue", label="train loss (per step)")
         w = max(1, len(train_losses) // 50)
         if w > 1:
-            smooth = [sum(train_losses[max(0, i - w + 1) : i + 1]) / len(train_losses[max(0, i - w + 1) : i + 1])
-                      for i in range(len(train_losses))]
+            smooth = [
+                sum(train_losses[max(0, i - w + 1) : i + 1]) / len(train_losses[max(0, i - w + 1) : i + 1])
+                for i in range(len(train_losses))
+            ]
             ax.plot(steps, smooth, lw=1.5, color="tab:blue", label=f"train loss (mean of {w})")
     val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
     if val:

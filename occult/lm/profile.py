@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -84,7 +85,9 @@ def record_trace(
     model.eval()
     try:
         with model.observe_routing(observe), autocast_for(device, precision):
-            for x, *_ in tqdm(batches, desc="occult profile", unit="batch", disable=(not progress) if progress is not None else None):
+            for x, *_ in tqdm(
+                batches, desc="occult profile", unit="batch", disable=(not progress) if progress is not None else None
+            ):
                 model(x.to(device), return_logits=False)
     finally:
         model.train(was_training)
@@ -122,13 +125,26 @@ def profile_checkpoint(
         "model_config": json.dumps(model.config.to_dict()),
     }
     trace, sims = record_trace(
-        model, calibration_batches(data, split, tokens, batch_size, seq_len),
-        with_scores=with_scores, as_routed=as_routed, precision=precision, metadata=meta, progress=progress,
+        model,
+        calibration_batches(data, split, tokens, batch_size, seq_len),
+        with_scores=with_scores,
+        as_routed=as_routed,
+        precision=precision,
+        metadata=meta,
+        progress=progress,
     )
     write_trace(out, trace)
     sim_path = Path(similarity_out) if similarity_out is not None else similarity_path(out)
-    save_similarity(sim_path, sims, {"source": "occult profile", "checkpoint": str(checkpoint), "trace": str(out),
-                                     "tokens": str(trace.num_tokens[0])})
+    save_similarity(
+        sim_path,
+        sims,
+        {
+            "source": "occult profile",
+            "checkpoint": str(checkpoint),
+            "trace": str(out),
+            "tokens": str(trace.num_tokens[0]),
+        },
+    )
     return trace, sim_path
 
 

@@ -33,8 +33,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,15 +102,23 @@ class Replacer(StepHook):
     loop (`occult.training.hooks`), `after_step` after every optimizer step on every rank, between
     `start()` and `close()`."""
 
-    def __init__(self, model: OccultLM, parallel: Parallel | None, cfg: Any, out_dir: str | Path | None = None,
-                 log: Callable[[str], None] | None = None, mode: str | None = None) -> None:
+    def __init__(
+        self,
+        model: OccultLM,
+        parallel: Parallel | None,
+        cfg: Any,
+        out_dir: str | Path | None = None,
+        log: Callable[[str], None] | None = None,
+        mode: str | None = None,
+    ) -> None:
         if parallel is None or parallel.ep_size < 2:
             raise ValueError("re-placing experts needs them sharded over 2 or more ranks (torchrun, --ep-size >= 2)")
         spec = model.routing
         if spec.max_devices is not None and (spec.placement is None or spec.placement.num_devices != parallel.ep_size):
             raise ValueError(
                 f"re-placement with device-limited routing needs the routing placement on the {parallel.ep_size} EP ranks "
-                f"(it has {None if spec.placement is None else spec.placement.num_devices} devices)")
+                f"(it has {None if spec.placement is None else spec.placement.num_devices} devices)"
+            )
         self.model, self.par, self.cfg, self.log = model, parallel, cfg, log
         self.out = Path(out_dir) / LOG_FILE if out_dir is not None and parallel.is_main else None
         self.mode = mode or ("inline" if cfg.replace_wait else "process")
@@ -181,8 +190,16 @@ class Replacer(StepHook):
             try:
                 if self.mode == "process" and (self.server is None or self.server.failure() is not None):
                     self.server = SolverProcess()  # first solve without start(), or the process died
-                self.job = SolveJob(ids, self.model.config.num_experts, self.par.ep_size, cur,
-                                    self.cfg.replace_method, self.cfg.seed, self.mode, self.server)
+                self.job = SolveJob(
+                    ids,
+                    self.model.config.num_experts,
+                    self.par.ep_size,
+                    cur,
+                    self.cfg.replace_method,
+                    self.cfg.seed,
+                    self.mode,
+                    self.server,
+                )
             except Exception as exc:  # told to every rank at the next decision, never raised on rank 0 alone
                 self.job = _Failed(exc)
 
@@ -204,12 +221,17 @@ class Replacer(StepHook):
         started, self.pending_since, self.job = self.pending_since, None, None
         self.last_solve = step  # the next solve is due `replace_every` steps after this decision
         self.baseline = None  # the drift reference: the next window, under the placement now in use
-        event: dict[str, Any] = {"step": step, "solve_started": started, **{k: v for k, v in info.items() if k != "placement"}}
+        event: dict[str, Any] = {
+            "step": step,
+            "solve_started": started,
+            **{k: v for k, v in info.items() if k != "placement"},
+        }
         if flag == MIGRATE:
             new = Placement(np.asarray(values[1:], dtype=np.int64).reshape(L, E), self.par.ep_size)
             stats = migrate(self.model, optimizer, new, self.par)
-            event.update(event="migrate", experts_moved=stats.experts_moved, bytes_sent=stats.bytes_sent,
-                         migrate_s=stats.seconds)
+            event.update(
+                event="migrate", experts_moved=stats.experts_moved, bytes_sent=stats.bytes_sent, migrate_s=stats.seconds
+            )
             self.migrations.append(event)
         else:
             event["event"] = "keep" if flag == KEEP else "solver_failed"
@@ -226,8 +248,13 @@ class Replacer(StepHook):
             return NOT_READY, {}
         old, new = float(res["old_ct"].mean()), float(res["new_ct"].mean())
         gain = 1.0 - new / old if old > 0 else 0.0
-        info = {"old_ct": old, "new_ct": new, "gain": gain, "solve_s": float(res["seconds"]),
-                "wall_s": time.perf_counter() - self.job.started}
+        info = {
+            "old_ct": old,
+            "new_ct": new,
+            "gain": gain,
+            "solve_s": float(res["seconds"]),
+            "wall_s": time.perf_counter() - self.job.started,
+        }
         info["placement"] = res["placement"]
         return (MIGRATE if gain >= self.cfg.replace_min_gain and gain > 0 else KEEP), info
 
@@ -239,8 +266,12 @@ class Replacer(StepHook):
     # ----------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:
         """JSON-able: the placement in use and the schedule (what a checkpoint keeps)."""
-        return {"placement": current_placement(self.model).to_json_dict(), "last_solve": self.last_solve,
-                "baseline": self.baseline, "migrations": self.migrations}
+        return {
+            "placement": current_placement(self.model).to_json_dict(),
+            "last_solve": self.last_solve,
+            "baseline": self.baseline,
+            "migrations": self.migrations,
+        }
 
     def load_state(self, doc: dict[str, Any]) -> bool:
         """Restore `state()`; returns False (placement not applied) when it was for another EP size."""

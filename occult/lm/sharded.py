@@ -21,8 +21,9 @@ state keys (`optim_state`) and every file's hash. Atomic saving, hash checks and
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -40,12 +41,16 @@ def _experts(model: OccultLM) -> dict[str, list[int]]:
     return {name: ids.tolist() for name, (_, ids) in model.expert_parameters().items()}
 
 
-def state_tensors(model: OccultLM, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]]]:
+def state_tensors(
+    model: OccultLM, opt: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]]]:
     """(DCP state dict, {param: {optimizer key: "param" | "scalar"}}) of this rank."""
     return dcp.state_tensors(dict(model.named_parameters()), _experts(model), opt)
 
 
-def save_sharded(out_dir: str | os.PathLike, model: OccultLM, opt: torch.optim.Optimizer, meta: Mapping[str, Any], step: int) -> Path:
+def save_sharded(
+    out_dir: str | os.PathLike, model: OccultLM, opt: torch.optim.Optimizer, meta: Mapping[str, Any], step: int
+) -> Path:
     """Write this rank's part of the checkpoint at `step` (every rank calls it); see the module docstring."""
     state, kinds = state_tensors(model, opt)
     placement = [m.expert_device_E.tolist() for m in model.moe_layers()]
@@ -74,5 +79,13 @@ def load_sharded(path: str | os.PathLike, doc: Mapping[str, Any], model: OccultL
     load_optimizer_tensors(model, opt, {k: v for k, v in tensors.items() if k.startswith("optim.")}, str(path))
 
 
-__all__ = ["DCP_DIR", "LATEST", "DCP_FORMAT", "save_sharded", "find_sharded", "read_sharded_meta", "load_sharded",
-           "state_tensors"]
+__all__ = [
+    "DCP_DIR",
+    "LATEST",
+    "DCP_FORMAT",
+    "save_sharded",
+    "find_sharded",
+    "read_sharded_meta",
+    "load_sharded",
+    "state_tensors",
+]

@@ -42,8 +42,15 @@ def relabel(new_E: np.ndarray, old_E: np.ndarray, num_devices: int) -> np.ndarra
     return mapping[new_E]
 
 
-def solve_placement(ids_LNK: np.ndarray, num_experts: int, num_devices: int, current_LE: np.ndarray,
-                    method: str = "auto", seed: int = 0, threads: int | None = 1) -> dict[str, Any]:
+def solve_placement(
+    ids_LNK: np.ndarray,
+    num_experts: int,
+    num_devices: int,
+    current_LE: np.ndarray,
+    method: str = "auto",
+    seed: int = 0,
+    threads: int | None = 1,
+) -> dict[str, Any]:
     """{"placement" [L, E], "old_ct" [L], "new_ct" [L], "seconds"}: a new placement and both E[C_T]s."""
     t0 = time.perf_counter()
     method = best_method() if method == "auto" else method
@@ -57,8 +64,12 @@ def solve_placement(ids_LNK: np.ndarray, num_experts: int, num_devices: int, cur
         out[i] = relabel(res.expert_device_E, current_LE[i], num_devices)
         old_ct.append(mean_ct(ids, current_LE[i], num_devices))
         new_ct.append(mean_ct(ids, out[i], num_devices))
-    return {"placement": out, "old_ct": np.asarray(old_ct), "new_ct": np.asarray(new_ct),
-            "seconds": np.asarray(time.perf_counter() - t0)}
+    return {
+        "placement": out,
+        "old_ct": np.asarray(old_ct),
+        "new_ct": np.asarray(new_ct),
+        "seconds": np.asarray(time.perf_counter() - t0),
+    }
 
 
 class SolverProcess:
@@ -69,8 +80,13 @@ class SolverProcess:
         self.dir = Path(tempfile.mkdtemp(prefix="occult-replace-"))
         self._err = open(self.dir / "stderr.txt", "wb")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        self.proc = subprocess.Popen([sys.executable, "-m", "occult.lm.solve_job", "--serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=self._err, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "occult.lm.solve_job", "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=self._err,
+            env=env,
+        )
         self._count = 0
 
     def submit(self, **arrays: Any) -> Path:
@@ -110,8 +126,17 @@ class SolveJob:
     `mode="process"` sends it to `server` (a `SolverProcess`; one of its own when None, closed
     when done); `"inline"` solves in the constructor."""
 
-    def __init__(self, ids_LNK: np.ndarray, num_experts: int, num_devices: int, current_LE: np.ndarray,
-                 method: str = "auto", seed: int = 0, mode: str = "process", server: SolverProcess | None = None) -> None:
+    def __init__(
+        self,
+        ids_LNK: np.ndarray,
+        num_experts: int,
+        num_devices: int,
+        current_LE: np.ndarray,
+        method: str = "auto",
+        seed: int = 0,
+        mode: str = "process",
+        server: SolverProcess | None = None,
+    ) -> None:
         if mode not in ("process", "inline"):
             raise ValueError(f"mode must be 'process' or 'inline', got {mode!r}")
         self.started = time.perf_counter()
@@ -122,8 +147,14 @@ class SolveJob:
             return
         self._owned = server is None
         self.server = SolverProcess() if server is None else server
-        self._dst = self.server.submit(ids=np.asarray(ids_LNK), num_experts=num_experts, num_devices=num_devices,
-                                       current=np.asarray(current_LE), method=np.asarray(method), seed=seed)
+        self._dst = self.server.submit(
+            ids=np.asarray(ids_LNK),
+            num_experts=num_experts,
+            num_devices=num_devices,
+            current=np.asarray(current_LE),
+            method=np.asarray(method),
+            seed=seed,
+        )
 
     def poll(self, block: bool = False) -> dict[str, Any] | None:
         while self._result is None:
@@ -157,8 +188,9 @@ class SolveJob:
 
 def _solve_file(src: str, dst: str) -> None:
     with np.load(src) as f:
-        res = solve_placement(f["ids"], int(f["num_experts"]), int(f["num_devices"]), f["current"],
-                              str(f["method"]), int(f["seed"]))
+        res = solve_placement(
+            f["ids"], int(f["num_experts"]), int(f["num_devices"]), f["current"], str(f["method"]), int(f["seed"])
+        )
     with atomic_path(Path(dst)) as tmp:
         with open(tmp, "wb") as fh:
             np.savez(fh, **res)

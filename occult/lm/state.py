@@ -13,21 +13,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from occult.lm.checkpoint import CheckpointError, config_from_metadata
 from occult.lm.distill import TRAIN_PARTS, part_names
-from occult.training.step_profile import parse_window
 from occult.lm.model import OccultLM
 from occult.placement.solvers import METHODS
 from occult.training.dcp import load_optimizer_state
 from occult.training.dtensor import is_sharded
 from occult.training.schedule import CosineSchedule
-
+from occult.training.step_profile import parse_window
 
 GRAD_SYNCS = ("ddp", "explicit", "fsdp")  # how the dense gradients of N ranks are synchronised
 
@@ -65,7 +65,9 @@ class TrainConfig:
     # re-placing experts while training (occult.lm.replace; N ranks with EP size >= 2)
     replace_every: int = 0  # solve a new placement every this many steps (0 = never)
     replace_min_gain: float = 0.02  # migrate only if the sample's E[C_T] drops by this fraction
-    replace_drift: float = 0.0  # also solve when E[C_T] rises this fraction above its level after the last decision (0 = off)
+    replace_drift: float = (
+        0.0  # also solve when E[C_T] rises this fraction above its level after the last decision (0 = off)
+    )
     replace_check_every: int = 10  # steps between E[C_T] measurements / solver polls (one small collective each)
     replace_samples: int = 2048  # routed tokens per layer and rank kept for the next solve
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
@@ -75,11 +77,23 @@ class TrainConfig:
     # pruning-aware fine-tuning recipes (occult.lm.distill)
     distill_weight: float = 0.0  # > 0: + W * T^2 * KL(unpruned teacher || pruned student) of the logits
     distill_temperature: float = 1.0
-    distill_from: str | None = None  # teacher checkpoint (e.g. the standard fine-tune); None: own weights, standard routing
+    distill_from: str | None = (
+        None  # teacher checkpoint (e.g. the standard fine-tune); None: own weights, standard routing
+    )
     train_part: str | None = None  # "routers" | "experts" | "both" (the MoE blocks); None: moe_only decides
 
-    LOGGING_FIELDS = ("eval_every", "eval_tokens", "eval_batch_size", "eval_at_start", "save_every", "device", "patience", "min_delta",
-                      "grad_sync", "profile_steps")
+    LOGGING_FIELDS = (
+        "eval_every",
+        "eval_tokens",
+        "eval_batch_size",
+        "eval_at_start",
+        "save_every",
+        "device",
+        "patience",
+        "min_delta",
+        "grad_sync",
+        "profile_steps",
+    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "save_every"):
@@ -94,18 +108,24 @@ class TrainConfig:
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"patience must be >= 1 or None, got {self.patience}")
         if self.replace_every < 0 or self.replace_drift < 0 or not 0 <= self.replace_min_gain < 1:
-            raise ValueError(f"need replace_every >= 0, replace_drift >= 0, 0 <= replace_min_gain < 1; got "
-                             f"{self.replace_every}, {self.replace_drift}, {self.replace_min_gain}")
+            raise ValueError(
+                f"need replace_every >= 0, replace_drift >= 0, 0 <= replace_min_gain < 1; got "
+                f"{self.replace_every}, {self.replace_drift}, {self.replace_min_gain}"
+            )
         if self.replace_check_every < 1 or self.replace_samples < 1:
-            raise ValueError(f"replace_check_every and replace_samples must be >= 1, got "
-                             f"{self.replace_check_every}, {self.replace_samples}")
+            raise ValueError(
+                f"replace_check_every and replace_samples must be >= 1, got "
+                f"{self.replace_check_every}, {self.replace_samples}"
+            )
         if self.profile_steps:
             parse_window(self.profile_steps)
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {self.grad_sync!r}")
         if self.distill_weight < 0 or self.distill_temperature <= 0:
-            raise ValueError(f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "
-                             f"{self.distill_temperature}")
+            raise ValueError(
+                f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "
+                f"{self.distill_temperature}"
+            )
         if self.distill_from is not None and not self.distill_weight:
             raise ValueError("distill_from (a teacher checkpoint) needs distill_weight > 0")
         if self.train_part not in (None, *TRAIN_PARTS):
@@ -122,7 +142,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -202,22 +222,33 @@ def optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer) -> dict[str, 
     return out
 
 
-def load_optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], source: str) -> None:
+def load_optimizer_tensors(
+    model: OccultLM, opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], source: str
+) -> None:
     """Put `optim.<name>.<key>` tensors (full, or this rank's experts) into `opt`."""
     load_optimizer_state(opt, dict(model.named_parameters()), tensors, CheckpointError, source)
 
 
 # ------------------------------------------------------------------ resume
-def check_resume(meta: Mapping[str, str], model: OccultLM, cfg: TrainConfig, data_sig: str, init_sig: str | None, path: Path) -> None:
-    saved_model = dataclasses.replace(config_from_metadata(meta, str(path)), transport=model.config.transport,
-                                      expert_backend=model.config.expert_backend)
-    if saved_model != model.config:  # (the transport and the expert kernels are how it runs, not the model: they may change)
+def check_resume(
+    meta: Mapping[str, str], model: OccultLM, cfg: TrainConfig, data_sig: str, init_sig: str | None, path: Path
+) -> None:
+    saved_model = dataclasses.replace(
+        config_from_metadata(meta, str(path)),
+        transport=model.config.transport,
+        expert_backend=model.config.expert_backend,
+    )
+    if (
+        saved_model != model.config
+    ):  # (the transport and the expert kernels are how it runs, not the model: they may change)
         diffs = [
             f"{k}: checkpoint {getattr(saved_model, k)!r}, now {getattr(model.config, k)!r}"
             for k in model.config.to_dict()
             if getattr(saved_model, k) != getattr(model.config, k)
         ]
-        raise CheckpointError(f"{path}: model config mismatch on resume ({'; '.join(diffs)}); use the same settings or another --out")
+        raise CheckpointError(
+            f"{path}: model config mismatch on resume ({'; '.join(diffs)}); use the same settings or another --out"
+        )
     saved = json.loads(meta.get("train_config", "{}"))
     now = cfg.to_dict()
     default = TrainConfig().to_dict()  # a field newer than the checkpoint had its default then
@@ -227,16 +258,24 @@ def check_resume(meta: Mapping[str, str], model: OccultLM, cfg: TrainConfig, dat
         if k not in (*TrainConfig.LOGGING_FIELDS, "steps") and saved.get(k, default[k]) != now[k]
     ]
     if diffs:
-        raise CheckpointError(f"{path}: training config mismatch on resume ({'; '.join(diffs)}); use the same settings or another --out")
+        raise CheckpointError(
+            f"{path}: training config mismatch on resume ({'; '.join(diffs)}); use the same settings or another --out"
+        )
     at = int(meta.get("step", 0))
     if cfg.steps < at:
-        raise CheckpointError(f"{path}: the checkpoint is at step {at}, past --steps {cfg.steps}; pass --steps {at} or more "
-                              "to continue it (a larger value continues training)")
+        raise CheckpointError(
+            f"{path}: the checkpoint is at step {at}, past --steps {cfg.steps}; pass --steps {at} or more "
+            "to continue it (a larger value continues training)"
+        )
     if json.loads(meta.get("routing", "null")) != json.loads(model.routing.to_json()):
-        raise CheckpointError(f"{path}: routing mismatch on resume: checkpoint {meta.get('routing')}, now {model.routing.to_json()}")
+        raise CheckpointError(
+            f"{path}: routing mismatch on resume: checkpoint {meta.get('routing')}, now {model.routing.to_json()}"
+        )
     if meta.get("data_hash") != data_sig:
-        raise CheckpointError(f"{path}: the training data differ from the checkpoint's (hash {meta.get('data_hash')} vs {data_sig})")
+        raise CheckpointError(
+            f"{path}: the training data differ from the checkpoint's (hash {meta.get('data_hash')} vs {data_sig})"
+        )
     if (meta.get("init_hash") or None) != init_sig:
-        raise CheckpointError(f"{path}: the run started from other initial weights (init hash {meta.get('init_hash')} vs {init_sig})")
-
-
+        raise CheckpointError(
+            f"{path}: the run started from other initial weights (init hash {meta.get('init_hash')} vs {init_sig})"
+        )

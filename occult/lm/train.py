@@ -46,15 +46,22 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
 from occult._atomic import atomic_path
-from occult.lm.checkpoint import (CheckpointError, config_from_metadata, load_weights, model_metadata, model_tensors,
-                                  read_checkpoint)
+from occult.lm.checkpoint import (
+    CheckpointError,
+    config_from_metadata,
+    load_weights,
+    model_metadata,
+    model_tensors,
+    read_checkpoint,
+)
 from occult.lm.data import TokenData, train_batch
 from occult.lm.distill import distilled_loss, load_teacher
 from occult.lm.evaluate import autocast_dtype, autocast_for, evaluate, pick_device
@@ -138,8 +145,13 @@ class _Run:
         loop = self.loop
         meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in self.meta_base.items()}
         meta.update(model_metadata(self.model))
-        meta.update(step=str(loop.step), best_val_loss=json.dumps(self.best), history=json.dumps(self.history),
-                    stopped_early="true" if loop.stopped else "false", train_losses=json.dumps(loop.losses))
+        meta.update(
+            step=str(loop.step),
+            best_val_loss=json.dumps(self.best),
+            history=json.dumps(self.history),
+            stopped_early="true" if loop.stopped else "false",
+            train_losses=json.dumps(loop.losses),
+        )
         if self.schedule.restarts:  # extended on a resume with more steps
             meta["lr_schedule"] = json.dumps(self.schedule.to_json())
         if self.replacer is not None:
@@ -171,8 +183,15 @@ class _Run:
         if steps and seconds > 0:  # the losses read back before an evaluation synchronised the device
             tps = steps * cfg.batch_size * cfg.seq_len / seconds
             rate = {"train_tokens_per_s": tps, "train_tokens_per_s_per_rank": tps / (par.world_size if par else 1)}
-        r = evaluate(self.model, self.data.val, cfg.eval_batch_size or cfg.batch_size, cfg.seq_len, cfg.eval_tokens,
-                     cfg.precision, parallel=par)
+        r = evaluate(
+            self.model,
+            self.data.val,
+            cfg.eval_batch_size or cfg.batch_size,
+            cfg.seq_len,
+            cfg.eval_tokens,
+            cfg.precision,
+            parallel=par,
+        )
         reshard(self.model)  # FSDP: the root's weights back to shards after a forward without backward
         r["step"] = self.loop.step
         r.update(rate)
@@ -235,8 +254,9 @@ def _step_parts(run: _Run) -> StepParts:
     def loss(xy: tuple[torch.Tensor, torch.Tensor]) -> StepLoss:
         with autocast_for(device, cfg.precision):
             if cfg.distill_weight:  # the unpruned model (or --distill-from) as the teacher (occult.lm.distill)
-                return distilled_loss(model, forward, xy, cfg.aux_loss_coef, cfg.distill_weight, cfg.distill_temperature,
-                                      teacher)
+                return distilled_loss(
+                    model, forward, xy, cfg.aux_loss_coef, cfg.distill_weight, cfg.distill_temperature, teacher
+                )
             out = forward(*xy, return_logits=False)
             return StepLoss(out.loss + cfg.aux_loss_coef * out.aux_loss, out.loss, out.aux_loss)
 
@@ -244,8 +264,14 @@ def _step_parts(run: _Run) -> StepParts:
         if par is not None:  # experts (and replicated ones with the explicit sync)
             sync_gradients(model, par, replicated=cfg.grad_sync == "explicit")
 
-    return StepParts(batch=batch, loss=loss, sync=sync, clip=lambda m: clip_grad_norm(model, par, m),
-                     lr=run.schedule, mean=lambda t: global_mean(t, par))
+    return StepParts(
+        batch=batch,
+        loss=loss,
+        sync=sync,
+        clip=lambda m: clip_grad_norm(model, par, m),
+        lr=run.schedule,
+        mean=lambda t: global_mean(t, par),
+    )
 
 
 def _resume(run: _Run, state: tuple[str, Path, Mapping[str, Any]], data_sig: str, init_hash: str | None) -> None:
@@ -254,7 +280,9 @@ def _resume(run: _Run, state: tuple[str, Path, Mapping[str, Any]], data_sig: str
     model, par = run.model, run.par
     saved = json.loads(meta.get("replace") or "null")  # the placement in use when it was saved
     if saved is not None and (run.replacer is None or not run.replacer.load_state(saved)):
-        follow_routing(model, Placement.from_json_dict(saved["placement"], str(path)))  # device-limited routing as it was
+        follow_routing(
+            model, Placement.from_json_dict(saved["placement"], str(path))
+        )  # device-limited routing as it was
     check_resume(meta, model, run.cfg, data_sig, init_hash, path)
     if kind == "dcp":
         load_sharded(path, meta, model, run.opt)
@@ -274,21 +302,34 @@ def _resume(run: _Run, state: tuple[str, Path, Mapping[str, Any]], data_sig: str
     if run.schedule.restarts and run.log:
         at, rate, _ = run.schedule.restarts[-1]
         if at == loop.step:
-            run.log(f"--steps {run.cfg.steps}: continuing from step {at} at learning rate {rate:.3g}, cosine to "
-                    f"{run.cfg.lr * run.cfg.min_lr_ratio:.3g} at step {run.cfg.steps}")
+            run.log(
+                f"--steps {run.cfg.steps}: continuing from step {at} at learning rate {rate:.3g}, cosine to "
+                f"{run.cfg.lr * run.cfg.min_lr_ratio:.3g} at step {run.cfg.steps}"
+            )
     if run.log:
         run.log(f"resumed {path} at step {loop.step}")
 
 
-def _prepare(model: OccultLM, data: TokenData, cfg: TrainConfig, out: Path, par: Parallel | None,
-             log: Callable[[str], None] | None, meta_base: dict[str, Any]) -> _Run:
+def _prepare(
+    model: OccultLM,
+    data: TokenData,
+    cfg: TrainConfig,
+    out: Path,
+    par: Parallel | None,
+    log: Callable[[str], None] | None,
+    meta_base: dict[str, Any],
+) -> _Run:
     """Checks, device, FSDP wrapping, optimizer and re-placement of a run."""
     device = pick_device(cfg.device)
     model.to(device)
     if data.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the data use {data.vocab_size} token ids, the model's vocab_size is {model.config.vocab_size}")
+        raise ValueError(
+            f"the data use {data.vocab_size} token ids, the model's vocab_size is {model.config.vocab_size}"
+        )
     if par is not None and cfg.batch_size % par.world_size:
-        raise ValueError(f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks")
+        raise ValueError(
+            f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks"
+        )
     if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
         wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
     opt = make_optimizer(model, trainable_names(model, cfg.moe_only, cfg.train_part), cfg)
@@ -329,17 +370,28 @@ def train(
     meta_base = dict(extra_metadata or {})
     meta_base.update(train_config=json.dumps(cfg.to_dict()), data_hash=data_sig, init_hash=init_hash or "")
     run = _prepare(model, data, cfg, out, par, log, meta_base)
-    settings = LoopSettings(cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len,
-                            "train" if not cfg.moe_only else "finetune (MoE only)", progress, run.main,
-                            stop_on_interrupt=par is None)
-    hooks = [StepProfile(cfg.profile_steps, out, par.rank if par else 0, next(model.parameters()).device, run.log)
-             ] if cfg.profile_steps else []  # first: it stops before step B's evaluation (A - 1 should have none)
+    settings = LoopSettings(
+        cfg.steps,
+        cfg.grad_clip,
+        cfg.batch_size * cfg.seq_len,
+        "train" if not cfg.moe_only else "finetune (MoE only)",
+        progress,
+        run.main,
+        stop_on_interrupt=par is None,
+    )
+    hooks = (
+        [StepProfile(cfg.profile_steps, out, par.rank if par else 0, next(model.parameters()).device, run.log)]
+        if cfg.profile_steps
+        else []
+    )  # first: it stops before step B's evaluation (A - 1 should have none)
     hooks += ([run.replacer] if run.replacer is not None else []) + [_EvalAndSave(run)]
     run.loop = TrainLoop(None, run.opt, settings, hooks)  # its parts after the resume (DDP wraps the loaded model)
     state = latest_state(out)
     if state is not None:
         if not resume:
-            raise CheckpointError(f"{out} already holds a checkpoint: pass --resume to continue it, or choose another --out")
+            raise CheckpointError(
+                f"{out} already holds a checkpoint: pass --resume to continue it, or choose another --out"
+            )
         _resume(run, state, data_sig, init_hash)
     elif resume and run.log:
         run.log(f"resume: {out} holds no checkpoint yet: starting at step 0")
@@ -391,10 +443,31 @@ def finetune(
     if parallel is not None and parallel.world_size > 1:
         model = shard_model(model, parallel, ep_placement, dispatcher)
     init_sig = hashlib.sha256(b"".join(tensor_hash(tensors[k]).encode() for k in sorted(tensors))).hexdigest()[:16]
-    result = train(model, data, cfg, out_dir, resume=resume, stop_after=stop_after, progress=progress, init_hash=init_sig,
-                   extra_metadata={"init": str(init)}, log=log, parallel=parallel)
+    result = train(
+        model,
+        data,
+        cfg,
+        out_dir,
+        resume=resume,
+        stop_after=stop_after,
+        progress=progress,
+        init_hash=init_sig,
+        extra_metadata={"init": str(init)},
+        log=log,
+        parallel=parallel,
+    )
     return model, result
 
 
-__all__ = ["TrainConfig", "TrainResult", "train", "finetune", "evaluate", "lr_at", "pick_device", "autocast_for",
-           "CheckpointError", "latest_state"]
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "train",
+    "finetune",
+    "evaluate",
+    "lr_at",
+    "pick_device",
+    "autocast_for",
+    "CheckpointError",
+    "latest_state",
+]

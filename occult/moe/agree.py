@@ -71,8 +71,10 @@ class SharedBoard:
                 deadline = deadline or time.monotonic() + self.timeout_s
                 if time.monotonic() > deadline:
                     late = [r for r in range(self.world) if rounds[r] < self.round]
-                    raise RuntimeError(f"ranks {late} did not reach the MoE layer's agreement within {self.timeout_s:.0f} s "
-                                       "(a rank died or stopped calling the layer)")
+                    raise RuntimeError(
+                        f"ranks {late} did not reach the MoE layer's agreement within {self.timeout_s:.0f} s "
+                        "(a rank died or stopped calling the layer)"
+                    )
         return self.rows[:, parity, 1:].max(axis=0).tolist()
 
 
@@ -98,5 +100,6 @@ def make_board(host_group: Any, width: int, timeout_s: float) -> SharedBoard | G
 
 def gloo_group(ranks: list[int], timeout_s: float) -> Any:
     """A gloo group over `ranks` made by those ranks alone (no other rank needs to join)."""
-    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group(
+        ranks, backend="gloo", use_local_synchronization=True, timeout=datetime.timedelta(seconds=timeout_s)
+    )

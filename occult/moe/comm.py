@@ -52,7 +52,7 @@ class CommStats:
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
 
-    def snapshot(self) -> "CommStats":
+    def snapshot(self) -> CommStats:
         """A copy of these figures as they stand, apart from later changes to the tensors behind them
         (a CUDA graph's replays rewrite the device counts its captured call read)."""
         return replace(self)
@@ -81,8 +81,15 @@ def record_sent(state: Any, splits: list[int], rows_PH: torch.Tensor, meta_bytes
     count_sent(state.stats, splits, state.rank, getattr(state, "peer_level", None), one_row, meta_bytes, backward)
 
 
-def count_sent(stats: CommStats, splits: list[int], rank: int, levels: list[int] | None, row_bytes: int,
-               meta_bytes: int, backward: bool) -> None:
+def count_sent(
+    stats: CommStats,
+    splits: list[int],
+    rank: int,
+    levels: list[int] | None,
+    row_bytes: int,
+    meta_bytes: int,
+    backward: bool,
+) -> None:
     """Add `splits[d]` rows of `row_bytes` each sent to rank d (and `meta_bytes` of metadata) to `stats`."""
     rows = sum(splits)
     direction = "backward" if backward else "forward"
@@ -91,8 +98,12 @@ def count_sent(stats: CommStats, splits: list[int], rank: int, levels: list[int]
             count = sum(n for n, lv in zip(splits, levels) if lv == level)
             setattr(stats, f"{direction}_{name}_rows", getattr(stats, f"{direction}_{name}_rows") + count)
             setattr(stats, f"{direction}_{name}_bytes", getattr(stats, f"{direction}_{name}_bytes") + count * row_bytes)
-    for name, value in (("rows", rows), ("remote_rows", rows - splits[rank]), ("bytes", rows * row_bytes),
-                        ("metadata_bytes", meta_bytes)):
+    for name, value in (
+        ("rows", rows),
+        ("remote_rows", rows - splits[rank]),
+        ("bytes", rows * row_bytes),
+        ("metadata_bytes", meta_bytes),
+    ):
         setattr(stats, f"{direction}_{name}", getattr(stats, f"{direction}_{name}") + value)
 
 
@@ -194,8 +205,9 @@ class DeviceCommStats(CommStats):
         object.__setattr__(self, "_pending", [])
         object.__setattr__(self, "_where", (rank, levels))
 
-    def add(self, counts_D: torch.Tensor, row_bytes: int, meta_bytes_per_row: int, backward: bool,
-            end: str | None = None) -> None:
+    def add(
+        self, counts_D: torch.Tensor, row_bytes: int, meta_bytes_per_row: int, backward: bool, end: str | None = None
+    ) -> None:
         """Count rows sent to each rank (`counts_D`, device) later; `end`: also set `dispatch_rows`
         ("dispatch") or `combine_rows` ("combine") to the total."""
         object.__getattribute__(self, "_pending").append((counts_D, row_bytes, meta_bytes_per_row, backward, end))
@@ -218,7 +230,7 @@ class DeviceCommStats(CommStats):
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in _FIELDS}
 
-    def snapshot(self) -> "DeviceCommStats":
+    def snapshot(self) -> DeviceCommStats:
         """The same figures, their device counts copied now (on the stream: no host wait)."""
         rank, levels = object.__getattribute__(self, "_where")
         copy = DeviceCommStats(rank, levels)

@@ -141,7 +141,9 @@ def configs_from_keywords(
     if not isinstance(config, MoEConfig):
         values = (config, *positional) if config is not None else positional
         if len(values) > len(_MOE_POSITIONAL):
-            raise TypeError(f"expected at most {len(_MOE_POSITIONAL)} positional sizes {_MOE_POSITIONAL}, got {len(values)}")
+            raise TypeError(
+                f"expected at most {len(_MOE_POSITIONAL)} positional sizes {_MOE_POSITIONAL}, got {len(values)}"
+            )
         sizes = dict(zip(_MOE_POSITIONAL, values))
         for name in _MOE_POSITIONAL:
             if name in keywords:
@@ -167,14 +169,17 @@ def _merge(base: Any, keywords: dict[str, Any], keys: set[str], name: str) -> An
     if not chosen:
         return base
     default = type(base)()
-    clash = [k for k in chosen if getattr(base, k) is not getattr(default, k) and getattr(base, k) != getattr(default, k)]
+    clash = [
+        k for k in chosen if getattr(base, k) is not getattr(default, k) and getattr(base, k) != getattr(default, k)
+    ]
     if clash:
         raise TypeError(f"{clash} set both in the {name} config and as keywords; set them in one place")
     return replace(base, **chosen)
 
 
-def merge_settings(routing: RoutingConfig | None, execution: ExecConfig | None,
-                   **keywords: Any) -> tuple[RoutingConfig, ExecConfig]:
+def merge_settings(
+    routing: RoutingConfig | None, execution: ExecConfig | None, **keywords: Any
+) -> tuple[RoutingConfig, ExecConfig]:
     """(RoutingConfig, ExecConfig) from config objects and the keyword form of an API that takes
     both (`hf.convert(..., dispatcher=..., max_devices=...)`); keywords given as None are unset."""
     given = {k: v for k, v in keywords.items() if v is not None}

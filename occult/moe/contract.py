@@ -16,8 +16,9 @@ between calls: one serves every layer.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,7 @@ class Dispatcher(ABC):
 
     @property
     def transport_name(self) -> str:
-        """"device" or "counts": how this dispatcher's exchanges learn their sizes."""
+        """ "device" or "counts": how this dispatcher's exchanges learn their sizes."""
         return "device" if self.transport is not None else "counts"
 
     def set_devices_per_node(self, devices_per_node: int) -> None:

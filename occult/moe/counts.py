@@ -4,7 +4,8 @@ every rank instead of leaving the others waiting in a collective."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,9 @@ def clamp_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return ids_TK.clamp(0, num_experts - 1)
 
 
-def routing_status(weights_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_status(
+    weights_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids clamped into [0, E), status): 2 ids out of range, else 1 NaN/inf gates, else 0.
     A device tensor (no host sync: the status travels with the counts); few launches."""
     clamped_TK = clamp_ids(ids_TK, num_experts)

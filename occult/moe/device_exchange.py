@@ -72,8 +72,13 @@ class RowLayout:
     def back_width(self) -> int:
         return row_bytes(self.hidden * torch.finfo(self.dtype).bits // 8)
 
-    def write(self, buf_NW: torch.Tensor, x_NH: torch.Tensor, gates_NK: torch.Tensor | None = None,
-              slots_NK: torch.Tensor | None = None) -> None:
+    def write(
+        self,
+        buf_NW: torch.Tensor,
+        x_NH: torch.Tensor,
+        gates_NK: torch.Tensor | None = None,
+        slots_NK: torch.Tensor | None = None,
+    ) -> None:
         """Write rows (and their gates, slots) into the first rows of a byte buffer."""
         n = x_NH.shape[0]
         buf_NW[:n].view(self.dtype)[:, : self.hidden].copy_(x_NH)
@@ -146,8 +151,9 @@ class PackedRows:
         from occult.kernels.pack import pack_rows
 
         buf = torch.empty((self.entry_PK.shape[0], self.width), dtype=torch.uint8, device=self.x_TH.device)
-        pack_rows(buf, self.x_TH, self.token_P, self.weights_TK, self.entry_PK, self.slot_PK, self.gate_byte,
-                  self.slot_byte)
+        pack_rows(
+            buf, self.x_TH, self.token_P, self.weights_TK, self.entry_PK, self.slot_PK, self.gate_byte, self.slot_byte
+        )
         return buf
 
 
@@ -184,7 +190,8 @@ class DeviceHandle(Handle):
         carries the routing status and queues every rank's."""
         first = self.recv_counts_D is None
         recv, recv_counts_D, statuses_D = self.transport.exchange(
-            rows_PW, self.send_counts_D, self.stride, status=self.status if first else None)
+            rows_PW, self.send_counts_D, self.stride, status=self.status if first else None
+        )
         if first:
             self.recv_counts_D = recv_counts_D
             if statuses_D is not None:
@@ -193,8 +200,9 @@ class DeviceHandle(Handle):
 
     def send_back(self, rows_RW: torch.Tensor) -> torch.Tensor:
         """Received rows (region layout) back to their sources; the regions there (read them at once)."""
-        recv, _, _ = self.transport.exchange(rows_RW, self.recv_counts_D, self.stride, src_stride=self.stride,
-                                             copy_counts=False)
+        recv, _, _ = self.transport.exchange(
+            rows_RW, self.recv_counts_D, self.stride, src_stride=self.stride, copy_counts=False
+        )
         return recv
 
     def in_plan_order(self, back_RW: torch.Tensor) -> torch.Tensor:
@@ -211,34 +219,44 @@ class DeviceHandle(Handle):
         L, plan = self.layout, self.plan
         g0, s0 = L.x_bytes, L.x_bytes + L.gate_bytes
         rows = PackedRows(x_TH, plan.token_P, weights_TK, plan.entry_PK, plan.slot_PK, g0, s0, L.width)
-        recv, counts_D, statuses_D = self.transport.exchange_packed(rows, self.send_counts_D, self.stride, self.status,
-                                                                   copy_counts=False)
+        recv, counts_D, statuses_D = self.transport.exchange_packed(
+            rows, self.send_counts_D, self.stride, self.status, copy_counts=False
+        )
         x_RH, gates_RK, slots_RK, self.recv_counts_D, statuses_D = unpack_rows(
-            recv, self.num_recv, L.hidden, L.top_k, L.dtype, L.gates_dtype, counts_D, self.stride, g0, s0, statuses_D)
+            recv, self.num_recv, L.hidden, L.top_k, L.dtype, L.gates_dtype, counts_D, self.stride, g0, s0, statuses_D
+        )
         if statuses_D is not None:
             pending.queue(statuses_D)  # (kept by a recording capture: occult.moe.graphs)
-        self.stats.add(self.send_counts_D, L.hidden * x_TH.element_size(), L.gate_bytes + 4 * L.top_k, False,
-                       "dispatch")
+        self.stats.add(
+            self.send_counts_D, L.hidden * x_TH.element_size(), L.gate_bytes + 4 * L.top_k, False, "dispatch"
+        )
         return x_RH, gates_RK, slots_RK
 
     def dispatch_rows(self, rows_PH, gates_PK, slots_PK):
         """Rows out with gates and slots; (x_RH, gates_RK, slots_RK) received, the gaps masked."""
         L = self.layout
-        recv = self.send_out(self.byte_rows(self.plan.num_rows, L.width, lambda buf: L.write(
-            buf, rows_PH, gates_PK.to(L.carrier), slots_PK.to(torch.int32))))
+        recv = self.send_out(
+            self.byte_rows(
+                self.plan.num_rows,
+                L.width,
+                lambda buf: L.write(buf, rows_PH, gates_PK.to(L.carrier), slots_PK.to(torch.int32)),
+            )
+        )
         valid_R1 = region_valid(self.num_recv, self.stride, self.recv_counts_D)
         x_RH = torch.where(valid_R1, L.read_x(recv, self.num_recv), 0)
         gates_RK = torch.where(valid_R1, L.read_gates(recv, self.num_recv), 0)
         slots_RK = torch.where(valid_R1, L.read_slots(recv, self.num_recv), -1)
-        self.stats.add(self.send_counts_D, x_RH.shape[1] * x_RH.element_size(), L.gate_bytes + 4 * L.top_k, False,
-                       "dispatch")
+        self.stats.add(
+            self.send_counts_D, x_RH.shape[1] * x_RH.element_size(), L.gate_bytes + 4 * L.top_k, False, "dispatch"
+        )
         return x_RH, gates_RK, slots_RK
 
     def dispatch_grads(self, grad_x_RH, grad_gates_RK):
         """The gradients of the received rows and gates back to their sources (plan order)."""
         L, n = self.layout, self.plan.num_rows
-        back = self.send_back(self.byte_rows(self.num_recv, L.width, lambda buf: L.write(
-            buf, grad_x_RH, grad_gates_RK.to(L.carrier))))
+        back = self.send_back(
+            self.byte_rows(self.num_recv, L.width, lambda buf: L.write(buf, grad_x_RH, grad_gates_RK.to(L.carrier)))
+        )
         back = self.in_plan_order(back)
         self.stats.add(self.recv_counts_D, grad_x_RH.shape[1] * grad_x_RH.element_size(), L.gate_bytes, True)
         return L.read_x(back, n), L.read_gates(back, n)
@@ -254,8 +272,9 @@ class DeviceHandle(Handle):
         if triton_sums(y_RH):
             from occult.kernels.rows import gather_sum  # one pass over the regions, fp32 sums
 
-            return gather_sum(back.view(L.dtype)[:, : L.hidden], plan.row_TJ, L.dtype,
-                              regions=(self.send_counts_D, self.stride))
+            return gather_sum(
+                back.view(L.dtype)[:, : L.hidden], plan.row_TJ, L.dtype, regions=(self.send_counts_D, self.stride)
+            )
         y_PH = self.in_plan_order(back).view(L.dtype)[:, : L.hidden]
         return token_sum(y_PH, plan.token_P, plan.row_TJ, L.dtype)
 
@@ -290,8 +309,9 @@ class _DeviceDispatch(torch.autograd.Function):
 def _dispatch_grads(handle: DeviceHandle, grad_x_RH, grad_gates_RK) -> tuple[torch.Tensor, torch.Tensor]:
     """The received rows' and gates' gradients back to their sources (zeros where autograd gave none)."""
     if grad_x_RH is None:
-        grad_x_RH = torch.zeros((handle.num_recv, handle.layout.hidden), dtype=handle.layout.dtype,
-                                device=handle.send_counts_D.device)
+        grad_x_RH = torch.zeros(
+            (handle.num_recv, handle.layout.hidden), dtype=handle.layout.dtype, device=handle.send_counts_D.device
+        )
     if grad_gates_RK is None:
         grad_gates_RK = grad_x_RH.new_zeros((grad_x_RH.shape[0], handle.layout.top_k), dtype=torch.float32)
     return handle.dispatch_grads(grad_x_RH, grad_gates_RK)
@@ -347,9 +367,16 @@ def agree_and_check(transport: DeviceTransport, num_tokens: int, host_status: in
     return max_tokens
 
 
-def dispatch_device(dispatcher: Any, x_TH: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan,
-                    status: torch.Tensor, host_status: int, schedule: Any,
-                    experts_per_device: int) -> tuple[Received, DeviceHandle]:
+def dispatch_device(
+    dispatcher: Any,
+    x_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    plan: DispatchPlan,
+    status: torch.Tensor,
+    host_status: int,
+    schedule: Any,
+    experts_per_device: int,
+) -> tuple[Received, DeviceHandle]:
     """The flat dispatch over the device transport (module docstring); `plan` at capacity size."""
     transport: DeviceTransport = dispatcher.transport
     D, top_k = transport.num_ranks, weights_TK.shape[1]
@@ -362,8 +389,15 @@ def dispatch_device(dispatcher: Any, x_TH: torch.Tensor, weights_TK: torch.Tenso
     bucket = token_bucket(max_tokens)
     transport.reserve(D * per_rank * bucket * layout.width)
     stats = DeviceCommStats(dispatcher.rank, dispatcher.peer_level)
-    handle = DeviceHandle(transport, layout, plan, plan.send_counts_D, per_rank * max_tokens, stats,
-                          status=status.to(torch.int64).reshape(()))
+    handle = DeviceHandle(
+        transport,
+        layout,
+        plan,
+        plan.send_counts_D,
+        per_rank * max_tokens,
+        stats,
+        status=status.to(torch.int64).reshape(()),
+    )
     if packable(x_TH, weights_TK):
         x_RH, gates_RK, slots_RK = _DevicePackedDispatch.apply(x_TH, weights_TK, handle)
     else:

@@ -27,8 +27,16 @@ from occult.moe.contract import Capabilities, Dispatcher, Handle, Received, Sche
 from occult.moe.counts import clamp_ids, exchange_counts, routing_status
 from occult.moe.expert_map import ExpertMap
 from occult.moe.gather import gather_early, gather_gate_weights, gather_rows, sum_rows
-from occult.moe.plan import (DispatchPlan, dedup_plan, routed_plan, routed_slots, standard_plan, static_dedup_plan,
-                             static_standard_plan, trim)
+from occult.moe.plan import (
+    DispatchPlan,
+    dedup_plan,
+    routed_plan,
+    routed_slots,
+    standard_plan,
+    static_dedup_plan,
+    static_standard_plan,
+    trim,
+)
 
 
 @dataclass
@@ -66,17 +74,35 @@ class FlatDispatcher(Dispatcher):
         if self.num_ranks == 1:  # nothing to send
             return self.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status)
         # the plan and the routing status (none when sync-free) of one launch, for a decode-sized batch
-        routed = None if status is not None else routed_plan(
-            ids_TK, weights_TK, expert_map.device_E, expert_map.slot_E, self.num_ranks, self.capabilities.deduplicated,
-            schedule.sync_free)
+        routed = (
+            None
+            if status is not None
+            else routed_plan(
+                ids_TK,
+                weights_TK,
+                expert_map.device_E,
+                expert_map.slot_E,
+                self.num_ranks,
+                self.capabilities.deduplicated,
+                schedule.sync_free,
+            )
+        )
         if routed is not None:
             plan, status = routed
         else:
             ids_TK, status = checked_ids(weights_TK, ids_TK, expert_map, schedule, status)
             plan = self.plan_rows(ids_TK, expert_map, schedule.sync_free)
         if self.uses_device_transport(schedule):
-            return device_exchange.dispatch_device(self, x_TH, weights_TK, plan, status, host_status, schedule,
-                                                   expert_map.experts_per_device(self.num_ranks))
+            return device_exchange.dispatch_device(
+                self,
+                x_TH,
+                weights_TK,
+                plan,
+                status,
+                host_status,
+                schedule,
+                expert_map.experts_per_device(self.num_ranks),
+            )
         if schedule.sync_free:
             early = (None, None, None)
             send = recv = [plan.num_rows // self.num_ranks] * self.num_ranks
@@ -91,8 +117,14 @@ class FlatDispatcher(Dispatcher):
         handle = FlatHandle(plan, send, recv, x_TH.shape[0], self.rank, CommStats(), self.peer_level)
         gates_PK = gather_gate_weights(weights_TK, plan.entry_PK, early[1])
         x_RH, gates_RK, slots_RK = exchange(
-            gather_rows(x_TH, plan.token_P, plan.row_TJ, early[0]), gates_PK, plan.slot_PK, send, recv,
-            self.group, handle, early[2],
+            gather_rows(x_TH, plan.token_P, plan.row_TJ, early[0]),
+            gates_PK,
+            plan.slot_PK,
+            send,
+            recv,
+            self.group,
+            handle,
+            early[2],
         )
         handle.stats.dispatch_rows = plan.num_rows
         return Received(x_RH, slots_RK, gates_RK), handle
@@ -106,9 +138,15 @@ class FlatDispatcher(Dispatcher):
         y_PH, _, _ = exchange(y, None, None, handle.recv_splits, handle.send_splits, self.group, handle)
         return sum_rows(y_PH, handle.plan.token_P, handle.plan.row_TJ)
 
-
-    def dispatch_local(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
-                       expert_map: ExpertMap, schedule: Schedule, status: torch.Tensor | None) -> tuple[Received, Handle]:
+    def dispatch_local(
+        self,
+        x_TH: torch.Tensor,
+        weights_TK: torch.Tensor,
+        ids_TK: torch.Tensor,
+        expert_map: ExpertMap,
+        schedule: Schedule,
+        status: torch.Tensor | None,
+    ) -> tuple[Received, Handle]:
         """The one-rank schedule (`occult.moe.local`), the slots and the status of one launch where it can."""
         routed = None if status is not None else routed_slots(ids_TK, weights_TK, expert_map.slot_E, schedule.sync_free)
         slots_TK = None
@@ -116,8 +154,9 @@ class FlatDispatcher(Dispatcher):
             slots_TK, status = routed[0], None if schedule.sync_free else routed[1]
         else:
             ids_TK, status = checked_ids(weights_TK, ids_TK, expert_map, schedule, status)
-        return local.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status,
-                                    self.capabilities.deduplicated, slots_TK)
+        return local.dispatch_local(
+            x_TH, weights_TK, ids_TK, expert_map, schedule, status, self.capabilities.deduplicated, slots_TK
+        )
 
     def uses_device_transport(self, schedule: Schedule) -> bool:
         """Whether this call runs over the device transport: the plain schedule, where the group has it."""
@@ -131,8 +170,13 @@ class FlatDispatcher(Dispatcher):
         return min(top_k, experts_per_device), top_k
 
 
-def checked_ids(weights_TK: torch.Tensor, ids_TK: torch.Tensor, expert_map: ExpertMap, schedule: Schedule,
-                status: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def checked_ids(
+    weights_TK: torch.Tensor,
+    ids_TK: torch.Tensor,
+    expert_map: ExpertMap,
+    schedule: Schedule,
+    status: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(ids clamped into range, the routing status): as given where a status came (its ids are
     clamped), else made (`routing_status`); sync-free reports nothing (status None)."""
     if status is not None:
@@ -150,8 +194,13 @@ class StandardDispatcher(FlatDispatcher):
 
     def plan_rows(self, ids_TK: torch.Tensor, expert_map: ExpertMap, sync_free: bool) -> DispatchPlan:
         if sync_free:
-            return static_standard_plan(ids_TK, expert_map.device_E, expert_map.slot_E, self.num_ranks,
-                                        expert_map.experts_per_device(self.num_ranks))
+            return static_standard_plan(
+                ids_TK,
+                expert_map.device_E,
+                expert_map.slot_E,
+                self.num_ranks,
+                expert_map.experts_per_device(self.num_ranks),
+            )
         return standard_plan(ids_TK, expert_map.device_E, expert_map.slot_E, self.num_ranks)
 
 
@@ -163,6 +212,11 @@ class DedupDispatcher(FlatDispatcher):
 
     def plan_rows(self, ids_TK: torch.Tensor, expert_map: ExpertMap, sync_free: bool) -> DispatchPlan:
         if sync_free:
-            return static_dedup_plan(ids_TK, expert_map.device_E, expert_map.slot_E, self.num_ranks,
-                                     expert_map.experts_per_device(self.num_ranks))
+            return static_dedup_plan(
+                ids_TK,
+                expert_map.device_E,
+                expert_map.slot_E,
+                self.num_ranks,
+                expert_map.experts_per_device(self.num_ranks),
+            )
         return dedup_plan(ids_TK, expert_map.device_E, expert_map.slot_E, self.num_ranks)

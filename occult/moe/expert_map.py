@@ -27,7 +27,7 @@ class ExpertMap:
         """E / D (a balanced placement: every device holds as many experts)."""
         return self.num_experts // num_devices
 
-    def coarsen(self, devices_per_group: int, experts_per_device: int) -> "ExpertMap":
+    def coarsen(self, devices_per_group: int, experts_per_device: int) -> ExpertMap:
         """The same experts seen by groups of G = `devices_per_group` consecutive devices (e.g.
         nodes): device d -> d // G, slot -> (d % G) * S + slot, S = `experts_per_device` (a code
         unique inside the group). No host sync."""

@@ -52,7 +52,9 @@ def expert_mlp_reference(
         y_RH = y_RH.index_add(0, pair_row_P, o_PH * pair_gate_P.to(acc_dtype)[:, None])
     elif num_local:
         # Keep every weight in the graph so gradients are zeros, not None.
-        y_RH = y_RH + 0 * (gate_up_proj_EFH.sum() + down_proj_EHF.sum()).to(acc_dtype) + 0 * gates_RK.sum().to(acc_dtype)
+        y_RH = (
+            y_RH + 0 * (gate_up_proj_EFH.sum() + down_proj_EHF.sum()).to(acc_dtype) + 0 * gates_RK.sum().to(acc_dtype)
+        )
     return y_RH.to(x_RH.dtype)
 
 

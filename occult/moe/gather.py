@@ -24,7 +24,9 @@ def triton_sums(t: torch.Tensor) -> bool:
     return kernels.available(t.device)
 
 
-def token_sum(src_PH: torch.Tensor, token_P: torch.Tensor, row_TJ: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def token_sum(
+    src_PH: torch.Tensor, token_P: torch.Tensor, row_TJ: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """Sum each token's rows (fp32 accumulation): one pass on GPU, `index_add` elsewhere."""
     if triton_sums(src_PH):
         from occult.kernels.rows import gather_sum
@@ -107,14 +109,16 @@ class _SumRows(torch.autograd.Function):
         return grad_TH[token_P], None, None
 
 
-def gather_rows(x_TH: torch.Tensor, token_P: torch.Tensor, row_TJ: torch.Tensor,
-                early_PH: torch.Tensor | None = None) -> torch.Tensor:
+def gather_rows(
+    x_TH: torch.Tensor, token_P: torch.Tensor, row_TJ: torch.Tensor, early_PH: torch.Tensor | None = None
+) -> torch.Tensor:
     """rows[p] = x[token[p]] (`early_PH`: the same rows, gathered before the host sync); differentiable."""
     return _GatherRows.apply(x_TH, token_P, row_TJ, early_PH)
 
 
-def gather_gate_weights(weights_TK: torch.Tensor, entry_PK: torch.Tensor,
-                        early_PK: torch.Tensor | None = None) -> torch.Tensor:
+def gather_gate_weights(
+    weights_TK: torch.Tensor, entry_PK: torch.Tensor, early_PK: torch.Tensor | None = None
+) -> torch.Tensor:
     """`gather_gates`, differentiable with `scatter_gates` as its backward (`early_PK`: made before the sync)."""
     return _GatherGates.apply(weights_TK, entry_PK, early_PK)
 

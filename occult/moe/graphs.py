@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ EAGER_CALLS = 2  # eager calls of a signature before it is captured (compilation
 MAX_GRAPHS = 8  # graphs kept per layer (the least recently used go first)
 MAX_SEEN = 1024  # signatures counted towards a capture per layer (forgotten all at once beyond)
 
-_LIVE: dict[int, "weakref.WeakSet[torch.cuda.CUDAGraph]"] = {}  # device index -> graphs alive there
+_LIVE: dict[int, weakref.WeakSet[torch.cuda.CUDAGraph]] = {}  # device index -> graphs alive there
 
 
 @dataclass
@@ -88,7 +89,7 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def __deepcopy__(self, memo: dict) -> "GraphCache":
+    def __deepcopy__(self, memo: dict) -> GraphCache:
         """A copied layer (`copy.deepcopy(model)`) starts with no graphs: they hold the original's tensors."""
         return GraphCache(self.eager_calls, self.max_graphs)
 
@@ -99,8 +100,14 @@ class GraphCache:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["eager_calls"], state["max_graphs"])
 
-    def run(self, key: Hashable, generation: Hashable, x_TH: torch.Tensor,
-            forward: Callable[[torch.Tensor], torch.Tensor], info: Callable[[], Any]) -> tuple[torch.Tensor, Any]:
+    def run(
+        self,
+        key: Hashable,
+        generation: Hashable,
+        x_TH: torch.Tensor,
+        forward: Callable[[torch.Tensor], torch.Tensor],
+        info: Callable[[], Any],
+    ) -> tuple[torch.Tensor, Any]:
         """`forward(x_TH)` and `info()` after it: replayed where `key` was captured, else eager (and
         captured once `key` has run eagerly `eager_calls` times). A new `generation` (the transport's
         buffers were replaced) drops every graph."""
@@ -122,8 +129,9 @@ class GraphCache:
             self._graphs.move_to_end(key)
         return captured.replay(x_TH)
 
-    def _capture(self, x_TH: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor],
-                 info: Callable[[], Any]) -> Captured:
+    def _capture(
+        self, x_TH: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor], info: Callable[[], Any]
+    ) -> Captured:
         static_x = x_TH.clone()
         graph = torch.cuda.CUDAGraph()
         with pending.recording() as statuses, torch.cuda.graph(graph, pool=pool(x_TH.device)):

@@ -10,8 +10,9 @@ Forward on one rank, top to bottom:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,8 +73,9 @@ class OccultMoE(nn.Module):
         config, routing, execution = configs_from_keywords(config, sizes, settings, routing, execution)
         self.config, self.routing = config, routing
         # a name ("standard", "dedup", "dedup2": nodes from the placement) or a built Dispatcher
-        self.dispatcher = make_dispatcher(execution.dispatcher, group, placement=placement,
-                                          transport=execution.transport)
+        self.dispatcher = make_dispatcher(
+            execution.dispatcher, group, placement=placement, transport=execution.transport
+        )
         self.execution = execution
         num_ranks, rank = self.dispatcher.num_ranks, self.dispatcher.rank
         check_divisible(config.num_experts, num_ranks)
@@ -95,7 +97,12 @@ class OccultMoE(nn.Module):
         if hasattr(self.router, "set_expert_device"):
             self.router.set_expert_device(expert_device_E)
         self.gate_up_proj, self.down_proj = expert_parameters(
-            config.num_experts // num_ranks, config.hidden_size, config.ffn_size, config.dtype, device, init=init_weights
+            config.num_experts // num_ranks,
+            config.hidden_size,
+            config.ffn_size,
+            config.dtype,
+            device,
+            init=init_weights,
         )
         self.last_comm_stats = CommStats()
         self.graphs = GraphCache()  # this layer's captured calls (ExecConfig(graphs=True))
@@ -142,8 +149,9 @@ class OccultMoE(nn.Module):
             return self._replayed(x, while_waiting)
         return self._eager(x, while_waiting)
 
-    def _eager(self, x: torch.Tensor, while_waiting: Callable[[], None] | None = None,
-               agreed_tokens: int | None = None) -> torch.Tensor:
+    def _eager(
+        self, x: torch.Tensor, while_waiting: Callable[[], None] | None = None, agreed_tokens: int | None = None
+    ) -> torch.Tensor:
         """The forward, op by op (`agreed_tokens`: the ranks' agreement, made by the caller)."""
         x_TH, bad_input = self._tokens(x)
         weights_TK, ids_TK = self.router(x_TH)  # 1. route
@@ -153,8 +161,9 @@ class OccultMoE(nn.Module):
             status = status + bad_input
         schedule = Schedule(self.execution.sync_free, while_waiting, agreed_tokens)
         try:  # 2-3. plan and dispatch (the count exchange's host wait, or none: device transport, sync-free)
-            received, handle = self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, schedule, status,
-                                                        bad_input)
+            received, handle = self.dispatcher.dispatch(
+                x_TH, weights_TK, ids_TK, self.expert_map, schedule, status, bad_input
+            )
         except RoutingError as exc:
             if bad_input:
                 raise self._bad_input(x) from exc
@@ -181,11 +190,20 @@ class OccultMoE(nn.Module):
         elif self.num_ranks == 1:
             pending.check_routing()  # the previous call's status, as the one-rank schedule reads it
         Schedule(while_waiting=while_waiting).run_while_waiting()
-        key = (x_TH.shape[0], agreed, x.dtype, torch.is_autocast_enabled(x.device.type),
-               torch.get_autocast_dtype(x.device.type), torch.is_inference_mode_enabled(), self.sync_free,
-               id(self.router), tensors_key(self))
-        y_TH, stats = self.graphs.run(key, generation, x_TH, lambda x_: self._eager(x_, None, agreed),
-                                      lambda: self.last_comm_stats)
+        key = (
+            x_TH.shape[0],
+            agreed,
+            x.dtype,
+            torch.is_autocast_enabled(x.device.type),
+            torch.get_autocast_dtype(x.device.type),
+            torch.is_inference_mode_enabled(),
+            self.sync_free,
+            id(self.router),
+            tensors_key(self),
+        )
+        y_TH, stats = self.graphs.run(
+            key, generation, x_TH, lambda x_: self._eager(x_, None, agreed), lambda: self.last_comm_stats
+        )
         self.last_comm_stats = stats
         return y_TH.reshape(x.shape)
 
@@ -209,8 +227,10 @@ class OccultMoE(nn.Module):
     def _bad_input(self, x: torch.Tensor) -> ValueError:
         if x.shape[-1] != self.hidden_size:
             return ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
-        return ValueError(f"input has dtype {x.dtype} but this MoE layer's weights are {self.gate_up_proj.dtype}: "
-                          f"cast the input (x.to({self.gate_up_proj.dtype})) or the layer")
+        return ValueError(
+            f"input has dtype {x.dtype} but this MoE layer's weights are {self.gate_up_proj.dtype}: "
+            f"cast the input (x.to({self.gate_up_proj.dtype})) or the layer"
+        )
 
     # ------------------------------------------------------ dense <-> sharded
     @classmethod
@@ -222,7 +242,7 @@ class OccultMoE(nn.Module):
         dispatcher: Any = None,
         group: Any = None,
         **kwargs: Any,
-    ) -> "OccultMoE":
+    ) -> OccultMoE:
         """Shard a full set of expert weights onto this rank by `placement` (default contiguous).
         `dispatcher` and `kwargs` as for the constructor (settings or `routing=` / `execution=`)."""
         ref = dense.gate_up_proj
@@ -230,8 +250,16 @@ class OccultMoE(nn.Module):
         routing = replace(kwargs.pop("routing", None) or RoutingConfig(), norm_topk_prob=dense.norm_topk_prob)
         if dispatcher is not None:
             kwargs["dispatcher"] = dispatcher
-        layer = cls(config, routing=routing, placement=placement, layer_index=layer_index, group=group,
-                    device=ref.device, init_weights=False, **kwargs)
+        layer = cls(
+            config,
+            routing=routing,
+            placement=placement,
+            layer_index=layer_index,
+            group=group,
+            device=ref.device,
+            init_weights=False,
+            **kwargs,
+        )
         with torch.no_grad():
             layer.router.gate.weight.copy_(dense.router.gate.weight)
             layer.gate_up_proj.copy_(dense.gate_up_proj[layer.local_expert_ids])
@@ -256,8 +284,13 @@ class OccultMoE(nn.Module):
         """Gather every rank's experts (a collective: call on all ranks) into a `DenseMoE`."""
         gate_up, down = self.gather_experts()
         dense = DenseMoE(
-            self.hidden_size, self.ffn_size, self.num_experts, self.top_k, self.norm_topk_prob,
-            dtype=self.gate_up_proj.dtype, device=self.gate_up_proj.device,
+            self.hidden_size,
+            self.ffn_size,
+            self.num_experts,
+            self.top_k,
+            self.norm_topk_prob,
+            dtype=self.gate_up_proj.dtype,
+            device=self.gate_up_proj.device,
         )
         with torch.no_grad():
             dense.router.gate.weight.copy_(self.router.gate.weight)
@@ -291,4 +324,3 @@ def set_sync_free(module: nn.Module, enabled: bool = True) -> int:
     for layer in layers:
         layer.sync_free = enabled
     return len(layers)
-

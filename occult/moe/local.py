@@ -66,9 +66,14 @@ def dispatch_local(
     schedule.run_while_waiting()
     num_tokens, top_k = ids_TK.shape
     rows = num_tokens if deduplicated else num_tokens * top_k
-    handle = LocalHandle(rows, rows * x_TH.shape[1] * x_TH.element_size(), metadata_bytes(weights_TK),
-                         weights_TK.numel() * weights_TK.element_size(),
-                         torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad), CommStats())
+    handle = LocalHandle(
+        rows,
+        rows * x_TH.shape[1] * x_TH.element_size(),
+        metadata_bytes(weights_TK),
+        weights_TK.numel() * weights_TK.element_size(),
+        torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad),
+        CommStats(),
+    )
     _count(handle.stats, "forward", handle.rows, handle.row_bytes, handle.meta_bytes)
     handle.stats.dispatch_rows = rows
     return Received(x_TH, expert_map.slot_E[ids_TK] if slots_TK is None else slots_TK, weights_TK), handle
@@ -79,8 +84,9 @@ def combine_local(y_TH: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
     handle.stats.combine_rows = handle.rows
     _count(handle.stats, "forward", handle.rows, handle.row_bytes, 0)
     if handle.differentiable and y_TH.requires_grad:  # backward: the combine's rows, the dispatch's with gate grads
-        y_TH.register_hook(lambda grad: _count(handle.stats, "backward", 2 * handle.rows, 2 * handle.row_bytes,
-                                               handle.gate_grad_bytes))
+        y_TH.register_hook(
+            lambda grad: _count(handle.stats, "backward", 2 * handle.rows, 2 * handle.row_bytes, handle.gate_grad_bytes)
+        )
     return y_TH
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 # (global ranks of the group, devices per node, local synchronisation) -> (default group, NodeGroups)
-_CACHE: dict[tuple[tuple[int, ...], int, bool], tuple[Any, "NodeGroups"]] = {}
+_CACHE: dict[tuple[tuple[int, ...], int, bool], tuple[Any, NodeGroups]] = {}
 
 SELF, INTRA, INTER = 0, 1, 2  # where a peer is, seen from this rank (`peer_levels`)
 
@@ -102,7 +102,9 @@ def node_groups(group: Any, devices_per_node: int) -> NodeGroups:
     out = NodeGroups(made.get(tuple(mine[0])), made.get(tuple(mine[1])), node, local)
     for grp, want, what in ((out.node_group, local, "node"), (out.rail_group, node, "rail")):
         if grp is not None and dist.get_rank(grp) != want:
-            raise RuntimeError(f"{what} group rank {dist.get_rank(grp)} != expected {want}: the group's ranks "
-                               f"{list(ranks)} must be in ascending order")
+            raise RuntimeError(
+                f"{what} group rank {dist.get_rank(grp)} != expected {want}: the group's ranks "
+                f"{list(ranks)} must be in ascending order"
+            )
     _CACHE[key] = (world, out)
     return out

@@ -118,17 +118,26 @@ def dedup_plan(
 _ROUTED_GATES = (torch.float16, torch.bfloat16, torch.float32)  # what the one-launch plan checks for NaN/inf
 
 
-def _routed_usable(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_devices: int, top_k: int | None = None,
-                   sync_free: bool = False) -> bool:
+def _routed_usable(
+    ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_devices: int, top_k: int | None = None, sync_free: bool = False
+) -> bool:
     """The one-launch kernels serve these tensors: the plan kernels' conditions, gates they check (none
     when sync-free), and not while torch.compile traces (the torch ops trace, and inductor fuses them)."""
-    return ((sync_free or weights_TK.dtype in _ROUTED_GATES) and not torch.compiler.is_compiling()
-            and _plan_kernel_usable(ids_TK, num_devices, top_k))
+    return (
+        (sync_free or weights_TK.dtype in _ROUTED_GATES)
+        and not torch.compiler.is_compiling()
+        and _plan_kernel_usable(ids_TK, num_devices, top_k)
+    )
 
 
 def routed_plan(
-    ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor,
-    num_devices: int, deduplicated: bool, sync_free: bool = False,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    expert_slot_E: torch.Tensor,
+    num_devices: int,
+    deduplicated: bool,
+    sync_free: bool = False,
 ) -> tuple[DispatchPlan, torch.Tensor | None] | None:
     """(the dedup or standard plan, the routing status) from one launch, for a batch one Triton program
     holds on a GPU (a decode step: the layer is a chain of tiny kernels there); None elsewhere, where
@@ -151,13 +160,15 @@ def routed_plan(
     return DispatchPlan(*fields), status
 
 
-def routed_slots(ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_slot_E: torch.Tensor, sync_free: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def routed_slots(
+    ids_TK: torch.Tensor, weights_TK: torch.Tensor, expert_slot_E: torch.Tensor, sync_free: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(local slots of the clamped ids, routing status) from one launch, for a one-rank dispatch of a
     batch as `routed_plan` takes; None elsewhere. `sync_free`: the caller drops the status (then any gates do)."""
     if not ids_TK.shape[0] or not ids_TK.shape[1] or not _routed_usable(ids_TK, weights_TK, 1, None, sync_free):
         return None
-    from occult.kernels.plan import routed_plan_fits, routed_slots as routed_slots_rows
+    from occult.kernels.plan import routed_plan_fits
+    from occult.kernels.plan import routed_slots as routed_slots_rows
 
     if not routed_plan_fits(ids_TK.shape[0], 1, ids_TK.shape[1], False):
         return None
@@ -200,7 +211,10 @@ def dedup_plan_torch(
 
 
 def static_standard_plan(
-    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int,
+    ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    expert_slot_E: torch.Tensor,
+    num_devices: int,
     experts_per_device: int,
 ) -> DispatchPlan:
     """Standard plan in fixed-capacity form: destination d's rows are `[d*C, (d+1)*C)`.
@@ -234,7 +248,10 @@ def static_standard_plan(
 
 
 def static_dedup_plan(
-    ids_TK: torch.Tensor, expert_device_E: torch.Tensor, expert_slot_E: torch.Tensor, num_devices: int,
+    ids_TK: torch.Tensor,
+    expert_device_E: torch.Tensor,
+    expert_slot_E: torch.Tensor,
+    num_devices: int,
     experts_per_device: int,
 ) -> DispatchPlan:
     """Dedup plan in fixed-capacity form: row `d*T + t` is token t's copy for device d.

@@ -42,13 +42,19 @@ own `expert_device_E` stays the world-size one, so single-rank dispatch is uncha
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from occult.moe.similarity import (  # noqa: F401 - re-exported: the similarity tables are pruning's input
-    PruningError, SimilarityAccumulator, expert_similarity, load_similarity, save_similarity, similarity_path,
+    PruningError,
+    SimilarityAccumulator,
+    expert_similarity,
+    load_similarity,
+    save_similarity,
+    similarity_path,
 )
 
 METHODS = ("score", "similarity", "mass")
@@ -102,7 +108,9 @@ def allowed_devices(scores_TE: torch.Tensor, expert_device_E: torch.Tensor, max_
     return allowed_TD.gather(1, dev_TE)
 
 
-def allowed_by_mass(scores_TE: torch.Tensor, expert_device_E: torch.Tensor, max_devices: int, top_k: int) -> torch.Tensor:
+def allowed_by_mass(
+    scores_TE: torch.Tensor, expert_device_E: torch.Tensor, max_devices: int, top_k: int
+) -> torch.Tensor:
     """[T, E] bool mask of the experts on each token's `max_devices` devices of largest top-k gate mass.
 
     A device's mass is the sum of the token's top-k scores (of `scores_TE`, -inf = not allowed)
@@ -185,7 +193,9 @@ def device_limited_topk(
         allowed_TE = within_T = None
         for map_E, lim, _ in limits:
             masked = sel if allowed_TE is None else sel.masked_fill(~allowed_TE, float("-inf"))
-            now_TE = allowed_by_mass(masked, map_E, lim, top_k) if method == "mass" else allowed_devices(masked, map_E, lim)
+            now_TE = (
+                allowed_by_mass(masked, map_E, lim, top_k) if method == "mass" else allowed_devices(masked, map_E, lim)
+            )
             allowed_TE = now_TE if allowed_TE is None else allowed_TE & now_TE
             ok_T = devices_per_token(plain_ids, map_E) <= lim
             within_T = ok_T if within_T is None else within_T & ok_T
@@ -201,7 +211,9 @@ def device_limited_topk(
     return _finish(weights_TK, ids_TK, norm_topk_prob)
 
 
-def _limit(map_E: torch.Tensor, limit: int, name: str, unit: str, device: torch.device, E: int, top_k: int) -> tuple[torch.Tensor, int, int]:
+def _limit(
+    map_E: torch.Tensor, limit: int, name: str, unit: str, device: torch.device, E: int, top_k: int
+) -> tuple[torch.Tensor, int, int]:
     """(checked map, limit, fewest experts per unit) of one limit; raises when N units cannot hold k experts."""
     if int(limit) < 1:
         raise PruningError(f"{name} must be >= 1 or None, got {limit}")
@@ -272,7 +284,9 @@ def limit_routers(
         if len(similarity) not in (1, len(routers)):
             raise PruningError(f"{len(similarity)} similarity tables for {len(routers)} MoE layers")
     if placement is not None and placement.num_layers not in (1, len(routers)):
-        raise PruningError(f"the placement has {placement.num_layers} layers, but the model has {len(routers)} MoE layers")
+        raise PruningError(
+            f"the placement has {placement.num_layers} layers, but the model has {len(routers)} MoE layers"
+        )
     for i, router in enumerate(routers):
         if not hasattr(router, "set_expert_device"):
             raise PruningError(f"router {i} ({type(router).__name__}) has no set_expert_device: cannot limit it")
@@ -296,7 +310,9 @@ def limit_routers(
         if similarity is not None:
             sim = similarity[i if len(similarity) > 1 else 0]
             if num_experts is not None and tuple(sim.shape) != (num_experts, num_experts):
-                raise PruningError(f"similarity table {i} has shape {list(sim.shape)}, expected [{num_experts}, {num_experts}]")
+                raise PruningError(
+                    f"similarity table {i} has shape {list(sim.shape)}, expected [{num_experts}, {num_experts}]"
+                )
             sim = sim.to(router.gate.weight.device, torch.float32) if hasattr(router, "gate") else sim
         router.similarity_EE = sim
         if max_devices is not None and num_experts is not None:

@@ -11,7 +11,9 @@ from occult.moe.dispatch import DedupDispatcher, StandardDispatcher
 from occult.moe.two_level import TwoLevelDispatcher
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {
-    "standard": StandardDispatcher, "dedup": DedupDispatcher, "dedup2": TwoLevelDispatcher,
+    "standard": StandardDispatcher,
+    "dedup": DedupDispatcher,
+    "dedup2": TwoLevelDispatcher,
 }
 
 
@@ -36,8 +38,14 @@ def _group_size(group: Any) -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def make_dispatcher(name: str | Dispatcher, group: Any = None, *, devices_per_node: int | None = None,
-                    placement: Any = None, transport: str = "auto") -> Dispatcher:
+def make_dispatcher(
+    name: str | Dispatcher,
+    group: Any = None,
+    *,
+    devices_per_node: int | None = None,
+    placement: Any = None,
+    transport: str = "auto",
+) -> Dispatcher:
     """Build a dispatcher by name ("standard", "dedup" or "dedup2"), or check and return a built one.
 
     The node layout (G GPUs per node, ranks node-major) is `devices_per_node`, else that of
@@ -50,16 +58,21 @@ def make_dispatcher(name: str | Dispatcher, group: Any = None, *, devices_per_no
     placed = None
     if placement is not None and placement.num_nodes > 1:
         if placement.num_devices != size and not built and dispatcher_class(name).capabilities.two_level:
-            raise ValueError(f"the placement has {placement.num_devices} devices on {placement.num_nodes} nodes "
-                             f"but the group has {size} ranks: give it one device per rank")
+            raise ValueError(
+                f"the placement has {placement.num_devices} devices on {placement.num_nodes} nodes "
+                f"but the group has {size} ranks: give it one device per rank"
+            )
         placed = placement.devices_per_node if placement.num_devices == size else None
     if built:
         if group is not None and name.group is not None and group is not name.group:
             raise ValueError("the dispatcher was built for another process group than the `group` given")
         if placed is not None and name.devices_per_node not in (None, placed):
-            raise ValueError(f"the dispatcher has {name.devices_per_node} GPUs per node but the placement has "
-                             f"{placed} ({placement.num_nodes} nodes); make them agree")
+            raise ValueError(
+                f"the dispatcher has {name.devices_per_node} GPUs per node but the placement has "
+                f"{placed} ({placement.num_nodes} nodes); make them agree"
+            )
         return name
     cls = dispatcher_class(name)
-    return cls(group, devices_per_node=devices_per_node if devices_per_node is not None else placed,
-               transport=transport)
+    return cls(
+        group, devices_per_node=devices_per_node if devices_per_node is not None else placed, transport=transport
+    )

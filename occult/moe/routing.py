@@ -84,12 +84,20 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_device_E", None, persistent=False)
 
     @classmethod
-    def from_config(cls, config: Any, routing: Any, device: torch.device | str | None = None) -> "TopKRouter":
+    def from_config(cls, config: Any, routing: Any, device: torch.device | str | None = None) -> TopKRouter:
         """The router of a `MoEConfig` with the rule of a `RoutingConfig` (`occult.moe.config`)."""
         return cls(
-            config.hidden_size, config.num_experts, config.top_k, routing.norm_topk_prob,
-            max_devices=routing.max_devices, prune_method=routing.prune_method, similarity_EE=routing.similarity_EE,
-            max_nodes=routing.max_nodes, devices_per_node=routing.devices_per_node, dtype=config.dtype, device=device,
+            config.hidden_size,
+            config.num_experts,
+            config.top_k,
+            routing.norm_topk_prob,
+            max_devices=routing.max_devices,
+            prune_method=routing.prune_method,
+            similarity_EE=routing.similarity_EE,
+            max_nodes=routing.max_nodes,
+            devices_per_node=routing.devices_per_node,
+            dtype=config.dtype,
+            device=device,
         )
 
     @property

@@ -4,8 +4,9 @@ of the experts' router-logit columns on profiling data, and its per-layer table 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,7 +62,9 @@ def similarity_path(placement_path: str | os.PathLike) -> Path:
 
 
 def save_similarity(
-    path: str | os.PathLike, similarity_LEE: Sequence[torch.Tensor] | torch.Tensor, metadata: Mapping[str, Any] | None = None
+    path: str | os.PathLike,
+    similarity_LEE: Sequence[torch.Tensor] | torch.Tensor,
+    metadata: Mapping[str, Any] | None = None,
 ) -> None:
     """Write per-layer [E, E] similarity tables (safetensors, atomically)."""
     import safetensors.torch

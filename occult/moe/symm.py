@@ -42,7 +42,7 @@ MIN_BUFFER_BYTES = 1 << 20  # the smallest receive buffer (tiny calls share one 
 MIN_TOKENS = 256  # the smallest token bucket buffers are sized for
 AGREE_TIMEOUT_S = 120.0  # where the group's own collective timeout cannot be read (`group_timeout_s`)
 
-_TRANSPORTS: dict[str, "DeviceTransport"] = {}
+_TRANSPORTS: dict[str, DeviceTransport] = {}
 _AUTO_COUNTS: dict[str, Any] = {}  # groups "auto" gave the count exchange (the check is a collective: once)
 
 
@@ -80,11 +80,13 @@ def _peer_trouble() -> str | None:
     if settings.current().nccl_p2p_disable:
         return "NCCL_P2P_DISABLE is set (peer-to-peer off)"
     here = torch.cuda.current_device()
-    blocked = [d for d in range(torch.cuda.device_count()) if d != here and not torch.cuda.can_device_access_peer(here, d)]
+    blocked = [
+        d for d in range(torch.cuda.device_count()) if d != here and not torch.cuda.can_device_access_peer(here, d)
+    ]
     return f"GPU {here} has no peer access to GPU(s) {blocked}" if blocked else None
 
 
-def choose_transport(choice: str, group: Any, prefer_device: bool = True) -> "DeviceTransport | None":
+def choose_transport(choice: str, group: Any, prefer_device: bool = True) -> DeviceTransport | None:
     """The device transport of `group` for "device" (a clear error where it cannot run); None (the
     count exchange) for "counts" and on a group of one rank. "auto": the device transport where
     it runs with peer-to-peer on and `prefer_device` (the dedup dispatchers: their buffers are
@@ -177,7 +179,7 @@ class DeviceTransport:
         self._turn = 0
 
     @classmethod
-    def for_group(cls, group: Any) -> "DeviceTransport":
+    def for_group(cls, group: Any) -> DeviceTransport:
         """The transport of `group`, made once (every rank of the group must make it at the same point)."""
         transport = _TRANSPORTS.get(group.group_name)
         if transport is None or transport.group is not group:
@@ -204,7 +206,8 @@ class DeviceTransport:
             raise RuntimeError(
                 f"the device transport's buffers must grow to {num_bytes} bytes inside a CUDA-graph capture, "
                 "where they cannot be allocated: run the same forward once eagerly (a warm-up at the captured "
-                "shape) before capturing it")
+                "shape) before capturing it"
+            )
         if self._captured:
             self._retired.extend(self._slots)  # a captured graph still writes and reads them
         self._slots = []  # free the old buffers first (unless a graph holds them)
@@ -219,12 +222,18 @@ class DeviceTransport:
         shift = buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # where the tensor starts in its allocation
         bases = [handle.buffer_ptrs[d] + shift for d in range(self.num_ranks)]
         if any((b + COUNTS_BYTES) % 16 for b in bases):  # the push kernels store 16 bytes at a time there
-            raise RuntimeError(f"symmetric memory mapped a receive buffer at {[hex(b) for b in bases]}, not 16-byte "
-                               "aligned: the device transport cannot use it; pass transport='counts'")
+            raise RuntimeError(
+                f"symmetric memory mapped a receive buffer at {[hex(b) for b in bases]}, not 16-byte "
+                "aligned: the device transport cannot use it; pass transport='counts'"
+            )
         # (the counts are not zeroed: a peer may already have written its count here, and every
         # all-to-all writes every count before its barrier)
-        return Slot(buffer, handle, torch.tensor([b + COUNTS_BYTES for b in bases], dtype=torch.int64, device=device),
-                    torch.tensor(bases, dtype=torch.int64, device=device))
+        return Slot(
+            buffer,
+            handle,
+            torch.tensor([b + COUNTS_BYTES for b in bases], dtype=torch.int64, device=device),
+            torch.tensor(bases, dtype=torch.int64, device=device),
+        )
 
     def next_slot(self) -> Slot:
         """The buffers of the next all-to-all (the two sets alternate)."""
@@ -232,9 +241,15 @@ class DeviceTransport:
         self._turn ^= 1
         return slot
 
-    def exchange(self, src_NW: torch.Tensor, counts_D: torch.Tensor, stride: int, src_stride: int = 0,
-                 status: torch.Tensor | None = None, copy_counts: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def exchange(
+        self,
+        src_NW: torch.Tensor,
+        counts_D: torch.Tensor,
+        stride: int,
+        src_stride: int = 0,
+        status: torch.Tensor | None = None,
+        copy_counts: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Send rows of `src_NW` (bytes [N, W]): `counts_D[d]` rows (a device tensor) to rank d, starting
         at row `d * src_stride`, or packed by destination when `src_stride` is 0. Every rank passes
         the same W and `stride` (rows a source can send to one rank, at most). `status` (a device
@@ -248,12 +263,19 @@ class DeviceTransport:
         from occult.kernels.push import push_rows
 
         slot = self._begin(src_NW.shape[1], stride)
-        push_rows(src_NW, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride, src_stride,
-                  status, MAX_RANKS)
+        push_rows(
+            src_NW, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride, src_stride, status, MAX_RANKS
+        )
         return self._end(slot, src_NW.shape[1], stride, status is not None, copy_counts)
 
-    def exchange_packed(self, rows: Any, counts_D: torch.Tensor, stride: int, status: torch.Tensor | None = None,
-                        copy_counts: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def exchange_packed(
+        self,
+        rows: Any,
+        counts_D: torch.Tensor,
+        stride: int,
+        status: torch.Tensor | None = None,
+        copy_counts: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`exchange` of rows not yet written anywhere: `rows` (`device_exchange.PackedRows`) gathered
         from the tokens straight into the peers' regions by one kernel (`occult.kernels.pack`).
         `copy_counts=False`: the counts and statuses as views of the buffer (copy them before the
@@ -261,21 +283,38 @@ class DeviceTransport:
         from occult.kernels.pack import pack_push_rows
 
         slot = self._begin(rows.width, stride)
-        pack_push_rows(rows.x_TH, rows.token_P, rows.weights_TK, rows.entry_PK, rows.slot_PK, rows.gate_byte,
-                       rows.slot_byte, rows.width, counts_D, slot.peer_rows_D, slot.peer_counts_D, self.rank, stride,
-                       status, MAX_RANKS)
+        pack_push_rows(
+            rows.x_TH,
+            rows.token_P,
+            rows.weights_TK,
+            rows.entry_PK,
+            rows.slot_PK,
+            rows.gate_byte,
+            rows.slot_byte,
+            rows.width,
+            counts_D,
+            slot.peer_rows_D,
+            slot.peer_counts_D,
+            self.rank,
+            stride,
+            status,
+            MAX_RANKS,
+        )
         return self._end(slot, rows.width, stride, status is not None, copy_counts)
 
     def _begin(self, width: int, stride: int) -> Slot:
         if self.num_ranks * stride * width > self.capacity_bytes:
-            raise RuntimeError(f"an all-to-all of {self.num_ranks} x {stride} rows of {width} bytes exceeds the "
-                               f"reserved {self.capacity_bytes} bytes (reserve first)")
+            raise RuntimeError(
+                f"an all-to-all of {self.num_ranks} x {stride} rows of {width} bytes exceeds the "
+                f"reserved {self.capacity_bytes} bytes (reserve first)"
+            )
         if torch.cuda.is_current_stream_capturing():
             self._captured = True
         return self.next_slot()
 
-    def _end(self, slot: Slot, width: int, stride: int, with_status: bool,
-             copy_counts: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _end(
+        self, slot: Slot, width: int, stride: int, with_status: bool, copy_counts: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The group's barrier, then (rows, counts, statuses) as `exchange` returns them (the counts and
         statuses copied in one launch: they sit in the buffer's head; views with `copy_counts=False`)."""
         D = self.num_ranks

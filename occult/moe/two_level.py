@@ -70,7 +70,9 @@ class TwoLevelHandle(Handle):
     stats: CommStats = field(default_factory=CommStats)
 
 
-def fanout_plan(codes_RK: torch.Tensor, devices_per_node: int, experts_per_device: int, sync_free: bool) -> DispatchPlan:
+def fanout_plan(
+    codes_RK: torch.Tensor, devices_per_node: int, experts_per_device: int, sync_free: bool
+) -> DispatchPlan:
     """The gateway's plan: each received row once to every GPU of the node holding its experts.
 
     `codes_RK` are node-local codes (-1 = an entry on another node). Padding entries are sent to
@@ -120,9 +122,16 @@ class TwoLevelDispatcher(Dispatcher):
         # one node, or one GPU per node: the flat deduplicated exchange is the whole route
         self.route = NodeStages(self) if self.two_level else DedupDispatcher(group, G, transport)
 
-    def dispatch(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, expert_map: ExpertMap,
-                 schedule: Schedule = Schedule(), status: torch.Tensor | None = None,
-                 host_status: int = 0) -> tuple[Received, Handle]:
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        weights_TK: torch.Tensor,
+        ids_TK: torch.Tensor,
+        expert_map: ExpertMap,
+        schedule: Schedule = Schedule(),
+        status: torch.Tensor | None = None,
+        host_status: int = 0,
+    ) -> tuple[Received, Handle]:
         """Send rows out in two stages: over the rail to each node's gateway, then inside the node."""
         self.check_schedule(schedule)
         if status is None:
@@ -144,7 +153,9 @@ class NodeStages:
         groups = node_groups(owner.group, owner.devices_per_node)
         self.node_group, self.rail_group = groups.node_group, groups.rail_group
 
-    def exchange_header(self, nodes_M, devices_D, status, while_waiting=None) -> tuple[list[int], list[int], list[int], list[int]]:
+    def exchange_header(
+        self, nodes_M, devices_D, status, while_waiting=None
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
         """One all-to-all of (status, rows to your node, rows for each GPU of your node); one host sync
         (`while_waiting` runs while the host waits for it: `read_to_host`).
 
@@ -152,11 +163,14 @@ class NodeStages:
         """
         own = self.owner
         M, D, G = own.num_nodes, own.num_ranks, own.devices_per_node
-        header_DX = torch.cat([
-            status.to(torch.int64).expand(D, 1),
-            nodes_M.to(torch.int64).repeat_interleave(G)[:, None],
-            devices_D.to(torch.int64).view(M, G).repeat_interleave(G, dim=0),
-        ], dim=1)
+        header_DX = torch.cat(
+            [
+                status.to(torch.int64).expand(D, 1),
+                nodes_M.to(torch.int64).repeat_interleave(G)[:, None],
+                devices_D.to(torch.int64).view(M, G).repeat_interleave(G, dim=0),
+            ],
+            dim=1,
+        )
         recv_DX = torch.empty_like(header_DX)
         dist.all_to_all_single(recv_DX, header_DX, group=own.group)
         host = read_to_host(torch.cat([nodes_M.to(torch.int64), recv_DX.reshape(-1)]), while_waiting)
@@ -191,25 +205,49 @@ class NodeStages:
         rail_send, rail_recv, node_send, node_recv = self.split_sizes(ids_TK, expert_map, plan1, status, schedule)
         plan1 = trim(plan1, sum(rail_send))
         stats = CommStats()
-        rail = Stage(plan1, rail_send, rail_recv, self.rail_group, own.node,
-                     [SELF if n == own.node else INTER for n in range(M)], stats)
+        rail = Stage(
+            plan1,
+            rail_send,
+            rail_recv,
+            self.rail_group,
+            own.node,
+            [SELF if n == own.node else INTER for n in range(M)],
+            stats,
+        )
         # 1. rail: one row per (token, node), with the token's gates and node-local expert codes
         x1_RH, gates1_RK, codes1_RK = exchange(
-            gather_rows(x_TH, plan1.token_P, plan1.row_TJ), gather_gate_weights(weights_TK, plan1.entry_PK),
-            plan1.slot_PK, rail_send, rail_recv, rail.group, rail,
+            gather_rows(x_TH, plan1.token_P, plan1.row_TJ),
+            gather_gate_weights(weights_TK, plan1.entry_PK),
+            plan1.slot_PK,
+            rail_send,
+            rail_recv,
+            rail.group,
+            rail,
         )
         # 2. node: the gateway fans each row out once per GPU of its node holding its experts
         plan2 = trim(fanout_plan(codes1_RK, G, S, schedule.sync_free), sum(node_send))
-        node = Stage(plan2, node_send, node_recv, self.node_group, own.local,
-                     [SELF if g == own.local else INTRA for g in range(G)], stats)
+        node = Stage(
+            plan2,
+            node_send,
+            node_recv,
+            self.node_group,
+            own.local,
+            [SELF if g == own.local else INTRA for g in range(G)],
+            stats,
+        )
         x_RH, gates_RK, slots_RK = exchange(
-            gather_rows(x1_RH, plan2.token_P, plan2.row_TJ), gather_gate_weights(gates1_RK, plan2.entry_PK),
-            plan2.slot_PK, node_send, node_recv, node.group, node,
+            gather_rows(x1_RH, plan2.token_P, plan2.row_TJ),
+            gather_gate_weights(gates1_RK, plan2.entry_PK),
+            plan2.slot_PK,
+            node_send,
+            node_recv,
+            node.group,
+            node,
         )
         stats.dispatch_rows = plan1.num_rows + plan2.num_rows
         return Received(x_RH, slots_RK, gates_RK), TwoLevelHandle(rail, node, T, stats)
 
-    def combine(self, y_RH: torch.Tensor, handle: "TwoLevelHandle") -> torch.Tensor:
+    def combine(self, y_RH: torch.Tensor, handle: TwoLevelHandle) -> torch.Tensor:
         rail, node = handle.rail, handle.node
         y2_PH, _, _ = exchange(y_RH, None, None, node.recv_splits, node.send_splits, node.group, node)
         y1_RH = sum_rows(y2_PH, node.plan.token_P, node.plan.row_TJ)  # node-level pre-reduction

@@ -27,8 +27,9 @@ be fitted from one-node runs: it is an input.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -93,7 +94,14 @@ def a2a_ms(rows: dict[str, float], tokens: int, shape: Shape, c: CostConstants) 
 
 
 def layer_time(
-    shape: Shape, tokens: int, D: int, M: int, variant: str, c: CostConstants, mean_ct: float | None = None, mean_nt: float | None = None
+    shape: Shape,
+    tokens: int,
+    D: int,
+    M: int,
+    variant: str,
+    c: CostConstants,
+    mean_ct: float | None = None,
+    mean_nt: float | None = None,
 ) -> dict[str, float]:
     """Predicted ms of one layer: experts, one all-to-all, forward, forward+backward.
 
@@ -132,9 +140,20 @@ def measured_from_bench(doc: dict[str, Any], shapes: dict[str, Shape] = SHAPES) 
     for r in doc["runs"]:
         variant = "standard" if r["variant"] == "standard" else "dedup"
         label = f"{r['world']}x {r['shape']} {r['routing']} {r['variant']}"
-        out.append(Measured(shapes[r["shape"]], int(r["tokens"]), int(r["world"]), variant, float(r["mean_ct"]),
-                            float(r["forward_ms"]), float(r["fwd_bwd_ms"]), float(r["expert_ms"]),
-                            float(r["all_to_all_ms"]), label))
+        out.append(
+            Measured(
+                shapes[r["shape"]],
+                int(r["tokens"]),
+                int(r["world"]),
+                variant,
+                float(r["mean_ct"]),
+                float(r["forward_ms"]),
+                float(r["fwd_bwd_ms"]),
+                float(r["expert_ms"]),
+                float(r["all_to_all_ms"]),
+                label,
+            )
+        )
     return out
 
 
@@ -174,7 +193,9 @@ def fit(points: Iterable[Measured], internode_GBps: float = 40.0) -> CostConstan
     A = np.array([[2.0, 2 * b["local"], 2 * b["intra"]] for b in by])
     y = np.array([m.a2a_ms for m in pts])
     lat, inv_local, inv_nv = _nnls(A / y[:, None], np.ones(len(pts)))
-    base = CostConstants(1 / ms_per_gflop, 0.0, float(lat), 1e3 / max(inv_local, 1e-9), 1e3 / max(inv_nv, 1e-9), internode_GBps, 0.0, 0.0)
+    base = CostConstants(
+        1 / ms_per_gflop, 0.0, float(lat), 1e3 / max(inv_local, 1e-9), 1e3 / max(inv_nv, 1e-9), internode_GBps, 0.0, 0.0
+    )
     # Forward overhead: what experts + two all-to-alls leave of the forward.
     pred = [layer_time(m.shape, m.tokens, m.world, 1, m.variant, base, m.mean_ct) for m in pts]
     fwd = np.array([m.forward_ms for m in pts])
@@ -193,11 +214,17 @@ def validate(points: Iterable[Measured], c: CostConstants) -> list[dict[str, Any
     rows = []
     for m in points:
         p = layer_time(m.shape, m.tokens, m.world, 1, m.variant, c, m.mean_ct)
-        rows.append({
-            "point": m.label, "world": m.world, "mean_ct": m.mean_ct,
-            "forward_ms": m.forward_ms, "forward_pred_ms": p["forward_ms"],
-            "forward_err": p["forward_ms"] / m.forward_ms - 1,
-            "fwd_bwd_ms": m.fwd_bwd_ms, "fwd_bwd_pred_ms": p["fwd_bwd_ms"],
-            "fwd_bwd_err": p["fwd_bwd_ms"] / m.fwd_bwd_ms - 1,
-        })
+        rows.append(
+            {
+                "point": m.label,
+                "world": m.world,
+                "mean_ct": m.mean_ct,
+                "forward_ms": m.forward_ms,
+                "forward_pred_ms": p["forward_ms"],
+                "forward_err": p["forward_ms"] / m.forward_ms - 1,
+                "fwd_bwd_ms": m.fwd_bwd_ms,
+                "fwd_bwd_pred_ms": p["fwd_bwd_ms"],
+                "fwd_bwd_err": p["fwd_bwd_ms"] / m.fwd_bwd_ms - 1,
+            }
+        )
     return rows

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,9 +72,7 @@ class Placement:
         if arr.ndim == 1:
             arr = arr[None, :]
         if arr.ndim != 2 or arr.shape[0] < 1:
-            raise PlacementError(
-                f"a placement needs one row of expert devices per layer, got shape {arr.shape}"
-            )
+            raise PlacementError(f"a placement needs one row of expert devices per layer, got shape {arr.shape}")
         if not np.issubdtype(arr.dtype, np.integer):
             if np.issubdtype(arr.dtype, np.floating) and np.all(np.mod(arr, 1) == 0):
                 arr = arr.astype(np.int64)
@@ -85,8 +84,7 @@ class Placement:
         if arr.min() < 0 or arr.max() >= self.num_devices:
             bad = np.argwhere((arr < 0) | (arr >= self.num_devices))[0]
             raise PlacementError(
-                f"layer {bad[0]}, expert {bad[1]}: device {arr[bad[0], bad[1]]} is out of range "
-                f"[0, {self.num_devices})"
+                f"layer {bad[0]}, expert {bad[1]}: device {arr[bad[0], bad[1]]} is out of range [0, {self.num_devices})"
             )
         counts_LD = np.stack([np.bincount(row, minlength=self.num_devices) for row in arr])
         unbalanced = np.argwhere(counts_LD != per_device)
@@ -138,37 +136,37 @@ class Placement:
 
     # ----------------------------------------------------------- constructors
     @classmethod
-    def contiguous(cls, num_experts: int, num_devices: int, num_layers: int = 1, num_nodes: int = 1) -> "Placement":
+    def contiguous(cls, num_experts: int, num_devices: int, num_layers: int = 1, num_nodes: int = 1) -> Placement:
         """The layout every framework uses: experts [d*E/D, (d+1)*E/D) on device d."""
         per_device = check_divisible(num_experts, num_devices)
         row = np.arange(num_experts) // per_device
         return cls(np.tile(row, (num_layers, 1)), num_devices, num_nodes)
 
     @classmethod
-    def from_lists(cls, layers: Sequence[Sequence[int]], num_devices: int) -> "Placement":
+    def from_lists(cls, layers: Sequence[Sequence[int]], num_devices: int) -> Placement:
         return cls(np.asarray(layers, dtype=np.int64), num_devices)
 
     # ------------------------------------------------------------- per layer
     def _check_layer(self, layer: int) -> int:
         if not -self.num_layers <= layer < self.num_layers:
-            raise PlacementError(
-                f"layer {layer} is out of range: this placement has {self.num_layers} layer(s)"
-            )
+            raise PlacementError(f"layer {layer} is out of range: this placement has {self.num_layers} layer(s)")
         return layer % self.num_layers
 
-    def layer(self, layer: int) -> "Placement":
+    def layer(self, layer: int) -> Placement:
         """A one-layer placement holding only `layer`."""
         return Placement(self.expert_device_LE[self._check_layer(layer)][None], self.num_devices, self.num_nodes)
 
-    def for_layers(self, num_layers: int) -> "Placement":
+    def for_layers(self, num_layers: int) -> Placement:
         """This placement with one row per layer of a model with `num_layers` MoE layers: itself, or a
         one-layer placement repeated (it serves every layer); any other layer count is an error."""
         if self.num_layers == num_layers:
             return self
         if self.num_layers == 1:
             return Placement(np.repeat(self.expert_device_LE, num_layers, axis=0), self.num_devices, self.num_nodes)
-        raise PlacementError(f"the placement has {self.num_layers} layer(s), but the model has {num_layers} MoE layers: "
-                             "give one row per MoE layer, or one row for all of them")
+        raise PlacementError(
+            f"the placement has {self.num_layers} layer(s), but the model has {num_layers} MoE layers: "
+            "give one row per MoE layer, or one row for all of them"
+        )
 
     def expert_device(self, layer: int = 0) -> np.ndarray:
         """[E] device of each expert."""
@@ -258,8 +256,7 @@ class Placement:
     def _check_dim(self, t: torch.Tensor, dim: int) -> None:
         if t.shape[dim] != self.num_experts:
             raise PlacementError(
-                f"tensor has {t.shape[dim]} entries along dim {dim}, but the placement has "
-                f"{self.num_experts} experts"
+                f"tensor has {t.shape[dim]} entries along dim {dim}, but the placement has {self.num_experts} experts"
             )
 
     # ------------------------------------------------------------------- I/O
@@ -281,12 +278,14 @@ class Placement:
         write_text_atomic(path, json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
 
     @classmethod
-    def from_json_dict(cls, doc: Any, source: str = "placement") -> "Placement":
+    def from_json_dict(cls, doc: Any, source: str = "placement") -> Placement:
         if not isinstance(doc, dict):
             raise PlacementError(f"{source}: expected a JSON object, got {type(doc).__name__}")
         missing = [k for k in ("num_devices", "num_experts", "layers") if k not in doc]
         if missing:
-            raise PlacementError(f"{source}: missing key(s) {missing}; expected {{'num_devices', 'num_experts', 'layers'}}")
+            raise PlacementError(
+                f"{source}: missing key(s) {missing}; expected {{'num_devices', 'num_experts', 'layers'}}"
+            )
         num_devices, num_experts = (_json_count(doc, k, source) for k in ("num_devices", "num_experts"))
         nodes = _json_count(doc, "num_nodes", source) if "num_nodes" in doc else 1
         layers = doc["layers"]
@@ -294,19 +293,21 @@ class Placement:
             raise PlacementError(f"{source}: 'layers' must be a non-empty list of lists of device ids")
         for i, row in enumerate(layers):
             if len(row) != num_experts:
-                raise PlacementError(
-                    f"{source}: layer {i} lists {len(row)} experts, but num_experts is {num_experts}"
-                )
-            bad = next((v for v in row if not isinstance(v, int) or isinstance(v, bool) or not -2**63 <= v < 2**63), None)
+                raise PlacementError(f"{source}: layer {i} lists {len(row)} experts, but num_experts is {num_experts}")
+            bad = next(
+                (v for v in row if not isinstance(v, int) or isinstance(v, bool) or not -(2**63) <= v < 2**63), None
+            )
             if bad is not None:  # an int64 here; the range check proper is Placement's
-                raise PlacementError(f"{source}: layer {i} holds device id {bad!r:.40}, not an integer in [0, {num_devices})")
+                raise PlacementError(
+                    f"{source}: layer {i} holds device id {bad!r:.40}, not an integer in [0, {num_devices})"
+                )
         try:
             return cls(np.asarray(layers, dtype=np.int64), num_devices, nodes)
         except PlacementError as exc:
             raise PlacementError(f"{source}: {exc}") from None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Placement":
+    def load(cls, path: str | os.PathLike) -> Placement:
         """Read and validate a placement JSON file."""
         try:
             text = open(path).read()

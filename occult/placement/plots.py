@@ -10,7 +10,8 @@ out so that it does not swamp the scale); lines mark device boundaries.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -77,7 +78,9 @@ def coactivation_heatmaps(
             ticks = np.arange(per / 2 - 0.5, E, per)
             ax.set_xticks(ticks, [f"dev {d}" for d in range(p.num_devices)], fontsize=7)
             ax.set_yticks(ticks, [f"dev {d}" for d in range(p.num_devices)], fontsize=7)
-        fig.colorbar(im, ax=list(axes[row]), shrink=0.8, label="co-activations per token" if num_tokens else "co-activations")
+        fig.colorbar(
+            im, ax=list(axes[row]), shrink=0.8, label="co-activations per token" if num_tokens else "co-activations"
+        )
     if title:
         fig.suptitle(title)
     suffix = os.path.splitext(str(path))[1].lstrip(".").lower() or "png"

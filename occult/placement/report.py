@@ -15,8 +15,9 @@ sum_t N_T * (M-1)/M (the two-level dispatch, `dispatcher="dedup2"`, sending one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,13 +25,13 @@ import torch
 from occult.placement.layout import Placement, PlacementError
 from occult.placement.stats import (
     TOKEN_CHUNK,
-    as_topk_ids,
-    expert_device_map,
     analytic_mean_ct,
+    as_topk_ids,
     coactivation,
     collaboration,
     comm_bytes,
     device_presence,
+    expert_device_map,
 )
 from occult.placement.trace import Trace
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,7 +98,7 @@ class Trace:
             raise TraceError(f"layer {i} is out of range: the trace has {self.num_layers} layer(s)")
         return self.topk_ids[i]
 
-    def select_layers(self, layers: Sequence[int]) -> "Trace":
+    def select_layers(self, layers: Sequence[int]) -> Trace:
         """A trace holding only the given layers (renumbered 0..)."""
         return Trace(
             [self.layer(i) for i in layers],
@@ -175,7 +176,7 @@ class Trace:
         write_trace(path, self)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, layers: Sequence[int] | None = None) -> "Trace":
+    def load(cls, path: str | os.PathLike, layers: Sequence[int] | None = None) -> Trace:
         return read_trace(path, layers=layers)
 
 
@@ -321,9 +322,9 @@ def trace_info(path: str | os.PathLike) -> dict[str, Any]:
 class TraceRecorder:
     """Collects top-k ids batch by batch (e.g. from a router hook) and writes one trace.
 
-        rec = TraceRecorder(num_experts=64, top_k=8)
-        rec.add(layer=0, topk_ids_TK=ids)   # any number of times, any layer order
-        rec.save("trace.safetensors")
+    rec = TraceRecorder(num_experts=64, top_k=8)
+    rec.add(layer=0, topk_ids_TK=ids)   # any number of times, any layer order
+    rec.save("trace.safetensors")
     """
 
     def __init__(self, num_experts: int, top_k: int, metadata: Mapping[str, Any] | None = None) -> None:

@@ -23,27 +23,36 @@ import torch.nn as nn
 from occult._atomic import write_text_atomic
 from occult.distributed import pick_backend, run_ranks
 from occult.moe.comm import all_to_all
-from occult.moe.experts import expert_mlp
 from occult.moe.config import ExecConfig, MoEConfig
+from occult.moe.device_exchange import as_byte_rows
+from occult.moe.experts import expert_mlp
 from occult.moe.graphs import EAGER_CALLS
 from occult.moe.layer import OccultMoE
 from occult.moe.registry import capabilities
-from occult.moe.device_exchange import as_byte_rows
 from occult.moe.symm import DeviceTransport, row_bytes
 from occult.placement import Placement
 from occult.placement.cost import SHAPES as MODEL_SHAPES
 from occult.placement.cost import Shape
+from occult.tools.bench_report import HEADER, LEGEND, format_row, summarize  # noqa: F401 (the report's names)
 from occult.tools.bench_timing import ceilings, count_host_syncs, make_timer
 from occult.tools.bench_timing import host_ms as measure_host_ms
-from occult.tools.bench_report import HEADER, LEGEND, format_row, summarize  # noqa: F401 (the report's names)
 
 # The model shapes are the cost model's (one table); `tiny` is for CPU smoke runs.
 SHAPES: dict[str, Shape] = {
     **{name: MODEL_SHAPES[name] for name in ("olmoe", "qwen3", "deepseek", "mixtral")},
     "tiny": Shape("tiny", 64, 32, 16, 4),
 }
-VARIANTS = ("standard", "dedup", "dedup+placement", "dedup2", "standard@device", "dedup@device",
-            "standard@device/graph", "dedup@device/graph", "dedup@syncfree/graph")
+VARIANTS = (
+    "standard",
+    "dedup",
+    "dedup+placement",
+    "dedup2",
+    "standard@device",
+    "dedup@device",
+    "standard@device/graph",
+    "dedup@device/graph",
+    "dedup@syncfree/graph",
+)
 
 
 def variant_dispatcher(variant: str) -> str:
@@ -135,8 +144,12 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
     for shape_name in args["shapes"]:
         shape = SHAPES[shape_name]
         gen = torch.Generator(device="cpu").manual_seed(1234)
-        w1_full = (torch.randn(shape.experts, 2 * shape.ffn, shape.hidden, generator=gen) / shape.hidden**0.5).to(device, dtype)
-        w2_full = (torch.randn(shape.experts, shape.hidden, shape.ffn, generator=gen) / shape.ffn**0.5).to(device, dtype)
+        w1_full = (torch.randn(shape.experts, 2 * shape.ffn, shape.hidden, generator=gen) / shape.hidden**0.5).to(
+            device, dtype
+        )
+        w2_full = (torch.randn(shape.experts, shape.hidden, shape.ffn, generator=gen) / shape.ffn**0.5).to(
+            device, dtype
+        )
         gate_w = (torch.randn(shape.experts, shape.hidden, generator=gen) / shape.hidden**0.5).to(device, dtype)
         for tokens in args["tokens"]:
             for routing in args["routings"]:
@@ -147,10 +160,29 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
                 gs = [torch.randn(tokens, shape.hidden, device=device, dtype=dtype) for _ in range(args["input_sets"])]
                 for variant in args["variants"]:
                     run = _bench_variant(
-                        variant, shape, placement if variant == "dedup+placement" else
-                        Placement.contiguous(shape.experts, world, num_nodes=args.get("nodes", 1)
-                                            if capabilities(variant_dispatcher(variant)).two_level else 1),
-                        w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args,
+                        variant,
+                        shape,
+                        placement
+                        if variant == "dedup+placement"
+                        else Placement.contiguous(
+                            shape.experts,
+                            world,
+                            num_nodes=args.get("nodes", 1)
+                            if capabilities(variant_dispatcher(variant)).two_level
+                            else 1,
+                        ),
+                        w1_full,
+                        w2_full,
+                        gate_w,
+                        xs,
+                        gs,
+                        ids_sets,
+                        timer,
+                        warmup,
+                        iters,
+                        world,
+                        device,
+                        args,
                     )
                     run.update(shape=shape.name, tokens=tokens, routing=routing, variant=variant, world=world)
                     result["runs"].append(run)
@@ -166,10 +198,16 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
 def _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets, device, args):
     """The variant's layer with this rank's share of the full weights, and one preset router per batch."""
     layer = OccultMoE(
-        MoEConfig(shape.hidden, shape.ffn, shape.experts, shape.top_k, w1_full.dtype), placement=placement,
-        execution=ExecConfig(variant_dispatcher(variant), expert_backend=args["expert_backend"],
-                             transport=variant_transport(variant), graphs=variant_graphs(variant),
-                             sync_free=variant_sync_free(variant)), device=device,
+        MoEConfig(shape.hidden, shape.ffn, shape.experts, shape.top_k, w1_full.dtype),
+        placement=placement,
+        execution=ExecConfig(
+            variant_dispatcher(variant),
+            expert_backend=args["expert_backend"],
+            transport=variant_transport(variant),
+            graphs=variant_graphs(variant),
+            sync_free=variant_sync_free(variant),
+        ),
+        device=device,
     )
     with torch.no_grad():
         layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])
@@ -188,8 +226,18 @@ def _time_pieces(layer, router, x_TH, timer, warmup, iters, args):
         received, st = layer.dispatcher.dispatch(x_TH, weights_TK, ids_TK, layer.expert_map)
     n = sum(_splits(st)[1]) if hasattr(st, "plan") else received.x_RH.shape[0]  # the received rows, not the masked tail
     x_RH, slots_RK, gates_RK = received.x_RH[:n], received.slots_RK[:n], received.gates_RK[:n].float()
-    expert_ms = timer(lambda: expert_mlp(x_RH, slots_RK, gates_RK, layer.gate_up_proj.detach(), layer.down_proj.detach(),
-                                         backend=args["expert_backend"]), warmup, iters)
+    expert_ms = timer(
+        lambda: expert_mlp(
+            x_RH,
+            slots_RK,
+            gates_RK,
+            layer.gate_up_proj.detach(),
+            layer.down_proj.detach(),
+            backend=args["expert_backend"],
+        ),
+        warmup,
+        iters,
+    )
     a2a_ms = 0.0
     if hasattr(st, "plan"):
         send, recv = _splits(st)
@@ -235,8 +283,12 @@ def _splits(handle) -> tuple[list[int], list[int]]:
     return handle.send_counts_D.tolist(), handle.recv_counts_D.tolist()
 
 
-def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args):
-    layer, routers = _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets[: len(xs)], device, args)
+def _bench_variant(
+    variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args
+):
+    layer, routers = _variant_layer(
+        variant, shape, placement, w1_full, w2_full, gate_w, ids_sets[: len(xs)], device, args
+    )
 
     # 1. correctness first: a slice of tokens against a float32 dense reference
     layer.router = routers[0]
@@ -280,8 +332,11 @@ def _bench_variant(variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, 
     # 2. the pieces alone: expert compute on the received rows, and the all-to-alls
     expert_ms, a2a_ms, pairs = _time_pieces(layer, routers[0], xs[0], timer, warmup, iters, args)
     flops = 2 * pairs * 3 * shape.hidden * shape.ffn  # GEMM1 (2F x H) + GEMM2 (H x F)
-    tot = torch.tensor([flops, stats.forward_remote_rows, stats.dispatch_rows, xs[0].shape[0], stats.forward_bytes],
-                       dtype=torch.float64, device=device)
+    tot = torch.tensor(
+        [flops, stats.forward_remote_rows, stats.dispatch_rows, xs[0].shape[0], stats.forward_bytes],
+        dtype=torch.float64,
+        device=device,
+    )
     if world > 1:
         dist.all_reduce(tot)
     remote_bytes_rank = stats.forward_remote_rows * shape.hidden * xs[0].element_size()
@@ -327,12 +382,21 @@ def main(args: argparse.Namespace) -> int:
     if world % args.nodes:
         raise ValueError(f"--nodes {args.nodes} must divide the {world} ranks")
     conf = dict(
-        backend=backend, shapes=shapes, variants=list(args.variants), routings=list(args.routing),
+        backend=backend,
+        shapes=shapes,
+        variants=list(args.variants),
+        routings=list(args.routing),
         tokens=list(args.tokens or [8192 if on_gpu else 256]),
-        warmup=args.warmup, iters=args.iters, input_sets=args.input_sets, expert_backend=args.expert_backend,
-        nodes=args.nodes, verbose=True,
+        warmup=args.warmup,
+        iters=args.iters,
+        input_sets=args.input_sets,
+        expert_backend=args.expert_backend,
+        nodes=args.nodes,
+        verbose=True,
     )
-    print(f"occult bench: {world} rank(s), backend {backend}, shapes {shapes}, tokens/rank {conf['tokens']}", flush=True)
+    print(
+        f"occult bench: {world} rank(s), backend {backend}, shapes {shapes}, tokens/rank {conf['tokens']}", flush=True
+    )
     print(HEADER, flush=True)  # rank 0 prints each row as it is measured
     try:
         results = run_ranks(bench_worker, world, conf, backend=backend, timeout_s=3000)
@@ -340,8 +404,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"occult bench: FAILED: {exc}", file=sys.stderr)
         return 1
     result = results[0]
-    result["config"] = {**conf, "world": world, "torch": torch.__version__,
-                        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
+    result["config"] = {
+        **conf,
+        "world": world,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+    }
     bad = [r for r in result["runs"] if not r["rel_error"] < (2e-2 if on_gpu else 1e-4)]
     print()
     print(summarize(result, table=False))
@@ -349,7 +417,9 @@ def main(args: argparse.Namespace) -> int:
         write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")
     if bad:
-        print(f"FAILED: {len(bad)} run(s) differ from the float32 reference: "
-              + ", ".join(f"{r['shape']}/{r['variant']} {r['rel_error']:.1e}" for r in bad))
+        print(
+            f"FAILED: {len(bad)} run(s) differ from the float32 reference: "
+            + ", ".join(f"{r['shape']}/{r['variant']} {r['rel_error']:.1e}" for r in bad)
+        )
         return 1
     return 0

@@ -8,10 +8,12 @@ from typing import Any
 
 def format_row(run: dict[str, Any]) -> str:
     """One run as a row of the table under `HEADER`."""
-    return (f"{run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}{run['mean_ct']:>6.2f}"
-            f"{run['forward_ms']:>9.2f}{run['fwd_bwd_ms']:>10.2f}{run['floor_ms']:>9.2f}{run['expert_ms']:>9.2f}"
-            f"{run['all_to_all_ms']:>9.2f}{run['all_to_all_GBps']:>10.1f}{run['expert_tflops']:>9.1f}{run['rel_error']:>9.1e}"
-            f"{_syncs(run['host_syncs_fwd_bwd']):>6}{_ms(run.get('host_ms_fwd')):>8} {run.get('transport', ''):<7}")
+    return (
+        f"{run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}{run['mean_ct']:>6.2f}"
+        f"{run['forward_ms']:>9.2f}{run['fwd_bwd_ms']:>10.2f}{run['floor_ms']:>9.2f}{run['expert_ms']:>9.2f}"
+        f"{run['all_to_all_ms']:>9.2f}{run['all_to_all_GBps']:>10.1f}{run['expert_tflops']:>9.1f}{run['rel_error']:>9.1e}"
+        f"{_syncs(run['host_syncs_fwd_bwd']):>6}{_ms(run.get('host_ms_fwd')):>8} {run.get('transport', ''):<7}"
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -22,8 +24,10 @@ def _syncs(n: int | None) -> str:
     return "n/a" if n is None or n < 0 else str(n)
 
 
-HEADER = (f"{'shape':<9}{'routing':<8}{'tokens':>6} {'variant':<16}{'E[C_T]':>6}{'fwd ms':>9}{'fwd+bwd':>10}{'floor':>9}"
-          f"{'experts':>9}{'a2a ms':>9}{'a2a GB/s':>10}{'TFLOP/s':>9}{'rel err':>9}{'syncs':>6}{'host ms':>8} {'via':<7}")
+HEADER = (
+    f"{'shape':<9}{'routing':<8}{'tokens':>6} {'variant':<16}{'E[C_T]':>6}{'fwd ms':>9}{'fwd+bwd':>10}{'floor':>9}"
+    f"{'experts':>9}{'a2a ms':>9}{'a2a GB/s':>10}{'TFLOP/s':>9}{'rel err':>9}{'syncs':>6}{'host ms':>8} {'via':<7}"
+)
 
 
 LEGEND = {
@@ -37,7 +41,7 @@ LEGEND = {
     "syncs": "device-to-host synchronisations in one forward+backward (CUDA sync debug mode; n/a on CPU)",
     "host ms": "the host's time to issue one forward on an idle GPU (its waits for the GPU included; n/a on CPU)",
     "via": "the transport: device (counts stay on the GPU, no host wait), counts (the count exchange's host wait) or "
-           "sync-free (fixed-capacity all-to-alls, no host wait)",
+    "sync-free (fixed-capacity all-to-alls, no host wait)",
 }
 
 
@@ -55,15 +59,22 @@ def summarize(result: dict[str, Any], table: bool = True) -> str:
     for run in result["runs"]:
         b = base.get((run["shape"], run["routing"], run["tokens"]))
         if b and run["variant"] != "standard":
-            lines.append(f"  {run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}"
-                         f"{b['forward_ms'] / run['forward_ms']:>6.2f}x {b['fwd_bwd_ms'] / run['fwd_bwd_ms']:>6.2f}x"
-                         f"   {run['forward_ms'] / run['floor_ms']:>5.2f}x floor")
+            lines.append(
+                f"  {run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}"
+                f"{b['forward_ms'] / run['forward_ms']:>6.2f}x {b['fwd_bwd_ms'] / run['fwd_bwd_ms']:>6.2f}x"
+                f"   {run['forward_ms'] / run['floor_ms']:>5.2f}x floor"
+            )
     if any(run["variant"].startswith("dedup2") for run in result["runs"]):
-        lines.append("dedup2: its E[C_T] column counts the rows of both stages per token (over the rail, then inside "
-                     "the node); its all-to-alls are not timed alone (floor = experts)")
+        lines.append(
+            "dedup2: its E[C_T] column counts the rows of both stages per token (over the rail, then inside "
+            "the node); its all-to-alls are not timed alone (floor = experts)"
+        )
     c = result["ceilings"]
-    names = {"matmul_tflops": "bf16 matmul TFLOP/s", "all_to_all_GBps": "all_to_all_single GB/s leaving a rank",
-             "all_to_all_MB": "its message MB"}
+    names = {
+        "matmul_tflops": "bf16 matmul TFLOP/s",
+        "all_to_all_GBps": "all_to_all_single GB/s leaving a rank",
+        "all_to_all_MB": "its message MB",
+    }
     if c:
         lines.append("ceilings (measured): " + ", ".join(f"{names.get(k, k)} {v:.1f}" for k, v in c.items()))
     return "\n".join(lines)

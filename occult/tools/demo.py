@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from occult.distributed import pick_backend, run_ranks
-from occult.moe.dense import DenseMoE
 from occult.moe.config import ExecConfig
+from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
 from occult.placement import Placement
 
@@ -86,7 +86,9 @@ def place_from_profile(cfg: DemoConfig) -> tuple[Placement, np.ndarray]:
     return place(trace, cfg.world_size, method=best_method()).placement, ids_TK.numpy()
 
 
-def _time_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, device: str) -> tuple[float, float, torch.Tensor]:
+def _time_step(
+    layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, device: str
+) -> tuple[float, float, torch.Tensor]:
     """One forward and one forward+backward, in ms (synchronised across ranks)."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     dist.barrier()
@@ -117,8 +119,9 @@ def _cpu_threads(world_size: int) -> int:
 Times = dict[str, list[float]]  # variant -> ms per timed round
 
 
-def _timed_rounds(variants: dict[str, torch.nn.Module], x: torch.Tensor, grad: torch.Tensor, device: str,
-                  cfg: DemoConfig, show: bool) -> tuple[Times, Times, dict[str, torch.Tensor]]:
+def _timed_rounds(
+    variants: dict[str, torch.nn.Module], x: torch.Tensor, grad: torch.Tensor, device: str, cfg: DemoConfig, show: bool
+) -> tuple[Times, Times, dict[str, torch.Tensor]]:
     """Forward and fwd+bwd times (ms) of every variant over `cfg.steps` rounds after a warm-up
     round, and each variant's last output; `show`: a tqdm bar of the rounds on stderr."""
     from tqdm.auto import tqdm
@@ -128,8 +131,9 @@ def _timed_rounds(variants: dict[str, torch.nn.Module], x: torch.Tensor, grad: t
     last: dict[str, torch.Tensor] = {}
     # Interleaved: every round times each variant once, so a burst of other load on the
     # machine hits all variants alike instead of one variant's whole series.
-    with tqdm(total=cfg.steps + 1, desc="demo rounds", unit="round", disable=not show, file=sys.stderr,
-              dynamic_ncols=True) as bar:
+    with tqdm(
+        total=cfg.steps + 1, desc="demo rounds", unit="round", disable=not show, file=sys.stderr, dynamic_ncols=True
+    ) as bar:
         for i in range(cfg.steps + 1):  # round 0 warms up
             for name, layer in variants.items():
                 f, s, last[name] = _time_step(layer, x, grad, device)
@@ -209,7 +213,9 @@ def format_table(cfg: DemoConfig, results: list[dict[str, Any]], ct_by_variant: 
         step = max(p["step_ms"] for p in per)
         err = max(p["rel_error"] for p in per)
         base = base or mb
-        rows.append(f"{name:<17}{ct_by_variant[name]:>8.2f}{total_rows:>12d}{mb:>10.2f}{remote_mb:>11.2f}{fwd:>9.1f}{step:>12.1f}{err:>10.1e}")
+        rows.append(
+            f"{name:<17}{ct_by_variant[name]:>8.2f}{total_rows:>12d}{mb:>10.2f}{remote_mb:>11.2f}{fwd:>9.1f}{step:>12.1f}{err:>10.1e}"
+        )
     return "\n".join(rows)
 
 
@@ -220,11 +226,15 @@ def check_config(cfg: DemoConfig) -> None:
         if gpus < 1:
             raise ValueError("--backend nccl needs CUDA GPUs and none is visible: use --backend gloo (CPU ranks)")
         if cfg.world_size > gpus:
-            raise ValueError(f"--world-size {cfg.world_size} over NCCL needs one GPU per rank, {gpus} visible: "
-                             f"use --world-size {gpus} or fewer, or --backend gloo")
+            raise ValueError(
+                f"--world-size {cfg.world_size} over NCCL needs one GPU per rank, {gpus} visible: "
+                f"use --world-size {gpus} or fewer, or --backend gloo"
+            )
     if cfg.experts % cfg.world_size:
-        raise ValueError(f"{cfg.experts} experts cannot be split over {cfg.world_size} ranks: "
-                         "choose --experts a multiple of --world-size")
+        raise ValueError(
+            f"{cfg.experts} experts cannot be split over {cfg.world_size} ranks: "
+            "choose --experts a multiple of --world-size"
+        )
     if cfg.top_k > cfg.experts:
         raise ValueError(f"--top-k {cfg.top_k} is more than the {cfg.experts} experts")
 
@@ -235,7 +245,8 @@ def speed_line(results: list[dict[str, Any]], noisy: bool) -> str:
     shared cores) says so."""
     rounds = len(results[0]["standard"]["step_ms_all"])
     ratios = sorted(
-        max(r["standard"]["step_ms_all"][i] for r in results) / max(r["dedup+placement"]["step_ms_all"][i] for r in results)
+        max(r["standard"]["step_ms_all"][i] for r in results)
+        / max(r["dedup+placement"]["step_ms_all"][i] for r in results)
         for i in range(rounds)
     )
     how = f"median of {rounds} interleaved round(s)"
@@ -253,8 +264,11 @@ def main(args: argparse.Namespace) -> int:
     from occult.distributed import RankFailure
     from occult.placement.stats import mean_ct
 
-    print(f"occult demo: {cfg.world_size} rank(s), backend {backend}, {cfg.tokens} tokens/rank, "
-          f"hidden {cfg.hidden}, {cfg.experts} experts x ffn {cfg.ffn}, top-{cfg.top_k}, {cfg.dtype}", flush=True)
+    print(
+        f"occult demo: {cfg.world_size} rank(s), backend {backend}, {cfg.tokens} tokens/rank, "
+        f"hidden {cfg.hidden}, {cfg.experts} experts x ffn {cfg.ffn}, top-{cfg.top_k}, {cfg.dtype}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     placement, calib_ids = place_from_profile(cfg)
     contiguous = Placement.contiguous(cfg.experts, cfg.world_size)
@@ -263,8 +277,11 @@ def main(args: argparse.Namespace) -> int:
         "dedup": mean_ct(calib_ids, contiguous.expert_device(0), cfg.world_size),
         "dedup+placement": mean_ct(calib_ids, placement.expert_device(0), cfg.world_size),
     }
-    print(f"profiled {len(calib_ids)} calibration tokens and placed experts in {time.perf_counter() - t0:.1f} s "
-          f"(E[C_T] on calibration data: contiguous {ct['dedup']:.2f} -> placed {ct['dedup+placement']:.2f})", flush=True)
+    print(
+        f"profiled {len(calib_ids)} calibration tokens and placed experts in {time.perf_counter() - t0:.1f} s "
+        f"(E[C_T] on calibration data: contiguous {ct['dedup']:.2f} -> placed {ct['dedup+placement']:.2f})",
+        flush=True,
+    )
     try:
         results = run_ranks(demo_worker, cfg.world_size, cfg, placement, backend=backend, timeout_s=900)
     except RankFailure as exc:
@@ -285,10 +302,14 @@ def main(args: argparse.Namespace) -> int:
     if max(errors) > tol:
         print(f"\nFAILED: a variant differs from the dense reference by {max(errors):.2e} (> {tol:.0e})")
         return 1
-    print(f"\nAll variants match the dense reference (rel err <= {tol:.0e}). "
-          f"Rows sent: dedup+placement {sum(r['dedup+placement']['forward_rows'] for r in results)} vs standard "
-          f"{sum(r['standard']['forward_rows'] for r in results)}; {speed_line(results, backend == 'gloo')}.")
+    print(
+        f"\nAll variants match the dense reference (rel err <= {tol:.0e}). "
+        f"Rows sent: dedup+placement {sum(r['dedup+placement']['forward_rows'] for r in results)} vs standard "
+        f"{sum(r['standard']['forward_rows'] for r in results)}; {speed_line(results, backend == 'gloo')}."
+    )
     if backend == "gloo":
-        print(f"(CPU ranks, {_cpu_threads(cfg.world_size)} thread(s) each on this machine's shared cores: times are noisy "
-              "and measure CPU compute and gloo, not GPU speed; rows and bytes are exact. See `occult bench` on GPUs.)")
+        print(
+            f"(CPU ranks, {_cpu_threads(cfg.world_size)} thread(s) each on this machine's shared cores: times are noisy "
+            "and measure CPU compute and gloo, not GPU speed; rows and bytes are exact. See `occult bench` on GPUs.)"
+        )
     return 0

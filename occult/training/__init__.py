@@ -24,7 +24,22 @@ from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
 
 __all__ = [
-    "Parallel", "setup_parallel", "global_mean", "sync_gradients", "clip_grad_norm", "wrap_ddp", "CosineSchedule",
-    "TrainLoop", "StepParts", "StepLoss", "LoopSettings", "TrainClock", "StepHook", "save_checkpoint",
-    "find_checkpoint", "read_checkpoint_doc", "load_checkpoint", "state_tensors",
+    "Parallel",
+    "setup_parallel",
+    "global_mean",
+    "sync_gradients",
+    "clip_grad_norm",
+    "wrap_ddp",
+    "CosineSchedule",
+    "TrainLoop",
+    "StepParts",
+    "StepLoss",
+    "LoopSettings",
+    "TrainClock",
+    "StepHook",
+    "save_checkpoint",
+    "find_checkpoint",
+    "read_checkpoint_doc",
+    "load_checkpoint",
+    "state_tensors",
 ]

@@ -30,8 +30,9 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,8 +63,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def state_tensors(params: Mapping[str, torch.Tensor], experts: Experts,
-                  opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]]]:
+def state_tensors(
+    params: Mapping[str, torch.Tensor], experts: Experts, opt: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]]]:
     """(DCP state dict of this rank, {param: {optimizer key: "param" | "scalar"}}) of `params`
     (name -> parameter) and the optimizer state of those among them `opt` holds."""
     out: dict[str, torch.Tensor] = {}
@@ -90,8 +92,14 @@ def state_tensors(params: Mapping[str, torch.Tensor], experts: Experts,
     return out, kinds
 
 
-def save_checkpoint(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], doc: Mapping[str, Any], step: int,
-                    fmt: str, error: type[Exception]) -> Path:
+def save_checkpoint(
+    out_dir: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor],
+    doc: Mapping[str, Any],
+    step: int,
+    fmt: str,
+    error: type[Exception],
+) -> Path:
     """Write this rank's `tensors` and (rank 0) `doc` as the checkpoint of `step`; every rank calls it."""
     import torch.distributed.checkpoint as dcp
 
@@ -108,8 +116,12 @@ def save_checkpoint(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tens
     _barrier()
     path = None
     if rank == 0:
-        full = dict(doc, format=fmt, world_size=world,
-                    files={f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()})
+        full = dict(
+            doc,
+            format=fmt,
+            world_size=world,
+            files={f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()},
+        )
         write_text_atomic(tmp / META, json.dumps(full))
         path = publish_step_dir(tmp, root, step, LATEST)
     _barrier()
@@ -121,8 +133,9 @@ def find_checkpoint(out_dir: str | os.PathLike, error: type[Exception]) -> Path 
     return latest_step_dir(Path(out_dir) / DIR, error, LATEST)
 
 
-def read_checkpoint_doc(path: str | os.PathLike, fmt: str, error: type[Exception], what: str,
-                        required: Sequence[str] = ()) -> dict[str, Any]:
+def read_checkpoint_doc(
+    path: str | os.PathLike, fmt: str, error: type[Exception], what: str, required: Sequence[str] = ()
+) -> dict[str, Any]:
     """occult.json of a checkpoint, after checking its format (`fmt`, the keys `required`) and
     every file's hash; `what` names the kind of checkpoint in the errors."""
     path = Path(path)
@@ -140,12 +153,15 @@ def read_checkpoint_doc(path: str | os.PathLike, fmt: str, error: type[Exception
         if not (path / name).is_file():
             raise error(f"{path}: {name} is missing; the checkpoint is incomplete, use an earlier one or start again")
         if sha256_file(path / name) != digest:
-            raise error(f"{path}: {name} is truncated or corrupted (SHA-256 mismatch); use an earlier checkpoint or start again")
+            raise error(
+                f"{path}: {name} is truncated or corrupted (SHA-256 mismatch); use an earlier checkpoint or start again"
+            )
     return doc
 
 
-def _requests(params: Mapping[str, torch.Tensor], experts: Experts,
-              kinds: Mapping[str, Mapping[str, str]]) -> dict[str, torch.Tensor]:
+def _requests(
+    params: Mapping[str, torch.Tensor], experts: Experts, kinds: Mapping[str, Mapping[str, str]]
+) -> dict[str, torch.Tensor]:
     """Empty tensors for every key this rank loads (its experts only; DTensors for FSDP shards)."""
     req: dict[str, torch.Tensor] = {}
 
@@ -165,8 +181,14 @@ def _requests(params: Mapping[str, torch.Tensor], experts: Experts,
     return req
 
 
-def load_checkpoint(path: str | os.PathLike, doc: Mapping[str, Any], params: Mapping[str, torch.Tensor], experts: Experts,
-                    kinds: Mapping[str, Mapping[str, str]], error: type[Exception]) -> dict[str, torch.Tensor]:
+def load_checkpoint(
+    path: str | os.PathLike,
+    doc: Mapping[str, Any],
+    params: Mapping[str, torch.Tensor],
+    experts: Experts,
+    kinds: Mapping[str, Mapping[str, str]],
+    error: type[Exception],
+) -> dict[str, torch.Tensor]:
     """Read `model.<name>` of `params` and the optimizer state `kinds` names, as this rank holds them
     (experts stacked in slot order), and restore the RNG when the world size is unchanged."""
     import torch.distributed.checkpoint as dcp
@@ -181,7 +203,9 @@ def load_checkpoint(path: str | os.PathLike, doc: Mapping[str, Any], params: Map
             dcp.load(req, checkpoint_id=str(path), no_dist=not on)
     except Exception as exc:
         lines = [line for line in str(exc).splitlines() if line.strip()]
-        raise error(f"{path}: cannot read the checkpoint ({type(exc).__name__}: {lines[-1] if lines else ''})") from None
+        raise error(
+            f"{path}: cannot read the checkpoint ({type(exc).__name__}: {lines[-1] if lines else ''})"
+        ) from None
 
     def take(key: str, name: str) -> torch.Tensor:
         if name in experts and f"{key}.expert{experts[name][0]}" in req:
@@ -195,8 +219,13 @@ def load_checkpoint(path: str | os.PathLike, doc: Mapping[str, Any], params: Map
     return out
 
 
-def load_optimizer_state(opt: torch.optim.Optimizer, params: Mapping[str, torch.Tensor],
-                         tensors: Mapping[str, torch.Tensor], error: type[Exception], source: str) -> None:
+def load_optimizer_state(
+    opt: torch.optim.Optimizer,
+    params: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
+    error: type[Exception],
+    source: str,
+) -> None:
     """Put `optim.<name>.<key>` tensors into `opt` (whose parameters `params` names), cut to FSDP
     shards where a parameter is one; every trained parameter or none must have state."""
     name_of = {id(p): n for n, p in params.items()}
@@ -204,8 +233,11 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Mapping[str, torch.
     order = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, name in enumerate(order):
-        entry = {k.rsplit(".", 1)[1]: like_param(v, params[name]) for k, v in tensors.items()
-                 if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
+        entry = {
+            k.rsplit(".", 1)[1]: like_param(v, params[name])
+            for k, v in tensors.items()
+            if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2
+        }
         if entry:
             state[i] = entry
     if state and len(state) != len(order):
@@ -214,5 +246,15 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Mapping[str, torch.
     opt.load_state_dict(sd)
 
 
-__all__ = ["DIR", "LATEST", "META", "PARTIAL", "state_tensors", "save_checkpoint", "find_checkpoint",
-           "read_checkpoint_doc", "load_checkpoint", "load_optimizer_state"]
+__all__ = [
+    "DIR",
+    "LATEST",
+    "META",
+    "PARTIAL",
+    "state_tensors",
+    "save_checkpoint",
+    "find_checkpoint",
+    "read_checkpoint_doc",
+    "load_checkpoint",
+    "load_optimizer_state",
+]

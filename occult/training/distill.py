@@ -5,7 +5,8 @@ teacher's, both softened by a temperature."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +41,9 @@ def unlimited(routers: Iterable[Any]) -> Iterator[None]:
                 r.max_nodes = nodes
 
 
-def teacher_logits(logits_of: Callable[[Any], torch.Tensor], model: Any, routers: Iterable[Any],
-                   teacher: Any = None) -> torch.Tensor:
+def teacher_logits(
+    logits_of: Callable[[Any], torch.Tensor], model: Any, routers: Iterable[Any], teacher: Any = None
+) -> torch.Tensor:
     """The distillation target, no gradient: `logits_of(teacher)`, or without a teacher model
     `logits_of(model)` with `routers` (the model's) unlimited: the same weights, standard routing."""
     with torch.no_grad():

@@ -19,7 +19,8 @@ group. One process (`parallel=None`) takes the same path without communication.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,9 @@ def all_reduce_grads(params: Iterable[nn.Parameter], group: Any, divide: int, re
             offset += n
 
 
-def sync_gradients(dense: Sequence[nn.Parameter], experts: Sequence[nn.Parameter], parallel: Parallel,
-                   replicated: bool = True) -> None:
+def sync_gradients(
+    dense: Sequence[nn.Parameter], experts: Sequence[nn.Parameter], parallel: Parallel, replicated: bool = True
+) -> None:
     """Every rank's gradients become those of the global-batch loss (module docstring).
 
     `replicated=False`: the expert gradients only (DDP or FSDP2 has averaged the dense ones)."""
@@ -64,8 +66,9 @@ def sync_gradients(dense: Sequence[nn.Parameter], experts: Sequence[nn.Parameter
     all_reduce_grads(experts, parallel.replica_group, W, reduce=parallel.replicas > 1)
 
 
-def clip_grad_norm(dense: Sequence[nn.Parameter], experts: Sequence[nn.Parameter], parallel: Parallel | None,
-                   max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    dense: Sequence[nn.Parameter], experts: Sequence[nn.Parameter], parallel: Parallel | None, max_norm: float
+) -> torch.Tensor:
     """Scale every gradient by min(1, max_norm / global norm) (`max_norm <= 0`: no scaling);
     return the global norm (float32, on the parameters' device)."""
     params = list(dense) + list(experts)
@@ -101,8 +104,14 @@ def wrap_ddp(model: nn.Module, ignore: Iterable[str], parallel: Parallel) -> Dis
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" and device.index is not None else None
-    return DistributedDataParallel(model, process_group=parallel.sync_group, device_ids=ids, init_sync=False,
-                                   gradient_as_bucket_view=True, **no_buffer_sync())
+    return DistributedDataParallel(
+        model,
+        process_group=parallel.sync_group,
+        device_ids=ids,
+        init_sync=False,
+        gradient_as_bucket_view=True,
+        **no_buffer_sync(),
+    )
 
 
 def no_buffer_sync() -> dict[str, bool]:

@@ -33,8 +33,9 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -78,8 +79,10 @@ class LoopSettings:
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.tokens_per_step < 1 or self.log_every < 1:
-            raise ValueError(f"need steps, tokens_per_step and log_every >= 1, got {self.steps}, "
-                             f"{self.tokens_per_step}, {self.log_every}")
+            raise ValueError(
+                f"need steps, tokens_per_step and log_every >= 1, got {self.steps}, "
+                f"{self.tokens_per_step}, {self.log_every}"
+            )
 
 
 @dataclass
@@ -175,8 +178,11 @@ class TrainLoop:
     def _interruptible(self) -> Iterator[None]:
         """With `stop_on_interrupt`, the first SIGINT sets `interrupted` (the loop ends after this
         step) and puts Python's handler back, so a second one raises at once."""
-        on = (self.settings.stop_on_interrupt and threading.current_thread() is threading.main_thread()
-              and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        on = (
+            self.settings.stop_on_interrupt
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
         if not on:
             yield
             return
@@ -209,8 +215,9 @@ class TrainLoop:
         self.pending.append(out.logged.detach())
         return lr, out, gnorm
 
-    def _measure(self, mark: tuple[float, int], lr: float, out: StepLoss,
-                 gnorm: torch.Tensor | None) -> tuple[tuple[float, int], dict[str, str]]:
+    def _measure(
+        self, mark: tuple[float, int], lr: float, out: StepLoss, gnorm: torch.Tensor | None
+    ) -> tuple[tuple[float, int], dict[str, str]]:
         """The global loss of the pending steps (a non-finite one stops the run), and the bar's
         fields: loss, aux, lr, tokens/s since `mark`, gradient norm."""
         last_loss = self.flush()

@@ -32,8 +32,10 @@ class CosineSchedule:
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0 or self.steps < 1:
-            raise ValueError(f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, steps >= 1; got {self.lr}, "
-                             f"{self.min_lr_ratio}, {self.warmup_steps}, {self.steps}")
+            raise ValueError(
+                f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0, steps >= 1; got {self.lr}, "
+                f"{self.min_lr_ratio}, {self.warmup_steps}, {self.steps}"
+            )
 
     @property
     def total(self) -> int:
@@ -54,20 +56,22 @@ class CosineSchedule:
         progress = min(1.0, (step - self.warmup_steps) / span)
         return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def extended(self, at_step: int, total: int) -> "CosineSchedule":
+    def extended(self, at_step: int, total: int) -> CosineSchedule:
         """This schedule continued from `at_step` to a new last step `total` (module docstring)."""
         if total == self.total:
             return self
         if at_step <= self.warmup_steps and not self.restarts:  # nothing has decayed yet
             return CosineSchedule(self.lr, self.warmup_steps, total, self.min_lr_ratio)
-        restarts = tuple(r for r in self.restarts if r[0] < at_step) + ((int(at_step), float(self(at_step)), int(total)),)
+        restarts = tuple(r for r in self.restarts if r[0] < at_step) + (
+            (int(at_step), float(self(at_step)), int(total)),
+        )
         return CosineSchedule(self.lr, self.warmup_steps, self.steps, self.min_lr_ratio, restarts)
 
     def to_json(self) -> dict:
         """What a checkpoint keeps of an extended schedule (the rest is in the run's settings)."""
         return {"steps": self.steps, "restarts": [[int(s), float(r), int(e)] for s, r, e in self.restarts]}
 
-    def resumed(self, doc: dict | None, saved_total: int, at_step: int) -> "CosineSchedule":
+    def resumed(self, doc: dict | None, saved_total: int, at_step: int) -> CosineSchedule:
         """This run's schedule (with the new total) when resuming a checkpoint at `at_step` whose run had
         `saved_total` steps and whose `to_json()` was `doc` (None: never extended)."""
         old = CosineSchedule(self.lr, self.warmup_steps, int(saved_total), self.min_lr_ratio)

@@ -63,21 +63,33 @@ def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict
     host = [a for a in prof.key_averages() if a.self_cpu_time_total > 0]
     host.sort(key=lambda a: -a.self_cpu_time_total)
     return {
-        "steps": steps, "wall_ms_per_step": wall, "gpu_busy_ms_per_step": busy if on_gpu else None,
-        "gpu_busy_share": busy / wall if on_gpu and wall > 0 else None, "idle_ms_per_step": wall - busy if on_gpu else None,
+        "steps": steps,
+        "wall_ms_per_step": wall,
+        "gpu_busy_ms_per_step": busy if on_gpu else None,
+        "gpu_busy_share": busy / wall if on_gpu and wall > 0 else None,
+        "idle_ms_per_step": wall - busy if on_gpu else None,
         "device_ops_per_step": len(device_events) / steps,
-        "host_ops_top": [{"name": a.key[:160], "self_cpu_ms_per_step": a.self_cpu_time_total / 1e3 / steps,
-                          "calls_per_step": a.count / steps} for a in host[:TOP]],
-        "kernels_top": [{"name": n[:160], "ms_per_step": v[0], "calls_per_step": v[1]}
-                        for n, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP]],
+        "host_ops_top": [
+            {
+                "name": a.key[:160],
+                "self_cpu_ms_per_step": a.self_cpu_time_total / 1e3 / steps,
+                "calls_per_step": a.count / steps,
+            }
+            for a in host[:TOP]
+        ],
+        "kernels_top": [
+            {"name": n[:160], "ms_per_step": v[0], "calls_per_step": v[1]}
+            for n, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP]
+        ],
     }
 
 
 class StepProfile(StepHook):
     """Profile the steps of `window` ('A:B', 1-based) and write the summary to `out_dir` (module docstring)."""
 
-    def __init__(self, window: str, out_dir: str | Path, rank: int = 0, device: torch.device | None = None,
-                 log: Any = None) -> None:
+    def __init__(
+        self, window: str, out_dir: str | Path, rank: int = 0, device: torch.device | None = None, log: Any = None
+    ) -> None:
         self.first, self.last = parse_window(window)
         self.rank, self.device, self.log = rank, device, log
         self.path = Path(out_dir) / f"step_profile_rank{rank}.json"
@@ -112,16 +124,25 @@ class StepProfile(StepHook):
             wall = time.perf_counter() - self._t0
             prof, self._prof = self._prof, None
             prof.__exit__(None, None, None)
-            doc = {"rank": self.rank, "window": [self.first, self.last], **summarise(prof, self.last - self.first + 1, wall, self._on_gpu)}
+            doc = {
+                "rank": self.rank,
+                "window": [self.first, self.last],
+                **summarise(prof, self.last - self.first + 1, wall, self._on_gpu),
+            }
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text(json.dumps(doc, indent=1) + "\n")
             os.replace(tmp, self.path)
             if self.log is not None:
-                busy = (f"GPU busy {doc['gpu_busy_ms_per_step']:.1f} ms, {doc['device_ops_per_step']:.0f} device ops/step"
-                        if self._on_gpu else "no GPU")
-                self.log(f"profile of steps {self.first}-{self.last}: wall {doc['wall_ms_per_step']:.1f} ms/step, {busy} "
-                         f"-> {self.path}")
+                busy = (
+                    f"GPU busy {doc['gpu_busy_ms_per_step']:.1f} ms, {doc['device_ops_per_step']:.0f} device ops/step"
+                    if self._on_gpu
+                    else "no GPU"
+                )
+                self.log(
+                    f"profile of steps {self.first}-{self.last}: wall {doc['wall_ms_per_step']:.1f} ms/step, {busy} "
+                    f"-> {self.path}"
+                )
 
     def close(self) -> None:
         if self._prof is not None:  # the run ended inside the window: nothing written

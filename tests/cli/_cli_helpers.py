@@ -14,8 +14,14 @@ TRACE = REPO / "occult" / "data" / "example_trace.safetensors"
 def occult(*args, cwd: Path | None = None, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
     """`python -m occult ARGS`, as a user runs it (in `cwd`, default the repo; with `env` added)."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
-    return subprocess.run([sys.executable, "-m", "occult", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd or REPO, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "occult", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def one_clean_line(code: int, err: str, *needles: str) -> None:

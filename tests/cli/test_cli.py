@@ -65,8 +65,22 @@ def test_place_json_and_out(planted, tmp_path, capsys):
 def test_place_text_then_stats_agree(planted, tmp_path, capsys):
     trace, _ = planted
     out_path = tmp_path / "greedy.json"
-    code, out, _ = run(capsys, "place", "--trace", trace, "-d", 4, "--method", "greedy", "-o", out_path,
-                       "--hidden", 1024, "--dtype", "fp32")
+    code, out, _ = run(
+        capsys,
+        "place",
+        "--trace",
+        trace,
+        "-d",
+        4,
+        "--method",
+        "greedy",
+        "-o",
+        out_path,
+        "--hidden",
+        1024,
+        "--dtype",
+        "fp32",
+    )
     assert code == 0
     assert "E[C_T] contiguous" in out and "E[C_T] greedy" in out and "overall" in out and f"wrote {out_path}" in out
     code, out, _ = run(capsys, "stats", "--trace", trace, "--placement", out_path, "--json", "--hidden", 1024)
@@ -123,8 +137,21 @@ def test_plot(planted, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     trace, _ = planted
     png = tmp_path / "heat.png"
-    code, out, err = run(capsys, "place", "--trace", trace, "-d", 4, "--method", "greedy", "--plot", png,
-                         "--plot-layers", "0,2", "--json")
+    code, out, err = run(
+        capsys,
+        "place",
+        "--trace",
+        trace,
+        "-d",
+        4,
+        "--method",
+        "greedy",
+        "--plot",
+        png,
+        "--plot-layers",
+        "0,2",
+        "--json",
+    )
     assert code == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(out)["plotted_layers"] == [0, 2]
@@ -207,9 +234,11 @@ def test_registry_and_lazy_commands(capsys):
 
 def test_demo_and_bench_flags_do_not_import_the_tools():
     """Building `occult demo` / `occult bench` parsers (and --help) imports neither tool module."""
-    code = ("import sys; from occult.cli import build_parser; p = build_parser(chosen='bench'); "
-            "p.parse_args(['bench', '--tokens', '8']); p.parse_args(['demo']); "
-            "print([m for m in ('occult.tools.demo', 'occult.tools.bench') if m in sys.modules])")
+    code = (
+        "import sys; from occult.cli import build_parser; p = build_parser(chosen='bench'); "
+        "p.parse_args(['bench', '--tokens', '8']); p.parse_args(['demo']); "
+        "print([m for m in ('occult.tools.demo', 'occult.tools.bench') if m in sys.modules])"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -232,7 +261,10 @@ def test_place_hypergraph_says_why_each_layer_chose_its_candidate(capsys):
     assert code == 0, err
     code, js, _ = run(capsys, "place", "--trace", REPO / "occult/data/example_trace.safetensors", "-d", 4, "--json")
     rep = json.loads(js)
-    assert "why chosen: hypergraph solves contiguous, greedy, greedy+refine, kahypar+refine and keeps the lowest E[C_T]" in out
+    assert (
+        "why chosen: hypergraph solves contiguous, greedy, greedy+refine, kahypar+refine and keeps the lowest E[C_T]"
+        in out
+    )
     why = [line for line in out.splitlines() if line.startswith("  layer ") and ": chosen " in line]
     assert len(why) == len(rep["layers"])
     for line, layer in zip(why, rep["layers"]):
@@ -248,10 +280,20 @@ def test_python_dash_m(planted):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(
         [sys.executable, "-m", "occult", "place", "--trace", str(trace), "-d", "2", "--method", "greedy", "--json"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["num_devices"] == 2
-    out = subprocess.run([sys.executable, "-m", "occult", "place", "--trace", "/nonexistent", "-d", "2"],
-                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "occult", "place", "--trace", "/nonexistent", "-d", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     assert out.returncode == 2 and out.stderr.startswith("occult: error:") and "Traceback" not in out.stderr

@@ -7,8 +7,8 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -41,8 +41,14 @@ ALL = sorted(set(command_paths(cli.build_parser())) | {("data", "prepare")})
 @pytest.mark.parametrize("path", ALL, ids=" ".join)
 def test_every_help_shows_the_exit_statuses(path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-m", "occult", *path, "--help"], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "occult", *path, "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     out = " ".join(proc.stdout.split())
     assert "exit status: 0 success; 1 the run failed" in out and "2 bad input or usage" in out, out[-400:]

@@ -23,8 +23,15 @@ def start(*args: str, cwd: Path) -> tuple[subprocess.Popen, Path]:
     env.pop("OCCULT_RANK_START", None)  # the default (spawned ranks): what a user's Ctrl-C meets
     err = cwd / f"stderr-{time.monotonic_ns()}.txt"
     with open(err, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "occult", *map(str, args)], stdout=subprocess.PIPE, stderr=f,
-                                text=True, cwd=cwd, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "occult", *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=f,
+            text=True,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+        )
     return proc, err
 
 
@@ -75,8 +82,29 @@ def test_ctrl_c_while_demo_ranks_start_is_one_line(tmp_path, delay):
     assert stderr == "occult: interrupted\n"
 
 
-TINY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--experts", "8", "--top-k", "2", "--expert-ffn", "16",
-        "--batch-size", "4", "--seq-len", "32", "--eval-tokens", "256", "--device", "cpu", "--no-progress"]
+TINY = [
+    "--hidden",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--experts",
+    "8",
+    "--top-k",
+    "2",
+    "--expert-ffn",
+    "16",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--eval-tokens",
+    "256",
+    "--device",
+    "cpu",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +114,21 @@ def corpus(tmp_path_factory) -> Path:
     from occult.cli import main
 
     out = tmp_path_factory.mktemp("corpus") / "data"
-    assert main(["data", "prepare", "--out", str(out), "--corpus-dir", str(REPO / "tests" / "data" / "shakespeare_tiny"),
-                 "--vocab-size", "300"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--out",
+                str(out),
+                "--corpus-dir",
+                str(REPO / "tests" / "data" / "shakespeare_tiny"),
+                "--vocab-size",
+                "300",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -127,8 +168,14 @@ def test_ctrl_c_in_train_saves_the_step_and_resume_continues(corpus, tmp_path):
     assert len(losses) == step
 
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    again = subprocess.run([sys.executable, "-m", "occult", *resume.split()[1:], "--stop-after", "2"], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [sys.executable, "-m", "occult", *resume.split()[1:], "--stop-after", "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr
     assert f"resumed {Path('run') / 'checkpoint.safetensors'} at step {step}" in again.stdout
     assert f"stopped at step {step + 2} of 100000" in again.stdout

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cli_helpers import REPO, TRACE, occult, one_clean_line
 
 from occult import cli
 from occult._atomic import atomic_path, check_writable, write_text_atomic
-
-from _cli_helpers import REPO, TRACE, occult, one_clean_line
 
 CORPUS = REPO / "tests" / "data" / "shakespeare_tiny"
 
@@ -167,17 +166,37 @@ def test_profile_outputs_read_only(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ sizes: argparse errors before any rank starts
-@pytest.mark.parametrize("argv", [
-    ["demo", "--tokens", "-5"], ["demo", "--tokens", "0"], ["demo", "--world-size", "0"], ["demo", "--steps", "0"],
-    ["demo", "--top-k", "-1"], ["demo", "--noise", "-1"], ["bench", "--tokens", "-1"], ["bench", "--tokens", "64,0"],
-    ["bench", "--world-size", "0"], ["bench", "--iters", "0"], ["bench", "--warmup", "-1"], ["bench", "--nodes", "0"],
-    ["bench", "--shapes", "nope"], ["bench", "--variants", "dedup,x"], ["bench", "--routing", "zipf"],
-    ["train", "--out", "x", "--steps", "-3"], ["train", "--out", "x", "--lr", "0"], ["train", "--out", "x", "--batch-size", "0"],
-    ["finetune", "--init", "x", "--out", "y", "--max-devices", "0"], ["data", "prepare", "--out", "x", "--vocab-size", "-1"],
-    ["profile", "--model", "m", "--out", "t", "--tokens", "0"], ["place", "--trace", "t", "-d", "4", "--max-load", "-1"],
-    ["place", "--trace", "t", "-d", "4", "--seed", "-1"], ["stats", "--trace", "t", "-d", "4", "--plot-layers", ","],
-    ["stats", "--trace", "t", "-d", "4", "--plot-layers", "-1"], ["stats", "--trace", "t", "-d", "4", "--hidden", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--tokens", "-5"],
+        ["demo", "--tokens", "0"],
+        ["demo", "--world-size", "0"],
+        ["demo", "--steps", "0"],
+        ["demo", "--top-k", "-1"],
+        ["demo", "--noise", "-1"],
+        ["bench", "--tokens", "-1"],
+        ["bench", "--tokens", "64,0"],
+        ["bench", "--world-size", "0"],
+        ["bench", "--iters", "0"],
+        ["bench", "--warmup", "-1"],
+        ["bench", "--nodes", "0"],
+        ["bench", "--shapes", "nope"],
+        ["bench", "--variants", "dedup,x"],
+        ["bench", "--routing", "zipf"],
+        ["train", "--out", "x", "--steps", "-3"],
+        ["train", "--out", "x", "--lr", "0"],
+        ["train", "--out", "x", "--batch-size", "0"],
+        ["finetune", "--init", "x", "--out", "y", "--max-devices", "0"],
+        ["data", "prepare", "--out", "x", "--vocab-size", "-1"],
+        ["profile", "--model", "m", "--out", "t", "--tokens", "0"],
+        ["place", "--trace", "t", "-d", "4", "--max-load", "-1"],
+        ["place", "--trace", "t", "-d", "4", "--seed", "-1"],
+        ["stats", "--trace", "t", "-d", "4", "--plot-layers", ","],
+        ["stats", "--trace", "t", "-d", "4", "--plot-layers", "-1"],
+        ["stats", "--trace", "t", "-d", "4", "--hidden", "0"],
+    ],
+)
 def test_bad_sizes_are_usage_errors(capsys, argv):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)

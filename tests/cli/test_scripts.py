@@ -32,8 +32,18 @@ def test_capture_check_help_and_no_gpu(tmp_path):
 
 def test_hf_example_writes_to_a_temporary_directory(tmp_path):
     pytest.importorskip("transformers")
-    proc = _python(str(REPO / "examples" / "hf_expert_parallel.py"), "--tiny", "olmoe", "--tokens", "512",
-                   "--new-tokens", "2", "--steps", "1", cwd=tmp_path)
+    proc = _python(
+        str(REPO / "examples" / "hf_expert_parallel.py"),
+        "--tiny",
+        "olmoe",
+        "--tokens",
+        "512",
+        "--new-tokens",
+        "2",
+        "--steps",
+        "1",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fine-tune step 0" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing written where it ran (it used to leave hf_ep_work/)

@@ -15,11 +15,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from _cli_helpers import TRACE, occult, one_clean_line
 
 from occult import cli
 from occult._atomic import check_writable, names_stdout, write_text_atomic
-
-from _cli_helpers import REPO, TRACE, occult, one_clean_line
 
 PLACE = ("place", "--trace", TRACE, "--devices", 4, "--method", "greedy", "-q")
 
@@ -132,9 +131,16 @@ def string_options(command: str) -> list[str]:
     parser = cli.build_parser(chosen=command)
     found = []
     for sub in _subparsers(parser, command):
-        found += [max(a.option_strings, key=len) for a in sub._actions
-                  if a.option_strings and a.type is None and a.choices is None and a.nargs is None and not a.const
-                  and a.__class__.__name__ == "_StoreAction"]
+        found += [
+            max(a.option_strings, key=len)
+            for a in sub._actions
+            if a.option_strings
+            and a.type is None
+            and a.choices is None
+            and a.nargs is None
+            and not a.const
+            and a.__class__.__name__ == "_StoreAction"
+        ]
     return found
 
 
@@ -147,9 +153,16 @@ def _subparsers(parser, command: str):
                     yield from _subparsers(sub, None)
 
 
-REQUIRED = {"place": ["--trace", str(TRACE), "-d", "4"], "stats": ["--trace", str(TRACE), "-d", "4"],
-            "data": ["prepare", "--out", "x"], "train": ["--out", "x"], "finetune": ["--init", "x", "--out", "y"],
-            "profile": ["--model", "m", "--out", "t"], "bench": [], "demo": []}
+REQUIRED = {
+    "place": ["--trace", str(TRACE), "-d", "4"],
+    "stats": ["--trace", str(TRACE), "-d", "4"],
+    "data": ["prepare", "--out", "x"],
+    "train": ["--out", "x"],
+    "finetune": ["--init", "x", "--out", "y"],
+    "profile": ["--model", "m", "--out", "t"],
+    "bench": [],
+    "demo": [],
+}
 
 
 @pytest.mark.parametrize("command", [c.name for c in cli.COMMANDS])

@@ -10,20 +10,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fuzz_cli import assert_clean, run_cli, unchanged
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from _fuzz_cli import assert_clean, run_cli, unchanged
 from occult.lm.checkpoint import save_model
 from occult.lm.model import ModelConfig, OccultLM
 
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REPO = Path(__file__).resolve().parents[2]
-VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2, 70), st.sampled_from([2**40, 10**30, 1.5, float("nan")]),
-                   st.text(max_size=5), st.lists(st.integers(0, 3), max_size=2))
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 70),
+    st.sampled_from([2**40, 10**30, 1.5, float("nan")]),
+    st.text(max_size=5),
+    st.lists(st.integers(0, 3), max_size=2),
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +37,64 @@ def ckpt(tmp_path_factory):
     """A tiny OccultLM weights file: (tensors, metadata)."""
     path = tmp_path_factory.mktemp("ckpt") / "m.safetensors"
     torch.manual_seed(0)
-    save_model(path, OccultLM(ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_experts=4,
-                                          top_k=2, expert_ffn_size=8, max_seq_len=16)))
+    save_model(
+        path,
+        OccultLM(
+            ModelConfig(
+                vocab_size=64,
+                hidden_size=16,
+                num_layers=2,
+                num_heads=2,
+                num_experts=4,
+                top_k=2,
+                expert_ffn_size=8,
+                max_seq_len=16,
+            )
+        ),
+    )
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata()), path.read_bytes()
 
 
 @st.composite
 def metadata_edits(draw):
-    cfg = dict.fromkeys(["vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts", "top_k", "expert_ffn_size",
-                         "max_seq_len", "rope_theta", "rms_eps", "tie_embeddings", "norm_topk_prob", "init_std", "extra"])
+    cfg = dict.fromkeys(
+        [
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_experts",
+            "top_k",
+            "expert_ffn_size",
+            "max_seq_len",
+            "rope_theta",
+            "rms_eps",
+            "tie_embeddings",
+            "norm_topk_prob",
+            "init_std",
+            "extra",
+        ]
+    )
     edits = draw(st.dictionaries(st.sampled_from(sorted(cfg)), VALUES, max_size=3))
-    routing = draw(st.one_of(st.none(), st.just("{not json"), st.builds(json.dumps, st.dictionaries(
-        st.sampled_from(["max_devices", "method", "placement", "similarity"]), VALUES, max_size=3))))
-    drop = draw(st.lists(st.sampled_from(["model.embed.weight", "model.blocks.1.attn.qkv.weight", "model_config", "format"]),
-                         max_size=1))
+    routing = draw(
+        st.one_of(
+            st.none(),
+            st.just("{not json"),
+            st.builds(
+                json.dumps,
+                st.dictionaries(
+                    st.sampled_from(["max_devices", "method", "placement", "similarity"]), VALUES, max_size=3
+                ),
+            ),
+        )
+    )
+    drop = draw(
+        st.lists(
+            st.sampled_from(["model.embed.weight", "model.blocks.1.attn.qkv.weight", "model_config", "format"]),
+            max_size=1,
+        )
+    )
     return edits, routing, drop
 
 
@@ -93,7 +142,11 @@ def test_checkpoint_examples(ckpt, tmp_path):
     prep = tmp_path / "prep"
     prep.mkdir()
     for edits in ({"num_experts": 10**9}, {"max_seq_len": 10**12}, {"rope_theta": "x"}):  # allocations / TypeError
-        save_file(tensors, str(path), metadata={**meta, "model_config": json.dumps({**json.loads(meta["model_config"]), **edits})})
+        save_file(
+            tensors,
+            str(path),
+            metadata={**meta, "model_config": json.dumps({**json.loads(meta["model_config"]), **edits})},
+        )
         res = run_cli("profile", "--model", path, "--out", tmp_path / "t.safetensors", "--corpus-dir", prep)
         assert res.code == 2 and res.err.startswith(f"occult: error: --model {path}: "), res.err
     save_file(tensors, str(path), metadata={**meta, "routing": "[1]"})  # once: AttributeError on a list
@@ -101,10 +154,22 @@ def test_checkpoint_examples(ckpt, tmp_path):
     assert_clean(res)
 
 
-HF_EDITS = st.dictionaries(st.sampled_from(["model_type", "num_experts", "num_experts_per_tok", "hidden_size",
-                                            "num_hidden_layers", "vocab_size", "intermediate_size", "architectures"]),
-                           VALUES.filter(lambda v: not isinstance(v, int) or isinstance(v, bool) or v < 64),
-                           max_size=2)
+HF_EDITS = st.dictionaries(
+    st.sampled_from(
+        [
+            "model_type",
+            "num_experts",
+            "num_experts_per_tok",
+            "hidden_size",
+            "num_hidden_layers",
+            "vocab_size",
+            "intermediate_size",
+            "architectures",
+        ]
+    ),
+    VALUES.filter(lambda v: not isinstance(v, int) or isinstance(v, bool) or v < 64),
+    max_size=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +200,37 @@ def test_transformers_config(hf_model, tmp_path_factory, edits, text):
     assert_clean(res, "--model", d)
     if res.code:
         unchanged(out, b"keep")
-    res = run_cli("finetune", "--hf", d, "--out", d / "run", "--data", "random", "--steps", 1, "--stop-after", 1,
-                  "--batch-size", 1, "--seq-len", 4, "--save-every", 0, "--no-progress")
+    res = run_cli(
+        "finetune",
+        "--hf",
+        d,
+        "--out",
+        d / "run",
+        "--data",
+        "random",
+        "--steps",
+        1,
+        "--stop-after",
+        1,
+        "--batch-size",
+        1,
+        "--seq-len",
+        4,
+        "--save-every",
+        0,
+        "--no-progress",
+    )
     assert_clean(res)
     if res.code and str(d) in res.err:
         assert res.err.startswith(f"occult: error: --hf {d}") or "--out" in res.err, res.err
 
 
 @SLOW
-@given(kind=st.sampled_from([".txt", ".jsonl", ".npy", ".safetensors", ".pt"]), blob=st.binary(max_size=64),
-       lines=st.lists(st.text(max_size=12), max_size=4))
+@given(
+    kind=st.sampled_from([".txt", ".jsonl", ".npy", ".safetensors", ".pt"]),
+    blob=st.binary(max_size=64),
+    lines=st.lists(st.text(max_size=12), max_size=4),
+)
 def test_calibration_data(hf_model, tmp_path_factory, kind, blob, lines):
     d = tmp_path_factory.mktemp("cal")
     _copy(hf_model[0], d)
@@ -153,8 +239,26 @@ def test_calibration_data(hf_model, tmp_path_factory, kind, blob, lines):
         data.write_text("\n".join(lines))
     else:
         data.write_bytes(blob)
-    res = run_cli("finetune", "--hf", d, "--out", d / "run", "--data", data, "--steps", 1, "--stop-after", 1,
-                  "--batch-size", 1, "--seq-len", 4, "--save-every", 0, "--no-progress")
+    res = run_cli(
+        "finetune",
+        "--hf",
+        d,
+        "--out",
+        d / "run",
+        "--data",
+        data,
+        "--steps",
+        1,
+        "--stop-after",
+        1,
+        "--batch-size",
+        1,
+        "--seq-len",
+        4,
+        "--save-every",
+        0,
+        "--no-progress",
+    )
     assert_clean(res)
 
 
@@ -174,10 +278,13 @@ def test_real_entry_point(tmp_path):
     placement = tmp_path / "p.json"
     placement.write_text('{"num_devices": [], "num_experts": 4, "layers": [[0]]}')
     trace = REPO / "occult/data/example_trace.safetensors"
-    for argv, flag, path in ((["place", "--trace", bad, "-d", "2"], "--trace", bad),
-                             (["stats", "--trace", trace, "--placement", placement], "--placement", placement),
-                             (["profile", "--model", bad, "--out", tmp_path / "t.safetensors"], "--model", bad)):
-        p = subprocess.run([sys.executable, "-m", "occult", *map(str, argv)], capture_output=True, text=True,
-                           cwd=REPO, timeout=120)
+    for argv, flag, path in (
+        (["place", "--trace", bad, "-d", "2"], "--trace", bad),
+        (["stats", "--trace", trace, "--placement", placement], "--placement", placement),
+        (["profile", "--model", bad, "--out", tmp_path / "t.safetensors"], "--model", bad),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "occult", *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=120
+        )
         assert p.returncode == 2, p.stderr
         assert p.stderr.count("\n") == 1 and p.stderr.startswith(f"occult: error: {flag} {path}: "), p.stderr

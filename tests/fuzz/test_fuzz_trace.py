@@ -6,21 +6,32 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from _fuzz_cli import assert_clean, assert_flag_error, run_cli, unchanged
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from _fuzz_cli import assert_clean, assert_flag_error, run_cli, unchanged
 from occult.placement import Placement
 from occult.placement.synthetic import planted_trace
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FLAGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint64, np.float16, np.float32, np.bool_]
-KEYS = ["layers.0.topk_ids", "layers.1.topk_ids", "layers.0.scores", "layers.1.scores", "layers.7.topk_ids",
-        "layers.x.topk_ids", "layers.00.topk_ids", "other", "layers.99999999999999999999.topk_ids"]
-META_VALUES = st.one_of(st.sampled_from(["8", "2", "0", "-1", "3", "", "x", "1e3", "99999999999999999999", "16384", "16385"]),
-                        st.text(max_size=8))
+KEYS = [
+    "layers.0.topk_ids",
+    "layers.1.topk_ids",
+    "layers.0.scores",
+    "layers.1.scores",
+    "layers.7.topk_ids",
+    "layers.x.topk_ids",
+    "layers.00.topk_ids",
+    "other",
+    "layers.99999999999999999999.topk_ids",
+]
+META_VALUES = st.one_of(
+    st.sampled_from(["8", "2", "0", "-1", "3", "", "x", "1e3", "99999999999999999999", "16384", "16385"]),
+    st.text(max_size=8),
+)
 
 
 def valid_bytes(tmp_path_factory) -> bytes:
@@ -74,7 +85,11 @@ def test_structured_traces(tmp_path_factory, tensors, meta):
 @given(data=st.data())
 def test_damaged_trace_bytes(tmp_path_factory, data):
     d = tmp_path_factory.mktemp("b")
-    good = valid_bytes(tmp_path_factory) if not hasattr(test_damaged_trace_bytes, "good") else test_damaged_trace_bytes.good
+    good = (
+        valid_bytes(tmp_path_factory)
+        if not hasattr(test_damaged_trace_bytes, "good")
+        else test_damaged_trace_bytes.good
+    )
     test_damaged_trace_bytes.good = good
     how = data.draw(st.sampled_from(["truncate", "flip", "random"]))
     if how == "truncate":
@@ -95,7 +110,12 @@ def test_damaged_trace_bytes(tmp_path_factory, data):
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 10) | st.floats() | st.text(max_size=4) | st.sampled_from([2**70, -2**70]),
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 10)
+    | st.floats()
+    | st.text(max_size=4)
+    | st.sampled_from([2**70, -(2**70)]),
     lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=4),
     max_leaves=20,
 )
@@ -104,7 +124,9 @@ JSON = st.recursive(
 @st.composite
 def placement_docs(draw):
     doc = {"num_devices": 2, "num_experts": 8, "layers": [[0, 0, 0, 0, 1, 1, 1, 1]] * 2}
-    for key in draw(st.lists(st.sampled_from(["num_devices", "num_experts", "layers", "num_nodes", "extra"]), unique=True)):
+    for key in draw(
+        st.lists(st.sampled_from(["num_devices", "num_experts", "layers", "num_nodes", "extra"]), unique=True)
+    ):
         if draw(st.booleans()):
             doc.pop(key, None)
         else:
@@ -124,13 +146,21 @@ def test_placement_files(tmp_path_factory, doc, text):
     assert_clean(res, "--placement", path)
 
 
-NUMBERS = st.one_of(st.integers(-5, 40), st.sampled_from([2**31, 2**63, 10**30]), st.text(max_size=6),
-                    st.sampled_from(["1e3", "nan", "inf", "-inf", "0x10", "", " 4", "1.5"]))
+NUMBERS = st.one_of(
+    st.integers(-5, 40),
+    st.sampled_from([2**31, 2**63, 10**30]),
+    st.text(max_size=6),
+    st.sampled_from(["1e3", "nan", "inf", "-inf", "0x10", "", " 4", "1.5"]),
+)
 
 
 @FLAGS
-@given(flag=st.sampled_from(["--devices", "--nodes", "--seed", "--jobs", "--kahypar-tokens", "--hidden", "--max-load",
-                             "--plot-layers"]), value=NUMBERS)
+@given(
+    flag=st.sampled_from(
+        ["--devices", "--nodes", "--seed", "--jobs", "--kahypar-tokens", "--hidden", "--max-load", "--plot-layers"]
+    ),
+    value=NUMBERS,
+)
 def test_place_numeric_flags(tmp_path_factory, flag, value):
     d = tmp_path_factory.mktemp("n")
     trace, out = d / "t.safetensors", d / "p.json"
@@ -150,8 +180,11 @@ def test_known_examples(tmp_path):
     """Examples the fuzzing found once, kept as plain tests."""
     trace = tmp_path / "t.safetensors"
     ids = np.array([[0, 1], [2, 3]], np.int16)
-    save_file({"layers.0.topk_ids": ids, "layers.99999999999999999999.topk_ids": ids}, str(trace),
-              metadata={"num_experts": "4", "top_k": "2"})  # once: a list of 10^20 missing layers (memory)
+    save_file(
+        {"layers.0.topk_ids": ids, "layers.99999999999999999999.topk_ids": ids},
+        str(trace),
+        metadata={"num_experts": "4", "top_k": "2"},
+    )  # once: a list of 10^20 missing layers (memory)
     assert_clean(run_cli("place", "--trace", trace, "-d", 2), "--trace", trace)
     save_file({"layers.0.topk_ids": ids}, str(trace), metadata={"num_experts": "99999999999999999999", "top_k": "2"})
     res = run_cli("stats", "--trace", trace, "-d", 2)  # once: an E x E matrix of any size
@@ -163,11 +196,13 @@ def test_known_examples(tmp_path):
     assert_flag_error(res)
     assert res.code == 2
     p = tmp_path / "p.json"
-    for text in ('{"num_devices": [], "num_experts": 4, "layers": [[0,0,1,1]]}',  # once: TypeError
-                 '{"num_devices": 2, "num_experts": 4, "layers": [[0,0,1,99999999999999999999]]}',  # OverflowError
-                 "[" * 100000,  # RecursionError
-                 '{"num_devices": 1e400, "num_experts": 4, "layers": [[0,0,1,1]]}',  # OverflowError
-                 '{"num_devices": 2.5, "num_experts": 4, "layers": [[0,0,1,1]]}'):  # silently 2 devices
+    for text in (
+        '{"num_devices": [], "num_experts": 4, "layers": [[0,0,1,1]]}',  # once: TypeError
+        '{"num_devices": 2, "num_experts": 4, "layers": [[0,0,1,99999999999999999999]]}',  # OverflowError
+        "[" * 100000,  # RecursionError
+        '{"num_devices": 1e400, "num_experts": 4, "layers": [[0,0,1,1]]}',  # OverflowError
+        '{"num_devices": 2.5, "num_experts": 4, "layers": [[0,0,1,1]]}',
+    ):  # silently 2 devices
         p.write_text(text)
         res = run_cli("stats", "--trace", good, "--placement", p)
         assert res.code == 2

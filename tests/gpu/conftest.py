@@ -39,12 +39,18 @@ def pytest_collection_modifyitems(config, items):
         collective = os.path.basename(str(item.fspath)).startswith("test_collective_")
         if collective:
             if not (HAVE_GPU or ON_CPU):
-                item.add_marker(pytest.mark.skip(reason="GPU suite: no CUDA GPU (bash tests/gpu/run.sh on a GPU machine)"))
+                item.add_marker(
+                    pytest.mark.skip(reason="GPU suite: no CUDA GPU (bash tests/gpu/run.sh on a GPU machine)")
+                )
             elif not UNDER_TORCHRUN:
-                item.add_marker(pytest.mark.skip(reason="collective GPU test: run under torchrun (bash tests/gpu/run.sh)"))
+                item.add_marker(
+                    pytest.mark.skip(reason="collective GPU test: run under torchrun (bash tests/gpu/run.sh)")
+                )
         else:
             if not HAVE_GPU:
-                item.add_marker(pytest.mark.skip(reason="GPU suite: no CUDA GPU (bash tests/gpu/run.sh on a GPU machine)"))
+                item.add_marker(
+                    pytest.mark.skip(reason="GPU suite: no CUDA GPU (bash tests/gpu/run.sh on a GPU machine)")
+                )
             elif UNDER_TORCHRUN:
                 item.add_marker(pytest.mark.skip(reason="single-process GPU test: runs in run.sh's second stage"))
 
@@ -55,12 +61,18 @@ def pytest_runtest_logreport(report):
     limit still leaves what ran (pytest writes its JUnit report only at the end; summary.py reads
     these where the report is missing)."""
     out = os.environ.get("OCCULT_GPU_SUITE_OUT")
-    final = report.when == "call" or (report.when == "setup" and not report.passed) or (
-        report.when == "teardown" and report.failed)
+    final = (
+        report.when == "call"
+        or (report.when == "setup" and not report.passed)
+        or (report.when == "teardown" and report.failed)
+    )
     if not out or not final:
         return
-    state = "ERROR" if report.failed and report.when != "call" else (
-        "FAILED" if report.failed else "skipped" if report.skipped else "passed")
+    state = (
+        "ERROR"
+        if report.failed and report.when != "call"
+        else ("FAILED" if report.failed else "skipped" if report.skipped else "passed")
+    )
     name = f"progress-rank{os.environ['RANK']}.tsv" if UNDER_TORCHRUN else "progress-single.tsv"
     with open(os.path.join(out, name), "a") as f:
         f.write(f"{report.nodeid}\t{state}\t{report.duration:.3f}\n")
@@ -97,8 +109,17 @@ def ranks() -> Ranks:
     device = torch.device("cpu") if ON_CPU else torch.device("cuda", torch.cuda.current_device())
     # OCCULT_GPU_SUITE_SEED=N repeats a session (e.g. one whose seed a failure printed)
     fixed = os.environ.get("OCCULT_GPU_SUITE_SEED")
-    seed_t = torch.tensor([int(fixed)], dtype=torch.int64) if fixed else torch.randint(
-        0, 2**31 - 1, (1,), dtype=torch.int64, generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))
+    seed_t = (
+        torch.tensor([int(fixed)], dtype=torch.int64)
+        if fixed
+        else torch.randint(
+            0,
+            2**31 - 1,
+            (1,),
+            dtype=torch.int64,
+            generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")),
+        )
+    )
     seed_t = seed_t.to(device)
     dist.broadcast(seed_t, src=0)
     seed = int(seed_t.item())

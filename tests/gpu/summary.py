@@ -35,8 +35,14 @@ def _versions() -> list[str]:
             lines.append(f"{mod} {__import__(mod).__version__}")
         except Exception:
             lines.append(f"{mod} not installed")
-    lines.append("collectives: " + ("gloo (CPU)" if os.environ.get("OCCULT_GPU_SUITE_ON_CPU") == "1"
-                                    else os.environ.get("OCCULT_GPU_SUITE_BACKEND", "nccl")))
+    lines.append(
+        "collectives: "
+        + (
+            "gloo (CPU)"
+            if os.environ.get("OCCULT_GPU_SUITE_ON_CPU") == "1"
+            else os.environ.get("OCCULT_GPU_SUITE_BACKEND", "nccl")
+        )
+    )
     for var in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "OCCULT_GPU_SUITE_NPROC"):
         if os.environ.get(var):
             lines.append(f"{var}={os.environ[var]}")
@@ -99,17 +105,25 @@ def _kept_versions(out: str) -> list[str]:
 
 def main(out: str) -> int:
     lines = ["# GPU suite run", "", "- " + "\n- ".join(_kept_versions(out)), ""]
-    stages = [_stage(out, os.path.join(out, f"rank{r}.xml"), os.path.join(out, f"progress-rank{r}.tsv"))
-              for r in _rank_indices(out)]
+    stages = [
+        _stage(out, os.path.join(out, f"rank{r}.xml"), os.path.join(out, f"progress-rank{r}.tsv"))
+        for r in _rank_indices(out)
+    ]
     per_rank = [s[0] for s in stages if s is not None]
     collective = sorted({n for r in per_rank for n, (s, _) in r.items() if s != "skipped"})
     counts = {"passed": 0, "failed": 0}
     if per_rank:
-        cut = " (cut before its end: the cases that finished, from progress-rank*.tsv)" if any(
-            s is not None and s[1] for s in stages) else ""
-        lines += [f"## Stage 1: collective tests, {len(per_rank)} ranks{cut}", "",
-                  "| case | " + " | ".join(f"rank {i}" for i in range(len(per_rank))) + " | s (rank 0) |",
-                  "|---|" + "---|" * len(per_rank) + "---|"]
+        cut = (
+            " (cut before its end: the cases that finished, from progress-rank*.tsv)"
+            if any(s is not None and s[1] for s in stages)
+            else ""
+        )
+        lines += [
+            f"## Stage 1: collective tests, {len(per_rank)} ranks{cut}",
+            "",
+            "| case | " + " | ".join(f"rank {i}" for i in range(len(per_rank))) + " | s (rank 0) |",
+            "|---|" + "---|" * len(per_rank) + "---|",
+        ]
         for name in collective:
             states = [r.get(name, ("missing", 0.0))[0] for r in per_rank]
             ok = all(s == "passed" for s in states)
@@ -129,8 +143,10 @@ def main(out: str) -> int:
     for path in sorted(glob.glob(os.path.join(out, "olmoe_scale_*.json"))):
         with open(path) as f:
             res = json.load(f)
-        lines.append(f"- OLMoE-1B-7B shape, bf16, {res.pop('dispatcher')}: " + ", ".join(
-            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
+        lines.append(
+            f"- OLMoE-1B-7B shape, bf16, {res.pop('dispatcher')}: "
+            + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items())
+        )
     lines += ["", f"{counts['passed']} passed, {counts['failed']} failed"]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "summary.md.tmp"), "w") as f:

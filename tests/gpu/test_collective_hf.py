@@ -55,12 +55,16 @@ def _token_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)
+    )
 
 
 def _random_placement(num_experts: int, num_layers: int, world_size: int, seed: int) -> Placement:
     rng = np.random.default_rng(seed)
-    return Placement(np.stack([rng.permutation(np.arange(num_experts) % world_size) for _ in range(num_layers)]), world_size)
+    return Placement(
+        np.stack([rng.permutation(np.arange(num_experts) % world_size) for _ in range(num_layers)]), world_size
+    )
 
 
 def _shared_tmpdir(ranks) -> str:
@@ -135,7 +139,9 @@ def test_converted_model_matches_unconverted(ranks, family, dtype_name, shared_d
         assert ranks.all_max(token_err.max().item()) < FP32_TOL, (where, token_err.max().item())
     else:
         assert median < max(BF16_MEDIAN, 2 * median_same) and p95 < max(BF16_P95, 2 * p95_same), (
-            where, f"median {median:.3g}, p95 {p95:.3g}; unconverted bf16: median {median_same:.3g}, p95 {p95_same:.3g}")
+            where,
+            f"median {median:.3g}, p95 {p95:.3g}; unconverted bf16: median {median_same:.3g}, p95 {p95_same:.3g}",
+        )
 
     # greedy generation with a KV cache, ranks with different prompt lengths, vs the unconverted
     # model in the same dtype: equal, or apart only after a step the reference itself calls a near-tie
@@ -168,7 +174,10 @@ def test_converted_model_matches_unconverted(ranks, family, dtype_name, shared_d
     if rank == 0:
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(out_dir + "_ft", dtype=dtype).to(dev)
         sd = reloaded.state_dict()
-        assert sorted(sd) == sorted(sd_ref) and all(torch.equal(sd[k], sd_ref[k]) for k in sd_ref), (where, "save_finetuned")
+        assert sorted(sd) == sorted(sd_ref) and all(torch.equal(sd[k], sd_ref[k]) for k in sd_ref), (
+            where,
+            "save_finetuned",
+        )
     dist.barrier()
 
 
@@ -187,11 +196,15 @@ def test_generate_over_the_device_transport(ranks):
     base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB).to(dev, torch.float32).eval()
     E = int(hf.moe_blocks(base)[0][1].gate.weight.shape[0])
     placement = _random_placement(E, len(hf.moe_blocks(base)), D, seed)
-    models = {t: hf.convert(copy.deepcopy(base), placement=placement, dispatcher="dedup",
-                            execution=ExecConfig(transport=t)) for t in ("device", "counts")}
+    models = {
+        t: hf.convert(copy.deepcopy(base), placement=placement, dispatcher="dedup", execution=ExecConfig(transport=t))
+        for t in ("device", "counts")
+    }
     gen = torch.Generator().manual_seed(seed + rank)
     ids = torch.randint(3, VOCAB, (1 + rank, 5 + 3 * rank), generator=gen).to(dev)
-    out = {t: hf.generate(m, ids, 6, cuda_graph=(t == "device"), eos_token_id=[], reuse=False) for t, m in models.items()}
+    out = {
+        t: hf.generate(m, ids, 6, cuda_graph=(t == "device"), eos_token_id=[], reuse=False) for t, m in models.items()
+    }
     eager = hf.generate(models["device"], ids, 6, cuda_graph=False, eos_token_id=[], reuse=False)
     same = float(torch.equal(out["device"], out["counts"]) and torch.equal(eager, out["counts"]))
     assert ranks.all_max(1.0 - same) == 0.0, (out, eager)
@@ -211,8 +224,12 @@ def test_graphed_forward_over_the_device_transport(ranks):
     seed = ranks.seed + 202
     base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB).to(dev, torch.float32).eval()
     E = int(hf.moe_blocks(base)[0][1].gate.weight.shape[0])
-    model = hf.convert(base, placement=_random_placement(E, len(hf.moe_blocks(base)), D, seed),
-                       dispatcher="dedup", execution=ExecConfig(transport="device"))
+    model = hf.convert(
+        base,
+        placement=_random_placement(E, len(hf.moe_blocks(base)), D, seed),
+        dispatcher="dedup",
+        execution=ExecConfig(transport="device"),
+    )
     gen = torch.Generator().manual_seed(seed + ranks.rank)
     graphed = hf.GraphedForward(model, 3, 7)
     worst = 0.0

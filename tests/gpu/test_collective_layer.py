@@ -91,9 +91,22 @@ def skip_without_transport(ranks, transport: str) -> None:
         pytest.skip(f"device transport: {reason}")
 
 
-def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=None, top_k=4,
-             tokens=None, max_devices=None, router_weights_dtype=None, norm=False, sync_free=False, salt=0,
-             transport="auto") -> dict:
+def run_case(
+    ranks,
+    *,
+    dtype,
+    dispatcher="dedup",
+    placement="random",
+    experts=None,
+    top_k=4,
+    tokens=None,
+    max_devices=None,
+    router_weights_dtype=None,
+    norm=False,
+    sync_free=False,
+    salt=0,
+    transport="auto",
+) -> dict:
     """One layer forward+backward on every rank; the worst relative errors over all ranks."""
     D, rank, dev = ranks.world_size, ranks.rank, ranks.device
     E = experts or 8 * D
@@ -108,8 +121,14 @@ def run_case(ranks, *, dtype, dispatcher="dedup", placement="random", experts=No
     with torch.no_grad():  # the reference holds exactly the weights the layer holds
         for p32, p in zip(dense32.parameters(), low.parameters()):
             p32.copy_(p.float())
-    layer = OccultMoE.from_dense(low, placement=_placement(placement, E, D, seed), dispatcher=dispatcher,
-                                 max_devices=max_devices, sync_free=sync_free, transport=transport)
+    layer = OccultMoE.from_dense(
+        low,
+        placement=_placement(placement, E, D, seed),
+        dispatcher=dispatcher,
+        max_devices=max_devices,
+        sync_free=sync_free,
+        transport=transport,
+    )
     layer.router = RecordingRouter(layer.router, router_weights_dtype)
 
     counts = tokens if tokens is not None else [384 + 61 * r for r in range(D)]
@@ -228,11 +247,19 @@ def test_forward_replays_in_a_cuda_graph(ranks, dispatcher, transport):
     with torch.no_grad():
         dense.router.gate.weight.mul_(3.0)
     sync_free = transport == "sync_free"
-    layer = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed),
-                                 dispatcher=dispatcher, sync_free=sync_free,
-                                 transport="counts" if sync_free else "device")
-    counts_layer = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed),
-                                        dispatcher=dispatcher, transport="counts")
+    layer = OccultMoE.from_dense(
+        dense,
+        placement=_placement("random", E, ranks.world_size, ranks.seed),
+        dispatcher=dispatcher,
+        sync_free=sync_free,
+        transport="counts" if sync_free else "device",
+    )
+    counts_layer = OccultMoE.from_dense(
+        dense,
+        placement=_placement("random", E, ranks.world_size, ranks.seed),
+        dispatcher=dispatcher,
+        transport="counts",
+    )
     gen = torch.Generator(device=ranks.device).manual_seed(ranks.seed * 7 + ranks.rank)
     static_x = torch.randn(T, HIDDEN, dtype=torch.bfloat16, device=ranks.device, generator=gen)
     with torch.no_grad():
@@ -307,10 +334,12 @@ def test_device_transport_has_no_host_wait(ranks):
     torch.manual_seed(ranks.seed + 13)
     E = 8 * ranks.world_size
     dense = DenseMoE(HIDDEN, FFN, E, 4, dtype=torch.bfloat16, device=ranks.device)
-    device = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed),
-                                  transport="device")
-    counts = OccultMoE.from_dense(dense, placement=_placement("random", E, ranks.world_size, ranks.seed),
-                                  transport="counts")
+    device = OccultMoE.from_dense(
+        dense, placement=_placement("random", E, ranks.world_size, ranks.seed), transport="device"
+    )
+    counts = OccultMoE.from_dense(
+        dense, placement=_placement("random", E, ranks.world_size, ranks.seed), transport="counts"
+    )
     assert "transport=device" in repr(device) and "transport=counts" in repr(counts), repr(device)
     worst = 0.0
     for tokens in (64 + 9 * ranks.rank, 3000 + 77 * ranks.rank):  # the second call grows the buffers

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_collective_layer import DTYPES, FFN, HIDDEN, _placement, _rel, skip_without_transport
 
 from occult import DenseMoE, OccultMoE, RoutingError, TopKRouter, check_routing
 from occult.moe.graphs import EAGER_CALLS
-
-from test_collective_layer import DTYPES, FFN, HIDDEN, _placement, _rel, skip_without_transport
 
 REPLAY_RESERVE_BYTES = 16 << 20  # > any call of the replay case (2 ranks x 4 rows x 256 tokens x ~2.2 KB fp32 rows)
 TOL_VS_EAGER = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -31,8 +30,14 @@ def _layers(ranks, transport: str, dtype: torch.dtype, salt: int, dispatcher: st
         dense.router.gate.weight.mul_(3.0)
     placement = _placement("random", E, ranks.world_size, ranks.seed)
     sync_free = transport == "sync_free"
-    graphed = OccultMoE.from_dense(dense, placement=placement, dispatcher=dispatcher, graphs=True,
-                                   sync_free=sync_free, transport="counts" if sync_free else "device")
+    graphed = OccultMoE.from_dense(
+        dense,
+        placement=placement,
+        dispatcher=dispatcher,
+        graphs=True,
+        sync_free=sync_free,
+        transport="counts" if sync_free else "device",
+    )
     eager = OccultMoE.from_dense(dense, placement=placement, dispatcher=dispatcher, transport="counts")
     return graphed, eager
 
@@ -68,7 +73,10 @@ def test_replayed_forwards_match_the_eager_layer(ranks, transport, dispatcher, d
             stats, ref_stats = graphed.last_comm_stats, eager.last_comm_stats
             if not same:  # (sync-free sends its whole capacity: other counts by design)
                 assert (stats.forward_rows, stats.dispatch_rows) == (ref_stats.forward_rows, ref_stats.dispatch_rows), (
-                    i, stats.as_dict(), ref_stats.as_dict())
+                    i,
+                    stats.as_dict(),
+                    ref_stats.as_dict(),
+                )
             assert len(graphed.graphs) == held[i], (i, len(graphed.graphs), held)
     assert ranks.all_max(worst) <= TOL_VS_EAGER[dtype], (transport, dispatcher, dtype_name, worst)
 
@@ -158,11 +166,16 @@ def test_converted_model_with_layer_graphs_matches_and_generates_the_same_tokens
     base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=vocab).to(ranks.device, torch.float32).eval()
     E, L = int(hf.moe_blocks(base)[0][1].gate.weight.shape[0]), len(hf.moe_blocks(base))
     rng = np.random.default_rng(seed)
-    placement = Placement(np.stack([rng.permutation(np.arange(E) % ranks.world_size) for _ in range(L)]),
-                          ranks.world_size)
-    models = {name: hf.convert(copy.deepcopy(base), placement=placement, dispatcher="dedup", execution=execution)
-              for name, execution in (("graphs", ExecConfig(transport="device", graphs=True)),
-                                      ("counts", ExecConfig(transport="counts")))}
+    placement = Placement(
+        np.stack([rng.permutation(np.arange(E) % ranks.world_size) for _ in range(L)]), ranks.world_size
+    )
+    models = {
+        name: hf.convert(copy.deepcopy(base), placement=placement, dispatcher="dedup", execution=execution)
+        for name, execution in (
+            ("graphs", ExecConfig(transport="device", graphs=True)),
+            ("counts", ExecConfig(transport="counts")),
+        )
+    }
     gen = torch.Generator().manual_seed(seed + ranks.rank)
     worst = 0.0
     with torch.no_grad():
@@ -173,8 +186,10 @@ def test_converted_model_with_layer_graphs_matches_and_generates_the_same_tokens
     layers = [m for m in models["graphs"].modules() if isinstance(m, OccultMoE)]
     assert all(len(layer.graphs) >= 1 for layer in layers)
     prompts = torch.randint(3, vocab, (1 + ranks.rank, 5), generator=gen).to(ranks.device)
-    tokens = {n: hf.generate(m, prompts, 5, cuda_graph=(n == "graphs"), eos_token_id=[], reuse=False)
-              for n, m in models.items()}
+    tokens = {
+        n: hf.generate(m, prompts, 5, cuda_graph=(n == "graphs"), eos_token_id=[], reuse=False)
+        for n, m in models.items()
+    }
     same = float(torch.equal(tokens["graphs"], tokens["counts"]))
     assert ranks.all_max(worst) < 1e-5, worst
     assert ranks.all_max(1.0 - same) == 0.0, tokens

@@ -29,10 +29,26 @@ from occult.integrations import hf  # noqa: E402
 
 ON_CPU = os.environ.get("OCCULT_GPU_SUITE_ON_CPU", "0") == "1"
 
-OLMOE_1B_7B = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
-                   num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8)
-SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4, num_experts=16, num_experts_per_tok=4)
+OLMOE_1B_7B = dict(
+    vocab_size=50304,
+    hidden_size=2048,
+    intermediate_size=1024,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    num_experts=64,
+    num_experts_per_tok=8,
+)
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    num_experts=16,
+    num_experts_per_tok=4,
+)
 BATCH, SEQ = (2, 64) if ON_CPU else (2, 1024)
 MEDIAN, P95, LOSS, GRAD = 2e-2, 1e-1, 1e-2, 8e-2
 
@@ -76,18 +92,23 @@ def _sized_shape(ranks) -> dict:
     n = int(layers.item())
     if n < 2:
         need = (FIXED_GB * GB + 2 * layer_bytes(OLMOE_1B_7B, ranks.world_size)) / GB / 0.9
-        pytest.skip(f"OLMoE-1B-7B shape: 2 layers need ~{need:.0f} GB per rank, this rank has {free / GB:.0f} GB free "
-                    f"on a GPU shared by {sharing} rank(s)")
+        pytest.skip(
+            f"OLMoE-1B-7B shape: 2 layers need ~{need:.0f} GB per rank, this rank has {free / GB:.0f} GB free "
+            f"on a GPU shared by {sharing} rank(s)"
+        )
     return dict(OLMOE_1B_7B, num_hidden_layers=n)
 
 
 def _build(ranks) -> torch.nn.Module:
     shape = SMALL if ON_CPU else _sized_shape(ranks)
     if ranks.rank == 0 and not ON_CPU:
-        print(f"\n[olmoe-1b-7b shape] {shape['num_hidden_layers']} of {OLMOE_1B_7B['num_hidden_layers']} layers "
-              "(sized to the free GPU memory per rank)")
-    cfg = transformers.OlmoeConfig(**shape, norm_topk_prob=False, max_position_embeddings=4096,
-                                   tie_word_embeddings=False, pad_token_id=0)
+        print(
+            f"\n[olmoe-1b-7b shape] {shape['num_hidden_layers']} of {OLMOE_1B_7B['num_hidden_layers']} layers "
+            "(sized to the free GPU memory per rank)"
+        )
+    cfg = transformers.OlmoeConfig(
+        **shape, norm_topk_prob=False, max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0
+    )
     torch.manual_seed(ranks.seed)
     with torch.device(ranks.device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -127,7 +148,11 @@ def test_olmoe_1b_7b_shape_bf16_forward_backward(ranks, reference, dispatcher):
     first, last = hf.moe_blocks(model)[0][1], hf.moe_blocks(model)[-1][1]
     first_ref, last_ref = hf.moe_blocks(reference)[0][1], hf.moe_blocks(reference)[-1][1]
     pairs = {
-        "layer0.gate_up_proj": (first.experts.gate_up_proj, first_ref.experts.gate_up_proj, first.experts.local_expert_ids),
+        "layer0.gate_up_proj": (
+            first.experts.gate_up_proj,
+            first_ref.experts.gate_up_proj,
+            first.experts.local_expert_ids,
+        ),
         "layerN.down_proj": (last.experts.down_proj, last_ref.experts.down_proj, last.experts.local_expert_ids),
         "layer0.router": (first.gate.weight, first_ref.gate.weight, None),
         "embed_tokens": (model.get_input_embeddings().weight, reference.get_input_embeddings().weight, None),
@@ -142,7 +167,9 @@ def test_olmoe_1b_7b_shape_bf16_forward_backward(ranks, reference, dispatcher):
     losses = torch.stack([loss, loss_ref]).double()
     dist.all_reduce(losses)
     result = {
-        "dispatcher": dispatcher, "ranks": D, "tokens_per_rank": BATCH * SEQ,
+        "dispatcher": dispatcher,
+        "ranks": D,
+        "tokens_per_rank": BATCH * SEQ,
         "layers": reference.config.num_hidden_layers,
         "median_token": ranks.all_max(token_err.median().item()),
         "p95_token": ranks.all_max(token_err.quantile(0.95).item()),

@@ -65,14 +65,34 @@ UPDATE_TOL_BF16 = 0.3
 
 
 def _model_config(world_size: int) -> ModelConfig:
-    return ModelConfig(vocab_size=VOCAB, hidden_size=128, num_layers=2, num_heads=4, num_experts=8 * world_size,
-                       top_k=2, expert_ffn_size=32, max_seq_len=SEQ)
+    return ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_experts=8 * world_size,
+        top_k=2,
+        expert_ffn_size=32,
+        max_seq_len=SEQ,
+    )
 
 
 def _train_config(ranks, **kw) -> TrainConfig:
-    base = dict(steps=STEPS, batch_size=4 * ranks.world_size, seq_len=SEQ, lr=3e-3, warmup_steps=2, eval_every=5,
-                eval_tokens=4 * SEQ * ranks.world_size, save_every=0, device=str(ranks.device), adam_eps=ADAM_EPS,
-                grad_clip=1.0, precision="fp32", seed=ranks.seed % 1000)
+    base = dict(
+        steps=STEPS,
+        batch_size=4 * ranks.world_size,
+        seq_len=SEQ,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_every=5,
+        eval_tokens=4 * SEQ * ranks.world_size,
+        save_every=0,
+        device=str(ranks.device),
+        adam_eps=ADAM_EPS,
+        grad_clip=1.0,
+        precision="fp32",
+        seed=ranks.seed % 1000,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -92,13 +112,17 @@ def _token_data(seed: int) -> TokenData:
 
 def _placement(num_experts: int, num_layers: int, world_size: int, seed: int) -> Placement:
     rng = np.random.default_rng(seed)
-    return Placement(np.stack([rng.permutation(np.arange(num_experts) % world_size) for _ in range(num_layers)]), world_size)
+    return Placement(
+        np.stack([rng.permutation(np.arange(num_experts) % world_size) for _ in range(num_layers)]), world_size
+    )
 
 
 def _snapshot(model, result, weights: dict) -> dict:
-    return {"losses": np.array(result.train_losses, dtype=np.float64),
-            "val": np.array([h["val_loss"] for h in result.history], dtype=np.float64),
-            "weights": {k: v.double().numpy() for k, v in weights.items()}}
+    return {
+        "losses": np.array(result.train_losses, dtype=np.float64),
+        "val": np.array([h["val_loss"] for h in result.history], dtype=np.float64),
+        "weights": {k: v.double().numpy() for k, v in weights.items()},
+    }
 
 
 def _single(ranks, par, data, out: Path, **kw) -> dict:
@@ -110,16 +134,29 @@ def _single(ranks, par, data, out: Path, **kw) -> dict:
     return {**_snapshot(model, result, model_tensors(model)), "init": init}
 
 
-def _multi(ranks, par, data, out: Path, grad_sync: str, init_seed: int | None = None, stop_after=None, resume=False,
-           **kw) -> dict:
+def _multi(
+    ranks, par, data, out: Path, grad_sync: str, init_seed: int | None = None, stop_after=None, resume=False, **kw
+) -> dict:
     """Every rank, as `occult train` does: the same full model, sharded, trained with `parallel=`."""
     cfg_m = _model_config(ranks.world_size)
     torch.manual_seed(ranks.seed if init_seed is None else init_seed)
-    model = shard_model(full_model(cfg_m, par), par, _placement(cfg_m.num_experts, cfg_m.num_layers, par.world_size, ranks.seed))
+    model = shard_model(
+        full_model(cfg_m, par), par, _placement(cfg_m.num_experts, cfg_m.num_layers, par.world_size, ranks.seed)
+    )
     seen: list[torch.dtype] = []
     model.blocks[0].attn.qkv.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
-    result = train(model, data, _train_config(ranks, grad_sync=grad_sync, **kw), out, resume=resume,
-                   stop_after=stop_after, parallel=par, progress=False, log=None, plot=False)
+    result = train(
+        model,
+        data,
+        _train_config(ranks, grad_sync=grad_sync, **kw),
+        out,
+        resume=resume,
+        stop_after=stop_after,
+        parallel=par,
+        progress=False,
+        log=None,
+        plot=False,
+    )
     snap = _snapshot(model, result, gathered_tensors(model))  # a collective
     experts = set(model.expert_parameters())
     snap["sharded"] = {n: is_sharded(p) for n, p in model.named_parameters() if n not in experts}
@@ -128,9 +165,11 @@ def _multi(ranks, par, data, out: Path, grad_sync: str, init_seed: int | None = 
     return snap
 
 
-FSDP_GLOO_CUDA = ("FSDP2 over gloo with CUDA tensors crashes the process: both ranks SIGSEGV in "
-                  "DTensor.full_tensor (_to_replicate_tensor), torch 2.11 on 1 x H200; FSDP runs over NCCL, "
-                  "or on CPU gloo ranks (OCCULT_GPU_SUITE_ON_CPU=1)")
+FSDP_GLOO_CUDA = (
+    "FSDP2 over gloo with CUDA tensors crashes the process: both ranks SIGSEGV in "
+    "DTensor.full_tensor (_to_replicate_tensor), torch 2.11 on 1 x H200; FSDP runs over NCCL, "
+    "or on CPU gloo ranks (OCCULT_GPU_SUITE_ON_CPU=1)"
+)
 
 
 def _fsdp_ok(ranks) -> bool:
@@ -162,8 +201,18 @@ def runs(ranks):
         out = os.environ.get("OCCULT_GPU_SUITE_OUT")
         if out and ranks.rank == 0:  # the worst errors of every check, for the record
             with atomic_path(Path(out) / "train_errors.json") as tmp:
-                tmp.write_text(json.dumps({"ranks": ranks.world_size, "device": str(ranks.device),
-                                           "backend": ranks.backend, "seed": ranks.seed, **r["measured"]}, indent=1))
+                tmp.write_text(
+                    json.dumps(
+                        {
+                            "ranks": ranks.world_size,
+                            "device": str(ranks.device),
+                            "backend": ranks.backend,
+                            "seed": ranks.seed,
+                            **r["measured"],
+                        },
+                        indent=1,
+                    )
+                )
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         dist.barrier()
@@ -194,9 +243,11 @@ def _update_err(a: dict, b: dict, init: dict) -> float:
 def _worst(got: dict, want: dict, steps: slice = slice(None)) -> dict:
     """Relative errors of the losses (per step), validation losses and weights (worst tensor)."""
     assert set(got["weights"]) == set(want["weights"])
-    return {"loss": _rel(got["losses"][steps], want["losses"][steps]),
-            "val": _rel(got["val"], want["val"]) if len(want["val"]) else 0.0,
-            "weights": max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"])}
+    return {
+        "loss": _rel(got["losses"][steps], want["losses"][steps]),
+        "val": _rel(got["val"], want["val"]) if len(want["val"]) else 0.0,
+        "weights": max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"]),
+    }
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
@@ -207,7 +258,9 @@ def test_train_fp32_equals_one_process(ranks, runs, mode):
     assert len(got["losses"]) == len(want["losses"]) == STEPS and len(got["val"]) == 2
     layout_ok = all(v == (mode == "fsdp") for v in got["sharded"].values())
     assert ranks.all_max(0.0 if layout_ok else 1.0) == 0.0, f"{mode}: dense parameters sharded {got['sharded']}"
-    assert ranks.all_max(float(want["losses"][-1] >= want["losses"][0])) == 0.0, f"the loss does not fall: {want['losses']}"
+    assert ranks.all_max(float(want["losses"][-1] >= want["losses"][0])) == 0.0, (
+        f"the loss does not fall: {want['losses']}"
+    )
     for what, err in _worst(got, want).items():
         _check(ranks, runs, f"fp32 {mode} vs one process: {what}", err, RTOL_FP32)
 
@@ -216,7 +269,9 @@ def test_train_bf16_near_fp32_and_fsdp_near_ddp(ranks, runs):
     fp32 = runs["single"]["losses"]
     for mode in ("fsdp", "ddp") if _fsdp_ok(ranks) else ("ddp",):
         b = runs[f"{mode}-bf16"]["losses"]
-        bad = float(len(b) != STEPS or not np.all(np.isfinite(b)) or not b[-1] < b[0] or not b[-3:].mean() < b[:3].mean())
+        bad = float(
+            len(b) != STEPS or not np.all(np.isfinite(b)) or not b[-1] < b[0] or not b[-3:].mean() < b[:3].mean()
+        )
         assert ranks.all_max(bad) == 0.0, f"{mode} bf16 losses not finite and falling: {b} (seed {ranks.seed})"
         _check(ranks, runs, f"bf16 {mode} vs fp32 one process: loss", _rel(b, fp32), RTOL_BF16)
         assert ranks.all_max(float(np.array_equal(b, fp32))) == 0.0, f"{mode}: bf16 did not round anything"

@@ -82,8 +82,20 @@ def _placement(kind: str, num_experts: int, seed: int) -> Placement:
     return place(trace.trace, WORLD, "greedy", num_nodes=NODES).placement
 
 
-def run_case(ranks, *, dtype, placement="random", experts=32, top_k=4, tokens=None, router_weights_dtype=None,
-             norm=False, sync_free=False, explicit=False, salt=0) -> dict:
+def run_case(
+    ranks,
+    *,
+    dtype,
+    placement="random",
+    experts=32,
+    top_k=4,
+    tokens=None,
+    router_weights_dtype=None,
+    norm=False,
+    sync_free=False,
+    explicit=False,
+    salt=0,
+) -> dict:
     """One dedup2 layer forward+backward on every rank; the worst relative errors over all ranks."""
     rank, dev, seed = ranks.rank, ranks.device, ranks.seed + salt
     torch.manual_seed(seed)
@@ -143,7 +155,9 @@ def run_case(ranks, *, dtype, placement="random", experts=32, top_k=4, tokens=No
     stats = layer.last_comm_stats
     totals = torch.tensor([remote, stats.forward_internode_rows, stats.backward_internode_rows], device=dev)
     dist.all_reduce(totals)
-    errors["internode_rows_off"] = float(abs(totals[1].item() - 2 * totals[0].item()) + abs(totals[2] - totals[1]).item())
+    errors["internode_rows_off"] = float(
+        abs(totals[1].item() - 2 * totals[0].item()) + abs(totals[2] - totals[1]).item()
+    )
     return {k: ranks.all_max(v) for k, v in errors.items()}
 
 
@@ -161,7 +175,9 @@ def test_two_level_matches_fp32_reference(ranks2x2, placement, dtype_name):
     _assert_within(errors, TOL[dtype], f"dedup2/{placement}/{dtype_name} seed {ranks2x2.seed}")
 
 
-@pytest.mark.parametrize("case", ["empty_rank", "empty_node", "top1", "topk_all", "sync_free", "half_router", "explicit"])
+@pytest.mark.parametrize(
+    "case", ["empty_rank", "empty_node", "top1", "topk_all", "sync_free", "half_router", "explicit"]
+)
 def test_two_level_edge_cases(ranks2x2, case):
     dtype = torch.bfloat16
     kw = {

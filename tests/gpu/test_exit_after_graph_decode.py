@@ -28,13 +28,33 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ranks_exit_after_compiled_graph_decode(teardown, transport):
     """`auto` is the device transport on NVLink (its decode graph holds no NCCL collective); `counts`
     decodes sync-free over NCCL, the captured collectives of the original hang (as on a slow link)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "scripts" / "exit_probe.py"), "--layers", "2", "--teardown", teardown, "--transport", transport]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "scripts" / "exit_probe.py"),
+        "--layers",
+        "2",
+        "--teardown",
+        teardown,
+        "--transport",
+        transport,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in (0, 1):
-        times = {what: float(t) for t, what in re.findall(rf"\[rank {rank}\s+([\d.]+) s\] (generated B=8|left)", done.stdout)}
+        times = {
+            what: float(t) for t, what in re.findall(rf"\[rank {rank}\s+([\d.]+) s\] (generated B=8|left)", done.stdout)
+        }
         assert set(times) == {"generated B=8", "left"}, done.stdout
         assert times["left"] - times["generated B=8"] < 30, done.stdout

@@ -65,8 +65,9 @@ def capture_sequence_worker(rank: int, world_size: int, seed: int) -> dict:
                 out[f"B{b}_past_cache_{capture}"] = str(exc)
             set_sync_free(model, False)
         torch.cuda.synchronize()  # the CUDA context is intact
-        out[f"B{b}_capture_at_limit"] = bool(torch.equal(steps[0].argmax(-1), steps[1].argmax(-1))) and \
-            float((steps[0] - steps[1]).abs().max()) <= 1e-2 * float(steps[0].abs().max())
+        out[f"B{b}_capture_at_limit"] = bool(torch.equal(steps[0].argmax(-1), steps[1].argmax(-1))) and float(
+            (steps[0] - steps[1]).abs().max()
+        ) <= 1e-2 * float(steps[0].abs().max())
     out["before_prefill"] = ""
     try:
         StaticDecoder(model, 1, 4).step(torch.zeros(1, dtype=torch.long, device=dev))

@@ -22,22 +22,66 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5  # tests/lm/_train_helpers.py
 STEPS, STOP = 8, 4
-TINY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--experts", "8", "--top-k", "2", "--expert-ffn", "16",
-        "--batch-size", "4", "--seq-len", "32", "--steps", str(STEPS), "--eval-every", str(STOP), "--eval-tokens", "256",
-        "--save-every", str(STOP), "--precision", "fp32", "--adam-eps", "1e-6", "--no-progress"]
+TINY = [
+    "--hidden",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--experts",
+    "8",
+    "--top-k",
+    "2",
+    "--expert-ffn",
+    "16",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--steps",
+    str(STEPS),
+    "--eval-every",
+    str(STOP),
+    "--eval-tokens",
+    "256",
+    "--save-every",
+    str(STOP),
+    "--precision",
+    "fp32",
+    "--adam-eps",
+    "1e-6",
+    "--no-progress",
+]
 
 
 def occult(ranks: int, device: str, *args: str | Path) -> None:
     """`occult train ...` in one process or under torchrun on `ranks` ranks; raises with its output on failure."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 \
+    launch = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+        if ranks > 1
         else [sys.executable]
+    )
     dev = ["--device", "cpu"] if device == "cpu" else []
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([*launch, "-m", "occult", "train", *TINY, *dev, *map(str, args)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    res = subprocess.run(
+        [*launch, "-m", "occult", "train", *TINY, *dev, *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if res.returncode:
-        raise AssertionError(f"occult train on {ranks} rank(s) failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        raise AssertionError(
+            f"occult train on {ranks} rank(s) failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        )
 
 
 def losses(run: Path) -> list[float]:
@@ -51,9 +95,26 @@ def losses(run: Path) -> list[float]:
 def prepared_corpus(root: Path, device: str) -> Path:
     """tests/data/shakespeare_tiny prepared (vocabulary 300)."""
     out = root / "data"
-    res = subprocess.run([sys.executable, "-m", "occult", "data", "prepare", "--out", str(out), "--corpus-dir",
-                          str(REPO / "tests" / "data" / "shakespeare_tiny"), "--vocab-size", "300"],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "occult",
+            "data",
+            "prepare",
+            "--out",
+            str(out),
+            "--corpus-dir",
+            str(REPO / "tests" / "data" / "shakespeare_tiny"),
+            "--vocab-size",
+            "300",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     return out
 

@@ -22,11 +22,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
+from test_sampling import reference_sample  # noqa: E402  (tests/integrations/test_sampling.py)
+
 from occult import OccultMoE, set_sync_free  # noqa: E402
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 from occult.placement import Placement  # noqa: E402
-from test_sampling import reference_sample  # noqa: E402  (tests/integrations/test_sampling.py)
 
 FAMILIES = ["olmoe", "qwen3_moe"]
 VOCAB, NEW = 96, 8
@@ -64,29 +65,66 @@ def check_generate(rank: int, world_size: int, seed: int) -> dict:
         plain = []
         for r in range(world_size):
             r_ids, r_mask = _prompts(r, seed)
-            plain.append(ref.generate(r_ids, attention_mask=r_mask, max_new_tokens=NEW, do_sample=False,
-                                      pad_token_id=PAD))
+            plain.append(
+                ref.generate(r_ids, attention_mask=r_mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+            )
         eos_rank1 = int(plain[1][0, 4 + 2])  # rank 1's single row ends by its 3rd new token
         eos_rank0 = [int(plain[0][0, 7 + 1]), int(plain[0][1, 7 + 4]), int(plain[0][2, 7 + 5])]
         ids, mask = _prompts(rank, seed)
         res = {}
-        for case, eos, every in [("config_eos", None, 8), ("eos_rank1", eos_rank1, 2 + rank), ("eos_rank0", eos_rank0, 1)]:
+        for case, eos, every in [
+            ("config_eos", None, 8),
+            ("eos_rank1", eos_rank1, 2 + rank),
+            ("eos_rank0", eos_rank0, 1),
+        ]:
             kw = dict(max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=eos)
             expected = ref.generate(ids, attention_mask=mask, do_sample=False, **kw)  # eos None: the config's
             got = hf.generate(model, ids, attention_mask=mask, sync_every=every, **kw)
-            res[case] = {"equal": bool(torch.equal(got, expected)), "shape": list(got.shape),
-                         "expected_shape": list(expected.shape)}
+            res[case] = {
+                "equal": bool(torch.equal(got, expected)),
+                "shape": list(got.shape),
+                "expected_shape": list(expected.shape),
+            }
         g = torch.Generator().manual_seed(7)
         s1 = hf.generate(model, ids, NEW, attention_mask=mask, do_sample=True, temperature=0.8, top_k=5, generator=g)
-        s2 = hf.generate(model, ids, NEW, attention_mask=mask, do_sample=True, temperature=0.8, top_k=5,
-                         generator=torch.Generator().manual_seed(7))
+        s2 = hf.generate(
+            model,
+            ids,
+            NEW,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=0.8,
+            top_k=5,
+            generator=torch.Generator().manual_seed(7),
+        )
         res["sample_repeatable"] = bool(torch.equal(s1, s2)) and s1.shape == (ids.shape[0], ids.shape[1] + NEW)
         # sampled with every warper, a seed per rank: the plain reference sampler on this rank's prompts alone,
         # drawing [3, V] numbers per step (the batch padded to rank 0's 3 rows); the config's eos
-        got = hf.generate(model, ids, NEW, attention_mask=mask, pad_token_id=PAD, do_sample=True, temperature=0.9,
-                          top_k=12, top_p=0.9, seed=50 + rank)
-        want = reference_sample(ref, ids, torch.ones_like(ids) if mask is None else mask, NEW, 50 + rank, 0.9, 12,
-                                0.9, eos=[int(ref.generation_config.eos_token_id)], pad=PAD, padded_batch=3)
+        got = hf.generate(
+            model,
+            ids,
+            NEW,
+            attention_mask=mask,
+            pad_token_id=PAD,
+            do_sample=True,
+            temperature=0.9,
+            top_k=12,
+            top_p=0.9,
+            seed=50 + rank,
+        )
+        want = reference_sample(
+            ref,
+            ids,
+            torch.ones_like(ids) if mask is None else mask,
+            NEW,
+            50 + rank,
+            0.9,
+            12,
+            0.9,
+            eos=[int(ref.generation_config.eos_token_id)],
+            pad=PAD,
+            padded_batch=3,
+        )
         res["sampled_equals_reference"] = bool(torch.equal(got, want))
         res["sync_free_restored"] = [m.sync_free for m in layers] == [True] + [False] * (len(layers) - 1)
         out[family] = res
@@ -178,7 +216,9 @@ def test_decoder_warm_up_and_steps_stay_inside_the_cache():
     from the same state each time (before the fix the 2nd warm-up forward wrote past the cache: an
     IndexError here, a device-side assert in a CUDA-graph capture); a step past the cache is a ValueError."""
     model = hf.convert(hf.tiny_random_model("olmoe", seed=3, vocab_size=VOCAB).eval())
-    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little")))
+    ids = torch.randint(
+        3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    )
     plain = _decoder_after_prefill(model, ids, ids.shape[1] + 1)
     want = plain.step().clone()
     dec = _decoder_after_prefill(model, ids, ids.shape[1] + 1)
@@ -206,8 +246,14 @@ def test_generate_one_new_token_between_longer_calls():
     ref = hf.tiny_random_model("olmoe", seed=4, vocab_size=VOCAB).eval()
     model = hf.convert(hf.tiny_random_model("olmoe", seed=4, vocab_size=VOCAB).eval())
     ids = torch.randint(3, VOCAB, (2, 6))
-    expected = ref.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=None,
-                            attention_mask=torch.ones_like(ids))
+    expected = ref.generate(
+        ids,
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=PAD,
+        eos_token_id=None,
+        attention_mask=torch.ones_like(ids),
+    )
     decoders, outs = [], []
     for n, reuse in ((NEW, True), (NEW, True), (1, True), (1, False), (NEW, True), (NEW + 2, True)):
         outs.append(hf.generate(model, ids, n, eos_token_id=[], reuse=reuse))

@@ -17,7 +17,9 @@ def waiting_worker(rank: int, world: int, seed: int) -> dict:
     from occult.integrations import hf
     from occult.integrations.hf.graphed import host_waiting_layers
 
-    model = hf.convert(hf.tiny_random_model("olmoe", seed=seed, vocab_size=64), execution=ExecConfig(dispatcher="dedup"))
+    model = hf.convert(
+        hf.tiny_random_model("olmoe", seed=seed, vocab_size=64), execution=ExecConfig(dispatcher="dedup")
+    )
     out = {"counts": host_waiting_layers(model), "blocks": len(hf.moe_blocks(model))}
     set_sync_free(model, True)
     out["sync_free"] = host_waiting_layers(model)

@@ -175,8 +175,11 @@ def check_family(rank: int, world_size: int, family: str, path: str, out_dir: st
 
     def most_devices(t) -> int:
         return max(
-            int(devices_per_token(torch.as_tensor(ids_TK, dtype=torch.int64),
-                                  torch.as_tensor(placement.expert_device(i).copy())).max())
+            int(
+                devices_per_token(
+                    torch.as_tensor(ids_TK, dtype=torch.int64), torch.as_tensor(placement.expert_device(i).copy())
+                ).max()
+            )
             for i, ids_TK in enumerate(t.topk_ids)
         )
 
@@ -188,8 +191,9 @@ def check_family(rank: int, world_size: int, family: str, path: str, out_dir: st
     dist.barrier()
     similarity = load_similarity(sim_path, num_experts=E, num_layers=len(blocks))
     for method in ("score", "similarity"):
-        pruned = hf.convert(_load(path), placement=placement, max_devices=res["max_devices"],
-                            prune_method=method, similarity=similarity)
+        pruned = hf.convert(
+            _load(path), placement=placement, max_devices=res["max_devices"], prune_method=method, similarity=similarity
+        )
         res[f"pruned_max_devices_{method}"] = most_devices(hf.profile(pruned, [ids]))
     return res
 
@@ -285,15 +289,42 @@ def test_cli_profile_then_place(model_dirs, tmp_path):
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(40, 16))
     np.save(tmp_path / "ids.npy", ids)
     trace_path, placement_path = tmp_path / "trace.safetensors", tmp_path / "placement.json"
-    args = ["profile", "--model", model_dirs["qwen2_moe"], "--data", str(tmp_path / "ids.npy"),
-            "--tokens", "500", "--seq-len", "16", "--out", str(trace_path), "--scores"]
+    args = [
+        "profile",
+        "--model",
+        model_dirs["qwen2_moe"],
+        "--data",
+        str(tmp_path / "ids.npy"),
+        "--tokens",
+        "500",
+        "--seq-len",
+        "16",
+        "--out",
+        str(trace_path),
+        "--scores",
+    ]
     assert main(args) == 0
     trace = read_trace(trace_path)
     assert trace.num_layers == 2 and trace.num_tokens == [500, 500] and trace.scores[0].shape == (500, 8)
     assert trace.metadata["model_type"] == "qwen2_moe"
     assert len(load_similarity(tmp_path / "trace.similarity.safetensors", num_experts=8, num_layers=2)) == 2
-    assert main(["place", "--trace", str(trace_path), "--devices", "2", "--method", "greedy",
-                 "--out", str(placement_path), "--json"]) == 0
+    assert (
+        main(
+            [
+                "place",
+                "--trace",
+                str(trace_path),
+                "--devices",
+                "2",
+                "--method",
+                "greedy",
+                "--out",
+                str(placement_path),
+                "--json",
+            ]
+        )
+        == 0
+    )
     placement = Placement.load(placement_path)
     assert placement.num_layers == 2 and placement.num_devices == 2
     assert main(["profile", "--model", model_dirs["qwen2_moe"], "--out", str(trace_path)]) == 2  # no --data

@@ -21,9 +21,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
+
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
-from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
 from occult.integrations.hf.aux_loss import RouterTaps, aux_formula  # noqa: E402
 from occult.placement import Placement  # noqa: E402
 
@@ -43,7 +44,6 @@ def _tokens() -> torch.Tensor:
     return torch.randint(3, VOCAB, (3000,), generator=torch.Generator().manual_seed(5))
 
 
-
 def _load(dirs: dict, family: str, groups=None):
     if family == "olmoe":
         p = Placement(np.array(PLACEMENT), 2)
@@ -58,13 +58,15 @@ def two_ranks(rank: int, world_size: int, dirs: dict) -> dict:
     out = {}
     for family in ("olmoe", "deepseek_v3"):
         model = _load(dirs, family, groups)
-        result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG, adam_eps=EPS[family]), groups, progress=False, log=None)
+        result = hf.finetune(
+            model, _tokens(), hf.FinetuneConfig(**CFG, adam_eps=EPS[family]), groups, progress=False, log=None
+        )
         out[family] = {"losses": result.losses, "params": _trained(model)}
     model = _load(dirs, "olmoe", groups)  # the value on each rank: the global batch's, not its half
     taps = RouterTaps(model)
     x = _tokens()[:64].reshape(4, 16)
     with torch.no_grad():
-        model(input_ids=x[rank * 2: rank * 2 + 2], use_cache=False)
+        model(input_ids=x[rank * 2 : rank * 2 + 2], use_cache=False)
     out["value"] = float(taps.loss(groups.ddp))
     return out
 
@@ -123,7 +125,8 @@ def test_switch_formula_for_deepseek(dirs):
     seen = []
     for _, b in hf.moe_blocks(model):
         b.experts.router.register_forward_hook(  # sigmoid of the gate's fp32 logits, recomputed by hand
-            lambda m, i, o: seen.append((torch.sigmoid(i[0].double() @ m.gate.weight.double().T), o[1])))
+            lambda m, i, o: seen.append((torch.sigmoid(i[0].double() @ m.gate.weight.double().T), o[1]))
+        )
     x = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
     model(input_ids=x, use_cache=False)
     got = float(taps.loss())
@@ -170,4 +173,6 @@ def test_setting_and_cli():
     p = build_parser()
     assert p.parse_args(["finetune", "--hf", "d", "--out", "o"]).aux_loss_coef is None  # off for --hf
     assert p.parse_args(["finetune", "--hf", "d", "--out", "o", "--aux-loss-coef", "0.02"]).aux_loss_coef == 0.02
-    assert _train_config(p.parse_args(["finetune", "--init", "c", "--out", "o"])).aux_loss_coef == 0.01  # OccultLM default
+    assert (
+        _train_config(p.parse_args(["finetune", "--init", "c", "--out", "o"])).aux_loss_coef == 0.01
+    )  # OccultLM default

@@ -30,9 +30,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
+
 from occult.distributed import RankFailure, run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
-from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
 from occult.placement import Placement, PlacementError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -70,9 +71,11 @@ def dirs(tmp_path_factory):
     model = hf.tiny_random_model("qwen3_moe", str(root / "qwen3_src"), seed=2, vocab_size=VOCAB)
     os.makedirs(out["qwen3_fused"])
     shutil.copy(root / "qwen3_src" / "config.json", out["qwen3_fused"])
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out["qwen3_fused"], "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        os.path.join(out["qwen3_fused"], "model.safetensors"),
+    )
     return out
-
 
 
 def _header_bytes(path: str) -> int:
@@ -82,7 +85,9 @@ def _header_bytes(path: str) -> int:
 
 # ---------------------------------------------------------------- rank side
 def _check_loading(rank: int, path: str) -> dict:
-    ref = hf.convert(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), placement=_placement())
+    ref = hf.convert(
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), placement=_placement()
+    )
     model = hf.load_sharded(path, placement=_placement())
     got, want = model.state_dict(), ref.state_dict()
     bufs, ref_bufs = dict(model.named_buffers()), dict(ref.named_buffers())
@@ -104,8 +109,13 @@ def _check_loading(rank: int, path: str) -> dict:
 def _train(path: str, ep_size: int) -> dict:
     groups = hf.setup_groups(ep_size)
     placement = _placement()
-    model = hf.load_sharded(path, group=groups.ep, placement=placement if ep_size == 2 else None, max_devices=1,
-                            routing_placement=None if ep_size == 2 else placement)
+    model = hf.load_sharded(
+        path,
+        group=groups.ep,
+        placement=placement if ep_size == 2 else None,
+        max_devices=1,
+        routing_placement=None if ep_size == 2 else placement,
+    )
     result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), groups, progress=False)
     return {"model": model, "losses": result.losses, "params": _trained(model)}
 
@@ -214,7 +224,9 @@ def test_two_ranks_equal_one_process(ranks, reference, run):
 def test_saved_directory_reloads_with_transformers(ranks, reference, dirs):
     saved = os.path.join(dirs["root"], "saved")
     for res in ranks:
-        assert "rank 0: FileExistsError" in res["second_save"] and "already exists" in res["second_save"], res["second_save"]
+        assert "rank 0: FileExistsError" in res["second_save"] and "already exists" in res["second_save"], res[
+            "second_save"
+        ]
     assert not [n for n in os.listdir(dirs["root"]) if n.startswith(".saved.")]  # the temporary directory is gone
     # one shard for the rest (rank 0) and one per MoE layer, written by the layer's owner: rank i mod 2
     from safetensors import safe_open
@@ -222,15 +234,18 @@ def test_saved_directory_reloads_with_transformers(ranks, reference, dirs):
     index = json.loads(open(os.path.join(saved, "model.safetensors.index.json")).read())
     shards = sorted(set(index["weight_map"].values()))
     assert shards == [f"model-0000{j}-of-00003.safetensors" for j in (1, 2, 3)], shards
-    assert sorted(os.listdir(saved)) == sorted([*shards, "model.safetensors.index.json", "config.json", "generation_config.json"])
+    assert sorted(os.listdir(saved)) == sorted(
+        [*shards, "model.safetensors.index.json", "config.json", "generation_config.json"]
+    )
     writers = []
     for shard in shards[1:]:
         with safe_open(os.path.join(saved, shard), framework="pt") as f:
             writers.append(f.metadata()["occult_writer"])
             assert {k.split(".mlp.")[0] for k in f.keys()} == {f"model.layers.{len(writers) - 1}"}  # one layer each
     assert writers == ["0", "1"]
-    assert index["metadata"]["total_size"] == sum(
-        os.path.getsize(os.path.join(saved, s)) for s in shards) - sum(_header_bytes(os.path.join(saved, s)) for s in shards)
+    assert index["metadata"]["total_size"] == sum(os.path.getsize(os.path.join(saved, s)) for s in shards) - sum(
+        _header_bytes(os.path.join(saved, s)) for s in shards
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     ids = torch.arange(3, 3 + 2 * 10).reshape(2, 10) % VOCAB
     with torch.no_grad():
@@ -288,7 +303,21 @@ def test_cli_finetune_hf(dirs, tmp_path, capsys):
 
     np.save(tmp_path / "ids.npy", _tokens().numpy())
     common = ["--steps", "3", "--batch-size", "2", "--seq-len", "8", "--no-progress"]
-    assert main(["finetune", "--hf", dirs["olmoe"], "--out", str(tmp_path / "run"), "--data", str(tmp_path / "ids.npy"), *common]) == 0
+    assert (
+        main(
+            [
+                "finetune",
+                "--hf",
+                dirs["olmoe"],
+                "--out",
+                str(tmp_path / "run"),
+                "--data",
+                str(tmp_path / "ids.npy"),
+                *common,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "8 experts per layer" in out and "wrote" in out
     assert {"model", "metrics.json"} <= set(os.listdir(tmp_path / "run"))
@@ -296,12 +325,41 @@ def test_cli_finetune_hf(dirs, tmp_path, capsys):
     # no tokenizer: the corpus texts become UTF-8 bytes (a model with a 300-id vocabulary)
     hf.tiny_random_model("qwen3_moe", str(tmp_path / "bytes"), vocab_size=300)
     corpus = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare_tiny")
-    assert main(["finetune", "--hf", str(tmp_path / "bytes"), "--out", str(tmp_path / "run_bytes"), "--corpus-dir", corpus, *common]) == 0
+    assert (
+        main(
+            [
+                "finetune",
+                "--hf",
+                str(tmp_path / "bytes"),
+                "--out",
+                str(tmp_path / "run_bytes"),
+                "--corpus-dir",
+                corpus,
+                *common,
+            ]
+        )
+        == 0
+    )
     assert "UTF-8 bytes" in capsys.readouterr().out
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")  # source dtype: float32
     assert saved.dtype == torch.float32
-    assert main(["finetune", "--hf", str(tmp_path / "bytes"), "--out", str(tmp_path / "run_bf16"), "--corpus-dir", corpus,
-                 "--save-dtype", "bf16", *common]) == 0
+    assert (
+        main(
+            [
+                "finetune",
+                "--hf",
+                str(tmp_path / "bytes"),
+                "--out",
+                str(tmp_path / "run_bf16"),
+                "--corpus-dir",
+                corpus,
+                "--save-dtype",
+                "bf16",
+                *common,
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run_bf16" / "model")  # config.json: bfloat16
     assert {p.dtype for p in saved.parameters()} == {torch.bfloat16}
@@ -314,9 +372,25 @@ def test_cli_finetune_hf(dirs, tmp_path, capsys):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
     with_tok = tmp_path / "with_tokenizer"
     shutil.copytree(dirs["olmoe"], with_tok)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(with_tok)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(
+        with_tok
+    )
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
-    assert main(["finetune", "--hf", str(with_tok), "--out", str(tmp_path / "run_tok"), "--data", str(tmp_path / "text.txt"), *common]) == 0
+    assert (
+        main(
+            [
+                "finetune",
+                "--hf",
+                str(with_tok),
+                "--out",
+                str(tmp_path / "run_tok"),
+                "--data",
+                str(tmp_path / "text.txt"),
+                *common,
+            ]
+        )
+        == 0
+    )
     assert "the model's tokenizer" in capsys.readouterr().out
     assert (tmp_path / "run_tok" / "model" / "tokenizer.json").is_file()
     errors = {
@@ -327,7 +401,14 @@ def test_cli_finetune_hf(dirs, tmp_path, capsys):
         "--max-devices needs --placement": ["--hf", dirs["olmoe"], "--out", str(tmp_path / "y"), "--max-devices", "1"],
     }
     Placement.contiguous(8, 4, 2).save(tmp_path / "p4.json")
-    errors["use it for routing only"] = ["--hf", dirs["olmoe"], "--out", str(tmp_path / "z"), "--placement", str(tmp_path / "p4.json")]
+    errors["use it for routing only"] = [
+        "--hf",
+        dirs["olmoe"],
+        "--out",
+        str(tmp_path / "z"),
+        "--placement",
+        str(tmp_path / "p4.json"),
+    ]
     for message, args in errors.items():
         assert main(["finetune", *args, *common]) == 2, message
         assert message in capsys.readouterr().err
@@ -344,13 +425,50 @@ def test_cli_torchrun_two_ranks_equal_one_process(dirs, tmp_path, capsys):
 
     np.save(tmp_path / "ids.npy", _tokens().numpy())
     _placement().save(tmp_path / "p2.json")
-    args = ["finetune", "--hf", dirs["olmoe"], "--data", str(tmp_path / "ids.npy"), "--placement", str(tmp_path / "p2.json"),
-            "--max-devices", "1", "--steps", "6", "--batch-size", "4", "--seq-len", "16", "--lr", "1e-2",
-            "--adam-eps", "1e-6", "--precision", "fp32", "--device", "cpu", "--no-progress"]
+    args = [
+        "finetune",
+        "--hf",
+        dirs["olmoe"],
+        "--data",
+        str(tmp_path / "ids.npy"),
+        "--placement",
+        str(tmp_path / "p2.json"),
+        "--max-devices",
+        "1",
+        "--steps",
+        "6",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--lr",
+        "1e-2",
+        "--adam-eps",
+        "1e-6",
+        "--precision",
+        "fp32",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "occult", *args,
-         "--out", str(tmp_path / "two")],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "occult",
+            *args,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "2 ranks: experts over 2 (dedup), 1 data-parallel replica(s); 2 of 4 rows per rank" in proc.stdout
@@ -372,10 +490,13 @@ def two_level_ranks(rank: int, world_size: int, path: str) -> dict:
     from occult.moe.two_level import TwoLevelDispatcher
 
     groups = hf.setup_groups(4)
-    model = hf.load_sharded(path, group=groups.ep, placement=Placement(np.array(PLACEMENT_4), 4, num_nodes=2),
-                            dispatcher="dedup2")
-    assert all(isinstance(b.experts.dispatcher, TwoLevelDispatcher) and b.experts.dispatcher.num_nodes == 2
-               for _, b in hf.moe_blocks(model))
+    model = hf.load_sharded(
+        path, group=groups.ep, placement=Placement(np.array(PLACEMENT_4), 4, num_nodes=2), dispatcher="dedup2"
+    )
+    assert all(
+        isinstance(b.experts.dispatcher, TwoLevelDispatcher) and b.experts.dispatcher.num_nodes == 2
+        for _, b in hf.moe_blocks(model)
+    )
     result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), groups, progress=False)
     return {"losses": result.losses, "params": _trained(model)}
 
@@ -414,8 +535,14 @@ def test_profile_steps_write_a_profile_and_change_nothing(dirs, tmp_path):
     cfg = dict(CFG, steps=4)
     plain = hf.finetune(hf.load_sharded(dirs["olmoe"]), _tokens(), hf.FinetuneConfig(**cfg), progress=False, log=None)
     run = tmp_path / "run"
-    profiled = hf.finetune(hf.load_sharded(dirs["olmoe"]), _tokens(), hf.FinetuneConfig(**cfg, profile_steps="2:3"),
-                           progress=False, log=None, checkpoint_dir=run)
+    profiled = hf.finetune(
+        hf.load_sharded(dirs["olmoe"]),
+        _tokens(),
+        hf.FinetuneConfig(**cfg, profile_steps="2:3"),
+        progress=False,
+        log=None,
+        checkpoint_dir=run,
+    )
     assert profiled.losses == plain.losses
     doc = json.loads((run / "step_profile_rank0.json").read_text())
     assert doc["window"] == [2, 3] and doc["wall_ms_per_step"] > 0

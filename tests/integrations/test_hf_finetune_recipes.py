@@ -123,16 +123,42 @@ def test_cli_runs_the_recipes(tmp_path, capsys):
     hf.tiny_random_model("olmoe", str(tmp_path / "m"), seed=3, vocab_size=VOCAB)
     PLACEMENT.save(tmp_path / "p.json")
     np.save(tmp_path / "ids.npy", _tokens().numpy())
-    args = ["finetune", "--hf", str(tmp_path / "m"), "--out", str(tmp_path / "run"), "--data", str(tmp_path / "ids.npy"),
-            "--steps", "2", "--batch-size", "2", "--seq-len", "8", "--no-progress", "--placement", str(tmp_path / "p.json"),
-            "--max-devices", "1", "--prune-method", "mass", "--train", "experts", "--distill-weight", "0.5"]
+    args = [
+        "finetune",
+        "--hf",
+        str(tmp_path / "m"),
+        "--out",
+        str(tmp_path / "run"),
+        "--data",
+        str(tmp_path / "ids.npy"),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "8",
+        "--no-progress",
+        "--placement",
+        str(tmp_path / "p.json"),
+        "--max-devices",
+        "1",
+        "--prune-method",
+        "mass",
+        "--train",
+        "experts",
+        "--distill-weight",
+        "0.5",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "training 0 router" in out and "distilling from standard routing (weight 0.5" in out
     teacher = tmp_path / "run" / "model"  # that run's weights as the teacher of the next
     assert main([*args[:4], str(tmp_path / "run2"), *args[5:], "--distill-from", str(teacher)]) == 0
     assert f"distilling from {teacher} (weight 0.5" in capsys.readouterr().out
-    for bad, message in (([], "needs --distill-weight"), (["--distill-from", str(tmp_path / "p.json")], "transformers model directory")):
+    for bad, message in (
+        ([], "needs --distill-weight"),
+        (["--distill-from", str(tmp_path / "p.json")], "transformers model directory"),
+    ):
         rest = [a for a in args[5:] if a not in ("--distill-weight", "0.5")] if bad == [] else args[5:]
         extra = ["--distill-from", str(teacher)] if bad == [] else bad
         assert main([*args[:4], str(tmp_path / "run3"), *rest, *extra]) != 0

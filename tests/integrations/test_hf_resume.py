@@ -25,9 +25,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
+
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
-from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
 from occult.integrations.hf import checkpoint as ckpt  # noqa: E402
 from occult.placement import Placement  # noqa: E402
 
@@ -44,7 +45,6 @@ def _placement() -> Placement:
 
 def _tokens() -> torch.Tensor:
     return torch.randint(3, VOCAB, (3000,), generator=torch.Generator().manual_seed(11))
-
 
 
 def _load(path: str, groups=None):
@@ -68,13 +68,16 @@ def two_ranks(rank: int, world_size: int, path: str, root: str) -> dict:
     groups = hf.setup_groups()
     cfg = hf.FinetuneConfig(**CFG)
     model = _load(path, groups)
-    straight = hf.finetune(model, _tokens(), cfg, groups, progress=False, log=None,
-                           checkpoint_dir=f"{root}/straight", save_every=4)
+    straight = hf.finetune(
+        model, _tokens(), cfg, groups, progress=False, log=None, checkpoint_dir=f"{root}/straight", save_every=4
+    )
     out = {"straight": {"losses": straight.losses, "params": _trained(model)}}
     model = _load(path, groups)
     _crash_at(model, 8)
     try:
-        hf.finetune(model, _tokens(), cfg, groups, progress=False, log=None, checkpoint_dir=f"{root}/crash", save_every=5)
+        hf.finetune(
+            model, _tokens(), cfg, groups, progress=False, log=None, checkpoint_dir=f"{root}/crash", save_every=5
+        )
         out["crashed"] = "no"
     except RuntimeError as exc:
         out["crashed"] = str(exc)
@@ -84,8 +87,17 @@ def two_ranks(rank: int, world_size: int, path: str, root: str) -> dict:
     torch.distributed.barrier()
     torch.manual_seed(100 + rank)  # the RNG state comes from the checkpoint
     model = _load(path, groups)
-    resumed = hf.finetune(model, _tokens(), cfg, groups, progress=False, log=None,
-                          checkpoint_dir=f"{root}/crash", save_every=5, resume=True)
+    resumed = hf.finetune(
+        model,
+        _tokens(),
+        cfg,
+        groups,
+        progress=False,
+        log=None,
+        checkpoint_dir=f"{root}/crash",
+        save_every=5,
+        resume=True,
+    )
     out["resumed"] = {"losses": resumed.losses, "params": _trained(model)}
     return out
 
@@ -100,10 +112,22 @@ def runs(tmp_path_factory):
     one = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), progress=False, log=None)
     single = {"losses": one.losses, "params": _trained(model)}
     model = _load(path)
-    back = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), progress=False, log=None,
-                       checkpoint_dir=root / "crash1", resume=True)
-    return {"root": root, "path": path, "ranks": ranks, "single": single,
-            "one_from_two": {"losses": back.losses, "params": _trained(model)}}
+    back = hf.finetune(
+        model,
+        _tokens(),
+        hf.FinetuneConfig(**CFG),
+        progress=False,
+        log=None,
+        checkpoint_dir=root / "crash1",
+        resume=True,
+    )
+    return {
+        "root": root,
+        "path": path,
+        "ranks": ranks,
+        "single": single,
+        "one_from_two": {"losses": back.losses, "params": _trained(model)},
+    }
 
 
 def _assert_same(got: dict, want: dict, rtol: float) -> None:
@@ -120,7 +144,10 @@ def test_interrupted_run_resumed_equals_straight(runs):
         assert len(res["resumed"]["losses"]) == CFG["steps"]
         _assert_same(res["resumed"], res["straight"], 0.0)  # bit for bit
         _assert_same(res["straight"], runs["single"], 1e-5)  # and both are the one-process run
-    assert sorted(os.listdir(runs["root"] / "crash" / "checkpoint")) == ["latest", "step-00000012"]  # older ones removed
+    assert sorted(os.listdir(runs["root"] / "crash" / "checkpoint")) == [
+        "latest",
+        "step-00000012",
+    ]  # older ones removed
 
 
 def test_one_process_resumes_a_two_rank_checkpoint(runs):
@@ -154,8 +181,9 @@ def test_bad_checkpoints_are_clear_errors(runs, tmp_path):
     def resume(model_dir=runs["path"], run=src, model=None, tokens=None, **kw):
         model = model or _load(model_dir)
         c = hf.FinetuneConfig(**{**CFG, **kw})
-        return hf.finetune(model, _tokens() if tokens is None else tokens, c, progress=False, log=None,
-                           checkpoint_dir=run, resume=True)
+        return hf.finetune(
+            model, _tokens() if tokens is None else tokens, c, progress=False, log=None, checkpoint_dir=run, resume=True
+        )
 
     with pytest.raises(ckpt.FinetuneCheckpointError, match="already holds a checkpoint"):
         hf.finetune(_load(runs["path"]), _tokens(), cfg, progress=False, log=None, checkpoint_dir=src)
@@ -171,7 +199,9 @@ def test_bad_checkpoints_are_clear_errors(runs, tmp_path):
         resume(model_dir=str(tmp_path / "other"))
     with pytest.raises(ckpt.FinetuneCheckpointError, match="routing rule"):
         resume(model=hf.load_sharded(runs["path"]))  # no pruning
-    with pytest.raises(ckpt.FinetuneCheckpointError, match=r"training settings differ \(lr: checkpoint 0.01, now 0.02\)"):
+    with pytest.raises(
+        ckpt.FinetuneCheckpointError, match=r"training settings differ \(lr: checkpoint 0.01, now 0.02\)"
+    ):
         resume(lr=2e-2)
     with pytest.raises(ckpt.FinetuneCheckpointError, match="training data"):
         resume(tokens=_tokens().flip(0))
@@ -196,8 +226,24 @@ def test_cli_stop_after_then_resume(runs, tmp_path, capsys):
     from occult.cli import main
 
     np.save(tmp_path / "ids.npy", _tokens().numpy())
-    args = ["finetune", "--hf", runs["path"], "--data", str(tmp_path / "ids.npy"), "--steps", "6", "--batch-size", "2",
-            "--seq-len", "8", "--save-every", "2", "--no-progress", "--precision", "fp32"]
+    args = [
+        "finetune",
+        "--hf",
+        runs["path"],
+        "--data",
+        str(tmp_path / "ids.npy"),
+        "--steps",
+        "6",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "8",
+        "--save-every",
+        "2",
+        "--no-progress",
+        "--precision",
+        "fp32",
+    ]
     assert main([*args, "--out", str(tmp_path / "straight")]) == 0
     assert main([*args, "--out", str(tmp_path / "split"), "--stop-after", "3"]) == 0
     assert "stopped at step 3 of 6" in capsys.readouterr().out and not (tmp_path / "split" / "model").exists()
@@ -227,13 +273,28 @@ def test_a_checkpoint_of_the_old_code_resumes(tmp_path):
         run = tmp_path / f"run{steps}"
         shutil.copytree(old / "hf_one", run)
         cfg = hf.FinetuneConfig(**{**make.HF_TRAIN, "steps": steps})
-        res = hf.finetune(hf.load_sharded(model_dir), make.hf_tokens(), cfg, progress=False, log=None,
-                          checkpoint_dir=run, resume=True, save_every=2)
+        res = hf.finetune(
+            hf.load_sharded(model_dir),
+            make.hf_tokens(),
+            cfg,
+            progress=False,
+            log=None,
+            checkpoint_dir=run,
+            resume=True,
+            save_every=2,
+        )
         assert len(res.losses) == steps == len(res.grad_norms)
         np.testing.assert_allclose(res.losses[:3], want[:3], rtol=1e-6, atol=0)
         same = 6 if steps == 6 else 5  # step 4 of the longer run uses the rate of step 4 of the new cosine
         np.testing.assert_allclose(res.losses[3:same], want[3:same], rtol=1e-5, atol=0)
         assert ckpt.find_state(run).name == f"step-{steps:08d}"
     with pytest.raises(ckpt.FinetuneCheckpointError, match="at step 8, past --steps 7; pass --steps 8 or more"):
-        hf.finetune(hf.load_sharded(model_dir), make.hf_tokens(), hf.FinetuneConfig(**{**make.HF_TRAIN, "steps": 7}),
-                    progress=False, log=None, checkpoint_dir=tmp_path / "run8", resume=True)
+        hf.finetune(
+            hf.load_sharded(model_dir),
+            make.hf_tokens(),
+            hf.FinetuneConfig(**{**make.HF_TRAIN, "steps": 7}),
+            progress=False,
+            log=None,
+            checkpoint_dir=tmp_path / "run8",
+            resume=True,
+        )

@@ -70,8 +70,10 @@ def save_all(rank: int, world_size: int, dirs: dict, shapes: dict, root: str) ->
 
     real = save_module._write_layer
     if rank == 1:
+
         def fail(*args):
             raise FileNotFoundError("simulated: the temporary directory is not visible on this rank")
+
         save_module._write_layer = fail
     try:
         hf.save_finetuned(model, os.path.join(root, "failed"))
@@ -130,7 +132,9 @@ def test_sharded_save_equals_save_pretrained(saved, family, tmp_path):
     moe_layers = saved["shapes"][family][1]
     assert sum(n.endswith(".safetensors") for n in saved["listing"][0][family]) == 1 + moe_layers
     # reloads with plain transformers, in the saved dtype
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, f"{family}_same"), dtype=torch.float32)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.join(root, f"{family}_same"), dtype=torch.float32
+    )
     for key, t in reloaded.state_dict().items():
         assert torch.equal(t, want[key]), key
     bf16 = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, f"{family}_bf16"))

@@ -36,10 +36,19 @@ def _hf_warpers(temperature, top_k, top_p):
     return procs
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, None, None), (0.7, None, None), (1.3, 5, None), (1.0, None, 0.9), (0.8, 10, 0.5), (2.0, 1, 0.99),
-    (1.0, 200, 0.3), (0.5, 0, 1.0),
-])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [
+        (1.0, None, None),
+        (0.7, None, None),
+        (1.3, 5, None),
+        (1.0, None, 0.9),
+        (0.8, 10, 0.5),
+        (2.0, 1, 0.99),
+        (1.0, 200, 0.3),
+        (0.5, 0, 1.0),
+    ],
+)
 def test_filter_equals_transformers_warpers(temperature, top_k, top_p):
     g = torch.Generator().manual_seed(hash((temperature, top_k, top_p)) % 2**31)
     scores = torch.randn(6, 150, generator=g) * 3
@@ -81,12 +90,15 @@ def test_selector_finishes_rows_and_pads():
     assert sel(logits).tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
-    (dict(do_sample=True, top_k=-1), "top_k must be"),
-    (dict(do_sample=True, top_p=0.0), "top_p must be in"),
-    (dict(do_sample=True, top_p=1.5), "top_p must be in"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
+        (dict(do_sample=True, top_k=-1), "top_k must be"),
+        (dict(do_sample=True, top_p=0.0), "top_p must be in"),
+        (dict(do_sample=True, top_p=1.5), "top_p must be in"),
+    ],
+)
 def test_bad_sampling_settings(kw, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**kw)
@@ -139,8 +151,9 @@ def reference_sample(model, ids, mask, new, seed, temperature, top_k, top_p, eos
     return torch.cat([ids, torch.tensor(out).T], 1)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, 7, None), (1.2, None, 0.8),
-                                                       (0.9, 12, 0.9)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, None, None), (0.8, 7, None), (1.2, None, 0.8), (0.9, 12, 0.9)]
+)
 def test_generate_sampled_equals_reference(temperature, top_k, top_p):
     ref = hf.tiny_random_model("qwen3_moe", seed=4, vocab_size=VOCAB).eval()
     model = hf.convert(hf.tiny_random_model("qwen3_moe", seed=4, vocab_size=VOCAB).eval())  # one rank
@@ -159,8 +172,10 @@ def test_generate_sampled_equals_reference(temperature, top_k, top_p):
     assert torch.equal(again, got) and not torch.equal(other, got)
     # greedy on the same decoder path is unchanged: transformers' own greedy generate
     greedy = hf.generate(model, ids, 10, attention_mask=mask, eos_token_id=[], pad_token_id=0)
-    assert torch.equal(greedy, ref.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                                            eos_token_id=None, pad_token_id=0))
+    assert torch.equal(
+        greedy,
+        ref.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0),
+    )
 
 
 def test_generate_sampled_with_eos_equals_reference():
@@ -170,8 +185,7 @@ def test_generate_sampled_with_eos_equals_reference():
     mask = torch.ones_like(ids)
     free = reference_sample(ref, ids, mask, 12, 77, 1.0, 20, None, eos=[], pad=0)
     eos = [int(free[0, 5 + 2]), int(free[2, 5 + 5])]  # rows 0 and 2 finish early (others may too)
-    got = hf.generate(model, ids, 12, eos_token_id=eos, pad_token_id=0, do_sample=True, top_k=20, seed=77,
-                      sync_every=1)
+    got = hf.generate(model, ids, 12, eos_token_id=eos, pad_token_id=0, do_sample=True, top_k=20, seed=77, sync_every=1)
     want = reference_sample(ref, ids, mask, 12, 77, 1.0, 20, None, eos=eos, pad=0)
     assert torch.equal(got, want), (got[:, 5:], want[:, 5:])
     assert (got[0, 8:] == 0).all()
@@ -182,8 +196,17 @@ def test_token_choice_has_no_host_sync():
     nonzero, unique, masked_select... (checked at the dispatcher, on CPU)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    syncing = {"_local_scalar_dense", "nonzero", "_unique2", "unique_consecutive", "unique_dim", "masked_select",
-               "equal", "is_nonzero", "_assert_async"}
+    syncing = {
+        "_local_scalar_dense",
+        "nonzero",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "masked_select",
+        "equal",
+        "is_nonzero",
+        "_assert_async",
+    }
 
     class Probe(TorchDispatchMode):
         def __init__(self) -> None:

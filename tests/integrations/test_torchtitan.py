@@ -47,8 +47,9 @@ def _cpu_torchtitan() -> None:
 def _dims(world: int):
     from torchtitan.distributed import ParallelDims
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
-                        spmd_backend="partial_dtensor")
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world, spmd_backend="partial_dtensor"
+    )
     dims.build_mesh()
     return dims
 
@@ -60,13 +61,27 @@ def _moe_config(top_k: int):
     from torchtitan.models.common.moe_sharding import set_moe_sharding_config
     from torchtitan.models.qwen3 import _build_qwen3_moe_layers
 
-    layer = _build_qwen3_moe_layers(n_layers=1, dim=H, n_heads=2, n_kv_heads=1, head_dim=8, moe_hidden_dim=F,
-                                    num_experts=E, top_k=top_k, attn_backend="flex", moe_comm_backend="standard",
-                                    rope=CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e4))[0]
+    layer = _build_qwen3_moe_layers(
+        n_layers=1,
+        dim=H,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=8,
+        moe_hidden_dim=F,
+        num_experts=E,
+        top_k=top_k,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e4),
+    )[0]
     moe = layer.moe
     moe.load_balance_coeff = None
-    set_moe_sharding_config(moe, enable_ep=True, enable_sp=False,
-                            expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)})
+    set_moe_sharding_config(
+        moe,
+        enable_ep=True,
+        enable_sp=False,
+        expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)},
+    )
     return moe
 
 
@@ -74,17 +89,20 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _build_block(world, top_k, weights, placement=None, dispatcher=None, max_devices=None, occult_router=True,
-                 dims=None):
+def _build_block(
+    world, top_k, weights, placement=None, dispatcher=None, max_devices=None, occult_router=True, dims=None
+):
     """TorchTitan's MoE block with full weights (model order), EP over all ranks; occult's when `dispatcher`."""
-    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher
     from torchtitan.config.override import derive
+
+    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher
 
     cfg = _moe_config(top_k)
     if dispatcher is not None:
         td = cfg.routed_experts.token_dispatcher
         cfg.routed_experts.token_dispatcher = OccultTokenDispatcher.Config(
-            num_experts=E, top_k=top_k, dispatcher=dispatcher, placement=placement, max_devices=max_devices)
+            num_experts=E, top_k=top_k, dispatcher=dispatcher, placement=placement, max_devices=max_devices
+        )
         if occult_router:
             cfg.router = derive(cfg.router, OccultRouter.Config, max_devices=max_devices, placement=placement)
         assert td.num_experts == E
@@ -134,11 +152,16 @@ def _close(a, b, what, errors, rtol=RTOL, atol=ATOL):
 def _block_case(rank, world, seed, top_k, placement, tokens, dispatcher="dedup"):
     """One comparison; returns (errors, rows sent by this rank, sum_t C_T of this rank's tokens, T)."""
     import torch.distributed as dist
+
     from occult.moe.pruning import devices_per_token
 
     gen = torch.Generator().manual_seed(seed)
-    weights = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen) * 0.3,
-               torch.randn(E, H, F, generator=gen) * 0.3, torch.randn(E, F, H, generator=gen) * 0.3)
+    weights = (
+        torch.randn(E, H, generator=gen),
+        torch.randn(E, F, H, generator=gen) * 0.3,
+        torch.randn(E, H, F, generator=gen) * 0.3,
+        torch.randn(E, F, H, generator=gen) * 0.3,
+    )
     per_rank = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
     g_per_rank = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
     x, g = per_rank[rank], g_per_rank[rank]
@@ -205,10 +228,12 @@ def _cpu_attention() -> None:
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.models.common import attention
 
-    def causal_sdpa(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None,
-                    kernel_options=None):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                                enable_gqa=enable_gqa), None
+    def causal_sdpa(
+        q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None, kernel_options=None
+    ):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+        ), None
 
     attention.FlexAttention._compiled_flex_attn = causal_sdpa
     attention._compiled_create_block_mask = create_block_mask
@@ -218,22 +243,47 @@ def _tiny_qwen3_spec():
     """A tiny Qwen3-MoE `ModelSpec` (2 layers, 8 experts, top-2) as TorchTitan's registry builds one."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.qwen3 import (
-        _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm, parallelize_qwen3,
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+        parallelize_qwen3,
     )
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
     from torchtitan.protocols.model_spec import ModelSpec
 
     V = 64
     cfg = Qwen3Model.Config(
-        vocab_size=V, dim=H, norm=_qwen3_norm(H),
+        vocab_size=V,
+        dim=H,
+        norm=_qwen3_norm(H),
         tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=H, param_init=_EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=H, out_features=V, param_init=_LINEAR_INIT),
-        layers=_build_qwen3_moe_layers(n_layers=2, dim=H, n_heads=2, n_kv_heads=1, head_dim=8, moe_hidden_dim=F,
-                                       num_experts=E, top_k=2, attn_backend="flex", moe_comm_backend="standard",
-                                       rope=CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e4)))
+        layers=_build_qwen3_moe_layers(
+            n_layers=2,
+            dim=H,
+            n_heads=2,
+            n_kv_heads=1,
+            head_dim=8,
+            moe_hidden_dim=F,
+            num_experts=E,
+            top_k=2,
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e4),
+        ),
+    )
     set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=True)  # what update_from_config does for EP > 1
-    return ModelSpec(name="qwen3", flavor="tiny", model=cfg, parallelize_fn=parallelize_qwen3, pipelining_fn=None,
-                     post_optimizer_build_fn=None, state_dict_adapter=None)
+    return ModelSpec(
+        name="qwen3",
+        flavor="tiny",
+        model=cfg,
+        parallelize_fn=parallelize_qwen3,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=None,
+    )
 
 
 def _train_steps(spec, dims, state_dict, ids_BS, steps=2):
@@ -248,9 +298,15 @@ def _train_steps(spec, dims, state_dict, ids_BS, steps=2):
     model = spec.model.build()
     model.init_states(buffer_device=torch.device("cpu"))
     model.load_state_dict(state_dict)
-    model = spec.parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
-                                parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-                                compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
+    model = spec.parallelize_fn(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        compile_config=CompileConfig(enable=False),
+        ac_config=None,
+        dump_folder="/tmp",
+    )
     for m in model.modules():
         if isinstance(m, FSDPModule):  # gloo has no PREMUL_SUM
             m.set_force_sum_reduction_for_comms(True)
@@ -263,7 +319,9 @@ def _train_steps(spec, dims, state_dict, ids_BS, steps=2):
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        logits = _local(model(ids_BS[:, :-1], positions=pos_BS, attention_masks=model.get_attention_masks(positions=pos_BS)))
+        logits = _local(
+            model(ids_BS[:, :-1], positions=pos_BS, attention_masks=model.get_attention_masks(positions=pos_BS))
+        )
         loss, _ = loss_fn(logits, ids_BS[:, 1:], tokens)
         loss.backward()
         opt.step()
@@ -275,8 +333,9 @@ def _train_steps(spec, dims, state_dict, ids_BS, steps=2):
 
 def _training(rank, world, seed, placement_path):
     """Default dispatcher vs occult's, switched on by TorchTitan's override mechanism with a placement."""
-    from occult.integrations.torchtitan import OccultTokenDispatcher, to_placed_order
     from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    from occult.integrations.torchtitan import OccultTokenDispatcher, to_placed_order
 
     _cpu_attention()
     dims = _dims(world)
@@ -288,8 +347,9 @@ def _training(rank, world, seed, placement_path):
     ids_BS = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(seed + rank))
     ref_losses, _ = _train_steps(ref_spec, dims, state, ids_BS)
     target = "occult.integrations.torchtitan.occult_moe"
-    lines = apply_overrides(OverrideConfig(imports=[(target, {"dispatcher": "dedup", "placement": placement_path})]),
-                            occ_spec)
+    lines = apply_overrides(
+        OverrideConfig(imports=[(target, {"dispatcher": "dedup", "placement": placement_path})]), occ_spec
+    )
     occ_losses, model = _train_steps(occ_spec, dims, to_placed_order(state, placement_path), ids_BS)
     used = [type(b.moe.routed_experts.token_dispatcher) is OccultTokenDispatcher for b in model.layers.values()]
     return ref_losses, occ_losses, used, lines
@@ -314,13 +374,18 @@ def _spmd_types_block(rank, world, seed):
     from torchtitan.distributed import utils as tt_dist
 
     gen = torch.Generator().manual_seed(seed)
-    weights = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen) * 0.3,
-               torch.randn(E, H, F, generator=gen) * 0.3, torch.randn(E, F, H, generator=gen) * 0.3)
+    weights = (
+        torch.randn(E, H, generator=gen),
+        torch.randn(E, F, H, generator=gen) * 0.3,
+        torch.randn(E, H, F, generator=gen) * 0.3,
+        torch.randn(E, F, H, generator=gen) * 0.3,
+    )
     x = torch.randn(5 + rank, H, generator=torch.Generator().manual_seed(seed + rank))
     ref = _run_block(_build_block(world, 3, weights), x, torch.ones_like(x))
     tt_dist.set_spmd_backend("spmd_types")
-    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
-                        spmd_backend="spmd_types")
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world, spmd_backend="spmd_types"
+    )
     dims.build_mesh()
     placement = _random_placement(world, seed)
     with tt_dist.get_spmd_context(parallel_dims=dims)():
@@ -341,8 +406,12 @@ def _spmd_types_block(rank, world, seed):
 def _limit_without_router(rank, world, seed):
     """max_devices on the dispatcher behind TorchTitan's own (unlimited) router: an error on every rank."""
     gen = torch.Generator().manual_seed(seed)
-    weights = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen),
-               torch.randn(E, H, F, generator=gen), torch.randn(E, F, H, generator=gen))
+    weights = (
+        torch.randn(E, H, generator=gen),
+        torch.randn(E, F, H, generator=gen),
+        torch.randn(E, H, F, generator=gen),
+        torch.randn(E, F, H, generator=gen),
+    )
     moe = _build_block(world, E, weights, dispatcher="dedup", max_devices=1, occult_router=False)
     try:
         _run_block(moe, torch.randn(3, H), torch.ones(3, H))
@@ -353,12 +422,17 @@ def _limit_without_router(rank, world, seed):
 
 def _pruned_block(rank, world, seed):
     """max_devices=1 through occult's dispatcher vs TorchTitan's all-to-all behind the same pruned router."""
-    from occult.integrations.torchtitan import OccultRouter
     from torchtitan.config.override import derive
 
+    from occult.integrations.torchtitan import OccultRouter
+
     gen = torch.Generator().manual_seed(seed)
-    weights = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen) * 0.3,
-               torch.randn(E, H, F, generator=gen) * 0.3, torch.randn(E, F, H, generator=gen) * 0.3)
+    weights = (
+        torch.randn(E, H, generator=gen),
+        torch.randn(E, F, H, generator=gen) * 0.3,
+        torch.randn(E, H, F, generator=gen) * 0.3,
+        torch.randn(E, F, H, generator=gen) * 0.3,
+    )
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(seed + rank))
     placement = _random_placement(world, seed)
     cfg = _moe_config(3)
@@ -400,8 +474,9 @@ def test_block_and_training_step_on_2_ranks(tmp_path):
 
 
 def _router_config(top_k, max_devices, placement):
-    from occult.integrations.torchtitan import OccultRouter
     from torchtitan.config.override import derive
+
+    from occult.integrations.torchtitan import OccultRouter
 
     return derive(_moe_config(top_k).router, OccultRouter.Config, max_devices=max_devices, placement=placement)
 
@@ -435,14 +510,13 @@ def test_pruning_equals_occult_max_devices_routing(max_devices):
 def test_install_and_override_on_qwen3_and_deepseek_v3_specs(tmp_path):
     """Every MoE block of TorchTitan's registry specs gets occult's dispatcher and router (layer i: placement layer
     i); the model's own router settings stay; bad input is refused when installing."""
-    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher, install
-    from occult.placement import PlacementError
-    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.config.override import OverrideConfig, apply_overrides, parse_cli_imports
     from torchtitan.models.common.moe import MoE
     from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3
     from torchtitan.models.qwen3 import model_registry as qwen3
 
-    from torchtitan.config.override import parse_cli_imports
+    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher, install
+    from occult.placement import PlacementError
 
     spec = deepseek_v3("debugmodel")
     before = [cfg.router for _, cfg, _, _ in spec.model.traverse(MoE.Config)]
@@ -470,7 +544,9 @@ def test_install_and_override_on_qwen3_and_deepseek_v3_specs(tmp_path):
         install(model_cfg, transport="nvshmem")
     model_cfg = qwen3("debugmodel_moe").model
     assert install(model_cfg, transport="device") == 8  # checked where the EP group is built (NCCL, one host)
-    assert {cfg.routed_experts.token_dispatcher.transport for _, cfg, _, _ in model_cfg.traverse(MoE.Config)} == {"device"}
+    assert {cfg.routed_experts.token_dispatcher.transport for _, cfg, _, _ in model_cfg.traverse(MoE.Config)} == {
+        "device"
+    }
 
 
 def test_router_refuses_tensor_parallelism_and_state_dicts_reorder():
@@ -485,31 +561,43 @@ def test_router_refuses_tensor_parallelism_and_state_dicts_reorder():
     with pytest.raises(ValueError, match="max_devices=1 EP ranks hold only 2 experts"):
         _router_config(3, 1, _random_placement(4, 1)).build()
     placement = _random_placement(4, 3)
-    state = {f"layers.{i}.moe.routed_experts.inner_experts.{n}": torch.randn(E, 3) for i in (0, 1)
-             for n in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    state = {
+        f"layers.{i}.moe.routed_experts.inner_experts.{n}": torch.randn(E, 3)
+        for i in (0, 1)
+        for n in ("w1_EFD", "w2_EDF", "w3_EFD")
+    }
     state["layers.0.attention.wo.weight"] = torch.randn(2, 2)
     placed = to_placed_order(state, placement)
     for r in range(4):  # TorchTitan's EP gives rank r the r-th block of E/4 rows: the placement's experts of rank r
-        block = placed["layers.1.moe.routed_experts.inner_experts.w2_EDF"][r * 2:(r + 1) * 2]
-        assert torch.equal(block, state["layers.1.moe.routed_experts.inner_experts.w2_EDF"][placement.experts_on_device(r).copy()])
+        block = placed["layers.1.moe.routed_experts.inner_experts.w2_EDF"][r * 2 : (r + 1) * 2]
+        assert torch.equal(
+            block, state["layers.1.moe.routed_experts.inner_experts.w2_EDF"][placement.experts_on_device(r).copy()]
+        )
     back = to_model_order(placed, placement)
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
 def test_one_rank_without_expert_parallelism_uses_the_placed_order():
     """EP = 1 (no EP mesh): TorchTitan's local reordering, experts in placed order; the same block function."""
-    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher
     from torchtitan.config.override import derive
+
+    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher
 
     _cpu_torchtitan()
     gen = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
-    gate, w1, w2, w3 = (torch.randn(E, H, generator=gen), torch.randn(E, F, H, generator=gen) * 0.3,
-                        torch.randn(E, H, F, generator=gen) * 0.3, torch.randn(E, F, H, generator=gen) * 0.3)
+    gate, w1, w2, w3 = (
+        torch.randn(E, H, generator=gen),
+        torch.randn(E, F, H, generator=gen) * 0.3,
+        torch.randn(E, H, F, generator=gen) * 0.3,
+        torch.randn(E, F, H, generator=gen) * 0.3,
+    )
     placement, outs = _random_placement(4, 5), []
     for occult in (False, True):
         cfg = _moe_config(3)
         if occult:
-            cfg.routed_experts.token_dispatcher = OccultTokenDispatcher.Config(num_experts=E, top_k=3, placement=placement)
+            cfg.routed_experts.token_dispatcher = OccultTokenDispatcher.Config(
+                num_experts=E, top_k=3, placement=placement
+            )
             cfg.router = derive(cfg.router, OccultRouter.Config, placement=placement)
         moe = cfg.build()
         weights = [placement.apply(w) if occult else w for w in (w1, w2, w3)]

@@ -21,7 +21,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-triton = pytest.importorskip("triton", reason="triton is not importable: the Triton kernels cannot run (pip install triton)")
+triton = pytest.importorskip(
+    "triton", reason="triton is not importable: the Triton kernels cannot run (pip install triton)"
+)
 
 
 def _interpreter_usable() -> bool:
@@ -44,6 +46,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def run_file_in_fresh_process(path: str) -> None:
     """pytest on the test file `path` in a fresh process with the interpreter on; fails with its output."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -20,12 +20,21 @@ from occult.moe.plan import dedup_plan_torch, standard_plan_torch, static_dedup_
 def _case(num_tokens: int, top_k: int, num_devices: int, per_device: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     E = num_devices * per_device
-    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(num_tokens)]) if num_tokens else \
-        torch.zeros(0, top_k, dtype=torch.int64)
+    ids = (
+        torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(num_tokens)])
+        if num_tokens
+        else torch.zeros(0, top_k, dtype=torch.int64)
+    )
     if num_tokens and seed % 3 == 0:  # skewed: most tokens on device 0's experts
         ids[: num_tokens // 2] = torch.arange(top_k) % per_device
-        ids = torch.stack([torch.unique(r, sorted=False)[:top_k] if len(torch.unique(r)) == top_k else
-                           torch.randperm(E, generator=g)[:top_k] for r in ids])
+        ids = torch.stack(
+            [
+                torch.unique(r, sorted=False)[:top_k]
+                if len(torch.unique(r)) == top_k
+                else torch.randperm(E, generator=g)[:top_k]
+                for r in ids
+            ]
+        )
     device_E = torch.randperm(E, generator=g) % num_devices  # a random balanced placement
     slot_E = torch.empty(E, dtype=torch.int64)
     for d in range(num_devices):
@@ -35,11 +44,21 @@ def _case(num_tokens: int, top_k: int, num_devices: int, per_device: int, seed: 
 
 
 @needs_in_process
-@pytest.mark.parametrize("num_tokens,top_k,num_devices,per_device", [
-    (0, 2, 2, 4), (1, 1, 1, 4), (7, 2, 2, 4), (37, 4, 4, 4), (130, 8, 4, 16), (64, 8, 8, 8),
-    (19, 3, 3, 2), (50, 6, 2, 3),  # top-k = all experts
-    (33, 2, 16, 2), (300, 8, 2, 32),
-])
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_devices,per_device",
+    [
+        (0, 2, 2, 4),
+        (1, 1, 1, 4),
+        (7, 2, 2, 4),
+        (37, 4, 4, 4),
+        (130, 8, 4, 16),
+        (64, 8, 8, 8),
+        (19, 3, 3, 2),
+        (50, 6, 2, 3),  # top-k = all experts
+        (33, 2, 16, 2),
+        (300, 8, 2, 32),
+    ],
+)
 def test_triton_plan_equals_torch_plan(num_tokens, top_k, num_devices, per_device):
     from occult.kernels.plan import dedup_plan_rows
 
@@ -56,9 +75,18 @@ def test_triton_plan_equals_torch_plan(num_tokens, top_k, num_devices, per_devic
 
 
 @needs_in_process
-@pytest.mark.parametrize("num_tokens,top_k,num_devices,per_device", [
-    (0, 2, 2, 4), (1, 1, 1, 4), (7, 2, 2, 4), (37, 4, 4, 4), (130, 8, 4, 16), (19, 3, 3, 2), (33, 2, 16, 2),
-])
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_devices,per_device",
+    [
+        (0, 2, 2, 4),
+        (1, 1, 1, 4),
+        (7, 2, 2, 4),
+        (37, 4, 4, 4),
+        (130, 8, 4, 16),
+        (19, 3, 3, 2),
+        (33, 2, 16, 2),
+    ],
+)
 def test_triton_standard_plan_equals_torch_plan(num_tokens, top_k, num_devices, per_device):
     from occult.kernels.plan import standard_plan_rows
 
@@ -66,17 +94,30 @@ def test_triton_standard_plan_equals_torch_plan(num_tokens, top_k, num_devices, 
     ids, device_E, slot_E = _case(num_tokens, top_k, num_devices, per_device, seed)
     ref = standard_plan_torch(ids, device_E, slot_E, num_devices)
     got = standard_plan_rows(ids, device_E, slot_E, num_devices)
-    for name, a, b in zip(("token_P", "entry_PK", "slot_PK", "send_counts_D", "row_TJ"), got,
-                          (ref.token_P, ref.entry_PK, ref.slot_PK, ref.send_counts_D, ref.row_TJ)):
+    for name, a, b in zip(
+        ("token_P", "entry_PK", "slot_PK", "send_counts_D", "row_TJ"),
+        got,
+        (ref.token_P, ref.entry_PK, ref.slot_PK, ref.send_counts_D, ref.row_TJ),
+    ):
         assert a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), f"{name}, seed {seed}"
 
 
 @needs_in_process
 @pytest.mark.parametrize("deduplicated", [True, False])
-@pytest.mark.parametrize("num_tokens,top_k,num_devices,per_device", [
-    (1, 1, 2, 4), (1, 8, 2, 32), (7, 2, 2, 4), (37, 4, 4, 4), (19, 3, 3, 2), (50, 6, 2, 3),  # top-k = all
-    (64, 8, 2, 32), (33, 2, 16, 2), (1, 4, 8, 1),
-])
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_devices,per_device",
+    [
+        (1, 1, 2, 4),
+        (1, 8, 2, 32),
+        (7, 2, 2, 4),
+        (37, 4, 4, 4),
+        (19, 3, 3, 2),
+        (50, 6, 2, 3),  # top-k = all
+        (64, 8, 2, 32),
+        (33, 2, 16, 2),
+        (1, 4, 8, 1),
+    ],
+)
 def test_one_launch_plan_equals_torch_plan_and_status(deduplicated, num_tokens, top_k, num_devices, per_device):
     """`routed_plan_rows` (the decode-sized plan with the routing status, one program) == the torch
     plan of the clamped ids and `routing_status`, field by field, on good and on bad routing."""
@@ -102,8 +143,11 @@ def test_one_launch_plan_equals_torch_plan_and_status(deduplicated, num_tokens, 
     *got, status = routed_plan_rows(ids, weights, device_E, slot_E, num_devices, pairs=not deduplicated)
     where = f"seed {seed}, bad {bad}"
     assert int(status) == int(ref_status) == (0, 1, 2, 2)[bad], where
-    for name, a, b in zip(("token_P", "entry_PK", "slot_PK", "send_counts_D", "row_TJ"), got,
-                          (ref.token_P, ref.entry_PK, ref.slot_PK, ref.send_counts_D, ref.row_TJ)):
+    for name, a, b in zip(
+        ("token_P", "entry_PK", "slot_PK", "send_counts_D", "row_TJ"),
+        got,
+        (ref.token_P, ref.entry_PK, ref.slot_PK, ref.send_counts_D, ref.row_TJ),
+    ):
         assert a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), f"{name}, {where}"
 
 
@@ -134,10 +178,20 @@ def test_one_launch_slots_equal_torch_and_status(num_tokens, top_k, num_experts)
 
 @needs_in_process
 @pytest.mark.parametrize("standard", [False, True])
-@pytest.mark.parametrize("num_tokens,top_k,num_devices,per_device", [
-    (1, 1, 2, 4), (1, 8, 2, 32), (7, 2, 2, 4), (37, 4, 4, 4), (19, 3, 3, 2), (50, 6, 2, 3), (16, 8, 2, 32),
-    (33, 2, 16, 2), (1, 4, 8, 1),
-])
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_devices,per_device",
+    [
+        (1, 1, 2, 4),
+        (1, 8, 2, 32),
+        (7, 2, 2, 4),
+        (37, 4, 4, 4),
+        (19, 3, 3, 2),
+        (50, 6, 2, 3),
+        (16, 8, 2, 32),
+        (33, 2, 16, 2),
+        (1, 4, 8, 1),
+    ],
+)
 def test_one_launch_fixed_plan_equals_torch(standard, num_tokens, top_k, num_devices, per_device):
     """`fixed_plan_rows` (the sync-free plans in one program) == `static_dedup_plan` / `static_standard_plan`
     of the clamped ids, field by field (ids out of range clamped as `clamp_ids` does)."""
@@ -155,8 +209,11 @@ def test_one_launch_fixed_plan_equals_torch(standard, num_tokens, top_k, num_dev
     planner = static_standard_plan if standard else static_dedup_plan
     ref = planner(clamped, device_E, slot_E, num_devices, per_device)
     got = fixed_plan_rows(ids, device_E, slot_E, num_devices, J)
-    for name, a, b in zip(("token_P", "entry_PK", "slot_PK", "send_counts_D", "row_TJ"), got,
-                          (ref.token_P, ref.entry_PK, ref.slot_PK, ref.send_counts_D, ref.row_TJ)):
+    for name, a, b in zip(
+        ("token_P", "entry_PK", "slot_PK", "send_counts_D", "row_TJ"),
+        got,
+        (ref.token_P, ref.entry_PK, ref.slot_PK, ref.send_counts_D, ref.row_TJ),
+    ):
         assert a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), f"{name}, seed {seed}"
 
 

@@ -37,17 +37,52 @@ def _stores(fn, signature: dict, constexprs: dict, aligned_args: tuple[int, ...]
 def _compile_both() -> dict[str, list[str]]:
     from occult.kernels import pack, push
 
-    pack_sig = {"x_ptr": "*bf16", "token_ptr": "*i64", "w_ptr": "*fp32", "entry_ptr": "*i64", "slot_ptr": "*i32",
-                "counts_ptr": "*i64", "status_ptr": "*i64", "peer_rows_ptr": "*i64", "peer_counts_ptr": "*i64",
-                "K": "i32", "x_stride": "i32", "rank": "i32", "stride_rows": "i32", "row_bytes": "i32",
-                "gate_byte": "i32", "slot_byte": "i32", "D": "i32", "status_slot": "i32", "H": "constexpr",
-                "BLOCK_H": "constexpr", "K_POW2": "constexpr", "D_POW2": "constexpr", "HAS_STATUS": "constexpr"}
+    pack_sig = {
+        "x_ptr": "*bf16",
+        "token_ptr": "*i64",
+        "w_ptr": "*fp32",
+        "entry_ptr": "*i64",
+        "slot_ptr": "*i32",
+        "counts_ptr": "*i64",
+        "status_ptr": "*i64",
+        "peer_rows_ptr": "*i64",
+        "peer_counts_ptr": "*i64",
+        "K": "i32",
+        "x_stride": "i32",
+        "rank": "i32",
+        "stride_rows": "i32",
+        "row_bytes": "i32",
+        "gate_byte": "i32",
+        "slot_byte": "i32",
+        "D": "i32",
+        "status_slot": "i32",
+        "H": "constexpr",
+        "BLOCK_H": "constexpr",
+        "K_POW2": "constexpr",
+        "D_POW2": "constexpr",
+        "HAS_STATUS": "constexpr",
+    }
     pack_const = {"H": 2048, "BLOCK_H": 1024, "K_POW2": 8, "D_POW2": 2, "HAS_STATUS": True}
     pointers = tuple(range(9))
-    push_sig = {"src_ptr": "*i32", "counts_ptr": "*i64", "status_ptr": "*i64", "peer_rows_ptr": "*i64",
-                "peer_counts_ptr": "*i64", "rank": "i32", "stride_rows": "i32", "src_stride": "i32", "D": "i32",
-                "status_slot": "i32", "W": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr",
-                "NUM_BLOCKS": "constexpr", "PACKED": "constexpr", "D_POW2": "constexpr", "HAS_STATUS": "constexpr"}
+    push_sig = {
+        "src_ptr": "*i32",
+        "counts_ptr": "*i64",
+        "status_ptr": "*i64",
+        "peer_rows_ptr": "*i64",
+        "peer_counts_ptr": "*i64",
+        "rank": "i32",
+        "stride_rows": "i32",
+        "src_stride": "i32",
+        "D": "i32",
+        "status_slot": "i32",
+        "W": "constexpr",
+        "BLOCK_R": "constexpr",
+        "BLOCK_W": "constexpr",
+        "NUM_BLOCKS": "constexpr",
+        "PACKED": "constexpr",
+        "D_POW2": "constexpr",
+        "HAS_STATUS": "constexpr",
+    }
     push_const = {"BLOCK_R": 4, "BLOCK_W": 1024, "NUM_BLOCKS": 64, "PACKED": False, "D_POW2": 2, "HAS_STATUS": False}
     return {
         # x_stride, stride_rows, row_bytes divisible by 16 (rows of whole 64-byte lines)

@@ -21,8 +21,12 @@ from occult.kernels.push import push_rows, region_rows
 def _peers(D, stride, W):
     bufs = [torch.full((D * stride, W), 255, dtype=torch.uint8, device=DEVICE) for _ in range(D)]
     counts = [torch.full((D,), -1, dtype=torch.int64, device=DEVICE) for _ in range(D)]
-    return bufs, counts, torch.tensor([b.data_ptr() for b in bufs], device=DEVICE), \
-        torch.tensor([c.data_ptr() for c in counts], device=DEVICE)
+    return (
+        bufs,
+        counts,
+        torch.tensor([b.data_ptr() for b in bufs], device=DEVICE),
+        torch.tensor([c.data_ptr() for c in counts], device=DEVICE),
+    )
 
 
 @needs_in_process
@@ -88,15 +92,19 @@ def test_region_sums_equal_plan_order_sums():
         row_TJ[t, j] = p
     regions_RH = torch.randn(D * stride, H, generator=gen)
     starts = torch.cumsum(counts_D, 0) - counts_D
-    plan_PH = torch.stack([regions_RH[d * stride + i] for d in range(D) for i in range(int(counts_D[d]))]) \
-        if total else torch.zeros(0, H)
+    plan_PH = (
+        torch.stack([regions_RH[d * stride + i] for d in range(D) for i in range(int(counts_D[d]))])
+        if total
+        else torch.zeros(0, H)
+    )
     expected = torch.stack([sum((plan_PH[p] for p in row_TJ[t].tolist() if p >= 0), torch.zeros(H)) for t in range(T)])
     rows_TJ = region_rows(row_TJ.to(DEVICE), counts_D.to(DEVICE), stride)
     got = gather_sum(regions_RH.to(DEVICE), rows_TJ, torch.float32).cpu()
     assert torch.allclose(got, expected, atol=1e-6), (counts_D.tolist(), starts.tolist())
     # the same with the region rows found in the sum's own launch (the combine's path)
-    fused = gather_sum(regions_RH.to(DEVICE), row_TJ.to(DEVICE), torch.float32,
-                       regions=(counts_D.to(DEVICE), stride)).cpu()
+    fused = gather_sum(
+        regions_RH.to(DEVICE), row_TJ.to(DEVICE), torch.float32, regions=(counts_D.to(DEVICE), stride)
+    ).cpu()
     assert torch.allclose(fused, expected, atol=1e-6), (counts_D.tolist(), starts.tolist())
 
 
@@ -110,8 +118,16 @@ def test_status_lands_in_each_peers_status_slot():
     for rank, status in enumerate((0, 2, 1)):
         send_D = torch.tensor([1, 2, 0])
         src = torch.zeros((3, W), dtype=torch.uint8)
-        push_rows(src.to(DEVICE), send_D.to(DEVICE), peer_rows, peer_counts, rank, stride,
-                  status=torch.tensor(status, device=DEVICE), status_slot=D)
+        push_rows(
+            src.to(DEVICE),
+            send_D.to(DEVICE),
+            peer_rows,
+            peer_counts,
+            rank,
+            stride,
+            status=torch.tensor(status, device=DEVICE),
+            status_slot=D,
+        )
     for d in range(D):
         assert counts[d].tolist() == [[1, 2, 0][d]] * D + [0, 2, 1], (d, counts[d].tolist())
 
@@ -146,26 +162,30 @@ def test_pack_push_equals_pack_then_push(dtype):
             status = torch.tensor(rank + 1, device=DEVICE)
             args = [t.to(DEVICE) for t in (x_TH, token_P, weights_TK, entry_PK, slot_PK)]
             if fused:
-                pack_push_rows(*args, gate_byte, slot_byte, W, send_D.to(DEVICE), peer_rows, peer_counts, rank,
-                               stride, status, D)
+                pack_push_rows(
+                    *args, gate_byte, slot_byte, W, send_D.to(DEVICE), peer_rows, peer_counts, rank, stride, status, D
+                )
             else:
                 staging = torch.zeros((P, W), dtype=torch.uint8, device=DEVICE)
                 pack_rows(staging, args[0], args[1], args[2], args[3], args[4], gate_byte, slot_byte)
-                push_rows(staging, send_D.to(DEVICE), peer_rows, peer_counts, rank, stride, status=status,
-                          status_slot=D)
+                push_rows(
+                    staging, send_D.to(DEVICE), peer_rows, peer_counts, rank, stride, status=status, status_slot=D
+                )
         results.append(([b.cpu() for b in bufs], [c.cpu() for c in counts]))
     for d in range(D):
         assert torch.equal(results[0][1][d], results[1][1][d]), d
         used = slot_byte + 4 * K  # a row's bytes (its padding is never read: staging has zeros there)
         for r in range(D):
-            fused, staged = (results[i][0][d][r * stride:(r + 1) * stride, :used] for i in (0, 1))
+            fused, staged = (results[i][0][d][r * stride : (r + 1) * stride, :used] for i in (0, 1))
             assert torch.equal(fused, staged), (d, r)
 
 
 def test_rows_must_be_contiguous_whole_words():
     zeros = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    for bad in (torch.zeros((2, 6), dtype=torch.uint8, device=DEVICE),
-                torch.zeros((2, 16), dtype=torch.uint8, device=DEVICE)[:, :8]):
+    for bad in (
+        torch.zeros((2, 6), dtype=torch.uint8, device=DEVICE),
+        torch.zeros((2, 16), dtype=torch.uint8, device=DEVICE)[:, :8],
+    ):
         with pytest.raises(ValueError, match="4-byte words"):
             push_rows(bad, zeros, zeros, zeros, 0, 2)
 

@@ -34,7 +34,13 @@ def _inputs(R, K, E, H, F, dtype, *, slots=None, pad=0.3, gen=None):
     gates = torch.rand(R, K, generator=g)
     w1 = torch.randn(E, 2 * F, H, generator=g) / H**0.5
     w2 = torch.randn(E, H, F, generator=g) / F**0.5
-    return x.to(DEVICE, dtype), slots.to(DEVICE), gates.to(DEVICE, torch.float32), w1.to(DEVICE, dtype), w2.to(DEVICE, dtype)
+    return (
+        x.to(DEVICE, dtype),
+        slots.to(DEVICE),
+        gates.to(DEVICE, torch.float32),
+        w1.to(DEVICE, dtype),
+        w2.to(DEVICE, dtype),
+    )
 
 
 def _reference(x, slots, gates, w1, w2):

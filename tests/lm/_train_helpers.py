@@ -24,8 +24,18 @@ MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_experts=8, top_k=2, 
 # A non-contiguous placement: device of each expert, per layer.
 PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
 RTOL = 1e-5  # against one process (adam eps 1e-6: test_parallel.py's docstring says why)
-TRAIN = dict(steps=20, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=3, eval_every=10, save_every=10,
-             eval_tokens=512, device="cpu", adam_eps=1e-6)
+TRAIN = dict(
+    steps=20,
+    batch_size=4,
+    seq_len=32,
+    lr=3e-3,
+    warmup_steps=3,
+    eval_every=10,
+    save_every=10,
+    eval_tokens=512,
+    device="cpu",
+    adam_eps=1e-6,
+)
 
 
 def load_tiny() -> TokenData:
@@ -56,8 +66,15 @@ def snapshot(model: OccultLM, result: Any) -> dict:
     }
 
 
-def run(par: Any, data: TokenData, out: Path, placement: Any = None, seed: int = 0,
-        cfg: Callable[..., TrainConfig] = train_config, **kw: Any) -> dict:
+def run(
+    par: Any,
+    data: TokenData,
+    out: Path,
+    placement: Any = None,
+    seed: int = 0,
+    cfg: Callable[..., TrainConfig] = train_config,
+    **kw: Any,
+) -> dict:
     """Train a model seeded `seed`, sharded by `placement`, with `cfg(**kw["config"])` on `par` (the rest
     of `kw` goes to `train`); its snapshot."""
     torch.manual_seed(seed)

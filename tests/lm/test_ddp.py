@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _train_helpers import PLACEMENT, RTOL, assert_matches, config, one_process, rel, run
+from _train_helpers import train_config as cfg
 from torch.nn.parallel import DistributedDataParallel
 
 from occult.distributed import run_ranks
@@ -36,9 +38,6 @@ from occult.lm.parallel import (
 )
 from occult.lm.train import TrainConfig, make_optimizer, trainable_names
 from occult.placement import Placement
-
-from _train_helpers import PLACEMENT, RTOL, assert_matches, config, one_process, rel, run
-from _train_helpers import train_config as cfg
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -68,7 +67,11 @@ def _one_step(par, data, use_ddp: bool) -> dict:
     out = forward(x, y, return_logits=False)
     (out.loss + cfg().aux_loss_coef * out.aux_loss).backward()
     sync_gradients(model, par, replicated=False)
-    return {"grads": _grads(model), "ids": {n: i.numpy().copy() for n, (_, i) in model.expert_parameters().items()}, **info}
+    return {
+        "grads": _grads(model),
+        "ids": {n: i.numpy().copy() for n, (_, i) in model.expert_parameters().items()},
+        **info,
+    }
 
 
 def ddp_worker(rank: int, world_size: int, data, root: str) -> dict:
@@ -78,8 +81,13 @@ def ddp_worker(rank: int, world_size: int, data, root: str) -> dict:
     out = {"grads": _one_step(par, data, True), "plain": _one_step(par, data, False)}
     for sync in ("ddp", "explicit"):
         out[f"ep2-{sync}"] = run(par, data, root_p / f"ep2-{sync}", p2, config=dict(grad_sync=sync))
-        out[f"moe-{sync}"] = run(par, data, root_p / f"moe-{sync}", p2,
-                                 config=dict(grad_sync=sync, moe_only=True, steps=10, eval_every=5, save_every=0))
+        out[f"moe-{sync}"] = run(
+            par,
+            data,
+            root_p / f"moe-{sync}",
+            p2,
+            config=dict(grad_sync=sync, moe_only=True, steps=10, eval_every=5, save_every=0),
+        )
     run(par, data, root_p / "stop", p2, stop_after=10)
     if rank == 0:
         shutil.copytree(root_p / "stop", root_p / "stop1")
@@ -129,7 +137,8 @@ def test_ddp_equals_explicit_and_one_process(ranks):
     single = ranks["single"]
     for rank, out in enumerate(ranks["ranks"]):
         assert sorted(out["ep2-ddp"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [
-            i for i, d in enumerate(PLACEMENT[0]) if d == rank]
+            i for i, d in enumerate(PLACEMENT[0]) if d == rank
+        ]
         assert len(out["ep1-ddp"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == 8
         for layout in ("ep2", "ep1"):
             assert_matches(out[f"{layout}-ddp"], single["full"], RTOL)
@@ -169,8 +178,15 @@ def test_ddp_buffer_switch_follows_the_installed_torch(monkeypatch):
     assert grads.no_buffer_sync() in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
 
     class OldDDP:
-        def __init__(self, module, device_ids=None, broadcast_buffers=True, init_sync=True, process_group=None,
-                     gradient_as_bucket_view=False):
+        def __init__(
+            self,
+            module,
+            device_ids=None,
+            broadcast_buffers=True,
+            init_sync=True,
+            process_group=None,
+            gradient_as_bucket_view=False,
+        ):
             pass
 
     monkeypatch.setattr(grads, "DistributedDataParallel", OldDDP)

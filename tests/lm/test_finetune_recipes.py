@@ -28,16 +28,24 @@ FT = dict(steps=6, eval_every=3, save_every=0, lr=3e-3, warmup_steps=1, moe_only
 def base(data, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("recipes")
     torch.manual_seed(0)
-    train(OccultLM(config(data)), data, train_config(steps=10, eval_every=0, save_every=0), root / "base",
-          progress=False, log=None, plot=False)
+    train(
+        OccultLM(config(data)),
+        data,
+        train_config(steps=10, eval_every=0, save_every=0),
+        root / "base",
+        progress=False,
+        log=None,
+        plot=False,
+    )
     return root / "base" / FINAL
 
 
 def tune(base: Path, data, out: Path, n: int | None = 1, method: str = "score", **kw):
     """(model, result) of a fine-tune of `base` limited to `n` of PLACE4's devices."""
     cfg = train_config(**{**FT, **kw})
-    return finetune(base, data, cfg, out, max_devices=n, placement=PLACE4 if n else None, method=method,
-                    progress=False, log=None)
+    return finetune(
+        base, data, cfg, out, max_devices=n, placement=PLACE4 if n else None, method=method, progress=False, log=None
+    )
 
 
 def params(model: OccultLM) -> dict[str, torch.Tensor]:
@@ -48,7 +56,8 @@ def test_distill_weight_zero_is_plain_finetuning_bit_for_bit(base, data, tmp_pat
     plain_m, plain = tune(base, data, tmp_path / "plain")
     zero_m, zero = tune(base, data, tmp_path / "zero", distill_weight=0.0, distill_temperature=2.0)
     assert zero.train_losses == plain.train_losses and [h["val_loss"] for h in zero.history] == [
-        h["val_loss"] for h in plain.history]
+        h["val_loss"] for h in plain.history
+    ]
     assert all(torch.equal(p, params(plain_m)[n]) for n, p in params(zero_m).items())
     # (the tiny base's MoE output moves the logits little: KL ~1e-8, so a large weight to see it)
     dist_m, dist = tune(base, data, tmp_path / "dist", distill_weight=1000.0)
@@ -72,8 +81,10 @@ def test_the_teacher_is_the_same_weights_with_standard_routing(base, data):
     assert torch.allclose(out.total, want, rtol=1e-6) and torch.equal(out.logged, student.loss)
     assert all(r.max_devices == 1 for r in model.routers())  # the limit is back after the teacher's forward
     assert float(distill_kl(teacher, teacher, 3.0)) == 0.0
-    manual = (torch.softmax(teacher / 2, -1) * (torch.log_softmax(teacher / 2, -1) -
-                                                 torch.log_softmax(student.logits / 2, -1))).sum(-1).mean() * 4
+    manual = (
+        torch.softmax(teacher / 2, -1)
+        * (torch.log_softmax(teacher / 2, -1) - torch.log_softmax(student.logits / 2, -1))
+    ).sum(-1).mean() * 4
     assert float(distill_kl(student.logits, teacher, 2.0).detach()) == pytest.approx(float(manual.detach()), rel=1e-5)
 
 
@@ -133,13 +144,50 @@ def test_seeded_cli_train_and_finetune_repeat_bit_for_bit(tmp_path, capsys):
 
     PLACE4.save(tmp_path / "p4.json")
     model = ["--hidden", "32", "--layers", "2", "--heads", "2", "--experts", "8", "--top-k", "2", "--expert-ffn", "16"]
-    common = ["--corpus-dir", str(TINY), "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--eval-tokens", "256",
-              "--device", "cpu", "--no-progress", "--seed", "3"]
+    common = [
+        "--corpus-dir",
+        str(TINY),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "3",
+        "--eval-tokens",
+        "256",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--seed",
+        "3",
+    ]
     for run in ("a", "b"):
         assert main(["train", *model, *common, "--steps", "6", "--out", str(tmp_path / f"train-{run}")]) == 0
-        assert main(["finetune", "--init", str(tmp_path / f"train-{run}" / FINAL), *common, "--steps", "4",
-                     "--out", str(tmp_path / f"ft-{run}"), "--placement", str(tmp_path / "p4.json"), "--max-devices", "1",
-                     "--prune-method", "mass", "--distill-weight", "0.5", "--distill-temperature", "2"]) == 0
+        assert (
+            main(
+                [
+                    "finetune",
+                    "--init",
+                    str(tmp_path / f"train-{run}" / FINAL),
+                    *common,
+                    "--steps",
+                    "4",
+                    "--out",
+                    str(tmp_path / f"ft-{run}"),
+                    "--placement",
+                    str(tmp_path / "p4.json"),
+                    "--max-devices",
+                    "1",
+                    "--prune-method",
+                    "mass",
+                    "--distill-weight",
+                    "0.5",
+                    "--distill-temperature",
+                    "2",
+                ]
+            )
+            == 0
+        )
     capsys.readouterr()
     for kind in ("train", "ft"):
         a, b = tmp_path / f"{kind}-a", tmp_path / f"{kind}-b"
@@ -158,14 +206,37 @@ def _twice_worker(rank: int, world_size: int, data, root: str) -> dict:
     for run in ("a", "b"):
         torch.manual_seed(4)
         model = shard_model(full_model(config(data), par), par, p2)
-        res = train(model, data, train_config(steps=8, eval_every=4, save_every=0), root_p / f"train-{run}",
-                    parallel=par, progress=False, log=None, plot=False)
+        res = train(
+            model,
+            data,
+            train_config(steps=8, eval_every=4, save_every=0),
+            root_p / f"train-{run}",
+            parallel=par,
+            progress=False,
+            log=None,
+            plot=False,
+        )
         par.barrier()  # rank 0 wrote the weights file the fine-tune reads
         cfg = train_config(**{**FT, "distill_weight": 0.5, "train_part": "both"})
-        _, ft = finetune(root_p / f"train-{run}" / FINAL, data, cfg, root_p / f"ft-{run}", max_devices=1, placement=p2,
-                         method="mass", progress=False, log=None, parallel=par, ep_placement=p2)
-        out[run] = (res.train_losses, [h["val_loss"] for h in res.history], ft.train_losses,
-                    [h["val_loss"] for h in ft.history])
+        _, ft = finetune(
+            root_p / f"train-{run}" / FINAL,
+            data,
+            cfg,
+            root_p / f"ft-{run}",
+            max_devices=1,
+            placement=p2,
+            method="mass",
+            progress=False,
+            log=None,
+            parallel=par,
+            ep_placement=p2,
+        )
+        out[run] = (
+            res.train_losses,
+            [h["val_loss"] for h in res.history],
+            ft.train_losses,
+            [h["val_loss"] for h in ft.history],
+        )
     return out
 
 

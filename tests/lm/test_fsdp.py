@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _train_helpers import PLACEMENT, RTOL, assert_matches, config, one_process, rel, run, train_config
 
 from occult.distributed import run_ranks
 from occult.lm.data import train_batch
@@ -38,8 +39,6 @@ from occult.lm.parallel import (
 )
 from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
 from occult.placement import Placement
-
-from _train_helpers import PLACEMENT, RTOL, assert_matches, config, one_process, rel, run, train_config
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -89,8 +88,9 @@ def fsdp_worker(rank: int, world_size: int, data, root: str) -> dict:
         if rank == 0 and first == "fsdp":
             shutil.copytree(root_p / "stop-fsdp", root_p / "stop1")
         par.barrier()
-        out[f"{first}->{then}"] = _run(par, data, root_p / f"stop-{first}", p2, seed=9, resume=True,
-                                       config=dict(grad_sync=then))
+        out[f"{first}->{then}"] = _run(
+            par, data, root_p / f"stop-{first}", p2, seed=9, resume=True, config=dict(grad_sync=then)
+        )
     out["bf16"] = _bf16(par, data, root_p / "bf16")
     dp = setup_parallel(ep_size=1)
     out["ep1"] = _run(dp, data, root_p / "ep1")
@@ -105,8 +105,11 @@ def _bf16(par, data, out) -> dict:
     model.blocks[0].attn.qkv.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     c = cfg(steps=5, eval_every=0, save_every=0, precision="bf16")
     result = train(model, data, c, out, parallel=par, progress=False, log=None, plot=False)
-    return {"losses": result.train_losses, "compute": sorted({str(d) for d in seen}),
-            "master": sorted({str(p.dtype) for p in model.parameters()})}
+    return {
+        "losses": result.train_losses,
+        "compute": sorted({str(d) for d in seen}),
+        "master": sorted({str(p.dtype) for p in model.parameters()}),
+    }
 
 
 def four_rank_worker(rank: int, world_size: int, data, root: str) -> dict:
@@ -119,8 +122,12 @@ def ranks(data, tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     ranks = run_ranks(fsdp_worker, 2, data, str(root), timeout_s=300)
     single = {}
-    for name, kw in (("full", {}), ("moe", dict(moe_only=True, steps=10, eval_every=5, save_every=0)),
-                     ("six", dict(steps=6, eval_every=3, save_every=0)), ("fp32", dict(steps=5, eval_every=0, save_every=0))):
+    for name, kw in (
+        ("full", {}),
+        ("moe", dict(moe_only=True, steps=10, eval_every=5, save_every=0)),
+        ("six", dict(steps=6, eval_every=3, save_every=0)),
+        ("fp32", dict(steps=5, eval_every=0, save_every=0)),
+    ):
         single[name] = one_process(data, cfg(**kw), root / f"single-{name}", plot=False)
     single["stop1"] = one_process(data, cfg(), root / "stop1", seed=5, resume=True)
     return {"root": root, "ranks": ranks, "single": single}
@@ -156,13 +163,17 @@ def test_fsdp_equals_one_process(ranks):
     """2 ranks, EP 2 (non-contiguous placement) and EP 1 (pure DP), 20 clipped steps; MoE-only 10 steps."""
     single = ranks["single"]
     for rank, out in enumerate(ranks["ranks"]):
-        assert sorted(out["ep2"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT[0]) if d == rank]
+        assert sorted(out["ep2"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [
+            i for i, d in enumerate(PLACEMENT[0]) if d == rank
+        ]
         assert len(out["ep1"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == 8
         assert_matches(out["ep2"], single["full"], RTOL)
         assert_matches(out["ep1"], single["full"], RTOL)
         assert_matches(out["moe"], single["moe"], RTOL, steps=10)
-        assert np.array_equal(out["moe"]["params"]["blocks.0.attn.qkv.weight"],
-                              ranks["single"]["moe"]["params"]["blocks.0.attn.qkv.weight"])  # frozen, untouched
+        assert np.array_equal(
+            out["moe"]["params"]["blocks.0.attn.qkv.weight"],
+            ranks["single"]["moe"]["params"]["blocks.0.attn.qkv.weight"],
+        )  # frozen, untouched
 
 
 def test_checkpoints_cross_between_fsdp_and_ddp(ranks):

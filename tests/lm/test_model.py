@@ -17,8 +17,9 @@ from occult.placement import Placement
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-CFG = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_experts=8, top_k=2,
-           expert_ffn_size=16, max_seq_len=24)
+CFG = dict(
+    vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_experts=8, top_k=2, expert_ffn_size=16, max_seq_len=24
+)
 
 
 def tiny(seed: int = 0, **kw) -> OccultLM:

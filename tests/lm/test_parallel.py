@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _train_helpers import MODEL, PLACEMENT, RTOL, TINY, config, one_process, snapshot
+from _train_helpers import run as _run
+from _train_helpers import train_config as cfg
 
 from occult.distributed import RankFailure, run_ranks
 from occult.lm.checkpoint import CheckpointError, load_model
@@ -33,10 +36,6 @@ from occult.lm.parallel import full_model, setup_parallel, shard_model
 from occult.lm.sharded import DCP_DIR, LATEST, find_sharded, load_sharded, read_sharded_meta, save_sharded
 from occult.lm.train import FINAL, PLOT, make_optimizer, train, trainable_names
 from occult.placement import Placement
-
-from _train_helpers import MODEL, PLACEMENT, RTOL, TINY, config, one_process, snapshot
-from _train_helpers import run as _run
-from _train_helpers import train_config as cfg
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -112,8 +111,16 @@ def test_two_ranks_equal_one_process(runs):
 def ep_dp_worker(rank: int, world_size: int, data, root: str) -> dict:
     par = setup_parallel(ep_size=2)
     assert (par.ep_rank, par.replicas) == (rank % 2, 2)
-    return {sync: _run(par, data, Path(root) / f"F-{sync}", Placement.from_lists(PLACEMENT, 2),
-                       config=dict(steps=10, eval_every=5, grad_sync=sync)) for sync in ("ddp", "explicit")}
+    return {
+        sync: _run(
+            par,
+            data,
+            Path(root) / f"F-{sync}",
+            Placement.from_lists(PLACEMENT, 2),
+            config=dict(steps=10, eval_every=5, grad_sync=sync),
+        )
+        for sync in ("ddp", "explicit")
+    }
 
 
 def test_ep_groups_times_data_parallel_replicas(data, tmp_path):
@@ -121,10 +128,14 @@ def test_ep_groups_times_data_parallel_replicas(data, tmp_path):
     single = one_process(data, cfg(steps=10, eval_every=5), tmp_path / "single")
     for rank, runs in enumerate(run_ranks(ep_dp_worker, 4, data, str(tmp_path), timeout_s=240)):
         out = runs["ddp"]
-        assert sorted(out["ids"]["blocks.1.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT[1]) if d == rank % 2]
+        assert sorted(out["ids"]["blocks.1.moe.moe.gate_up_proj"]) == [
+            i for i, d in enumerate(PLACEMENT[1]) if d == rank % 2
+        ]
         assert_matches(out, single, steps=10)
         assert_matches(runs["explicit"], single, steps=10)
-        np.testing.assert_allclose(out["losses"], runs["explicit"]["losses"], rtol=2e-6)  # DDP == explicit: 3e-7 measured
+        np.testing.assert_allclose(
+            out["losses"], runs["explicit"]["losses"], rtol=2e-6
+        )  # DDP == explicit: 3e-7 measured
         for name, p in out["params"].items():
             q = runs["explicit"]["params"][name]
             assert np.abs(p - q).max() <= 2e-6 * np.abs(q).max(), name
@@ -142,7 +153,9 @@ def two_level_worker(rank: int, world_size: int, data, root: str) -> dict:
     model = shard_model(full_model(config(data), par), par, placement, "dedup2")
     layers = list(model.moe_layers())
     assert all(isinstance(m.dispatcher, TwoLevelDispatcher) and m.dispatcher.num_nodes == 2 for m in layers)
-    result = train(model, data, cfg(steps=10, eval_every=5), Path(root) / "dedup2", parallel=par, progress=False, log=None)
+    result = train(
+        model, data, cfg(steps=10, eval_every=5), Path(root) / "dedup2", parallel=par, progress=False, log=None
+    )
     return snapshot(model, result)
 
 
@@ -150,7 +163,9 @@ def test_two_level_dispatcher_trains_like_one_process(data, tmp_path):
     """`occult train --dispatcher dedup2`: 4 ranks as 2 nodes x 2, non-contiguous placement == 1 process, 10 steps."""
     single = one_process(data, cfg(steps=10, eval_every=5), tmp_path / "single")
     for rank, out in enumerate(run_ranks(two_level_worker, 4, data, str(tmp_path), timeout_s=240)):
-        assert sorted(out["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [i for i, d in enumerate(PLACEMENT_4[0]) if d == rank]
+        assert sorted(out["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [
+            i for i, d in enumerate(PLACEMENT_4[0]) if d == rank
+        ]
         assert_matches(out, single, steps=10)
 
 
@@ -169,9 +184,13 @@ def test_two_level_cli_arguments_are_checked():
     assert ep_placement_from_args(Namespace(**{**args, "nodes": None}), par, 8, placed) is placed
     flat = Placement(np.array(PLACEMENT_4), 4)
     assert ep_placement_from_args(Namespace(**args), par, 8, flat).num_nodes == 2
-    for bad, match in [(dict(nodes=None), "needs the ranks' nodes"), (dict(nodes=3), "must be >= 2 and divide"),
-                       (dict(nodes=1), "must be >= 2"), (dict(replace_every=10), "does not support"),
-                       (dict(dispatcher="dedup"), "applies to --dispatcher dedup2 only")]:
+    for bad, match in [
+        (dict(nodes=None), "needs the ranks' nodes"),
+        (dict(nodes=3), "must be >= 2 and divide"),
+        (dict(nodes=1), "must be >= 2"),
+        (dict(replace_every=10), "does not support"),
+        (dict(dispatcher="dedup"), "applies to --dispatcher dedup2 only"),
+    ]:
         with pytest.raises(ValueError, match=match):
             ep_placement_from_args(Namespace(**{**args, **bad}), par, 8)
     with pytest.raises(ValueError, match="has 2 nodes"):
@@ -189,7 +208,9 @@ def test_resume_and_reshard(runs):
     c = runs["root"] / "C"
     assert (c / FINAL).exists() and (c / "checkpoint.safetensors").exists()
     latest = find_sharded(runs["root"] / "A")
-    assert latest.name == "step-00000020" and [p.name for p in latest.parent.iterdir() if p.name.startswith("step")] == [latest.name]
+    assert latest.name == "step-00000020" and [
+        p.name for p in latest.parent.iterdir() if p.name.startswith("step")
+    ] == [latest.name]
 
 
 def test_bad_checkpoints_are_clear_errors(runs, data, tmp_path):
@@ -300,13 +321,58 @@ def test_torchrun_cli_then_one_process(tmp_path, capsys):
     d = str(tmp_path / "data")
     assert main(["data", "prepare", "--out", d, "--corpus-dir", str(TINY), "--vocab-size", "300"]) == 0
     Placement.from_lists(PLACEMENT, 2).save(tmp_path / "p2.json")
-    args = ["train", "--corpus-dir", d, "--out", str(tmp_path / "run"), "--hidden", "32", "--layers", "2", "--heads", "2",
-            "--experts", "8", "--top-k", "2", "--expert-ffn", "16", "--steps", "4", "--batch-size", "4", "--seq-len", "32",
-            "--eval-every", "2", "--eval-tokens", "256", "--device", "cpu", "--no-progress"]
+    args = [
+        "train",
+        "--corpus-dir",
+        d,
+        "--out",
+        str(tmp_path / "run"),
+        "--hidden",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--expert-ffn",
+        "16",
+        "--steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "2",
+        "--eval-tokens",
+        "256",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "occult", *args,
-         "--ep-placement", str(tmp_path / "p2.json"), "--stop-after", "2"],
-        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "occult",
+            *args,
+            "--ep-placement",
+            str(tmp_path / "p2.json"),
+            "--stop-after",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "2 ranks: experts over 2 (dedup), 1 data-parallel replica(s); 2 of 4 rows per rank" in proc.stdout

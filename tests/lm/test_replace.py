@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _train_helpers import PLACEMENT as P0
+from _train_helpers import RTOL, config, train_config
 
 from occult.distributed import run_ranks
 from occult.lm.data import train_batch
@@ -35,9 +37,6 @@ from occult.lm.solve_job import SolveJob, SolverProcess, relabel, solve_placemen
 from occult.lm.train import TrainConfig, make_optimizer, train, trainable_names
 from occult.placement import Placement, PlacementError
 from occult.placement.synthetic import planted_trace
-
-from _train_helpers import PLACEMENT as P0
-from _train_helpers import RTOL, config, train_config
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -112,7 +111,9 @@ def migrate_worker(rank: int, world_size: int, data) -> dict:
     out["moved"], out["placement"] = stats.experts_moved, current_placement(a).expert_device_LE.tolist()
     out["local_ids"] = a.moe_layers()[0].local_expert_ids.tolist()
     held = {id(p) for g in opt_a.param_groups for p in g["params"]}
-    out["same_params"] = held == {id(p) for p in a.parameters()} and all(id(p) in held for p, _ in a.expert_parameters().values())
+    out["same_params"] = held == {id(p) for p in a.parameters()} and all(
+        id(p) in held for p, _ in a.expert_parameters().values()
+    )
     _step(a, opt_a, x, y, par)
     _step(b, opt_b, x, y, par)
     out["stepped_a"], out["stepped_b"] = _by_id(a, opt_a), _by_id(b, opt_b)
@@ -158,8 +159,9 @@ def test_fixed_batch_loss_and_state_unchanged_by_a_migration(migrations):
                 assert np.array_equal(out["state_layerwise"][k], out["state_after"][k]), k
     assert sorted(migrations[0]["local_ids"]) == [e for e, d in enumerate(P1[0]) if d == 0]
     # ... and the state is where the new placement says: rank 0 holds P1's rank-0 experts.
-    assert {int(k.rsplit("expert", 1)[1]) for k in migrations[0]["state_after"] if "blocks.0.moe.moe.down_proj.expert" in k} \
-        == {e for e, d in enumerate(P1[0]) if d == 0}
+    assert {
+        int(k.rsplit("expert", 1)[1]) for k in migrations[0]["state_after"] if "blocks.0.moe.moe.down_proj.expert" in k
+    } == {e for e, d in enumerate(P1[0]) if d == 0}
 
 
 def test_a_step_after_migration_equals_a_step_without(migrations):
@@ -199,9 +201,13 @@ def test_bad_placements_are_clear_errors_on_every_rank(migrations):
 # ------------------------------------------------------------------ training
 def _result(model, result) -> dict:
     tensors = gathered_tensors(model)
-    return {"losses": list(result.train_losses), "val": [h["val_loss"] for h in result.history],
-            "params": {k: v.numpy() for k, v in tensors.items()}, "migrations": result.migrations,
-            "placement": current_placement(model).expert_device_LE.tolist()}
+    return {
+        "losses": list(result.train_losses),
+        "val": [h["val_loss"] for h in result.history],
+        "params": {k: v.numpy() for k, v in tensors.items()},
+        "migrations": result.migrations,
+        "placement": current_placement(model).expert_device_LE.tolist(),
+    }
 
 
 def _train(par, data, out, seed=0, **kw):
@@ -288,8 +294,10 @@ def test_real_solver_inline(trainings):
         assert e["new_ct"] <= e["old_ct"] or e["event"] == "keep"
         assert (e["event"] == "migrate") == (e["gain"] > 0)
     broken = [json.loads(line) for line in (trainings["root"] / "broken" / LOG_FILE).read_text().splitlines()]
-    assert [(e["step"], e["error"]) for e in broken if e["event"] == "solver_failed"] == \
-        [(2, "the solver ran out of memory"), (4, "the solver ran out of memory")]
+    assert [(e["step"], e["error"]) for e in broken if e["event"] == "solver_failed"] == [
+        (2, "the solver ran out of memory"),
+        (4, "the solver ran out of memory"),
+    ]
     assert all(len(out["broken"]["losses"]) == 4 and not out["broken"]["migrations"] for out in trainings["ranks"])
     real = [out["real"] for out in trainings["ranks"]]
     assert real[0]["placement"] == real[1]["placement"] and real[0]["losses"] == real[1]["losses"]
@@ -308,7 +316,9 @@ def test_ep_groups_times_replicas_migrate_alike(data, tmp_path):
     """4 ranks = 2 EP groups x 2 replicas, migrations at 2, 4, 6 == 1 process without, 6 steps."""
     torch.manual_seed(0)
     ref = OccultLM(config(data))
-    single = _result(ref, train(ref, data, cfg(steps=6, eval_every=3, save_every=0), tmp_path / "single", progress=False, log=None))
+    single = _result(
+        ref, train(ref, data, cfg(steps=6, eval_every=3, save_every=0), tmp_path / "single", progress=False, log=None)
+    )
     outs = run_ranks(ep_dp_worker, 4, data, str(tmp_path), timeout_s=240)
     for out in outs:
         assert [m["step"] for m in out["migrations"]] == [2, 4, 6] and out["placement"] == outs[0]["placement"] != P0
@@ -359,11 +369,27 @@ def test_train_config_checks_and_cli():
     from occult.cli import build_parser
     from occult.cli.lm import _train_config
 
-    args = build_parser(chosen="train").parse_args(["train", "--out", "x", "--replace-every", "50", "--replace-min-gain", "0.05",
-                                      "--replace-drift", "0.1", "--replace-wait"])
+    args = build_parser(chosen="train").parse_args(
+        [
+            "train",
+            "--out",
+            "x",
+            "--replace-every",
+            "50",
+            "--replace-min-gain",
+            "0.05",
+            "--replace-drift",
+            "0.1",
+            "--replace-wait",
+        ]
+    )
     c = _train_config(args)
     from occult.cli import lm as C
 
     t = TrainConfig()
-    assert (C.REPLACE_MIN_GAIN, C.REPLACE_CHECK, C.REPLACE_SAMPLES) == (t.replace_min_gain, t.replace_check_every, t.replace_samples)
+    assert (C.REPLACE_MIN_GAIN, C.REPLACE_CHECK, C.REPLACE_SAMPLES) == (
+        t.replace_min_gain,
+        t.replace_check_every,
+        t.replace_samples,
+    )
     assert (c.replace_every, c.replace_min_gain, c.replace_drift, c.replace_wait) == (50, 0.05, 0.1, True)

@@ -35,8 +35,16 @@ def test_checkpoints_of_the_old_code_resume(run, tmp_path):
     make = _maker()
     shutil.copytree(OLD / run, tmp_path / run)
     want = json.loads((OLD / "reference.json").read_text())["lm_straight"]
-    res = train(make.lm_model(), make.lm_data(), TrainConfig(**make.LM_TRAIN), tmp_path / run, resume=True,
-                progress=False, log=None, plot=False)
+    res = train(
+        make.lm_model(),
+        make.lm_data(),
+        TrainConfig(**make.LM_TRAIN),
+        tmp_path / run,
+        resume=True,
+        progress=False,
+        log=None,
+        plot=False,
+    )
     assert res.step == 8 and len(res.train_losses) == 8 and (tmp_path / run / FINAL).exists()
     torch.testing.assert_close(torch.tensor(res.train_losses[:4]), torch.tensor(want[:4]), rtol=1e-6, atol=0)
     torch.testing.assert_close(torch.tensor(res.train_losses[4:]), torch.tensor(want[4:]), rtol=1e-5, atol=0)
@@ -45,8 +53,9 @@ def test_checkpoints_of_the_old_code_resume(run, tmp_path):
 
 def test_schedule_extension_keeps_the_rate_and_decays_to_the_new_end():
     base = CosineSchedule(lr=1.0, warmup_steps=10, steps=100, min_lr_ratio=0.1)
-    assert [base(s) for s in range(0, 101, 10)] == [lr_at(s, TrainConfig(steps=100, lr=1.0, warmup_steps=10))
-                                                   for s in range(0, 101, 10)]
+    assert [base(s) for s in range(0, 101, 10)] == [
+        lr_at(s, TrainConfig(steps=100, lr=1.0, warmup_steps=10)) for s in range(0, 101, 10)
+    ]
     longer = base.extended(60, 200)
     assert longer.restarts == ((60, base(60), 200),) and longer.total == 200
     assert all(longer(s) == base(s) for s in range(61))  # the steps done are unchanged
@@ -66,21 +75,33 @@ def test_resume_with_more_steps_continues_the_run(data, tmp_path):
     """`steps` 12 on a checkpoint of an 8-step run at step 5: the run goes on to 12, the schedule extended
     (kept in the checkpoint: stopping and resuming again gives the same weights as going straight on)."""
     from _train_helpers import config
+
     from occult.lm.model import OccultLM
 
     def model():
         torch.manual_seed(0)
         return OccultLM(config(data))
 
-    c = dict(steps=8, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4, eval_tokens=256,
-             device="cpu")
+    c = dict(
+        steps=8,
+        batch_size=4,
+        seq_len=32,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_every=4,
+        save_every=4,
+        eval_tokens=256,
+        device="cpu",
+    )
     first = train(model(), data, TrainConfig(**c), tmp_path / "a", stop_after=5, progress=False, log=None, plot=False)
     assert first.step == 5
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     longer = TrainConfig(**{**c, "steps": 12})
     logs: list[str] = []
     straight_model = model()
-    straight = train(straight_model, data, longer, tmp_path / "a", resume=True, progress=False, log=logs.append, plot=False)
+    straight = train(
+        straight_model, data, longer, tmp_path / "a", resume=True, progress=False, log=logs.append, plot=False
+    )
     assert straight.step == 12 and len(straight.train_losses) == 12 and (tmp_path / "a" / FINAL).exists()
     assert straight.train_losses[:5] == first.train_losses
     old_lr = lr_at(5, TrainConfig(**c))
@@ -105,9 +126,36 @@ def test_cli_resume_with_more_steps_and_the_stopped_runs_report(tmp_path, capsys
 
     d = str(tmp_path / "data")
     assert main(["data", "prepare", "--out", d, "--corpus-dir", str(TINY), "--vocab-size", "300"]) == 0
-    args = ["train", "--corpus-dir", d, "--out", str(tmp_path / "run"), "--hidden", "32", "--layers", "2", "--heads", "2",
-            "--experts", "8", "--top-k", "2", "--expert-ffn", "16", "--batch-size", "4", "--seq-len", "32",
-            "--eval-every", "2", "--eval-tokens", "256", "--device", "cpu", "--no-progress"]
+    args = [
+        "train",
+        "--corpus-dir",
+        d,
+        "--out",
+        str(tmp_path / "run"),
+        "--hidden",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--expert-ffn",
+        "16",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "2",
+        "--eval-tokens",
+        "256",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     capsys.readouterr()
     assert main([*args, "--steps", "4", "--stop-after", "3"]) == 0
     out = capsys.readouterr().out

@@ -36,8 +36,9 @@ def test_profiled_run_writes_its_summary_and_trains_the_same(tmp_path, data):
 
     seed = random.randrange(2**31)
     plain = one_process(data, train_config(steps=6, eval_every=3, save_every=0), tmp_path / "plain", seed)
-    profiled = one_process(data, train_config(steps=6, eval_every=3, save_every=0, profile_steps="2:4"),
-                           tmp_path / "prof", seed)
+    profiled = one_process(
+        data, train_config(steps=6, eval_every=3, save_every=0, profile_steps="2:4"), tmp_path / "prof", seed
+    )
     assert plain["losses"] == profiled["losses"]
     doc = json.loads((tmp_path / "prof" / "step_profile_rank0.json").read_text())
     assert doc["window"] == [2, 4] and doc["steps"] == 3 and doc["wall_ms_per_step"] > 0

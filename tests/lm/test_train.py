@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +40,17 @@ def new_model(data, seed=0) -> OccultLM:
 
 
 def cfg(**kw) -> TrainConfig:
-    base = dict(steps=16, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=3, eval_every=8, save_every=8,
-                eval_tokens=512, device="cpu")
+    base = dict(
+        steps=16,
+        batch_size=4,
+        seq_len=32,
+        lr=3e-3,
+        warmup_steps=3,
+        eval_every=8,
+        save_every=8,
+        eval_tokens=512,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -108,8 +117,14 @@ def test_resume_is_exact_and_mismatches_are_refused(data, tmp_path):
 
 
 def test_plateau_stops_early(data, tmp_path):
-    res = train(new_model(data), data, cfg(steps=40, eval_every=4, lr=1e-6, warmup_steps=0, patience=2, min_delta=0.05),
-                tmp_path, progress=False, log=None)
+    res = train(
+        new_model(data),
+        data,
+        cfg(steps=40, eval_every=4, lr=1e-6, warmup_steps=0, patience=2, min_delta=0.05),
+        tmp_path,
+        progress=False,
+        log=None,
+    )
     assert res.stopped_early and res.step == 12
     assert (tmp_path / FINAL).exists()
 
@@ -118,8 +133,16 @@ def test_pruned_moe_only_finetune(data, tmp_path):
     base = new_model(data)
     train(base, data, cfg(), tmp_path / "base", progress=False, log=None)
     placement = Placement(np.stack([np.random.default_rng(i).permutation(np.arange(8) % 4) for i in range(2)]), 4)
-    model, res = finetune(tmp_path / "base" / FINAL, data, cfg(steps=8, eval_every=4, lr=1e-3, moe_only=True), tmp_path / "ft",
-                          max_devices=1, placement=placement, progress=False, log=None)
+    model, res = finetune(
+        tmp_path / "base" / FINAL,
+        data,
+        cfg(steps=8, eval_every=4, lr=1e-3, moe_only=True),
+        tmp_path / "ft",
+        max_devices=1,
+        placement=placement,
+        progress=False,
+        log=None,
+    )
     assert model.routing.max_devices == 1
     assert res.history[-1]["mean_ct"] == pytest.approx(1.0)
     before = dict(base.named_parameters())
@@ -132,8 +155,17 @@ def test_pruned_moe_only_finetune(data, tmp_path):
     # Resuming a fine-tune from other initial weights is refused.
     train(new_model(data, seed=5), data, cfg(steps=4), tmp_path / "other", progress=False, log=None)
     with pytest.raises(CheckpointError, match="initial weights"):
-        finetune(tmp_path / "other" / FINAL, data, cfg(steps=8, eval_every=4, lr=1e-3, moe_only=True), tmp_path / "ft",
-                 max_devices=1, placement=placement, resume=True, progress=False, log=None)
+        finetune(
+            tmp_path / "other" / FINAL,
+            data,
+            cfg(steps=8, eval_every=4, lr=1e-3, moe_only=True),
+            tmp_path / "ft",
+            max_devices=1,
+            placement=placement,
+            resume=True,
+            progress=False,
+            log=None,
+        )
 
 
 def test_profile_writes_trace_and_similarity(data, tmp_path):
@@ -143,8 +175,16 @@ def test_profile_writes_trace_and_similarity(data, tmp_path):
 
     model = new_model(data)
     train(model, data, cfg(steps=4, eval_every=0, save_every=0), tmp_path / "m", progress=False, log=None)
-    trace, sim_path = profile_checkpoint(tmp_path / "m" / FINAL, data, tmp_path / "trace.safetensors", tokens=1024,
-                                         batch_size=4, with_scores=True, device="cpu", progress=False)
+    trace, sim_path = profile_checkpoint(
+        tmp_path / "m" / FINAL,
+        data,
+        tmp_path / "trace.safetensors",
+        tokens=1024,
+        batch_size=4,
+        with_scores=True,
+        device="cpu",
+        progress=False,
+    )
     back = read_trace(tmp_path / "trace.safetensors")
     assert back.num_layers == 2 and back.num_experts == 8 and back.top_k == 2
     assert back.num_tokens == [1024, 1024] and back.scores[0].shape == (1024, 8)
@@ -175,11 +215,47 @@ def test_cli_defaults_mirror_the_dataclasses():
 
     m, t = ModelConfig(), TrainConfig()
     assert (C.HIDDEN, C.LAYERS, C.HEADS, C.EXPERTS, C.TOP_K, C.EXPERT_FFN, C.EXPERT_BACKEND) == (
-        m.hidden_size, m.num_layers, m.num_heads, m.num_experts, m.top_k, m.expert_ffn_size, m.expert_backend)
-    assert (C.STEPS, C.BATCH_SIZE, C.SEQ_LEN, C.LR, C.MIN_LR_RATIO, C.WARMUP, C.WEIGHT_DECAY, C.GRAD_CLIP,
-            C.AUX_LOSS_COEF, C.SEED, C.PRECISION, C.DEVICE, C.EVAL_EVERY, C.EVAL_TOKENS, C.SAVE_EVERY) == (
-        t.steps, t.batch_size, t.seq_len, t.lr, t.min_lr_ratio, t.warmup_steps, t.weight_decay, t.grad_clip,
-        t.aux_loss_coef, t.seed, t.precision, t.device, t.eval_every, t.eval_tokens, t.save_every)
+        m.hidden_size,
+        m.num_layers,
+        m.num_heads,
+        m.num_experts,
+        m.top_k,
+        m.expert_ffn_size,
+        m.expert_backend,
+    )
+    assert (
+        C.STEPS,
+        C.BATCH_SIZE,
+        C.SEQ_LEN,
+        C.LR,
+        C.MIN_LR_RATIO,
+        C.WARMUP,
+        C.WEIGHT_DECAY,
+        C.GRAD_CLIP,
+        C.AUX_LOSS_COEF,
+        C.SEED,
+        C.PRECISION,
+        C.DEVICE,
+        C.EVAL_EVERY,
+        C.EVAL_TOKENS,
+        C.SAVE_EVERY,
+    ) == (
+        t.steps,
+        t.batch_size,
+        t.seq_len,
+        t.lr,
+        t.min_lr_ratio,
+        t.warmup_steps,
+        t.weight_decay,
+        t.grad_clip,
+        t.aux_loss_coef,
+        t.seed,
+        t.precision,
+        t.device,
+        t.eval_every,
+        t.eval_tokens,
+        t.save_every,
+    )
     assert C.ADAM_EPS == t.adam_eps
     assert (CD.VOCAB, CD.VAL_FRACTION) == (D.DEFAULT_VOCAB, D.DEFAULT_VAL_FRACTION)
 
@@ -189,21 +265,101 @@ def test_cli_pipeline(tmp_path, capsys):
     pytest.importorskip("tokenizers")
     from occult.cli import main
 
-    d, small = str(tmp_path / "data"), ["--batch-size", "4", "--seq-len", "32", "--eval-tokens", "256", "--no-progress",
-                                        "--device", "cpu"]
+    d, small = (
+        str(tmp_path / "data"),
+        ["--batch-size", "4", "--seq-len", "32", "--eval-tokens", "256", "--no-progress", "--device", "cpu"],
+    )
     assert main(["data", "prepare", "--out", d, "--corpus-dir", str(TINY), "--vocab-size", "300"]) == 0
-    assert main(["train", "--corpus-dir", d, "--out", str(tmp_path / "base"), "--hidden", "32", "--layers", "2",
-                 "--heads", "2", "--experts", "8", "--top-k", "2", "--expert-ffn", "16", "--steps", "6",
-                 "--eval-every", "3", *small]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--corpus-dir",
+                d,
+                "--out",
+                str(tmp_path / "base"),
+                "--hidden",
+                "32",
+                "--layers",
+                "2",
+                "--heads",
+                "2",
+                "--experts",
+                "8",
+                "--top-k",
+                "2",
+                "--expert-ffn",
+                "16",
+                "--steps",
+                "6",
+                "--eval-every",
+                "3",
+                *small,
+            ]
+        )
+        == 0
+    )
     best = str(tmp_path / "base" / BEST)
     sim = str(tmp_path / "placement.similarity.safetensors")
-    assert main(["profile", "--model", best, "--corpus-dir", d, "--out", str(tmp_path / "trace.safetensors"),
-                 "--tokens", "256", "--batch-size", "4", "--similarity", sim, "--device", "cpu"]) == 0
-    assert main(["place", "--trace", str(tmp_path / "trace.safetensors"), "--devices", "4", "--method", "greedy",
-                 "--out", str(tmp_path / "placement.json"), "-q"]) == 0
-    ft = ["finetune", "--init", best, "--corpus-dir", d, "--out", str(tmp_path / "ft"), "--placement",
-          str(tmp_path / "placement.json"), "--max-devices", "1", "--prune-method", "similarity", "--steps", "4",
-          "--eval-every", "2", *small]
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                best,
+                "--corpus-dir",
+                d,
+                "--out",
+                str(tmp_path / "trace.safetensors"),
+                "--tokens",
+                "256",
+                "--batch-size",
+                "4",
+                "--similarity",
+                sim,
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "place",
+                "--trace",
+                str(tmp_path / "trace.safetensors"),
+                "--devices",
+                "4",
+                "--method",
+                "greedy",
+                "--out",
+                str(tmp_path / "placement.json"),
+                "-q",
+            ]
+        )
+        == 0
+    )
+    ft = [
+        "finetune",
+        "--init",
+        best,
+        "--corpus-dir",
+        d,
+        "--out",
+        str(tmp_path / "ft"),
+        "--placement",
+        str(tmp_path / "placement.json"),
+        "--max-devices",
+        "1",
+        "--prune-method",
+        "similarity",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        *small,
+    ]
     assert main(ft) == 0
     out = capsys.readouterr().out
     assert "limited to 1 of 4 devices (similarity)" in out and "E[C_T] 1.000" in out
@@ -221,12 +377,28 @@ def test_quality_study_tiny_end_to_end(tmp_path):
     pytest.importorskip("tokenizers")
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("quality_study", Path(__file__).resolve().parents[2] / "benchmarks" / "quality_study.py")
+    spec = importlib.util.spec_from_file_location(
+        "quality_study", Path(__file__).resolve().parents[2] / "benchmarks" / "quality_study.py"
+    )
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
     out = tmp_path / "q"
-    args = ["--tiny", "--out", str(out), "--train-steps", "20", "--eval-every", "10", "--ft-steps", "4",
-            "--device", "cpu", "--no-progress", "--placement-method", "greedy"]
+    args = [
+        "--tiny",
+        "--out",
+        str(out),
+        "--train-steps",
+        "20",
+        "--eval-every",
+        "10",
+        "--ft-steps",
+        "4",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--placement-method",
+        "greedy",
+    ]
     assert study.main(args) == 0
     results = json.loads((out / "results.json").read_text())
     names = [r["name"] for r in results["rows"]]
@@ -236,5 +408,7 @@ def test_quality_study_tiny_end_to_end(tmp_path):
     assert all(by[n]["mean_ct"] == 1.0 for n in names if "N=1" in n)
     assert all(by[n]["mean_ct"] <= 2.0 for n in names if "N=2" in n)
     text = (out / "quality.md").read_text()
-    assert "| pruned N=1 (similarity) + fine-tuning | yes |" in text and (out / "quality.svg").read_text().startswith("<svg")
+    assert "| pruned N=1 (similarity) + fine-tuning | yes |" in text and (out / "quality.svg").read_text().startswith(
+        "<svg"
+    )
     assert study.main(args + ["--resume"]) == 0  # every phase reused

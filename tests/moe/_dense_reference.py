@@ -16,7 +16,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 
 
-def dense_backward(dense: torch.nn.Module, x_all: torch.Tensor, g_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_backward(
+    dense: torch.nn.Module, x_all: torch.Tensor, g_all: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_ref, y_ref): `dense` on all tokens x_all [T, H], then backward of sum(y_ref * g_all); the input's and
     every parameter's gradient zero where nothing reached it (with no tokens at all, nothing does)."""
     x_ref = x_all.clone().requires_grad_()
@@ -29,8 +31,16 @@ def dense_backward(dense: torch.nn.Module, x_all: torch.Tensor, g_all: torch.Ten
     return x_ref, y_ref
 
 
-def layer_errors(layer: torch.nn.Module, dense: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 x_ref: torch.Tensor, y_ref: torch.Tensor, rows: slice, router_grad: torch.Tensor) -> dict[str, float]:
+def layer_errors(
+    layer: torch.nn.Module,
+    dense: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_ref: torch.Tensor,
+    y_ref: torch.Tensor,
+    rows: slice,
+    router_grad: torch.Tensor,
+) -> dict[str, float]:
     """Relative errors of this rank's output, input gradient, router gradient (`router_grad`: already summed
     over the ranks) and its experts' weight gradients against the reference (`rows`: this rank's tokens)."""
     ids = layer.local_expert_ids

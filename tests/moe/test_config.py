@@ -13,8 +13,11 @@ def test_keyword_form_and_config_form_build_the_same_layer():
     torch.manual_seed(0)
     a = OccultMoE(16, 8, 8, 2, norm_topk_prob=True, dispatcher="standard", sync_free=True, dtype=torch.float64)
     torch.manual_seed(0)
-    b = OccultMoE(MoEConfig(16, 8, 8, 2, torch.float64), routing=RoutingConfig(norm_topk_prob=True),
-                  execution=ExecConfig(dispatcher="standard", sync_free=True))
+    b = OccultMoE(
+        MoEConfig(16, 8, 8, 2, torch.float64),
+        routing=RoutingConfig(norm_topk_prob=True),
+        execution=ExecConfig(dispatcher="standard", sync_free=True),
+    )
     assert a.config == b.config and a.routing == b.routing and a.execution == b.execution
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     x = torch.randn(9, 16, dtype=torch.float64)
@@ -22,30 +25,39 @@ def test_keyword_form_and_config_form_build_the_same_layer():
     assert a.dispatcher.name == "standard" and a.sync_free and a.norm_topk_prob
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: MoEConfig(16, 8, 8, 9), "top_k"),
-    (lambda: MoEConfig(16, 0, 8, 2), "ffn_size"),
-    (lambda: MoEConfig(16, 8, 8, 2, dtype="bf16"), "dtype"),
-    (lambda: RoutingConfig(max_devices=0), "max_devices"),
-    (lambda: RoutingConfig(max_nodes=1), "devices_per_node"),
-    (lambda: RoutingConfig(prune_method="nearest"), "prune_method"),
-    (lambda: ExecConfig(expert_backend="cuda"), "expert_backend"),
-    (lambda: ExecConfig(sync_free="yes"), "sync_free"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: MoEConfig(16, 8, 8, 9), "top_k"),
+        (lambda: MoEConfig(16, 0, 8, 2), "ffn_size"),
+        (lambda: MoEConfig(16, 8, 8, 2, dtype="bf16"), "dtype"),
+        (lambda: RoutingConfig(max_devices=0), "max_devices"),
+        (lambda: RoutingConfig(max_nodes=1), "devices_per_node"),
+        (lambda: RoutingConfig(prune_method="nearest"), "prune_method"),
+        (lambda: ExecConfig(expert_backend="cuda"), "expert_backend"),
+        (lambda: ExecConfig(sync_free="yes"), "sync_free"),
+    ],
+)
 def test_bad_settings_raise_a_clear_error(make, match):
     with pytest.raises(ValueError, match=match):
         make()
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: OccultMoE(16, 8, 8), "missing"),
-    (lambda: OccultMoE(16, 8, 8, 2, hidden=3), "unknown"),
-    (lambda: OccultMoE(16, 8, 8, 2, overlap_chunks=2), r"unknown MoE layer settings \['overlap_chunks'\]"),  # removed (issue 36)
-    (lambda: ExecConfig(overlap_chunks=2), "overlap_chunks"),
-    (lambda: OccultMoE(16, 8, 8, 2, top_k=2), "twice"),
-    (lambda: OccultMoE(16, 8, 8, 2, execution=ExecConfig(dispatcher="standard"), dispatcher="dedup2"), "both"),
-    (lambda: OccultMoE(MoEConfig(16, 8, 8, 2), 4), "positionally"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: OccultMoE(16, 8, 8), "missing"),
+        (lambda: OccultMoE(16, 8, 8, 2, hidden=3), "unknown"),
+        (
+            lambda: OccultMoE(16, 8, 8, 2, overlap_chunks=2),
+            r"unknown MoE layer settings \['overlap_chunks'\]",
+        ),  # removed (issue 36)
+        (lambda: ExecConfig(overlap_chunks=2), "overlap_chunks"),
+        (lambda: OccultMoE(16, 8, 8, 2, top_k=2), "twice"),
+        (lambda: OccultMoE(16, 8, 8, 2, execution=ExecConfig(dispatcher="standard"), dispatcher="dedup2"), "both"),
+        (lambda: OccultMoE(MoEConfig(16, 8, 8, 2), 4), "positionally"),
+    ],
+)
 def test_keyword_form_refuses_ambiguity(make, match):
     with pytest.raises(TypeError, match=match):
         make()

@@ -104,8 +104,17 @@ def exactness_worker(rank: int, world: int, seed: int, dispatcher: str, dtype_na
     from occult.moe.plan import routed_plan
 
     out["packed"] = packable(x, torch.zeros(1, k, dtype=dtype))
-    out["routed"] = routed_plan(torch.zeros(4, k, dtype=torch.int64), torch.ones(4, k, dtype=dtype),
-                                device.expert_device_E, device.expert_slot_E, world, True) is not None
+    out["routed"] = (
+        routed_plan(
+            torch.zeros(4, k, dtype=torch.int64),
+            torch.ones(4, k, dtype=dtype),
+            device.expert_device_E,
+            device.expert_slot_E,
+            world,
+            True,
+        )
+        is not None
+    )
     return out
 
 
@@ -219,4 +228,3 @@ def test_device_transport_is_refused_clearly_where_it_cannot_run():
     with pytest.raises(ValueError, match="transport must be one of"):
         OccultMoE(8, 4, 4, 2, transport="nvshmem")
     assert "transport=counts" in repr(OccultMoE(8, 4, 4, 2))
-

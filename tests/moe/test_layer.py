@@ -15,14 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _dense_reference import dense_backward, layer_errors
 
 from occult.distributed import RankFailure, run_ranks
 from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
 from occult.placement import Placement, PlacementError
 from occult.placement.stats import comm_bytes, devices_per_token
-
-from _dense_reference import dense_backward, layer_errors
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -60,8 +59,9 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     x_all = torch.randn(sum(tokens), H, dtype=dtype)
     g_all = torch.randn(sum(tokens), H, dtype=dtype)
     placement = _placement(case["placement"], E, world_size, case["seed"])
-    layer = OccultMoE.from_dense(dense, placement=placement, dispatcher=case["dispatcher"],
-                                 sync_free=case.get("sync_free", False))
+    layer = OccultMoE.from_dense(
+        dense, placement=placement, dispatcher=case["dispatcher"], sync_free=case.get("sync_free", False)
+    )
     if case.get("forced_expert") is not None:
         dense.router = ForcedRouter(dense.router.gate, case["forced_expert"], K)
         layer.router = ForcedRouter(layer.router.gate, case["forced_expert"], K)
@@ -110,8 +110,15 @@ def run_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
 
 def _case(**kw) -> dict:
     base = dict(
-        dtype=torch.float64, experts=8, hidden=16, ffn=12, top_k=2, norm=False,
-        placement="contiguous", dispatcher="dedup", forced_expert=None,
+        dtype=torch.float64,
+        experts=8,
+        hidden=16,
+        ffn=12,
+        top_k=2,
+        norm=False,
+        placement="contiguous",
+        dispatcher="dedup",
+        forced_expert=None,
     )
     base.update(kw)
     base["seed"] = random.randrange(2**31)
@@ -126,16 +133,25 @@ def _cases_for(world_size: int) -> list[dict]:
     for dispatcher in ("dedup", "standard"):
         for dtype in (torch.float64, torch.float32):
             for placement in ("contiguous", "permuted"):
-                cases.append(_case(dispatcher=dispatcher, dtype=dtype, placement=placement, experts=E,
-                                   top_k=3, norm=placement == "permuted", tokens=uneven))
+                cases.append(
+                    _case(
+                        dispatcher=dispatcher,
+                        dtype=dtype,
+                        placement=placement,
+                        experts=E,
+                        top_k=3,
+                        norm=placement == "permuted",
+                        tokens=uneven,
+                    )
+                )
         edge = [
-            dict(tokens=[0] + uneven[1:], top_k=2),                       # a rank with no tokens
-            dict(tokens=[0] * world_size, top_k=2),                       # no rank has tokens
-            dict(tokens=[3] * world_size, experts=4 * E, top_k=1),        # most experts get nothing
-            dict(tokens=uneven, forced_expert=1, top_k=1),                # all tokens to one expert
+            dict(tokens=[0] + uneven[1:], top_k=2),  # a rank with no tokens
+            dict(tokens=[0] * world_size, top_k=2),  # no rank has tokens
+            dict(tokens=[3] * world_size, experts=4 * E, top_k=1),  # most experts get nothing
+            dict(tokens=uneven, forced_expert=1, top_k=1),  # all tokens to one expert
             dict(tokens=uneven, forced_expert=E - 1, top_k=2, norm=True),
-            dict(tokens=uneven, top_k=1, placement="permuted"),           # top-1
-            dict(tokens=uneven, top_k=E, placement="permuted"),           # top-k = all experts
+            dict(tokens=uneven, top_k=1, placement="permuted"),  # top-1
+            dict(tokens=uneven, top_k=E, placement="permuted"),  # top-k = all experts
             dict(tokens=uneven, top_k=E, norm=True),
         ]
         even = [rng.randrange(5, 40)] * world_size  # sync-free dispatch: the same token count on every rank
@@ -205,6 +221,7 @@ def test_dedup_sends_fewer_rows_than_standard():
 
 
 # ----------------------------------------------------------------- bad input
+
 
 def bad_input_worker(rank: int, world_size: int, seed: int) -> dict:
     torch.manual_seed(seed)
@@ -305,6 +322,7 @@ def _round_trip_worker(rank: int, world_size: int, seed: int) -> bool:
 
 # ----------------------------------------------------------- torch.compile
 
+
 def _compiled_sync_free_worker(rank: int, world_size: int, seed: int) -> dict:
     torch.manual_seed(seed)
     out = {}
@@ -320,10 +338,15 @@ def _compiled_sync_free_worker(rank: int, world_size: int, seed: int) -> dict:
         with torch.no_grad():  # where dynamo breaks the graph: only in the CPU expert path (data-dependent shapes)
             explained = torch._dynamo.explain(layer)(torch.randn(6, 16, dtype=torch.float64))
         # (dynamo also reports the layer's call into the experts, `received.apply(...)`, as a break)
-        out[f"{dispatcher} breaks"] = sorted({
-            "experts" if frame.filename.endswith("experts.py") or "received.apply(" in (frame.line or "")
-            else f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
-            for b in explained.break_reasons for frame in b.user_stack[-1:]})
+        out[f"{dispatcher} breaks"] = sorted(
+            {
+                "experts"
+                if frame.filename.endswith("experts.py") or "received.apply(" in (frame.line or "")
+                else f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+                for b in explained.break_reasons
+                for frame in b.user_stack[-1:]
+            }
+        )
     return out
 
 
@@ -340,8 +363,7 @@ def _while_waiting_on_ranks(rank: int, world_size: int) -> list:
     """Each mode: `while_waiting` called exactly once, before the forward returns; output unchanged."""
     torch.manual_seed(0)
     out = []
-    for dispatcher, kw in (("dedup", {}), ("standard", {}), ("dedup", {"sync_free": True}),
-                           ("dedup2", {})):
+    for dispatcher, kw in (("dedup", {}), ("standard", {}), ("dedup", {"sync_free": True}), ("dedup2", {})):
         extra = {"placement": Placement.contiguous(8, world_size, 1, num_nodes=2)} if dispatcher == "dedup2" else {}
         torch.manual_seed(1)
         layer = OccultMoE(16, 8, 8, 3, dispatcher=dispatcher, **kw, **extra)

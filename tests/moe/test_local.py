@@ -103,8 +103,11 @@ def one_launch_worker(rank: int, world: int, seed: int, dispatcher: str) -> dict
     xs = [x.clone().requires_grad_() for _ in range(2)]
     for model, xi in zip((layer, dense), xs):
         (model(xi) * g).sum().backward()
-    out = {"routed": routed_slots(torch.zeros(2, K, dtype=torch.int64), torch.ones(2, K), layer.expert_slot_E) is not None,
-           "y": float((layer(x) - dense(x)).abs().max()), "dx": float((xs[0].grad - xs[1].grad).abs().max())}
+    out = {
+        "routed": routed_slots(torch.zeros(2, K, dtype=torch.int64), torch.ones(2, K), layer.expert_slot_E) is not None,
+        "y": float((layer(x) - dense(x)).abs().max()),
+        "dx": float((xs[0].grad - xs[1].grad).abs().max()),
+    }
     bad = x.clone()
     bad[0, 0] = float("nan")
     try:

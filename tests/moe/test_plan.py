@@ -19,7 +19,11 @@ from occult.placement import Placement
 
 def _random_case(num_tokens: int, num_experts: int, top_k: int, num_devices: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    ids_TK = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]) if num_tokens else torch.zeros(0, top_k, dtype=torch.int64)
+    ids_TK = (
+        torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+        if num_tokens
+        else torch.zeros(0, top_k, dtype=torch.int64)
+    )
     rng = np.random.default_rng(seed)
     placement = Placement(rng.permutation(np.arange(num_experts) % num_devices)[None], num_devices)
     device_E, slot_E = placement.tensors(0)
@@ -58,9 +62,17 @@ def _check_plan(plan, ids_TK, device_E, slot_E, num_devices, dedup):
 
 
 @pytest.mark.parametrize("dedup", [True, False])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,num_devices", [
-    (50, 16, 4, 4), (7, 8, 8, 2), (30, 12, 1, 3), (0, 8, 2, 2), (40, 64, 8, 8), (25, 6, 6, 1),
-])
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,num_devices",
+    [
+        (50, 16, 4, 4),
+        (7, 8, 8, 2),
+        (30, 12, 1, 3),
+        (0, 8, 2, 2),
+        (40, 64, 8, 8),
+        (25, 6, 6, 1),
+    ],
+)
 def test_plan_carries_every_entry_once(dedup, num_tokens, num_experts, top_k, num_devices):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     ids_TK, device_E, slot_E = _random_case(num_tokens, num_experts, top_k, num_devices, seed)
@@ -83,9 +95,18 @@ def test_token_sum_kernel_matches_index_add():
 
 
 @pytest.mark.parametrize("dedup", [True, False])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,num_devices", [
-    (50, 16, 4, 4), (7, 8, 8, 2), (30, 12, 1, 3), (0, 8, 2, 2), (40, 64, 8, 8), (25, 6, 6, 1), (20, 16, 6, 2),
-])
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,num_devices",
+    [
+        (50, 16, 4, 4),
+        (7, 8, 8, 2),
+        (30, 12, 1, 3),
+        (0, 8, 2, 2),
+        (40, 64, 8, 8),
+        (25, 6, 6, 1),
+        (20, 16, 6, 2),
+    ],
+)
 def test_static_plan_carries_every_entry_once_in_fixed_capacity(dedup, num_tokens, num_experts, top_k, num_devices):
     """Sync-free plans: the same entries, rows and slots, in slots of a fixed capacity per destination."""
     seed = int(np.random.SeedSequence().entropy % 2**31)

@@ -70,7 +70,13 @@ def random_similarity(rng: np.random.Generator, num_experts: int) -> torch.Tenso
 
 
 CASES = [  # (E, D, k)
-    (8, 2, 2), (8, 4, 2), (12, 3, 3), (16, 4, 4), (16, 2, 1), (32, 4, 8), (24, 6, 3),
+    (8, 2, 2),
+    (8, 4, 2),
+    (12, 3, 3),
+    (16, 4, 4),
+    (16, 2, 1),
+    (32, 4, 8),
+    (24, 6, 3),
 ]
 
 
@@ -267,7 +273,12 @@ def _two_rank_limited(rank: int, world_size: int) -> dict:
     y = layer(x)
     w, ids = layer.router(x)
     ct = devices_per_token(ids, layer.expert_device_E)
-    return {"rows": layer.last_comm_stats.dispatch_rows, "tokens": 40, "ct_max": int(ct.max()), "finite": bool(torch.isfinite(y).all())}
+    return {
+        "rows": layer.last_comm_stats.dispatch_rows,
+        "tokens": 40,
+        "ct_max": int(ct.max()),
+        "finite": bool(torch.isfinite(y).all()),
+    }
 
 
 def test_max_devices_on_two_real_ranks_sends_one_row_per_token():
@@ -311,7 +322,10 @@ def ref_limited(scores, k, dev, node, n_dev, n_node, sim=None) -> list[int]:
 
 
 NODE_CASES = [  # (E, D, M, k)
-    (16, 4, 2, 4), (32, 8, 4, 6), (24, 6, 3, 3), (16, 8, 4, 2),
+    (16, 4, 2, 4),
+    (32, 8, 4, 6),
+    (24, 6, 3, 3),
+    (16, 8, 4, 2),
 ]
 
 
@@ -337,7 +351,11 @@ def test_node_limit_matches_reference(num_experts, num_devices, num_nodes, top_k
             w, ids = device_limited_topk(scores, top_k, dev_t, n_dev, **kw)
             s = sim.numpy() if method == "similarity" else None
             for t in range(T):
-                assert ids[t].tolist() == ref_limited(scores[t].numpy(), top_k, dev, node, n_dev, n_node, s), (t, n_node, n_dev)
+                assert ids[t].tolist() == ref_limited(scores[t].numpy(), top_k, dev, node, n_dev, n_node, s), (
+                    t,
+                    n_node,
+                    n_dev,
+                )
             # The limits hold for every token; gate weights are the router's scores.
             assert int(devices_per_token(ids, node_t).max()) <= n_node
             if n_dev is not None:
@@ -349,12 +367,14 @@ def test_node_limit_matches_reference(num_experts, num_devices, num_nodes, top_k
                 within &= devices_per_token(plain_ids, dev_t) <= n_dev
             assert torch.equal(ids[within], plain_ids[within])
         # All nodes: the node limit changes nothing (plain top-k; max_devices alone).
-        w, ids = device_limited_topk(scores, top_k, dev_t, None, method=method, similarity_EE=sim,
-                                     max_nodes=num_nodes, expert_node_E=node_t)
+        w, ids = device_limited_topk(
+            scores, top_k, dev_t, None, method=method, similarity_EE=sim, max_nodes=num_nodes, expert_node_E=node_t
+        )
         assert torch.equal(ids, plain_ids) and torch.equal(w, plain_w)
         n_dev = max(1, -(-top_k // per))
-        a = device_limited_topk(scores, top_k, dev_t, n_dev, method=method, similarity_EE=sim,
-                                max_nodes=num_nodes, expert_node_E=node_t)
+        a = device_limited_topk(
+            scores, top_k, dev_t, n_dev, method=method, similarity_EE=sim, max_nodes=num_nodes, expert_node_E=node_t
+        )
         b = device_limited_topk(scores, top_k, dev_t, n_dev, method=method, similarity_EE=sim)
         assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
 

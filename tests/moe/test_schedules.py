@@ -46,8 +46,13 @@ def _worker(rank: int, world_size: int, seed: int) -> dict:
         assert capabilities(name).sync_free, name
         y, plain = _run(layer, x, g, False)
         y_free, free = _run(layer, x, g, True)
-        out[name] = {"plain": plain, "sync_free": free, "internode": plain["forward_internode_rows"],
-                     "intranode": plain["forward_intranode_rows"], "sync_free_error": float((y_free - y).abs().max())}
+        out[name] = {
+            "plain": plain,
+            "sync_free": free,
+            "internode": plain["forward_internode_rows"],
+            "intranode": plain["forward_intranode_rows"],
+            "sync_free_error": float((y_free - y).abs().max()),
+        }
     return out
 
 
@@ -59,7 +64,9 @@ def test_every_schedule_reports_consistent_traffic():
             assert res["sync_free_error"] < 1e-12, label
             for stats in (res["plain"], res["sync_free"]):
                 assert stats["forward_rows"] == stats["backward_rows"] > 0, label
-                assert stats["forward_internode_rows"] + stats["forward_intranode_rows"] == stats["forward_remote_rows"], label
+                assert (
+                    stats["forward_internode_rows"] + stats["forward_intranode_rows"] == stats["forward_remote_rows"]
+                ), label
     # the node layout is known to every dispatcher: across ranks, rows cross both kinds of link
     for name in DISPATCHERS:
         assert sum(out[name]["internode"] for out in per_rank) > 0, name

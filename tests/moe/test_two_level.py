@@ -15,16 +15,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _dense_reference import dense_backward, layer_errors, rel
 
 from occult.distributed import run_ranks
-from occult.moe.dense import DenseMoE
 from occult.moe.counts import RoutingError
-from occult.moe.registry import make_dispatcher
+from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
+from occult.moe.registry import make_dispatcher
 from occult.moe.two_level import TwoLevelDispatcher
 from occult.placement import Placement
-
-from _dense_reference import dense_backward, layer_errors, rel
 
 WORLD = 4
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -118,8 +117,9 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     dispatcher = case["dispatcher"]
     if case.get("devices_per_node") is not None:
         dispatcher = TwoLevelDispatcher(group, devices_per_node=case["devices_per_node"])
-    layer = OccultMoE.from_dense(dense.to(dtype), placement=placement, dispatcher=dispatcher, group=group,
-                                 sync_free=case.get("sync_free", False))
+    layer = OccultMoE.from_dense(
+        dense.to(dtype), placement=placement, dispatcher=dispatcher, group=group, sync_free=case.get("sync_free", False)
+    )
     dense = dense.to(ref_dtype)
 
     start = sum(tokens[:rank])
@@ -150,8 +150,10 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
         "expected": expected_rows(ids_all.numpy(), tokens, placement.expert_device(0), G, rank, two_level),
         "stats": stats.as_dict(),
         "row_bytes": H * torch.tensor([], dtype=dtype).element_size(),
-        "remote_nodes": sum(len({int(placement.expert_device(0)[e]) // G for e in ids_all[t].tolist()}
-                                - {rank // G}) for t in range(sl.start, sl.stop)),
+        "remote_nodes": sum(
+            len({int(placement.expert_device(0)[e]) // G for e in ids_all[t].tolist()} - {rank // G})
+            for t in range(sl.start, sl.stop)
+        ),
         "name": layer.dispatcher.name,
     }
 
@@ -163,8 +165,14 @@ def error_checks(rank: int, world_size: int) -> dict:
     for name, make in {
         "missing": lambda: OccultMoE(8, 4, 8, 2, dispatcher="dedup2", placement=flat),
         "not_dividing": lambda: TwoLevelDispatcher(devices_per_node=3),
-        "disagree": lambda: OccultMoE(8, 4, 8, 2, placement=Placement.contiguous(8, world_size, num_nodes=2),
-                                      dispatcher=TwoLevelDispatcher(devices_per_node=1)),
+        "disagree": lambda: OccultMoE(
+            8,
+            4,
+            8,
+            2,
+            placement=Placement.contiguous(8, world_size, num_nodes=2),
+            dispatcher=TwoLevelDispatcher(devices_per_node=1),
+        ),
         "unknown": lambda: make_dispatcher("dedup3"),
     }.items():
         try:
@@ -172,8 +180,9 @@ def error_checks(rank: int, world_size: int) -> dict:
             out[name] = "no error"
         except ValueError as exc:
             out[name] = str(exc)
-    layer = OccultMoE(8, 4, 8, 2, dispatcher="dedup2", placement=Placement.contiguous(8, world_size, num_nodes=2),
-                      dtype=torch.float64)
+    layer = OccultMoE(
+        8, 4, 8, 2, dispatcher="dedup2", placement=Placement.contiguous(8, world_size, num_nodes=2), dtype=torch.float64
+    )
     x = torch.randn(6, 8, dtype=torch.float64)
     if rank == 3:
         x[1, 2] = float("nan")
@@ -211,27 +220,39 @@ def _cases() -> list[dict]:
     even = [int(rng.integers(5, 20))] * WORLD
 
     def case(**kw):
-        base = dict(dtype=torch.float64, experts=E, hidden=16, ffn=12, top_k=3, norm=False, nodes=2,
-                    dispatcher="dedup2", tokens=uneven, device_E=places["random"])
+        base = dict(
+            dtype=torch.float64,
+            experts=E,
+            hidden=16,
+            ffn=12,
+            top_k=3,
+            norm=False,
+            nodes=2,
+            dispatcher="dedup2",
+            tokens=uneven,
+            device_E=places["random"],
+        )
         base.update(kw)
         base["seed"] = random.randrange(2**31)
         return base
 
-    cases = [case(device_E=places[p], dtype=dt, norm=p == "random") for p in places for dt in (torch.float64, torch.float32)]
+    cases = [
+        case(device_E=places[p], dtype=dt, norm=p == "random") for p in places for dt in (torch.float64, torch.float32)
+    ]
     cases += [
-        case(tokens=[0] + uneven[1:]),                                   # a rank with no tokens
-        case(tokens=[0, 0] + uneven[2:]),                                # a node with no tokens
-        case(tokens=[0] * WORLD),                                        # no tokens anywhere
+        case(tokens=[0] + uneven[1:]),  # a rank with no tokens
+        case(tokens=[0, 0] + uneven[2:]),  # a node with no tokens
+        case(tokens=[0] * WORLD),  # no tokens anywhere
         case(tokens=[3] * WORLD, top_k=1, experts=4 * E, device_E=list(rng.permutation(np.arange(4 * E) % WORLD))),
-        case(top_k=1),                                                   # top-1
-        case(top_k=E, norm=True),                                        # top-k = all experts
-        case(forced_expert=0, top_k=2, device_E=places["contiguous"]),   # every token on node 0 only
+        case(top_k=1),  # top-1
+        case(top_k=E, norm=True),  # top-k = all experts
+        case(forced_expert=0, top_k=2, device_E=places["contiguous"]),  # every token on node 0 only
         case(sync_free=True, tokens=even),
         case(sync_free=True, tokens=even, top_k=1, dtype=torch.float32),
-        case(subgroup=True),                                             # a group other than WORLD
-        case(nodes=1, devices_per_node=4),                               # 1 node x 4: flat dedup
-        case(nodes=1, devices_per_node=1),                               # 4 nodes x 1: flat dedup
-        case(dispatcher="dedup"),                                        # flat dedup, rows split by link
+        case(subgroup=True),  # a group other than WORLD
+        case(nodes=1, devices_per_node=4),  # 1 node x 4: flat dedup
+        case(nodes=1, devices_per_node=1),  # 4 nodes x 1: flat dedup
+        case(dispatcher="dedup"),  # flat dedup, rows split by link
         # half precision: against DenseMoE in float32 on the same (rounded) weights and inputs
         case(dtype=torch.bfloat16, ref_dtype=torch.float32, hidden=32, ffn=24),
         case(dtype=torch.float16, ref_dtype=torch.float32, hidden=32, ffn=24, sync_free=True, tokens=even),
@@ -259,7 +280,8 @@ def test_two_level_matches_dense_on_2_nodes_x_2_gpus():
             assert s["forward_internode_rows"] + s["forward_intranode_rows"] == s["forward_remote_rows"], (label, s)
             if not case.get("sync_free"):
                 assert (s["forward_rows"], s["forward_internode_rows"], s["forward_intranode_rows"]) == tuple(
-                    res["expected"]), (label, rank, s, res["expected"])
+                    res["expected"]
+                ), (label, rank, s, res["expected"])
         if case.get("sync_free"):  # fixed capacity: T rows per node, M*T per GPU, both ways
             T, M, G = case["tokens"][0], 2, 2
             for s in (r["stats"] for r in results):
@@ -270,7 +292,7 @@ def test_two_level_matches_dense_on_2_nodes_x_2_gpus():
             remote = sum(r["remote_nodes"] for r in results)
             assert sum(r["stats"]["forward_internode_rows"] for r in results) == 2 * remote, label
             assert all(r["name"] == "dedup2" for r in results)
-    for rank, res in enumerate(per_rank):  # bad set-ups and bad input: clear errors on every rank
+    for res in per_rank:  # bad set-ups and bad input: clear errors on every rank
         err = res["errors"]
         assert "num_nodes" in err["missing"] and "devices_per_node=G" in err["missing"], err["missing"]
         assert "devices_per_node=3" in err["not_dividing"] and "[1, 2, 4]" in err["not_dividing"], err

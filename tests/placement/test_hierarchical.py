@@ -64,7 +64,10 @@ def test_hierarchical_beats_flat_on_nodes(two_level):
         # The flat solver lowers E[C_T] only: its devices land on nodes by accident.
         assert _nt(ids, hier, layer) < _nt(ids, flat_nodes, layer) - 0.1
     # And E[C_T] is as low as the flat solver's (the GPU level still minimises it).
-    assert mean_ct(two_level.trace.layer(0), hier.expert_device(0), 8) <= mean_ct(two_level.trace.layer(0), flat.expert_device(0), 8) + 0.05
+    assert (
+        mean_ct(two_level.trace.layer(0), hier.expert_device(0), 8)
+        <= mean_ct(two_level.trace.layer(0), flat.expert_device(0), 8) + 0.05
+    )
 
 
 def test_gpu_level_swaps_stay_inside_nodes(two_level):

@@ -135,8 +135,10 @@ def test_hypergraph_recovers_planted_grouping(noise, skew, traces):
         hyper = solve_layer(ids, 64, 4, "hypergraph")
         greedy = solve_layer(ids, 64, 4, "greedy")
         contiguous = solve_layer(ids, 64, 4, "contiguous")
-        print(f"noise {noise} skew {skew}: planted {opt:.4f} hypergraph {hyper.mean_ct:.4f} ({hyper.method}) "
-              f"greedy {greedy.mean_ct:.4f} contiguous {contiguous.mean_ct:.4f}")
+        print(
+            f"noise {noise} skew {skew}: planted {opt:.4f} hypergraph {hyper.mean_ct:.4f} ({hyper.method}) "
+            f"greedy {greedy.mean_ct:.4f} contiguous {contiguous.mean_ct:.4f}"
+        )
         assert hyper.mean_ct <= greedy.mean_ct + 1e-12 and hyper.mean_ct <= contiguous.mean_ct + 1e-12
         assert hyper.mean_ct == pytest.approx(mean_ct(ids, hyper.expert_device_E, 4))
         if noise <= 0.1:  # clean enough that the optimum is the planted grouping itself

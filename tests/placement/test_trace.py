@@ -135,8 +135,11 @@ def test_missing_layer(tmp_path):
     with pytest.raises(TraceError, match=r"layer\(s\) \[2\] missing"):
         read_trace(path)
     # scores without ids also count as a missing layer
-    save_file({"layers.0.topk_ids": tensors["layers.0.topk_ids"], "layers.1.scores": rng.random((10, 16))},
-              str(path), metadata=_meta())
+    save_file(
+        {"layers.0.topk_ids": tensors["layers.0.topk_ids"], "layers.1.scores": rng.random((10, 16))},
+        str(path),
+        metadata=_meta(),
+    )
     with pytest.raises(TraceError, match=r"\[1\] missing"):
         read_trace(path)
 
@@ -145,8 +148,11 @@ def test_layer_numbers_with_leading_zeros_are_not_layers(tmp_path):
     """'layers.00.topk_ids' is not layer 0 (found by the trace fuzzer: it was read as layer 0, then
     'layers.0.topk_ids' looked up, a raw SafetensorError); a 0-d ids tensor is refused by trace_info."""
     path = tmp_path / "zeros.safetensors"
-    save_file({"layers.1.topk_ids": np.array(0, dtype=np.int8), "layers.00.topk_ids": np.array(0, dtype=np.int8)},
-              str(path), metadata=_meta())
+    save_file(
+        {"layers.1.topk_ids": np.array(0, dtype=np.int8), "layers.00.topk_ids": np.array(0, dtype=np.int8)},
+        str(path),
+        metadata=_meta(),
+    )
     with pytest.raises(TraceError, match=r"layer\(s\) \[0\] missing"):
         read_trace(path)
     save_file({"layers.0.topk_ids": np.array(0, dtype=np.int8)}, str(path), metadata=_meta())
@@ -232,7 +238,9 @@ def test_uniform_trace_is_valid_and_uniform():
     load = np.bincount(t.layer(0).ravel(), minlength=32) / (40000 * 4)
     assert np.abs(load - 1 / 32).max() < 0.004
     assert not np.array_equal(t.layer(0), t.layer(1))
-    np.testing.assert_array_equal(uniform_trace(100, 32, 4, seed=3).layer(0), uniform_trace(100, 32, 4, seed=3).layer(0))
+    np.testing.assert_array_equal(
+        uniform_trace(100, 32, 4, seed=3).layer(0), uniform_trace(100, 32, 4, seed=3).layer(0)
+    )
 
 
 def test_skewed_popularity():

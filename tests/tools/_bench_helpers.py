@@ -20,11 +20,26 @@ def bench_env() -> dict[str, str]:
 
 def torchrun(script: Path, nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`script` under torchrun on `nproc` local ranks (output captured, never raises on failure)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def python(script: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`script` in one plain Python process (output captured, never raises on failure)."""
-    return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, env=bench_env(),
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=ROOT,
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

@@ -11,9 +11,16 @@ RESULTS = ROOT / "docs" / "results" / "fourgpu"
 
 def test_fit_on_one_and_two_gpus_predicts_four(tmp_path):
     out = tmp_path / "check.json"
-    res = python(ROOT / "benchmarks" / "cost_check.py", "--fit", str(RESULTS / "bench_1gpu_4xH200machine.json"),
-                 str(RESULTS / "bench_2gpu_4xH200machine.json"), "--check", str(RESULTS / "bench_4gpu_4xH200machine.json"),
-                 "--out", str(out))
+    res = python(
+        ROOT / "benchmarks" / "cost_check.py",
+        "--fit",
+        str(RESULTS / "bench_1gpu_4xH200machine.json"),
+        str(RESULTS / "bench_2gpu_4xH200machine.json"),
+        "--check",
+        str(RESULTS / "bench_4gpu_4xH200machine.json"),
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(out.read_text())
     rows = {r["point"]: r for r in doc["rows"]}

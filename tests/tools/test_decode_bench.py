@@ -7,7 +7,6 @@ import functools
 import json
 
 import pytest
-
 from _bench_helpers import ROOT, python, torchrun  # tests/tools/_bench_helpers.py
 
 pytest.importorskip("transformers")
@@ -51,11 +50,14 @@ def test_decode_tiny_every_variant(tmp_path):
     assert "| batch | variant | ms p50 | ms p99 | tok/s/GPU | x floor |" in lines
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--variants", "dedup,bogus"], "unknown variant"),
-    (["--batch", "8,0"], "every batch size must be >= 1"),
-    (["--batch", "x"], "batch sizes must be integers"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--variants", "dedup,bogus"], "unknown variant"),
+        (["--batch", "8,0"], "every batch size must be >= 1"),
+        (["--batch", "x"], "batch sizes must be integers"),
+    ],
+)
 def test_decode_bad_arguments_fail_clearly(args, message):
     res = python(SCRIPT, *args)
     assert res.returncode != 0
@@ -79,12 +81,27 @@ _torchrun_serve = functools.partial(torchrun, SERVE)
 
 def test_serve_tiny_every_variant(tmp_path):
     out = tmp_path / "serve.json"
-    res = _torchrun_serve(2, "--model", "tiny", "--batch", "1,4", "--prompt-len", "8", "--new-tokens", "4",
-                          "--repeats", "2", "--out", str(out))
+    res = _torchrun_serve(
+        2,
+        "--model",
+        "tiny",
+        "--batch",
+        "1,4",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "4",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["env"]["world_size"] == 2 and report["config"]["new_tokens"] == 4
-    assert set(report["variants"]) == set(SERVE_EAGER + SERVE_GRAPH + SERVE_GENERATE + ("native", "native-generate+compile"))
+    assert set(report["variants"]) == set(
+        SERVE_EAGER + SERVE_GRAPH + SERVE_GENERATE + ("native", "native-generate+compile")
+    )
     for name in SERVE_EAGER + ("native",):
         for b in BATCHES:
             r = report["variants"][name][b]
@@ -94,8 +111,9 @@ def test_serve_tiny_every_variant(tmp_path):
             assert len(r["ms_all"]) == 2 * 4 and len(r["prefill_ms_all"]) == 2
             assert 0 < r["ms_p10"] <= r["ms_p50"] <= r["ms_p90"] <= r["ms_p99"], (name, b, r)
             assert r["decode_tokens_per_s_per_gpu"] > r["e2e_tokens_per_s_per_gpu"] > 0
-            assert r["hbm_fraction"] == pytest.approx(r["step_bytes"]["total"] / (r["ms_p50"] / 1e3) / 1e9
-                                                      / report["peaks"]["copy_gb_s"])
+            assert r["hbm_fraction"] == pytest.approx(
+                r["step_bytes"]["total"] / (r["ms_p50"] / 1e3) / 1e9 / report["peaks"]["copy_gb_s"]
+            )
     for name in SERVE_GENERATE:  # native: transformers' generate on the unconverted model; generate: hf.generate
         for b in BATCHES:
             r = report["variants"][name][b]
@@ -104,7 +122,9 @@ def test_serve_tiny_every_variant(tmp_path):
             # occult: after each of its decoder's 3 steps, 2 apart), the slowest rank's: the reported step p50
             assert len(r["step_ms_all"]) == (3 if name == "native-generate" else 2), (name, b, r)
             assert r["ms_p50"] == r["step_events_ms_p50"] and 0 < r["ms_p50"] <= r["ms_p90"] <= r["ms_p99"], r
-            assert r["decode_tokens_per_s_per_gpu"] == pytest.approx(int(b) / (sum(r["step_ms_all"]) / len(r["step_ms_all"]) / 1e3))
+            assert r["decode_tokens_per_s_per_gpu"] == pytest.approx(
+                int(b) / (sum(r["step_ms_all"]) / len(r["step_ms_all"]) / 1e3)
+            )
             assert r["per_step_over_whole_call"] == pytest.approx(r["ms_p50"] / r["step_ms_mean"])
             assert len(r["generate_ms_all"]) == len(r["shorter_ms_all"]) == 2 and r["compile_s"] >= 0
             assert r["shorter_calls_tokens"] == 2
@@ -126,10 +146,14 @@ def test_serve_tiny_every_variant(tmp_path):
     rows = {(r["batch"], r["variant"]): r for r in report["table"]}
     assert rows[(4, "replicated")]["x_floor"] == pytest.approx(1.0) and rows[(1, "dedup")]["floor"] == "replicated"
     lines = res.stdout.strip().splitlines()
-    assert ("| batch | variant | prefill ms | step ms p50 | step ms p99 | decode tok/s/GPU | e2e tok/s/GPU | x floor | "
-            "native eager/this | native compiled/this | HBM share | capture/compile s |") in lines
+    assert (
+        "| batch | variant | prefill ms | step ms p50 | step ms p99 | decode tok/s/GPU | e2e tok/s/GPU | x floor | "
+        "native eager/this | native compiled/this | HBM share | capture/compile s |"
+    ) in lines
     assert rows[(4, "native-generate")]["vs_native_eager"] == pytest.approx(1.0)
-    assert rows[(4, "dedup")]["vs_native_eager"] == pytest.approx(rows[(4, "native-generate")]["ms_p50"] / rows[(4, "dedup")]["ms_p50"])
+    assert rows[(4, "dedup")]["vs_native_eager"] == pytest.approx(
+        rows[(4, "native-generate")]["ms_p50"] / rows[(4, "dedup")]["ms_p50"]
+    )
 
 
 def test_serve_verify_generation(tmp_path):

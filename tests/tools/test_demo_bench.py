@@ -14,14 +14,32 @@ def _occult(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_demo_runs_and_variants_agree():
-    proc = _occult("demo", "--world-size", "2", "--tokens", "96", "--steps", "1",
-                   "--hidden", "32", "--ffn", "16", "--experts", "8", "--top-k", "4")
+    proc = _occult(
+        "demo",
+        "--world-size",
+        "2",
+        "--tokens",
+        "96",
+        "--steps",
+        "1",
+        "--hidden",
+        "32",
+        "--ffn",
+        "16",
+        "--experts",
+        "8",
+        "--top-k",
+        "4",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == ""  # no progress bar: stderr is not a terminal
     out = proc.stdout
     assert "All variants match the dense reference" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()
-            if line.split() and line.split()[0] in ("standard", "dedup", "dedup+placement")}
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.split() and line.split()[0] in ("standard", "dedup", "dedup+placement")
+    }
     assert set(rows) == {"standard", "dedup", "dedup+placement"}
     sent = {name: int(r[2]) for name, r in rows.items()}
     assert sent["standard"] == 2 * 2 * 96 * 4  # dispatch + combine, T*k rows on each of 2 ranks
@@ -40,14 +58,28 @@ def test_demo_speed_line_is_a_median_of_interleaved_rounds():
     # round i's time is its slowest rank's; the ratio is the median of the per-round ratios
     results = [rank([10, 10, 40], [5, 10, 10]), rank([8, 10, 10], [5, 5, 10])]
     assert speed_line(results, noisy=True) == (
-        "fwd+bwd 2.00x vs standard (median of 3 interleaved round(s), range 1.00-4.00x; noisy CPU timing)")
+        "fwd+bwd 2.00x vs standard (median of 3 interleaved round(s), range 1.00-4.00x; noisy CPU timing)"
+    )
     assert speed_line(results, noisy=False).endswith("range 1.00-4.00x)")
 
 
 def test_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _occult("bench", "--world-size", "2", "--tokens", "64", "--iters", "1", "--warmup", "1",
-                   "--input-sets", "1", "--out", str(out))
+    proc = _occult(
+        "bench",
+        "--world-size",
+        "2",
+        "--tokens",
+        "64",
+        "--iters",
+        "1",
+        "--warmup",
+        "1",
+        "--input-sets",
+        "1",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if line.startswith("shape"))
@@ -55,8 +87,19 @@ def test_bench_smoke_on_cpu(tmp_path):
     rows = [line for line in lines if line.startswith("tiny ")]
     # no syncs nor host time to count on CPU; the count exchange (no device transport without GPUs)
     assert len(rows) == 6 and all(line.split()[-3:] == ["n/a", "n/a", "counts"] for line in rows)
-    legend = proc.stdout[proc.stdout.index("columns:"):]
-    for column in ("E[C_T]", "fwd ms", "fwd+bwd", "floor", "experts", "a2a ms", "a2a GB/s", "TFLOP/s", "rel err", "syncs"):
+    legend = proc.stdout[proc.stdout.index("columns:") :]
+    for column in (
+        "E[C_T]",
+        "fwd ms",
+        "fwd+bwd",
+        "floor",
+        "experts",
+        "a2a ms",
+        "a2a GB/s",
+        "TFLOP/s",
+        "rel err",
+        "syncs",
+    ):
         assert f"  {column}" in legend or f", {column}" in legend, column
     result = json.loads(out.read_text())
     runs = {(r["routing"], r["variant"]): r for r in result["runs"]}
@@ -69,8 +112,27 @@ def test_bench_smoke_on_cpu(tmp_path):
 
 def test_bench_two_level_on_simulated_nodes(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _occult("bench", "--world-size", "4", "--nodes", "2", "--variants", "dedup,dedup2", "--routing", "random",
-                   "--tokens", "32", "--iters", "1", "--warmup", "1", "--input-sets", "1", "--out", str(out))
+    proc = _occult(
+        "bench",
+        "--world-size",
+        "4",
+        "--nodes",
+        "2",
+        "--variants",
+        "dedup,dedup2",
+        "--routing",
+        "random",
+        "--tokens",
+        "32",
+        "--iters",
+        "1",
+        "--warmup",
+        "1",
+        "--input-sets",
+        "1",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs["dedup2"]["rel_error"] < 1e-4 and runs["dedup"]["rel_error"] < 1e-4
@@ -93,8 +155,14 @@ def test_bench_variants_read_sync_free_and_refuse_the_removed_chunks():
 
     parse = choice_list(BENCH_VARIANTS, "variant")
     assert parse("dedup@syncfree/graph,dedup") == ["dedup@syncfree/graph", "dedup"]
-    assert [variant_sync_free(v) for v in ("dedup@syncfree/graph", "dedup@device/graph", "dedup")] == [True, False, False]
-    assert variant_dispatcher("dedup@syncfree/graph") == "dedup" and variant_transport("dedup@syncfree/graph") != "device"
+    assert [variant_sync_free(v) for v in ("dedup@syncfree/graph", "dedup@device/graph", "dedup")] == [
+        True,
+        False,
+        False,
+    ]
+    assert (
+        variant_dispatcher("dedup@syncfree/graph") == "dedup" and variant_transport("dedup@syncfree/graph") != "device"
+    )
     for removed in ("dedup@chunks4/graph", "dedup@chunks2/graph"):  # the chunked schedule (removed, issue 36)
         with pytest.raises(argparse.ArgumentTypeError, match="chunks"):
             parse(removed)
@@ -111,7 +179,9 @@ def _on_a_terminal(*args: str) -> tuple[int, str, str]:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 120 columns (a new one has 0)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "occult", *args], stdout=subprocess.PIPE, stderr=slave, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "occult", *args], stdout=subprocess.PIPE, stderr=slave, text=True
+        )
         os.close(slave)
         seen = b""
         while True:
@@ -131,8 +201,23 @@ def _on_a_terminal(*args: str) -> tuple[int, str, str]:
 def test_demo_draws_rank_0s_progress_bar_on_a_terminal_only():
     """stderr a terminal: rank 0's bar of the rounds, once (not once per rank); with `-q` nothing
     (and nothing when stderr is not a terminal: test_demo_runs_and_variants_agree)."""
-    small = ["demo", "--world-size", "2", "--tokens", "64", "--steps", "3", "--hidden", "32", "--ffn", "16",
-             "--experts", "8", "--top-k", "4"]
+    small = [
+        "demo",
+        "--world-size",
+        "2",
+        "--tokens",
+        "64",
+        "--steps",
+        "3",
+        "--hidden",
+        "32",
+        "--ffn",
+        "16",
+        "--experts",
+        "8",
+        "--top-k",
+        "4",
+    ]
     code, out, term = _on_a_terminal(*small)
     assert code == 0, out + term
     assert "demo rounds" in term and "4/4" in term

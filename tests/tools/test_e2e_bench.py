@@ -7,7 +7,6 @@ import json
 import sys
 
 import pytest
-
 from _bench_helpers import ROOT, python, torchrun  # tests/tools/_bench_helpers.py
 
 pytest.importorskip("transformers")
@@ -22,14 +21,34 @@ _torchrun = functools.partial(torchrun, SCRIPT)
 
 def test_e2e_tiny_every_variant_and_phase(tmp_path):
     out = tmp_path / "e2e.json"
-    res = _torchrun(2, "--model", "tiny", "--batch", "2", "--seq", "32", "--check-seq", "32",
-                    "--warmup", "1", "--iters", "2", "--out", str(out),
-                    "--variants", ",".join(GPU_ONLY + VARIANTS))
+    res = _torchrun(
+        2,
+        "--model",
+        "tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--check-seq",
+        "32",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--out",
+        str(out),
+        "--variants",
+        ",".join(GPU_ONLY + VARIANTS),
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     # the GPU-only variants: skipped on CPU with the reason, in the table too
     assert report["variants"].pop("replicated/graph")["skipped"] == "CUDA graphs need a GPU"
-    assert report["variants"].pop("dedup@device")["skipped"].startswith("the device transport cannot run here: no CUDA GPU")
+    assert (
+        report["variants"]
+        .pop("dedup@device")["skipped"]
+        .startswith("the device transport cannot run here: no CUDA GPU")
+    )
     assert "| dedup@device | - | skipped: the device transport cannot run here" in res.stdout
     assert report["env"]["world_size"] == 2
     assert "NCCL_P2P_DISABLE" in report["env"] and report["env"]["torch"] and report["env"]["transformers"]
@@ -45,7 +64,9 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
             t = v["phases"][phase]
             assert 0 < t["ms_p10"] <= t["ms_median"] <= t["ms_p90"], (name, phase, t)
             assert len(t["ms_all"]) == 2 and t["tokens_per_s_per_gpu"] > 0
-            assert t["mfu"] == pytest.approx(t["flops"] / (t["ms_median"] / 1e3) / 1e12 / report["peaks"]["matmul_tflops"])
+            assert t["mfu"] == pytest.approx(
+                t["flops"] / (t["ms_median"] / 1e3) / 1e12 / report["peaks"]["matmul_tflops"]
+            )
             if name == "native":  # the unconverted model: no occult layers, no rows reported
                 assert t["comm"] == {}
                 continue
@@ -59,12 +80,16 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
     active = L * (3 * H * H + E * H + k * 3 * H * F)  # q, o: H x H; k, v: H x H/2; router; top-k experts
     prefill = 2 * active * B * S + L * 4 * H * B * S * (S + 1) / 2 + 2 * V * H * B
     assert report["variants"]["native"]["phases"]["prefill"]["flops"] == pytest.approx(prefill)
-    assert report["variants"]["native"]["phases"]["train"]["flops"] == pytest.approx(3 * (prefill + 2 * V * H * (B * S - B)))
+    assert report["variants"]["native"]["phases"]["train"]["flops"] == pytest.approx(
+        3 * (prefill + 2 * V * H * (B * S - B))
+    )
     comm = {n: report["variants"][n]["phases"]["prefill"]["comm"] for n in ("replicated", "standard", "dedup")}
     assert comm["replicated"]["forward_remote_rows"] == 0  # the floor moves nothing between ranks
     assert comm["dedup"]["forward_rows"] < comm["standard"]["forward_rows"]
     last = res.stdout.strip().splitlines()
-    assert last[-1].startswith("| pruned1 | train |") and any(line.startswith("| replicated | prefill |") for line in last)
+    assert last[-1].startswith("| pruned1 | train |") and any(
+        line.startswith("| replicated | prefill |") for line in last
+    )
     native_row = next(line for line in last if line.startswith("| native | prefill |")).split("|")
     assert native_row[5].strip() == "1.00" and native_row[6].strip().endswith("%")  # native/this, MFU
 
@@ -75,9 +100,21 @@ def test_e2e_unknown_variant_fails_clearly():
     import e2e
 
     # and the chunked schedule's @chunksN (issue 36, session 8): unknown too
-    for bad in ("dedup,bogus", "dedup/c0", "dedup/c2", "dedup/tbo", "replicated/tbo", "native/c2", "native/tbo",
-                "hf-ep/c2", "hf-ep/compile", "dedup/tbo/c2", "torchtitan/tbo", "dedup@chunks4/layergraphs/compile",
-                "dedup@chunks2"):
+    for bad in (
+        "dedup,bogus",
+        "dedup/c0",
+        "dedup/c2",
+        "dedup/tbo",
+        "replicated/tbo",
+        "native/c2",
+        "native/tbo",
+        "hf-ep/c2",
+        "hf-ep/compile",
+        "dedup/tbo/c2",
+        "torchtitan/tbo",
+        "dedup@chunks4/layergraphs/compile",
+        "dedup@chunks2",
+    ):
         with pytest.raises(Exception, match="unknown variant") as info:
             e2e.variant_list(bad)
         assert bad.split(",")[-1] in str(info.value)
@@ -94,8 +131,25 @@ def test_e2e_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
 
 def test_e2e_exact_variant_off_exits_nonzero(tmp_path):
     out = tmp_path / "e2e.json"  # a negative tolerance: every exact variant "fails" its check
-    res = _torchrun(2, "--model", "tiny", "--variants", "dedup", "--phases", "prefill", "--batch", "1", "--seq", "16",
-                    "--check-seq", "16", "--tol", "-1", "--out", str(out))
+    res = _torchrun(
+        2,
+        "--model",
+        "tiny",
+        "--variants",
+        "dedup",
+        "--phases",
+        "prefill",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--check-seq",
+        "16",
+        "--tol",
+        "-1",
+        "--out",
+        str(out),
+    )
     assert res.returncode != 0
     assert "exact variant(s) dedup differ from the unconverted model" in res.stderr
     report = json.loads(out.read_text())
@@ -118,8 +172,26 @@ def test_e2e_torchtitan_whole_model_peer_matches_and_trains(tmp_path):
     if (reason := _torchtitan_missing()) is not None:
         pytest.skip(reason)
     out = tmp_path / "e2e.json"
-    res = _torchrun(2, "--model", "tiny-qwen3", "--variants", "dedup,torchtitan,torchtitan+occult", "--batch", "2", "--seq", "32",
-                    "--check-seq", "32", "--warmup", "1", "--iters", "1", "--out", str(out), timeout=400)
+    res = _torchrun(
+        2,
+        "--model",
+        "tiny-qwen3",
+        "--variants",
+        "dedup,torchtitan,torchtitan+occult",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--check-seq",
+        "32",
+        "--warmup",
+        "1",
+        "--iters",
+        "1",
+        "--out",
+        str(out),
+        timeout=400,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())["variants"]
     tt = report["torchtitan"]
@@ -140,8 +212,19 @@ def test_e2e_torchtitan_whole_model_peer_matches_and_trains(tmp_path):
 def test_e2e_torchtitan_peer_needs_qwen3_and_says_so(tmp_path):
     if (reason := _torchtitan_missing()) is not None:
         pytest.skip(reason)
-    res = _torchrun(2, "--model", "tiny", "--variants", "torchtitan", "--batch", "1", "--seq", "16",
-                    "--out", str(tmp_path / "x.json"))
+    res = _torchrun(
+        2,
+        "--model",
+        "tiny",
+        "--variants",
+        "torchtitan",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--out",
+        str(tmp_path / "x.json"),
+    )
     assert res.returncode != 0  # e2e.py exits 2; torchrun reports a failed child as 1
     assert "use --model qwen3" in res.stdout + res.stderr
     assert not (tmp_path / "x.json").exists()
@@ -149,8 +232,29 @@ def test_e2e_torchtitan_peer_needs_qwen3_and_says_so(tmp_path):
 
 def test_e2e_half_precision_checks_against_the_fp32_model_too(tmp_path):
     out = tmp_path / "e2e_bf16.json"
-    res = _torchrun(1, "--model", "tiny-deepseek", "--dtype", "bf16", "--variants", "native,dedup", "--phases", "prefill",
-                    "--batch", "2", "--seq", "16", "--check-seq", "16", "--warmup", "1", "--iters", "1", "--out", str(out))
+    res = _torchrun(
+        1,
+        "--model",
+        "tiny-deepseek",
+        "--dtype",
+        "bf16",
+        "--variants",
+        "native,dedup",
+        "--phases",
+        "prefill",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--check-seq",
+        "16",
+        "--warmup",
+        "1",
+        "--iters",
+        "1",
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     variants = json.loads(out.read_text())["variants"]
     native = variants["native"]["check"]
@@ -187,24 +291,52 @@ def test_e2e_transport_and_graph_modifiers():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import e2e
 
-    ok = "dedup@device,dedup@device/graph,replicated/graph,dedup+placement@device/compile,pruned2@device,standard@device"
+    ok = (
+        "dedup@device,dedup@device/graph,replicated/graph,dedup+placement@device/compile,pruned2@device,standard@device"
+    )
     names = e2e.variant_list(ok)
-    assert [e2e.base_variant(v) for v in names] == ["dedup", "dedup", "replicated", "dedup+placement", "pruned2", "standard"]
+    assert [e2e.base_variant(v) for v in names] == [
+        "dedup",
+        "dedup",
+        "replicated",
+        "dedup+placement",
+        "pruned2",
+        "standard",
+    ]
     assert [e2e.on_device(v) for v in names] == [True, True, False, True, True, True]
     assert [e2e.is_graphed(v) for v in names] == [False, True, True, False, False, False]
     assert e2e.variant_list("torchtitan+occult@device") == ["torchtitan+occult@device"]  # TorchTitan's seam too
     free = e2e.variant_list("dedup@syncfree/layergraphs/compile,standard@syncfree/graph,dedup")  # sync-free dispatch
     assert [(e2e.base_variant(v), e2e.sync_free(v), e2e.on_device(v)) for v in free] == [
-        ("dedup", True, False), ("standard", True, False), ("dedup", False, False)]
+        ("dedup", True, False),
+        ("standard", True, False),
+        ("dedup", False, False),
+    ]
     assert [(e2e.layer_graphs(v), e2e.is_graphed(v), e2e.is_compiled(v)) for v in free] == [
-        (True, False, True), (False, True, False), (False, False, False)]
+        (True, False, True),
+        (False, True, False),
+        (False, False, False),
+    ]
     both = e2e.variant_list("dedup@device/compile/graph,replicated/compile/graph")  # compiled layers, captured
     assert [e2e.base_variant(v) for v in both] == ["dedup", "replicated"]
-    assert [(e2e.on_device(v), e2e.is_compiled(v), e2e.is_graphed(v)) for v in both] == [(True, True, True),
-                                                                                         (False, True, True)]
-    for bad in ("dedup/graph", "replicated@device", "native@device", "torchtitan@device", "dedup@device/tbo",
-                "replicated@syncfree", "native@syncfree", "torchtitan@syncfree",
-                "hf-ep@device", "torchtitan+occult/graph", "dedup/compile/graph", "native/compile/graph",
-                "dedup@device/graph/compile"):
+    assert [(e2e.on_device(v), e2e.is_compiled(v), e2e.is_graphed(v)) for v in both] == [
+        (True, True, True),
+        (False, True, True),
+    ]
+    for bad in (
+        "dedup/graph",
+        "replicated@device",
+        "native@device",
+        "torchtitan@device",
+        "dedup@device/tbo",
+        "replicated@syncfree",
+        "native@syncfree",
+        "torchtitan@syncfree",
+        "hf-ep@device",
+        "torchtitan+occult/graph",
+        "dedup/compile/graph",
+        "native/compile/graph",
+        "dedup@device/graph/compile",
+    ):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)

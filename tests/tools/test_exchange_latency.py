@@ -27,8 +27,13 @@ def test_arguments():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
 def test_without_gpus_it_says_what_it_needs():
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "exchange_latency.py"), "--rows", "1"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "exchange_latency.py"), "--rows", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "needs CUDA GPUs of one host" in res.stderr
 
 

@@ -14,16 +14,42 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # python3 = this Python
-    return subprocess.run(["bash", str(ROOT / "scripts" / script), part, str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PATH": path, **env})
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / script), part, str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": path, **env},
+    )
 
 
-@pytest.mark.parametrize("script, parts", [
-    ("one_gpu_runs.sh", ["kernels", "suite", "peer", "train", "native", "native_decode", "quality"]),
-    ("multi_gpu_runs.sh", ["suite", "e2e", "e2e-slow", "graph", "decode", "publish", "publish-slow", "peer", "train",
-                           "train-slow", "serve", "serve-slow", "probe", "scale"]),
-    ("four_gpu_runs.sh", ["olmoe", "olmoe-slow-floor", "qwen3", "layer", "serve", "serve-graph"]),
-])
+@pytest.mark.parametrize(
+    "script, parts",
+    [
+        ("one_gpu_runs.sh", ["kernels", "suite", "peer", "train", "native", "native_decode", "quality"]),
+        (
+            "multi_gpu_runs.sh",
+            [
+                "suite",
+                "e2e",
+                "e2e-slow",
+                "graph",
+                "decode",
+                "publish",
+                "publish-slow",
+                "peer",
+                "train",
+                "train-slow",
+                "serve",
+                "serve-slow",
+                "probe",
+                "scale",
+            ],
+        ),
+        ("four_gpu_runs.sh", ["olmoe", "olmoe-slow-floor", "qwen3", "layer", "serve", "serve-graph"]),
+    ],
+)
 def test_dry_run_lists_every_part(tmp_path, script, parts):
     res = _run(script, "all", tmp_path, DRY_RUN="1")
     assert res.returncode == 0, res.stderr
@@ -40,8 +66,14 @@ def test_dry_run_lists_every_part(tmp_path, script, parts):
 
 def _two_gpu(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return subprocess.run(["bash", str(ROOT / "scripts" / "two_gpu_training.sh"), str(out), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path, **env})
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "two_gpu_training.sh"), str(out), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": path, **env},
+    )
 
 
 def test_two_gpu_training_dry_run_and_errors(tmp_path):
@@ -49,9 +81,15 @@ def test_two_gpu_training_dry_run_and_errors(tmp_path):
     res = _two_gpu(tmp_path, "nvlink slow", "all", DRY_RUN="1")
     assert res.returncode == 0, res.stderr
     names = [line.split(":")[0][3:] for line in res.stdout.splitlines() if line.startswith("== ")]
-    assert {"train_nvlink_1gpu", "train_nvlink_dedup_fsdp", "train_nvlink_dedup_counts_ddp", "train_slow_standard_ddp",
-            "finetune_hf_2gpu",
-            "resume_test", "replace_every"} <= set(names)
+    assert {
+        "train_nvlink_1gpu",
+        "train_nvlink_dedup_fsdp",
+        "train_nvlink_dedup_counts_ddp",
+        "train_slow_standard_ddp",
+        "finetune_hf_2gpu",
+        "resume_test",
+        "replace_every",
+    } <= set(names)
     assert not any(n.startswith("train_slow_") and "fsdp" in n for n in names)
     assert "NCCL_P2P_DISABLE=1" in next(line for line in res.stdout.splitlines() if "train_slow_floor" in line)
     bad = _two_gpu(tmp_path, "nvlink", "nope", DRY_RUN="1")
@@ -66,14 +104,31 @@ def test_train_report_table_and_plot(tmp_path):
     import json
 
     pytest.importorskip("matplotlib")
-    run = {"gpus": 2, "tokens_per_s": 2000.0, "tokens_per_s_per_gpu": 1000.0, "batch_size": 2, "seq_len": 8, "mfu": 0.1,
-           "losses": [5.0, 4.9]}
-    doc = {"link": "slow", "peak": None, "variants": {"floor": run, "dedup_ddp": dict(run, tokens_per_s_per_gpu=900.0)},
-           "ratios": {"dedup_over_floor_per_gpu": 0.9, "dedup_over_standard": None}, "loss_max_rel_diff_vs": "floor",
-           "loss_max_rel_diff": {"dedup_ddp": 1e-3}, "skipped": ["standard_ddp"]}
+    run = {
+        "gpus": 2,
+        "tokens_per_s": 2000.0,
+        "tokens_per_s_per_gpu": 1000.0,
+        "batch_size": 2,
+        "seq_len": 8,
+        "mfu": 0.1,
+        "losses": [5.0, 4.9],
+    }
+    doc = {
+        "link": "slow",
+        "peak": None,
+        "variants": {"floor": run, "dedup_ddp": dict(run, tokens_per_s_per_gpu=900.0)},
+        "ratios": {"dedup_over_floor_per_gpu": 0.9, "dedup_over_standard": None},
+        "loss_max_rel_diff_vs": "floor",
+        "loss_max_rel_diff": {"dedup_ddp": 1e-3},
+        "skipped": ["standard_ddp"],
+    }
     (tmp_path / "train_slow_2xGPU.json").write_text(json.dumps(doc))
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_report.py"), str(tmp_path)], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_report.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert "| slow | dedup_ddp | 2 | 900 | 2,000 | 10.0 | 8 | 1.0e-03 |" in res.stdout
     assert "| slow | EP dedup tokens/s per GPU / data-parallel floor | 0.900 | 0.85 | met |" in res.stdout
@@ -90,8 +145,14 @@ def test_two_gpu_training_only_runs_the_named_variants(tmp_path):
 
 
 def test_gpu_suite_stages_are_checked(tmp_path):
-    res = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "run.sh"), str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "OCCULT_GPU_SUITE_STAGES": "3"})
+    res = subprocess.run(
+        ["bash", str(ROOT / "tests" / "gpu" / "run.sh"), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OCCULT_GPU_SUITE_STAGES": "3"},
+    )
     assert res.returncode == 2 and "give 1, 2 or '1 2'" in res.stderr
 
 
@@ -100,26 +161,39 @@ def test_gpu_suite_summary_keeps_the_run_s_versions(tmp_path):
     (tmp_path / "versions.txt").write_text("python 3.12.3\ntorch 2.11.0+cu130\n2 x NVIDIA H200\n")
     case = '<testcase classname="tests.gpu.test_x" name="{}" time="1.5">{}</testcase>'
     for r in (0, 1):
-        (tmp_path / f"rank{r}.xml").write_text(f'<testsuites><testsuite>{case.format("test_a", "")}'
-                                               f'{case.format("test_b", "<failure/>" if r else "")}</testsuite></testsuites>')
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(tmp_path)], capture_output=True,
-                         text=True, timeout=60)
+        (tmp_path / f"rank{r}.xml").write_text(
+            f"<testsuites><testsuite>{case.format('test_a', '')}"
+            f"{case.format('test_b', '<failure/>' if r else '')}</testsuite></testsuites>"
+        )
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     text = (tmp_path / "summary.md").read_text()
     assert "- torch 2.11.0+cu130\n- 2 x NVIDIA H200" in text and "2.13" not in text
     assert "| `test_x::test_b` | passed | FAILED | 1.5 |" in text and text.rstrip().endswith("1 passed, 1 failed")
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(fresh)], capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(fresh)], capture_output=True, timeout=60
+    )
     assert (fresh / "versions.txt").read_text().startswith("python ")  # probed once, then kept
 
 
 def test_gpu_suite_leaves_each_case_as_it_finishes(tmp_path):
     """Under run.sh every finished case is appended to OUT/progress-*.tsv (conftest.py), so a stage cut
     by an outer time limit, which never writes its JUnit report, is still summarised from them."""
-    res = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu/test_generate_graph.py", "-q", "-p", "no:cacheprovider"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OCCULT_GPU_SUITE_OUT": str(tmp_path)})
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/gpu/test_generate_graph.py", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OCCULT_GPU_SUITE_OUT": str(tmp_path)},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [line.split("\t") for line in (tmp_path / "progress-single.tsv").read_text().splitlines()]
     assert rows and all(r[0].startswith("tests/gpu/test_generate_graph.py::") for r in rows)
@@ -128,14 +202,25 @@ def test_gpu_suite_leaves_each_case_as_it_finishes(tmp_path):
     cut.mkdir()
     (cut / "versions.txt").write_text("python 3.12.3\n")
     for r, last in ((0, "passed"), (1, "FAILED")):
-        (cut / f"progress-rank{r}.tsv").write_text("tests/gpu/test_x.py::test_a[bf16]\tpassed\t2.0\n"
-                                                    f"tests/gpu/test_x.py::test_b\t{last}\t1.5\n")
+        (cut / f"progress-rank{r}.tsv").write_text(
+            f"tests/gpu/test_x.py::test_a[bf16]\tpassed\t2.0\ntests/gpu/test_x.py::test_b\t{last}\t1.5\n"
+        )
     (cut / "progress-single.tsv").write_text("tests/gpu/test_y.py::test_c\tpassed\t3.0\n")
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(cut)], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(cut)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     text = (cut / "summary.md").read_text()
     assert "## Stage 1: collective tests, 2 ranks (cut before its end" in text
-    assert "| `test_x::test_a[bf16]` | passed | passed | 2.0 |" in text and "| `test_x::test_b` | passed | FAILED | 1.5 |" in text
-    assert "## Stage 2: single-process GPU tests (cut before its end" in text and "| `test_y::test_c` | passed | 3.0 |" in text
+    assert (
+        "| `test_x::test_a[bf16]` | passed | passed | 2.0 |" in text
+        and "| `test_x::test_b` | passed | FAILED | 1.5 |" in text
+    )
+    assert (
+        "## Stage 2: single-process GPU tests (cut before its end" in text
+        and "| `test_y::test_c` | passed | 3.0 |" in text
+    )
     assert text.rstrip().endswith("2 passed, 1 failed")

@@ -56,13 +56,18 @@ def test_report_table_and_plot(tmp_path):
     report = _load("occult_peers_report", "report.py")
 
     def rec(peer, fwd, step, **kw):
-        return dict(peer=peer, world=2, shape="olmoe", status="ok", forward_ms=fwd, fwd_bwd_ms=step, rel_error=3e-3, **kw)
+        return dict(
+            peer=peer, world=2, shape="olmoe", status="ok", forward_ms=fwd, fwd_bwd_ms=step, rel_error=3e-3, **kw
+        )
 
-    result = {"config": {"device": "GPU", "tokens": 8192}, "runs": [
-        rec("occult-dedup", 2.0, 5.0, info={"rows_per_token": 2.0}),
-        rec("megatron", 3.0, 10.0, dx_rel_diff=1e-3),
-        {"peer": "deepspeed", "world": 2, "shape": "olmoe", "status": "failed", "error": "build: ImportError: x"},
-    ]}
+    result = {
+        "config": {"device": "GPU", "tokens": 8192},
+        "runs": [
+            rec("occult-dedup", 2.0, 5.0, info={"rows_per_token": 2.0}),
+            rec("megatron", 3.0, 10.0, dx_rel_diff=1e-3),
+            {"peer": "deepspeed", "world": 2, "shape": "olmoe", "status": "failed", "error": "build: ImportError: x"},
+        ],
+    }
     text = report.table(result)
     assert "| Megatron-Core MoELayer | 8 (top-k) | 3.00 | 10.00 | 1.50x / 2.00x |" in text
     assert "not run: failed: build: ImportError" in text
@@ -74,8 +79,9 @@ def test_report_table_and_plot(tmp_path):
 def _available(peer: str) -> bool:
     if peer == "hf-olmoe":
         try:
-            return importlib.util.find_spec("transformers.distributed.expert_parallel") is not None and \
-                hasattr(importlib.import_module("transformers.distributed.expert_parallel"), "AllToAllEP")
+            return importlib.util.find_spec("transformers.distributed.expert_parallel") is not None and hasattr(
+                importlib.import_module("transformers.distributed.expert_parallel"), "AllToAllEP"
+            )
         except ImportError:
             return False
     module = {"megatron": "megatron.core", "deepspeed": "deepspeed", "torchtitan": "torchtitan.models.common.moe"}[peer]
@@ -93,15 +99,39 @@ TOLERANCE = {"torchtitan": 2e-2}
 @pytest.mark.parametrize("peer", ["hf-olmoe", "megatron", "deepspeed", "torchtitan"])
 def test_peer_matches_reference_on_cpu(peer, tmp_path):
     if not _available(peer):
-        pytest.skip(f"{peer} is not installed or not importable (peers are not in the [test] extra; "
-                    "see benchmarks/requirements-peers.txt)")
+        pytest.skip(
+            f"{peer} is not installed or not importable (peers are not in the [test] extra; "
+            "see benchmarks/requirements-peers.txt)"
+        )
     tol = TOLERANCE.get(peer, 1e-4)
     out = tmp_path / "peers.json"
     proc = subprocess.run(
-        [sys.executable, str(PEERS_DIR / "run.py"), "--backend", "gloo", "--world-size", "2", "--tokens", "32",
-         "--peers", f"occult-dedup,{peer}", "--warmup", "1", "--iters", "1", "--timeout-s", "240",
-         "--tolerance", str(tol), "--out", str(out)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(PEERS_DIR / "run.py"),
+            "--backend",
+            "gloo",
+            "--world-size",
+            "2",
+            "--tokens",
+            "32",
+            "--peers",
+            f"occult-dedup,{peer}",
+            "--warmup",
+            "1",
+            "--iters",
+            "1",
+            "--timeout-s",
+            "240",
+            "--tolerance",
+            str(tol),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {r["peer"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs[peer]["status"] == "ok", runs[peer].get("traceback", runs[peer])

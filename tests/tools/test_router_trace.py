@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from _bench_helpers import ROOT, torchrun  # tests/tools/_bench_helpers.py
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -69,7 +68,21 @@ def test_rows_need_hidden_at_least_experts():
 def test_e2e_refuses_a_trace_of_another_expert_count(tmp_path):
     trace = tmp_path / "t.safetensors"
     write_trace(trace, Trace([planted(0)], E, K))
-    res = torchrun(ROOT / "benchmarks" / "e2e.py", 2, "--model", "tiny", "--router-trace", str(trace),
-                   "--variants", "dedup", "--iters", "1", "--seq", "16", "--batch", "1")
+    res = torchrun(
+        ROOT / "benchmarks" / "e2e.py",
+        2,
+        "--model",
+        "tiny",
+        "--router-trace",
+        str(trace),
+        "--variants",
+        "dedup",
+        "--iters",
+        "1",
+        "--seq",
+        "16",
+        "--batch",
+        "1",
+    )
     assert res.returncode != 0 and "exitcode: 2" in res.stderr  # every rank: bad input, before any model
     assert res.stderr.count("32 experts, the model has 8: profile a model with 8 experts") == 1, res.stderr[-2000:]

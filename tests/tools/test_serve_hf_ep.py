@@ -21,8 +21,14 @@ SERVE = ROOT / "benchmarks" / "serve.py"
 
 
 def _env(tmp_dir: Path) -> dict[str, str]:
-    return dict(os.environ, TMPDIR=str(tmp_dir), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-                TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return dict(
+        os.environ,
+        TMPDIR=str(tmp_dir),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
 
 
 def _load_hf_ep():
@@ -37,9 +43,28 @@ def test_serve_hf_ep_peer_matches_unconverted(tmp_path):
     out, tmp_dir = tmp_path / "serve.json", tmp_path / "tmp"
     tmp_dir.mkdir()
     env = _env(tmp_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SERVE),
-           "--model", "tiny-qwen3", "--variants", "replicated,hf-ep,hf-ep+graph", "--batch", "3",
-           "--prompt-len", "6", "--new-tokens", "3", "--repeats", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(SERVE),
+        "--model",
+        "tiny-qwen3",
+        "--variants",
+        "replicated,hf-ep,hf-ep+graph",
+        "--batch",
+        "3",
+        "--prompt-len",
+        "6",
+        "--new-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -59,9 +84,30 @@ def test_e2e_hf_ep_prefill_peer(tmp_path):
     pytest.importorskip("accelerate", reason="transformers' tensor/expert-parallel loading needs accelerate")
     out, tmp_dir = tmp_path / "e2e.json", tmp_path / "tmp"
     tmp_dir.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "benchmarks" / "e2e.py"), "--model", "tiny", "--variants", "replicated,hf-ep", "--batch", "2",
-           "--seq", "16", "--check-seq", "16", "--warmup", "1", "--iters", "2", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "benchmarks" / "e2e.py"),
+        "--model",
+        "tiny",
+        "--variants",
+        "replicated,hf-ep",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--check-seq",
+        "16",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--out",
+        str(out),
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_dir), capture_output=True, text=True, timeout=240, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     v = json.loads(out.read_text())["variants"]["hf-ep"]
@@ -74,7 +120,9 @@ def test_e2e_hf_ep_prefill_peer(tmp_path):
 def test_hf_ep_unavailable_says_why(monkeypatch):
     hf_ep = _load_hf_ep()
     real = hf_ep.importlib.util.find_spec
-    monkeypatch.setattr(hf_ep.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    monkeypatch.setattr(
+        hf_ep.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a)
+    )
     assert "accelerate" in hf_ep.unavailable()
 
 

@@ -10,9 +10,12 @@ SCRIPT = ROOT / "benchmarks" / "serve_merge.py"
 
 
 def job(tmp_path, name: str, points: dict[str, dict[int, float]], link: str | None = None, model: str = "olmoe"):
-    doc = {"config": {"model": model}, "env": {"world_size": 2, "gpu": "NVIDIA H200", "NCCL_P2P_DISABLE": link},
-           "variants": {v: {str(b): {"ms_p50": ms} for b, ms in runs.items()} for v, runs in points.items()},
-           "table": [{"variant": v, "batch": b, "ms_p50": ms} for v, runs in points.items() for b, ms in runs.items()]}
+    doc = {
+        "config": {"model": model},
+        "env": {"world_size": 2, "gpu": "NVIDIA H200", "NCCL_P2P_DISABLE": link},
+        "variants": {v: {str(b): {"ms_p50": ms} for b, ms in runs.items()} for v, runs in points.items()},
+        "table": [{"variant": v, "batch": b, "ms_p50": ms} for v, runs in points.items() for b, ms in runs.items()],
+    }
     path = tmp_path / name
     path.mkdir()
     f = path / "serve_olmoe_nvlink_2gpu.json"  # two jobs' files share a name

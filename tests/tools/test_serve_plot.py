@@ -10,15 +10,27 @@ SCRIPT = ROOT / "benchmarks" / "serve_plot.py"
 
 
 def serve_doc(steps: dict[str, dict[int, float]]) -> dict:
-    return {"variants": {v: {str(b): {"ms_p50": ms, "decode_tokens_per_s_per_gpu": b / ms * 1e3} for b, ms in runs.items()}
-                         for v, runs in steps.items()}}
+    return {
+        "variants": {
+            v: {str(b): {"ms_p50": ms, "decode_tokens_per_s_per_gpu": b / ms * 1e3} for b, ms in runs.items()}
+            for v, runs in steps.items()
+        }
+    }
 
 
 def test_table_ratios_and_plot(tmp_path):
     f = tmp_path / "serve_olmoe_nvlink_2xH200.json"
-    f.write_text(json.dumps(serve_doc({"native-generate+compile": {1: 4.0, 64: 80.0},
-                                       "replicated+compile+graph": {1: 2.0, 64: 10.0},
-                                       "generate+compile+graph": {1: 3.0, 64: 11.0}})))
+    f.write_text(
+        json.dumps(
+            serve_doc(
+                {
+                    "native-generate+compile": {1: 4.0, 64: 80.0},
+                    "replicated+compile+graph": {1: 2.0, 64: 10.0},
+                    "generate+compile+graph": {1: 3.0, 64: 11.0},
+                }
+            )
+        )
+    )
     doc = json.loads(f.read_text())
     doc["variants"]["generate+compile+graph"]["1"]["ms_p99"] = 3.25  # per-step p99 where measured
     f.write_text(json.dumps(doc))

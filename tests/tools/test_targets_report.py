@@ -16,18 +16,29 @@ sys.path.pop(0)
 
 def e2e(model: str, world: int, slow: bool, ms: dict[str, tuple[float, float]], failed: tuple = ()) -> dict:
     """An e2e.py report: variant -> (prefill ms, train ms)."""
-    return {"config": {"model": model, "phases": ["prefill", "train"]},
-            "env": {"world_size": world, "NCCL_P2P_DISABLE": "1" if slow else None},
-            "variants": {v: {"check": {"passed": v not in failed},
-                             "phases": {"prefill": {"ms_median": p}, "train": {"ms_median": t}}}
-                         for v, (p, t) in ms.items()}}
+    return {
+        "config": {"model": model, "phases": ["prefill", "train"]},
+        "env": {"world_size": world, "NCCL_P2P_DISABLE": "1" if slow else None},
+        "variants": {
+            v: {
+                "check": {"passed": v not in failed},
+                "phases": {"prefill": {"ms_median": p}, "train": {"ms_median": t}},
+            }
+            for v, (p, t) in ms.items()
+        },
+    }
 
 
 def serve(slow: bool, ms: dict[str, dict[int, float]], failed: tuple = ()) -> dict:
     """A serve.py report: variant -> {batch: step ms p50}."""
-    return {"config": {"model": "olmoe", "new_tokens": 32}, "env": {"world_size": 2, "NCCL_P2P_DISABLE": "1" if slow else None},
-            "variants": {v: {str(b): {"ms_p50": t, "check": {"passed": v not in failed}} for b, t in per.items()}
-                         for v, per in ms.items()}}
+    return {
+        "config": {"model": "olmoe", "new_tokens": 32},
+        "env": {"world_size": 2, "NCCL_P2P_DISABLE": "1" if slow else None},
+        "variants": {
+            v: {str(b): {"ms_p50": t, "check": {"passed": v not in failed}} for b, t in per.items()}
+            for v, per in ms.items()
+        },
+    }
 
 
 def rows_of(table: str) -> list[list[str]]:
@@ -36,68 +47,219 @@ def rows_of(table: str) -> list[list[str]]:
 
 def test_verdicts_for_each_kind_of_report(tmp_path):
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "nvlink.json").write_text(json.dumps(e2e("olmoe", 2, False, {
-        "replicated": (100.0, 290.0), "replicated/compile": (80.0, 280.0), "standard": (106.0, 291.0),
-        "dedup": (101.0, 300.0), "dedup@device/compile/graph": (83.0, 285.0)})))
-    (tmp_path / "a" / "slow.json").write_text(json.dumps(e2e("olmoe", 2, True, {
-        "replicated": (100.0, 290.0), "dedup": (199.0, 320.0), "dedup+placement": (110.0, 300.0)},
-        failed=("dedup+placement",))))  # a failed check never counts
-    (tmp_path / "peer.json").write_text(json.dumps(e2e("qwen3", 2, False, {
-        "replicated/compile": (20.0, 140.0), "dedup/compile": (22.0, 150.0), "torchtitan": (70.0, 240.0),
-        "torchtitan+occult": (60.0, 200.0), "torchtitan+occult@device": (56.0, 210.0)})))
-    (tmp_path / "peer_slow.json").write_text(json.dumps(e2e("qwen3", 2, True, {
-        "replicated/compile": (20.0, 140.0), "dedup@syncfree/layergraphs/compile": (40.0, 150.0),
-        "torchtitan": (150.0, 300.0), "torchtitan+occult": (75.0, 160.0)})))
-    (tmp_path / "bench.json").write_text(json.dumps({"ceilings": {}, "runs": [
-        {"variant": "dedup", "forward_ms": 3.3, "floor_ms": 3.0, "shape": "olmoe", "tokens": 8192, "world": 2},
-        {"variant": "dedup@device", "forward_ms": 2.0, "floor_ms": 0.5, "shape": "olmoe", "tokens": 512, "world": 2,
-         "host_ms_fwd": 2.5, "transport": "device"},
-        {"variant": "dedup@device/graph", "forward_ms": 0.6, "floor_ms": 0.5, "shape": "olmoe", "tokens": 512,
-         "world": 2, "host_ms_fwd": 0.28, "transport": "device"},
-        {"variant": "standard", "forward_ms": 9.0, "floor_ms": 3.0, "shape": "olmoe", "tokens": 8192, "world": 2}]}))
-    (tmp_path / "serve_nvlink.json").write_text(json.dumps(serve(False, {
-        "native-generate+compile": {1: 4.0, 64: 80.0}, "replicated+graph": {1: 3.0, 64: 7.0},
-        "replicated+compile+graph": {1: 2.0, 64: 6.0}, "generate+graph": {1: 5.0, 64: 6.6},
-        "generate@device+compile+graph": {1: 2.5, 64: 6.9}})))
-    (tmp_path / "serve_slow.json").write_text(json.dumps(serve(True, {
-        "replicated+compile+graph": {1: 2.0}, "generate+compile+graph": {1: 3.0}, "dedup-syncfree+graph": {1: 1.0}},
-        failed=("dedup-syncfree+graph",))))
-    (tmp_path / "train_slow_2xH200.json").write_text(json.dumps({"link": "slow", "variants": {}, "ratios": {
-        "dedup_over_floor_per_gpu": 0.9, "dedup_over_standard": 1.3, "two_gpu_dedup_over_one_gpu_job": None}}))
+    (tmp_path / "a" / "nvlink.json").write_text(
+        json.dumps(
+            e2e(
+                "olmoe",
+                2,
+                False,
+                {
+                    "replicated": (100.0, 290.0),
+                    "replicated/compile": (80.0, 280.0),
+                    "standard": (106.0, 291.0),
+                    "dedup": (101.0, 300.0),
+                    "dedup@device/compile/graph": (83.0, 285.0),
+                },
+            )
+        )
+    )
+    (tmp_path / "a" / "slow.json").write_text(
+        json.dumps(
+            e2e(
+                "olmoe",
+                2,
+                True,
+                {"replicated": (100.0, 290.0), "dedup": (199.0, 320.0), "dedup+placement": (110.0, 300.0)},
+                failed=("dedup+placement",),
+            )
+        )
+    )  # a failed check never counts
+    (tmp_path / "peer.json").write_text(
+        json.dumps(
+            e2e(
+                "qwen3",
+                2,
+                False,
+                {
+                    "replicated/compile": (20.0, 140.0),
+                    "dedup/compile": (22.0, 150.0),
+                    "torchtitan": (70.0, 240.0),
+                    "torchtitan+occult": (60.0, 200.0),
+                    "torchtitan+occult@device": (56.0, 210.0),
+                },
+            )
+        )
+    )
+    (tmp_path / "peer_slow.json").write_text(
+        json.dumps(
+            e2e(
+                "qwen3",
+                2,
+                True,
+                {
+                    "replicated/compile": (20.0, 140.0),
+                    "dedup@syncfree/layergraphs/compile": (40.0, 150.0),
+                    "torchtitan": (150.0, 300.0),
+                    "torchtitan+occult": (75.0, 160.0),
+                },
+            )
+        )
+    )
+    (tmp_path / "bench.json").write_text(
+        json.dumps(
+            {
+                "ceilings": {},
+                "runs": [
+                    {
+                        "variant": "dedup",
+                        "forward_ms": 3.3,
+                        "floor_ms": 3.0,
+                        "shape": "olmoe",
+                        "tokens": 8192,
+                        "world": 2,
+                    },
+                    {
+                        "variant": "dedup@device",
+                        "forward_ms": 2.0,
+                        "floor_ms": 0.5,
+                        "shape": "olmoe",
+                        "tokens": 512,
+                        "world": 2,
+                        "host_ms_fwd": 2.5,
+                        "transport": "device",
+                    },
+                    {
+                        "variant": "dedup@device/graph",
+                        "forward_ms": 0.6,
+                        "floor_ms": 0.5,
+                        "shape": "olmoe",
+                        "tokens": 512,
+                        "world": 2,
+                        "host_ms_fwd": 0.28,
+                        "transport": "device",
+                    },
+                    {
+                        "variant": "standard",
+                        "forward_ms": 9.0,
+                        "floor_ms": 3.0,
+                        "shape": "olmoe",
+                        "tokens": 8192,
+                        "world": 2,
+                    },
+                ],
+            }
+        )
+    )
+    (tmp_path / "serve_nvlink.json").write_text(
+        json.dumps(
+            serve(
+                False,
+                {
+                    "native-generate+compile": {1: 4.0, 64: 80.0},
+                    "replicated+graph": {1: 3.0, 64: 7.0},
+                    "replicated+compile+graph": {1: 2.0, 64: 6.0},
+                    "generate+graph": {1: 5.0, 64: 6.6},
+                    "generate@device+compile+graph": {1: 2.5, 64: 6.9},
+                },
+            )
+        )
+    )
+    (tmp_path / "serve_slow.json").write_text(
+        json.dumps(
+            serve(
+                True,
+                {
+                    "replicated+compile+graph": {1: 2.0},
+                    "generate+compile+graph": {1: 3.0},
+                    "dedup-syncfree+graph": {1: 1.0},
+                },
+                failed=("dedup-syncfree+graph",),
+            )
+        )
+    )
+    (tmp_path / "train_slow_2xH200.json").write_text(
+        json.dumps(
+            {
+                "link": "slow",
+                "variants": {},
+                "ratios": {
+                    "dedup_over_floor_per_gpu": 0.9,
+                    "dedup_over_standard": 1.3,
+                    "two_gpu_dedup_over_one_gpu_job": None,
+                },
+            }
+        )
+    )
     (tmp_path / "replacement.json").write_text(json.dumps({"migration_share_of_training": 0.03}))
     (tmp_path / "junk.json").write_text("{not json")
     got = {(r[0], r[3].split(" ")[0]): (r[1], r[2]) for r in rows_of(targets_report.report([str(tmp_path)]))}
     key = "36: whole model (olmoe), best dedup / best replicated, {}, {}: <= {}"
     assert got[(key.format("prefill", "nvlink", 1.05), "a/nvlink.json")] == (
-        "1.038x (dedup@device/compile/graph 83.00 vs replicated/compile 80.00 ms)", "met")
+        "1.038x (dedup@device/compile/graph 83.00 vs replicated/compile 80.00 ms)",
+        "met",
+    )
     assert got[(key.format("train", "nvlink", 1.03), "a/nvlink.json")][1] == "met"  # 285 / 280
-    assert got[(key.format("prefill", "slow", 1.3), "a/slow.json")] == ("1.990x (dedup 199.00 vs replicated 100.00 ms)", "MISSED")
+    assert got[(key.format("prefill", "slow", 1.3), "a/slow.json")] == (
+        "1.990x (dedup 199.00 vs replicated 100.00 ms)",
+        "MISSED",
+    )
     assert got[("36: TorchTitan / best dedup (qwen3), train, nvlink: >= 1.8", "peer.json")] == (
-        "1.60x (dedup/compile 150.00 vs 240.00 ms)", "MISSED")
+        "1.60x (dedup/compile 150.00 vs 240.00 ms)",
+        "MISSED",
+    )
     assert got[("36: TorchTitan / best dedup (qwen3), prefill, nvlink: >= 3.0", "peer.json")][1] == "met"
     assert got[("36: TorchTitan / TorchTitan + occult (qwen3), prefill, nvlink: >= 1.2", "peer.json")] == (
-        "1.25x (torchtitan+occult@device 56.00 vs 70.00 ms)", "met")  # the faster of its transports
-    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), train, nvlink: >= 1.2", "peer.json")][1] == "met"  # 240 / 200
+        "1.25x (torchtitan+occult@device 56.00 vs 70.00 ms)",
+        "met",
+    )  # the faster of its transports
+    assert (
+        got[("36: TorchTitan / TorchTitan + occult (qwen3), train, nvlink: >= 1.2", "peer.json")][1] == "met"
+    )  # 240 / 200
     assert got[("36: TorchTitan / best dedup (qwen3), prefill, slow: >= 3.5", "peer_slow.json")] == (
-        "3.75x (dedup@syncfree/layergraphs/compile 40.00 vs 150.00 ms)", "met")
+        "3.75x (dedup@syncfree/layergraphs/compile 40.00 vs 150.00 ms)",
+        "met",
+    )
     assert got[("36: TorchTitan / best dedup (qwen3), train, slow: >= 2.2", "peer_slow.json")][1] == "MISSED"  # 2.0x
     assert got[("36: TorchTitan / TorchTitan + occult (qwen3), prefill, slow: >= 2.0", "peer_slow.json")][1] == "met"
     assert got[("36: TorchTitan / TorchTitan + occult (qwen3), train, slow: >= 2.0", "peer_slow.json")] == (
-        "1.88x (torchtitan+occult 160.00 vs 300.00 ms)", "MISSED")
-    assert got[("36: layer forward / (experts + all-to-alls), 8192 tokens (olmoe, dedup): <= 1.15", "bench.json")] == ("1.10x", "met")
-    assert got[("36: host ms per layer forward, 512 tokens (olmoe, dedup@device): <= 0.3", "bench.json")] == ("2.50 ms", "MISSED")
+        "1.88x (torchtitan+occult 160.00 vs 300.00 ms)",
+        "MISSED",
+    )
+    assert got[("36: layer forward / (experts + all-to-alls), 8192 tokens (olmoe, dedup): <= 1.15", "bench.json")] == (
+        "1.10x",
+        "met",
+    )
+    assert got[("36: host ms per layer forward, 512 tokens (olmoe, dedup@device): <= 0.3", "bench.json")] == (
+        "2.50 ms",
+        "MISSED",
+    )
     assert got[("36: host ms per layer forward, 512 tokens (olmoe, dedup@device/graph): <= 0.3", "bench.json")] == (
-        "0.28 ms", "met")
+        "0.28 ms",
+        "met",
+    )
     assert got[("37: EP decode step / floor (olmoe), B=1, nvlink: <= 1.35", "serve_nvlink.json")] == (
-        "1.25x (generate@device+compile+graph 2.50 vs replicated+compile+graph 2.00 ms)", "met")
+        "1.25x (generate@device+compile+graph 2.50 vs replicated+compile+graph 2.00 ms)",
+        "met",
+    )
     assert got[("37: EP decode step / floor (olmoe), B=64, nvlink: <= 1.12", "serve_nvlink.json")] == (
-        "1.10x (generate+graph 6.60 vs replicated+compile+graph 6.00 ms)", "met")
-    assert got[("37: transformers' compiled generate / EP step (olmoe), B=1, nvlink: >= 2.0", "serve_nvlink.json")][1] == "MISSED"
-    assert got[("37: transformers' compiled generate / EP step (olmoe), B=64, nvlink: >= 12.0", "serve_nvlink.json")] == (
-        "12.12x (80.00 vs generate+graph 6.60 ms)", "met")
+        "1.10x (generate+graph 6.60 vs replicated+compile+graph 6.00 ms)",
+        "met",
+    )
+    assert (
+        got[("37: transformers' compiled generate / EP step (olmoe), B=1, nvlink: >= 2.0", "serve_nvlink.json")][1]
+        == "MISSED"
+    )
+    assert got[
+        ("37: transformers' compiled generate / EP step (olmoe), B=64, nvlink: >= 12.0", "serve_nvlink.json")
+    ] == ("12.12x (80.00 vs generate+graph 6.60 ms)", "met")
     assert got[("37: EP decode step / floor (olmoe), B=1, slow: <= 1.8", "serve_slow.json")] == (
-        "1.50x (generate+compile+graph 3.00 vs replicated+compile+graph 2.00 ms)", "met")
-    assert got[("38: EP dedup tokens/s per GPU / data-parallel floor, slow: >= 0.85", "train_slow_2xH200.json")] == ("0.900", "met")
+        "1.50x (generate+compile+graph 3.00 vs replicated+compile+graph 2.00 ms)",
+        "met",
+    )
+    assert got[("38: EP dedup tokens/s per GPU / data-parallel floor, slow: >= 0.85", "train_slow_2xH200.json")] == (
+        "0.900",
+        "met",
+    )
     assert got[("38: EP dedup / EP standard tokens/s, slow: >= 1.4", "train_slow_2xH200.json")] == ("1.300", "MISSED")
     assert got[("38: one migration, amortised over --replace-every: <= 2%", "replacement.json")] == ("3.00%", "MISSED")
     missing = {k[0] for k, v in got.items() if v[1] == "not measured"}
@@ -105,7 +267,9 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
 
 
 def test_one_gpu_is_not_a_verdict_and_missing_runs_are_listed(tmp_path):
-    (tmp_path / "one.json").write_text(json.dumps(e2e("olmoe", 1, False, {"replicated": (76.0, 264.0), "dedup": (76.5, 262.0)})))
+    (tmp_path / "one.json").write_text(
+        json.dumps(e2e("olmoe", 1, False, {"replicated": (76.0, 264.0), "dedup": (76.5, 262.0)}))
+    )
     rows = rows_of(targets_report.report([str(tmp_path)]))
     assert [r[2] for r in rows if r[3].startswith("one.json")] == ["n/a (1 GPU)"] * 2
     missing = {r[0] for r in rows if r[2] == "not measured"}
@@ -113,11 +277,21 @@ def test_one_gpu_is_not_a_verdict_and_missing_runs_are_listed(tmp_path):
 
 
 def test_cli_writes_markdown_and_rejects_a_missing_path(tmp_path):
-    (tmp_path / "one.json").write_text(json.dumps(e2e("olmoe", 2, False, {"replicated": (76.0, 264.0), "dedup": (76.5, 262.0)})))
+    (tmp_path / "one.json").write_text(
+        json.dumps(e2e("olmoe", 2, False, {"replicated": (76.0, 264.0), "dedup": (76.5, 262.0)}))
+    )
     md = tmp_path / "t.md"
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "targets_report.py"), str(tmp_path), "--md", str(md)],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "targets_report.py"), str(tmp_path), "--md", str(md)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0 and md.read_text().strip() == res.stdout.strip()
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "targets_report.py"), str(tmp_path / "nope")],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "targets_report.py"), str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "no such file or directory" in res.stderr

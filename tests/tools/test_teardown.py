@@ -29,8 +29,12 @@ def destroy_with_holders(rank: int, world_size: int) -> dict:
     gc.collect()  # held weakly: a collected holder is not called
     wrapped_once = not getattr(dist.destroy_process_group.__wrapped__, "releases_captured", False)
     dist.destroy_process_group()  # the plain call a user makes
-    return {"released": kept.released, "initialized": dist.is_initialized(), "wrapped_once": wrapped_once,
-            "left": release_captured()}
+    return {
+        "released": kept.released,
+        "initialized": dist.is_initialized(),
+        "wrapped_once": wrapped_once,
+        "left": release_captured(),
+    }
 
 
 def test_plain_destroy_releases_every_live_holder_once_then_destroys():

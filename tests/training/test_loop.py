@@ -8,8 +8,8 @@ import signal
 
 import pytest
 import torch
-
 import tqdm.auto
+
 from occult.training.hooks import StepHook
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 
@@ -55,8 +55,9 @@ def make_loop(steps: int, log_every: int, every: int, ctrl_c_at: int | None = No
         out = (w * batch).square().sum()
         return StepLoss(out, out.detach())
 
-    parts = StepParts(batch=lambda s: s + 1, loss=loss, sync=lambda: None, clip=lambda m: None, lr=lambda s: 0.1,
-                      mean=lambda t: t)
+    parts = StepParts(
+        batch=lambda s: s + 1, loss=loss, sync=lambda: None, clip=lambda m: None, lr=lambda s: 0.1, mean=lambda t: t
+    )
     settings = LoopSettings(steps, 0.0, 1, progress=True, log_every=log_every, stop_on_interrupt=stop_on_interrupt)
     loop = TrainLoop(parts, opt, settings)
     loop.hooks = [Evaluate(loop, every, ctrl_c_at)]

@@ -43,6 +43,14 @@ from occult.integrations.hf.block import OccultMoeBlock, expert_parameters, moe_
 from occult.integrations.hf.calibration import calibration_windows, token_stream
 from occult.integrations.hf.compiled import compile_layers, decoder_layers
 from occult.integrations.hf.convert import convert, hf_layout, unconvert
+from occult.integrations.hf.families import (
+    FAMILIES,
+    SUPPORTED_TRANSFORMERS,
+    Family,
+    UnsupportedModelError,
+    check_transformers_version,
+    model_family,
+)
 from occult.integrations.hf.finetune import (
     FinetuneConfig,
     FinetuneResult,
@@ -52,14 +60,6 @@ from occult.integrations.hf.finetune import (
     standard_routing,
     tokenize_texts,
     trainable_parameters,
-)
-from occult.integrations.hf.families import (
-    FAMILIES,
-    SUPPORTED_TRANSFORMERS,
-    Family,
-    UnsupportedModelError,
-    check_transformers_version,
-    model_family,
 )
 from occult.integrations.hf.generate import StaticDecoder, generate
 from occult.integrations.hf.graphed import GraphedForward

@@ -36,7 +36,7 @@ FORMULAS = ("transformers", "switch")
 
 
 def aux_formula(model: nn.Module) -> str:
-    """"transformers" when the model's modeling module has `load_balancing_loss_func`, else "switch"."""
+    """ "transformers" when the model's modeling module has `load_balancing_loss_func`, else "switch"."""
     module = sys.modules.get(type(model).__module__)
     return "transformers" if hasattr(module, "load_balancing_loss_func") else "switch"
 
@@ -71,7 +71,9 @@ class RouterTaps:
         """The load-balancing loss of the last forward, over every rank of `group` (None: this rank)."""
         L = len(self.blocks)
         if len(self.logits) != L or len(self.ids) != L:
-            raise RuntimeError(f"expected one router call per MoE layer ({L}), got {len(self.logits)} logits, {len(self.ids)} ids")
+            raise RuntimeError(
+                f"expected one router call per MoE layer ({L}), got {len(self.logits)} logits, {len(self.ids)} ids"
+            )
         E, k = int(self.blocks[0].experts.num_experts), int(self.blocks[0].experts.top_k)
         counts, psums, rows = [], [], []
         for block, logits_TE, ids_TK in zip(self.blocks, self.logits, self.ids):
@@ -83,8 +85,11 @@ class RouterTaps:
                 probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
                 chosen = ids_TK
             flat = chosen.reshape(-1)
-            counts.append(torch.zeros(E, dtype=torch.float32, device=flat.device).scatter_add_(
-                0, flat, torch.ones_like(flat, dtype=torch.float32)))
+            counts.append(
+                torch.zeros(E, dtype=torch.float32, device=flat.device).scatter_add_(
+                    0, flat, torch.ones_like(flat, dtype=torch.float32)
+                )
+            )
             psums.append(probs_TE.sum(0))
             rows.append(float(probs_TE.shape[0]))
         self.clear()
@@ -96,7 +101,7 @@ class RouterTaps:
             W = dist.get_world_size(group)
             buf = torch.cat([C_LE.reshape(-1), P_LE.detach().reshape(-1), R_L])
             dist.all_reduce(buf, group=group)
-            Cg, Pg, Rg = buf[: L * E].view(L, E), buf[L * E: 2 * L * E].view(L, E), buf[2 * L * E:]
+            Cg, Pg, Rg = buf[: L * E].view(L, E), buf[L * E : 2 * L * E].view(L, E), buf[2 * L * E :]
 
         def formula(P: torch.Tensor) -> torch.Tensor:  # linear in the probability sums P
             if self.formula == "transformers":

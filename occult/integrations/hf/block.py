@@ -24,7 +24,8 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     family = model_family(model)
     found = [
-        (name, m) for name, m in model.named_modules()
+        (name, m)
+        for name, m in model.named_modules()
         if type(m).__name__ == family.block_class or isinstance(m, OccultMoeBlock)
     ]
     if not found:
@@ -95,7 +96,12 @@ def is_converted(model: nn.Module) -> bool:
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The expert-parallel parameters (each rank holds different experts)."""
-    return [p for b in model.modules() if isinstance(b, OccultMoeBlock) for p in (b.experts.gate_up_proj, b.experts.down_proj)]
+    return [
+        p
+        for b in model.modules()
+        if isinstance(b, OccultMoeBlock)
+        for p in (b.experts.gate_up_proj, b.experts.down_proj)
+    ]
 
 
 @torch.no_grad()

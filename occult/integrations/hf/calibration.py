@@ -26,7 +26,11 @@ def token_stream(data: str, model_dir: str, vocab_size: int):
 
         tok = AutoTokenizer.from_pretrained(model_dir)
         lines = path.read_text(encoding="utf-8").splitlines()
-        texts = [json.loads(line)["text"] for line in lines if line.strip()] if suffix == ".jsonl" else [line for line in lines if line.strip()]
+        texts = (
+            [json.loads(line)["text"] for line in lines if line.strip()]
+            if suffix == ".jsonl"
+            else [line for line in lines if line.strip()]
+        )
         ids: list[int] = []
         sep = [tok.eos_token_id] if tok.eos_token_id is not None else []
         for text in texts:

@@ -32,8 +32,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os  # noqa: F401  (tests replace os.replace through this module to crash a save half-way)
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -69,8 +70,13 @@ def signature(model: nn.Module, tokens: torch.Tensor, settings: Mapping[str, Any
         r = b.experts.router
         limited = getattr(r, "max_devices", None) is not None
         devices = getattr(r, "expert_device_E", None)
-        routing.append({"max_devices": getattr(r, "max_devices", None), "method": getattr(r, "prune_method", None),
-                        "devices": devices.tolist() if limited and devices is not None else None})
+        routing.append(
+            {
+                "max_devices": getattr(r, "max_devices", None),
+                "method": getattr(r, "prune_method", None),
+                "devices": devices.tolist() if limited and devices is not None else None,
+            }
+        )
     return {
         "model_type": str(getattr(model.config, "model_type", "")),
         "num_experts": [int(b.experts.num_experts) for b in blocks],
@@ -85,20 +91,34 @@ def signature(model: nn.Module, tokens: torch.Tensor, settings: Mapping[str, Any
 def check_signature(saved: Mapping[str, Any], now: Mapping[str, Any], source: str) -> None:
     """Raise `FinetuneCheckpointError` naming the first thing that differs."""
     if saved.get("model_type") != now["model_type"]:
-        raise FinetuneCheckpointError(f"{source} is of a {saved.get('model_type')!r} model, this is {now['model_type']!r}")
+        raise FinetuneCheckpointError(
+            f"{source} is of a {saved.get('model_type')!r} model, this is {now['model_type']!r}"
+        )
     if saved.get("num_experts") != now["num_experts"]:
-        raise FinetuneCheckpointError(f"{source} has {saved.get('num_experts')} experts per MoE layer, the model "
-                                      f"{now['num_experts']}: another model")
-    for key, what in (("config", "model config"), ("frozen", "frozen weights (another model directory?)"),
-                      ("routing", "routing rule (--max-devices / --placement / --prune-method)"),
-                      ("data", "training data")):
+        raise FinetuneCheckpointError(
+            f"{source} has {saved.get('num_experts')} experts per MoE layer, the model "
+            f"{now['num_experts']}: another model"
+        )
+    for key, what in (
+        ("config", "model config"),
+        ("frozen", "frozen weights (another model directory?)"),
+        ("routing", "routing rule (--max-devices / --placement / --prune-method)"),
+        ("data", "training data"),
+    ):
         if saved.get(key) != now[key]:
-            raise FinetuneCheckpointError(f"{source}: the {what} differ from the checkpoint's; use the same or another --out")
+            raise FinetuneCheckpointError(
+                f"{source}: the {what} differ from the checkpoint's; use the same or another --out"
+            )
     before, after = saved.get("settings", {}), now["settings"]  # a key absent on one side: a setting at its default
-    diffs = [f"{k}: checkpoint {before.get(k)!r}, now {after.get(k)!r}" for k in sorted(set(before) | set(after))
-             if k not in EXTENDABLE and before.get(k) != after.get(k)]
+    diffs = [
+        f"{k}: checkpoint {before.get(k)!r}, now {after.get(k)!r}"
+        for k in sorted(set(before) | set(after))
+        if k not in EXTENDABLE and before.get(k) != after.get(k)
+    ]
     if diffs:
-        raise FinetuneCheckpointError(f"{source}: training settings differ ({'; '.join(diffs)}); use the same or another --out")
+        raise FinetuneCheckpointError(
+            f"{source}: training settings differ ({'; '.join(diffs)}); use the same or another --out"
+        )
 
 
 def _trained(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, nn.Parameter], dict[str, list[int]]]:
@@ -113,8 +133,9 @@ def _trained(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, nn
     return params, experts
 
 
-def save_state(out_dir: str | os.PathLike, model: nn.Module, opt: torch.optim.Optimizer, step: int,
-               meta: Mapping[str, Any]) -> Path:
+def save_state(
+    out_dir: str | os.PathLike, model: nn.Module, opt: torch.optim.Optimizer, step: int, meta: Mapping[str, Any]
+) -> Path:
     """Write the checkpoint at `step` (a collective: every rank calls it); see the module docstring."""
     params, experts = _trained(model, opt)
     state, kinds = dcp.state_tensors(params, experts, opt)
@@ -135,14 +156,26 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 def load_state(path: str | os.PathLike, doc: Mapping[str, Any], model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Load the trained tensors, their AdamW state and (same world size) the RNG into this rank."""
     params, experts = _trained(model, opt)
-    kinds = {n: {k: "scalar" if k == "step" else "param" for k in keys}
-             for n, keys in doc.get("optim_keys", {}).items() if n in params}
+    kinds = {
+        n: {k: "scalar" if k == "step" else "param" for k in keys}
+        for n, keys in doc.get("optim_keys", {}).items()
+        if n in params
+    }
     tensors = dcp.load_checkpoint(path, doc, params, experts, kinds, FinetuneCheckpointError)
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(tensors[f"model.{name}"])
-    dcp.load_optimizer_state(opt, params, {k: v for k, v in tensors.items() if k.startswith("optim.")},
-                             FinetuneCheckpointError, str(path))
+    dcp.load_optimizer_state(
+        opt, params, {k: v for k, v in tensors.items() if k.startswith("optim.")}, FinetuneCheckpointError, str(path)
+    )
 
 
-__all__ = ["FinetuneCheckpointError", "signature", "check_signature", "save_state", "find_state", "read_meta", "load_state"]
+__all__ = [
+    "FinetuneCheckpointError",
+    "signature",
+    "check_signature",
+    "save_state",
+    "find_state",
+    "read_meta",
+    "load_state",
+]

@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -14,8 +15,8 @@ from occult.integrations.hf.block import OccultMoeBlock, is_converted, moe_block
 from occult.integrations.hf.families import (
     UnsupportedModelError,
     check_block,
-    group_size,
     check_transformers_version,
+    group_size,
     model_family,
 )
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, merge_settings
@@ -53,11 +54,19 @@ def convert(
     sync-free, expert backend, transport), or as the keywords above (default dedup, unpruned).
     """
     check_transformers_version()
-    routing, execution = merge_settings(routing, execution, dispatcher=dispatcher, max_devices=max_devices,
-                                        prune_method=prune_method, expert_backend=expert_backend)
+    routing, execution = merge_settings(
+        routing,
+        execution,
+        dispatcher=dispatcher,
+        max_devices=max_devices,
+        prune_method=prune_method,
+        expert_backend=expert_backend,
+    )
     if routing.max_nodes is not None:
-        raise ValueError("max_nodes (node-limited routing) is not supported for transformers models yet; "
-                         "use max_devices, or DeepSeek-V3's own group-limited routing (topk_group)")
+        raise ValueError(
+            "max_nodes (node-limited routing) is not supported for transformers models yet; "
+            "use max_devices, or DeepSeek-V3's own group-limited routing (topk_group)"
+        )
     max_devices = routing.max_devices
     family = model_family(model)
     if is_converted(model):
@@ -86,16 +95,28 @@ def convert(
         ref = block.experts.gate_up_proj
         device = block.gate.weight.device if ref.is_meta else ref.device
         router = family.router(
-            block.gate, max_devices=max_devices, prune_method=routing.prune_method,
+            block.gate,
+            max_devices=max_devices,
+            prune_method=routing.prune_method,
             similarity_EE=None if similarity is None else torch.as_tensor(similarity[i], device=device),
         )
         experts = OccultMoE(
-            MoEConfig(H, F_, E, k, ref.dtype), routing=RoutingConfig(bool(getattr(block.gate, "norm_topk_prob", True))),
-            execution=execution, placement=placement, layer_index=i, group=group, router=router, device=device,
+            MoEConfig(H, F_, E, k, ref.dtype),
+            routing=RoutingConfig(bool(getattr(block.gate, "norm_topk_prob", True))),
+            execution=execution,
+            placement=placement,
+            layer_index=i,
+            group=group,
+            router=router,
+            device=device,
             init_weights=expert_weights is None,
         )
         ids = experts.local_expert_ids
-        gate_up, down = (block.experts.gate_up_proj[ids], block.experts.down_proj[ids]) if expert_weights is None else expert_weights(i, ids)
+        gate_up, down = (
+            (block.experts.gate_up_proj[ids], block.experts.down_proj[ids])
+            if expert_weights is None
+            else expert_weights(i, ids)
+        )
         with torch.no_grad():
             experts.gate_up_proj.copy_(gate_up)
             experts.down_proj.copy_(down)

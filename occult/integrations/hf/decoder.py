@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 from occult.integrations.hf.families import UnsupportedModelError
-from occult.teardown import hold_collectives
 from occult.integrations.hf.sampling import TokenSelector
+from occult.teardown import hold_collectives
 
 
 def _check_attention(config: Any) -> None:
@@ -21,7 +21,9 @@ def _check_attention(config: Any) -> None:
     types = getattr(config, "layer_types", None) or []
     sliding = [t for t in types if t != "full_attention"]
     if sliding or (getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):
-        raise UnsupportedModelError(f"generate supports full-attention layers only, not {sorted(set(sliding)) or 'sliding'}")
+        raise UnsupportedModelError(
+            f"generate supports full-attention layers only, not {sorted(set(sliding)) or 'sliding'}"
+        )
 
 
 class StaticDecoder:
@@ -68,7 +70,9 @@ class StaticDecoder:
     # ---------------------------------------------------------------- state
     def _counters(self) -> list[torch.Tensor]:
         """The cache's in-place length counters (StaticLayer.cumulative_length)."""
-        return [c for layer in self.cache.layers if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
+        return [
+            c for layer in self.cache.layers if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)
+        ]
 
     def _state(self) -> list[torch.Tensor]:
         extra = [self.next_B, self.selector.unfinished_B] if self.selector is not None else []
@@ -83,8 +87,10 @@ class StaticDecoder:
         if self.next_slot == 0:
             raise ValueError(f"{what} before prefill: call prefill(ids, mask) first")
         if self.next_slot >= self.max_len:
-            raise ValueError(f"{what} would write cache slot {self.next_slot} of a StaticDecoder holding {self.max_len} "
-                             f"positions (prompt + new tokens); build the decoder with a larger max_len")
+            raise ValueError(
+                f"{what} would write cache slot {self.next_slot} of a StaticDecoder holding {self.max_len} "
+                f"positions (prompt + new tokens); build the decoder with a larger max_len"
+            )
 
     def _restore(self, saved: list[torch.Tensor]) -> None:
         for t, s in zip(self._state(), saved):
@@ -95,8 +101,9 @@ class StaticDecoder:
     def prefill(self, ids_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
         B, S = ids_BS.shape
         if B != self.batch_size or S >= self.max_len:
-            raise ValueError(f"prefill of {tuple(ids_BS.shape)} into a decoder of batch {self.batch_size}, "
-                             f"length {self.max_len}")
+            raise ValueError(
+                f"prefill of {tuple(ids_BS.shape)} into a decoder of batch {self.batch_size}, length {self.max_len}"
+            )
         if self.cache.is_initialized:
             self.cache.reset()  # zeroes K/V and the counters in place: captured addresses stay valid
         mask_BS = mask_BS.to(device=self.device, dtype=torch.long)
@@ -107,8 +114,14 @@ class StaticDecoder:
         self.slot_1.fill_(S)
         self.next_slot = S
         attn = None if bool(mask_BS.all()) else mask_BS  # transformers drops an all-ones mask too
-        out = self.model(input_ids=ids_BS, attention_mask=attn, position_ids=pos_BS, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids_BS,
+            attention_mask=attn,
+            position_ids=pos_BS,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1].float()
 
     # --------------------------------------------------------------- decode
@@ -119,9 +132,15 @@ class StaticDecoder:
         keep_B11L = self.mask_BL[:, None, None, :].bool()
         if self.eager_mask:  # additive, as transformers' eager mask
             keep_B11L = torch.zeros((), dtype=self.dtype, device=self.device).masked_fill(
-                ~keep_B11L, torch.finfo(self.dtype).min)
-        out = self.model(input_ids=self.ids_B1, attention_mask=keep_B11L, position_ids=self.pos_B1,
-                         past_key_values=self.cache, use_cache=True)
+                ~keep_B11L, torch.finfo(self.dtype).min
+            )
+        out = self.model(
+            input_ids=self.ids_B1,
+            attention_mask=keep_B11L,
+            position_ids=self.pos_B1,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.pos_B1.add_(1)
         self.slot_1.add_(1)
         logits_BV = out.logits[:, -1].float()

@@ -28,9 +28,9 @@ class Family:
     """How one transformers model type lays out its MoE blocks."""
 
     model_type: str
-    block_class: str                      # class name of the model's MoE block
-    router: type[HFGateRouter]            # scoring family (for device-limited routing)
-    shared: tuple[str, ...] = ()          # local, replicated submodules kept from the block
+    block_class: str  # class name of the model's MoE block
+    router: type[HFGateRouter]  # scoring family (for device-limited routing)
+    shared: tuple[str, ...] = ()  # local, replicated submodules kept from the block
 
 
 FAMILIES: dict[str, Family] = {
@@ -106,8 +106,10 @@ def check_block(name: str, block: nn.Module, family: Family) -> tuple[int, int, 
     if gate is None or not hasattr(gate, "top_k") or int(getattr(gate, "num_experts", E)) != E:
         raise UnsupportedModelError(f"{name}: the block's gate has no top_k or disagrees on the expert count")
     if not 1 <= int(gate.top_k) <= E:
-        raise UnsupportedModelError(f"{name}: the gate picks top_k={int(gate.top_k)} of {E} experts: the config's "
-                                    f"experts per token (num_experts_per_tok) must be 1..{E}")
+        raise UnsupportedModelError(
+            f"{name}: the gate picks top_k={int(gate.top_k)} of {E} experts: the config's "
+            f"experts per token (num_experts_per_tok) must be 1..{E}"
+        )
     for sub in family.shared:
         if getattr(block, sub, None) is None:
             raise UnsupportedModelError(f"{name}: expected submodule {sub!r} in a {family.model_type} MoE block")

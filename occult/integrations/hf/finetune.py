@@ -34,9 +34,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ class FinetuneConfig:
     """Optimisation settings of `finetune` (AdamW, linear warm-up then cosine to `min_lr_ratio * lr`)."""
 
     steps: int = 100
-    batch_size: int = 8   # global rows per step (divisible by the world size)
+    batch_size: int = 8  # global rows per step (divisible by the world size)
     seq_len: int = 256
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
@@ -84,14 +84,18 @@ class FinetuneConfig:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ValueError(f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup >= 0; got {self.lr}, {self.min_lr_ratio}, {self.warmup_steps}")
+            raise ValueError(
+                f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup >= 0; got {self.lr}, {self.min_lr_ratio}, {self.warmup_steps}"
+            )
         if self.aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
         if self.distill_weight < 0 or self.distill_temperature <= 0:
-            raise ValueError(f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "
-                             f"{self.distill_temperature}")
+            raise ValueError(
+                f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "
+                f"{self.distill_temperature}"
+            )
         if self.train_part not in TRAIN_PARTS:
             raise ValueError(f"train_part must be one of {', '.join(TRAIN_PARTS)}, got {self.train_part!r}")
         parse_window(self.profile_steps) if self.profile_steps else None  # a clear error for a bad window
@@ -106,10 +110,10 @@ class FinetuneConfig:
 
 @dataclass
 class FinetuneResult:
-    losses: list[float]            # per step, mean over the global batch
+    losses: list[float]  # per step, mean over the global batch
     grad_norms: list[float] = field(default_factory=list)
-    tokens_per_s: float = 0.0      # global tokens per second over the whole run
-    trained_parameters: int = 0    # on this rank
+    tokens_per_s: float = 0.0  # global tokens per second over the whole run
+    trained_parameters: int = 0  # on this rank
 
 
 def setup_groups(ep_size: int | None = None) -> Groups | None:
@@ -158,8 +162,9 @@ def lr_at(step: int, cfg: FinetuneConfig) -> float:
     return CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)(step)
 
 
-def batch_rows(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, step: int,
-               rank: int = 0, world_size: int = 1) -> torch.Tensor:
+def batch_rows(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, step: int, rank: int = 0, world_size: int = 1
+) -> torch.Tensor:
     """Rows [rank*B/W, (rank+1)*B/W) of global batch `step`: [B/W, S+1] windows of the stream."""
     n = tokens.numel() - seq_len - 1
     if n < 1:
@@ -184,9 +189,13 @@ def tokenize_texts(texts: list[str], model_dir: str | os.PathLike, vocab_size: i
         ids = [i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"] + sep]
         return torch.tensor(ids, dtype=torch.int64), f"the model's tokenizer {type(tok).__name__}"
     if vocab_size < 256:
-        raise ValueError(f"{d} has no tokenizer and its vocabulary ({vocab_size}) is too small for UTF-8 bytes: give token ids (--data)")
+        raise ValueError(
+            f"{d} has no tokenizer and its vocabulary ({vocab_size}) is too small for UTF-8 bytes: give token ids (--data)"
+        )
     data = b"\n".join(t.encode("utf-8") for t in texts)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64), "no tokenizer in the model directory: UTF-8 bytes as ids"
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(
+        torch.int64
+    ), "no tokenizer in the model directory: UTF-8 bytes as ids"
 
 
 def _autocast(device: torch.device, precision: str):
@@ -195,26 +204,40 @@ def _autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def _check_inputs(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, groups: Groups | None,
-                  experts: list[nn.Parameter]) -> None:
+def _check_inputs(
+    model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, groups: Groups | None, experts: list[nn.Parameter]
+) -> None:
     W = groups.world_size if groups is not None else 1
     if cfg.batch_size % W:
         raise ValueError(f"--batch-size {cfg.batch_size} (the global batch) is not divisible by the {W} ranks")
     vocab = int(model.config.vocab_size)
     if tokens.dim() != 1 or tokens.numel() < cfg.seq_len + 2:
-        raise ValueError(f"need a 1-D token stream of more than seq_len + 1 = {cfg.seq_len + 1} ids, got {list(tokens.shape)}")
+        raise ValueError(
+            f"need a 1-D token stream of more than seq_len + 1 = {cfg.seq_len + 1} ids, got {list(tokens.shape)}"
+        )
     if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
         raise ValueError(f"the data hold token ids outside the model's vocabulary [0, {vocab})")
     sharded = max(b.experts.num_ranks for b in model.modules() if isinstance(b, OccultMoeBlock))
     if groups is None and sharded > 1:
-        raise ValueError(f"the experts are sharded over {sharded} ranks: pass groups=setup_groups(...) (the gradient sync)")
+        raise ValueError(
+            f"the experts are sharded over {sharded} ranks: pass groups=setup_groups(...) (the gradient sync)"
+        )
     if groups is not None and sharded != groups.ep_size:
-        raise ValueError(f"the experts are sharded over {sharded} ranks, the EP size is {groups.ep_size}: convert over groups.ep")
+        raise ValueError(
+            f"the experts are sharded over {sharded} ranks, the EP size is {groups.ep_size}: convert over groups.ep"
+        )
 
 
-def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, groups: Groups | None,
-                trained: tuple[list[nn.Parameter], list[nn.Parameter]], taps: RouterTaps | None,
-                schedule: Callable[[int], float], teacher: nn.Module | None = None) -> StepParts:
+def _step_parts(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    cfg: FinetuneConfig,
+    groups: Groups | None,
+    trained: tuple[list[nn.Parameter], list[nn.Parameter]],
+    taps: RouterTaps | None,
+    schedule: Callable[[int], float],
+    teacher: nn.Module | None = None,
+) -> StepParts:
     """A step of a converted transformers model: its rows, the cross-entropy (+ aux), the gradient sync."""
     routers, experts = trained
     device = (routers + experts)[0].device
@@ -233,7 +256,9 @@ def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, gro
         target = None
         if cfg.distill_weight > 0:  # the teacher model's, or the same weights with standard routing; this step
             with _autocast(device, cfg.precision):
-                target = teacher_logits(lambda m: m(input_ids=x, use_cache=False).logits, model, _routers(model), teacher)
+                target = teacher_logits(
+                    lambda m: m(input_ids=x, use_cache=False).logits, model, _routers(model), teacher
+                )
             if taps is not None:
                 taps.clear()  # the aux loss is the student's routing
         with _autocast(device, cfg.precision):
@@ -249,21 +274,34 @@ def _step_parts(model: nn.Module, tokens: torch.Tensor, cfg: FinetuneConfig, gro
         if groups is not None:  # DDP (when routers train) has averaged the routers when the backward returns
             grads.sync_gradients(routers, experts, groups, replicated=net is model)
 
-    return StepParts(batch=batch, loss=loss, sync=sync, clip=lambda m: grads.clip_grad_norm(routers, experts, groups, m),
-                     lr=schedule, mean=lambda t: global_mean(t, groups))
+    return StepParts(
+        batch=batch,
+        loss=loss,
+        sync=sync,
+        clip=lambda m: grads.clip_grad_norm(routers, experts, groups, m),
+        lr=schedule,
+        mean=lambda t: global_mean(t, groups),
+    )
 
 
 def _check_teacher(cfg: FinetuneConfig, model: nn.Module, teacher: nn.Module | None) -> None:
     """A teacher model goes with `cfg.distill_from`, a distillation weight and the model's vocabulary; it is frozen."""
     if (teacher is None) != (cfg.distill_from is None):
-        raise ValueError("pass the teacher model (teacher=) together with FinetuneConfig.distill_from (its directory)"
-                         if teacher is None else "teacher= needs FinetuneConfig.distill_from (the teacher's directory)")
+        raise ValueError(
+            "pass the teacher model (teacher=) together with FinetuneConfig.distill_from (its directory)"
+            if teacher is None
+            else "teacher= needs FinetuneConfig.distill_from (the teacher's directory)"
+        )
     if teacher is not None:
         if cfg.distill_weight <= 0:
-            raise ValueError("a teacher (--distill-from) needs a distillation weight: set distill_weight > 0 (--distill-weight W)")
+            raise ValueError(
+                "a teacher (--distill-from) needs a distillation weight: set distill_weight > 0 (--distill-weight W)"
+            )
         if teacher.config.vocab_size != model.config.vocab_size:
-            raise ValueError(f"the teacher {cfg.distill_from} has {teacher.config.vocab_size} token ids, the model "
-                             f"{model.config.vocab_size}: distil from a model with the same tokenizer")
+            raise ValueError(
+                f"the teacher {cfg.distill_from} has {teacher.config.vocab_size} token ids, the model "
+                f"{model.config.vocab_size}: distil from a model with the same tokenizer"
+            )
         teacher.requires_grad_(False)
         teacher.eval()
 
@@ -271,15 +309,27 @@ def _check_teacher(cfg: FinetuneConfig, model: nn.Module, teacher: nn.Module | N
 class _Saver(StepHook):
     """A checkpoint every `save_every` steps (not at the run's last step: `finetune` saves that)."""
 
-    def __init__(self, loop: TrainLoop, directory: str | os.PathLike, model: nn.Module, extra: Callable[[], dict],
-                 save_every: int, last: int) -> None:
+    def __init__(
+        self,
+        loop: TrainLoop,
+        directory: str | os.PathLike,
+        model: nn.Module,
+        extra: Callable[[], dict],
+        save_every: int,
+        last: int,
+    ) -> None:
         self.loop, self.directory, self.model, self.extra = loop, directory, model, extra
         self.save_every, self.last = save_every, last
 
     def save(self, step: int) -> None:
         self.loop.flush()
-        ckpt.save_state(self.directory, self.model, self.loop.optimizer, step,
-                        {**self.extra(), "losses": self.loop.losses, "grad_norms": self.loop.norms()})
+        ckpt.save_state(
+            self.directory,
+            self.model,
+            self.loop.optimizer,
+            step,
+            {**self.extra(), "losses": self.loop.losses, "grad_norms": self.loop.norms()},
+        )
 
     def after_step(self, step: int, optimizer: torch.optim.Optimizer | None) -> None:
         if self.save_every and step % self.save_every == 0 and step < self.last:
@@ -296,22 +346,32 @@ class _Taps(StepHook):
         self.taps.close()
 
 
-def _resume(loop: TrainLoop, model: nn.Module, cfg: FinetuneConfig, checkpoint_dir: str | os.PathLike, sig: dict,
-            resume: bool, log: Callable[[str], None] | None) -> CosineSchedule:
+def _resume(
+    loop: TrainLoop,
+    model: nn.Module,
+    cfg: FinetuneConfig,
+    checkpoint_dir: str | os.PathLike,
+    sig: dict,
+    resume: bool,
+    log: Callable[[str], None] | None,
+) -> CosineSchedule:
     """Load the run directory's checkpoint into the model, optimizer and loop (when there is one); the schedule."""
     schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     found = ckpt.find_state(checkpoint_dir)
     if found is not None and not resume:
-        raise ckpt.FinetuneCheckpointError(f"{checkpoint_dir} already holds a checkpoint ({found.name}): resume it "
-                                           "(--resume) or choose another --out")
+        raise ckpt.FinetuneCheckpointError(
+            f"{checkpoint_dir} already holds a checkpoint ({found.name}): resume it (--resume) or choose another --out"
+        )
     if found is None:
         return schedule
     doc = ckpt.read_meta(found)
     ckpt.check_signature(doc.get("signature", {}), sig, str(found))
     start = int(doc["step"])
     if cfg.steps < start:
-        raise ckpt.FinetuneCheckpointError(f"{found} is at step {start}, past --steps {cfg.steps}; pass --steps {start} "
-                                           "or more to continue it (a larger value continues training)")
+        raise ckpt.FinetuneCheckpointError(
+            f"{found} is at step {start}, past --steps {cfg.steps}; pass --steps {start} "
+            "or more to continue it (a larger value continues training)"
+        )
     ckpt.load_state(found, doc, model, loop.optimizer)
     loop.step, loop.losses, loop.grad_norms = start, list(doc["losses"]), list(doc["grad_norms"])
     saved_steps = int(doc.get("signature", {}).get("settings", {}).get("steps", cfg.steps))
@@ -359,12 +419,22 @@ def finetune(
     routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
     if log is not None:
-        log(f"training {sum(p.numel() for p in routers):,} router and {sum(p.numel() for p in experts):,} expert parameters "
-            "on rank 0 (everything else frozen)" + (f"; distilling from {cfg.distill_from or 'standard routing'} (weight "
-                                                    f"{cfg.distill_weight:g}, T {cfg.distill_temperature:g})" if cfg.distill_weight > 0 else ""))
-    opt = torch.optim.AdamW(routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    settings = LoopSettings(cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len, "finetune (routers + experts)",
-                            progress, main)
+        log(
+            f"training {sum(p.numel() for p in routers):,} router and {sum(p.numel() for p in experts):,} expert parameters "
+            "on rank 0 (everything else frozen)"
+            + (
+                f"; distilling from {cfg.distill_from or 'standard routing'} (weight "
+                f"{cfg.distill_weight:g}, T {cfg.distill_temperature:g})"
+                if cfg.distill_weight > 0
+                else ""
+            )
+        )
+    opt = torch.optim.AdamW(
+        routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+    )
+    settings = LoopSettings(
+        cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len, "finetune (routers + experts)", progress, main
+    )
     loop = TrainLoop(None, opt, settings)
     schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     if checkpoint_dir is not None:  # resume state: occult.integrations.hf.checkpoint
@@ -382,8 +452,13 @@ def finetune(
     if checkpoint_dir is not None:
         extra = {"signature": sig, **({"lr_schedule": schedule.to_json()} if schedule.restarts else {})}
         saver = _Saver(loop, checkpoint_dir, model, lambda: extra, save_every, last)
-    profile = StepProfile(cfg.profile_steps, checkpoint_dir or ".", groups.rank if groups else 0,
-                          next(model.parameters()).device, log) if cfg.profile_steps else None
+    profile = (
+        StepProfile(
+            cfg.profile_steps, checkpoint_dir or ".", groups.rank if groups else 0, next(model.parameters()).device, log
+        )
+        if cfg.profile_steps
+        else None
+    )
     loop.hooks = [h for h in (profile, saver, _Taps(taps) if taps is not None else None) if h is not None]
     model.train()
     t0 = time.perf_counter()
@@ -392,9 +467,24 @@ def finetune(
         saver.save(last)
     model.eval()
     elapsed = time.perf_counter() - t0
-    return FinetuneResult(loop.losses, loop.norms(), settings.tokens_per_step * (last - start) / max(elapsed, 1e-9),
-                          sum(p.numel() for p in routers + experts))
+    return FinetuneResult(
+        loop.losses,
+        loop.norms(),
+        settings.tokens_per_step * (last - start) / max(elapsed, 1e-9),
+        sum(p.numel() for p in routers + experts),
+    )
 
 
-__all__ = ["FinetuneConfig", "FinetuneResult", "Groups", "TRAIN_PARTS", "batch_rows", "finetune", "lr_at",
-           "setup_groups", "standard_routing", "tokenize_texts", "trainable_parameters"]
+__all__ = [
+    "FinetuneConfig",
+    "FinetuneResult",
+    "Groups",
+    "TRAIN_PARTS",
+    "batch_rows",
+    "finetune",
+    "lr_at",
+    "setup_groups",
+    "standard_routing",
+    "tokenize_texts",
+    "trainable_parameters",
+]

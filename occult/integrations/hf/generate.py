@@ -33,7 +33,8 @@ layers. The previous sync_free setting of every MoE layer is restored afterwards
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,10 @@ def model_group(model: nn.Module) -> Any:
 def _token_ids(value: Any) -> list[int]:
     if value is None:
         return []
-    return [int(v) for v in (value.tolist() if torch.is_tensor(value) else value if isinstance(value, Sequence) else [value])]
+    return [
+        int(v)
+        for v in (value.tolist() if torch.is_tensor(value) else value if isinstance(value, Sequence) else [value])
+    ]
 
 
 def _agree(values: list[int], group: Any, world: int, device: torch.device) -> list[int]:
@@ -75,8 +79,9 @@ def _all_done(done: torch.Tensor, group: Any, world: int) -> bool:
     return bool(flag.item())
 
 
-def _decoder(model: nn.Module, batch: int, max_len: int, graph: bool, reuse: bool,
-             selector: TokenSelector) -> StaticDecoder:
+def _decoder(
+    model: nn.Module, batch: int, max_len: int, graph: bool, reuse: bool, selector: TokenSelector
+) -> StaticDecoder:
     """A StaticDecoder of this batch and token choice holding at least `max_len` positions: the model's kept
     one if it fits (its graph too, so calls of another length re-capture nothing), else a new one
     (kept, replacing the old, with `reuse`; without it the kept one is left as it is)."""
@@ -141,9 +146,12 @@ def generate(
     # one all-reduce: the batch every rank pads to, the cache length, max_new_tokens equal everywhere, and
     # when to ask whether all are done (every `every` steps, if any rank has an eos token)
     B_max, S_max, n_max, neg_n_min, every, any_eos = _agree(
-        [B, S, max_new_tokens, -max_new_tokens, sync_every, int(bool(eos))], group, world, device)
+        [B, S, max_new_tokens, -max_new_tokens, sync_every, int(bool(eos))], group, world, device
+    )
     if n_max != -neg_n_min:
-        raise ValueError(f"max_new_tokens differs between ranks ({-neg_n_min} to {n_max}); pass the same value on every rank")
+        raise ValueError(
+            f"max_new_tokens differs between ranks ({-neg_n_min} to {n_max}); pass the same value on every rank"
+        )
     if B_max == 0:
         return ids_BS
     if B > 0 and S == 0:
@@ -154,13 +162,15 @@ def generate(
         raise ValueError(f"cuda_graph=True needs a CUDA model, this one is on {device.type}")
 
     if do_sample and seed is None:
-        seed = int(torch.randint(2**62, (1,), generator=generator,
-                                 device=generator.device if generator is not None else "cpu"))
+        seed = int(
+            torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None else "cpu")
+        )
     previous = [(m, m.sync_free) for m in model.modules() if isinstance(m, OccultMoE)]
     dec = None
     try:
-        dec = _decoder(model, B_max, S_max + max_new_tokens, use_graph, reuse,
-                       TokenSelector(B_max, device, sampling, eos, pad))
+        dec = _decoder(
+            model, B_max, S_max + max_new_tokens, use_graph, reuse, TokenSelector(B_max, device, sampling, eos, pad)
+        )
         set_sync_free(model, False)  # prefill: ranks' token counts may differ, normal dispatch
         logits_PV = dec.prefill(ids_PS, mask_PS)
         _decode_dispatch(model)
@@ -193,8 +203,14 @@ def _check_args(input_ids: torch.Tensor, max_new_tokens: int, sync_every: int) -
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
 
 
-def _prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, eos_token_id: Any,
-             pad_token_id: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+def _prompts(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    eos_token_id: Any,
+    pad_token_id: int | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
     """(ids [B, S], mask [B, S] long, eos ids, pad id) on the model's device, with the model's defaults."""
     gen_cfg = getattr(model, "generation_config", None)
     eos = _token_ids(eos_token_id if eos_token_id is not None else getattr(gen_cfg, "eos_token_id", None))
@@ -221,7 +237,7 @@ def _pad_batch(ids_BS: torch.Tensor, mask_BS: torch.Tensor, B_max: int, pad: int
     return ids_PS, mask_PS
 
 
-def _capture(dec: "StaticDecoder", cuda_graph: bool | str, group: Any, world: int, device: torch.device) -> None:
+def _capture(dec: StaticDecoder, cuda_graph: bool | str, group: Any, world: int, device: torch.device) -> None:
     """Capture the decode step; if it fails on any rank, every rank runs eagerly ("auto") or raises (True)."""
     error = None
     try:
@@ -234,8 +250,9 @@ def _capture(dec: "StaticDecoder", cuda_graph: bool | str, group: Any, world: in
         dec.graph = None
 
 
-def _decode(dec: "StaticDecoder", logits_PV: torch.Tensor, max_new_tokens: int, every: int, group: Any,
-            world: int) -> list[torch.Tensor]:
+def _decode(
+    dec: StaticDecoder, logits_PV: torch.Tensor, max_new_tokens: int, every: int, group: Any, world: int
+) -> list[torch.Tensor]:
     """The new tokens: the first from the prefill's logits, then one per step; every `every` steps
     (0: never) the ranks ask whether all rows everywhere have finished."""
     unfinished_P = dec.selector.unfinished_B
@@ -248,7 +265,7 @@ def _decode(dec: "StaticDecoder", logits_PV: torch.Tensor, max_new_tokens: int, 
     return new
 
 
-def _until_eos(ids_BS: torch.Tensor, new_BN: torch.Tensor, eos: list[int], dec: "StaticDecoder") -> torch.Tensor:
+def _until_eos(ids_BS: torch.Tensor, new_BN: torch.Tensor, eos: list[int], dec: StaticDecoder) -> torch.Tensor:
     """Prompts and new tokens, cut where this rank alone would have stopped (all its rows past an eos)."""
     n = new_BN.shape[1]
     if eos and ids_BS.shape[0] > 0:

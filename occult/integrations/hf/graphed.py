@@ -72,7 +72,8 @@ class GraphedForward:
         if waiting:
             raise ValueError(
                 f"{len(waiting)} MoE layer(s) wait for the GPU in a forward (the count exchange), e.g. {waiting[0]}: "
-                "convert with execution=ExecConfig(transport=\"device\") or call occult.set_sync_free(model) first")
+                'convert with execution=ExecConfig(transport="device") or call occult.set_sync_free(model) first'
+            )
         if batch < 1 or seq < 1:
             raise ValueError(f"batch and seq must be >= 1, got {batch} and {seq}")
         self.last_only = last_only
@@ -92,7 +93,8 @@ class GraphedForward:
             raise RuntimeError(
                 f"capturing the forward failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                 "a compiled layer that recompiles inside the capture means its inputs there differ from the "
-                "warm-up's (a capture cannot compile: it reads values on the host)") from e
+                "warm-up's (a capture cannot compile: it reads values on the host)"
+            ) from e
         if torch.distributed.is_initialized():  # its collectives must go before the process group
             hold_collectives(self)
 
@@ -105,7 +107,9 @@ class GraphedForward:
         if self.graph is None:
             raise RuntimeError("this GraphedForward was released")
         if tuple(ids_BS.shape) != tuple(self.ids_BS.shape):
-            raise ValueError(f"ids of shape {tuple(ids_BS.shape)}: this graph was captured for {tuple(self.ids_BS.shape)}")
+            raise ValueError(
+                f"ids of shape {tuple(ids_BS.shape)}: this graph was captured for {tuple(self.ids_BS.shape)}"
+            )
         self.ids_BS.copy_(ids_BS)
         self.graph.replay()
         return self.logits

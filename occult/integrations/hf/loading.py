@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -41,10 +42,10 @@ class LoadReport:
 
     tensors: int = 0
     bytes: int = 0
-    expert_tensors: int = 0   # tensors (or row slices of fused tensors) holding expert weights
+    expert_tensors: int = 0  # tensors (or row slices of fused tensors) holding expert weights
     expert_bytes: int = 0
     experts: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> expert ids read
-    layout: str = ""          # "fused" or "per-expert"
+    layout: str = ""  # "fused" or "per-expert"
 
 
 class _Files:
@@ -59,7 +60,9 @@ class _Files:
         else:
             names = sorted(p.name for p in directory.glob("*.safetensors"))
         if not names:
-            raise FileNotFoundError(f"{directory}: no *.safetensors weights (only safetensors checkpoints are supported)")
+            raise FileNotFoundError(
+                f"{directory}: no *.safetensors weights (only safetensors checkpoints are supported)"
+            )
         self.handles = [safe_open(str(directory / n), framework="pt", device="cpu") for n in names]
         self.where = {k: h for h in self.handles for k in h.keys()}
         self.report = LoadReport()
@@ -131,7 +134,9 @@ def _expert_reader(files: _Files, names: dict[str, str], blocks: list[str], E: i
         if all(fused):
             for key in fused:
                 if files.shape(key)[0] != E:
-                    raise UnsupportedModelError(f"{key}: {files.shape(key)} does not hold {E} experts in its first dimension")
+                    raise UnsupportedModelError(
+                        f"{key}: {files.shape(key)} does not hold {E} experts in its first dimension"
+                    )
             report.layout = "fused"
             return files.rows(fused[0], ids), files.rows(fused[1], ids)
         for gate, up, down in _PER_EXPERT:
@@ -181,7 +186,7 @@ def load_sharded(
     config = AutoConfig.from_pretrained(str(directory))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    family = model_family(model)
+    model_family(model)
     files = _Files(directory)
     if any(k.endswith("_scale_inv") or k.endswith(".weight_scale") for k in files.where):
         raise UnsupportedModelError(f"{directory}: quantized (FP8) checkpoints are not supported; use a bf16/fp32 copy")
@@ -191,7 +196,7 @@ def load_sharded(
     persistent = dict(model.state_dict(keep_vars=True))
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = []
-    for name, t in persistent.items():
+    for name, _t in persistent.items():
         if name in expert_names:
             continue
         if name not in names:
@@ -199,7 +204,9 @@ def load_sharded(
                 missing.append(name)
             continue
         value = files.get(names[name])
-        want = torch.float32 if keeps_fp32(model, name, dtype) else (dtype if value.is_floating_point() else value.dtype)
+        want = (
+            torch.float32 if keeps_fp32(model, name, dtype) else (dtype if value.is_floating_point() else value.dtype)
+        )
         _set(model, name, value.to(device=device, dtype=want))
     if missing:
         raise UnsupportedModelError(f"{directory}: no weights for {len(missing)} tensors, e.g. {missing[:4]}")
@@ -209,17 +216,34 @@ def load_sharded(
         if buf.is_meta:
             owner = model.get_submodule(name.rpartition(".")[0])
             if any(True for _ in owner.parameters(recurse=False)) or not buf.is_floating_point():
-                raise UnsupportedModelError(f"cannot materialise buffer {name} (not a float buffer of a parameter-free module)")
+                raise UnsupportedModelError(
+                    f"cannot materialise buffer {name} (not a float buffer of a parameter-free module)"
+                )
             _set(model, name, torch.full_like(buf, float("nan"), device=device))
             model._init_weights(owner)  # transformers' own init of non-persistent buffers (rotary frequencies)
             if model.get_buffer(name).isnan().any():
-                raise UnsupportedModelError(f"cannot materialise buffer {name}: the model's _init_weights leaves it unset")
+                raise UnsupportedModelError(
+                    f"cannot materialise buffer {name}: the model's _init_weights leaves it unset"
+                )
     E = int(moe_blocks(model)[0][1].gate.num_experts)
-    routing, execution = merge_settings(routing, execution, dispatcher=dispatcher, max_devices=max_devices,
-                                        prune_method=prune_method, expert_backend=expert_backend)
+    routing, execution = merge_settings(
+        routing,
+        execution,
+        dispatcher=dispatcher,
+        max_devices=max_devices,
+        prune_method=prune_method,
+        expert_backend=expert_backend,
+    )
     limit_here = routing if routing_placement is None else replace(routing, max_devices=None)
-    convert(model, group, placement, routing=limit_here, execution=execution, similarity=similarity,
-            expert_weights=_expert_reader(files, names, blocks, E))
+    convert(
+        model,
+        group,
+        placement,
+        routing=limit_here,
+        execution=execution,
+        similarity=similarity,
+        expert_weights=_expert_reader(files, names, blocks, E),
+    )
     if routing_placement is not None and routing.max_devices is not None:
         set_routing_placement(model, routing_placement, routing.max_devices, routing.prune_method, similarity)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -246,8 +270,12 @@ def set_routing_placement(
     if max_devices * (E // placement.num_devices) < k:
         raise ValueError(f"max_devices={max_devices} devices hold fewer than top_k={k} of the {E} experts")
     for i, (_, block) in enumerate(blocks):
-        router = family.router(block.gate, max_devices=max_devices, prune_method=prune_method,
-                               similarity_EE=None if similarity is None else torch.as_tensor(similarity[i]))
+        router = family.router(
+            block.gate,
+            max_devices=max_devices,
+            prune_method=prune_method,
+            similarity_EE=None if similarity is None else torch.as_tensor(similarity[i]),
+        )
         router.set_expert_device(torch.as_tensor(placement.expert_device_LE[i].copy(), device=block.gate.weight.device))
         block.experts.router = router
 

@@ -8,7 +8,8 @@ expert-similarity table; under torch.distributed the ranks' traces are gathered.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,8 +89,11 @@ def profile(
     trace = taps.rec.to_trace()
     if max_tokens is not None:  # the last batch may overshoot
         trace = Trace(
-            [t[:max_tokens] for t in trace.topk_ids], trace.num_experts, trace.top_k,
-            [None if s is None else s[:max_tokens] for s in trace.scores], trace.metadata,
+            [t[:max_tokens] for t in trace.topk_ids],
+            trace.num_experts,
+            trace.top_k,
+            [None if s is None else s[:max_tokens] for s in trace.scores],
+            trace.metadata,
         )
     size, rank = group_size(group) if gather else (1, 0)
     if size > 1:
@@ -136,17 +140,20 @@ class _RoutingTaps:
     def attach(self, blocks: list[tuple[str, nn.Module]]) -> list[Any]:
         """Register the hooks; a converted block's gate hands its logits to its router's hook,
         which records the ids actually dispatched. Returns the handles."""
+
         def gate_hook(layer: int, converted: bool):
             def hook(_mod, _args, out):
                 if converted:
                     self.last_logits[layer] = out[0]
                 else:
                     self.add(layer, out[0], out[1], out[2])
+
             return hook
 
         def router_hook(layer: int):
             def hook(_mod, _args, out):
                 self.add(layer, self.last_logits.pop(layer, None), out[0], out[1])
+
             return hook
 
         handles = []
@@ -170,7 +177,9 @@ def _run_batches(model: nn.Module, batches: Iterable[Any], taps: _RoutingTaps, m
             break
 
 
-def _save_similarity(model: nn.Module, sims: list[Any], group: Any, size: int, rank: int, path: str, model_type: str) -> None:
+def _save_similarity(
+    model: nn.Module, sims: list[Any], group: Any, size: int, rank: int, path: str, model_type: str
+) -> None:
     """Sum the ranks' Gram matrices and write the similarity tables (rank 0)."""
     from occult.moe.pruning import save_similarity
 
@@ -190,7 +199,6 @@ def _gather_trace(trace: Trace, group: Any) -> Trace:
     dist.all_gather_object(parts, (trace.topk_ids, trace.scores), group=group)
     ids = [np.concatenate([p[0][i] for p in parts]) for i in range(trace.num_layers)]
     scores = [
-        None if parts[0][1][i] is None else np.concatenate([p[1][i] for p in parts])
-        for i in range(trace.num_layers)
+        None if parts[0][1][i] is None else np.concatenate([p[1][i] for p in parts]) for i in range(trace.num_layers)
     ]
     return Trace(ids, trace.num_experts, trace.top_k, scores, trace.metadata)

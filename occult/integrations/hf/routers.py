@@ -91,8 +91,13 @@ class HFGateRouter(nn.Module):
         from occult.moe.pruning import device_limited_topk
 
         return device_limited_topk(
-            scores_TE, self.top_k, self.expert_device_E, self.max_devices,
-            method=self.prune_method, similarity_EE=self.similarity_EE, norm_topk_prob=norm_topk_prob,
+            scores_TE,
+            self.top_k,
+            self.expert_device_E,
+            self.max_devices,
+            method=self.prune_method,
+            similarity_EE=self.similarity_EE,
+            norm_topk_prob=norm_topk_prob,
         )
 
     def extra_repr(self) -> str:

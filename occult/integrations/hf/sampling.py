@@ -19,8 +19,8 @@ beams are not offered.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -50,8 +50,9 @@ class Sampling:
         return (self.do_sample, self.temperature, self.top_k or None, self.top_p) if self.do_sample else (False,)
 
 
-def filter_logits(scores_BV: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                  top_p: float | None = None) -> torch.Tensor:
+def filter_logits(
+    scores_BV: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """Temperature, then top-k, then top-p (transformers' warpers and order); dropped tokens get -inf."""
     if temperature != 1.0:
         scores_BV = scores_BV / temperature

@@ -30,8 +30,16 @@ import torch.nn as nn
 from occult.integrations.hf.block import moe_blocks
 from occult.integrations.hf.loading import keeps_fp32
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 _LAYER_FILE = ".layer{:05d}.safetensors"  # an owner's shard before rank 0 names it
 
 
@@ -77,8 +85,16 @@ def _cast(model: nn.Module, sd: dict[str, torch.Tensor], dtype: torch.dtype | No
     return out
 
 
-def _write_layer(model: nn.Module, name: str, block: nn.Module, gate_up: torch.Tensor, down: torch.Tensor,
-                 dtype: torch.dtype | None, path: Path, rank: int) -> None:
+def _write_layer(
+    model: nn.Module,
+    name: str,
+    block: nn.Module,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    dtype: torch.dtype | None,
+    path: Path,
+    rank: int,
+) -> None:
     """The model's own block for one layer (all experts, id order) as one shard, in checkpoint names."""
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
@@ -88,7 +104,9 @@ def _write_layer(model: nn.Module, name: str, block: nn.Module, gate_up: torch.T
     hf_block = block.to_hf(model.config, gate_up, down)
     sd = _cast(model, {f"{name}.{k}": v for k, v in hf_block.state_dict().items()}, dtype)
     sd = revert_weight_conversion(model, sd)
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(path), metadata={"format": "pt", "occult_writer": str(rank)})
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()}, str(path), metadata={"format": "pt", "occult_writer": str(rank)}
+    )
 
 
 def _write_rest(model: nn.Module, moe_names: list[str], dtype: torch.dtype | None, tmp: Path) -> list[Path]:
@@ -103,7 +121,9 @@ def _write_rest(model: nn.Module, moe_names: list[str], dtype: torch.dtype | Non
     finally:
         model.config.dtype = saved_dtype  # save_pretrained sets it from the weights in memory
     index = rest / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     for p in rest.iterdir():
         if p.suffix != ".safetensors" and p.name != index.name:
             shutil.move(str(p), str(tmp / p.name))  # config.json, generation_config.json
@@ -117,8 +137,9 @@ def _data_bytes(path: Path) -> int:
     return path.stat().st_size - 8 - header
 
 
-def _finish(tmp: Path, out: Path, rest: list[Path], layers: list[Path], source: Any, dtype: torch.dtype | None,
-            overwrite: bool) -> None:
+def _finish(
+    tmp: Path, out: Path, rest: list[Path], layers: list[Path], source: Any, dtype: torch.dtype | None, overwrite: bool
+) -> None:
     """Rank 0: shard names, the index, config dtype, tokenizer files; then rename `tmp` onto `out`."""
     from safetensors import safe_open
 
@@ -155,8 +176,9 @@ def _finish(tmp: Path, out: Path, rest: list[Path], layers: list[Path], source: 
         raise FileExistsError(f"{out} already exists: choose another --out")
 
 
-def save_finetuned(model: nn.Module, out: str | os.PathLike, source: str | os.PathLike | None = None,
-                   dtype: torch.dtype | None = None) -> Path:
+def save_finetuned(
+    model: nn.Module, out: str | os.PathLike, source: str | os.PathLike | None = None, dtype: torch.dtype | None = None
+) -> Path:
     """Write the converted model in the transformers layout to `out`, atomically (a collective).
 
     `dtype`: store floating-point weights in it (e.g. the source checkpoint's bf16 after fp32

@@ -23,31 +23,76 @@ def tiny_config(model_type: str, vocab_size: int = 96, **overrides: Any):
     import transformers
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, max_position_embeddings=128,
-        tie_word_embeddings=False, initializer_range=0.1, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
     )
     if model_type == "olmoe":
-        cfg = dict(num_hidden_layers=2, num_key_value_heads=2, intermediate_size=16, num_experts=8,
-                   num_experts_per_tok=3, norm_topk_prob=False)
+        cfg = dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+        )
         cls = transformers.OlmoeConfig
     elif model_type == "qwen2_moe":
-        cfg = dict(num_hidden_layers=3, num_key_value_heads=2, intermediate_size=24, mlp_only_layers=[1],
-                   moe_intermediate_size=16, shared_expert_intermediate_size=20, num_experts=8,
-                   num_experts_per_tok=3, norm_topk_prob=False)
+        cfg = dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            intermediate_size=24,
+            mlp_only_layers=[1],
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=20,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+        )
         cls = transformers.Qwen2MoeConfig
     elif model_type == "qwen3_moe":
-        cfg = dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=8, intermediate_size=24,
-                   moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True)
+        cfg = dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=24,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+        )
         cls = transformers.Qwen3MoeConfig
     elif model_type == "mixtral":
-        cfg = dict(num_hidden_layers=2, num_key_value_heads=2, intermediate_size=16, num_local_experts=8,
-                   num_experts_per_tok=2)
+        cfg = dict(
+            num_hidden_layers=2, num_key_value_heads=2, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2
+        )
         cls = transformers.MixtralConfig
     elif model_type == "deepseek_v3":
-        cfg = dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=24, moe_intermediate_size=16,
-                   n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
-                   first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                   qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5, norm_topk_prob=True)
+        cfg = dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            intermediate_size=24,
+            moe_intermediate_size=16,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        )
         cls = transformers.DeepseekV3Config
     else:
         raise UnsupportedModelError(f"no tiny config for {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")

@@ -22,16 +22,30 @@ from occult.integrations.torchtitan.placement import load_placement, to_model_or
 from occult.integrations.torchtitan.router import OccultRouter
 
 __all__ = [
-    "OccultTokenDispatcher", "OccultDispatchMetadata", "OccultRouter", "install", "occult_moe",
-    "load_placement", "to_placed_order", "to_model_order",
+    "OccultTokenDispatcher",
+    "OccultDispatchMetadata",
+    "OccultRouter",
+    "install",
+    "occult_moe",
+    "load_placement",
+    "to_placed_order",
+    "to_model_order",
 ]
 
 
-@override(target=Decoder.Config,
-          description="occult: deduplicated all-to-all token dispatch (one row per token and EP rank), expert "
-                      "placement, collaboration pruning")
-def occult_moe(cfg: Any, *, dispatcher: str = "dedup", placement: str | None = None,
-               max_devices: int | None = None, transport: str = "auto") -> Any:
+@override(
+    target=Decoder.Config,
+    description="occult: deduplicated all-to-all token dispatch (one row per token and EP rank), expert "
+    "placement, collaboration pruning",
+)
+def occult_moe(
+    cfg: Any,
+    *,
+    dispatcher: str = "dedup",
+    placement: str | None = None,
+    max_devices: int | None = None,
+    transport: str = "auto",
+) -> Any:
     """TorchTitan override: `--override.imports 'occult.integrations.torchtitan.occult_moe={"placement": "p.json"}'`
     (keys: dispatcher, placement, max_devices, transport) runs `install` on the model config."""
     install(cfg, dispatcher=dispatcher, placement=placement, max_devices=max_devices, transport=transport)

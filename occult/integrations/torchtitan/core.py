@@ -22,12 +22,19 @@ from occult.placement import Placement
 class OccultExchange:
     """occult's dispatch and combine over one process group, for one layer's placement."""
 
-    def __init__(self, dispatcher: str, group: Any, placement: Placement, layer: int, device: torch.device,
-                 transport: str = "auto") -> None:
+    def __init__(
+        self,
+        dispatcher: str,
+        group: Any,
+        placement: Placement,
+        layer: int,
+        device: torch.device,
+        transport: str = "auto",
+    ) -> None:
         self.dispatcher = make_dispatcher(dispatcher, group, placement=placement, transport=transport)
         self.expert_map = ExpertMap(*placement.tensors(layer, device=device))
 
-    def to(self, device: torch.device) -> "OccultExchange":
+    def to(self, device: torch.device) -> OccultExchange:
         if self.expert_map.device_E.device != device:
             self.expert_map = ExpertMap(self.expert_map.device_E.to(device), self.expert_map.slot_E.to(device))
         return self

@@ -28,8 +28,8 @@ from torchtitan.models.common.token_dispatcher import BaseEPTokenDispatcher, Loc
 
 from occult.integrations.torchtitan.core import OccultExchange
 from occult.integrations.torchtitan.expand import Expansion, expand, reduce
-from occult.moe.pruning import devices_per_token
 from occult.integrations.torchtitan.placement import load_placement
+from occult.moe.pruning import devices_per_token
 from occult.placement import PlacementError
 
 DISPATCHERS = ("dedup", "standard")
@@ -57,8 +57,9 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         if config.dispatcher not in DISPATCHERS:
-            raise ValueError(f"OccultTokenDispatcher: dispatcher must be one of {DISPATCHERS}, "
-                             f"got {config.dispatcher!r}")
+            raise ValueError(
+                f"OccultTokenDispatcher: dispatcher must be one of {DISPATCHERS}, got {config.dispatcher!r}"
+            )
         if config.max_devices is not None and int(config.max_devices) < 1:
             raise ValueError(f"OccultTokenDispatcher: max_devices must be >= 1 or None, got {config.max_devices}")
         self.dispatcher_name = config.dispatcher
@@ -75,20 +76,30 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
         placement = load_placement(self.placement_spec, self.num_experts, num_ranks)
         layer = self.layer_index if placement.num_layers > 1 else 0
         if not 0 <= layer < placement.num_layers:
-            raise PlacementError(f"MoE layer {self.layer_index} is beyond the placement's {placement.num_layers} layers")
+            raise PlacementError(
+                f"MoE layer {self.layer_index} is beyond the placement's {placement.num_layers} layers"
+            )
         if self.ep_mesh is None:  # EP = 1: local reordering, experts in the placement's order
             device_E, slot_E = placement.tensors(layer)
             self.physical_E = device_E * placement.experts_per_device + slot_E
             return
         if placement.num_devices != num_ranks:
-            raise PlacementError(f"the placement is for {placement.num_devices} devices, but TorchTitan's EP mesh has "
-                                 f"{num_ranks} ranks: make one with `occult place --devices {num_ranks}`")
+            raise PlacementError(
+                f"the placement is for {placement.num_devices} devices, but TorchTitan's EP mesh has "
+                f"{num_ranks} ranks: make one with `occult place --devices {num_ranks}`"
+            )
         device = torch.device(self.ep_mesh.device_type)
-        self.exchange = OccultExchange(self.dispatcher_name, self.ep_mesh.get_group(), placement.layer(layer), 0, device,
-                                       self.transport)
+        self.exchange = OccultExchange(
+            self.dispatcher_name, self.ep_mesh.get_group(), placement.layer(layer), 0, device, self.transport
+        )
 
-    def dispatch(self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, topk_expert_ids_TK: torch.Tensor,
-                 num_local_tokens_per_expert_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_expert_ids_TK: torch.Tensor,
+        num_local_tokens_per_expert_E: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """-> (rows x_ND expert-major, rows per local expert counts_e, metadata for `combine`)."""
         if self.exchange is None:  # EP = 1 (wire_meshes gave no mesh, or the model was never parallelised)
             return self._local_dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK)
@@ -128,5 +139,6 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
                 f"OccultTokenDispatcher has max_devices={self.max_devices}, but the router sent a token to experts on "
                 f"{int(worst)} EP ranks: the limit is applied by occult's router. Switch it on with "
                 "occult.integrations.torchtitan.install(model_config, max_devices=...) or the occult_moe override, "
-                "which replace the router too")
+                "which replace the router too"
+            )
         self.limit_checked = True

@@ -26,8 +26,9 @@ class Expansion:
     num_received: int
 
 
-def expand(x_RH: torch.Tensor, slots_RK: torch.Tensor, gates_RK: torch.Tensor,
-           num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor, Expansion]:
+def expand(
+    x_RH: torch.Tensor, slots_RK: torch.Tensor, gates_RK: torch.Tensor, num_local_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, Expansion]:
     """-> (rows x_NH in expert-major order, rows per local expert counts_e, `Expansion`).
 
     Reads the number of entries back to the host once (N is the row count of the grouped GEMMs)."""

@@ -24,8 +24,14 @@ from occult.moe.config import TRANSPORTS
 from occult.placement import Placement, PlacementError
 
 
-def install(model_config: Any, *, dispatcher: str = "dedup", placement: "str | Placement | None" = None,
-            max_devices: int | None = None, transport: str = "auto") -> int:
+def install(
+    model_config: Any,
+    *,
+    dispatcher: str = "dedup",
+    placement: str | Placement | None = None,
+    max_devices: int | None = None,
+    transport: str = "auto",
+) -> int:
     """Put occult's dispatcher (and router) into every MoE block of `model_config`; returns how many.
 
     `placement`: a JSON path or `occult.Placement` (None: TorchTitan's contiguous blocks); the
@@ -46,20 +52,31 @@ def install(model_config: Any, *, dispatcher: str = "dedup", placement: "str | P
     if placement is not None and not isinstance(placement, Placement):
         loaded = Placement.load(placement)  # read now: a bad path or file fails here, not at the first step
         if loaded.num_layers not in (1, len(found)):
-            raise PlacementError(f"the placement has {loaded.num_layers} layers, but the model has {len(found)} MoE "
-                                 "blocks: give one layer per MoE block, or one layer for all")
+            raise PlacementError(
+                f"the placement has {loaded.num_layers} layers, but the model has {len(found)} MoE "
+                "blocks: give one layer per MoE block, or one layer for all"
+            )
     elif placement is not None and placement.num_layers not in (1, len(found)):
-        raise PlacementError(f"the placement has {placement.num_layers} layers, but the model has {len(found)} MoE "
-                             "blocks: give one layer per MoE block, or one layer for all")
+        raise PlacementError(
+            f"the placement has {placement.num_layers} layers, but the model has {len(found)} MoE "
+            "blocks: give one layer per MoE block, or one layer for all"
+        )
     for i, (parent, attr, moe) in enumerate(found):
         moe = copy.copy(moe)  # blocks may share one config object; each gets its own layer index
         moe.routed_experts = copy.copy(moe.routed_experts)
         td = moe.routed_experts.token_dispatcher
         moe.routed_experts.token_dispatcher = OccultTokenDispatcher.Config(
-            num_experts=td.num_experts, top_k=td.top_k, dispatcher=dispatcher, placement=placement,
-            layer_index=i, max_devices=max_devices, transport=transport)
-        moe.router = derive(moe.router, OccultRouter.Config, max_devices=max_devices, placement=placement,
-                            layer_index=i)
+            num_experts=td.num_experts,
+            top_k=td.top_k,
+            dispatcher=dispatcher,
+            placement=placement,
+            layer_index=i,
+            max_devices=max_devices,
+            transport=transport,
+        )
+        moe.router = derive(
+            moe.router, OccultRouter.Config, max_devices=max_devices, placement=placement, layer_index=i
+        )
         if isinstance(attr, int):
             parent[attr] = moe
         else:

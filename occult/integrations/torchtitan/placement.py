@@ -12,7 +12,8 @@ before training with a placement, or a trained one before handing it back.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -21,15 +22,17 @@ from occult.placement import Placement, PlacementError
 EXPERT_KEY = re.compile(r"^(?P<prefix>.*?)(?P<layer>\d+)\.moe\.routed_experts\.inner_experts\.(w1_EFD|w2_EDF|w3_EFD)$")
 
 
-def load_placement(placement: "str | Placement | None", num_experts: int, num_devices: int) -> Placement:
+def load_placement(placement: str | Placement | None, num_experts: int, num_devices: int) -> Placement:
     """A `Placement` from a JSON path or object (None: contiguous), checked against the model."""
     if placement is None:
         return Placement.contiguous(num_experts, num_devices)
     if not isinstance(placement, Placement):
         placement = Placement.load(placement)
     if placement.num_experts != num_experts:
-        raise PlacementError(f"the placement is for {placement.num_experts} experts, but this TorchTitan MoE layer "
-                             f"has {num_experts}: make a placement from a trace of this model (occult place)")
+        raise PlacementError(
+            f"the placement is for {placement.num_experts} experts, but this TorchTitan MoE layer "
+            f"has {num_experts}: make a placement from a trace of this model (occult place)"
+        )
     return placement
 
 
@@ -43,12 +46,13 @@ def _moe_layers(state_dict: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(p, str(i)) for p, i in sorted(blocks, key=lambda b: (b[0] != "layers.", b[0], b[1]))]
 
 
-def _reorder(state_dict: Mapping[str, Any], placement: "str | Placement", inverse: bool) -> dict[str, Any]:
+def _reorder(state_dict: Mapping[str, Any], placement: str | Placement, inverse: bool) -> dict[str, Any]:
     placement = placement if isinstance(placement, Placement) else Placement.load(placement)
     layers = _moe_layers(state_dict)
     if placement.num_layers not in (1, len(layers)):
-        raise PlacementError(f"the placement has {placement.num_layers} layers, but the state dict has "
-                             f"{len(layers)} MoE layers")
+        raise PlacementError(
+            f"the placement has {placement.num_layers} layers, but the state dict has {len(layers)} MoE layers"
+        )
     out = dict(state_dict)
     for i, (prefix, block) in enumerate(layers):
         layer = i if placement.num_layers > 1 else 0
@@ -60,13 +64,13 @@ def _reorder(state_dict: Mapping[str, Any], placement: "str | Placement", invers
     return out
 
 
-def to_placed_order(state_dict: Mapping[str, Any], placement: "str | Placement") -> dict[str, Any]:
+def to_placed_order(state_dict: Mapping[str, Any], placement: str | Placement) -> dict[str, Any]:
     """A full TorchTitan state dict (experts in the model's order) with the experts in placed order.
     MoE layer i (the i-th block with expert weights; `layers.*` before `mtp_layers.*`) uses the
     placement's layer i (or its only layer). Other keys are passed through."""
     return _reorder(state_dict, placement, inverse=False)
 
 
-def to_model_order(state_dict: Mapping[str, Any], placement: "str | Placement") -> dict[str, Any]:
+def to_model_order(state_dict: Mapping[str, Any], placement: str | Placement) -> dict[str, Any]:
     """The inverse of `to_placed_order`."""
     return _reorder(state_dict, placement, inverse=True)

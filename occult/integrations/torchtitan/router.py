@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
-from occult.moe.pruning import device_limited_topk
 from occult.integrations.torchtitan.placement import load_placement
+from occult.moe.pruning import device_limited_topk
 
 
 class OccultRouter(TokenChoiceTopKRouter):
@@ -48,15 +48,18 @@ class OccultRouter(TokenChoiceTopKRouter):
         self.expert_device_E = placement.tensors(self.layer_index if placement.num_layers > 1 else 0)[0]
         room = None if self.max_devices is None else self.max_devices * placement.experts_per_device
         if room is not None and placement.num_devices > 1 and room < self.top_k:
-            raise ValueError(f"OccultRouter: max_devices={self.max_devices} EP ranks hold only {room} experts, fewer "
-                             f"than top_k={self.top_k}: raise max_devices to at least "
-                             f"{-(-self.top_k // placement.experts_per_device)}")
+            raise ValueError(
+                f"OccultRouter: max_devices={self.max_devices} EP ranks hold only {room} experts, fewer "
+                f"than top_k={self.top_k}: raise max_devices to at least "
+                f"{-(-self.top_k // placement.experts_per_device)}"
+            )
 
     def parallelize(self, parallel_dims: Any) -> None:
         if getattr(parallel_dims, "tp", 1) > 1:
             raise NotImplementedError(
                 f"occult's TorchTitan dispatcher does not support tensor parallelism yet (tensor_parallel_degree="
-                f"{parallel_dims.tp}); use expert, data, context or pipeline parallelism, or switch occult off")
+                f"{parallel_dims.tp}); use expert, data, context or pipeline parallelism, or switch occult off"
+            )
         super().parallelize(parallel_dims)
         if getattr(parallel_dims, "ep", 1) > 1:
             self.set_num_devices(parallel_dims.ep)
@@ -78,8 +81,9 @@ class OccultRouter(TokenChoiceTopKRouter):
         E = self.num_experts
         if self.expert_device_E.device != scores_BLE.device:
             self.expert_device_E = self.expert_device_E.to(scores_BLE.device)
-        _, ids_TK = device_limited_topk(choice_BLE.detach().reshape(-1, E), self.top_k, self.expert_device_E,
-                                        self.max_devices)
+        _, ids_TK = device_limited_topk(
+            choice_BLE.detach().reshape(-1, E), self.top_k, self.expert_device_E, self.max_devices
+        )
         topk_expert_ids_BLK = ids_TK.view(*scores_BLE.shape[:-1], self.top_k)
         topk_scores_BLK = scores_BLE.gather(dim=-1, index=topk_expert_ids_BLK)
         if self.route_norm:

@@ -21,20 +21,21 @@ max/mean load at both levels (nodes, then GPUs; the GPU-level repair swaps insid
 from __future__ import annotations
 
 import time
+
 import numpy as np
 
 from occult.placement.layout import PlacementError, check_divisible
-from occult.placement.solvers.greedy import greedy_layer
-from occult.placement.solvers.hypergraph import sample_tokens, kahypar_partition
 from occult.placement.solvers.flat import LayerResult, solve_layer_flat
+from occult.placement.solvers.greedy import greedy_layer
+from occult.placement.solvers.hypergraph import kahypar_partition, sample_tokens
 from occult.placement.solvers.swap import (
-    device_load,
-    load_imbalance,
-    device_load_cap,
-    repair_load,
     SwapState,
+    device_load,
+    device_load_cap,
+    load_imbalance,
     merge_token_sets,
     refine_swaps,
+    repair_load,
 )
 from occult.placement.stats import coactivation
 
@@ -42,13 +43,13 @@ from occult.placement.stats import coactivation
 def check_nodes(num_devices: int, num_nodes: int) -> int:
     """Return D/M, or raise a clear error when the devices cannot be split evenly over nodes."""
     if num_nodes < 1 or num_devices % num_nodes:
-        raise PlacementError(
-            f"--nodes {num_nodes} must be >= 1 and divide --devices {num_devices} (D/M GPUs per node)"
-        )
+        raise PlacementError(f"--nodes {num_nodes} must be >= 1 and divide --devices {num_devices} (D/M GPUs per node)")
     return num_devices // num_nodes
 
 
-def _node_edges(sets_UK: np.ndarray, w_U: np.ndarray, members: np.ndarray, num_experts: int) -> tuple[list[list[int]], list[int]]:
+def _node_edges(
+    sets_UK: np.ndarray, w_U: np.ndarray, members: np.ndarray, num_experts: int
+) -> tuple[list[list[int]], list[int]]:
     """Each token's share of one node as a hyperedge over local ids (shares of < 2 experts dropped, equal ones merged)."""
     local = np.full(num_experts, -1, dtype=np.int64)
     local[members] = np.arange(len(members))
@@ -87,13 +88,17 @@ def solve_layer_hierarchical(
     G = check_nodes(num_devices, num_nodes)
     per = check_divisible(num_experts, num_devices)
     if num_nodes == 1:
-        res = solve_layer_flat(topk_ids_TK, num_experts, num_devices, method, max_load_ratio, seed, threads, kahypar_tokens, coact_EE)
+        res = solve_layer_flat(
+            topk_ids_TK, num_experts, num_devices, method, max_load_ratio, seed, threads, kahypar_tokens, coact_EE
+        )
         res.mean_nt = 1.0
         return res
     ids = np.asarray(topk_ids_TK)
     if coact_EE is None and method != "contiguous":
         coact_EE = coactivation(ids, num_experts)
-    nodes = solve_layer_flat(ids, num_experts, num_nodes, method, max_load_ratio, seed, threads, kahypar_tokens, coact_EE)
+    nodes = solve_layer_flat(
+        ids, num_experts, num_nodes, method, max_load_ratio, seed, threads, kahypar_tokens, coact_EE
+    )
     node_E = nodes.expert_device_E.astype(np.intp)
     sets, weights = merge_token_sets(ids, num_experts)
     state = SwapState(sets, weights, num_experts, num_devices)
@@ -109,7 +114,9 @@ def solve_layer_hierarchical(
     def repaired(dev: np.ndarray) -> np.ndarray:
         return dev if cap is None else repair_load(state, dev.copy(), state.counts(dev), cap, node_E)[0]
 
-    candidates: dict[str, np.ndarray] = {"contiguous": repaired(assemble([np.arange(len(m)) // per for m in members_M]))}
+    candidates: dict[str, np.ndarray] = {
+        "contiguous": repaired(assemble([np.arange(len(m)) // per for m in members_M]))
+    }
     if method != "contiguous" and G > 1 and per > 1:
         greedy = assemble([greedy_layer(coact_EE[np.ix_(m, m)], G) for m in members_M])
         candidates["greedy"] = repaired(greedy)
@@ -120,7 +127,9 @@ def solve_layer_hierarchical(
             parts = []
             for n, mem in enumerate(members_M):
                 edges, w = _node_edges(sub_sets, sub_w, mem, num_experts)
-                part = kahypar_partition(edges, w, len(mem), G, seed + n, threads) if edges else np.arange(len(mem)) // per
+                part = (
+                    kahypar_partition(edges, w, len(mem), G, seed + n, threads) if edges else np.arange(len(mem)) // per
+                )
                 parts.append(part)
             dev = assemble([_fix_sizes(p, G) for p in parts])
             candidates["kahypar+refine"] = refine_swaps(state, dev, cap, group_E=node_E)

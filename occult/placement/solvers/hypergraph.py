@@ -30,8 +30,7 @@ def _kahypar(threads: int | None = None) -> Any:
                 import mtkahypar
             except ImportError as exc:  # pragma: no cover - it is a dependency
                 raise ImportError(
-                    "the hypergraph solver needs Mt-KaHyPar: pip install mtkahypar "
-                    "(or use --method greedy)"
+                    "the hypergraph solver needs Mt-KaHyPar: pip install mtkahypar (or use --method greedy)"
                 ) from exc
             _KAHYPAR["module"] = mtkahypar
             _KAHYPAR["init"] = mtkahypar.initialize(int(threads or DEFAULT_KAHYPAR_THREADS), False)

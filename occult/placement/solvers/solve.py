@@ -19,8 +19,9 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,8 +51,9 @@ __all__ = [  # LayerResult, METHODS, ... live in flat.py; this module is their r
     "solve_layer",
 ]
 
+
 def best_method() -> str:
-    """"hypergraph" when Mt-KaHyPar is importable, else "greedy" (e.g. on an image without it)."""
+    """ "hypergraph" when Mt-KaHyPar is importable, else "greedy" (e.g. on an image without it)."""
     import importlib.util
 
     return "hypergraph" if importlib.util.find_spec("mtkahypar") is not None else "greedy"
@@ -167,8 +169,18 @@ def place(
     def args(i: int) -> tuple[Any, ...]:
         coact = None if coacts_LEE is None else coacts_LEE[i]
         nodes = () if num_nodes == 1 else (num_nodes,)
-        return (trace.layer(i), trace.num_experts, num_devices, *nodes, method, max_load_ratio, seed + i, threads,
-                kahypar_tokens, coact)
+        return (
+            trace.layer(i),
+            trace.num_experts,
+            num_devices,
+            *nodes,
+            method,
+            max_load_ratio,
+            seed + i,
+            threads,
+            kahypar_tokens,
+            coact,
+        )
 
     results: list[LayerResult | None] = [None] * L
     try:

@@ -25,8 +25,18 @@ from pathlib import Path
 import torch
 
 LM_MODEL = dict(hidden_size=16, num_layers=2, num_heads=2, num_experts=4, top_k=2, expert_ffn_size=8, max_seq_len=16)
-LM_TRAIN = dict(steps=8, batch_size=4, seq_len=16, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4,
-                eval_tokens=128, device="cpu", adam_eps=1e-6)
+LM_TRAIN = dict(
+    steps=8,
+    batch_size=4,
+    seq_len=16,
+    lr=3e-3,
+    warmup_steps=2,
+    eval_every=4,
+    save_every=4,
+    eval_tokens=128,
+    device="cpu",
+    adam_eps=1e-6,
+)
 HF_TRAIN = dict(steps=6, batch_size=2, seq_len=8, lr=1e-2, warmup_steps=1, adam_eps=1e-6, seed=3, precision="fp32")
 VOCAB = 48
 HF_MODEL = dict(vocab_size=96, hidden_size=16, num_attention_heads=2, intermediate_size=4)
@@ -36,7 +46,9 @@ def lm_data():
     from occult.lm.data import TokenData
 
     g = torch.Generator().manual_seed(7)
-    return TokenData(torch.randint(0, VOCAB, (3000,), generator=g), torch.randint(0, VOCAB, (400,), generator=g), VOCAB, {})
+    return TokenData(
+        torch.randint(0, VOCAB, (3000,), generator=g), torch.randint(0, VOCAB, (400,), generator=g), VOCAB, {}
+    )
 
 
 def lm_model(par=None):
@@ -57,7 +69,9 @@ def _two_ranks(rank: int, world_size: int, out: str) -> list:
     from occult.lm.train import TrainConfig, train
 
     par = setup_parallel()
-    res = train(lm_model(par), lm_data(), TrainConfig(**LM_TRAIN), out, parallel=par, stop_after=4, progress=False, log=None)
+    res = train(
+        lm_model(par), lm_data(), TrainConfig(**LM_TRAIN), out, parallel=par, stop_after=4, progress=False, log=None
+    )
     return res.train_losses
 
 
@@ -71,16 +85,24 @@ def main(out: Path) -> None:
         shutil.rmtree(out / d, ignore_errors=True)
     ref = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ref["lm_straight"] = train(lm_model(), lm_data(), TrainConfig(**LM_TRAIN), f"{tmp}/straight", progress=False,
-                                   log=None, plot=False).train_losses
+        ref["lm_straight"] = train(
+            lm_model(), lm_data(), TrainConfig(**LM_TRAIN), f"{tmp}/straight", progress=False, log=None, plot=False
+        ).train_losses
         train(lm_model(), lm_data(), TrainConfig(**LM_TRAIN), out / "lm_one", stop_after=4, progress=False, log=None)
         run_ranks(_two_ranks, 2, str(out / "lm_two"), timeout_s=300)
         model_dir = f"{tmp}/olmoe"
         hf.tiny_random_model("olmoe", model_dir, seed=1, **HF_MODEL)
         cfg = hf.FinetuneConfig(**HF_TRAIN)
         ref["hf_straight"] = hf.finetune(hf.load_sharded(model_dir), hf_tokens(), cfg, progress=False, log=None).losses
-        hf.finetune(hf.load_sharded(model_dir), hf_tokens(), cfg, progress=False, log=None,
-                    checkpoint_dir=out / "hf_one", stop_after=3)
+        hf.finetune(
+            hf.load_sharded(model_dir),
+            hf_tokens(),
+            cfg,
+            progress=False,
+            log=None,
+            checkpoint_dir=out / "hf_one",
+            stop_after=3,
+        )
     for d in ("lm_one", "lm_two"):  # the weights files are not what is tested
         for f in ("best.safetensors", "metrics.jsonl"):
             (out / d / f).unlink(missing_ok=True)
