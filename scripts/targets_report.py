@@ -85,7 +85,7 @@ def kind(doc: dict) -> str | None:
     return None
 
 
-def _link(env: dict) -> str:
+def link_of(env: dict) -> str:
     return "slow" if str(env.get("NCCL_P2P_DISABLE") or "0") not in ("0", "None", "") else "nvlink"
 
 
@@ -101,16 +101,16 @@ def _verdict(met: bool, world: Any) -> str:
 def _whole_model_run(name: str, doc: dict) -> tuple[str, Any, str, str]:
     """(model, GPUs, link, source label) of an e2e.py or serve.py report."""
     env = doc["env"]
-    world, link = env.get("world_size"), _link(env)
+    world, link = env.get("world_size"), link_of(env)
     return doc["config"]["model"], world, link, f"{name} ({_gpus(world)}, {link})"
 
 
-def _best(timed: dict[str, float], prefix: str) -> tuple[str, float] | None:
+def best_variant(timed: dict[str, float], prefix: str) -> tuple[str, float] | None:
     named = [(n, ms) for n, ms in timed.items() if n.startswith(prefix)]
     return min(named, key=lambda x: x[1]) if named else None
 
 
-def _phase_ms(doc: dict, phase: str) -> dict[str, float]:
+def phase_ms(doc: dict, phase: str) -> dict[str, float]:
     """e2e.py: variant -> median ms of `phase`, for variants whose check passed."""
     out = {}
     for name, v in doc["variants"].items():
@@ -125,8 +125,8 @@ def e2e_rows(name: str, doc: dict) -> list[list[str]]:
     TorchTitan with occult's dispatcher."""
     rows, (model, world, link, where) = [], _whole_model_run(name, doc)
     for phase in ("prefill", "train"):
-        timed = _phase_ms(doc, phase)
-        floor, best = _best(timed, "replicated"), _best(timed, "dedup")
+        timed = phase_ms(doc, phase)
+        floor, best = best_variant(timed, "replicated"), best_variant(timed, "dedup")
         if floor and best:
             limit, r = WHOLE_MODEL[(link, phase)], best[1] / floor[1]
             rows.append(
@@ -137,7 +137,7 @@ def e2e_rows(name: str, doc: dict) -> list[list[str]]:
                     where,
                 ]
             )
-        peer, ours = timed.get("torchtitan"), _best(timed, "torchtitan+occult")
+        peer, ours = timed.get("torchtitan"), best_variant(timed, "torchtitan+occult")
         if model == "qwen3" and peer and best:
             need, s = TORCHTITAN[(link, phase)], peer / best[1]
             rows.append(
@@ -193,7 +193,7 @@ def bench_rows(name: str, doc: dict) -> list[list[str]]:
     return rows
 
 
-def _step_ms(doc: dict, batch: int) -> dict[str, float]:
+def step_ms(doc: dict, batch: int) -> dict[str, float]:
     """serve.py: variant -> decode step p50 at `batch` per GPU, for checked results."""
     out = {}
     for name, per_batch in doc["variants"].items():
@@ -207,7 +207,7 @@ def serve_rows(name: str, doc: dict) -> list[list[str]]:
     """Issue 37: the best expert-parallel step / the floor's, and transformers' compiled generate / it."""
     rows, (model, world, link, where) = [], _whole_model_run(name, doc)
     for batch in (1, 64):
-        timed = _step_ms(doc, batch)
+        timed = step_ms(doc, batch)
         floor = next(((f, timed[f]) for f in SERVE_FLOORS if f in timed), None)
         ep = [(n, ms) for n, ms in timed.items() if not n.startswith(("replicated", "native", "hf-ep"))]
         best = min(ep, key=lambda x: x[1]) if ep else None

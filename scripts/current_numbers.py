@@ -1,0 +1,378 @@
+"""One page of current numbers: docs/results/CURRENT.md, generated from the result files under docs/results/.
+
+    python scripts/current_numbers.py            # write docs/results/CURRENT.md
+    python scripts/current_numbers.py --check    # exit 1 if CURRENT.md differs from what the files give
+    python scripts/current_numbers.py --stamp    # add provenance.json entries for new result files (needs git)
+
+Each result file answers some questions (one layer, whole-model prefill and training, decode, LM training,
+peers; per GPU count, link, shape, batch). For every question the page shows the figure of the NEWEST file
+that answers it, never the best of several: newest by the date in docs/results/provenance.json (then its
+`run` number, for two jobs of one commit). provenance.json records, per file, the commit that added it, that
+commit's date, the card and the link; `--stamp` fills it from git history for files it lacks. Both sides of
+every ratio come from one file, and every file is one job; files merged from several jobs (a `sources` key,
+benchmarks/serve_merge.py) are not read. docs/results/history/ holds superseded files and is not read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from targets_report import SERVE_FLOORS, best_variant, phase_ms, step_ms  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+PAGE, PROVENANCE = RESULTS / "CURRENT.md", RESULTS / "provenance.json"
+SKIP_DIRS = ("history", "quality_gpu_1xH200")
+LAYER_TOKENS, HOST_TOKENS = 8192, 512
+REMOVED = ("@chunks",)  # variants of schedules no longer in the code (docs/overlap.md): not a current question
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One answer of one file: `key` names the question (the same key from two files: the same question)."""
+
+    table: str
+    key: tuple[str, ...]
+    cells: tuple[str, ...]
+
+
+TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "layer": (
+        f"One layer (`occult bench`), {LAYER_TOKENS} tokens per GPU, forward+backward checked against float32",
+        ("GPUs", "link", "shape", "routing", "variant"),
+        ("forward ms", "fwd+bwd ms", "forward / floor", "vs standard, fwd / fwd+bwd", "rows per token"),
+    ),
+    "host": (
+        f"Host time of one layer forward (`occult bench`, {HOST_TOKENS} tokens per GPU)",
+        ("GPUs", "link", "shape", "variant"),
+        ("host ms per forward",),
+    ),
+    "peers": (
+        "Peers, one layer side by side (`benchmarks/peers/run.py`: same weights and routing, outputs checked)",
+        ("GPUs", "shape", "implementation"),
+        ("fwd+bwd ms", "forward ms", "fwd+bwd / occult dedup's"),
+    ),
+    "ep": (
+        "Whole models on several GPUs (`benchmarks/e2e.py`): occult's fastest expert-parallel variant / the "
+        "fastest replicated floor (no expert traffic) of the same job (lower is better, 1.0 = the floor)",
+        ("GPUs", "link", "model", "phase"),
+        ("EP / floor", "fastest EP variant", "floor", "standard / fastest dedup"),
+    ),
+    "native": (
+        "Whole models against plain transformers (`benchmarks/e2e.py`, `native`): transformers' time / occult's",
+        ("GPUs", "link", "model", "phase"),
+        ("eager", "both compiled"),
+    ),
+    "torchtitan": (
+        "TorchTitan's own Qwen3-MoE (`benchmarks/e2e.py ...,torchtitan`, same weights): TorchTitan's time / occult's",
+        ("GPUs", "link", "model", "phase"),
+        ("TorchTitan / fastest occult", "TorchTitan / TorchTitan + occult's dispatcher"),
+    ),
+    "decode": (
+        "Decode steps on several GPUs (`benchmarks/serve.py`, `benchmarks/decode.py`): occult's fastest "
+        "expert-parallel step / the replicated floor's step (p50)",
+        ("GPUs", "link", "model", "batch per GPU"),
+        ("EP step / floor",),
+    ),
+    "decode_native": (
+        "Decode steps against transformers' own compiled `generate` (`benchmarks/serve.py`): its step / occult's",
+        ("GPUs", "link", "model", "batch per GPU"),
+        ("transformers compiled / occult",),
+    ),
+    "train": (
+        "Training the small MoE LM (`occult train`, `scripts/two_gpu_training.sh`): tokens/s ratios",
+        ("GPUs", "link", "ratio"),
+        ("value", "sides (tokens/s)"),
+    ),
+    "finetune": (
+        "Fine-tuning a transformers model (`occult finetune --hf`), 2 GPUs against 1",
+        ("GPUs", "link", "model"),
+        ("steps/s, 2 GPUs / 1", "loss max rel. diff"),
+    ),
+}
+
+
+def fmt_ratio(a: float, b: float, what_a: str = "", what_b: str = "") -> str:
+    """`a / b` with both sides named: `1.09x (46.66 / 42.83)`."""
+    names = f" ({what_a} {a:.2f} / {what_b} {b:.2f})" if what_a or what_b else f" ({a:.2f} / {b:.2f})"
+    return f"{a / b:.2f}x" + names.replace("  ", " ").replace("( ", "(")
+
+
+def result_kind(doc: dict) -> str | None:
+    """Which tool wrote `doc` (by content); None for files this page does not read."""
+    config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
+    if "sources" in doc:
+        return None  # merged from several jobs: ratios across jobs
+    if "ceilings" in doc and "runs" in doc:
+        return "bench"
+    if "variants" in doc and "env" in doc and "model" in config:
+        return "e2e" if "phases" in config else "serve"
+    if "runs" in doc and "peers" in config:
+        return "peers"
+    if "ratios" in doc and "variants" in doc and "link" in doc:
+        return "train"
+    if "one_gpu" in doc and "two_gpus" in doc:
+        return "finetune"
+    return None
+
+
+def bench_figures(doc: dict, link: str) -> Iterator[Figure]:
+    runs = [r for r in doc["runs"] if r.get("forward_ms") and not any(x in r["variant"] for x in REMOVED)]
+    standard = {(r["shape"], r["routing"], r["tokens"]): r for r in runs if r["variant"] == "standard"}
+    for r in runs:
+        world, what = str(r["world"]), (r["shape"], r["routing"], r["variant"])
+        if r["tokens"] == HOST_TOKENS and r.get("host_ms_fwd") is not None:
+            yield Figure("host", (world, link, r["shape"], r["variant"]), (f"{r['host_ms_fwd']:.2f}",))
+        if r["tokens"] != LAYER_TOKENS:
+            continue
+        floor = f"{r['forward_ms'] / r['floor_ms']:.2f}x" if r.get("floor_ms") and world != "1" else "-"
+        std = standard.get((r["shape"], r["routing"], r["tokens"]))
+        vs = "-"
+        if std is not None and r is not std and r.get("fwd_bwd_ms") and std.get("fwd_bwd_ms"):
+            vs = f"{std['forward_ms'] / r['forward_ms']:.2f}x / {std['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x faster"
+        bwd = f"{r['fwd_bwd_ms']:.2f}" if r.get("fwd_bwd_ms") else "-"
+        ct = f"{r['mean_ct']:.2f}" if r.get("mean_ct") is not None else "-"
+        yield Figure("layer", (world, link, *what), (f"{r['forward_ms']:.2f}", bwd, floor, vs, ct))
+
+
+def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
+    model, world = doc["config"]["model"], str(doc["env"].get("world_size"))
+    for phase in doc["config"].get("phases", ()):
+        timed = {v: ms for v, ms in phase_ms(doc, phase).items() if not any(x in v for x in REMOVED)}
+        key = (world, link, model, phase)
+        floor, best = best_variant(timed, "replicated"), best_variant(timed, "dedup")
+        if world != "1" and floor and best:
+            std = fmt_ratio(timed["standard"], best[1]) if "standard" in timed else "-"
+            cells = (f"{best[1] / floor[1]:.3f}x", f"{best[0]} {best[1]:.2f} ms", f"{floor[0]} {floor[1]:.2f} ms", std)
+            yield Figure("ep", key, cells)
+        if "native" in timed and "replicated" in timed:
+            compiled = "-"
+            if "native/compile" in timed and "replicated/compile" in timed:
+                compiled = fmt_ratio(timed["native/compile"], timed["replicated/compile"])
+            yield Figure("native", key, (fmt_ratio(timed["native"], timed["replicated"]), compiled))
+        ours = best or (floor if world == "1" else None)
+        tt, tt_occult = timed.get("torchtitan"), best_variant(timed, "torchtitan+occult")
+        if tt and ours:
+            with_ours = fmt_ratio(tt, tt_occult[1], "", tt_occult[0]) if tt_occult else "-"
+            yield Figure("torchtitan", key, (fmt_ratio(tt, ours[1], "", ours[0]), with_ours))
+
+
+def serve_figures(doc: dict, link: str) -> Iterator[Figure]:
+    model, world = doc["config"]["model"], str(doc["env"].get("world_size"))
+    batches = doc["config"].get("batch") or []
+    for batch in batches if isinstance(batches, list) else [batches]:
+        timed = step_ms(doc, int(batch))
+        floor = next(((f, timed[f]) for f in SERVE_FLOORS if f in timed), None)
+        ours = [(n, ms) for n, ms in timed.items() if not n.startswith(("replicated", "native", "hf-ep"))]
+        best = min(ours, key=lambda x: x[1]) if ours else None
+        native = timed.get("native-generate+compile")
+        key = (world, link, model, str(batch))
+        if best and floor and world != "1":
+            yield Figure("decode", key, (fmt_ratio(best[1], floor[1], best[0], floor[0]),))
+        if best and native:
+            yield Figure("decode_native", key, (fmt_ratio(native, best[1], "", best[0]),))
+
+
+def peers_figures(doc: dict, link: str) -> Iterator[Figure]:
+    ok = [r for r in doc["runs"] if r.get("status") == "ok" and r.get("fwd_bwd_ms")]
+    ours = {(r["world"], r["shape"]): r for r in ok if r["peer"] == "occult-dedup"}
+    for r in ok:
+        ref = ours.get((r["world"], r["shape"]))
+        vs = f"{r['fwd_bwd_ms'] / ref['fwd_bwd_ms']:.2f}x" if ref else "-"
+        cells = (f"{r['fwd_bwd_ms']:.2f}", f"{r['forward_ms']:.2f}", vs)
+        yield Figure("peers", (str(r["world"]), r["shape"], r.get("name") or r["peer"]), cells)
+
+
+TRAIN_RATIOS = {  # ratio key in train_{link}_2xGPU.json -> (numerator variant, denominator variant, per GPU)
+    "dedup_over_standard": ("dedup_ddp", "standard_ddp", False),
+    "dedup_over_floor_per_gpu": ("dedup_ddp", "floor", True),
+    "dedup_fsdp_over_standard_fsdp": ("dedup_fsdp", "standard_fsdp", False),
+    "two_gpu_dedup_over_one_gpu_job": ("dedup_ddp", "1gpu", False),
+}
+
+
+def train_figures(doc: dict, link: str) -> Iterator[Figure]:
+    variants = doc["variants"]
+    for name, (a, b, per_gpu) in TRAIN_RATIOS.items():
+        value = doc["ratios"].get(name)
+        if value is None or a not in variants or b not in variants:
+            continue
+        col = "tokens_per_s_per_gpu" if per_gpu else "tokens_per_s"
+        sides = f"{a} {variants[a][col]:,.0f} / {b} {variants[b][col]:,.0f}"
+        yield Figure("train", ("2", link, name.replace("_", " ")), (f"{value:.3f}x", sides))
+
+
+def finetune_figures(doc: dict, link: str) -> Iterator[Figure]:
+    cells = (f"{doc['speedup_steps_per_s']:.2f}x", f"{doc['loss_max_rel_diff']:.4f}")
+    yield Figure("finetune", ("2", link, "tiny transformers MoE"), cells)
+
+
+FIGURES: dict[str, Callable[[dict, str], Iterator[Figure]]] = {
+    "bench": bench_figures,
+    "e2e": e2e_figures,
+    "serve": serve_figures,
+    "peers": peers_figures,
+    "train": train_figures,
+    "finetune": finetune_figures,
+}
+
+
+def result_files(results: Path) -> Iterator[tuple[str, dict, str]]:
+    """(path below `results`, document, kind) of every result file this page reads, in path order."""
+    for f in sorted(results.rglob("*.json")):
+        rel = f.relative_to(results).as_posix()
+        if rel.split("/")[0] in SKIP_DIRS or f == PROVENANCE:
+            continue
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"current_numbers.py: error: {rel}: not JSON ({e})") from None
+        kind = result_kind(doc) if isinstance(doc, dict) else None
+        if kind is not None:
+            yield rel, doc, kind
+
+
+def newest_figures(results: Path, provenance: dict[str, dict]) -> dict[tuple[str, tuple[str, ...]], tuple]:
+    """(table, key) -> (figure, path, provenance) of the newest file answering it. Two files of the same
+    date and run answering one question differently is an error: give one of them a `run` number."""
+    chosen: dict[tuple[str, tuple[str, ...]], tuple] = {}
+    for rel, doc, kind in result_files(results):
+        if rel not in provenance:
+            raise SystemExit(f"current_numbers.py: error: {rel}: not in provenance.json; run --stamp")
+        prov = provenance[rel]
+        order = (prov["date"], prov.get("run", 0))
+        for fig in FIGURES[kind](doc, prov["link"]):
+            slot = (fig.table, fig.key)
+            old = chosen.get(slot)
+            if old is not None and (old[2]["date"], old[2].get("run", 0)) == order and old[0].cells != fig.cells:
+                raise SystemExit(f"current_numbers.py: error: {old[1]} and {rel} tie on {slot}; set a `run` number")
+            if old is None or (old[2]["date"], old[2].get("run", 0)) < order:
+                chosen[slot] = (fig, rel, prov)
+    return chosen
+
+
+def natural(key: tuple[str, ...]) -> tuple:
+    """Sort numbers as numbers (batch 8 before 64)."""
+    return tuple((0, int(k), "") if k.isdigit() else (1, 0, k) for k in key)
+
+
+def render(results: Path = RESULTS, provenance_path: Path = PROVENANCE) -> str:
+    """The page's Markdown: one table per question group, rows in key order."""
+    provenance = json.loads(provenance_path.read_text())
+    chosen = newest_figures(results, provenance)
+    out = [
+        "# Current numbers",
+        "",
+        "Generated by `python scripts/current_numbers.py` from the result files in this folder; do not edit "
+        "(`--check` fails when this page is stale; tests/tools/test_current_numbers.py runs it). For each "
+        "question, the figure of the newest file that answers it (never the best of several runs). Both "
+        "sides of every ratio come from one job (one file). `commit`: the commit that added the file (the "
+        "code measured is that commit's or its parent's); `date`: that commit's date; `link`: NVLink, or "
+        "`slow` (`NCCL_P2P_DISABLE=1`: traffic through the host). Older measurements: "
+        "[../history.md](../history.md); how to run each benchmark: [../benchmarks.md](../benchmarks.md).",
+    ]
+    for table, (title, key_cols, cell_cols) in TABLES.items():
+        rows = sorted(((slot[1], v) for slot, v in chosen.items() if slot[0] == table), key=lambda r: natural(r[0]))
+        if not rows:
+            continue
+        cols = (*key_cols, *cell_cols, "card", "commit", "date", "source")
+        out += ["", f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for key, (fig, rel, prov) in rows:
+            src = f"[{rel}]({rel})"
+            cells = (*key, *fig.cells, prov["card"], f"`{prov['commit']}`", prov["date"][:10], src)
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def gpu_count_and_name(rel: str, doc: dict) -> tuple[int, str]:
+    """(GPUs used, card name) from the document, else from the file name (`..._2xH200.json`)."""
+    config, env = doc.get("config") or {}, doc.get("env") or {}
+    world = env.get("world_size") or config.get("world") or max(config.get("worlds") or [0]) or 0
+    name = env.get("gpu") or config.get("device") or (doc.get("peak") or {}).get("device") or ""
+    m = re.search(r"(\d+)x(H\d00)", rel)
+    world = int(world or (m.group(1) if m else 1))
+    card = "H200" if "H200" in name else "H100" if "H100" in name else (m.group(2) if m else "?")
+    return world, card
+
+
+def first_commit_with_this_content(path: Path) -> tuple[str, str]:
+    """(short hash, ISO date) of the oldest commit whose version of `path` (followed across renames) is
+    byte-identical to the file now: when this result was added, even if it was renamed later."""
+    blob = subprocess.run(["git", "hash-object", str(path)], capture_output=True, text=True, check=True).stdout
+    log = subprocess.run(
+        ["git", "log", "--follow", "--format=@%h %cI", "--name-only", "--", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    found = None
+    for entry in log.split("@")[1:]:  # newest first; keep going while the content is the same
+        lines = [x for x in entry.splitlines() if x.strip()]
+        (commit, date), old_path = lines[0].split(" "), lines[-1]
+        shown = subprocess.run(["git", "rev-parse", f"{commit}:{old_path}"], capture_output=True, text=True, cwd=ROOT)
+        if shown.stdout.strip() != blob.strip():
+            break
+        found = (commit, date)
+    if found is None:
+        raise SystemExit(f"current_numbers.py: error: {path}: not committed yet; commit it, then --stamp")
+    return found
+
+
+def stamp(results: Path, provenance_path: Path) -> int:
+    """Add provenance entries (commit, date, card, link) from git for result files that have none."""
+    provenance = json.loads(provenance_path.read_text()) if provenance_path.exists() else {}
+    added = 0
+    for rel, doc, _ in result_files(results):
+        if rel in provenance:
+            continue
+        world, card = gpu_count_and_name(rel, doc)
+        slow = "slow" in rel or str((doc.get("env") or {}).get("NCCL_P2P_DISABLE") or "0") not in ("0", "None")
+        commit, date = first_commit_with_this_content(results / rel)
+        link = "-" if world == 1 else "slow" if slow else "NVLink"
+        provenance[rel] = {"commit": commit, "date": date, "card": f"{world} x {card}", "link": link}
+        added += 1
+    tmp = provenance_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(sorted(provenance.items())), indent=1) + "\n")
+    tmp.replace(provenance_path)
+    print(f"current_numbers.py: {added} entries added to {provenance_path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 if the page differs from what the files give")
+    mode.add_argument("--stamp", action="store_true", help="add provenance entries for new result files (git)")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the results folder (default docs/results)")
+    args = p.parse_args(argv)
+    if not args.results.is_dir():
+        p.error(f"--results {args.results}: not a directory")
+    page, provenance = args.results / PAGE.name, args.results / PROVENANCE.name
+    if args.stamp:
+        return stamp(args.results, provenance)
+    if not provenance.is_file():
+        p.error(f"--results {args.results}: no {PROVENANCE.name}; run --stamp first")
+    text = render(args.results, provenance)
+    if args.check:
+        if not page.is_file() or page.read_text() != text:
+            print(f"current_numbers.py: {page} is stale: run python scripts/current_numbers.py", file=sys.stderr)
+            return 1
+        return 0
+    tmp = page.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(page)
+    print(f"current_numbers.py: wrote {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

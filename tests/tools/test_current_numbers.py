@@ -1,0 +1,91 @@
+"""scripts/current_numbers.py: docs/results/CURRENT.md is what the result files give, and the newest file wins."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import current_numbers  # noqa: E402
+
+sys.path.pop(0)
+
+
+def test_the_page_is_current() -> None:
+    """CURRENT.md cannot drift from docs/results/: regenerate it with `python scripts/current_numbers.py`."""
+    run = subprocess.run([sys.executable, "scripts/current_numbers.py", "--check"], cwd=ROOT, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()
+
+
+def test_every_current_result_file_has_provenance() -> None:
+    provenance = json.loads(current_numbers.PROVENANCE.read_text())
+    files = [rel for rel, _, _ in current_numbers.result_files(current_numbers.RESULTS)]
+    assert files and not [f for f in files if f not in provenance]
+    for rel in files:
+        assert set(provenance[rel]) >= {"commit", "date", "card", "link"}, rel
+
+
+def e2e(world: int, prefill_ms: dict[str, float]) -> dict:
+    variants = {
+        v: {"check": {"passed": True}, "phases": {"prefill": {"ms_median": ms}}} for v, ms in prefill_ms.items()
+    }
+    return {"config": {"model": "olmoe", "phases": ["prefill"]}, "env": {"world_size": world}, "variants": variants}
+
+
+def write(folder: Path, docs: dict[str, dict], provenance: dict[str, dict]) -> None:
+    for name, doc in docs.items():
+        (folder / name).write_text(json.dumps(doc))
+    (folder / "provenance.json").write_text(json.dumps(provenance))
+
+
+def prov(date: str, **extra: object) -> dict:
+    return {"commit": "abc1234", "date": date, "card": "2 x H200", "link": "NVLink", **extra}
+
+
+def test_the_newest_file_wins_not_the_best_nor_the_last_name(tmp_path: Path) -> None:
+    older_and_better = e2e(2, {"replicated": 10.0, "dedup": 10.5})  # 1.05x
+    newer_and_worse = e2e(2, {"replicated": 10.0, "dedup": 12.0})  # 1.20x
+    docs = {"z_old.json": older_and_better, "a_new.json": newer_and_worse}
+    write(
+        tmp_path,
+        docs,
+        {"z_old.json": prov("2026-11-20T00:00:00+00:00"), "a_new.json": prov("2026-11-21T00:00:00+00:00")},
+    )
+    page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
+    assert "| 1.200x |" in page and "a_new.json" in page
+    assert "1.050x" not in page and "z_old.json" not in page
+
+
+def test_two_jobs_of_one_date_need_a_run_number(tmp_path: Path) -> None:
+    docs = {
+        "a.json": e2e(2, {"replicated": 10.0, "dedup": 11.0}),
+        "b.json": e2e(2, {"replicated": 10.0, "dedup": 12.0}),
+    }
+    same = prov("2026-11-21T00:00:00+00:00")
+    write(tmp_path, docs, {"a.json": same, "b.json": same})
+    try:
+        current_numbers.render(tmp_path, tmp_path / "provenance.json")
+        raise AssertionError("a tie went unnoticed")
+    except SystemExit as e:
+        assert "tie" in str(e)
+    write(tmp_path, docs, {"a.json": prov(same["date"], run=1), "b.json": same})
+    assert "| 1.100x |" in current_numbers.render(tmp_path, tmp_path / "provenance.json")
+
+
+def test_merged_files_are_not_read(tmp_path: Path) -> None:
+    merged = {**e2e(2, {"replicated": 10.0, "dedup": 11.0}), "sources": {"x.json": ["dedup"]}}
+    write(tmp_path, {"merged.json": merged}, {})
+    assert "merged.json" not in current_numbers.render(tmp_path, tmp_path / "provenance.json")
+
+
+def test_check_fails_on_a_stale_page(tmp_path: Path) -> None:
+    write(
+        tmp_path, {"a.json": e2e(2, {"replicated": 10.0, "dedup": 11.0})}, {"a.json": prov("2026-11-21T00:00:00+00:00")}
+    )
+    assert current_numbers.main(["--results", str(tmp_path)]) == 0
+    assert current_numbers.main(["--results", str(tmp_path), "--check"]) == 0
+    (tmp_path / "CURRENT.md").write_text("edited by hand\n")
+    assert current_numbers.main(["--results", str(tmp_path), "--check"]) == 1
