@@ -15,7 +15,9 @@ Reads every `*.json` under the given files or directories and recognises these k
   transformers' compiled generate over that step;
 - `scripts/two_gpu_training.sh`'s `train_{link}_2xGPU.json` and its re-placement report, issue 38.
 
-Only variants whose output check passed count. For each target it prints what was measured, the
+Only variants whose output check passed count, and per target only the newest file's verdict (by the
+commit date in the nearest provenance.json, see scripts/current_numbers.py; else the file's time; files
+merged from several jobs are skipped): never the best of several runs. For each target it prints what was measured, the
 verdict (met / MISSED; "n/a (1 GPU)" where one GPU has no expert-parallel traffic) and the file. A
 target with nothing measured is listed as "not measured" with what measures it.
 """
@@ -26,6 +28,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -273,12 +276,44 @@ EXPECTED = [  # (target prefix, what measures it): listed as "not measured" when
 ]
 
 
+def file_order(paths: Iterable[str]) -> dict[str, tuple]:
+    """name -> (date, run, link), newest last: the commit date (and `run`) in the nearest `provenance.json` at or above
+    the files (docs/results/ has one: scripts/current_numbers.py --stamp), else the file's modification time."""
+    order: dict[str, tuple] = {}
+    for p in map(Path, paths):
+        here = (p if p.is_dir() else p.parent).resolve()
+        folder = next((d for d in (here, *here.parents) if (d / "provenance.json").is_file()), here)
+        provenance = folder / "provenance.json"
+        known = json.loads(provenance.read_text()) if provenance.is_file() else {}
+        files = sorted(p.rglob("*.json")) if p.is_dir() else [p]
+        for f in files:
+            name = str(f.relative_to(p)) if p.is_dir() else p.name
+            entry = known.get(f.resolve().relative_to(folder).as_posix())
+            mtime = datetime.fromtimestamp(f.stat().st_mtime, timezone.utc).isoformat()
+            order[name] = (entry["date"], entry.get("run", 0), entry["link"]) if entry else (mtime, 0, "")
+    return order
+
+
 def report(paths: Iterable[str]) -> str:
-    rows: list[list[str]] = []
-    for name, doc in load_reports(paths):
+    """One row per target: the newest file's (never the best of several; merged files, holding ratios across
+    jobs, are skipped). Two files of one date and run both stay."""
+    paths = list(paths)
+    reports = load_reports(paths)
+    order, newest = file_order(paths), {}
+    for name, doc in reports:
         k = kind(doc)
-        if k is not None:
-            rows += ROWS[k](name, doc)
+        if k is None or "sources" in doc:
+            continue
+        for row in ROWS[k](name, doc):
+            when, link = order.get(name, ("", 0, ""))[:2], order.get(name, ("", 0, ""))[2]
+            if k == "bench" and link not in ("", "-"):  # occult bench's JSON does not record the link
+                row[0] = row[0].replace("): <=", f"), {link.lower()}: <=")
+            kept = newest.get(row[0])
+            if kept is None or kept[0] < when:
+                newest[row[0]] = (when, [row])
+            elif kept[0] == when:
+                kept[1].append(row)
+    rows = [r for _, (_, group) in sorted(newest.items()) for r in group]
     for prefix, how in EXPECTED:
         if not any(r[0].startswith(prefix) and not r[2].startswith("n/a") for r in rows):
             rows.append([prefix + " ...", "-", "not measured", how])

@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import current_numbers  # noqa: E402
+import targets_report  # noqa: E402
 
 sys.path.pop(0)
 
@@ -89,3 +90,16 @@ def test_check_fails_on_a_stale_page(tmp_path: Path) -> None:
     assert current_numbers.main(["--results", str(tmp_path), "--check"]) == 0
     (tmp_path / "CURRENT.md").write_text("edited by hand\n")
     assert current_numbers.main(["--results", str(tmp_path), "--check"]) == 1
+
+
+def test_targets_report_keeps_the_newest_file_per_target(tmp_path: Path) -> None:
+    """scripts/targets_report.py: one verdict per target, from the newest file by provenance, not the best."""
+    docs = {
+        "old.json": e2e(2, {"replicated": 10.0, "dedup": 10.2}),
+        "new.json": e2e(2, {"replicated": 10.0, "dedup": 12.0}),
+    }
+    write(
+        tmp_path, docs, {"old.json": prov("2026-11-20T00:00:00+00:00"), "new.json": prov("2026-11-21T00:00:00+00:00")}
+    )
+    rows = [r for r in targets_report.report([str(tmp_path)]).splitlines() if "whole model (olmoe)" in r]
+    assert len(rows) == 1 and "1.200x" in rows[0] and "new.json" in rows[0] and "MISSED" in rows[0]
