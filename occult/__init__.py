@@ -20,6 +20,8 @@ from occult.moe.layer import OccultMoE, set_graphs, set_sync_free
 from occult.moe.registry import DISPATCHERS, make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.moe.status import check_routing
+from occult.moe.symm import release_transports
+from occult.moe.transport_buffers import TransportMemoryError
 from occult.moe.two_level import TwoLevelDispatcher
 from occult.placement import Placement, PlacementError
 
@@ -44,9 +46,11 @@ __all__ = [
     "RoutingError",
     "StandardDispatcher",
     "TopKRouter",
+    "TransportMemoryError",
     "TwoLevelDispatcher",
     "check_routing",
     "make_dispatcher",
+    "release_transports",
     "set_graphs",
     "set_sync_free",
 ]

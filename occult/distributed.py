@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from occult import settings
-from occult.teardown import release_captured
+from occult.teardown import release_buffers, release_captured
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -84,6 +84,7 @@ def finish_distributed(ok: bool = True) -> None:
     if not dist.is_initialized():
         return
     release_captured()  # graphs holding collectives first (occult.teardown)
+    release_buffers(strict=False)  # then buffers mapped into the peers (the device transport's)
     gc.collect()
     try:
         if ok:

@@ -13,6 +13,10 @@ then destroys as before. A released holder re-captures on its next use. `release
 same by hand (`occult.distributed.finish_distributed` calls it). A name bound before the first
 capture (`from torch.distributed import destroy_process_group`) still calls the unwrapped function:
 call `release_captured()` first there.
+
+Device buffers mapped into every peer (the device transport's symmetric memory) register too
+(`hold_buffers`): the wrapper and `finish_distributed` free them after the graphs
+(`release_buffers`), so a process leaves no such memory behind its groups.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 _holders: weakref.WeakSet[Any] = weakref.WeakSet()
+_buffer_holders: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
 
 
@@ -52,6 +57,34 @@ def release_captured() -> int:
     return len(holders)
 
 
+class BufferHolder(Protocol):
+    def release(self) -> int:
+        """Free the device buffers this object holds (idempotent); returns the bytes freed."""
+
+
+def hold_buffers(holder: BufferHolder) -> None:
+    """Register `holder` (kept weakly): its buffers are freed before any process group is destroyed."""
+    with _lock:
+        _buffer_holders.add(holder)
+    _wrap_destroy()
+
+
+def release_buffers(strict: bool = True) -> int:
+    """Free every registered holder's buffers now (they grow again on use); returns the bytes freed.
+    `strict=False` (teardown after a failure): a holder that cannot free (e.g. a GPU in an error
+    state) is skipped, so the groups are still destroyed."""
+    with _lock:
+        holders = list(_buffer_holders)
+    freed = 0
+    for holder in holders:
+        try:
+            freed += holder.release()
+        except Exception:
+            if strict:
+                raise
+    return freed
+
+
 def _wrap_destroy() -> None:
     """Wrap `destroy_process_group` (the `torch.distributed` and `distributed_c10d` names) once."""
     original = dist.destroy_process_group
@@ -66,6 +99,7 @@ def _releasing(destroy: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(destroy)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         release_captured()
+        release_buffers(strict=False)
         return destroy(*args, **kwargs)
 
     destroy_process_group.releases_captured = True  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""One launch each way for the device transport's byte rows (`occult.moe.device_exchange.RowLayout`).
+"""One launch each way for the device transport's byte rows (`occult.moe.byte_rows.RowLayout`).
 
 `pack_rows`: send row p = token `token_P[p]`'s activation, its gates (`weights.flat[entry_PK[p]]`,
 0 where entry is -1; fp32) and local slots (int32), side by side in one buffer row; rows with token

@@ -18,7 +18,7 @@ the group (`symm.DeviceTransport.exchange`).
 
 `region_rows`: where rows listed in plan order (packed by destination) come back in a
 region-per-rank buffer: `index[i] = d * stride + p - start_d` for p = rows[i] >= 0 sent to rank d
-(-1 stays -1); one launch for what takes ~8 torch ops (`occult.moe.device_exchange.region_index`).
+(-1 stays -1); one launch for what takes ~8 torch ops (`occult.moe.byte_rows.region_index`).
 """
 
 from __future__ import annotations

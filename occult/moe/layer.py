@@ -298,11 +298,17 @@ class OccultMoE(nn.Module):
             dense.down_proj.copy_(down)
         return dense
 
+    def _transport_memory(self) -> str:
+        """', transport_memory=X MiB' where the layer's group holds device-transport buffers on this rank."""
+        held = getattr(getattr(self.dispatcher, "transport", None), "memory_bytes", None)
+        return f", transport_memory={held / 2**20:.1f} MiB" if held is not None else ""
+
     def extra_repr(self) -> str:
         return (
             f"hidden={self.hidden_size}, ffn={self.ffn_size}, experts={self.num_experts} "
             f"({self.num_experts // self.num_ranks} on rank {self.rank} of {self.num_ranks}), "
             f"top_k={self.top_k}, dispatcher={self.dispatcher.name}, transport={self.dispatcher.transport_name}"
+            + self._transport_memory()
             + (", graphs=True" if self.execution.graphs else "")
         )
 

@@ -13,7 +13,9 @@ each region's row count arrives beside it.
 What the host still needs is that bound. It follows from the largest token count of any rank,
 which is a shape every host knows about itself: `agree` swaps it (with every rank's input status
 known on the host) host to host, never waiting for the GPU (`occult.moe.agree`: a shared-memory
-page). Buffers grow, collectively, only when that bound grows (sized in powers of two of tokens).
+page). Buffers grow, collectively, only when that bound grows (sized in powers of two of tokens),
+all or nothing (`occult.moe.transport_buffers`: a rank that cannot allocate raises on every rank, and
+the old buffers stay in use). `memory_bytes` says what they hold; `release_transports()` frees them.
 
 Two sets of buffers (`Slot`) alternate between consecutive all-to-alls. A rank reads what it
 received before its next all-to-all (stream order), whose barrier every rank must reach before any
@@ -25,7 +27,6 @@ backward) makes two, so a CUDA graph of whole calls leaves the alternation where
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,12 +35,33 @@ import torch.distributed as dist
 from occult import settings
 from occult.moe.agree import gloo_group, make_board
 from occult.moe.config import TRANSPORTS
+from occult.moe.transport_buffers import (
+    MAX_RANKS,
+    GrowthVote,
+    Slot,
+    allocate,
+    buffer_bytes,
+    free_gpu_bytes,
+    growth_error,
+    map_slot,
+    row_bytes,
+    token_bucket,
+)
+from occult.teardown import hold_buffers, release_captured
 
-ROW_ALIGN = 64  # bytes per row: whole cache lines (the push kernel moves 4-byte words)
-MAX_RANKS = 64
-COUNTS_BYTES = 2 * MAX_RANKS * 8  # each buffer starts with an int64 row count, then a status, per source rank
-MIN_BUFFER_BYTES = 1 << 20  # the smallest receive buffer (tiny calls share one size)
-MIN_TOKENS = 256  # the smallest token bucket buffers are sized for
+__all__ = [
+    "DeviceTransport",
+    "Slot",
+    "choose_transport",
+    "group_timeout_s",
+    "release_transports",
+    "reset",
+    "row_bytes",
+    "token_bucket",
+    "transports_memory_bytes",
+    "unavailable_reason",
+]
+
 AGREE_TIMEOUT_S = 120.0  # where the group's own collective timeout cannot be read (`group_timeout_s`)
 
 _TRANSPORTS: dict[str, DeviceTransport] = {}
@@ -120,40 +142,6 @@ def group_timeout_s(group: Any) -> float:
         return AGREE_TIMEOUT_S
 
 
-def row_bytes(payload_bytes: int) -> int:
-    """Bytes a row of `payload_bytes` takes in the buffers (padded to `ROW_ALIGN`)."""
-    return max(ROW_ALIGN, -(-payload_bytes // ROW_ALIGN) * ROW_ALIGN)
-
-
-def token_bucket(num_tokens: int) -> int:
-    """Buffers are sized for this many tokens per rank: the next power of two, at least `MIN_TOKENS`."""
-    return max(MIN_TOKENS, 1 << max(0, num_tokens - 1).bit_length())
-
-
-@dataclass
-class Slot:
-    """One receive buffer of the group: `COUNTS_BYTES` of row counts and routing statuses (one int64
-    each per source rank), then the rows; its rendezvous handle (the barrier) and every rank's rows and counts as
-    addresses this process can store to (int64 device tensors, one entry per rank)."""
-
-    buffer: torch.Tensor
-    handle: Any
-    peer_rows_D: torch.Tensor
-    peer_counts_D: torch.Tensor
-
-    def rows(self, num_rows: int, width: int) -> torch.Tensor:
-        """This rank's received rows as [num_rows, width] bytes."""
-        return self.buffer[COUNTS_BYTES : COUNTS_BYTES + num_rows * width].view(num_rows, width)
-
-    def counts(self, num_ranks: int) -> torch.Tensor:
-        """Rows received from each source rank (int64 [D], a view of the buffer)."""
-        return self.buffer[: 8 * num_ranks].view(torch.int64)
-
-    def statuses(self, num_ranks: int) -> torch.Tensor:
-        """The routing status each source rank sent with its rows (int64 [D], a view of the buffer)."""
-        return self.buffer[8 * MAX_RANKS : 8 * (MAX_RANKS + num_ranks)].view(torch.int64)
-
-
 class DeviceTransport:
     """Device-driven all-to-alls over one NCCL group of one host (one instance per group: `for_group`)."""
 
@@ -167,7 +155,7 @@ class DeviceTransport:
         self.timeout_s = group_timeout_s(group)
         self.host_group = gloo_group(dist.get_process_group_ranks(group), self.timeout_s)
         self.board = make_board(self.host_group, 1 + self.num_ranks, self.timeout_s)
-        device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device = torch.device("cuda", torch.cuda.current_device())
         if symm_mem.get_backend(device) != "CUDA":
             symm_mem.set_backend("CUDA")  # peer-mapped buffers (NVSHMEM's are not needed here)
         self._symm_mem = symm_mem
@@ -177,6 +165,8 @@ class DeviceTransport:
         self._retired: list[Slot] = []  # buffers outgrown while a captured graph may still use them
         self._captured = False
         self._turn = 0
+        self._vote = GrowthVote(self.board, self.rank, self.num_ranks)
+        hold_buffers(self)  # freed before the process group is destroyed (occult.teardown)
 
     @classmethod
     def for_group(cls, group: Any) -> DeviceTransport:
@@ -195,48 +185,60 @@ class DeviceTransport:
         values = self.board.max_reduce([num_tokens, *statuses_D])
         return values[0], values[1:]
 
+    @property
+    def memory_bytes(self) -> int:
+        """GPU memory this rank's buffers take (those a captured graph may still use included)."""
+        return sum(slot.nbytes for slot in self._slots + self._retired)
+
     def reserve(self, num_bytes: int) -> None:
-        """Make every receive buffer hold at least `num_bytes` of rows (a collective when they grow:
-        every rank passes the same value, derived from `agree`'s result)."""
-        num_bytes = max(num_bytes, MIN_BUFFER_BYTES)
-        if num_bytes <= self.capacity_bytes:
+        """Make every receive buffer hold at least `num_bytes` of rows: a collective where they grow
+        (every rank passes the same value, derived from `agree`'s result), all or nothing
+        (`occult.moe.transport_buffers`): where any rank cannot allocate, every rank raises
+        `TransportMemoryError` and the buffers stay as they were."""
+        if num_bytes <= self.capacity_bytes and self._slots:
             return
-        num_bytes = 1 << (num_bytes - 1).bit_length()
-        if torch.cuda.is_current_stream_capturing():
+        capacity = buffer_bytes(num_bytes)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"the device transport's buffers must grow to {num_bytes} bytes inside a CUDA-graph capture, "
+                f"the device transport's buffers must grow to {capacity} bytes inside a CUDA-graph capture, "
                 "where they cannot be allocated: run the same forward once eagerly (a warm-up at the captured "
                 "shape) before capturing it"
             )
+        free_bytes = free_gpu_bytes(self.device)
+        buffers, why = allocate(self._symm_mem, capacity, self.device)
+        failed, free_mib_D = self._vote.cast(why is not None, free_bytes)
+        if failed:
+            del buffers
+            raise growth_error(capacity, self.memory_bytes, failed, free_mib_D, why)
+        slots = [map_slot(self._symm_mem, b, self.group_name, self.rank, self.num_ranks) for b in buffers]
         if self._captured:
             self._retired.extend(self._slots)  # a captured graph still writes and reads them
-        self._slots = []  # free the old buffers first (unless a graph holds them)
-        self._slots = [self._make_slot(COUNTS_BYTES + num_bytes) for _ in range(2)]
-        self.capacity_bytes = num_bytes
+        elif self._slots:
+            self._synchronize()  # earlier calls' kernels may still use the old ones
+        self._slots, self.capacity_bytes = slots, capacity
         self.generation += 1
 
-    def _make_slot(self, num_bytes: int) -> Slot:
-        device = torch.device("cuda", torch.cuda.current_device())
-        buffer = self._symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
-        handle = self._symm_mem.rendezvous(buffer, group=self.group_name)
-        shift = buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # where the tensor starts in its allocation
-        bases = [handle.buffer_ptrs[d] + shift for d in range(self.num_ranks)]
-        if any((b + COUNTS_BYTES) % 16 for b in bases):  # the push kernels store 16 bytes at a time there
-            raise RuntimeError(
-                f"symmetric memory mapped a receive buffer at {[hex(b) for b in bases]}, not 16-byte "
-                "aligned: the device transport cannot use it; pass transport='counts'"
-            )
-        # (the counts are not zeroed: a peer may already have written its count here, and every
-        # all-to-all writes every count before its barrier)
-        return Slot(
-            buffer,
-            handle,
-            torch.tensor([b + COUNTS_BYTES for b in bases], dtype=torch.int64, device=device),
-            torch.tensor(bases, dtype=torch.int64, device=device),
-        )
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def release(self) -> int:
+        """Free this rank's buffers (graphs captured over them first: `occult.teardown`); the next call
+        grows them again. Every rank of the group calls it at the same point. Returns the bytes freed."""
+        freed = self.memory_bytes
+        if freed:
+            if self._captured:
+                release_captured()
+            self._synchronize()  # no kernel of this rank (hence no peer's store, by the barriers) uses them
+        self._slots, self._retired, self._captured, self._turn = [], [], False, 0
+        self.capacity_bytes = 0
+        self.generation += 1
+        return freed
 
     def next_slot(self) -> Slot:
         """The buffers of the next all-to-all (the two sets alternate)."""
+        if not self._slots:
+            raise RuntimeError("the device transport holds no buffers (released or never grown): reserve first")
         slot = self._slots[self._turn]
         self._turn ^= 1
         return slot
@@ -327,7 +329,22 @@ class DeviceTransport:
         return slot.rows(D * stride, width), head[:D], head[MAX_RANKS : MAX_RANKS + D]
 
 
+def release_transports() -> int:
+    """Free every device transport's buffers on this rank, and the CUDA graphs captured over them; the
+    next layer call grows them again. Every rank calls it at the same point (between layer calls).
+    `occult.distributed.finish_distributed` and `dist.destroy_process_group` call it too. Returns the
+    bytes freed on this rank."""
+    release_captured()
+    return sum(transport.release() for transport in list(_TRANSPORTS.values()))
+
+
+def transports_memory_bytes() -> int:
+    """GPU memory the device transports' buffers take on this rank."""
+    return sum(transport.memory_bytes for transport in _TRANSPORTS.values())
+
+
 def reset() -> None:
-    """Forget every transport (their buffers go with them) and every "auto" choice; for tests and process teardown."""
+    """Free and forget every transport and every "auto" choice; for tests and process teardown."""
+    release_transports()
     _TRANSPORTS.clear()
     _AUTO_COUNTS.clear()

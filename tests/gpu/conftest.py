@@ -57,9 +57,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     """Under run.sh (OCCULT_GPU_SUITE_OUT set): append each case's outcome to OUT/progress-rank{R}.tsv
-    (stage 1) or OUT/progress-single.tsv (stage 2) as it finishes, so a stage cut by an outer time
-    limit still leaves what ran (pytest writes its JUnit report only at the end; summary.py reads
-    these where the report is missing)."""
+    (stage 1), OUT/progress-single.tsv (stage 2) or OUT/progress-single3.tsv (stage 3) as it finishes,
+    so a stage cut by an outer time limit still leaves what ran (pytest writes its JUnit report only at
+    the end; summary.py reads these where the report is missing)."""
     out = os.environ.get("OCCULT_GPU_SUITE_OUT")
     final = (
         report.when == "call"
@@ -73,9 +73,27 @@ def pytest_runtest_logreport(report):
         if report.failed and report.when != "call"
         else ("FAILED" if report.failed else "skipped" if report.skipped else "passed")
     )
-    name = f"progress-rank{os.environ['RANK']}.tsv" if UNDER_TORCHRUN else "progress-single.tsv"
+    stage3 = os.environ.get("OCCULT_GPU_SUITE_STAGE") == "3"
+    name = (
+        f"progress-rank{os.environ['RANK']}.tsv"
+        if UNDER_TORCHRUN
+        else ("progress-single3.tsv" if stage3 else "progress-single.tsv")
+    )
     with open(os.path.join(out, name), "a") as f:
         f.write(f"{report.nodeid}\t{state}\t{report.duration:.3f}\n")
+
+
+@pytest.fixture(autouse=True)
+def fresh_transports(request):
+    """Every collective case starts with the device transports' buffers freed, as a new process would
+    have them: no case depends on how far earlier cases grew them (they are shared by the group's
+    layers), and their memory is back for the case's own tensors. Every rank runs the same cases in
+    the same order, so every rank frees at the same point."""
+    if os.path.basename(str(request.node.fspath)).startswith("test_collective_") and dist.is_initialized():
+        import occult
+
+        occult.release_transports()
+    yield
 
 
 @dataclass

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The GPU suite in one command (docs/testing.md):
 #   1. the collective tests under torchrun, one pytest process per visible GPU, over NCCL;
-#   2. the single-process GPU tests (kernels at real shapes, a killed rank under NCCL);
-#   3. a summary table (versions, every case on every rank) on stdout and in OUT/summary.md.
+#   2. the single-process GPU tests (kernels at real shapes, one-rank layers, graph-captured generate, a killed
+#      rank under NCCL, a checkpoint resumed across GPU counts);
+#   3. the single-process tests that spawn whole multi-rank decodes and check the ranks exit (STAGE3_TESTS);
+#   then a summary table (versions, every case on every rank) on stdout and in OUT/summary.md.
 # Usage: bash tests/gpu/run.sh [OUT]            (OUT defaults to gpu-suite-results/)
 #        OCCULT_GPU_SUITE_NPROC=2 bash tests/gpu/run.sh   (fewer ranks than GPUs)
 #        OCCULT_GPU_SUITE_BACKEND=gloo bash tests/gpu/run.sh  (gloo over CUDA tensors; ranks may share
 #                                                          GPUs, so 1 GPU gives 2 ranks: not NCCL)
 #        OCCULT_GPU_SUITE_ON_CPU=1 bash tests/gpu/run.sh  (the collective tests on 2 CPU gloo ranks:
 #                                                          checks the suite's logic, not NCCL)
-#        OCCULT_GPU_SUITE_STAGES=1 bash tests/gpu/run.sh   (stage 1 only; =2: stage 2 only. The two take
-#                                                          ~3 and ~6 min on 2 x H200: on 4 GPUs run one per
-#                                                          pair, CUDA_VISIBLE_DEVICES=0,1 / 2,3, OUT apart)
+#        OCCULT_GPU_SUITE_STAGES=1 bash tests/gpu/run.sh   (stage 1 only; =2, =3, ='2 3': those stages. Each
+#                                                          fits one 10-minute device call with margin (docs/
+#                                                          testing.md has their times); on 4 GPUs two 2-rank
+#                                                          runs can share a call: CUDA_VISIBLE_DEVICES=0,1 /
+#                                                          2,3, OUT apart)
 # A partial summary is written after stage 1, so a run stopped in stage 2 keeps stage 1's table; every case's
 # outcome is also appended to OUT/progress-*.tsv as it finishes, so a stage cut by an outer time limit
 # (`timeout`) still leaves what ran: `python tests/gpu/summary.py OUT` then reads those.
@@ -29,10 +33,14 @@ if [ -n "${PYTEST_ARGS:-}" ]; then
   parsed=$(printf '%s' "$PYTEST_ARGS" | xargs -n1 printf '%s\n') || { echo "PYTEST_ARGS does not parse: $PYTEST_ARGS" >&2; exit 2; }
   mapfile -t extra <<< "$parsed"
 fi
-rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single.xml "$out"/versions.txt "$out"/summary.md \
+rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single*.xml "$out"/versions.txt "$out"/summary.md \
   "$out"/progress-*.tsv
-stages=" ${OCCULT_GPU_SUITE_STAGES:-1 2} "
-case $stages in *" 1 "*|*" 2 "*) ;; *) echo "OCCULT_GPU_SUITE_STAGES='${OCCULT_GPU_SUITE_STAGES}': give 1, 2 or '1 2'" >&2; exit 2 ;; esac
+stages=" ${OCCULT_GPU_SUITE_STAGES:-1 2 3} "
+for s in $stages; do
+  case $s in 1|2|3) ;; *) echo "OCCULT_GPU_SUITE_STAGES='${OCCULT_GPU_SUITE_STAGES}': give stages among 1, 2, 3 (e.g. '2 3')" >&2; exit 2 ;; esac
+done
+# stage 3's files (the rest of the single-process tests are stage 2's, so a new one is never left out)
+STAGE3_TESTS=(tests/gpu/test_exit_after_graph_decode.py)
 python=${PYTHON:-python3}
 if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" = 1 ]; then
   nproc=${OCCULT_GPU_SUITE_NPROC:-2}
@@ -64,8 +72,19 @@ $python tests/gpu/summary.py "$out" > /dev/null  # stage 1's table now: kept if 
 rc2=0
 if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" != 1 ] && [[ $stages == *" 2 "* ]]; then
   echo "== stage 2: single-process GPU tests"
-    $python -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$out/single.xml" "${extra[@]}"
+  ignore=()
+  for f in "${STAGE3_TESTS[@]}"; do ignore+=(--ignore="$f"); done
+  OCCULT_GPU_SUITE_STAGE=2 $python -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$out/single.xml" \
+    "${ignore[@]}" "${extra[@]}"
   rc2=$?
+  $python tests/gpu/summary.py "$out" > /dev/null  # stage 2's table now: kept if stage 3 is cut short
+fi
+if [ "${OCCULT_GPU_SUITE_ON_CPU:-0}" != 1 ] && [[ $stages == *" 3 "* ]]; then
+  echo "== stage 3: single-process GPU tests that run whole multi-rank jobs to their exit"
+  OCCULT_GPU_SUITE_STAGE=3 $python -m pytest "${STAGE3_TESTS[@]}" -q -p no:cacheprovider \
+    --junitxml="$out/single3.xml" "${extra[@]}"
+  rc=$?
+  [ $rc = 0 ] || rc2=$rc
 fi
 echo "== summary"
 $python tests/gpu/summary.py "$out"

@@ -1,6 +1,6 @@
 """Summarise a GPU-suite run: versions, then every case with its outcome on every rank (Markdown).
 
-Usage: python tests/gpu/summary.py OUT   (reads OUT/rank*.xml, OUT/single.xml, OUT/olmoe_scale_*.json;
+Usage: python tests/gpu/summary.py OUT   (reads OUT/rank*.xml, OUT/single.xml, OUT/single3.xml, OUT/olmoe_scale_*.json;
 where a stage was cut before pytest wrote its report, OUT/progress-*.tsv; writes OUT/summary.md and prints it)
 
 The versions are probed once and kept in OUT/versions.txt (run.sh writes a partial summary after
@@ -103,6 +103,20 @@ def _kept_versions(out: str) -> list[str]:
     return lines
 
 
+def _single_stage(
+    stage: int, suffix: str, single: tuple[dict[str, tuple[str, float]], bool], counts: dict[str, int]
+) -> list[str]:
+    """One single-process stage's table (and its counts added to `counts`)."""
+    cut = f" (cut before its end: the cases that finished, from progress-single{suffix}.tsv)" if single[1] else ""
+    lines = [f"## Stage {stage}: single-process GPU tests{cut}", "", "| case | result | s |", "|---|---|---|"]
+    for name, (state, secs) in sorted(single[0].items()):
+        if state == "skipped":
+            continue
+        counts["passed" if state == "passed" else "failed"] += 1
+        lines.append(f"| `{name}` | {state} | {secs:.1f} |")
+    return [*lines, ""]
+
+
 def main(out: str) -> int:
     lines = ["# GPU suite run", "", "- " + "\n- ".join(_kept_versions(out)), ""]
     stages = [
@@ -130,16 +144,12 @@ def main(out: str) -> int:
             counts["passed" if ok else "failed"] += 1
             lines.append(f"| `{name}` | " + " | ".join(states) + f" | {per_rank[0].get(name, ('', 0.0))[1]:.1f} |")
         lines.append("")
-    single = _stage(out, os.path.join(out, "single.xml"), os.path.join(out, "progress-single.tsv"))
-    if single is not None:
-        cut = " (cut before its end: the cases that finished, from progress-single.tsv)" if single[1] else ""
-        lines += [f"## Stage 2: single-process GPU tests{cut}", "", "| case | result | s |", "|---|---|---|"]
-        for name, (state, secs) in sorted(single[0].items()):
-            if state == "skipped":
-                continue
-            counts["passed" if state == "passed" else "failed"] += 1
-            lines.append(f"| `{name}` | {state} | {secs:.1f} |")
-        lines.append("")
+    for stage, suffix in ((2, ""), (3, "3")):
+        single = _stage(
+            out, os.path.join(out, f"single{suffix}.xml"), os.path.join(out, f"progress-single{suffix}.tsv")
+        )
+        if single is not None:
+            lines += _single_stage(stage, suffix, single, counts)
     for path in sorted(glob.glob(os.path.join(out, "olmoe_scale_*.json"))):
         with open(path) as f:
             res = json.load(f)

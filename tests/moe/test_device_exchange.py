@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from occult import DenseMoE, OccultMoE, Placement, RoutingError, check_routing
 from occult.distributed import run_ranks
-from occult.moe import agree, symm
+from occult.moe import agree, symm, transport_buffers
 
 
 class GlooTransport(symm.DeviceTransport):
@@ -204,14 +204,15 @@ def test_row_layout_pads_rows_to_whole_blocks():
 
     for hidden, dtype, k in ((7, torch.bfloat16, 1), (2048, torch.bfloat16, 8), (5, torch.float64, 3)):
         layout = RowLayout(hidden, dtype, k, dtype)
-        assert layout.width % symm.ROW_ALIGN == 0 and layout.back_width % symm.ROW_ALIGN == 0
+        assert layout.width % transport_buffers.ROW_ALIGN == 0 and layout.back_width % transport_buffers.ROW_ALIGN == 0
         assert layout.width >= layout.x_bytes + layout.gate_bytes + 4 * k
         buf = torch.zeros((3, layout.width), dtype=torch.uint8)
         x, g, s = torch.randn(3, hidden).to(dtype), torch.rand(3, k).to(layout.carrier), torch.randint(-1, 9, (3, k))
         layout.write(buf, x, g, s.to(torch.int32))
         assert torch.equal(layout.read_x(buf, 3), x)
         assert torch.equal(layout.read_gates(buf, 3), g.to(dtype)) and torch.equal(layout.read_slots(buf, 3), s)
-    assert symm.token_bucket(0) == symm.token_bucket(256) == 256 and symm.token_bucket(257) == 512
+    bucket = transport_buffers.token_bucket
+    assert bucket(0) == bucket(256) == 256 and bucket(257) == 512
 
 
 def refusal_worker(rank: int, world: int) -> str:

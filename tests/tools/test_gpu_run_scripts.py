@@ -144,16 +144,17 @@ def test_two_gpu_training_only_runs_the_named_variants(tmp_path):
     assert [n for n in names if n.startswith("train_")] == ["train_slow_floor", "train_nvlink_dedup_fsdp"]
 
 
-def test_gpu_suite_stages_are_checked(tmp_path):
+@pytest.mark.parametrize("stages", ["4", "2 x"])
+def test_gpu_suite_stages_are_checked(tmp_path, stages):
     res = subprocess.run(
         ["bash", str(ROOT / "tests" / "gpu" / "run.sh"), str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "OCCULT_GPU_SUITE_STAGES": "3"},
+        env={**os.environ, "OCCULT_GPU_SUITE_STAGES": stages},
     )
-    assert res.returncode == 2 and "give 1, 2 or '1 2'" in res.stderr
+    assert res.returncode == 2 and "give stages among 1, 2, 3" in res.stderr
 
 
 def test_gpu_suite_summary_keeps_the_run_s_versions(tmp_path):
@@ -206,6 +207,10 @@ def test_gpu_suite_leaves_each_case_as_it_finishes(tmp_path):
             f"tests/gpu/test_x.py::test_a[bf16]\tpassed\t2.0\ntests/gpu/test_x.py::test_b\t{last}\t1.5\n"
         )
     (cut / "progress-single.tsv").write_text("tests/gpu/test_y.py::test_c\tpassed\t3.0\n")
+    (cut / "single3.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.gpu.test_z" name="test_d" time="4.0"/>'
+        "</testsuite></testsuites>"
+    )
     res = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "gpu" / "summary.py"), str(cut)],
         capture_output=True,
@@ -223,4 +228,5 @@ def test_gpu_suite_leaves_each_case_as_it_finishes(tmp_path):
         "## Stage 2: single-process GPU tests (cut before its end" in text
         and "| `test_y::test_c` | passed | 3.0 |" in text
     )
-    assert text.rstrip().endswith("2 passed, 1 failed")
+    assert "## Stage 3: single-process GPU tests\n" in text and "| `test_z::test_d` | passed | 4.0 |" in text
+    assert text.rstrip().endswith("3 passed, 1 failed")
