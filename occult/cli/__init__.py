@@ -5,26 +5,30 @@
     occult demo  [--world-size N] [--tokens N] [--steps N] [--backend auto|gloo|nccl] ...
     occult bench [--world-size N] [--shapes olmoe,qwen3,deepseek,mixtral] [--tokens N] [--out F] ...
     occult data prepare --out DIR          occult train --out RUN [--corpus-dir DIR] ...
-    occult profile --model CKPT|HF_DIR --out T [--data F]    occult finetune --init CKPT --out RUN [--max-devices N --placement P]
+    occult profile --model CKPT|HF_DIR --out T [--data F]
+    occult finetune --init CKPT --out RUN [--max-devices N --placement P]
     occult finetune --hf HF_DIR --out RUN [--data F] [--max-devices N --placement P]   (torchrun: N ranks)
+    occult --version                       occult  (no command: the commands and their help lines, exit 2)
 
-One file per command group: `place` (place, stats), `tools` (demo, bench), `data` (data prepare), `lm` (train,
-finetune, profile of occult checkpoints), `hf` (profile and finetune of transformers models); `registry`
-says what a command is. Adding a command is one entry in `COMMANDS`: a `Command` with a name,
-a help line, a function that adds its arguments to an argparse parser, and a function that
-runs it with the parsed Namespace (`lazy("occult.module")` imports a module's `main(args)`
-only when the command runs). `lazy_command(name, help, "occult.module")` does both for a
-module that has `add_arguments(parser)` and `main(args)`; the module is imported only when
-that command is on the command line, so `occult --help` and the other commands do not pay
-for it. Nothing in the library imports from here.
+One file per command group: `place` (place, stats; `place_report` their tables), `tools` (demo,
+bench), `data` (data prepare), `lm` (train, finetune, profile of occult checkpoints), `hf` (profile
+and finetune of transformers models); `registry` says what a command is, `parser` builds the
+argparse parser (one-line usage errors). Adding a command is one entry in `COMMANDS`: a `Command`
+with a name, a help line, a function that adds its arguments to an argparse parser, and a function
+that runs it with the parsed Namespace (`lazy("occult.module")` imports a module's `main(args)` only
+when the command runs). `lazy_command(name, help, "occult.module")` does both for a module that has
+`add_arguments(parser)` and `main(args)`; the module is imported only when that command is on the
+command line, so `occult --help` and the other commands do not pay for it. Nothing in the library
+imports from here.
 
-Exit statuses, one convention for every command (`EXIT_HELP`, shown by every `--help`): 0
-success; 1 the run failed (a check did not pass, e.g. a variant differs from the reference, or
-a rank crashed); 2 bad input or usage: argparse errors (a negative size, an unknown choice), and
-`occult: error: <message>` on stderr for missing or corrupt files, mismatched shapes, impossible
-device counts, outputs that cannot be written (a directory, a read-only file or directory: the
-message names the user's path, never a temporary file); 130 interrupted. Set OCCULT_DEBUG=1 to
-get the traceback too (the exit status stays the same). Progress bars go to stderr, and only when it is a terminal.
+Exit statuses, one convention for every command (`EXIT_HELP`, shown by every `--help`): 0 success; 1
+the run failed (a check did not pass, e.g. a variant differs from the reference, or a rank crashed);
+2 bad input or usage: argparse errors (a negative size, an unknown choice; one line, `occult: error:
+<message> (see 'occult CMD --help')`, no usage block), no command at all, and `occult: error:
+<message>` on stderr for missing or corrupt files, mismatched shapes, impossible device counts,
+outputs that cannot be written (a directory, a read-only file or directory: the message names the
+user's path, never a temporary file); 130 interrupted. Set OCCULT_DEBUG=1 to get the traceback too
+(the exit status stays the same). Progress bars go to stderr, and only when it is a terminal.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from occult import settings
+from occult import __version__, settings
 from occult.cli import data, hf, lm
+from occult.cli.parser import build_parser as parser_of
+from occult.cli.parser import print_command_list
 from occult.cli.place import PLACE, STATS
 from occult.cli.registry import EXIT_FAILED, EXIT_HELP, EXIT_USAGE, Command, CommandError, RunFn, lazy, lazy_command
 from occult.cli.tools import BENCH, DEMO
@@ -120,19 +126,8 @@ __all__ = [
 
 
 def build_parser(commands: Sequence[Command] | None = None, chosen: str | None = None) -> argparse.ArgumentParser:
-    """The argparse parser; lazy commands get their flags only when `chosen` names them."""
-    parser = argparse.ArgumentParser(
-        prog="occult",
-        description="Expert-parallel MoE with deduplicated all-to-all and co-activation-aware expert placement.",
-        epilog=EXIT_HELP,
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for cmd in commands if commands is not None else COMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, epilog=EXIT_HELP)
-        if not cmd.lazy or cmd.name == chosen:
-            cmd.add_arguments(p)
-        p.set_defaults(_run=cmd.run)
-    return parser
+    """The argparse parser (`occult.cli.parser`); lazy commands get their flags only when `chosen` names them."""
+    return parser_of(COMMANDS if commands is None else commands, chosen, version=__version__)
 
 
 def _chosen_command(argv: Sequence[str]) -> str | None:
@@ -198,8 +193,10 @@ def _run_command(args: argparse.Namespace, flags: dict[str, str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `occult` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        return print_command_list(COMMANDS)
     parser = build_parser(chosen=_chosen_command(argv))
-    args = parser.parse_args(argv)  # usage errors: argparse prints `occult ...: error:` and exits 2
+    args = parser.parse_args(argv)  # usage errors: one line, `occult: error: ...`, exit 2 (occult.cli.parser)
     args.argv = argv  # the command line as given (`occult train` names it to resume an interrupted run)
     try:
         debug = settings.current().debug  # OCCULT_DEBUG (docs/settings.md)

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from typing import Any
 
 from occult.cli.inputs import check_devices, load_placement, load_trace, reading
+from occult.cli.place_report import nt_cols, nt_lists, print_json, print_table, why_chosen
 from occult.cli.registry import (
     Command,
     CommandError,
     check_input,
     check_output,
-    positive_float,
     positive_int,
     seed_int,
 )
@@ -56,160 +55,51 @@ def _add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
 
-# ------------------------------------------------------------------ formatting
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _to_jsonable(obj: Any) -> Any:
-    import numpy as np
-
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating):
-        return float(obj)
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
-
-
-def _print_json(doc: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(doc, default=_to_jsonable) + "\n")
-
-
-def _print_table(
-    report: dict[str, Any], base_name: str, new_name: str, extra_cols: dict[str, list[str]] | None = None
-) -> None:
-    """Per-layer and overall E[C_T] and dispatch+combine bytes, baseline vs placement."""
-    h = report
-    print(
-        f"{h['num_layers']} layer(s) x {h['num_tokens'] // h['num_layers']} tokens (avg), {h['num_experts']} experts, "
-        f"top-{h['top_k']}, {h['num_devices']} devices; bytes: dispatch+combine, hidden {h['hidden']} {h['dtype']}"
-    )
-    print(
-        f"uniform routing would give E[C_T] = {h['analytic_uniform_mean_ct']:.3f}; standard dispatch sends {h['top_k']} copies"
-    )
-    cols = [
-        ("layer", 7),
-        (f"E[C_T] {base_name}", 19),
-        (f"E[C_T] {new_name}", 19),
-        ("change", 8),
-        ("standard", 11),
-        (f"dedup {base_name}", 17),
-        (f"dedup {new_name}", 17),
-        ("load max/mean", 13),
-    ]
-    extra_cols = extra_cols or {}
-    cols += [(name, max(len(name), 8)) for name in extra_cols]
-    print("  ".join(f"{c:>{w}}" for c, w in cols))
-
-    def line(label: str, b: dict[str, Any], n: dict[str, Any], red: float, extra: list[str]) -> None:
-        vals = [
-            label,
-            f"{b['mean_ct']:.4f}",
-            f"{n['mean_ct']:.4f}",
-            f"{-100 * red:+.1f}%",
-            _fmt_bytes(n["bytes_standard"]),
-            _fmt_bytes(b["bytes_dedup"]),
-            _fmt_bytes(n["bytes_dedup"]),
-            f"{n['load_imbalance']:.3f}",
-        ] + extra
-        print("  ".join(f"{v:>{w}}" for v, (_, w) in zip(vals, cols)))
-
-    for i, layer in enumerate(h["layers"]):
-        line(
-            str(layer["layer"]),
-            layer["baseline"],
-            layer["placement"],
-            layer["reduction"],
-            [v[i] for v in extra_cols.values()],
-        )
-    o = h["overall"]
-    line("overall", o["baseline"], o["placement"], o["reduction"], ["" for _ in extra_cols])
-    n = o["placement"]
-    print(
-        f"E[C_T] {o['baseline']['mean_ct']:.4f} ({base_name}) -> {n['mean_ct']:.4f} ({new_name}): "
-        f"{100 * o['reduction']:.1f}% fewer deduplicated rows; {100 * o['vs_standard']:.1f}% fewer bytes than "
-        f"standard dispatch ({_fmt_bytes(n['bytes_standard'])} -> {_fmt_bytes(n['bytes_dedup'])}; remote, "
-        f"expected: {_fmt_bytes(n['bytes_standard_remote'])} -> {_fmt_bytes(n['bytes_dedup_remote'])})"
-    )
-
-
-def _nt_lists(report: dict[str, Any]) -> dict[str, Any]:
-    """Per-layer E[N_T] for the placement file's metadata (nothing without nodes)."""
-    if report.get("num_nodes", 1) == 1:
-        return {}
-    return {
-        "mean_nt": [layer["placement"]["mean_nt"] for layer in report["layers"]],
-        "mean_nt_contiguous": [layer["baseline"]["mean_nt"] for layer in report["layers"]],
-    }
-
-
-def _nt_cols(report: dict[str, Any], name: str) -> dict[str, list[str]]:
-    """E[N_T] table columns (nodes per token), contiguous and placement, when there are nodes."""
-    lists = _nt_lists(report)
-    if not lists:
-        return {}
-    o = report["overall"]
-    print(
-        f"{report['num_nodes']} nodes x {report['num_devices'] // report['num_nodes']} devices; E[N_T] (nodes per token) "
-        f"{o['baseline']['mean_nt']:.4f} (contiguous) -> {o['placement']['mean_nt']:.4f} ({name}); "
-        f"uniform routing would give {report['analytic_uniform_mean_nt']:.3f}"
-    )
-    return {
-        "E[N_T] contiguous": [f"{v:.4f}" for v in lists["mean_nt_contiguous"]],
-        f"E[N_T] {name}": [f"{v:.4f}" for v in lists["mean_nt"]],
-    }
-
-
-MAX_WHY_LAYERS = 8
-
-
-def _ranked(candidates: dict[str, float]) -> str:
-    """`a 2.0094 = b 2.0094 < c 3.6859`: candidates by score, ties in solving order."""
-    order = sorted(candidates, key=lambda n: candidates[n])  # stable: ties stay in solving order
-    text = f"{order[0]} {candidates[order[0]]:.4f}"
-    for prev, name in zip(order, order[1:]):
-        sign = "=" if abs(candidates[name] - candidates[prev]) < 5e-5 else "<"
-        text += f" {sign} {name} {candidates[name]:.4f}"
-    return text
-
-
-def why_chosen(layers: list[Any], max_load: float | None) -> list[str]:
-    """Why `occult place --method hypergraph` shows the `chosen` it does: it solves several
-    candidates per layer and keeps the one with the lowest E[C_T] (E[N_T] first, with nodes)."""
-    if not layers or not layers[0].candidates:
-        return []
-    bound = f" among those within --max-load {max_load}" if max_load else ""
-    first = layers[0].candidates
-    if any(":" in k for k in first):  # hierarchical: nodes by E[N_T], then each node's GPUs by E[C_T]
-        head = (
-            f"why chosen: per layer, the node split with the lowest E[N_T], then per node the GPU split with the "
-            f"lowest E[C_T]{bound} (ties: the simpler, first solved; gpus: whole-layer E[C_T] of each candidate)"
-        )
-    else:
-        head = (
-            f"why chosen: hypergraph solves {', '.join(first)} and keeps the lowest E[C_T]{bound} "
-            "(on a tie the simpler one, listed first)"
-        )
-    lines = [head]
-    for i, res in enumerate(layers[:MAX_WHY_LAYERS]):
-        groups: dict[str, dict[str, float]] = {}
-        for name, v in res.candidates.items():
-            group, _, short = name.rpartition(":")
-            groups.setdefault(group, {})[short] = v
-        parts = [(f"{g} " if g else "") + _ranked(c) for g, c in groups.items()]
-        lines.append(f"  layer {i}: chosen {res.method}: " + "; ".join(parts))
-    if len(layers) > MAX_WHY_LAYERS:
-        lines.append(f"  ... {len(layers) - MAX_WHY_LAYERS} more layer(s): every layer's candidates are in --json")
-    return lines
-
-
 def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
+
+
+def _load_ratio(text: str) -> float:
+    """argparse type of --max-load: a finite max/mean load bound, at least 1."""
+    try:
+        ratio = float(text)
+    except ValueError:
+        ratio = float("nan")
+    if not 1 <= ratio < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected max/mean device load, a finite number >= 1 (e.g. 1.1), got {text!r}"
+        )
+    return ratio
+
+
+def _plot_formats() -> dict[str, str]:
+    """{suffix: description} of the image formats matplotlib writes (--plot FILE.suffix)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise CommandError(
+            "--plot needs matplotlib, an optional extra: pip install 'occult[plots]' (or drop --plot)"
+        ) from None
+    return FigureCanvasBase.get_supported_filetypes()
+
+
+def _check_report_flags(args: argparse.Namespace) -> None:
+    """--dtype, --plot and --plot-layers of place / stats, before the trace is read or anything solved."""
+    from occult.placement.stats import element_size
+
+    with reading("--dtype", args.dtype):
+        element_size(args.dtype)
+    check_output("--plot", args.plot, "heatmap.png")
+    if args.plot_layers is not None and not args.plot:
+        raise CommandError("--plot-layers chooses the layers --plot draws: give --plot FILE.png too")
+    if args.plot:
+        suffix = os.path.splitext(str(args.plot))[1].lstrip(".").lower()
+        formats = _plot_formats()
+        if suffix and suffix not in formats:
+            raise CommandError(
+                f"--plot {args.plot}: matplotlib cannot write .{suffix} images; "
+                f"give a file ending in .{', .'.join(sorted(formats))}"
+            )
 
 
 def _check_plot_layers(args: argparse.Namespace, trace: Any) -> None:
@@ -242,7 +132,8 @@ def _maybe_plot(
     )
     if args.plot_layers is None and trace.num_layers > DEFAULT_MAX_LAYERS and not args.json:
         print(
-            f"occult: plotted layers 0-{DEFAULT_MAX_LAYERS - 1} of {trace.num_layers}; choose others with --plot-layers",
+            f"occult: plotted layers 0-{DEFAULT_MAX_LAYERS - 1} of {trace.num_layers}; "
+            "choose others with --plot-layers",
             file=sys.stderr,
         )
     return drawn
@@ -272,11 +163,16 @@ def _add_place_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-load",
-        type=positive_float,
+        type=_load_ratio,
         metavar="RATIO",
-        help="bound on max/mean per-device token-expert load, e.g. 1.1",
+        help="bound on max/mean per-device token-expert load, a finite number >= 1, e.g. 1.1",
     )
-    p.add_argument("--seed", type=seed_int, default=0, help="seed for Mt-KaHyPar and its token sample (default 0)")
+    p.add_argument(
+        "--seed",
+        type=seed_int,
+        default=None,
+        help="seed for Mt-KaHyPar and its token sample, --method hypergraph only (default 0)",
+    )
     p.add_argument(
         "--jobs",
         "-j",
@@ -286,10 +182,26 @@ def _add_place_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kahypar-tokens",
         type=positive_int,
-        default=DEFAULT_KAHYPAR_TOKENS,
-        help=f"tokens per layer Mt-KaHyPar sees; the refinement uses all (default {DEFAULT_KAHYPAR_TOKENS})",
+        default=None,
+        help="tokens per layer Mt-KaHyPar sees, --method hypergraph only; the refinement uses all "
+        f"(default {DEFAULT_KAHYPAR_TOKENS})",
     )
     _add_report_args(p)
+
+
+def _hypergraph_only(args: argparse.Namespace) -> None:
+    """--seed and --kahypar-tokens tune Mt-KaHyPar: a warning when the method does not run it; defaults set."""
+    given = [
+        flag for flag, value in (("--seed", args.seed), ("--kahypar-tokens", args.kahypar_tokens)) if value is not None
+    ]
+    if given and args.method != "hypergraph":
+        import warnings
+
+        warnings.warn(
+            f"{' and '.join(given)}: used by --method hypergraph only, ignored by --method {args.method}", stacklevel=2
+        )
+    args.seed = 0 if args.seed is None else args.seed
+    args.kahypar_tokens = args.kahypar_tokens or DEFAULT_KAHYPAR_TOKENS
 
 
 def run_place(args: argparse.Namespace) -> int:
@@ -297,12 +209,11 @@ def run_place(args: argparse.Namespace) -> int:
     from occult.placement import Placement
     from occult.placement.report import compare_placements
     from occult.placement.solvers import place
-    from occult.placement.stats import element_size
 
-    element_size(args.dtype)  # reject a bad dtype before the long part
+    _check_report_flags(args)  # before the long part
     check_output("--out", args.out, "placement.json")
-    check_output("--plot", args.plot, "heatmap.png")
     check_input("--trace", args.trace)
+    _hypergraph_only(args)
     if args.devices % args.nodes:
         raise CommandError(f"--nodes {args.nodes} must divide --devices {args.devices} (every node holds D/M devices)")
     trace = load_trace(args.trace)
@@ -332,7 +243,7 @@ def run_place(args: argparse.Namespace) -> int:
                 "trace": os.path.abspath(args.trace),
                 "mean_ct": [layer["placement"]["mean_ct"] for layer in report["layers"]],
                 "mean_ct_contiguous": [layer["baseline"]["mean_ct"] for layer in report["layers"]],
-                **_nt_lists(report),
+                **nt_lists(report),
                 "max_load_ratio": args.max_load,
                 "seed": args.seed,
             },
@@ -356,11 +267,11 @@ def run_place(args: argparse.Namespace) -> int:
         layer["candidates"] = res.candidates
         layer["seconds"] = res.seconds
     if args.json:
-        _print_json(report)
+        print_json(report)
         return 0
     print(f"trace {args.trace}; method {args.method}, solved in {result.seconds:.1f} s ({result.jobs} process(es))")
     extra = {"chosen": [r.method for r in result.layers]} if args.method == "hypergraph" else {}
-    _print_table(report, "contiguous", args.method, {**_nt_cols(report, args.method), **extra})
+    print_table(report, "contiguous", args.method, {**nt_cols(report, args.method), **extra})
     if args.method == "hypergraph":
         print("\n".join(why_chosen(result.layers, args.max_load)))
     if args.out:
@@ -389,10 +300,8 @@ def run_stats(args: argparse.Namespace) -> int:
     """occult stats: collaboration statistics of a trace under a placement, against contiguous."""
     from occult.placement import Placement
     from occult.placement.report import compare_placements
-    from occult.placement.stats import element_size
 
-    element_size(args.dtype)
-    check_output("--plot", args.plot, "heatmap.png")
+    _check_report_flags(args)
     check_input("--trace", args.trace)
     check_input("--placement", args.placement)
     if args.placement is None and args.devices is None:
@@ -424,11 +333,11 @@ def run_stats(args: argparse.Namespace) -> int:
         command="stats", trace=args.trace, placement_file=args.placement, plot=args.plot, plotted_layers=plotted
     )
     if args.json:
-        _print_json(report)
+        print_json(report)
         return 0
     print(f"trace {args.trace}; placement {args.placement or 'contiguous'}")
     intra = [f"{layer['placement']['intra_ratio']:.3f}" for layer in report["layers"]]
-    _print_table(report, "contiguous", name, {**_nt_cols(report, name), "intra share": intra})
+    print_table(report, "contiguous", name, {**nt_cols(report, name), "intra share": intra})
     if args.plot:
         print(f"wrote {args.plot}")
     return 0

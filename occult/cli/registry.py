@@ -90,7 +90,15 @@ def _int(text: str, what: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        pass
+    hint = ""
+    try:
+        number = float(text)
+    except ValueError:
+        number = float("nan")
+    if number == number and abs(number) < float("inf") and number == int(number):  # 1e12: digits are asked for
+        hint = f" (an integer in digits, e.g. {int(number)})"
+    raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}{hint}")
 
 
 def positive_int(text: str) -> int:
@@ -148,8 +156,8 @@ def _finite_float(text: str, ok, what: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if not (ok(v) and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    if not (ok(v) and abs(v) < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite {what.removeprefix('a ')}, got {text!r}")
     return v
 
 

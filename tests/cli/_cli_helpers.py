@@ -33,3 +33,27 @@ def one_clean_line(code: int, err: str, *needles: str) -> None:
     assert ".tmp" not in err and "Traceback" not in err and "Errno" not in err, err
     for n in needles:
         assert n in err, err
+
+
+def run_main(capsys, *argv) -> tuple[int, str, str]:
+    """`occult.cli.main(ARGV)` in this process: (exit status, stdout, stderr); an argparse error's
+    SystemExit becomes its status."""
+    from occult import cli
+
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_usage_line(code: int, err: str, command: str, *needles: str) -> None:
+    """Exit status 2 and one line, `occult: error: ... (see 'occult COMMAND --help')`: no usage block."""
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("occult: error: "), err
+    assert lines[0].endswith(f"(see 'occult {command} --help')".replace("occult  ", "occult ")), err
+    assert "usage:" not in err and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, err
