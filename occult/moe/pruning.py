@@ -160,7 +160,32 @@ def device_limited_topk(
     plain_w, plain_ids = torch.topk(scores_TE, top_k, dim=-1)
     if max_devices is None and max_nodes is None:
         return _finish(plain_w, plain_ids, norm_topk_prob)
-    limits = []  # (map, limit) in the order they narrow the allowed set: nodes, then devices
+    limits = _checked_limits(
+        scores_TE, top_k, expert_device_E, max_devices, method, similarity_EE, max_nodes, expert_node_E
+    )
+    if T == 0:
+        return _finish(plain_w, plain_ids, norm_topk_prob)
+    with torch.no_grad():
+        ids_TK = _limited_ids(scores_TE.detach(), plain_ids, top_k, limits, method, similarity_EE)
+    weights_TK = scores_TE.gather(1, ids_TK)
+    return _finish(weights_TK, ids_TK, norm_topk_prob)
+
+
+def _checked_limits(
+    scores_TE: torch.Tensor,
+    top_k: int,
+    expert_device_E: torch.Tensor | None,
+    max_devices: int | None,
+    method: str,
+    similarity_EE: torch.Tensor | None,
+    max_nodes: int | None,
+    expert_node_E: torch.Tensor | None,
+) -> list[tuple[torch.Tensor, int, int]]:
+    """`device_limited_topk`'s limits as (map_E, limit, experts per unit), in the order they narrow
+    the allowed set (nodes, then devices); a `PruningError` for limits that leave fewer than top_k
+    experts or a similarity variant without its table."""
+    E = scores_TE.shape[1]
+    limits = []
     if max_nodes is not None:
         if expert_node_E is None:
             raise PruningError("max_nodes needs expert_node_E (the node of every expert)")
@@ -185,30 +210,33 @@ def device_limited_topk(
             )
         if tuple(similarity_EE.shape) != (E, E):
             raise PruningError(f"similarity_EE must have shape [{E}, {E}], got {list(similarity_EE.shape)}")
-    if T == 0:
-        return _finish(plain_w, plain_ids, norm_topk_prob)
+    return limits
 
-    with torch.no_grad():
-        sel = scores_TE.detach()
-        allowed_TE = within_T = None
-        for map_E, lim, _ in limits:
-            masked = sel if allowed_TE is None else sel.masked_fill(~allowed_TE, float("-inf"))
-            now_TE = (
-                allowed_by_mass(masked, map_E, lim, top_k) if method == "mass" else allowed_devices(masked, map_E, lim)
-            )
-            allowed_TE = now_TE if allowed_TE is None else allowed_TE & now_TE
-            ok_T = devices_per_token(plain_ids, map_E) <= lim
-            within_T = ok_T if within_T is None else within_T & ok_T
-        if method in ("score", "mass"):
-            ids_TK = sel.masked_fill(~allowed_TE, float("-inf")).topk(top_k, dim=-1).indices
-        else:
-            ids_TK = _similarity_replace(plain_ids, allowed_TE, similarity_EE.to(sel.device))
-            # Canonical order: descending score (kept experts outrank their replacements).
-            order = sel.gather(1, ids_TK).sort(dim=1, descending=True, stable=True).indices
-            ids_TK = ids_TK.gather(1, order)
-        ids_TK = torch.where(within_T[:, None], plain_ids, ids_TK)
-    weights_TK = scores_TE.gather(1, ids_TK)
-    return _finish(weights_TK, ids_TK, norm_topk_prob)
+
+def _limited_ids(
+    sel_TE: torch.Tensor,
+    plain_ids: torch.Tensor,
+    top_k: int,
+    limits: list[tuple[torch.Tensor, int, int]],
+    method: str,
+    similarity_EE: torch.Tensor | None,
+) -> torch.Tensor:
+    """The ids [T, K] within every limit (no gradient): plain top-k for tokens already within them."""
+    allowed_TE = within_T = None
+    for map_E, lim, _ in limits:
+        masked = sel_TE if allowed_TE is None else sel_TE.masked_fill(~allowed_TE, float("-inf"))
+        now_TE = allowed_by_mass(masked, map_E, lim, top_k) if method == "mass" else allowed_devices(masked, map_E, lim)
+        allowed_TE = now_TE if allowed_TE is None else allowed_TE & now_TE
+        ok_T = devices_per_token(plain_ids, map_E) <= lim
+        within_T = ok_T if within_T is None else within_T & ok_T
+    if method in ("score", "mass"):
+        ids_TK = sel_TE.masked_fill(~allowed_TE, float("-inf")).topk(top_k, dim=-1).indices
+    else:
+        ids_TK = _similarity_replace(plain_ids, allowed_TE, similarity_EE.to(sel_TE.device))
+        # Canonical order: descending score (kept experts outrank their replacements).
+        order = sel_TE.gather(1, ids_TK).sort(dim=1, descending=True, stable=True).indices
+        ids_TK = ids_TK.gather(1, order)
+    return torch.where(within_T[:, None], plain_ids, ids_TK)
 
 
 def _limit(

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from occult.integrations.hf.block import OccultMoeBlock, is_converted, moe_blocks
 from occult.integrations.hf.families import (
+    Family,
     UnsupportedModelError,
     check_block,
     check_transformers_version,
@@ -62,6 +63,52 @@ def convert(
         prune_method=prune_method,
         expert_backend=expert_backend,
     )
+    family, blocks, shapes, placement = _checked_layers(model, group, placement, routing, similarity)
+    for i, ((name, block), (E, k, H, F_)) in enumerate(zip(blocks, shapes)):
+        ref = block.experts.gate_up_proj
+        device = block.gate.weight.device if ref.is_meta else ref.device
+        similarity_EE = None if similarity is None else torch.as_tensor(similarity[i], device=device)
+        experts = OccultMoE(
+            MoEConfig(H, F_, E, k, ref.dtype),
+            routing=RoutingConfig(bool(getattr(block.gate, "norm_topk_prob", True))),
+            execution=execution,
+            placement=placement,
+            layer_index=i,
+            group=group,
+            router=family.router(
+                block.gate,
+                max_devices=routing.max_devices,
+                prune_method=routing.prune_method,
+                similarity_EE=similarity_EE,
+            ),
+            device=device,
+            init_weights=expert_weights is None,
+        )
+        ids = experts.local_expert_ids
+        gate_up, down = (
+            (block.experts.gate_up_proj[ids], block.experts.down_proj[ids])
+            if expert_weights is None
+            else expert_weights(i, ids)
+        )
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(gate_up)
+            experts.down_proj.copy_(down)
+        model.set_submodule(name, OccultMoeBlock(block, experts, family))
+    model.occult_placement = placement
+    if group_size(group)[0] == 1:  # one-rank layers report bad routing one layer late: the last layer's at the end
+        model.occult_routing_check = model.register_forward_hook(_check_routing)
+    return model
+
+
+def _checked_layers(
+    model: nn.Module,
+    group: Any,
+    placement: Placement | str | None,
+    routing: RoutingConfig,
+    similarity: Sequence[torch.Tensor] | torch.Tensor | None,
+) -> tuple[Family, list[tuple[str, nn.Module]], list[tuple[int, int, int, int]], Placement]:
+    """(family, MoE blocks, their (E, k, H, F) shapes, the placement for every layer) of a model
+    `convert` can convert with these settings; a clear error for one it cannot."""
     if routing.max_nodes is not None:
         raise ValueError(
             "max_nodes (node-limited routing) is not supported for transformers models yet; "
@@ -91,40 +138,7 @@ def convert(
         )
     if similarity is not None and len(similarity) != len(blocks):
         raise ValueError(f"similarity holds {len(similarity)} matrices for {len(blocks)} MoE layers")
-    for i, ((name, block), (E, k, H, F_)) in enumerate(zip(blocks, shapes)):
-        ref = block.experts.gate_up_proj
-        device = block.gate.weight.device if ref.is_meta else ref.device
-        router = family.router(
-            block.gate,
-            max_devices=max_devices,
-            prune_method=routing.prune_method,
-            similarity_EE=None if similarity is None else torch.as_tensor(similarity[i], device=device),
-        )
-        experts = OccultMoE(
-            MoEConfig(H, F_, E, k, ref.dtype),
-            routing=RoutingConfig(bool(getattr(block.gate, "norm_topk_prob", True))),
-            execution=execution,
-            placement=placement,
-            layer_index=i,
-            group=group,
-            router=router,
-            device=device,
-            init_weights=expert_weights is None,
-        )
-        ids = experts.local_expert_ids
-        gate_up, down = (
-            (block.experts.gate_up_proj[ids], block.experts.down_proj[ids])
-            if expert_weights is None
-            else expert_weights(i, ids)
-        )
-        with torch.no_grad():
-            experts.gate_up_proj.copy_(gate_up)
-            experts.down_proj.copy_(down)
-        model.set_submodule(name, OccultMoeBlock(block, experts, family))
-    model.occult_placement = placement
-    if num_ranks == 1:  # one-rank layers report bad routing one layer late: the last layer's at the end
-        model.occult_routing_check = model.register_forward_hook(_check_routing)
-    return model
+    return family, blocks, shapes, placement
 
 
 def _check_routing(module: nn.Module, args: Any, output: Any) -> None:

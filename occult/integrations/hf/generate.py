@@ -9,7 +9,8 @@ forwards with, for sync-free dispatch, the same token count. `generate`:
    largest prompt length and `max_new_tokens` (which must be equal on every rank);
 2. pads its batch to the largest one with dummy rows (one pad token, attended, so every row
    stays finite) and sizes a transformers `StaticCache` to largest prompt + `max_new_tokens` on
-   every rank (or reuses the decoder kept from an earlier call if its cache is at least that long); its own prompts are not re-padded (each rank keeps its own prompt length);
+   every rank (or reuses the decoder kept from an earlier call if its cache is at least that
+   long); its own prompts are not re-padded (each rank keeps its own prompt length);
 3. prefills eagerly with normal dispatch (one host synchronisation per MoE layer);
 4. decodes with no host wait: layers over the device transport (`transport="device"`: exact, only
    real rows sent) as they are, the others switched to sync-free dispatch (`_decode_dispatch`);
@@ -25,8 +26,9 @@ forwards with, for sync-free dispatch, the same token count. `generate`:
    over ranks) decides; else exactly `max_new_tokens` steps. No rank waits on one that stopped.
 
 Greedy, the result on each rank is what `model.generate(input_ids, do_sample=False, ...)` of the
-unconverted model returns for that rank's prompts alone (sampled: the same warpers, another draw): prompt + new tokens, pad after eos,
-trimmed to the step at which this rank's own rows were all finished. Supported attention
+unconverted model returns for that rank's prompts alone (sampled: the same warpers, another
+draw): prompt + new tokens, pad after eos, trimmed to the step at which this rank's own rows
+were all finished. Supported attention
 implementations: "sdpa" and "eager" (the decode step passes its own 4-D mask); no sliding-window
 layers. The previous sync_free setting of every MoE layer is restored afterwards.
 """
@@ -143,15 +145,7 @@ def generate(
     device = next(model.parameters()).device
     ids_BS, mask_BS, eos, pad = _prompts(model, input_ids, attention_mask, eos_token_id, pad_token_id, device)
     B, S = ids_BS.shape
-    # one all-reduce: the batch every rank pads to, the cache length, max_new_tokens equal everywhere, and
-    # when to ask whether all are done (every `every` steps, if any rank has an eos token)
-    B_max, S_max, n_max, neg_n_min, every, any_eos = _agree(
-        [B, S, max_new_tokens, -max_new_tokens, sync_every, int(bool(eos))], group, world, device
-    )
-    if n_max != -neg_n_min:
-        raise ValueError(
-            f"max_new_tokens differs between ranks ({-neg_n_min} to {n_max}); pass the same value on every rank"
-        )
+    B_max, S_max, every = _agreed_sizes(B, S, max_new_tokens, sync_every, bool(eos), group, world, device)
     if B_max == 0:
         return ids_BS
     if B > 0 and S == 0:
@@ -162,9 +156,7 @@ def generate(
         raise ValueError(f"cuda_graph=True needs a CUDA model, this one is on {device.type}")
 
     if do_sample and seed is None:
-        seed = int(
-            torch.randint(2**62, (1,), generator=generator, device=generator.device if generator is not None else "cpu")
-        )
+        seed = _drawn_seed(generator)
     previous = [(m, m.sync_free) for m in model.modules() if isinstance(m, OccultMoE)]
     dec = None
     try:
@@ -177,13 +169,34 @@ def generate(
         if use_graph and dec.graph is None and max_new_tokens > 1:  # one new token: no decode step to capture
             _capture(dec, cuda_graph, group, world, device)
         dec.selector.reset(B, seed)  # after the capture: its warm-up draws do not count
-        new = _decode(dec, logits_PV, max_new_tokens, every if any_eos else 0, group, world)
+        new = _decode(dec, logits_PV, max_new_tokens, every, group, world)
         return _until_eos(ids_BS, torch.stack(new, dim=1)[:B], eos, dec)
     finally:
         for m, flag in previous:
             m.sync_free = flag
         if dec is not None and not reuse:
             dec.release()  # the graph goes now: alive at destroy_process_group, it hangs the ranks
+
+
+def _agreed_sizes(
+    B: int, S: int, max_new_tokens: int, sync_every: int, has_eos: bool, group: Any, world: int, device: torch.device
+) -> tuple[int, int, int]:
+    """(the batch every rank pads to, the longest prompt, steps between "all done?" checks: 0 when no rank
+    has an eos token) from one all-reduce, which also checks that `max_new_tokens` is equal everywhere."""
+    B_max, S_max, n_max, neg_n_min, every, any_eos = _agree(
+        [B, S, max_new_tokens, -max_new_tokens, sync_every, int(has_eos)], group, world, device
+    )
+    if n_max != -neg_n_min:
+        raise ValueError(
+            f"max_new_tokens differs between ranks ({-neg_n_min} to {n_max}); pass the same value on every rank"
+        )
+    return B_max, S_max, every if any_eos else 0
+
+
+def _drawn_seed(generator: torch.Generator | None) -> int:
+    """A seed for the decoder's sampling generator, drawn from `generator` (else torch's global RNG)."""
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(2**62, (1,), generator=generator, device=device))
 
 
 def _decode_dispatch(model: nn.Module) -> None:

@@ -63,6 +63,7 @@ class _Files:
             raise FileNotFoundError(
                 f"{directory}: no *.safetensors weights (only safetensors checkpoints are supported)"
             )
+        self.directory = directory
         self.handles = [safe_open(str(directory / n), framework="pt", device="cpu") for n in names]
         self.where = {k: h for h in self.handles for k in h.keys()}
         self.report = LoadReport()
@@ -146,8 +147,8 @@ def _expert_reader(files: _Files, names: dict[str, str], blocks: list[str], E: i
                 gu = [torch.cat([files.get(k[0], True), files.get(k[1], True)]) for k in keys]
                 return torch.stack(gu), torch.stack([files.get(k[2], True) for k in keys])
         raise UnsupportedModelError(
-            f"MoE layer {i} ({blocks[i]}): found neither fused experts ({base}.gate_up_proj / down_proj) nor per-expert "
-            f"weights ({base}.<e>.gate_proj|w1 / up_proj|w3 / down_proj|w2 .weight) for experts {ids}"
+            f"MoE layer {i} ({blocks[i]}): found neither fused experts ({base}.gate_up_proj / down_proj) "
+            f"nor per-expert weights ({base}.<e>.gate_proj|w1 / up_proj|w3 / down_proj|w2 .weight) for experts {ids}"
         )
 
     return read
@@ -192,39 +193,8 @@ def load_sharded(
         raise UnsupportedModelError(f"{directory}: quantized (FP8) checkpoints are not supported; use a bf16/fp32 copy")
     names = _ckpt_names(config.model_type, files, getattr(model, "base_model_prefix", ""))
     blocks = [name for name, _ in moe_blocks(model)]
-    expert_names = {f"{b}.experts.{t}" for b in blocks for t in ("gate_up_proj", "down_proj")}
-    persistent = dict(model.state_dict(keep_vars=True))
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    missing = []
-    for name, _t in persistent.items():
-        if name in expert_names:
-            continue
-        if name not in names:
-            if name not in tied:
-                missing.append(name)
-            continue
-        value = files.get(names[name])
-        want = (
-            torch.float32 if keeps_fp32(model, name, dtype) else (dtype if value.is_floating_point() else value.dtype)
-        )
-        _set(model, name, value.to(device=device, dtype=want))
-    if missing:
-        raise UnsupportedModelError(f"{directory}: no weights for {len(missing)} tensors, e.g. {missing[:4]}")
-    if tied:
-        model.tie_weights()
-    for name, buf in model.named_buffers():
-        if buf.is_meta:
-            owner = model.get_submodule(name.rpartition(".")[0])
-            if any(True for _ in owner.parameters(recurse=False)) or not buf.is_floating_point():
-                raise UnsupportedModelError(
-                    f"cannot materialise buffer {name} (not a float buffer of a parameter-free module)"
-                )
-            _set(model, name, torch.full_like(buf, float("nan"), device=device))
-            model._init_weights(owner)  # transformers' own init of non-persistent buffers (rotary frequencies)
-            if model.get_buffer(name).isnan().any():
-                raise UnsupportedModelError(
-                    f"cannot materialise buffer {name}: the model's _init_weights leaves it unset"
-                )
+    _load_dense_weights(model, files, names, blocks, dtype, device)
+    _materialise_buffers(model, device)
     E = int(moe_blocks(model)[0][1].gate.num_experts)
     routing, execution = merge_settings(
         routing,
@@ -252,6 +222,56 @@ def load_sharded(
     model.occult_load_report = files.report
     model.eval()
     return model
+
+
+def _load_dense_weights(
+    model: nn.Module,
+    files: _Files,
+    names: dict[str, str],
+    blocks: list[str],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> None:
+    """Every persistent tensor of the meta `model` but the experts, read from `files` (checkpoint
+    name `names[module name]`), in `dtype` (fp32 where the model keeps it) on `device`; tied
+    weights tied. A tensor with no weights in the checkpoint is an error."""
+    expert_names = {f"{b}.experts.{t}" for b in blocks for t in ("gate_up_proj", "down_proj")}
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = []
+    for name in dict(model.state_dict(keep_vars=True)):
+        if name in expert_names:
+            continue
+        if name not in names:
+            if name not in tied:
+                missing.append(name)
+            continue
+        value = files.get(names[name])
+        want = (
+            torch.float32 if keeps_fp32(model, name, dtype) else (dtype if value.is_floating_point() else value.dtype)
+        )
+        _set(model, name, value.to(device=device, dtype=want))
+    if missing:
+        raise UnsupportedModelError(f"{files.directory}: no weights for {len(missing)} tensors, e.g. {missing[:4]}")
+    if tied:
+        model.tie_weights()
+
+
+def _materialise_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """The non-persistent buffers still on the meta device (rotary frequencies) computed by the
+    model's own `_init_weights`; one it cannot compute is an error."""
+    for name, buf in model.named_buffers():
+        if buf.is_meta:
+            owner = model.get_submodule(name.rpartition(".")[0])
+            if any(True for _ in owner.parameters(recurse=False)) or not buf.is_floating_point():
+                raise UnsupportedModelError(
+                    f"cannot materialise buffer {name} (not a float buffer of a parameter-free module)"
+                )
+            _set(model, name, torch.full_like(buf, float("nan"), device=device))
+            model._init_weights(owner)  # transformers' own init of non-persistent buffers (rotary frequencies)
+            if model.get_buffer(name).isnan().any():
+                raise UnsupportedModelError(
+                    f"cannot materialise buffer {name}: the model's _init_weights leaves it unset"
+                )
 
 
 def set_routing_placement(

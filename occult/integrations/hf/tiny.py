@@ -12,39 +12,22 @@ import torch.nn as nn
 from occult.integrations.hf.block import moe_blocks
 from occult.integrations.hf.families import FAMILIES, UnsupportedModelError
 
-
-def tiny_config(model_type: str, vocab_size: int = 96, **overrides: Any):
-    """A tiny config of a supported family (hidden 32, 2 MoE layers), for tests and smoke runs.
-
-    Qwen2-MoE gets a dense decoder layer between its two MoE layers (`mlp_only_layers=[1]`),
-    DeepSeek-V3 a dense first layer and 16 experts in 4 groups (2 allowed per token), so the
-    MoE-layer numbering and group-limited routing are exercised.
-    """
-    import transformers
-
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    if model_type == "olmoe":
-        cfg = dict(
+# model type -> (its transformers config class, the tiny sizes): hidden 32, 2 MoE layers
+TINY_SIZES: dict[str, tuple[str, dict[str, Any]]] = {
+    "olmoe": (
+        "OlmoeConfig",
+        dict(
             num_hidden_layers=2,
             num_key_value_heads=2,
             intermediate_size=16,
             num_experts=8,
             num_experts_per_tok=3,
             norm_topk_prob=False,
-        )
-        cls = transformers.OlmoeConfig
-    elif model_type == "qwen2_moe":
-        cfg = dict(
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
             num_hidden_layers=3,
             num_key_value_heads=2,
             intermediate_size=24,
@@ -54,10 +37,11 @@ def tiny_config(model_type: str, vocab_size: int = 96, **overrides: Any):
             num_experts=8,
             num_experts_per_tok=3,
             norm_topk_prob=False,
-        )
-        cls = transformers.Qwen2MoeConfig
-    elif model_type == "qwen3_moe":
-        cfg = dict(
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
             num_hidden_layers=2,
             num_key_value_heads=2,
             head_dim=8,
@@ -66,15 +50,17 @@ def tiny_config(model_type: str, vocab_size: int = 96, **overrides: Any):
             num_experts=8,
             num_experts_per_tok=3,
             norm_topk_prob=True,
-        )
-        cls = transformers.Qwen3MoeConfig
-    elif model_type == "mixtral":
-        cfg = dict(
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(
             num_hidden_layers=2, num_key_value_heads=2, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2
-        )
-        cls = transformers.MixtralConfig
-    elif model_type == "deepseek_v3":
-        cfg = dict(
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
             num_hidden_layers=3,
             num_key_value_heads=4,
             intermediate_size=24,
@@ -92,11 +78,35 @@ def tiny_config(model_type: str, vocab_size: int = 96, **overrides: Any):
             v_head_dim=8,
             routed_scaling_factor=2.5,
             norm_topk_prob=True,
-        )
-        cls = transformers.DeepseekV3Config
-    else:
+        ),
+    ),
+}
+
+
+def tiny_config(model_type: str, vocab_size: int = 96, **overrides: Any):
+    """A tiny config of a supported family (hidden 32, 2 MoE layers; `TINY_SIZES`), for tests and smoke runs.
+
+    Qwen2-MoE gets a dense decoder layer between its two MoE layers (`mlp_only_layers=[1]`),
+    DeepSeek-V3 a dense first layer and 16 experts in 4 groups (2 allowed per token), so the
+    MoE-layer numbering and group-limited routing are exercised.
+    """
+    import transformers
+
+    if model_type not in TINY_SIZES:
         raise UnsupportedModelError(f"no tiny config for {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
-    return cls(**{**common, **cfg, **overrides})
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    class_name, sizes = TINY_SIZES[model_type]
+    return getattr(transformers, class_name)(**{**common, **sizes, **overrides})
 
 
 def tiny_random_model(model_type: str, path: str | None = None, seed: int = 0, **overrides: Any) -> nn.Module:
