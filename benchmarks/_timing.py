@@ -1,5 +1,5 @@
 """Timing, checking and reporting helpers shared by benchmarks/e2e.py, decode.py and serve.py (and
-scripts/reduce_overhead_probe.py: `capture_graph`).
+scripts/profile_model.py: `time_steps`).
 
 Every function that meets the other ranks (`slowest`, `logit_errors`, `checked`, `time_steps`,
 `agree_on_error`, `finish`) is a collective: call it on every rank in the same order. Timing on GPUs uses

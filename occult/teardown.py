@@ -5,7 +5,7 @@ graph is alive, `dist.destroy_process_group()` waits inside NCCL's shutdown for 
 2 and 4 GPUs: `hf.generate(cuda_graph=True)` keeps its decoder (and graph) on the model for the
 next call, and after `compile_layers` a plain `destroy_process_group()` with the model still alive
 hung every rank; freeing that one graph first (`StaticDecoder.release`) let the same run end at once
-(`scripts/exit_probe_matrix.sh`; docs/results/twogpu/exit_probe/).
+(`scripts/exit_probe.py`; docs/results/twogpu/exit_probe/).
 
 So whatever captures collectives registers here (`hold_collectives`), and the first registration
 wraps `torch.distributed.destroy_process_group` once: the wrapper releases every registered holder,

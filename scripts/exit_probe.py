@@ -2,7 +2,6 @@
 
     torchrun --nproc-per-node 2 scripts/exit_probe.py [--layers 4] [--no-compile] [--no-graph] [--before NAME]
         [--transport auto|device|counts]
-    bash scripts/exit_probe_matrix.sh OUT     # every configuration below, each bounded (2 GPUs)
 
 Each rank converts an OLMoE-shape model (random weights), compiles its decoder layers, generates
 with the decode step captured in a CUDA graph at B=1 and B=8, then leaves the process group.

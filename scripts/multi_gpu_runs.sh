@@ -31,7 +31,7 @@
 #           the replicated floor (compiled, captured) and occult EP generate (compiled, captured; "auto": the
 #           device transport on NVLink), NVLink (SERVE_VARIANTS, SERVE_BATCH override the lists)
 #           (serve-slow: NCCL_P2P_DISABLE=1); then benchmarks/serve_plot.py: table and plot    issues 16, 37
-# probe     torch.compile reduce-overhead with traced all-to-alls; host syncs; layer bench  issues 14, 16
+# probe     host syncs of a layer (find_syncs.py); layer bench                           issues 14, 16
 # scale     one migration of the OLMoE-shape expert state; two-level dispatch (4 GPUs)   issues 17, 18
 #           (the re-placement training report, ~20 min: docs/replacement.md)
 #
@@ -142,7 +142,6 @@ json.dump(dict(m, link=sys.argv[2], variant=sys.argv[3], gpus=$n), open(sys.argv
     [ "${DRY_RUN:-0}" = 1 ] || python3 benchmarks/serve_plot.py "$out"/serve_*_"${n}"gpu.json --plot "$out/serve_${n}gpu.png" \
       --md "$out/serve_${n}gpu.md" ;;&
   probe|all)
-    run reduce_overhead 200 $tr scripts/reduce_overhead_probe.py --out "$out/reduce_overhead_${n}gpu.json"
     run find_syncs 120 python3 scripts/find_syncs.py
     run bench_layer 200 python3 -m occult.cli bench --world-size "$n" --shapes olmoe,qwen3,deepseek --tokens 8192 \
       --out "$out/bench_${n}gpu.json" ;;&

@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import e2e  # noqa: E402  (benchmarks/e2e.py: the model and its conversion)
 from _timing import time_steps  # noqa: E402  (benchmarks/_timing.py: CUDA-event step times)
-from profile_layer import union_us  # noqa: E402  (scripts/profile_layer.py: busy time of kernel intervals)
 
 from occult import set_sync_free  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 from occult.integrations.hf.block import is_converted  # noqa: E402
+from occult.training.step_profile import union_ms  # noqa: E402
 
 FAMILIES = (  # (family, substrings of kernel names), first match wins; occult's Triton kernels are `_name_kernel`
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "grouped_mm")),
@@ -63,7 +63,7 @@ def profile_steps(step, steps: int) -> dict:
             step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps / 1e3
+    busy = union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps  # us intervals -> ms
     per_kernel: dict[str, list[float]] = {}
     for e in kernels:
         entry = per_kernel.setdefault(e.name, [0.0, 0])

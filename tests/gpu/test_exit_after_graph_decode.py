@@ -1,7 +1,7 @@
 """Issue 37's hang at exit: 2 ranks, `compile_layers` + graph-captured `hf.generate`, then the
 process group destroyed. Every rank must leave within 30 s of its last decode step.
 
-The cause (2 and 4 x H200, `scripts/exit_probe_matrix.sh`): the decode graph that `hf.generate` keeps on
+The cause (2 and 4 x H200, `scripts/exit_probe.py` in each configuration): the decode graph that `hf.generate` keeps on
 the model for its next call holds captured NCCL collectives, and a plain `dist.destroy_process_group()`
 with that graph alive waits in NCCL's shutdown forever; freeing the graph first lets the run end at
 once. `occult.teardown` now releases every registered graph inside `destroy_process_group` (and in
