@@ -483,38 +483,3 @@ def test_recipe_methods_limit_the_recipe_rows_not_the_plain_ones(monkeypatch):
     assert sum("(similarity) + fine-tuning" in n for n in names) == 3 and "standard fine-tuning (400 steps)" in names
     args.recipe_methods = None
     assert sum("[distill-ft-x4]" in r[0] for r in job.finetune_runs(args, recipes=True)) == 4
-
-
-def test_rows_from_logs_against_their_references(tmp_path, monkeypatch):
-    """`quality_logs.py`: a seed's rows from its log, each against its reference (the base, the standard
-    fine-tune of its length), mean ± std [min, max] over the logs; a log without rows is an error."""
-    import random
-
-    import pytest
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import quality_logs
-
-    logs = []
-    for seed in range(2):
-        base, std, std4 = (round(random.uniform(3, 4), 4) for _ in range(3))
-        text = (
-            f"[t] train: 800 steps in 116 s, best val loss {base}\n"
-            f"[t] evaluate: N=2 score: val loss {base + 0.01:.4f}, E[C_T] 1.977\n"
-            f"[t] finetune: standard fine-tuning: val loss {std}, E[C_T] 3.05 (25 s)\n"
-            f"[t] finetune: pruned N=2 (score) + fine-tuning: val loss {std + 0.02 * (seed + 1):.4f}, E[C_T] 1.98 (3 s)\n"
-            f"[t] finetune: standard fine-tuning (400 steps): val loss {std4}, E[C_T] 3.05 (45 s)\n"
-            f"[t] finetune: pruned N=1 (score) + fine-tuning [distill-ft-x4]: val loss {std4 + 0.03:.4f}, E[C_T] 1.000 (61 s)\n"
-            f"[t] evaluate: N=2 score: val loss 9.0, E[C_T] 1.0\n"
-        )  # a re-evaluation keeps the first value
-        logs.append(quality_logs.parse_log(text))
-    text = quality_logs.table(logs)
-    rel = [math.exp(0.02) - 1, math.exp(0.04) - 1]
-    assert f"| pruned N=2 (score) + fine-tuning | {sum(rel) / 2 * 100:+.2f}% ±" in text
-    assert f"| pruned N=2 (score) | {(math.exp(0.01) - 1) * 100:+.2f}% ± 0.00" in text
-    assert f"| pruned N=1 (score) + fine-tuning [distill-ft-x4] | {(math.exp(0.03) - 1) * 100:+.2f}% ± 0.00" in text
-    assert "| standard fine-tuning (400 steps) | +0.00% ± 0.00 [+0.00%, +0.00%] | 3.050 |" in text
-    empty = tmp_path / "empty.log"
-    empty.write_text("nothing here\n")
-    with pytest.raises(SystemExit, match="no study rows in"):
-        quality_logs.main([str(empty)])
