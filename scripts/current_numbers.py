@@ -8,23 +8,23 @@ Each result file answers some questions (one layer, whole-model prefill and trai
 peers; per GPU count, link, shape, batch). For every question the page shows the figure of the NEWEST file
 that answers it, never the best of several: newest by the date in docs/results/provenance.json (then its
 `run` number, for two jobs of one commit). provenance.json records, per file, the commit that added it, that
-commit's date, the card and the link; `--stamp` fills it from git history for files it lacks. Both sides of
-every ratio come from one file, and every file is one job; files merged from several jobs (a `sources` key,
-benchmarks/serve_merge.py) are not read. docs/results/history/ holds superseded files and is not read.
+commit's date, the card and the link; `--stamp` fills it from git history for files it lacks
+(scripts/result_provenance.py). Both sides of every ratio come from one job: one file, or one folder of
+one-variant training runs from one scripts/two_gpu_training.sh call; files merged from several jobs (a
+`sources` key, benchmarks/serve_merge.py) are not read. docs/results/history/ holds superseded files and is not read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result_provenance import job_provenance, stamp  # noqa: E402
 from targets_report import SERVE_FLOORS, best_variant, phase_ms, step_ms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,6 +121,8 @@ def result_kind(doc: dict) -> str | None:
         return "train"
     if "one_gpu" in doc and "two_gpus" in doc:
         return "finetune"
+    if {"variant", "tokens_per_s", "link", "gpus"} <= set(doc) and doc.get("gpus") == 2:
+        return "train_run"
     return None
 
 
@@ -210,6 +212,15 @@ def train_figures(doc: dict, link: str) -> Iterator[Figure]:
         yield Figure("train", ("2", link, name.replace("_", " ")), (f"{value:.3f}x", sides))
 
 
+def train_job_figures(doc: dict, link: str) -> Iterator[Figure]:
+    """One two_gpu_training.sh call's runs: the device transport (`auto` on NCCL GPUs) over the count exchange."""
+    runs = doc["variants"]
+    if "dedup_ddp" in runs and "dedup_counts_ddp" in runs:
+        a, b = runs["dedup_ddp"]["tokens_per_s"], runs["dedup_counts_ddp"]["tokens_per_s"]
+        sides = f"dedup_ddp (auto: device transport) {a:,.0f} / dedup_counts_ddp {b:,.0f}"
+        yield Figure("train", ("2", link, "dedup device transport over count exchange"), (f"{a / b:.3f}x", sides))
+
+
 def finetune_figures(doc: dict, link: str) -> Iterator[Figure]:
     cells = (f"{doc['speedup_steps_per_s']:.2f}x", f"{doc['loss_max_rel_diff']:.4f}")
     yield Figure("finetune", ("2", link, "tiny transformers MoE"), cells)
@@ -222,22 +233,32 @@ FIGURES: dict[str, Callable[[dict, str], Iterator[Figure]]] = {
     "peers": peers_figures,
     "train": train_figures,
     "finetune": finetune_figures,
+    "train_job": train_job_figures,
 }
 
 
 def result_files(results: Path) -> Iterator[tuple[str, dict, str]]:
-    """(path below `results`, document, kind) of every result file this page reads, in path order."""
+    """(path below `results`, document, kind) of every result file this page reads, in path order. The
+    one-variant files of one `scripts/two_gpu_training.sh` call (a folder of them) are one job: one entry,
+    the folder's path with a trailing slash."""
+    runs: dict[str, dict[str, dict]] = {}
     for f in sorted(results.rglob("*.json")):
         rel = f.relative_to(results).as_posix()
-        if rel.split("/")[0] in SKIP_DIRS or f == PROVENANCE:
+        if rel.split("/")[0] in SKIP_DIRS or f == results / PROVENANCE.name:
             continue
         try:
             doc = json.loads(f.read_text())
         except (OSError, ValueError) as e:
             raise SystemExit(f"current_numbers.py: error: {rel}: not JSON ({e})") from None
         kind = result_kind(doc) if isinstance(doc, dict) else None
-        if kind is not None:
+        if kind == "train_run":
+            runs.setdefault(rel.rsplit("/", 1)[0] + "/", {})[rel] = doc
+        elif kind is not None:
             yield rel, doc, kind
+    for folder, docs in runs.items():
+        links = {d["link"] for d in docs.values()}
+        job = {"link": links.pop() if len(links) == 1 else "?", "files": sorted(docs), "runs": docs}
+        yield folder, {**job, "variants": {d["variant"]: d for d in docs.values()}}, "train_job"
 
 
 def newest_figures(results: Path, provenance: dict[str, dict]) -> dict[tuple[str, tuple[str, ...]], tuple]:
@@ -245,9 +266,7 @@ def newest_figures(results: Path, provenance: dict[str, dict]) -> dict[tuple[str
     date and run answering one question differently is an error: give one of them a `run` number."""
     chosen: dict[tuple[str, tuple[str, ...]], tuple] = {}
     for rel, doc, kind in result_files(results):
-        if rel not in provenance:
-            raise SystemExit(f"current_numbers.py: error: {rel}: not in provenance.json; run --stamp")
-        prov = provenance[rel]
+        prov = job_provenance(rel, doc, provenance)
         order = (prov["date"], prov.get("run", 0))
         for fig in FIGURES[kind](doc, prov["link"]):
             slot = (fig.table, fig.key)
@@ -292,61 +311,6 @@ def render(results: Path = RESULTS, provenance_path: Path = PROVENANCE) -> str:
     return "\n".join(out) + "\n"
 
 
-def gpu_count_and_name(rel: str, doc: dict) -> tuple[int, str]:
-    """(GPUs used, card name) from the document, else from the file name (`..._2xH200.json`)."""
-    config, env = doc.get("config") or {}, doc.get("env") or {}
-    world = env.get("world_size") or config.get("world") or max(config.get("worlds") or [0]) or 0
-    name = env.get("gpu") or config.get("device") or (doc.get("peak") or {}).get("device") or ""
-    m = re.search(r"(\d+)x(H\d00)", rel)
-    world = int(world or (m.group(1) if m else 1))
-    card = "H200" if "H200" in name else "H100" if "H100" in name else (m.group(2) if m else "?")
-    return world, card
-
-
-def first_commit_with_this_content(path: Path) -> tuple[str, str]:
-    """(short hash, ISO date) of the oldest commit whose version of `path` (followed across renames) is
-    byte-identical to the file now: when this result was added, even if it was renamed later."""
-    blob = subprocess.run(["git", "hash-object", str(path)], capture_output=True, text=True, check=True).stdout
-    log = subprocess.run(
-        ["git", "log", "--follow", "--format=@%h %cI", "--name-only", "--", str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    ).stdout
-    found = None
-    for entry in log.split("@")[1:]:  # newest first; keep going while the content is the same
-        lines = [x for x in entry.splitlines() if x.strip()]
-        (commit, date), old_path = lines[0].split(" "), lines[-1]
-        shown = subprocess.run(["git", "rev-parse", f"{commit}:{old_path}"], capture_output=True, text=True, cwd=ROOT)
-        if shown.stdout.strip() != blob.strip():
-            break
-        found = (commit, date)
-    if found is None:
-        raise SystemExit(f"current_numbers.py: error: {path}: not committed yet; commit it, then --stamp")
-    return found
-
-
-def stamp(results: Path, provenance_path: Path) -> int:
-    """Add provenance entries (commit, date, card, link) from git for result files that have none."""
-    provenance = json.loads(provenance_path.read_text()) if provenance_path.exists() else {}
-    added = 0
-    for rel, doc, _ in result_files(results):
-        if rel in provenance:
-            continue
-        world, card = gpu_count_and_name(rel, doc)
-        slow = "slow" in rel or str((doc.get("env") or {}).get("NCCL_P2P_DISABLE") or "0") not in ("0", "None")
-        commit, date = first_commit_with_this_content(results / rel)
-        link = "-" if world == 1 else "slow" if slow else "NVLink"
-        provenance[rel] = {"commit": commit, "date": date, "card": f"{world} x {card}", "link": link}
-        added += 1
-    tmp = provenance_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(sorted(provenance.items())), indent=1) + "\n")
-    tmp.replace(provenance_path)
-    print(f"current_numbers.py: {added} entries added to {provenance_path}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
@@ -358,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--results {args.results}: not a directory")
     page, provenance = args.results / PAGE.name, args.results / PROVENANCE.name
     if args.stamp:
-        return stamp(args.results, provenance)
+        return stamp(args.results, provenance, result_files(args.results))
     if not provenance.is_file():
         p.error(f"--results {args.results}: no {PROVENANCE.name}; run --stamp first")
     text = render(args.results, provenance)
