@@ -298,7 +298,8 @@ def main(argv=None):
     log("")
     log(f"{result['device']}, copy {copy:.0f} GB/s; per call (one layer), us; GB/s = expert bytes / graph time")
     log(
-        "| R | experts | MB | floor | small graph (GB/s, % copy) | small_row graph | grouped graph | gate_up alone (GB/s) | eager: small / grouped / torch |"
+        "| R | experts | MB | floor | small graph (GB/s, % copy) | small_row graph | grouped graph | gate_up alone "
+        "(GB/s) | eager: small / grouped / torch |"
     )
     log("|---|---|---|---|---|---|---|---|---|")
     for rows, c in rows_out.items():

@@ -662,10 +662,10 @@ def main(argv=None):
         s_, ms = e["summary"], e["ms"]
         cell = lambda k: f"{ms.get('kernels.' + k, nan):.3f} {s_[k + '_tflops']:4.0f} ({s_[k + '_pct_dense']:3.0f}%)"  # noqa: E731
         log(
-            f"{name:12s} {cell('dgrad1'):>17s} {cell('dgrad2'):>17s} {cell('wgrad_gate_up'):>17s} {cell('wgrad_down'):>17s} "
-            f"{s_['wgrad_gate_up_triton_tflops']:5.0f} ({s_['wgrad_gate_up_triton_pct_dense']:3.0f}%) "
-            f"{s_['wgrad_down_triton_tflops']:5.0f} ({s_['wgrad_down_triton_pct_dense']:3.0f}%) "
-            f"{ms.get('kernels.gather_rows', nan):7.3f}"
+            f"{name:12s} {cell('dgrad1'):>17s} {cell('dgrad2'):>17s} {cell('wgrad_gate_up'):>17s} "
+            f"{cell('wgrad_down'):>17s} {s_['wgrad_gate_up_triton_tflops']:5.0f} "
+            f"({s_['wgrad_gate_up_triton_pct_dense']:3.0f}%) {s_['wgrad_down_triton_tflops']:5.0f} "
+            f"({s_['wgrad_down_triton_pct_dense']:3.0f}%) {ms.get('kernels.gather_rows', nan):7.3f}"
         )
     log(
         "backward GEMMs TF/s (% of dense), dgrad1 = fused Triton / = gather + _grouped_mm + SwiGLU pass; dgrad1 ms both"
@@ -678,15 +678,17 @@ def main(argv=None):
             f"{e['ms'].get('kernels.dgrad1_triton', nan):.3f} / {e['ms'].get('kernels.dgrad1_grouped_mm', nan):.3f}"
         )
     log(
-        "dgrad1 via _grouped_mm, its parts: ms of the u GEMM (TF/s, % of dense) + the SwiGLU pass (GB/s) + dy gather (GB/s)"
+        "dgrad1 via _grouped_mm, its parts: ms of the u GEMM (TF/s, % of dense) + the SwiGLU pass (GB/s) + dy gather "
+        "(GB/s)"
     )
     for name, e in report["shapes"].items():
         s_, ms = e["summary"], e["ms"]
         u_ms = ms.get("kernels.u_grouped_mm", nan)
         log(
-            f"{name:12s} {u_ms:.3f} ({e['flops_bwd'] / 6 / u_ms / 1e9:4.0f}, {100 * ms.get('dense.dgrad1', nan) / u_ms:3.0f}%) + "
-            f"{ms.get('kernels.swiglu_rows', nan):.3f} ({s_.get('swiglu_rows_gbs', nan):5.0f}) + "
-            f"{ms.get('kernels.gather_rows', nan):.3f} ({s_.get('gather_rows_gbs', nan):5.0f})"
+            f"{name:12s} {u_ms:.3f} ({e['flops_bwd'] / 6 / u_ms / 1e9:4.0f}, "
+            f"{100 * ms.get('dense.dgrad1', nan) / u_ms:3.0f}%) + {ms.get('kernels.swiglu_rows', nan):.3f} "
+            f"({s_.get('swiglu_rows_gbs', nan):5.0f}) + {ms.get('kernels.gather_rows', nan):.3f} "
+            f"({s_.get('gather_rows_gbs', nan):5.0f})"
         )
     log("check vs fp32 reference (relative error y/dx/dgates/dgate_up/ddown; torch bf16 path for scale)")
     for name, e in report["shapes"].items():

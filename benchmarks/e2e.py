@@ -33,8 +33,8 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    slow link where the device transport does not apply: dedup@syncfree/layergraphs
   <variant>/graph  prefill only, its whole forward captured once in a CUDA graph and replayed with fresh
                    ids (occult.integrations.hf.GraphedForward): the host costs one launch a step. For @device,
-                   @syncfree variants and replicated (sync-free on its one rank); the replay is checked against the eager
-                   forward (its max relative error above --tol fails the variant). GPUs only.
+                   @syncfree variants and replicated (sync-free on its one rank); the replay is checked against the
+                   eager forward (its max relative error above --tol fails the variant). GPUs only.
                    After /compile: the compiled layers captured too (e.g. dedup@device/compile/graph,
                    replicated/compile/graph; the compilation runs in the capture's warm-up)
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
@@ -718,7 +718,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             res["phases"][phase] = out
             log(
                 f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
-                f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU {out['mfu']:.1%}"
+                f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU "
+                f"{out['mfu']:.1%}"
             )
             del optimizer
             model.zero_grad(set_to_none=True)

@@ -96,8 +96,8 @@ def main() -> int:
         results = run_ranks(worker, a["ranks"], a, timeout_s=600)
     expert_bytes = 3 * a["hidden"] * a["ffn"] * 4 * 3  # gate+up+down, fp32, weights + 2 AdamW moments
     print(
-        f"{a['experts']} experts x {a['layers']} layers, H={a['hidden']} F={a['ffn']}: {expert_bytes / 1e6:.2f} MB per expert "
-        f"(weights + AdamW moments, fp32)"
+        f"{a['experts']} experts x {a['layers']} layers, H={a['hidden']} F={a['ffn']}: {expert_bytes / 1e6:.2f} MB per "
+        "expert (weights + AdamW moments, fp32)"
     )
     for i in range(a["repeats"]):
         secs = max(r["runs"][i]["seconds"] for r in results)

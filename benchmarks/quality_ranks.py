@@ -232,8 +232,8 @@ def run_seed(args, seed: int) -> dict:
 
 
 def drop_weights(seed_dir: Path) -> int:
-    """Delete the `*.safetensors` files and checkpoint directories of `seed_dir`'s fine-tuning runs (ft-*/); bytes freed.
-    Its base model, placement, trace and every JSON/metrics/plot file stay."""
+    """Delete the `*.safetensors` files and checkpoint directories of `seed_dir`'s fine-tuning runs (ft-*/); bytes
+    freed. Its base model, placement, trace and every JSON/metrics/plot file stay."""
     freed = 0
     for run in sorted(seed_dir.glob("ft-*")):
         for f in run.iterdir() if run.is_dir() else ():

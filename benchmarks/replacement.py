@@ -222,9 +222,9 @@ def main() -> int:
         )
         for m in r["migrations"]:
             print(
-                f"    step {m['step']} (solve from {m['solve_started']}): sample E[C_T] {m['old_ct']:.3f} -> {m['new_ct']:.3f}, "
-                f"{m['experts_moved']} experts, {m['bytes_sent'] / 1e6:.2f} MB sent by rank 0, migrate {1e3 * m['migrate_s']:.1f} ms, "
-                f"solve {m['solve_s']:.2f} s ({m['wall_s']:.1f} s wall)"
+                f"    step {m['step']} (solve from {m['solve_started']}): sample E[C_T] {m['old_ct']:.3f} -> "
+                f"{m['new_ct']:.3f}, {m['experts_moved']} experts, {m['bytes_sent'] / 1e6:.2f} MB sent by rank 0, "
+                f"migrate {1e3 * m['migrate_s']:.1f} ms, solve {m['solve_s']:.2f} s ({m['wall_s']:.1f} s wall)"
             )
     if a.out:
         doc = {

@@ -126,7 +126,8 @@ def tables(doc: dict) -> str:
     c = doc["constants"]
     out = ["Fitted constants: " + ", ".join(f"{k} {v:.4g}" for k, v in c.items() if k != "internode_GBps") + "\n"]
     out.append(
-        "| measured point (H200) | fwd ms | model | err | fwd+bwd ms | model | err | leave-one-world-out err fwd / fwd+bwd |"
+        "| measured point (H200) | fwd ms | model | err | fwd+bwd ms | model | err | leave-one-world-out err fwd / "
+        "fwd+bwd |"
     )
     out.append("|---|---|---|---|---|---|---|---|")
     lo = {r["point"]: r for r in doc["leave_one_world_out"]}
@@ -188,7 +189,8 @@ def plot(doc: dict, path: str) -> None:
     fig.text(
         0.5,
         0.005,
-        "PREDICTED by the cost model fitted on 1-4 x H200 (one node); * two-level dispatch is a design, not implemented",
+        "PREDICTED by the cost model fitted on 1-4 x H200 (one node); "
+        "* two-level dispatch is a design, not implemented",
         ha="center",
         fontsize=8,
     )

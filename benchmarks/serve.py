@@ -45,8 +45,8 @@ static-cache decoder: the logits of the prefill and of --check-steps decode step
 tokens (per-token relative L2 error over the first 8 rows, median and p95, max over ranks); a
 median above --tol fails it (not timed; exit 1 at the end), unless, in half precision, its error
 against the unconverted model upcast to fp32 is at most 1.25x the half-precision native model's
-own plus --tol (near-tied routing scores pick other experts under any change of rounding: benchmarks/e2e.py). Timing: one untimed run, then
---repeats runs of prefill + --new-tokens steps; a step's time is the slowest rank's (CUDA events
+own plus --tol (near-tied routing scores pick other experts under any change of rounding: benchmarks/e2e.py). Timing:
+one untimed run, then --repeats runs of prefill + --new-tokens steps; a step's time is the slowest rank's (CUDA events
 recorded around each step on GPUs, the steps not waited on one by one; wall clock on CPU).
 Reported: prefill ms p50, per-token latency (decode step) p50/p90/p99, decode tokens/s per GPU
 (B / mean step), end-to-end tokens/s per GPU (B * new tokens / (prefill + steps)) and the ratio
@@ -58,9 +58,9 @@ call with a CUDA event at each token (transformers' generate: from a logits proc
 after each step of its kept decoder): the step p50/p90/p99 are those of the times between consecutive
 marks, tokens/s from their mean; the whole-call estimate (generate(n) - generate(m)) / (n - m), n =
 --new-tokens, m = max(2, n // 2), stays as `step_ms_mean` (whole calls vary by +-10 ms from run to run);
-prefill = generate(m) - (m - 1) of those steps (none when that estimate is not positive). Every table row also gives the speed-up over native (native-generate's
-step / the row's, and native-generate+compile's; native's StaticDecoder step where generate was
-not run), the share of the copy bandwidth measured in the same run that the step's bytes need
+prefill = generate(m) - (m - 1) of those steps (none when that estimate is not positive). Every table row also gives the
+speed-up over native (native-generate's step / the row's, and native-generate+compile's; native's StaticDecoder step
+where generate was not run), the share of the copy bandwidth measured in the same run that the step's bytes need
 (weights the step must read, the experts B tokens select, and the K/V attended: benchmarks/_roofline.py),
 and the one-time cost: graph capture (StaticDecoder variants) or compile (first call - a steady one).
 
@@ -477,7 +477,8 @@ def verify(args: argparse.Namespace, ctx: dict) -> dict[str, Any]:
 
 
 def build_variant_model(base: str, args: argparse.Namespace, cfg: Any, ctx: dict, report: dict) -> nn.Module | None:
-    """The converted model of `base`, or transformers' expert-parallel load (None, with the reason in ctx, if it cannot)."""
+    """The converted model of `base`, or transformers' expert-parallel load (None, with the reason in ctx, if
+    it cannot)."""
     if "@device" in base:
         reason = symm.unavailable_reason(dist.group.WORLD) if dist.get_world_size() > 1 else "one rank"
         if reason:

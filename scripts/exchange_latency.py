@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 "per batch; us per exchange (median)\n"
             )
             print(
-                "| rows per rank pair | bytes per rank | checked | device graph | device eager | NCCL graph | NCCL eager "
-                "| device graph GB/s | NCCL graph GB/s |"
+                "| rows per rank pair | bytes per rank | checked | device graph | device eager | NCCL graph | NCCL "
+                "eager | device graph GB/s | NCCL graph GB/s |"
             )
             print("|---|---|---|---|---|---|---|---|---|")
             for r in rows:

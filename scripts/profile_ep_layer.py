@@ -107,8 +107,8 @@ def main() -> None:
                 rows.append(row)
                 if rank == 0:
                     print(
-                        f"{row['transport']:<14}{tokens:>6}  wall {row['wall_ms']:.2f} ms  host {row['host_ms']:.2f} ms  "
-                        f"gpu busy {row['gpu_busy_ms']:.2f} ms",
+                        f"{row['transport']:<14}{tokens:>6}  wall {row['wall_ms']:.2f} ms  host {row['host_ms']:.2f} "
+                        f"ms  gpu busy {row['gpu_busy_ms']:.2f} ms",
                         flush=True,
                     )
                     for key, ms, count in row["top_host_ops"]:

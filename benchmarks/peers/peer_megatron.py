@@ -41,7 +41,8 @@ _CPU_STREAM = _Stream()
 
 
 class _StreamClass(_Stream):
-    """`torch.cuda.Stream()` on CPU: the one stand-in stream (a class, so type hints like `Stream | None` still work)."""
+    """`torch.cuda.Stream()` on CPU: the one stand-in stream (a class, so type hints like `Stream | None`
+    still work)."""
 
     def __new__(cls, *args, **kwargs):
         return _CPU_STREAM

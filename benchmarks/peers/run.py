@@ -213,8 +213,9 @@ def summary(result: dict) -> str:
                 best_f = min(peers, key=lambda r: r["forward_ms"])
                 best_s = min(peers, key=lambda r: r["fwd_bwd_ms"])
                 lines.append(
-                    f"{world} ranks {shape}: occult dedup vs fastest peer: forward {best_f['forward_ms'] / ours['forward_ms']:.2f}x "
-                    f"({best_f['name']}), forward+backward {best_s['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x ({best_s['name']})"
+                    f"{world} ranks {shape}: occult dedup vs fastest peer: forward "
+                    f"{best_f['forward_ms'] / ours['forward_ms']:.2f}x ({best_f['name']}), forward+backward "
+                    f"{best_s['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x ({best_s['name']})"
                 )
     for f in result.get("failures", []):
         lines.append(f"world {f['world']}: FAILED ({f['error'].splitlines()[0][:200]})")

@@ -9,8 +9,8 @@ Backward sends as many rows as forward: gradient rows retrace both all-to-alls i
 the gate gradients (k scalars per row) return with the dispatch's backward. On a group of one
 rank every schedule is the identity of `occult.moe.local`: no plan, no copies, no host wait.
 For a decode-sized batch on a GPU the plan and the routing status (sync-free: the fixed-capacity
-plan) come from one launch (`occult.moe.plan.routed_plan`). With the device transport (`occult.moe.symm`, chosen once when the dispatcher is built:
-`transport="device"`, NCCL groups of one host), the plain schedule runs over it
+plan) come from one launch (`occult.moe.plan.routed_plan`). With the device transport (`occult.moe.symm`, chosen once
+when the dispatcher is built: `transport="device"`, NCCL groups of one host), the plain schedule runs over it
 (`occult.moe.device_exchange`): the counts stay on the device.
 """
 

@@ -32,11 +32,12 @@ GPUs) keeps ranks in step by itself; with transformers' own `model.generate` pas
 
 One module per job: `families` (supported model types, version and structure checks),
 `routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
-`sync_gradients`), `profile`, `compiled` (`compile_layers`: torch.compile around the MoE blocks), `convert` (`convert`, `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `graphed` (`GraphedForward`), `calibration` (token ids for
-profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads
-only its experts), `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing
-loss over the global batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer, written by its owner rank).
-`from occult.integrations import hf; hf.convert(...)` is the public path.
+`sync_gradients`), `profile`, `compiled` (`compile_layers`: torch.compile around the MoE blocks), `convert` (`convert`,
+`unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `graphed` (`GraphedForward`), `calibration` (token
+ids for profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads only its experts),
+`finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing loss over the global batch), `checkpoint`
+(resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer, written by its owner
+rank). `from occult.integrations import hf; hf.convert(...)` is the public path.
 """
 
 from occult.integrations.hf.block import OccultMoeBlock, expert_parameters, moe_blocks, sync_gradients

@@ -15,8 +15,8 @@
   then each node's experts to its D/M GPUs (E[C_T], swaps inside nodes).
 
 One module per job: `solve` (the registry: `solve_layer`, `place`, `best_method`), `flat` (one
-layer: `METHODS`, the candidates, the contiguous baseline), `greedy` (the paper's clustering), `hypergraph` (Mt-KaHyPar) and
-`swap` (the exact swap refinement and the load-bound repair), `hierarchical` (nodes, then GPUs).
+layer: `METHODS`, the candidates, the contiguous baseline), `greedy` (the paper's clustering), `hypergraph` (Mt-KaHyPar)
+and `swap` (the exact swap refinement and the load-bound repair), `hierarchical` (nodes, then GPUs).
 """
 
 from occult.placement.solvers.greedy import greedy_layer

@@ -50,7 +50,8 @@ def check_nodes(num_devices: int, num_nodes: int) -> int:
 def _node_edges(
     sets_UK: np.ndarray, w_U: np.ndarray, members: np.ndarray, num_experts: int
 ) -> tuple[list[list[int]], list[int]]:
-    """Each token's share of one node as a hyperedge over local ids (shares of < 2 experts dropped, equal ones merged)."""
+    """Each token's share of one node as a hyperedge over local ids (shares of < 2 experts dropped, equal
+    ones merged)."""
     local = np.full(num_experts, -1, dtype=np.int64)
     local[members] = np.arange(len(members))
     loc_UK = local[sets_UK]
