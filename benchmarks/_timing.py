@@ -193,7 +193,7 @@ class Truth:
     nearly tie (DeepSeek-V3's sigmoid scores with group top-k, random weights), any change of rounding,
     compiled kernels of transformers' own model included, picks other experts for some tokens, and
     the half-precision model's distance from the fp32 one moves with the batch and the kernels
-    (measured: docs/benchmarks.md, "The DeepSeek check"). A variant then passes if its distance from the fp32 model is
+    (measured: docs/history.md, "The DeepSeek check"). A variant then passes if its distance from the fp32 model is
     within MARGIN of the native model's own, plus the tolerance: an error of the same order as native
     bf16's, where a wrong result (other experts' weights, a lost combine weight) is ~1."""
 

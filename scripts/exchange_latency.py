@@ -9,7 +9,7 @@ copies) and for NCCL's `all_to_all_single` of the same bytes. Rank 0 prints micr
 counts such as `--rows 4096,8192 --exchanges 4` this is the transport's bandwidth against NCCL's) and
 writes every number to --out. A decode step makes
 two exchanges per MoE layer, so this is the cost that separates the expert-parallel step from the
-replicated one at small batches (docs/benchmarks.md, "Serving on 2 GPUs").
+replicated one at small batches (docs/history.md, "Serving on 2 GPUs").
 
     torchrun --nproc-per-node 2 scripts/exchange_latency.py --rows 1,8,64 --out exchange.json
 

@@ -2,7 +2,7 @@
 
 Dynamo's "eager" backend keeps this fast on CPU; it checks what the helper controls (which parts
 are traced, the graphs shared between layers, the recompile limit), not Inductor's code
-(benchmarks/e2e.py `replicated/compile` and the GPU runs in docs/benchmarks.md measure that).
+(benchmarks/e2e.py `replicated/compile` and the GPU runs in docs/results/CURRENT.md measure that).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_fit_to_the_measured_runs():
     assert 400 < c.gemm_tflops < 560 and 200 < c.nvlink_GBps < 400
     rows = validate(pts, c)
     assert len(rows) == 26
-    # docs/benchmarks.md: the first dedup variant of a shape under random routing ran ~0.6 ms slow
+    # docs/history.md: the first dedup variant of a shape under random routing ran ~0.6 ms slow
     # (an anomaly nobody chased); every other point is within 15%.
     anomalies = {"4x olmoe random dedup", "4x qwen3 random dedup"}
     for r in rows:

@@ -6,7 +6,7 @@ dominates a decode step's launches. Inductor fuses it. The MoE block itself stay
 (each `OccultMoeBlock`'s forward is excluded from tracing: its kernels are already fused, and on
 several ranks it waits on the host for the row counts), so each decoder layer compiles to the
 graph before the MoE block and the one after it. (A whole converted model can also be given to
-`torch.compile` directly, MoE blocks traced: docs/benchmarks.md, "torch.compile on the decode path".)
+`torch.compile` directly, MoE blocks traced: docs/history.md, "torch.compile on the decode path".)
 
 Decoder layers share one class and one forward, and torch.compile treats module parameters as
 inputs, so the layers share compiled graphs where nothing else differs. With a KV cache each
@@ -22,7 +22,7 @@ Expert-parallel MoE layers that do not wait for the GPU (the device transport, `
 NCCL GPUs of one host, or sync-free) are also switched to forwards replayed from their own CUDA
 graphs (`ExecConfig(graphs=True)`, `occult.moe.graphs`; `layer_graphs=False` leaves them): with the
 dense part compiled, their ~2-3 ms of host time a call was what remained (on 2 x H200 a Qwen3-shape
-prefill went from 32.7 to 23.5 ms, docs/benchmarks.md "Layer graphs"). One-rank layers stay as they
+prefill went from 32.7 to 23.5 ms, docs/history.md "Layer graphs"). One-rank layers stay as they
 are: their host cost is already small.
 """
 

@@ -6,7 +6,7 @@ does not wait for the GPU. Where no MoE layer waits for the GPU (the device tran
 `ExecConfig(transport="device")`, or the sync-free schedule), the whole forward can be recorded once
 and replayed: the host then costs one launch a call, and the call takes what the GPU work takes
 (on 2 x H100, a captured OLMoE-shape prefill over the device transport runs at 1.12x the
-replicated model's captured one; docs/benchmarks.md).
+replicated model's captured one; docs/history.md).
 
 One graph serves one input shape [B, S]; fresh ids are copied into its input buffer before each
 replay, and the logits are written into the same output buffer each time (clone what you keep).

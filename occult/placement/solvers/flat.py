@@ -32,7 +32,7 @@ METHODS = ("contiguous", "greedy", "hypergraph")
 
 # Mt-KaHyPar sees at most this many sampled tokens per layer: its run time grows with the
 # number of hyperedges, while the partition it finds on a sample is as good once refined on all
-# tokens (docs/benchmarks.md, "Placement solver on CPU", has the times).
+# tokens (docs/history.md, "Placement solver on CPU", has the times).
 DEFAULT_KAHYPAR_TOKENS = 8_000
 
 

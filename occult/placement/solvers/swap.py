@@ -23,7 +23,7 @@ its exact change (recomputed on the tokens of the two experts) is still negative
 repeat until no swap lowers the cost: a swap-local optimum on all tokens.
 
 Numerics: every sum is a bincount in float64, exact for integer token counts; no BLAS (its
-spinning threads make small products much slower on shared, oversubscribed cores: docs/benchmarks.md,
+spinning threads make small products much slower on shared, oversubscribed cores: docs/history.md,
 "Placement solver on CPU").
 """
 
