@@ -97,7 +97,7 @@ def gate_weights(
 
 def reference(case: Case, renormalize: bool = False) -> torch.Tensor:
     """float32 output of the first `check_tokens` tokens of input set 0, expert by expert."""
-    from occult.tools.bench import _dense_reference
+    from occult.tools.bench import dense_reference as _dense_reference
 
     n = min(case.check_tokens, case.tokens)
     x, ids = case.xs[0][:n], case.ids[0][:n]

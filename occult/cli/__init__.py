@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from occult import __version__, settings
+from occult import settings
 from occult.cli import data, hf, lm
 from occult.cli.parser import build_parser as parser_of
 from occult.cli.parser import print_command_list
@@ -127,7 +127,7 @@ __all__ = [
 
 def build_parser(commands: Sequence[Command] | None = None, chosen: str | None = None) -> argparse.ArgumentParser:
     """The argparse parser (`occult.cli.parser`); lazy commands get their flags only when `chosen` names them."""
-    return parser_of(COMMANDS if commands is None else commands, chosen, version=__version__)
+    return parser_of(COMMANDS if commands is None else commands, chosen)
 
 
 def _chosen_command(argv: Sequence[str]) -> str | None:

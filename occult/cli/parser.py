@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from occult.cli.registry import EXIT_HELP, EXIT_USAGE, Command
 
@@ -31,9 +31,18 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"occult: error: {' '.join(message.split())} (see '{hint}')\n")
 
 
-def build_parser(
-    commands: Sequence[Command], chosen: str | None = None, version: str | None = None
-) -> argparse.ArgumentParser:
+class VersionAction(argparse.Action):
+    """`--version`: `occult X.Y.Z` on stdout, exit 0 (the version looked up only when asked)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: str | None = None) -> None:
+        print(f"occult {installed_version()}")
+        parser.exit(0)
+
+
+def build_parser(commands: Sequence[Command], chosen: str | None = None) -> argparse.ArgumentParser:
     """The argparse parser; lazy commands get their flags only when `chosen` names them."""
     parser = OneLineParser(
         prog="occult",
@@ -41,8 +50,7 @@ def build_parser(
         epilog=f"{EXIT_HELP} {BARE_HELP}",
     )
     parser.help_hint = f"occult {chosen} --help" if chosen in {c.name for c in commands} else "occult --help"
-    if version is not None:
-        parser.add_argument("--version", action="version", version=f"occult {version}", help="print the version")
+    parser.add_argument("--version", action=VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in commands:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, epilog=EXIT_HELP)
@@ -50,6 +58,17 @@ def build_parser(
             cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser
+
+
+def installed_version() -> str:
+    """occult's version as installed (the package metadata pip wrote from pyproject.toml, which
+    `occult.__version__` matches); "unknown" when it is run from a tree that was never installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("occult")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def print_command_list(commands: Sequence[Command]) -> int:

@@ -20,6 +20,7 @@ from occult.cli.registry import (
     nonnegative_int,
     positive_int,
     positive_int_list,
+    seed_int,
 )
 
 BENCH_SHAPES = ("olmoe", "qwen3", "deepseek", "mixtral", "tiny")
@@ -87,7 +88,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="spread of tokens around their group centroid (default 0.8)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the layer's weights, expert groups and tokens (default 0)"
+        "--seed", type=seed_int, default=0, help="seed of the layer's weights, expert groups and tokens (default 0)"
     )
     parser.add_argument(
         "--quiet",
@@ -130,7 +131,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=choice_list(BENCH_VARIANTS, "variant"),
         default=list(BENCH_VARIANTS[:3]),
         help="comma list of " + ", ".join(BENCH_VARIANTS) + " (default: the first three; "
-        "'@device': over the device transport, no host wait; GPUs of one host; '@syncfree': "
+        "'@device': over the device transport, no host wait; NCCL GPUs of one host only; '@syncfree': "
         "fixed-capacity all-to-alls, no host wait; "
         "'/graph': forwards replayed from the layer's CUDA graphs, ExecConfig(graphs=True))",
     )
@@ -138,14 +139,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--nodes",
         type=positive_int,
         default=1,
-        help="nodes the ranks are grouped into for the two-level 'dedup2' variant (node-major ranks; "
-        "on one host: simulated nodes) (default 1)",
+        help="nodes the ranks are grouped into for the two-level 'dedup2' variant, which needs it (>= 2, "
+        "node-major ranks; on one host: simulated nodes); other variants ignore it (default 1)",
     )
     parser.add_argument(
         "--expert-backend",
         choices=["auto", "torch", "triton"],
         default="auto",
-        help="expert MLP: the torch reference, the Triton kernels, or auto (Triton on a CUDA GPU, else torch) (default auto)",
+        help="expert MLP: the torch reference, the Triton kernels (CUDA GPUs only), or auto (Triton on a CUDA GPU, "
+        "else torch) (default auto)",
     )
     parser.add_argument(
         "--warmup", type=nonnegative_int, default=5, help="untimed calls before each timing (default 5)"

@@ -13,29 +13,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
 from occult._atomic import write_text_atomic
 from occult.distributed import pick_backend, run_ranks
-from occult.moe.comm import all_to_all
-from occult.moe.config import ExecConfig, MoEConfig
-from occult.moe.device_exchange import as_byte_rows
-from occult.moe.experts import expert_mlp
-from occult.moe.graphs import EAGER_CALLS
-from occult.moe.layer import OccultMoE
 from occult.moe.registry import capabilities
-from occult.moe.symm import DeviceTransport, row_bytes
 from occult.placement import Placement
 from occult.placement.cost import SHAPES as MODEL_SHAPES
 from occult.placement.cost import Shape
 from occult.tools.bench_report import HEADER, LEGEND, format_row, summarize  # noqa: F401 (the report's names)
-from occult.tools.bench_timing import ceilings, count_host_syncs, make_timer
-from occult.tools.bench_timing import host_ms as measure_host_ms
+from occult.tools.bench_timing import ceilings, make_timer
+from occult.tools.bench_variant import (  # noqa: F401 (re-exported: benchmarks/ use them from here)
+    PresetRouter,
+    bench_variant,
+    dense_reference,
+    variant_dispatcher,
+    variant_graphs,
+    variant_sync_free,
+    variant_transport,
+)
+from occult.tools.preflight import MemoryNeed, check_fits, out_of_memory
 
 # The model shapes are the cost model's (one table); `tiny` is for CPU smoke runs.
 SHAPES: dict[str, Shape] = {
@@ -53,42 +54,6 @@ VARIANTS = (
     "dedup@device/graph",
     "dedup@syncfree/graph",
 )
-
-
-def variant_dispatcher(variant: str) -> str:
-    """The dispatcher a variant runs ('dedup+placement': dedup on the solved placement)."""
-    return variant.split("/")[0].split("@")[0].removesuffix("+placement")
-
-
-def variant_sync_free(variant: str) -> bool:
-    """'@syncfree': sync-free, fixed-capacity dispatch over NCCL (`ExecConfig(sync_free=True)`: no host wait)."""
-    return variant.split("/")[0].partition("@")[2] == "syncfree"
-
-
-def variant_transport(variant: str) -> str:
-    """The transport a variant asks for: "@device" the device transport (`occult.moe.symm`), else "auto"."""
-    return "device" if "@device" in variant else "auto"
-
-
-def variant_graphs(variant: str) -> bool:
-    """'.../graph': forwards replayed from the layer's CUDA graphs (`ExecConfig(graphs=True)`; autograd runs eagerly)."""
-    return variant.endswith("/graph")
-
-
-class PresetRouter(nn.Module):
-    """A router whose expert choice is given (to compare dispatchers on identical routing).
-
-    Gate weights are the softmax of the real gate at the preset ids, so gradients reach the gate.
-    """
-
-    def __init__(self, gate: nn.Linear, ids_TK: torch.Tensor) -> None:
-        super().__init__()
-        self.gate = gate
-        self.ids_TK = ids_TK
-
-    def forward(self, x_TH: torch.Tensor):
-        scores_TE = torch.softmax(self.gate(x_TH).float(), dim=-1)
-        return scores_TE.gather(1, self.ids_TK), self.ids_TK
 
 
 def routing_ids(kind: str, shape: Shape, world: int, tokens: int, seed: int) -> tuple[np.ndarray, Placement]:
@@ -119,23 +84,17 @@ def solve_placement_for(ids: np.ndarray, shape: Shape, world: int) -> Placement:
     return place(trace, world, method=best_method()).placement
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def _dense_reference(x, ids, weights, w1_full, w2_full) -> torch.Tensor:
-    """float32 reference for a few tokens: y_t = sum_k w_tk * expert_{id_tk}(x_t), expert by expert."""
-    x = x.float()
-    y = torch.zeros_like(x)
-    for e in torch.unique(ids).tolist():
-        token, col = (ids == e).nonzero(as_tuple=True)
-        g, u = (x[token] @ w1_full[e].float().t()).chunk(2, dim=-1)
-        out = (torch.nn.functional.silu(g) * u) @ w2_full[e].float().t()
-        y.index_add_(0, token, weights[token, col, None].float() * out)
-    return y
+def variant_placement(variant: str, solved: Placement, shape: Shape, world: int, nodes: int) -> Placement:
+    """The placement a variant runs on: the solved one for 'dedup+placement', else contiguous (on
+    `nodes` nodes for the two-level dispatch)."""
+    if variant == "dedup+placement":
+        return solved
+    two_level = capabilities(variant_dispatcher(variant)).two_level
+    return Placement.contiguous(shape.experts, world, num_nodes=nodes if two_level else 1)
 
 
 def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
+    """One rank of `occult bench`: every shape, token count, routing and variant, checked and timed."""
     device = torch.device("cuda", rank) if args["backend"] == "nccl" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timer = make_timer(device)
@@ -159,30 +118,10 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
                 xs = [torch.randn(tokens, shape.hidden, device=device, dtype=dtype) for _ in range(args["input_sets"])]
                 gs = [torch.randn(tokens, shape.hidden, device=device, dtype=dtype) for _ in range(args["input_sets"])]
                 for variant in args["variants"]:
-                    run = _bench_variant(
-                        variant,
-                        shape,
-                        placement
-                        if variant == "dedup+placement"
-                        else Placement.contiguous(
-                            shape.experts,
-                            world,
-                            num_nodes=args.get("nodes", 1)
-                            if capabilities(variant_dispatcher(variant)).two_level
-                            else 1,
-                        ),
-                        w1_full,
-                        w2_full,
-                        gate_w,
-                        xs,
-                        gs,
-                        ids_sets,
-                        timer,
-                        warmup,
-                        iters,
-                        world,
-                        device,
-                        args,
+                    layout = variant_placement(variant, placement, shape, world, args.get("nodes", 1))
+                    weights = (w1_full, w2_full, gate_w)
+                    run = bench_variant(
+                        variant, shape, layout, *weights, xs, gs, ids_sets, timer, warmup, iters, world, device, args
                     )
                     run.update(shape=shape.name, tokens=tokens, routing=routing, variant=variant, world=world)
                     result["runs"].append(run)
@@ -195,172 +134,68 @@ def bench_worker(rank: int, world: int, args: dict) -> dict[str, Any]:
     return result
 
 
-def _variant_layer(variant, shape, placement, w1_full, w2_full, gate_w, ids_sets, device, args):
-    """The variant's layer with this rank's share of the full weights, and one preset router per batch."""
-    layer = OccultMoE(
-        MoEConfig(shape.hidden, shape.ffn, shape.experts, shape.top_k, w1_full.dtype),
-        placement=placement,
-        execution=ExecConfig(
-            variant_dispatcher(variant),
-            expert_backend=args["expert_backend"],
-            transport=variant_transport(variant),
-            graphs=variant_graphs(variant),
-            sync_free=variant_sync_free(variant),
-        ),
-        device=device,
-    )
-    with torch.no_grad():
-        layer.gate_up_proj.copy_(w1_full[layer.local_expert_ids])
-        layer.down_proj.copy_(w2_full[layer.local_expert_ids])
-        layer.router.gate.weight.copy_(gate_w)
-    return layer, [PresetRouter(layer.router.gate, ids) for ids in ids_sets]
+def check_variants(variants: list[str], on_gpu: bool, world: int, nodes: int, expert_backend: str) -> None:
+    """Refuse (ValueError naming the flag) what the ranks could not run, before any starts:
+    Triton or the device transport on CPU ranks, the two-level dispatch without nodes;
+    warn about what would be ignored (CUDA graphs on CPU ranks, --nodes without dedup2)."""
+    if expert_backend == "triton" and not on_gpu:
+        raise ValueError(
+            "--expert-backend triton runs the Triton kernels on CUDA GPUs, and these ranks are CPU (gloo): "
+            "use --expert-backend torch (or auto)"
+        )
+    if expert_backend == "triton":
+        from occult import kernels
+
+        if not kernels.available():
+            raise ValueError("--expert-backend triton: Triton cannot run here (pip install triton): use torch or auto")
+    on_device = [v for v in variants if variant_transport(v) == "device"]
+    if on_device and not on_gpu:
+        raise ValueError(
+            f"--variants {on_device[0]}: the device transport needs NCCL ranks on CUDA GPUs of one host, and "
+            "these ranks are CPU (gloo): drop the @device variants"
+        )
+    two_level = [v for v in variants if capabilities(variant_dispatcher(v)).two_level]
+    if two_level and world > 1 and nodes == 1:
+        raise ValueError(
+            f"--variants {two_level[0]} is the two-level dispatch over nodes: give --nodes M (M >= 2 dividing the "
+            f"{world} ranks; on one host the nodes are simulated), e.g. --nodes 2"
+        )
+    if nodes > 1 and not two_level:
+        warnings.warn(
+            f"--nodes {nodes} is used by the dedup2 variant only: ignored by --variants {','.join(variants)}",
+            stacklevel=2,
+        )
+    graphed = [v for v in variants if variant_graphs(v)]
+    if graphed and not on_gpu:
+        warnings.warn(
+            f"--variants {graphed[0]}: CUDA graphs replay on GPUs only; on CPU ranks the forwards run eagerly",
+            stacklevel=2,
+        )
 
 
-def _time_pieces(layer, router, x_TH, timer, warmup, iters, args):
-    """(expert ms, all-to-all ms, pairs): the expert compute on one batch's received rows, and its
-    dispatch + combine all-to-alls alone (0 for the two-level dispatch: four exchanges on two
-    groups, not timed alone; its floor is the experts)."""
-    layer.router = router
-    with torch.no_grad():
-        weights_TK, ids_TK = layer.router(x_TH)
-        received, st = layer.dispatcher.dispatch(x_TH, weights_TK, ids_TK, layer.expert_map)
-    n = sum(_splits(st)[1]) if hasattr(st, "plan") else received.x_RH.shape[0]  # the received rows, not the masked tail
-    x_RH, slots_RK, gates_RK = received.x_RH[:n], received.slots_RK[:n], received.gates_RK[:n].float()
-    expert_ms = timer(
-        lambda: expert_mlp(
-            x_RH,
-            slots_RK,
-            gates_RK,
-            layer.gate_up_proj.detach(),
-            layer.down_proj.detach(),
-            backend=args["expert_backend"],
-        ),
-        warmup,
-        iters,
-    )
-    a2a_ms = 0.0
-    if hasattr(st, "plan"):
-        send, recv = _splits(st)
-        rows_out = x_TH[st.plan.token_P[: sum(send)]]
-        y_back = x_RH[: sum(recv)].clone()
-        a2a_ms = timer(_round_trip(layer.dispatcher, rows_out, y_back, send, recv), warmup, iters)
-    return expert_ms, a2a_ms, int((slots_RK >= 0).sum())
+RANK_PROCESS_BYTES = 100_000_000  # a spawned rank's own memory (Python and torch), at least
 
 
-def _round_trip(dispatcher, rows_out, y_back, send: list[int], recv: list[int]):
-    """One dispatch and one combine of these rows over the dispatcher's own transport: the device
-    transport's push where it has one (`symm.DeviceTransport.exchange`), else NCCL/gloo
-    `all_to_all_single` (the count exchange's)."""
-    transport, group = getattr(dispatcher, "transport", None), dispatcher.group
-    if not isinstance(transport, DeviceTransport):
-        return lambda: (all_to_all(rows_out, send, recv, group), all_to_all(y_back, recv, send, group))
-    out_NW, back_NW = _as_byte_rows(rows_out), _as_byte_rows(y_back)
-    stride = torch.tensor([max(send + recv)], device=rows_out.device)
-    dist.all_reduce(stride, op=dist.ReduceOp.MAX, group=group)  # every rank passes the same stride
-    stride = int(stride.item())
-    transport.reserve(transport.num_ranks * stride * out_NW.shape[1])
-    send_D, recv_D = (torch.tensor(c, dtype=torch.int64, device=rows_out.device) for c in (send, recv))
-    return lambda: (transport.exchange(out_NW, send_D, stride), transport.exchange(back_NW, recv_D, stride))
-
-
-def _as_byte_rows(rows_NH: torch.Tensor) -> torch.Tensor:
-    """Rows as the device transport's byte rows (padded to its row width; no copy where they fit)."""
-    width = row_bytes(rows_NH.shape[1] * rows_NH.element_size())
-    exact_NW = as_byte_rows(rows_NH, width)
-    if exact_NW is not None:
-        return exact_NW
-    raw_NB = rows_NH.contiguous().view(torch.uint8)
-    padded_NW = raw_NB.new_zeros((raw_NB.shape[0], width))
-    padded_NW[:, : raw_NB.shape[1]] = raw_NB
-    return padded_NW
-
-
-def _splits(handle) -> tuple[list[int], list[int]]:
-    """(send, receive) rows per rank of a flat dispatch: on the host already (count exchange), or
-    read from the device (device transport)."""
-    if hasattr(handle, "send_splits"):
-        return handle.send_splits, handle.recv_splits
-    return handle.send_counts_D.tolist(), handle.recv_counts_D.tolist()
-
-
-def _bench_variant(
-    variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args
-):
-    layer, routers = _variant_layer(
-        variant, shape, placement, w1_full, w2_full, gate_w, ids_sets[: len(xs)], device, args
-    )
-
-    # 1. correctness first: a slice of tokens against a float32 dense reference
-    layer.router = routers[0]
-    with torch.no_grad():
-        y = layer(xs[0])
-        n = min(256, xs[0].shape[0])
-        w, ids = routers[0](xs[0])
-        ref = _dense_reference(xs[0][:n], ids[:n], w[:n], w1_full, w2_full)
-    err = _rel(y[:n], ref)
-    stats = layer.last_comm_stats
-    step = lambda: layer(xs[0].detach().requires_grad_()).backward(gs[0])  # noqa: E731
-    step()  # warm: a first backward compiles and autotunes kernels, whose synchronisations are not the layer's
-    syncs = count_host_syncs(step, device)
-    layer.zero_grad(set_to_none=True)
-
-    state = {"i": 0}
-
-    def forward():
-        i = state["i"] = (state["i"] + 1) % len(xs)
-        layer.router = routers[i]
-        with torch.no_grad():
-            layer(xs[i])
-
-    def forward_backward():
-        i = state["i"] = (state["i"] + 1) % len(xs)
-        layer.router = routers[i]
-        x = xs[i].detach().requires_grad_()
-        layer(x).backward(gs[i])
-
-    if variant_graphs(variant):  # every input set captured before timing, and a replay checked
-        for _ in range((EAGER_CALLS + 1) * len(xs)):
-            forward()
-        layer.router = routers[0]
-        with torch.no_grad():
-            err = max(err, _rel(layer(xs[0])[:n], ref))
-    fwd_ms = timer(forward, warmup, iters)
-    host_ms = measure_host_ms(forward, device, iters)
-    step_ms = timer(forward_backward, warmup, iters)
-    layer.zero_grad(set_to_none=True)
-
-    # 2. the pieces alone: expert compute on the received rows, and the all-to-alls
-    expert_ms, a2a_ms, pairs = _time_pieces(layer, routers[0], xs[0], timer, warmup, iters, args)
-    flops = 2 * pairs * 3 * shape.hidden * shape.ffn  # GEMM1 (2F x H) + GEMM2 (H x F)
-    tot = torch.tensor(
-        [flops, stats.forward_remote_rows, stats.dispatch_rows, xs[0].shape[0], stats.forward_bytes],
-        dtype=torch.float64,
-        device=device,
-    )
-    if world > 1:
-        dist.all_reduce(tot)
-    remote_bytes_rank = stats.forward_remote_rows * shape.hidden * xs[0].element_size()
-    return {
-        "rel_error": err,
-        "forward_ms": fwd_ms,
-        "fwd_bwd_ms": step_ms,
-        "expert_ms": expert_ms,
-        "all_to_all_ms": a2a_ms,
-        "floor_ms": expert_ms + a2a_ms,
-        "mean_ct": float(tot[2] / tot[3]),
-        "forward_bytes_per_rank": stats.forward_bytes,
-        "forward_remote_bytes_per_rank": remote_bytes_rank,
-        "all_to_all_GBps": remote_bytes_rank / a2a_ms / 1e6 if a2a_ms > 0 else 0.0,
-        "expert_tflops": flops / expert_ms / 1e9 if expert_ms > 0 else 0.0,
-        "pairs_per_rank": pairs,
-        "host_syncs_fwd_bwd": syncs,
-        "host_ms_fwd": host_ms,
-        "transport": "sync-free" if layer.sync_free else layer.dispatcher.transport_name,
-        "graphs": len(layer.graphs),
-    }
+def memory_need(conf: dict[str, Any], world: int, on_gpu: bool, args: argparse.Namespace) -> MemoryNeed:
+    """What `occult bench` needs at least, the largest shape and token count: each rank's full
+    weights (drawn in float32 on the host), one variant's experts, the input sets, the routing of
+    all ranks' tokens, and the standard dispatch's rows."""
+    unit, sets, tokens = (2 if on_gpu else 4), conf["input_sets"], max(conf["tokens"])
+    device = host = 0
+    for name in conf["shapes"]:
+        shape = SHAPES[name]
+        weights = shape.experts * (3 * shape.ffn * shape.hidden + shape.hidden)
+        rows = (2 * sets + shape.top_k) * tokens * shape.hidden + weights // world
+        ids = 8 * world * sets * tokens * shape.top_k
+        device = max(device, unit * (weights + rows) + ids)
+        host = max(host, RANK_PROCESS_BYTES + (4 * weights + ids if on_gpu else device))
+    flags = {"--tokens": tokens, "--shapes": ",".join(conf["shapes"]), "--input-sets": sets, "--world-size": world}
+    given = tuple(f for f, v in (("--tokens", args.tokens), ("--shapes", args.shapes)) if v)
+    return MemoryNeed(world * host, device, flags, given)
 
 
 def main(args: argparse.Namespace) -> int:
+    """`occult bench`: every flag checked, the ranks run, the table and the JSON written; exit status."""
     from occult.distributed import RankFailure
 
     backend = pick_backend(args.backend)
@@ -381,6 +216,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     if world % args.nodes:
         raise ValueError(f"--nodes {args.nodes} must divide the {world} ranks")
+    check_variants(list(args.variants), on_gpu, world, args.nodes, args.expert_backend)
     conf = dict(
         backend=backend,
         shapes=shapes,
@@ -394,6 +230,8 @@ def main(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         verbose=True,
     )
+    need = memory_need(conf, world, on_gpu, args)
+    check_fits("occult bench", need, on_gpu, world)
     print(
         f"occult bench: {world} rank(s), backend {backend}, shapes {shapes}, tokens/rank {conf['tokens']}", flush=True
     )
@@ -401,6 +239,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         results = run_ranks(bench_worker, world, conf, backend=backend, timeout_s=3000)
     except RankFailure as exc:
+        too_big = out_of_memory("occult bench", need, str(exc))
+        if too_big is not None:
+            raise too_big from None
         print(f"occult bench: FAILED: {exc}", file=sys.stderr)
         return 1
     result = results[0]

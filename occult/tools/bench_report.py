@@ -35,7 +35,8 @@ LEGEND = {
     "fwd ms, fwd+bwd": "the layer's median time, forward and forward+backward (the slowest rank's median)",
     "floor": "experts + a2a ms: the expert compute and the all-to-alls alone, nothing else",
     "experts": "the expert MLP alone on the received rows, ms",
-    "a2a ms, a2a GB/s": "the dispatch + combine all-to-alls alone, over the variant's transport (device: its push; counts: all_to_all_single); remote bytes leaving a rank / that time",
+    "a2a ms, a2a GB/s": "the dispatch + combine all-to-alls alone, over the variant's transport (device: its "
+    "push; counts: all_to_all_single); remote bytes leaving a rank / that time",
     "TFLOP/s": "expert FLOPs / experts time",
     "rel err": "output vs a float32 dense reference (256 tokens)",
     "syncs": "device-to-host synchronisations in one forward+backward (CUDA sync debug mode; n/a on CPU)",

@@ -3,7 +3,10 @@
 Spawns ranks (gloo on CPU, or NCCL with one GPU each), builds a layer whose router has a
 planted co-activation structure (experts fall into hidden groups that tokens mostly pick
 within), profiles its routing, places it, then runs the three variants on the same tokens,
-checks that they agree with the dense reference, and prints E[C_T], rows, bytes and times.
+checks that they agree with the dense reference, and prints E[C_T], rows, bytes and times (each
+time the median over the timed rounds of the slowest rank's; the speed line says both the ratio of
+those medians and the median of the per-round ratios). Sizes that cannot be allocated are refused
+before any rank starts (`occult.tools.preflight`).
 Rank 0 draws a progress bar of the timed rounds on stderr when it is a terminal (not with `-q`).
 """
 
@@ -26,6 +29,7 @@ from occult.moe.config import ExecConfig
 from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
 from occult.placement import Placement
+from occult.tools.preflight import MemoryNeed, check_fits, out_of_memory
 
 
 @dataclass
@@ -168,6 +172,7 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig, placement: Placemen
             "forward_ms": statistics.median(fwd[name]),
             "step_ms": statistics.median(step[name]),
             "step_ms_all": step[name],
+            "forward_ms_all": fwd[name],
             "forward_rows": stats.forward_rows,
             "forward_remote_rows": stats.forward_remote_rows,
             "forward_bytes": stats.forward_bytes,
@@ -197,24 +202,32 @@ def _defaults(args: argparse.Namespace, backend: str) -> DemoConfig:
     )
 
 
+def round_times(results: list[dict[str, Any]], variant: str, key: str) -> list[float]:
+    """A variant's time in each timed round (`key`: "step_ms_all" or "forward_ms_all"): the slowest
+    rank's, as a collective step ends when its last rank does."""
+    rounds = len(results[0][variant][key])
+    return [max(r[variant][key][i] for r in results) for i in range(rounds)]
+
+
 def format_table(cfg: DemoConfig, results: list[dict[str, Any]], ct_by_variant: dict[str, float]) -> str:
+    """Rows, bytes and times of each variant; the times are medians over rounds of the slowest rank's."""
     unit = 2 if cfg.dtype == "bfloat16" else 4
-    rows = []
-    header = f"{'variant':<17}{'E[C_T]':>8}{'rows sent':>12}{'MB sent':>10}{'remote MB':>11}{'fwd ms':>9}{'fwd+bwd ms':>12}{'rel err':>10}"
-    rows.append(header)
-    rows.append("-" * len(header))
-    base = None
+    header = (
+        f"{'variant':<17}{'E[C_T]':>8}{'rows sent':>12}{'MB sent':>10}{'remote MB':>11}{'fwd ms':>9}"
+        f"{'fwd+bwd ms':>12}{'rel err':>10}"
+    )
+    rows = [header, "-" * len(header)]
     for name in results[0]:
         per = [r[name] for r in results]
         total_rows = sum(p["forward_rows"] for p in per)
         mb = sum(p["forward_bytes"] for p in per) / 1e6
         remote_mb = sum(p["forward_remote_rows"] for p in per) * cfg.hidden * unit / 1e6
-        fwd = max(p["forward_ms"] for p in per)
-        step = max(p["step_ms"] for p in per)
+        fwd = statistics.median(round_times(results, name, "forward_ms_all"))
+        step = statistics.median(round_times(results, name, "step_ms_all"))
         err = max(p["rel_error"] for p in per)
-        base = base or mb
         rows.append(
-            f"{name:<17}{ct_by_variant[name]:>8.2f}{total_rows:>12d}{mb:>10.2f}{remote_mb:>11.2f}{fwd:>9.1f}{step:>12.1f}{err:>10.1e}"
+            f"{name:<17}{ct_by_variant[name]:>8.2f}{total_rows:>12d}{mb:>10.2f}{remote_mb:>11.2f}{fwd:>9.1f}"
+            f"{step:>12.1f}{err:>10.1e}"
         )
     return "\n".join(rows)
 
@@ -239,28 +252,49 @@ def check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"--top-k {cfg.top_k} is more than the {cfg.experts} experts")
 
 
-def speed_line(results: list[dict[str, Any]], noisy: bool) -> str:
-    """fwd+bwd of dedup+placement vs standard: the median over rounds of the per-round ratio (each
-    round's time is its slowest rank's), with the range of those ratios; `noisy` (CPU ranks on
-    shared cores) says so."""
-    rounds = len(results[0]["standard"]["step_ms_all"])
-    ratios = sorted(
-        max(r["standard"]["step_ms_all"][i] for r in results)
-        / max(r["dedup+placement"]["step_ms_all"][i] for r in results)
-        for i in range(rounds)
-    )
-    how = f"median of {rounds} interleaved round(s)"
-    if rounds > 1:
+def speed_line(results: list[dict[str, Any]], noisy: bool, variant: str = "dedup+placement") -> str:
+    """fwd+bwd of `variant` vs standard, two ways from the same rounds (each round's time is its
+    slowest rank's): the ratio of the table's median times, and the median of the per-round
+    ratios with their range; `noisy` (CPU ranks on shared cores) says so."""
+    standard = round_times(results, "standard", "step_ms_all")
+    other = round_times(results, variant, "step_ms_all")
+    ratios = sorted(s / o for s, o in zip(standard, other))
+    table = statistics.median(standard) / statistics.median(other)
+    how = f"median of {len(ratios)} interleaved round(s)' ratios"
+    if len(ratios) > 1:
         how += f", range {ratios[0]:.2f}-{ratios[-1]:.2f}x"
     if noisy:
         how += "; noisy CPU timing"
-    return f"fwd+bwd {statistics.median(ratios):.2f}x vs standard ({how})"
+    return (
+        f"fwd+bwd of {variant} vs standard: {table:.2f}x by the table's median times, "
+        f"{statistics.median(ratios):.2f}x per round ({how})"
+    )
+
+
+RANK_PROCESS_BYTES = 100_000_000  # a spawned rank's own memory (Python and torch), at least
+
+
+def memory_need(cfg: DemoConfig, args: argparse.Namespace) -> MemoryNeed:
+    """What the demo needs at least: each rank's full dense layer (built in float32 on the host,
+    then cast), its three variants' experts, one batch's tokens and the standard dispatch's rows;
+    the parent's calibration (8x the tokens, float32) before the ranks start."""
+    unit = 2 if cfg.dtype == "bfloat16" else 4
+    E, H, F, T, k, D = cfg.experts, cfg.hidden, cfg.ffn, cfg.tokens, cfg.top_k, cfg.world_size
+    weights = E * (3 * F * H + H)
+    per_rank_device = unit * (weights + 3 * weights // D + T * H * (2 + k) + 2 * T * k * F) + 4 * T * H
+    calibration = 4 * (weights + 8 * T * (H + E)) + 8 * 8 * T * k
+    per_rank_host = RANK_PROCESS_BYTES + 4 * weights + (0 if cfg.backend == "nccl" else per_rank_device)
+    flags = {"--tokens": T, "--hidden": H, "--ffn": F, "--experts": E, "--top-k": k, "--world-size": D}
+    given = tuple(f for f in flags if getattr(args, f[2:].replace("-", "_"), None) is not None)
+    return MemoryNeed(max(calibration, D * per_rank_host), per_rank_device, flags, given)
 
 
 def main(args: argparse.Namespace) -> int:
     backend = pick_backend(getattr(args, "backend", "auto"))
     cfg = _defaults(args, backend)
     check_config(cfg)
+    need = memory_need(cfg, args)
+    check_fits("occult demo", need, on_gpu=backend == "nccl", ranks=cfg.world_size)
     from occult.distributed import RankFailure
     from occult.placement.stats import mean_ct
 
@@ -285,6 +319,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         results = run_ranks(demo_worker, cfg.world_size, cfg, placement, backend=backend, timeout_s=900)
     except RankFailure as exc:
+        too_big = out_of_memory("occult demo", need, str(exc))
+        if too_big is not None:
+            raise too_big from None
         print(f"occult demo: FAILED: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -309,7 +346,8 @@ def main(args: argparse.Namespace) -> int:
     )
     if backend == "gloo":
         print(
-            f"(CPU ranks, {_cpu_threads(cfg.world_size)} thread(s) each on this machine's shared cores: times are noisy "
-            "and measure CPU compute and gloo, not GPU speed; rows and bytes are exact. See `occult bench` on GPUs.)"
+            f"(CPU ranks, {_cpu_threads(cfg.world_size)} thread(s) each on this machine's shared cores: times are "
+            "noisy and measure CPU compute and gloo, not GPU speed; rows and bytes are exact. See `occult bench` "
+            "on GPUs.)"
         )
     return 0

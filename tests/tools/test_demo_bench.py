@@ -44,21 +44,30 @@ def test_demo_runs_and_variants_agree():
     sent = {name: int(r[2]) for name, r in rows.items()}
     assert sent["standard"] == 2 * 2 * 96 * 4  # dispatch + combine, T*k rows on each of 2 ranks
     assert sent["dedup+placement"] <= sent["dedup"] < sent["standard"]
-    # the speed line says how it was measured, and that CPU timing is noisy
-    assert "vs standard (median of 1 interleaved round(s); noisy CPU timing)" in out
+    # the speed line names the variant, gives the table's ratio, says how it was measured and that CPU timing is noisy
+    table = {name: float(r[-2]) for name, r in rows.items()}  # fwd+bwd ms
+    line = next(part for part in out.split("; ") if part.startswith("fwd+bwd of dedup+placement vs standard: "))
+    shown = float(line.split(": ")[1].split("x by the table's median times")[0])
+    # the table rounds to 0.1 ms: the ratio of the rounded times is within that rounding of the ratio shown
+    slack = 0.05 * (1 / table["dedup+placement"] + table["standard"] / table["dedup+placement"] ** 2) + 0.005
+    assert shown == pytest.approx(table["standard"] / table["dedup+placement"], abs=slack), out
+    assert "per round (median of 1 interleaved round(s)' ratios; noisy CPU timing)" in out
     assert "times are noisy" in out
 
 
-def test_demo_speed_line_is_a_median_of_interleaved_rounds():
-    from occult.tools.demo import speed_line
+def test_demo_speed_line_gives_the_tables_ratio_and_the_median_of_per_round_ratios():
+    from occult.tools.demo import round_times, speed_line
 
     def rank(std, best):
         return {"standard": {"step_ms_all": std}, "dedup+placement": {"step_ms_all": best}}
 
-    # round i's time is its slowest rank's; the ratio is the median of the per-round ratios
+    # round i's time is its slowest rank's: standard [10, 10, 40], dedup+placement [5, 10, 10]
     results = [rank([10, 10, 40], [5, 10, 10]), rank([8, 10, 10], [5, 5, 10])]
+    assert round_times(results, "standard", "step_ms_all") == [10, 10, 40]
+    # the table's medians give 10 / 10 = 1.00x; the per-round ratios 2, 1, 4 have the median 2.00x
     assert speed_line(results, noisy=True) == (
-        "fwd+bwd 2.00x vs standard (median of 3 interleaved round(s), range 1.00-4.00x; noisy CPU timing)"
+        "fwd+bwd of dedup+placement vs standard: 1.00x by the table's median times, 2.00x per round "
+        "(median of 3 interleaved round(s)' ratios, range 1.00-4.00x; noisy CPU timing)"
     )
     assert speed_line(results, noisy=False).endswith("range 1.00-4.00x)")
 
