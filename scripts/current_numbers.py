@@ -46,7 +46,7 @@ class Figure:
 
 TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "layer": (
-        f"One layer (`occult bench`), {LAYER_TOKENS} tokens per GPU, forward+backward checked against float32",
+        f"One layer (`occult bench`), {LAYER_TOKENS} tokens per GPU, outputs checked against float32 first",
         ("GPUs", "link", "shape", "routing", "variant"),
         ("forward ms", "fwd+bwd ms", "forward / floor", "vs standard, fwd / fwd+bwd", "rows per token"),
     ),
@@ -298,7 +298,9 @@ def render(results: Path = RESULTS, provenance_path: Path = PROVENANCE) -> str:
         "question, the figure of the newest file that answers it (never the best of several runs). Both "
         "sides of every ratio come from one job (one file). `commit`: the commit that added the file (the "
         "code measured is that commit's or its parent's); `date`: that commit's date; `link`: NVLink, or "
-        "`slow` (`NCCL_P2P_DISABLE=1`: traffic through the host). Older measurements: "
+        "`slow` (`NCCL_P2P_DISABLE=1`: traffic through the host). A ratio whose sides only different jobs "
+        "measured is not listed (e.g. OLMoE decode at B=256 on NVLink: benchmarks/serve_merge.py's merged "
+        "files hold those, marked by source). Older measurements: "
         "[../history.md](../history.md); how to run each benchmark: [../benchmarks.md](../benchmarks.md).",
     ]
     for table, (title, key_cols, cell_cols) in TABLES.items():
