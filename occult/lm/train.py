@@ -7,17 +7,19 @@ when the model has a routing placement) every `eval_every` steps, optional early
 validation loss flattens (`patience`), and a tqdm progress bar (loss, tokens/s). `moe_only=True`
 updates only the MoE blocks (routers and experts), everything else frozen (the paper's
 pruning-aware fine-tuning). `finetune(init, ...)` loads weights, applies a routing rule and trains
-(recipes: `distill_weight`, `train_part`, `occult.lm.distill`). Settings, schedule and optimizer: `occult.lm.state`;
-evaluation: `occult.lm.evaluate`; the step loop, gradient sync, clipping, checkpoint writer and step profile: the
-training core (`occult.training`). This module says how a batch becomes a loss and adds its hooks.
+(recipes: `distill_weight`, `train_part`, `occult.lm.distill`). Settings, schedule and optimizer:
+`occult.lm.state`; evaluation: `occult.lm.evaluate`; the run's files, evaluations and saves: `occult.lm.run`;
+the step loop, gradient sync, clipping, checkpoint writer and step profile: the training core
+(`occult.training`). This module says how a batch becomes a loss and adds its hooks. A run whose loss or
+weights become non-finite (NaN/inf, e.g. a learning rate far too high) raises `DivergedError` naming the step.
 
 On N ranks (`parallel=`, an `occult.lm.parallel.Parallel`; the model from `shard_model`), the
 experts are sharded over each EP group and everything else is data parallel: every rank reads
 its own rows of each global batch of `batch_size` rows, gradients are synchronised (replicated
 ones by torch DDP during the backward, `grad_sync="ddp"`, or after it, "explicit", or sharded
-with FSDP2, "fsdp", `occult.lm.fsdp`; expert ones after it) and clipped over the whole model, the load-balancing loss is over the global batch,
-and the result equals a single-process run on the same global batch. Rank 0 alone prints, draws the bar and writes
-the weights files (gathered from every rank) and metrics.
+with FSDP2, "fsdp", `occult.lm.fsdp`; expert ones after it) and clipped over the whole model, the
+load-balancing loss is over the global batch, and the result equals a single-process run on the same global
+batch. Rank 0 alone prints, draws the bar and writes the weights files (gathered from every rank) and metrics.
 
 Files in `out_dir` (all written atomically):
     checkpoint.safetensors  latest state of a single-process run: `model.*` weights,
@@ -47,32 +49,27 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from occult._atomic import atomic_path
 from occult.lm.checkpoint import (
     CheckpointError,
     config_from_metadata,
     load_weights,
-    model_metadata,
-    model_tensors,
     read_checkpoint,
 )
 from occult.lm.data import TokenData, train_batch
 from occult.lm.distill import distilled_loss, load_teacher
 from occult.lm.evaluate import autocast_dtype, autocast_for, evaluate, pick_device
-from occult.lm.fsdp import reshard, wrap_fsdp
+from occult.lm.fsdp import wrap_fsdp
 from occult.lm.migrate import follow_routing
 from occult.lm.model import OccultLM
 from occult.lm.parallel import (
     Parallel,
     clip_grad_norm,
     full_model,
-    gathered_tensors,
     global_mean,
     shard_model,
     shard_tensors,
@@ -81,7 +78,8 @@ from occult.lm.parallel import (
 )
 from occult.lm.plot import plot_losses
 from occult.lm.replace import Replacer
-from occult.lm.sharded import find_sharded, load_sharded, read_sharded_meta, save_sharded
+from occult.lm.run import BEST, CHECKPOINT, FINAL, METRICS, PLOT, EvalAndSave, TrainRun, latest_state  # noqa: F401
+from occult.lm.sharded import load_sharded
 from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
     TrainConfig,
     TrainResult,
@@ -94,150 +92,32 @@ from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
     tensor_hash,
     trainable_names,
 )
+from occult.moe.counts import STATUS_MESSAGES, RoutingError
 from occult.placement import Placement
-from occult.training.hooks import StepHook
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
-from occult.training.schedule import CosineSchedule
 from occult.training.step_profile import StepProfile
 
-CHECKPOINT = "checkpoint.safetensors"
-BEST = "best.safetensors"
-FINAL = "model.safetensors"
-METRICS = "metrics.jsonl"
-PLOT = "loss.png"
+
+class DivergedError(ValueError):
+    """The training loss or the weights became non-finite (NaN/inf): the learning rate is too high."""
 
 
-def latest_state(out: Path) -> tuple[str, Path, Mapping[str, Any]] | None:
-    """("dcp" | "safetensors", path, metadata) of the newest resume state in `out`, or None."""
-    found = []
-    sharded = find_sharded(out)
-    if sharded is not None:
-        found.append(("dcp", sharded, read_sharded_meta(sharded)))
-    if (out / CHECKPOINT).exists():
-        found.append(("safetensors", out / CHECKPOINT, read_checkpoint(out / CHECKPOINT, prefixes=())[1]))
-    return max(found, key=lambda f: int(f[2].get("step", 0)), default=None)
+def _run_steps(loop: TrainLoop, last: int) -> None:
+    """`loop.run(last)`, a non-finite loss (or the router's NaN gates that non-finite weights make) as a
+    `DivergedError` naming the step."""
+    try:
+        loop.run(last)
+    except (FloatingPointError, RoutingError) as exc:
+        if isinstance(exc, RoutingError) and STATUS_MESSAGES[1] not in str(exc):
+            raise
+        step = loop.step if isinstance(exc, FloatingPointError) else loop.step + 1  # measured after / during it
+        raise DivergedError(
+            f"training diverged: the loss or the weights became non-finite (NaN/inf) at step {step}; "
+            "lower the learning rate"
+        ) from exc
 
 
-@dataclass
-class _Run:
-    """One `train` call's model, settings and the state its checkpoints carry besides the loop's."""
-
-    model: OccultLM
-    data: TokenData
-    cfg: TrainConfig
-    out: Path
-    par: Parallel | None
-    log: Callable[[str], None] | None
-    opt: torch.optim.Optimizer
-    replacer: Replacer | None
-    meta_base: dict[str, Any]
-    schedule: CosineSchedule
-    best: float | None = None
-    history: list[dict] = field(default_factory=list)
-    saved_at: int = -1
-    loop: TrainLoop | None = None
-
-    @property
-    def main(self) -> bool:
-        return self.par is None or self.par.is_main
-
-    def metadata(self) -> dict[str, str]:
-        loop = self.loop
-        meta = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in self.meta_base.items()}
-        meta.update(model_metadata(self.model))
-        meta.update(
-            step=str(loop.step),
-            best_val_loss=json.dumps(self.best),
-            history=json.dumps(self.history),
-            stopped_early="true" if loop.stopped else "false",
-            train_losses=json.dumps(loop.losses),
-        )
-        if self.schedule.restarts:  # extended on a resume with more steps
-            meta["lr_schedule"] = json.dumps(self.schedule.to_json())
-        if self.replacer is not None:
-            meta["replace"] = json.dumps(self.replacer.state())
-        return meta
-
-    def save(self, path: Path, with_optimizer: bool) -> None:
-        """A weights file (`with_optimizer=False`) or the resume state: sharded on N ranks (once per step)."""
-        import safetensors.torch
-
-        meta = self.metadata()
-        if self.par is not None and with_optimizer:
-            if self.saved_at != self.loop.step:
-                save_sharded(self.out, self.model, self.opt, meta, self.loop.step)
-                self.saved_at = self.loop.step
-            return
-        tensors = gathered_tensors(self.model) if self.par is not None else model_tensors(self.model)
-        if with_optimizer:
-            tensors.update(optimizer_tensors(self.model, self.opt))
-        if self.main:
-            with atomic_path(path) as tmp:
-                safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
-
-    def evaluate(self, train_loss: float | None = None) -> dict:
-        """Validation loss (one line of metrics.jsonl, with the training tokens/s since the last one)."""
-        cfg, par = self.cfg, self.par
-        steps, seconds = self.loop.clock.take()
-        rate = {}
-        if steps and seconds > 0:  # the losses read back before an evaluation synchronised the device
-            tps = steps * cfg.batch_size * cfg.seq_len / seconds
-            rate = {"train_tokens_per_s": tps, "train_tokens_per_s_per_rank": tps / (par.world_size if par else 1)}
-        r = evaluate(
-            self.model,
-            self.data.val,
-            cfg.eval_batch_size or cfg.batch_size,
-            cfg.seq_len,
-            cfg.eval_tokens,
-            cfg.precision,
-            parallel=par,
-        )
-        reshard(self.model)  # FSDP: the root's weights back to shards after a forward without backward
-        r["step"] = self.loop.step
-        r.update(rate)
-        if train_loss is not None:
-            r["train_loss"] = train_loss
-        self.history.append(r)
-        if self.main:
-            with open(self.out / METRICS, "a") as f:
-                f.write(json.dumps(r) + "\n")
-        r["improved"] = self.best is None or r["val_loss"] < self.best * (1 - cfg.min_delta)
-        if self.best is None or r["val_loss"] < self.best:
-            self.best = r["val_loss"]
-            self.save(self.out / BEST, with_optimizer=False)
-        else:
-            r["improved"] = False
-        self.loop.postfix["val"] = f"{r['val_loss']:.3f}"
-        return r
-
-    def plateaued(self) -> bool:
-        p = self.cfg.patience
-        if p is None or len(self.history) <= p:
-            return False
-        return not any(h.get("improved") for h in self.history[-p:])
-
-
-class _EvalAndSave(StepHook):
-    """Evaluation every `eval_every` steps (early stop on a plateau), resume state every `save_every`."""
-
-    def __init__(self, run: _Run) -> None:
-        self.run = run
-
-    def after_step(self, step: int, optimizer: torch.optim.Optimizer | None) -> None:
-        run, cfg, loop = self.run, self.run.cfg, self.run.loop
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            run.evaluate(loop.flush())
-            if run.plateaued():
-                loop.stop()
-                if run.log:
-                    run.log(f"validation loss flat for {cfg.patience} evaluations: stopping at step {step}")
-        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps or loop.stopped):
-            loop.flush()
-            loop.clock.pause()
-            run.save(run.out / CHECKPOINT, with_optimizer=True)
-
-
-def _step_parts(run: _Run) -> StepParts:
+def _step_parts(run: TrainRun) -> StepParts:
     """How a step of `OccultLM` goes: its rows of the global batch, its loss (+ aux), its gradient sync."""
     model, cfg, par = run.model, run.cfg, run.par
     device = next(model.parameters()).device
@@ -274,7 +154,7 @@ def _step_parts(run: _Run) -> StepParts:
     )
 
 
-def _resume(run: _Run, state: tuple[str, Path, Mapping[str, Any]], data_sig: str, init_hash: str | None) -> None:
+def _resume(run: TrainRun, state: tuple[str, Path, Mapping[str, Any]], data_sig: str, init_hash: str | None) -> None:
     """Check the checkpoint against this run, then load it into the model, optimizer and loop."""
     kind, path, meta = state
     model, par = run.model, run.par
@@ -318,7 +198,7 @@ def _prepare(
     par: Parallel | None,
     log: Callable[[str], None] | None,
     meta_base: dict[str, Any],
-) -> _Run:
+) -> TrainRun:
     """Checks, device, FSDP wrapping, optimizer and re-placement of a run."""
     device = pick_device(cfg.device)
     model.to(device)
@@ -336,7 +216,7 @@ def _prepare(
     replacer = Replacer(model, par, cfg, out, log) if cfg.replaces and par is not None and par.ep_size > 1 else None
     if cfg.replaces and replacer is None and log:
         log("experts are not sharded (one process or EP size 1): nothing to re-place")
-    return _Run(model, data, cfg, out, par, log, opt, replacer, meta_base, schedule_for(cfg))
+    return TrainRun(model, data, cfg, out, par, log, opt, replacer, meta_base, schedule_for(cfg))
 
 
 def train(
@@ -384,7 +264,7 @@ def train(
         if cfg.profile_steps
         else []
     )  # first: it stops before step B's evaluation (A - 1 should have none)
-    hooks += ([run.replacer] if run.replacer is not None else []) + [_EvalAndSave(run)]
+    hooks += ([run.replacer] if run.replacer is not None else []) + [EvalAndSave(run)]
     run.loop = TrainLoop(None, run.opt, settings, hooks)  # its parts after the resume (DDP wraps the loaded model)
     state = latest_state(out)
     if state is not None:
@@ -400,7 +280,7 @@ def train(
         run.evaluate()
     model.train()
     loop.parts, start = _step_parts(run), loop.step
-    loop.run(cfg.steps if stop_after is None else min(cfg.steps, loop.step + int(stop_after)))
+    _run_steps(loop, cfg.steps if stop_after is None else min(cfg.steps, loop.step + int(stop_after)))
     if loop.interrupted and loop.step == start:
         raise KeyboardInterrupt
     run.save(out / CHECKPOINT, with_optimizer=True)
@@ -469,5 +349,6 @@ __all__ = [
     "pick_device",
     "autocast_for",
     "CheckpointError",
+    "DivergedError",
     "latest_state",
 ]

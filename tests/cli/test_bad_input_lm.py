@@ -14,8 +14,8 @@ from occult import cli
 pytest.importorskip("tokenizers")
 
 CORPUS = REPO / "tests" / "data" / "shakespeare_tiny"
-TINY_MODEL = ["--hidden", "16", "--layers", "1", "--heads", "2", "--experts", "4", "--top-k", "2"]
-TINY_RUN = ["--expert-ffn", "16", "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0"]
+TINY_MODEL = ["--hidden", "16", "--layers", "1", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-ffn", "16"]
+TINY_RUN = ["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0"]
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -115,3 +115,131 @@ def test_train_refuses_a_corpus_whose_tokenizer_and_tokens_disagree(capsys, tmp_
     )
     one_clean_line(code, err, "--tokenizer", "not a valid tokenizer")
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ occult train / finetune / profile
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, prepared) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    argv = ["train", "--corpus-dir", str(prepared), "--out", str(out), *TINY_MODEL, *TINY_RUN, "--no-progress"]
+    assert cli.main(argv) == 0
+    return out / "model.safetensors"
+
+
+def train_argv(prepared: Path, out: Path, *extra) -> list:
+    return ["train", "--corpus-dir", prepared, "--out", out, *TINY_MODEL, *TINY_RUN, *extra]
+
+
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--device", "foo"], ["--device foo", "not a device"]),
+        (["--device", "cuda:x"], ["--device cuda:x"]),
+        (["--device", "mps"], ["--device mps", "cpu or cuda"]),
+        (["--batch-size", "100000000"], ["--batch-size 100000000", "GiB", "lower --batch-size"]),
+        (["--hidden", "1000000000", "--heads", "1"], ["--hidden 1000000000", "GiB", "make it smaller"]),
+    ],
+)
+def test_train_refuses_a_device_or_size_it_cannot_have(capsys, tmp_path, prepared, extra, needles):
+    code, _, err = run(capsys, *train_argv(prepared, tmp_path / "run", *extra))
+    one_clean_line(code, err, *needles)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA GPU")
+@pytest.mark.parametrize("command", ["train", "finetune", "profile"])
+def test_device_cuda_without_a_gpu_is_refused(capsys, tmp_path, prepared, checkpoint, command):
+    argv = {
+        "train": train_argv(prepared, tmp_path / "run"),
+        "finetune": ["finetune", "--init", checkpoint, "--corpus-dir", prepared, "--out", tmp_path / "run"],
+        "profile": ["profile", "--model", checkpoint, "--corpus-dir", prepared, "--out", tmp_path / "t.safetensors"],
+    }[command]
+    code, _, err = run(capsys, *argv, "--device", "cuda")
+    one_clean_line(code, err, "--device cuda", "--device cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_lr_out_of_range_is_refused_by_argparse(capsys, tmp_path, prepared):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([str(a) for a in train_argv(prepared, tmp_path / "run", "--lr", "1e30")])
+    assert exc.value.code == 2 and "--lr" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "failure, needles",
+    [
+        (FloatingPointError("training loss is nan at step 1"), ["--lr 0.001", "non-finite", "at step", "smaller --lr"]),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"), ["--batch-size 2", "out of memory"]),
+    ],
+)
+def test_a_run_that_fails_names_the_flag_and_leaves_no_empty_out(
+    capsys, tmp_path, prepared, monkeypatch, failure, needles
+):
+    from occult.training.loop import TrainLoop
+
+    def fail(self, last):
+        raise failure
+
+    monkeypatch.setattr(TrainLoop, "run", fail)
+    code, _, err = run(capsys, *train_argv(prepared, tmp_path / "run", "--lr", "1e-3"))
+    one_clean_line(code, err, *needles)
+    assert not (tmp_path / "run").exists()  # made by the run, nothing written: removed again
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    code, _, err = run(capsys, *train_argv(prepared, kept))
+    assert code == 2 and kept.is_dir()  # an --out that existed before stays
+
+
+def test_train_draws_no_bar_when_stderr_is_not_a_terminal(capsys, tmp_path, prepared):
+    code, out, err = run(capsys, *train_argv(prepared, tmp_path / "run"))
+    assert code == 0, err
+    assert "step/s" not in err and "it/s" not in err and "model:" in out
+
+
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--max-devices", "9", "--placement", "PLACEMENT"], ["--max-devices 9", "4 devices", "1 to 4"]),
+        (["--data", "random"], ["--data random", "--hf"]),
+        (["--distill-from", "PLACEMENT", "--distill-weight", "1"], ["--distill-from"]),
+        (["--device", "foo"], ["--device foo"]),
+    ],
+)
+def test_finetune_refuses_flags_that_cannot_apply(capsys, tmp_path, prepared, checkpoint, extra, needles):
+    placement = tmp_path / "p4.json"
+    trace = tmp_path / "trace.safetensors"
+    prof = ["profile", "--model", checkpoint, "--corpus-dir", prepared, "--out", trace, "--tokens", "256"]
+    assert cli.main([str(a) for a in prof]) == 0
+    assert cli.main(["place", "--trace", str(trace), "--devices", "4", "--out", str(placement)]) == 0
+    capsys.readouterr()
+    extra = [str(placement) if e == "PLACEMENT" else e for e in extra]
+    argv = ["finetune", "--init", checkpoint, "--corpus-dir", prepared, "--out", tmp_path / "run", *TINY_RUN, *extra]
+    code, _, err = run(capsys, *argv)
+    one_clean_line(code, err, *needles)
+    assert "--out" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--data", "random"], ["--data random", "transformers models only"]),
+        (["--device", "foo"], ["--device foo"]),
+    ],
+)
+def test_profile_of_a_checkpoint_refuses_flags_that_cannot_apply(
+    capsys, tmp_path, prepared, checkpoint, extra, needles
+):
+    argv = ["profile", "--model", checkpoint, "--corpus-dir", prepared, "--out", tmp_path / "t.safetensors", *extra]
+    code, _, err = run(capsys, *argv)
+    one_clean_line(code, err, *needles)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("flag", ["--out", "--similarity"])
+def test_profile_names_an_output_that_cannot_be_written(capsys, tmp_path, prepared, checkpoint, flag):
+    outputs = {"--out": tmp_path / "t.safetensors", "--similarity": tmp_path / "s.safetensors", flag: "/dev/full"}
+    argv = ["profile", "--model", checkpoint, "--corpus-dir", prepared, "--tokens", "256"]
+    code, _, err = run(capsys, *argv, *[x for kv in outputs.items() for x in kv])
+    one_clean_line(code, err, f"{flag} /dev/full", "No space left")

@@ -1,0 +1,166 @@
+"""Checks of the flags of `occult train / finetune / profile` (occult checkpoints and `--hf`) that need
+more than argparse: the device, sizes that cannot be allocated, and the run
+directory's life (made when the run starts writing, removed again when a run fails before it wrote
+anything). Each refusal is a `CommandError` naming the flag, before any work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from occult.cli.inputs import input_error, one_line
+from occult.cli.registry import CommandError
+
+GIB = 1 << 30
+
+
+def check_device(value: str | None, flag: str = "--device") -> None:
+    """`auto`, `cpu`, `cuda` or `cuda:N` of a GPU that is here; anything else is refused naming `flag`."""
+    if value in (None, "auto"):
+        return
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise CommandError(f"{flag} {value} is not a device: give auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise CommandError(f"{flag} {value}: occult runs on cpu or cuda; give auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise CommandError(f"{flag} {value}: {why}; give --device cpu (or auto)")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise CommandError(f"{flag} {value}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+
+
+def resolved_device(device: str | None) -> str:
+    """`device`, with auto resolved as the commands do (cuda if present, else cpu)."""
+    import torch
+
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory a run on `device` can still allocate (a GPU's free memory, else the host's
+    MemAvailable), or None when it cannot be told."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(what: str, need: int, device: str | None, fix: str) -> None:
+    """Refuse a run whose smallest allocation (`need` bytes, a lower bound) exceeds what `device` has."""
+    device = resolved_device(device)
+    have = available_bytes(device)
+    if have is not None and need > have:
+        raise CommandError(
+            f"{what} needs at least {need / GIB:,.1f} GiB, but {have / GIB:,.1f} GiB are free on {device}: {fix}"
+        )
+
+
+def world_size() -> int:
+    """The ranks of this run (torchrun's WORLD_SIZE; 1 for one process)."""
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def check_train_sizes(args: Any, vocab_size: int) -> None:
+    """Refuse a model (its weights, gradients and AdamW state) or a batch (its logits and activations)
+    that cannot be allocated, naming the flags to lower. Both sums are lower bounds."""
+    h, layers, e, f = args.hidden, args.layers, args.experts, args.expert_ffn
+    params = 2 * vocab_size * h + layers * (4 * h * h + e * (h + 3 * h * f) + 2 * h)
+    check_fits(
+        f"the model of --hidden {h}, --layers {layers}, --experts {e}, --expert-ffn {f} ({params:,} parameters)",
+        16 * params,  # fp32 weights, gradients, two AdamW moments
+        args.device,
+        "make it smaller",
+    )
+    check_batch(args, vocab_size, h, layers, args.top_k * f)
+
+
+def check_batch(args: Any, vocab_size: int, hidden: int, layers: int, ffn: int) -> None:
+    """The activations one rank keeps for the backward of its rows of a --batch-size x --seq-len batch
+    (`ffn`: the expert width times top-k, the SwiGLU activations of a token)."""
+    tokens = max(1, args.batch_size // world_size()) * args.seq_len
+    need = 4 * tokens * (2 * vocab_size + layers * (8 * hidden + 3 * ffn))
+    check_fits(
+        f"--batch-size {args.batch_size} x --seq-len {args.seq_len} ({tokens:,} tokens per rank and step)",
+        need,
+        args.device,
+        "lower --batch-size (or --seq-len)",
+    )
+
+
+@contextlib.contextmanager
+def allocation_named(flag: str, value: Any) -> Iterator[None]:
+    """An allocation that fails (host or GPU out of memory) becomes a `CommandError` naming `flag`."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise CommandError(f"{flag} {value}: out of memory ({one_line(str(exc))[:200]}); lower {flag}") from None
+    except RuntimeError as exc:
+        if "can't allocate memory" not in str(exc) and "out of memory" not in str(exc):
+            raise
+        raise CommandError(f"{flag} {value}: out of memory ({one_line(str(exc))[:200]}); lower {flag}") from None
+
+
+@contextlib.contextmanager
+def run_dir(path: str | os.PathLike) -> Iterator[None]:
+    """A run's output directory: when the run fails and the directory did not exist before, the
+    empty folders it left (nothing written) are removed; a file written is never removed."""
+    out = Path(path)
+    existed = out.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and out.is_dir():
+            remove_empty_tree(out)
+        raise
+
+
+def remove_empty_tree(root: Path) -> None:
+    """Remove `root` and the folders under it bottom-up, as long as they hold no file."""
+    for folder, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        with contextlib.suppress(OSError):  # not empty (a file was written), or another rank removed it
+            os.rmdir(folder)
+
+
+def check_max_devices(max_devices: int | None, placement: Any, path: str | None) -> None:
+    """--max-devices N must leave a choice: at most the devices of --placement (N = all is plain routing)."""
+    if max_devices is not None and placement is not None and max_devices > placement.num_devices:
+        raise CommandError(
+            f"--max-devices {max_devices} is more than the {placement.num_devices} devices of --placement {path}: "
+            f"give 1 to {placement.num_devices}"
+        )
+
+
+@contextlib.contextmanager
+def writing_named(*outputs: tuple[str, str | None]) -> Iterator[None]:
+    """An output that cannot be written (a full disk, /dev/full) becomes a `CommandError` naming its flag:
+    `outputs` are (flag, path) pairs; a file beside a path (OUT.similarity.safetensors) counts as that path's."""
+    try:
+        yield
+    except OSError as exc:
+        for flag, path in outputs:
+            if path is not None and str(exc.filename or "").startswith(str(path)):
+                raise input_error(flag, path, exc) from None
+        raise
