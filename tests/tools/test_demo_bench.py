@@ -72,6 +72,16 @@ def test_demo_speed_line_gives_the_tables_ratio_and_the_median_of_per_round_rati
     assert speed_line(results, noisy=False).endswith("range 1.00-4.00x)")
 
 
+def test_demo_check_fails_on_a_nan_wherever_it_is():
+    import math
+
+    from occult.tools.demo import worst_error
+
+    assert worst_error([1e-6, 3e-5, 2e-6]) == 3e-5
+    for errors in ([float("nan"), 1e-6], [1e-6, float("nan")]):
+        assert math.isnan(worst_error(errors))  # max([1e-6, nan]) alone is 1e-6: a silent pass
+
+
 def test_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     proc = _occult(
