@@ -60,6 +60,7 @@ class PresetRouter(nn.Module):
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float32 (b the reference)."""
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
@@ -165,7 +166,10 @@ def _splits(handle) -> tuple[list[int], list[int]]:
 
 def bench_variant(
     variant, shape, placement, w1_full, w2_full, gate_w, xs, gs, ids_sets, timer, warmup, iters, world, device, args
-):
+) -> dict:
+    """One variant on this rank: its output checked against the float32 dense reference, then timed
+    (forward, forward+backward, host ms and syncs, the expert compute and the all-to-alls alone;
+    each time the slowest rank's median): the run's row of the table."""
     layer, routers = _variant_layer(
         variant, shape, placement, w1_full, w2_full, gate_w, ids_sets[: len(xs)], device, args
     )
