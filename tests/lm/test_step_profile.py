@@ -39,7 +39,7 @@ def test_profiled_run_writes_its_summary_and_trains_the_same(tmp_path, data):
     profiled = one_process(
         data, train_config(steps=6, eval_every=3, save_every=0, profile_steps="2:4"), tmp_path / "prof", seed
     )
-    assert plain["losses"] == profiled["losses"]
+    assert plain["losses"] == profiled["losses"]  # the profiler only records: the same ops on the same data
     doc = json.loads((tmp_path / "prof" / "step_profile_rank0.json").read_text())
     assert doc["window"] == [2, 4] and doc["steps"] == 3 and doc["wall_ms_per_step"] > 0
     assert doc["gpu_busy_ms_per_step"] is None  # a CPU run: no device figures

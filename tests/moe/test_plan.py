@@ -91,7 +91,11 @@ def test_token_sum_kernel_matches_index_add():
         plan = trim(plan, int(plan.send_counts_D.sum()))
         y_PH = torch.randn(plan.num_rows, 24)
         ref = torch.zeros(33, 24).index_add_(0, plan.token_P, y_PH)
-        torch.testing.assert_close(gather_sum(y_PH, plan.row_TJ), ref, rtol=1e-6, atol=1e-6)
+        # the same <= J rows per token summed in two orders: each within (J - 1) eps * sum |rows| of the exact sum
+        terms = torch.zeros(33, 24).index_add_(0, plan.token_P, y_PH.abs())
+        bound = 2 * (plan.row_TJ.shape[1] - 1) * torch.finfo(torch.float32).eps * terms
+        err = (gather_sum(y_PH, plan.row_TJ) - ref).abs()
+        assert (err <= bound).all(), float((err - bound).max())
 
 
 @pytest.mark.parametrize("dedup", [True, False])
