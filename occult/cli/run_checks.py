@@ -164,3 +164,20 @@ def writing_named(*outputs: tuple[str, str | None]) -> Iterator[None]:
             if path is not None and str(exc.filename or "").startswith(str(path)):
                 raise input_error(flag, path, exc) from None
         raise
+
+
+@contextlib.contextmanager
+def diverged_named(lr: float) -> Iterator[None]:
+    """A run whose loss or weights became non-finite (the loop's `FloatingPointError`, or the router's NaN
+    gates that non-finite weights make) becomes a `CommandError` naming --lr."""
+    from occult.moe.counts import STATUS_MESSAGES, RoutingError
+
+    try:
+        yield
+    except (FloatingPointError, RoutingError) as exc:
+        if isinstance(exc, RoutingError) and STATUS_MESSAGES[1] not in str(exc):
+            raise
+        raise CommandError(
+            f"--lr {lr:g}: training diverged, the loss or the weights became non-finite ({one_line(str(exc))}); "
+            "give a smaller --lr"
+        ) from None

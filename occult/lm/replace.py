@@ -116,7 +116,8 @@ class Replacer(StepHook):
         spec = model.routing
         if spec.max_devices is not None and (spec.placement is None or spec.placement.num_devices != parallel.ep_size):
             raise ValueError(
-                f"re-placement with device-limited routing needs the routing placement on the {parallel.ep_size} EP ranks "
+                "re-placement with device-limited routing needs the routing placement on the "
+                f"{parallel.ep_size} EP ranks "
                 f"(it has {None if spec.placement is None else spec.placement.num_devices} devices)"
             )
         self.model, self.par, self.cfg, self.log = model, parallel, cfg, log

@@ -73,7 +73,8 @@ class TrainConfig:
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
     replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
     profile_steps: str | None = None  # "A:B": profile steps A..B (occult.training.step_profile); None = off
-    grad_sync: str = "ddp"  # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
+    # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
+    grad_sync: str = "ddp"
     # pruning-aware fine-tuning recipes (occult.lm.distill)
     distill_weight: float = 0.0  # > 0: + W * T^2 * KL(unpruned teacher || pruned student) of the logits
     distill_temperature: float = 1.0

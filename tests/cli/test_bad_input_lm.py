@@ -243,3 +243,58 @@ def test_profile_names_an_output_that_cannot_be_written(capsys, tmp_path, prepar
     argv = ["profile", "--model", checkpoint, "--corpus-dir", prepared, "--tokens", "256"]
     code, _, err = run(capsys, *argv, *[x for kv in outputs.items() for x in kv])
     one_clean_line(code, err, f"{flag} /dev/full", "No space left")
+
+
+# ------------------------------------------------------------ occult finetune --hf / profile of a transformers model
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory) -> Path:
+    pytest.importorskip("transformers")
+    from occult.integrations import hf
+
+    path = tmp_path_factory.mktemp("hf") / "olmoe"
+    hf.tiny_random_model("olmoe", str(path), seed=1, vocab_size=96)
+    return path
+
+
+def hf_finetune_argv(hf_model: Path, out: Path, *extra) -> list:
+    return ["finetune", "--hf", hf_model, "--out", out, "--data", "random", *TINY_RUN, "--seq-len", "8", *extra]
+
+
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--device", "foo"], ["--device foo"]),
+        (["--max-devices", "9", "--placement", "PLACEMENT"], ["--max-devices 9", "2 devices", "1 to 2"]),
+        (["--distill-from", "PLACEMENT", "--distill-weight", "1"], ["--distill-from"]),
+    ],
+)
+def test_hf_finetune_refuses_flags_that_cannot_apply(capsys, tmp_path, hf_model, extra, needles):
+    import numpy as np
+
+    from occult.placement import Placement
+
+    placement = tmp_path / "p2.json"
+    Placement(np.array([[0, 0, 0, 0, 1, 1, 1, 1]] * 2), 2).save(placement)
+    extra = [str(placement) if e == "PLACEMENT" else e for e in extra]
+    code, _, err = run(capsys, *hf_finetune_argv(hf_model, tmp_path / "run", *extra))
+    one_clean_line(code, err, *needles)
+    assert not (tmp_path / "run").exists()
+
+
+def test_hf_finetune_that_fails_names_the_flag_and_leaves_no_empty_out(capsys, tmp_path, hf_model, monkeypatch):
+    from occult.training.loop import TrainLoop
+
+    def diverge(self, last):
+        raise FloatingPointError("training loss is nan at step 1; lower the learning rate")
+
+    monkeypatch.setattr(TrainLoop, "run", diverge)
+    code, _, err = run(capsys, *hf_finetune_argv(hf_model, tmp_path / "run"))
+    one_clean_line(code, err, "--lr", "non-finite", "smaller --lr")
+    assert not (tmp_path / "run").exists()
+
+
+def test_profile_of_a_transformers_model_refuses_a_bad_device(capsys, tmp_path, hf_model):
+    argv = ["profile", "--model", hf_model, "--data", "random", "--out", tmp_path / "t.safetensors"]
+    code, _, err = run(capsys, *argv, "--device", "foo")
+    one_clean_line(code, err, "--device foo")
+    assert list(tmp_path.iterdir()) == []

@@ -26,7 +26,8 @@ master weights. `aux_loss_coef > 0` adds the load-balancing loss over the global
 (tests/integrations/test_hf_finetune.py; docs/training.md). The step loop, the gradient sync and
 clipping, the schedule and the checkpoint writer are the training core's (`occult.training`):
 this module says how a batch becomes a loss and which parameters train. `Groups` is the core's
-`Parallel` (`ep`, `replica` and `ddp` name its EP, replica and dense groups).
+`Parallel` (`ep`, `replica` and `ddp` name its EP, replica and dense groups). Its settings and result:
+`finetune_config`; the token stream and batches: `finetune_data`; checkpoints while it runs: `finetune_state`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,74 +45,18 @@ import torch.nn.functional as F
 from occult.integrations.hf import checkpoint as ckpt
 from occult.integrations.hf.aux_loss import RouterTaps
 from occult.integrations.hf.block import OccultMoeBlock
+from occult.integrations.hf.finetune_config import FinetuneConfig, FinetuneResult, lr_at
+from occult.integrations.hf.finetune_data import batch_rows, tokenize_texts
+from occult.integrations.hf.finetune_state import CheckpointSaver, CloseTaps, resume_state
 from occult.training import grads
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
 from occult.training.hooks import StepHook
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
-from occult.training.step_profile import StepProfile, parse_window
+from occult.training.step_profile import StepProfile
 
 Groups = Parallel  # the world of a fine-tuning run: `setup_groups`
-
-
-@dataclass
-class FinetuneConfig:
-    """Optimisation settings of `finetune` (AdamW, linear warm-up then cosine to `min_lr_ratio * lr`)."""
-
-    steps: int = 100
-    batch_size: int = 8  # global rows per step (divisible by the world size)
-    seq_len: int = 256
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 = off
-    aux_loss_coef: float = 0.0  # load-balancing loss weight (0 = off), over the global batch (hf.aux_loss)
-    seed: int = 0
-    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; or "bf16" / "fp32"
-    distill_weight: float = 0.0  # W > 0: + W * T^2 * KL(teacher || model) of the logits, teacher = standard routing
-    distill_temperature: float = 1.0  # T
-    train_part: str = "both"  # what trains: "routers", "experts" or "both"
-    distill_from: str | None = None  # the teacher's directory (e.g. the standard fine-tune): pass its model as teacher=
-    profile_steps: str | None = None  # "A:B": profile steps A..B into checkpoint_dir (else the working directory)
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ValueError(
-                f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup >= 0; got {self.lr}, {self.min_lr_ratio}, {self.warmup_steps}"
-            )
-        if self.aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
-        if self.distill_weight < 0 or self.distill_temperature <= 0:
-            raise ValueError(
-                f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "
-                f"{self.distill_temperature}"
-            )
-        if self.train_part not in TRAIN_PARTS:
-            raise ValueError(f"train_part must be one of {', '.join(TRAIN_PARTS)}, got {self.train_part!r}")
-        parse_window(self.profile_steps) if self.profile_steps else None  # a clear error for a bad window
-
-    def signature_settings(self) -> dict:
-        """The settings a resumed run must share; the recipe options only when not at their defaults
-        (checkpoints written before they existed hold none of them)."""
-        recipe = ("distill_weight", "distill_temperature", "train_part", "distill_from")
-        default = {f.name: f.default for f in fields(self) if f.name in recipe}
-        return {k: v for k, v in vars(self).items() if (k not in default or v != default[k]) and k != "profile_steps"}
-
-
-@dataclass
-class FinetuneResult:
-    losses: list[float]  # per step, mean over the global batch
-    grad_norms: list[float] = field(default_factory=list)
-    tokens_per_s: float = 0.0  # global tokens per second over the whole run
-    trained_parameters: int = 0  # on this rank
 
 
 def setup_groups(ep_size: int | None = None) -> Groups | None:
@@ -155,47 +98,6 @@ def _routers(model: nn.Module) -> list[nn.Module]:
 def standard_routing(model: nn.Module) -> contextlib.AbstractContextManager:
     """Every MoE block's device limit off inside (the plain top-k: the distillation teacher), restored after."""
     return unlimited(_routers(model))
-
-
-def lr_at(step: int, cfg: FinetuneConfig) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_lr_ratio * lr` at the last step."""
-    return CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)(step)
-
-
-def batch_rows(
-    tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, step: int, rank: int = 0, world_size: int = 1
-) -> torch.Tensor:
-    """Rows [rank*B/W, (rank+1)*B/W) of global batch `step`: [B/W, S+1] windows of the stream."""
-    n = tokens.numel() - seq_len - 1
-    if n < 1:
-        raise ValueError(f"the data hold {tokens.numel()} tokens, too few for seq_len={seq_len}")
-    if batch_size % world_size:
-        raise ValueError(f"the global batch size {batch_size} is not divisible by the {world_size} ranks")
-    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
-    per = batch_size // world_size
-    start = torch.randint(0, n + 1, (batch_size,), generator=g)[rank * per : (rank + 1) * per]
-    return tokens[start[:, None] + torch.arange(seq_len + 1)[None, :]]
-
-
-def tokenize_texts(texts: list[str], model_dir: str | os.PathLike, vocab_size: int) -> tuple[torch.Tensor, str]:
-    """(1-D token ids, how): the model's own tokenizer when `model_dir` has one (documents joined by
-    its EOS token), else the UTF-8 bytes as ids 0-255 (needs `vocab_size` >= 256)."""
-    d = Path(model_dir)
-    if any((d / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(d))
-        sep = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        ids = [i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"] + sep]
-        return torch.tensor(ids, dtype=torch.int64), f"the model's tokenizer {type(tok).__name__}"
-    if vocab_size < 256:
-        raise ValueError(
-            f"{d} has no tokenizer and its vocabulary ({vocab_size}) is too small for UTF-8 bytes: give token ids (--data)"
-        )
-    data = b"\n".join(t.encode("utf-8") for t in texts)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(
-        torch.int64
-    ), "no tokenizer in the model directory: UTF-8 bytes as ids"
 
 
 def _autocast(device: torch.device, precision: str):
@@ -306,79 +208,35 @@ def _check_teacher(cfg: FinetuneConfig, model: nn.Module, teacher: nn.Module | N
         teacher.eval()
 
 
-class _Saver(StepHook):
-    """A checkpoint every `save_every` steps (not at the run's last step: `finetune` saves that)."""
-
-    def __init__(
-        self,
-        loop: TrainLoop,
-        directory: str | os.PathLike,
-        model: nn.Module,
-        extra: Callable[[], dict],
-        save_every: int,
-        last: int,
-    ) -> None:
-        self.loop, self.directory, self.model, self.extra = loop, directory, model, extra
-        self.save_every, self.last = save_every, last
-
-    def save(self, step: int) -> None:
-        self.loop.flush()
-        ckpt.save_state(
-            self.directory,
-            self.model,
-            self.loop.optimizer,
-            step,
-            {**self.extra(), "losses": self.loop.losses, "grad_norms": self.loop.norms()},
+def _what_trains(cfg: FinetuneConfig, routers: list[nn.Parameter], experts: list[nn.Parameter]) -> str:
+    """The line `finetune` logs first: the parameters trained, and the distillation when there is one."""
+    line = (
+        f"training {sum(p.numel() for p in routers):,} router and {sum(p.numel() for p in experts):,} "
+        "expert parameters on rank 0 (everything else frozen)"
+    )
+    if cfg.distill_weight > 0:
+        line += (
+            f"; distilling from {cfg.distill_from or 'standard routing'} (weight "
+            f"{cfg.distill_weight:g}, T {cfg.distill_temperature:g})"
         )
-
-    def after_step(self, step: int, optimizer: torch.optim.Optimizer | None) -> None:
-        if self.save_every and step % self.save_every == 0 and step < self.last:
-            self.save(step)
+    return line
 
 
-class _Taps(StepHook):
-    """Closes the router taps of the load-balancing loss when the loop ends."""
-
-    def __init__(self, taps: RouterTaps) -> None:
-        self.taps = taps
-
-    def close(self) -> None:
-        self.taps.close()
-
-
-def _resume(
-    loop: TrainLoop,
-    model: nn.Module,
+def _hooks(
     cfg: FinetuneConfig,
-    checkpoint_dir: str | os.PathLike,
-    sig: dict,
-    resume: bool,
+    model: nn.Module,
+    groups: Groups | None,
+    checkpoint_dir: str | os.PathLike | None,
     log: Callable[[str], None] | None,
-) -> CosineSchedule:
-    """Load the run directory's checkpoint into the model, optimizer and loop (when there is one); the schedule."""
-    schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
-    found = ckpt.find_state(checkpoint_dir)
-    if found is not None and not resume:
-        raise ckpt.FinetuneCheckpointError(
-            f"{checkpoint_dir} already holds a checkpoint ({found.name}): resume it (--resume) or choose another --out"
-        )
-    if found is None:
-        return schedule
-    doc = ckpt.read_meta(found)
-    ckpt.check_signature(doc.get("signature", {}), sig, str(found))
-    start = int(doc["step"])
-    if cfg.steps < start:
-        raise ckpt.FinetuneCheckpointError(
-            f"{found} is at step {start}, past --steps {cfg.steps}; pass --steps {start} "
-            "or more to continue it (a larger value continues training)"
-        )
-    ckpt.load_state(found, doc, model, loop.optimizer)
-    loop.step, loop.losses, loop.grad_norms = start, list(doc["losses"]), list(doc["grad_norms"])
-    saved_steps = int(doc.get("signature", {}).get("settings", {}).get("steps", cfg.steps))
-    schedule = schedule.resumed(doc.get("lr_schedule"), saved_steps, start)
-    if log is not None:
-        log(f"resumed {found} at step {start}")
-    return schedule
+    saver: CheckpointSaver | None,
+    taps: RouterTaps | None,
+) -> list[StepHook]:
+    """The loop's hooks, in order: the step profile (`profile_steps`), the checkpoint saver, the taps' closer."""
+    profile = None
+    if cfg.profile_steps:
+        device = next(model.parameters()).device
+        profile = StepProfile(cfg.profile_steps, checkpoint_dir or ".", groups.rank if groups else 0, device, log)
+    return [h for h in (profile, saver, CloseTaps(taps) if taps is not None else None) if h is not None]
 
 
 def finetune(
@@ -419,16 +277,7 @@ def finetune(
     routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
     if log is not None:
-        log(
-            f"training {sum(p.numel() for p in routers):,} router and {sum(p.numel() for p in experts):,} expert parameters "
-            "on rank 0 (everything else frozen)"
-            + (
-                f"; distilling from {cfg.distill_from or 'standard routing'} (weight "
-                f"{cfg.distill_weight:g}, T {cfg.distill_temperature:g})"
-                if cfg.distill_weight > 0
-                else ""
-            )
-        )
+        log(_what_trains(cfg, routers, experts))
     opt = torch.optim.AdamW(
         routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
@@ -437,9 +286,10 @@ def finetune(
     )
     loop = TrainLoop(None, opt, settings)
     schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    sig = None
     if checkpoint_dir is not None:  # resume state: occult.integrations.hf.checkpoint
         sig = ckpt.signature(model, tokens, cfg.signature_settings())
-        schedule = _resume(loop, model, cfg, checkpoint_dir, sig, resume, log)
+        schedule = resume_state(loop, model, cfg, checkpoint_dir, sig, resume, log)
     elif resume:
         raise ValueError("resume=True needs checkpoint_dir (the run directory)")
     start = loop.step
@@ -451,15 +301,8 @@ def finetune(
     saver = None
     if checkpoint_dir is not None:
         extra = {"signature": sig, **({"lr_schedule": schedule.to_json()} if schedule.restarts else {})}
-        saver = _Saver(loop, checkpoint_dir, model, lambda: extra, save_every, last)
-    profile = (
-        StepProfile(
-            cfg.profile_steps, checkpoint_dir or ".", groups.rank if groups else 0, next(model.parameters()).device, log
-        )
-        if cfg.profile_steps
-        else None
-    )
-    loop.hooks = [h for h in (profile, saver, _Taps(taps) if taps is not None else None) if h is not None]
+        saver = CheckpointSaver(loop, checkpoint_dir, model, lambda: extra, save_every, last)
+    loop.hooks = _hooks(cfg, model, groups, checkpoint_dir, log, saver, taps)
     model.train()
     t0 = time.perf_counter()
     loop.run(last)
