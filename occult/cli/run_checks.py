@@ -51,19 +51,14 @@ def resolved_device(device: str | None) -> str:
 
 def available_bytes(device: str) -> int | None:
     """Memory a run on `device` can still allocate (a GPU's free memory, else the host's
-    MemAvailable), or None when it cannot be told."""
+    MemAvailable bounded by the cgroup: `occult.tools.preflight`), or None when it cannot be told."""
     import torch
 
     if torch.device(device).type == "cuda":
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from occult.tools.preflight import available_host_bytes  # MemAvailable, bounded by the cgroup
+
+    return available_host_bytes()
 
 
 def check_fits(what: str, need: int, device: str | None, fix: str) -> None:
@@ -85,10 +80,10 @@ def check_train_sizes(args: Any, vocab_size: int) -> None:
     """Refuse a model (its weights, gradients and AdamW state) or a batch (its logits and activations)
     that cannot be allocated, naming the flags to lower. Both sums are lower bounds."""
     h, layers, e, f = args.hidden, args.layers, args.experts, args.expert_ffn
-    params = 2 * vocab_size * h + layers * (4 * h * h + e * (h + 3 * h * f) + 2 * h)
+    params = vocab_size * h + layers * (4 * h * h + e * (h + 3 * h * f) + 2 * h)  # embedding tied to the head
     check_fits(
         f"the model of --hidden {h}, --layers {layers}, --experts {e}, --expert-ffn {f} ({params:,} parameters)",
-        16 * params,  # fp32 weights, gradients, two AdamW moments
+        4 * params + 12 * params // world_size(),  # fp32 weights on every rank; gradients and AdamW state shared out
         args.device,
         "make it smaller",
     )

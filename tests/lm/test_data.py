@@ -82,11 +82,36 @@ def test_prepare_writes_a_carryable_directory(tmp_path):
     with pytest.raises(D.DataError, match="another tokenizer"):
         D.load_dataset(out, tokenizer=other)
     assert D.load_dataset(out, tokenizer=out / "tokenizer.json").vocab_size == 300
+    # The directory's own tokenizer.json replaced (by hand, or a prepare of old): refused, saying how to fix it.
+    saved = (out / "tokenizer.json").read_bytes()
+    (out / "tokenizer.json").write_bytes(other.read_bytes())
+    with pytest.raises(D.DataError, match="another tokenizer.*occult data prepare"):
+        D.load_dataset(out)
+    (out / "tokenizer.json").write_bytes(saved)
     # Truncated token file: clear error.
     blob = (out / "tokens.safetensors").read_bytes()
     (out / "tokens.safetensors").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(D.DataError, match="truncated"):
         D.load_dataset(out)
+
+
+def test_a_failed_prepare_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    out = D.prepare(tmp_path / "prep", corpus_dir=TINY, vocab_size=300, val_fraction=0.1)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(D.DataError, match="val_fraction"):
+        D.prepare(out, corpus_dir=TINY, vocab_size=280, val_fraction=1.5)
+
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(D, "save_tokens", broken)
+    with pytest.raises(OSError):
+        D.prepare(out, corpus_dir=TINY, vocab_size=280, val_fraction=0.1)
+    with pytest.raises(OSError):
+        D.prepare(tmp_path / "new" / "deeper", corpus_dir=TINY, vocab_size=280, val_fraction=0.1)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prep"]  # no temporary, no new directory
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "texts", "tokenizer.json", "tokens.safetensors"]
 
 
 def _fake_sdist(path: Path) -> None:
