@@ -235,11 +235,11 @@ def _finetune(args) -> int:
     mcfg = _check_finetune_inputs(args)
     data = load_token_data(args)
     placement, sims = load_routing_args(args, mcfg.num_experts, mcfg.num_layers)
-    check_batch(args, data.vocab_size, mcfg.hidden_size, mcfg.num_layers, mcfg.top_k * mcfg.expert_ffn_size)
     cfg = _train_config(args)
     par = parallel_from_args(args)
     ok = False
     try:
+        check_batch(args, data.vocab_size, mcfg.hidden_size, mcfg.num_layers, mcfg.top_k * mcfg.expert_ffn_size)
         ep_placement = ep_placement_from_args(args, par, mcfg.num_experts, placement)
         model, result = _run_training(args, lambda: _finetune_call(args, cfg, data, placement, sims, par, ep_placement))
         if par is None or par.is_main:

@@ -50,12 +50,22 @@ def resolved_device(device: str | None) -> str:
 
 
 def available_bytes(device: str) -> int | None:
-    """Memory a run on `device` can still allocate (a GPU's free memory, else the host's
-    MemAvailable bounded by the cgroup: `occult.tools.preflight`), or None when it cannot be told."""
+    """Memory a run on `device` could hold: a GPU's total memory (the same figure on every rank, so every
+    rank decides alike, and no CUDA context made for it); the host's MemAvailable bounded by the cgroup
+    (`occult.tools.preflight`) for one process, its physical memory for several ranks (again the same on
+    every rank of the host). None when it cannot be told."""
     import torch
 
     if torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        index = torch.device(device).index
+        return int(
+            torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).total_memory
+        )
+    if world_size() > 1:
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
     from occult.tools.preflight import available_host_bytes  # MemAvailable, bounded by the cgroup
 
     return available_host_bytes()
