@@ -279,12 +279,14 @@ def test_distill_from_another_checkpoint(base, data, tmp_path):
     and the KL pulls it back; a teacher fine-tuned further gives yet another run."""
     plain_m, plain = tune(base, data, tmp_path / "plain", n=None)
     same_m, same = tune(base, data, tmp_path / "same", n=None, distill_weight=1000.0, distill_from=str(base))
-    assert same.train_losses[:2] == plain.train_losses[:2]
-    assert same.train_losses[2:] != plain.train_losses[2:]
+    assert same.train_losses[0] == plain.train_losses[0]  # the same first forward: the same ops on the same data
+    # the first update: the KL's rounding-level gradient only (DISTILL_NOISE_RTOL); then the KL pulls back
+    np.testing.assert_allclose(same.train_losses[:2], plain.train_losses[:2], rtol=DISTILL_NOISE_RTOL, atol=0)
+    assert not np.allclose(same.train_losses[2:], plain.train_losses[2:], rtol=DISTILL_NOISE_RTOL, atol=0)
     better = tmp_path / "plain" / FINAL  # the standard fine-tune as the teacher of a pruned run
     _, pruned = tune(base, data, tmp_path / "pruned_ft_teacher", distill_weight=1000.0, distill_from=str(better))
     _, pruned_self = tune(base, data, tmp_path / "pruned_self_teacher", distill_weight=1000.0)
-    assert pruned.train_losses[1:] != pruned_self.train_losses[1:]
+    assert not np.allclose(pruned.train_losses[1:], pruned_self.train_losses[1:], rtol=DISTILL_NOISE_RTOL, atol=0)
     with pytest.raises(ValueError, match="distill_from"):
         TrainConfig(distill_from=str(base))  # without a weight
 
