@@ -35,6 +35,13 @@ from occult.cli.registry import CommandError, check_output, positive_int
 from occult.cli.run_checks import check_device, writing_named
 
 _OWN_DEFAULTS = {"tokens": 65536, "batch_size": 8, "seq_len": None}
+# (flag, dest, default) of `occult profile`'s flags for occult checkpoints (occult.cli.lm_args), refused here
+OCCULT_CHECKPOINT_ONLY = (
+    ("--corpus-dir", "corpus_dir", None),
+    ("--tokenizer", "tokenizer", None),
+    ("--split", "split", "train"),
+    ("--as-routed", "as_routed", False),
+)
 
 
 def is_transformers_model(path: str | os.PathLike) -> bool:
@@ -102,6 +109,12 @@ def run_profile(args: Any) -> int:
 
     if not getattr(args, "data", None):
         raise ValueError("profiling a transformers model needs --data (a text/jsonl file, token ids, or 'random')")
+    for flag, dest, default in OCCULT_CHECKPOINT_ONLY:
+        if getattr(args, dest, default) != default:
+            raise CommandError(
+                f"{flag} applies to occult checkpoints only; a transformers model is profiled on --data "
+                "(tokenized with the model's own tokenizer)"
+            )
     check_data(args.data)
     check_output("--out", args.out, "trace.safetensors")
     check_output("--similarity", getattr(args, "similarity", None), "similarity.safetensors")

@@ -293,8 +293,17 @@ def test_hf_finetune_that_fails_names_the_flag_and_leaves_no_empty_out(capsys, t
     assert not (tmp_path / "run").exists()
 
 
-def test_profile_of_a_transformers_model_refuses_a_bad_device(capsys, tmp_path, hf_model):
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--device", "foo"], ["--device foo"]),
+        (["--as-routed"], ["--as-routed", "occult checkpoints only"]),
+        (["--split", "val"], ["--split", "occult checkpoints only"]),
+        (["--corpus-dir", CORPUS], ["--corpus-dir", "occult checkpoints only"]),
+    ],
+)
+def test_profile_of_a_transformers_model_refuses_flags_that_cannot_apply(capsys, tmp_path, hf_model, extra, needles):
     argv = ["profile", "--model", hf_model, "--data", "random", "--out", tmp_path / "t.safetensors"]
-    code, _, err = run(capsys, *argv, "--device", "foo")
-    one_clean_line(code, err, "--device foo")
+    code, _, err = run(capsys, *argv, *extra)
+    one_clean_line(code, err, *needles)
     assert list(tmp_path.iterdir()) == []
