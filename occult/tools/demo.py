@@ -183,7 +183,8 @@ def demo_worker(rank: int, world_size: int, cfg: DemoConfig, placement: Placemen
     return out
 
 
-def _defaults(args: argparse.Namespace, backend: str) -> DemoConfig:
+def demo_config(args: argparse.Namespace, backend: str) -> DemoConfig:
+    """The demo's configuration: the flags given, the defaults of the backend (GPU or CPU ranks) for the rest."""
     on_gpu = backend == "nccl"
     world = args.world_size or (torch.cuda.device_count() if on_gpu else 4)
     return DemoConfig(
@@ -297,7 +298,7 @@ def worst_error(errors: list[float]) -> float:
 
 def main(args: argparse.Namespace) -> int:
     backend = pick_backend(getattr(args, "backend", "auto"))
-    cfg = _defaults(args, backend)
+    cfg = demo_config(args, backend)
     check_config(cfg)
     need = memory_need(cfg, args)
     check_fits("occult demo", need, on_gpu=backend == "nccl", ranks=cfg.world_size)

@@ -113,7 +113,7 @@ def test_the_defaults_fit(monkeypatch):
         quiet=True,
         shapes=None,
     )
-    need = demo.memory_need(demo._defaults(args, "gloo"), args)
+    need = demo.memory_need(demo.demo_config(args, "gloo"), args)
     assert need.host_bytes < 10**9 and need.given == ()
     conf = dict(shapes=["tiny"], tokens=[256], input_sets=3)
     assert bench.memory_need(conf, 2, False, args).host_bytes < 10**9
