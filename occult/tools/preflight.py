@@ -113,9 +113,12 @@ def check_fits(tool: str, need: MemoryNeed, on_gpu: bool, ranks: int) -> None:
 
 
 def out_of_memory(tool: str, need: MemoryNeed, failure: str) -> ValueError | None:
-    """The one-line error for a rank that failed to allocate (its report in `failure`), else None."""
-    if not any(sign in failure for sign in OUT_OF_MEMORY_SIGNS):
-        return None
+    """The one-line error for a rank that failed to allocate, or was killed (SIGKILL: on Linux most
+    often the kernel's out-of-memory killer), from the ranks' report `failure`; else None."""
     shown = ", ".join(f"{flag} {value}" for flag, value in need.flags.items())
     lower = " or ".join(need.given or tuple(need.flags))
-    return ValueError(f"{tool} ran out of memory in a rank with {shown}: lower {lower}")
+    if any(sign in failure for sign in OUT_OF_MEMORY_SIGNS):
+        return ValueError(f"{tool} ran out of memory in a rank with {shown}: lower {lower}")
+    if "(exit code -9)" in failure:
+        return ValueError(f"{tool}: a rank was killed (SIGKILL, most often out of memory) with {shown}: lower {lower}")
+    return None

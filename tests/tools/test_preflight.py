@@ -71,6 +71,8 @@ def test_a_rank_that_ran_out_of_memory_is_one_line_naming_the_flags():
         str(error) == "occult bench ran out of memory in a rank with --tokens 5, --hidden 3: lower --tokens or --hidden"
     )
     assert out_of_memory("occult bench", need, "1 of 2 rank(s) failed:\nValueError: something else") is None
+    killed = "1 of 2 rank(s) failed:\n--- rank 1 ---\nrank 1 died (exit code -9) without reporting"
+    assert "a rank was killed (SIGKILL, most often out of memory)" in str(out_of_memory("occult demo", need, killed))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks only")
