@@ -119,3 +119,25 @@ def test_the_defaults_fit(monkeypatch):
     assert need.host_bytes < 10**9 and need.given == ()
     conf = dict(shapes=["tiny"], tokens=[256], input_sets=3)
     assert bench.memory_need(conf, 2, False, args).host_bytes < 10**9
+
+
+@pytest.mark.parametrize("tool", ["demo", "bench"])
+def test_a_rank_out_of_memory_reaches_the_user_as_one_line(capsys, monkeypatch, tool):
+    """What the lower bound lets through and a rank then fails to allocate: one line, exit 2 (the
+    ranks replaced by their failure report)."""
+    import importlib
+
+    from occult.distributed import RankFailure
+
+    module = importlib.import_module(f"occult.tools.{tool}")
+
+    def ranks_fail(*args, **kwargs):
+        raise RankFailure(
+            "2 of 2 rank(s) failed:\n--- rank 0 ---\nRuntimeError: DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 8 GB\nTraceback (most recent call last): ..."
+        )
+
+    monkeypatch.setattr(module, "run_ranks", ranks_fail)
+    small = ["--hidden", 32, "--ffn", 16, "--experts", 8, "--top-k", 2] if tool == "demo" else ["--shapes", "tiny"]
+    code, _, err = run_main(capsys, tool, "--backend", "gloo", "--world-size", 2, "--tokens", 64, *small)
+    one_clean_line(code, err, f"occult {tool} ran out of memory in a rank with --tokens 64", "lower --tokens")
