@@ -6,6 +6,11 @@ and forward+backward with CUDA events (warm-up, median, inputs rotated among fre
 sets). Also measured in the same run: the ceilings (a large all_to_all_single and a large
 bf16 matmul), the expert compute alone and the variant's all-to-alls alone, so each time is
 reported against its floor. Runs on CPU too (gloo, small shapes) for a smoke test.
+
+Here: the shapes, the routing and its placement, each rank's loop, and the checks made before any
+rank starts (`check_variants`: what CPU ranks cannot run, dedup2 without nodes; `memory_need`:
+sizes the machine cannot hold, `occult.tools.preflight`). One variant's measurement is
+`occult.tools.bench_variant`.
 """
 
 from __future__ import annotations
