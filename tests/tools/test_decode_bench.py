@@ -132,9 +132,10 @@ def test_serve_tiny_every_variant(tmp_path):
             # prefill is that estimate when positive, else none (noise: never a negative time)
             assert r["prefill_ms_p50"] == (r["prefill_estimate_ms"] if r["prefill_estimate_ms"] > 0 else None)
     for b in BATCHES:
-        # the reference model itself: equal up to float32 rounding (its batched and per-prompt runs can differ in
-        # the last bits: transformers 5.24 gives 1.8e-7 on CPU)
-        assert report["variants"]["native"][b]["check"]["median_rel_err"] < 1e-6
+        # the reference model itself: equal up to float32 rounding (its batched and per-prompt runs take other
+        # matmul blockings, in an order that depends on the CPU's vector kernels): a few eps per op over the
+        # model's ops, a bound of 64 eps; a wrong batch row or cache position is off by orders of magnitude more
+        assert report["variants"]["native"][b]["check"]["median_rel_err"] < 64 * 2**-23
         assert "auto-compiles on CUDA only" in report["variants"]["native-generate+compile"][b]["skipped"]
     # bytes of one step: tiny OLMoE (2 layers, hidden 32, 8 experts x 3*32*16, top-3, head 256 x 32, 2 KV heads of 8)
     weights_1 = (2 * (3 * 32 * 32 + 8 * 32) + 256 * 32 + 2 * 3 * 3 * 32 * 16) * 4
