@@ -110,9 +110,11 @@ class GraphCache:
     ) -> tuple[torch.Tensor, Any]:
         """`forward(x_TH)` and `info()` after it: replayed where `key` was captured, else eager (and
         captured once `key` has run eagerly `eager_calls` times). A new `generation` (the transport's
-        buffers were replaced) drops every graph."""
+        buffers were replaced) drops every graph, not the calls counted: a signature already seen is
+        captured again at once (it needs no growth: buffers only grow), and a new layer whose first
+        call grew the buffers is captured as early as one whose buffers were there already."""
         if generation != self._generation:
-            self.release()
+            self._graphs.clear()
             self._generation = generation
         captured = self._graphs.get(key)
         if captured is None:

@@ -61,6 +61,21 @@ def test_graphs_are_evicted_least_recently_used_and_dropped_on_a_new_generation(
     assert set(cache._graphs) == {"a"} and cache.captures == 4
 
 
+def test_a_new_generation_drops_the_graphs_but_not_the_calls_counted():
+    """A growth (here: inside the first call, as a fresh layer's first call grows the shared transport)
+    drops the graphs; signatures already seen are captured again at once, the others at their usual call."""
+    cache = StoodInCache(eager_calls=2, max_graphs=8)
+    x = torch.randn(2, 2)
+    generations = [0, 1, 1, 1, 2, 2]  # the first call grew the buffers; call 5 found them grown again
+    held = []
+    for generation in generations:
+        cache.run("a", generation, x, lambda t: t, CommStats)
+        held.append(len(cache))
+    assert held == [0, 0, 1, 1, 1, 1] and cache.captures == 2  # captured at its third call, again at call 5
+    cache.run("b", 2, x, lambda t: t, CommStats)
+    assert "b" not in cache._graphs  # a new signature still runs eagerly first
+
+
 def test_device_comm_stats_snapshot_copies_the_counts():
     stats = DeviceCommStats(rank=0, levels=None)
     counts_D = torch.tensor([3, 5])
