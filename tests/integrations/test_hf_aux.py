@@ -40,6 +40,12 @@ RTOL = 1e-5
 EPS = {"olmoe": 1e-6, "deepseek_v3": 1e-4}
 
 
+def mean_rtol(terms: int) -> float:
+    """What summing `terms` positive fp32 numbers in another order (other formulas, another split of the
+    batch over ranks) can change their mean by, relatively: `terms` eps. The aux loss is such a mean."""
+    return terms * torch.finfo(torch.float32).eps
+
+
 def _tokens() -> torch.Tensor:
     return torch.randint(3, VOCAB, (3000,), generator=torch.Generator().manual_seed(5))
 
@@ -108,10 +114,12 @@ def test_transformers_formula_is_the_models_own(dirs, family):
     want_g = torch.autograd.grad(out.aux_loss, gates, retain_graph=True)
     got_g = torch.autograd.grad(mine, gates)
     assert float(mine) > 1.0  # E * sum(f * P) >= k for top-k counts; nonzero
-    np.testing.assert_allclose(float(mine), float(out.aux_loss), rtol=1e-6)
+    np.testing.assert_allclose(float(mine), float(out.aux_loss), rtol=mean_rtol(x.numel() * len(gates)))
     for g, w in zip(got_g, want_g):
         assert float(w.abs().max()) > 0
-        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
+        # each entry a sum over the tokens and layers: near-zero ones are differences of terms of the largest's size
+        atol = mean_rtol(x.numel() * len(gates)) * float(w.abs().max())
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=atol)
     taps.close()
     model(input_ids=x, use_cache=False)
     assert not taps.logits  # hooks removed
@@ -136,7 +144,7 @@ def test_switch_formula_for_deepseek(dirs):
         p = (s / s.sum(1, keepdims=True)).mean(0)
         f = np.bincount(ids.numpy().ravel(), minlength=16) / ids.numel()
         per_layer.append(16 * (f * p).sum())
-    np.testing.assert_allclose(got, np.mean(per_layer), rtol=1e-6)
+    np.testing.assert_allclose(got, np.mean(per_layer), rtol=mean_rtol(x.numel() * len(per_layer)))
 
 
 def test_two_ranks_equal_one_process(runs):
@@ -160,7 +168,7 @@ def test_value_is_the_global_batch(runs, dirs):
         model(input_ids=_tokens()[:64].reshape(4, 16), use_cache=False)
     want = float(taps.loss())
     for res in runs["ranks"]:
-        np.testing.assert_allclose(res["value"], want, rtol=1e-6)
+        np.testing.assert_allclose(res["value"], want, rtol=mean_rtol(64 * len(hf.moe_blocks(model))))
 
 
 def test_setting_and_cli():
