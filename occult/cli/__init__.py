@@ -44,7 +44,7 @@ from typing import Any
 from occult import settings
 from occult.cli import data, hf, lm
 from occult.cli.parser import build_parser as parser_of
-from occult.cli.parser import print_command_list
+from occult.cli.parser import flush_stdout, print_command_list
 from occult.cli.place import PLACE, STATS
 from occult.cli.registry import EXIT_FAILED, EXIT_HELP, EXIT_USAGE, Command, CommandError, RunFn, lazy, lazy_command
 from occult.cli.tools import BENCH, DEMO
@@ -144,6 +144,8 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         two = f" -> {exc.filename2}" if exc.filename2 is not None else ""
         return f"{exc.filename}{two}: {exc.strerror}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror  # no path to name (e.g. stdout full while printing): the reason, without `[Errno N]`
     return str(exc) or type(exc).__name__
 
 
@@ -187,7 +189,9 @@ def _run_command(args: argparse.Namespace, flags: dict[str, str]) -> int:
     to_stdout = _check_values(args, flags)
     with warnings.catch_warnings(), reserve_stdout(bool(to_stdout)):
         warnings.showwarning = show_warning
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
+        flush_stdout()
+        return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

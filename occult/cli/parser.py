@@ -11,11 +11,12 @@ on stderr and exits 2 (no command is a usage error); `occult --help` shows the s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from occult.cli.registry import EXIT_HELP, EXIT_USAGE, Command
+from occult.cli.registry import EXIT_HELP, EXIT_USAGE, Command, CommandError
 
 BARE_HELP = "'occult' with no command lists the commands on stderr (exit status 2: a usage error)."
 
@@ -38,7 +39,13 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: str | None = None) -> None:
-        print(f"occult {installed_version()}")
+        try:
+            print(f"occult {installed_version()}")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            pass
+        except OSError as exc:
+            parser.exit(EXIT_USAGE, f"occult: error: {stdout_error(exc)}\n")
         parser.exit(0)
 
 
@@ -78,3 +85,23 @@ def print_command_list(commands: Sequence[Command]) -> int:
     lines += [f"  {c.name:<{width}}  {c.help}" for c in commands]
     print("\n".join(lines), file=sys.stderr)
     return EXIT_USAGE
+
+
+def stdout_error(exc: OSError) -> CommandError:
+    """The error of a stdout that cannot take what was printed (`> /dev/full`), naming stdout; what is
+    left in its buffer is discarded (no second message from the interpreter's flush at exit)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return CommandError(f"stdout: {exc.strerror or exc}")
+
+
+def flush_stdout() -> None:
+    """Flush what the command printed: a stdout that cannot take it is a `CommandError` naming stdout."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise stdout_error(exc) from None

@@ -23,6 +23,7 @@ from occult.cli.registry import (
     check_output,
     positive_int,
     seed_int,
+    writing,
 )
 
 PLACE_METHODS = ("contiguous", "greedy", "hypergraph")
@@ -127,9 +128,10 @@ def _maybe_plot(
         return None
     from occult.placement.plots import DEFAULT_MAX_LAYERS, coactivation_heatmaps
 
-    drawn = coactivation_heatmaps(
-        args.plot, coacts, placement, baseline, layers=args.plot_layers, num_tokens=trace.num_tokens, labels=labels
-    )
+    with writing("--plot", args.plot):
+        drawn = coactivation_heatmaps(
+            args.plot, coacts, placement, baseline, layers=args.plot_layers, num_tokens=trace.num_tokens, labels=labels
+        )
     if args.plot_layers is None and trace.num_layers > DEFAULT_MAX_LAYERS and not args.json:
         print(
             f"occult: plotted layers 0-{DEFAULT_MAX_LAYERS - 1} of {trace.num_layers}; "
@@ -204,6 +206,22 @@ def _hypergraph_only(args: argparse.Namespace) -> None:
     args.kahypar_tokens = args.kahypar_tokens or DEFAULT_KAHYPAR_TOKENS
 
 
+def _save(placement: Any, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The placement JSON of --out, with how it was made and its per-layer E[C_T] (E[N_T] with nodes)."""
+    placement.save(
+        args.out,
+        extra={
+            "method": args.method,
+            "trace": os.path.abspath(args.trace),
+            "mean_ct": [layer["placement"]["mean_ct"] for layer in report["layers"]],
+            "mean_ct_contiguous": [layer["baseline"]["mean_ct"] for layer in report["layers"]],
+            **nt_lists(report),
+            "max_load_ratio": args.max_load,
+            "seed": args.seed,
+        },
+    )
+
+
 def run_place(args: argparse.Namespace) -> int:
     """occult place: solve a placement for a trace and report it against contiguous."""
     from occult.placement import Placement
@@ -236,18 +254,8 @@ def run_place(args: argparse.Namespace) -> int:
     placement = result.placement
     report = compare_placements(trace, placement, None, args.hidden, args.dtype, coacts)
     if args.out:
-        placement.save(
-            args.out,
-            extra={
-                "method": args.method,
-                "trace": os.path.abspath(args.trace),
-                "mean_ct": [layer["placement"]["mean_ct"] for layer in report["layers"]],
-                "mean_ct_contiguous": [layer["baseline"]["mean_ct"] for layer in report["layers"]],
-                **nt_lists(report),
-                "max_load_ratio": args.max_load,
-                "seed": args.seed,
-            },
-        )
+        with writing("--out", args.out):
+            _save(placement, args, report)
     contiguous = Placement.contiguous(trace.num_experts, args.devices, trace.num_layers, args.nodes)
     plotted = _maybe_plot(args, trace, coacts, placement, contiguous, ("contiguous", args.method))
     report.update(

@@ -13,9 +13,10 @@ files, an output that cannot be written); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,16 @@ def positive_float(text: str) -> float:
 def nonnegative_float(text: str) -> float:
     """argparse type: a finite number >= 0."""
     return _finite_float(text, lambda v: v >= 0, "a number >= 0")
+
+
+@contextlib.contextmanager
+def writing(flag: str, path: str | os.PathLike | None) -> Iterator[None]:
+    """Re-raise an OSError met writing the output of `flag` as a `CommandError` naming the flag and
+    the user's path (`--out /dev/full: cannot be written (No space left on device)`)."""
+    try:
+        yield
+    except OSError as exc:
+        raise CommandError(f"{flag} {path}: {exc.strerror or exc}") from None
 
 
 def check_not_empty(flag: str, path: str | None, what: str = "file") -> None:

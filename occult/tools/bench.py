@@ -260,7 +260,10 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(summarize(result, table=False))
     if args.out:
-        write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
+        try:
+            write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
+        except OSError as exc:
+            raise ValueError(f"--out {args.out}: {exc.strerror or exc}") from None
         print(f"wrote {args.out}")
     if bad:
         print(

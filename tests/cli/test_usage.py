@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from occult import __version__, cli
-from tests.cli._cli_helpers import TRACE, occult, one_clean_line, one_usage_line, run_main
+from tests.cli._cli_helpers import REPO, TRACE, occult, one_clean_line, one_usage_line, run_main
 
 
 def test_bare_occult_lists_every_command_and_exits_2():
@@ -84,3 +88,23 @@ def test_mt_kahypar_flags_warn_when_the_method_does_not_use_them(capsys):
     assert err.strip() == "occult: warning: --seed: used by --method hypergraph only, ignored by --method greedy"
     code, _, err = run_main(capsys, "place", "--trace", TRACE, "-d", 4, "-m", "hypergraph", "--seed", 3, "--json")
     assert code == 0 and "warning" not in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_output_device_names_its_flag(capsys):
+    for flag in ("--out", "--plot"):
+        if flag == "--plot":
+            pytest.importorskip("matplotlib")
+        code, _, err = run_main(capsys, "place", "--trace", TRACE, "-d", 4, "-m", "greedy", flag, "/dev/full")
+        one_clean_line(code, err, f"{flag} /dev/full: cannot be written (No space left on device)")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "occult", "--version"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            timeout=120,
+        )
+    one_clean_line(proc.returncode, proc.stderr, "stdout: No space left on device")
