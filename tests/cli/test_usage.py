@@ -41,7 +41,7 @@ def test_help_says_what_a_bare_occult_does(capsys):
         (["place", "--devices", "4"], "place", ["required: --trace"]),
         (["place", "--trace", "t", "-d", "4", "--max-load", "inf"], "place", ["--max-load", "finite", "'inf'"]),
         (["place", "--trace", "t", "-d", "4", "--max-load", "0.9"], "place", ["--max-load", ">= 1"]),
-        (["train", "--out", "x", "--lr", "nan"], "train", ["argument --lr", "finite"]),
+        (["train", "--out", "x", "--lr", "nan"], "train", ["argument --lr", "nan"]),
         (["data", "prepare", "--vocab-size", "x"], "data prepare", ["argument --vocab-size"]),
     ],
 )
