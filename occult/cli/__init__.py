@@ -44,7 +44,7 @@ from typing import Any
 from occult import settings
 from occult.cli import data, hf, lm
 from occult.cli.parser import build_parser as parser_of
-from occult.cli.parser import flush_stdout, print_command_list
+from occult.cli.parser import flush_stdout, print_command_list, stdout_error
 from occult.cli.place import PLACE, STATS
 from occult.cli.registry import EXIT_FAILED, EXIT_HELP, EXIT_USAGE, Command, CommandError, RunFn, lazy, lazy_command
 from occult.cli.tools import BENCH, DEMO
@@ -144,9 +144,24 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         two = f" -> {exc.filename2}" if exc.filename2 is not None else ""
         return f"{exc.filename}{two}: {exc.strerror}"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror  # no path to name (e.g. stdout full while printing): the reason, without `[Errno N]`
+    if isinstance(exc, OSError) and exc.strerror:  # no path to name: stdout, if it fails the same way now
+        if _stdout_fails_with(exc.errno):
+            return str(stdout_error(exc))
+        return exc.strerror  # the reason, without `[Errno N]`
     return str(exc) or type(exc).__name__
+
+
+def _stdout_fails_with(errno: int | None) -> bool:
+    """Whether an empty write to stdout fails with `errno` (e.g. ENOSPC into /dev/full)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # no file descriptor (e.g. captured)
+        return False
+    try:
+        os.write(fd, b"")
+    except OSError as exc:
+        return errno is not None and exc.errno == errno
+    return False
 
 
 def _long_flags(parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -83,7 +83,7 @@ def test_report_flags_name_themselves_before_any_work(capsys, tmp_path, command,
 
 
 def test_mt_kahypar_flags_warn_when_the_method_does_not_use_them(capsys):
-    code, out, err = run_main(capsys, "place", "--trace", TRACE, "-d", 4, "-m", "greedy", "--seed", 3, "--json")
+    code, out, err = run_main(capsys, "place", "--trace", str(TRACE), "-d", "4", "-m", "greedy", "--seed", 3, "--json")
     assert code == 0 and out.startswith("{"), err
     assert err.strip() == "occult: warning: --seed: used by --method hypergraph only, ignored by --method greedy"
     code, _, err = run_main(capsys, "place", "--trace", TRACE, "-d", 4, "-m", "hypergraph", "--seed", 3, "--json")
@@ -95,11 +95,22 @@ def test_a_full_output_device_names_its_flag(capsys):
     for flag in ("--out", "--plot"):
         if flag == "--plot":
             pytest.importorskip("matplotlib")
-        code, _, err = run_main(capsys, "place", "--trace", TRACE, "-d", 4, "-m", "greedy", flag, "/dev/full")
+        code, _, err = run_main(capsys, "place", "--trace", str(TRACE), "-d", "4", "-m", "greedy", flag, "/dev/full")
         one_clean_line(code, err, f"{flag} /dev/full: cannot be written (No space left on device)")
     with open("/dev/full", "w") as full:
         proc = subprocess.run(
             [sys.executable, "-m", "occult", "--version"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            timeout=120,
+        )
+    one_clean_line(proc.returncode, proc.stderr, "stdout: No space left on device")
+    with open("/dev/full", "w") as full:  # a table larger than stdout's buffer fails while printing
+        proc = subprocess.run(
+            [sys.executable, "-m", "occult", "place", "--trace", str(TRACE), "-d", "4", "-m", "greedy", "--json"],
             stdout=full,
             stderr=subprocess.PIPE,
             text=True,
