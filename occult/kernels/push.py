@@ -12,9 +12,9 @@ team barrier before it moves a byte).
 packed by destination, as a dispatch plan lists them; the prefix is summed in the kernel). They
 go to peer d's region `rank` (one program per (destination, block of rows), a grid-stride loop over
 the rows), counts[d] to peer d's count slot `rank`, and, for a dispatch, this rank's routing status to
-its status slot `rank` (the statuses arrive with the rows: no all-reduce of their own). Rows are words of 4 bytes (the buffers' rows
-are padded to whole 64-byte lines). The caller orders the stores before any read with a barrier of
-the group (`symm.DeviceTransport.exchange`).
+its status slot `rank` (the statuses arrive with the rows: no all-reduce of their own). Rows are
+words of 4 bytes (the buffers' rows are padded to whole 64-byte lines). The caller orders the stores
+before any read with a barrier of the group (`symm.DeviceTransport.exchange`).
 
 `region_rows`: where rows listed in plan order (packed by destination) come back in a
 region-per-rank buffer: `index[i] = d * stride + p - start_d` for p = rows[i] >= 0 sent to rank d
