@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from occult.distributed import finish_distributed
+from occult.tools.run_record import run_record
 
 
 # ------------------------------------------------------------------ process
@@ -52,7 +53,8 @@ def write_json(path: str, data: dict) -> None:
 
 
 def environment(device: torch.device, world: int) -> dict[str, Any]:
-    """World size, device, NCCL_P2P_DISABLE, backend, versions, host and GPU name."""
+    """World size, device, NCCL_P2P_DISABLE, backend, versions, host, GPU name, and the code's commit, the
+    date and the link (occult/tools/run_record.py)."""
     import transformers
 
     env = {
@@ -73,7 +75,7 @@ def environment(device: torch.device, world: int) -> dict[str, Any]:
             env["triton"] = triton.__version__
         except ImportError:
             env["triton"] = None
-    return env
+    return {**env, **run_record(world, device.type == "cuda")}
 
 
 def new_report(

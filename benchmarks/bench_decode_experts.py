@@ -36,6 +36,7 @@ from occult import kernels
 from occult.kernels import config as kcfg
 from occult.kernels import small_batch
 from occult.moe.experts import expert_mlp_reference
+from occult.tools.run_record import run_record
 
 T = kcfg.TileConfig
 SWEEP = {
@@ -259,6 +260,7 @@ def main(argv=None):
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        **run_record(1, device.type == "cuda"),
         "shape": {"H": hidden, "E": experts, "F": ffn, "K": args.top_k},
     }
     log(f"device {result['device']}, torch {torch.__version__}, H={hidden} E={experts} F={ffn} K={args.top_k}")

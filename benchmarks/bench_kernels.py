@@ -35,6 +35,7 @@ import torch
 from occult import kernels
 from occult.kernels import config as kcfg
 from occult.moe.experts import expert_mlp_reference
+from occult.tools.run_record import run_record
 
 SHAPES = {
     # name: (hidden, experts in total, ffn, top_k)
@@ -565,6 +566,7 @@ def main(argv=None):
         "triton": triton.__version__,
         "python": sys.version.split()[0],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+        **run_record(1, device.type == "cuda"),
         "argv": sys.argv,
         "tokens_per_rank": args.tokens,
         "devices": args.devices,

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from occult._atomic import write_text_atomic  # noqa: E402
 from occult.placement.cost import SHAPES, fit, layer_time, measured_from_bench  # noqa: E402
 from occult.placement.stats import analytic_mean_ct  # noqa: E402
+from occult.tools.run_record import run_record  # noqa: E402
 
 
 def load(paths: list[str]) -> list[dict[str, Any]]:
@@ -105,7 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_text_atomic(
             args.out,
-            json.dumps({"constants": c.to_dict(), "fit": args.fit, "check": args.check, "rows": rows}, indent=1),
+            json.dumps(
+                {
+                    "constants": c.to_dict(),
+                    "fit": args.fit,
+                    "check": args.check,
+                    "rows": rows,
+                    "env": run_record(1, on_gpu=False),  # computed: the code's commit, the date
+                },
+                indent=1,
+            ),
         )
     return 0
 

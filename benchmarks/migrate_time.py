@@ -20,6 +20,8 @@ import time
 import numpy as np
 import torch
 
+from occult.tools.run_record import run_record
+
 
 def worker(rank: int, world: int, a: dict) -> dict:
     from occult.lm.migrate import migrate
@@ -108,7 +110,9 @@ def main() -> int:
         )
     if a["out"]:
         with open(a["out"], "w") as f:
-            json.dump({"settings": a, "results": results}, f, indent=1)
+            json.dump(
+                {"settings": a, "env": run_record(a["ranks"], a["backend"] == "nccl"), "results": results}, f, indent=1
+            )
     return 0
 
 

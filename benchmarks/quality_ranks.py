@@ -367,8 +367,11 @@ def targets(rows: list[dict]) -> list[dict]:
 
 
 def run_env(args) -> dict:
-    """The machine, versions and date of this process (a seed's run, or the aggregation)."""
+    """The machine, versions, code's commit, date (UTC, ISO-8601) and link of this process (a seed's run, or
+    the aggregation)."""
     import torch
+
+    from occult.tools.run_record import run_record
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
     gpu = torch.cuda.get_device_name(0) if cuda else None
@@ -383,7 +386,7 @@ def run_env(args) -> dict:
         "device": device,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
+        **run_record(1 if args.simulate else args.ranks, cuda),
         "threads_per_rank": args.threads,
         "grad_sync": "ddp",
     }

@@ -45,6 +45,7 @@ from occult.lm.model import ModelConfig, OccultLM  # noqa: E402
 from occult.lm.train import BEST, FINAL, TrainConfig, finetune, train  # noqa: E402
 from occult.moe.pruning import load_similarity, similarity_path  # noqa: E402
 from occult.placement import Placement  # noqa: E402
+from occult.tools.run_record import run_record  # noqa: E402
 
 TINY_CORPUS = ROOT / "tests" / "data" / "shakespeare_tiny"
 
@@ -640,7 +641,7 @@ def main(argv=None) -> int:
             else f"CPU ({platform.processor() or platform.machine()})",
             "torch": torch.__version__,
             "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d"),
+            **run_record(1, device.type == "cuda"),
         },
         "corpus": corpus,
         "vocab": data.vocab_size,

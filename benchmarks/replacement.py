@@ -23,12 +23,21 @@ import sys
 import time
 from pathlib import Path
 
+from occult.tools.run_record import run_record
+
 RUNS = {
     "off": [],
     "fixed": ["--replace-every", "{every}", "--replace-min-gain", "0.99"],
     "every": ["--replace-every", "{every}"],
     "drift": ["--replace-drift", "0.03"],
 }
+
+
+def cuda_available() -> bool:
+    """Whether the `occult train` runs this starts have GPUs (torch imported only here: the runs are processes)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def model_args(a) -> list[str]:
@@ -231,6 +240,8 @@ def main() -> int:
             "settings": {k: v for k, v in vars(a).items() if k not in ("out", "plot", "summarise_only")},
             "extra": extra,
             "window": width,
+            # `occult train` takes the GPUs where there are any; the code's commit, the date, the link
+            "env": run_record(a.ranks, cuda_available()),
             "results": [dict(r, windows=window_means(r["ct"], width, a.steps)) for r in results],
         }
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

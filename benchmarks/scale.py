@@ -23,6 +23,7 @@ from occult.placement.solvers import place
 from occult.placement.stats import analytic_mean_ct, mean_ct
 from occult.placement.synthetic import planted_trace
 from occult.placement.trace import Trace
+from occult.tools.run_record import run_record
 
 REPO = Path(__file__).resolve().parents[1]
 GPUS_PER_NODE = 8
@@ -112,6 +113,7 @@ def main() -> None:
         "tokens_per_gpu": args.tokens,
         "gpus_per_node": GPUS_PER_NODE,
         "internode_GBps": bws,
+        "env": run_record(1, on_gpu=False),  # computed from the cost model and bench files: the code's commit, date
     }
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1, default=float) + "\n")

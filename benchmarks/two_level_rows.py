@@ -30,6 +30,7 @@ from occult.placement.report import layer_stats
 from occult.placement.solvers import place
 from occult.placement.synthetic import planted_nodes_trace
 from occult.placement.trace import Trace
+from occult.tools.run_record import run_record
 
 DISPATCHERS = ("standard", "dedup", "dedup2")
 
@@ -138,6 +139,7 @@ def main() -> None:
         from occult._atomic import write_text_atomic
 
         doc = dict(nodes=M, gpus_per_node=G, experts=a.experts, top_k=a.top_k, tokens=T, seed=a.seed, rows=rows)
+        doc["env"] = run_record(M * G, on_gpu=False)  # CPU gloo ranks: counts, not timings
         write_text_atomic(a.out, json.dumps(doc, indent=1) + "\n")
 
 

@@ -4,7 +4,7 @@ Code asks `current()` (`current().dgrad1`, ...), never `os.environ`; a value tha
 allowed raises `SettingsError` naming the variable, the bad value and the allowed ones.
 docs/settings.md lists each variable, its default and its effect.
 
-`current()` re-parses only when one of the variables changed (it compares the raw values: nine
+`current()` re-parses only when one of the variables changed (it compares the raw values: ten
 dictionary reads, well under a microsecond), so a test that sets one (`monkeypatch.setenv`) is seen at the next call
 and hot paths (every expert-MLP call reads it) pay no parsing. `reload()` drops the cache.
 This module imports neither torch nor Triton: Triton reads `TRITON_INTERPRET` itself on import,
@@ -49,6 +49,7 @@ class Settings:
     rank_start: str = (
         "spawn"  # OCCULT_RANK_START: how run_ranks starts CPU ranks ("forkserver": torch loaded once; the tests)
     )
+    commit: str | None = None  # OCCULT_COMMIT: the commit result files record (`HASH` or `HASH-dirty`; None: ask git)
 
     @classmethod
     def from_env(cls, env: dict[str, str | None]) -> Settings:
@@ -63,6 +64,7 @@ class Settings:
             triton_interpret=_flag(env, "TRITON_INTERPRET"),
             nccl_p2p_disable=(env.get("NCCL_P2P_DISABLE") or "").strip().lower() not in _FALSE,
             rank_start=_choice(env, "OCCULT_RANK_START", RANK_STARTS),
+            commit=(env.get("OCCULT_COMMIT") or "").strip() or None,
         )
 
 
@@ -77,6 +79,7 @@ VARIABLES: dict[str, str] = {
     "TRITON_INTERPRET": "triton_interpret",
     "NCCL_P2P_DISABLE": "nccl_p2p_disable",
     "OCCULT_RANK_START": "rank_start",
+    "OCCULT_COMMIT": "commit",
 }
 
 

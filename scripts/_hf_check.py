@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from occult.tools.run_record import run_record
+
 OLMOE_SMALL = dict(
     num_hidden_layers=4,
     hidden_size=1024,
@@ -101,6 +103,11 @@ def check(root: Path, dest: Path) -> None:
         "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(two["losses"], one["losses"])),
         "saved_weights_max_rel_diff_1_vs_2": weight_diff(root / "ft1" / "model", root / "ft2" / "model"),
         "plain_transformers_vs_occult": logit_error(root / "ft2" / "model"),
+        # where and from what code: run right after the two fine-tunes, on their machine
+        "env": {
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            **run_record(2, torch.cuda.is_available()),
+        },
     }
     dest.write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps({k: v for k, v in doc.items() if k not in ("one_gpu", "two_gpus")}, indent=1))

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from occult.tools.run_record import run_record
+
 
 def measure_peak() -> dict[str, Any]:
     """TFLOP/s of one large matmul on this process's device (the median of 20)."""
@@ -39,8 +41,39 @@ def measure_peak() -> dict[str, Any]:
         if i >= 3 or not cuda:
             times.append(time.perf_counter() - t0)
     s = sorted(times)[len(times) // 2]
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    return {"device": name, "matmul_n": n, "dtype": str(dtype).replace("torch.", ""), "tflops": 2 * n**3 / s / 1e12}
+    return {
+        "device": card_name(),
+        "matmul_n": n,
+        "dtype": str(dtype).replace("torch.", ""),
+        "tflops": 2 * n**3 / s / 1e12,
+    }
+
+
+def card_name() -> str:
+    """The card's name, or "cpu"."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def jobs_env(runs: dict[str, dict]) -> dict[str, Any] | None:
+    """The two-GPU runs' env blocks as one: their card, commit and link where all agree (else None), dirty if
+    any was, the newest date; None when no run recorded one."""
+    envs = [r["env"] for r in runs.values() if r.get("env") and r.get("gpus") == 2]
+    if not envs:
+        return None
+
+    def common(key: str) -> Any:
+        values = {e.get(key) for e in envs}
+        return values.pop() if len(values) == 1 else None
+
+    dirty = [e.get("dirty") for e in envs]
+    dates = [e["date"] for e in envs if e.get("date")]
+    return {
+        "gpu": common("gpu"),
+        "commit": common("commit"),
+        "dirty": True if True in dirty else None if None in dirty else False,
+        "date": max(dates) if dates else None,
+        "link": common("link"),
+    }
 
 
 def flops_per_token(cfg: dict[str, Any], seq_len: int) -> float:
@@ -78,6 +111,8 @@ def summarise_run(run_dir: Path, link: str, variant: str, gpus: int, peak: dict 
         "batch_size": tcfg["batch_size"],
         "seq_len": tcfg["seq_len"],
         "steps": tcfg["steps"],
+        # where and from what code (run right after the run, in its environment: NCCL_P2P_DISABLE gives the link)
+        "env": {"gpu": card_name(), **run_record(gpus, torch.cuda.is_available())},
     }
     if peak:
         r["mfu"] = r["flops_per_token"] * r["tokens_per_s_per_gpu"] / (peak["tflops"] * 1e12)
@@ -115,6 +150,7 @@ def link_report(out: Path, link: str) -> dict[str, Any]:
     peak_p = out / "peak.json"
     return {
         "link": link,
+        "env": jobs_env(runs),
         "peak": json.loads(peak_p.read_text()) if peak_p.exists() else None,
         "variants": runs,
         "ratios": ratios,

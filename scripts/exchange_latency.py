@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from occult.distributed import finish_distributed, init_distributed
 from occult.moe import symm
+from occult.tools.run_record import run_record
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,7 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(
-                        {"world": world, "device": torch.cuda.get_device_name(0), "args": vars(args), "rows": rows},
+                        {
+                            "world": world,
+                            "device": torch.cuda.get_device_name(0),
+                            **run_record(world, True),
+                            "args": vars(args),
+                            "rows": rows,
+                        },
                         f,
                         indent=1,
                     )

@@ -22,6 +22,7 @@ from occult.distributed import finish_distributed, init_distributed
 from occult.moe.layer import OccultMoE
 from occult.placement.cost import SHAPES
 from occult.tools.bench_timing import host_ms
+from occult.tools.run_record import run_record
 from occult.training.step_profile import union_ms
 
 
@@ -118,7 +119,13 @@ def main() -> None:
         if rank == 0 and args.out:
             with open(args.out, "w") as f:
                 json.dump(
-                    {"world": world, "shape": args.shape, "device": torch.cuda.get_device_name(0), "rows": rows},
+                    {
+                        "world": world,
+                        "shape": args.shape,
+                        "device": torch.cuda.get_device_name(0),
+                        **run_record(world, True),
+                        "rows": rows,
+                    },
                     f,
                     indent=1,
                 )

@@ -60,7 +60,7 @@ train_run() {  # train_run LINK VARIANT GPUS FLAGS...: one occult train run, its
   rm -rf "$dir"
   run "train_${link}_$v" $tmo env $env_ $launch -m occult train --corpus-dir "$data" $size --batch-size $batch \
     --steps $steps --eval-every $every --eval-tokens 8192 --save-every 0 --no-progress --out "$dir" "$@"
-  [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" run "$dir" "$out/runs/train_${link}_$v.json" \
+  [ "${DRY_RUN:-0}" = 1 ] || env $env_ python3 "$here/_train_summary.py" run "$dir" "$out/runs/train_${link}_$v.json" \
     --link "$link" --variant "$v" --gpus "$gpus"
   [ "${DRY_RUN:-0}" = 1 ] || rm -rf "$dir"/*.safetensors "$dir/checkpoint"  # ~8 GB a run at the GPU size
 }

@@ -31,6 +31,7 @@ def test_defaults_with_nothing_set(clean_env):
         triton_interpret=False,
         nccl_p2p_disable=False,
         rank_start="spawn",
+        commit=None,
     )
 
 
@@ -45,12 +46,13 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "TRITON_INTERPRET": "yes",
         "NCCL_P2P_DISABLE": "1",
         "OCCULT_RANK_START": "forkserver",
+        "OCCULT_COMMIT": " abc1234-dirty ",
     }
     assert set(values) == set(settings.VARIABLES)
     for name, value in values.items():
         clean_env.setenv(name, value)
     assert settings.current() == Settings(
-        "triton", "grouped_mm", "atomic", "torch", tmp_path, True, True, True, "forkserver"
+        "triton", "grouped_mm", "atomic", "torch", tmp_path, True, True, True, "forkserver", "abc1234-dirty"
     )
     assert {f.name for f in dataclasses.fields(Settings)} == set(settings.VARIABLES.values())
 

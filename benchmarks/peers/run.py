@@ -33,6 +33,7 @@ import peer_bench  # noqa: E402
 import torch  # noqa: E402
 
 from occult.tools.bench import SHAPES  # noqa: E402
+from occult.tools.run_record import run_record  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             "worlds": worlds,
             "versions": versions(),
             "device": torch.cuda.get_device_name(0) if conf["backend"] == "nccl" else "cpu",
+            **run_record(max(worlds), conf["backend"] == "nccl"),  # the link of the largest world
         },
         "runs": [],
         "failures": [],

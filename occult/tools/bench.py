@@ -42,6 +42,7 @@ from occult.tools.bench_variant import (  # noqa: F401 (re-exported: benchmarks/
     variant_transport,
 )
 from occult.tools.preflight import MemoryNeed, check_fits, out_of_memory
+from occult.tools.run_record import run_record
 
 # The model shapes are the cost model's (one table); `tiny` is for CPU smoke runs.
 SHAPES: dict[str, Shape] = {
@@ -255,6 +256,7 @@ def main(args: argparse.Namespace) -> int:
         "world": world,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+        **run_record(world, on_gpu),
     }
     bad = [r for r in result["runs"] if not r["rel_error"] < (2e-2 if on_gpu else 1e-4)]
     print()

@@ -123,6 +123,8 @@ def test_bench_smoke_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     runs = {(r["routing"], r["variant"]): r for r in result["runs"]}
     assert len(runs) == 6  # 2 routings x 3 variants
+    assert result["config"]["device"] == "cpu" and result["config"]["link"] == "cpu"  # where and from what code
+    assert {"commit", "dirty", "date"} <= set(result["config"])
     for r in runs.values():
         assert r["rel_error"] < 1e-4 and r["host_syncs_fwd_bwd"] is None
     assert runs[("random", "standard")]["mean_ct"] == 4.0  # tiny shape: top-4

@@ -1,0 +1,82 @@
+"""Where a benchmark ran and from what code: the fields every result file's env block records beside the card.
+
+`run_record(world, on_gpu)` gives {"commit", "dirty", "date", "link"}; benchmarks/_timing.py's `environment`,
+`occult bench` and the other writers under benchmarks/ and scripts/ merge it into their env block, so a result
+file says itself which code measured it and when (scripts/current_numbers.py prefers these to git's
+record of when the file was added). Where git is missing (a GPU machine gets the working tree without
+`.git`), the commit comes from `OCCULT_COMMIT` or a `COMMIT` file (docs/settings.md); none of them: null.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+from occult.settings import current
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMMIT_FILE = "COMMIT"
+DIRTY_SUFFIX = "-dirty"
+
+
+def parse_commit(text: str) -> tuple[str | None, bool | None]:
+    """`HASH` or `HASH-dirty` -> (HASH, dirty); blank -> (None, None)."""
+    words = text.strip().split()
+    if not words:
+        return None, None
+    word = words[0]
+    if word.endswith(DIRTY_SUFFIX):
+        return word[: -len(DIRTY_SUFFIX)] or None, True
+    return word, False
+
+
+def git_commit(root: Path) -> tuple[str | None, bool | None]:
+    """(HEAD, whether tracked files differ from it) of the git checkout at `root`; (None, None) where git
+    is missing or `root` is not the top of a checkout (an installed copy inside some other repository)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            run = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return run.stdout if run.returncode == 0 else None
+
+    shown = git("rev-parse", "--show-toplevel", "HEAD")
+    lines = shown.splitlines() if shown else []
+    if len(lines) != 2 or Path(lines[0]).resolve() != root.resolve():
+        return None, None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return lines[1], None if status is None else bool(status.strip())
+
+
+def code_commit(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the code that runs: OCCULT_COMMIT, else git at `root`, else `root`/COMMIT's first
+    line, else (None, None). `dirty` is None where unknown; never raises."""
+    if current().commit:
+        return parse_commit(current().commit)
+    commit, dirty = git_commit(root)
+    if commit is not None:
+        return commit, dirty
+    try:
+        return parse_commit((root / COMMIT_FILE).read_text(errors="replace").partition("\n")[0])
+    except OSError:
+        return None, None
+
+
+def link_of(world: int, on_gpu: bool) -> str:
+    """The link between the ranks: "cpu", "single-gpu", "pcie-or-slow: NCCL_P2P_DISABLE=1" (peer-to-peer off:
+    traffic through the host), else "nvlink" (peer-to-peer on; the machines measured here have NVLink;
+    the topology is not probed)."""
+    if not on_gpu:
+        return "cpu"
+    if world <= 1:
+        return "single-gpu"
+    return "pcie-or-slow: NCCL_P2P_DISABLE=1" if current().nccl_p2p_disable else "nvlink"
+
+
+def run_record(world: int, on_gpu: bool, root: Path = REPO_ROOT) -> dict[str, str | bool | None]:
+    """{"commit", "dirty", "date" (UTC, ISO-8601, now), "link"} for a result file's env block."""
+    commit, dirty = code_commit(root)
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return {"commit": commit, "dirty": dirty, "date": date, "link": link_of(world, on_gpu)}

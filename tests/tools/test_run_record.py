@@ -1,0 +1,109 @@
+"""occult/tools/run_record.py: the commit, date and link a result file records, found without ever failing."""
+
+from __future__ import annotations
+
+import subprocess
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from occult.tools import run_record
+from occult.tools.run_record import code_commit, link_of, parse_commit
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    monkeypatch.delenv("OCCULT_COMMIT", raising=False)
+    return monkeypatch
+
+
+def git_checkout(root: Path) -> str:
+    """A one-commit checkout at `root`; its HEAD."""
+
+    def git(*args: str) -> str:
+        ident = ("-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false")
+        return subprocess.run(["git", *ident, *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    (root / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("commit", "-q", "-m", "one")
+    return git("rev-parse", "HEAD").strip()
+
+
+def test_parse_commit_reads_the_dirty_suffix() -> None:
+    assert parse_commit("abc1234\n") == ("abc1234", False)
+    assert parse_commit(" abc1234-dirty  anything after\n") == ("abc1234", True)
+    assert parse_commit("  \n") == (None, None)
+
+
+def test_git_gives_head_and_whether_tracked_files_changed(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    head = git_checkout(tmp_path)
+    (tmp_path / "untracked.json").write_text("{}")  # a result being written is not a code change
+    assert code_commit(tmp_path) == (head, False)
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert code_commit(tmp_path) == (head, True)
+
+
+def test_the_variable_wins_over_git(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    git_checkout(tmp_path)
+    clean_env.setenv("OCCULT_COMMIT", "feed123-dirty")
+    assert code_commit(tmp_path) == ("feed123", True)
+
+
+def test_without_git_the_commit_file_then_null(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    assert code_commit(tmp_path / "sub") == (None, None)  # not a checkout, no COMMIT file
+    (tmp_path / "sub" / "COMMIT").write_text("beef456\nsecond line ignored\n")
+    assert code_commit(tmp_path / "sub") == ("beef456", False)
+    clean_env.setenv("PATH", str(tmp_path / "no-git-here"))  # git itself missing: still no exception
+    assert code_commit(tmp_path / "sub") == ("beef456", False)
+
+
+def test_a_checkout_above_the_root_is_not_taken_for_it(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An installed copy inside some other repository must not record that repository's commit."""
+    git_checkout(tmp_path)
+    (tmp_path / "site").mkdir()
+    assert code_commit(tmp_path / "site") == (None, None)
+
+
+def test_link_from_the_device_count_and_nccl_p2p(clean_env: pytest.MonkeyPatch) -> None:
+    assert link_of(1, on_gpu=False) == link_of(4, on_gpu=False) == "cpu"
+    assert link_of(1, on_gpu=True) == "single-gpu"
+    assert link_of(2, on_gpu=True) == "nvlink"
+    clean_env.setenv("NCCL_P2P_DISABLE", "1")
+    assert link_of(2, on_gpu=True) == "pcie-or-slow: NCCL_P2P_DISABLE=1"
+    assert link_of(1, on_gpu=True) == "single-gpu"
+
+
+def test_the_record_has_every_field_and_a_utc_date(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    clean_env.setenv("OCCULT_COMMIT", "abc1234")
+    record = run_record.run_record(2, on_gpu=True, root=tmp_path)
+    assert set(record) == {"commit", "dirty", "date", "link"}
+    assert (record["commit"], record["dirty"], record["link"]) == ("abc1234", False, "nvlink")
+    date = datetime.fromisoformat(str(record["date"]))
+    assert date.utcoffset() == timedelta(0)
+    assert abs(datetime.now(timezone.utc) - date) < timedelta(minutes=5)
+
+
+def test_a_training_jobs_env_is_its_runs_where_they_agree() -> None:
+    """scripts/_train_summary.py: the link report's env block from its two-GPU runs' (the one-GPU run left out)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    try:
+        import _train_summary
+    finally:
+        sys.path.pop(0)
+    env = {"gpu": "H100", "commit": "abc", "dirty": False, "date": "2026-11-27T01:00:00+00:00", "link": "nvlink"}
+    runs = {
+        "1gpu": {"gpus": 1, "env": {**env, "link": "single-gpu", "date": "2026-11-28T00:00:00+00:00"}},
+        "floor": {"gpus": 2, "env": env},
+        "dedup_ddp": {"gpus": 2, "env": {**env, "dirty": True, "date": "2026-11-27T02:00:00+00:00"}},
+    }
+    assert _train_summary.jobs_env(runs) == {**env, "dirty": True, "date": "2026-11-27T02:00:00+00:00"}
+    runs["dedup_ddp"]["env"]["commit"] = "def"
+    assert _train_summary.jobs_env(runs)["commit"] is None  # two commits: none named
+    assert _train_summary.jobs_env({"floor": {"gpus": 2}}) is None  # runs from before env blocks
