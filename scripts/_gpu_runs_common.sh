@@ -1,4 +1,18 @@
-# Shared by scripts/one_gpu_runs.sh and scripts/multi_gpu_runs.sh (sourced; $out set by the caller).
+# Shared by scripts/one_gpu_runs.sh, multi_gpu_runs.sh and four_gpu_runs.sh (sourced; $out set by the caller).
+
+# The commit every result file records (occult/tools/run_record.py, docs/settings.md): HEAD, "-dirty" when
+# tracked files differ, where git works at the checkout's top; else the processes read a COMMIT file at the
+# root (`git rev-parse HEAD > COMMIT` before copying the tree to a machine without .git) or record null.
+export_commit() {
+  local root top commit
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+  top=$(git -C "$root" rev-parse --show-toplevel 2>/dev/null) || return 0
+  [ "$(cd "$top" && pwd -P)" = "$root" ] || return 0
+  commit=$(git -C "$root" rev-parse HEAD 2>/dev/null) || return 0
+  [ -n "$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null)" ] && commit="$commit-dirty"
+  export OCCULT_COMMIT=$commit
+}
+[ -n "${OCCULT_COMMIT:-}" ] || export_commit
 
 run() {  # run NAME SECONDS COMMAND...: log to OUT/NAME.log, show the last lines (TAIL, default 14)
   local name=$1 secs=$2

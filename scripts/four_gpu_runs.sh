@@ -16,7 +16,8 @@
 #
 # Routing with a trained model's co-activation structure: the routers are drawn from the trace of an
 # OccultLM trained on Shakespeare (benchmarks/_router_trace.py; TRACE_OLMOE 64 experts, TRACE_QWEN3
-# 128, top-8: docs/results/fourgpu/README.md says how they were made). NVLink multicast stays off.
+# 128, top-8: docs/fourgpu.md, "How the routing gets a trained model's structure" and "Reproduce",
+# says how they were made). NVLink multicast stays off.
 set -uo pipefail
 part=${1:?usage: four_gpu_runs.sh PART OUT}
 out=${2:?usage: four_gpu_runs.sh PART OUT}

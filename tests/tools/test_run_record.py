@@ -107,3 +107,33 @@ def test_a_training_jobs_env_is_its_runs_where_they_agree() -> None:
     runs["dedup_ddp"]["env"]["commit"] = "def"
     assert _train_summary.jobs_env(runs)["commit"] is None  # two commits: none named
     assert _train_summary.jobs_env({"floor": {"gpus": 2}}) is None  # runs from before env blocks
+
+
+def test_the_gpu_run_scripts_export_the_commit_only_where_git_knows_it(tmp_path: Path) -> None:
+    """scripts/_gpu_runs_common.sh (sourced by one_gpu_runs.sh, multi_gpu_runs.sh, four_gpu_runs.sh)."""
+    common = Path(__file__).resolve().parents[2] / "scripts" / "_gpu_runs_common.sh"
+    show = 'source "$1"; echo "${OCCULT_COMMIT:-unset}"'
+
+    def sourced(script: Path, cwd: Path, **env: str) -> str:
+        run = subprocess.run(
+            ["bash", "-c", show, "-", str(script)],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            env={"PATH": "/usr/bin:/bin", **env},
+        )
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    head = git_checkout(tmp_path)
+    (tmp_path / "scripts").mkdir()
+    copy = tmp_path / "scripts" / common.name
+    copy.write_text(common.read_text())
+    assert sourced(copy, tmp_path) == head  # the script itself is untracked: not a change of tracked code
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert sourced(copy, tmp_path) == f"{head}-dirty"
+    bare = tmp_path / "bare" / "scripts"
+    bare.mkdir(parents=True)
+    (bare / common.name).write_text(common.read_text())
+    assert sourced(bare / common.name, tmp_path) == "unset"  # inside another checkout: not its commit
+    assert sourced(copy, tmp_path, OCCULT_COMMIT="given") == "given"
