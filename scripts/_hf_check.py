@@ -105,6 +105,7 @@ def check(root: Path, dest: Path) -> None:
         "plain_transformers_vs_occult": logit_error(root / "ft2" / "model"),
         # where and from what code: run right after the two fine-tunes, on their machine
         "env": {
+            "world_size": 2,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             **run_record(2, torch.cuda.is_available()),
         },

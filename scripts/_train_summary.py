@@ -68,6 +68,7 @@ def jobs_env(runs: dict[str, dict]) -> dict[str, Any] | None:
     dirty = [e.get("dirty") for e in envs]
     dates = [e["date"] for e in envs if e.get("date")]
     return {
+        "world_size": 2,
         "gpu": common("gpu"),
         "commit": common("commit"),
         "dirty": True if True in dirty else None if None in dirty else False,
@@ -112,7 +113,7 @@ def summarise_run(run_dir: Path, link: str, variant: str, gpus: int, peak: dict 
         "seq_len": tcfg["seq_len"],
         "steps": tcfg["steps"],
         # where and from what code (run right after the run, in its environment: NCCL_P2P_DISABLE gives the link)
-        "env": {"gpu": card_name(), **run_record(gpus, torch.cuda.is_available())},
+        "env": {"world_size": gpus, "gpu": card_name(), **run_record(gpus, torch.cuda.is_available())},
     }
     if peak:
         r["mfu"] = r["flops_per_token"] * r["tokens_per_s_per_gpu"] / (peak["tflops"] * 1e12)

@@ -105,3 +105,36 @@ def test_targets_report_keeps_the_newest_file_per_target(tmp_path: Path) -> None
     )
     rows = [r for r in targets_report.report([str(tmp_path)]).splitlines() if "whole model (olmoe)" in r]
     assert len(rows) == 1 and "1.200x" in rows[0] and "new.json" in rows[0] and "MISSED" in rows[0]
+
+
+def test_a_file_recording_its_own_commit_and_date_needs_no_provenance_and_its_record_wins(tmp_path: Path) -> None:
+    """A result written since the benchmarks record commit and date (occult/tools/run_record.py): ordered by
+    the run's date, its commit shown (dirty marked); provenance.json only for the files that lack a record."""
+    own = e2e(2, {"replicated": 10.0, "dedup": 12.0})  # 1.20x
+    own["env"].update(
+        gpu="NVIDIA H100 80GB HBM3", commit="0123456789ab", dirty=True, date="2026-11-28T05:00:00+00:00", link="nvlink"
+    )
+    older = e2e(2, {"replicated": 10.0, "dedup": 10.5})  # 1.05x, added by a later commit than own's run
+    newer = e2e(2, {"replicated": 10.0, "dedup": 11.0})  # 1.10x
+    entries = {"older.json": prov("2026-11-27T00:00:00+00:00"), "newer.json": prov("2026-11-29T00:00:00+00:00")}
+    write(tmp_path, {"own.json": own, "older.json": older}, entries)
+    assert current_numbers.main(["--results", str(tmp_path), "--stamp"]) == 0  # nothing to ask git for
+    assert "own.json" not in json.loads((tmp_path / "provenance.json").read_text())
+    row = next(r for r in current_numbers.render(tmp_path, tmp_path / "provenance.json").splitlines() if "own" in r)
+    assert row.startswith("| 2 | NVLink | olmoe | prefill | 1.200x |")
+    assert "| 2 x H100 | `0123456-dirty` | 2026-11-28 |" in row
+    # an entry for the file itself loses to its record (card and link still taken from the entry)
+    write(tmp_path, {"own.json": own}, {**entries, "own.json": prov("2026-11-30T00:00:00+00:00", commit="fff0000")})
+    page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
+    assert "| 2 x H200 | `0123456-dirty` | 2026-11-28 |" in page and "fff0000" not in page
+    write(tmp_path, {"own.json": own, "newer.json": newer}, entries)  # a newer run by provenance wins over it
+    page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
+    assert "| 1.100x |" in page and "own.json" not in page
+    own["env"]["date"] = "2026-11-28"  # no time zone: not a record; then provenance.json must have the file
+    (tmp_path / "alone").mkdir()
+    write(tmp_path / "alone", {"own.json": own}, {})
+    try:
+        current_numbers.render(tmp_path / "alone", tmp_path / "alone" / "provenance.json")
+        raise AssertionError("a file without a usable record nor an entry went unnoticed")
+    except SystemExit as e:
+        assert "own.json" in str(e) and "provenance.json" in str(e)

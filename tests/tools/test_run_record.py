@@ -97,7 +97,14 @@ def test_a_training_jobs_env_is_its_runs_where_they_agree() -> None:
         import _train_summary
     finally:
         sys.path.pop(0)
-    env = {"gpu": "H100", "commit": "abc", "dirty": False, "date": "2026-11-27T01:00:00+00:00", "link": "nvlink"}
+    env = {
+        "world_size": 2,
+        "gpu": "H100",
+        "commit": "abc",
+        "dirty": False,
+        "date": "2026-11-27T01:00:00+00:00",
+        "link": "nvlink",
+    }
     runs = {
         "1gpu": {"gpus": 1, "env": {**env, "link": "single-gpu", "date": "2026-11-28T00:00:00+00:00"}},
         "floor": {"gpus": 2, "env": env},
