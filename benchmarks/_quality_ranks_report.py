@@ -3,8 +3,17 @@ plot whose error bars span each row's min..max over the seeds (no plotting libra
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+
+QUALITY_DOC = Path(__file__).resolve().parents[1] / "docs" / "quality.md"  # where the targets were set
+
+
+def quality_doc_link(doc: Path) -> str:
+    """The link from the report at `doc` to docs/quality.md (reports are written to several folders)."""
+    return Path(os.path.relpath(QUALITY_DOC, doc.resolve().parent)).as_posix()
+
 
 COLORS = [
     "#1f77b4",
@@ -336,7 +345,8 @@ def render(results: dict, doc: Path) -> None:
         )
         lines += [
             "",
-            f"The targets were set on [quality.md](quality.md) (32 experts top-4, hidden 256, one process, one seed), "
+            f"The targets were set on [quality.md]({quality_doc_link(doc)}) (32 experts top-4, hidden 256, one "
+            "process, one seed), "
             f"where a token's plain top-4 spanned 2.05 of 4 devices on the placement. Here the plain top-{a['top_k']} "
             f"spans {placed:.2f} of {a['ranks']} {'devices' if simulated else 'ranks'}, {more}.",
         ]

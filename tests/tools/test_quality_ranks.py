@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -483,3 +484,21 @@ def test_recipe_methods_limit_the_recipe_rows_not_the_plain_ones(monkeypatch):
     assert sum("(similarity) + fine-tuning" in n for n in names) == 3 and "standard fine-tuning (400 steps)" in names
     args.recipe_methods = None
     assert sum("[distill-ft-x4]" in r[0] for r in job.finetune_runs(args, recipes=True)) == 4
+
+
+def test_reports_link_to_quality_md_from_wherever_they_are_written() -> None:
+    """The generated reports sit in docs/, docs/results/ and its folders; each link must reach docs/quality.md."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _quality_ranks_report import quality_doc_link
+    finally:
+        sys.path.pop(0)
+    for report in (
+        ROOT / "docs" / "quality_ranks.md",
+        ROOT / "docs" / "results" / "a.md",
+        ROOT / "docs" / "results" / "x" / "b.md",
+    ):
+        assert (report.parent / quality_doc_link(report)).resolve() == ROOT / "docs" / "quality.md"
+    for report in ROOT.glob("docs/**/quality_ranks*.md"):  # the committed ones
+        for target in re.findall(r"\[quality\.md\]\(([^)]+)\)", report.read_text()):
+            assert (report.parent / target).is_file(), (report, target)
