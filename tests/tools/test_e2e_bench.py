@@ -52,6 +52,7 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
     assert "| dedup@device | - | skipped: the device transport cannot run here" in res.stdout
     assert report["env"]["world_size"] == 2
     assert "NCCL_P2P_DISABLE" in report["env"] and report["env"]["torch"] and report["env"]["transformers"]
+    assert report["env"]["link"] == "cpu" and {"commit", "dirty", "date"} <= set(report["env"])  # run_record
     assert report["config"]["tokens_per_gpu"] == 64
     assert report["placement"]["mean_ct_placed"] <= report["placement"]["mean_ct_contiguous"] + 1e-9
     assert list(report["variants"]) == list(VARIANTS)
