@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result_provenance import LINKS, own_record  # noqa: E402
 from train_report import TARGETS as TRAIN_TARGETS  # noqa: E402  (scripts/train_report.py: issue 38's ratios)
 
 WHOLE_MODEL = {
@@ -277,8 +278,9 @@ EXPECTED = [  # (target prefix, what measures it): listed as "not measured" when
 
 
 def file_order(paths: Iterable[str]) -> dict[str, tuple]:
-    """name -> (date, run, link), newest last: the commit date (and `run`) in the nearest `provenance.json` at or above
-    the files (docs/results/ has one: scripts/current_numbers.py --stamp), else the file's modification time."""
+    """name -> (date, run, link), newest last: the run's date and link the file records (occult/tools/run_record.py),
+    else the commit date (and `run`) in the nearest `provenance.json` at or above the files (docs/results/ has
+    one: scripts/current_numbers.py --stamp), else the file's modification time."""
     order: dict[str, tuple] = {}
     for p in map(Path, paths):
         here = (p if p.is_dir() else p.parent).resolve()
@@ -291,6 +293,14 @@ def file_order(paths: Iterable[str]) -> dict[str, tuple]:
             entry = known.get(f.resolve().relative_to(folder).as_posix())
             mtime = datetime.fromtimestamp(f.stat().st_mtime, timezone.utc).isoformat()
             order[name] = (entry["date"], entry.get("run", 0), entry["link"]) if entry else (mtime, 0, "")
+            try:
+                doc = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue  # load_reports names an unreadable file
+            own = own_record(doc) if isinstance(doc, dict) else None
+            if own is not None:
+                link = entry["link"] if entry else LINKS.get(own.get("link"), "")
+                order[name] = (datetime.fromisoformat(own["date"]).astimezone(timezone.utc).isoformat(), 0, link)
     return order
 
 

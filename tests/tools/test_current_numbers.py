@@ -138,3 +138,13 @@ def test_a_file_recording_its_own_commit_and_date_needs_no_provenance_and_its_re
         raise AssertionError("a file without a usable record nor an entry went unnoticed")
     except SystemExit as e:
         assert "own.json" in str(e) and "provenance.json" in str(e)
+
+
+def test_targets_report_orders_a_file_by_its_own_record(tmp_path: Path) -> None:
+    """scripts/targets_report.py: a file's recorded run date, not its modification time (just now), orders it."""
+    own = e2e(2, {"replicated": 10.0, "dedup": 12.0})
+    own["env"].update(commit="0123456789ab", dirty=False, date="2026-11-26T05:00:00+00:00", link="nvlink")
+    docs = {"own.json": own, "newer.json": e2e(2, {"replicated": 10.0, "dedup": 10.2})}
+    write(tmp_path, docs, {"newer.json": prov("2026-11-27T00:00:00+00:00")})
+    rows = [r for r in targets_report.report([str(tmp_path)]).splitlines() if "whole model (olmoe)" in r]
+    assert len(rows) == 1 and "newer.json" in rows[0] and "1.020x" in rows[0]
