@@ -148,3 +148,27 @@ def test_targets_report_orders_a_file_by_its_own_record(tmp_path: Path) -> None:
     write(tmp_path, docs, {"newer.json": prov("2026-11-27T00:00:00+00:00")})
     rows = [r for r in targets_report.report([str(tmp_path)]).splitlines() if "whole model (olmoe)" in r]
     assert len(rows) == 1 and "newer.json" in rows[0] and "1.020x" in rows[0]
+
+
+def test_a_folder_of_training_runs_takes_its_runs_records_when_all_have_one(tmp_path: Path) -> None:
+    """One two_gpu_training.sh call's runs (a folder, one job): its commit if all agree, its newest date."""
+
+    def run(variant: str, tokens_per_s: float, date: str, commit: str = "0123456789ab") -> dict:
+        env = {"world_size": 2, "gpu": "NVIDIA H100 80GB HBM3", "commit": commit, "dirty": False, "date": date}
+        return {"variant": variant, "tokens_per_s": tokens_per_s, "link": "nvlink", "gpus": 2, "env": env}
+
+    (tmp_path / "job").mkdir()
+    runs = {
+        "job/a.json": run("dedup_ddp", 1100.0, "2026-11-28T01:00:00+00:00"),
+        "job/b.json": run("dedup_counts_ddp", 1000.0, "2026-11-28T02:00:00+00:00"),
+    }
+    write(tmp_path, runs, {})
+    row = next(r for r in current_numbers.render(tmp_path, tmp_path / "provenance.json").splitlines() if "job/" in r)
+    assert "| 1.100x |" in row and "| 2 x H100 | `0123456` | 2026-11-28 |" in row
+    runs["job/b.json"] = run("dedup_counts_ddp", 1000.0, "2026-11-28T02:00:00+00:00", commit="fedcba987654")
+    write(tmp_path, runs, {})  # two commits: not one job's record, so provenance.json must have the files
+    try:
+        current_numbers.render(tmp_path, tmp_path / "provenance.json")
+        raise AssertionError("runs of two commits went unnoticed")
+    except SystemExit as e:
+        assert "provenance.json" in str(e)
