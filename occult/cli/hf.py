@@ -27,6 +27,7 @@ from typing import Any
 
 from occult.cli.hf_finetune import (  # noqa: F401  (occult.cli uses add_finetune_arguments, run_finetune here)
     add_finetune_arguments,
+    note_when_given,
     quiet_unless_terminal,
     run_finetune,
 )
@@ -35,8 +36,9 @@ from occult.cli.registry import CommandError, check_output, positive_int
 from occult.cli.run_checks import check_device, writing_named
 
 _OWN_DEFAULTS = {"tokens": 65536, "batch_size": 8, "seq_len": None}
-# (flag, dest, default) of `occult profile`'s flags for occult checkpoints (occult.cli.lm_args), refused here
-OCCULT_CHECKPOINT_ONLY = (
+# (flag, dest, default) of `occult profile`'s flags for occult checkpoints (occult.cli.lm_args), refused here when
+# the command line names them (`note_when_given`) or a caller's namespace holds another value
+PROFILE_OCCULT_CHECKPOINT_ONLY = (
     ("--corpus-dir", "corpus_dir", None),
     ("--tokenizer", "tokenizer", None),
     ("--split", "split", "train"),
@@ -94,6 +96,11 @@ def add_profile_arguments(p: Any) -> None:
         choices=["auto", "bf16", "fp32"],
         help="auto: bf16 on GPU, fp32 on CPU (default auto)",
     )
+    for flag, _, _ in PROFILE_OCCULT_CHECKPOINT_ONLY:
+        action = p._option_string_actions.get(flag)
+        if action is not None and "occult checkpoints only" not in (action.help or ""):
+            action.help += " (occult checkpoints only)"
+    note_when_given(p, [flag for flag, _, _ in PROFILE_OCCULT_CHECKPOINT_ONLY])
 
 
 def run_profile(args: Any) -> int:
@@ -109,8 +116,8 @@ def run_profile(args: Any) -> int:
 
     if not getattr(args, "data", None):
         raise ValueError("profiling a transformers model needs --data (a text/jsonl file, token ids, or 'random')")
-    for flag, dest, default in OCCULT_CHECKPOINT_ONLY:
-        if getattr(args, dest, default) != default:
+    for flag, dest, default in PROFILE_OCCULT_CHECKPOINT_ONLY:
+        if flag in getattr(args, "given_flags", ()) or getattr(args, dest, default) != default:
             raise CommandError(
                 f"{flag} applies to occult checkpoints only; a transformers model is profiled on --data "
                 "(tokenized with the model's own tokenizer)"

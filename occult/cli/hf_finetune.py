@@ -8,12 +8,16 @@ finetune flags (shared: --steps, --lr, --batch-size, ...; `occult.cli.lm_args`) 
     OUT/checkpoint/  (every --save-every steps; --resume continues it, --stop-after N stops early)
 
 Every flag is checked before any work (`occult.cli.run_checks`); a run that fails before it wrote anything
-leaves no new --out behind.
+leaves no new --out behind. The flags only a run of an occult checkpoint reads (`OCCULT_CHECKPOINT_ONLY`:
+--tokenizer, --eval-every, --grad-sync, --replace-*, ...) are refused with --hf when the command line names
+them (`note_when_given` records which flags it names: argparse keeps no such record).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,52 @@ from occult.cli.inputs import (
 )
 from occult.cli.registry import CommandError, check_input, check_output_dir
 from occult.cli.run_checks import allocation_named, check_device, check_max_devices, diverged_named, run_dir
+
+_NO_EVAL = "it runs no validation evaluation"
+_FIXED = "the experts stay where --placement / --ep-placement put them"
+# the flags of `occult finetune` that only a run of an occult checkpoint (--init) reads: what --hf does instead
+OCCULT_CHECKPOINT_ONLY: dict[str, str] = {
+    "--tokenizer": "it tokenizes with the model's own tokenizer",
+    "--moe-only": "only the routers and experts train (--train chooses which)",
+    "--no-moe-only": "only the routers and experts train (--train chooses which)",
+    "--eval-every": _NO_EVAL,
+    "--eval-tokens": _NO_EVAL,
+    "--patience": _NO_EVAL,
+    "--grad-sync": "DDP averages the routers and the experts are all-reduced over the replicas",
+    **{f"--replace-{name}": _FIXED for name in ("every", "min-gain", "drift", "check-every", "samples", "method")},
+    "--replace-wait": _FIXED,
+}
+HF_ONLY = ("--save-dtype",)  # and --data, which `occult.cli.lm` refuses with its own message
+
+
+@functools.cache
+def _noting(action_class: type) -> type:
+    """A subclass of an argparse action class that also adds its option string to the namespace's `given_flags`."""
+
+    def call(self: Any, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        action_class.__call__(self, parser, namespace, values, option_string)
+        namespace.given_flags = frozenset(getattr(namespace, "given_flags", ())) | {option_string}
+
+    return type(f"Noting{action_class.__name__}", (action_class,), {"__call__": call, "notes_given": True})
+
+
+def note_when_given(p: Any, flags: Iterable[str]) -> None:
+    """Make each of `flags` on parser `p` record itself in `args.given_flags` when the command line names it
+    (by any spelling argparse accepts: `--flag=V`, an abbreviation): a default and an explicit value look alike."""
+    p.set_defaults(given_flags=frozenset())
+    actions = getattr(p, "_option_string_actions", {})
+    for flag in flags:
+        if flag in actions and not getattr(actions[flag], "notes_given", False):
+            actions[flag].__class__ = _noting(type(actions[flag]))
+
+
+def refuse_occult_checkpoint_flags(args: Any) -> None:
+    """`occult finetune --hf`: a flag that only a run of an occult checkpoint reads is an error, not ignored."""
+    for flag in sorted(getattr(args, "given_flags", ())):
+        if flag in OCCULT_CHECKPOINT_ONLY:
+            raise CommandError(
+                f"{flag} applies to occult checkpoints (--init) only; with --hf {OCCULT_CHECKPOINT_ONLY[flag]}"
+            )
 
 
 def quiet_unless_terminal() -> None:
@@ -72,6 +122,10 @@ def add_finetune_arguments(p: Any) -> None:
             help="--hf: token ids (.safetensors/.npy/.pt), text (.txt/.jsonl) or 'random' (default: the "
             "corpus texts of --corpus-dir or the cached Shakespeare corpus)",
         )
+    for flag in OCCULT_CHECKPOINT_ONLY:
+        if flag in have and "not with --hf" not in (have[flag].help or ""):
+            have[flag].help += " (occult checkpoints only: not with --hf)"
+    note_when_given(p, [*OCCULT_CHECKPOINT_ONLY, *HF_ONLY])
 
 
 def _check_teacher_dir(args: Any) -> None:
@@ -240,6 +294,7 @@ def run_finetune(args: Any) -> int:
 
     from occult.integrations import hf
 
+    refuse_occult_checkpoint_flags(args)
     read_hf_config("--hf", args.hf)
     quiet_unless_terminal()
     out = Path(args.out)

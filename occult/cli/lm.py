@@ -259,6 +259,10 @@ def _check_finetune_inputs(args):
             f"--data {args.data} applies to --hf (a transformers model) only; an --init checkpoint trains on "
             "--corpus-dir (a prepared corpus; default: the cached corpus)"
         )
+    if "--save-dtype" in getattr(args, "given_flags", ()):  # recorded by occult.cli.hf_finetune.note_when_given
+        raise CommandError(
+            "--save-dtype applies to --hf (a transformers model) only; an --init run writes occult checkpoints"
+        )
     check_input("--init", args.init, "any")
     check_input("--distill-from", getattr(args, "distill_from", None), "any")
     check_input("--placement", args.placement)

@@ -254,7 +254,7 @@ def add_ranks_arguments(p: argparse.ArgumentParser) -> None:
         "during the backward (default), or by one explicit all-reduce after it; or fsdp: sharded over "
         "the ranks with torch FSDP2 fully_shard (weights, gradients and AdamW state 1/N per rank; "
         "bf16 precision as FSDP2 mixed precision); expert gradients are all-reduced over the "
-        "replicas after the backward in every mode (OccultLM only; not --hf)",
+        "replicas after the backward in every mode",
     )
 
 

@@ -220,6 +220,14 @@ def test_finetune_refuses_flags_that_cannot_apply(capsys, tmp_path, prepared, ch
     assert "--out" not in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("save_dtype", ["source", "bf16"])  # its default too: the flag is named, not its value
+def test_finetune_of_a_checkpoint_refuses_save_dtype_of_hf(capsys, tmp_path, prepared, checkpoint, save_dtype):
+    argv = ["finetune", "--init", checkpoint, "--corpus-dir", prepared, "--out", tmp_path / "run", *TINY_RUN]
+    code, _, err = run(capsys, *argv, "--save-dtype", save_dtype)
+    one_clean_line(code, err, "--save-dtype", "--hf")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "extra, needles",
     [
@@ -257,7 +265,55 @@ def hf_model(tmp_path_factory) -> Path:
 
 
 def hf_finetune_argv(hf_model: Path, out: Path, *extra) -> list:
-    return ["finetune", "--hf", hf_model, "--out", out, "--data", "random", *TINY_RUN, "--seq-len", "8", *extra]
+    tiny = ["--steps", "1", "--batch-size", "2", "--seq-len", "8"]
+    return ["finetune", "--hf", hf_model, "--out", out, "--data", "random", *tiny, *extra]
+
+
+# each flag that only a run of an occult checkpoint reads, with a value --hf would have ignored (defaults included)
+OCCULT_ONLY_FLAGS = [
+    ["--tokenizer", "tok.json"],
+    ["--moe-only"],
+    ["--no-moe-only"],
+    ["--eval-every", "200"],
+    ["--eval-every=0"],
+    ["--eval-tokens", "64"],
+    ["--pat", "2"],  # an abbreviation argparse accepts for --patience
+    ["--grad-sync", "ddp"],
+    ["--replace-every", "0"],
+    ["--replace-min-gain", "0.1"],
+    ["--replace-drift", "0.1"],
+    ["--replace-check-every", "5"],
+    ["--replace-samples", "16"],
+    ["--replace-method", "greedy"],
+    ["--replace-wait"],
+]
+
+
+@pytest.mark.parametrize("extra", OCCULT_ONLY_FLAGS, ids=lambda e: e[0])
+def test_hf_finetune_refuses_the_flags_of_occult_checkpoints(capsys, tmp_path, hf_model, extra):
+    flag = {"--pat": "--patience"}.get(extra[0], extra[0].split("=")[0])
+    code, _, err = run(capsys, *hf_finetune_argv(hf_model, tmp_path / "run", *extra))
+    one_clean_line(code, err, flag, "applies to occult checkpoints (--init) only")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_finetune_flag_is_read_by_hf_or_refused_with_it():
+    """A flag of `occult finetune` that occult.cli.hf_finetune never reads must be refused with --hf, and
+    a refused one never read there (a flag that becomes used with --hf leaves OCCULT_CHECKPOINT_ONLY)."""
+    import re
+    from argparse import _SubParsersAction
+
+    from occult.cli import build_parser, hf_finetune
+
+    source = Path(hf_finetune.__file__).read_text()
+    (sub,) = [a for a in build_parser(chosen="finetune")._actions if isinstance(a, _SubParsersAction)]
+    flags = [a for a in sub.choices["finetune"]._actions if a.option_strings and a.dest not in ("help", "init")]
+    assert len(flags) > 40
+    for action in flags:
+        read = re.search(rf'args\.{action.dest}\b|args, "{action.dest}"', source) is not None
+        refused = [f in hf_finetune.OCCULT_CHECKPOINT_ONLY for f in action.option_strings]
+        assert refused in ([True] * len(refused), [False] * len(refused)), action.option_strings
+        assert read != refused[0], (action.option_strings, "read" if read else "neither read nor refused")
 
 
 @pytest.mark.parametrize(
