@@ -53,8 +53,9 @@ def family_of(name: str) -> str:
     return "other"
 
 
-def profile_steps(step, steps: int) -> dict:
-    """Time `steps` calls with CUDA events, then profile as many; kernel statistics per step."""
+def profile_steps(step, steps: int, trace_path: str | None = None) -> dict:
+    """Time `steps` calls with CUDA events, then profile as many; kernel statistics per step (and the
+    profiler's timeline, gzipped JSON for chrome://tracing or Perfetto, at `trace_path`)."""
     from torch.profiler import ProfilerActivity, profile
 
     times = time_steps(lambda _: step(), lambda: None, 3, steps, torch.device("cuda", torch.cuda.current_device()))
@@ -62,6 +63,13 @@ def profile_steps(step, steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    if trace_path:
+        import gzip
+
+        prof.export_chrome_trace(trace_path)
+        with open(trace_path, "rb") as src, gzip.open(trace_path + ".gz", "wb") as dst:
+            dst.write(src.read())
+        os.remove(trace_path)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps  # us intervals -> ms
     per_kernel: dict[str, list[float]] = {}
@@ -115,7 +123,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="olmoe", choices=sorted(e2e.MODELS))
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--variants", default="native,occult")
+    p.add_argument(
+        "--variants",
+        default="native,occult",
+        help="native, occult (converted over a one-rank group) or any benchmarks/e2e.py variant "
+        "(e.g. replicated/compile, dedup@device/compile: expert parallel over every rank)",
+    )
     p.add_argument("--phases", default="prefill,train,decode")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
@@ -124,21 +137,29 @@ def main() -> None:
     p.add_argument("--no-graph", dest="graph", action="store_false", help="occult decode eager (sync-free still)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default=None)
+    p.add_argument("--traces", action="store_true", help="also write each run's timeline under --out, per rank")
     args = p.parse_args()
     init_distributed()
     device = torch.device("cuda", torch.cuda.current_device())
-    self_group = torch.distributed.new_group([0])
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    self_group = [torch.distributed.new_group([r]) for r in range(world)][rank]
     eargs = e2e.parse_args(["--model", args.model, "--layers", str(args.layers)])
     cfg = e2e.model_config(eargs)
     results = {}
     for variant in args.variants.split(","):
         model = e2e.build_model(eargs, cfg, device, torch.bfloat16)
-        if variant == "occult":
-            model = e2e.convert_variant(model, "replicated", None, self_group)
+        model = e2e.convert_variant(model, "replicated" if variant == "occult" else variant, None, self_group)
         for phase in args.phases.split(","):
             if variant == "occult":
                 set_sync_free(model, phase == "decode")
-            results[f"{variant}/{phase}"] = r = profile_steps(phase_step(model, phase, args, device), args.steps)
+            trace = None
+            if args.out and args.traces:
+                os.makedirs(args.out, exist_ok=True)
+                trace = os.path.join(args.out, f"trace_{variant}_{phase}_rank{rank}.json".replace("/", "-"))
+            step = phase_step(model, phase, args, device)
+            results[f"{variant}/{phase}"] = r = profile_steps(step, args.steps, trace)
+            if rank:
+                continue
             print(
                 f"{variant}/{phase}: wall {r['wall_ms']:.2f} ms, busy {r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, "
                 f"kernels {r['kernels']:.0f}",
@@ -148,6 +169,8 @@ def main() -> None:
                 print(f"   {t['us']:9.1f} us {t['count']:6.0f}x  {t['name'][:100]}")
         del model
         torch.cuda.empty_cache()
+    if rank:
+        return
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "profile_model.json"), "w") as f:

@@ -6,6 +6,9 @@ the layer does not wait for the GPU (the device transport, the sync-free schedul
 rank), a call of a given signature can be recorded once and replayed: the host then costs a copy
 in, one graph launch and a copy out.
 
+Under autograd a call is recorded forward and backward (`occult.moe.train_graphs`), each such
+recording with a memory pool of its own.
+
 A graph serves one signature (`GraphCache.run`'s key: this rank's token count, the token count
 the ranks agreed on, dtype, autocast and inference mode, the transport's buffer generation, and
 which router and tensors the layer holds: replacing a parameter or the router means a new graph;
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 
 from occult.moe import status as pending
+from occult.moe.train_graphs import TrainingCall, TrainingCapture, capture_training
 from occult.teardown import hold_collectives
 
 EAGER_CALLS = 2  # eager calls of a signature before it is captured (compilation, buffer growth)
@@ -82,7 +86,7 @@ class GraphCache:
 
     def __init__(self, eager_calls: int = EAGER_CALLS, max_graphs: int = MAX_GRAPHS) -> None:
         self.eager_calls, self.max_graphs = eager_calls, max_graphs
-        self._graphs: OrderedDict[Hashable, Captured] = OrderedDict()
+        self._graphs: OrderedDict[Hashable, Captured | TrainingCapture] = OrderedDict()
         self._seen: dict[Hashable, int] = {}
         self._generation: Hashable = None
 
@@ -107,9 +111,12 @@ class GraphCache:
         x_TH: torch.Tensor,
         forward: Callable[[torch.Tensor], torch.Tensor],
         info: Callable[[], Any],
+        training: TrainingCall | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """`forward(x_TH)` and `info()` after it: replayed where `key` was captured, else eager (and
-        captured once `key` has run eagerly `eager_calls` times). A new `generation` (the transport's
+        captured once `key` has run eagerly `eager_calls` times). With `training` (a training call: the
+        parameters that train) the backward is recorded too (`occult.moe.train_graphs`); a recorded
+        training call whose last output still waits for its backward runs eagerly. A new `generation` (the transport's
         buffers were replaced) drops every graph, not the calls counted: a signature already seen is
         captured again at once (it needs no growth: buffers only grow), and a new layer whose first
         call grew the buffers is captured as early as one whose buffers were there already."""
@@ -117,13 +124,20 @@ class GraphCache:
             self._graphs.clear()
             self._generation = generation
         captured = self._graphs.get(key)
+        if captured is not None and isinstance(captured, TrainingCapture) and captured.busy():
+            return forward(x_TH), info()
         if captured is None:
             if len(self._seen) >= MAX_SEEN:
                 self._seen.clear()
             seen = self._seen[key] = self._seen.get(key, 0) + 1
             if seen <= self.eager_calls:
                 return forward(x_TH), info()
-            captured = self._capture(x_TH, forward, info)
+            if training is None:
+                captured = self._capture(x_TH, forward, info)
+            else:
+                captured = capture_training(x_TH, training, forward, info)
+            if torch.distributed.is_initialized():
+                hold_collectives(self)
             self._graphs[key] = captured
             if len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
@@ -139,8 +153,6 @@ class GraphCache:
         with pending.recording() as statuses, torch.cuda.graph(graph, pool=pool(x_TH.device)):
             static_y = forward(static_x)
         track(graph, x_TH.device)
-        if torch.distributed.is_initialized():
-            hold_collectives(self)
         return Captured(graph, static_x, static_y, statuses, info())
 
     def release(self) -> None:
@@ -153,3 +165,13 @@ def tensors_key(module: torch.nn.Module) -> tuple:
     """Which tensors a module holds (the addresses of its parameters and buffers): a graph recorded
     them, so a replaced one needs another graph."""
     return tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether `module` or any module inside it has forward hooks or pre-hooks, or any global module
+    hook is set: a replayed call would not run them."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())

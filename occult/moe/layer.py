@@ -27,9 +27,10 @@ from occult.moe.dense import DenseMoE, expert_parameters
 from occult.moe.device_exchange import agree_and_check
 from occult.moe.expert_map import ExpertMap
 from occult.moe.experts import LocalExperts
-from occult.moe.graphs import GraphCache, tensors_key
+from occult.moe.graphs import GraphCache, has_hooks, tensors_key
 from occult.moe.registry import make_dispatcher
 from occult.moe.routing import TopKRouter
+from occult.moe.train_graphs import TrainingCall, trainable
 from occult.placement import Placement, check_divisible
 
 
@@ -175,11 +176,13 @@ class OccultMoE(nn.Module):
     # -------------------------------------------------------- graph replays
     def replays(self, x: torch.Tensor) -> bool:
         """Whether a call on `x` goes through the layer's CUDA graphs: `ExecConfig(graphs=True)`, a CUDA
-        input, no autograd, not inside another capture or torch.compile, a layer that does not wait
-        for the GPU (device transport, sync-free, one rank) and an input it accepts."""
-        if not self.execution.graphs or not x.is_cuda or torch.is_grad_enabled() or pending.capturing():
+        input, not inside another capture or torch.compile, a layer that does not wait for the GPU
+        (device transport, sync-free, one rank), no forward hooks on it or its modules (a replay would
+        not call them) and an input it accepts. Under autograd the backward is replayed too
+        (`occult.moe.train_graphs`)."""
+        if not self.execution.graphs or not x.is_cuda or pending.capturing() or torch.compiler.is_compiling():
             return False
-        return not self.waits_for_gpu and not self._input_status(x)
+        return not self.waits_for_gpu and not self._input_status(x) and not has_hooks(self)
 
     def _replayed(self, x: torch.Tensor, while_waiting: Callable[[], None] | None) -> torch.Tensor:
         x_TH = x.reshape(-1, self.hidden_size)
@@ -190,9 +193,11 @@ class OccultMoE(nn.Module):
         elif self.num_ranks == 1:
             pending.check_routing()  # the previous call's status, as the one-rank schedule reads it
         Schedule(while_waiting=while_waiting).run_while_waiting()
+        training = self._training_call(x_TH, transport)
         key = (
             x_TH.shape[0],
             agreed,
+            None if training is None else (x_TH.requires_grad, len(training.params)),
             x.dtype,
             torch.is_autocast_enabled(x.device.type),
             torch.get_autocast_dtype(x.device.type),
@@ -202,10 +207,18 @@ class OccultMoE(nn.Module):
             tensors_key(self),
         )
         y_TH, stats = self.graphs.run(
-            key, generation, x_TH, lambda x_: self._eager(x_, None, agreed), lambda: self.last_comm_stats
+            key, generation, x_TH, lambda x_: self._eager(x_, None, agreed), lambda: self.last_comm_stats, training
         )
         self.last_comm_stats = stats
         return y_TH.reshape(x.shape)
+
+    def _training_call(self, x_TH: torch.Tensor, transport: Any) -> TrainingCall | None:
+        """A call under autograd with anything to differentiate: the parameters that train and the
+        transport's buffer generation (what a recorded backward needs); None otherwise."""
+        params = trainable(self)
+        if not torch.is_grad_enabled() or not (x_TH.requires_grad or params):
+            return None
+        return TrainingCall(params, (lambda: transport.generation) if transport is not None else (lambda: None))
 
     def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(x as [T, H], the status of a wrong hidden size or dtype, 0 if neither: then no rows,
