@@ -19,11 +19,13 @@ pad prompts to a few lengths where they vary).
 Works on plain and converted models; every rank compiles its own copy (no collectives here).
 
 Expert-parallel MoE layers that do not wait for the GPU (the device transport, `"auto"`'s choice on
-NCCL GPUs of one host, or sync-free) are also switched to forwards replayed from their own CUDA
+NCCL GPUs of one host, or sync-free) are also switched to calls replayed from their own CUDA
 graphs (`ExecConfig(graphs=True)`, `occult.moe.graphs`; `layer_graphs=False` leaves them): with the
 dense part compiled, their ~2-3 ms of host time a call was what remained (on 2 x H200 a Qwen3-shape
-prefill went from 32.7 to 23.5 ms, docs/history.md "Layer graphs"). One-rank layers stay as they
-are: their host cost is already small.
+prefill went from 32.7 to 23.5 ms, docs/history.md "Layer graphs"). Under autograd the forward and
+its backward are both replayed (`occult.moe.train_graphs`: an OLMoE-shape training step on 2 x H200
+went from 195.6 to 184.0 ms, docs/training.md "Layer graphs in training"). One-rank layers stay as
+they are: their host cost is already small.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def compile_layers(model: nn.Module, layer_graphs: bool = True, **compile_kwargs
     """Compile every decoder layer of `model` in place (`nn.Module.compile(**compile_kwargs)`, default
     `dynamic=False`); returns how many. Call after `convert` (MoE blocks run eager either way).
     `layer_graphs`: also replay the expert-parallel MoE layers that do not wait for the GPU from
-    their CUDA graphs (module docstring; inference only, autograd runs them eagerly).
+    their CUDA graphs (module docstring; in training too, forward and backward).
 
     The first forward of each new shape (prefill length, decode batch) compiles: time it apart.
     """
