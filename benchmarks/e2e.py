@@ -40,7 +40,8 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
                    capture of the model's other layers); for @device, @syncfree variants and replicated; in
-                   training the backward is replayed too (occult.moe.train_graphs), e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
+                   training the backward is replayed too (occult.moe.train_graphs), e.g.
+                   dedup@device/layergraphs/compile, replicated/layergraphs/compile
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
