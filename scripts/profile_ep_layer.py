@@ -7,12 +7,17 @@ forward, and the host ops that cost the most CPU time (torch.profiler's self CPU
 host share of a layer call can be read off directly. JSON with every row to --out.
 
     torchrun --nproc-per-node 2 scripts/profile_ep_layer.py --tokens 512,8192 --out prof.json
+    torchrun --nproc-per-node 2 scripts/profile_ep_layer.py --train --transports device,device+graphs
+
+`--train` times training calls instead: the host's time to issue a forward and a backward, each on an
+idle GPU, the wall time of back-to-back calls and the GPU busy time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -69,6 +74,49 @@ def profile_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
     return row
 
 
+def train_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
+    """A training call (forward, then backward of a fixed random output gradient): the host's time to
+    issue each on an idle GPU (medians, every rank starting together), the wall time of back-to-back
+    calls and the GPU busy time per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = x.detach().requires_grad_(True)
+    grad_y = torch.randn_like(x)
+
+    def call():
+        layer(x).backward(grad_y)
+
+    for _ in range(4):  # eager calls, then the capture where graphs are on (occult.moe.graphs.EAGER_CALLS)
+        call()
+    forward, backward = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = layer(x)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t2 = time.perf_counter()
+        y.backward(grad_y)
+        forward.append((t1 - t0) * 1e3)
+        backward.append((time.perf_counter() - t2) * 1e3)
+    row = {
+        "host_forward_ms": statistics.median(forward),
+        "host_backward_ms": statistics.median(backward),
+        "wall_ms": wall_ms(call, iters),
+        "graphs_held": len(layer.graphs),
+    }
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    row["gpu_busy_ms"] = union_us(kernels) / 1e3 / iters
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
@@ -80,6 +128,11 @@ def main() -> None:
         "ExecConfig(graphs=True): forwards replayed from the layer's CUDA graphs) (default device,counts)",
     )
     parser.add_argument("--dispatcher", default="dedup", help="standard or dedup (default dedup)")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="time training calls (forward + backward): host time of each, wall, GPU busy (no op table)",
+    )
     parser.add_argument("--iters", type=int, default=20, help="calls per measurement (default 20)")
     parser.add_argument("--out", default=None, help="JSON file for every row (default: none)")
     args = parser.parse_args()
@@ -104,6 +157,17 @@ def main() -> None:
             )
             for tokens in (int(t) for t in args.tokens.split(",")):
                 x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device="cuda")
+                if args.train:
+                    row = {"transport": choice, "tokens": tokens, **train_row(layer, x, args.iters)}
+                    rows.append(row)
+                    if rank == 0:
+                        print(
+                            f"{choice:<14}{tokens:>6}  train: wall {row['wall_ms']:.2f} ms  host forward "
+                            f"{row['host_forward_ms']:.3f} ms  host backward {row['host_backward_ms']:.3f} ms  "
+                            f"gpu busy {row['gpu_busy_ms']:.2f} ms  graphs {row['graphs_held']}",
+                            flush=True,
+                        )
+                    continue
                 row = {"transport": choice, "tokens": tokens, **profile_row(layer, x, args.iters)}
                 rows.append(row)
                 if rank == 0:
