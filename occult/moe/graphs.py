@@ -58,6 +58,10 @@ class Captured:
     statuses: list[torch.Tensor]
     info: Any  # has `snapshot()`: a copy apart from later replays (`CommStats.snapshot`)
 
+    def busy(self) -> bool:
+        """Never: a forward-only replay's output is a copy (`TrainingCapture.busy`)."""
+        return False
+
     def replay(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, Any]:
         self.x_TH.copy_(x_TH)
         self.graph.replay()
@@ -124,7 +128,7 @@ class GraphCache:
             self._graphs.clear()
             self._generation = generation
         captured = self._graphs.get(key)
-        if captured is not None and isinstance(captured, TrainingCapture) and captured.busy():
+        if captured is not None and captured.busy():  # its last output still waits for its backward
             return forward(x_TH), info()
         if captured is None:
             if len(self._seen) >= MAX_SEEN:
@@ -135,7 +139,7 @@ class GraphCache:
             if training is None:
                 captured = self._capture(x_TH, forward, info)
             else:
-                captured = capture_training(x_TH, training, forward, info)
+                captured = self._capture_training(x_TH, training, forward, info)
             if torch.distributed.is_initialized():
                 hold_collectives(self)
             self._graphs[key] = captured
@@ -154,6 +158,11 @@ class GraphCache:
             static_y = forward(static_x)
         track(graph, x_TH.device)
         return Captured(graph, static_x, static_y, statuses, info())
+
+    def _capture_training(
+        self, x_TH: torch.Tensor, training: TrainingCall, forward: Callable[[torch.Tensor], torch.Tensor], info
+    ) -> TrainingCapture:
+        return capture_training(x_TH, training, forward, info)
 
     def release(self) -> None:
         """Free every graph (they are captured again on later calls)."""

@@ -19,6 +19,9 @@ class StoodIn:
     def __init__(self, forward, info) -> None:
         self.forward, self.info, self.replays = forward, info, 0
 
+    def busy(self) -> bool:
+        return False
+
     def replay(self, x_TH):
         self.replays += 1
         return self.forward(x_TH), self.info.snapshot()

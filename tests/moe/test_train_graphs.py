@@ -1,0 +1,141 @@
+"""Training calls replayed from recorded graphs (`occult.moe.train_graphs`) on CPU: the autograd node
+around the replays, with the two CUDA graphs stood in by functions that compute into the recorded
+tensors as a replay would. Its gradients are those of the function (input and parameters), they
+accumulate over backward passes instead of aliasing the recorded ones, a forward while the last output
+waits for its backward runs eagerly, a backward on replaced transport buffers raises; `has_hooks`.
+(The CUDA graphs themselves: tests/gpu/test_collective_train_graphs.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from occult import CommStats
+from occult.moe.graphs import GraphCache, has_hooks
+from occult.moe.train_graphs import TrainingCall, TrainingCapture
+
+
+class Replays:
+    """A stand-in graph: `replay()` runs `fn`."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.count = fn, 0
+
+    def replay(self) -> None:
+        self.count += 1
+        self.fn()
+
+
+def stood_in_capture(x_TH: torch.Tensor, w_HH: torch.nn.Parameter, generation=lambda: 0) -> TrainingCapture:
+    """y = tanh(x @ w), recorded: forward and backward write the fixed tensors, as replays do."""
+    static_x, static_y, grad_y = torch.zeros_like(x_TH), torch.zeros_like(x_TH), torch.zeros_like(x_TH)
+    grad_x, grad_w = torch.zeros_like(x_TH), torch.zeros_like(w_HH)
+
+    def forward():
+        static_y.copy_(torch.tanh(static_x @ w_HH.detach()))
+
+    def backward():
+        pre = grad_y * (1 - static_y**2)
+        grad_x.copy_(pre @ w_HH.detach().T)
+        grad_w.copy_(static_x.T @ pre)
+
+    return TrainingCapture(
+        Replays(forward),
+        Replays(backward),
+        static_x,
+        static_y,
+        grad_y,
+        (w_HH,),
+        (grad_x, grad_w),
+        [],
+        CommStats(),
+        generation,
+        generation(),
+    )
+
+
+def reference(x_TH, w_HH, grad_y):
+    x = x_TH.clone().requires_grad_(True)
+    w = w_HH.detach().clone().requires_grad_(True)
+    torch.tanh(x @ w).backward(grad_y)
+    return x.grad, w.grad
+
+
+def test_a_replayed_training_call_has_the_functions_gradients_and_they_accumulate():
+    H = 6
+    w = torch.nn.Parameter(torch.randn(H, H, dtype=torch.float64))
+    x0 = torch.randn(5, H, dtype=torch.float64)
+    capture = stood_in_capture(x0, w)
+    expected_w = torch.zeros_like(w)
+    for _ in range(2):  # two backward passes without zeroing: .grad is their sum, not the last one
+        x = torch.randn(5, H, dtype=torch.float64, requires_grad=True)
+        grad_y = torch.randn(5, H, dtype=torch.float64)
+        y, _ = capture.replay(x)
+        torch.testing.assert_close(y, torch.tanh(x.detach() @ w.detach()))
+        y.backward(grad_y)
+        ref_x, ref_w = reference(x.detach(), w, grad_y)
+        torch.testing.assert_close(x.grad, ref_x)
+        expected_w += ref_w
+        torch.testing.assert_close(w.grad, expected_w)
+    assert w.grad.data_ptr() != capture.grads[1].data_ptr()  # never the recorded tensor itself
+
+
+def test_the_output_is_a_copy_and_busy_until_its_backward():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    capture = stood_in_capture(torch.zeros(3, 4), w)
+    y, _ = capture.replay(torch.randn(3, 4, requires_grad=True))
+    assert y.data_ptr() != capture.y_TH.data_ptr() and capture.busy()
+    y.sum().backward()
+    assert not capture.busy()
+    y2, _ = capture.replay(torch.randn(3, 4, requires_grad=True))
+    assert capture.busy()
+    del y2  # dropped without a backward: nothing waits for it any more
+    assert not capture.busy()
+
+
+def test_a_busy_recording_makes_the_next_call_of_its_signature_eager():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+
+    class Cache(GraphCache):
+        def _capture_training(self, x_TH, training, forward, info):
+            return stood_in_capture(x_TH, training.params[0])
+
+    cache, eager_calls = Cache(eager_calls=0), []
+
+    def forward(x):
+        eager_calls.append(1)
+        return torch.tanh(x @ w)
+
+    call = TrainingCall((w,))
+    x1, x2 = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    y1, _ = cache.run("k", 0, x1, forward, CommStats, call)  # recorded, replayed
+    y2, _ = cache.run("k", 0, x2, forward, CommStats, call)  # y1 still waits: eager
+    assert len(eager_calls) == 1 and len(cache) == 1
+    (y1.sum() + y2.sum()).backward()
+    ref1, ref_w1 = reference(x1.detach(), w, torch.ones(3, 4))
+    ref2, ref_w2 = reference(x2.detach(), w, torch.ones(3, 4))
+    torch.testing.assert_close(x1.grad, ref1)
+    torch.testing.assert_close(x2.grad, ref2)
+    torch.testing.assert_close(w.grad, ref_w1 + ref_w2)
+
+
+def test_a_backward_after_the_transport_buffers_were_replaced_raises():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    generation = [0]
+    capture = stood_in_capture(torch.zeros(2, 4), w, lambda: generation[0])
+    y, _ = capture.replay(torch.randn(2, 4, requires_grad=True))
+    generation[0] = 1  # a later call grew the transport
+    with pytest.raises(RuntimeError, match="buffers were replaced between this MoE layer call's forward"):
+        y.sum().backward()
+
+
+def test_has_hooks_sees_hooks_on_any_submodule():
+    block = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert not has_hooks(block)
+    handle = block[1][0].register_forward_hook(lambda m, i, o: None)
+    assert has_hooks(block)
+    handle.remove()
+    handle = block.register_forward_pre_hook(lambda m, i: None)
+    assert has_hooks(block)
+    handle.remove()
+    assert not has_hooks(block)
