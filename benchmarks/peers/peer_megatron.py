@@ -12,60 +12,17 @@ half, times the second), `linear_fc2.weight` [H, F] is `w2_full[e]`, the router 
 logits (`moe_router_dtype="fp32"`), softmax over all experts, taken at the preset ids, returned as
 Megatron's dense `probs` [T, E] and `routing_map` [T, E]. No aux loss, no capacity (dropless).
 
-Megatron-Core is built for GPUs; `cpu_shims` (tests only) lets it run on gloo CPU ranks.
+Megatron-Core is built for GPUs; `cpu_shims` (occult.integrations.megatron.cpu, tests only) lets it run on
+gloo CPU ranks.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
 from peer_common import Case, Peer
 
-
-class _Event:
-    def synchronize(self) -> None:
-        pass
-
-
-class _Stream:
-    def wait_stream(self, other) -> None:
-        pass
-
-    def record_event(self, event=None) -> _Event:
-        return _Event()
-
-
-_CPU_STREAM = _Stream()
-
-
-class _StreamClass(_Stream):
-    """`torch.cuda.Stream()` on CPU: the one stand-in stream (a class, so type hints like `Stream | None`
-    still work)."""
-
-    def __new__(cls, *args, **kwargs):
-        return _CPU_STREAM
-
-
-def cpu_shims() -> None:
-    """Stand-ins for the few CUDA stream calls the alltoall dispatcher makes (CPU smoke tests only)."""
-    torch.cuda.Stream = _StreamClass  # type: ignore[assignment,misc]
-    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM  # type: ignore[assignment]
-    torch.cuda.stream = lambda s=None: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # used as `device=` for buffers
-    import megatron.core.transformer.moe.token_dispatcher as td
-
-    if not getattr(td, "_occult_cpu_shim", False):
-        to_cpu = td.maybe_move_tensor_to_cpu
-
-        def move(tensor, as_numpy=False, record_stream=False):  # on GPUs split sizes become numpy here
-            if torch.is_tensor(tensor) and as_numpy and not tensor.is_cuda:
-                return tensor.numpy()
-            return to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
-
-        td.maybe_move_tensor_to_cpu = move
-        td._occult_cpu_shim = True
+from occult.integrations.megatron.cpu import cpu_shims
 
 
 class MegatronPeer(Peer):

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torchtitan.models.common.token_dispatcher import BaseEPTokenDispatcher, LocalTokenDispatcher
 
-from occult.integrations.torchtitan.core import OccultExchange
-from occult.integrations.torchtitan.expand import Expansion, expand, reduce
+from occult.integrations.exchange import OccultExchange
+from occult.integrations.expand import Expansion, expand, reduce
 from occult.integrations.torchtitan.placement import load_placement
 from occult.moe.pruning import devices_per_token
 from occult.placement import PlacementError

@@ -1,4 +1,5 @@
-"""The one place where the TorchTitan integration calls occult's dispatcher (`occult.moe`).
+"""The one place where the framework integrations (TorchTitan, Megatron-Core) call occult's dispatcher
+(`occult.moe`).
 
 `OccultExchange` wraps a `Dispatcher` behind two calls, so a change of occult's dispatcher
 contract is a change of this file only:

@@ -1,13 +1,15 @@
-"""Received rows <-> TorchTitan's expert-major rows (pure torch, no communication).
+"""Received rows <-> a framework's expert-major rows (pure torch, no communication).
 
 occult delivers one row per (token, device) with the local expert slots it carries
-(`slots_RK`, -1 = padding). TorchTitan's `GroupedExperts` wants one row per (token, local
-expert), grouped by expert, with a count per local expert for `torch._grouped_mm`. `expand`
-makes those rows; `reduce` applies the gate weights to the experts' outputs and sums them back
-into one row per received row (the pre-reduction that lets one row per (token, device) return).
+(`slots_RK`, -1 = padding). TorchTitan's `GroupedExperts` and Megatron-Core's experts want one row
+per (token, local expert), grouped by expert, with a count per local expert. `expand` makes those
+rows; `reduce` applies the gate weights to the experts' outputs (TorchTitan; Megatron's experts
+apply them themselves: `weighted=False`) and sums them back into one row per received row (the
+pre-reduction that lets one row per (token, device) return).
 
-Inside one expert the rows come in (source rank, token) order, the order TorchTitan's own
-`AllToAllTokenDispatcher` gives them, so the grouped GEMMs see the same rows in the same order.
+Inside one expert the rows come in (source rank, token) order, the order TorchTitan's
+`AllToAllTokenDispatcher` and Megatron's `MoEAlltoAllTokenDispatcher` give them, so the experts
+see the same rows in the same order.
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ def expand(
     return x_RH[row_N], counts_e, Expansion(row_N, gate_N, R)
 
 
-def reduce(y_NH: torch.Tensor, expansion: Expansion) -> torch.Tensor:
+def reduce(y_NH: torch.Tensor, expansion: Expansion, weighted: bool = True) -> torch.Tensor:
     """Gate-weighted sum of each received row's expert outputs (fp32 accumulation) -> y_RH.
 
-    The weighting is TorchTitan's own: `(y.float() * score).to(y.dtype)`, then summed."""
-    weighted_NH = (y_NH.float() * expansion.gate_N.float()[:, None]).to(y_NH.dtype)
+    The weighting is TorchTitan's own: `(y.float() * score).to(y.dtype)`, then summed.
+    `weighted=False`: the outputs are summed as they are (the experts applied the gates)."""
+    weighted_NH = (y_NH.float() * expansion.gate_N.float()[:, None]).to(y_NH.dtype) if weighted else y_NH
     acc = torch.promote_types(y_NH.dtype, torch.float32)
     y_RH = y_NH.new_zeros((expansion.num_received, y_NH.shape[1]), dtype=acc)
     return y_RH.index_add_(0, expansion.row_N, weighted_NH.to(acc)).to(y_NH.dtype)

@@ -1,0 +1,72 @@
+"""Megatron-Core on CPU gloo ranks (tests and smoke runs only): stand-ins for the CUDA calls its MoE layer makes.
+
+Megatron-Core is built for GPUs: `MoEAlltoAllTokenDispatcher` makes a `torch.cuda.Stream` for its
+host copies, buffers are placed on `torch.cuda.current_device()`, and its split sizes become numpy
+arrays only when they come from a GPU. `cpu_shims()` replaces those few calls (process-wide, once)
+so that Megatron's own `alltoall` dispatcher, the reference occult is tested against, runs on CPU.
+occult's dispatcher needs none of it. `without_transformer_engine()` is needed on GPUs too:
+Megatron-Core 0.16.1's router gating reads `te_general_gemm`, a name it defines only when Transformer
+Engine imports (0.19 sets it to None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class CpuEvent:
+    """`torch.cuda.Event` on CPU: already complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CpuStream:
+    """`torch.cuda.Stream` on CPU: one stream, nothing to wait for."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def record_event(self, event: object = None) -> CpuEvent:
+        return CpuEvent()
+
+
+CPU_STREAM = CpuStream()
+
+
+class CpuStreamClass(CpuStream):
+    """`torch.cuda.Stream()` on CPU: the one stand-in stream (a class: type hints like `Stream | None` work)."""
+
+    def __new__(cls, *args, **kwargs):
+        return CPU_STREAM
+
+
+def without_transformer_engine() -> None:
+    """Megatron-Core 0.16's MoE utilities without Transformer Engine: its missing TE names set to None, as 0.19 does."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def cpu_shims() -> None:
+    """Stand-ins for the few CUDA stream calls the alltoall dispatcher makes (CPU smoke tests only)."""
+    without_transformer_engine()
+    torch.cuda.Stream = CpuStreamClass  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: CPU_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda s=None: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # used as `device=` for buffers
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    if not getattr(td, "occult_cpu_shim", False):
+        to_cpu = td.maybe_move_tensor_to_cpu
+
+        def move(tensor, as_numpy=False, record_stream=False):  # on GPUs split sizes become numpy here
+            if torch.is_tensor(tensor) and as_numpy and not tensor.is_cuda:
+                return tensor.numpy()
+            return to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        td.maybe_move_tensor_to_cpu = move
+        td.occult_cpu_shim = True

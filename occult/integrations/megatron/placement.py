@@ -1,0 +1,128 @@
+"""Placements for Megatron-Core models: loading, which MoE layer a layer is, expert weights in placed order.
+
+With a placement, local expert `j` of EP rank `r` in Megatron's experts module holds expert
+`placement.experts_on_device(r)[j]` (the placed order: rank 0's experts in slot order, then rank
+1's, ...), because Megatron's expert parallelism gives rank r the r-th contiguous block of experts.
+Router columns, the expert bias and the aux-loss counts stay in the model's own expert order.
+
+`to_placed_order` / `to_model_order` convert a full Megatron state dict with every expert local
+(the keys of a model built with expert parallelism 1: `...mlp.experts.local_experts.{e}.*` of
+`SequentialMLP`, `...mlp.experts.linear_fc1.weight{e}` of `TEGroupedMLP`, `...mlp.experts.weight1`
+/ `weight2` of the legacy `GroupedMLP`) between the two orders. A distributed checkpoint of a
+placed model stores expert `placed position` where Megatron's own model stores expert `id`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from occult.placement import Placement, PlacementError
+
+# one expert's tensor: (prefix, layer number, expert index, rest of the key)
+SEQUENTIAL_KEY = re.compile(
+    r"^(?P<prefix>.*?layers\.)(?P<layer>\d+)(?P<mid>\.mlp\.experts\.local_experts\.)(?P<e>\d+)\."
+)
+TE_GROUPED_KEY = re.compile(
+    r"^(?P<prefix>.*?layers\.)(?P<layer>\d+)(?P<mid>\.mlp\.experts\.linear_fc[12]\.(weight|bias))(?P<e>\d+)$"
+)
+# the legacy GroupedMLP: all local experts in one tensor, weight1 [H, E*2F] (columns), weight2 [E*F, H] (rows)
+GROUPED_KEY = re.compile(r"^(?P<prefix>.*?layers\.)(?P<layer>\d+)\.mlp\.experts\.weight(?P<which>[12])$")
+
+
+def load_placement(placement: str | Placement | None, num_experts: int, num_devices: int) -> Placement:
+    """A `Placement` from a JSON path or object (None: Megatron's contiguous blocks), checked against the model."""
+    if placement is None:
+        return Placement.contiguous(num_experts, num_devices)
+    if not isinstance(placement, Placement):
+        placement = Placement.load(placement)
+    if placement.num_experts != num_experts:
+        raise PlacementError(
+            f"the placement is for {placement.num_experts} experts, but this Megatron MoE layer has "
+            f"{num_experts} (num_moe_experts): make a placement from a trace of this model (occult place)"
+        )
+    if placement.num_devices != num_devices:
+        raise PlacementError(
+            f"the placement is for {placement.num_devices} devices, but Megatron's expert-parallel group has "
+            f"{num_devices} ranks (expert_model_parallel_size): make one with `occult place --devices {num_devices}`"
+        )
+    return placement
+
+
+def moe_layer_pattern(config: Any) -> list[int]:
+    """1 for each MoE layer of the decoder, 0 for each dense one (Megatron's `moe_layer_freq`)."""
+    freq, num_layers = config.moe_layer_freq, config.num_layers
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    return list(freq)
+
+
+def moe_layer_index(config: Any, layer_number: int | None) -> int:
+    """Which MoE layer (0, 1, ...) Megatron's transformer layer `layer_number` (1-based) is; MTP layers count on."""
+    if layer_number is None:
+        return 0
+    pattern = moe_layer_pattern(config)
+    before = pattern[: layer_number - 1]
+    return sum(before) + max(0, layer_number - 1 - len(pattern))
+
+
+def _expert_positions(placement: Placement, layer: int, inverse: bool) -> list[int]:
+    """new index of each old expert index: model id -> placed position (or back)."""
+    position_E = placement.expert_device(layer) * placement.experts_per_device + placement.expert_slot(layer)
+    if not inverse:
+        return [int(p) for p in position_E]
+    back = [0] * len(position_E)
+    for e, p in enumerate(position_E):
+        back[int(p)] = e
+    return back
+
+
+def _reorder(state_dict: Mapping[str, Any], placement: str | Placement, inverse: bool) -> dict[str, Any]:
+    placement = placement if isinstance(placement, Placement) else Placement.load(placement)
+    layers = sorted(
+        {(m["prefix"], int(m["layer"])) for k in state_dict for m in [_match(k)] if m is not None},
+        key=lambda b: (b[0], b[1]),
+    )
+    if placement.num_layers not in (1, len(layers)):
+        raise PlacementError(
+            f"the placement has {placement.num_layers} layers, but the state dict has {len(layers)} MoE layers"
+        )
+    index = {block: i if placement.num_layers > 1 else 0 for i, block in enumerate(layers)}
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        m = _match(key)
+        if m is None:
+            out[key] = value
+            continue
+        new_E = _expert_positions(placement, index[(m["prefix"], int(m["layer"]))], inverse)
+        if "which" in m.groupdict():  # GroupedMLP: experts are blocks of one tensor
+            t = torch.as_tensor(value)
+            dim = 1 if m["which"] == "1" else 0
+            blocks = t.chunk(placement.num_experts, dim=dim)
+            order = [0] * len(new_E)
+            for e, p in enumerate(new_E):
+                order[p] = e
+            out[key] = torch.cat([blocks[e] for e in order], dim=dim)
+        else:
+            e = int(m["e"])
+            out[key[: m.start("e")] + str(new_E[e]) + key[m.end("e") :]] = value
+    return out
+
+
+def _match(key: str) -> re.Match | None:
+    return SEQUENTIAL_KEY.match(key) or TE_GROUPED_KEY.match(key) or GROUPED_KEY.match(key)
+
+
+def to_placed_order(state_dict: Mapping[str, Any], placement: str | Placement) -> dict[str, Any]:
+    """A full Megatron state dict (every expert local, model order) with the experts in placed order.
+    MoE layer i (the i-th decoder layer with expert weights, in layer order) uses the placement's
+    layer i (or its only layer). Other keys are passed through."""
+    return _reorder(state_dict, placement, inverse=False)
+
+
+def to_model_order(state_dict: Mapping[str, Any], placement: str | Placement) -> dict[str, Any]:
+    """The inverse of `to_placed_order`."""
+    return _reorder(state_dict, placement, inverse=True)

@@ -1,0 +1,261 @@
+"""occult inside Megatron-Core (`occult.integrations.megatron`; 0.16.1 in CI, 0.19.x on the GPU image).
+
+On 2 gloo ranks, in one spawn: Megatron's own `MoELayer` (local spec: `TopKRouter`, `SequentialMLP`)
+made by `install` with occult's dispatcher equals the same layer with Megatron's `alltoall`
+dispatcher, same weights and inputs: output and every gradient (input, router, each expert's fc1
+and fc2) in fp32, for dedup (contiguous and a random placement), standard, top-1, top-k = all
+experts and a rank with one token (Megatron's router cannot take a rank with none); rows sent per
+layer are sum_t C_T (dedup) and k x tokens (standard); `max_devices` keeps every token on at most
+that many EP ranks (1: one row per token) and equals the `alltoall` layer behind the same limited
+router (softmax and sigmoid scores). Bad configuration is refused with a clear error, when the
+spec is changed or when the layer is built.
+
+Megatron's experts see the same rows in the same order with either dispatcher; only the per-token
+sums run in another order (fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is installed by .ci/run (docs/testing.md)")
+
+from occult.distributed import run_ranks  # noqa: E402
+from occult.placement import Placement  # noqa: E402
+
+H, F, E = 16, 8, 8  # hidden, expert ffn, experts
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _random_placement(world: int, seed: int) -> Placement:
+    order = np.random.default_rng(seed).permutation(E)
+    device_E = np.empty(E, dtype=np.int64)
+    device_E[order] = np.arange(E) // (E // world)
+    return Placement(device_E[None], world)
+
+
+def _megatron(world: int) -> None:
+    """Megatron on CPU gloo ranks: its CUDA stream calls stubbed, expert parallelism over all ranks."""
+    from megatron.core import parallel_state
+
+    from occult.integrations.megatron.cpu import cpu_shims
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*|.*Apex.*")
+    cpu_shims()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=world, create_gloo_process_groups=False)
+
+
+def _config(top_k: int, **overrides):
+    import torch.nn.functional as nnf
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    settings = dict(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=2,
+        ffn_hidden_size=F,
+        moe_ffn_hidden_size=F,
+        num_moe_experts=E,
+        moe_router_topk=top_k,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        gated_linear_unit=True,
+        activation_func=nnf.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_permute_fusion=False,
+        gradient_accumulation_fusion=False,
+        expert_model_parallel_size=torch.distributed.get_world_size(),
+        use_cpu_initialization=True,
+    )
+    return TransformerConfig(**{**settings, **overrides})
+
+
+def _build(config, **options):
+    """Megatron's MoE layer from its local spec; occult's (by `install`) when `options` are given."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from occult.integrations.megatron import install
+
+    specs = [get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)]
+    if options:
+        assert install(specs, **options) == 1
+    spec = specs[0]
+    if isinstance(spec, ModuleSpec):  # 0.16: a ModuleSpec; 0.19: a functools.partial
+        return spec.module(config=config, submodules=spec.submodules, layer_number=1, **spec.params)
+    return spec(config=config, layer_number=1)
+
+
+def _load(layer, weights, placement=None):
+    """Router rows in model order; local expert j of this rank = the placement's j-th expert here."""
+    import torch.distributed as dist
+
+    gate, w1, w2 = weights
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = (placement or Placement.contiguous(E, world)).experts_on_device(rank)
+    with torch.no_grad():
+        layer.router.weight.copy_(gate)
+        for j, e in enumerate(local):
+            layer.experts.local_experts[j].linear_fc1.weight.copy_(w1[e])
+            layer.experts.local_experts[j].linear_fc2.weight.copy_(w2[e])
+    return local
+
+
+def _run(layer, local, x_TH, g_TH):
+    """Forward + backward of (out * g).sum() -> out, x grad, router grad, full-model expert grads, ids."""
+    import torch.distributed as dist
+
+    seen = {}
+    hook = layer.router.register_forward_hook(lambda m, a, out: seen.update(ids=out[1].detach()))
+    x = x_TH.clone().requires_grad_(True)
+    out, bias = layer(x[:, None])
+    assert bias is None
+    (out[:, 0] * g_TH).sum().backward()
+    hook.remove()
+    grads = []
+    for name in ("linear_fc1", "linear_fc2"):
+        mine = torch.stack([getattr(layer.experts.local_experts[j], name).weight.grad for j in range(len(local))])
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        order = [torch.empty(len(local), dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(order, torch.as_tensor(local.copy(), dtype=torch.int64))
+        full = torch.empty(E, *mine.shape[1:])
+        full[torch.cat(order)] = torch.cat(parts)
+        grads.append(full)
+    ids_TK = seen["ids"].nonzero()[:, 1].view(x_TH.shape[0], -1)
+    return out[:, 0].detach(), x.grad, layer.router.weight.grad, grads, ids_TK
+
+
+def _close(a, b, what, errors):
+    if a.shape != b.shape or not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
+        diff = (a - b).abs().max().item() if a.shape == b.shape else f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+        errors.append(f"{what}: max abs diff {diff}")
+
+
+def _case(rank, world, seed, top_k, tokens, placement=None, dispatcher="dedup", max_devices=None, settings=None):
+    """occult's layer vs Megatron's alltoall one.
+    -> (errors, [dispatch rows, combine rows, sum_t C_T, tokens, largest C_T])"""
+    import torch.distributed as dist
+
+    from occult.moe.pruning import devices_per_token
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = (torch.randn(E, H, generator=gen), torch.randn(E, 2 * F, H, generator=gen) * 0.3)
+    weights += (torch.randn(E, H, F, generator=gen) * 0.3,)
+    xs = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
+    gs = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
+    settings = settings or {}
+    ref_layer = _build(_config(top_k, **settings))
+    if max_devices is not None:  # the reference: Megatron's alltoall behind the same limited router
+        ref_layer.router.__class__ = _occult_router()
+        ref_layer.router.set_device_limit(max_devices, placement.tensors(0)[0])
+    ref = _run(ref_layer, _load(ref_layer, weights), xs[rank], gs[rank])
+    layer = _build(_config(top_k, **settings), dispatcher=dispatcher, placement=placement, max_devices=max_devices)
+    got = _run(layer, _load(layer, weights, placement), xs[rank], gs[rank])
+    errors = []
+    for i, what in enumerate(("output", "input grad", "router grad")):
+        _close(got[i], ref[i], what, errors)
+    for name, gr, rr in zip(("fc1", "fc2"), got[3], ref[3]):
+        _close(gr, rr, f"{name} grads", errors)
+    if not torch.equal(got[4], ref[4]):
+        errors.append("expert choices differ")
+    c_T = devices_per_token(got[4], (placement or Placement.contiguous(E, world)).tensors(0)[0])
+    stats = layer.token_dispatcher.last_comm_stats
+    sent = torch.tensor([stats.dispatch_rows, stats.combine_rows, int(c_T.sum()), tokens[rank]])
+    dist.all_reduce(sent)
+    worst = torch.tensor(int(c_T.max()) if c_T.numel() else 0)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return errors, sent.tolist() + [int(worst)]
+
+
+def _occult_router():
+    from occult.integrations.megatron import OccultRouter
+
+    return OccultRouter
+
+
+def _refused(build) -> str | None:
+    try:
+        build()
+    except (ValueError, NotImplementedError) as e:
+        return str(e)
+    return None
+
+
+def _bad_builds(world: int) -> dict[str, str | None]:
+    """Settings occult refuses when the layer is built, each with its message (None: not refused)."""
+    return {
+        "experts": _refused(lambda: _build(_config(2), placement=Placement.contiguous(2 * E, world))),
+        "room": _refused(lambda: _build(_config(5), placement=_random_placement(world, 1), max_devices=1)),
+        "allgather": _refused(lambda: _build(_config(2, moe_token_dispatcher_type="allgather"), dispatcher="dedup")),
+        "capacity": _refused(lambda: _build(_config(2, moe_expert_capacity_factor=1.0), dispatcher="dedup")),
+    }
+
+
+def _ranks(rank, world, seed):
+    _megatron(world)
+    torch.manual_seed(seed)
+    rnd = _random_placement(world, seed)
+    cases = {
+        "dedup contiguous top2": dict(top_k=2, tokens=[5, 6]),
+        "dedup placed top3": dict(top_k=3, tokens=[6, 6], placement=rnd),
+        "standard placed top3": dict(top_k=3, tokens=[5, 5], placement=rnd, dispatcher="standard"),
+        "one token on a rank": dict(top_k=2, tokens=[1, 7], placement=_random_placement(world, seed + 1)),
+        "top1": dict(top_k=1, tokens=[6, 4], settings=dict(moe_router_pre_softmax=True)),  # Megatron's rule
+        "top-k = all": dict(top_k=E, tokens=[4, 4]),
+        "pruned": dict(top_k=2, tokens=[9, 7], placement=rnd, max_devices=1),
+        "pruned sigmoid": dict(
+            top_k=3, tokens=[8, 8], placement=rnd, max_devices=2, settings=dict(moe_router_score_function="sigmoid")
+        ),
+    }
+    results = {name: _case(rank, world, seed + i, **case) for i, (name, case) in enumerate(cases.items())}
+    return results, _bad_builds(world)
+
+
+@pytest.mark.timeout(240)
+def test_layer_matches_megatron_alltoall_on_2_ranks():
+    results = run_ranks(_ranks, 2, int(torch.randint(0, 10_000, ())))
+    cases, bad = results[0]
+    for name, (errors, (dispatch_rows, combine_rows, sum_c, tokens, worst)) in cases.items():
+        assert not errors, f"{name}: {errors}"
+        top_k = {"dedup placed top3": 3, "standard placed top3": 3, "top1": 1, "top-k = all": E}.get(name, 2)
+        expected = tokens * top_k if name.startswith("standard") else sum_c
+        assert dispatch_rows == combine_rows == expected, (name, dispatch_rows, combine_rows, expected)
+        assert worst <= {"pruned": 1, "pruned sigmoid": 2}.get(name, 2), (name, worst)
+    assert cases["top-k = all"][1][0] == cases["top-k = all"][1][3] * 2  # every token to each rank once, not 8 times
+    assert cases["pruned"][1][4] == 1 and cases["pruned"][1][0] == cases["pruned"][1][3]  # one rank, one row a token
+    assert cases["dedup placed top3"][1][0] < cases["dedup placed top3"][1][3] * 3  # dedup sent fewer rows than k x T
+    for r, (_, rank_bad) in enumerate(results):
+        assert "placement is for 16 experts" in rank_bad["experts"], (r, rank_bad)
+        assert "max_devices=1 EP ranks hold only 4 experts" in rank_bad["room"], (r, rank_bad)
+        assert "keep moe_token_dispatcher_type='alltoall'" in rank_bad["allgather"], (r, rank_bad)
+        assert "token dropping" in rank_bad["capacity"], (r, rank_bad)
+
+
+def test_install_refuses_bad_options(tmp_path):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from occult.integrations.megatron import install
+    from occult.placement import PlacementError
+
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    with pytest.raises(ValueError, match="dispatcher must be one of"):
+        install(spec, dispatcher="fast")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        install(spec, transport="nvshmem")
+    with pytest.raises(ValueError, match="max_devices must be an integer >= 1"):
+        install(spec, max_devices=0)
+    with pytest.raises(PlacementError):
+        install(spec, placement=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="has no MoELayer"):
+        install(get_gpt_layer_local_spec())
+    assert install(spec, dispatcher="standard", transport="counts") == 1
