@@ -42,6 +42,7 @@ from occult.teardown import hold_collectives
 
 EAGER_CALLS = 2  # eager calls of a signature before it is captured (compilation, buffer growth)
 MAX_GRAPHS = 8  # graphs kept per layer (the least recently used go first)
+MAX_TRAINING = 2  # of which training recordings (each holds a memory pool of its own: its activations)
 MAX_SEEN = 1024  # signatures counted towards a capture per layer (forgotten all at once beyond)
 
 _LIVE: dict[int, weakref.WeakSet[torch.cuda.CUDAGraph]] = {}  # device index -> graphs alive there
@@ -143,8 +144,7 @@ class GraphCache:
             if torch.distributed.is_initialized():
                 hold_collectives(self)
             self._graphs[key] = captured
-            if len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
+            self._evict(training is not None)
         else:
             self._graphs.move_to_end(key)
         return captured.replay(x_TH)
@@ -158,6 +158,16 @@ class GraphCache:
             static_y = forward(static_x)
         track(graph, x_TH.device)
         return Captured(graph, static_x, static_y, statuses, info())
+
+    def _evict(self, training: bool) -> None:
+        """Drop the least recently used recordings beyond `max_graphs`, and training ones beyond
+        `MAX_TRAINING` (one whose backward is still due lives on in its autograd node until then)."""
+        if training:
+            keys = [k for k, c in self._graphs.items() if isinstance(c, TrainingCapture)]
+            for key in keys[: max(0, len(keys) - MAX_TRAINING)]:
+                del self._graphs[key]
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
 
     def _capture_training(
         self, x_TH: torch.Tensor, training: TrainingCall, forward: Callable[[torch.Tensor], torch.Tensor], info

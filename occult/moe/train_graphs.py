@@ -12,7 +12,8 @@ launch and a copy out forward; the same backward.
 What differs from the forward-only graphs of `occult.moe.graphs`:
 
 - Each recorded call has a memory pool of its own: the forward's saved activations must live from its
-  forward replay until its backward replay while every other layer replays in between.
+  forward replay until its backward replay while every other layer replays in between. A layer keeps
+  at most `occult.moe.graphs.MAX_TRAINING` of them (the least recently used go).
 - The parameters' gradients come out of the backward graph into fixed tensors; autograd accumulates
   them into `.grad` as it would an eager call's (one copy per parameter a step).
 - A recorded call serves one forward and then one backward at a time: a second forward while the

@@ -139,3 +139,22 @@ def test_has_hooks_sees_hooks_on_any_submodule():
     assert has_hooks(block)
     handle.remove()
     assert not has_hooks(block)
+
+
+def test_a_layer_keeps_at_most_max_training_recordings():
+    """Each training recording holds a memory pool: past MAX_TRAINING signatures the least recently used go."""
+    from occult.moe.graphs import MAX_TRAINING
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+
+    class Cache(GraphCache):
+        def _capture_training(self, x_TH, training, forward, info):
+            return stood_in_capture(x_TH, training.params[0])
+
+    cache = Cache(eager_calls=0)
+    for tokens in range(1, MAX_TRAINING + 3):
+        y, _ = cache.run(
+            tokens, 0, torch.randn(tokens, 4, requires_grad=True), torch.tanh, CommStats, TrainingCall((w,))
+        )
+        y.sum().backward()
+    assert list(cache._graphs) == list(range(3, MAX_TRAINING + 3))
