@@ -2,7 +2,8 @@
 
 Megatron-Core is built for GPUs: `MoEAlltoAllTokenDispatcher` makes a `torch.cuda.Stream` for its
 host copies, buffers are placed on `torch.cuda.current_device()`, and its split sizes become numpy
-arrays only when they come from a GPU. `cpu_shims()` replaces those few calls (process-wide, once)
+arrays only when they come from a GPU, and its attention forks CUDA RNG states. `cpu_shims()` replaces
+those few calls (process-wide, once)
 so that Megatron's own `alltoall` dispatcher, the reference occult is tested against, runs on CPU.
 occult's dispatcher needs none of it. `without_transformer_engine()` is needed on GPUs too:
 Megatron-Core 0.16.1's router gating reads `te_general_gemm`, a name it defines only when Transformer
@@ -70,3 +71,7 @@ def cpu_shims() -> None:
 
         td.maybe_move_tensor_to_cpu = move
         td.occult_cpu_shim = True
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    # dropout regions fork Megatron's CUDA RNG states: on CPU, the process's one generator
+    megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()

@@ -10,6 +10,8 @@ Router columns, the expert bias and the aux-loss counts stay in the model's own 
 `SequentialMLP`, `...mlp.experts.linear_fc1.weight{e}` of `TEGroupedMLP`, `...mlp.experts.weight1`
 / `weight2` of the legacy `GroupedMLP`) between the two orders. A distributed checkpoint of a
 placed model stores expert `placed position` where Megatron's own model stores expert `id`.
+`placed_local_experts` does the same for the state dicts of a running expert-parallel model: each
+rank's contiguous experts become its placed ones (all-gathered over the EP group).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from occult.placement import Placement, PlacementError
 
@@ -126,3 +129,33 @@ def to_placed_order(state_dict: Mapping[str, Any], placement: str | Placement) -
 def to_model_order(state_dict: Mapping[str, Any], placement: str | Placement) -> dict[str, Any]:
     """The inverse of `to_placed_order`."""
     return _reorder(state_dict, placement, inverse=True)
+
+
+def placed_local_experts(state_dict: Mapping[str, Any], placement: Placement, group: Any = None) -> dict[str, Any]:
+    """This rank's state dict of an EP model with Megatron's contiguous experts (rank r: experts r*L..r*L+L-1)
+    -> the same keys holding this rank's placed experts (`placement.experts_on_device(rank)`).
+
+    A collective over the EP `group`: call it on every rank. MoE layer i (in layer order) uses the
+    placement's layer i (or its only layer); `SequentialMLP` and `TEGroupedMLP` keys."""
+    rank = dist.get_rank(group)
+    tensors: dict[tuple[str, str, int, str], dict[int, str]] = {}
+    for key in state_dict:
+        m = SEQUENTIAL_KEY.match(key) or TE_GROUPED_KEY.match(key)
+        if m is not None and torch.is_tensor(state_dict[key]):
+            stem = (key[: m.start("e")], key[m.end("e") :], int(m["layer"]), m["prefix"])
+            tensors.setdefault(stem, {})[int(m["e"])] = key
+    layers = sorted({(prefix, layer) for _, _, layer, prefix in tensors})
+    if placement.num_layers not in (1, len(layers)):
+        raise PlacementError(
+            f"the placement has {placement.num_layers} layers, but the model has {len(layers)} MoE layers"
+        )
+    out = dict(state_dict)
+    for (_, _, layer, prefix), keys in sorted(tensors.items()):
+        local = torch.stack([state_dict[keys[j]] for j in range(len(keys))])
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        full = torch.cat(parts)  # model order: rank r's block is experts r*L..
+        index = layers.index((prefix, layer)) if placement.num_layers > 1 else 0
+        for j, e in enumerate(placement.experts_on_device(rank, index)):
+            out[keys[j]] = full[int(e)].clone()
+    return out

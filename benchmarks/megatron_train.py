@@ -1,0 +1,351 @@
+"""Train a Megatron-Core GPTModel MoE with Megatron's `alltoall` dispatcher and with occult's (issue 54).
+
+    torchrun --nproc-per-node 4 benchmarks/megatron_train.py --model olmoe --layers 4 --steps 100 --out r.json
+
+Megatron's own pieces throughout: `GPTModel` from its layer spec (Transformer Engine's with
+`TEGroupedMLP` experts where TE imports, else the local spec with `SequentialMLP`: without TE
+Megatron-Core has no grouped GEMM; the JSON says which ran), its `DistributedDataParallel`, its
+optimizer (`get_megatron_optimizer`, Adam), expert parallelism over all ranks (data parallelism
+over all ranks for the dense weights), bf16 on GPUs (fp32 on CPU). occult is switched on by
+`occult.integrations.megatron.install(spec, ...)`, the one line a user adds.
+
+Variants (`--variants`): `alltoall` (Megatron's), `occult` (dedup: one row per token and EP rank),
+`occult-standard`, `occult+placement` (dedup with `--placement`, a JSON from `occult place`; the
+expert weights moved to their placed ranks by `placed_local_experts`). Every variant starts from
+the same weights (the first variant's, copied) and sees the same random tokens (fixed seed per
+rank and step): their losses should agree to rounding. A step's time is the slowest rank's (CUDA
+events are not needed: the step ends with the optimizer's update, then a device sync); tokens/s
+per GPU is micro-batch x sequence / the median step time after `--warmup` steps.
+
+Rank 0 writes the JSON (losses per step per variant, step times, tokens/s per GPU, the expert
+module, the environment and run record) atomically after every variant and prints a table last.
+Shapes: OLMoE-1B-7B (hidden 2048, 64 experts, ffn 1024, top-8, 16 heads, vocab 50304), Qwen3-30B-A3B
+(hidden 2048, 128 experts, ffn 768, top-8, 32 heads of 128 with 4 KV groups, vocab 151936), tiny
+(a CPU smoke test). `--layers` cuts depth. On CPU ranks (gloo) Megatron's CUDA stream calls are
+stubbed (occult.integrations.megatron.cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _timing import environment, log, synchronize, write_json  # noqa: E402  (benchmarks/_timing.py)
+
+from occult.distributed import finish_distributed, init_distributed  # noqa: E402
+
+SHAPES = {
+    "olmoe": dict(hidden=2048, experts=64, ffn=1024, top_k=8, heads=16, kv_groups=16, head_dim=128, vocab=50304),
+    "qwen3": dict(hidden=2048, experts=128, ffn=768, top_k=8, heads=32, kv_groups=4, head_dim=128, vocab=151936),
+    "tiny": dict(hidden=32, experts=8, ffn=16, top_k=2, heads=4, kv_groups=4, head_dim=8, vocab=128),
+}
+VARIANTS = ("alltoall", "occult", "occult-standard", "occult+placement")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=sorted(SHAPES), default="olmoe", help="layer shape (default olmoe)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers, all MoE (default 2)")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps per variant (default 50)")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (default 5)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step (default 1)")
+    p.add_argument("--variants", default="alltoall,occult", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--placement", default=None, help="placement JSON (occult place) for occult+placement")
+    p.add_argument("--transport", default="auto", choices=("auto", "device", "counts"), help="occult's transport")
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default 1e-4)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="write every number as JSON here (rank 0, atomically)")
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, world: int) -> str | None:
+    """The first problem with the flags, as one line naming the flag (None: all good)."""
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if not variants or unknown:
+        return f"--variants: unknown {unknown or 'empty list'}; choose from {', '.join(VARIANTS)}"
+    shape = SHAPES[args.model]
+    for flag, value, low in (("--layers", args.layers, 1), ("--steps", args.steps, 1), ("--seq", args.seq, 2)):
+        if value < low:
+            return f"{flag} must be >= {low}, got {value}"
+    if args.micro_batch < 1 or not 0 <= args.warmup < args.steps:
+        return f"--micro-batch must be >= 1 and 0 <= --warmup < --steps (got {args.micro_batch}, {args.warmup})"
+    if shape["experts"] % world:
+        return (
+            f"{args.model}'s {shape['experts']} experts do not split over {world} ranks: use a world size dividing it"
+        )
+    if ("occult+placement" in variants) != (args.placement is not None):
+        return "--placement is needed by the occult+placement variant, and only by it"
+    if args.placement is not None:
+        from occult.placement import Placement, PlacementError
+
+        try:
+            placement = Placement.load(args.placement)
+        except (OSError, PlacementError) as e:
+            return f"--placement: {e}"
+        if (placement.num_experts, placement.num_devices) != (shape["experts"], world):
+            return (
+                f"--placement is for {placement.num_experts} experts on {placement.num_devices} devices; this run has "
+                f"{shape['experts']} on {world}: occult place --devices {world} on a trace of this model"
+            )
+        if placement.num_layers not in (1, args.layers):
+            return f"--placement has {placement.num_layers} layers; give 1 or --layers ({args.layers})"
+    return None
+
+
+def have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def model_config(args: argparse.Namespace, world: int, dtype: torch.dtype, on_cpu: bool) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s = SHAPES[args.model]
+    return TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=s["hidden"],
+        num_attention_heads=s["heads"],
+        num_query_groups=s["kv_groups"],
+        kv_channels=s["head_dim"],
+        ffn_hidden_size=s["ffn"],
+        moe_ffn_hidden_size=s["ffn"],
+        num_moe_experts=s["experts"],
+        moe_router_topk=s["top_k"],
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=have_te(),
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01,
+        moe_router_dtype="fp32",
+        moe_permute_fusion=False,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        expert_model_parallel_size=world,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=on_cpu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def layer_spec(args: argparse.Namespace, variant: str) -> tuple[Any, str]:
+    """Megatron's layer spec (TE's where it imports, else local), occult's dispatcher installed for occult variants."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    experts = SHAPES[args.model]["experts"]
+    if have_te():
+        spec, module = specs.get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=True), "TEGroupedMLP"
+    else:
+        spec, module = (
+            specs.get_gpt_layer_local_spec(experts, moe_grouped_gemm=False, qk_layernorm=True),
+            "SequentialMLP",
+        )
+    if variant.startswith("occult"):
+        from occult.integrations.megatron import install
+
+        dispatcher = "standard" if variant == "occult-standard" else "dedup"
+        placement = args.placement if variant == "occult+placement" else None
+        install(spec, dispatcher=dispatcher, placement=placement, transport=args.transport)
+    return spec, module
+
+
+def build(
+    args: argparse.Namespace, variant: str, config: Any, device: torch.device, state: dict | None
+) -> tuple[Any, Any, str]:
+    """(Megatron DDP model, Megatron optimizer, expert module name) for one variant, from `state` when given
+    (the first variant's weights; placed for occult+placement) before the optimizer copies them."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    spec, module = layer_spec(args, variant)
+    s = SHAPES[args.model]
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=s["vocab"],
+        max_sequence_length=args.seq,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    ).to(device)
+    if state is not None:
+        if variant == "occult+placement":
+            from occult.integrations.megatron.placement import placed_local_experts
+            from occult.placement import Placement
+
+            state = placed_local_experts(state, Placement.load(args.placement))
+        model.load_state_dict(state, strict=True)
+    ddp = DistributedDataParallel(
+        config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
+    )
+    if device.type != "cuda":  # Megatron's optimizer puts its loss scale on "cuda": torch's Adam on CPU smoke runs
+        return ddp, MainGradAdam(ddp, args.lr), module
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, bf16=config.bf16, params_dtype=config.params_dtype, clip_grad=1.0
+    )
+    return ddp, get_megatron_optimizer(opt_config, [ddp], use_gloo_process_groups=False), module
+
+
+class MainGradAdam:
+    """CPU stand-in for Megatron's optimizer: torch's Adam on the gradients Megatron's DDP reduced (`main_grad`)."""
+
+    def __init__(self, model: Any, lr: float) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.adam = torch.optim.Adam(self.params, lr=lr)
+
+    def zero_grad(self) -> None:
+        self.adam.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype)
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)  # per rank: a smoke test, not Megatron's global norm
+        self.adam.step()
+
+
+def expert_types(model: Any) -> str:
+    names = {type(m.experts).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")}
+    return ",".join(sorted(names))
+
+
+def batch(args: argparse.Namespace, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's random tokens and labels of `step` (the same for every variant)."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + dist.get_rank() * 10_007 + step)
+    ids = torch.randint(0, SHAPES[args.model]["vocab"], (args.micro_batch, args.seq + 1), generator=gen)
+    return ids[:, :-1].to(device), ids[:, 1:].to(device)
+
+
+def train(args: argparse.Namespace, model: Any, optimizer: Any, device: torch.device) -> tuple[list, list]:
+    """`--steps` Megatron training steps -> (mean loss per step over all ranks, slowest rank's step seconds)."""
+    S = args.seq
+    position_ids = torch.arange(S, device=device)[None].expand(args.micro_batch, S)
+    causal = torch.triu(torch.ones(1, 1, S, S, dtype=torch.bool, device=device), diagonal=1)
+    losses, seconds = [], []
+    model.train()
+    for step in range(args.steps):
+        ids, labels = batch(args, step, device)
+        dist.barrier()
+        synchronize(device)
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = model(ids, position_ids, causal, labels=labels).float().mean()
+        loss.backward()
+        model.finish_grad_sync()
+        optimizer.step()
+        synchronize(device)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        total = loss.detach().reshape(1).to(torch.float64).cpu()
+        dist.all_reduce(total)
+        losses.append(float(total) / dist.get_world_size())
+        seconds.append(float(took))
+    return losses, seconds
+
+
+def table(results: dict[str, Any]) -> str:
+    """Markdown: per variant, median step ms, tokens/s per GPU, speed-up over the first, last loss, loss gap."""
+    names = list(results)
+    first = results[names[0]]
+    lines = [
+        "| variant | experts | step ms (median) | tokens/s per GPU | speed-up | last loss | max rel. loss diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        r = results[name]
+        gap = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], first["losses"]))
+        lines.append(
+            f"| {name} | {r['expert_module']} | {r['step_ms_median']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+            f"{first['step_ms_median'] / r['step_ms_median']:.2f}x | {r['losses'][-1]:.4f} | {gap:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def run_variant(args: argparse.Namespace, variant: str, config: Any, device: torch.device, state: dict | None):
+    """Build, train and time one variant -> (its results, its initial weights on this rank)."""
+    from megatron.core import tensor_parallel
+
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    model, optimizer, module = build(args, variant, config, device, state)
+    initial = (
+        state
+        if state is not None
+        else {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items() if torch.is_tensor(v)}
+    )
+    losses, seconds = train(args, model, optimizer, device)
+    median_s = statistics.median(seconds[args.warmup :])
+    result = {
+        "expert_module": expert_types(model) or module,
+        "optimizer": type(optimizer).__name__,
+        "dispatcher": type(
+            next(m for m in model.modules() if hasattr(m, "token_dispatcher")).token_dispatcher
+        ).__name__,
+        "losses": losses,
+        "step_s": seconds,
+        "step_ms_median": 1e3 * median_s,
+        "tokens_per_s_per_gpu": args.micro_batch * args.seq / median_s,
+    }
+    del model, optimizer
+    return result, initial
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = init_distributed()
+    problem = check_args(args, world)
+    if problem:
+        if rank == 0:
+            print(f"megatron_train.py: error: {problem}", file=sys.stderr, flush=True)
+        finish_distributed(ok=False)
+        return 2
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*|.*Apex.*")
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    from megatron.core import parallel_state
+
+    from occult.integrations.megatron.cpu import cpu_shims, without_transformer_engine
+
+    cpu_shims() if not on_gpu else without_transformer_engine()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world, create_gloo_process_groups=False)
+    config = model_config(args, world, dtype, not on_gpu)
+    import megatron.core
+
+    env = {**environment(device, world), "megatron_core": megatron.core.__version__, "transformer_engine": have_te()}
+    report: dict[str, Any] = {"args": vars(args), "env": env, "variants": {}}
+    state = None
+    for variant in args.variants.split(","):
+        log(f"{variant}: {args.steps} steps of {args.model} x {args.layers} layers on {world} ranks ...")
+        report["variants"][variant], state = run_variant(args, variant, config, device, state)
+        if rank == 0 and args.out:
+            write_json(args.out, report)
+    log(table(report["variants"]))
+    finish_distributed(ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
