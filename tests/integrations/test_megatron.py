@@ -201,6 +201,48 @@ def _bad_builds(world: int) -> dict[str, str | None]:
     }
 
 
+def _gpt(config, placement=None, state=None):
+    """A 2-layer Megatron GPTModel from its local layer spec (occult's by `install` with a placement), fp32."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from occult.integrations.megatron import install
+    from occult.integrations.megatron.placement import placed_local_experts
+
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    if placement is not None:
+        assert install(spec, placement=placement) == 1  # one spec object serves both layers
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=32, max_sequence_length=8)
+    if state is not None:
+        model.load_state_dict(placed_local_experts(state, placement) if placement is not None else state)
+    return model
+
+
+def _gpt_case(rank, world, seed):
+    """Loss and gradients of a GPTModel step: Megatron's alltoall vs occult with a 2-layer placement."""
+    torch.manual_seed(seed)
+    config = _config(2, num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
+    ref = _gpt(config)
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}
+    rows = [_random_placement(world, seed + i).expert_device(0) for i in (0, 1)]
+    placement = Placement(np.stack(rows), world)
+    got = _gpt(config, placement, state)
+    ids = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(seed + rank))
+    pos, causal = torch.arange(8)[None], torch.triu(torch.ones(1, 1, 8, 8, dtype=torch.bool), 1)
+    out, errors = [], []
+    for model in (ref, got):
+        loss = model(ids[:, :-1], pos, causal, labels=ids[:, 1:]).mean()
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if "local_experts" not in n}
+        out.append((loss.detach(), grads))
+    _close(out[1][0], out[0][0], "GPT loss", errors)
+    for name, g in out[0][1].items():
+        _close(out[1][1][name], g, f"GPT {name} grad", errors)
+    used = [type(m.token_dispatcher).__name__ for m in got.modules() if hasattr(m, "token_dispatcher")]
+    layers = [m.token_dispatcher.layer_index for m in got.modules() if hasattr(m, "token_dispatcher")]
+    return errors, used, layers
+
+
 def _ranks(rank, world, seed):
     _megatron(world)
     torch.manual_seed(seed)
@@ -218,13 +260,14 @@ def _ranks(rank, world, seed):
         ),
     }
     results = {name: _case(rank, world, seed + i, **case) for i, (name, case) in enumerate(cases.items())}
-    return results, _bad_builds(world)
+    return results, _bad_builds(world), _gpt_case(rank, world, seed)
 
 
 @pytest.mark.timeout(240)
 def test_layer_matches_megatron_alltoall_on_2_ranks():
     results = run_ranks(_ranks, 2, int(torch.randint(0, 10_000, ())))
-    cases, bad = results[0]
+    cases, _, (gpt_errors, used, layers) = results[0]
+    assert not gpt_errors and used == ["OccultTokenDispatcher"] * 2 and layers == [0, 1], (gpt_errors, used, layers)
     for name, (errors, (dispatch_rows, combine_rows, sum_c, tokens, worst)) in cases.items():
         assert not errors, f"{name}: {errors}"
         top_k = {"dedup placed top3": 3, "standard placed top3": 3, "top1": 1, "top-k = all": E}.get(name, 2)
@@ -234,7 +277,7 @@ def test_layer_matches_megatron_alltoall_on_2_ranks():
     assert cases["top-k = all"][1][0] == cases["top-k = all"][1][3] * 2  # every token to each rank once, not 8 times
     assert cases["pruned"][1][4] == 1 and cases["pruned"][1][0] == cases["pruned"][1][3]  # one rank, one row a token
     assert cases["dedup placed top3"][1][0] < cases["dedup placed top3"][1][3] * 3  # dedup sent fewer rows than k x T
-    for r, (_, rank_bad) in enumerate(results):
+    for r, (_, rank_bad, _) in enumerate(results):
         assert "placement is for 16 experts" in rank_bad["experts"], (r, rank_bad)
         assert "max_devices=1 EP ranks hold only 4 experts" in rank_bad["room"], (r, rank_bad)
         assert "keep moe_token_dispatcher_type='alltoall'" in rank_bad["allgather"], (r, rank_bad)
