@@ -302,3 +302,33 @@ def test_install_refuses_bad_options(tmp_path):
     with pytest.raises(ValueError, match="has no MoELayer"):
         install(get_gpt_layer_local_spec())
     assert install(spec, dispatcher="standard", transport="counts") == 1
+
+
+def test_state_dict_orders_and_moe_layer_numbers():
+    """to_placed_order / to_model_order on every expert layout Megatron names; moe_layer_freq -> MoE layer index."""
+    from types import SimpleNamespace
+
+    from occult.integrations.megatron import to_model_order, to_placed_order
+    from occult.integrations.megatron.placement import moe_layer_index
+
+    placement = Placement(
+        np.stack([_random_placement(2, 3).expert_device(0), _random_placement(2, 4).expert_device(0)]), 2
+    )
+    state = {"decoder.layers.0.self_attention.linear_qkv.weight": torch.randn(3, 3)}
+    for layer in (0, 2):  # two MoE layers: SequentialMLP's and TEGroupedMLP's names in one, GroupedMLP's in the other
+        for e in range(E):
+            state[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.full((2, 2), e)
+            state[f"decoder.layers.{layer}.mlp.experts.linear_fc2.weight{e}"] = torch.full((2,), e)
+        state[f"decoder.layers.{layer}.mlp.experts.weight1"] = torch.arange(E).repeat_interleave(2)[None].float()
+    placed = to_placed_order(state, placement)
+    for i, layer in enumerate((0, 2)):
+        order = placement.placed_order(i)  # placed position p holds expert order[p]
+        for p, e in enumerate(order):
+            assert int(placed[f"decoder.layers.{layer}.mlp.experts.local_experts.{p}.linear_fc1.weight"][0, 0]) == e
+            assert int(placed[f"decoder.layers.{layer}.mlp.experts.linear_fc2.weight{p}"][0]) == e
+        assert placed[f"decoder.layers.{layer}.mlp.experts.weight1"][0, ::2].tolist() == [float(e) for e in order]
+    back = to_model_order(placed, placement)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], v) for k, v in state.items())
+    config = SimpleNamespace(moe_layer_freq=[0, 1, 1, 0, 1], num_layers=5)
+    assert [moe_layer_index(config, n) for n in (2, 3, 5)] == [0, 1, 2]
+    assert [moe_layer_index(SimpleNamespace(moe_layer_freq=2, num_layers=4), n) for n in (1, 3)] == [0, 1]
