@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _timing import environment, log, synchronize, write_json  # noqa: E402  (benchmarks/_timing.py)
+from _timing import environment, free_memory, log, synchronize, write_json  # noqa: E402  (benchmarks/_timing.py)
 
 from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 
@@ -155,7 +155,10 @@ def layer_spec(args: argparse.Namespace, variant: str) -> tuple[Any, str]:
 
     experts = SHAPES[args.model]["experts"]
     if have_te():
-        spec, module = specs.get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=True), "TEGroupedMLP"
+        spec, module = (
+            specs.get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=True, qk_layernorm=True),
+            "TEGroupedMLP",
+        )
     else:
         spec, module = (
             specs.get_gpt_layer_local_spec(experts, moe_grouped_gemm=False, qk_layernorm=True),
@@ -240,7 +243,8 @@ def train(args: argparse.Namespace, model: Any, optimizer: Any, device: torch.de
     """`--steps` Megatron training steps -> (mean loss per step over all ranks, slowest rank's step seconds)."""
     S = args.seq
     position_ids = torch.arange(S, device=device)[None].expand(args.micro_batch, S)
-    causal = torch.triu(torch.ones(1, 1, S, S, dtype=torch.bool, device=device), diagonal=1)
+    # GPUs: Megatron's own causal mask (TE's and the local attention's); CPU: its default mask is made on "cuda"
+    causal = None if device.type == "cuda" else torch.triu(torch.ones(1, 1, S, S, dtype=torch.bool), diagonal=1)
     losses, seconds = [], []
     model.train()
     for step in range(args.steps):
@@ -309,6 +313,7 @@ def run_variant(args: argparse.Namespace, variant: str, config: Any, device: tor
         "tokens_per_s_per_gpu": args.micro_batch * args.seq / median_s,
     }
     del model, optimizer
+    free_memory(device)
     return result, initial
 
 

@@ -304,6 +304,17 @@ def test_install_refuses_bad_options(tmp_path):
     with pytest.raises(ValueError, match="has no MoELayer"):
         install(get_gpt_layer_local_spec())
     assert install(spec, dispatcher="standard", transport="counts") == 1
+    # 0.19's MoE spec is a functools.partial of MoELayer: replaced in its container, keywords kept
+    from functools import partial
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+    from occult.integrations.megatron import OccultMoELayer
+
+    holder = [partial(MoELayer, submodules=MoESubmodules())]
+    assert install(holder, max_devices=2) == 1
+    assert holder[0].func is OccultMoELayer and isinstance(holder[0].keywords["submodules"], MoESubmodules)
+    assert holder[0].keywords["occult"].max_devices == 2
 
 
 def test_state_dict_orders_and_moe_layer_numbers():

@@ -47,6 +47,8 @@ class OccultMoELayer(MoELayer):
         self.token_dispatcher = OccultTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, self.config, pg_collection, options
         )
+        if hasattr(self, "_training_token_dispatcher"):  # 0.19 inference_optimized: forward swaps back to it
+            self._training_token_dispatcher = self.token_dispatcher
         self.occult_options = options
         if self.use_shared_expert and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)  # refused with a clear error

@@ -150,11 +150,16 @@ def placed_local_experts(state_dict: Mapping[str, Any], placement: Placement, gr
             f"the placement has {placement.num_layers} layers, but the model has {len(layers)} MoE layers"
         )
     out = dict(state_dict)
+    # NCCL gathers device tensors: each parameter travels through the current GPU, one at a time
+    via = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     for (_, _, layer, prefix), keys in sorted(tensors.items()):
         local = torch.stack([state_dict[keys[j]] for j in range(len(keys))])
+        home = local.device
+        local = local.to(via) if via is not None else local
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, local.contiguous(), group=group)
-        full = torch.cat(parts)  # model order: rank r's block is experts r*L..
+        full = torch.cat(parts).to(home)  # model order: rank r's block is experts r*L..
+        del parts, local
         index = layers.index((prefix, layer)) if placement.num_layers > 1 else 0
         for j, e in enumerate(placement.experts_on_device(rank, index)):
             out[keys[j]] = full[int(e)].clone()
