@@ -17,7 +17,7 @@ rank and step): their losses should agree to rounding. A step's time is the slow
 events are not needed: the step ends with the optimizer's update, then a device sync); tokens/s
 per GPU is micro-batch x sequence / the median step time after `--warmup` steps.
 
-Rank 0 writes the JSON (losses per step per variant, step times, tokens/s per GPU, the expert
+Rank 0 writes the JSON (losses per step per variant, step times, tokens/s per GPU, occult's rows sent, the expert
 module, the environment and run record) atomically after every variant and prints a table last.
 Shapes: OLMoE-1B-7B (hidden 2048, 64 experts, ffn 1024, top-8, 16 heads, vocab 50304), Qwen3-30B-A3B
 (hidden 2048, 128 experts, ffn 768, top-8, 32 heads of 128 with 4 KV groups, vocab 151936), tiny
@@ -301,6 +301,13 @@ def run_variant(args: argparse.Namespace, variant: str, config: Any, device: tor
     )
     losses, seconds = train(args, model, optimizer, device)
     median_s = statistics.median(seconds[args.warmup :])
+    rows = sum(
+        m.token_dispatcher.last_comm_stats.dispatch_rows
+        for m in model.modules()
+        if getattr(getattr(m, "token_dispatcher", None), "last_comm_stats", None) is not None
+    )
+    rows = torch.tensor([rows], dtype=torch.int64)
+    dist.all_reduce(rows)
     result = {
         "expert_module": expert_types(model) or module,
         "optimizer": type(optimizer).__name__,
@@ -311,6 +318,13 @@ def run_variant(args: argparse.Namespace, variant: str, config: Any, device: tor
         "step_s": seconds,
         "step_ms_median": 1e3 * median_s,
         "tokens_per_s_per_gpu": args.micro_batch * args.seq / median_s,
+        # occult's rows sent in the last step's forward, all layers and ranks (alltoall: k x tokens x layers)
+        "dispatch_rows_last_step": int(rows) if variant.startswith("occult") else None,
+        "tokens_x_topk_x_layers": args.micro_batch
+        * args.seq
+        * dist.get_world_size()
+        * SHAPES[args.model]["top_k"]
+        * args.layers,
     }
     del model, optimizer
     free_memory(device)
