@@ -73,10 +73,16 @@ class OccultTokenDispatcher(MoETokenDispatcher):
         self.exchange: OccultExchange | None = None
         self.limit_checked = False
         self.last_comm_stats: Any = None
+        # one forward's state, from dispatch_preprocess to combine_postprocess
+        self.hidden_shape: torch.Size | None = None
+        self.ids_TK: torch.Tensor | None = None
+        self.slots_RK: torch.Tensor | None = None
+        self.handle: Any = None
+        self.expansion: Any = None
 
     def layer_placement(self, layer_index: int) -> Placement:
         """This layer's one-layer placement over the EP group (MoE layer `layer_index` of the model)."""
-        placement = load_placement(self.options.placement, self.num_experts, self.ep_size)
+        placement = load_placement(self.options.loaded_placement, self.num_experts, self.ep_size)
         if placement.num_layers == 1:
             return placement
         if not 0 <= layer_index < placement.num_layers:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from occult.moe.config import TRANSPORTS
@@ -23,6 +23,7 @@ class OccultOptions:
     placement: str | Placement | None = None
     max_devices: int | None = None
     transport: str = "auto"
+    loaded_placement: Placement | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dispatcher not in DISPATCHERS:
@@ -31,8 +32,10 @@ class OccultOptions:
             raise ValueError(f"occult transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.max_devices is not None and (isinstance(self.max_devices, bool) or int(self.max_devices) < 1):
             raise ValueError(f"occult max_devices must be an integer >= 1 or None, got {self.max_devices!r}")
-        if self.placement is not None and not isinstance(self.placement, Placement):
-            Placement.load(self.placement)  # read now: a bad path or file fails here, not at the first step
+        placement = self.placement
+        if placement is not None and not isinstance(placement, Placement):
+            placement = Placement.load(placement)  # read now, once: a bad path or file fails here
+        object.__setattr__(self, "loaded_placement", placement)
 
     def describe(self) -> dict[str, Any]:
         """The options as plain values (for run records)."""
