@@ -54,7 +54,9 @@ def without_transformer_engine() -> None:
 
 def cpu_shims() -> None:
     """Stand-ins for the few CUDA stream calls the alltoall dispatcher makes (CPU smoke tests only)."""
-    without_transformer_engine()
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    moe_utils.te_general_gemm = None  # the router's gating in torch: TE's GEMM (where TE imports) wants CUDA tensors
     torch.cuda.Stream = CpuStreamClass  # type: ignore[assignment,misc]
     torch.cuda.current_stream = lambda *a, **k: CPU_STREAM  # type: ignore[assignment]
     torch.cuda.stream = lambda s=None: contextlib.nullcontext()  # type: ignore[assignment]
