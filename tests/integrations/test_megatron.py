@@ -311,7 +311,7 @@ def test_install_refuses_bad_options(tmp_path):
 
     from occult.integrations.megatron import OccultMoELayer
 
-    holder = [partial(MoELayer, submodules=MoESubmodules())]
+    holder = [partial(MoELayer, submodules=MoESubmodules(experts=None))]  # 0.19: experts has no default
     assert install(holder, max_devices=2) == 1
     assert holder[0].func is OccultMoELayer and isinstance(holder[0].keywords["submodules"], MoESubmodules)
     assert holder[0].keywords["occult"].max_devices == 2
