@@ -61,8 +61,10 @@ class OccultRouter(TopKRouter):
         ):
             if getattr(config, setting, False):
                 raise ValueError(f"occult max_devices cannot be combined with {setting}=True ({why}): set it False")
-        if self.routing_type == "sinkhorn":
-            raise ValueError("occult max_devices needs top-k routing, not moe_router_load_balancing_type='sinkhorn'")
+        if self.routing_type in ("sinkhorn", "quantile_balancing"):  # their routing bypasses the top-k hook
+            raise ValueError(
+                f"occult max_devices needs top-k routing, not moe_router_load_balancing_type={self.routing_type!r}"
+            )
         num_devices = int(expert_device_E.max()) + 1
         per_device = expert_device_E.numel() // num_devices
         if num_devices > 1 and max_devices * per_device < self.topk:
