@@ -2,7 +2,8 @@
 
 `wrap_fsdp(model, parallel)` applies `torch.distributed.fsdp.fully_shard` to every decoder
 block and then to the model (the root unit: embeddings, the tied lm head, the final norm) over
-a 1-D `DeviceMesh` of `Parallel.dense_group` (every rank, a communicator of its own). The expert
+a 1-D `DeviceMesh` of `Parallel.dense_group` (every rank, a communicator of its own), each unit
+prefetching its neighbour explicitly (`prefetch_neighbours`). The expert
 weights are `ignored_params`: expert parallelism already shards them, and after the backward
 `sync_gradients(model, parallel, replicated=False)` all-reduces them over the replica groups
 as with DDP. Every other parameter (attention, norms, routers, embeddings) becomes a DTensor
@@ -65,7 +66,30 @@ def wrap_fsdp(model: OccultLM, parallel, param_dtype: torch.dtype | None = None)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=experts)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=experts)
+    prefetch_neighbours(model, list(model.blocks))
     return model
 
 
-__all__ = ["wrap_fsdp", "reshard", "is_fsdp", "is_sharded", "full_tensor", "local_tensor", "like_param"]
+def prefetch_neighbours(root, blocks: list) -> None:
+    """Each FSDP unit starts its neighbour's all-gather when it starts: the next block's in the forward
+    (the root's: the first block's), the previous block's in the backward. FSDP2's implicit prefetch
+    issues an all-gather only when the host reaches that unit, which is late wherever the host is slower
+    than the GPU (an eager MoE layer's ~100 launches a call) or waits for it (the count exchange)."""
+    if not blocks:
+        return
+    root.set_modules_to_forward_prefetch([blocks[0]])
+    for current, following in zip(blocks, blocks[1:]):
+        current.set_modules_to_forward_prefetch([following])
+        following.set_modules_to_backward_prefetch([current])
+
+
+__all__ = [
+    "wrap_fsdp",
+    "prefetch_neighbours",
+    "reshard",
+    "is_fsdp",
+    "is_sharded",
+    "full_tensor",
+    "local_tensor",
+    "like_param",
+]
