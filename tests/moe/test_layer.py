@@ -324,19 +324,23 @@ def _round_trip_worker(rank: int, world_size: int, seed: int) -> bool:
 
 
 def _compiled_sync_free_worker(rank: int, world_size: int, seed: int) -> dict:
+    from torch._dynamo.backends.debugging import ExplainWithBackend
+
     torch.manual_seed(seed)
     out = {}
     for dispatcher in ("dedup", "standard"):
         layer = OccultMoE(16, 8, 8, 2, dispatcher=dispatcher, sync_free=True, dtype=torch.float64)
-        compiled = torch.compile(layer, backend="aot_eager")
+        # the compile records where dynamo breaks the graph (what `torch._dynamo.explain` reports, without
+        # tracing the layer a second time)
+        explained = ExplainWithBackend("aot_eager")
+        compiled = torch.compile(layer, backend=explained)
         errors = []
         with torch.no_grad():
-            for _ in range(2):  # fresh inputs; the second call reuses the compiled graphs
+            for _ in range(2):  # fresh inputs; the second call recompiles with dynamic sizes (automatic dynamic)
                 x = torch.randn(6, 16, dtype=torch.float64)
                 errors.append((compiled(x) - layer(x)).abs().max().item())
         out[dispatcher] = max(errors)
-        with torch.no_grad():  # where dynamo breaks the graph: only in the CPU expert path (data-dependent shapes)
-            explained = torch._dynamo.explain(layer)(torch.randn(6, 16, dtype=torch.float64))
+        # where dynamo breaks the graph: only in the CPU expert path (data-dependent shapes)
         # (dynamo also reports the layer's call into the experts, `received.apply(...)`, as a break)
         out[f"{dispatcher} breaks"] = sorted(
             {
