@@ -39,9 +39,11 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    replicated/compile/graph; the compilation runs in the capture's warm-up)
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
-                   capture of the model's other layers); for @device, @syncfree variants and replicated; in
-                   training the backward is replayed too (occult.moe.train_graphs), e.g.
-                   dedup@device/layergraphs/compile, replicated/layergraphs/compile
+                   capture of the model's other layers); for @device, @syncfree variants and replicated;
+                   training runs eagerly, e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
+  <variant>/traingraphs/compile  @device and @syncfree variants: hf.compile_layers(train_graphs=True), the
+                   MoE layers' training calls replayed too, forward and backward (occult.moe.train_graphs;
+                   experimental), e.g. dedup@device/traingraphs/compile
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -205,13 +207,14 @@ def variant_list(text: str) -> list[str]:
         if (is_graphed(v) or layer_graphs(v)) and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")
     ]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
+    bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
             f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
-            f"with /graph), or the peers "
+            f"with /graph), @device or @syncfree ones /traingraphs/compile (training calls replayed too), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"
         )
@@ -223,7 +226,9 @@ _HOW = re.compile(r"@(device|syncfree)$")  # how an expert-parallel variant exch
 
 def _stem(variant: str) -> str:
     """'dedup@syncfree/compile/graph' -> 'dedup@syncfree' (the modifiers after the slash gone)."""
-    return variant.replace("/layergraphs", "").removesuffix("/graph").removesuffix("/compile")
+    return (
+        variant.replace("/layergraphs", "").replace("/traingraphs", "").removesuffix("/graph").removesuffix("/compile")
+    )
 
 
 def base_variant(variant: str) -> str:
@@ -244,13 +249,18 @@ def sync_free(variant: str) -> bool:
 def is_compiled(variant: str) -> bool:
     """'replicated/compile' (or '.../compile/graph'): the decoder layers torch.compiled around the MoE
     blocks (hf.compile_layers)."""
-    return variant.replace("/layergraphs", "").removesuffix("/graph").endswith("/compile")
+    return variant.replace("/layergraphs", "").replace("/traingraphs", "").removesuffix("/graph").endswith("/compile")
 
 
 def layer_graphs(variant: str) -> bool:
     """'dedup@device/layergraphs': every MoE layer's forwards replayed from its own CUDA graphs
     (`ExecConfig(graphs=True)`)."""
     return "/layergraphs" in variant
+
+
+def train_graphs(variant: str) -> bool:
+    """'dedup@device/traingraphs/compile': compile_layers(train_graphs=True), training calls replayed too."""
+    return "/traingraphs" in variant
 
 
 def is_graphed(variant: str) -> bool:
@@ -497,7 +507,7 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         return model
     if is_compiled(variant):
         model = convert_variant(model, variant.replace("/compile", ""), placement, self_group)
-        hf.compile_layers(model)
+        hf.compile_layers(model, train_graphs=train_graphs(variant))
         return model
     if base == "replicated":  # /graph: sync-free on its one rank (T rows, nothing padded), no host wait
         model = hf.convert(

@@ -10,7 +10,7 @@ host share of a layer call can be read off directly. JSON with every row to --ou
     torchrun --nproc-per-node 2 scripts/profile_ep_layer.py --train --transports device,device+graphs
 
 `--train` times training calls instead: the host's time to issue a forward and a backward, each on an
-idle GPU, the wall time of back-to-back calls and the GPU busy time.
+idle GPU, the wall time of back-to-back calls and the GPU busy time (`+graphs`: with `train_graphs`).
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ def main() -> None:
                 dispatcher=args.dispatcher,
                 transport=transport,
                 graphs=graphs == "graphs",
+                train_graphs=args.train and graphs == "graphs",  # --train: training calls replayed too
                 device="cuda",
             )
             for tokens in (int(t) for t in args.tokens.split(",")):

@@ -99,7 +99,9 @@ class ExecConfig:
     `graphs`: replay each forward signature (token counts, dtype) from a CUDA graph of the layer
     (`occult.moe.graphs`): a call's host cost becomes a copy in, one graph launch and a copy out.
     Inference on GPUs where the layer does not wait for the GPU (device transport, sync-free, one
-    rank); elsewhere, and under autograd, the layer runs eagerly.
+    rank); elsewhere the layer runs eagerly. `train_graphs` (with `graphs`): under autograd too, the
+    forward and its backward recorded and replayed (`occult.moe.train_graphs`); off, a training call
+    runs eagerly. Experimental: docs/training.md, "Layer graphs in training", says where it failed.
     """
 
     dispatcher: Any = "dedup"
@@ -107,6 +109,7 @@ class ExecConfig:
     expert_backend: str = "auto"
     transport: str = "auto"
     graphs: bool = False
+    train_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.expert_backend not in EXPERT_BACKENDS:
@@ -115,6 +118,10 @@ class ExecConfig:
             raise ValueError(f"sync_free must be True or False, got {self.sync_free!r}")
         if not isinstance(self.graphs, bool):
             raise ValueError(f"graphs must be True or False, got {self.graphs!r}")
+        if not isinstance(self.train_graphs, bool):
+            raise ValueError(f"train_graphs must be True or False, got {self.train_graphs!r}")
+        if self.train_graphs and not self.graphs:
+            raise ValueError("train_graphs=True needs graphs=True (training calls are replayed from the same graphs)")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 

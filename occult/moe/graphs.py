@@ -180,17 +180,17 @@ class GraphCache:
         self._seen.clear()
 
 
-def tensors_key(module: torch.nn.Module) -> tuple:
-    """Which tensors a module holds (the addresses of its parameters and buffers): a graph recorded
+def tensors_key(*modules: torch.nn.Module) -> tuple:
+    """Which tensors modules hold (the addresses of their parameters and buffers): a graph recorded
     them, so a replaced one needs another graph."""
-    return tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
+    return tuple(t.data_ptr() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
-def has_hooks(module: torch.nn.Module) -> bool:
-    """Whether `module` or any module inside it has forward hooks or pre-hooks, or any global module
-    hook is set: a replayed call would not run them."""
+def has_hooks(*modules: torch.nn.Module) -> bool:
+    """Whether any of `modules` or any module inside them has forward hooks or pre-hooks, or any global
+    module hook is set: a replayed call would not run them."""
     from torch.nn.modules import module as nn_module
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+    return any(m._forward_hooks or m._forward_pre_hooks for module in modules for m in module.modules())

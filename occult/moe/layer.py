@@ -182,7 +182,9 @@ class OccultMoE(nn.Module):
         (`occult.moe.train_graphs`)."""
         if not self.execution.graphs or not x.is_cuda or pending.capturing() or torch.compiler.is_compiling():
             return False
-        return not self.waits_for_gpu and not self._input_status(x) and not has_hooks(self)
+        if self._differentiable(x) and not self.execution.train_graphs:
+            return False
+        return not self.waits_for_gpu and not self._input_status(x) and not has_hooks(self, *self._router_gate())
 
     def _replayed(self, x: torch.Tensor, while_waiting: Callable[[], None] | None) -> torch.Tensor:
         x_TH = x.reshape(-1, self.hidden_size)
@@ -204,7 +206,7 @@ class OccultMoE(nn.Module):
             torch.is_inference_mode_enabled(),
             self.sync_free,
             id(self.router),
-            tensors_key(self),
+            tensors_key(self, *self._router_gate()),
         )
         y_TH, stats = self.graphs.run(
             key, generation, x_TH, lambda x_: self._eager(x_, None, agreed), lambda: self.last_comm_stats, training
@@ -212,12 +214,24 @@ class OccultMoE(nn.Module):
         self.last_comm_stats = stats
         return y_TH.reshape(x.shape)
 
+    def _router_gate(self) -> tuple[nn.Module, ...]:
+        """The router's gate where the router holds it without owning it (a transformers block's gate):
+        its parameters train with the layer's and its hooks count as the layer's."""
+        gate = getattr(self.router, "gate", None)
+        owned = isinstance(gate, nn.Module) and any(m is gate for m in self.modules())
+        return () if gate is None or owned or not isinstance(gate, nn.Module) else (gate,)
+
+    def _differentiable(self, x: torch.Tensor) -> bool:
+        """Whether a call on `x` builds an autograd graph (grad mode on, and `x` or a parameter requires grad)."""
+        return torch.is_grad_enabled() and (x.requires_grad or bool(trainable(self, *self._router_gate())))
+
     def _training_call(self, x_TH: torch.Tensor, transport: Any) -> TrainingCall | None:
-        """A call under autograd with anything to differentiate: the parameters that train and the
-        transport's buffer generation (what a recorded backward needs); None otherwise."""
-        params = trainable(self)
-        if not torch.is_grad_enabled() or not (x_TH.requires_grad or params):
+        """A call under autograd with anything to differentiate: the parameters that train (the layer's
+        and its router gate's) and the transport's buffer generation (what a recorded backward needs);
+        None otherwise."""
+        if not self._differentiable(x_TH):
             return None
+        params = trainable(self, *self._router_gate())
         return TrainingCall(params, (lambda: transport.generation) if transport is not None else (lambda: None))
 
     def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -100,9 +100,14 @@ class _ReplayTraining(torch.autograd.Function):
         return (None, None if grad_x_TH is None else grad_x_TH.clone(), *grad_params)
 
 
-def trainable(module: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
-    """The parameters of `module` that train (require a gradient), in a fixed order."""
-    return tuple(p for p in module.parameters() if p.requires_grad)
+def trainable(*modules: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
+    """The parameters of `modules` that train (require a gradient), in a fixed order, each once."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+    return tuple(seen.values())
 
 
 def capture_training(

@@ -1,12 +1,16 @@
 """Training a converted transformers model with its MoE layers replayed from CUDA graphs (forward and
 backward, `occult.moe.train_graphs`) on every GPU over NCCL: 50 bf16 AdamW steps give the losses of the
 same model trained with every MoE layer eager, step by step within 1e-3 relative (issue 52's bound), on
-the device transport and sync-free; every MoE layer holds its recorded call at the end."""
+the device transport and sync-free; every MoE layer holds its recorded call at the end. The router gate
+is the model's own module (not the layer's): its gradient must come out of the recorded backward too.
+At 40a79af (2 x H200) the backward's capture of this tiny model failed ("operation would make the legacy
+stream depend on a capturing blocking stream"): `train_graphs` is experimental until this passes."""
 
 from __future__ import annotations
 
 import copy
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from test_collective_hf import _random_placement  # noqa: E402
 
-from occult import ExecConfig, set_graphs  # noqa: E402
+from occult import ExecConfig  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 from occult.moe.layer import OccultMoE  # noqa: E402
 
@@ -56,7 +60,10 @@ def test_fifty_bf16_steps_with_layer_graphs_give_the_eager_losses(ranks, schedul
     execution = ExecConfig(transport="device" if schedule == "device" else "counts", sync_free=schedule == "sync_free")
     graphed = hf.convert(copy.deepcopy(base), placement=placement, dispatcher="dedup", execution=execution)
     eager = hf.convert(base, placement=placement, dispatcher="dedup", execution=execution)
-    assert set_graphs(graphed) == len(hf.moe_blocks(base))
+    layers = [m for m in graphed.modules() if isinstance(m, OccultMoE)]
+    for layer in layers:
+        layer.execution = replace(layer.execution, graphs=True, train_graphs=True)
+    assert len(layers) == len(hf.moe_blocks(base))
     got, ref = _losses(graphed, ranks, seed), _losses(eager, ranks, seed)
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     recorded = [len(m.graphs) for m in graphed.modules() if isinstance(m, OccultMoE)]

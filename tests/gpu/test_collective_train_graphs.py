@@ -1,9 +1,9 @@
-"""`ExecConfig(graphs=True)` under autograd on every GPU over NCCL (`occult.moe.train_graphs`): a layer's
-training calls, forward and backward, replayed from its CUDA graphs give the outputs and the gradients
-(input, router, experts) of the same layer run eagerly over the count exchange, step after step with
-the weights updated in place between steps, in fp32, bf16 and fp16; a second forward before the first
-one's backward runs eagerly (both gradients right); gradients accumulate over steps; hooks on the
-layer turn its replays off; frozen experts get no gradient."""
+"""`ExecConfig(graphs=True, train_graphs=True)` under autograd on every GPU over NCCL
+(`occult.moe.train_graphs`): a layer's training calls, forward and backward, replayed from its CUDA
+graphs give the outputs and the gradients (input, router, experts) of the same layer run eagerly over
+the count exchange, step after step with the weights updated in place between steps, in fp32, bf16 and
+fp16; a second forward before the first one's backward runs eagerly (both gradients right); gradients
+accumulate over steps; hooks on the layer turn its replays off; frozen experts get no gradient."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def _layers(ranks, transport: str, dtype: torch.dtype, salt: int, dispatcher: st
         placement=placement,
         dispatcher=dispatcher,
         graphs=True,
+        train_graphs=True,
         sync_free=sync_free,
         transport="counts" if sync_free else "device",
     )

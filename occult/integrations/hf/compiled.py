@@ -22,10 +22,11 @@ Expert-parallel MoE layers that do not wait for the GPU (the device transport, `
 NCCL GPUs of one host, or sync-free) are also switched to calls replayed from their own CUDA
 graphs (`ExecConfig(graphs=True)`, `occult.moe.graphs`; `layer_graphs=False` leaves them): with the
 dense part compiled, their ~2-3 ms of host time a call was what remained (on 2 x H200 a Qwen3-shape
-prefill went from 32.7 to 23.5 ms, docs/history.md "Layer graphs"). Under autograd the forward and
-its backward are both replayed (`occult.moe.train_graphs`: an OLMoE-shape training step on 2 x H200
-went from 195.6 to 184.0 ms, docs/training.md "Layer graphs in training"). One-rank layers stay as
-they are: their host cost is already small.
+prefill went from 32.7 to 23.5 ms, docs/history.md "Layer graphs"). `train_graphs=True` replays their
+training calls too, forward and backward (`occult.moe.train_graphs`; experimental, off by default: an
+OLMoE-shape training step on 2 x H200 went from 195.6 to 184.0 ms, but the backward's capture failed
+on a tiny model: docs/training.md "Layer graphs in training"). One-rank layers stay as they are:
+their host cost is already small.
 """
 
 from __future__ import annotations
@@ -49,11 +50,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def compile_layers(model: nn.Module, layer_graphs: bool = True, **compile_kwargs: Any) -> int:
+def compile_layers(
+    model: nn.Module, layer_graphs: bool = True, train_graphs: bool = False, **compile_kwargs: Any
+) -> int:
     """Compile every decoder layer of `model` in place (`nn.Module.compile(**compile_kwargs)`, default
     `dynamic=False`); returns how many. Call after `convert` (MoE blocks run eager either way).
     `layer_graphs`: also replay the expert-parallel MoE layers that do not wait for the GPU from
-    their CUDA graphs (module docstring; in training too, forward and backward).
+    their CUDA graphs (module docstring); `train_graphs`: their training calls too, forward and
+    backward (experimental).
 
     The first forward of each new shape (prefill length, decode batch) compiles: time it apart.
     """
@@ -71,8 +75,8 @@ def compile_layers(model: nn.Module, layer_graphs: bool = True, **compile_kwargs
                 block.forward = torch.compiler.disable(block.forward)  # this instance only: eager inside
                 block.occult_eager = True
         layer.compile(**compile_kwargs)
-    if layer_graphs:
+    if layer_graphs or train_graphs:
         for moe in model.modules():
             if isinstance(moe, OccultMoE) and moe.num_ranks > 1 and not moe.waits_for_gpu:
-                moe.execution = replace(moe.execution, graphs=True)
+                moe.execution = replace(moe.execution, graphs=True, train_graphs=train_graphs)
     return len(layers)
