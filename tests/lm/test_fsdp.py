@@ -13,7 +13,8 @@ One spawn of 2 ranks (`ranks`) checks:
              resumes the FSDP checkpoint in one process
     bf16     FSDP2 mixed precision: blocks compute with bf16 weights, master weights fp32, the
              losses stay near the fp32 ones
-A second spawn of 4 ranks (EP 2 x 2 replicas, 6 steps) == one process.
+A second spawn of 4 ranks (EP 2 x 2 replicas, 6 steps) == one process; in it, `full_tensor` gathers uneven
+and empty shards (torch.chunk sizes over 4 ranks).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _bf16(par, data, out) -> dict:
 
 def four_rank_worker(rank: int, world_size: int, data, root: str) -> dict:
     par = setup_parallel(ep_size=2)
-    return _run(par, data, Path(root) / "ep2x2", config=dict(steps=6, eval_every=3, save_every=0))
+    out = _run(par, data, Path(root) / "ep2x2", config=dict(steps=6, eval_every=3, save_every=0))
+    return {"run": out, "gathered": _gather_uneven(rank, world_size)}  # the same spawn: no second start-up
 
 
 @pytest.fixture(scope="module")
@@ -194,10 +196,13 @@ def test_bf16_mixed_precision(ranks):
         assert b["losses"] != fp32  # bf16 did round
 
 
-def test_four_ranks_ep2_by_2_replicas(ranks, data, tmp_path):
+def test_four_ranks_ep2_by_2_replicas_and_uneven_shards_gathered(ranks, data, tmp_path):
     got = run_ranks(four_rank_worker, 4, data, str(tmp_path), timeout_s=240)
     for out in got:
-        assert_matches(out, ranks["single"]["six"], RTOL, steps=6)
+        assert_matches(out["run"], ranks["single"]["six"], RTOL, steps=6)
+        # `full_tensor` of torch.chunk sizes over 4 ranks: 2/2/2/1 and 1/1/0/0 rows, 2/2/2/1 columns (a shard
+        # on dim 1), 2/2/2/0 elements; one plain all-gather each
+        assert out["gathered"] == [True] * 4
 
 
 def test_grad_sync_fsdp_setting_and_cli():
@@ -214,6 +219,7 @@ def test_grad_sync_fsdp_setting_and_cli():
 
 
 def _gather_uneven(rank: int, world_size: int) -> list:
+    """Uneven and empty FSDP-style shards (torch.chunk sizes) gathered whole by `full_tensor`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -224,8 +230,3 @@ def _gather_uneven(rank: int, world_size: int) -> list:
         d = distribute_tensor(full, mesh, [Shard(dim)])
         out.append(bool(torch.equal(full_tensor(d), full)))
     return out
-
-
-def test_full_tensor_gathers_uneven_shards():
-    # torch.chunk sizes over 3 ranks (3/3/1, 1/1/0 rows, a shard on dim 1), one plain all-gather each
-    assert run_ranks(_gather_uneven, 3) == [[True] * 4] * 3
