@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _timing import environment, free_memory, log, synchronize, write_json  # noqa: E402  (benchmarks/_timing.py)
+from _timing import environment, free_memory, log, slowest, synchronize, write_json  # noqa: E402  (benchmarks/_timing.py)
 
 from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 
@@ -259,12 +259,11 @@ def train(args: argparse.Namespace, model: Any, optimizer: Any, device: torch.de
         model.finish_grad_sync()
         optimizer.step()
         synchronize(device)
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        total = loss.detach().reshape(1).to(torch.float64).cpu()
+        # every collective here reduces tensors on `device`: an NCCL group has no CPU backend
+        seconds.extend(slowest([time.perf_counter() - t0], device))
+        total = loss.detach().reshape(1).to(torch.float64)
         dist.all_reduce(total)
         losses.append(float(total) / dist.get_world_size())
-        seconds.append(float(took))
     return losses, seconds
 
 
@@ -306,7 +305,7 @@ def run_variant(args: argparse.Namespace, variant: str, config: Any, device: tor
         for m in model.modules()
         if getattr(getattr(m, "token_dispatcher", None), "last_comm_stats", None) is not None
     )
-    rows = torch.tensor([rows], dtype=torch.int64)
+    rows = torch.tensor([rows], dtype=torch.int64, device=device)  # on the device: NCCL reduces no CPU tensors
     dist.all_reduce(rows)
     result = {
         "expert_module": expert_types(model) or module,
