@@ -64,11 +64,16 @@ def test_decode_bad_arguments_fail_clearly(args, message):
     assert message in res.stderr, res.stderr[-2000:]
 
 
-def test_decode_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
-    res = _torchrun(3, "--model", "tiny", "--batch", "1", "--out", str(tmp_path / "x.json"))
-    assert res.returncode != 0
-    assert "not divisible by world size 3" in res.stdout + res.stderr
-    assert not (tmp_path / "x.json").exists()
+def test_decode_experts_not_divisible_by_world_size_fails_clearly(monkeypatch):
+    """decode.py's model config meets e2e.py's setup check (`start_run` refuses it before any work: exit 2 on
+    every rank, no output file, shown end to end on 3 torchrun ranks by test_e2e_bench.py)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import decode
+    from e2e import check_setup
+
+    args = decode.parse_args(["--model", "tiny", "--batch", "1"])
+    assert "not divisible by world size 3" in check_setup(args, decode.model_config(args), 3)
+    assert check_setup(args, decode.model_config(args), 2) is None
 
 
 # ------------------------------------------------------------ serving mode: benchmarks/serve.py
