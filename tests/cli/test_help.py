@@ -4,17 +4,12 @@ and every option says what it does and its default."""
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from _cli_helpers import run_main
 
 from occult import cli
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def command_paths(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
@@ -39,18 +34,13 @@ ALL = sorted(set(command_paths(cli.build_parser())) | {("data", "prepare")})
 
 
 @pytest.mark.parametrize("path", ALL, ids=" ".join)
-def test_every_help_shows_the_exit_statuses(path):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
-    proc = subprocess.run(
-        [sys.executable, "-m", "occult", *path, "--help"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = " ".join(proc.stdout.split())
+def test_every_help_shows_the_exit_statuses(path, capsys, monkeypatch):
+    """`occult PATH --help` through `cli.main` in this process (what `python -m occult` calls; that entry point
+    runs as a subprocess in test_cli.py's test_python_dash_m): no interpreter start per command."""
+    monkeypatch.setenv("COLUMNS", "200")
+    code, stdout, stderr = run_main(capsys, *path, "--help")
+    assert code == 0, stderr
+    out = " ".join(stdout.split())
     assert "exit status: 0 success; 1 the run failed" in out and "2 bad input or usage" in out, out[-400:]
 
 
