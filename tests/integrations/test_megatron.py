@@ -8,7 +8,7 @@ experts and a rank with one token (Megatron's router cannot take a rank with non
 layer are sum_t C_T (dedup) and k x tokens (standard); `max_devices` keeps every token on at most
 that many EP ranks (1: one row per token) and equals the `alltoall` layer behind the same limited
 router (softmax and sigmoid scores). Bad configuration is refused with a clear error, when the
-spec is changed or when the layer is built.
+spec is changed or when the layer is built. `cpu_shims` leaves torch.compile off in the ranks.
 
 Megatron's experts see the same rows in the same order with either dispatcher; only the per-token
 sums run in another order (fp32 rounding).
@@ -243,8 +243,22 @@ def _gpt_case(rank, world, seed):
     return errors, used, layers
 
 
+def _graphs_compiled() -> int:
+    """Graphs torch.compile hands its backend after `cpu_shims`: 0 when it is off, as it must be (Megatron's
+    fused helpers are torch.compile'd; a CPU rank on a GPU machine failed compiling them through the stubs)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
+    return len(graphs)
+
+
 def _ranks(rank, world, seed):
     _megatron(world)
+    compiled = _graphs_compiled()
     torch.manual_seed(seed)
     rnd = _random_placement(world, seed)
     cases = {
@@ -260,13 +274,13 @@ def _ranks(rank, world, seed):
         ),
     }
     results = {name: _case(rank, world, seed + i, **case) for i, (name, case) in enumerate(cases.items())}
-    return results, _bad_builds(world), _gpt_case(rank, world, seed)
+    return results, _bad_builds(world), _gpt_case(rank, world, seed), compiled
 
 
 @pytest.mark.timeout(240)
 def test_layer_matches_megatron_alltoall_on_2_ranks():
     results = run_ranks(_ranks, 2, int(torch.randint(0, 10_000, ())))
-    cases, _, (gpt_errors, used, layers) = results[0]
+    cases, _, (gpt_errors, used, layers), _ = results[0]
     assert not gpt_errors and used == ["OccultTokenDispatcher"] * 2 and layers == [0, 1], (gpt_errors, used, layers)
     for name, (errors, (dispatch_rows, combine_rows, sum_c, tokens, worst)) in cases.items():
         assert not errors, f"{name}: {errors}"
@@ -279,7 +293,8 @@ def test_layer_matches_megatron_alltoall_on_2_ranks():
     for name in ("pruned", "pruned sigmoid"):  # one rank, one row a token
         assert cases[name][1][4] == 1 and cases[name][1][0] == cases[name][1][3], (name, cases[name])
     assert cases["dedup placed top3"][1][0] < cases["dedup placed top3"][1][3] * 3  # dedup sent fewer rows than k x T
-    for r, (_, rank_bad, _) in enumerate(results):
+    for r, (_, rank_bad, _, compiled) in enumerate(results):
+        assert compiled == 0, f"rank {r}: torch.compile still on after cpu_shims ({compiled} graph(s))"
         assert "placement is for 16 experts" in rank_bad["experts"], (r, rank_bad)
         assert "max_devices=1 EP ranks hold only 4 experts" in rank_bad["room"], (r, rank_bad)
         assert "keep moe_token_dispatcher_type='alltoall'" in rank_bad["allgather"], (r, rank_bad)

@@ -4,7 +4,9 @@ Megatron-Core is built for GPUs: `MoEAlltoAllTokenDispatcher` makes a `torch.cud
 host copies, buffers are placed on `torch.cuda.current_device()`, and its split sizes become numpy
 arrays only when they come from a GPU, and its attention forks CUDA RNG states. `cpu_shims()` replaces
 those few calls (process-wide, once)
-so that Megatron's own `alltoall` dispatcher, the reference occult is tested against, runs on CPU.
+so that Megatron's own `alltoall` dispatcher, the reference occult is tested against, runs on CPU; it
+also turns torch.compile off in the process (Megatron's fused helpers run eagerly), which the stubs
+would break where CUDA is visible.
 occult's dispatcher needs none of it. `without_transformer_engine()` is needed on GPUs too:
 Megatron-Core 0.16.1's router gating reads `te_general_gemm`, a name it defines only when Transformer
 Engine imports (0.19 sets it to None).
@@ -53,7 +55,7 @@ def without_transformer_engine() -> None:
 
 
 def cpu_shims() -> None:
-    """Stand-ins for the few CUDA stream calls the alltoall dispatcher makes (CPU smoke tests only)."""
+    """Stand-ins for the CUDA stream calls the alltoall dispatcher makes, torch.compile off (CPU smoke tests only)."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     moe_utils.te_general_gemm = None  # the router's gating in torch: TE's GEMM (where TE imports) wants CUDA tensors
@@ -61,6 +63,11 @@ def cpu_shims() -> None:
     torch.cuda.current_stream = lambda *a, **k: CPU_STREAM  # type: ignore[assignment]
     torch.cuda.stream = lambda s=None: contextlib.nullcontext()  # type: ignore[assignment]
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # used as `device=` for buffers
+    # Megatron's fused helpers (`megatron.core.jit.jit_fuser`: torch.compile, applied as its modules import, e.g. the
+    # router's `_apply_expert_bias`) run eagerly: where CUDA is visible (a CPU rank on a GPU machine) torch.compile
+    # probes the GPU through `torch.cuda.current_device()`, and dynamo failed indexing its device list with the "cpu"
+    # above. Eager or compiled, the same math; occult's dispatcher compiles nothing here.
+    torch.compiler.set_stance("force_eager")
     import megatron.core.transformer.moe.token_dispatcher as td
 
     if not getattr(td, "occult_cpu_shim", False):
