@@ -210,10 +210,26 @@ def test_one_launch_plans_match_dense(world_size, monkeypatch):
     _check_results(cases, run_ranks(run_cases, world_size, cases, timeout_s=300))
 
 
-def test_dedup_sends_fewer_rows_than_standard():
+def _two_rank_checks(rank: int, world_size: int, seed: int, cases: list[dict]) -> dict:
+    """The 2-rank checks below in one spawn (a start-up each otherwise): the dense round trip, the
+    dedup-vs-standard cases, then the bad input (the layer must still work after it)."""
+    return {
+        "round_trip": _round_trip_worker(rank, world_size, seed),
+        "rows": run_cases(rank, world_size, cases),
+        "bad_input": bad_input_worker(rank, world_size, seed),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
     cases = [_case(dispatcher=d, experts=16, top_k=4, tokens=[64, 64]) for d in ("dedup", "standard")]
     cases[1]["seed"] = cases[0]["seed"]
-    per_rank = run_ranks(run_cases, 2, cases, timeout_s=120)
+    per_rank = run_ranks(_two_rank_checks, 2, random.randrange(2**31), cases, timeout_s=240)
+    return {key: [out[key] for out in per_rank] for key in ("round_trip", "rows", "bad_input")}
+
+
+def test_dedup_sends_fewer_rows_than_standard(two_ranks):
+    per_rank = two_ranks["rows"]
     dedup = sum(r[0]["forward_rows"] for r in per_rank)
     standard = sum(r[1]["forward_rows"] for r in per_rank)
     assert standard == 2 * 128 * 4
@@ -268,8 +284,8 @@ def bad_input_worker(rank: int, world_size: int, seed: int) -> dict:
     return out
 
 
-def test_bad_input_raises_clear_errors_on_every_rank():
-    results = run_ranks(bad_input_worker, 2, random.randrange(2**31), timeout_s=120)
+def test_bad_input_raises_clear_errors_on_every_rank(two_ranks):
+    results = two_ranks["bad_input"]
     for rank, out in enumerate(results):
         assert "unknown MoE layer settings ['overlap_chunks']" in out["removed"], out["removed"]
         assert "divisible" in out["not_divisible"]
@@ -307,9 +323,8 @@ def test_dead_peer_fails_within_timeout():
     assert elapsed < 60, elapsed
 
 
-def test_from_dense_to_dense_round_trip():
-    results = run_ranks(_round_trip_worker, 2, random.randrange(2**31), timeout_s=120)
-    assert all(results)
+def test_from_dense_to_dense_round_trip(two_ranks):
+    assert two_ranks["round_trip"] == [True, True]
 
 
 def _round_trip_worker(rank: int, world_size: int, seed: int) -> bool:
