@@ -123,10 +123,26 @@ def ep_dp_worker(rank: int, world_size: int, data, root: str) -> dict:
     }
 
 
-def test_ep_groups_times_data_parallel_replicas(data, tmp_path):
+def four_rank_worker(rank: int, world_size: int, data, root: str) -> dict:
+    """Both 4-rank checks in one spawn (a start-up of 4 ranks each otherwise)."""
+    return {
+        "ep_dp": ep_dp_worker(rank, world_size, data, root),
+        "dedup2": two_level_worker(rank, world_size, data, root),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_ranks(data, tmp_path_factory) -> dict:
+    """The 4-rank runs and their one-process reference (10 steps), shared by the two tests below."""
+    root = tmp_path_factory.mktemp("four")
+    single = one_process(data, cfg(steps=10, eval_every=5), root / "single")
+    return {"single": single, "ranks": run_ranks(four_rank_worker, 4, data, str(root), timeout_s=300)}
+
+
+def test_ep_groups_times_data_parallel_replicas(four_ranks):
     """4 ranks = 2 EP groups of 2 (experts sharded in each) x 2 replicas == 1 process, 10 steps (DDP and explicit)."""
-    single = one_process(data, cfg(steps=10, eval_every=5), tmp_path / "single")
-    for rank, runs in enumerate(run_ranks(ep_dp_worker, 4, data, str(tmp_path), timeout_s=240)):
+    single = four_ranks["single"]
+    for rank, runs in enumerate(out["ep_dp"] for out in four_ranks["ranks"]):
         out = runs["ddp"]
         assert sorted(out["ids"]["blocks.1.moe.moe.gate_up_proj"]) == [
             i for i, d in enumerate(PLACEMENT[1]) if d == rank % 2
@@ -159,10 +175,10 @@ def two_level_worker(rank: int, world_size: int, data, root: str) -> dict:
     return snapshot(model, result)
 
 
-def test_two_level_dispatcher_trains_like_one_process(data, tmp_path):
+def test_two_level_dispatcher_trains_like_one_process(four_ranks):
     """`occult train --dispatcher dedup2`: 4 ranks as 2 nodes x 2, non-contiguous placement == 1 process, 10 steps."""
-    single = one_process(data, cfg(steps=10, eval_every=5), tmp_path / "single")
-    for rank, out in enumerate(run_ranks(two_level_worker, 4, data, str(tmp_path), timeout_s=240)):
+    single = four_ranks["single"]
+    for rank, out in enumerate(out["dedup2"] for out in four_ranks["ranks"]):
         assert sorted(out["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [
             i for i, d in enumerate(PLACEMENT_4[0]) if d == rank
         ]
