@@ -6,7 +6,8 @@ Megatron's own pieces throughout: `GPTModel` from its layer spec (Transformer En
 `TEGroupedMLP` experts where TE imports, else the local spec with `SequentialMLP`: without TE
 Megatron-Core has no grouped GEMM; the JSON says which ran), its `DistributedDataParallel`, its
 optimizer (`get_megatron_optimizer`, Adam), expert parallelism over all ranks (data parallelism
-over all ranks for the dense weights), bf16 on GPUs (fp32 on CPU). occult is switched on by
+over all ranks for the dense weights), bf16 on GPUs (every weight, norms too, as Megatron's
+`Float16Module` makes them; fp32 on CPU). occult is switched on by
 `occult.integrations.megatron.install(spec, ...)`, the one line a user adds.
 
 Variants (`--variants`): `alltoall` (Megatron's), `occult` (dedup: one row per token and EP rank),
@@ -191,7 +192,8 @@ def build(
         max_sequence_length=args.seq,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
-    ).to(device)
+    ).to(device=device, dtype=config.params_dtype)  # every weight in it, as Megatron's Float16Module casts them:
+    # without Apex or TE its norms are torch's, made in fp32, and bf16 inputs then missed the fused RMSNorm on GPUs
     if state is not None:
         if variant == "occult+placement":
             from occult.integrations.megatron.placement import placed_local_experts
