@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli_helpers import REPO, TRACE, occult, one_clean_line
+from _cli_helpers import REPO, TRACE, occult, one_clean_line, run_main
 
 from occult import cli
 from occult._atomic import atomic_path, check_writable, write_text_atomic
@@ -80,22 +80,22 @@ def test_atomic_errors_name_the_target_not_the_temporary(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ --out through the real entry point
-def test_out_read_only_file_is_refused_and_kept(tmp_path):
+def test_out_read_only_file_is_refused_and_kept(tmp_path, capsys):
     ro = tmp_path / "placement.json"
     ro.write_text("precious\n")
     read_only(ro)
     mode = ro.stat().st_mode
-    proc = occult("place", "--trace", TRACE, "--devices", 4, "--method", "greedy", "--out", ro)
-    one_clean_line(proc.returncode, proc.stderr, f"--out {ro} is read-only")
+    code, out, err = run(capsys, "place", "--trace", TRACE, "--devices", 4, "--method", "greedy", "--out", ro)
+    one_clean_line(code, err, f"--out {ro} is read-only")
     assert ro.read_text() == "precious\n" and ro.stat().st_mode == mode
-    assert proc.stdout == ""  # refused before the work
+    assert out == ""  # refused before the work
 
 
 def test_out_directory_and_read_only_directory(tmp_path, capsys):
     adir = tmp_path / "adir"
     adir.mkdir()
-    proc = occult("place", "--trace", TRACE, "--devices", 4, "--method", "greedy", "--out", adir)
-    one_clean_line(proc.returncode, proc.stderr, f"--out {adir} is a directory", f"--out {adir / 'placement.json'}")
+    code, _, err = run(capsys, "place", "--trace", TRACE, "--devices", 4, "--method", "greedy", "--out", adir)
+    one_clean_line(code, err, f"--out {adir} is a directory", f"--out {adir / 'placement.json'}")
     rodir = tmp_path / "rodir"
     rodir.mkdir()
     read_only(rodir)
@@ -110,10 +110,10 @@ def test_out_directory_and_read_only_directory(tmp_path, capsys):
     assert list(rodir.iterdir()) == [] and list(adir.iterdir()) == []
 
 
-def test_bench_out_is_checked_before_the_ranks_start(tmp_path):
-    proc = occult("bench", "--world-size", 2, "--out", tmp_path)
-    one_clean_line(proc.returncode, proc.stderr, f"--out {tmp_path} is a directory", "bench.json")
-    assert proc.stdout == ""
+def test_bench_out_is_checked_before_the_ranks_start(tmp_path, capsys):
+    code, out, err = run(capsys, "bench", "--world-size", 2, "--out", tmp_path)
+    one_clean_line(code, err, f"--out {tmp_path} is a directory", "bench.json")
+    assert out == ""
 
 
 # ------------------------------------------------------------------ inputs: missing, empty, garbage, truncated
@@ -205,12 +205,18 @@ def test_bad_sizes_are_usage_errors(capsys, argv):
     assert f"error: argument {argv[-2]}" in err and "Traceback" not in err, err
 
 
-def test_negative_sizes_through_the_entry_point():
-    for argv in (["demo", "--tokens", "-5"], ["demo", "--world-size", "0"], ["bench", "--tokens", "-1"]):
-        proc = occult(*argv, timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        assert "expected a positive integer" in proc.stderr or "positive integers" in proc.stderr, proc.stderr
-        assert "Traceback" not in proc.stderr and "rank" not in proc.stderr.lower().replace("--", ""), proc.stderr
+def test_negative_sizes_through_the_entry_point(capsys):
+    """The first through `python -m occult` (a real process: no traceback, no rank output), the others through
+    `cli.main` in this process, the function that entry point calls."""
+    for i, argv in enumerate((["demo", "--tokens", "-5"], ["demo", "--world-size", "0"], ["bench", "--tokens", "-1"])):
+        if i == 0:
+            proc = occult(*argv, timeout=120)
+            code, err = proc.returncode, proc.stderr
+        else:
+            code, _, err = run_main(capsys, *argv)
+        assert code == 2, err
+        assert "expected a positive integer" in err or "positive integers" in err, err
+        assert "Traceback" not in err and "rank" not in err.lower().replace("--", ""), err
 
 
 def test_demo_input_errors_exit_2_not_1(capsys):
