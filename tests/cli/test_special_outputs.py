@@ -2,8 +2,8 @@
 
 An atomic write never replaces what is not a regular file: a symlink is followed (its target
 replaced, the link kept); a device, a FIFO and stdout (`-`, /dev/stdout, a link to
-/proc/self/fd/1) are written in place. Checked through `python -m occult`, with what each path
-is afterwards.
+/proc/self/fd/1) are written in place. Checked through `python -m occult` (through `cli.main`, the function
+it calls, where stdout is not involved), with what each path is afterwards.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from _cli_helpers import TRACE, occult, one_clean_line
+from _cli_helpers import TRACE, occult, one_clean_line, run_main
 
 from occult import cli
 from occult._atomic import check_writable, names_stdout, write_text_atomic
@@ -77,14 +77,15 @@ def test_out_stdout_prints_only_the_file(tmp_path, out):
     assert list(tmp_path.iterdir()) == ([] if isinstance(out, str) else [out])
 
 
-def test_out_dev_null_discards_and_dev_full_is_a_clear_error():
-    proc = occult(*PLACE, "--out", "/dev/null")
-    assert proc.returncode == 0 and "wrote /dev/null" in proc.stdout, proc.stderr
+def test_out_dev_null_discards_and_dev_full_is_a_clear_error(capsys):
+    # through cli.main in this process (what `python -m occult` calls): no stdout involved here
+    code, out, err = run_main(capsys, *PLACE, "--out", "/dev/null")
+    assert code == 0 and "wrote /dev/null" in out, err
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
-    proc = occult(*PLACE, "--out", "/dev/full")
-    one_clean_line(proc.returncode, proc.stderr, "/dev/full", "No space left on device")
+    code, _, err = run_main(capsys, *PLACE, "--out", "/dev/full")
+    one_clean_line(code, err, "/dev/full", "No space left on device")
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
@@ -184,10 +185,12 @@ def test_empty_out_through_the_entry_point():
 
 
 # ------------------------------------------------------------------ OCCULT_DEBUG keeps the exit status (row 4)
-def test_debug_adds_the_traceback_not_another_exit_status():
-    plain = occult("place", "--trace", "/etc/passwd", "--devices", 4)
-    one_clean_line(plain.returncode, plain.stderr, "/etc/passwd")
-    debug = occult("place", "--trace", "/etc/passwd", "--devices", 4, OCCULT_DEBUG="1")
-    assert debug.returncode == 2, debug.stderr
-    assert "Traceback (most recent call last)" in debug.stderr
-    assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
+def test_debug_adds_the_traceback_not_another_exit_status(capsys, monkeypatch):
+    # through cli.main in this process (what `python -m occult` calls), which reads OCCULT_DEBUG at each call
+    code, _, plain = run_main(capsys, "place", "--trace", "/etc/passwd", "--devices", 4)
+    one_clean_line(code, plain, "/etc/passwd")
+    monkeypatch.setenv("OCCULT_DEBUG", "1")
+    code, _, debug = run_main(capsys, "place", "--trace", "/etc/passwd", "--devices", 4)
+    assert code == 2, debug
+    assert "Traceback (most recent call last)" in debug
+    assert debug.strip().splitlines()[-1] == plain.strip()
