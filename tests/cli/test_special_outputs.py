@@ -50,14 +50,14 @@ def test_writer_follows_symlinks_and_writes_special_files_in_place(tmp_path):
 
 
 # ------------------------------------------------------------------ --out through the real entry point
-def test_out_symlink_keeps_the_link_and_replaces_its_target(tmp_path):
+def test_out_symlink_keeps_the_link_and_replaces_its_target(tmp_path, capsys):
     target = tmp_path / "target.json"
     target.write_text("{}\n")
     target.chmod(0o640)
     link = tmp_path / "link.json"
     link.symlink_to(target)
-    proc = occult(*PLACE, "--out", link)
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = run_main(capsys, *PLACE, "--out", link)
+    assert code == 0, err
     assert link.is_symlink() and os.readlink(link) == str(target)
     assert is_placement(target.read_text()) and stat.S_IMODE(target.stat().st_mode) == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "target.json"]
@@ -89,7 +89,7 @@ def test_out_dev_null_discards_and_dev_full_is_a_clear_error(capsys):
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
-def test_out_device_node_is_written_in_place(tmp_path):
+def test_out_device_node_is_written_in_place(tmp_path, capsys):
     if os.geteuid() != 0:
         pytest.skip("mknod of a device needs root")
     node = tmp_path / "null"
@@ -97,21 +97,21 @@ def test_out_device_node_is_written_in_place(tmp_path):
         os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # /dev/null's numbers
     except PermissionError:
         pytest.skip("no CAP_MKNOD here")
-    proc = occult(*PLACE, "--out", node)
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = run_main(capsys, *PLACE, "--out", node)
+    assert code == 0, err
     assert stat.S_ISCHR(node.lstat().st_mode) and node.lstat().st_rdev == os.makedev(1, 3)
     assert list(tmp_path.iterdir()) == [node]
 
 
-def test_out_fifo_is_written_to_its_reader(tmp_path):
+def test_out_fifo_is_written_to_its_reader(tmp_path, capsys):
     fifo = tmp_path / "placement.fifo"
     os.mkfifo(fifo)
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
     reader.start()  # opening a FIFO to write waits for a reader
-    proc = occult(*PLACE, "--out", fifo, timeout=120)
+    code, _, err = run_main(capsys, *PLACE, "--out", fifo)
     reader.join(timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, err
     assert got and is_placement(got[0].decode())
     assert stat.S_ISFIFO(fifo.lstat().st_mode) and list(tmp_path.iterdir()) == [fifo]
 
