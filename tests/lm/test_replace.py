@@ -138,9 +138,23 @@ def migrate_worker(rank: int, world_size: int, data) -> dict:
     return out
 
 
+def two_rank_worker(rank: int, world_size: int, data, root: str) -> dict:
+    """The migrations, then the trainings, in one spawn (a 2-rank start-up each otherwise)."""
+    return {
+        "migrations": migrate_worker(rank, world_size, data),
+        "trainings": train_worker(rank, world_size, data, root),
+    }
+
+
 @pytest.fixture(scope="module")
-def migrations(data):
-    return run_ranks(migrate_worker, 2, data, timeout_s=180)
+def two_ranks(data, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("replace")
+    return {"root": root, "ranks": run_ranks(two_rank_worker, 2, data, str(root), timeout_s=300)}
+
+
+@pytest.fixture(scope="module")
+def migrations(two_ranks):
+    return [out["migrations"] for out in two_ranks["ranks"]]
 
 
 def test_fixed_batch_loss_and_state_unchanged_by_a_migration(migrations):
@@ -236,12 +250,12 @@ def train_worker(rank: int, world_size: int, data, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trainings(data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("replace")
+def trainings(data, two_ranks):
+    root = two_ranks["root"]
     torch.manual_seed(0)
     ref = OccultLM(config(data))
     single = _result(ref, train(ref, data, cfg(), root / "single", progress=False, log=None))
-    ranks = run_ranks(train_worker, 2, data, str(root), timeout_s=240)
+    ranks = [out["trainings"] for out in two_ranks["ranks"]]
     torch.manual_seed(5)
     back = OccultLM(config(data))
     one = _result(back, train(back, data, cfg(**FORCED), root / "stop1", resume=True, progress=False, log=None))
