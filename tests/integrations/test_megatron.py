@@ -9,6 +9,9 @@ layer are sum_t C_T (dedup) and k x tokens (standard); `max_devices` keeps every
 that many EP ranks (1: one row per token) and equals the `alltoall` layer behind the same limited
 router (softmax and sigmoid scores). Bad configuration is refused with a clear error, when the
 spec is changed or when the layer is built. `cpu_shims` leaves torch.compile off in the ranks.
+A GPTModel with occult (placed, and unplaced) trained two steps and saved per rank with torch.save
+loads into Megatron's own `alltoall` model (placed: after `model_order_local_experts`; unplaced: as
+is) and gives the same per-token losses on a fresh batch; the placed one loaded as is does not.
 
 Megatron's experts see the same rows in the same order with either dispatcher; only the per-token
 sums run in another order (fp32 rounding).
@@ -201,8 +204,9 @@ def _bad_builds(world: int) -> dict[str, str | None]:
     }
 
 
-def _gpt(config, placement=None, state=None):
-    """A 2-layer Megatron GPTModel from its local layer spec (occult's by `install` with a placement), fp32."""
+def _gpt(config, placement=None, state=None, occult=None):
+    """A 2-layer Megatron GPTModel from its local layer spec (occult's by `install` with a placement, or when
+    `occult` is true), fp32."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -210,7 +214,7 @@ def _gpt(config, placement=None, state=None):
     from occult.integrations.megatron.placement import placed_local_experts
 
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
-    if placement is not None:
+    if placement is not None or occult:
         assert install(spec, placement=placement) == 1  # one spec object serves both layers
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=32, max_sequence_length=8)
     if state is not None:
@@ -243,6 +247,69 @@ def _gpt_case(rank, world, seed):
     return errors, used, layers
 
 
+def _tokens(seed, rank):
+    """A batch of 8 tokens (and their next tokens) for this rank, with its positions and causal mask."""
+    ids = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(seed + rank))
+    return ids[:, :-1], torch.arange(8)[None], torch.triu(torch.ones(1, 1, 8, 8, dtype=torch.bool), 1), ids[:, 1:]
+
+
+def _train(model, seed, steps=2):
+    """`steps` Adam steps on this rank's batches; non-expert gradients averaged over the ranks (data parallel)."""
+    import torch.distributed as dist
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    for step in range(steps):
+        tokens, pos, causal, labels = _tokens(seed + 100 * step, dist.get_rank())
+        model(tokens, pos, causal, labels=labels).mean().backward()
+        for name, p in model.named_parameters():
+            if "local_experts" not in name:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _loss_TS(model, seed):
+    tokens, pos, causal, labels = _tokens(seed, torch.distributed.get_rank())
+    with torch.no_grad():
+        return model(tokens, pos, causal, labels=labels)
+
+
+def _checkpoint_case(rank, world, seed, folder):
+    """occult's GPTModel (placed, and unplaced) trained 2 steps, its per-rank state dict saved with torch.save,
+    loaded into Megatron's own alltoall model -> per-token losses on a fresh batch: (occult's, Megatron's loaded
+    with `model_order_local_experts`, Megatron's loaded as saved) for the placed model, (occult's, Megatron's
+    loaded as saved) for the unplaced one."""
+    import os
+
+    from occult.integrations.megatron.placement import model_order_local_experts
+
+    torch.manual_seed(seed)
+    config = _config(2, num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
+    interleaved = np.arange(E) % world  # a non-trivial placement in layer 0 whatever the seed
+    placement = Placement(np.stack([interleaved, _random_placement(world, seed + 5).expert_device(0)]), world)
+    losses = {}
+    for name, place in (("placed", placement), ("unplaced", None)):
+        occult_model = _gpt(config, place, occult=True)
+        _train(occult_model, seed)
+        path = os.path.join(folder, f"{name}_ep{rank}.pt")
+        torch.save(occult_model.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        saved = torch.load(path, weights_only=False)
+        torch.manual_seed(seed + 1)  # fresh weights, overwritten by the checkpoint
+        loaded = [_gpt(config, state=saved)]
+        if place is not None:
+            loaded.insert(0, _gpt(config, state=model_order_local_experts(saved, place)))
+        losses[name] = [_loss_TS(m, seed + 7) for m in [occult_model, *loaded]]
+        losses[f"{name} dispatchers"] = [
+            type(m.token_dispatcher).__name__
+            for model in (occult_model, loaded[0])
+            for m in model.modules()
+            if hasattr(m, "token_dispatcher")
+        ]
+    return losses
+
+
 def _graphs_compiled() -> int:
     """Graphs torch.compile hands its backend after `cpu_shims`: 0 when it is off, as it must be (Megatron's
     fused helpers are torch.compile'd; a CPU rank on a GPU machine failed compiling them through the stubs)."""
@@ -256,7 +323,7 @@ def _graphs_compiled() -> int:
     return len(graphs)
 
 
-def _ranks(rank, world, seed):
+def _ranks(rank, world, seed, folder):
     _megatron(world)
     compiled = _graphs_compiled()
     torch.manual_seed(seed)
@@ -274,13 +341,25 @@ def _ranks(rank, world, seed):
         ),
     }
     results = {name: _case(rank, world, seed + i, **case) for i, (name, case) in enumerate(cases.items())}
-    return results, _bad_builds(world), _gpt_case(rank, world, seed), compiled
+    gpt = _gpt_case(rank, world, seed)
+    return results, _bad_builds(world), gpt, compiled, _checkpoint_case(rank, world, seed, folder)
+
+
+def _check_checkpoint(rank, losses):
+    """The checkpoint round trip: same per-token losses (fp32; terms ~ log(vocab)); wrong without the conversion."""
+    occult_d, alltoall_d = "OccultTokenDispatcher", "MoEAlltoAllTokenDispatcher"
+    for name in ("placed", "unplaced"):
+        assert losses[f"{name} dispatchers"] == [occult_d] * 2 + [alltoall_d] * 2, (rank, losses)
+        occult_TS, loaded_TS = losses[name][:2]
+        assert torch.allclose(loaded_TS, occult_TS, rtol=1e-5, atol=1e-6), (rank, name, occult_TS, loaded_TS)
+    unconverted_TS = losses["placed"][2]  # the placed experts under Megatron's contiguous layout
+    assert (unconverted_TS - losses["placed"][0]).abs().max() > 1e-3, (rank, "loads wrong yet equal", losses)
 
 
 @pytest.mark.timeout(240)
-def test_layer_matches_megatron_alltoall_on_2_ranks():
-    results = run_ranks(_ranks, 2, int(torch.randint(0, 10_000, ())))
-    cases, _, (gpt_errors, used, layers), _ = results[0]
+def test_layer_matches_megatron_alltoall_on_2_ranks(tmp_path):
+    results = run_ranks(_ranks, 2, int(torch.randint(0, 10_000, ())), str(tmp_path))
+    cases, _, (gpt_errors, used, layers), _, _ = results[0]
     assert not gpt_errors and used == ["OccultTokenDispatcher"] * 2 and layers == [0, 1], (gpt_errors, used, layers)
     for name, (errors, (dispatch_rows, combine_rows, sum_c, tokens, worst)) in cases.items():
         assert not errors, f"{name}: {errors}"
@@ -293,7 +372,8 @@ def test_layer_matches_megatron_alltoall_on_2_ranks():
     for name in ("pruned", "pruned sigmoid"):  # one rank, one row a token
         assert cases[name][1][4] == 1 and cases[name][1][0] == cases[name][1][3], (name, cases[name])
     assert cases["dedup placed top3"][1][0] < cases["dedup placed top3"][1][3] * 3  # dedup sent fewer rows than k x T
-    for r, (_, rank_bad, _, compiled) in enumerate(results):
+    for r, (_, rank_bad, _, compiled, checkpoint_losses) in enumerate(results):
+        _check_checkpoint(r, checkpoint_losses)
         assert compiled == 0, f"rank {r}: torch.compile still on after cpu_shims ({compiled} graph(s))"
         assert "placement is for 16 experts" in rank_bad["experts"], (r, rank_bad)
         assert "max_devices=1 EP ranks hold only 4 experts" in rank_bad["room"], (r, rank_bad)

@@ -11,7 +11,9 @@ Router columns, the expert bias and the aux-loss counts stay in the model's own 
 / `weight2` of the legacy `GroupedMLP`) between the two orders. A distributed checkpoint of a
 placed model stores expert `placed position` where Megatron's own model stores expert `id`.
 `placed_local_experts` does the same for the state dicts of a running expert-parallel model: each
-rank's contiguous experts become its placed ones (all-gathered over the EP group).
+rank's contiguous experts become its placed ones (all-gathered over the EP group);
+`model_order_local_experts` turns them back (a placed model's per-rank checkpoint -> what Megatron's
+own `alltoall` model loads on that rank).
 """
 
 from __future__ import annotations
@@ -137,6 +139,22 @@ def placed_local_experts(state_dict: Mapping[str, Any], placement: Placement, gr
 
     A collective over the EP `group`: call it on every rank. MoE layer i (in layer order) uses the
     placement's layer i (or its only layer); `SequentialMLP` and `TEGroupedMLP` keys."""
+    return _move_local_experts(state_dict, placement, group, to_placed=True)
+
+
+def model_order_local_experts(state_dict: Mapping[str, Any], placement: Placement, group: Any = None) -> dict[str, Any]:
+    """The inverse of `placed_local_experts`: this rank's state dict of a placed EP model (what its
+    `state_dict()` / a per-rank checkpoint holds) -> the same keys holding Megatron's contiguous experts
+    (rank r: experts r*L..r*L+L-1), what a model with Megatron's own dispatcher loads on this rank.
+
+    A collective over the EP `group` (same EP size as the placement): call it on every rank."""
+    return _move_local_experts(state_dict, placement, group, to_placed=False)
+
+
+def _move_local_experts(
+    state_dict: Mapping[str, Any], placement: Placement, group: Any, to_placed: bool
+) -> dict[str, Any]:
+    """Gather each MoE layer's experts over the EP group and keep the ones this rank holds in the other layout."""
     rank = dist.get_rank(group)
     tensors: dict[tuple[str, str, int, str], dict[int, str]] = {}
     for key in state_dict:
@@ -158,9 +176,14 @@ def placed_local_experts(state_dict: Mapping[str, Any], placement: Placement, gr
         local = local.to(via) if via is not None else local
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, local.contiguous(), group=group)
-        full = torch.cat(parts).to(home)  # model order: rank r's block is experts r*L..
+        full = torch.cat(parts).to(home)  # rank r's block at r*L..: model order, or placed order if placed
         del parts, local
         index = layers.index((prefix, layer)) if placement.num_layers > 1 else 0
-        for j, e in enumerate(placement.experts_on_device(rank, index)):
+        if to_placed:
+            wanted = placement.experts_on_device(rank, index)  # local slot j <- expert wanted[j] (model order)
+        else:  # local slot j <- expert rank*L+j, found at its placed position
+            position_E = _expert_positions(placement, index, inverse=False)
+            wanted = [position_E[rank * len(keys) + j] for j in range(len(keys))]
+        for j, e in enumerate(wanted):
             out[keys[j]] = full[int(e)].clone()
     return out
