@@ -298,8 +298,10 @@ def _checkpoint_case(rank, world, seed, folder):
         saved = torch.load(path, weights_only=False)
         torch.manual_seed(seed + 1)  # fresh weights, overwritten by the checkpoint
         loaded = [_gpt(config, state=saved)]
-        if place is not None:
-            loaded.insert(0, _gpt(config, state=model_order_local_experts(saved, place)))
+        if place is not None:  # the placement file kept with the checkpoint, as a user would
+            placement_path = os.path.join(folder, f"placement_ep{rank}.json")
+            place.save(placement_path)
+            loaded.insert(0, _gpt(config, state=model_order_local_experts(saved, placement_path)))
         losses[name] = [_loss_TS(m, seed + 7) for m in [occult_model, *loaded]]
         losses[f"{name} dispatchers"] = [
             type(m.token_dispatcher).__name__

@@ -133,7 +133,9 @@ def to_model_order(state_dict: Mapping[str, Any], placement: str | Placement) ->
     return _reorder(state_dict, placement, inverse=True)
 
 
-def placed_local_experts(state_dict: Mapping[str, Any], placement: Placement, group: Any = None) -> dict[str, Any]:
+def placed_local_experts(
+    state_dict: Mapping[str, Any], placement: str | Placement, group: Any = None
+) -> dict[str, Any]:
     """This rank's state dict of an EP model with Megatron's contiguous experts (rank r: experts r*L..r*L+L-1)
     -> the same keys holding this rank's placed experts (`placement.experts_on_device(rank)`).
 
@@ -152,9 +154,10 @@ def model_order_local_experts(state_dict: Mapping[str, Any], placement: Placemen
 
 
 def _move_local_experts(
-    state_dict: Mapping[str, Any], placement: Placement, group: Any, to_placed: bool
+    state_dict: Mapping[str, Any], placement: str | Placement, group: Any, to_placed: bool
 ) -> dict[str, Any]:
     """Gather each MoE layer's experts over the EP group and keep the ones this rank holds in the other layout."""
+    placement = placement if isinstance(placement, Placement) else Placement.load(placement)
     rank = dist.get_rank(group)
     tensors: dict[tuple[str, str, int, str], dict[int, str]] = {}
     for key in state_dict:
