@@ -283,6 +283,7 @@ def _checkpoint_case(rank, world, seed, folder):
     import os
 
     from occult.integrations.megatron.placement import model_order_local_experts
+    from occult.placement import PlacementError
 
     torch.manual_seed(seed)
     config = _config(2, num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
@@ -302,6 +303,10 @@ def _checkpoint_case(rank, world, seed, folder):
             placement_path = os.path.join(folder, f"placement_ep{rank}.json")
             place.save(placement_path)
             loaded.insert(0, _gpt(config, state=model_order_local_experts(saved, placement_path)))
+            try:  # a placement of another shape is refused, not applied
+                model_order_local_experts(saved, Placement.contiguous(2 * E, world))
+            except PlacementError as e:
+                losses["wrong placement"] = str(e)
         losses[name] = [_loss_TS(m, seed + 7) for m in [occult_model, *loaded]]
         losses[f"{name} dispatchers"] = [
             type(m.token_dispatcher).__name__
@@ -354,6 +359,7 @@ def _check_checkpoint(rank, losses):
         assert losses[f"{name} dispatchers"] == [occult_d] * 2 + [alltoall_d] * 2, (rank, losses)
         occult_TS, loaded_TS = losses[name][:2]
         assert torch.allclose(loaded_TS, occult_TS, rtol=1e-5, atol=1e-6), (rank, name, occult_TS, loaded_TS)
+    assert "with 8 experts each, but this state dict is one of 2 EP ranks with [4]" in losses.get("wrong placement", "")
     unconverted_TS = losses["placed"][2]  # the placed experts under Megatron's contiguous layout
     assert (unconverted_TS - losses["placed"][0]).abs().max() > 1e-3, (rank, "loads wrong yet equal", losses)
 

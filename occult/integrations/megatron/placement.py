@@ -170,6 +170,14 @@ def _move_local_experts(
         raise PlacementError(
             f"the placement has {placement.num_layers} layers, but the model has {len(layers)} MoE layers"
         )
+    world = dist.get_world_size(group)
+    local_counts = {len(keys) for keys in tensors.values()}
+    if placement.num_devices != world or local_counts - {placement.experts_per_device}:
+        raise PlacementError(
+            f"the placement is for {placement.num_devices} EP ranks with {placement.experts_per_device} experts "
+            f"each, but this state dict is one of {world} EP ranks with {sorted(local_counts)} local experts: "
+            "convert with the placement the model was trained with, on every rank of its EP group"
+        )
     out = dict(state_dict)
     # NCCL gathers device tensors: each parameter travels through the current GPU, one at a time
     via = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
@@ -177,7 +185,7 @@ def _move_local_experts(
         local = torch.stack([state_dict[keys[j]] for j in range(len(keys))])
         home = local.device
         local = local.to(via) if via is not None else local
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local.contiguous(), group=group)
         full = torch.cat(parts).to(home)  # rank r's block at r*L..: model order, or placed order if placed
         del parts, local
