@@ -19,11 +19,17 @@ sums run in another order (fp32 rounding).
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
 import pytest
 import torch
+
+# Importing Megatron-Core imports Triton: with its CPU interpreter on, as the kernel tests collected
+# after this module need it in this process (tests/kernels/_triton_interpreter.py).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is installed by .ci/run (docs/testing.md)")
 
