@@ -218,20 +218,29 @@ class OccultMoE(nn.Module):
         """The router's gate where the router holds it without owning it (a transformers block's gate):
         its parameters train with the layer's and its hooks count as the layer's."""
         gate = getattr(self.router, "gate", None)
-        owned = isinstance(gate, nn.Module) and any(m is gate for m in self.modules())
-        return () if gate is None or owned or not isinstance(gate, nn.Module) else (gate,)
+        if not isinstance(gate, nn.Module) or any(child is gate for child in self.router.children()):
+            return ()
+        return (gate,)
 
     def _differentiable(self, x: torch.Tensor) -> bool:
         """Whether a call on `x` builds an autograd graph (grad mode on, and `x` or a parameter requires grad)."""
-        return torch.is_grad_enabled() and (x.requires_grad or bool(trainable(self, *self._router_gate())))
+        return self._trained_by(x) is not None
+
+    def _trained_by(self, x: torch.Tensor) -> tuple[nn.Parameter, ...] | None:
+        """The parameters a call on `x` trains (the layer's and its router gate's; possibly none where `x`
+        requires grad), or None where the call builds no autograd graph."""
+        if not torch.is_grad_enabled():
+            return None
+        params = trainable(self, *self._router_gate())
+        return params if x.requires_grad or params else None
 
     def _training_call(self, x_TH: torch.Tensor, transport: Any) -> TrainingCall | None:
         """A call under autograd with anything to differentiate: the parameters that train (the layer's
         and its router gate's) and the transport's buffer generation (what a recorded backward needs);
         None otherwise."""
-        if not self._differentiable(x_TH):
+        params = self._trained_by(x_TH)
+        if params is None:
             return None
-        params = trainable(self, *self._router_gate())
         return TrainingCall(params, (lambda: transport.generation) if transport is not None else (lambda: None))
 
     def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -17,8 +17,9 @@ REPLAY_RESERVE_BYTES = 16 << 20  # > any call of the replay case (2 ranks x 4 ro
 TOL_VS_EAGER = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def _layers(ranks, transport: str, dtype: torch.dtype, salt: int, dispatcher: str = "dedup"):
-    """(the layer with graphs over `transport`, the same layer eager over the count exchange)."""
+def _layers(ranks, transport: str, dtype: torch.dtype, salt: int, dispatcher: str = "dedup", train_graphs=False):
+    """(the layer with graphs over `transport` (`train_graphs`: training calls too), the same layer eager
+    over the count exchange)."""
     if ranks.device.type != "cuda" or ranks.backend != "nccl":
         pytest.skip("CUDA graphs of collectives need GPUs with NCCL")
     if transport == "device":
@@ -35,6 +36,7 @@ def _layers(ranks, transport: str, dtype: torch.dtype, salt: int, dispatcher: st
         placement=placement,
         dispatcher=dispatcher,
         graphs=True,
+        train_graphs=train_graphs,
         sync_free=sync_free,
         transport="counts" if sync_free else "device",
     )

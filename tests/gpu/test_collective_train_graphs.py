@@ -9,38 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_collective_layer import DTYPES, FFN, HIDDEN, _placement, _rel, skip_without_transport
+from test_collective_layer import DTYPES, HIDDEN, _rel
+from test_collective_layer_graphs import _layers as layer_pair
 
-from occult import DenseMoE, OccultMoE
+from occult import OccultMoE
 from occult.moe.graphs import EAGER_CALLS
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # relative L2, output and gradients
 
 
 def _layers(ranks, transport: str, dtype: torch.dtype, salt: int, dispatcher: str = "dedup"):
-    """(the layer with graphs over `transport`, the same weights eager over the count exchange)."""
-    if ranks.device.type != "cuda" or ranks.backend != "nccl":
-        pytest.skip("CUDA graphs of collectives need GPUs with NCCL")
-    if transport == "device":
-        skip_without_transport(ranks, "device")
-    torch.manual_seed(ranks.seed + salt)
-    E = 8 * ranks.world_size
-    dense = DenseMoE(HIDDEN, FFN, E, 4, dtype=dtype, device=ranks.device)
-    with torch.no_grad():
-        dense.router.gate.weight.mul_(3.0)
-    placement = _placement("random", E, ranks.world_size, ranks.seed)
-    sync_free = transport == "sync_free"
-    graphed = OccultMoE.from_dense(
-        dense,
-        placement=placement,
-        dispatcher=dispatcher,
-        graphs=True,
-        train_graphs=True,
-        sync_free=sync_free,
-        transport="counts" if sync_free else "device",
-    )
-    eager = OccultMoE.from_dense(dense, placement=placement, dispatcher=dispatcher, transport="counts")
-    return graphed, eager
+    """(the layer replaying training calls over `transport`, the same weights eager over the count exchange)."""
+    return layer_pair(ranks, transport, dtype, salt, dispatcher, train_graphs=True)
 
 
 def _step(layer: OccultMoE, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
