@@ -43,7 +43,8 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    training runs eagerly, e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
   <variant>/traingraphs/compile  @device and @syncfree variants: hf.compile_layers(train_graphs=True), the
                    MoE layers' training calls replayed too, forward and backward (occult.moe.train_graphs;
-                   experimental), e.g. dedup@device/traingraphs/compile
+                   experimental), e.g. dedup@device/traingraphs/compile; replicated/traingraphs/compile: the
+                   one-rank layers' training calls replayed (ExecConfig(graphs=True, train_graphs=True))
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -207,14 +208,20 @@ def variant_list(text: str) -> list[str]:
         if (is_graphed(v) or layer_graphs(v)) and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")
     ]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
-    bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
+    bad += [
+        v
+        for v in names
+        if train_graphs(v)
+        and not (is_compiled(v) and (on_device(v) or sync_free(v) or base_variant(v) == "replicated"))
+    ]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
             f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
-            f"with /graph), @device or @syncfree ones /traingraphs/compile (training calls replayed too), or the peers "
+            f"with /graph), replicated, @device or @syncfree ones /traingraphs/compile (training calls replayed "
+            f"too), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"
         )
@@ -510,9 +517,12 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         hf.compile_layers(model, train_graphs=train_graphs(variant))
         return model
     if base == "replicated":  # /graph: sync-free on its one rank (T rows, nothing padded), no host wait
-        model = hf.convert(
-            model, group=self_group, execution=ExecConfig(dispatcher="dedup", graphs=layer_graphs(variant))
+        replays = ExecConfig(
+            dispatcher="dedup",
+            graphs=layer_graphs(variant) or train_graphs(variant),
+            train_graphs=train_graphs(variant),
         )
+        model = hf.convert(model, group=self_group, execution=replays)
         set_sync_free(model, is_graphed(variant))
         return model
     execution = ExecConfig(

@@ -238,10 +238,10 @@ class OccultMoE(nn.Module):
         """A call under autograd with anything to differentiate: the parameters that train (the layer's
         and its router gate's) and the transport's buffer generation (what a recorded backward needs);
         None otherwise."""
-        params = self._trained_by(x_TH)
-        if params is None:
+        if self._trained_by(x_TH) is None:
             return None
-        return TrainingCall(params, (lambda: transport.generation) if transport is not None else (lambda: None))
+        generation = (lambda: transport.generation) if transport is not None else (lambda: None)
+        return TrainingCall((self, *self._router_gate()), generation)
 
     def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(x as [T, H], the status of a wrong hidden size or dtype, 0 if neither: then no rows,

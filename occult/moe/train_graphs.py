@@ -19,12 +19,19 @@ What differs from the forward-only graphs of `occult.moe.graphs`:
 - A recorded call serves one forward and then one backward at a time: a second forward while the
   first one's output still waits for its backward (activation recomputation, two micro-batches in
   flight) runs eagerly instead, so nothing is overwritten.
+- The recording differentiates with respect to stand-ins of the parameters (new leaves on the same
+  memory, put in the modules' place while the forward records), not the parameters themselves. The
+  autograd engine runs a leaf's gradient on the stream its accumulator was made on, and a parameter's
+  accumulator outlives the step that made it wherever that step's graph is still referenced (the
+  previous step's loss, in `loss = model(x).loss; loss.backward()`): made on the default stream, it
+  would join the default stream into the backward's capture, which CUDA refuses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +42,16 @@ from occult.moe import status as pending
 
 @dataclass
 class TrainingCall:
-    """What a training call records besides its forward: the parameters that train, and how to read
-    the transport's buffer generation (a recorded backward runs only on the buffers it recorded)."""
+    """What a training call records besides its forward: the modules whose parameters train (every
+    module whose parameters the forward reads), and how to read the transport's buffer generation (a
+    recorded backward runs only on the buffers it recorded)."""
 
-    params: tuple[torch.nn.Parameter, ...]
+    modules: tuple[torch.nn.Module, ...]
     buffers: Callable[[], Any] = lambda: None
+
+    @property
+    def params(self) -> tuple[torch.nn.Parameter, ...]:
+        return trainable(*self.modules)
 
 
 @dataclass
@@ -121,11 +133,13 @@ def capture_training(
     the caller replays the forward for this call (`TrainingCapture.replay`)."""
     params = call.params
     static_x = x_TH.detach().clone().requires_grad_(x_TH.requires_grad)
-    wrt = ([static_x] if x_TH.requires_grad else []) + list(params)
     mempool = torch.cuda.graph_pool_handle()
     forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with pending.recording() as statuses, torch.cuda.graph(forward_graph, pool=mempool):
-        static_y = forward(static_x)
+    with stand_ins(call.modules) as stand_in:
+        with pending.recording() as statuses, torch.cuda.graph(forward_graph, pool=mempool):
+            static_y = forward(static_x)
+    check_reaches_no_parameter(static_y, params)
+    wrt = ([static_x] if x_TH.requires_grad else []) + [stand_in[id(p)] for p in params]
     static_grad_y = torch.empty_like(static_y)
     with torch.cuda.graph(backward_graph, pool=mempool):
         found = torch.autograd.grad(static_y, wrt, grad_outputs=static_grad_y, allow_unused=True)
@@ -143,3 +157,43 @@ def capture_training(
         call.buffers,
         call.buffers(),
     )
+
+
+@contextlib.contextmanager
+def stand_ins(modules: tuple[torch.nn.Module, ...]) -> Iterator[dict[int, torch.nn.Parameter]]:
+    """Every trained parameter of `modules` replaced, where each module holds it, by a new leaf on the
+    same memory (one per parameter, however often it is held); the originals back on exit. Yields the
+    stand-in of each parameter, by `id` of the original."""
+    stand_in: dict[int, torch.nn.Parameter] = {}
+    replaced: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    try:
+        for module in modules:
+            for owner in module.modules():
+                for name, p in list(owner.named_parameters(recurse=False)):
+                    if p.requires_grad:
+                        new = stand_in.setdefault(id(p), torch.nn.Parameter(p.detach(), requires_grad=True))
+                        setattr(owner, name, new)
+                        replaced.append((owner, name, p))
+        yield stand_in
+    finally:
+        for owner, name, p in reversed(replaced):
+            setattr(owner, name, p)
+
+
+def check_reaches_no_parameter(y: torch.Tensor, params: tuple[torch.nn.Parameter, ...]) -> None:
+    """Raise where the recorded forward read a trained parameter itself rather than its stand-in (a
+    reference held outside the modules): its gradient would be lost from the recorded backward."""
+    originals = {id(p) for p in params}
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in originals:
+            raise RuntimeError(
+                "a recorded MoE training call read a parameter that its modules do not hold (a reference "
+                "kept elsewhere), so its recorded backward would leave that gradient out: set "
+                "ExecConfig(train_graphs=False)"
+            )
+        todo.extend(next_node for next_node, _ in node.next_functions)

@@ -133,3 +133,26 @@ def test_gradients_accumulate_over_two_replayed_steps(ranks):
     worst = max(_rel(g, g_ref) for g, g_ref in zip(grads[id(graphed)], grads[id(eager)]))
     assert len(graphed.graphs) == 1
     assert ranks.all_max(worst) <= TOL[torch.float32], worst
+
+
+def test_a_step_records_while_the_previous_steps_loss_is_still_referenced(ranks):
+    """`loss = f(x); loss.backward()` in a loop: when a call is recorded, the previous step's graph (and
+    the parameters' gradient accumulators it made on the default stream) is still alive; the recorded
+    backward must not join the default stream (the whole-model failure of session 10) and its gradients
+    must stay right."""
+    graphed, eager = _layers(ranks, "device", torch.bfloat16, 36)
+    gen = torch.Generator(device=ranks.device).manual_seed(ranks.seed * 37 + ranks.rank)
+    losses, worst = {}, 0.0
+    for _ in range(EAGER_CALLS + 3):
+        x = torch.randn(64 + 3 * ranks.rank, HIDDEN, dtype=torch.bfloat16, device=ranks.device, generator=gen)
+        w = torch.randn(x.shape, device=ranks.device, generator=gen)
+        grads = {}
+        for layer in (graphed, eager):
+            layer.zero_grad(set_to_none=True)
+            a = x.clone().requires_grad_(True)
+            losses[id(layer)] = loss = (layer(a).float() * w).sum()  # kept until the next step's forward
+            loss.backward()
+            grads[id(layer)] = [a.grad, *(p.grad for p in layer.parameters())]
+        worst = max(worst, *(_rel(g, r) for g, r in zip(grads[id(graphed)], grads[id(eager)])))
+    assert len(graphed.graphs) == 1
+    assert ranks.all_max(worst) <= TOL[torch.bfloat16], worst

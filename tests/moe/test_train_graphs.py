@@ -12,7 +12,14 @@ import torch
 
 from occult import CommStats
 from occult.moe.graphs import GraphCache, has_hooks
-from occult.moe.train_graphs import TrainingCall, TrainingCapture
+from occult.moe.train_graphs import TrainingCall, TrainingCapture, check_reaches_no_parameter, stand_ins
+
+
+def holding(w: torch.nn.Parameter) -> torch.nn.Module:
+    """A module whose one parameter is `w`."""
+    module = torch.nn.Module()
+    module.w = w
+    return module
 
 
 class Replays:
@@ -106,7 +113,7 @@ def test_a_busy_recording_makes_the_next_call_of_its_signature_eager():
         eager_calls.append(1)
         return torch.tanh(x @ w)
 
-    call = TrainingCall((w,))
+    call = TrainingCall((holding(w),))
     x1, x2 = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
     y1, _ = cache.run("k", 0, x1, forward, CommStats, call)  # recorded, replayed
     y2, _ = cache.run("k", 0, x2, forward, CommStats, call)  # y1 still waits: eager
@@ -154,7 +161,54 @@ def test_a_layer_keeps_at_most_max_training_recordings():
     cache = Cache(eager_calls=0)
     for tokens in range(1, MAX_TRAINING + 3):
         y, _ = cache.run(
-            tokens, 0, torch.randn(tokens, 4, requires_grad=True), torch.tanh, CommStats, TrainingCall((w,))
+            tokens, 0, torch.randn(tokens, 4, requires_grad=True), torch.tanh, CommStats, TrainingCall((holding(w),))
         )
         y.sum().backward()
     assert list(cache._graphs) == list(range(3, MAX_TRAINING + 3))
+
+
+def test_stand_ins_replace_every_hold_of_a_parameter_on_its_memory_and_put_the_originals_back():
+    shared = torch.nn.Linear(3, 3)
+    frozen = torch.nn.Linear(3, 3).requires_grad_(False)
+    outer = torch.nn.Sequential(shared, frozen)
+    gate = torch.nn.Module()
+    gate.weight = shared.weight  # the same parameter held by a second module (a tied weight)
+    weight, bias, frozen_weight = shared.weight, shared.bias, frozen.weight
+    with pytest.raises(ValueError, match="inside"):
+        with stand_ins((outer, gate)) as stand_in:
+            assert set(stand_in) == {id(weight), id(bias)}  # frozen parameters stay
+            assert shared.weight is gate.weight is stand_in[id(weight)]  # one stand-in however often held
+            assert shared.bias is stand_in[id(bias)] and frozen.weight is frozen_weight
+            for original, new in ((weight, shared.weight), (bias, shared.bias)):
+                assert new is not original and new.data_ptr() == original.data_ptr()  # the same memory
+                assert new.requires_grad and new.grad_fn is None
+            raise ValueError("inside")  # an error while recording: the originals are back all the same
+    assert shared.weight is weight and gate.weight is weight and shared.bias is bias
+
+
+def test_gradients_through_stand_ins_are_the_parameters_and_reach_no_earlier_accumulator():
+    """The previous step's graph (its loss still referenced) holds the parameter's gradient accumulator;
+    a forward recorded on stand-ins never reaches it, and has the parameter's gradients."""
+    layer = torch.nn.Linear(4, 4, dtype=torch.float64)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    previous_loss = layer(x).sum()
+    previous_loss.backward()  # its nodes, and the parameters' accumulators, live on with previous_loss
+    params = tuple(layer.parameters())
+    with stand_ins((layer,)) as stand_in:
+        y = torch.tanh(layer(x))
+    check_reaches_no_parameter(y, params)
+    grads = torch.autograd.grad(y.sum(), [stand_in[id(p)] for p in params])
+    reference = [p.detach().clone().requires_grad_(True) for p in params]
+    expected = torch.autograd.grad(torch.tanh(torch.nn.functional.linear(x, *reference)).sum(), reference)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
+    assert previous_loss.grad_fn is not None
+
+
+def test_a_recorded_forward_that_reads_a_parameter_around_its_modules_raises():
+    layer = torch.nn.Linear(4, 4)
+    kept = layer.weight  # a reference held outside the module: the stand-in does not replace it
+    with stand_ins((layer,)):
+        y = torch.nn.functional.linear(torch.randn(2, 4), kept) + layer.bias
+    with pytest.raises(RuntimeError, match="read a parameter that its modules do not hold"):
+        check_reaches_no_parameter(y, tuple(layer.parameters()))
