@@ -43,8 +43,8 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    training runs eagerly, e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
   <variant>/traingraphs/compile  @device and @syncfree variants: hf.compile_layers(train_graphs=True), the
                    MoE layers' training calls replayed too, forward and backward (occult.moe.train_graphs;
-                   experimental), e.g. dedup@device/traingraphs/compile; replicated/traingraphs/compile: the
-                   one-rank layers' training calls replayed (ExecConfig(graphs=True, train_graphs=True))
+                   experimental), e.g. dedup@device/traingraphs/compile; replicated/traingraphs/compile: its one-rank
+                   layers' training calls replayed (compile_layers replays one-rank layers only in training)
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -517,12 +517,9 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         hf.compile_layers(model, train_graphs=train_graphs(variant))
         return model
     if base == "replicated":  # /graph: sync-free on its one rank (T rows, nothing padded), no host wait
-        replays = ExecConfig(
-            dispatcher="dedup",
-            graphs=layer_graphs(variant) or train_graphs(variant),
-            train_graphs=train_graphs(variant),
+        model = hf.convert(
+            model, group=self_group, execution=ExecConfig(dispatcher="dedup", graphs=layer_graphs(variant))
         )
-        model = hf.convert(model, group=self_group, execution=replays)
         set_sync_free(model, is_graphed(variant))
         return model
     execution = ExecConfig(

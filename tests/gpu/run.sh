@@ -51,9 +51,14 @@ else
   else
     nproc=${OCCULT_GPU_SUITE_NPROC:-$ngpu}
   fi
-  if [ "$ngpu" -lt 1 ] || [ "$nproc" -lt 2 ] || { [ "${OCCULT_GPU_SUITE_BACKEND:-nccl}" = nccl ] && [ "$nproc" -gt "$ngpu" ]; }; then
-    echo "the GPU suite over NCCL needs at least 2 GPUs and one per rank (found $ngpu GPUs, $nproc ranks);" \
-         "OCCULT_GPU_SUITE_BACKEND=gloo shares GPUs between ranks; OCCULT_GPU_SUITE_ON_CPU=1 checks its logic on CPU" >&2
+  if [ "$ngpu" -lt 1 ]; then
+    echo "the GPU suite needs a GPU (found none); OCCULT_GPU_SUITE_ON_CPU=1 checks its logic on CPU" >&2
+    exit 2
+  fi
+  # stage 2 alone runs on one GPU (its multi-GPU cases skip, saying so); stages 1 and 3 need ranks
+  if [ "$stages" != " 2 " ] && { [ "$nproc" -lt 2 ] || { [ "${OCCULT_GPU_SUITE_BACKEND:-nccl}" = nccl ] && [ "$nproc" -gt "$ngpu" ]; }; }; then
+    echo "the GPU suite's stages 1 and 3 over NCCL need at least 2 GPUs and one per rank (found $ngpu GPUs," \
+         "$nproc ranks); OCCULT_GPU_SUITE_STAGES=2 runs on one GPU; OCCULT_GPU_SUITE_BACKEND=gloo shares GPUs between ranks; OCCULT_GPU_SUITE_ON_CPU=1 checks its logic on CPU" >&2
     exit 2
   fi
 fi
