@@ -43,8 +43,7 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    training runs eagerly, e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
   <variant>/traingraphs/compile  @device and @syncfree variants: hf.compile_layers(train_graphs=True), the
                    MoE layers' training calls replayed too, forward and backward (occult.moe.train_graphs;
-                   experimental), e.g. dedup@device/traingraphs/compile; replicated/traingraphs/compile: its one-rank
-                   layers' training calls replayed (compile_layers replays one-rank layers only in training)
+                   experimental), e.g. dedup@device/traingraphs/compile
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -208,20 +207,14 @@ def variant_list(text: str) -> list[str]:
         if (is_graphed(v) or layer_graphs(v)) and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")
     ]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
-    bad += [
-        v
-        for v in names
-        if train_graphs(v)
-        and not (is_compiled(v) and (on_device(v) or sync_free(v) or base_variant(v) == "replicated"))
-    ]
+    bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
             f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
-            f"with /graph), replicated, @device or @syncfree ones /traingraphs/compile (training calls replayed "
-            f"too), or the peers "
+            f"with /graph), @device or @syncfree ones /traingraphs/compile (training calls replayed too), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"
         )

@@ -85,7 +85,7 @@ def test_compiled_layers_on_two_ranks():
 def test_expert_parallel_layers_without_a_host_wait_get_layer_graphs(layer_graphs):
     """`compile_layers` switches on `ExecConfig.graphs` for MoE layers of several ranks that do not wait
     for the GPU (here: sync-free, stood in by setting a layer's rank count) unless `layer_graphs=False`;
-    one-rank layers (without `train_graphs`) and layers with the count exchange's wait are left as they are."""
+    one-rank layers and layers with the count exchange's wait are left as they are."""
     from occult import OccultMoE
 
     model = hf.tiny_random_model("olmoe", seed=3, vocab_size=64, num_hidden_layers=3).eval()
@@ -95,21 +95,3 @@ def test_expert_parallel_layers_without_a_host_wait_get_layer_graphs(layer_graph
     layers[1].num_ranks = 2  # expert parallel over the count exchange (its host wait)
     hf.compile_layers(model, layer_graphs=layer_graphs, backend="eager")
     assert [layer.execution.graphs for layer in layers] == [layer_graphs, False, False]
-
-
-def test_training_replays_take_one_rank_layers_too():
-    """`compile_layers(train_graphs=True)`: every layer that does not wait for the GPU replays its
-    training calls, one-rank layers included (under autograd their eager host work is what the GPU
-    waits for); the count exchange's layers stay eager."""
-    from occult import OccultMoE
-
-    model = hf.tiny_random_model("olmoe", seed=3, vocab_size=64, num_hidden_layers=3)
-    hf.convert(model, group=None)
-    layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
-    layers[1].num_ranks = 2  # expert parallel over the count exchange (its host wait)
-    hf.compile_layers(model, train_graphs=True, backend="eager")
-    assert [(layer.execution.graphs, layer.execution.train_graphs) for layer in layers] == [
-        (True, True),
-        (False, False),
-        (True, True),
-    ]

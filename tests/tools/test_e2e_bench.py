@@ -336,14 +336,6 @@ def test_e2e_transport_and_graph_modifiers():
         "dedup/compile/graph",
         "native/compile/graph",
         "dedup@device/graph/compile",
-        "dedup/traingraphs/compile",  # training replays: no host wait (device, sync-free, one rank) and compiled
-        "replicated/traingraphs",
-        "native/traingraphs/compile",
     ):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)
-    replays = e2e.variant_list("replicated/traingraphs/compile,dedup@device/traingraphs/compile")
-    assert [(e2e.base_variant(v), e2e.train_graphs(v), e2e.is_compiled(v)) for v in replays] == [
-        ("replicated", True, True),
-        ("dedup", True, True),
-    ]

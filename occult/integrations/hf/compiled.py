@@ -25,9 +25,8 @@ dense part compiled, their ~2-3 ms of host time a call was what remained (on 2 x
 prefill went from 32.7 to 23.5 ms, docs/history.md "Layer graphs"). `train_graphs=True` replays their
 training calls too, forward and backward (`occult.moe.train_graphs`; experimental, off by default: an
 OLMoE-shape training step on 2 x H200 went from 195.6 to 184.0 ms, but the backward's capture failed
-on a tiny model: docs/training.md "Layer graphs in training"). One-rank layers get forward replays only with
-`train_graphs`: in inference their host cost is already small, but under autograd an eager call's
-host work (about a hundred launches forward and again backward) outlasts its GPU work there too.
+on a tiny model: docs/training.md "Layer graphs in training"). One-rank layers stay as they are:
+their host cost is already small.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ def compile_layers(
     `dynamic=False`); returns how many. Call after `convert` (MoE blocks run eager either way).
     `layer_graphs`: also replay the expert-parallel MoE layers that do not wait for the GPU from
     their CUDA graphs (module docstring); `train_graphs`: their training calls too, forward and
-    backward, and those of one-rank layers (experimental).
+    backward (experimental).
 
     The first forward of each new shape (prefill length, decode batch) compiles: time it apart.
     """
@@ -76,9 +75,8 @@ def compile_layers(
                 block.forward = torch.compiler.disable(block.forward)  # this instance only: eager inside
                 block.occult_eager = True
         layer.compile(**compile_kwargs)
-    for moe in model.modules():
-        if not isinstance(moe, OccultMoE) or moe.waits_for_gpu:
-            continue
-        if train_graphs or (layer_graphs and moe.num_ranks > 1):
-            moe.execution = replace(moe.execution, graphs=True, train_graphs=train_graphs)
+    if layer_graphs or train_graphs:
+        for moe in model.modules():
+            if isinstance(moe, OccultMoE) and moe.num_ranks > 1 and not moe.waits_for_gpu:
+                moe.execution = replace(moe.execution, graphs=True, train_graphs=train_graphs)
     return len(layers)
