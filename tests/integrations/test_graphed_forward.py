@@ -60,23 +60,3 @@ def test_warmup_takes_the_capture_mask_path():
     with masks_as_under_capture():
         assert import_utils.is_tracing() and import_utils.is_cuda_stream_capturing()
     assert import_utils.is_tracing() == before is False and not import_utils.is_cuda_stream_capturing()
-
-
-def test_no_padding_mask_is_no_reason_to_build_a_causal_mask():
-    """Inside `causal_masks_skipped` (the warm-up and the capture), transformers' masking code hears "not
-    tracing" when it asks about no tensor (so an unpadded prefill keeps SDPA's `is_causal`, as an eager
-    forward does), the original answer about any tensor, and everything is as before after the block."""
-    import torch
-    from transformers import masking_utils
-
-    from occult.integrations.hf.graphed import causal_masks_skipped, masks_as_under_capture
-
-    original = masking_utils.is_tracing
-    mask = torch.ones(2, 5, dtype=torch.bool)
-    with masks_as_under_capture():  # as in the warm-up: "a capture is running"
-        assert original(None) and original(mask)
-        with causal_masks_skipped():
-            assert masking_utils.is_tracing(None) is False and masking_utils.is_tracing() is False
-            assert masking_utils.is_tracing(mask) is True  # a padding mask would still be read as under capture
-            assert masking_utils._ignore_causal_mask_sdpa(None, 5, 5, 0, 0) is True
-        assert masking_utils.is_tracing is original

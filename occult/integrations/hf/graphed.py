@@ -63,33 +63,6 @@ def masks_as_under_capture() -> Iterator[None]:
         import_utils.is_cuda_stream_capturing = saved
 
 
-@contextlib.contextmanager
-def causal_masks_skipped() -> Iterator[None]:
-    """With no attention mask given, the warm-up and the capture skip the materialised causal mask (SDPA's
-    `is_causal`, which can use the flash kernel), as an eager forward does. Some transformers releases
-    (5.17 among them) ask `is_tracing(padding_mask)` before skipping it, and answer yes under a capture
-    even when there is no padding mask to read; later ones (5.24) skip without a mask to read. Only that
-    question, asked of no tensor, is answered no here: every question about a tensor keeps its answer."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    asked = getattr(masking_utils, "is_tracing", None)
-    if asked is None:
-        yield
-        return
-
-    def is_tracing(tensor: torch.Tensor | None = None) -> bool:
-        return asked(tensor) if tensor is not None or torch.compiler.is_compiling() else False
-
-    masking_utils.is_tracing = is_tracing
-    try:
-        yield
-    finally:
-        masking_utils.is_tracing = asked
-
-
 class GraphedForward:
     """`model(input_ids=ids)` logits for ids [B, S] of one shape, replayed from a CUDA graph.
 
@@ -130,18 +103,13 @@ class GraphedForward:
         self._forward = self._forward_one if micro_batches == 1 else self._two_batches(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad(), masks_as_under_capture(), causal_masks_skipped():
+        with torch.cuda.stream(side), torch.no_grad(), masks_as_under_capture():
             for _ in range(warmup):
                 self._forward()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         try:
-            with (
-                torch.no_grad(),
-                torch.compiler.set_stance("fail_on_recompile"),
-                causal_masks_skipped(),
-                torch.cuda.graph(self.graph),
-            ):
+            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"), torch.cuda.graph(self.graph):
                 self.logits = self._forward()
         except Exception as e:
             raise RuntimeError(
