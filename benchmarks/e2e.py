@@ -40,7 +40,7 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>/twobatch  as /graph, the batch's two halves on two streams of the capture, the second half's MoE
                    layers over a second lane of process groups (hf.GraphedForward(micro_batches=2),
                    occult.moe.lanes: two-batch overlap); @device and @syncfree variants, an even --batch,
-                   e.g. dedup@syncfree/compile/twobatch; replicated/compile/twobatch: what splitting costs
+                   e.g. dedup@syncfree/compile/twobatch
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
                    capture of the model's other layers); for @device, @syncfree variants and replicated;
@@ -211,11 +211,7 @@ def variant_list(text: str) -> list[str]:
         if (is_graphed(v) or layer_graphs(v)) and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")
     ]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
-    bad += [
-        v
-        for v in names
-        if micro_batches(v) == 2 and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")
-    ]
+    bad += [v for v in names if micro_batches(v) == 2 and not (on_device(v) or sync_free(v))]
     bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
     if bad or not names:
         raise argparse.ArgumentTypeError(
@@ -223,7 +219,7 @@ def variant_list(text: str) -> list[str]:
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
             f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
-            f"with /graph), replicated, @device or @syncfree ones /twobatch (as /graph, two micro-batches) or "
+            f"with /graph), @device or @syncfree ones /twobatch (as /graph, two micro-batches) or "
             f"/traingraphs/compile (training calls replayed too), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"

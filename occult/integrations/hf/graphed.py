@@ -69,8 +69,7 @@ class GraphedForward:
     `last_only`: the last position's logits [B, V] (a prefill; transformers' `logits_to_keep=1`),
     else every position's [B, S, V]. `warmup`: eager forwards at the shape before the capture (on
     a side stream: Triton compiles, buffers grow, the allocator settles). `micro_batches`: 1, or 2
-    (module docstring; an even `batch`; every rank builds its second lane here, where the model has
-    expert-parallel layers: without them the halves only share the GPU, what splitting a batch costs).
+    (module docstring; an even `batch`, expert-parallel layers; every rank builds its second lane here).
     """
 
     def __init__(
@@ -98,9 +97,8 @@ class GraphedForward:
         self.last_only = last_only
         self.ids_BS = torch.zeros(batch, seq, dtype=torch.long, device=device)
         self._model = model
-        parallel = any(isinstance(m, OccultMoE) and m.num_ranks > 1 for m in model.modules())
-        self.lane = Lane(model) if micro_batches == 2 and parallel else None  # none needed without exchanges
-        self._forward = self._forward_one if micro_batches == 1 else self._two_batches(device)
+        self.lane = Lane(model) if micro_batches == 2 else None
+        self._forward = self._forward_one if self.lane is None else self._two_batches(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad(), masks_as_under_capture():
@@ -136,8 +134,7 @@ class GraphedForward:
             main = torch.cuda.current_stream(device)
             halves = self.ids_BS.chunk(2)
             logits = []
-            second = self.lane.active() if self.lane is not None else contextlib.nullcontext()
-            for stream, ids_BS, lane in zip(streams, halves, (contextlib.nullcontext(), second)):
+            for stream, ids_BS, lane in zip(streams, halves, (contextlib.nullcontext(), self.lane.active())):
                 stream.wait_stream(main)
                 with torch.cuda.stream(stream), lane:
                     logits.append(self._logits(ids_BS))
