@@ -16,7 +16,6 @@
     experts    SwiGLU experts on received rows (torch reference; Triton via `occult.kernels`)
     layer      `OccultMoE`, the expert-parallel layer: route -> dispatch -> experts -> combine
     dense      `DenseMoE`, the single-process reference, and the expert-parameter init
-    lanes      `Lane`: a second dispatcher per layer over another group, for a second micro-batch
 
 The public names are re-exported by `occult` itself (`from occult import OccultMoE`).
 """

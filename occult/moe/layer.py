@@ -21,7 +21,7 @@ import torch.nn as nn
 from occult.moe import status as pending
 from occult.moe.comm import CommStats
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, configs_from_keywords
-from occult.moe.contract import Dispatcher, Schedule
+from occult.moe.contract import Schedule
 from occult.moe.counts import STATUS_WRONG_DTYPE, STATUS_WRONG_HIDDEN, RoutingError, routing_status
 from occult.moe.dense import DenseMoE, expert_parameters
 from occult.moe.device_exchange import agree_and_check
@@ -135,20 +135,6 @@ class OccultMoE(nn.Module):
     def local_experts(self) -> LocalExperts:
         """This rank's experts as the function the dispatcher's received rows are run through."""
         return LocalExperts(self.gate_up_proj, self.down_proj, self.execution.expert_backend)
-
-    def dispatcher_over(self, group: Any) -> Dispatcher:
-        """A dispatcher like this layer's (its kind, node layout and transport setting) over `group`,
-        another process group of the same ranks: its own communicator and transport buffers, so that a
-        second micro-batch's exchanges can be in flight beside the first's (`occult.moe.lanes`)."""
-        ours = self.dispatcher
-        if ours.group is None:
-            raise ValueError("a one-rank layer has no exchanges to run beside each other")
-        same = dist.get_process_group_ranks(ours.group) == dist.get_process_group_ranks(group)
-        if not same:
-            raise ValueError("the second group must hold the same ranks, in the same order, as the layer's")
-        return make_dispatcher(
-            ours.name, group, devices_per_node=ours.devices_per_node, transport=self.execution.transport
-        )
 
     # --------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, while_waiting: Callable[[], None] | None = None) -> torch.Tensor:

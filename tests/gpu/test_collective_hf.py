@@ -244,36 +244,3 @@ def test_graphed_forward_over_the_device_transport(ranks):
         graphed(torch.zeros(2, 7, dtype=torch.long, device=dev))
     graphed.release()
     assert ranks.all_max(worst) < 1e-5, worst
-
-
-@pytest.mark.parametrize("schedule", ["device", "sync_free"])
-def test_graphed_forward_as_two_micro_batches(ranks, schedule):
-    """`hf.GraphedForward(micro_batches=2)`: the batch's halves on two streams of one capture, the second
-    over a second lane of process groups, give the eager forward's logits (fp32: within 1e-5) replay
-    after replay, on the device transport and sync-free; an odd batch is refused."""
-    from occult import ExecConfig, set_sync_free
-    from occult.moe.symm import unavailable_reason
-
-    if schedule == "device" and (reason := unavailable_reason(dist.group.WORLD)):
-        pytest.skip(f"device transport: {reason}")
-    D, dev = ranks.world_size, ranks.device
-    seed = ranks.seed + 203
-    base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB).to(dev, torch.float32).eval()
-    E = int(hf.moe_blocks(base)[0][1].gate.weight.shape[0])
-    execution = ExecConfig(transport="device" if schedule == "device" else "counts")
-    model = hf.convert(
-        base, placement=_random_placement(E, len(hf.moe_blocks(base)), D, seed), dispatcher="dedup", execution=execution
-    )
-    set_sync_free(model, schedule == "sync_free")
-    with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
-        hf.GraphedForward(model, 3, 7, micro_batches=2)
-    gen = torch.Generator().manual_seed(seed + ranks.rank)
-    graphed = hf.GraphedForward(model, 4, 9, micro_batches=2)
-    worst = 0.0
-    with torch.no_grad():
-        for _ in range(3):
-            ids = torch.randint(3, VOCAB, (4, 9), generator=gen).to(dev)
-            got = graphed(ids).clone()
-            worst = max(worst, _rel(got, model(input_ids=ids, use_cache=False).logits[:, -1]))
-    graphed.release()
-    assert ranks.all_max(worst) < 1e-5, (schedule, worst)

@@ -336,15 +336,6 @@ def test_e2e_transport_and_graph_modifiers():
         "dedup/compile/graph",
         "native/compile/graph",
         "dedup@device/graph/compile",
-        "replicated/compile/twobatch",  # two micro-batches need expert-parallel layers with no host wait
-        "dedup/twobatch",
-        "dedup@syncfree/twobatch/compile",
     ):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)
-    two = e2e.variant_list("dedup@syncfree/compile/twobatch,dedup@device/twobatch,dedup@device/graph")
-    assert [(e2e.base_variant(v), e2e.is_graphed(v), e2e.micro_batches(v), e2e.is_compiled(v)) for v in two] == [
-        ("dedup", True, 2, True),
-        ("dedup", True, 2, False),
-        ("dedup", True, 1, False),
-    ]

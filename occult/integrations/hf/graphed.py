@@ -10,12 +10,6 @@ replicated model's captured one; docs/history.md).
 
 One graph serves one input shape [B, S]; fresh ids are copied into its input buffer before each
 replay, and the logits are written into the same output buffer each time (clone what you keep).
-
-`micro_batches=2` (two-batch overlap, as DeepSeek's and SGLang's): the batch's two halves are issued
-on two streams of the capture, the second half's MoE layers over a second lane of process groups
-(`occult.moe.lanes`), so the replay has two independent chains of work and the GPU runs one half's
-attention and experts while the other half's all-to-alls are on the wire. Each half is a complete
-forward (same function, rows split by sequence).
 Inference only (no autograd). Every rank of the group captures and replays together, like any
 forward of a converted model. The graph holds the layers' collectives, so it is registered with
 `occult.teardown` (released before any process group is destroyed); `release()` frees it sooner.
@@ -24,12 +18,11 @@ forward of a converted model. The graph holds the layers' collectives, so it is 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
-from occult.moe.lanes import Lane
 from occult.moe.layer import OccultMoE
 from occult.teardown import hold_collectives
 
@@ -68,19 +61,10 @@ class GraphedForward:
 
     `last_only`: the last position's logits [B, V] (a prefill; transformers' `logits_to_keep=1`),
     else every position's [B, S, V]. `warmup`: eager forwards at the shape before the capture (on
-    a side stream: Triton compiles, buffers grow, the allocator settles). `micro_batches`: 1, or 2
-    (module docstring; an even `batch`, expert-parallel layers; every rank builds its second lane here).
+    a side stream: Triton compiles, buffers grow, the allocator settles).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        batch: int,
-        seq: int,
-        last_only: bool = True,
-        warmup: int = 3,
-        micro_batches: int = 1,
-    ) -> None:
+    def __init__(self, model: nn.Module, batch: int, seq: int, last_only: bool = True, warmup: int = 3) -> None:
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"GraphedForward captures a CUDA graph: the model is on {device.type}")
@@ -92,13 +76,9 @@ class GraphedForward:
             )
         if batch < 1 or seq < 1:
             raise ValueError(f"batch and seq must be >= 1, got {batch} and {seq}")
-        if micro_batches not in (1, 2) or batch % micro_batches:
-            raise ValueError(f"micro_batches must be 1 or 2, dividing the batch ({batch}); got {micro_batches}")
         self.last_only = last_only
         self.ids_BS = torch.zeros(batch, seq, dtype=torch.long, device=device)
         self._model = model
-        self.lane = Lane(model) if micro_batches == 2 else None
-        self._forward = self._forward_one if self.lane is None else self._two_batches(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad(), masks_as_under_capture():
@@ -118,32 +98,9 @@ class GraphedForward:
         if torch.distributed.is_initialized():  # its collectives must go before the process group
             hold_collectives(self)
 
-    def _logits(self, ids_BS: torch.Tensor) -> torch.Tensor:
-        out = self._model(input_ids=ids_BS, use_cache=False, logits_to_keep=1 if self.last_only else 0).logits
+    def _forward(self) -> torch.Tensor:
+        out = self._model(input_ids=self.ids_BS, use_cache=False, logits_to_keep=1 if self.last_only else 0).logits
         return out[:, -1] if self.last_only else out
-
-    def _forward_one(self) -> torch.Tensor:
-        return self._logits(self.ids_BS)
-
-    def _two_batches(self, device: torch.device) -> Callable[[], torch.Tensor]:
-        """The forward as two halves on two streams forked from (and joined back into) the current one,
-        the second half over the second lane."""
-        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-
-        def forward() -> torch.Tensor:
-            main = torch.cuda.current_stream(device)
-            halves = self.ids_BS.chunk(2)
-            logits = []
-            for stream, ids_BS, lane in zip(streams, halves, (contextlib.nullcontext(), self.lane.active())):
-                stream.wait_stream(main)
-                with torch.cuda.stream(stream), lane:
-                    logits.append(self._logits(ids_BS))
-            for stream, half in zip(streams, logits):
-                main.wait_stream(stream)
-                half.record_stream(main)  # read on the main stream: not reused on its own before that
-            return torch.cat(logits)
-
-        return forward
 
     def __call__(self, ids_BS: torch.Tensor) -> torch.Tensor:
         """The logits of `ids_BS` (the captured shape), in the graph's output buffer."""
