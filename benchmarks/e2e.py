@@ -215,8 +215,8 @@ def variant_list(text: str) -> list[str]:
             f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
             f"with /graph), @device or @syncfree ones /traingraphs/compile (training calls replayed too), or the peers "
-            f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
-            f"@chunksN were removed: docs/overlap.md)"
+            f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo, "
+            f"@chunksN and /twobatch were removed: docs/overlap.md)"
         )
     return names
 

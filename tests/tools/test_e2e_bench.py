@@ -115,6 +115,7 @@ def test_e2e_unknown_variant_fails_clearly(capsys):
         "torchtitan/tbo",
         "dedup@chunks4/layergraphs/compile",
         "dedup@chunks2",
+        "dedup@syncfree/compile/twobatch",  # and the captured two-batch schedule (issue 53, session 11)
     ):
         with pytest.raises(Exception, match="unknown variant") as info:
             e2e.variant_list(bad)

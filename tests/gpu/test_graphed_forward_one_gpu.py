@@ -1,0 +1,34 @@
+"""`hf.GraphedForward` on one GPU: each replay with fresh ids gives the eager forward's last-position
+logits (fp32, within 1e-5). Single-process GPU tests (tests/gpu/run.sh's second stage);
+with several ranks: tests/gpu/test_collective_hf.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'occult[hf]')")
+
+from occult.integrations import hf  # noqa: E402
+
+VOCAB = 96
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_replays_give_the_eager_logits():
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    model = hf.convert(hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB)).to("cuda", torch.float32).eval()
+    graphed = hf.GraphedForward(model, 4, 9)
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(3, VOCAB, (4, 9), generator=gen).cuda()
+            got = graphed(ids).clone()
+            want = model(input_ids=ids, use_cache=False).logits[:, -1]
+            worst = max(worst, ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item())
+    graphed.release()
+    assert worst < 1e-5, (seed, worst)
