@@ -5,15 +5,15 @@
     python scripts/current_numbers.py --stamp    # add provenance.json entries for new result files (needs git)
 
 Each result file answers some questions (one layer, whole-model prefill and training, decode, LM training,
-peers; per GPU count, link, shape, batch). For every question the page shows the figure of the NEWEST file
-that answers it, never the best of several: newest by the run's date that the file records in its env block
-(occult/tools/run_record.py: the code's commit and the date, beside the card and link), else by the date in
-docs/results/provenance.json (then its `run` number, for two jobs of one commit). provenance.json records, per
-older file, the commit that added it, that commit's date, the card and the link; `--stamp` fills it from git
-history for files that lack both (scripts/result_provenance.py). Both sides of every ratio come from one
-job: one file, or one folder of one-variant training runs from one scripts/two_gpu_training.sh call; files
-merged from several jobs (a `sources` key, benchmarks/serve_merge.py) are not read. docs/results/history/
-holds superseded files and is not read.
+Megatron-Core training, peers; per GPU count, link, shape, layers, batch). For every question the page shows
+the figure of the NEWEST file that answers it, never the best of several: newest by the run's date that the
+file records in its env block (occult/tools/run_record.py: the code's commit and the date, beside the card and
+link), else by the date in docs/results/provenance.json (then its `run` number, for two jobs of one commit).
+provenance.json records, per older file, the commit that added it, that commit's date, the card and the link;
+`--stamp` fills it from git history for files that lack both (scripts/result_provenance.py). Both sides of
+every ratio come from one job: one file, or one folder of one-variant training runs from one
+scripts/two_gpu_training.sh call; files merged from several jobs (a `sources` key, benchmarks/serve_merge.py)
+are not read. docs/results/history/ holds superseded files and is not read.
 """
 
 from __future__ import annotations
@@ -79,6 +79,12 @@ TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         ("GPUs", "link", "model", "phase"),
         ("TorchTitan / fastest occult", "TorchTitan / TorchTitan + occult's dispatcher"),
     ),
+    "megatron": (
+        "Megatron-Core with occult's token dispatcher (`benchmarks/megatron_train.py`): tokens/s per GPU, "
+        "occult / Megatron's alltoall",
+        ("GPUs", "link", "model", "layers"),
+        ("expert module", "alltoall tokens/s/GPU", "occult tokens/s/GPU", "speed-up", "loss max rel. diff"),
+    ),
     "decode": (
         "Decode steps on several GPUs (`benchmarks/serve.py`, `benchmarks/decode.py`): occult's fastest "
         "expert-parallel step / the replicated floor's step (p50)",
@@ -118,6 +124,8 @@ def result_kind(doc: dict) -> str | None:
         return "bench"
     if "variants" in doc and "env" in doc and "model" in config:
         return "e2e" if "phases" in config else "serve"
+    if "args" in doc and "variants" in doc and "megatron_core" in (doc.get("env") or {}):
+        return "megatron"
     if "runs" in doc and "peers" in config:
         return "peers"
     if "ratios" in doc and "variants" in doc and "link" in doc:
@@ -171,6 +179,20 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
         if tt and ours:
             with_ours = fmt_ratio(tt, tt_occult[1], "", tt_occult[0]) if tt_occult else "-"
             yield Figure("torchtitan", key, (fmt_ratio(tt, ours[1], "", ours[0]), with_ours))
+
+
+def megatron_figures(doc: dict, link: str) -> Iterator[Figure]:
+    """One megatron_train.py job: occult's dedup dispatcher against Megatron's alltoall, both from this file."""
+    runs, env, args = doc["variants"], doc["env"], doc["args"]
+    ours, theirs = runs.get("occult"), runs.get("alltoall")
+    if not ours or not theirs:
+        return
+    modules = dict.fromkeys((theirs["expert_module"], ours["expert_module"]))  # one name where both agree
+    module = " / ".join(modules) + (" (Transformer Engine)" if env.get("transformer_engine") else " (no TE)")
+    gap = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"], strict=True))
+    a, b = ours["tokens_per_s_per_gpu"], theirs["tokens_per_s_per_gpu"]
+    cells = (module, f"{b:,.0f}", f"{a:,.0f}", f"{a / b:.2f}x", f"{gap:.1e}")
+    yield Figure("megatron", (str(env.get("world_size")), link, args["model"], str(args["layers"])), cells)
 
 
 def serve_figures(doc: dict, link: str) -> Iterator[Figure]:
@@ -236,6 +258,7 @@ FIGURES: dict[str, Callable[[dict, str], Iterator[Figure]]] = {
     "bench": bench_figures,
     "e2e": e2e_figures,
     "serve": serve_figures,
+    "megatron": megatron_figures,
     "peers": peers_figures,
     "train": train_figures,
     "finetune": finetune_figures,

@@ -172,3 +172,34 @@ def test_a_folder_of_training_runs_takes_its_runs_records_when_all_have_one(tmp_
         raise AssertionError("runs of two commits went unnoticed")
     except SystemExit as e:
         assert "provenance.json" in str(e)
+
+
+def megatron(date: str, alltoall: float, occult: float, model: str = "olmoe") -> dict:
+    """A benchmarks/megatron_train.py result: tokens/s per GPU per variant, losses per step, its own record."""
+    env = {"world_size": 2, "gpu": "NVIDIA H200", "link": "nvlink", "commit": "0123456789ab", "dirty": False}
+    env.update(date=date, megatron_core="0.19.2", transformer_engine=False)
+    losses = {"alltoall": [10.0, 8.0], "occult": [10.01, 8.0]}  # max rel. diff 1e-3
+    variants = {
+        v: {"expert_module": "SequentialMLP", "losses": losses[v], "tokens_per_s_per_gpu": t}
+        for v, t in (("alltoall", alltoall), ("occult", occult))
+    }
+    return {"args": {"model": model, "layers": 4}, "env": env, "variants": variants}
+
+
+def test_a_megatron_job_gives_occult_over_alltoall_and_the_newest_job_wins(tmp_path: Path) -> None:
+    """benchmarks/megatron_train.py: one row per (GPUs, link, model, layers), both sides from the newest job."""
+    write(tmp_path, {"old.json": megatron("2026-11-28T01:00:00+00:00", 20000.0, 25000.0)}, {})
+    rows = [r for r in current_numbers.render(tmp_path, tmp_path / "provenance.json").splitlines() if ".json" in r]
+    assert rows == [
+        "| 2 | NVLink | olmoe | 4 | SequentialMLP (no TE) | 20,000 | 25,000 | 1.25x | 1.0e-03 | 2 x H200 | "
+        "`0123456` | 2026-11-28 | [old.json](old.json) |"
+    ]
+    docs = {
+        "old.json": megatron("2026-11-28T01:00:00+00:00", 20000.0, 25000.0),
+        "new.json": megatron("2026-11-28T02:00:00+00:00", 20000.0, 22000.0),  # newer and worse: it wins
+        "qwen3.json": megatron("2026-11-27T00:00:00+00:00", 10000.0, 9000.0, model="qwen3"),  # another question
+    }
+    write(tmp_path, docs, {})
+    rows = [r for r in current_numbers.render(tmp_path, tmp_path / "provenance.json").splitlines() if ".json" in r]
+    assert len(rows) == 2 and "| 1.10x |" in rows[0] and "new.json" in rows[0] and "old.json" not in "".join(rows)
+    assert rows[1].startswith("| 2 | NVLink | qwen3 | 4 |") and "| 0.90x |" in rows[1]
