@@ -12,6 +12,10 @@ spec is changed or when the layer is built. `cpu_shims` leaves torch.compile off
 A GPTModel with occult (placed, and unplaced) trained two steps and saved per rank with torch.save
 loads into Megatron's own `alltoall` model (placed: after `model_order_local_experts`; unplaced: as
 is) and gives the same per-token losses on a fresh batch; the placed one loaded as is does not.
+The same placed model saved with `dist_checkpointing.save` (torch_dist; `cpu_shims` write its files
+in the rank) loads into Megatron's model the documented way (into a placed model, then
+`model_order_local_experts`) and, saved through `model_order_sharded_state_dict`, as is (and back into a
+placed model through it): the same per-token losses; the placed one loaded as is differs.
 
 Megatron's experts see the same rows in the same order with either dispatcher; only the per-token
 sums run in another order (fp32 rounding).
@@ -323,6 +327,61 @@ def _checkpoint_case(rank, world, seed, folder):
     return losses
 
 
+def _dist_checkpoint_case(rank, world, seed, folder):
+    """occult's placed GPTModel trained 2 steps, saved with `dist_checkpointing.save` (torch_dist, its
+    `sharded_state_dict()`) as is and through `model_order_sharded_state_dict` -> per-token losses on a fresh
+    batch of: occult's; Megatron's alltoall model loaded the documented way (the placed checkpoint into a fresh
+    placed model, then `model_order_local_experts`); Megatron's loading the model-order checkpoint as is; a fresh
+    placed model loading it through `model_order_sharded_state_dict`; Megatron's loading the placed one as is;
+    a placed model loading, through it, what Megatron's model (loaded the documented way) saved."""
+    from megatron.core import dist_checkpointing
+
+    from occult.integrations.megatron.placement import model_order_local_experts, model_order_sharded_state_dict
+    from occult.placement import PlacementError
+
+    torch.manual_seed(seed)
+    config = _config(2, num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
+    interleaved = np.arange(E) % world
+    placement = Placement(np.stack([_random_placement(world, seed + 9).expert_device(0), interleaved]), world)
+    occult_model = _gpt(config, placement, occult=True)
+    _train(occult_model, seed + 3)
+    placed_dir, model_dir = (os.path.join(folder, name) for name in ("dist_placed", "dist_model_order"))
+    for path in (placed_dir, model_dir):
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(occult_model.sharded_state_dict(), placed_dir)
+    dist_checkpointing.save(model_order_sharded_state_dict(occult_model.sharded_state_dict(), placement), model_dir)
+
+    def fresh(placed=False):
+        torch.manual_seed(seed + 1)  # fresh weights, overwritten by the checkpoint
+        return _gpt(config, placement if placed else None, occult=placed)
+
+    def load(model, path, convert=False):
+        sharded = model.sharded_state_dict()
+        model.load_state_dict(
+            dist_checkpointing.load(model_order_sharded_state_dict(sharded, placement) if convert else sharded, path)
+        )
+        return model
+
+    resumed = load(fresh(placed=True), placed_dir)
+    documented = fresh()
+    documented.load_state_dict(model_order_local_experts(resumed.state_dict(), placement))
+    models = [occult_model, documented, load(fresh(), model_dir), load(fresh(placed=True), model_dir, convert=True)]
+    models.append(load(fresh(), placed_dir))
+    megatron_dir = os.path.join(folder, "dist_megatron")  # Megatron's own model's checkpoint -> the placed model
+    os.makedirs(megatron_dir, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(documented.sharded_state_dict(), megatron_dir)
+    models.append(load(fresh(placed=True), megatron_dir, convert=True))
+    dispatchers = [type(m.mlp.token_dispatcher).__name__ for m in (mm.decoder.layers[0] for mm in models)]
+    losses = [_loss_TS(m, seed + 11) for m in models]
+    try:  # a placement for another EP size is refused, not applied
+        model_order_sharded_state_dict(occult_model.sharded_state_dict(), Placement.contiguous(E, 2 * world))
+    except PlacementError as e:
+        dispatchers.append(str(e))
+    return losses, dispatchers, sorted(os.listdir(placed_dir))
+
+
 def _graphs_compiled() -> int:
     """Graphs torch.compile hands its backend after `cpu_shims`: 0 when it is off, as it must be (Megatron's
     fused helpers are torch.compile'd; a CPU rank on a GPU machine failed compiling them through the stubs)."""
@@ -355,7 +414,8 @@ def _ranks(rank, world, seed, folder):
     }
     results = {name: _case(rank, world, seed + i, **case) for i, (name, case) in enumerate(cases.items())}
     gpt = _gpt_case(rank, world, seed)
-    return results, _bad_builds(world), gpt, compiled, _checkpoint_case(rank, world, seed, folder)
+    dist = _dist_checkpoint_case(rank, world, seed, folder)
+    return results, _bad_builds(world), gpt, compiled, (_checkpoint_case(rank, world, seed, folder), dist)
 
 
 def _check_checkpoint(rank, losses):
@@ -368,6 +428,20 @@ def _check_checkpoint(rank, losses):
     assert "with 8 experts each, but this state dict is one of 2 EP ranks with [4]" in losses.get("wrong placement", "")
     unconverted_TS = losses["placed"][2]  # the placed experts under Megatron's contiguous layout
     assert (unconverted_TS - losses["placed"][0]).abs().max() > 1e-3, (rank, "loads wrong yet equal", losses)
+
+
+def _check_dist_checkpoint(rank, losses, dispatchers, files):
+    """The torch_dist round trip: Megatron's model gives occult's per-token losses loaded the documented way,
+    from the model-order checkpoint as is, and the placed model from it and from Megatron's own checkpoint; the
+    placed checkpoint as is does not."""
+    occult_d, alltoall_d = "OccultTokenDispatcher", "MoEAlltoAllTokenDispatcher"
+    assert dispatchers[:6] == [occult_d, alltoall_d, alltoall_d, occult_d, alltoall_d, occult_d], (rank, dispatchers)
+    assert "placement is for 4 EP ranks, but the EP group has 2" in dispatchers[6:][0], (rank, dispatchers)
+    assert "metadata.json" in files and any(f.endswith(".distcp") for f in files), (rank, files)
+    names = ("documented", "model order", "placed from model order", "placed from Megatron's")
+    for name, loaded_TS in zip(names, losses[1:4] + losses[5:]):
+        assert torch.allclose(loaded_TS, losses[0], rtol=1e-5, atol=1e-6), (rank, name, losses[0], loaded_TS)
+    assert (losses[4] - losses[0]).abs().max() > 1e-3, (rank, "placed dist checkpoint loads wrong yet equal", losses)
 
 
 @pytest.mark.timeout(240)
@@ -386,8 +460,9 @@ def test_layer_matches_megatron_alltoall_on_2_ranks(tmp_path):
     for name in ("pruned", "pruned sigmoid"):  # one rank, one row a token
         assert cases[name][1][4] == 1 and cases[name][1][0] == cases[name][1][3], (name, cases[name])
     assert cases["dedup placed top3"][1][0] < cases["dedup placed top3"][1][3] * 3  # dedup sent fewer rows than k x T
-    for r, (_, rank_bad, _, compiled, checkpoint_losses) in enumerate(results):
+    for r, (_, rank_bad, _, compiled, (checkpoint_losses, dist_checkpoint)) in enumerate(results):
         _check_checkpoint(r, checkpoint_losses)
+        _check_dist_checkpoint(r, *dist_checkpoint)
         assert compiled == 0, f"rank {r}: torch.compile still on after cpu_shims ({compiled} graph(s))"
         assert "placement is for 16 experts" in rank_bad["experts"], (r, rank_bad)
         assert "max_devices=1 EP ranks hold only 4 experts" in rank_bad["room"], (r, rank_bad)

@@ -7,6 +7,11 @@ those few calls (process-wide, once)
 so that Megatron's own `alltoall` dispatcher, the reference occult is tested against, runs on CPU; it
 also turns torch.compile off in the process (Megatron's fused helpers run eagerly), which the stubs
 would break where CUDA is visible.
+`cpu_shims` also lets `dist_checkpointing.save` (format `torch_dist`) run in a CPU rank: Megatron
+writes each rank's files through worker processes (a `multiprocessing` Manager queue, forked writers)
+and stages them with `torch.cuda.synchronize()`; a daemonic rank (occult's `run_ranks`) may not have
+children, and a CPU-only torch has no CUDA to synchronize. The shims write the same files with
+Megatron's own `write_preloaded_data`, in the rank, one bucket after another, staged with blocking copies.
 occult's dispatcher needs none of it. `without_transformer_engine()` is needed on GPUs too:
 Megatron-Core 0.16.1's router gating reads `te_general_gemm`, a name it defines only when Transformer
 Engine imports (0.19 sets it to None).
@@ -15,6 +20,7 @@ Engine imports (0.19 sets it to None).
 from __future__ import annotations
 
 import contextlib
+import queue
 
 import torch
 
@@ -54,6 +60,44 @@ def without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
+def in_process_checkpoint_writes() -> None:
+    """Megatron's `torch_dist` save strategy writing its files in this process (no Manager, no forked writers),
+    staging with blocking copies (no `torch.cuda.synchronize()`), psutil optional (it only logs memory).
+    Megatron's classes are patched, torch.cuda is not. CPU tests only."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    writer = fsa.FileSystemWriterAsync
+    if getattr(writer, "occult_cpu_shim", False) or not hasattr(writer, "write_preloaded_data_multiproc"):
+        return
+    results: queue.Queue = queue.Queue()
+    fsa._get_write_results_queue = lambda: results  # in Megatron: a Manager().Queue() (a spawned server)
+
+    def write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue):
+        """`write_preloaded_data_multiproc` without processes: the same writer per bucket, same results."""
+        out: dict | Exception = {}
+        for i, bucket in enumerate(write_buckets):
+            local, count = queue.Queue(), queue.Queue()
+            count.put(i)
+            writer.write_preloaded_data(transform_list, i, bucket, local, count, True, use_msc=use_msc)
+            index, written = local.get()
+            if isinstance(written, Exception):
+                out = written
+                break
+            out[index] = written
+        global_results_queue.put(out)
+
+    writer.write_preloaded_data_multiproc = staticmethod(write_in_process)
+    writer.occult_cpu_shim = True
+    if not getattr(fsa, "HAVE_PSUTIL", True):
+        fsa._process_memory = lambda: 0
+    stage = writer.preload_tensors  # copies to host, then `torch.cuda.synchronize()` when non-blocking
+
+    def preload_blocking(write_buckets, non_blocking=True):
+        return stage(write_buckets, False)  # CPU tensors: blocking copies, nothing to synchronize
+
+    writer.preload_tensors = staticmethod(preload_blocking)
+
+
 def cpu_shims() -> None:
     """Stand-ins for the CUDA stream calls the alltoall dispatcher makes, torch.compile off (CPU smoke tests only)."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
@@ -84,3 +128,4 @@ def cpu_shims() -> None:
 
     # dropout regions fork Megatron's CUDA RNG states: on CPU, the process's one generator
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    in_process_checkpoint_writes()

@@ -13,11 +13,14 @@ placed model stores expert `placed position` where Megatron's own model stores e
 `placed_local_experts` does the same for the state dicts of a running expert-parallel model: each
 rank's contiguous experts become its placed ones (all-gathered over the EP group);
 `model_order_local_experts` turns them back (a placed model's per-rank checkpoint -> what Megatron's
-own `alltoall` model loads on that rank).
+own `alltoall` model loads on that rank). `model_order_sharded_state_dict` points a placed model's
+`sharded_state_dict()` (distributed checkpoints, `dist_checkpointing`) at each expert's model-order
+index, so the checkpoint it saves is laid out as Megatron's own model's and it loads Megatron's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -198,3 +201,66 @@ def _move_local_experts(
         for j, e in enumerate(wanted):
             out[keys[j]] = full[int(e)].clone()
     return out
+
+
+def model_order_sharded_state_dict(
+    sharded_state_dict: Mapping[str, Any], placement: str | Placement, group: Any = None
+) -> dict[str, Any]:
+    """A placed model's `sharded_state_dict()` with every local expert at its model-order global index.
+
+    Megatron's experts give local expert `j` of EP rank `r` the global index `r * L + j` in a
+    distributed checkpoint (`dist_checkpointing`); in a placed model that slot holds expert
+    `placement.experts_on_device(r)[j]`, so its entries are moved to that index (the expert axis of
+    each `ShardedTensor`, `ShardedObject` and `ShardedTensorFactory`: the last one Megatron prepends).
+    Saved through it, the checkpoint is Megatron's own layout (Megatron's `alltoall` model loads it
+    as is); loaded through it, the placed model reads a checkpoint in that layout. No collective;
+    `group` is the EP group (its rank and size are checked against the placement). `SequentialMLP` and
+    `TEGroupedMLP` keys; MoE layer i (in layer order) uses the placement's layer i (or its only layer)."""
+    placement = placement if isinstance(placement, Placement) else Placement.load(placement)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    matches = {k: m for k in sharded_state_dict for m in [SEQUENTIAL_KEY.match(k) or TE_GROUPED_KEY.match(k)] if m}
+    layers = sorted({(m["prefix"], int(m["layer"])) for m in matches.values()})
+    if placement.num_layers not in (1, len(layers)):
+        raise PlacementError(
+            f"the placement has {placement.num_layers} layers, but the model has {len(layers)} MoE layers"
+        )
+    if placement.num_devices != world:
+        raise PlacementError(f"the placement is for {placement.num_devices} EP ranks, but the EP group has {world}")
+    out = dict(sharded_state_dict)
+    for key, m in matches.items():
+        index = layers.index((m["prefix"], int(m["layer"]))) if placement.num_layers > 1 else 0
+        j = int(m["e"])
+        if j >= placement.experts_per_device:
+            raise PlacementError(f"{key}: local expert {j}, but the placement has {placement.experts_per_device}")
+        slot = rank * placement.experts_per_device + j  # Megatron's global index for this local expert
+        expert = int(placement.experts_on_device(rank, index)[j])
+        out[key] = _at_expert(out[key], (slot, expert, placement.num_experts), key)
+    return out
+
+
+def _at_expert(entry: Any, move: tuple[int, int, int], key: str) -> Any:
+    """`entry` (a ShardedTensor, ShardedObject or ShardedTensorFactory) moved from expert index `slot` to `expert`
+    (`move`: slot, expert, experts), on the expert axis: the last prepended one, of global size `experts`."""
+    if hasattr(entry, "build_fn"):  # a factory (GLU fc1): the tensors it builds are moved
+        build = entry.build_fn
+
+        def moved(*args, **kwargs):
+            built = build(*args, **kwargs)
+            if isinstance(built, Mapping):
+                return {k: _at_expert(v, move, key) for k, v in built.items()}
+            if isinstance(built, (list, tuple)):  # Megatron's SwiGLU factory: [w, v]
+                return type(built)(_at_expert(v, move, key) for v in built)
+            return _at_expert(built, move, key)
+
+        return dataclasses.replace(entry, build_fn=moved)
+    if not dataclasses.is_dataclass(entry) or not hasattr(entry, "global_offset"):
+        raise PlacementError(f"{key}: {type(entry).__name__} is not a sharded tensor or object this can move")
+    axis = entry.prepend_axis_num - 1 if hasattr(entry, "prepend_axis_num") else len(entry.global_offset) - 1
+    slot, expert, experts = move
+    if axis < 0 or entry.global_offset[axis] != slot or entry.global_shape[axis] != experts:
+        raise PlacementError(
+            f"{key}: expected expert {slot} of {experts} on the last prepended axis, but its global offset is "
+            f"{entry.global_offset} of {entry.global_shape} (singleton_local_shards checkpoints are not converted)"
+        )
+    offset = (*entry.global_offset[:axis], expert, *entry.global_offset[axis + 1 :])
+    return dataclasses.replace(entry, global_offset=offset)
