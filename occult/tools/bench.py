@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
 from typing import Any
 
@@ -41,7 +40,7 @@ from occult.tools.bench_variant import (  # noqa: F401 (re-exported: benchmarks/
     variant_sync_free,
     variant_transport,
 )
-from occult.tools.preflight import MemoryNeed, check_fits, out_of_memory
+from occult.tools.preflight import MemoryNeed, check_fits, rank_failure
 from occult.tools.run_record import run_record
 
 # The model shapes are the cost model's (one table); `tiny` is for CPU smoke runs.
@@ -245,11 +244,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         results = run_ranks(bench_worker, world, conf, backend=backend, timeout_s=3000)
     except RankFailure as exc:
-        too_big = out_of_memory("occult bench", need, str(exc))
-        if too_big is not None:
-            raise too_big from None
-        print(f"occult bench: FAILED: {exc}", file=sys.stderr)
-        return 1
+        return rank_failure("occult bench", need, exc)
     result = results[0]
     result["config"] = {
         **conf,

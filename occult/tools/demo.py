@@ -29,7 +29,7 @@ from occult.moe.config import ExecConfig
 from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
 from occult.placement import Placement
-from occult.tools.preflight import MemoryNeed, check_fits, out_of_memory
+from occult.tools.preflight import MemoryNeed, check_fits, rank_failure
 
 
 @dataclass
@@ -326,11 +326,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         results = run_ranks(demo_worker, cfg.world_size, cfg, placement, backend=backend, timeout_s=900)
     except RankFailure as exc:
-        too_big = out_of_memory("occult demo", need, str(exc))
-        if too_big is not None:
-            raise too_big from None
-        print(f"occult demo: FAILED: {exc}", file=sys.stderr)
-        return 1
+        return rank_failure("occult demo", need, exc)
     except KeyboardInterrupt:
         if cfg.progress:  # rank 0's bar may end the terminal's last line
             print(file=sys.stderr)

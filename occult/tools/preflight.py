@@ -6,12 +6,13 @@ calibration) and per GPU, and `check_fits` compares it with what the machine has
 available now (the cgroup's limit where it is lower), each GPU's total memory. A job that
 surely cannot fit is refused with one line naming the flags to lower (`ValueError`, which the
 command line prints as `occult: error: ...`, exit 2). A lower bound cannot refuse a job that
-fits; an allocation that still fails in a rank is named the same way (`out_of_memory`).
+fits; an allocation that still fails in a rank is named the same way (`out_of_memory`, `rank_failure`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,3 +123,13 @@ def out_of_memory(tool: str, need: MemoryNeed, failure: str) -> ValueError | Non
     if "(exit code -9)" in failure:
         return ValueError(f"{tool}: a rank was killed (SIGKILL, most often out of memory) with {shown}: lower {lower}")
     return None
+
+
+def rank_failure(tool: str, need: MemoryNeed, failure: Exception) -> int:
+    """A failed run of the ranks: `out_of_memory`'s one-line error raised where it applies, else the
+    failure printed to stderr as `{tool}: FAILED: ...`; returns the exit status (1)."""
+    too_big = out_of_memory(tool, need, str(failure))
+    if too_big is not None:
+        raise too_big from None
+    print(f"{tool}: FAILED: {failure}", file=sys.stderr)
+    return 1

@@ -11,7 +11,7 @@ import torch
 
 from occult.tools import preflight
 from occult.tools.bench import check_variants
-from occult.tools.preflight import MemoryNeed, check_fits, out_of_memory
+from occult.tools.preflight import MemoryNeed, check_fits, out_of_memory, rank_failure
 from tests.cli._cli_helpers import one_clean_line, run_main
 
 HUGE = 10**12  # tokens: petabytes of activations on any machine
@@ -73,6 +73,15 @@ def test_a_rank_that_ran_out_of_memory_is_one_line_naming_the_flags():
     assert out_of_memory("occult bench", need, "1 of 2 rank(s) failed:\nValueError: something else") is None
     killed = "1 of 2 rank(s) failed:\n--- rank 1 ---\nrank 1 died (exit code -9) without reporting"
     assert "a rank was killed (SIGKILL, most often out of memory)" in str(out_of_memory("occult demo", need, killed))
+
+
+def test_a_failed_run_raises_the_out_of_memory_line_or_prints_the_failure(capsys):
+    need = MemoryNeed(flags={"--tokens": 5}, given=())
+    with pytest.raises(ValueError, match="occult demo ran out of memory in a rank with --tokens 5") as info:
+        rank_failure("occult demo", need, RuntimeError("rank 0: CUDA out of memory"))
+    assert info.value.__suppress_context__
+    assert rank_failure("occult bench", need, RuntimeError("1 of 2 rank(s) failed: boom")) == 1
+    assert capsys.readouterr().err == "occult bench: FAILED: 1 of 2 rank(s) failed: boom\n"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks only")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from occult.integrations import placements
 from occult.placement import Placement, PlacementError
 
 # one expert's tensor: (prefix, layer number, expert index, rest of the key)
@@ -43,21 +44,15 @@ GROUPED_KEY = re.compile(r"^(?P<prefix>.*?layers\.)(?P<layer>\d+)\.mlp\.experts\
 
 def load_placement(placement: str | Placement | None, num_experts: int, num_devices: int) -> Placement:
     """A `Placement` from a JSON path or object (None: Megatron's contiguous blocks), checked against the model."""
-    if placement is None:
-        return Placement.contiguous(num_experts, num_devices)
-    if not isinstance(placement, Placement):
-        placement = Placement.load(placement)
-    if placement.num_experts != num_experts:
-        raise PlacementError(
-            f"the placement is for {placement.num_experts} experts, but this Megatron MoE layer has "
-            f"{num_experts} (num_moe_experts): make a placement from a trace of this model (occult place)"
-        )
-    if placement.num_devices != num_devices:
-        raise PlacementError(
-            f"the placement is for {placement.num_devices} devices, but Megatron's expert-parallel group has "
-            f"{num_devices} ranks (expert_model_parallel_size): make one with `occult place --devices {num_devices}`"
-        )
-    return placement
+    return placements.load_placement(
+        placement,
+        num_experts,
+        num_devices,
+        framework="Megatron",
+        experts_setting="num_moe_experts",
+        ep_group="Megatron's expert-parallel group",
+        ep_setting="expert_model_parallel_size",
+    )
 
 
 def moe_layer_pattern(config: Any) -> list[int]:

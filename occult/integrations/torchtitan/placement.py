@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from occult.integrations import placements
 from occult.placement import Placement, PlacementError
 
 EXPERT_KEY = re.compile(r"^(?P<prefix>.*?)(?P<layer>\d+)\.moe\.routed_experts\.inner_experts\.(w1_EFD|w2_EDF|w3_EFD)$")
@@ -24,16 +25,7 @@ EXPERT_KEY = re.compile(r"^(?P<prefix>.*?)(?P<layer>\d+)\.moe\.routed_experts\.i
 
 def load_placement(placement: str | Placement | None, num_experts: int, num_devices: int) -> Placement:
     """A `Placement` from a JSON path or object (None: contiguous), checked against the model."""
-    if placement is None:
-        return Placement.contiguous(num_experts, num_devices)
-    if not isinstance(placement, Placement):
-        placement = Placement.load(placement)
-    if placement.num_experts != num_experts:
-        raise PlacementError(
-            f"the placement is for {placement.num_experts} experts, but this TorchTitan MoE layer "
-            f"has {num_experts}: make a placement from a trace of this model (occult place)"
-        )
-    return placement
+    return placements.load_placement(placement, num_experts, num_devices, framework="TorchTitan")
 
 
 def _moe_layers(state_dict: Mapping[str, Any]) -> list[tuple[str, str]]:
