@@ -37,6 +37,10 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    eager forward (its max relative error above --tol fails the variant). GPUs only.
                    After /compile: the compiled layers captured too (e.g. dedup@device/compile/graph,
                    replicated/compile/graph; the compilation runs in the capture's warm-up)
+  <variant>/twobatch  as /graph, the batch's two halves interleaved at every MoE layer's exchanges on two
+                   streams of the capture (hf.GraphedForward(micro_batches=2), occult.moe.two_batch: one
+                   half's all-to-all under the other's compute); @syncfree variants, an even --batch,
+                   e.g. dedup@syncfree/compile/twobatch (not yet measured: docs/overlap.md)
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
                    capture of the model's other layers); for @device, @syncfree variants and replicated;
@@ -207,6 +211,7 @@ def variant_list(text: str) -> list[str]:
         if (is_graphed(v) or layer_graphs(v)) and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")
     ]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
+    bad += [v for v in names if micro_batches(v) == 2 and not sync_free(v)]
     bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
     if bad or not names:
         raise argparse.ArgumentTypeError(
@@ -214,9 +219,10 @@ def variant_list(text: str) -> list[str]:
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
             f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
-            f"with /graph), @device or @syncfree ones /traingraphs/compile (training calls replayed too), or the peers "
-            f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo, "
-            f"@chunksN and /twobatch were removed: docs/overlap.md)"
+            f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches), @device or @syncfree ones "
+            f"/traingraphs/compile (training calls replayed too), or the peers "
+            f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
+            f"@chunksN were removed: docs/overlap.md)"
         )
     return names
 
@@ -226,9 +232,7 @@ _HOW = re.compile(r"@(device|syncfree)$")  # how an expert-parallel variant exch
 
 def _stem(variant: str) -> str:
     """'dedup@syncfree/compile/graph' -> 'dedup@syncfree' (the modifiers after the slash gone)."""
-    return (
-        variant.replace("/layergraphs", "").replace("/traingraphs", "").removesuffix("/graph").removesuffix("/compile")
-    )
+    return _without_capture(variant).removesuffix("/compile")
 
 
 def base_variant(variant: str) -> str:
@@ -249,7 +253,7 @@ def sync_free(variant: str) -> bool:
 def is_compiled(variant: str) -> bool:
     """'replicated/compile' (or '.../compile/graph'): the decoder layers torch.compiled around the MoE
     blocks (hf.compile_layers)."""
-    return variant.replace("/layergraphs", "").replace("/traingraphs", "").removesuffix("/graph").endswith("/compile")
+    return _without_capture(variant).endswith("/compile")
 
 
 def layer_graphs(variant: str) -> bool:
@@ -264,8 +268,20 @@ def train_graphs(variant: str) -> bool:
 
 
 def is_graphed(variant: str) -> bool:
-    """'dedup@device/graph': the whole prefill forward captured in one CUDA graph (hf.GraphedForward)."""
-    return variant.endswith("/graph")
+    """'dedup@device/graph': the whole prefill forward captured in one CUDA graph (hf.GraphedForward);
+    '/twobatch' too, as two interleaved micro-batches."""
+    return variant.endswith(("/graph", "/twobatch"))
+
+
+def micro_batches(variant: str) -> int:
+    """'dedup@syncfree/compile/twobatch': 2 (hf.GraphedForward(micro_batches=2)); 1 otherwise."""
+    return 2 if variant.endswith("/twobatch") else 1
+
+
+def _without_capture(variant: str) -> str:
+    """The variant without its graph modifiers ('/layergraphs', '/traingraphs', a final '/graph' or '/twobatch')."""
+    stem = variant.replace("/layergraphs", "").replace("/traingraphs", "")
+    return stem.removesuffix("/graph").removesuffix("/twobatch")
 
 
 def phase_list(text: str) -> list[str]:
@@ -613,13 +629,13 @@ def unavailable(variant: str, device: torch.device) -> str | None:
 
 
 def graphed_step(
-    model: nn.Module, args: argparse.Namespace, vocab: int, device: torch.device
+    model: nn.Module, args: argparse.Namespace, vocab: int, device: torch.device, micro: int = 1
 ) -> tuple[Callable[[torch.Tensor], None], dict[str, float]]:
-    """The prefill step replayed from one CUDA graph, and the graph's logits against the eager
-    forward's on one fresh batch (relative L2 per row: max and median)."""
+    """The prefill step replayed from one CUDA graph (`micro` micro-batches), and the graph's logits
+    against the eager forward's on one fresh batch (relative L2 per row: max and median)."""
     model.eval()
     t0 = time.perf_counter()
-    graphed = hf.GraphedForward(model, args.batch, args.seq)
+    graphed = hf.GraphedForward(model, args.batch, args.seq, micro_batches=micro)
     capture_s = time.perf_counter() - t0
     ids_BS = random_ids(args.batch, args.seq, vocab, device, torch.Generator().manual_seed(50_000 + dist.get_rank()))
     with torch.no_grad():
@@ -704,7 +720,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                     else torch.optim.SGD(model.parameters(), lr=args.lr)
                 )
             if is_graphed(variant):
-                step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device)
+                step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device, micro_batches(variant))
                 if res["graph"]["vs_eager_max_rel_err"] > args.tol:  # the replay must compute the eager forward
                     res["check"]["passed"] = False
                     log("  graph: replay differs from the eager forward  FAILED")

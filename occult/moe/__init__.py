@@ -16,6 +16,7 @@
     experts    SwiGLU experts on received rows (torch reference; Triton via `occult.kernels`)
     layer      `OccultMoE`, the expert-parallel layer: route -> dispatch -> experts -> combine
     dense      `DenseMoE`, the single-process reference, and the expert-parameter init
+    two_batch  two halves of a batch interleaved at the layers' exchanges (two threads, a turn)
 
 The public names are re-exported by `occult` itself (`from occult import OccultMoE`).
 """

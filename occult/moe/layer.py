@@ -31,6 +31,7 @@ from occult.moe.graphs import GraphCache, has_hooks, tensors_key
 from occult.moe.registry import make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.moe.train_graphs import TrainingCall, trainable
+from occult.moe.two_batch import exchange_issued
 from occult.placement import Placement, check_divisible
 
 
@@ -170,8 +171,17 @@ class OccultMoE(nn.Module):
                 raise self._bad_input(x) from exc
             raise
         self.last_comm_stats = handle.stats
+        self._exchange_issued()  # two-batch overlap: the other half runs while this dispatch is on the wire
         y = received.apply(self.local_experts())  # 4. experts, gate-weighted, pre-reduced per row
-        return self.dispatcher.combine(y, handle).reshape(x.shape)  # 5. combine
+        y = self.dispatcher.combine(y, handle).reshape(x.shape)  # 5. combine
+        self._exchange_issued()
+        return y
+
+    def _exchange_issued(self) -> None:
+        """Hand the turn to the other half of a two-batch forward (`occult.moe.two_batch`) where this
+        layer exchanges with other ranks."""
+        if self.num_ranks > 1:
+            exchange_issued()
 
     # -------------------------------------------------------- graph replays
     def replays(self, x: torch.Tensor) -> bool:

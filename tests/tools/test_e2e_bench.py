@@ -115,7 +115,6 @@ def test_e2e_unknown_variant_fails_clearly(capsys):
         "torchtitan/tbo",
         "dedup@chunks4/layergraphs/compile",
         "dedup@chunks2",
-        "dedup@syncfree/compile/twobatch",  # and the captured two-batch schedule (issue 53, session 11)
     ):
         with pytest.raises(Exception, match="unknown variant") as info:
             e2e.variant_list(bad)
@@ -337,6 +336,15 @@ def test_e2e_transport_and_graph_modifiers():
         "dedup/compile/graph",
         "native/compile/graph",
         "dedup@device/graph/compile",
+        "dedup@device/twobatch",  # two interleaved micro-batches: sync-free layers only
+        "replicated/compile/twobatch",
+        "dedup@syncfree/twobatch/compile",
     ):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)
+    two = e2e.variant_list("dedup@syncfree/compile/twobatch,dedup@syncfree/twobatch,dedup@syncfree/graph")
+    assert [(e2e.base_variant(v), e2e.is_graphed(v), e2e.micro_batches(v), e2e.is_compiled(v)) for v in two] == [
+        ("dedup", True, 2, True),
+        ("dedup", True, 2, False),
+        ("dedup", True, 1, False),
+    ]

@@ -10,6 +10,12 @@ replicated model's captured one; docs/history.md).
 
 One graph serves one input shape [B, S]; fresh ids are copied into its input buffer before each
 replay, and the logits are written into the same output buffer each time (clone what you keep).
+
+`micro_batches=2` (two-batch overlap): the batch's two halves are issued on two streams of the
+capture, interleaved at every MoE layer's exchanges (`occult.moe.two_batch`: two threads pass a turn),
+so that the replay runs one half's attention and experts while the other half's all-to-all is on the
+wire. Sync-free layers only. Each half is a complete forward (the same function, rows split by
+sequence).
 Inference only (no autograd). Every rank of the group captures and replays together, like any
 forward of a converted model. The graph holds the layers' collectives, so it is registered with
 `occult.teardown` (released before any process group is destroyed); `release()` frees it sooner.
@@ -18,12 +24,13 @@ forward of a converted model. The graph holds the layers' collectives, so it is 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
 
 from occult.moe.layer import OccultMoE
+from occult.moe.two_batch import run_interleaved
 from occult.teardown import hold_collectives
 
 
@@ -56,15 +63,38 @@ def masks_as_under_capture() -> Iterator[None]:
         import_utils.is_cuda_stream_capturing = saved
 
 
+def check_micro_batches(model: nn.Module, batch: int, micro_batches: int) -> None:
+    """Raise unless `micro_batches` is 1, or 2 with an even batch and every expert-parallel layer sync-free
+    (two exchanges of one group in flight at once would share the device transport's buffers)."""
+    if micro_batches not in (1, 2) or batch % micro_batches:
+        raise ValueError(f"micro_batches must be 1 or 2, dividing the batch ({batch}); got {micro_batches}")
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, OccultMoE) and m.num_ranks > 1]
+    on_device = [n for n, m in layers if not m.sync_free]
+    if micro_batches == 2 and on_device:
+        raise ValueError(
+            f"two micro-batches need sync-free MoE layers; {len(on_device)} are not, e.g. {on_device[0]}: "
+            "call occult.set_sync_free(model) first"
+        )
+
+
 class GraphedForward:
     """`model(input_ids=ids)` logits for ids [B, S] of one shape, replayed from a CUDA graph.
 
     `last_only`: the last position's logits [B, V] (a prefill; transformers' `logits_to_keep=1`),
     else every position's [B, S, V]. `warmup`: eager forwards at the shape before the capture (on
-    a side stream: Triton compiles, buffers grow, the allocator settles).
+    a side stream: Triton compiles, buffers grow, the allocator settles). `micro_batches`: 1, or 2
+    (module docstring; an even `batch`, expert-parallel layers sync-free).
     """
 
-    def __init__(self, model: nn.Module, batch: int, seq: int, last_only: bool = True, warmup: int = 3) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: int,
+        seq: int,
+        last_only: bool = True,
+        warmup: int = 3,
+        micro_batches: int = 1,
+    ) -> None:
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"GraphedForward captures a CUDA graph: the model is on {device.type}")
@@ -76,9 +106,11 @@ class GraphedForward:
             )
         if batch < 1 or seq < 1:
             raise ValueError(f"batch and seq must be >= 1, got {batch} and {seq}")
+        check_micro_batches(model, batch, micro_batches)
         self.last_only = last_only
         self.ids_BS = torch.zeros(batch, seq, dtype=torch.long, device=device)
         self._model = model
+        self._forward = self._forward_one if micro_batches == 1 else self._two_batches(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad(), masks_as_under_capture():
@@ -98,9 +130,31 @@ class GraphedForward:
         if torch.distributed.is_initialized():  # its collectives must go before the process group
             hold_collectives(self)
 
-    def _forward(self) -> torch.Tensor:
-        out = self._model(input_ids=self.ids_BS, use_cache=False, logits_to_keep=1 if self.last_only else 0).logits
+    def _logits(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        out = self._model(input_ids=ids_BS, use_cache=False, logits_to_keep=1 if self.last_only else 0).logits
         return out[:, -1] if self.last_only else out
+
+    def _forward_one(self) -> torch.Tensor:
+        return self._logits(self.ids_BS)
+
+    def _two_batches(self, device: torch.device) -> Callable[[], torch.Tensor]:
+        """The forward as two halves interleaved at the exchanges, each on its own stream forked from
+        (and joined back into) the current one."""
+        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+        def forward() -> torch.Tensor:
+            main = torch.cuda.current_stream(device)
+            for stream in streams:
+                stream.wait_stream(main)
+            halves = self.ids_BS.chunk(2)
+            logits = run_interleaved(lambda i: self._logits(halves[i]), streams)
+            for stream, half in zip(streams, logits):
+                main.wait_stream(stream)
+                if not torch.cuda.is_current_stream_capturing():  # (a capture keeps its memory)
+                    half.record_stream(main)
+            return torch.cat(logits)
+
+        return forward
 
     def __call__(self, ids_BS: torch.Tensor) -> torch.Tensor:
         """The logits of `ids_BS` (the captured shape), in the graph's output buffer."""

@@ -1,0 +1,134 @@
+"""Two-batch overlap: two halves of a batch through one model, interleaved at the MoE layers'
+exchanges, so that one half's all-to-all is on the wire while the other half computes.
+
+`run_interleaved(run, streams)` runs `run(0)` and `run(1)` in two threads that pass a turn: exactly
+one runs at a time, and an expert-parallel `OccultMoE` hands the turn over right after it issues a
+dispatch and right after it issues a combine (`exchange_issued`). Per layer, on every rank, the host
+therefore issues
+
+    A  attention, route, dispatch(A)       | turn to B
+    B  attention, route, dispatch(B)       | turn to A    (B's compute can run under dispatch(A))
+    A  experts(A), combine(A)              | turn to B    (under dispatch(B))
+    B  experts(B), combine(B)              | turn to A    (under combine(A))
+    A  the next layer's attention, ...                     (under combine(B))
+
+Each half issues onto a stream of its own (`streams[i]`), so a half's wait for its exchange orders
+only its own stream; the exchanges (NCCL, one process group) run on the group's stream in exactly
+that order on every rank. Nothing here waits for the GPU: it pays where the whole forward is
+captured in one CUDA graph (`occult.integrations.hf.GraphedForward(micro_batches=2)`), whose replay
+keeps the order and costs the host one launch. Two free-running halves on two streams without the
+turn advance in step and hide nothing (docs/overlap.md).
+
+Sync-free layers only (`ExecConfig(sync_free=True)`): the device transport's receive buffers and
+barrier signals are per group, and two exchanges of one group in flight at once would share them.
+Inference only (the threads carry the caller's grad and inference mode; nothing orders a backward).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+_local = threading.local()
+
+
+def exchange_issued() -> None:
+    """Called by a layer right after it issues a dispatch or a combine: inside `run_interleaved`, the
+    other half takes its turn (this half continues when the turn comes back); elsewhere nothing."""
+    turn = getattr(_local, "hand_over", None)
+    if turn is not None:
+        turn()
+
+
+def interleaving() -> bool:
+    """Whether this thread runs one half of `run_interleaved`."""
+    return getattr(_local, "hand_over", None) is not None
+
+
+class _Turn:
+    """Two threads, one runs at a time; `hand_over` gives the turn away and waits for it back. A
+    finished thread (`release`) never takes the turn again, so the other runs on alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._done = [False, False]
+
+    def _wait(self, me: int) -> None:
+        while self._turn != me and not self._done[1 - me]:
+            self._cond.wait()
+
+    def take(self, me: int) -> None:
+        with self._cond:
+            self._wait(me)
+
+    def hand_over(self, me: int) -> None:
+        with self._cond:
+            self._turn = 1 - me
+            self._cond.notify_all()
+            self._wait(me)
+
+    def release(self, me: int) -> None:
+        with self._cond:
+            self._done[me] = True
+            self._turn = 1 - me
+            self._cond.notify_all()
+
+
+def _caller_state() -> Callable[[ExitStack, Any], None]:
+    """What this thread has set that a new thread would not inherit (grad and inference mode, the CUDA
+    device); returns how a half's thread enters it, on its own stream."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def enter(stack: ExitStack, stream: Any) -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        if stream is not None:
+            stack.enter_context(torch.cuda.stream(stream))
+        stack.enter_context(torch.inference_mode(inference))
+        stack.enter_context(torch.set_grad_enabled(grad))
+
+    return enter
+
+
+def run_interleaved(run: Callable[[int], T], streams: Sequence[Any] = (None, None)) -> list[T]:
+    """[run(0), run(1)], the two interleaved at every expert-parallel layer's exchanges (module
+    docstring), half i on `streams[i]` (None: the thread's current stream). Every rank must call it
+    with the same model and halves of the same shapes. An error in either half is raised here after
+    both threads ended (the other half's, if any, noted)."""
+    if interleaving():
+        raise RuntimeError("two-batch overlap cannot be nested")
+    turn, enter = _Turn(), _caller_state()
+    results: list[Any] = [None, None]
+    errors: list[BaseException | None] = [None, None]
+
+    def half(me: int) -> None:
+        _local.hand_over = lambda: turn.hand_over(me)
+        try:
+            with ExitStack() as stack:
+                enter(stack, streams[me])
+                turn.take(me)
+                results[me] = run(me)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller
+            errors[me] = exc
+        finally:
+            _local.hand_over = None
+            turn.release(me)
+
+    threads = [threading.Thread(target=half, args=(i,), name=f"occult-two-batch-{'AB'[i]}") for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [e for e in errors if e is not None]
+    if failed:
+        if len(failed) == 2:
+            failed[0].add_note(f"the other half failed too: {type(failed[1]).__name__}: {failed[1]}")
+        raise failed[0]
+    return results

@@ -1,0 +1,130 @@
+"""Two-batch overlap (`occult.moe.two_batch`, behind `hf.GraphedForward(micro_batches=2)`): on gloo
+ranks two halves of a batch through two sync-free expert-parallel layers, interleaved, give the whole
+batch's output, and every rank issues the exchanges in the interleaved order (A's dispatch, B's
+dispatch, A's combine, B's combine, layer after layer); the caller's grad mode reaches the halves; an
+error in a half is raised in the caller after both threads end, never a hang; nesting is refused;
+what `GraphedForward` refuses. (The halves on two streams of one capture: tests/gpu/test_collective_hf.py.)"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from occult.distributed import run_ranks
+from occult.moe.dense import DenseMoE
+from occult.moe.layer import OccultMoE
+from occult.moe.two_batch import exchange_issued, interleaving, run_interleaved
+from occult.placement import Placement
+
+WORLD = 2
+
+
+def _logged(layer: OccultMoE, index: int, log: list) -> None:
+    """Record (half, layer, exchange) each time `layer` issues a dispatch or a combine."""
+    dispatcher = layer.dispatcher
+    dispatch, combine = dispatcher.dispatch, dispatcher.combine
+
+    def logged_dispatch(*args, **kwargs):
+        log.append((threading.current_thread().name[-1], index, "dispatch"))
+        return dispatch(*args, **kwargs)
+
+    def logged_combine(*args, **kwargs):
+        log.append((threading.current_thread().name[-1], index, "combine"))
+        return combine(*args, **kwargs)
+
+    dispatcher.dispatch, dispatcher.combine = logged_dispatch, logged_combine
+
+
+def _worker(rank: int, world: int, seed: int) -> dict:
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    placement = Placement(np.stack([rng.permutation(np.arange(8) % world) for _ in range(2)]), world)
+    out = {}
+    for name in ("dedup", "standard"):
+        dense = [DenseMoE(16, 12, 8, 3, dtype=torch.float64) for _ in range(2)]
+        layers = [
+            OccultMoE.from_dense(d, placement=placement, layer_index=i, dispatcher=name) for i, d in enumerate(dense)
+        ]
+        model = torch.nn.Sequential(*layers)
+        for layer in layers:
+            layer.sync_free = True
+        x = torch.randn(2 * 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 7 + rank))
+        with torch.no_grad():
+            whole = model(x)
+            log: list = []
+            for i, layer in enumerate(layers):
+                _logged(layer, i, log)
+            halves = run_interleaved(lambda i: model(x.chunk(2)[i]))
+        out[name] = {
+            "error": float((torch.cat(halves) - whole).abs().max()),
+            "order": log,
+            "grad": [h.requires_grad for h in halves],
+        }
+    return out
+
+
+def test_two_interleaved_halves_give_the_whole_batch_in_the_interleaved_order():
+    per_rank = run_ranks(_worker, WORLD, random.randrange(2**31), timeout_s=300)
+    expected = [(half, layer, op) for layer in (0, 1) for op in ("dispatch", "combine") for half in "AB"]
+    for rank, out in enumerate(per_rank):
+        for name, got in out.items():
+            assert got["error"] < 1e-12, (rank, name, got["error"])
+            assert got["order"] == expected, (rank, name, got["order"])
+            assert got["grad"] == [False, False], (rank, name)  # no_grad carried into the threads
+
+
+def test_an_error_in_a_half_is_raised_after_both_end():
+    finished = []
+
+    def run(i: int) -> int:
+        exchange_issued()
+        if i == 1:
+            raise KeyError("half B")
+        exchange_issued()
+        finished.append(i)
+        return i
+
+    with pytest.raises(KeyError, match="half B"):
+        run_interleaved(run)
+    assert finished == [0]  # A ran on alone to its end once B had failed
+
+
+def test_turns_alternate_at_each_exchange_and_nesting_is_refused():
+    order = []
+
+    def run(i: int) -> str:
+        assert interleaving()
+        for step in range(3):
+            order.append((i, step))
+            exchange_issued()
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            run_interleaved(lambda j: j)
+        return "AB"[i]
+
+    assert run_interleaved(run) == ["A", "B"]
+    assert order == [(i, step) for step in range(3) for i in (0, 1)]
+    assert not interleaving()
+    exchange_issued()  # outside: nothing happens
+
+
+def test_graphed_forward_refuses_what_two_micro_batches_cannot_run():
+    pytest.importorskip("transformers")
+    from occult.integrations import hf
+    from occult.integrations.hf.graphed import check_micro_batches
+
+    model = hf.convert(hf.tiny_random_model("olmoe", seed=3, vocab_size=64, num_hidden_layers=2), group=None)
+    with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
+        check_micro_batches(model, 3, 2)
+    with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
+        check_micro_batches(model, 4, 3)
+    layer = next(m for m in model.modules() if isinstance(m, OccultMoE))
+    layer.num_ranks = 2  # stands in for an expert-parallel layer over the device transport (not sync-free)
+    with pytest.raises(ValueError, match="need sync-free MoE layers"):
+        check_micro_batches(model, 4, 2)
+    layer.sync_free = True
+    check_micro_batches(model, 4, 2)
+    check_micro_batches(model, 3, 1)
