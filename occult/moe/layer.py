@@ -31,7 +31,7 @@ from occult.moe.graphs import GraphCache, has_hooks, tensors_key
 from occult.moe.registry import make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.moe.train_graphs import TrainingCall, trainable
-from occult.moe.two_batch import exchange_issued
+from occult.moe.two_batch import exchange_issued, interleaving
 from occult.placement import Placement, check_divisible
 
 
@@ -188,9 +188,11 @@ class OccultMoE(nn.Module):
         """Whether a call on `x` goes through the layer's CUDA graphs: `ExecConfig(graphs=True)`, a CUDA
         input, not inside another capture or torch.compile, a layer that does not wait for the GPU
         (device transport, sync-free, one rank), no forward hooks on it or its modules (a replay would
-        not call them) and an input it accepts. Under autograd the backward is replayed too
-        (`occult.moe.train_graphs`)."""
+        not call them) and an input it accepts, not one half of a two-batch forward (its recording would
+        span the other half's turn). Under autograd the backward is replayed too (`occult.moe.train_graphs`)."""
         if not self.execution.graphs or not x.is_cuda or pending.capturing() or torch.compiler.is_compiling():
+            return False
+        if interleaving():
             return False
         if self._differentiable(x) and not self.execution.train_graphs:
             return False

@@ -247,10 +247,11 @@ def test_graphed_forward_over_the_device_transport(ranks):
 
 
 def test_graphed_forward_as_two_interleaved_micro_batches(ranks):
-    """`hf.GraphedForward(micro_batches=2)` of a sync-free model: the batch's halves interleaved at every
+    """`hf.GraphedForward(micro_batches=2)` of a sync-free model whose layers have graphs of their own
+    (as `compile_layers` sets them; a half never records one): the batch's halves interleaved at every
     exchange (two threads, two streams of one capture) give the eager forward's logits (fp32: within 1e-5)
-    replay after replay; an odd batch and layers over the device transport are refused."""
-    from occult import ExecConfig, set_sync_free
+    replay after replay, and no layer recorded a graph; an odd batch is refused."""
+    from occult import ExecConfig, OccultMoE, set_sync_free
 
     if ranks.device.type != "cuda":
         pytest.skip("CUDA graphs need GPUs")
@@ -259,12 +260,14 @@ def test_graphed_forward_as_two_interleaved_micro_batches(ranks):
     base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB).to(dev, torch.float32).eval()
     E = int(hf.moe_blocks(base)[0][1].gate.weight.shape[0])
     placement = _random_placement(E, len(hf.moe_blocks(base)), D, seed)
-    model = hf.convert(base, placement=placement, dispatcher="dedup", execution=ExecConfig(transport="counts"))
+    execution = ExecConfig(transport="counts", graphs=True)  # the layers' own graphs: off inside the halves
+    model = hf.convert(base, placement=placement, dispatcher="dedup", execution=execution)
     set_sync_free(model, True)
     with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
         hf.GraphedForward(model, 3, 7, micro_batches=2)
     gen = torch.Generator().manual_seed(seed + ranks.rank)
     graphed = hf.GraphedForward(model, 4, 9, micro_batches=2)
+    recorded = sum(len(m.graphs) for m in model.modules() if isinstance(m, OccultMoE))  # before any eager call
     worst = 0.0
     with torch.no_grad():
         for _ in range(3):
@@ -273,3 +276,4 @@ def test_graphed_forward_as_two_interleaved_micro_batches(ranks):
             worst = max(worst, _rel(got, model(input_ids=ids, use_cache=False).logits[:, -1]))
     graphed.release()
     assert ranks.all_max(worst) < 1e-5, worst
+    assert recorded == 0, recorded
