@@ -105,6 +105,8 @@ class OccultTokenDispatcher(MoETokenDispatcher):
         """[S, B, H] tokens, dense [T, E] map and probs -> x_TH and the chosen experts' probs weights_TK."""
         self.hidden_shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
+        if self.config.overlap_moe_expert_parallel_comm:  # its 1F1B schedule frees this input after the dispatch
+            x_TH = x_TH.clone()  # (the router and shared experts keep the norm output x_TH views for backward)
         # each row of a dropless routing map has top_k entries: their columns are the expert ids
         self.ids_TK = torch.topk(routing_map.to(torch.int8), self.top_k, dim=1).indices
         return x_TH, probs.gather(1, self.ids_TK)
