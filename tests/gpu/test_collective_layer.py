@@ -29,7 +29,10 @@ HIDDEN, FFN = 512, 256
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of `a` against `b`; inf where `a` is not finite (a NaN would pass `max` and `<=`)."""
     a, b = a.detach().double(), b.detach().double()
+    if not torch.isfinite(a).all():
+        return float("inf")
     denom = b.norm().item()
     return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 

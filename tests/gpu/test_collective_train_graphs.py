@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_collective_layer import DTYPES, HIDDEN, _rel
 from test_collective_layer_graphs import _layers as layer_pair
+from test_kernels_real_shapes import _poison_free_memory
 
 from occult import OccultMoE
 from occult.moe.graphs import EAGER_CALLS
@@ -23,18 +24,25 @@ def _layers(ranks, transport: str, dtype: torch.dtype, salt: int, dispatcher: st
     return layer_pair(ranks, transport, dtype, salt, dispatcher, train_graphs=True)
 
 
-def _step(layer: OccultMoE, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One training call: output, and the gradients of sum(y * w) for the input and every parameter."""
+def _step(
+    layer: OccultMoE, x: torch.Tensor, w: torch.Tensor, poison: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training call: output, and the gradients of sum(y * w) for the input and every parameter
+    (`poison`: the allocator's free memory set to NaN before the forward and before the backward)."""
     x = x.detach().clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
+    if poison:
+        _poison_free_memory(x.device)
     y = layer(x)
+    if poison:
+        _poison_free_memory(x.device)
     (y.float() * w).sum().backward()
     grads = {name: p.grad for name, p in layer.named_parameters() if p.grad is not None}
     return y.detach(), {"x": x.grad, **grads}
 
 
-def _worst(ranks, graphed, eager, x, w) -> float:
-    y, grads = _step(graphed, x, w)
+def _worst(ranks, graphed, eager, x, w, poison: bool = False) -> float:
+    y, grads = _step(graphed, x, w, poison)
     y_ref, grads_ref = _step(eager, x, w)
     assert grads.keys() == grads_ref.keys(), (sorted(grads), sorted(grads_ref))
     return max([_rel(y, y_ref)] + [_rel(grads[k], grads_ref[k]) for k in grads_ref])
@@ -59,6 +67,22 @@ def test_replayed_training_calls_match_the_eager_layer(ranks, transport, dispatc
                 a.mul_(0.9)
                 b.mul_(0.9)
     assert ranks.all_max(worst) <= TOL[dtype], (transport, dispatcher, dtype_name, worst)
+
+
+@pytest.mark.parametrize("transport", ["device", "sync_free"])
+def test_replayed_training_calls_never_read_memory_they_did_not_write(ranks, transport):
+    """As above (bf16, dedup) with NaN in every free block of the allocator before each forward (the
+    recording's included) and each backward: a training step after other models trained in the process
+    went NaN in e2e.py (docs/training.md, "Layer graphs in training")."""
+    graphed, eager = _layers(ranks, transport, torch.bfloat16, 37)
+    tokens = 96 if transport == "sync_free" else 96 + 13 * ranks.rank
+    gen = torch.Generator(device=ranks.device).manual_seed(ranks.seed * 19 + ranks.rank)
+    worst = 0.0
+    for _ in range(EAGER_CALLS + 3):
+        x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=ranks.device, generator=gen)
+        w = torch.randn(tokens, HIDDEN, device=ranks.device, generator=gen)
+        worst = max(worst, _worst(ranks, graphed, eager, x, w, poison=True))
+    assert ranks.all_max(worst) <= TOL[torch.bfloat16], (transport, worst)
 
 
 def test_a_second_forward_before_the_first_backward_runs_eagerly(ranks):

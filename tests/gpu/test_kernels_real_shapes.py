@@ -53,3 +53,48 @@ def test_kernels_match_reference_at_olmoe_shape(shape, dtype):
     errors = {n: _rel(a, b) for n, a, b in zip(NAMES, got, ref)}
     assert all(torch.isfinite(t).all() for t in got), errors
     assert max(errors.values()) < TOL[dtype], (shape, dtype, errors)
+
+
+def _poison_free_memory(device: str) -> None:
+    """Fill the caching allocator's free blocks with NaN bit patterns (all bits set): a kernel that
+    reads memory it never wrote (rows past the last pair, an expert with no rows) then sees NaN, as
+    it may in a training step where freed activations sit in the blocks it gets."""
+    big = [torch.full((1 << 28,), -1, dtype=torch.int32, device=device) for _ in range(4)]  # 4 x 1 GiB
+    small = [torch.full((1 << 17,), -1, dtype=torch.int32, device=device) for _ in range(512)]  # 512 KiB each
+    del big, small
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_kernels_never_read_memory_they_did_not_write(dtype):
+    """Forward and backward on memory that holds NaN wherever it was not written: every output and
+    gradient finite and equal to the reference, with half the local experts getting no rows and
+    most slots padding (the rows past the last pair and the empty experts' groups are never read)."""
+    from occult.moe.experts import expert_mlp_reference
+
+    R, K, E = 6144, 8, 16
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**31, ())))
+    slots = torch.randint(0, E // 2, (R, K), device=dev, generator=g) * 2  # odd experts get no rows
+    slots[torch.rand(R, K, device=dev, generator=g) < 0.7] = -1
+    x = torch.randn(R, H, device=dev, generator=g)
+    gates = torch.rand(R, K, device=dev, generator=g)
+    w1 = torch.randn(E, 2 * F, H, device=dev, generator=g) / H**0.5
+    w2 = torch.randn(E, H, F, device=dev, generator=g) / F**0.5
+    dy = torch.randn(R, H, device=dev, generator=g).to(dtype)
+    ins = [
+        x.to(dtype).requires_grad_(),
+        gates.requires_grad_(),
+        w1.to(dtype).requires_grad_(),
+        w2.to(dtype).requires_grad_(),
+    ]
+    _poison_free_memory(dev)
+    y = kernels.expert_mlp(ins[0], slots, ins[1], ins[2], ins[3])
+    _poison_free_memory(dev)
+    got = (y, *torch.autograd.grad(y, ins, dy))
+    ref_ins = [t.detach().float().requires_grad_() for t in ins]
+    y_ref = expert_mlp_reference(ref_ins[0], slots, ref_ins[1], ref_ins[2], ref_ins[3])
+    ref = (y_ref, *torch.autograd.grad(y_ref, ref_ins, dy.float()))
+    finite = {n: bool(torch.isfinite(t).all()) for n, t in zip(NAMES, got)}
+    assert all(finite.values()), (dtype, finite)
+    errors = {n: _rel(a, b) for n, a, b in zip(NAMES, got, ref)}
+    assert max(errors.values()) < TOL[dtype], (dtype, errors)
