@@ -56,12 +56,16 @@ def test_kernels_match_reference_at_olmoe_shape(shape, dtype):
 
 
 def _poison_free_memory(device: str) -> None:
-    """Fill the caching allocator's free blocks with NaN bit patterns (all bits set): a kernel that
-    reads memory it never wrote (rows past the last pair, an expert with no rows) then sees NaN, as
-    it may in a training step where freed activations sit in the blocks it gets."""
-    big = [torch.full((1 << 28,), -1, dtype=torch.int32, device=device) for _ in range(4)]  # 4 x 1 GiB
-    small = [torch.full((1 << 17,), -1, dtype=torch.int32, device=device) for _ in range(512)]  # 512 KiB each
-    del big, small
+    """Fill free device memory with NaN bit patterns (all bits set): first memory handed back to the
+    driver (`empty_cache`), which a new segment (a CUDA-graph recording's own pool) may get, then the
+    caching allocator's free blocks. A kernel that reads memory it never wrote (rows past the last pair,
+    an expert with no rows) then sees NaN, as it may in a training step after other work freed its memory."""
+    for keep in (False, True):
+        big = [torch.full((1 << 28,), -1, dtype=torch.int32, device=device) for _ in range(4)]  # 4 x 1 GiB
+        small = [torch.full((1 << 17,), -1, dtype=torch.int32, device=device) for _ in range(512)]  # 512 KiB each
+        del big, small
+        if not keep:
+            torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
