@@ -40,7 +40,7 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>/twobatch  as /graph, the batch's two halves interleaved at every MoE layer's exchanges on two
                    streams of the capture (hf.GraphedForward(micro_batches=2), occult.moe.two_batch: one
                    half's all-to-all under the other's compute); @syncfree variants, an even --batch,
-                   e.g. dedup@syncfree/compile/twobatch (not yet measured: docs/overlap.md)
+                   e.g. dedup@syncfree/compile/twobatch (wins on a slow link, not on NVLink: docs/overlap.md)
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
                    capture of the model's other layers); for @device, @syncfree variants and replicated;

@@ -15,7 +15,8 @@ replay, and the logits are written into the same output buffer each time (clone 
 capture, interleaved at every MoE layer's exchanges (`occult.moe.two_batch`: two threads pass a turn),
 so that the replay runs one half's attention and experts while the other half's all-to-all is on the
 wire. Sync-free layers only. Each half is a complete forward (the same function, rows split by
-sequence).
+sequence). It pays where the all-to-alls are long against the compute (a slow link), not over NVLink
+(docs/overlap.md has the measurements).
 Inference only (no autograd). Every rank of the group captures and replays together, like any
 forward of a converted model. The graph holds the layers' collectives, so it is registered with
 `occult.teardown` (released before any process group is destroyed); `release()` frees it sooner.
