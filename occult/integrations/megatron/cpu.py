@@ -12,6 +12,10 @@ writes each rank's files through worker processes (a `multiprocessing` Manager q
 and stages them with `torch.cuda.synchronize()`; a daemonic rank (occult's `run_ranks`) may not have
 children, and a CPU-only torch has no CUDA to synchronize. The shims write the same files with
 Megatron's own `write_preloaded_data`, in the rank, one bucket after another, staged with blocking copies.
+For Megatron's combined-1F1B EP overlap (`overlap_moe_expert_parallel_comm`: its schedule,
+`forward_backward_no_pipelining`, and `ScheduleNode`) the shims also make `torch.cuda.Event` the
+stand-in event, `record_stream` of a CPU tensor and the NVTX ranges no-ops, and the schedule's token
+counter (made on "cuda") a CPU tensor: the schedule's order is kept, not its concurrency (one stream).
 occult's dispatcher needs none of it. `without_transformer_engine()` is needed on GPUs too:
 Megatron-Core 0.16.1's router gating reads `te_general_gemm`, a name it defines only when Transformer
 Engine imports (0.19 sets it to None).
@@ -26,7 +30,16 @@ import torch
 
 
 class CpuEvent:
-    """`torch.cuda.Event` on CPU: already complete."""
+    """`torch.cuda.Event` on CPU: already complete (recording and waiting on it do nothing)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
 
     def synchronize(self) -> None:
         pass
@@ -129,3 +142,38 @@ def cpu_shims() -> None:
     # dropout regions fork Megatron's CUDA RNG states: on CPU, the process's one generator
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     in_process_checkpoint_writes()
+    overlap_schedule_on_cpu()
+
+
+class TorchWithCpuCounters:
+    """`torch` as Megatron's pipeline schedules module sees it on CPU ranks: its token counter, which it makes
+    with `torch.zeros(..., device="cuda")`, is made on the CPU; everything else is torch's."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: object, device: object = None, **kwargs: object) -> torch.Tensor:
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)  # type: ignore[call-overload]
+
+
+def overlap_schedule_on_cpu() -> None:
+    """Megatron's forward-backward schedules and its combined-1F1B EP overlap on CPU ranks (once per process):
+    `torch.cuda.Event` the stand-in event, `record_stream` of a CPU tensor and NVTX ranges no-ops, the schedules'
+    token counter on the CPU. CUDA tensors keep torch's `record_stream`."""
+    if getattr(torch.cuda, "occult_cpu_overlap_shim", False):
+        return
+    torch.cuda.Event = CpuEvent  # type: ignore[assignment,misc]
+    record_stream = torch.Tensor.record_stream
+
+    def record_stream_on_cuda(self: torch.Tensor, stream: object) -> None:
+        if self.is_cuda:
+            record_stream(self, stream)  # type: ignore[arg-type]
+
+    torch.Tensor.record_stream = record_stream_on_cuda  # type: ignore[method-assign,assignment]
+    torch.cuda.nvtx.range_push = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None  # type: ignore[assignment]
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = TorchWithCpuCounters()  # type: ignore[assignment]
+    torch.cuda.occult_cpu_overlap_shim = True  # type: ignore[attr-defined]
