@@ -1,6 +1,8 @@
 """Train a Megatron-Core GPTModel MoE with Megatron's `alltoall` dispatcher and with occult's (issue 54).
 
     torchrun --nproc-per-node 4 benchmarks/megatron_train.py --model olmoe --layers 4 --steps 100 --out r.json
+    torchrun --nproc-per-node 2 benchmarks/megatron_train.py --model olmoe --layers 4 --micro-batches 4 \
+        --variants alltoall,alltoall+overlap,occult,occult+overlap --out overlap.json
 
 Megatron's own pieces throughout: `GPTModel` from its layer spec (Transformer Engine's with
 `TEGroupedMLP` experts where TE imports, else the local spec with `SequentialMLP`: without TE
@@ -12,18 +14,28 @@ over all ranks for the dense weights), bf16 on GPUs (every weight, norms too, as
 
 Variants (`--variants`): `alltoall` (Megatron's), `occult` (dedup: one row per token and EP rank),
 `occult-standard`, `occult+placement` (dedup with `--placement`, a JSON from `occult place`; the
-expert weights moved to their placed ranks by `placed_local_experts`). Every variant starts from
-the same weights (the first variant's, copied) and sees the same random tokens (fixed seed per
-rank and step): their losses should agree to rounding. A step's time is the slowest rank's (CUDA
-events are not needed: the step ends with the optimizer's update, then a device sync); tokens/s
-per GPU is micro-batch x sequence / the median step time after `--warmup` steps.
+expert weights moved to their placed ranks by `placed_local_experts`); each also with `+overlap`
+(`alltoall+overlap`, `occult+overlap`, ...): Megatron-Core's combined-1F1B expert-parallel overlap
+(`overlap_moe_expert_parallel_comm`: one micro-batch's forward paired with another's backward, the
+all-to-alls on a side stream), which needs `--micro-batches` >= 2 (the first forward and the last
+backward run unpaired: 4 or more advised) and 2 or more ranks. Every variant starts from the same
+weights (the first variant's, copied) and sees the same random tokens (fixed seed per rank, step and
+micro-batch): their losses should agree to rounding. With `--micro-batches N` > 1 a step is Megatron's own schedule
+(`get_forward_backward_func()`) over N micro-batches, then the optimizer's update; a step's loss is
+the mean over its micro-batches (N = 1: one forward and backward per step, no schedule). A step's
+time is the slowest rank's (CUDA events are not needed: the step ends with the optimizer's update,
+then a device sync); tokens/s per GPU is micro-batch x micro-batches x sequence / the median step
+time after `--warmup` steps.
 
 Rank 0 writes the JSON (losses per step per variant, step times, tokens/s per GPU, occult's rows sent, the expert
-module, the environment and run record) atomically after every variant and prints a table last.
+module, micro-batches and overlap per variant, the environment and run record) atomically after every variant and
+prints a table last.
 Shapes: OLMoE-1B-7B (hidden 2048, 64 experts, ffn 1024, top-8, 16 heads, vocab 50304), Qwen3-30B-A3B
 (hidden 2048, 128 experts, ffn 768, top-8, 32 heads of 128 with 4 KV groups, vocab 151936), tiny
 (a CPU smoke test). `--layers` cuts depth. On CPU ranks (gloo) Megatron's CUDA stream calls are
-stubbed (occult.integrations.megatron.cpu).
+stubbed (occult.integrations.megatron.cpu), the overlap's schedule runs in order on one stream, and
+`+overlap` variants are fp32 (Megatron refuses the overlap for fp32 models: on CPU the config passes
+its check as bf16, then computes in fp32).
 """
 
 from __future__ import annotations
@@ -50,7 +62,14 @@ SHAPES = {
     "qwen3": dict(hidden=2048, experts=128, ffn=768, top_k=8, heads=32, kv_groups=4, head_dim=128, vocab=151936),
     "tiny": dict(hidden=32, experts=8, ffn=16, top_k=2, heads=4, kv_groups=4, head_dim=8, vocab=128),
 }
-VARIANTS = ("alltoall", "occult", "occult-standard", "occult+placement")
+BASE_VARIANTS = ("alltoall", "occult", "occult-standard", "occult+placement")
+OVERLAP = "+overlap"  # a variant's suffix: the same dispatcher under Megatron-Core's combined-1F1B EP overlap
+VARIANTS = BASE_VARIANTS + tuple(v + OVERLAP for v in BASE_VARIANTS)
+
+
+def split_variant(variant: str) -> tuple[str, bool]:
+    """`occult+overlap` -> ("occult", True): the dispatcher variant, and whether the overlap is on."""
+    return variant.removesuffix(OVERLAP), variant.endswith(OVERLAP)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,8 +79,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per variant (default 50)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (default 5)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step (default 1)")
-    p.add_argument("--variants", default="alltoall,occult", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and micro-batch (default 1)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step, run by Megatron's get_forward_backward_func() when > 1\n"
+        "(default 1: one forward and backward per step; +overlap variants need >= 2, 4 or more advised)",
+    )
+    p.add_argument(
+        "--variants",
+        default="alltoall,occult",
+        help=f"comma list of {', '.join(BASE_VARIANTS)}, each also with {OVERLAP}\n"
+        f"(e.g. alltoall{OVERLAP}: Megatron-Core's overlap_moe_expert_parallel_comm; default alltoall,occult)",
+    )
     p.add_argument("--placement", default=None, help="placement JSON (occult place) for occult+placement")
     p.add_argument("--transport", default="auto", choices=("auto", "device", "counts"), help="occult's transport")
     p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default 1e-4)")
@@ -75,9 +106,17 @@ def check_args(args: argparse.Namespace, world: int) -> str | None:
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if not variants or unknown:
-        return f"--variants: unknown {unknown or 'empty list'}; choose from {', '.join(VARIANTS)}"
+        return (
+            f"--variants: unknown {unknown or 'empty list'}; choose from {', '.join(BASE_VARIANTS)}, "
+            f"each also with {OVERLAP}"
+        )
     shape = SHAPES[args.model]
-    for flag, value, low in (("--layers", args.layers, 1), ("--steps", args.steps, 1), ("--seq", args.seq, 2)):
+    for flag, value, low in (
+        ("--layers", args.layers, 1),
+        ("--steps", args.steps, 1),
+        ("--seq", args.seq, 2),
+        ("--micro-batches", args.micro_batches, 1),
+    ):
         if value < low:
             return f"{flag} must be >= {low}, got {value}"
     if args.micro_batch < 1 or not 0 <= args.warmup < args.steps:
@@ -86,8 +125,8 @@ def check_args(args: argparse.Namespace, world: int) -> str | None:
         return (
             f"{args.model}'s {shape['experts']} experts do not split over {world} ranks: use a world size dividing it"
         )
-    if ("occult+placement" in variants) != (args.placement is not None):
-        return "--placement is needed by the occult+placement variant, and only by it"
+    if any(split_variant(v)[0] == "occult+placement" for v in variants) != (args.placement is not None):
+        return f"--placement is needed by the occult+placement (and occult+placement{OVERLAP}) variant, and only by it"
     if args.placement is not None:
         from occult.placement import Placement, PlacementError
 
@@ -102,6 +141,32 @@ def check_args(args: argparse.Namespace, world: int) -> str | None:
             )
         if placement.num_layers not in (1, args.layers):
             return f"--placement has {placement.num_layers} layers; give 1 or --layers ({args.layers})"
+    overlapped = [v for v in variants if split_variant(v)[1]]
+    if overlapped:
+        problem = overlap_problem(args, world)
+        if problem:
+            return f"--variants {overlapped[0]}: {problem}"
+    return None
+
+
+def overlap_problem(args: argparse.Namespace, world: int) -> str | None:
+    """Why Megatron-Core would refuse its combined-1F1B EP overlap for this run, naming the fix (None: it runs).
+    The settings this script could get wrong are checked by name; anything else Megatron's own config check
+    refuses (its assertion message) is reported as it says."""
+    if args.micro_batches < 2:
+        return (
+            "the overlap pairs one micro-batch's forward with another's backward: give --micro-batches >= 2 "
+            f"(4 or more advised), got {args.micro_batches}"
+        )
+    if world < 2:
+        return "Megatron-Core's overlap_moe_expert_parallel_comm needs expert parallelism > 1: run on 2 or more ranks"
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6):
+        return f"Megatron-Core's overlap_moe_expert_parallel_comm needs torch >= 2.6: got {torch.__version__}"
+    on_gpu = torch.cuda.is_available()
+    try:
+        model_config(args, world, torch.bfloat16 if on_gpu else torch.float32, not on_gpu, overlap=True)
+    except (AssertionError, ValueError) as e:
+        return f"Megatron-Core refuses overlap_moe_expert_parallel_comm here: {' '.join(str(e).split())}"
     return None
 
 
@@ -113,11 +178,12 @@ def have_te() -> bool:
     return True
 
 
-def model_config(args: argparse.Namespace, world: int, dtype: torch.dtype, on_cpu: bool) -> Any:
+def model_config(args: argparse.Namespace, world: int, dtype: torch.dtype, on_cpu: bool, overlap: bool = False) -> Any:
+    """Megatron's TransformerConfig for one variant (`overlap`: Megatron-Core's combined-1F1B EP overlap on)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s = SHAPES[args.model]
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=args.layers,
         hidden_size=s["hidden"],
         num_attention_heads=s["heads"],
@@ -141,13 +207,16 @@ def model_config(args: argparse.Namespace, world: int, dtype: torch.dtype, on_cp
         bias_activation_fusion=False,
         gradient_accumulation_fusion=False,
         expert_model_parallel_size=world,
-        bf16=dtype == torch.bfloat16,
+        bf16=dtype == torch.bfloat16 or overlap,  # fp32 CPU runs: Megatron's overlap check wants bf16 or fp16
         params_dtype=dtype,
         pipeline_dtype=dtype,
         use_cpu_initialization=on_cpu,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        overlap_moe_expert_parallel_comm=overlap,
     )
+    config.bf16 = dtype == torch.bfloat16  # checked when made: fp32 math again for the CPU smoke runs
+    return config
 
 
 def layer_spec(args: argparse.Namespace, variant: str) -> tuple[Any, str]:
@@ -165,11 +234,12 @@ def layer_spec(args: argparse.Namespace, variant: str) -> tuple[Any, str]:
             specs.get_gpt_layer_local_spec(experts, moe_grouped_gemm=False, qk_layernorm=True),
             "SequentialMLP",
         )
-    if variant.startswith("occult"):
+    base, _ = split_variant(variant)
+    if base.startswith("occult"):
         from occult.integrations.megatron import install
 
-        dispatcher = "standard" if variant == "occult-standard" else "dedup"
-        placement = args.placement if variant == "occult+placement" else None
+        dispatcher = "standard" if base == "occult-standard" else "dedup"
+        placement = args.placement if base == "occult+placement" else None
         install(spec, dispatcher=dispatcher, placement=placement, transport=args.transport)
     return spec, module
 
@@ -195,7 +265,7 @@ def build(
     ).to(device=device, dtype=config.params_dtype)  # every weight in it, as Megatron's Float16Module casts them:
     # without Apex or TE its norms are torch's, made in fp32, and bf16 inputs then missed the fused RMSNorm on GPUs
     if state is not None:
-        if variant == "occult+placement":
+        if split_variant(variant)[0] == "occult+placement":
             from occult.integrations.megatron.placement import placed_local_experts
             from occult.placement import Placement
 
@@ -234,31 +304,74 @@ def expert_types(model: Any) -> str:
     return ",".join(sorted(names))
 
 
-def batch(args: argparse.Namespace, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's random tokens and labels of `step` (the same for every variant)."""
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + dist.get_rank() * 10_007 + step)
+def batch(args: argparse.Namespace, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's random tokens and labels of micro-batch `index` (step x micro-batches + micro-batch: the step
+    itself with one micro-batch per step), the same for every variant."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + dist.get_rank() * 10_007 + index)
     ids = torch.randint(0, SHAPES[args.model]["vocab"], (args.micro_batch, args.seq + 1), generator=gen)
     return ids[:, :-1].to(device), ids[:, 1:].to(device)
 
 
-def train(args: argparse.Namespace, model: Any, optimizer: Any, device: torch.device) -> tuple[list, list]:
-    """`--steps` Megatron training steps -> (mean loss per step over all ranks, slowest rank's step seconds)."""
+def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's loss function protocol: the micro-batch's mean token loss (the schedule divides it by the number
+    of micro-batches before backward) and what is reported (a copy: the schedule scales the loss in place)."""
+    loss = per_token.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def step_function(args: argparse.Namespace, device: torch.device) -> Any:
+    """Megatron's `forward_step_func` for this run's micro-batches: (data iterator, model) -> (per-token loss,
+    loss function); under the overlap the schedule asks for the model's schedule plan instead of its output."""
     S = args.seq
     position_ids = torch.arange(S, device=device)[None].expand(args.micro_batch, S)
     # GPUs: Megatron's own causal mask (TE's and the local attention's); CPU: its default mask is made on "cuda"
     causal = None if device.type == "cuda" else torch.triu(torch.ones(1, 1, S, S, dtype=torch.bool), diagonal=1)
+
+    def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> tuple[Any, Any]:
+        ids, labels = next(data_iterator)
+        if return_schedule_plan:  # the combined-1F1B schedule: `model` is the unwrapped GPTModel
+            return model.build_schedule_plan(ids, position_ids, causal, labels=labels), loss_func
+        return model(ids, position_ids, causal, labels=labels), loss_func
+
+    return forward_step
+
+
+def train(args: argparse.Namespace, model: Any, optimizer: Any, device: torch.device) -> tuple[list, list]:
+    """`--steps` Megatron training steps -> (mean loss per step over all ranks and its micro-batches, slowest
+    rank's step seconds). One micro-batch: forward, backward, grad sync, update; more: Megatron's
+    forward-backward function over them (its no-sync and grad-finalising hooks, set in `run_variant`), update."""
+    forward_step = step_function(args, device)
+    forward_backward = None
+    if args.micro_batches > 1:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        forward_backward = get_forward_backward_func()
+    N = args.micro_batches
     losses, seconds = [], []
     model.train()
     for step in range(args.steps):
-        ids, labels = batch(args, step, device)
+        micro = [batch(args, step * N + i, device) for i in range(N)]
         dist.barrier()
         synchronize(device)
         t0 = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = model(ids, position_ids, causal, labels=labels).float().mean()
-        loss.backward()
-        model.finish_grad_sync()
+        if forward_backward is None:
+            output, _ = forward_step(iter(micro), model)
+            loss, _ = loss_func(output)
+            loss.backward()
+            model.finish_grad_sync()
+        else:
+            reported = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=[model],
+                num_microbatches=N,
+                seq_length=args.seq,
+                micro_batch_size=args.micro_batch,
+                forward_only=False,
+            )
+            loss = torch.stack([r["lm loss"] for r in reported]).mean()
         optimizer.step()
         synchronize(device)
         # every collective here reduces tensors on `device`: an NCCL group has no CPU backend
@@ -287,14 +400,23 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_variant(args: argparse.Namespace, variant: str, config: Any, device: torch.device, state: dict | None):
+def run_variant(args: argparse.Namespace, variant: str, device: torch.device, state: dict | None):
     """Build, train and time one variant -> (its results, its initial weights on this rank)."""
     from megatron.core import tensor_parallel
 
+    world = dist.get_world_size()
+    overlap = split_variant(variant)[1]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = model_config(args, world, dtype, device.type != "cuda", overlap)  # one per variant: hooks go on it
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
     model, optimizer, module = build(args, variant, config, device, state)
+    if args.micro_batches > 1:  # what Megatron's training loop gives its schedule: grads reduced once per step
+        from megatron.core.distributed import finalize_model_grads
+
+        config.no_sync_func = model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
     initial = (
         state
         if state is not None
@@ -318,8 +440,11 @@ def run_variant(args: argparse.Namespace, variant: str, config: Any, device: tor
         "losses": losses,
         "step_s": seconds,
         "step_ms_median": 1e3 * median_s,
-        "tokens_per_s_per_gpu": args.micro_batch * args.seq / median_s,
-        # occult's rows sent in the last step's forward, all layers and ranks (alltoall: k x tokens x layers)
+        "tokens_per_s_per_gpu": args.micro_batch * args.micro_batches * args.seq / median_s,
+        "micro_batches": args.micro_batches,
+        "overlap": overlap,  # Megatron-Core's overlap_moe_expert_parallel_comm
+        # occult's rows sent in the last forward (the last step's last micro-batch), all layers and ranks (alltoall:
+        # k x tokens x layers, one micro-batch's tokens)
         "dispatch_rows_last_step": int(rows) if variant.startswith("occult") else None,
         "tokens_x_topk_x_layers": args.micro_batch
         * args.seq
@@ -335,23 +460,29 @@ def run_variant(args: argparse.Namespace, variant: str, config: Any, device: tor
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world = init_distributed()
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*|.*Apex.*")  # Megatron's, as it imports
     problem = check_args(args, world)
     if problem:
         if rank == 0:
             print(f"megatron_train.py: error: {problem}", file=sys.stderr, flush=True)
         finish_distributed(ok=False)
         return 2
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*|.*Apex.*")
+    run(args, world)
+    finish_distributed(ok=True)
+    return 0
+
+
+def run(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """Every variant of checked `args` in this rank of `world` -> the report (rank 0 also writes `--out`)."""
+    rank = dist.get_rank()
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
     from megatron.core import parallel_state
 
     from occult.integrations.megatron.cpu import cpu_shims, without_transformer_engine
 
     cpu_shims() if not on_gpu else without_transformer_engine()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world, create_gloo_process_groups=False)
-    config = model_config(args, world, dtype, not on_gpu)
     import megatron.core
 
     env = {**environment(device, world), "megatron_core": megatron.core.__version__, "transformer_engine": have_te()}
@@ -359,12 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     state = None
     for variant in args.variants.split(","):
         log(f"{variant}: {args.steps} steps of {args.model} x {args.layers} layers on {world} ranks ...")
-        report["variants"][variant], state = run_variant(args, variant, config, device, state)
+        report["variants"][variant], state = run_variant(args, variant, device, state)
         if rank == 0 and args.out:
             write_json(args.out, report)
     log(table(report["variants"]))
-    finish_distributed(ok=True)
-    return 0
+    return report
 
 
 if __name__ == "__main__":
