@@ -2,51 +2,65 @@
 
 That schedule (`TransformerModelChunkSchedulePlan.run`) splits each layer into nodes (attention + router +
 `dispatch_preprocess`, `token_dispatch`, experts, `token_combine`), detaches every node's inputs and frees the
-dispatch node's inputs after its forward. On 2 gloo ranks: a 2-layer GPTModel with occult's dispatcher run as
-micro-batch 0 forward, micro-batch 1 forward + micro-batch 0 backward, micro-batch 1 backward gives every
-gradient of the plain forward/backward of both micro-batches. CPU has no CUDA events, streams or NVTX: the
-ranks replace them with no-ops (the schedule's order is kept, not its concurrency; docs/overlap.md, last section).
+dispatch node's inputs after its forward. On 2 gloo ranks, in one spawn:
+
+1. a 2-layer GPTModel with occult's dispatcher run as micro-batch 0 forward, micro-batch 1 forward + micro-batch
+   0 backward, micro-batch 1 backward gives every gradient of the plain forward/backward of both micro-batches;
+2. benchmarks/megatron_train.py's own `run` trains a tiny GPTModel MoE (2 layers, fp32) for 3 steps of 4
+   micro-batches through Megatron's `get_forward_backward_func()` for `alltoall`, `alltoall+overlap`, `occult`
+   and `occult+overlap`: every variant's per-step losses (mean over micro-batches and ranks) agree within the
+   rounding of the step's terms, so the overlap trains what the plain schedule trains, for Megatron's
+   dispatcher and occult's; the overlap variants went through schedule plans (one `build_schedule_plan` per
+   micro-batch), the others did not; the JSON records micro-batches and overlap per variant.
+
+Bad flags of the script (`--micro-batches 0`, the overlap with one micro-batch or one rank) stop it before any
+work with one line naming the fix, exit status 2. CPU has no CUDA events, streams or NVTX: `cpu_shims` replaces
+them with no-ops (the schedule's order is kept, not its concurrency; occult.integrations.megatron.cpu,
+docs/overlap.md, last section).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+# Importing Megatron-Core imports Triton: with its CPU interpreter on, as the kernel tests collected after this
+# module need it in this process (tests/kernels/_triton_interpreter.py; as in test_megatron.py).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is installed by .ci/run (docs/testing.md)")
 
 from occult.distributed import run_ranks  # noqa: E402
 
-
-class _Event:
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "megatron_train.py"
+STEPS, MICRO_BATCHES, SEQ = 3, 4, 16
+VARIANTS = ("alltoall", "alltoall+overlap", "occult", "occult+overlap")
 
 
-def _no_cuda_schedule() -> None:
-    """The schedule's CUDA events, `record_stream` and NVTX ranges as no-ops (this rank only)."""
+def _bench():
+    """benchmarks/megatron_train.py as a module."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import megatron_train
+
+    return megatron_train
+
+
+def _plan_case(rank: int, world: int) -> list[str]:
     import megatron.core.pipeline_parallel.utils as pipeline_utils
-
-    torch.cuda.Event = lambda *a, **k: _Event()  # type: ignore[assignment,misc]
-    record_stream = torch.Tensor.record_stream
-    torch.Tensor.record_stream = lambda self, s: record_stream(self, s) if self.is_cuda else None  # type: ignore[method-assign]
-    torch.cuda.nvtx.range_push = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.nvtx.range_pop = lambda *a, **k: None  # type: ignore[assignment]
-    pipeline_utils.set_streams()
-
-
-def _overlap_case(rank: int, world: int) -> list[str]:
     import test_megatron as tm  # (tests/integrations/test_megatron.py)
     from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as Plan
 
-    tm._megatron(world)
-    _no_cuda_schedule()
+    tm._megatron(world)  # cpu_shims: CUDA events, record_stream of CPU tensors and NVTX as no-ops
+    pipeline_utils.set_streams()
     torch.manual_seed(0)
     settings = dict(num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
     plain = tm._gpt(tm._config(2, **settings), occult=True)
@@ -75,6 +89,112 @@ def _overlap_case(rank: int, world: int) -> list[str]:
     return errors
 
 
-def test_combined_1f1b_overlap_schedule_matches_plain_steps():
-    for errors in run_ranks(_overlap_case, 2):
+def _train_case(rank: int, world: int, out: str) -> dict:
+    """The benchmark's training, every variant, counting the schedule plans built (by dispatcher) and the calls
+    of Megatron's `finalize_model_grads` (the data-parallel gradient reduction the schedule ends with)."""
+    import megatron.core.distributed as megatron_distributed
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    mt = _bench()
+    plans: list[str] = []
+    finalized: list[int] = []
+    build_plan, finalize = GPTModel.build_schedule_plan, megatron_distributed.finalize_model_grads
+
+    def counted_plan(self, *args, **kwargs):
+        plans.append(type(self.decoder.layers[0].mlp.token_dispatcher).__name__)
+        return build_plan(self, *args, **kwargs)
+
+    def counted_finalize(*args, **kwargs):
+        finalized.append(1)
+        return finalize(*args, **kwargs)
+
+    GPTModel.build_schedule_plan = counted_plan
+    megatron_distributed.finalize_model_grads = counted_finalize
+    args = mt.parse_args(
+        ["--model", "tiny", "--layers", "2", "--seq", str(SEQ), "--steps", str(STEPS), "--warmup", "1"]
+        + ["--micro-batches", str(MICRO_BATCHES), "--variants", ",".join(VARIANTS), "--out", out]
+    )
+    assert mt.check_args(args, world) is None
+    parallel_state.destroy_model_parallel()  # the script sets up its own (after the plan case's)
+    return {"variants": mt.run(args, world)["variants"], "plans": plans, "finalized": len(finalized)}
+
+
+def _ranks(rank: int, world: int, out: str) -> tuple[list[str], dict]:
+    return _plan_case(rank, world), _train_case(rank, world, out)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[list, Path]:
+    out = tmp_path_factory.mktemp("megatron_overlap") / "megatron_train.json"
+    return run_ranks(_ranks, 2, str(out)), out
+
+
+def test_combined_1f1b_overlap_schedule_matches_plain_steps(ranks):
+    for errors, _ in ranks[0]:
         assert errors == []
+
+
+def test_benchmark_overlap_trains_what_the_plain_schedule_trains(ranks):
+    results, out = ranks
+    runs = results[0][1]["variants"]
+    assert list(runs) == list(VARIANTS)
+    for name, r in runs.items():
+        assert (r["micro_batches"], r["overlap"]) == (MICRO_BATCHES, name.endswith("+overlap"))
+        assert len(r["losses"]) == STEPS and all(4.0 < x < 6.0 for x in r["losses"])  # ~ln(vocab 128) = 4.85
+    assert runs["occult+overlap"]["dispatcher"] == "OccultTokenDispatcher"
+    assert runs["alltoall+overlap"]["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+    for _, train in results:  # every micro-batch of the overlap variants went through a schedule plan, no other
+        assert (
+            sorted(train["plans"])
+            == ["MoEAlltoAllTokenDispatcher"] * STEPS * MICRO_BATCHES
+            + ["OccultTokenDispatcher"] * STEPS * MICRO_BATCHES
+        )
+        assert train["finalized"] == len(VARIANTS) * STEPS  # gradients reduced once a step, after all micro-batches
+    # A step's loss is the mean of 2 ranks x 4 micro-batches x 16 token losses near 4.9: summed in another order
+    # it moves by at most that many roundings of its size (fp32); the updates before steps 1 and 2 differ by
+    # roundings of the gradients only.
+    terms = 2 * MICRO_BATCHES * SEQ
+    tol = terms * torch.finfo(torch.float32).eps * max(abs(x) for x in runs["alltoall"]["losses"])
+    for name, reference in (
+        ("alltoall+overlap", "alltoall"),
+        ("occult+overlap", "occult"),
+        ("occult", "alltoall"),
+    ):
+        gaps = [abs(a - b) for a, b in zip(runs[name]["losses"], runs[reference]["losses"], strict=True)]
+        assert max(gaps) <= tol, f"{name} against {reference}: loss gaps {gaps} > {tol:.1e}"
+    written = json.loads(out.read_text())["variants"]
+    assert {n: (w["micro_batches"], w["overlap"], w["losses"]) for n, w in written.items()} == {
+        n: (r["micro_batches"], r["overlap"], r["losses"]) for n, r in runs.items()
+    }
+
+
+def test_benchmark_bad_flags_stop_before_any_work_with_one_line():
+    mt = _bench()
+
+    def problem(world: int, *argv: str) -> str | None:
+        return mt.check_args(mt.parse_args(["--model", "tiny", *argv]), world)
+
+    assert problem(2, "--micro-batches", "0") == "--micro-batches must be >= 1, got 0"
+    one = problem(2, "--variants", "alltoall,occult+overlap")  # --micro-batches 1, the default
+    assert one.startswith("--variants occult+overlap: ") and "give --micro-batches >= 2" in one, one
+    assert "run on 2 or more ranks" in problem(1, "--variants", "alltoall+overlap", "--micro-batches", "4")
+    assert problem(2, "--variants", "occult+overlapp").startswith("--variants: unknown ['occult+overlapp']")
+    assert "--placement is needed" in problem(2, "--variants", "occult+placement+overlap", "--micro-batches", "4")
+    assert problem(2, "--variants", "alltoall+overlap,occult+overlap", "--micro-batches", "2") is None
+    assert problem(2, "--micro-batches", "4") is None  # without the overlap any count
+    # the script itself (one rank): one line on stderr, exit status 2, nothing run
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "tiny", "--variants", "alltoall,occult+overlap"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"megatron_train.py: error: {one}"] and done.stdout == ""
