@@ -82,7 +82,7 @@ TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "megatron": (
         "Megatron-Core with occult's token dispatcher (`benchmarks/megatron_train.py`): tokens/s per GPU, "
         "occult / Megatron's alltoall",
-        ("GPUs", "link", "model", "layers"),
+        ("GPUs", "link", "model", "layers", "micro-batches", "schedule"),
         ("expert module", "alltoall tokens/s/GPU", "occult tokens/s/GPU", "speed-up", "loss max rel. diff"),
     ),
     "decode": (
@@ -182,17 +182,22 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
 
 
 def megatron_figures(doc: dict, link: str) -> Iterator[Figure]:
-    """One megatron_train.py job: occult's dedup dispatcher against Megatron's alltoall, both from this file."""
+    """One megatron_train.py job: occult's dedup dispatcher against Megatron's alltoall, both from this file;
+    plain steps, and Megatron's combined-1F1B all-to-all overlap (`+overlap`) where the job ran both sides."""
     runs, env, args = doc["variants"], doc["env"], doc["args"]
-    ours, theirs = runs.get("occult"), runs.get("alltoall")
-    if not ours or not theirs:
-        return
-    modules = dict.fromkeys((theirs["expert_module"], ours["expert_module"]))  # one name where both agree
-    module = " / ".join(modules) + (" (Transformer Engine)" if env.get("transformer_engine") else " (no TE)")
-    gap = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"], strict=True))
-    a, b = ours["tokens_per_s_per_gpu"], theirs["tokens_per_s_per_gpu"]
-    cells = (module, f"{b:,.0f}", f"{a:,.0f}", f"{a / b:.2f}x", f"{gap:.1e}")
-    yield Figure("megatron", (str(env.get("world_size")), link, args["model"], str(args["layers"])), cells)
+    for suffix, schedule in (("", "plain"), ("+overlap", "overlap")):
+        ours, theirs = runs.get("occult" + suffix), runs.get("alltoall" + suffix)
+        if not ours or not theirs:
+            continue
+        modules = dict.fromkeys((theirs["expert_module"], ours["expert_module"]))  # one name where both agree
+        module = " / ".join(modules) + (" (Transformer Engine)" if env.get("transformer_engine") else " (no TE)")
+        gap = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"], strict=True))
+        a, b = ours["tokens_per_s_per_gpu"], theirs["tokens_per_s_per_gpu"]
+        cells = (module, f"{b:,.0f}", f"{a:,.0f}", f"{a / b:.2f}x", f"{gap:.1e}")
+        micro = str(args.get("micro_batches", 1))
+        yield Figure(
+            "megatron", (str(env.get("world_size")), link, args["model"], str(args["layers"]), micro, schedule), cells
+        )
 
 
 def serve_figures(doc: dict, link: str) -> Iterator[Figure]:
