@@ -315,14 +315,14 @@ def rule_problems(found: dict[str, str], pending: Iterable[str], kind: str) -> t
     return new, stale
 
 
-_FINDINGS: dict[str, str] = {}
+_FINDINGS: list[dict[str, str]] = []  # the package's findings, once per session (an empty dict is a result too)
 
 
 def assert_rule(kind: str, fix: str) -> None:
     """Fail on a new violation of rule `kind` (saying how to `fix` it) or on a stale PENDING entry."""
     if not _FINDINGS:
-        _FINDINGS.update(structure_findings())
-    new, stale = rule_problems(_FINDINGS, PENDING, kind)
+        _FINDINGS.append(structure_findings())
+    new, stale = rule_problems(_FINDINGS[0], PENDING, kind)
     msg = []
     if new:
         msg.append(f"{kind} ({fix}):\n  " + "\n  ".join(new))
