@@ -22,6 +22,13 @@ def two_level():
     return planted_nodes_trace(12000, 64, 8, num_nodes=2, groups_per_node=4, num_layers=2, seed=3)
 
 
+@pytest.fixture(scope="module")
+def hier(two_level):
+    """`place(..., "hypergraph", num_nodes=2)` on the planted trace: solved once, read by the tests below
+    (none changes it)."""
+    return place(two_level.trace, 8, "hypergraph", num_nodes=2)
+
+
 def _nt(ids, p: Placement, layer: int) -> float:
     return mean_ct(ids, p.expert_node(layer), p.num_nodes)
 
@@ -36,8 +43,8 @@ def test_planted_nodes_trace_has_the_structure(two_level):
 
 
 @pytest.mark.parametrize("method", ["greedy", "hypergraph"])
-def test_hierarchical_finds_the_planted_nodes(two_level, method):
-    res = place(two_level.trace, 8, method, num_nodes=2)
+def test_hierarchical_finds_the_planted_nodes(two_level, hier, method):
+    res = hier if method == "hypergraph" else place(two_level.trace, 8, method, num_nodes=2)
     p, truth = res.placement, two_level.placement(8, num_nodes=2)
     assert p.num_nodes == 2
     for layer in range(2):
@@ -54,8 +61,8 @@ def test_hierarchical_finds_the_planted_nodes(two_level, method):
         assert np.all(np.bincount(p.expert_device(layer), minlength=8) == 8)
 
 
-def test_hierarchical_beats_flat_on_nodes(two_level):
-    hier = place(two_level.trace, 8, "hypergraph", num_nodes=2).placement
+def test_hierarchical_beats_flat_on_nodes(two_level, hier):
+    hier = hier.placement  # the solve's placement
     flat = place(two_level.trace, 8, "hypergraph").placement
     flat_nodes = Placement(flat.expert_device_LE, 8, num_nodes=2)  # the flat ids read node-major
     for layer in range(2):
@@ -70,10 +77,10 @@ def test_hierarchical_beats_flat_on_nodes(two_level):
     )
 
 
-def test_gpu_level_swaps_stay_inside_nodes(two_level):
+def test_gpu_level_swaps_stay_inside_nodes(two_level, hier):
     ids = two_level.trace.layer(0)
     nodes = solve_layer(ids, 64, 2, "hypergraph")
-    res = place(two_level.trace, 8, "hypergraph", num_nodes=2)
+    res = hier
     assert res.layers[0].mean_nt == pytest.approx(nodes.mean_ct)
     assert "nodes:" in next(iter(res.layers[0].candidates))
 
