@@ -48,10 +48,12 @@ def _start_rank_fork_server() -> None:
 
     `occult.distributed.rank_context` names only `occult._rank_preload`; its call has no effect once the server
     runs (a server that died is started again with that list). CPU machines only: NCCL ranks are spawned, and
-    the GPU suite's gloo ranks keep the library's own preload."""
+    the GPU suite's gloo ranks keep the library's own preload. Not in a pytest started by a test (it inherits
+    PYTEST_CURRENT_TEST; tests/tools/test_gpu_run_scripts.py), which would import all that for nothing."""
     if (
         os.environ["OCCULT_RANK_START"] != "forkserver"
         or "forkserver" not in multiprocessing.get_all_start_methods()
+        or "PYTEST_CURRENT_TEST" in os.environ
         or torch.cuda.is_available()
     ):
         return
