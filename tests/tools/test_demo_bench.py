@@ -159,13 +159,28 @@ def test_bench_two_level_on_simulated_nodes(tmp_path):
     assert runs["dedup2"]["rel_error"] < 1e-4 and runs["dedup"]["rel_error"] < 1e-4
 
 
-def test_bench_rejects_bad_shape():
-    proc = _occult("bench", "--shapes", "nope")
-    assert proc.returncode == 2 and "unknown shape" in proc.stderr
-    proc = _occult("bench", "--world-size", "2", "--nodes", "3", "--backend", "gloo")
-    assert proc.returncode == 2 and "--nodes 3" in proc.stderr and proc.stdout == ""
-    proc = _occult("bench", "--overlap-chunks", "2")  # removed (issue 36): an argparse error, not ignored
-    assert proc.returncode == 2 and "unrecognized arguments: --overlap-chunks" in proc.stderr
+def _occult_here(capsys, *args: str) -> tuple[int, str, str]:
+    """`occult ARGS` in this process (`occult.cli.main`, what `python -m occult` runs): (exit status, stdout,
+    stderr); an argparse error's SystemExit becomes its status."""
+    from occult.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_rejects_bad_shape(capsys):
+    """Refused before any rank starts (in this process: no interpreter start per case; the entry point's
+    exit statuses: tests/cli/test_usage.py)."""
+    code, _, err = _occult_here(capsys, "bench", "--shapes", "nope")
+    assert code == 2 and "unknown shape" in err
+    code, out, err = _occult_here(capsys, "bench", "--world-size", "2", "--nodes", "3", "--backend", "gloo")
+    assert code == 2 and "--nodes 3" in err and out == ""
+    code, _, err = _occult_here(capsys, "bench", "--overlap-chunks", "2")  # removed (issue 36): an argparse error
+    assert code == 2 and "unrecognized arguments: --overlap-chunks" in err
 
 
 def test_bench_variants_read_sync_free_and_refuse_the_removed_chunks():
