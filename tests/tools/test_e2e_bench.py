@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from _bench_helpers import ROOT, torchrun  # tests/tools/_bench_helpers.py
+from _bench_helpers import ROOT, python, torchrun  # tests/tools/_bench_helpers.py
 
 pytest.importorskip("transformers")
 
@@ -133,10 +133,11 @@ def test_e2e_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
 
 
 def test_e2e_exact_variant_off_exits_nonzero(tmp_path):
-    # a negative tolerance: every exact variant "fails" its check (one rank: this exit path does not depend on it)
+    # a negative tolerance: every exact variant "fails" its check (one rank: this exit path does not depend on it;
+    # one plain process, the group of one that init_distributed makes without torchrun: no launcher to start)
     out = tmp_path / "e2e.json"
-    res = _torchrun(
-        1,
+    res = python(
+        SCRIPT,
         "--model",
         "tiny",
         "--variants",
@@ -231,8 +232,8 @@ def test_e2e_torchtitan_peer_needs_qwen3_and_says_so():
 
 def test_e2e_half_precision_checks_against_the_fp32_model_too(tmp_path):
     out = tmp_path / "e2e_bf16.json"
-    res = _torchrun(
-        1,
+    res = python(  # one rank: a plain process (init_distributed's group of one), no torchrun launcher
+        SCRIPT,
         "--model",
         "tiny-deepseek",
         "--dtype",
