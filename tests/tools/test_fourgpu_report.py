@@ -19,6 +19,9 @@ def test_tables_and_plot_from_the_published_runs(tmp_path):
     assert "dedup+placement / dedup, prefill" in text and png.stat().st_size > 10_000
 
 
-def test_no_runs_is_an_error(tmp_path):
-    res = python(SCRIPT, str(tmp_path))
-    assert res.returncode == 2 and "no e2e_*_4xH200.json" in res.stderr
+def test_no_runs_is_an_error(tmp_path, monkeypatch, capsys):
+    """fourgpu_report.py's `main` in this process (the command's exit status: the test above)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import fourgpu_report
+
+    assert fourgpu_report.main([str(tmp_path)]) == 2 and "no e2e_*_4xH200.json" in capsys.readouterr().err

@@ -1,4 +1,7 @@
-"""`benchmarks/serve_merge.py`: one serving sweep from several jobs' serve.py JSON."""
+"""`benchmarks/serve_merge.py`: one serving sweep from several jobs' serve.py JSON.
+
+The first merge runs the script as a command (its entry point and exit status); the other cases call its `main`
+in this process (no interpreter start per case), as test_decode_bench.py does for decode.py's refusals."""
 
 from __future__ import annotations
 
@@ -23,7 +26,15 @@ def job(tmp_path, name: str, points: dict[str, dict[int, float]], link: str | No
     return f
 
 
-def test_later_points_win_and_every_point_names_its_job(tmp_path):
+def _main(monkeypatch, *argv: str) -> int:
+    """serve_merge.py's `main(ARGV)` in this process: its exit status."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import serve_merge
+
+    return serve_merge.main(list(argv))
+
+
+def test_later_points_win_and_every_point_names_its_job(tmp_path, monkeypatch):
     a = job(tmp_path, "a", {"replicated+compile+graph": {1: 1.8, 64: 5.6}, "generate+compile+graph": {1: 2.3}})
     b = job(tmp_path, "b", {"generate+compile+graph": {1: 2.2, 64: 5.8}, "native-generate+compile": {1: 3.0}})
     doc_a = json.loads(a.read_text())
@@ -39,18 +50,19 @@ def test_later_points_win_and_every_point_names_its_job(tmp_path):
     assert merged["sources"][str(a)] == ["replicated+compile+graph B=1", "replicated+compile+graph B=64"]
     assert len(merged["table"]) == 5 and {r["ms_p50"] for r in merged["table"]} == {1.8, 5.6, 2.2, 5.8, 3.0}
     assert not list(tmp_path.glob("merged.json.tmp*"))
-    res = python(SCRIPT, str(a), str(b), "--out", str(out), "--variants", "generate+compile+graph")
-    assert res.returncode == 0 and list(json.loads(out.read_text())["variants"]) == ["generate+compile+graph"]
+    code = _main(monkeypatch, str(a), str(b), "--out", str(out), "--variants", "generate+compile+graph")
+    assert code == 0 and list(json.loads(out.read_text())["variants"]) == ["generate+compile+graph"]
 
 
-def test_another_link_or_model_is_refused(tmp_path):
+def test_another_link_or_model_is_refused(tmp_path, monkeypatch, capsys):
     a = job(tmp_path, "a", {"replicated+compile+graph": {1: 1.8}})
     for i, (link, model) in enumerate([("1", "olmoe"), (None, "qwen3")]):
         b = job(tmp_path, f"b{i}", {"replicated+compile+graph": {1: 1.9}}, link=link, model=model)
         out = tmp_path / f"m{i}.json"
-        res = python(SCRIPT, str(a), str(b), "--out", str(out))
-        assert res.returncode == 2 and "merge only one model, GPU and link" in res.stderr and not out.exists()
+        code = _main(monkeypatch, str(a), str(b), "--out", str(out))
+        err = capsys.readouterr().err
+        assert code == 2 and "merge only one model, GPU and link" in err and not out.exists()
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    res = python(SCRIPT, str(a), str(bad), "--out", str(tmp_path / "x.json"))
-    assert res.returncode == 2 and "not a serve.py result" in res.stderr
+    code = _main(monkeypatch, str(a), str(bad), "--out", str(tmp_path / "x.json"))
+    assert code == 2 and "not a serve.py result" in capsys.readouterr().err

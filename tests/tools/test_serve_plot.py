@@ -43,8 +43,11 @@ def test_table_ratios_and_plot(tmp_path):
     assert png.stat().st_size > 5_000
 
 
-def test_a_file_that_is_not_a_result_is_exit_2(tmp_path):
+def test_a_file_that_is_not_a_result_is_exit_2(tmp_path, monkeypatch, capsys):
+    """serve_plot.py's `main` in this process (the command's exit status: the test above)."""
     bad = tmp_path / "x.json"
     bad.write_text("{}")
-    res = python(SCRIPT, str(bad))
-    assert res.returncode == 2 and "not a serve.py result" in res.stderr
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import serve_plot
+
+    assert serve_plot.main([str(bad)]) == 2 and "not a serve.py result" in capsys.readouterr().err
