@@ -109,10 +109,17 @@ def test_atomic_scatter_matches():
     _assert_close(_run(kernels.expert_mlp, *ins, atomic=True), _reference_fp32(*ins), 1e-4)
 
 
-@needs_in_process
-def test_deterministic():
+@pytest.fixture(scope="module")
+def default_run():
+    """The kernels' forward and backward with the default configuration (deterministic combine, split SwiGLU
+    dgrad epilogue) on the ragged shape: (inputs, result). Read-only: the tests below compare another run to it."""
     ins = _inputs(37, 3, 5, 48, 40, seed=3)
-    a = _run(kernels.expert_mlp, *ins)
+    return ins, _run(kernels.expert_mlp, *ins)
+
+
+@needs_in_process
+def test_deterministic(default_run):
+    ins, a = default_run
     b = _run(kernels.expert_mlp, *ins)
     for t, u in zip((a[0], *a[1]), (b[0], *b[1])):
         assert torch.equal(t, u)
@@ -250,11 +257,10 @@ def test_gather_pair_rows_writes_the_first_p_rows_only():
 
 
 @needs_in_process
-def test_dgrad_epilogue_split_matches_unsplit():
+def test_dgrad_epilogue_split_matches_unsplit(default_run):
     from occult.kernels import config
 
-    ins = _inputs(37, 3, 5, 48, 40, seed=16)
-    split = _run(kernels.expert_mlp, *ins)
+    ins, split = default_run
     config.override("dgrad1", split=1)
     try:
         whole = _run(kernels.expert_mlp, *ins)
