@@ -3,7 +3,8 @@
 The CPU suite starts its gloo ranks (`occult.distributed.run_ranks`) from a fork server that
 loaded torch once (`OCCULT_RANK_START=forkserver`): a rank test's start-up falls from ~1.8 s to
 ~0.2 s. Set before any test runs; the Ctrl-C tests run the command line without it (the default,
-spawned ranks, is what users get)."""
+spawned ranks, is what users get). This file starts that server itself, while pytest collects, with
+transformers and occult loaded too (`RANK_SERVER_PRELOAD`)."""
 
 from __future__ import annotations
 
