@@ -99,6 +99,10 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def recordings(self) -> list[Captured | TrainingCapture]:
+        """The recorded calls held now, least recently used first."""
+        return list(self._graphs.values())
+
     def __deepcopy__(self, memo: dict) -> GraphCache:
         """A copied layer (`copy.deepcopy(model)`) starts with no graphs: they hold the original's tensors."""
         return GraphCache(self.eager_calls, self.max_graphs)
