@@ -15,6 +15,10 @@ Here both threads' workspaces for the capture stream are allocated outside any c
 thread: a GEMM on the stream; engine thread: a backward on the stream that runs GEMMs), so every
 recording finds them and allocates none: they live outside every graph's pool, shared by all
 graphs as eager kernels share them (graphs replay one at a time).
+
+The stream is prepared once per process and device. Code that frees PyTorch's BLAS workspaces
+(`torch._C._cuda_clearCublasWorkspaces()`) while graphs are alive leaves every graph recorded over
+them, occult's or not, writing into freed memory; later recordings would put new ones in their pools.
 """
 
 from __future__ import annotations
