@@ -47,7 +47,9 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    training runs eagerly, e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
   <variant>/traingraphs/compile  @device and @syncfree variants: hf.compile_layers(train_graphs=True), the
                    MoE layers' training calls replayed too, forward and backward (occult.moe.train_graphs;
-                   experimental), e.g. dedup@device/traingraphs/compile
+                   opt-in), e.g. dedup@device/traingraphs/compile. After its timed train steps, one more step's
+                   gradients with the replays are compared with the same step with every MoE layer eager
+                   (benchmarks/_replay_check.py): a worst relative error above --tol fails the variant
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -100,6 +102,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
+from _replay_check import replay_check  # noqa: E402  (benchmarks/_replay_check.py: replays vs eager layers)
 from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
 from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
     Truth,
@@ -619,6 +622,18 @@ def first_step_s(
     return time.perf_counter() - t0
 
 
+def train_replay_check(model: nn.Module, args: argparse.Namespace, vocab: int, device: torch.device) -> dict | None:
+    """One training step's gradients with the MoE layers' training calls replayed against the same step with
+    the layers eager, on a fresh batch, no update (benchmarks/_replay_check.py); None where nothing replays."""
+    gen = torch.Generator().manual_seed(60_000 + args.seed + dist.get_rank())
+    ids_BS = random_ids(args.batch, args.seq, vocab, device, gen)
+
+    def step() -> None:
+        model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss.backward()
+
+    return replay_check(model, step, args.tol)
+
+
 def unavailable(variant: str, device: torch.device) -> str | None:
     """Why `variant` cannot run here (a CPU run of a GPU-only variant), or None."""
     if is_graphed(variant) and device.type != "cuda":
@@ -748,8 +763,15 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                 f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU "
                 f"{out['mfu']:.1%}"
             )
-            del optimizer
+            del step, optimizer  # (the train step holds the optimizer: its state goes before the check)
             model.zero_grad(set_to_none=True)
+            if phase == "train" and not titan and (replay := train_replay_check(model, args, cfg.vocab_size, device)):
+                out["replay_check"] = replay
+                res["check"]["passed"] = res["check"]["passed"] and replay["passed"]
+                log(
+                    f"  train: replays against eager layers, worst gradient relative error {replay['max_rel_err']:.2e}"
+                    + ("" if replay["passed"] else f" ({replay['worst_param']} on this rank)  FAILED")
+                )
     if device.type == "cuda":
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     release_captured()  # a graphed prefill's graph (with its collectives) goes with its model
