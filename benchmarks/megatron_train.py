@@ -14,8 +14,11 @@ over all ranks for the dense weights), bf16 on GPUs (every weight, norms too, as
 
 Variants (`--variants`): `alltoall` (Megatron's), `occult` (dedup: one row per token and EP rank),
 `occult-standard`, `occult+placement` (dedup with `--placement`, a JSON from `occult place`; the
-expert weights moved to their placed ranks by `placed_local_experts`); each also with `+overlap`
-(`alltoall+overlap`, `occult+overlap`, ...): Megatron-Core's combined-1F1B expert-parallel overlap
+expert weights moved to their placed ranks by `placed_local_experts`); each also with `+grouped`
+(`alltoall+grouped`, `occult+grouped`: the experts Megatron's `TEGroupedMLP` over occult's `GroupedLinear`,
+`occult.integrations.megatron.use_grouped_experts`: one grouped GEMM per fc1 and fc2 instead of
+`SequentialMLP`'s GEMM per expert; the weights renamed between the two layouts), and then with `+overlap`
+(`alltoall+overlap`, `occult+grouped+overlap`, ...): Megatron-Core's combined-1F1B expert-parallel overlap
 (`overlap_moe_expert_parallel_comm`: one micro-batch's forward paired with another's backward, the
 all-to-alls on a side stream), which needs `--micro-batches` >= 2 (the first forward and the last
 backward run unpaired: 4 or more advised) and 2 or more ranks. Every variant starts from the same
@@ -63,13 +66,24 @@ SHAPES = {
     "tiny": dict(hidden=32, experts=8, ffn=16, top_k=2, heads=4, kv_groups=4, head_dim=8, vocab=128),
 }
 BASE_VARIANTS = ("alltoall", "occult", "occult-standard", "occult+placement")
+GROUPED = "+grouped"  # a variant's suffix: the experts TEGroupedMLP over occult's GroupedLinear (no TE needed)
 OVERLAP = "+overlap"  # a variant's suffix: the same dispatcher under Megatron-Core's combined-1F1B EP overlap
-VARIANTS = BASE_VARIANTS + tuple(v + OVERLAP for v in BASE_VARIANTS)
+VARIANTS = tuple(b + g + o for b in BASE_VARIANTS for g in ("", GROUPED) for o in ("", OVERLAP))
 
 
 def split_variant(variant: str) -> tuple[str, bool]:
-    """`occult+overlap` -> ("occult", True): the dispatcher variant, and whether the overlap is on."""
+    """`occult+grouped+overlap` -> ("occult+grouped", True): the variant without the overlap, and whether it is on."""
     return variant.removesuffix(OVERLAP), variant.endswith(OVERLAP)
+
+
+def dispatcher_variant(variant: str) -> str:
+    """`occult+grouped+overlap` -> "occult": the dispatcher variant alone."""
+    return split_variant(variant)[0].removesuffix(GROUPED)
+
+
+def grouped_experts(variant: str) -> bool:
+    """Whether `variant`'s experts are occult's grouped ones (`+grouped`)."""
+    return split_variant(variant)[0].endswith(GROUPED)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,8 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         default="alltoall,occult",
-        help=f"comma list of {', '.join(BASE_VARIANTS)}, each also with {OVERLAP}\n"
-        f"(e.g. alltoall{OVERLAP}: Megatron-Core's overlap_moe_expert_parallel_comm; default alltoall,occult)",
+        help=f"comma list of {', '.join(BASE_VARIANTS)}, each also with {GROUPED}, then {OVERLAP}\n"
+        f"(e.g. occult{GROUPED}: occult's grouped experts; alltoall{OVERLAP}: Megatron-Core's\n"
+        "overlap_moe_expert_parallel_comm; default alltoall,occult)",
     )
     p.add_argument("--placement", default=None, help="placement JSON (occult place) for occult+placement")
     p.add_argument("--transport", default="auto", choices=("auto", "device", "counts"), help="occult's transport")
@@ -108,7 +123,7 @@ def check_args(args: argparse.Namespace, world: int) -> str | None:
     if not variants or unknown:
         return (
             f"--variants: unknown {unknown or 'empty list'}; choose from {', '.join(BASE_VARIANTS)}, "
-            f"each also with {OVERLAP}"
+            f"each also with {GROUPED}, then {OVERLAP}"
         )
     shape = SHAPES[args.model]
     for flag, value, low in (
@@ -125,8 +140,8 @@ def check_args(args: argparse.Namespace, world: int) -> str | None:
         return (
             f"{args.model}'s {shape['experts']} experts do not split over {world} ranks: use a world size dividing it"
         )
-    if any(split_variant(v)[0] == "occult+placement" for v in variants) != (args.placement is not None):
-        return f"--placement is needed by the occult+placement (and occult+placement{OVERLAP}) variant, and only by it"
+    if any(dispatcher_variant(v) == "occult+placement" for v in variants) != (args.placement is not None):
+        return "--placement is needed by the occult+placement variants, and only by them"
     if args.placement is not None:
         from occult.placement import Placement, PlacementError
 
@@ -220,11 +235,18 @@ def model_config(args: argparse.Namespace, world: int, dtype: torch.dtype, on_cp
 
 
 def layer_spec(args: argparse.Namespace, variant: str) -> tuple[Any, str]:
-    """Megatron's layer spec (TE's where it imports, else local), occult's dispatcher installed for occult variants."""
+    """Megatron's layer spec (TE's where it imports, else local; local with occult's grouped experts for `+grouped`),
+    occult's dispatcher installed for occult variants."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     experts = SHAPES[args.model]["experts"]
-    if have_te():
+    if grouped_experts(variant):
+        from occult.integrations.megatron import use_grouped_experts
+
+        spec = specs.get_gpt_layer_local_spec(experts, moe_grouped_gemm=False, qk_layernorm=True)
+        use_grouped_experts(spec)
+        module = "TEGroupedMLP(GroupedLinear)"
+    elif have_te():
         spec, module = (
             specs.get_gpt_layer_with_transformer_engine_spec(experts, moe_grouped_gemm=True, qk_layernorm=True),
             "TEGroupedMLP",
@@ -234,7 +256,7 @@ def layer_spec(args: argparse.Namespace, variant: str) -> tuple[Any, str]:
             specs.get_gpt_layer_local_spec(experts, moe_grouped_gemm=False, qk_layernorm=True),
             "SequentialMLP",
         )
-    base, _ = split_variant(variant)
+    base = dispatcher_variant(variant)
     if base.startswith("occult"):
         from occult.integrations.megatron import install
 
@@ -265,7 +287,11 @@ def build(
     ).to(device=device, dtype=config.params_dtype)  # every weight in it, as Megatron's Float16Module casts them:
     # without Apex or TE its norms are torch's, made in fp32, and bf16 inputs then missed the fused RMSNorm on GPUs
     if state is not None:
-        if split_variant(variant)[0] == "occult+placement":
+        from occult.integrations.megatron import to_grouped_expert_keys, to_sequential_expert_keys
+
+        grouped = grouped_experts(variant) or have_te()  # TEGroupedMLP's keys, else SequentialMLP's
+        state = to_grouped_expert_keys(state) if grouped else to_sequential_expert_keys(state)
+        if dispatcher_variant(variant) == "occult+placement":
             from occult.integrations.megatron.placement import placed_local_experts
             from occult.placement import Placement
 
@@ -300,7 +326,11 @@ class MainGradAdam:
 
 
 def expert_types(model: Any) -> str:
-    names = {type(m.experts).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")}
+    """The MoE layers' expert modules, with their grouped linear layers' class where they have them:
+    "SequentialMLP", "TEGroupedMLP(GroupedLinear)" (occult's), "TEGroupedMLP(TEColumnParallelGroupedLinear)"."""
+    experts = [m.experts for m in model.modules() if hasattr(m, "token_dispatcher")]
+    linear = [f"({type(e.linear_fc1).__name__})" if hasattr(e, "linear_fc1") else "" for e in experts]
+    names = {type(e).__name__ + fc1 for e, fc1 in zip(experts, linear)}
     return ",".join(sorted(names))
 
 
@@ -446,6 +476,7 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, st
         # occult's rows sent in the last forward (the last step's last micro-batch), all layers and ranks (alltoall:
         # k x tokens x layers, one micro-batch's tokens)
         "dispatch_rows_last_step": int(rows) if variant.startswith("occult") else None,
+        "grouped_experts": grouped_experts(variant),
         "tokens_x_topk_x_layers": args.micro_batch
         * args.seq
         * dist.get_world_size()

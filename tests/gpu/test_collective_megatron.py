@@ -13,6 +13,12 @@ router on the same inputs, so they choose the same experts and their experts see
 same order; only where the experts' outputs are summed differs. `max_devices=1` (collaboration pruning,
 a random placement) runs, stays finite and sends one row per token.
 
+occult's grouped experts (`use_grouped_experts`: Megatron's `TEGroupedMLP` over occult's `GroupedLinear`, one
+`torch._grouped_mm` per fc1 and fc2), under Megatron's `alltoall` dispatcher and under occult's dedup (contiguous
+and random placement), equal the `SequentialMLP` + `alltoall` layer to the same tolerances, in every dtype: the
+weights go in by TEGroupedMLP's state-dict keys (`to_grouped_expert_keys`, placed by `placed_local_experts`),
+the gradients come back by them.
+
 Megatron's parallel state (EP = world size, on the suite's group) is made for this module and destroyed
 after it. On CPU gloo ranks (`OCCULT_GPU_SUITE_ON_CPU=1`) the fp32 cases run with Megatron's CUDA calls
 stubbed (`occult.integrations.megatron.cpu.cpu_shims`, undone after the module); half precision and the
@@ -99,17 +105,19 @@ def _config(world: int, dtype: torch.dtype):
     return TransformerConfig(**sizes, **moe, **mlp, **unfused, **precision)
 
 
-def _build(config, device: torch.device, **occult_options):
-    """Megatron's MoE layer (occult's, by `install`, when options are given), moved to `device` as Megatron's
-    `get_model` moves a model."""
+def _build(config, device: torch.device, grouped: bool = False, **occult_options):
+    """Megatron's MoE layer (occult's, by `install`, when options are given; with occult's grouped experts when
+    `grouped`), moved to `device` as Megatron's `get_model` moves a model."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from occult.integrations.megatron import install
+    from occult.integrations.megatron import install, use_grouped_experts
 
     specs = [get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)]
     if occult_options:
         assert install(specs, **occult_options) == 1
+    if grouped:
+        assert use_grouped_experts(specs) == 1
     spec = specs[0]
     if isinstance(spec, ModuleSpec):  # 0.16.1; 0.19.2's is a functools.partial
         return spec.module(config=config, submodules=spec.submodules, layer_number=1, **spec.params).to(device)
@@ -125,22 +133,29 @@ def _expert_tensors(layer, grads: bool = False) -> dict[str, torch.Tensor]:
     return found
 
 
-def _layers(ranks, group, dtype, dispatcher: str, placement_kind: str, transport: str, max_devices=None):
-    """(occult's layer, Megatron's alltoall layer, the placement): the same weights, in placed and model order."""
-    world, rank, device = ranks.world_size, ranks.rank, ranks.device
-    config = _config(world, dtype)
-    experts = config.num_moe_experts
-    placement = _placement(placement_kind, experts, world, ranks.seed + 54)
+def _reference(ranks, config):
+    """Megatron's alltoall layer with SequentialMLP experts, the same random weights on every rank (rank r holds
+    experts r*L .. r*L+L-1)."""
+    rank, device, experts = ranks.rank, ranks.device, config.num_moe_experts
     reference = _build(config, device)
     gen = torch.Generator(device=device).manual_seed(ranks.seed + 54)  # the same weights on every rank
     gate_EH = torch.randn(experts, HIDDEN, generator=gen, device=device) * 3 / HIDDEN**0.5
     fc1_E = torch.randn(experts, 2 * FFN, HIDDEN, generator=gen, device=device) / HIDDEN**0.5
     fc2_E = torch.randn(experts, HIDDEN, FFN, generator=gen, device=device) / FFN**0.5
-    with torch.no_grad():  # Megatron's experts: rank r holds experts r*L .. r*L+L-1
+    with torch.no_grad():
         reference.router.weight.copy_(gate_EH)
         for j, expert in enumerate(reference.experts.local_experts):
             expert.linear_fc1.weight.copy_(fc1_E[rank * EXPERTS_PER_RANK + j])
             expert.linear_fc2.weight.copy_(fc2_E[rank * EXPERTS_PER_RANK + j])
+    return reference
+
+
+def _layers(ranks, group, dtype, dispatcher: str, placement_kind: str, transport: str, max_devices=None):
+    """(occult's layer, Megatron's alltoall layer, the placement): the same weights, in placed and model order."""
+    world, device = ranks.world_size, ranks.device
+    config = _config(world, dtype)
+    placement = _placement(placement_kind, config.num_moe_experts, world, ranks.seed + 54)
+    reference = _reference(ranks, config)
     placed = None if placement_kind == "contiguous" else placement
     layer = _build(
         config, device, dispatcher=dispatcher, placement=placed, max_devices=max_devices, transport=transport
@@ -208,3 +223,48 @@ def test_pruned_megatron_layer_runs_finite(ranks, ep_group, dtype_name):
     extra_rows = abs(stats.dispatch_rows - x_TH.shape[0])
     assert ranks.all_max(0.0 if finite else 1.0) == 0.0, f"non-finite output or gradient, seed {ranks.seed}"
     assert ranks.all_max(extra_rows) == 0.0, f"max_devices=1 sent {stats.dispatch_rows} rows for {x_TH.shape[0]} tokens"
+
+
+def _grouped_expert_grads(layer) -> dict[str, torch.Tensor]:
+    """This rank's grouped expert gradients under a GPTModel's TEGroupedMLP keys (`...linear_fc1.weight{j}`)."""
+    found = {}
+    for fc in ("linear_fc1", "linear_fc2"):
+        weight = getattr(layer.experts, fc).weight
+        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        found.update({f"{GPT_MOE_KEY}experts.{fc}.weight{j}": grad[j] for j in range(grad.shape[0])})
+    return found
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("variant", ["alltoall/contiguous", "dedup/contiguous", "dedup/random"])
+def test_grouped_experts_match_sequential_mlp(ranks, ep_group, variant, dtype_name):
+    from occult.integrations.megatron import to_grouped_expert_keys, to_sequential_expert_keys
+
+    dtype = _dtype_here(ranks, dtype_name)
+    dispatcher, placement_kind = variant.split("/")
+    world, device = ranks.world_size, ranks.device
+    config = _config(world, dtype)
+    placement = _placement(placement_kind, config.num_moe_experts, world, ranks.seed + 55)
+    reference = _reference(ranks, config)
+    options = {} if dispatcher == "alltoall" else dict(placement=None if placement_kind == "contiguous" else placement)
+    layer = _build(config, device, grouped=True, **options)
+    assert type(layer.experts).__name__ == "TEGroupedMLP", type(layer.experts)
+    weights = placed_local_experts(to_grouped_expert_keys(_expert_tensors(reference)), placement, ep_group)
+    weights = {k.removeprefix(GPT_MOE_KEY): v for k, v in weights.items()}
+    with torch.no_grad():
+        layer.router.weight.copy_(reference.router.weight)
+    missing, unexpected = layer.load_state_dict(weights, strict=False)
+    assert not unexpected and not [k for k in missing if ".experts." in k], (missing, unexpected)
+    x_TH, g_TH = _tokens(ranks, dtype)
+    y, dx, d_router, _ = _step(layer, x_TH, g_TH)
+    y_ref, dx_ref, d_router_ref, d_experts_ref = _step(reference, x_TH, g_TH)
+    grads = model_order_local_experts(_grouped_expert_grads(layer), placement, ep_group)
+    d_experts = to_sequential_expert_keys(grads)
+    errors = {"y": _rel(y, y_ref), "dx": _rel(dx, dx_ref), "d_router": _rel(d_router, d_router_ref)}
+    for fc in ("linear_fc1", "linear_fc2"):
+        keys = sorted(k for k in d_experts_ref if f".{fc}." in k)
+        assert sorted(k for k in d_experts if f".{fc}." in k) == keys
+        got, want = (torch.cat([g[k].flatten() for k in keys]) for g in (d_experts, d_experts_ref))
+        errors[f"d_{fc}"] = _rel(got, want)
+    worst = {name: ranks.all_max(error) for name, error in errors.items()}
+    assert max(worst.values()) <= TOL[dtype], (f"{variant}/{dtype_name} seed {ranks.seed}", TOL[dtype], worst)

@@ -92,16 +92,19 @@ def _config(top_k: int, **overrides):
     return TransformerConfig(**{**settings, **overrides})
 
 
-def _build(config, **options):
-    """Megatron's MoE layer from its local spec; occult's (by `install`) when `options` are given."""
+def _build(config, grouped=False, **options):
+    """Megatron's MoE layer from its local spec; occult's (by `install`) when `options` are given; its experts
+    TEGroupedMLP over occult's GroupedLinear when `grouped` (else SequentialMLP)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from occult.integrations.megatron import install
+    from occult.integrations.megatron import install, use_grouped_experts
 
     specs = [get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)]
     if options:
         assert install(specs, **options) == 1
+    if grouped:
+        assert use_grouped_experts(specs) == 1
     spec = specs[0]
     if isinstance(spec, ModuleSpec):  # 0.16: a ModuleSpec; 0.19: a functools.partial
         return spec.module(config=config, submodules=spec.submodules, layer_number=1, **spec.params)
@@ -118,9 +121,26 @@ def _load(layer, weights, placement=None):
     with torch.no_grad():
         layer.router.weight.copy_(gate)
         for j, e in enumerate(local):
-            layer.experts.local_experts[j].linear_fc1.weight.copy_(w1[e])
-            layer.experts.local_experts[j].linear_fc2.weight.copy_(w2[e])
+            fc1, fc2 = _expert_weights(layer, j)
+            fc1.copy_(w1[e])
+            fc2.copy_(w2[e])
     return local
+
+
+def _expert_weights(layer, j):
+    """Local expert j's fc1 and fc2 weights [out, in]: SequentialMLP's parameters, or views of GroupedLinear's."""
+    experts = layer.experts
+    if hasattr(experts, "local_experts"):
+        return experts.local_experts[j].linear_fc1.weight, experts.local_experts[j].linear_fc2.weight
+    return experts.linear_fc1.weight[j], experts.linear_fc2.weight[j]
+
+
+def _expert_grads(layer, name):
+    """[local experts, out, in] gradients of fc1 or fc2, either expert module."""
+    experts = layer.experts
+    if hasattr(experts, "local_experts"):
+        return torch.stack([getattr(m, name).weight.grad for m in experts.local_experts])
+    return getattr(experts, name).weight.grad
 
 
 def _run(layer, local, x_TH, g_TH):
@@ -136,7 +156,7 @@ def _run(layer, local, x_TH, g_TH):
     hook.remove()
     grads = []
     for name in ("linear_fc1", "linear_fc2"):
-        mine = torch.stack([getattr(layer.experts.local_experts[j], name).weight.grad for j in range(len(local))])
+        mine = _expert_grads(layer, name)
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
         order = [torch.empty(len(local), dtype=torch.int64) for _ in range(dist.get_world_size())]
@@ -154,7 +174,9 @@ def _close(a, b, what, errors):
         errors.append(f"{what}: max abs diff {diff}")
 
 
-def _case(rank, world, seed, top_k, tokens, placement=None, dispatcher="dedup", max_devices=None, settings=None):
+def _case(
+    rank, world, seed, top_k, tokens, placement=None, dispatcher="dedup", max_devices=None, settings=None, grouped=()
+):
     """occult's layer vs Megatron's alltoall one.
     -> (errors, [dispatch rows, combine rows, sum_t C_T, tokens, largest C_T])"""
     import torch.distributed as dist
@@ -172,7 +194,11 @@ def _case(rank, world, seed, top_k, tokens, placement=None, dispatcher="dedup", 
         ref_layer.router.__class__ = _occult_router()
         ref_layer.router.set_device_limit(max_devices, placement.tensors(0)[0])
     ref = _run(ref_layer, _load(ref_layer, weights), xs[rank], gs[rank])
-    layer = _build(_config(top_k, **settings), dispatcher=dispatcher, placement=placement, max_devices=max_devices)
+    if "reference" in grouped:  # Megatron's alltoall over occult's grouped experts, against the same SequentialMLP one
+        ref_layer = _build(_config(top_k, **settings), grouped=True)
+        grouped_ref = _run(ref_layer, _load(ref_layer, weights), xs[rank], gs[rank])
+    options = dict(dispatcher=dispatcher, placement=placement, max_devices=max_devices)
+    layer = _build(_config(top_k, **settings), grouped="occult" in grouped, **options)
     got = _run(layer, _load(layer, weights, placement), xs[rank], gs[rank])
     errors = []
     for i, what in enumerate(("output", "input grad", "router grad")):
@@ -181,6 +207,13 @@ def _case(rank, world, seed, top_k, tokens, placement=None, dispatcher="dedup", 
         _close(gr, rr, f"{name} grads", errors)
     if not torch.equal(got[4], ref[4]):
         errors.append("expert choices differ")
+    if "reference" in grouped:
+        for i, what in enumerate(("output", "input grad", "router grad")):
+            _close(grouped_ref[i], ref[i], f"alltoall grouped {what}", errors)
+        for name, gr, rr in zip(("fc1", "fc2"), grouped_ref[3], ref[3]):
+            _close(gr, rr, f"alltoall grouped {name} grads", errors)
+    if grouped and type(layer.experts).__name__ != "TEGroupedMLP":
+        errors.append(f"experts are {type(layer.experts).__name__}, not TEGroupedMLP")
     c_T = devices_per_token(got[4], (placement or Placement.contiguous(E, world)).tensors(0)[0])
     stats = layer.token_dispatcher.last_comm_stats
     sent = torch.tensor([stats.dispatch_rows, stats.combine_rows, int(c_T.sum()), tokens[rank]])
@@ -214,18 +247,20 @@ def _bad_builds(world: int) -> dict[str, str | None]:
     }
 
 
-def _gpt(config, placement=None, state=None, occult=None):
+def _gpt(config, placement=None, state=None, occult=None, grouped=False):
     """A 2-layer Megatron GPTModel from its local layer spec (occult's by `install` with a placement, or when
-    `occult` is true), fp32."""
+    `occult` is true), fp32; its experts occult's grouped ones when `grouped`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from occult.integrations.megatron import install
+    from occult.integrations.megatron import install, use_grouped_experts
     from occult.integrations.megatron.placement import placed_local_experts
 
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
     if placement is not None or occult:
         assert install(spec, placement=placement) == 1  # one spec object serves both layers
+    if grouped:
+        assert use_grouped_experts(spec) == 1
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=32, max_sequence_length=8)
     if state is not None:
         model.load_state_dict(placed_local_experts(state, placement) if placement is not None else state)
@@ -382,6 +417,38 @@ def _dist_checkpoint_case(rank, world, seed, folder):
     return losses, dispatchers, sorted(os.listdir(placed_dir))
 
 
+def _grouped_checkpoint_case(rank, world, seed, folder):
+    """occult's GPTModel with grouped experts trained 2 steps, saved with `dist_checkpointing.save` and as a state
+    dict -> per-token losses on a fresh batch of: it; Megatron's alltoall SequentialMLP model loading the distributed
+    checkpoint; a grouped alltoall model loading it; the SequentialMLP model loading the state dict after
+    `to_sequential_expert_keys` (and the expert module of each)."""
+    from megatron.core import dist_checkpointing
+
+    from occult.integrations.megatron import to_sequential_expert_keys
+
+    torch.manual_seed(seed)
+    config = _config(2, num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
+    grouped = _gpt(config, occult=True, grouped=True)
+    _train(grouped, seed + 5)
+    path = os.path.join(folder, "dist_grouped")
+    os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(grouped.sharded_state_dict(), path)
+
+    def loaded(**kind):
+        torch.manual_seed(seed + 1)  # fresh weights, overwritten by the checkpoint
+        model = _gpt(config, **kind)
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path))
+        return model
+
+    models = [grouped, loaded(), loaded(grouped=True)]
+    torch.manual_seed(seed + 1)
+    models.append(_gpt(config))
+    models[-1].load_state_dict(to_sequential_expert_keys(grouped.state_dict()))
+    experts = [type(m.decoder.layers[0].mlp.experts).__name__ for m in models]
+    return [_loss_TS(m, seed + 13) for m in models], experts
+
+
 def _graphs_compiled() -> int:
     """Graphs torch.compile hands its backend after `cpu_shims`: 0 when it is off, as it must be (Megatron's
     fused helpers are torch.compile'd; a CPU rank on a GPU machine failed compiling them through the stubs)."""
@@ -411,11 +478,15 @@ def _ranks(rank, world, seed, folder):
         "pruned sigmoid": dict(
             top_k=3, tokens=[8, 8], placement=rnd, max_devices=1, settings=dict(moe_router_score_function="sigmoid")
         ),
+        # occult's GroupedLinear experts (TEGroupedMLP) under occult's dispatcher and under Megatron's alltoall
+        "grouped dedup placed top3": dict(top_k=3, tokens=[7, 5], placement=rnd, grouped=("occult", "reference")),
+        "grouped top-k = all, one token": dict(top_k=E, tokens=[1, 6], grouped=("occult",)),
     }
     results = {name: _case(rank, world, seed + i, **case) for i, (name, case) in enumerate(cases.items())}
     gpt = _gpt_case(rank, world, seed)
     dist = _dist_checkpoint_case(rank, world, seed, folder)
-    return results, _bad_builds(world), gpt, compiled, (_checkpoint_case(rank, world, seed, folder), dist)
+    grouped = _grouped_checkpoint_case(rank, world, seed, folder)
+    return results, _bad_builds(world), gpt, compiled, (_checkpoint_case(rank, world, seed, folder), dist, grouped)
 
 
 def _check_checkpoint(rank, losses):
@@ -452,7 +523,7 @@ def test_layer_matches_megatron_alltoall_on_2_ranks(tmp_path):
     for name, (errors, (dispatch_rows, combine_rows, sum_c, tokens, worst)) in cases.items():
         assert not errors, f"{name}: {errors}"
         top_k = {"dedup placed top3": 3, "standard placed top3": 3, "top1": 1, "top-k = all": E, "pruned sigmoid": 3}
-        top_k = top_k.get(name, 2)
+        top_k = {**top_k, "grouped dedup placed top3": 3, "grouped top-k = all, one token": E}.get(name, 2)
         expected = tokens * top_k if name.startswith("standard") else sum_c
         assert dispatch_rows == combine_rows == expected, (name, dispatch_rows, combine_rows, expected)
         assert worst <= {"pruned": 1, "pruned sigmoid": 1}.get(name, 2), (name, worst)
@@ -460,9 +531,15 @@ def test_layer_matches_megatron_alltoall_on_2_ranks(tmp_path):
     for name in ("pruned", "pruned sigmoid"):  # one rank, one row a token
         assert cases[name][1][4] == 1 and cases[name][1][0] == cases[name][1][3], (name, cases[name])
     assert cases["dedup placed top3"][1][0] < cases["dedup placed top3"][1][3] * 3  # dedup sent fewer rows than k x T
-    for r, (_, rank_bad, _, compiled, (checkpoint_losses, dist_checkpoint)) in enumerate(results):
+    for r, (_, rank_bad, _, compiled, (checkpoint_losses, dist_checkpoint, grouped)) in enumerate(results):
         _check_checkpoint(r, checkpoint_losses)
         _check_dist_checkpoint(r, *dist_checkpoint)
+        losses, experts = grouped
+        assert experts == ["TEGroupedMLP", "SequentialMLP", "TEGroupedMLP", "SequentialMLP"], (r, experts)
+        for name, loaded_TS in zip(
+            ("dist -> SequentialMLP", "dist -> grouped", "state dict -> SequentialMLP"), losses[1:]
+        ):
+            assert torch.allclose(loaded_TS, losses[0], rtol=1e-5, atol=1e-6), (r, name, losses[0], loaded_TS)
         assert compiled == 0, f"rank {r}: torch.compile still on after cpu_shims ({compiled} graph(s))"
         assert "placement is for 16 experts" in rank_bad["experts"], (r, rank_bad)
         assert "max_devices=1 EP ranks hold only 4 experts" in rank_bad["room"], (r, rank_bad)

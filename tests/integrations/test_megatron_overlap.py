@@ -7,11 +7,12 @@ dispatch node's inputs after its forward. On 2 gloo ranks, in one spawn:
 1. a 2-layer GPTModel with occult's dispatcher run as micro-batch 0 forward, micro-batch 1 forward + micro-batch
    0 backward, micro-batch 1 backward gives every gradient of the plain forward/backward of both micro-batches;
 2. benchmarks/megatron_train.py's own `run` trains a tiny GPTModel MoE (2 layers, fp32) for 3 steps of 4
-   micro-batches through Megatron's `get_forward_backward_func()` for `alltoall`, `alltoall+overlap`, `occult`
-   and `occult+overlap`: every variant's per-step losses (mean over micro-batches and ranks) agree within the
-   rounding of the step's terms, so the overlap trains what the plain schedule trains, for Megatron's
-   dispatcher and occult's; the overlap variants went through schedule plans (one `build_schedule_plan` per
-   micro-batch), the others did not; the JSON records micro-batches and overlap per variant.
+   micro-batches through Megatron's `get_forward_backward_func()` for `alltoall`, `alltoall+overlap`, `occult`,
+   `occult+overlap` and `occult+grouped+overlap` (occult's grouped experts, `TEGroupedMLP`): every variant's
+   per-step losses (mean over micro-batches and ranks) agree within the rounding of the step's terms, so the
+   overlap trains what the plain schedule trains, for Megatron's dispatcher and occult's, with either expert
+   module; the overlap variants went through schedule plans (one `build_schedule_plan` per micro-batch), the
+   others did not; the JSON records micro-batches, overlap and expert module per variant.
 
 Bad flags of the script (`--micro-batches 0`, the overlap with one micro-batch or one rank) stop it before any
 work with one line naming the fix, exit status 2. CPU has no CUDA events, streams or NVTX: `cpu_shims` replaces
@@ -42,7 +43,7 @@ from occult.distributed import run_ranks  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "megatron_train.py"
 STEPS, MICRO_BATCHES, SEQ = 3, 4, 16
-VARIANTS = ("alltoall", "alltoall+overlap", "occult", "occult+overlap")
+VARIANTS = ("alltoall", "alltoall+overlap", "occult", "occult+overlap", "occult+grouped+overlap")
 
 
 def _bench():
@@ -144,11 +145,14 @@ def test_benchmark_overlap_trains_what_the_plain_schedule_trains(ranks):
         assert len(r["losses"]) == STEPS and all(4.0 < x < 6.0 for x in r["losses"])  # ~ln(vocab 128) = 4.85
     assert runs["occult+overlap"]["dispatcher"] == "OccultTokenDispatcher"
     assert runs["alltoall+overlap"]["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+    assert {n: (r["expert_module"], r["grouped_experts"]) for n, r in runs.items()} == {
+        n: ("TEGroupedMLP(GroupedLinear)", True) if "+grouped" in n else ("SequentialMLP", False) for n in runs
+    }
     for _, train in results:  # every micro-batch of the overlap variants went through a schedule plan, no other
         assert (
             sorted(train["plans"])
             == ["MoEAlltoAllTokenDispatcher"] * STEPS * MICRO_BATCHES
-            + ["OccultTokenDispatcher"] * STEPS * MICRO_BATCHES
+            + ["OccultTokenDispatcher"] * STEPS * MICRO_BATCHES * 2
         )
         assert train["finalized"] == len(VARIANTS) * STEPS  # gradients reduced once a step, after all micro-batches
     # A step's loss is the mean of 2 ranks x 4 micro-batches x 16 token losses near 4.9: summed in another order
@@ -160,6 +164,7 @@ def test_benchmark_overlap_trains_what_the_plain_schedule_trains(ranks):
         ("alltoall+overlap", "alltoall"),
         ("occult+overlap", "occult"),
         ("occult", "alltoall"),
+        ("occult+grouped+overlap", "occult+overlap"),
     ):
         gaps = [abs(a - b) for a, b in zip(runs[name]["losses"], runs[reference]["losses"], strict=True)]
         assert max(gaps) <= tol, f"{name} against {reference}: loss gaps {gaps} > {tol:.1e}"
@@ -180,6 +185,7 @@ def test_benchmark_bad_flags_stop_before_any_work_with_one_line():
     assert one.startswith("--variants occult+overlap: ") and "give --micro-batches >= 2" in one, one
     assert "run on 2 or more ranks" in problem(1, "--variants", "alltoall+overlap", "--micro-batches", "4")
     assert problem(2, "--variants", "occult+overlapp").startswith("--variants: unknown ['occult+overlapp']")
+    assert problem(2, "--variants", "occult+overlap+grouped").startswith("--variants: unknown")  # grouped, then overlap
     assert "--placement is needed" in problem(2, "--variants", "occult+placement+overlap", "--micro-batches", "4")
     assert problem(2, "--variants", "alltoall+overlap,occult+overlap", "--micro-batches", "2") is None
     assert problem(2, "--micro-batches", "4") is None  # without the overlap any count

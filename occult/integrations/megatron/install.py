@@ -8,6 +8,9 @@ block spec (`get_gpt_decoder_block_spec(...)`: its `layer_specs`) or an MoE spec
 spec before the model is built (`GPTModel(config, transformer_layer_spec=spec, ...)`); the model config keeps
 `moe_token_dispatcher_type="alltoall"`. Transformer layer `layer_number` uses the placement's
 MoE layer counted by `moe_layer_freq` (one placement layer: every MoE layer uses it).
+
+`use_grouped_experts(spec)` makes every MoE layer's experts Megatron's `TEGroupedMLP` over occult's
+`GroupedLinear` (occult/integrations/megatron/experts.py): grouped GEMMs without Transformer Engine.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from occult.integrations.megatron.experts import GroupedLinear
 from occult.integrations.megatron.layer import OccultMoELayer
 from occult.integrations.megatron.options import OccultOptions
 from occult.placement import Placement
@@ -87,14 +91,54 @@ def install(
             f"{type(spec).__qualname__} has no MoELayer for occult's dispatcher: pass a spec built with "
             "num_experts (e.g. get_gpt_layer_local_spec(num_experts=...))"
         )
+    rewrite(found, lambda node: with_occult(node, options), "install")
+    return len(found)
+
+
+def use_grouped_experts(spec: Any) -> int:
+    """Make the experts of every MoE layer of `spec` Megatron's `TEGroupedMLP` over occult's `GroupedLinear` (one
+    grouped GEMM per fc1 and fc2 for all local experts, no Transformer Engine needed); returns how many layers.
+
+    For a local spec (`SequentialMLP`: one GEMM per expert), with Megatron's dispatcher or occult's (`install`, in
+    either order). The state dict then has TEGroupedMLP's keys (`...experts.linear_fc1.weight{e}`): a
+    SequentialMLP checkpoint loads after `to_grouped_expert_keys`."""
+    found = moe_specs(spec)
+    if not found:
+        raise ValueError(
+            f"{type(spec).__qualname__} has no MoELayer for occult's grouped experts: pass a spec built with "
+            "num_experts (e.g. get_gpt_layer_local_spec(num_experts=...))"
+        )
+    rewrite(found, with_grouped_experts, "use_grouped_experts")
+    return len(found)
+
+
+def with_grouped_experts(node: Any) -> Any:
+    """The MoE layer spec `node` with `TEGroupedMLP` over `GroupedLinear` as its experts."""
+    from megatron.core.transformer.moe import experts as megatron_experts
+
+    if isinstance(node, ModuleSpec):  # 0.16: TEGroupedMLP builds its linear layers from MLPSubmodules
+        from megatron.core.transformer.mlp import MLPSubmodules
+
+        grouped = MLPSubmodules(linear_fc1=GroupedLinear, linear_fc2=GroupedLinear)
+        experts = ModuleSpec(module=megatron_experts.TEGroupedMLP, submodules=grouped)
+        node.submodules = dataclasses.replace(node.submodules, experts=experts)  # a new one: it may be shared
+        return node
+    # 0.19: the protocols' builders, in GroupedMLPSubmodules; a new MoESubmodules (it may be shared)
+    grouped = megatron_experts.GroupedMLPSubmodules(linear_fc1=GroupedLinear, linear_fc2=GroupedLinear)
+    experts = partial(megatron_experts.TEGroupedMLP, submodules=grouped)
+    submodules = dataclasses.replace(node.keywords["submodules"], experts=experts)
+    return partial(node.func, *node.args, **{**node.keywords, "submodules": submodules})
+
+
+def rewrite(found: list[tuple[Any, Any, Any]], change: Any, name: str) -> None:
+    """Each found (container, key, MoE spec) -> `change(spec)`, put back into its container where it is new."""
     for container, key, node in found:
-        new = with_occult(node, options)
+        new = change(node)
         if new is node:
             continue
         if container is None:
-            raise ValueError("install changes a spec in place: pass the layer or block spec that holds the MoE spec")
+            raise ValueError(f"{name} changes a spec in place: pass the layer or block spec that holds the MoE spec")
         if isinstance(container, list):
             container[key] = new
         else:
             object.__setattr__(container, key, new)  # spec dataclasses may be frozen
-    return len(found)
