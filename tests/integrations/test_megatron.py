@@ -17,6 +17,13 @@ in the rank) loads into Megatron's model the documented way (into a placed model
 `model_order_local_experts`) and, saved through `model_order_sharded_state_dict`, as is (and back into a
 placed model through it): the same per-token losses; the placed one loaded as is differs.
 
+occult's grouped experts (`use_grouped_experts`: TEGroupedMLP over `GroupedLinear`) under occult's dedup
+(random placement, top-3; top-k = all with a one-token rank) and under Megatron's alltoall equal the
+SequentialMLP + alltoall layer, output and every gradient. A grouped GPTModel with occult, trained two steps and
+saved with `dist_checkpointing.save`, loads into Megatron's SequentialMLP alltoall model and into a grouped one,
+and its state dict (after `to_sequential_expert_keys`) into the SequentialMLP one: the same per-token losses;
+`model_order_sharded_state_dict` refuses its stacked experts.
+
 Megatron's experts see the same rows in the same order with either dispatcher; only the per-token
 sums run in another order (fp32 rounding).
 """
@@ -446,6 +453,13 @@ def _grouped_checkpoint_case(rank, world, seed, folder):
     models.append(_gpt(config))
     models[-1].load_state_dict(to_sequential_expert_keys(grouped.state_dict()))
     experts = [type(m.decoder.layers[0].mlp.experts).__name__ for m in models]
+    from occult.integrations.megatron.placement import model_order_sharded_state_dict
+    from occult.placement import PlacementError
+
+    try:  # a grouped model's sharded state dict has no per-expert entries to move: refused, not passed through
+        model_order_sharded_state_dict(grouped.sharded_state_dict(), _random_placement(world, seed))
+    except PlacementError as e:
+        experts.append(str(e))
     return [_loss_TS(m, seed + 13) for m in models], experts
 
 
@@ -535,7 +549,8 @@ def test_layer_matches_megatron_alltoall_on_2_ranks(tmp_path):
         _check_checkpoint(r, checkpoint_losses)
         _check_dist_checkpoint(r, *dist_checkpoint)
         losses, experts = grouped
-        assert experts == ["TEGroupedMLP", "SequentialMLP", "TEGroupedMLP", "SequentialMLP"], (r, experts)
+        assert experts[:4] == ["TEGroupedMLP", "SequentialMLP", "TEGroupedMLP", "SequentialMLP"], (r, experts)
+        assert "are one sharded tensor per layer" in experts[4:][0], (r, experts)
         for name, loaded_TS in zip(
             ("dist -> SequentialMLP", "dist -> grouped", "state dict -> SequentialMLP"), losses[1:]
         ):

@@ -38,6 +38,8 @@ SEQUENTIAL_KEY = re.compile(
 TE_GROUPED_KEY = re.compile(
     r"^(?P<prefix>.*?layers\.)(?P<layer>\d+)(?P<mid>\.mlp\.experts\.linear_fc[12]\.(weight|bias))(?P<e>\d+)$"
 )
+# occult's GroupedLinear in a sharded state dict: all local experts in one sharded tensor
+STACKED_KEY = re.compile(r"^.*?layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight$")
 # the legacy GroupedMLP: all local experts in one tensor, weight1 [H, E*2F] (columns), weight2 [E*F, H] (rows)
 GROUPED_KEY = re.compile(r"^(?P<prefix>.*?layers\.)(?P<layer>\d+)\.mlp\.experts\.weight(?P<which>[12])$")
 
@@ -210,8 +212,15 @@ def model_order_sharded_state_dict(
     Saved through it, the checkpoint is Megatron's own layout (Megatron's `alltoall` model loads it
     as is); loaded through it, the placed model reads a checkpoint in that layout. No collective;
     `group` is the EP group (its rank and size are checked against the placement). `SequentialMLP` and
-    `TEGroupedMLP` keys; MoE layer i (in layer order) uses the placement's layer i (or its only layer)."""
+    `TEGroupedMLP` keys (occult's `GroupedLinear` experts are refused); MoE layer i (in layer order) uses the
+    placement's layer i (or its only layer)."""
     placement = placement if isinstance(placement, Placement) else Placement.load(placement)
+    stacked = [k for k in sharded_state_dict if STACKED_KEY.match(k)]
+    if stacked:
+        raise PlacementError(
+            f"{stacked[0]}: occult's grouped experts (GroupedLinear) are one sharded tensor per layer, not one "
+            "entry per expert: convert the placed model's per-rank state_dict() with model_order_local_experts"
+        )
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     matches = {k: m for k in sharded_state_dict for m in [SEQUENTIAL_KEY.match(k) or TE_GROUPED_KEY.match(k)] if m}
     layers = sorted({(m["prefix"], int(m["layer"])) for m in matches.values()})
