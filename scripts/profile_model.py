@@ -4,7 +4,8 @@ Builds the random OLMoE-1B-7B-shape model of `benchmarks/e2e.py` (fewer layers w
 then, per variant (`native`: unconverted; `occult`: converted over a one-rank group, dedup) and
 phase (`prefill`: 4 x 2048 tokens, logits of the last position; `train`: forward + backward;
 `decode`: one B-row step of `hf.StaticDecoder`, graph-captured for occult with sync-free dispatch,
-eager for native), profiles a few steps under torch.profiler and prints: wall ms per step (CUDA
+eager for native; an e2e.py `/graph` or `/twobatch` variant's prefill replayed from its CUDA graph as e2e.py
+times it, and no train phase), profiles a few steps under torch.profiler and prints: wall ms per step (CUDA
 events), GPU busy ms (union of kernel intervals), idle = wall - busy (the host-bound share),
 kernels per step, and time per kernel family (matmul, attention, occult Triton, elementwise).
 The top kernels go to --out as JSON.
@@ -94,9 +95,14 @@ def profile_steps(step, steps: int, trace_path: str | None = None) -> dict:
     }
 
 
-def phase_step(model, phase: str, args, device):
+def phase_step(model, phase: str, args, device, variant: str = "occult"):
+    """One step of `phase` as benchmarks/e2e.py times it for `variant`: a `/graph` or `/twobatch` prefill replayed
+    from its CUDA graph (`hf.GraphedForward`, two interleaved halves for `/twobatch`), other steps eager."""
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
+    if phase == "prefill" and e2e.is_graphed(variant):
+        graphed, _ = e2e.graphed_step(model, args, vocab, device, e2e.micro_batches(variant))
+        return lambda: graphed(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
     if phase in ("prefill", "train"):
         full = e2e.make_step(
             model, phase, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if phase == "train" else None
@@ -156,7 +162,9 @@ def main() -> None:
             if args.out and args.traces:
                 os.makedirs(args.out, exist_ok=True)
                 trace = os.path.join(args.out, f"trace_{variant}_{phase}_rank{rank}.json".replace("/", "-"))
-            step = phase_step(model, phase, args, device)
+            if phase == "train" and e2e.is_graphed(variant):
+                continue  # a captured prefill only, as e2e.py times it
+            step = phase_step(model, phase, args, device, variant)
             results[f"{variant}/{phase}"] = r = profile_steps(step, args.steps, trace)
             if rank:
                 continue
