@@ -221,3 +221,31 @@ def test_a_megatron_job_with_the_overlap_gives_a_row_per_schedule(tmp_path: Path
         ["| 2", "NVLink", "olmoe", "4", "4", "plain"],
     ]
     assert "| 1.10x |" in rows[0] and "| 1.30x |" in rows[1] and "| 1.20x |" in rows[2]
+
+
+def test_a_megatron_job_with_grouped_experts_gives_the_dispatcher_and_the_whole_against_megatron(
+    tmp_path: Path,
+) -> None:
+    """`+grouped` variants (occult's grouped experts on both sides): a row of occult's dispatcher against Megatron's
+    alltoall on the same grouped experts (plain and overlap), and one of occult's fastest variant against
+    Megatron's own alltoall with its own experts, all from the one job."""
+    job = megatron("2026-11-29T01:00:00+00:00", 20000.0, 24000.0)
+    job["args"]["micro_batches"] = 4
+    grouped = dict(job["variants"]["alltoall"], expert_module="TEGroupedMLP(GroupedLinear)")
+    for name, tokens in (
+        ("alltoall+grouped", 25000.0),
+        ("occult+grouped", 30000.0),
+        ("occult+grouped+overlap", 32000.0),
+    ):
+        job["variants"][name] = dict(grouped, tokens_per_s_per_gpu=tokens, step_ms_median=1e6 / tokens)
+    job["variants"]["alltoall+grouped+overlap"] = dict(grouped, tokens_per_s_per_gpu=26000.0)
+    del job["variants"]["occult"]
+    write(tmp_path, {"grouped.json": job}, {})
+    rows = [r for r in current_numbers.render(tmp_path, tmp_path / "provenance.json").splitlines() if ".json" in r]
+    cells = [r.split(" | ") for r in rows]
+    assert [(c[5], c[9]) for c in cells] == [
+        ("fastest occult (occult+grouped+overlap) / Megatron's own", "1.60x"),
+        ("grouped", "1.20x"),
+        ("grouped+overlap", "1.23x"),
+    ], rows
+    assert cells[0][6] == "SequentialMLP / TEGroupedMLP(GroupedLinear) (no TE)"
