@@ -126,9 +126,9 @@ class OccultTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_postprocess(self, x_RH: torch.Tensor, gates_RK: torch.Tensor):
         """-> (rows x_NH expert-major, tokens per local expert (host tensor, as Megatron's), probs_N)."""
-        x_NH, counts_e, self.expansion = expand(x_RH, self.slots_RK, gates_RK, self.num_local_experts)
+        x_NH, _, self.expansion = expand(x_RH, self.slots_RK, gates_RK, self.num_local_experts)
         self.slots_RK = None
-        return x_NH, counts_e.cpu(), self.expansion.gate_N
+        return x_NH, self.expansion.counts_host_e, self.expansion.gate_N
 
     def combine_preprocess(self, y_NH: torch.Tensor) -> torch.Tensor:
         """Sum the experts' prob-weighted outputs per received row (fp32): one row per (token, rank) goes back."""
