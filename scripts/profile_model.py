@@ -1,11 +1,13 @@
-"""Where a whole transformers MoE model's step goes on one GPU: kernel families, launches, idle.
+"""Where a whole transformers MoE model's step goes (one GPU, or expert parallel): kernel families, idle, overlap.
 
 Builds the random OLMoE-1B-7B-shape model of `benchmarks/e2e.py` (fewer layers with --layers),
 then, per variant (`native`: unconverted; `occult`: converted over a one-rank group, dedup) and
 phase (`prefill`: 4 x 2048 tokens, logits of the last position; `train`: forward + backward;
 `decode`: one B-row step of `hf.StaticDecoder`, graph-captured for occult with sync-free dispatch,
 eager for native; an e2e.py `/graph` or `/twobatch` variant's prefill replayed from its CUDA graph as e2e.py
-times it, and no train phase), profiles a few steps under torch.profiler and prints: wall ms per step (CUDA
+times it, and no train phase), profiles a few steps under torch.profiler and prints (per step): the
+exchanges' kernels busy (NCCL's, the device transport's push and barrier), every other kernel busy, and both at
+once (the part of the all-to-alls hidden under compute), then: wall ms per step (CUDA
 events), GPU busy ms (union of kernel intervals), idle = wall - busy (the host-bound share),
 kernels per step, and time per kernel family (matmul, attention, occult Triton, elementwise).
 The top kernels go to --out as JSON.
@@ -34,7 +36,7 @@ from occult import set_sync_free  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 from occult.integrations.hf.block import is_converted  # noqa: E402
-from occult.training.step_profile import union_ms  # noqa: E402
+from occult.training.step_profile import overlap_ms, union_ms  # noqa: E402
 
 FAMILIES = (  # (family, substrings of kernel names), first match wins; occult's Triton kernels are `_name_kernel`
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "grouped_mm")),
@@ -42,6 +44,15 @@ FAMILIES = (  # (family, substrings of kernel names), first match wins; occult's
     ("copy/index", ("copy", "memcpy", "fill", "memset", "cat", "index", "scatter", "gather")),
     ("elementwise/reduce", ("elementwise", "reduce", "softmax", "topk", "sort", "scan")),
 )
+
+
+EXCHANGE = ("nccl", "_push_kernel", "_pack_push_kernel", "barrier")  # the all-to-alls' kernels (NCCL, occult's)
+
+
+def is_exchange(name: str) -> bool:
+    """Whether a kernel moves rows between ranks (NCCL's, or the device transport's push and barrier)."""
+    low = name.lower()
+    return any(k in low for k in EXCHANGE)
 
 
 def family_of(name: str) -> str:
@@ -73,6 +84,9 @@ def profile_steps(step, steps: int, trace_path: str | None = None) -> dict:
         os.remove(trace_path)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps  # us intervals -> ms
+    spans = {True: [], False: []}  # the exchanges' kernels, every other kernel
+    for e in kernels:
+        spans[is_exchange(e.name)].append((e.time_range.start, e.time_range.end))
     per_kernel: dict[str, list[float]] = {}
     for e in kernels:
         entry = per_kernel.setdefault(e.name, [0.0, 0])
@@ -90,6 +104,9 @@ def profile_steps(step, steps: int, trace_path: str | None = None) -> dict:
         "busy_ms": busy,
         "idle_ms": wall - busy,
         "kernels": len(kernels) / steps,
+        "exchange_ms": union_ms(spans[True]) / steps,  # all-to-all kernels busy
+        "compute_ms": union_ms(spans[False]) / steps,  # every other kernel busy
+        "exchange_under_compute_ms": overlap_ms(spans[True], spans[False]) / steps,  # both at once
         "families": {k: {"ms": v[0] / 1e3, "count": v[1]} for k, v in fams.items()},
         "top": [{"name": n[:160], "us": v[0], "count": v[1]} for n, v in top],
     }
@@ -170,7 +187,8 @@ def main() -> None:
                 continue
             print(
                 f"{variant}/{phase}: wall {r['wall_ms']:.2f} ms, busy {r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, "
-                f"kernels {r['kernels']:.0f}",
+                f"kernels {r['kernels']:.0f}; exchanges {r['exchange_ms']:.2f} ms, compute {r['compute_ms']:.2f}, "
+                f"both at once {r['exchange_under_compute_ms']:.2f}",
                 flush=True,
             )
             for t in r["top"][:12]:

@@ -49,6 +49,32 @@ def union_ms(intervals_us: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def merged(intervals_us: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as sorted, disjoint intervals."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals_us):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def overlap_ms(a_us: list[tuple[float, float]], b_us: list[tuple[float, float]]) -> float:
+    """How long both sets of [start, end) intervals (microseconds) cover at once, in ms: e.g. the exchanges'
+    kernels against every other kernel, the part of the all-to-alls that runs under compute."""
+    a, b = merged(a_us), merged(b_us)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total / 1e3
+
+
 def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict[str, Any]:
     """The profile of `steps` steps that took `wall_s` seconds: busy, idle, top host ops and kernels
     (`on_gpu` False: a CPU run, no device figures)."""

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from occult.training.step_profile import parse_window, union_ms
+from occult.training.step_profile import overlap_ms, parse_window, union_ms
 
 
 def test_window_parses_and_refuses_nonsense():
@@ -27,6 +27,24 @@ def test_union_of_intervals_against_a_fine_grid():
         grid[s:e] = True
     assert union_ms([(float(s), float(e)) for s, e in spans]) == pytest.approx(grid.sum() / 1e3)
     assert union_ms([]) == 0.0
+
+
+def test_overlap_of_two_interval_sets_against_a_fine_grid():
+    rng = random.Random()
+
+    def spans():
+        return [(s, s + rng.randrange(1, 40)) for s in (rng.randrange(0, 500) for _ in range(rng.randrange(0, 30)))]
+
+    a, b = spans(), spans()
+    grids = np.zeros((2, 600), dtype=bool)
+    for g, group in zip(grids, (a, b)):
+        for s, e in group:
+            g[s:e] = True
+    both = float((grids[0] & grids[1]).sum()) / 1e3
+    as_float = [[(float(s), float(e)) for s, e in group] for group in (a, b)]
+    assert overlap_ms(*as_float) == pytest.approx(both)
+    assert overlap_ms(as_float[0], as_float[0]) == pytest.approx(grids[0].sum() / 1e3)
+    assert overlap_ms([(0.0, 10.0)], [(10.0, 20.0)]) == 0.0  # touching is not overlapping
 
 
 def test_profiled_run_writes_its_summary_and_trains_the_same(tmp_path, data):
