@@ -8,10 +8,11 @@ so that Megatron's own `alltoall` dispatcher, the reference occult is tested aga
 also turns torch.compile off in the process (Megatron's fused helpers run eagerly), which the stubs
 would break where CUDA is visible.
 `cpu_shims` also lets `dist_checkpointing.save` (format `torch_dist`) run in a CPU rank: Megatron
-writes each rank's files through worker processes (a `multiprocessing` Manager queue, forked writers)
-and stages them with `torch.cuda.synchronize()`; a daemonic rank (occult's `run_ranks`) may not have
-children, and a CPU-only torch has no CUDA to synchronize. The shims write the same files with
-Megatron's own `write_preloaded_data`, in the rank, one bucket after another, staged with blocking copies.
+writes each rank's files through worker processes (0.16: forked writers; both versions: a `multiprocessing`
+Manager queue for the results, 0.19's writers being threads) and stages them with `torch.cuda.synchronize()`;
+a daemonic rank (occult's `run_ranks`) may not have children, and a CPU-only torch has no CUDA to synchronize.
+The shims put the results in a plain queue and, for 0.16, write the same files with Megatron's own
+`write_preloaded_data`, in the rank, one bucket after another; both are staged with blocking copies.
 For Megatron's combined-1F1B EP overlap (`overlap_moe_expert_parallel_comm`: its schedule,
 `forward_backward_no_pipelining`, and `ScheduleNode`) the shims also make `torch.cuda.Event` the
 stand-in event, `record_stream` of a CPU tensor and the NVTX ranges no-ops, and the schedule's token
@@ -80,10 +81,13 @@ def in_process_checkpoint_writes() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
 
     writer = fsa.FileSystemWriterAsync
-    if getattr(writer, "occult_cpu_shim", False) or not hasattr(writer, "write_preloaded_data_multiproc"):
+    if getattr(writer, "occult_cpu_shim", False):
         return
     results: queue.Queue = queue.Queue()
-    fsa._get_write_results_queue = lambda: results  # in Megatron: a Manager().Queue() (a spawned server)
+    if hasattr(fsa, "get_write_results_queue"):  # 0.19: its writers are threads; only this queue is a process
+        fsa.get_write_results_queue = lambda mp_mode="spawn": results  # (a Manager().Queue(): a spawned server)
+    else:
+        fsa._get_write_results_queue = lambda: results  # 0.16: the same Manager queue
 
     def write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue):
         """`write_preloaded_data_multiproc` without processes: the same writer per bucket, same results."""
@@ -99,7 +103,8 @@ def in_process_checkpoint_writes() -> None:
             out[index] = written
         global_results_queue.put(out)
 
-    writer.write_preloaded_data_multiproc = staticmethod(write_in_process)
+    if hasattr(writer, "write_preloaded_data_multiproc"):  # 0.16: forked writer processes
+        writer.write_preloaded_data_multiproc = staticmethod(write_in_process)
     writer.occult_cpu_shim = True
     if not getattr(fsa, "HAVE_PSUTIL", True):
         fsa._process_memory = lambda: 0
