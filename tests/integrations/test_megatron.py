@@ -22,7 +22,10 @@ occult's grouped experts (`use_grouped_experts`: TEGroupedMLP over `GroupedLinea
 SequentialMLP + alltoall layer, output and every gradient. A grouped GPTModel with occult, trained two steps and
 saved with `dist_checkpointing.save`, loads into Megatron's SequentialMLP alltoall model and into a grouped one,
 and its state dict (after `to_sequential_expert_keys`) into the SequentialMLP one: the same per-token losses;
-`model_order_sharded_state_dict` refuses its stacked experts.
+`model_order_sharded_state_dict` refuses its stacked experts. `RoutingTrace` records a Megatron GPTModel's routing
+over two batches per rank and saves one trace with every rank's tokens and the experts its routers chose (a
+hook of the test's own reads them); a trace saved before any forward is refused on every rank; a placement
+solved from the trace builds occult's model.
 
 Megatron's experts see the same rows in the same order with either dispatcher; only the per-token
 sums run in another order (fp32 rounding).
@@ -463,6 +466,46 @@ def _grouped_checkpoint_case(rank, world, seed, folder):
     return [_loss_TS(m, seed + 13) for m in models], experts
 
 
+def _trace_case(rank, world, seed, folder):
+    """Megatron's own GPTModel traced by `RoutingTrace` over two batches per rank, saved; -> (this rank's
+    routing maps' expert ids per layer, seen by a hook of the test's own; the saved trace's layers, experts, top-k
+    and ids; the error of a trace saved before any forward; a placement solved from the trace, built into
+    occult's model: its dispatchers)."""
+    from occult.integrations.megatron.trace import RoutingTrace
+    from occult.placement.solvers import place
+    from occult.placement.trace import read_trace
+
+    torch.manual_seed(seed)
+    config = _config(2, num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
+    model = _gpt(config)
+    seen = {0: [], 1: []}
+    routers = [m.router for m in model.modules() if hasattr(m, "router")]
+    hooks = [
+        r.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out[1].nonzero()[:, 1].view(-1, 2).clone()))
+        for i, r in enumerate(routers)
+    ]
+    path = os.path.join(folder, "megatron_trace.safetensors")
+    with RoutingTrace(model) as trace, torch.no_grad():
+        for step in range(2):
+            tokens, pos, causal, labels = _tokens(seed + 50 * step, rank)
+            model(tokens, pos, causal, labels=labels)
+    for h in hooks:
+        h.remove()
+    trace.save(path)
+    torch.distributed.barrier()
+    saved = read_trace(path)
+    try:
+        RoutingTrace(model).save(os.path.join(folder, "empty.safetensors"))
+        empty = None
+    except ValueError as e:
+        empty = str(e)
+    placement = place(saved, world, "greedy").placement
+    occult_model = _gpt(config, placement=placement, state=model.state_dict())
+    dispatchers = [type(m.token_dispatcher).__name__ for m in occult_model.modules() if hasattr(m, "token_dispatcher")]
+    mine = [torch.cat(seen[i]) for i in (0, 1)]
+    return mine, (saved.num_layers, saved.num_experts, saved.top_k, saved.topk_ids), empty, dispatchers
+
+
 def _graphs_compiled() -> int:
     """Graphs torch.compile hands its backend after `cpu_shims`: 0 when it is off, as it must be (Megatron's
     fused helpers are torch.compile'd; a CPU rank on a GPU machine failed compiling them through the stubs)."""
@@ -500,7 +543,8 @@ def _ranks(rank, world, seed, folder):
     gpt = _gpt_case(rank, world, seed)
     dist = _dist_checkpoint_case(rank, world, seed, folder)
     grouped = _grouped_checkpoint_case(rank, world, seed, folder)
-    return results, _bad_builds(world), gpt, compiled, (_checkpoint_case(rank, world, seed, folder), dist, grouped)
+    checkpoints = (_checkpoint_case(rank, world, seed, folder), dist, grouped)
+    return results, _bad_builds(world), gpt, compiled, checkpoints, _trace_case(rank, world, seed, folder)
 
 
 def _check_checkpoint(rank, losses):
@@ -529,10 +573,24 @@ def _check_dist_checkpoint(rank, losses, dispatchers, files):
     assert (losses[4] - losses[0]).abs().max() > 1e-3, (rank, "placed dist checkpoint loads wrong yet equal", losses)
 
 
+def _check_trace(results):
+    """The saved trace holds every rank's tokens, rank by rank, with the experts each router chose; an empty
+    trace is refused on every rank; a placement solved from it builds occult's model."""
+    mine = [r[5][0] for r in results]
+    num_layers, num_experts, top_k, ids = results[0][5][1]
+    assert (num_layers, num_experts, top_k) == (2, E, 2)
+    for layer in range(2):
+        want = torch.cat([m[layer] for m in mine]).numpy()
+        assert ids[layer].shape == want.shape and (ids[layer] == want).all(), layer
+    for r, (_, _, _, _, _, (_, _, empty, dispatchers)) in enumerate(results):
+        assert empty is not None and "recorded no forward" in empty, (r, empty)
+        assert dispatchers == ["OccultTokenDispatcher"] * 2, (r, dispatchers)
+
+
 @pytest.mark.timeout(240)
 def test_layer_matches_megatron_alltoall_on_2_ranks(tmp_path):
     results = run_ranks(_ranks, 2, int(torch.randint(0, 10_000, ())), str(tmp_path))
-    cases, _, (gpt_errors, used, layers), _, _ = results[0]
+    cases, _, (gpt_errors, used, layers), _, _, _ = results[0]
     assert not gpt_errors and used == ["OccultTokenDispatcher"] * 2 and layers == [0, 1], (gpt_errors, used, layers)
     for name, (errors, (dispatch_rows, combine_rows, sum_c, tokens, worst)) in cases.items():
         assert not errors, f"{name}: {errors}"
@@ -545,7 +603,8 @@ def test_layer_matches_megatron_alltoall_on_2_ranks(tmp_path):
     for name in ("pruned", "pruned sigmoid"):  # one rank, one row a token
         assert cases[name][1][4] == 1 and cases[name][1][0] == cases[name][1][3], (name, cases[name])
     assert cases["dedup placed top3"][1][0] < cases["dedup placed top3"][1][3] * 3  # dedup sent fewer rows than k x T
-    for r, (_, rank_bad, _, compiled, (checkpoint_losses, dist_checkpoint, grouped)) in enumerate(results):
+    _check_trace(results)
+    for r, (_, rank_bad, _, compiled, (checkpoint_losses, dist_checkpoint, grouped), _) in enumerate(results):
         _check_checkpoint(r, checkpoint_losses)
         _check_dist_checkpoint(r, *dist_checkpoint)
         losses, experts = grouped

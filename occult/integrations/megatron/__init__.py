@@ -11,6 +11,7 @@ by one call on the model spec.
   experts' fc1 (and fc2) as one grouped GEMM; `to_grouped_expert_keys` / `to_sequential_expert_keys` rename
   expert weights between its state-dict keys and `SequentialMLP`'s.
 - `to_placed_order` / `to_model_order`: expert weights of a full state dict for a placement.
+- `RoutingTrace`: a model's routing recorded through its own routers, for `occult place`.
 
 Import it explicitly (it imports Megatron-Core); docs/integrations.md has the recipe.
 """
@@ -23,6 +24,7 @@ from occult.integrations.megatron.layer import OccultMoELayer
 from occult.integrations.megatron.options import OccultOptions
 from occult.integrations.megatron.placement import load_placement, to_model_order, to_placed_order
 from occult.integrations.megatron.router import OccultRouter
+from occult.integrations.megatron.trace import RoutingTrace
 
 __all__ = [
     "GroupedLinear",
@@ -30,6 +32,7 @@ __all__ = [
     "OccultMoELayer",
     "OccultOptions",
     "OccultRouter",
+    "RoutingTrace",
     "install",
     "use_grouped_experts",
     "to_grouped_expert_keys",
