@@ -8,7 +8,8 @@ dispatch node's inputs after its forward. On 2 gloo ranks, in one spawn:
    0 backward, micro-batch 1 backward gives every gradient of the plain forward/backward of both micro-batches;
 2. benchmarks/megatron_train.py's own `run` trains a tiny GPTModel MoE (2 layers, fp32) for 3 steps of 4
    micro-batches through Megatron's `get_forward_backward_func()` for `alltoall`, `alltoall+overlap`, `occult`,
-   `occult+overlap` and `occult+grouped+overlap` (occult's grouped experts, `TEGroupedMLP`): every variant's
+   `occult+overlap` and `occult+placement+grouped+overlap` (a random placement, occult's grouped experts,
+   `TEGroupedMLP`: the weights renamed and moved to their placed ranks): every variant's
    per-step losses (mean over micro-batches and ranks) agree within the rounding of the step's terms, so the
    overlap trains what the plain schedule trains, for Megatron's dispatcher and occult's, with either expert
    module; the overlap variants went through schedule plans (one `build_schedule_plan` per micro-batch), the
@@ -43,7 +44,7 @@ from occult.distributed import run_ranks  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "megatron_train.py"
 STEPS, MICRO_BATCHES, SEQ = 3, 4, 16
-VARIANTS = ("alltoall", "alltoall+overlap", "occult", "occult+overlap", "occult+grouped+overlap")
+VARIANTS = ("alltoall", "alltoall+overlap", "occult", "occult+overlap", "occult+placement+grouped+overlap")
 
 
 def _bench():
@@ -90,7 +91,7 @@ def _plan_case(rank: int, world: int) -> list[str]:
     return errors
 
 
-def _train_case(rank: int, world: int, out: str) -> dict:
+def _train_case(rank: int, world: int, out: str, placement: str) -> dict:
     """The benchmark's training, every variant, counting the schedule plans built (by dispatcher) and the calls
     of Megatron's `finalize_model_grads` (the data-parallel gradient reduction the schedule ends with)."""
     import megatron.core.distributed as megatron_distributed
@@ -115,20 +116,29 @@ def _train_case(rank: int, world: int, out: str) -> dict:
     args = mt.parse_args(
         ["--model", "tiny", "--layers", "2", "--seq", str(SEQ), "--steps", str(STEPS), "--warmup", "1"]
         + ["--micro-batches", str(MICRO_BATCHES), "--variants", ",".join(VARIANTS), "--out", out]
+        + ["--placement", placement]
     )
     assert mt.check_args(args, world) is None
     parallel_state.destroy_model_parallel()  # the script sets up its own (after the plan case's)
     return {"variants": mt.run(args, world)["variants"], "plans": plans, "finalized": len(finalized)}
 
 
-def _ranks(rank: int, world: int, out: str) -> tuple[list[str], dict]:
-    return _plan_case(rank, world), _train_case(rank, world, out)
+def _ranks(rank: int, world: int, out: str, placement: str) -> tuple[list[str], dict]:
+    return _plan_case(rank, world), _train_case(rank, world, out, placement)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[list, Path]:
-    out = tmp_path_factory.mktemp("megatron_overlap") / "megatron_train.json"
-    return run_ranks(_ranks, 2, str(out)), out
+    import numpy as np
+
+    from occult.placement import Placement
+
+    folder = tmp_path_factory.mktemp("megatron_overlap")
+    out, placement = folder / "megatron_train.json", folder / "placement.json"
+    device_E = np.empty(8, dtype=np.int64)  # the tiny model's 8 experts, 4 a rank, in a random placement
+    device_E[np.random.default_rng(int(torch.randint(0, 10_000, ()))).permutation(8)] = np.arange(8) // 4
+    Placement(device_E[None], 2).save(str(placement))
+    return run_ranks(_ranks, 2, str(out), str(placement)), out
 
 
 def test_combined_1f1b_overlap_schedule_matches_plain_steps(ranks):
@@ -164,7 +174,7 @@ def test_benchmark_overlap_trains_what_the_plain_schedule_trains(ranks):
         ("alltoall+overlap", "alltoall"),
         ("occult+overlap", "occult"),
         ("occult", "alltoall"),
-        ("occult+grouped+overlap", "occult+overlap"),
+        ("occult+placement+grouped+overlap", "occult+overlap"),
     ):
         gaps = [abs(a - b) for a, b in zip(runs[name]["losses"], runs[reference]["losses"], strict=True)]
         assert max(gaps) <= tol, f"{name} against {reference}: loss gaps {gaps} > {tol:.1e}"
