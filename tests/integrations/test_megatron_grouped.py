@@ -3,7 +3,9 @@
 `grouped_matmul` equals one matmul per expert, outputs and both gradients, with experts of no rows, no rows at
 all, row widths `torch._grouped_mm` takes (16-byte aligned) and ones it does not (the loop), and a gradient of
 zero strides (`.sum()`). `GroupedLinear` keys its state dict as Transformer Engine's `GroupedLinear` (`weight{e}`)
-and loads those keys or the stacked weight; it refuses what it does not run. `use_grouped_experts` puts
+and loads those keys or the stacked weight; in a sharded state dict it is one tensor over the global expert
+axis (after the prepended layer axis), with an empty `_extra_state` per expert where SequentialMLP keeps its
+own, and `singleton_local_shards` is refused; it refuses what it does not run. `use_grouped_experts` puts
 `TEGroupedMLP` over it into 0.16's `ModuleSpec` and 0.19's `functools.partial` MoE specs. The layer's exactness
 against Megatron's `SequentialMLP` on 2 ranks, and its checkpoints loading into SequentialMLP models, are in
 test_megatron.py.
@@ -152,3 +154,18 @@ def test_use_grouped_experts_on_both_spec_forms():
     assert built.func is megatron_experts.TEGroupedMLP and built.keywords["submodules"].linear_fc2 is GroupedLinear
     with pytest.raises(ValueError, match="has no MoELayer"):
         use_grouped_experts(get_gpt_layer_local_spec())
+
+
+def test_grouped_linear_sharded_state_dict_is_one_tensor_over_the_expert_axis():
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    ep = SimpleNamespace(rank=lambda: 1, size=lambda: 2)  # this rank holds experts 3..5 of 6
+    layer = _linear(3, 16, 8, pg_collection=SimpleNamespace(ep=ep, expt_tp=None, expt_dp=None))
+    sharded = layer.sharded_state_dict("experts.linear_fc1.", sharded_offsets=((0, 1, 4),))  # layer 1 of 4
+    weight = sharded["experts.linear_fc1.weight"]
+    assert isinstance(weight, ShardedTensor) and weight.data is layer.weight
+    assert tuple(weight.global_shape) == (4, 6, 8, 16) and tuple(weight.global_offset) == (1, 3, 0, 0)
+    extra = [sharded[f"experts.linear_fc1._extra_state{e}"] for e in range(3)]
+    assert [tuple(x.global_offset) for x in extra] == [(1, 3), (1, 4), (1, 5)]  # where SequentialMLP keeps them
+    with pytest.raises(NotImplementedError, match="singleton_local_shards"):
+        layer.sharded_state_dict("x.", metadata={"singleton_local_shards": True})
