@@ -29,7 +29,6 @@ class Expansion:
 
     row_N: torch.Tensor
     gate_N: torch.Tensor
-    num_received: int
     entry_RK: torch.Tensor
     counts_host_e: torch.Tensor
 
@@ -55,7 +54,7 @@ def expand(
     gate_N = gates_RK.reshape(-1)[entry_N]
     entry_RK = torch.full((R * K,), -1, dtype=torch.int64, device=slots_RK.device)
     entry_RK[entry_N] = torch.arange(num_entries, device=slots_RK.device)
-    expansion = Expansion(row_N, gate_N, R, entry_RK.view(R, K), counts_host_e)
+    expansion = Expansion(row_N, gate_N, entry_RK.view(R, K), counts_host_e)
     return x_RH[row_N], counts_e, expansion
 
 

@@ -38,15 +38,7 @@ def parse_window(spec: str) -> tuple[int, int]:
 
 def union_ms(intervals_us: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals given in microseconds, in ms."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals_us):
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total / 1e3
+    return sum(e - s for s, e in merged(intervals_us)) / 1e3
 
 
 def merged(intervals_us: list[tuple[float, float]]) -> list[tuple[float, float]]:
