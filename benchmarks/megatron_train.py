@@ -31,8 +31,8 @@ then a device sync); tokens/s per GPU is micro-batch x micro-batches x sequence 
 time after `--warmup` steps.
 
 Rank 0 writes the JSON (losses per step per variant, step times, tokens/s per GPU, occult's rows sent, the expert
-module, micro-batches and overlap per variant, the environment and run record) atomically after every variant and
-prints a table last.
+module, micro-batches and overlap per variant, the fullest rank's peak GPU memory, the environment and run record)
+atomically after every variant and prints a table last.
 Shapes: OLMoE-1B-7B (hidden 2048, 64 experts, ffn 1024, top-8, 16 heads, vocab 50304), Qwen3-30B-A3B
 (hidden 2048, 128 experts, ffn 768, top-8, 32 heads of 128 with 4 KV groups, vocab 151936), tiny
 (a CPU smoke test). `--layers` cuts depth. On CPU ranks (gloo) Megatron's CUDA stream calls are
@@ -417,15 +417,17 @@ def table(results: dict[str, Any]) -> str:
     names = list(results)
     first = results[names[0]]
     lines = [
-        "| variant | experts | step ms (median) | tokens/s per GPU | speed-up | last loss | max rel. loss diff |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | experts | step ms (median) | tokens/s per GPU | speed-up | last loss | max rel. loss diff "
+        "| peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         r = results[name]
         gap = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], first["losses"]))
+        peak = "-" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.1f}"
         lines.append(
             f"| {name} | {r['expert_module']} | {r['step_ms_median']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} | "
-            f"{first['step_ms_median'] / r['step_ms_median']:.2f}x | {r['losses'][-1]:.4f} | {gap:.1e} |"
+            f"{first['step_ms_median'] / r['step_ms_median']:.2f}x | {r['losses'][-1]:.4f} | {gap:.1e} | {peak} |"
         )
     return "\n".join(lines)
 
@@ -441,6 +443,8 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, st
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model, optimizer, module = build(args, variant, config, device, state)
     if args.micro_batches > 1:  # what Megatron's training loop gives its schedule: grads reduced once per step
         from megatron.core.distributed import finalize_model_grads
@@ -461,6 +465,8 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, st
     )
     rows = torch.tensor([rows], dtype=torch.int64, device=device)  # on the device: NCCL reduces no CPU tensors
     dist.all_reduce(rows)
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank's: what must fit on the card
     result = {
         "expert_module": expert_types(model) or module,
         "optimizer": type(optimizer).__name__,
@@ -477,6 +483,7 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, st
         # k x tokens x layers, one micro-batch's tokens)
         "dispatch_rows_last_step": int(rows) if variant.startswith("occult") else None,
         "grouped_experts": grouped_experts(variant),
+        "peak_memory_gib": int(peak) / 2**30 if device.type == "cuda" else None,  # model, optimizer and steps
         "tokens_x_topk_x_layers": args.micro_batch
         * args.seq
         * dist.get_world_size()
