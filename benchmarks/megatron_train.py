@@ -432,6 +432,19 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def release(model: Any) -> None:
+    """Let `model` (and its optimizer) be freed once dropped. Megatron's DDP hooks every parameter's gradient
+    accumulator, a C++ autograd node, with a closure over itself; the nodes stay alive through `grad_accs` and
+    through any tensor kept with its graph (a dispatcher keeps its router's probs), so the model, its buffers and
+    its optimizer formed a cycle the garbage collector cannot see: every variant of a run stayed in memory."""
+    model.grad_accs.clear()
+    helpers = [v for m in model.modules() for v in vars(m).values() if hasattr(v, "__dict__") and not callable(v)]
+    for holder in [*model.modules(), *helpers]:  # the modules and what they hold (a token dispatcher is no module)
+        for name, value in list(vars(holder).items()):
+            if torch.is_tensor(value) and value.grad_fn is not None:
+                setattr(holder, name, None)
+
+
 def run_variant(args: argparse.Namespace, variant: str, device: torch.device, state: dict | None):
     """Build, train and time one variant -> (its results, its initial weights on this rank)."""
     from megatron.core import tensor_parallel
@@ -490,6 +503,7 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, st
         * SHAPES[args.model]["top_k"]
         * args.layers,
     }
+    release(model)
     del model, optimizer
     free_memory(device)
     return result, initial
