@@ -13,7 +13,8 @@ dispatch node's inputs after its forward. On 2 gloo ranks, in one spawn:
    per-step losses (mean over micro-batches and ranks) agree within the rounding of the step's terms, so the
    overlap trains what the plain schedule trains, for Megatron's dispatcher and occult's, with either expert
    module; the overlap variants went through schedule plans (one `build_schedule_plan` per micro-batch), the
-   others did not; the JSON records micro-batches, overlap and expert module per variant.
+   others did not; the JSON records micro-batches, overlap and expert module per variant; no variant's model is
+   left alive after the run (so each variant's peak memory is its own).
 
 Bad flags of the script (`--micro-batches 0`, the overlap with one micro-batch or one rank) stop it before any
 work with one line naming the fix, exit status 2. CPU has no CUDA events, streams or NVTX: `cpu_shims` replaces
@@ -23,6 +24,7 @@ docs/overlap.md, last section).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -120,7 +122,15 @@ def _train_case(rank: int, world: int, out: str, placement: str) -> dict:
     )
     assert mt.check_args(args, world) is None
     parallel_state.destroy_model_parallel()  # the script sets up its own (after the plan case's)
-    return {"variants": mt.run(args, world)["variants"], "plans": plans, "finalized": len(finalized)}
+
+    def models() -> int:
+        gc.collect()
+        return sum(isinstance(o, GPTModel) for o in gc.get_objects())
+
+    before = models()
+    variants = mt.run(args, world)["variants"]
+    left = models() - before  # the script's models, each of which should be gone once its variant is timed
+    return {"variants": variants, "plans": plans, "finalized": len(finalized), "models_left": left}
 
 
 def _ranks(rank: int, world: int, out: str, placement: str) -> tuple[list[str], dict]:
@@ -165,6 +175,7 @@ def test_benchmark_overlap_trains_what_the_plain_schedule_trains(ranks):
             + ["OccultTokenDispatcher"] * STEPS * MICRO_BATCHES * 2
         )
         assert train["finalized"] == len(VARIANTS) * STEPS  # gradients reduced once a step, after all micro-batches
+        assert train["models_left"] == 0  # no variant's model, buffers or optimizer stayed (peak memory per variant)
     # A step's loss is the mean of 2 ranks x 4 micro-batches x 16 token losses near 4.9: summed in another order
     # it moves by at most that many roundings of its size (fp32); the updates before steps 1 and 2 differ by
     # roundings of the gradients only.
