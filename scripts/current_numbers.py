@@ -184,8 +184,9 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
 def megatron_figures(doc: dict, link: str) -> Iterator[Figure]:
     """One megatron_train.py job, both sides from this file: occult's dedup dispatcher against Megatron's alltoall
     with the same experts (plain steps; `+overlap`: Megatron's combined-1F1B all-to-all overlap; `+grouped`: both
-    on occult's grouped experts), and occult's fastest variant against Megatron's fastest `alltoall` with its own
-    experts, with or without its overlap (what a Megatron user without Transformer Engine runs today)."""
+    on occult's grouped experts), and occult's fastest variant against Megatron's `alltoall` with its own experts
+    (what a Megatron user without Transformer Engine runs today) and, where Megatron's own overlap is faster,
+    against that too."""
     runs, env, args = doc["variants"], doc["env"], doc["args"]
     pairs = [
         (f"occult{g}{o}", f"alltoall{g}{o}", (g + o).strip("+") or "plain")
@@ -197,7 +198,10 @@ def megatron_figures(doc: dict, link: str) -> Iterator[Figure]:
     if own and any("+grouped" in n for n in mine):  # its overlap
         best = min(mine, key=lambda n: runs[n]["step_ms_median"])
         best_own = min(own, key=lambda n: runs[n]["step_ms_median"])
-        pairs.append((best, best_own, f"fastest occult ({best}) / Megatron's fastest own ({best_own})"))
+        if "alltoall" in runs:  # the issue's question: against Megatron's alltoall as it ships
+            pairs.append((best, "alltoall", f"fastest occult ({best}) / Megatron's alltoall"))
+        if best_own != "alltoall":  # and against the fastest Megatron runs on its own experts
+            pairs.append((best, best_own, f"fastest occult ({best}) / Megatron's fastest own ({best_own})"))
     for ours_name, theirs_name, schedule in pairs:
         ours, theirs = runs.get(ours_name), runs.get(theirs_name)
         if not ours or not theirs:
