@@ -203,7 +203,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="A:B",
         help="profile steps A..B (torch.profiler): wall vs "
-        "GPU busy ms per step, top host ops and kernels, in OUT/step_profile_rank{r}.json (default: off)",
+        "GPU busy ms per step, top host ops and kernels, in OUT/step_profile_rank{r}.json, and the\n"
+        "window's timeline in OUT/step_trace_rank{r}.json.gz (Chrome trace; default: off)",
     )
 
 

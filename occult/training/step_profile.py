@@ -4,7 +4,9 @@
 the user leaves before A) on every rank and writes `step_profile_rank{r}.json` into the run
 directory: wall ms per step (host clock, the GPU drained at both ends of the window), GPU busy ms
 per step (the union of the device's kernel and copy intervals), the idle share (wall - busy: the
-host-bound part), kernel launches per step, and the host operations and kernels that cost most.
+host-bound part), kernel launches per step, and the host operations and kernels that cost most;
+beside it the window's timeline, `step_trace_rank{r}.json.gz` (Chrome trace format, gzipped: Perfetto
+or chrome://tracing open it), which shows what host call each idle gap follows.
 A low GPU busy share means the step waits on the host (Python, launches, a host-device sync),
 not on the GPU. The profiler's own overhead lengthens the wall time a little; compare the
 window's tokens/s with an unprofiled run.
@@ -12,8 +14,10 @@ window's tokens/s with an unprofiled run.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -102,6 +106,17 @@ def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict
     }
 
 
+def write_trace(prof: Any, path: Path) -> None:
+    """The profiler's timeline, gzipped, at `path` (written under a temporary name, then renamed)."""
+    plain = path.with_name(path.name + ".json.tmp")
+    packed = path.with_name(path.name + ".tmp")
+    prof.export_chrome_trace(str(plain))
+    with open(plain, "rb") as src, gzip.open(packed, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
+    os.replace(packed, path)
+
+
 class StepProfile(StepHook):
     """Profile the steps of `window` ('A:B', 1-based) and write the summary to `out_dir` (module docstring)."""
 
@@ -111,6 +126,7 @@ class StepProfile(StepHook):
         self.first, self.last = parse_window(window)
         self.rank, self.device, self.log = rank, device, log
         self.path = Path(out_dir) / f"step_profile_rank{rank}.json"
+        self.trace_path = Path(out_dir) / f"step_trace_rank{rank}.json.gz"
         self._prof: Any = None
         self._on_gpu = device is not None and device.type == "cuda"
         self._t0 = 0.0
@@ -148,6 +164,7 @@ class StepProfile(StepHook):
                 **summarise(prof, self.last - self.first + 1, wall, self._on_gpu),
             }
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_trace(prof, self.trace_path)
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text(json.dumps(doc, indent=1) + "\n")
             os.replace(tmp, self.path)

@@ -3,6 +3,7 @@ is the union of intervals, and a profiled run writes its summary without changin
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 
@@ -63,8 +64,12 @@ def test_profiled_run_writes_its_summary_and_trains_the_same(tmp_path, data):
     assert doc["gpu_busy_ms_per_step"] is None  # a CPU run: no device figures
     assert any("mm" in op["name"] for op in doc["host_ops_top"]), doc["host_ops_top"][:5]
     assert not list((tmp_path / "prof").glob("*.tmp"))
+    with gzip.open(tmp_path / "prof" / "step_trace_rank0.json.gz", "rt") as f:  # the window's timeline
+        events = json.load(f)["traceEvents"]
+    assert any("mm" in e.get("name", "") for e in events)
     with pytest.raises(ValueError, match="profile steps"):
         TrainConfig(profile_steps="3")
     # a window the run never finishes writes nothing (and raises nothing)
     one_process(data, train_config(steps=3, eval_every=0, save_every=0, profile_steps="2:9"), tmp_path / "short", seed)
     assert not (tmp_path / "short" / "step_profile_rank0.json").exists()
+    assert not (tmp_path / "short" / "step_trace_rank0.json.gz").exists()
