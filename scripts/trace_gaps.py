@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST = ("cpu_op", "user_annotation")  # torch ops, and named host regions (FSDP's, `occult::agree`)
 
 
 def load_events(path: Path) -> list[dict]:
@@ -45,7 +46,7 @@ def device_spans(events: list[dict]) -> list[tuple[float, float, str, str]]:
 def gaps(events: list[dict], min_us: float) -> list[dict]:
     """The idle gaps longer than `min_us` between device spans, each with the host ops that began inside it."""
     spans = device_spans(events)
-    host = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    host = sorted((e for e in events if e.get("cat") in HOST), key=lambda e: e["ts"])
     out = []
     for (_, end, _, before), (start, _, after, _) in zip(spans, spans[1:]):
         if start - end > min_us:

@@ -182,7 +182,8 @@ class DeviceTransport:
         `statuses_D` holds this rank's knowledge (0 = fine) per rank of the group; the result is
         their element-wise maximum over ranks, the same list on every rank.
         """
-        values = self.board.max_reduce([num_tokens, *statuses_D])
+        with torch.profiler.record_function("occult::agree"):  # a host wait for the other ranks: named in traces
+            values = self.board.max_reduce([num_tokens, *statuses_D])
         return values[0], values[1:]
 
     @property

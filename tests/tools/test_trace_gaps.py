@@ -25,7 +25,9 @@ def test_gaps_merge_overlapping_device_work_and_collect_the_host_ops_inside(tmp_
         kernel("copy", 50.0, 100.0, "gpu_memcpy"),  # overlaps the gemm: one span, 0-150
         kernel("attention", 150.0 + 10.0, 40.0),  # a 10 us gap: below the threshold
         kernel("dispatch", 200.0 + idle, 20.0),  # the idle gap: 200 .. 200 + idle
+        {"ph": "X", "cat": "user_annotation", "name": "occult::agree", "ts": 205.0, "dur": 4.0},
         {"ph": "X", "cat": "cpu_op", "name": "launch_dispatch", "ts": 210.0, "dur": idle - 20.0},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 212.0, "dur": 3.0},  # not a host op
         {"ph": "X", "cat": "cpu_op", "name": "before_the_gap", "ts": 10.0, "dur": 5.0},
         {"ph": "i", "cat": "cpu_op", "name": "instant", "ts": 220.0},  # not a complete event: ignored
     ]
@@ -36,7 +38,7 @@ def test_gaps_merge_overlapping_device_work_and_collect_the_host_ops_inside(tmp_
     assert len(found) == 1
     assert abs(found[0]["us"] - idle) < 1e-6 * idle
     assert (found[0]["before"], found[0]["after"]) == ("attention", "dispatch")
-    assert [e["name"] for e in found[0]["host_ops"]] == ["launch_dispatch"]
+    assert [e["name"] for e in found[0]["host_ops"]] == ["occult::agree", "launch_dispatch"]
     text = trace_gaps.report(path, 300.0, 5)
     assert "1 gaps > 300 us" in text and "launch_dispatch" in text and "before_the_gap" not in text
 
