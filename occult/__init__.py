@@ -20,6 +20,7 @@ from occult.moe.layer import OccultMoE, set_graphs, set_sync_free
 from occult.moe.registry import DISPATCHERS, make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.moe.status import check_routing
+from occult.moe.step import agreed_step
 from occult.moe.symm import release_transports
 from occult.moe.transport_buffers import TransportMemoryError
 from occult.moe.two_level import TwoLevelDispatcher
@@ -48,6 +49,7 @@ __all__ = [
     "TopKRouter",
     "TransportMemoryError",
     "TwoLevelDispatcher",
+    "agreed_step",
     "check_routing",
     "make_dispatcher",
     "release_transports",

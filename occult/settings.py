@@ -4,7 +4,7 @@ Code asks `current()` (`current().dgrad1`, ...), never `os.environ`; a value tha
 allowed raises `SettingsError` naming the variable, the bad value and the allowed ones.
 docs/settings.md lists each variable, its default and its effect.
 
-`current()` re-parses only when one of the variables changed (it compares the raw values: ten
+`current()` re-parses only when one of the variables changed (it compares the raw values: eleven
 dictionary reads, well under a microsecond), so a test that sets one (`monkeypatch.setenv`) is seen at the next call
 and hot paths (every expert-MLP call reads it) pay no parsing. `reload()` drops the cache.
 This module imports neither torch nor Triton: Triton reads `TRITON_INTERPRET` itself on import,
@@ -23,6 +23,7 @@ GEMM_BACKENDS = ("auto", "triton", "grouped_mm")
 SCATTER_MODES = ("deterministic", "atomic")
 PLAN_BACKENDS = ("auto", "torch", "triton")
 RANK_STARTS = ("spawn", "forkserver")
+AGREEMENTS = ("step", "call")
 _TRUE = ("1", "true", "yes", "on", "y")
 _FALSE = ("", "0", "false", "no", "off", "n")
 
@@ -49,6 +50,7 @@ class Settings:
     rank_start: str = (
         "spawn"  # OCCULT_RANK_START: how run_ranks starts CPU ranks ("forkserver": torch loaded once; the tests)
     )
+    agreement: str = "step"  # OCCULT_AGREEMENT: the device transport agrees once per training step, or per call
     commit: str | None = None  # OCCULT_COMMIT: the commit result files record (`HASH` or `HASH-dirty`; None: ask git)
 
     @classmethod
@@ -64,6 +66,7 @@ class Settings:
             triton_interpret=_flag(env, "TRITON_INTERPRET"),
             nccl_p2p_disable=(env.get("NCCL_P2P_DISABLE") or "").strip().lower() not in _FALSE,
             rank_start=_choice(env, "OCCULT_RANK_START", RANK_STARTS),
+            agreement=_choice(env, "OCCULT_AGREEMENT", AGREEMENTS),
             commit=(env.get("OCCULT_COMMIT") or "").strip() or None,
         )
 
@@ -79,6 +82,7 @@ VARIABLES: dict[str, str] = {
     "TRITON_INTERPRET": "triton_interpret",
     "NCCL_P2P_DISABLE": "nccl_p2p_disable",
     "OCCULT_RANK_START": "rank_start",
+    "OCCULT_AGREEMENT": "agreement",
     "OCCULT_COMMIT": "commit",
 }
 

@@ -93,6 +93,7 @@ from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
     trainable_names,
 )
 from occult.moe.counts import STATUS_MESSAGES, RoutingError
+from occult.moe.step import agreed_step
 from occult.placement import Placement
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.step_profile import StepProfile
@@ -151,6 +152,7 @@ def _step_parts(run: TrainRun) -> StepParts:
         clip=lambda m: clip_grad_norm(model, par, m),
         lr=run.schedule,
         mean=lambda t: global_mean(t, par),
+        scope=lambda xy: agreed_step(model, xy[0].numel()),  # every MoE call of the step sees these tokens
     )
 
 

@@ -15,6 +15,7 @@
     registry   the dispatcher name table, `make_dispatcher`
     experts    SwiGLU experts on received rows (torch reference; Triton via `occult.kernels`)
     layer      `OccultMoE`, the expert-parallel layer: route -> dispatch -> experts -> combine
+    step       `agreed_step`: the device transport's ranks agree once per training step, not per call
     dense      `DenseMoE`, the single-process reference, and the expert-parameter init
     two_batch  two halves of a batch interleaved at the layers' exchanges (two threads, a turn)
 

@@ -7,9 +7,14 @@ shared memory (`SharedBoard`): each writes its values and a round number into it
 reads every row once all show that round; a few microseconds when the ranks arrive together.
 Groups spanning hosts fall back to gloo (`GlooBoard`).
 
-Rows are double-buffered by the round's parity: a rank can start round n+1 only after every rank
-posted round n, and a rank posts round n+1 only after it has read round n, so a row is never
-rewritten while someone still reads it. The values are written before the round number (x86-64
+A round can also be split (`post`, then `collect` later): a training step whose token counts are
+agreed once (`occult.moe.step_agreement`) posts each layer call's round without waiting and reads
+it at the next call, one call late, so the hosts need not arrive together.
+
+Rows are double-buffered by the round's parity: a rank posts round n+1 only after it has read
+round n (`post` reads an unread round first), so it can post round n+1 only after every rank
+posted round n, and every rank read round n-1 before posting round n: a row is never rewritten
+while someone still reads it. The values are written before the round number (x86-64
 keeps stores in order, as it keeps loads in order); a peer that never arrives ends the wait with a
 clear error after `timeout_s`.
 """
@@ -34,11 +39,36 @@ class GlooBoard:
 
     def __init__(self, host_group: Any) -> None:
         self.host_group = host_group
+        self.round = 0
+        self._open: tuple[Any, torch.Tensor] | None = None  # the posted round's all-reduce, not yet read
+        self._last: list[int] = []
 
     def max_reduce(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of every rank's `values` (every rank calls it with as many)."""
+        self.post(values)
+        return self.collect()
+
+    def post(self, values: list[int]) -> int:
+        """Start a round with `values` (an unread earlier round is read first); its number."""
+        if self._open is not None:
+            self.collect()
         payload = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=self.host_group)
-        return payload.tolist()
+        self._open = (dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=self.host_group, async_op=True), payload)
+        self.round += 1
+        return self.round
+
+    def collect(self) -> list[int]:
+        """The last posted round's maximum (waits for every rank's values)."""
+        if self._open is not None:
+            work, payload = self._open
+            work.wait()
+            self._open, self._last = None, payload.tolist()
+        return self._last
+
+    @property
+    def unread(self) -> bool:
+        """Whether the last posted round has not been read yet."""
+        return self._open is not None
 
 
 class SharedBoard:
@@ -56,12 +86,34 @@ class SharedBoard:
         if self.rank == 0:
             os.unlink(path[0])
         self.rows = np.frombuffer(self._page, dtype=np.int64).reshape(self.world, 2, width + 1)
+        self.read_round, self._last = 0, []  # the last round read, and its maximum
 
     def max_reduce(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of every rank's `values` (every rank calls it with as many)."""
+        self.post(values)
+        return self.collect()
+
+    def post(self, values: list[int]) -> int:
+        """Write `values` as the next round (an unread earlier round is read first: module docstring);
+        returns at once with the round's number."""
+        if self.unread:
+            self.collect()
         self.round += 1
-        parity, mine = self.round % 2, self.rows[self.rank, self.round % 2]
+        mine = self.rows[self.rank, self.round % 2]
         mine[1:] = values
         mine[0] = self.round  # after the values: a peer that sees the round sees them
+        return self.round
+
+    @property
+    def unread(self) -> bool:
+        """Whether the last posted round has not been read yet."""
+        return self.read_round < self.round
+
+    def collect(self) -> list[int]:
+        """The last posted round's maximum, once every rank posted it (a clear error after `timeout_s`)."""
+        if not self.unread:
+            return self._last
+        parity = self.round % 2
         rounds = self.rows[:, parity, 0]
         deadline, spins = None, 0
         while (rounds < self.round).any():
@@ -75,7 +127,8 @@ class SharedBoard:
                         f"ranks {late} did not reach the MoE layer's agreement within {self.timeout_s:.0f} s "
                         "(a rank died or stopped calling the layer)"
                     )
-        return self.rows[:, parity, 1:].max(axis=0).tolist()
+        self.read_round, self._last = self.round, self.rows[:, parity, 1:].max(axis=0).tolist()
+        return self._last
 
 
 def _create_page(nbytes: int) -> str:

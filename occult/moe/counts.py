@@ -22,9 +22,11 @@ STATUS_MESSAGES = {
     2: "router returned expert ids out of range",
     3: "input hidden size does not match the layer",
     4: "input dtype does not match the layer's weights (cast the input or the layer)",
+    5: "more tokens than the training step's agreement allows (pass every call's token count to agreed_step)",
 }
 STATUS_WRONG_HIDDEN = 3
 STATUS_WRONG_DTYPE = 4
+STATUS_OVER_STEP = 5
 
 
 def clamp_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:

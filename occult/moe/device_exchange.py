@@ -193,6 +193,7 @@ class DeviceHandle(Handle):
 
     def combine_grads(self, grad_y_PH: torch.Tensor) -> torch.Tensor:
         """The combine's gradient: each plan row's gradient out to its rank again [num_recv, H], gaps zero."""
+        settle_step(self.transport)  # a backward's first all-to-all: every rank finished the forward's calls
         L = self.layout
         rows_PW = as_byte_rows(grad_y_PH, L.back_width)
         if rows_PW is None:
@@ -269,15 +270,53 @@ def agree_and_check(transport: DeviceTransport, num_tokens: int, host_status: in
     """The largest token count of any rank; raises `RoutingError` on every rank when any rank
     reports bad input (now, or a routing status of an earlier call the GPU has reached).
 
+    Inside a step's agreement (`occult.moe.step`) nothing waits for this call: the bound is the
+    step's, this call's statuses are posted for the next call to read, and the previous call's are
+    read (and raised on every rank) here, one call late. A rank whose own input is bad still takes
+    part in this call's all-to-alls, with no rows, and raises after them (`OccultMoE`), so no rank
+    is left inside an all-to-all that a peer never enters.
+
     Under CUDA-graph capture the queue is not read (that would query events on a capturing
     stream): the earlier calls' statuses wait for the next eager call or `check_routing()`."""
     statuses = [0] * transport.num_ranks if pending.capturing() else pending.take_ready(transport.num_ranks)
     statuses[transport.rank] = max(statuses[transport.rank], host_status)
+    if transport.step_tokens is not None:
+        if num_tokens > transport.step_tokens:
+            raise ValueError(
+                f"a call of {num_tokens} tokens inside a step whose agreement allows {transport.step_tokens}: "
+                "pass agreed_step the largest token count of any call in the step"
+            )
+        settle_step(transport)
+        transport.post(num_tokens, statuses)
+        return transport.step_tokens
     max_tokens, statuses = transport.agree(num_tokens, statuses)
     if any(statuses):
         pending.clear()
         raise_on_bad_status(statuses)
     return max_tokens
+
+
+def settle_step(transport: DeviceTransport) -> None:
+    """Inside a step's agreement: read the last posted call's statuses (waiting for every rank to
+    post them) and raise `RoutingError` on every rank if one is bad. A backward's first all-to-all
+    and the step's end call it too, so a rank never starts an all-to-all after a call a peer failed."""
+    statuses = transport.posted()
+    if statuses is not None and any(statuses):
+        pending.clear()
+        raise_on_bad_status(statuses)
+
+
+def step_bound(transport: DeviceTransport | None) -> int | None:
+    """The token bound of the step `transport` is agreeing on now (`occult.moe.step`), else None."""
+    return None if transport is None else transport.step_tokens
+
+
+def reserve(transport: DeviceTransport, num_bytes: int) -> None:
+    """`transport.reserve`; a growth is a blocking round of the ranks' board, so inside a step the
+    posted call's statuses are read (and raised) first instead of being passed over."""
+    if not transport.fits(num_bytes):
+        settle_step(transport)
+        transport.reserve(num_bytes)
 
 
 def dispatch_device(
@@ -300,7 +339,7 @@ def dispatch_device(
     per_rank, _ = dispatcher.rows_per_token(top_k, D, experts_per_device)
     layout = RowLayout(x_TH.shape[1], x_TH.dtype, plan.slot_PK.shape[1], weights_TK.dtype)
     bucket = token_bucket(max_tokens)
-    transport.reserve(D * per_rank * bucket * layout.width)
+    reserve(transport, D * per_rank * bucket * layout.width)
     stats = DeviceCommStats(dispatcher.rank, dispatcher.peer_level)
     handle = DeviceHandle(
         transport,

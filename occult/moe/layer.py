@@ -22,12 +22,13 @@ from occult.moe import status as pending
 from occult.moe.comm import CommStats
 from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig, configs_from_keywords
 from occult.moe.contract import Schedule
-from occult.moe.counts import STATUS_WRONG_DTYPE, STATUS_WRONG_HIDDEN, RoutingError, routing_status
+from occult.moe.counts import RoutingError, routing_status
 from occult.moe.dense import DenseMoE, expert_parameters
-from occult.moe.device_exchange import agree_and_check
+from occult.moe.device_exchange import agree_and_check, settle_step, step_bound
 from occult.moe.expert_map import ExpertMap
 from occult.moe.experts import LocalExperts
 from occult.moe.graphs import GraphCache, has_hooks, tensors_key
+from occult.moe.layer_input import bad_input_error, input_status
 from occult.moe.registry import make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.moe.train_graphs import TrainingCall, trainable
@@ -173,9 +174,12 @@ class OccultMoE(nn.Module):
         self.last_comm_stats = handle.stats
         self._exchange_issued()  # two-batch overlap: the other half runs while this dispatch is on the wire
         y = received.apply(self.local_experts())  # 4. experts, gate-weighted, pre-reduced per row
-        y = self.dispatcher.combine(y, handle).reshape(x.shape)  # 5. combine
+        y = self.dispatcher.combine(y, handle)  # 5. combine
+        if bad_input:  # inside a step's agreement (occult.moe.step): the error travelled with this call's rows
+            pending.clear()  # (its peers raise it at their next call; it is not raised here again)
+            raise self._bad_input(x)
         self._exchange_issued()
-        return y
+        return y.reshape(x.shape)
 
     def _exchange_issued(self) -> None:
         """Hand the turn to the other half of a two-batch forward (`occult.moe.two_batch`) where this
@@ -252,7 +256,13 @@ class OccultMoE(nn.Module):
         None otherwise."""
         if self._trained_by(x_TH) is None:
             return None
-        generation = (lambda: transport.generation) if transport is not None else (lambda: None)
+        if transport is None:
+            return TrainingCall((self, *self._router_gate()), lambda: None)
+
+        def generation() -> int:  # read before a recorded backward runs: the step's last call settled first
+            settle_step(transport)
+            return transport.generation
+
         return TrainingCall((self, *self._router_gate()), generation)
 
     def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -266,19 +276,16 @@ class OccultMoE(nn.Module):
         return self.gate_up_proj.new_zeros((0, self.hidden_size)), status
 
     def _input_status(self, x: torch.Tensor) -> int:
-        if x.shape[-1] != self.hidden_size:
-            return STATUS_WRONG_HIDDEN
-        if x.dtype != self.gate_up_proj.dtype and not torch.is_autocast_enabled(x.device.type):
-            return STATUS_WRONG_DTYPE
-        return 0
+        return input_status(x, self.hidden_size, self.gate_up_proj.dtype, self._step_bound())
+
+    def _step_bound(self) -> int | None:
+        """The token bound of the step agreement this layer's transport is in (`occult.moe.step`), else None."""
+        if self.num_ranks == 1 or self.sync_free:
+            return None
+        return step_bound(self.dispatcher.transport)
 
     def _bad_input(self, x: torch.Tensor) -> ValueError:
-        if x.shape[-1] != self.hidden_size:
-            return ValueError(f"input has hidden size {x.shape[-1]} but this MoE layer expects {self.hidden_size}")
-        return ValueError(
-            f"input has dtype {x.dtype} but this MoE layer's weights are {self.gate_up_proj.dtype}: "
-            f"cast the input (x.to({self.gate_up_proj.dtype})) or the layer"
-        )
+        return bad_input_error(x, self.hidden_size, self.gate_up_proj.dtype, self._step_bound())
 
     # ------------------------------------------------------ dense <-> sharded
     @classmethod

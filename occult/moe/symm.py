@@ -166,6 +166,7 @@ class DeviceTransport:
         self._captured = False
         self._turn = 0
         self._vote = GrowthVote(self.board, self.rank, self.num_ranks)
+        self.step_tokens: int | None = None  # a step's agreed bound (`occult.moe.step`): calls post, not wait
         hold_buffers(self)  # freed before the process group is destroyed (occult.teardown)
 
     @classmethod
@@ -186,6 +187,23 @@ class DeviceTransport:
             values = self.board.max_reduce([num_tokens, *statuses_D])
         return values[0], values[1:]
 
+    def post(self, num_tokens: int, statuses_D: list[int]) -> None:
+        """`agree`'s values for this call, posted without waiting (inside a step's agreement): the next
+        call reads them (`posted`)."""
+        self.board.post([num_tokens, *statuses_D])
+
+    def posted(self) -> list[int] | None:
+        """Every rank's status from the last posted call not read yet (waits for every rank to post it),
+        else None."""
+        if not self.board.unread:
+            return None
+        with torch.profiler.record_function("occult::agree"):
+            return self.board.collect()[1:]
+
+    def fits(self, num_bytes: int) -> bool:
+        """Whether the receive buffers already hold `num_bytes` of rows (`reserve` would not grow them)."""
+        return num_bytes <= self.capacity_bytes and bool(self._slots)
+
     @property
     def memory_bytes(self) -> int:
         """GPU memory this rank's buffers take (those a captured graph may still use included)."""
@@ -196,7 +214,7 @@ class DeviceTransport:
         (every rank passes the same value, derived from `agree`'s result), all or nothing
         (`occult.moe.transport_buffers`): where any rank cannot allocate, every rank raises
         `TransportMemoryError` and the buffers stay as they were."""
-        if num_bytes <= self.capacity_bytes and self._slots:
+        if self.fits(num_bytes):
             return
         capacity = buffer_bytes(num_bytes)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():

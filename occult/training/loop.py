@@ -6,7 +6,9 @@
     batch      `parts.batch(step)`: this rank's rows of global batch `step` (a function of the
                seed and the step only, so the data position is the step and a resume is exact)
     loss       `parts.loss(batch)` -> `StepLoss` (the model's forward, its own precision)
-    backward   `total.backward()` (DDP / FSDP2 hooks reduce dense gradients during it)
+    backward   `total.backward()` (DDP / FSDP2 hooks reduce dense gradients during it); the forward
+               and backward run inside `parts.scope(batch)` (the adapters' `occult.agreed_step`:
+               the expert-parallel ranks agree on their token counts once per step, not per layer)
     sync       `parts.sync()`: gradients of the global-batch loss (`occult.training.grads`)
     clip       `parts.clip(grad_clip)`: clip by the global norm; the norm is recorded
     step       `optimizer.step()`, then every hook's `after_step` (`occult.training.hooks`)
@@ -62,6 +64,7 @@ class StepParts:
     clip: Callable[[float], torch.Tensor | None]
     lr: Callable[[int], float]
     mean: Callable[[torch.Tensor], torch.Tensor]
+    scope: Callable[[Any], contextlib.AbstractContextManager] = lambda batch: contextlib.nullcontext()
 
 
 @dataclass
@@ -202,9 +205,11 @@ class TrainLoop:
         lr = self.parts.lr(self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        out = self.parts.loss(self.parts.batch(self.step))
-        self.optimizer.zero_grad(set_to_none=True)
-        out.total.backward()
+        batch = self.parts.batch(self.step)
+        with self.parts.scope(batch):
+            out = self.parts.loss(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            out.total.backward()
         self.parts.sync()
         gnorm = self.parts.clip(self.settings.grad_clip)
         self.optimizer.step()

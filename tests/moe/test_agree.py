@@ -58,3 +58,36 @@ def test_one_rank_board(world):
 
 def lambda_free_worker(rank: int, world: int) -> list[int]:
     return make_board(dist.group.WORLD, 2, 5.0).max_reduce([7, 3])
+
+
+def split_rounds_worker(rank: int, world: int, seed: int, board_kind: str) -> list[list[int]]:
+    """Rounds posted now and read one round later (a step's layer calls), mixed with whole rounds; every
+    rank knows every rank's values (drawn from the seed), so nothing but the board keeps the hosts together."""
+    board = make_board(dist.group.WORLD, 3, 30.0) if board_kind == "shared" else GlooBoard(dist.group.WORLD)
+    shape = random.Random(seed)  # the same pattern on every rank
+    out, previous = [], None
+    for step in range(300):
+        drawn = [random.Random(f"{seed}-{r}-{step}") for r in range(world)]
+        every = [[d.randrange(-5, 1000) for _ in range(3)] for d in drawn]
+        values, expected = every[rank], [max(col) for col in zip(*every)]
+        if step % 29 == rank or random.Random(f"{seed}-{rank}-{step}-late").random() < 0.05:
+            time.sleep(0.005)  # one rank's host late now and then
+        if shape.random() < 0.3:
+            got = board.max_reduce(values)  # a whole round (a step's first agreement, a growth vote)
+            assert got == expected and not board.unread, (step, got, expected)
+            previous = None
+        else:
+            if board.unread:
+                assert board.collect() == previous, step  # the last call's round, read one call late
+            board.post(values)
+            previous = expected
+        out.append(expected)
+    if board.unread:
+        assert board.collect() == previous
+    return out
+
+
+@pytest.mark.parametrize("board_kind", ["shared", "gloo"])
+def test_rounds_read_one_round_late_equal_whole_rounds(board_kind):
+    results = run_ranks(split_rounds_worker, 3, random.randrange(2**31), board_kind, timeout_s=120)
+    assert results[0] == results[1] == results[2]

@@ -89,3 +89,34 @@ def test_ctrl_c_ends_the_loop_after_the_step(bar):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with pytest.raises(KeyboardInterrupt):
         make_loop(steps=10, log_every=5, every=100, ctrl_c_at=3).run(10)
+
+
+def test_the_step_scope_holds_the_forward_and_backward(bar):
+    """`StepParts.scope(batch)` (the adapters' `occult.agreed_step`) is entered once per step with that
+    step's batch, around its forward and backward and nothing else."""
+    events: list[str] = []
+    loop = make_loop(steps=3, log_every=3, every=100)
+    parts = loop.parts
+    inner_loss, inner_sync = parts.loss, parts.sync
+
+    class Scope:
+        def __init__(self, batch):
+            self.batch = batch
+
+        def __enter__(self):
+            events.append(f"enter {self.batch}")
+
+        def __exit__(self, *exc):
+            events.append("exit")
+            return False
+
+    def loss(batch):
+        events.append("loss")
+        out = inner_loss(batch)
+        out.total.register_hook(lambda g: events.append("backward") or g)
+        return out
+
+    parts.scope, parts.loss = Scope, loss
+    parts.sync = lambda: events.append("sync") or inner_sync()
+    loop.run(3)
+    assert events == [e for b in (1, 2, 3) for e in (f"enter {b}", "loss", "backward", "exit", "sync")], events

@@ -48,6 +48,7 @@ from occult.integrations.hf.block import OccultMoeBlock
 from occult.integrations.hf.finetune_config import FinetuneConfig, FinetuneResult, lr_at
 from occult.integrations.hf.finetune_data import batch_rows, tokenize_texts
 from occult.integrations.hf.finetune_state import CheckpointSaver, CloseTaps, resume_state
+from occult.moe.step import agreed_step
 from occult.training import grads
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
 from occult.training.hooks import StepHook
@@ -183,6 +184,7 @@ def _step_parts(
         clip=lambda m: grads.clip_grad_norm(routers, experts, groups, m),
         lr=schedule,
         mean=lambda t: global_mean(t, groups),
+        scope=lambda win: agreed_step(model, win[:, :-1].numel()),  # every MoE call of the step sees these tokens
     )
 
 
