@@ -522,11 +522,11 @@ def solve_placement(
 def convert_variant(model: nn.Module, variant: str, placement: Placement | None, self_group: Any) -> nn.Module:
     """Convert `model` in place as `variant` (module docstring)."""
     base = base_variant(variant)
-    if base == "native":
-        return model
-    if is_compiled(variant):
+    if is_compiled(variant):  # before `native`: native/compile is transformers' model compiled
         model = convert_variant(model, variant.replace("/compile", ""), placement, self_group)
         hf.compile_layers(model, train_graphs=train_graphs(variant))
+        return model
+    if base == "native":
         return model
     if base == "replicated":  # /graph: sync-free on its one rank (T rows, nothing padded), no host wait
         model = hf.convert(

@@ -349,3 +349,17 @@ def test_e2e_transport_and_graph_modifiers():
         ("dedup", True, 2, False),
         ("dedup", True, 1, False),
     ]
+
+
+def test_native_compile_compiles_the_decoder_layers(monkeypatch):
+    """`native/compile` is transformers' own model with its decoder layers compiled (from 64c08ba to this test's
+    commit it returned the model uncompiled: every "transformers + compile_layers" figure of e2e.py and
+    scripts/profile_model.py in that span timed plain eager transformers)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    calls = []
+    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, train_graphs=False: calls.append((model, train_graphs)))
+    model = object()
+    assert e2e.convert_variant(model, "native/compile", None, None) is model and calls == [(model, False)]
+    assert e2e.convert_variant(model, "native", None, None) is model and len(calls) == 1
