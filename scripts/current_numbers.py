@@ -166,14 +166,16 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
             std = fmt_ratio(timed["standard"], best[1]) if "standard" in timed else "-"
             cells = (f"{best[1] / floor[1]:.3f}x", f"{best[0]} {best[1]:.2f} ms", f"{floor[0]} {floor[1]:.2f} ms", std)
             yield Figure("ep", key, cells)
-        if "native" in timed and "replicated" in timed:
+        eager = "native" in timed and "replicated" in timed
+        both_compiled = "native/compile" in timed and "replicated/compile" in timed
+        if eager or both_compiled:
             compiled = eager_over_compiled = "-"
-            if "native/compile" in timed and "replicated/compile" in timed:
+            if both_compiled:
                 compiled = fmt_ratio(timed["native/compile"], timed["replicated/compile"])
+            if "native" in timed and "replicated/compile" in timed:
                 eager_over_compiled = fmt_ratio(timed["native"], timed["replicated/compile"])
-            yield Figure(
-                "native", key, (fmt_ratio(timed["native"], timed["replicated"]), compiled, eager_over_compiled)
-            )
+            plain = fmt_ratio(timed["native"], timed["replicated"]) if eager else "-"
+            yield Figure("native", key, (plain, compiled, eager_over_compiled))
         ours = best or (floor if world == "1" else None)
         tt, tt_occult = timed.get("torchtitan"), best_variant(timed, "torchtitan+occult")
         if tt and ours:

@@ -272,3 +272,12 @@ def test_occults_fastest_megatron_variant_is_measured_against_megatrons_fastest_
         ("fastest occult (occult+grouped+overlap) / Megatron's alltoall", "1.65x"),
         ("fastest occult (occult+grouped+overlap) / Megatron's fastest own (alltoall+overlap)", "1.50x"),
     ], rows
+
+
+def test_a_one_gpu_job_of_compiled_variants_alone_gives_the_compiled_ratio(tmp_path: Path) -> None:
+    """transformers + compile_layers against occult + compile_layers on one GPU, without the eager variants."""
+    doc = e2e(1, {"native/compile": 46.0, "replicated/compile": 40.0})
+    write(tmp_path, {"one.json": doc}, {"one.json": prov("2026-11-29T00:00:00+00:00", card="1 x H200")})
+    page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
+    row = next(line for line in page.splitlines() if "one.json" in line)
+    assert "| prefill | - | 1.15x (46.00 / 40.00) | - |" in row, row  # no eager pair; compiled 46.0 / 40.0
