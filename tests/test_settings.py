@@ -31,6 +31,7 @@ def test_defaults_with_nothing_set(clean_env):
         triton_interpret=False,
         nccl_p2p_disable=False,
         rank_start="spawn",
+        agreement="step",
         commit=None,
     )
 
@@ -46,13 +47,14 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "TRITON_INTERPRET": "yes",
         "NCCL_P2P_DISABLE": "1",
         "OCCULT_RANK_START": "forkserver",
+        "OCCULT_AGREEMENT": "Call",
         "OCCULT_COMMIT": " abc1234-dirty ",
     }
     assert set(values) == set(settings.VARIABLES)
     for name, value in values.items():
         clean_env.setenv(name, value)
     assert settings.current() == Settings(
-        "triton", "grouped_mm", "atomic", "torch", tmp_path, True, True, True, "forkserver", "abc1234-dirty"
+        "triton", "grouped_mm", "atomic", "torch", tmp_path, True, True, True, "forkserver", "call", "abc1234-dirty"
     )
     assert {f.name for f in dataclasses.fields(Settings)} == set(settings.VARIABLES.values())
 
@@ -76,6 +78,7 @@ def test_a_change_is_seen_at_the_next_call_and_nothing_is_parsed_otherwise(clean
         ("OCCULT_DGRAD1", "fast", "auto, triton, grouped_mm"),
         ("OCCULT_SCATTER", "atomics", "deterministic, atomic"),
         ("OCCULT_PLAN", "numpy", "auto, torch, triton"),
+        ("OCCULT_AGREEMENT", "layer", "step, call"),
         ("OCCULT_DEBUG", "maybe", "1 or 0"),
         ("TRITON_INTERPRET", "2", "1 or 0"),
     ],
