@@ -95,3 +95,49 @@ def test_expert_parallel_layers_without_a_host_wait_get_layer_graphs(layer_graph
     layers[1].num_ranks = 2  # expert parallel over the count exchange (its host wait)
     hf.compile_layers(model, layer_graphs=layer_graphs, backend="eager")
     assert [layer.execution.graphs for layer in layers] == [layer_graphs, False, False]
+
+
+def test_traced_moe_blocks_train_like_eager():
+    """`trace_moe=True`: one-rank MoE blocks traced with their decoder layer, the same gradients as the eager
+    model. (On CPU the reference expert loop breaks the graph at its data-dependent splits; on a GPU the
+    Triton path traces whole: tests/gpu/test_traced_moe_one_gpu.py.)"""
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    model = hf.tiny_random_model("olmoe", seed=seed % 1000, vocab_size=64, num_hidden_layers=2)
+    hf.convert(model, group=None)
+    ids = torch.randint(64, (2, 9))
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    hf.compile_layers(model, trace_moe=True, backend="aot_eager")
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert not any(getattr(b, "occult_eager", False) for _, b in hf.moe_blocks(model))
+    for name, grad in ref.items():
+        got = dict(model.named_parameters())[name].grad
+        assert got is not None and torch.allclose(got, grad, rtol=1e-4, atol=1e-6), (name, seed)
+
+
+def test_trace_moe_refuses_a_model_compiled_with_eager_blocks():
+    model = hf.tiny_random_model("olmoe", seed=3, vocab_size=64, num_hidden_layers=2)
+    hf.convert(model, group=None)
+    hf.compile_layers(model, backend="eager")
+    with pytest.raises(ValueError, match="already compiled with its MoE block eager"):
+        hf.compile_layers(model, trace_moe=True, backend="eager")
+
+
+def _trace_refused_worker(rank: int, world_size: int) -> str:
+    model = hf.tiny_random_model("olmoe", seed=4, vocab_size=64, num_hidden_layers=2)
+    hf.convert(model)
+    try:
+        hf.compile_layers(model, trace_moe=True, backend="eager")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_trace_moe_refuses_expert_parallel_layers():
+    from occult.distributed import run_ranks
+
+    for out in run_ranks(_trace_refused_worker, 2, timeout_s=180):
+        assert "traces one-rank MoE layers only" in out and "expert parallel over 2 ranks" in out, out

@@ -359,7 +359,19 @@ def test_native_compile_compiles_the_decoder_layers(monkeypatch):
     import e2e
 
     calls = []
-    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, train_graphs=False: calls.append((model, train_graphs)))
+    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append((model, kw)))
     model = object()
-    assert e2e.convert_variant(model, "native/compile", None, None) is model and calls == [(model, False)]
+    assert e2e.convert_variant(model, "native/compile", None, None) is model
+    assert calls == [(model, {"train_graphs": False, "trace_moe": False})]
     assert e2e.convert_variant(model, "native", None, None) is model and len(calls) == 1
+
+
+def test_tracemoe_goes_with_replicated_compile_only():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    (name,) = e2e.variant_list("replicated/tracemoe/compile")
+    assert e2e.trace_moe(name) and e2e.is_compiled(name) and e2e.base_variant(name) == "replicated"
+    for bad in ("replicated/tracemoe", "dedup@device/tracemoe/compile", "native/tracemoe/compile"):
+        with pytest.raises(Exception, match="unknown variant"):
+            e2e.variant_list(bad)

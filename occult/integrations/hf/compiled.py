@@ -51,17 +51,25 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def compile_layers(
-    model: nn.Module, layer_graphs: bool = True, train_graphs: bool = False, **compile_kwargs: Any
+    model: nn.Module,
+    layer_graphs: bool = True,
+    train_graphs: bool = False,
+    trace_moe: bool = False,
+    **compile_kwargs: Any,
 ) -> int:
     """Compile every decoder layer of `model` in place (`nn.Module.compile(**compile_kwargs)`, default
-    `dynamic=False`); returns how many. Call after `convert` (MoE blocks run eager either way).
+    `dynamic=False`); returns how many. Call after `convert` (MoE blocks run eager unless `trace_moe`).
     `layer_graphs`: also replay the expert-parallel MoE layers that do not wait for the GPU from
     their CUDA graphs (module docstring); `train_graphs`: their training calls too, forward and
-    backward (opt-in).
+    backward (opt-in). `trace_moe`: one-rank MoE blocks traced into their decoder layer's graph (no
+    graph break, no eager host work between the layer's halves; their routing status is then not
+    checked: a compiled graph queues none); a model with expert-parallel layers is refused.
 
     The first forward of each new shape (prefill length, decode batch) compiles: time it apart.
     """
     layers = decoder_layers(model)
+    if trace_moe:
+        check_traceable(model)
     compile_kwargs.setdefault("dynamic", False)
     # per input shape (each prefill length, each decode batch), one graph per layer (its cache slot)
     # twice (before and after the MoE block): room for 16 shapes before a layer would fall back to eager
@@ -71,7 +79,7 @@ def compile_layers(
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * limit)
     for layer in layers:
         for block in layer.modules():
-            if isinstance(block, OccultMoeBlock) and not getattr(block, "occult_eager", False):
+            if isinstance(block, OccultMoeBlock) and not trace_moe and not getattr(block, "occult_eager", False):
                 block.forward = torch.compiler.disable(block.forward)  # this instance only: eager inside
                 block.occult_eager = True
         layer.compile(**compile_kwargs)
@@ -80,3 +88,20 @@ def compile_layers(
             if isinstance(moe, OccultMoE) and moe.num_ranks > 1 and not moe.waits_for_gpu:
                 moe.execution = replace(moe.execution, graphs=True, train_graphs=train_graphs)
     return len(layers)
+
+
+def check_traceable(model: nn.Module) -> None:
+    """`trace_moe` traces one-rank MoE layers only: an expert-parallel call exchanges with other ranks (and the
+    device transport agrees on the host), which a compiled graph cannot hold."""
+    parallel = [name for name, m in model.named_modules() if isinstance(m, OccultMoE) and m.num_ranks > 1]
+    if parallel:
+        raise ValueError(
+            f"compile_layers(trace_moe=True) traces one-rank MoE layers only; {parallel[0]} is expert parallel over "
+            f"{dict(model.named_modules())[parallel[0]].num_ranks} ranks: leave trace_moe off there"
+        )
+    eager = [name for name, m in model.named_modules() if getattr(m, "occult_eager", False)]
+    if eager:
+        raise ValueError(
+            f"{eager[0]} was already compiled with its MoE block eager (compile_layers without trace_moe): "
+            "call compile_layers(trace_moe=True) on a freshly converted model"
+        )
