@@ -39,8 +39,8 @@ def check_routing() -> None:
     """Read every pending routing status and raise `RoutingError` if one was bad.
 
     Waits only for the GPU to reach those statuses (each recorded right after its routing)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return  # no waiting inside a capture: read after it
+    if capturing():
+        return  # no waiting inside a capture or a compiled graph: read after it
     pending = list(_PENDING)
     _PENDING.clear()
     for host, ready in pending:
