@@ -83,7 +83,8 @@ def combine_local(y_TH: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
     """The experts' output is already one row per token: count the return trip, hand it back."""
     handle.stats.combine_rows = handle.rows
     _count(handle.stats, "forward", handle.rows, handle.row_bytes, 0)
-    if handle.differentiable and y_TH.requires_grad:  # backward: the combine's rows, the dispatch's with gate grads
+    counted = not torch.compiler.is_compiling()  # (a compiled graph's backward cannot run a hook on Python state)
+    if counted and handle.differentiable and y_TH.requires_grad:  # backward: the combine's and dispatch's rows
         y_TH.register_hook(
             lambda grad: _count(handle.stats, "backward", 2 * handle.rows, 2 * handle.row_bytes, handle.gate_grad_bytes)
         )

@@ -39,7 +39,8 @@ def test_traced_moe_layers_train_like_eager_in_one_graph(dtype):
     hf.compile_layers(model, trace_moe=True)
     got = _grads(model, ids)
     again = _grads(model, ids)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # both layers share one whole graph
+    assert not counters["graph_break"], dict(counters["graph_break"])  # each layer one whole graph
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # at most one per layer
     worst = max(((got[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in ref.items())
     assert worst < TOL[dtype], (seed, worst)
     assert all(torch.equal(got[n], again[n]) for n in got)

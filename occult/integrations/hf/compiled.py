@@ -63,7 +63,8 @@ def compile_layers(
     their CUDA graphs (module docstring); `train_graphs`: their training calls too, forward and
     backward (opt-in). `trace_moe`: one-rank MoE blocks traced into their decoder layer's graph (no
     graph break, no eager host work between the layer's halves; their routing status is then not
-    checked: a compiled graph queues none); a model with expert-parallel layers is refused.
+    checked, a compiled graph queues none, and `last_comm_stats` count the forward only); a model with
+    expert-parallel layers is refused.
 
     The first forward of each new shape (prefill length, decode batch) compiles: time it apart.
     """
