@@ -300,6 +300,8 @@ def settle_step(transport: DeviceTransport) -> None:
     """Inside a step's agreement: read the last posted call's statuses (waiting for every rank to
     post them) and raise `RoutingError` on every rank if one is bad. A backward's first all-to-all
     and the step's end call it too, so a rank never starts an all-to-all after a call a peer failed."""
+    if transport.step_tokens is None:
+        return  # outside a step every call read its own round
     statuses = transport.posted()
     if statuses is not None and any(statuses):
         pending.clear()
