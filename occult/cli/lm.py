@@ -105,6 +105,7 @@ def _train_config(args):
         "replace_wait",
         "grad_sync",
         "profile_steps",
+        "compile",
         "distill_weight",
         "distill_temperature",
         "distill_from",
