@@ -105,7 +105,6 @@ def _train_config(args):
         "replace_wait",
         "grad_sync",
         "profile_steps",
-        "compile",
         "distill_weight",
         "distill_temperature",
         "distill_from",

@@ -162,12 +162,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default=DEVICE, help=f"auto (cuda if present, else cpu), cpu, cuda, cuda:1, ... (default {DEVICE})"
     )
     g.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile each block's norms, attention and residuals (Inductor; the MoE layers stay eager); "
-        "the first steps and the first evaluation compile (default: off)",
-    )
-    g.add_argument(
         "--eval-every",
         type=nonnegative_int,
         default=EVAL_EVERY,

@@ -182,22 +182,9 @@ class DecoderBlock(nn.Module):
         self.moe_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.moe = MoEBlock(cfg, layer_index, placement, group, dispatcher)
 
-        self.compiled_half: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # compile_dense
-
-    def attention_half(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block up to its MoE layer: (the residual stream after attention, the MoE layer's input)."""
-        x = x + self.attn(self.attn_norm(x))
-        return x, self.moe_norm(x)
-
-    def compile_dense(self, **compile_kwargs: Any) -> None:
-        """torch.compile the block's dense half (norms, rotary, attention, residual: Inductor fuses them); the
-        MoE layer stays eager (an expert-parallel call exchanges with other ranks). Module hooks (DDP, FSDP2)
-        stay outside the compiled code."""
-        self.compiled_half = torch.compile(self.attention_half, **{"dynamic": False, **compile_kwargs})
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, h = (self.compiled_half or self.attention_half)(x)
-        y, aux = self.moe(h)
+        x = x + self.attn(self.attn_norm(x))
+        y, aux = self.moe(self.moe_norm(x))
         return x + y, aux
 
 
@@ -251,17 +238,6 @@ class OccultLM(nn.Module):
         self.reset_parameters()
 
     # ------------------------------------------------------------- set-up
-    def compile_dense(self, **compile_kwargs: Any) -> int:
-        """torch.compile every block's dense half (`DecoderBlock.compile_dense`); returns how many. Raises
-        Dynamo's recompile limit to fit every block for 16 shapes (training, evaluation, generation)."""
-        limit = 16 * len(self.blocks) + 8
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, limit)
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * limit)
-        for block in self.blocks:
-            block.compile_dense(**compile_kwargs)
-        return len(self.blocks)
-
     def reset_parameters(self) -> None:
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.num_layers)

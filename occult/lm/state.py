@@ -73,7 +73,6 @@ class TrainConfig:
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
     replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
     profile_steps: str | None = None  # "A:B": profile steps A..B (occult.training.step_profile); None = off
-    compile: bool = False  # torch.compile every block's dense half (OccultLM.compile_dense); MoE layers stay eager
     # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
     grad_sync: str = "ddp"
     # pruning-aware fine-tuning recipes (occult.lm.distill)
@@ -95,7 +94,6 @@ class TrainConfig:
         "min_delta",
         "grad_sync",
         "profile_steps",
-        "compile",
     )
 
     def __post_init__(self) -> None:

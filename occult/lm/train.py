@@ -212,8 +212,6 @@ def _prepare(
         raise ValueError(
             f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks"
         )
-    if cfg.compile:
-        model.compile_dense()  # compiled code without module hooks: DDP's and FSDP2's stay outside it
     if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
         wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
     opt = make_optimizer(model, trainable_names(model, cfg.moe_only, cfg.train_part), cfg)
