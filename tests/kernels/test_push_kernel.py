@@ -82,7 +82,7 @@ def test_region_sums_equal_plan_order_sums():
     from occult.kernels.rows import gather_sum
 
     gen = torch.Generator().manual_seed(random.randrange(2**31))
-    D, stride, T, J, H = 3, 6, 5, 3, 8
+    D, stride, T, J, H = 3, 6, 7, 3, 8  # T * J >= D * stride: room for every plan row
     counts_D = torch.randint(0, stride + 1, (D,), generator=gen)
     total = int(counts_D.sum())
     row_TJ = torch.full((T, J), -1, dtype=torch.int64)
