@@ -62,18 +62,22 @@ def agreed_step(module: nn.Module, num_tokens: int) -> Iterator[int | None]:
         raise RuntimeError("agreed_step blocks cannot be nested: a step is already being agreed on")
     if transports and pending.capturing():
         raise RuntimeError("agreed_step cannot begin inside a CUDA-graph capture or torch.compile")
-    bound = None
-    for transport in transports:
-        transport.step_tokens = agree_and_check(transport, num_tokens, 0)
-        bound = transport.step_tokens if bound is None else max(bound, transport.step_tokens)
-    ok = False
+    bound, ok = None, False
     try:
+        for transport in transports:  # (an error here leaves no transport in a step: `finally`)
+            transport.step_tokens = agree_and_check(transport, num_tokens, 0)
+            bound = transport.step_tokens if bound is None else max(bound, transport.step_tokens)
         yield bound
         ok = True
     finally:
-        for transport in transports:
+        error: Exception | None = None
+        for transport in transports:  # every transport leaves the step, whatever the first one raises
             try:
-                if ok:
+                if ok and error is None:
                     settle_step(transport)  # the step's last call, checked on every rank
+            except Exception as exc:  # noqa: BLE001  (raised below, once every transport has left)
+                error = exc
             finally:
                 transport.step_tokens = None
+        if error is not None:
+            raise error

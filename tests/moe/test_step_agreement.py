@@ -212,3 +212,27 @@ def test_a_model_without_device_transport_layers_agrees_nothing():
     with agreed_step(nn.Sequential(layer), 3) as bound:
         y = layer(torch.randn(3, H, dtype=torch.float64))
     assert bound is None and y.shape == (3, H)
+
+
+def entry_error_worker(rank: int, world: int, seed: int) -> dict:
+    """A routing status from a call before the step: raised on every rank as the step begins, and the
+    transport is left outside any step."""
+    defer_statuses()
+    layers, _, transport = make_stack(seed, world, 2)
+    x = torch.randn(6, H, dtype=torch.float64)
+    bad = x.clone()
+    if rank == 0:
+        bad[1, 1] = float("nan")
+    layers[0](bad)  # per-call agreement: the status is queued, read by a later call
+    try:
+        with agreed_step(layers, 6):
+            return {"error": "no error"}
+    except RoutingError as exc:
+        error = str(exc)
+    return {"error": error, "step_tokens": transport.step_tokens, "after": tuple(run_stack(layers, x).shape)}
+
+
+def test_an_earlier_status_is_raised_as_the_step_begins_and_leaves_no_step():
+    for out in run_ranks(entry_error_worker, 2, random.randrange(2**31), timeout_s=120):
+        assert "rank 0: router produced NaN" in out["error"], out
+        assert out["step_tokens"] is None and out["after"] == (6, H), out
