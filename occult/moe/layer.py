@@ -28,6 +28,7 @@ from occult.moe.device_exchange import agree_and_check, settle_step, step_bound
 from occult.moe.expert_map import ExpertMap
 from occult.moe.experts import LocalExperts
 from occult.moe.graphs import GraphCache, has_hooks, tensors_key
+from occult.moe.host_time import forward_range, time_backward
 from occult.moe.layer_input import bad_input_error, input_status
 from occult.moe.registry import make_dispatcher
 from occult.moe.routing import TopKRouter
@@ -148,9 +149,10 @@ class OccultMoE(nn.Module):
         launches the all-to-alls and the experts; at once where there is no such wait.
         With `ExecConfig(graphs=True)` a call replays a CUDA graph where it can (`replays`).
         """
-        if self.replays(x):
-            return self._replayed(x, while_waiting)
-        return self._eager(x, while_waiting)
+        with forward_range():  # the call's host time, named in profiles (occult.moe.host_time)
+            y = self._replayed(x, while_waiting) if self.replays(x) else self._eager(x, while_waiting)
+        time_backward(x, y)
+        return y
 
     def _eager(
         self, x: torch.Tensor, while_waiting: Callable[[], None] | None = None, agreed_tokens: int | None = None

@@ -4,7 +4,8 @@
 the user leaves before A) on every rank and writes `step_profile_rank{r}.json` into the run
 directory: wall ms per step (host clock, the GPU drained at both ends of the window), GPU busy ms
 per step (the union of the device's kernel and copy intervals), the idle share (wall - busy: the
-host-bound part), kernel launches per step, and the host operations and kernels that cost most;
+host-bound part), kernel launches per step, the host ms of an MoE layer call forward and backward
+(`moe_host_ms_per_call`: `occult.moe.host_time`'s ranges), and the host operations and kernels that cost most;
 beside it the window's timeline, `step_trace_rank{r}.json.gz` (Chrome trace format, gzipped: Perfetto
 or chrome://tracing open it), which shows what host call each idle gap follows.
 A low GPU busy share means the step waits on the host (Python, launches, a host-device sync),
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from occult.moe.host_time import BACKWARD, FORWARD
 from occult.training.hooks import StepHook
 
 TOP = 25  # host operations and kernels kept in the summary
@@ -82,9 +84,11 @@ def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict
         entry = kernels.setdefault(e.name, [0.0, 0.0])
         entry[0] += e.time_range.elapsed_us() / 1e3 / steps
         entry[1] += 1 / steps
-    host = [a for a in prof.key_averages() if a.self_cpu_time_total > 0]
+    averages = prof.key_averages()
+    host = [a for a in averages if a.self_cpu_time_total > 0]
     host.sort(key=lambda a: -a.self_cpu_time_total)
     return {
+        "moe_host_ms_per_call": moe_host_ms(averages, steps),
         "steps": steps,
         "wall_ms_per_step": wall,
         "gpu_busy_ms_per_step": busy if on_gpu else None,
@@ -104,6 +108,19 @@ def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict
             for n, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP]
         ],
     }
+
+
+def moe_host_ms(averages: Any, steps: int) -> dict[str, float | None]:
+    """Host ms per MoE layer call, forward and backward (`occult.moe.host_time`'s ranges), and forward calls
+    per step; None where the window had none."""
+    ranges = {a.key: a for a in averages if a.key in (FORWARD, BACKWARD)}
+
+    def per_call(key: str) -> float | None:
+        a = ranges.get(key)
+        return a.cpu_time_total / 1e3 / a.count if a is not None and a.count else None
+
+    calls = ranges[FORWARD].count / steps if FORWARD in ranges else 0.0
+    return {"forward": per_call(FORWARD), "backward": per_call(BACKWARD), "forward_calls_per_step": calls}
 
 
 def write_trace(prof: Any, path: Path) -> None:

@@ -63,6 +63,8 @@ def test_profiled_run_writes_its_summary_and_trains_the_same(tmp_path, data):
     assert doc["window"] == [2, 4] and doc["steps"] == 3 and doc["wall_ms_per_step"] > 0
     assert doc["gpu_busy_ms_per_step"] is None  # a CPU run: no device figures
     assert any("mm" in op["name"] for op in doc["host_ops_top"]), doc["host_ops_top"][:5]
+    moe = doc["moe_host_ms_per_call"]  # issue 52's host time per MoE layer call, both directions
+    assert moe["forward"] > 0 and moe["backward"] > 0 and moe["forward_calls_per_step"] >= 2, moe  # (+ evaluation)
     assert not list((tmp_path / "prof").glob("*.tmp"))
     with gzip.open(tmp_path / "prof" / "step_trace_rank0.json.gz", "rt") as f:  # the window's timeline
         events = json.load(f)["traceEvents"]
