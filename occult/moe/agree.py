@@ -8,7 +8,7 @@ reads every row once all show that round; a few microseconds when the ranks arri
 Groups spanning hosts fall back to gloo (`GlooBoard`).
 
 A round can also be split (`post`, then `collect` later): a training step whose token counts are
-agreed once (`occult.moe.step_agreement`) posts each layer call's round without waiting and reads
+agreed once (`occult.moe.step`) posts each layer call's round without waiting and reads
 it at the next call, one call late, so the hosts need not arrive together.
 
 Rows are double-buffered by the round's parity: a rank posts round n+1 only after it has read

@@ -94,11 +94,12 @@ def compile_layers(
 def check_traceable(model: nn.Module) -> None:
     """`trace_moe` traces one-rank MoE layers only: an expert-parallel call exchanges with other ranks (and the
     device transport agrees on the host), which a compiled graph cannot hold."""
-    parallel = [name for name, m in model.named_modules() if isinstance(m, OccultMoE) and m.num_ranks > 1]
+    parallel = [(name, m) for name, m in model.named_modules() if isinstance(m, OccultMoE) and m.num_ranks > 1]
     if parallel:
+        name, layer = parallel[0]
         raise ValueError(
-            f"compile_layers(trace_moe=True) traces one-rank MoE layers only; {parallel[0]} is expert parallel over "
-            f"{dict(model.named_modules())[parallel[0]].num_ranks} ranks: leave trace_moe off there"
+            f"compile_layers(trace_moe=True) traces one-rank MoE layers only; {name} is expert parallel over "
+            f"{layer.num_ranks} ranks: leave trace_moe off there"
         )
     eager = [name for name, m in model.named_modules() if getattr(m, "occult_eager", False)]
     if eager:
