@@ -71,8 +71,9 @@ at most 1.25x the half-precision native model's own plus --tol (discrete routing
 DeepSeek-V3's on random weights, picks other experts under any change of rounding, compiled kernels
 of transformers' own model included). Phases: prefill (eval,
 no_grad, forward with logits of the last position as `generate` does) and train (forward,
-next-token cross-entropy, backward inside `occult.agreed_step` as occult's trainers run them (the device
-transport's ranks agree once a step; OCCULT_AGREEMENT=call: every layer call), hf.sync_gradients,
+next-token cross-entropy, backward inside `occult.agreed_step` as occult's trainers run them
+(OCCULT_AGREEMENT=step: the device transport's ranks agree once a step; the default, call: at every
+layer call), hf.sync_gradients,
 optimizer step). Each step gets fresh
 random ids; ranks meet at a barrier before each step; a step's time is the slowest rank's
 (CUDA events on GPUs, wall clock on CPU). Rank 0 writes the JSON after every variant
@@ -589,7 +590,7 @@ def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | N
 
     def train(ids_BS: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
-        with agreed_step(model, ids_BS.numel()):  # as occult's trainers run a step (OCCULT_AGREEMENT=call: per call)
+        with agreed_step(model, ids_BS.numel()):  # as occult's trainers run a step (OCCULT_AGREEMENT=step: agreed once)
             model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss.backward()
         hf.sync_gradients(model)
         optimizer.step()

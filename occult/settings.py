@@ -23,7 +23,7 @@ GEMM_BACKENDS = ("auto", "triton", "grouped_mm")
 SCATTER_MODES = ("deterministic", "atomic")
 PLAN_BACKENDS = ("auto", "torch", "triton")
 RANK_STARTS = ("spawn", "forkserver")
-AGREEMENTS = ("step", "call")
+AGREEMENTS = ("call", "step")
 _TRUE = ("1", "true", "yes", "on", "y")
 _FALSE = ("", "0", "false", "no", "off", "n")
 
@@ -50,7 +50,7 @@ class Settings:
     rank_start: str = (
         "spawn"  # OCCULT_RANK_START: how run_ranks starts CPU ranks ("forkserver": torch loaded once; the tests)
     )
-    agreement: str = "step"  # OCCULT_AGREEMENT: the device transport agrees once per training step, or per call
+    agreement: str = "call"  # OCCULT_AGREEMENT: the device transport agrees per layer call, or once per training step
     commit: str | None = None  # OCCULT_COMMIT: the commit result files record (`HASH` or `HASH-dirty`; None: ask git)
 
     @classmethod

@@ -31,7 +31,7 @@ def test_defaults_with_nothing_set(clean_env):
         triton_interpret=False,
         nccl_p2p_disable=False,
         rank_start="spawn",
-        agreement="step",
+        agreement="call",
         commit=None,
     )
 
@@ -78,7 +78,7 @@ def test_a_change_is_seen_at_the_next_call_and_nothing_is_parsed_otherwise(clean
         ("OCCULT_DGRAD1", "fast", "auto, triton, grouped_mm"),
         ("OCCULT_SCATTER", "atomics", "deterministic, atomic"),
         ("OCCULT_PLAN", "numpy", "auto, torch, triton"),
-        ("OCCULT_AGREEMENT", "layer", "step, call"),
+        ("OCCULT_AGREEMENT", "layer", "call, step"),
         ("OCCULT_DEBUG", "maybe", "1 or 0"),
         ("TRITON_INTERPRET", "2", "1 or 0"),
     ],

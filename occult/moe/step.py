@@ -19,7 +19,8 @@ than one layer call behind. What the per-call agreement guaranteed still holds:
   the next agreement or `check_routing()`;
 - buffers grow, all or nothing, when the step's bound needs it (on its first call).
 
-`OCCULT_AGREEMENT=call` (docs/settings.md) keeps the per-call agreement (for comparisons).
+Opt-in: `OCCULT_AGREEMENT=step` (docs/settings.md) turns it on. The default, `call`, keeps the
+per-call agreement until the step agreement has run and been timed on GPUs (docs/training.md).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def step_transports(module: nn.Module) -> list[DeviceTransport]:
 def agreed_step(module: nn.Module, num_tokens: int) -> Iterator[int | None]:
     """Agree once, for the step inside the block (forward and backward), on the largest token count of
     any rank (module docstring); yields it (None where `module` has no device-transport layer or
-    `OCCULT_AGREEMENT=call`). Every rank of each layer's group enters together, passing the largest
+    `OCCULT_AGREEMENT` is not `step`). Every rank of each layer's group enters together, passing the largest
     token count of any MoE layer call it will make in the step (a call with more raises on every
     rank). Errors of earlier calls (routing statuses) are raised here, on every rank."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:

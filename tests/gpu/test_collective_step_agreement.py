@@ -17,6 +17,12 @@ from occult import DenseMoE, OccultMoE, RoutingError, agreed_step, check_routing
 LAYERS = 3
 
 
+@pytest.fixture(autouse=True)
+def step_agreement_on(monkeypatch):
+    """The step agreement is opt-in (`OCCULT_AGREEMENT=step`)."""
+    monkeypatch.setenv("OCCULT_AGREEMENT", "step")
+
+
 def _stack(ranks, dtype: torch.dtype, transport: str = "device") -> nn.ModuleList:
     torch.manual_seed(ranks.seed + 31)
     E = 8 * ranks.world_size

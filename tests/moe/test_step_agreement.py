@@ -22,6 +22,12 @@ from occult.moe import status as pending
 E, H, F, LAYERS = 8, 16, 8, 3
 
 
+@pytest.fixture(autouse=True)
+def step_agreement_on(monkeypatch):
+    """The step agreement is opt-in (`OCCULT_AGREEMENT=step`); the ranks inherit the environment."""
+    monkeypatch.setenv("OCCULT_AGREEMENT", "step")
+
+
 def defer_statuses() -> None:
     """Queue CPU statuses as CUDA ones are (read later by `take_ready` / `check_routing`), not at once."""
     pending.queue = lambda status_D: pending._PENDING.append((status_D.reshape(-1).clone(), None))
@@ -185,8 +191,12 @@ def setting_worker(rank: int, world: int, seed: int) -> dict:
     return {"bound": bound, "seen": seen, "errors": errors}
 
 
-def test_occult_agreement_call_keeps_the_per_call_agreement(monkeypatch):
-    monkeypatch.setenv("OCCULT_AGREEMENT", "call")
+@pytest.mark.parametrize("agreement", ["call", None])  # None: unset, the default
+def test_occult_agreement_call_keeps_the_per_call_agreement(monkeypatch, agreement):
+    if agreement is None:
+        monkeypatch.delenv("OCCULT_AGREEMENT")
+    else:
+        monkeypatch.setenv("OCCULT_AGREEMENT", agreement)
     for out in run_ranks(setting_worker, 2, random.randrange(2**31), timeout_s=120):
         assert out["bound"] is None and out["seen"] is None, out
         assert len(out["errors"]) == 3 and all("an int >= 0" in e for e in out["errors"]), out
