@@ -38,6 +38,7 @@ class Settings:
 
     wgrad: str = "auto"  # OCCULT_WGRAD: weight gradients via torch._grouped_mm ("auto": Hopper/bf16)
     dgrad1: str = "auto"  # OCCULT_DGRAD1: the SwiGLU dgrad via torch._grouped_mm ("auto": Hopper/bf16)
+    gemm1: str = "auto"  # OCCULT_GEMM1: the training forward's GEMM 1 via gather + torch._grouped_mm
     scatter: str = "deterministic"  # OCCULT_SCATTER: the kernels' row combine, or fp32 atomics ("atomic")
     plan: str = "auto"  # OCCULT_PLAN: dispatch plans by Triton on CUDA ("auto"), torch ops ("torch"), or Triton
     # wherever it runs, its CPU interpreter too ("triton": for tests)
@@ -59,6 +60,7 @@ class Settings:
         return cls(
             wgrad=_choice(env, "OCCULT_WGRAD", GEMM_BACKENDS),
             dgrad1=_choice(env, "OCCULT_DGRAD1", GEMM_BACKENDS),
+            gemm1=_choice(env, "OCCULT_GEMM1", GEMM_BACKENDS),
             scatter=_choice(env, "OCCULT_SCATTER", SCATTER_MODES),
             plan=_choice(env, "OCCULT_PLAN", PLAN_BACKENDS),
             cache=Path(env["OCCULT_CACHE"]) if env.get("OCCULT_CACHE") else None,
@@ -75,6 +77,7 @@ class Settings:
 VARIABLES: dict[str, str] = {
     "OCCULT_WGRAD": "wgrad",
     "OCCULT_DGRAD1": "dgrad1",
+    "OCCULT_GEMM1": "gemm1",
     "OCCULT_SCATTER": "scatter",
     "OCCULT_PLAN": "plan",
     "OCCULT_CACHE": "cache",

@@ -24,6 +24,7 @@ def test_defaults_with_nothing_set(clean_env):
     assert Settings() == Settings(
         wgrad="auto",
         dgrad1="auto",
+        gemm1="auto",
         scatter="deterministic",
         plan="auto",
         cache=None,
@@ -40,6 +41,7 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
     values = {
         "OCCULT_WGRAD": "Triton",
         "OCCULT_DGRAD1": "grouped_mm",
+        "OCCULT_GEMM1": "TRITON",
         "OCCULT_SCATTER": "atomic",
         "OCCULT_PLAN": "torch",
         "OCCULT_CACHE": str(tmp_path),
@@ -54,7 +56,18 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
     for name, value in values.items():
         clean_env.setenv(name, value)
     assert settings.current() == Settings(
-        "triton", "grouped_mm", "atomic", "torch", tmp_path, True, True, True, "forkserver", "call", "abc1234-dirty"
+        "triton",
+        "grouped_mm",
+        "triton",
+        "atomic",
+        "torch",
+        tmp_path,
+        True,
+        True,
+        True,
+        "forkserver",
+        "call",
+        "abc1234-dirty",
     )
     assert {f.name for f in dataclasses.fields(Settings)} == set(settings.VARIABLES.values())
 
@@ -76,6 +89,7 @@ def test_a_change_is_seen_at_the_next_call_and_nothing_is_parsed_otherwise(clean
     [
         ("OCCULT_WGRAD", "cutlass", "auto, triton, grouped_mm"),
         ("OCCULT_DGRAD1", "fast", "auto, triton, grouped_mm"),
+        ("OCCULT_GEMM1", "cublas", "auto, triton, grouped_mm"),
         ("OCCULT_SCATTER", "atomics", "deterministic, atomic"),
         ("OCCULT_PLAN", "numpy", "auto, torch, triton"),
         ("OCCULT_AGREEMENT", "layer", "call, step"),

@@ -11,10 +11,17 @@ has its cost). Groups with no rows get zeros, rows past `offsets[E]` are never
 read. `swiglu_dgrad_grouped` computes `u = down[e]^T dy_r` the same way from the copied dy rows
 (2-D x 3-D), then the SwiGLU backward and gate gradient in one elementwise pass.
 
+The training forward's GEMM 1 can go the same way (`gemm1_grouped`): x rows copied into sorted-pair
+order, `[a; b] = _grouped_mm(x_sorted, gate_up^T)`, then `hg = g silu(a) b` in one elementwise pass
+(`swiglu_forward_rows`). The copied rows are kept for the backward, whose `grad gate_up` reads them
+instead of copying x again; the fused Triton GEMM 1 (`grouped_gemm.gather_gemm_swiglu`) stays the
+inference path, where nothing would reuse the copy.
+
 `use_grouped_mm` decides: CUDA, bf16, compute capability 9.x, 16-byte row strides; the settings
-`wgrad` (weight gradients) / `dgrad1` (the dgrad) = `triton` turn it off, `grouped_mm` forces it
-(also on CPU, where torch has a reference implementation; the tests use that), `auto` (the
-default of both) is the rule above (env `OCCULT_WGRAD` / `OCCULT_DGRAD1`, docs/settings.md).
+`wgrad` (weight gradients) / `dgrad1` (the dgrad) / `gemm1` (the training forward's GEMM 1) =
+`triton` turn it off, `grouped_mm` forces it (also on CPU, where torch has a reference
+implementation; the tests use that), `auto` (the default of all three) is the rule above (env
+`OCCULT_WGRAD` / `OCCULT_DGRAD1` / `OCCULT_GEMM1`, docs/settings.md).
 """
 
 from __future__ import annotations
@@ -28,11 +35,11 @@ from occult.kernels import config as _config
 
 
 def use_grouped_mm(t: torch.Tensor, *widths: int, which: str = "wgrad") -> bool:
-    """Whether the weight gradients (`which="wgrad"`) or the SwiGLU dgrad (`which="dgrad1"`) of
-    operands like `t` with row widths `widths` use `torch._grouped_mm` (module docstring); the
-    mode is that setting of `occult.settings.current()`."""
-    if which not in ("wgrad", "dgrad1"):
-        raise ValueError(f"which must be 'wgrad' or 'dgrad1', got {which!r}")
+    """Whether the weight gradients (`which="wgrad"`), the SwiGLU dgrad (`"dgrad1"`) or the training
+    forward's GEMM 1 (`"gemm1"`) of operands like `t` with row widths `widths` use
+    `torch._grouped_mm` (module docstring); the mode is that setting of `occult.settings.current()`."""
+    if which not in ("wgrad", "dgrad1", "gemm1"):
+        raise ValueError(f"which must be 'wgrad', 'dgrad1' or 'gemm1', got {which!r}")
     mode = getattr(settings.current(), which)
     if mode == "triton" or not hasattr(torch, "_grouped_mm") or t.dtype != torch.bfloat16:
         return False
@@ -212,3 +219,79 @@ def swiglu_dgrad_grouped(
     (d[a; b], dg)."""
     u = torch._grouped_mm(dy_sorted, down_EHF, offs=offsets_E1[1:])
     return swiglu_backward_rows(u, ab_PF2, pair_P, offsets_E1, gates_flat)
+
+
+@triton.jit
+def _swiglu_forward_rows_kernel(
+    ab_ptr,
+    pair_ptr,
+    offsets_ptr,
+    gate_ptr,
+    hg_ptr,
+    num_experts,
+    F,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_pairs = tl.load(offsets_ptr + num_experts)
+    for blk in range(pid, tl.cdiv(num_pairs, BLOCK_R), nprog):
+        offs_r = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < num_pairs
+        pair = tl.load(pair_ptr + offs_r, mask=mask_r, other=0)
+        g = tl.load(gate_ptr + pair, mask=mask_r, other=0.0).to(tl.float32)
+        r64 = offs_r.to(tl.int64)
+        for f0 in range(0, F, BLOCK_F):
+            offs_f = f0 + tl.arange(0, BLOCK_F)
+            mask = mask_r[:, None] & (offs_f < F)[None, :]
+            ab_ptrs = ab_ptr + r64[:, None] * (2 * F) + offs_f[None, :]
+            a = tl.load(ab_ptrs, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(ab_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+            hg = g[:, None] * (a * tl.sigmoid(a)) * b
+            tl.store(hg_ptr + r64[:, None] * F + offs_f[None, :], hg.to(hg_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_forward_rows(
+    ab_PF2: torch.Tensor, pair_P: torch.Tensor, offsets_E1: torch.Tensor, gates_flat: torch.Tensor
+) -> torch.Tensor:
+    """The elementwise half of GEMM 1, one pass over the first P sorted pairs: `hg = g silu(a) b`
+    `[R*K, F]` in `[a; b]`'s dtype (later rows left unwritten), g the pair's gate."""
+    bound, ffn = pair_P.numel(), ab_PF2.shape[1] // 2
+    hg = ab_PF2.new_empty((bound, ffn))
+    if bound == 0 or ffn == 0:
+        return hg
+    cfg = _config.get("swiglu_rows")
+    programs = triton.cdiv(bound, cfg.block_m)
+    if not _config.interpreting() and ab_PF2.is_cuda:
+        sms = torch.cuda.get_device_properties(ab_PF2.device).multi_processor_count
+        programs = min(programs, cfg.ctas_per_sm * sms)
+    _swiglu_forward_rows_kernel[(max(1, programs),)](
+        ab_PF2,
+        pair_P,
+        offsets_E1,
+        gates_flat,
+        hg,
+        offsets_E1.numel() - 1,
+        ffn,
+        BLOCK_R=cfg.block_m,
+        BLOCK_F=min(cfg.block_n, triton.next_power_of_2(ffn)),
+        num_warps=cfg.num_warps,
+    )
+    return hg
+
+
+def gemm1_grouped(
+    x_RH: torch.Tensor,
+    pair_P: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    gate_up_EFH: torch.Tensor,
+    gates_flat: torch.Tensor,
+    num_slots: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GEMM 1 of the training forward through `torch._grouped_mm` (module docstring): returns
+    (hg `[R*K, F]`, [a; b] `[R*K, 2F]`, x rows in sorted-pair order `[R*K, H]`), the first P rows
+    of each written, as `grouped_gemm.gather_gemm_swiglu(..., save_ab=True)` plus the copied rows."""
+    x_sorted = gather_pair_rows(x_RH, pair_P, offsets_E1, num_slots)
+    ab = torch._grouped_mm(x_sorted, gate_up_EFH.transpose(1, 2), offs=offsets_E1[1:])
+    return swiglu_forward_rows(ab, pair_P, offsets_E1, gates_flat), ab, x_sorted

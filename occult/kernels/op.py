@@ -3,6 +3,8 @@
 Forward (no host sync; every size the host uses is a shape):
   1. `pairs.build_pairs`: (row, slot) entries sorted by local expert, `[E+1]` offsets.
   2. `grouped_gemm.gather_gemm_swiglu`: hg_p = g_p * silu(x_r gate[e]^T) * (x_r up[e]^T).
+     (Training on Hopper in bf16, setting `gemm1`: `grouped_mm.gemm1_grouped` instead, x rows copied
+     into pair order, `torch._grouped_mm`, one elementwise pass; the copy is kept for the backward.)
   3. `grouped_gemm.gemm_scatter`: g_p o_p = down[e] hg_p, stored at the pair's flat index r*K+k.
   4. `combine.combine_rows`: y_r = sum_k g o (fp32, deterministic), cast to x's dtype.
   (`atomic=True` fuses 3-4: fp32 atomic adds into one row per received row.)
@@ -25,7 +27,13 @@ from occult import settings
 from occult.kernels.combine import combine_rows
 from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
 from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
-from occult.kernels.grouped_mm import gather_pair_rows, grouped_weight_grad, swiglu_dgrad_grouped, use_grouped_mm
+from occult.kernels.grouped_mm import (
+    gather_pair_rows,
+    gemm1_grouped,
+    grouped_weight_grad,
+    swiglu_dgrad_grouped,
+    use_grouped_mm,
+)
 from occult.kernels.pairs import build_pairs
 from occult.kernels.small_batch import expert_mlp_small_batch, use_small_batch
 
@@ -60,7 +68,11 @@ def _forward(x, slots, gates, w1, w2, atomic: bool, save: bool):
     if num_rows * num_slots == 0 or num_experts == 0:
         return x.new_zeros((num_rows, hidden)), None
     pair, offsets = build_pairs(slots, num_experts)
-    hg, ab = gather_gemm_swiglu(x, pair, offsets, w1, gates.view(-1), num_slots, save_ab=save)
+    x_sorted = None
+    if save and use_grouped_mm(x, hidden, w1.shape[1] // 2, which="gemm1"):
+        hg, ab, x_sorted = gemm1_grouped(x, pair, offsets, w1, gates.view(-1), num_slots)
+    else:
+        hg, ab = gather_gemm_swiglu(x, pair, offsets, w1, gates.view(-1), num_slots, save_ab=save)
     down_EFH = w2.transpose(1, 2)  # B[k = f, n = h] view, no copy
     if atomic:
         y32 = torch.zeros((num_rows, hidden), device=x.device, dtype=torch.float32)
@@ -70,7 +82,7 @@ def _forward(x, slots, gates, w1, w2, atomic: bool, save: bool):
         o = x.new_empty((num_rows * num_slots, hidden))
         gemm_scatter(hg, pair, offsets, down_EFH, num_slots, o)
         y = combine_rows(o, slots, num_experts, x.dtype)
-    return y, ((pair, offsets, hg, ab) if save else None)
+    return y, ((pair, offsets, hg, ab, x_sorted) if save else None)
 
 
 class _ExpertMLPFunction(torch.autograd.Function):
@@ -98,7 +110,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
                 torch.zeros_like(w2) if need_w2 else None,
                 None,
             )
-        x, slots, gates, w1, w2, pair, offsets, hg, ab = ctx.saved_tensors
+        x, slots, gates, w1, w2, pair, offsets, hg, ab, x_sorted = ctx.saved_tensors
         num_rows, num_slots = slots.shape
         num_experts = w1.shape[0]
         dy = dy.to(x.dtype).contiguous()
@@ -108,6 +120,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         # and optionally the SwiGLU dgrad (setting dgrad1); their row-indexed operands are gathered
         # into sorted-pair order first, [R*K, H] each: dy once (first if the dgrad needs it), x into
         # `rows_buf` (the dx pair buffer once it is consumed; dy goes there too when gathered last)
+        # unless the forward kept its copy (`x_sorted`, setting gemm1), which is never overwritten
         hidden, ffn = x.shape[1], w2.shape[2]
         gmm = (need_w1 or need_w2) and use_grouped_mm(x, hidden, ffn)
         need_dab = need_x or need_g or need_w1
@@ -132,8 +145,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
                     gemm_scatter(dab, pair, offsets, w1, num_slots, rows_buf, config_name="dgrad2")
                     dx = combine_rows(rows_buf, slots, num_experts, x.dtype)
             if need_w1 and gmm:
-                rows_buf = gather_pair_rows(x, pair, offsets, num_slots, out=rows_buf)
-                dw1 = grouped_weight_grad(dab, rows_buf, offsets)
+                if x_sorted is None:  # (the forward's GEMM 1 copied x rows when it ran on _grouped_mm)
+                    x_sorted = rows_buf = gather_pair_rows(x, pair, offsets, num_slots, out=rows_buf)
+                dw1 = grouped_weight_grad(dab, x_sorted, offsets)
             elif need_w1:
                 dw1 = weight_grad(dab, x, pair, offsets, num_slots, torch.empty_like(w1), a_gather=False, b_gather=True)
         if need_w2 and gmm:

@@ -215,21 +215,31 @@ def test_inference_path_and_backend_selection():
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
 def test_grouped_mm_weight_grads(monkeypatch):
     # the Hopper/bf16 paths (gather + torch._grouped_mm for the weight gradients, optionally for
-    # the SwiGLU dgrad), forced on any device, vs the reference and the Triton kernels; experts
-    # 1 and 4 get no rows (zero weight gradients)
+    # the SwiGLU dgrad and the forward's GEMM 1), forced on any device, vs the reference and the
+    # Triton kernels; experts 1 and 4 get no rows (zero weight gradients)
     R, K, E = 40, 3, 6
     slots = torch.randint(0, E, (R, K), generator=torch.Generator().manual_seed(12))
     slots[(slots == 1) | (slots == 4)] = -1
     ins = _inputs(R, K, E, 64, 48, dtype=torch.bfloat16, gate_dtype=torch.float32, slots=slots, seed=12)
     monkeypatch.setenv("OCCULT_WGRAD", "triton")
     monkeypatch.setenv("OCCULT_DGRAD1", "triton")
+    monkeypatch.setenv("OCCULT_GEMM1", "triton")
     tri = _run(kernels.expert_mlp, *ins)
     ref = _reference_fp32(*ins)
-    monkeypatch.setenv("OCCULT_WGRAD", "grouped_mm")
-    for dgrad in ("triton", "grouped_mm"):  # and the SwiGLU dgrad through torch._grouped_mm too
+    # the SwiGLU dgrad and the forward's GEMM 1 through torch._grouped_mm too (GEMM 1 alone: the
+    # backward then copies x itself; GEMM 1 with the weight gradients: they read its copy)
+    for wgrad, dgrad, gemm1 in [
+        ("grouped_mm", "triton", "triton"),
+        ("grouped_mm", "grouped_mm", "triton"),
+        ("triton", "triton", "grouped_mm"),
+        ("grouped_mm", "grouped_mm", "grouped_mm"),
+    ]:
+        monkeypatch.setenv("OCCULT_WGRAD", wgrad)
         monkeypatch.setenv("OCCULT_DGRAD1", dgrad)
+        monkeypatch.setenv("OCCULT_GEMM1", gemm1)
         got = _run(kernels.expert_mlp, *ins)
         _assert_close(got, ref, 3e-2)
+        assert _rel(got[0], tri[0]) < 1e-2
         for a, b in zip(got[1], tri[1]):
             assert _rel(a, b) < 1e-2
         for dw in got[1][2:]:
@@ -238,6 +248,25 @@ def test_grouped_mm_weight_grads(monkeypatch):
     # only padding: every weight gradient is zero
     pad = _inputs(10, 2, E, 64, 48, dtype=torch.bfloat16, slots=torch.full((10, 2), -1), seed=13)
     assert all(torch.count_nonzero(g) == 0 for g in _run(kernels.expert_mlp, *pad)[1])
+
+
+@needs_in_process
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+def test_grouped_gemm1_backward_twice_gives_the_same_gradients(monkeypatch):
+    # the forward's copy of x rows (setting gemm1) is saved for the backward: a second backward of the
+    # same graph (retain_graph) must find it as the first left it, whichever backward paths run
+    R, K, E = 33, 4, 5
+    ins = _inputs(R, K, E, 32, 40, dtype=torch.bfloat16, gate_dtype=torch.float32, seed=torch.seed() % 2**31)
+    x, slots, gates, w1, w2, dy = ins
+    monkeypatch.setenv("OCCULT_GEMM1", "grouped_mm")
+    for wgrad, dgrad in [("grouped_mm", "triton"), ("grouped_mm", "grouped_mm")]:
+        monkeypatch.setenv("OCCULT_WGRAD", wgrad)
+        monkeypatch.setenv("OCCULT_DGRAD1", dgrad)
+        y = kernels.expert_mlp(x, slots, gates, w1, w2)
+        first = torch.autograd.grad(y, (x, gates, w1, w2), dy, retain_graph=True)
+        second = torch.autograd.grad(y, (x, gates, w1, w2), dy)
+        for a, b in zip(first, second):
+            assert torch.equal(a, b)
 
 
 @needs_in_process
