@@ -23,8 +23,10 @@ each kernel on the OLMoE shape and keeps the fastest for the rest of the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -218,6 +220,7 @@ def gemm_parts(prob):
     from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
     from occult.kernels.grouped_mm import (
         gather_pair_rows,
+        gemm1_grouped,
         grouped_weight_grad,
         swiglu_backward_rows,
         swiglu_dgrad_grouped,
@@ -277,6 +280,8 @@ def gemm_parts(prob):
         "pairs_torch_sort": lambda: build_pairs_torch(slots, w1.shape[0]),
         "gemm1": lambda: gather_gemm_swiglu(x, pair, offsets, w1, g, K, save_ab=False),
         "gemm1_save": lambda: gather_gemm_swiglu(x, pair, offsets, w1, g, K, save_ab=True),
+        # the training forward's GEMM 1 through gather + torch._grouped_mm + SwiGLU pass (setting gemm1)
+        "gemm1_grouped_mm": lambda: gemm1_grouped(x, pair, offsets, w1, g, K),
         "gemm2": lambda: gemm_scatter(h, pair, offsets, w2.transpose(1, 2), K, o),
         "combine": lambda: combine_rows(o, slots, w1.shape[0], x.dtype),
         "dgrad2": lambda: gemm_scatter(dab, pair, offsets, w1, K, dxp, config_name="dgrad2"),
@@ -411,6 +416,20 @@ def sweep(prob, device, log, only=None):
     return results
 
 
+@contextlib.contextmanager
+def gemm1_setting(mode: str):
+    """OCCULT_GEMM1=mode inside the block (occult.settings reads the environment at each call)."""
+    old = os.environ.get("OCCULT_GEMM1")
+    os.environ["OCCULT_GEMM1"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OCCULT_GEMM1", None)
+        else:
+            os.environ["OCCULT_GEMM1"] = old
+
+
 def run_shape(name, prob, device, log, skip_reference=False):
     H, F = prob["x"].shape[1], prob["w2"].shape[2]
     P = prob["P"]
@@ -449,6 +468,10 @@ def run_shape(name, prob, device, log, skip_reference=False):
     t("kernels_atomic.fwdbwd", lambda: grads_of(lambda *a: kernels.expert_mlp(*a, atomic=True), prob, leaves))
     for key, fn in gemm_parts(prob).items():
         t(f"kernels.{key}", fn)
+    for mode in ("triton", "grouped_mm"):  # the training forward's GEMM 1 both ways (setting gemm1), same run
+        with gemm1_setting(mode):
+            t(f"kernels.fwd_train_gemm1_{mode}", lambda: kernels.expert_mlp(prob["x"], prob["slots"], *leaves[1:]))
+            t(f"kernels.fwdbwd_gemm1_{mode}", lambda: grads_of(kernels.expert_mlp, prob, leaves))
     if not skip_reference:
         with torch.no_grad():
             t("torch_ref.fwd", lambda: expert_mlp_reference(*ins_nograd))
@@ -691,6 +714,18 @@ def main(argv=None):
             f"{100 * ms.get('dense.dgrad1', nan) / u_ms:3.0f}%) + {ms.get('kernels.swiglu_rows', nan):.3f} "
             f"({s_.get('swiglu_rows_gbs', nan):5.0f}) + {ms.get('kernels.gather_rows', nan):.3f} "
             f"({s_.get('gather_rows_gbs', nan):5.0f})"
+        )
+    log(
+        "training GEMM 1 (setting gemm1), fused Triton / gather + _grouped_mm + SwiGLU pass: GEMM 1 alone ms "
+        "(with [a; b] saved); training forward ms; forward+backward ms"
+    )
+    for name, e in report["shapes"].items():
+        ms = e["ms"]
+        pair = lambda a, b: f"{ms.get(a, nan):.3f} / {ms.get(b, nan):.3f}"  # noqa: E731
+        log(
+            f"{name:12s} {pair('kernels.gemm1_save', 'kernels.gemm1_grouped_mm'):>15s}   "
+            f"{pair('kernels.fwd_train_gemm1_triton', 'kernels.fwd_train_gemm1_grouped_mm'):>15s}   "
+            f"{pair('kernels.fwdbwd_gemm1_triton', 'kernels.fwdbwd_gemm1_grouped_mm'):>15s}"
         )
     log("check vs fp32 reference (relative error y/dx/dgates/dgate_up/ddown; torch bf16 path for scale)")
     for name, e in report["shapes"].items():

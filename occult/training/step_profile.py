@@ -5,7 +5,8 @@ the user leaves before A) on every rank and writes `step_profile_rank{r}.json` i
 directory: wall ms per step (host clock, the GPU drained at both ends of the window), GPU busy ms
 per step (the union of the device's kernel and copy intervals), the idle share (wall - busy: the
 host-bound part), kernel launches per step, the host ms of an MoE layer call forward and backward
-(`moe_host_ms_per_call`: `occult.moe.host_time`'s ranges), and the host operations and kernels that cost most;
+(`moe_host_ms_per_call`: `occult.moe.host_time`'s ranges, the median call, less its waits for the GPU),
+and the host operations and kernels that cost most;
 beside it the window's timeline, `step_trace_rank{r}.json.gz` (Chrome trace format, gzipped: Perfetto
 or chrome://tracing open it), which shows what host call each idle gap follows.
 A low GPU busy share means the step waits on the host (Python, launches, a host-device sync),
@@ -19,6 +20,7 @@ import gzip
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -88,7 +90,7 @@ def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict
     host = [a for a in averages if a.self_cpu_time_total > 0]
     host.sort(key=lambda a: -a.self_cpu_time_total)
     return {
-        "moe_host_ms_per_call": moe_host_ms(averages, steps),
+        "moe_host_ms_per_call": moe_host_ms(prof.events(), steps),
         "steps": steps,
         "wall_ms_per_step": wall,
         "gpu_busy_ms_per_step": busy if on_gpu else None,
@@ -110,17 +112,39 @@ def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict
     }
 
 
-def moe_host_ms(averages: Any, steps: int) -> dict[str, float | None]:
-    """Host ms per MoE layer call, forward and backward (`occult.moe.host_time`'s ranges), and forward calls
-    per step; None where the window had none."""
-    ranges = {a.key: a for a in averages if a.key in (FORWARD, BACKWARD)}
+# host calls that wait for the GPU: time inside them is the GPU's, not the layer's host work
+HOST_WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
-    def per_call(key: str) -> float | None:
-        a = ranges.get(key)
-        return a.cpu_time_total / 1e3 / a.count if a is not None and a.count else None
 
-    calls = ranges[FORWARD].count / steps if FORWARD in ranges else 0.0
-    return {"forward": per_call(FORWARD), "backward": per_call(BACKWARD), "forward_calls_per_step": calls}
+def moe_host_ms(events: Any, steps: int) -> dict[str, float | None]:
+    """Host ms of an MoE layer call, forward and backward (`occult.moe.host_time`'s ranges, the median call),
+    less the time its host spent waiting for the GPU inside it; forward calls per step. None where the
+    window had none. (A profiler lists each range twice on GPUs, once on the host and once on the
+    device; only the host's count.)"""
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    waits = [(e.thread, e.time_range.start, e.time_range.end) for e in host if e.name in HOST_WAITS]
+
+    def ranges(name: str) -> list[tuple[int, float, float]]:
+        return [(e.thread, e.time_range.start, e.time_range.end) for e in host if e.name == name]
+
+    forward = ranges(FORWARD)
+    return {
+        "forward": median_busy_ms(forward, waits),
+        "backward": median_busy_ms(ranges(BACKWARD), waits),
+        "forward_calls_per_step": len(forward) / steps,
+    }
+
+
+def median_busy_ms(ranges: list[tuple[int, float, float]], waits: list[tuple[int, float, float]]) -> float | None:
+    """The median over `ranges` (thread, start us, end us) of each one's length less its overlap with the
+    `waits` of its own thread, in ms; None without ranges."""
+    if not ranges:
+        return None
+    busy = []
+    for thread, start, end in ranges:
+        own = [(s, e) for t, s, e in waits if t == thread]
+        busy.append((end - start) / 1e3 - overlap_ms([(start, end)], own))
+    return statistics.median(busy)
 
 
 def write_trace(prof: Any, path: Path) -> None:
