@@ -416,6 +416,9 @@ def sweep(prob, device, log, only=None):
     return results
 
 
+GEMM1_ROUNDS = 5
+
+
 @contextlib.contextmanager
 def gemm1_setting(mode: str):
     """OCCULT_GEMM1=mode inside the block (occult.settings reads the environment at each call)."""
@@ -468,10 +471,22 @@ def run_shape(name, prob, device, log, skip_reference=False):
     t("kernels_atomic.fwdbwd", lambda: grads_of(lambda *a: kernels.expert_mlp(*a, atomic=True), prob, leaves))
     for key, fn in gemm_parts(prob).items():
         t(f"kernels.{key}", fn)
-    for mode in ("triton", "grouped_mm"):  # the training forward's GEMM 1 both ways (setting gemm1), same run
-        with gemm1_setting(mode):
-            t(f"kernels.fwd_train_gemm1_{mode}", lambda: kernels.expert_mlp(prob["x"], prob["slots"], *leaves[1:]))
-            t(f"kernels.fwdbwd_gemm1_{mode}", lambda: grads_of(kernels.expert_mlp, prob, leaves))
+    # the training forward's GEMM 1 both ways (setting gemm1), same run, in alternating rounds (the median of
+    # the rounds' medians: a difference of a few percent is below the drift between two timings a minute apart)
+    runs = {
+        "fwd_train": lambda: kernels.expert_mlp(prob["x"], prob["slots"], *leaves[1:]),
+        "fwdbwd": lambda: grads_of(kernels.expert_mlp, prob, leaves),
+    }
+    rounds: dict[str, list[float]] = {}
+    for _ in range(GEMM1_ROUNDS):
+        for mode in ("triton", "grouped_mm"):
+            with gemm1_setting(mode):
+                for key, fn in runs.items():
+                    rounds.setdefault(f"kernels.{key}_gemm1_{mode}", []).append(timeit(fn, device)[0])
+    for key, values in rounds.items():
+        res["ms"][key] = statistics.median(values)
+        res["samples"][key] = values
+        log(f"  {key:28s} {res['ms'][key]:9.3f} ms (median of {len(values)} alternating rounds)")
     if not skip_reference:
         with torch.no_grad():
             t("torch_ref.fwd", lambda: expert_mlp_reference(*ins_nograd))
