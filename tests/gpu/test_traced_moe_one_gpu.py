@@ -24,15 +24,26 @@ def _grads(model, ids) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _model(seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    """The tiny random OLMoE of `seed`, converted, on the GPU in `dtype`."""
+    model = hf.convert(hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB, num_hidden_layers=2))
+    return model.to("cuda", dtype)
+
+
+def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest relative L2 distance of a parameter's gradient in `a` from its gradient in `b`."""
+    return max(((a[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in b.items())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the traced Triton expert path needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_traced_moe_layers_train_like_eager_in_one_graph(dtype):
     from torch._dynamo.utils import counters
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    model = hf.convert(hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB, num_hidden_layers=2))
-    model = model.to("cuda", dtype)
     ids = torch.randint(3, VOCAB, (4, 64), generator=torch.Generator().manual_seed(seed)).cuda()
+    exact = _grads(_model(seed, torch.float32), ids)  # the same model in fp32, eager
+    model = _model(seed, dtype)
     ref = _grads(model, ids)
     torch._dynamo.reset()
     counters.clear()
@@ -41,6 +52,10 @@ def test_traced_moe_layers_train_like_eager_in_one_graph(dtype):
     again = _grads(model, ids)
     assert not counters["graph_break"], dict(counters["graph_break"])  # each layer one whole graph
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # at most one per layer
-    worst = max(((got[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in ref.items())
-    assert worst < TOL[dtype], (seed, worst)
+    worst = _worst(got, ref)
+    # compiled against eager in the same precision, within the tolerance or twice the eager model's own
+    # distance from fp32, whichever is larger: a tiny random model's router gradients in half precision
+    # move by several percent with any change of rounding (one token's routing flips)
+    own = _worst(ref, exact)
+    assert worst < max(TOL[dtype], 2 * own), (seed, worst, own)
     assert all(torch.equal(got[n], again[n]) for n in got)
