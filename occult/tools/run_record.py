@@ -1,10 +1,12 @@
 """Where a benchmark ran and from what code: the fields every result file's env block records beside the card.
 
-`run_record(world, on_gpu)` gives {"commit", "dirty", "date", "link"}; benchmarks/_timing.py's `environment`,
-`occult bench` and the other writers under benchmarks/ and scripts/ merge it into their env block, so a result
-file says itself which code measured it and when (scripts/current_numbers.py prefers these to git's
-record of when the file was added). Where git is missing (a GPU machine gets the working tree without
-`.git`), the commit comes from `OCCULT_COMMIT` or a `COMMIT` file (docs/settings.md); none of them: null.
+`run_record(world, on_gpu)` gives {"commit", "dirty", "date", "link", "settings"} (settings: the occult
+environment variables that differ from their defaults, e.g. {"OCCULT_GEMM1": "triton"});
+benchmarks/_timing.py's `environment`, `occult bench` and the other writers under benchmarks/ and scripts/
+merge it into their env block, so a result file says itself which code measured it, under which settings
+and when (scripts/current_numbers.py prefers these to git's record of when the file was added). Where git
+is missing (a GPU machine gets the working tree without `.git`), the commit comes from `OCCULT_COMMIT` or a
+`COMMIT` file (docs/settings.md); none of them: null.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-from occult.settings import current
+from occult.settings import VARIABLES, Settings, current
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT_FILE = "COMMIT"
@@ -75,8 +77,25 @@ def link_of(world: int, on_gpu: bool) -> str:
     return "pcie-or-slow: NCCL_P2P_DISABLE=1" if current().nccl_p2p_disable else "nvlink"
 
 
-def run_record(world: int, on_gpu: bool, root: Path = REPO_ROOT) -> dict[str, str | bool | None]:
-    """{"commit", "dirty", "date" (UTC, ISO-8601, now), "link"} for a result file's env block."""
+def changed_settings() -> dict[str, str]:
+    """The settings (docs/settings.md) that differ from their defaults, by variable name, as strings: what a
+    result ran under besides the code (the commit is recorded on its own)."""
+    now, default = current(), Settings()
+    return {
+        name: str(getattr(now, field))
+        for name, field in VARIABLES.items()
+        if field != "commit" and getattr(now, field) != getattr(default, field)
+    }
+
+
+def run_record(world: int, on_gpu: bool, root: Path = REPO_ROOT) -> dict[str, str | bool | dict[str, str] | None]:
+    """{"commit", "dirty", "date" (UTC, ISO-8601, now), "link", "settings"} for a result file's env block."""
     commit, dirty = code_commit(root)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    return {"commit": commit, "dirty": dirty, "date": date, "link": link_of(world, on_gpu)}
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "date": date,
+        "link": link_of(world, on_gpu),
+        "settings": changed_settings(),
+    }

@@ -80,9 +80,14 @@ def test_link_from_the_device_count_and_nccl_p2p(clean_env: pytest.MonkeyPatch) 
 
 def test_the_record_has_every_field_and_a_utc_date(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     clean_env.setenv("OCCULT_COMMIT", "abc1234")
+    clean_env.delenv("OCCULT_RANK_START", raising=False)
     record = run_record.run_record(2, on_gpu=True, root=tmp_path)
-    assert set(record) == {"commit", "dirty", "date", "link"}
+    assert set(record) == {"commit", "dirty", "date", "link", "settings"}
     assert (record["commit"], record["dirty"], record["link"]) == ("abc1234", False, "nvlink")
+    assert record["settings"] == {}  # nothing but the commit set: every setting at its default
+    clean_env.setenv("OCCULT_GEMM1", "Triton")
+    clean_env.setenv("OCCULT_AGREEMENT", "call")  # set to its default: not a change
+    assert run_record.run_record(1, on_gpu=True, root=tmp_path)["settings"] == {"OCCULT_GEMM1": "triton"}
     date = datetime.fromisoformat(str(record["date"]))
     assert date.utcoffset() == timedelta(0)
     assert abs(datetime.now(timezone.utc) - date) < timedelta(minutes=5)
