@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from occult.settings import VARIABLES
 from occult.tools import run_record
 from occult.tools.run_record import code_commit, link_of, parse_commit
 
@@ -79,8 +80,9 @@ def test_link_from_the_device_count_and_nccl_p2p(clean_env: pytest.MonkeyPatch) 
 
 
 def test_the_record_has_every_field_and_a_utc_date(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in VARIABLES:  # every setting at its default (CI sets TRITON_INTERPRET, the tests
+        clean_env.delenv(name, raising=False)  # OCCULT_RANK_START)
     clean_env.setenv("OCCULT_COMMIT", "abc1234")
-    clean_env.delenv("OCCULT_RANK_START", raising=False)
     record = run_record.run_record(2, on_gpu=True, root=tmp_path)
     assert set(record) == {"commit", "dirty", "date", "link", "settings"}
     assert (record["commit"], record["dirty"], record["link"]) == ("abc1234", False, "nvlink")
