@@ -52,6 +52,15 @@ def use_grouped_mm(t: torch.Tensor, *widths: int, which: str = "wgrad") -> bool:
     return torch.cuda.get_device_capability(t.device)[0] == 9
 
 
+def row_programs(bound: int, cfg: _config.TileConfig, t: torch.Tensor) -> int:
+    """Programs of a persistent kernel over `bound` rows in tiles of `cfg.block_m` (the row passes
+    here): one per tile, at most `cfg.ctas_per_sm` per SM of `t`'s GPU, at least one."""
+    programs = triton.cdiv(bound, cfg.block_m)
+    if not _config.interpreting() and t.is_cuda:
+        programs = min(programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(t.device).multi_processor_count)
+    return max(1, programs)
+
+
 @triton.jit
 def _gather_pair_rows_kernel(
     src_ptr,
@@ -99,12 +108,7 @@ def gather_pair_rows(
         src_RN = src_RN.contiguous()
     cfg = _config.get("gather")
     block_n = min(cfg.block_n, triton.next_power_of_2(n))
-    programs = triton.cdiv(bound, cfg.block_m)
-    if not _config.interpreting() and src_RN.is_cuda:
-        programs = min(
-            programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(src_RN.device).multi_processor_count
-        )
-    _gather_pair_rows_kernel[(max(1, programs),)](
+    _gather_pair_rows_kernel[(row_programs(bound, cfg, src_RN),)](
         src_RN,
         pair_P,
         offsets_E1,
@@ -185,10 +189,7 @@ def swiglu_backward_rows(
     if bound == 0 or ffn == 0:
         return dab, dg
     cfg = _config.get("swiglu_rows")
-    programs = triton.cdiv(bound, cfg.block_m)
-    if not _config.interpreting() and u_PF.is_cuda:
-        programs = min(programs, cfg.ctas_per_sm * torch.cuda.get_device_properties(u_PF.device).multi_processor_count)
-    _swiglu_backward_rows_kernel[(max(1, programs),)](
+    _swiglu_backward_rows_kernel[(row_programs(bound, cfg, u_PF),)](
         u_PF,
         ab_PF2,
         pair_P,
@@ -262,11 +263,7 @@ def swiglu_forward_rows(
     if bound == 0 or ffn == 0:
         return hg
     cfg = _config.get("swiglu_rows")
-    programs = triton.cdiv(bound, cfg.block_m)
-    if not _config.interpreting() and ab_PF2.is_cuda:
-        sms = torch.cuda.get_device_properties(ab_PF2.device).multi_processor_count
-        programs = min(programs, cfg.ctas_per_sm * sms)
-    _swiglu_forward_rows_kernel[(max(1, programs),)](
+    _swiglu_forward_rows_kernel[(row_programs(bound, cfg, ab_PF2),)](
         ab_PF2,
         pair_P,
         offsets_E1,
