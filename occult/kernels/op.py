@@ -3,8 +3,9 @@
 Forward (no host sync; every size the host uses is a shape):
   1. `pairs.build_pairs`: (row, slot) entries sorted by local expert, `[E+1]` offsets.
   2. `grouped_gemm.gather_gemm_swiglu`: hg_p = g_p * silu(x_r gate[e]^T) * (x_r up[e]^T).
-     (Training on Hopper in bf16, setting `gemm1`: `grouped_mm.gemm1_grouped` instead, x rows copied
-     into pair order, `torch._grouped_mm`, one elementwise pass; the copy is kept for the backward.)
+     (Training on Hopper in bf16 with no padding slot, `dense`, setting `gemm1`: `grouped_mm.gemm1_grouped`
+     instead, x rows copied into pair order, `torch._grouped_mm`, one elementwise pass; the copy is kept
+     for the backward.)
   3. `grouped_gemm.gemm_scatter`: g_p o_p = down[e] hg_p, stored at the pair's flat index r*K+k.
   4. `combine.combine_rows`: y_r = sum_k g o (fp32, deterministic), cast to x's dtype.
   (`atomic=True` fuses 3-4: fp32 atomic adds into one row per received row.)
@@ -61,7 +62,17 @@ def _check(x_RH, slots_RK, gates_RK, gate_up_EFH, down_EHF) -> None:
         )
 
 
-def _forward(x, slots, gates, w1, w2, atomic: bool, save: bool):
+def _gemm1_grouped(x: torch.Tensor, ffn: int, dense: bool) -> bool:
+    """Whether a training forward's GEMM 1 goes through `grouped_mm.gemm1_grouped` (setting `gemm1`): forced
+    by `grouped_mm`; under `auto` only where `dense` (no padding slot), because the x-row copy it keeps for
+    the backward is sized by R*K: with expert-parallel rows padded to K slots it would hold several times
+    the real pairs' bytes (docs/kernels.md)."""
+    if not use_grouped_mm(x, x.shape[1], ffn, which="gemm1"):
+        return False
+    return dense or settings.current().gemm1 == "grouped_mm"
+
+
+def _forward(x, slots, gates, w1, w2, atomic: bool, save: bool, dense: bool = False):
     num_rows, hidden = x.shape
     num_slots = slots.shape[1]
     num_experts = w1.shape[0]
@@ -69,7 +80,7 @@ def _forward(x, slots, gates, w1, w2, atomic: bool, save: bool):
         return x.new_zeros((num_rows, hidden)), None
     pair, offsets = build_pairs(slots, num_experts)
     x_sorted = None
-    if save and use_grouped_mm(x, hidden, w1.shape[1] // 2, which="gemm1"):
+    if save and _gemm1_grouped(x, w1.shape[1] // 2, dense):
         hg, ab, x_sorted = gemm1_grouped(x, pair, offsets, w1, gates.view(-1), num_slots)
     else:
         hg, ab = gather_gemm_swiglu(x, pair, offsets, w1, gates.view(-1), num_slots, save_ab=save)
@@ -87,8 +98,8 @@ def _forward(x, slots, gates, w1, w2, atomic: bool, save: bool):
 
 class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, slots, gates, w1, w2, atomic):
-        y, saved = _forward(x, slots, gates, w1, w2, atomic, save=True)
+    def forward(ctx, x, slots, gates, w1, w2, atomic, dense):
+        y, saved = _forward(x, slots, gates, w1, w2, atomic, save=True, dense=dense)
         ctx.atomic = atomic
         ctx.empty = saved is None
         if saved is None:
@@ -99,7 +110,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        need_x, _, need_g, need_w1, need_w2, _ = ctx.needs_input_grad
+        need_x, _, need_g, need_w1, need_w2, _, _ = ctx.needs_input_grad
         if ctx.empty:
             x, slots, gates, w1, w2 = ctx.saved_tensors
             return (
@@ -108,6 +119,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
                 torch.zeros_like(gates) if need_g else None,
                 torch.zeros_like(w1) if need_w1 else None,
                 torch.zeros_like(w2) if need_w2 else None,
+                None,
                 None,
             )
         x, slots, gates, w1, w2, pair, offsets, hg, ab, x_sorted = ctx.saved_tensors
@@ -156,7 +168,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
             dw2 = grouped_weight_grad(dy_rows, hg, offsets)
         elif need_w2:
             dw2 = weight_grad(dy, hg, pair, offsets, num_slots, torch.empty_like(w2), a_gather=True, b_gather=False)
-        return dx, None, dgates, dw1, dw2, None
+        return dx, None, dgates, dw1, dw2, None, None
 
 
 def expert_mlp(
@@ -167,6 +179,7 @@ def expert_mlp(
     down_proj_EHF: torch.Tensor,
     *,
     atomic: bool | None = None,
+    dense: bool = False,
 ) -> torch.Tensor:
     """`y[r] = sum_k gates[r,k] * down[s] @ (silu(gate[s] @ x[r]) * up[s] @ x[r])`, s = slots[r,k].
 
@@ -176,6 +189,8 @@ def expert_mlp(
     Weights are used in x's dtype. `atomic` (default: setting `scatter` == "atomic", env `OCCULT_SCATTER`) replaces the
     deterministic row combine by fp32 atomic adds in GEMM 2's epilogue. Without autograd and for
     `R*K <= small_batch.MAX_PAIRS` (decode) the `small_batch` kernels run instead (`atomic` unused).
+    `dense`: no slot is padding (one rank's rows); a training call may then take the `_grouped_mm` GEMM 1
+    under the setting's `auto` (`_gemm1_grouped`).
     """
     _check(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF)
     if atomic is None:
@@ -186,7 +201,7 @@ def expert_mlp(
     w1 = gate_up_proj_EFH.to(x.dtype)
     w2 = down_proj_EHF.to(x.dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gates, w1, w2)):
-        return _ExpertMLPFunction.apply(x, slots, gates, w1, w2, bool(atomic))
+        return _ExpertMLPFunction.apply(x, slots, gates, w1, w2, bool(atomic), bool(dense))
     if use_small_batch(slots.numel()):  # decode-sized inference: kernels.small_batch
         return expert_mlp_small_batch(x, slots, gates, w1, w2)
     return _forward(x, slots, gates, w1, w2, bool(atomic), save=False)[0]

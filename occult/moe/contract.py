@@ -28,8 +28,8 @@ from occult.moe.expert_map import ExpertMap
 from occult.moe.nodes import check_devices_per_node, peer_levels
 from occult.moe.symm import choose_transport
 
-# experts(x_RH, slots_RK, gates_RK) -> y_RH (`occult.moe.experts.expert_mlp` with the layer's weights)
-ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# experts(x_RH, slots_RK, gates_RK, dense=...) -> y_RH (`occult.moe.experts.expert_mlp` with the layer's weights)
+ExpertFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -66,15 +66,18 @@ class Capabilities:
 
 @dataclass
 class Received:
-    """The rows this rank received: activations, local expert slots (-1 = padding) and gate weights."""
+    """The rows this rank received: activations, local expert slots (-1 = padding) and gate weights;
+    `dense`: no padding, every slot a local expert (the one-rank schedule), so buffers sized by R*K hold
+    only real (row, expert) pairs."""
 
     x_RH: torch.Tensor
     slots_RK: torch.Tensor
     gates_RK: torch.Tensor
+    dense: bool = False
 
     def apply(self, experts: ExpertFn) -> Any:
         """Run the local experts on the received rows (what `combine` takes back)."""
-        return experts(self.x_RH, self.slots_RK, self.gates_RK)
+        return experts(self.x_RH, self.slots_RK, self.gates_RK, dense=self.dense)
 
 
 class Handle:

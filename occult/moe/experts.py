@@ -65,12 +65,14 @@ def expert_mlp(
     gate_up_proj_EFH: torch.Tensor,
     down_proj_EHF: torch.Tensor,
     backend: str = "auto",
+    dense: bool = False,
 ) -> torch.Tensor:
     """Run the local experts on received rows; `backend` is "torch", "triton" or "auto".
 
     "auto" takes the Triton kernels for bf16/fp16/fp32 on a CUDA GPU (fp32 with exact, not tf32,
     products) and the torch reference path otherwise (CPU, float64). Under autocast the Triton
     kernels run in the autocast dtype, as the reference's matmuls do; the output keeps x's dtype.
+    `dense`: no slot is padding (`Received.dense`); the kernels may then keep buffers sized by R*K.
     """
     if backend == "auto":
         backend = "torch"
@@ -88,7 +90,7 @@ def expert_mlp(
         out_dtype = x_RH.dtype
         if torch.is_autocast_enabled(x_RH.device.type):  # autocast casts a matmul's inputs, a custom kernel's not:
             x_RH = x_RH.to(torch.get_autocast_dtype(x_RH.device.type))  # the kernels run in x's dtype (weights too)
-        return kernels.expert_mlp(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF).to(out_dtype)
+        return kernels.expert_mlp(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF, dense=dense).to(out_dtype)
     if backend != "torch":
         raise ValueError(f"unknown expert backend {backend!r}; use 'auto', 'torch' or 'triton'")
     return expert_mlp_reference(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF)
@@ -105,6 +107,8 @@ class LocalExperts:
         self.weights = (gate_up_proj_EFH, down_proj_EHF)
         self.backend = backend
 
-    def __call__(self, x_RH: torch.Tensor, slots_RK: torch.Tensor, gates_RK: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x_RH: torch.Tensor, slots_RK: torch.Tensor, gates_RK: torch.Tensor, dense: bool = False
+    ) -> torch.Tensor:
         gates_RK = gates_RK.to(torch.promote_types(x_RH.dtype, torch.float32))
-        return expert_mlp(x_RH, slots_RK, gates_RK, *self.weights, backend=self.backend)
+        return expert_mlp(x_RH, slots_RK, gates_RK, *self.weights, backend=self.backend, dense=dense)

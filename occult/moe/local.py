@@ -76,7 +76,8 @@ def dispatch_local(
     )
     _count(handle.stats, "forward", handle.rows, handle.row_bytes, handle.meta_bytes)
     handle.stats.dispatch_rows = rows
-    return Received(x_TH, expert_map.slot_E[ids_TK] if slots_TK is None else slots_TK, weights_TK), handle
+    slots = expert_map.slot_E[ids_TK] if slots_TK is None else slots_TK  # every expert is local: no padding
+    return Received(x_TH, slots, weights_TK, dense=True), handle
 
 
 def combine_local(y_TH: torch.Tensor, handle: LocalHandle) -> torch.Tensor:

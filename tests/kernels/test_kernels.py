@@ -270,6 +270,31 @@ def test_grouped_gemm1_backward_twice_gives_the_same_gradients(monkeypatch):
 
 
 @needs_in_process
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+def test_gemm1_auto_takes_grouped_mm_only_for_dense_rows(monkeypatch):
+    # under OCCULT_GEMM1=auto the training GEMM 1 takes _grouped_mm (where it would run there: patched true
+    # here) only for rows without padding slots, whose kept copy holds real pairs only; forced, always
+    from occult.kernels import op
+
+    calls = []
+    real = op.gemm1_grouped
+    monkeypatch.setattr(op, "use_grouped_mm", lambda *a, **kw: True)
+    monkeypatch.setattr(op, "gemm1_grouped", lambda *a: calls.append(1) or real(*a))
+    R, K, E = 21, 3, 4
+    ins = _inputs(R, K, E, 32, 24, dtype=torch.bfloat16, gate_dtype=torch.float32, seed=torch.seed() % 2**31, pad=0)
+    for mode, dense, taken in [("auto", False, 0), ("auto", True, 1), ("grouped_mm", False, 1)]:
+        monkeypatch.setenv("OCCULT_GEMM1", mode)
+        calls.clear()
+        got = _run(lambda *a: kernels.expert_mlp(*a, dense=dense), *ins)
+        assert len(calls) == taken, (mode, dense)
+        _assert_close(got, _reference_fp32(*ins), 3e-2)
+    with torch.no_grad():  # inference: the fused GEMM 1 whatever the setting
+        calls.clear()
+        kernels.expert_mlp(*ins[:5], dense=True)
+        assert not calls
+
+
+@needs_in_process
 def test_gather_pair_rows_writes_the_first_p_rows_only():
     from occult.kernels.grouped_mm import gather_pair_rows
     from occult.kernels.pairs import build_pairs

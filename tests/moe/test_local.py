@@ -129,3 +129,19 @@ def test_one_rank_one_launch_slots_and_status(monkeypatch, dispatcher):
     out = run_ranks(one_launch_worker, 1, random.randrange(2**31), dispatcher, timeout_s=300)[0]
     assert out["routed"] and out["y"] < 1e-5 and out["dx"] < 1e-5, out
     assert "router produced NaN" in out["nan"], out
+
+
+@pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
+def test_one_rank_rows_reach_the_experts_as_dense(monkeypatch, dispatcher):
+    # one rank: every slot is a local expert, so the experts may keep buffers sized by R*K (kernels' gemm1);
+    # an expert-parallel dispatch's rows are padded and are never marked dense (Received's default)
+    from occult.moe import experts
+    from occult.moe.contract import Received
+
+    seen = []
+    real = experts.expert_mlp
+    monkeypatch.setattr(experts, "expert_mlp", lambda *a, **kw: seen.append(kw["dense"]) or real(*a, **kw))
+    layer = OccultMoE(16, 8, 6, random.randrange(1, 7), dispatcher=dispatcher, dtype=torch.float64)
+    layer(torch.randn(random.randrange(1, 30), 16, dtype=torch.float64))
+    assert seen == [True]
+    assert Received(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1)).dense is False
