@@ -105,6 +105,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if saved is None:
             ctx.save_for_backward(x, slots, gates, w1, w2)
         else:
+            if not ctx.needs_input_grad[3]:  # the x-row copy (gemm1) serves grad gate_up only: not kept
+                saved = (*saved[:-1], None)
             ctx.save_for_backward(x, slots, gates, w1, w2, *saved)
         return y
 

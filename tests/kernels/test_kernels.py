@@ -263,9 +263,16 @@ def test_grouped_gemm1_backward_twice_gives_the_same_gradients(monkeypatch):
         monkeypatch.setenv("OCCULT_WGRAD", wgrad)
         monkeypatch.setenv("OCCULT_DGRAD1", dgrad)
         y = kernels.expert_mlp(x, slots, gates, w1, w2)
+        assert y.grad_fn.saved_tensors[-1] is not None  # the copy, kept for grad gate_up
         first = torch.autograd.grad(y, (x, gates, w1, w2), dy, retain_graph=True)
         second = torch.autograd.grad(y, (x, gates, w1, w2), dy)
         for a, b in zip(first, second):
+            assert torch.equal(a, b)
+        # gate_up frozen (fine-tuning the routers, say): the copy is not kept, the other gradients are the same
+        frozen = w1.detach()
+        y = kernels.expert_mlp(x, slots, gates, frozen, w2)
+        assert y.grad_fn.saved_tensors[-1] is None
+        for a, b in zip(torch.autograd.grad(y, (x, gates, w2), dy), (first[0], first[1], first[3])):
             assert torch.equal(a, b)
 
 
