@@ -319,7 +319,7 @@ def newest_figures(results: Path, provenance: dict[str, dict]) -> dict[tuple[str
     date and run answering one question differently is an error: give one of them a `run` number."""
     chosen: dict[tuple[str, tuple[str, ...]], tuple] = {}
     for rel, doc, kind in result_files(results):
-        prov = job_provenance(rel, doc, provenance)
+        prov = {**job_provenance(rel, doc, provenance), "settings": ran_under(doc)}
         order = (datetime.fromisoformat(prov["date"]), prov.get("run", 0))
         for fig in FIGURES[kind](doc, prov["link"]):
             slot = (fig.table, fig.key)
@@ -329,6 +329,14 @@ def newest_figures(results: Path, provenance: dict[str, dict]) -> dict[tuple[str
             if old is None or old[3] < order:
                 chosen[slot] = (fig, rel, prov, order)
     return chosen
+
+
+def ran_under(doc: dict) -> str:
+    """The settings a result file records as changed from their defaults (`env.settings`, occult/tools/run_record.py),
+    as `NAME=value, ...`; "" where none (or where the file predates the record)."""
+    env = doc.get("env") if isinstance(doc.get("env"), dict) else {}
+    changed = env.get("settings") if isinstance(env.get("settings"), dict) else {}
+    return ", ".join(f"{name}={value}" for name, value in sorted(changed.items()))
 
 
 def natural(key: tuple[str, ...]) -> tuple:
@@ -350,7 +358,8 @@ def render(results: Path = RESULTS, provenance_path: Path = PROVENANCE) -> str:
         "the file records it (`-dirty`: with uncommitted changes), else the commit that added the file (the "
         "code measured is that commit's or its parent's); `date`: the run's (UTC) where recorded, else that "
         "commit's; `link`: NVLink, or "
-        "`slow` (`NCCL_P2P_DISABLE=1`: traffic through the host). A ratio whose sides only different jobs "
+        "`slow` (`NCCL_P2P_DISABLE=1`: traffic through the host); `source`: the file, and the settings it ran under "
+        "where it records them changed from their defaults (docs/settings.md). A ratio whose sides only different jobs "
         "measured is not listed (e.g. OLMoE decode at B=256 on NVLink: benchmarks/serve_merge.py's merged "
         "files hold those, marked by source). Older measurements: "
         "[../history.md](../history.md); how to run each benchmark: [../benchmarks.md](../benchmarks.md).",
@@ -362,7 +371,7 @@ def render(results: Path = RESULTS, provenance_path: Path = PROVENANCE) -> str:
         cols = (*key_cols, *cell_cols, "card", "commit", "date", "source")
         out += ["", f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for key, (fig, rel, prov, _) in rows:
-            src = f"[{rel}]({rel})"
+            src = f"[{rel}]({rel})" + (f" (under {prov['settings']})" if prov.get("settings") else "")
             cells = (*key, *fig.cells, prov["card"], f"`{prov['commit']}`", prov["date"][:10], src)
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

@@ -281,3 +281,17 @@ def test_a_one_gpu_job_of_compiled_variants_alone_gives_the_compiled_ratio(tmp_p
     page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
     row = next(line for line in page.splitlines() if "one.json" in line)
     assert "| prefill | - | 1.15x (46.00 / 40.00) | - |" in row, row  # no eager pair; compiled 46.0 / 40.0
+
+
+def test_a_file_run_under_changed_settings_says_so_beside_its_source(tmp_path: Path) -> None:
+    """A result recorded under settings other than the defaults (run_record's `env.settings`) names them."""
+    doc = e2e(2, {"replicated": 10.0, "dedup": 11.0})
+    doc["env"]["settings"] = {"OCCULT_GEMM1": "triton", "OCCULT_AGREEMENT": "step"}
+    plain = e2e(2, {"replicated": 10.0, "dedup": 11.0})
+    plain["config"]["model"], plain["env"]["settings"] = "qwen3", {}
+    entries = {n: prov("2026-11-29T00:00:00+00:00") for n in ("changed.json", "plain.json")}
+    write(tmp_path, {"changed.json": doc, "plain.json": plain}, entries)
+    page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
+    row = next(line for line in page.splitlines() if "changed.json" in line)
+    assert row.endswith("[changed.json](changed.json) (under OCCULT_AGREEMENT=step, OCCULT_GEMM1=triton) |"), row
+    assert next(line for line in page.splitlines() if "plain.json" in line).endswith("[plain.json](plain.json) |")
