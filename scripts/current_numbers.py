@@ -27,13 +27,12 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from result_provenance import job_provenance, stamp  # noqa: E402
+from result_provenance import SKIP_DIRS, job_provenance, stamp  # noqa: E402
 from targets_report import SERVE_FLOORS, best_variant, phase_ms, step_ms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 PAGE, PROVENANCE = RESULTS / "CURRENT.md", RESULTS / "provenance.json"
-SKIP_DIRS = ("history", "quality_gpu_1xH200")
 LAYER_TOKENS, HOST_TOKENS = 8192, 512
 REMOVED = ("@chunks",)  # variants of schedules no longer in the code (docs/overlap.md): not a current question
 

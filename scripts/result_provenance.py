@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SKIP_DIRS = ("history", "quality_gpu_1xH200")  # folders of superseded results: no page or report reads them
 LINKS = {"nvlink": "NVLink", "pcie-or-slow: NCCL_P2P_DISABLE=1": "slow", "single-gpu": "-", "cpu": "-"}
 
 

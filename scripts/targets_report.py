@@ -1,4 +1,5 @@
-"""Check the open issues' numeric targets (36, 37, 38) against the JSON the benchmarks wrote (one table).
+"""Check the issues' numeric targets (the open 52 and 53; the closed 36, 37, 38) against the JSON the benchmarks
+wrote (one table).
 
     python scripts/targets_report.py OUT [OUT2 ...] [--md targets.md]
 
@@ -7,6 +8,8 @@ Reads every `*.json` under the given files or directories and recognises these k
 - `benchmarks/e2e.py` (whole models), issue 36: the best dedup variant over the best replicated one
   (any compile / graph / transport suffix), per phase and link; at the Qwen3 shape TorchTitan's own
   model over the best dedup variant and over TorchTitan with occult's dispatcher (`torchtitan+occult*`);
+  issues 52 and 53: the same ratios per model, GPU count and link (`EP_TARGETS`, `TT_TARGETS`), and on
+  one GPU transformers compiled (`native/compile`) over occult's fastest compiled one-rank variant;
 - `occult bench` (one layer), issue 36: each dedup variant's forward (the count exchange, `@device`,
   `@device/graph`) over its floor (experts + all-to-alls) at 8192+ tokens per GPU, and the host time
   of a forward at 512 tokens;
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from result_provenance import LINKS, own_record  # noqa: E402
+from result_provenance import LINKS, SKIP_DIRS, own_record  # noqa: E402
 from train_report import TARGETS as TRAIN_TARGETS  # noqa: E402  (scripts/train_report.py: issue 38's ratios)
 
 WHOLE_MODEL = {
@@ -49,12 +52,43 @@ TORCHTITAN = {
     ("slow", "train"): 2.2,
 }
 TT_OVER_TT_OCCULT = {"nvlink": 1.2, "slow": 2.0}  # TorchTitan / TorchTitan + occult's dispatcher: at least
+# issues 52 (training at the floor) and 53 (hiding the all-to-alls): (issue, GPUs, link, model, phase, at most)
+# for the best dedup variant over the best replicated one of the same job
+EP_TARGETS = [
+    ("52", 2, "nvlink", "olmoe", "train", 1.03),
+    ("52", 4, "nvlink", "olmoe", "train", 1.06),
+    ("52", 2, "nvlink", "qwen3", "train", 1.00),
+    ("52", 4, "nvlink", "qwen3", "train", 1.00),
+    ("53", 4, "nvlink", "olmoe", "prefill", 1.08),
+    ("53", 4, "nvlink", "olmoe", "train", 1.04),
+    ("53", 2, "slow", "olmoe", "prefill", 1.30),
+    ("53", 2, "slow", "olmoe", "train", 1.10),
+    ("53", 2, "slow", "qwen3", "prefill", 1.30),
+    ("53", 2, "slow", "qwen3", "train", 1.05),
+    ("53", 4, "slow", "olmoe", "prefill", 1.5),
+    ("53", 4, "slow", "qwen3", "prefill", 1.5),
+]
+# (issue, GPUs, link, phase, "occult" | "torchtitan+occult", at least): TorchTitan's Qwen3 over occult's best dedup
+# variant, or over TorchTitan with occult's dispatcher
+TT_TARGETS = [
+    ("52", 2, "nvlink", "train", "occult", 2.2),
+    ("52", 2, "nvlink", "train", "torchtitan+occult", 1.2),
+    ("53", 2, "slow", "prefill", "occult", 4.0),
+    ("53", 2, "slow", "train", "occult", 2.5),
+]
+ONE_GPU_TRAIN = 1.25  # issue 52: transformers + compile_layers / occult's fastest compiled one-rank variant, at least
 LAYER_FORWARD, HOST_MS, HOST_TOKENS = 1.15, 0.3, 512
 DECODE = {("nvlink", 1): 1.35, ("nvlink", 64): 1.12, ("slow", 1): 1.8}  # EP step / floor step: at most
 NATIVE_OVER_EP = {1: 2.0, 64: 12.0}  # transformers' compiled generate / EP step, NVLink: at least
 SERVE_FLOORS = ("replicated+compile+graph", "replicated+graph", "replicated")
 NATIVE = "native-generate+compile"
 MIGRATION_SHARE = 0.02
+
+
+def json_files(folder: Path) -> list[Path]:
+    """The JSON files below `folder`, in path order, but for those in folders of superseded results
+    (`history/`: docs/results keeps old runs there)."""
+    return [f for f in sorted(folder.rglob("*.json")) if f.relative_to(folder).parts[0] not in SKIP_DIRS]
 
 
 def load_reports(paths: Iterable[str]) -> list[tuple[str, dict]]:
@@ -64,7 +98,7 @@ def load_reports(paths: Iterable[str]) -> list[tuple[str, dict]]:
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"{p}: no such file or directory")
-        files += [(str(f.relative_to(p)), f) for f in sorted(p.rglob("*.json"))] if p.is_dir() else [(p.name, p)]
+        files += [(str(f.relative_to(p)), f) for f in json_files(p)] if p.is_dir() else [(p.name, p)]
     out = []
     for name, f in files:
         try:
@@ -106,7 +140,7 @@ def _whole_model_run(name: str, doc: dict) -> tuple[str, Any, str, str]:
     """(model, GPUs, link, source label) of an e2e.py or serve.py report."""
     env = doc["env"]
     world, link = env.get("world_size"), link_of(env)
-    return doc["config"]["model"], world, link, f"{name} ({_gpus(world)}, {link})"
+    return doc["config"]["model"], world, link, f"{name} ({_gpus(world)}" + (")" if world == 1 else f", {link})")
 
 
 def best_variant(timed: dict[str, float], prefix: str) -> tuple[str, float] | None:
@@ -162,6 +196,38 @@ def e2e_rows(name: str, doc: dict) -> list[list[str]]:
                     where,
                 ]
             )
+    return rows
+
+
+def open_issue_rows(name: str, doc: dict) -> list[list[str]]:
+    """Issues 52 and 53, whole models: best dedup / best replicated per (GPUs, link, model, phase); TorchTitan's
+    Qwen3 over occult and over TorchTitan with occult's dispatcher; on one GPU, transformers compiled over
+    occult's fastest compiled one-rank variant (train)."""
+    rows, (model, world, link, where) = [], _whole_model_run(name, doc)
+    for phase in ("prefill", "train"):
+        timed = phase_ms(doc, phase)
+        floor, best = best_variant(timed, "replicated"), best_variant(timed, "dedup")
+        for issue, gpus, at, which, when, limit in EP_TARGETS:
+            if (gpus, at, which, when) == (world, link, model, phase) and floor and best:
+                r = best[1] / floor[1]
+                what = f"{issue}: whole model ({model}), best dedup / best replicated, {phase}, {gpus} GPUs {link}"
+                cell = f"{r:.3f}x ({best[0]} {best[1]:.2f} vs {floor[0]} {floor[1]:.2f} ms)"
+                rows.append([f"{what}: <= {limit}", cell, "met" if r <= limit else "MISSED", where])
+        peer = timed.get("torchtitan")
+        for issue, gpus, at, when, over, need in TT_TARGETS:
+            ours = best if over == "occult" else best_variant(timed, "torchtitan+occult")
+            if (gpus, at, when) == (world, link, phase) and model == "qwen3" and peer and ours:
+                s = peer / ours[1]
+                what = f"{issue}: TorchTitan / {over} (qwen3), {phase}, {gpus} GPUs {link}"
+                cell = f"{s:.2f}x ({ours[0]} {ours[1]:.2f} vs {peer:.2f} ms)"
+                rows.append([f"{what}: >= {need}", cell, "met" if s >= need else "MISSED", where])
+        compiled = {v: ms for v, ms in timed.items() if v.startswith("replicated") and v.endswith("/compile")}
+        ours = min(compiled.items(), key=lambda kv: kv[1]) if compiled else None
+        if world == 1 and phase == "train" and "native/compile" in timed and ours:
+            s = timed["native/compile"] / ours[1]
+            what = f"52: one GPU ({model}), transformers + compile_layers / occult compiled, train"
+            cell = f"{s:.3f}x ({timed['native/compile']:.2f} vs {ours[0]} {ours[1]:.2f} ms)"
+            rows.append([f"{what}: >= {ONE_GPU_TRAIN}", cell, "met" if s >= ONE_GPU_TRAIN else "MISSED", where])
     return rows
 
 
@@ -263,8 +329,24 @@ def replace_rows(name: str, doc: dict) -> list[list[str]]:
     ]
 
 
-ROWS = {"e2e": e2e_rows, "bench": bench_rows, "serve": serve_rows, "train": train_rows, "replace": replace_rows}
+def whole_model_rows(name: str, doc: dict) -> list[list[str]]:
+    """An e2e.py report's rows: issue 36's, then the open issues' (52, 53)."""
+    return e2e_rows(name, doc) + open_issue_rows(name, doc)
+
+
+ROWS = {
+    "e2e": whole_model_rows,
+    "bench": bench_rows,
+    "serve": serve_rows,
+    "train": train_rows,
+    "replace": replace_rows,
+}
 EXPECTED = [  # (target prefix, what measures it): listed as "not measured" when nothing matched
+    ("52: whole model", "benchmarks/e2e.py --phases train on 2 and 4 GPUs, NVLink (olmoe, qwen3)"),
+    ("52: one GPU", "benchmarks/e2e.py --variants native/compile,replicated/compile on 1 GPU"),
+    ("52: TorchTitan", "benchmarks/e2e.py --model qwen3 ...,torchtitan,torchtitan+occult@device on 2 GPUs"),
+    ("53: whole model", "benchmarks/e2e.py on 4 GPUs, and NCCL_P2P_DISABLE=1 on 2 and 4 GPUs"),
+    ("53: TorchTitan", "NCCL_P2P_DISABLE=1 benchmarks/e2e.py --model qwen3 ...,torchtitan on 2 GPUs"),
     ("36: whole model", "benchmarks/e2e.py (multi_gpu_runs.sh graph / e2e / e2e-slow)"),
     ("36: TorchTitan", "benchmarks/e2e.py --model qwen3 ...,torchtitan (multi_gpu_runs.sh graph)"),
     ("36: layer forward", "occult bench --world-size 2 --tokens 8192 (multi_gpu_runs.sh probe)"),
@@ -287,7 +369,7 @@ def file_order(paths: Iterable[str]) -> dict[str, tuple]:
         folder = next((d for d in (here, *here.parents) if (d / "provenance.json").is_file()), here)
         provenance = folder / "provenance.json"
         known = json.loads(provenance.read_text()) if provenance.is_file() else {}
-        files = sorted(p.rglob("*.json")) if p.is_dir() else [p]
+        files = json_files(p) if p.is_dir() else [p]
         for f in files:
             name = str(f.relative_to(p)) if p.is_dir() else p.name
             entry = known.get(f.resolve().relative_to(folder).as_posix())

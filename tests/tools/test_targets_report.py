@@ -1,4 +1,5 @@
-"""scripts/targets_report.py: the open issues' targets checked against benchmark JSON (synthetic reports)."""
+"""scripts/targets_report.py: the issues' targets (the open 52 and 53, the closed 36-38) checked against benchmark
+JSON (synthetic reports)."""
 
 from __future__ import annotations
 
@@ -262,8 +263,33 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
     )
     assert got[("38: EP dedup / EP standard tokens/s, slow: >= 1.4", "train_slow_2xH200.json")] == ("1.300", "MISSED")
     assert got[("38: one migration, amortised over --replace-every: <= 2%", "replacement.json")] == ("3.00%", "MISSED")
+    # the open issues' targets (52, 53), per GPU count, link and model
+    assert got[
+        ("52: whole model (olmoe), best dedup / best replicated, train, 2 GPUs nvlink: <= 1.03", "a/nvlink.json")
+    ] == (
+        "1.018x (dedup@device/compile/graph 285.00 vs replicated/compile 280.00 ms)",
+        "met",
+    )
+    assert (
+        got[("53: whole model (olmoe), best dedup / best replicated, prefill, 2 GPUs slow: <= 1.3", "a/slow.json")][1]
+        == "MISSED"
+    )  # 1.99x
+    assert (
+        got[("52: whole model (qwen3), best dedup / best replicated, train, 2 GPUs nvlink: <= 1.0", "peer.json")][1]
+        == "MISSED"
+    )  # 150 / 140
+    assert got[("52: TorchTitan / occult (qwen3), train, 2 GPUs nvlink: >= 2.2", "peer.json")] == (
+        "1.60x (dedup/compile 150.00 vs 240.00 ms)",
+        "MISSED",
+    )
+    assert got[("52: TorchTitan / torchtitan+occult (qwen3), train, 2 GPUs nvlink: >= 1.2", "peer.json")][1] == "met"
+    assert got[("53: TorchTitan / occult (qwen3), prefill, 2 GPUs slow: >= 4.0", "peer_slow.json")] == (
+        "3.75x (dedup@syncfree/layergraphs/compile 40.00 vs 150.00 ms)",
+        "MISSED",
+    )
+    assert not any(k[0].startswith("53: whole model (olmoe)") and "4 GPUs" in k[0] for k in got)  # no 4-GPU report
     missing = {k[0] for k, v in got.items() if v[1] == "not measured"}
-    assert missing == {"38: 2-GPU ..."}  # the only target no report above measures
+    assert missing == {"38: 2-GPU ...", "52: one GPU ..."}  # the only targets no report above measures
 
 
 def test_one_gpu_is_not_a_verdict_and_missing_runs_are_listed(tmp_path):
@@ -272,6 +298,17 @@ def test_one_gpu_is_not_a_verdict_and_missing_runs_are_listed(tmp_path):
     )
     rows = rows_of(targets_report.report([str(tmp_path)]))
     assert [r[2] for r in rows if r[3].startswith("one.json")] == ["n/a (1 GPU)"] * 2
+    # issue 52's one-GPU target: transformers compiled over occult's fastest compiled variant (traced MoE too)
+    one_gpu = {"native/compile": (47.0, 187.0), "replicated/compile": (43.0, 179.0)}
+    (tmp_path / "compiled.json").write_text(
+        json.dumps(e2e("olmoe", 1, False, {**one_gpu, "replicated/tracemoe/compile": (42.0, 174.0)}))
+    )
+    row = next(r for r in rows_of(targets_report.report([str(tmp_path)])) if r[0].startswith("52: one GPU"))
+    assert row[:3] == [
+        "52: one GPU (olmoe), transformers + compile_layers / occult compiled, train: >= 1.25",
+        "1.075x (187.00 vs replicated/tracemoe/compile 174.00 ms)",
+        "MISSED",
+    ]
     missing = {r[0] for r in rows if r[2] == "not measured"}
     assert {"36: whole model ...", "37: EP decode step ...", "38: EP dedup ...", "38: one migration ..."} <= missing
 
@@ -295,3 +332,14 @@ def test_cli_writes_markdown_and_rejects_a_missing_path(tmp_path):
         timeout=60,
     )
     assert res.returncode == 2 and "no such file or directory" in res.stderr
+
+
+def test_folders_of_superseded_results_are_not_read(tmp_path):
+    """docs/results/history/ keeps superseded runs: a report there never gives a verdict, however new."""
+    (tmp_path / "history").mkdir()
+    current = e2e("qwen3", 2, False, {"replicated/compile": (20.0, 140.0), "dedup/compile": (22.0, 150.0)})
+    old = e2e("qwen3", 2, False, {"replicated/compile": (20.0, 140.0), "dedup/compile": (22.0, 130.0)})
+    (tmp_path / "current.json").write_text(json.dumps(current))
+    (tmp_path / "history" / "old.json").write_text(json.dumps(old))  # written last: the newest by time
+    rows = [r for r in rows_of(targets_report.report([str(tmp_path)])) if r[0].startswith("52: whole model (qwen3)")]
+    assert [(r[2], r[3].split(" ")[0]) for r in rows] == [("MISSED", "current.json")]
