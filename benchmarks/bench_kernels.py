@@ -10,7 +10,9 @@ routing, dedup layout: one received row per (token, rank) with its local slots, 
    GEMM 1 and GEMM 2 alone, forward+backward (all four gradients), the atomic-scatter variant;
    the torch reference; `torch._grouped_mm` (the two GEMMs alone, and a straightforward
    pipeline around it, forward and forward+backward); dense cuBLAS matmuls of the same shapes
-   and FLOPs (forward: [P,H]x[H,2F] and [P,F]x[F,H]; backward: the four matching products).
+   and FLOPs (forward: [P,H]x[H,2F] and [P,F]x[F,H]; backward: the four matching products);
+   the training forward and forward+backward with GEMM 1 fused and through `_grouped_mm`
+   (setting gemm1, forced both ways on this padded layout), in alternating rounds.
 
 FLOPs: forward 6*P*H*F, backward 12*P*H*F (P = valid (row, expert) pairs). Prints a short
 table last; `--out` writes all numbers as JSON. `--sweep` first times a few tile configs of
