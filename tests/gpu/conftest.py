@@ -13,6 +13,10 @@ torchrun instead: a check of the suite's own logic, not of NCCL or the Triton ke
 sharing GPUs when there are more ranks than GPUs (NCCL refuses two ranks on one GPU): everything
 on the GPU is real (half precision, Triton kernels, transformers models) except NCCL itself and
 the CUDA-graph capture of collectives, which are skipped.
+
+`OCCULT_GPU_SUITE_MEMORY_GIB=G` caps the caching allocator of every pytest process of the suite at G
+GiB per GPU (`torch.cuda.set_per_process_memory_fraction`), so that a larger card checks what fits a
+smaller one: 78 stands for an 80 GB H100 on an H200. Ranks that a test spawns itself are not capped.
 """
 
 from __future__ import annotations
@@ -29,6 +33,42 @@ UNDER_TORCHRUN = "RANK" in os.environ and "WORLD_SIZE" in os.environ
 HAVE_GPU = torch.cuda.is_available()
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("OCCULT_GPU_SUITE_TIMEOUT_S", "120"))
 BACKEND = "gloo" if ON_CPU else os.environ.get("OCCULT_GPU_SUITE_BACKEND", "nccl")
+MEMORY_GIB = os.environ.get("OCCULT_GPU_SUITE_MEMORY_GIB", "")
+
+
+def memory_cap_gib(text: str) -> float | None:
+    """`OCCULT_GPU_SUITE_MEMORY_GIB` as a number of GiB, None where unset; a clear error where it is not a
+    positive number."""
+    if not text:
+        return None
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0:
+        raise pytest.UsageError(
+            f"OCCULT_GPU_SUITE_MEMORY_GIB={text!r}: give a positive number of GiB (78 for an 80 GB card)"
+        )
+    return gib
+
+
+def pytest_report_header(config):
+    if MEMORY_GIB and HAVE_GPU and not ON_CPU:
+        return f"gpu suite: memory capped at {MEMORY_GIB} GiB per GPU (OCCULT_GPU_SUITE_MEMORY_GIB)"
+    return None
+
+
+def pytest_configure(config):
+    """Cap this process's GPU memory where `OCCULT_GPU_SUITE_MEMORY_GIB` asks (module docstring): the rank's
+    own GPU under torchrun, every visible GPU in a single process."""
+    gib = memory_cap_gib(MEMORY_GIB)
+    if gib is None or ON_CPU or not HAVE_GPU:
+        return
+    count = torch.cuda.device_count()
+    devices = [int(os.environ.get("LOCAL_RANK", 0)) % count] if UNDER_TORCHRUN else range(count)
+    for index in devices:
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -142,5 +182,6 @@ def ranks() -> Ranks:
     dist.broadcast(seed_t, src=0)
     seed = int(seed_t.item())
     if rank == 0:
-        print(f"\n[gpu suite] {world_size} ranks on {device.type}, {BACKEND}, session seed {seed}")
+        capped = f", memory capped at {MEMORY_GIB} GiB per GPU" if MEMORY_GIB and not ON_CPU else ""
+        print(f"\n[gpu suite] {world_size} ranks on {device.type}, {BACKEND}, session seed {seed}{capped}")
     return Ranks(rank, world_size, device, seed, BACKEND)

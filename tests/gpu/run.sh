@@ -9,6 +9,8 @@
 #        OCCULT_GPU_SUITE_NPROC=2 bash tests/gpu/run.sh   (fewer ranks than GPUs)
 #        OCCULT_GPU_SUITE_BACKEND=gloo bash tests/gpu/run.sh  (gloo over CUDA tensors; ranks may share
 #                                                          GPUs, so 1 GPU gives 2 ranks: not NCCL)
+#        OCCULT_GPU_SUITE_MEMORY_GIB=78 bash tests/gpu/run.sh  (each pytest process's allocator capped at 78 GiB
+#                                                          per GPU: what fits an 80 GB H100, on a larger card)
 #        OCCULT_GPU_SUITE_ON_CPU=1 bash tests/gpu/run.sh  (the collective tests on 2 CPU gloo ranks:
 #                                                          checks the suite's logic, not NCCL)
 #        OCCULT_GPU_SUITE_STAGES=1 bash tests/gpu/run.sh   (stage 1 only; =2, =3, ='2 3': those stages. Each
