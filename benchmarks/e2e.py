@@ -45,8 +45,9 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
                    capture of the model's other layers); for @device, @syncfree variants and replicated;
                    training runs eagerly, e.g. dedup@device/layergraphs/compile, replicated/layergraphs/compile
-  replicated/tracemoe/compile  compile_layers(trace_moe=True): the one-rank MoE blocks traced into their
-                   compiled decoder layer (one graph per layer: no eager host work between its halves)
+  replicated/eagermoe/compile  compile_layers(trace_moe=False): the one-rank MoE blocks eager between their
+                   decoder layer's two graphs (replicated/compile traces them into one graph per layer on GPUs,
+                   the default since session 18; this was the default before)
   <variant>/traingraphs/compile  @device and @syncfree variants: hf.compile_layers(train_graphs=True), the
                    MoE layers' training calls replayed too, forward and backward (occult.moe.train_graphs;
                    opt-in), e.g. dedup@device/traingraphs/compile. After its timed train steps, one more step's
@@ -221,7 +222,7 @@ def variant_list(text: str) -> list[str]:
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
     bad += [v for v in names if micro_batches(v) == 2 and not sync_free(v)]
     bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
-    bad += [v for v in names if trace_moe(v) and not (is_compiled(v) and base_variant(v) == "replicated")]
+    bad += [v for v in names if eager_moe(v) and not (is_compiled(v) and base_variant(v) == "replicated")]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
@@ -229,8 +230,8 @@ def variant_list(text: str) -> list[str]:
             f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
             f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches), @device or @syncfree ones "
-            f"/traingraphs/compile (training calls replayed too), replicated/tracemoe/compile (MoE blocks traced "
-            f"with their layer), or the peers "
+            f"/traingraphs/compile (training calls replayed too), replicated/eagermoe/compile (MoE blocks "
+            f"eager between their layer's graphs), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"
         )
@@ -277,9 +278,10 @@ def train_graphs(variant: str) -> bool:
     return "/traingraphs" in variant
 
 
-def trace_moe(variant: str) -> bool:
-    """'replicated/tracemoe/compile': compile_layers(trace_moe=True), one-rank MoE blocks traced with their layer."""
-    return "/tracemoe" in variant
+def eager_moe(variant: str) -> bool:
+    """'replicated/eagermoe/compile': compile_layers(trace_moe=False), one-rank MoE blocks eager between their
+    layer's two graphs."""
+    return "/eagermoe" in variant
 
 
 def is_graphed(variant: str) -> bool:
@@ -294,9 +296,9 @@ def micro_batches(variant: str) -> int:
 
 
 def _without_capture(variant: str) -> str:
-    """The variant without its graph modifiers ('/layergraphs', '/traingraphs', '/tracemoe', a final '/graph' or
+    """The variant without its graph modifiers ('/layergraphs', '/traingraphs', '/eagermoe', a final '/graph' or
     '/twobatch')."""
-    stem = variant.replace("/layergraphs", "").replace("/traingraphs", "").replace("/tracemoe", "")
+    stem = variant.replace("/layergraphs", "").replace("/traingraphs", "").replace("/eagermoe", "")
     return stem.removesuffix("/graph").removesuffix("/twobatch")
 
 
@@ -537,7 +539,8 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
     base = base_variant(variant)
     if is_compiled(variant):  # before `native`: native/compile is transformers' model compiled
         model = convert_variant(model, variant.replace("/compile", ""), placement, self_group)
-        hf.compile_layers(model, train_graphs=train_graphs(variant), trace_moe=trace_moe(variant))
+        trace = False if eager_moe(variant) else None  # None: traced where every MoE layer is one-rank, on a GPU
+        hf.compile_layers(model, train_graphs=train_graphs(variant), trace_moe=trace)
         return model
     if base == "native":
         return model

@@ -42,11 +42,14 @@ class Schedule:
     counts (at once when there is no wait). `agreed_tokens`: the largest token count of any rank,
     already agreed by the caller for this call (the device transport then skips its own agreement:
     `occult.moe.graphs` agrees before it chooses between a replay and an eager call).
+    `status_sink_1`: where a call traced by torch.compile leaves its routing status as it queues it
+    (a [1] int64 buffer of the layer; `occult.moe.status`); without one a traced call queues none.
     """
 
     sync_free: bool = False
     while_waiting: Callable[[], None] | None = None
     agreed_tokens: int | None = None
+    status_sink_1: torch.Tensor | None = None
 
     def run_while_waiting(self) -> None:
         """Call `while_waiting` now (for schedules with no host wait)."""
@@ -96,7 +99,8 @@ class Dispatcher(ABC):
     the GPU, no host wait; an error where it cannot run), "counts" (the count exchange: one host
     wait per call) or "auto" (`symm.choose_transport`: the device transport for the dedup dispatchers
     on NCCL GPUs of one host with peer-to-peer, else the count exchange); `self.transport` is the
-    device one or None.
+    device one or None. `capturable`: whether a CUDA graph can record its exchanges (one rank, or a
+    group of NCCL: gloo's collectives run on the host, and capturing one breaks the process's CUDA state).
     """
 
     name: ClassVar[str] = "base"
@@ -113,6 +117,7 @@ class Dispatcher(ABC):
             self.num_ranks, self.rank = 1, 0
         if self.num_ranks == 1:
             self.group = None  # a single rank needs no communication
+        self.capturable = self.group is None or "nccl" in str(dist.get_backend(self.group))
         self.devices_per_node = self.num_nodes = self.peer_level = None
         if devices_per_node is not None:
             self.set_devices_per_node(devices_per_node)

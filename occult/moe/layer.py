@@ -108,6 +108,9 @@ class OccultMoE(nn.Module):
             device,
             init=init_weights,
         )
+        # the routing status of the last call traced by torch.compile (occult.moe.status): the write that keeps
+        # a compiled graph queueing it
+        self.register_buffer("routing_status_1", torch.zeros(1, dtype=torch.int64, device=device), persistent=False)
         self.last_comm_stats = CommStats()
         self.graphs = GraphCache()  # this layer's captured calls (ExecConfig(graphs=True))
 
@@ -164,7 +167,7 @@ class OccultMoE(nn.Module):
         if bad_input:  # tell the other ranks before raising, so none is left waiting in a collective
             ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
             status = status + bad_input
-        schedule = Schedule(self.execution.sync_free, while_waiting, agreed_tokens)
+        schedule = Schedule(self.execution.sync_free, while_waiting, agreed_tokens, self.routing_status_1)
         try:  # 2-3. plan and dispatch (the count exchange's host wait, or none: device transport, sync-free)
             received, handle = self.dispatcher.dispatch(
                 x_TH, weights_TK, ids_TK, self.expert_map, schedule, status, bad_input
@@ -195,10 +198,11 @@ class OccultMoE(nn.Module):
         input, not inside another capture or torch.compile, a layer that does not wait for the GPU
         (device transport, sync-free, one rank), no forward hooks on it or its modules (a replay would
         not call them) and an input it accepts, not one half of a two-batch forward (its recording would
-        span the other half's turn). Under autograd the backward is replayed too (`occult.moe.train_graphs`)."""
+        span the other half's turn), a group whose exchanges a graph can record (NCCL; gloo's run on the
+        host). Under autograd the backward is replayed too (`occult.moe.train_graphs`)."""
         if not self.execution.graphs or not x.is_cuda or pending.capturing() or torch.compiler.is_compiling():
             return False
-        if interleaving():
+        if interleaving() or not self.dispatcher.capturable:  # (a gloo group's exchanges run on the host)
             return False
         if self._differentiable(x) and not self.execution.train_graphs:
             return False

@@ -13,10 +13,12 @@ range, NaN/inf gates) is copied to pinned host memory as the GPU reaches it, and
 next one-rank dispatch starts (by then the GPU is past it; the host runs at most one layer
 ahead) or when `check_routing()` is called (`hf.convert` calls it at the end of every forward
 of a converted model); it raises `RoutingError` there, naming the layer call it came from.
-Under CUDA-graph capture and torch.compile nothing is read (as for sync-free dispatch).
+Under CUDA-graph capture nothing is read (as for sync-free dispatch); a call traced by torch.compile
+queues its status at run time as an eager one does, where the layer gives the schedule its status sink.
 
 `CommStats` report what a self-exchange would count (rows to itself are rows sent; see
-`occult.moe.comm`): dedup T rows, standard T*k, forward at dispatch, backward when it runs.
+`occult.moe.comm`): dedup T rows, standard T*k, forward at dispatch, backward when it runs (a call
+traced by torch.compile books its backward's rows with its forward: its backward runs no Python).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ class LocalHandle(Handle):
     stats: CommStats = field(default_factory=CommStats)
 
 
-def _check_later(status: torch.Tensor) -> None:
-    """Queue `status` for `check_routing` (a CPU status is read at once: no wait to avoid)."""
+def _check_later(status: torch.Tensor, sink_1: torch.Tensor | None) -> None:
+    """Queue `status` for `check_routing` (a CPU status is read at once: no wait to avoid); traced by
+    torch.compile, through `sink_1` (`occult.moe.status`)."""
     check_routing()  # the previous one-rank call's: its routing ran before this call's attention
-    queue(status.reshape(1))
+    queue(status.reshape(1), sink_1)
 
 
 def dispatch_local(
@@ -62,7 +65,7 @@ def dispatch_local(
     """The one-rank dispatch (module docstring); `ids_TK` already clamped into [0, E), or their local
     slots given (`slots_TK`, `occult.moe.plan.routed_slots`)."""
     if status is not None and not schedule.sync_free:
-        _check_later(status)
+        _check_later(status, schedule.status_sink_1)
     schedule.run_while_waiting()
     num_tokens, top_k = ids_TK.shape
     rows = num_tokens if deduplicated else num_tokens * top_k
@@ -84,11 +87,15 @@ def combine_local(y_TH: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
     """The experts' output is already one row per token: count the return trip, hand it back."""
     handle.stats.combine_rows = handle.rows
     _count(handle.stats, "forward", handle.rows, handle.row_bytes, 0)
-    counted = not torch.compiler.is_compiling()  # (a compiled graph's backward cannot run a hook on Python state)
-    if counted and handle.differentiable and y_TH.requires_grad:  # backward: the combine's and dispatch's rows
-        y_TH.register_hook(
-            lambda grad: _count(handle.stats, "backward", 2 * handle.rows, 2 * handle.row_bytes, handle.gate_grad_bytes)
-        )
+    if handle.differentiable and y_TH.requires_grad:  # backward: the combine's and dispatch's rows
+
+        def count_backward(grad: torch.Tensor | None = None) -> None:
+            _count(handle.stats, "backward", 2 * handle.rows, 2 * handle.row_bytes, handle.gate_grad_bytes)
+
+        if torch.compiler.is_compiling():  # a compiled graph's backward cannot run a hook on Python state:
+            count_backward()  # booked with the forward
+        else:
+            y_TH.register_hook(count_backward)
     return y_TH
 
 

@@ -6,8 +6,12 @@ range, NaN/inf gates; `occult.moe.counts.routing_status`) when it is made. It is
 host memory as the GPU reaches it and queued here; `check_routing()` waits for and reads every
 queued status, `take_ready()` reads only those the GPU has already reached. A status is a vector
 with one entry per rank of the layer's group (one entry on one rank), so the error names the rank
-whose input was bad. Under CUDA-graph capture and torch.compile nothing is queued or read; a
-capture inside `recording()` keeps the status tensors instead, for its replays to queue.
+whose input was bad. Under CUDA-graph capture nothing is queued or read; a capture inside
+`recording()` keeps the status tensors instead, for its replays to queue. A call traced by
+torch.compile queues through the custom op `occult::queue_routing_status` (`queue(status, sink_1)`):
+the compiled graph runs it where the eager call would queue, so a traced layer reports bad routing
+as an eager one does. The op writes the status into `sink_1` (a buffer of the layer, an input of the
+graph): a write to an input is what keeps an op with no output in a compiled graph.
 """
 
 from __future__ import annotations
@@ -49,8 +53,14 @@ def check_routing() -> None:
         raise_on_bad_status([int(v) for v in host.tolist()])
 
 
-def queue(status_D: torch.Tensor) -> None:
-    """Queue a device status vector for `check_routing` / `take_ready` (a CPU one is read at once)."""
+def queue(status_D: torch.Tensor, sink_1: torch.Tensor | None = None) -> None:
+    """Queue a device status vector for `check_routing` / `take_ready` (a CPU one is read at once).
+    Traced by torch.compile, it queues at run time through `occult::queue_routing_status` where the
+    caller gives `sink_1` ([1] int64 on the status's device; module docstring), else not at all."""
+    if torch.compiler.is_compiling():
+        if sink_1 is not None:
+            torch.ops.occult.queue_routing_status(sink_1, status_D)
+        return
     if not status_D.is_cuda:
         raise_on_bad_status([int(v) for v in status_D.reshape(-1).tolist()])
         return
@@ -63,6 +73,20 @@ def queue(status_D: torch.Tensor) -> None:
     ready = torch.cuda.Event()
     ready.record()
     _PENDING.append((host, ready))
+
+
+@torch.library.custom_op("occult::queue_routing_status", mutates_args=("sink_1",))
+def _queue_compiled(sink_1: torch.Tensor, status_D: torch.Tensor) -> None:
+    """What a compiled graph runs where an eager one-rank call reads the previous status and queues its
+    own (`occult.moe.local`); the status's first entry is left in `sink_1`."""
+    check_routing()
+    queue(status_D)
+    sink_1.copy_(status_D.reshape(-1)[:1])
+
+
+@_queue_compiled.register_fake
+def _(sink_1: torch.Tensor, status_D: torch.Tensor) -> None:
+    return None
 
 
 @contextlib.contextmanager

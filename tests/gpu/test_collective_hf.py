@@ -250,7 +250,8 @@ def test_graphed_forward_as_two_interleaved_micro_batches(ranks):
     """`hf.GraphedForward(micro_batches=2)` of a sync-free model whose layers have graphs of their own
     (as `compile_layers` sets them; a half never records one): the batch's halves interleaved at every
     exchange (two threads, two streams of one capture) give the eager forward's logits (fp32: within 1e-5)
-    replay after replay, and no layer recorded a graph; an odd batch is refused."""
+    replay after replay, and no layer recorded a graph; an odd batch is refused. Over gloo (ranks sharing a
+    GPU) the capture is refused up front, and the layers still run."""
     from occult import ExecConfig, OccultMoE, set_sync_free
 
     if ranks.device.type != "cuda":
@@ -263,6 +264,12 @@ def test_graphed_forward_as_two_interleaved_micro_batches(ranks):
     execution = ExecConfig(transport="counts", graphs=True)  # the layers' own graphs: off inside the halves
     model = hf.convert(base, placement=placement, dispatcher="dedup", execution=execution)
     set_sync_free(model, True)
+    if ranks.backend != "nccl":  # gloo's collectives run on the host: refused before any capture, CUDA intact
+        with pytest.raises(ValueError, match="cannot record"):
+            hf.GraphedForward(model, 4, 9, micro_batches=2)
+        with torch.no_grad():
+            assert torch.isfinite(model(input_ids=torch.full((2, 5), 3, device=dev), use_cache=False).logits).all()
+        return
     with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
         hf.GraphedForward(model, 3, 7, micro_batches=2)
     gen = torch.Generator().manual_seed(seed + ranks.rank)

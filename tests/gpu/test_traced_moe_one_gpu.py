@@ -1,6 +1,6 @@
-"""`hf.compile_layers(trace_moe=True)` on one GPU: the one-rank MoE blocks traced with their decoder layer
-(one graph per layer, no graph break; the Triton expert path under torch.compile) train like the eager model,
-in fp32, bf16 and fp16. Single-process GPU tests (tests/gpu/run.sh's second stage)."""
+"""`hf.compile_layers` on one GPU: the one-rank MoE blocks traced with their decoder layer by default (one graph
+per layer, no graph break; the Triton expert path under torch.compile) train like the eager model, in fp32, bf16
+and fp16, and still report bad routing. Single-process GPU tests (tests/gpu/run.sh's second stage)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'occult[hf]')")
 
+import occult  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 
 VOCAB = 96
@@ -47,7 +48,8 @@ def test_traced_moe_layers_train_like_eager_in_one_graph(dtype):
     ref = _grads(model, ids)
     torch._dynamo.reset()
     counters.clear()
-    hf.compile_layers(model, trace_moe=True)
+    hf.compile_layers(model)  # one-rank layers on a GPU: traced by default
+    assert not any(getattr(b, "occult_eager", False) for _, b in hf.moe_blocks(model))
     got = _grads(model, ids)
     again = _grads(model, ids)
     assert not counters["graph_break"], dict(counters["graph_break"])  # each layer one whole graph
@@ -59,3 +61,43 @@ def test_traced_moe_layers_train_like_eager_in_one_graph(dtype):
     own = _worst(ref, exact)
     assert worst < max(TOL[dtype], 2 * own), (seed, worst, own)
     assert all(torch.equal(got[n], again[n]) for n in got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the traced Triton expert path needs a GPU")
+@pytest.mark.parametrize("phase", ["forward", "train"])
+def test_traced_moe_layers_report_bad_routing(phase):
+    """A router weight made NaN inside a traced layer raises `RoutingError` from the model's call (the compiled
+    graph queues each layer's routing status through `occult::queue_routing_status`), with no graph break,
+    and the model works again once the weight is repaired."""
+    from torch._dynamo.utils import counters
+
+    from occult import OccultMoE, RoutingError
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    ids = torch.randint(3, VOCAB, (2, 32), generator=torch.Generator().manual_seed(seed)).cuda()
+    model = _model(seed, torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    hf.compile_layers(model)
+    layer = [m for m in model.modules() if isinstance(m, OccultMoE)][-1]
+
+    def run():
+        if phase == "train":
+            model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            with torch.no_grad():
+                model(input_ids=ids)
+
+    run()
+    saved = layer.router.gate.weight.detach().clone()
+    with torch.no_grad():
+        layer.router.gate.weight[0, 0] = float("nan")
+    with pytest.raises(RoutingError, match="NaN"):
+        run()
+        torch.cuda.synchronize()
+    assert layer.routing_status_1.item() != 0, seed  # the status the compiled graph queued
+    with torch.no_grad():
+        layer.router.gate.weight.copy_(saved)
+    run()
+    occult.check_routing()
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -88,6 +88,41 @@ def test_deferred_statuses_are_read_by_check_routing(monkeypatch):
     check_routing()
 
 
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_compiled_graph_queues_the_status_as_an_eager_call_does(monkeypatch, bad):
+    """Traced by torch.compile (one whole graph: `fullgraph=True`), `status.queue` with a sink becomes the op
+    `occult::queue_routing_status`, which reads the previous status and queues this one when the graph
+    runs: a bad status raises from the compiled call as from an eager one, and the sink holds it."""
+    monkeypatch.setattr(status, "_PENDING", [])
+    value = counts.STATUS_WRONG_HIDDEN - 2 if bad else 0  # NaN gates, or none bad
+
+    def step(x_T: torch.Tensor, sink_1: torch.Tensor) -> torch.Tensor:
+        status.queue((x_T[:1] * 0).long() + value, sink_1)
+        return x_T * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    sink_1 = torch.full((1,), -1, dtype=torch.int64)
+    x_T = torch.randn(random.randrange(1, 9))
+    if bad:
+        with pytest.raises(RoutingError, match="NaN"):
+            compiled(x_T, sink_1)
+        return
+    assert torch.equal(compiled(x_T, sink_1), x_T * 2)
+    assert sink_1.tolist() == [0]
+    status._PENDING.append((torch.tensor([counts.STATUS_WRONG_HIDDEN - 2]), None))  # an earlier call's, bad
+    with pytest.raises(RoutingError, match="NaN"):  # read by the next compiled call, as an eager one reads it
+        compiled(x_T, sink_1)
+
+
+def test_a_traced_status_without_a_sink_is_not_queued(monkeypatch):
+    monkeypatch.setattr(status, "_PENDING", [])
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: (status.queue(x[:1].long() * 0 + 5), x + 1)[1], fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.zeros(3)), torch.ones(3))
+    assert status._PENDING == []
+
+
 def one_launch_worker(rank: int, world: int, seed: int, dispatcher: str) -> dict:
     """One rank, OCCULT_PLAN=triton under Triton's interpreter: the slots and the routing status come
     from one launch (`occult.moe.plan.routed_slots`); the layer still equals `DenseMoE`, and NaN gates

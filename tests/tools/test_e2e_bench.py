@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+import torch
 from _bench_helpers import ROOT, python, torchrun  # tests/tools/_bench_helpers.py
 
 pytest.importorskip("transformers")
@@ -362,16 +363,27 @@ def test_native_compile_compiles_the_decoder_layers(monkeypatch):
     monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append((model, kw)))
     model = object()
     assert e2e.convert_variant(model, "native/compile", None, None) is model
-    assert calls == [(model, {"train_graphs": False, "trace_moe": False})]
+    assert calls == [(model, {"train_graphs": False, "trace_moe": None})]
     assert e2e.convert_variant(model, "native", None, None) is model and len(calls) == 1
 
 
-def test_tracemoe_goes_with_replicated_compile_only():
+def test_eagermoe_goes_with_replicated_compile_only(monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import e2e
 
-    (name,) = e2e.variant_list("replicated/tracemoe/compile")
-    assert e2e.trace_moe(name) and e2e.is_compiled(name) and e2e.base_variant(name) == "replicated"
-    for bad in ("replicated/tracemoe", "dedup@device/tracemoe/compile", "native/tracemoe/compile"):
+    (name,) = e2e.variant_list("replicated/eagermoe/compile")
+    assert e2e.eager_moe(name) and e2e.is_compiled(name) and e2e.base_variant(name) == "replicated"
+    assert not e2e.eager_moe("replicated/compile")
+    calls = []
+    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append(kw))
+    monkeypatch.setattr(e2e.hf, "convert", lambda model, **kw: model)
+    e2e.convert_variant(torch.nn.Module(), name, None, None)
+    assert calls == [{"train_graphs": False, "trace_moe": False}]
+    for bad in (
+        "replicated/eagermoe",
+        "dedup@device/eagermoe/compile",
+        "native/eagermoe/compile",
+        "replicated/tracemoe/compile",
+    ):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)

@@ -2,11 +2,13 @@
 
 A decoder layer's dense part (RMSNorms, q/k norms, rotary embedding, residual adds; tens of
 small memory-bound kernels) costs more GPU time than its attention matmuls at OLMoE's shape and
-dominates a decode step's launches. Inductor fuses it. The MoE block itself stays eager
-(each `OccultMoeBlock`'s forward is excluded from tracing: its kernels are already fused, and on
-several ranks it waits on the host for the row counts), so each decoder layer compiles to the
-graph before the MoE block and the one after it. (A whole converted model can also be given to
-`torch.compile` directly, MoE blocks traced: docs/history.md, "torch.compile on the decode path".)
+dominates a decode step's launches. Inductor fuses it. Where every MoE layer is one-rank (one
+GPU, data-parallel replicas) and on a GPU, the MoE block is traced with its layer: one graph per decoder layer,
+router and routing fused with the dense part, no eager host work between its halves. An
+expert-parallel MoE block stays eager (its forward is excluded from tracing: it exchanges with other
+ranks), so each decoder layer compiles to the graph before the MoE block and the one after it.
+(A whole converted model can also be given to `torch.compile` directly, MoE blocks traced:
+docs/history.md, "torch.compile on the decode path".)
 
 Decoder layers share one class and one forward, and torch.compile treats module parameters as
 inputs, so the layers share compiled graphs where nothing else differs. With a KV cache each
@@ -54,22 +56,26 @@ def compile_layers(
     model: nn.Module,
     layer_graphs: bool = True,
     train_graphs: bool = False,
-    trace_moe: bool = False,
+    trace_moe: bool | None = None,
     **compile_kwargs: Any,
 ) -> int:
     """Compile every decoder layer of `model` in place (`nn.Module.compile(**compile_kwargs)`, default
-    `dynamic=False`); returns how many. Call after `convert` (MoE blocks run eager unless `trace_moe`).
+    `dynamic=False`); returns how many. Call after `convert`.
     `layer_graphs`: also replay the expert-parallel MoE layers that do not wait for the GPU from
     their CUDA graphs (module docstring); `train_graphs`: their training calls too, forward and
-    backward (opt-in). `trace_moe`: one-rank MoE blocks traced into their decoder layer's graph (no
-    graph break, no eager host work between the layer's halves; their routing status is then not
-    checked, a compiled graph queues none, and `last_comm_stats` count the forward only); a model with
-    expert-parallel layers is refused.
+    backward (opt-in). `trace_moe`: the MoE blocks traced into their decoder layer's graph (no graph
+    break, no eager host work between the layer's halves; a traced layer still reports bad routing,
+    and its `last_comm_stats` book the backward's rows with the forward). Tracing holds one-rank MoE
+    layers only; `None` (the default) traces them where every MoE layer of the model is one-rank with
+    its experts on a GPU and none was compiled eager before, `True` refuses a model with
+    expert-parallel layers, `False` keeps every MoE block eager between its layer's two graphs.
 
     The first forward of each new shape (prefill length, decode batch) compiles: time it apart.
     """
     layers = decoder_layers(model)
-    if trace_moe:
+    if trace_moe is None:
+        trace_moe = traceable(model)
+    elif trace_moe:
         check_traceable(model)
     compile_kwargs.setdefault("dynamic", False)
     # per input shape (each prefill length, each decode batch), one graph per layer (its cache slot)
@@ -89,6 +95,20 @@ def compile_layers(
             if isinstance(moe, OccultMoE) and moe.num_ranks > 1 and not moe.waits_for_gpu:
                 moe.execution = replace(moe.execution, graphs=True, train_graphs=train_graphs)
     return len(layers)
+
+
+def traceable(model: nn.Module) -> bool:
+    """Whether `compile_layers` traces the model's MoE blocks with their layers by default: every `OccultMoE`
+    one-rank with its experts on a GPU (where the Triton expert path traces whole; on CPU the reference loop
+    breaks the graph at its data-dependent splits), and no block compiled eager by an earlier call."""
+    layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
+    if not layers or not all(layer.gate_up_proj.is_cuda for layer in layers):
+        return False
+    try:
+        check_traceable(model)
+    except ValueError:
+        return False
+    return True
 
 
 def check_traceable(model: nn.Module) -> None:

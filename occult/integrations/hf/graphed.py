@@ -105,6 +105,13 @@ class GraphedForward:
                 f"{len(waiting)} MoE layer(s) wait for the GPU in a forward (the count exchange), e.g. {waiting[0]}: "
                 'convert with execution=ExecConfig(transport="device") or call occult.set_sync_free(model) first'
             )
+        moe = [(name, m) for name, m in model.named_modules() if isinstance(m, OccultMoE)]
+        on_host = [name for name, m in moe if not m.dispatcher.capturable]
+        if on_host:
+            raise ValueError(
+                f"{len(on_host)} MoE layer(s) exchange over a group whose collectives a CUDA graph cannot record "
+                f"(gloo runs them on the host), e.g. {on_host[0]}: use NCCL process groups to capture"
+            )
         if batch < 1 or seq < 1:
             raise ValueError(f"batch and seq must be >= 1, got {batch} and {seq}")
         check_micro_batches(model, batch, micro_batches)
