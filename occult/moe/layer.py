@@ -374,6 +374,12 @@ class OccultMoE(nn.Module):
         )
 
 
+def uncapturable_layers(module: nn.Module) -> list[str]:
+    """Names of the `OccultMoE` layers inside `module` whose exchanges a CUDA graph cannot record (a gloo
+    group: its collectives run on the host, and capturing one breaks the process's CUDA state)."""
+    return [name for name, m in module.named_modules() if isinstance(m, OccultMoE) and not m.dispatcher.capturable]
+
+
 def set_graphs(module: nn.Module, enabled: bool = True) -> int:
     """Switch every `OccultMoE` inside `module` to (or from) forwards replayed from CUDA graphs
     (`ExecConfig.graphs`); returns how many. Switching off frees their graphs."""

@@ -217,7 +217,22 @@ def _two_rank_checks(rank: int, world_size: int, seed: int, cases: list[dict]) -
         "round_trip": _round_trip_worker(rank, world_size, seed),
         "rows": run_cases(rank, world_size, cases),
         "bad_input": bad_input_worker(rank, world_size, seed),
+        "capturable": _capturable_worker(),
     }
+
+
+def _capturable_worker() -> list:
+    """On gloo ranks: whether a layer's exchanges can be recorded in a CUDA graph, and the layers named so."""
+    from occult.moe.layer import uncapturable_layers
+
+    layer = OccultMoE(8, 4, 8, 2)  # the default group: the 2 gloo ranks
+    singles = [torch.distributed.new_group([r]) for r in range(torch.distributed.get_world_size())]  # all, in order
+    alone = OccultMoE(8, 4, 8, 2, group=singles[torch.distributed.get_rank()])  # a group of one rank
+    return [
+        layer.dispatcher.capturable,
+        alone.dispatcher.capturable,
+        uncapturable_layers(torch.nn.ModuleList([alone, layer])),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +240,7 @@ def two_ranks() -> dict:
     cases = [_case(dispatcher=d, experts=16, top_k=4, tokens=[64, 64]) for d in ("dedup", "standard")]
     cases[1]["seed"] = cases[0]["seed"]
     per_rank = run_ranks(_two_rank_checks, 2, random.randrange(2**31), cases, timeout_s=240)
-    return {key: [out[key] for out in per_rank] for key in ("round_trip", "rows", "bad_input")}
+    return {key: [out[key] for out in per_rank] for key in ("round_trip", "rows", "bad_input", "capturable")}
 
 
 def test_dedup_sends_fewer_rows_than_standard(two_ranks):
@@ -321,6 +336,12 @@ def test_dead_peer_fails_within_timeout():
     assert "rank 1 died" in message
     assert "--- rank 0 ---" in message and "did not finish" not in message, message
     assert elapsed < 60, elapsed
+
+
+def test_gloo_groups_are_never_captured(two_ranks):
+    """A gloo group's exchanges run on the host: its layers say a CUDA graph cannot record them (layer graphs
+    stay eager, `GraphedForward` and `generate(cuda_graph=True)` refuse them); a one-rank layer can."""
+    assert two_ranks["capturable"] == [[False, True, ["1"]]] * 2
 
 
 def test_from_dense_to_dense_round_trip(two_ranks):

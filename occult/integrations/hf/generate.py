@@ -45,7 +45,7 @@ import torch.nn as nn
 from occult.integrations.hf.decoder import StaticDecoder
 from occult.integrations.hf.families import group_size
 from occult.integrations.hf.sampling import Sampling, TokenSelector
-from occult.moe.layer import OccultMoE, set_sync_free
+from occult.moe.layer import OccultMoE, set_sync_free, uncapturable_layers
 
 
 def model_group(model: nn.Module) -> Any:
@@ -133,7 +133,8 @@ def generate(
     from torch's global RNG (so `torch.manual_seed` makes a call repeatable). The tokens of a
     seed depend on the padded batch (the largest over the group), as the draws are [B, V].
     `cuda_graph`: "auto" captures the decode step on CUDA (eager if the capture fails on any
-    rank), True requires it, False runs eagerly. `reuse=True` keeps the decoder (cache, buffers,
+    rank, or the MoE layers exchange over gloo, whose collectives a graph cannot record), True
+    requires it, False runs eagerly. `reuse=True` keeps the decoder (cache, buffers,
     graph) on the model for the next call of the same padded batch and token choice whose prompt +
     new tokens fit its cache (as transformers reuses a large enough static cache; the keys past
     this call's length are masked); `del model._occult_decoder` frees it.
@@ -151,9 +152,16 @@ def generate(
     if B > 0 and S == 0:
         raise ValueError("prompts must hold at least one token")
     ids_PS, mask_PS = _pad_batch(ids_BS, mask_BS, B_max, pad)
-    use_graph = device.type == "cuda" and cuda_graph in (True, "auto")
+    on_host = uncapturable_layers(model)  # (the same on every rank: every rank's layers share the group)
+    use_graph = device.type == "cuda" and cuda_graph in (True, "auto") and not on_host
     if cuda_graph is True and device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs a CUDA model, this one is on {device.type}")
+    if cuda_graph is True and on_host:
+        raise ValueError(
+            f"cuda_graph=True: {len(on_host)} MoE layer(s) exchange over a group whose collectives a CUDA graph "
+            f"cannot record (gloo runs them on the host), e.g. {on_host[0]}: use NCCL, or cuda_graph='auto' "
+            "to decode eagerly"
+        )
 
     if do_sample and seed is None:
         seed = _drawn_seed(generator)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from occult.moe.layer import OccultMoE
+from occult.moe.layer import OccultMoE, uncapturable_layers
 from occult.moe.two_batch import run_interleaved
 from occult.teardown import hold_collectives
 
@@ -105,8 +105,7 @@ class GraphedForward:
                 f"{len(waiting)} MoE layer(s) wait for the GPU in a forward (the count exchange), e.g. {waiting[0]}: "
                 'convert with execution=ExecConfig(transport="device") or call occult.set_sync_free(model) first'
             )
-        moe = [(name, m) for name, m in model.named_modules() if isinstance(m, OccultMoE)]
-        on_host = [name for name, m in moe if not m.dispatcher.capturable]
+        on_host = uncapturable_layers(model)
         if on_host:
             raise ValueError(
                 f"{len(on_host)} MoE layer(s) exchange over a group whose collectives a CUDA graph cannot record "
