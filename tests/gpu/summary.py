@@ -43,7 +43,7 @@ def _versions() -> list[str]:
             else os.environ.get("OCCULT_GPU_SUITE_BACKEND", "nccl")
         )
     )
-    for var in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "OCCULT_GPU_SUITE_NPROC"):
+    for var in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "OCCULT_GPU_SUITE_NPROC", "OCCULT_GPU_SUITE_MEMORY_GIB"):
         if os.environ.get(var):
             lines.append(f"{var}={os.environ[var]}")
     return lines
