@@ -28,7 +28,7 @@ from occult.moe.layer import OccultMoE
 from occult.placement.cost import SHAPES
 from occult.tools.bench_timing import host_ms
 from occult.tools.run_record import run_record
-from occult.training.step_profile import union_ms
+from occult.training.step_profile import device_work, union_ms
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
@@ -63,7 +63,7 @@ def profile_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
             for _ in range(iters):
                 fn()
             torch.cuda.synchronize()
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = [(e.time_range.start, e.time_range.end) for e in device_work(prof.events())]
     row["gpu_busy_ms"] = union_us(kernels) / 1e3 / iters
     ops = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
     row["top_host_ops"] = [(a.key, round(a.self_cpu_time_total / 1e3 / iters, 3), a.count // iters) for a in ops]
@@ -112,7 +112,7 @@ def train_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
         for _ in range(iters):
             call()
         torch.cuda.synchronize()
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = [(e.time_range.start, e.time_range.end) for e in device_work(prof.events())]
     row["gpu_busy_ms"] = union_us(kernels) / 1e3 / iters
     return row
 

@@ -36,7 +36,7 @@ from occult import set_sync_free  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 from occult.integrations.hf.block import is_converted  # noqa: E402
-from occult.training.step_profile import overlap_ms, union_ms  # noqa: E402
+from occult.training.step_profile import device_work, overlap_ms, union_ms  # noqa: E402
 
 FAMILIES = (  # (family, substrings of kernel names), first match wins; occult's Triton kernels are `_name_kernel`
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "grouped_mm")),
@@ -82,7 +82,7 @@ def profile_steps(step, steps: int, trace_path: str | None = None) -> dict:
         with open(trace_path, "rb") as src, gzip.open(trace_path + ".gz", "wb") as dst:
             dst.write(src.read())
         os.remove(trace_path)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = device_work(prof.events())  # (not the device's copies of host ranges: they span idle gaps)
     busy = union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps  # us intervals -> ms
     spans = {True: [], False: []}  # the exchanges' kernels, every other kernel
     for e in kernels:

@@ -75,10 +75,21 @@ def overlap_ms(a_us: list[tuple[float, float]], b_us: list[tuple[float, float]])
     return total / 1e3
 
 
+def device_work(events: Any) -> list[Any]:
+    """The profiler events that are work on a device (kernels, copies, sets): not the host's events, and not
+    the device's copies of host ranges (`record_function`, `occult::moe_forward`, `Optimizer.step`), which
+    span the gaps between kernels and would count them as busy."""
+    return [
+        e
+        for e in events
+        if e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+    ]
+
+
 def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict[str, Any]:
     """The profile of `steps` steps that took `wall_s` seconds: busy, idle, top host ops and kernels
     (`on_gpu` False: a CPU run, no device figures)."""
-    device_events = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU]
+    device_events = device_work(prof.events())
     busy = union_ms([(e.time_range.start, e.time_range.end) for e in device_events]) / steps
     wall = wall_s * 1e3 / steps
     kernels: dict[str, list[float]] = {}

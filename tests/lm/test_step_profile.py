@@ -6,11 +6,12 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import types
 
 import numpy as np
 import pytest
 
-from occult.training.step_profile import overlap_ms, parse_window, union_ms
+from occult.training.step_profile import device_work, overlap_ms, parse_window, union_ms
 
 
 def test_window_parses_and_refuses_nonsense():
@@ -28,6 +29,24 @@ def test_union_of_intervals_against_a_fine_grid():
         grid[s:e] = True
     assert union_ms([(float(s), float(e)) for s, e in spans]) == pytest.approx(grid.sum() / 1e3)
     assert union_ms([]) == 0.0
+
+
+def test_device_work_leaves_out_host_events_and_the_devices_copies_of_host_ranges():
+    """On GPUs a profiler lists each `record_function` range (`occult::moe_forward`, `Optimizer.step`) on the device
+    too, spanning the gaps between its kernels: counted as work, they would hide idle time."""
+    import torch
+
+    from occult.moe.host_time import FORWARD
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [
+        types.SimpleNamespace(name="gemm", device_type=cuda, is_user_annotation=False),
+        types.SimpleNamespace(name=FORWARD, device_type=cuda, is_user_annotation=True),
+        types.SimpleNamespace(name=FORWARD, device_type=cpu, is_user_annotation=True),
+        types.SimpleNamespace(name="aten::mm", device_type=cpu, is_user_annotation=False),
+        types.SimpleNamespace(name="Memcpy HtoD", device_type=cuda),  # (an older event without the flag)
+    ]
+    assert [e.name for e in device_work(events)] == ["gemm", "Memcpy HtoD"]
 
 
 def test_overlap_of_two_interval_sets_against_a_fine_grid():
