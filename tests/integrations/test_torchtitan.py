@@ -90,19 +90,35 @@ def _local(t):
 
 
 def _build_block(
-    world, top_k, weights, placement=None, dispatcher=None, max_devices=None, occult_router=True, dims=None
+    world,
+    top_k,
+    weights,
+    placement=None,
+    dispatcher=None,
+    max_devices=None,
+    occult_router=True,
+    dims=None,
+    fused=False,
 ):
-    """TorchTitan's MoE block with full weights (model order), EP over all ranks; occult's when `dispatcher`."""
+    """TorchTitan's MoE block with full weights (model order), EP over all ranks; occult's when `dispatcher`
+    (`fused`: with occult's fused experts); `world` None: no EP, TorchTitan's local block."""
     from torchtitan.config.override import derive
 
-    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher
+    from occult.integrations.torchtitan import OccultGroupedExperts, OccultRouter, OccultTokenDispatcher
 
     cfg = _moe_config(top_k)
     if dispatcher is not None:
         td = cfg.routed_experts.token_dispatcher
         cfg.routed_experts.token_dispatcher = OccultTokenDispatcher.Config(
-            num_experts=E, top_k=top_k, dispatcher=dispatcher, placement=placement, max_devices=max_devices
+            num_experts=E,
+            top_k=top_k,
+            dispatcher=dispatcher,
+            placement=placement,
+            max_devices=max_devices,
+            fused_experts=fused,
         )
+        if fused:
+            cfg.routed_experts.inner_experts = derive(cfg.routed_experts.inner_experts, OccultGroupedExperts.Config)
         if occult_router:
             cfg.router = derive(cfg.router, OccultRouter.Config, max_devices=max_devices, placement=placement)
         assert td.num_experts == E
@@ -114,7 +130,25 @@ def _build_block(
         moe.router.gate.weight.copy_(gate)
         ex = moe.routed_experts.inner_experts
         ex.w1_EFD.copy_(w1), ex.w2_EDF.copy_(w2), ex.w3_EFD.copy_(w3)
-    moe.parallelize(dims if dims is not None else _dims(world))
+    if world is not None:
+        moe.parallelize(dims if dims is not None else _dims(world))
+    return moe
+
+
+def _fp32_experts(moe):
+    """TorchTitan's own grouped experts computed in fp32 (its `GroupedExperts` casts to bf16): the reference of
+    occult's fused experts, which compute in their weights' dtype."""
+    import torch.nn.functional as F_
+
+    ex = moe.routed_experts.inner_experts
+
+    def forward(x_RD, counts_E):
+        w1, w2, w3 = (_local(w) for w in (ex.w1_EFD, ex.w2_EDF, ex.w3_EFD))
+        parts = torch.split(x_RD, counts_E.tolist())
+        outs = [(F_.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T for e, x in enumerate(parts)]
+        return torch.cat(outs)
+
+    ex.forward = forward
     return moe
 
 
@@ -184,6 +218,51 @@ def _block_case(rank, world, seed, top_k, placement, tokens, dispatcher="dedup")
     sent = torch.tensor([stats.dispatch_rows, stats.combine_rows, int(c_T.sum()), x.shape[0]])
     dist.all_reduce(sent)
     return errors, sent.tolist()
+
+
+def _fused_case(rank, world, seed, top_k, placement, tokens):
+    """occult's dispatcher with its fused experts (`OccultGroupedExperts`) against TorchTitan's all-to-all with its
+    grouped experts in fp32: outputs and every gradient; returns (errors, [dispatch rows, combine rows, sum_t C_T])."""
+    import torch.distributed as dist
+
+    from occult.integrations.torchtitan import OccultGroupedExperts
+    from occult.moe.pruning import devices_per_token
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = (
+        torch.randn(E, H, generator=gen),
+        torch.randn(E, F, H, generator=gen) * 0.3,
+        torch.randn(E, H, F, generator=gen) * 0.3,
+        torch.randn(E, F, H, generator=gen) * 0.3,
+    )
+    xs = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
+    gs = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
+    ref = _run_block(_fp32_experts(_build_block(world, top_k, weights)), xs[rank], gs[rank])
+    moe = _build_block(world, top_k, weights, placement=placement, dispatcher="dedup", fused=True)
+    errors = [] if isinstance(moe.routed_experts.inner_experts, OccultGroupedExperts) else ["not occult's experts"]
+    got = _run_block(moe, xs[rank], gs[rank])
+    for i, what in enumerate(("output", "input grad", "router grad")):
+        _close(got[i], ref[i], what, errors)
+    for name, gr, rr in zip(("w1", "w2", "w3"), got[3], ref[3]):
+        full = _gather(gr)
+        _close(placement.invert(full) if placement is not None else full, _gather(rr), f"{name} grad", errors)
+    placed = placement if placement is not None else Placement.contiguous(E, world)
+    stats = moe.routed_experts.token_dispatcher.last_comm_stats
+    sent = torch.tensor(
+        [stats.dispatch_rows, stats.combine_rows, int(devices_per_token(got[4], placed.tensors(0)[0]).sum())]
+    )
+    dist.all_reduce(sent)
+    return errors, sent.tolist()
+
+
+def _fused_blocks(rank, world, seed):
+    cases = {
+        "fused contiguous top2": (2, None, [5 + r for r in range(world)]),
+        "fused random top3": (3, _random_placement(world, seed), [6] * world),
+        "fused empty rank": (2, _random_placement(world, seed + 1), [0] + [7] * (world - 1)),
+        "fused top-k = all": (E, None, [4] * world),
+    }
+    return {name: _fused_case(rank, world, seed + 10 + i, *case) for i, (name, case) in enumerate(cases.items())}
 
 
 def _random_placement(world: int, seed: int) -> Placement:
@@ -335,7 +414,7 @@ def _training(rank, world, seed, placement_path):
     """Default dispatcher vs occult's, switched on by TorchTitan's override mechanism with a placement."""
     from torchtitan.config.override import OverrideConfig, apply_overrides
 
-    from occult.integrations.torchtitan import OccultTokenDispatcher, to_placed_order
+    from occult.integrations.torchtitan import OccultGroupedExperts, OccultTokenDispatcher, to_placed_order
 
     _cpu_attention()
     dims = _dims(world)
@@ -352,7 +431,12 @@ def _training(rank, world, seed, placement_path):
     )
     occ_losses, model = _train_steps(occ_spec, dims, to_placed_order(state, placement_path), ids_BS)
     used = [type(b.moe.routed_experts.token_dispatcher) is OccultTokenDispatcher for b in model.layers.values()]
-    return ref_losses, occ_losses, used, lines
+    fused_spec = _tiny_qwen3_spec()  # occult's fused experts too, under TorchTitan's EP + FSDP2 (parallelize_qwen3)
+    options = {"dispatcher": "dedup", "placement": placement_path, "fused_experts": True}
+    apply_overrides(OverrideConfig(imports=[(target, options)]), fused_spec)
+    fused_losses, model = _train_steps(fused_spec, dims, to_placed_order(state, placement_path), ids_BS)
+    used += [type(b.moe.routed_experts.inner_experts) is OccultGroupedExperts for b in model.layers.values()]
+    return ref_losses, occ_losses, used, lines, fused_losses
 
 
 def _two_ranks(rank, world, seed, placement_path):
@@ -360,6 +444,7 @@ def _two_ranks(rank, world, seed, placement_path):
     torch.manual_seed(seed)
     blocks = _blocks(rank, world, seed)
     blocks["pruned"] = _pruned_block(rank, world, seed)
+    blocks.update(_fused_blocks(rank, world, seed))
     training = _training(rank, world, seed, placement_path)
     limit_error = _limit_without_router(rank, world, seed)
     blocks["spmd_types"] = _spmd_types_block(rank, world, seed)  # last: it switches TorchTitan's SPMD backend
@@ -460,16 +545,22 @@ def test_block_and_training_step_on_2_ranks(tmp_path):
     placement = Placement(np.stack([placement.expert_device(0), _random_placement(2, 8).expert_device(0)]), 2)
     placement.save(path)
     results = run_ranks(_two_ranks, 2, int(torch.randint(0, 10_000, ())), str(path))
-    blocks, (ref_losses, occ_losses, used, lines), _ = results[0]
+    blocks, (ref_losses, occ_losses, used, lines, fused_losses), _ = results[0]
     for r, (_, _, limit_error) in enumerate(results):
         assert limit_error is not None and "max_devices=1" in limit_error and "install" in limit_error, (r, limit_error)
     errors, (rows, tokens) = blocks.pop("pruned")
     assert not errors and rows == tokens, (errors, rows, tokens)  # max_devices=1: one row per token
     errors, (rows, back, _, _) = blocks.pop("spmd_types")
     assert not errors and 0 < rows == back, (errors, rows, back)
+    for name in [n for n in blocks if n.startswith("fused")]:  # occult's fused experts: the same rows sent
+        errors, (rows, back, sum_c) = blocks.pop(name)
+        assert not errors and rows == back == sum_c, (name, errors, rows, back, sum_c)
     _check_blocks(blocks, 2)
-    assert all(used) and len(used) == 2 and len(lines) == 1, (used, lines)
+    assert all(used) and len(used) == 4 and len(lines) == 1, (used, lines)
     assert np.allclose(occ_losses, ref_losses, rtol=2e-6, atol=0), (occ_losses, ref_losses)  # same rows, same order
+    # fused experts compute in fp32 where TorchTitan's GroupedExperts rounds to bf16: the same losses to bf16's step
+    assert np.allclose(fused_losses, ref_losses, rtol=1e-2, atol=0), (fused_losses, ref_losses)
+    assert fused_losses[1] != fused_losses[0]
     assert occ_losses[1] != occ_losses[0]  # the optimizer step changed the model
 
 
@@ -515,7 +606,7 @@ def test_install_and_override_on_qwen3_and_deepseek_v3_specs(tmp_path):
     from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3
     from torchtitan.models.qwen3 import model_registry as qwen3
 
-    from occult.integrations.torchtitan import OccultRouter, OccultTokenDispatcher, install
+    from occult.integrations.torchtitan import OccultGroupedExperts, OccultRouter, OccultTokenDispatcher, install
     from occult.placement import PlacementError
 
     spec = deepseek_v3("debugmodel")
@@ -547,6 +638,19 @@ def test_install_and_override_on_qwen3_and_deepseek_v3_specs(tmp_path):
     assert {cfg.routed_experts.token_dispatcher.transport for _, cfg, _, _ in model_cfg.traverse(MoE.Config)} == {
         "device"
     }
+    plain = [cfg.routed_experts.inner_experts for _, cfg, _, _ in model_cfg.traverse(MoE.Config)]
+    assert not any(isinstance(c, OccultGroupedExperts.Config) for c in plain)  # occult's experts only when asked
+    with pytest.raises(ValueError, match="fused_experts must be True or False"):
+        install(qwen3("debugmodel_moe").model, fused_experts="yes")
+    spec = qwen3("debugmodel_moe")
+    imports = parse_cli_imports(['occult.integrations.torchtitan.occult_moe={"fused_experts": true}'])
+    assert len(apply_overrides(OverrideConfig(imports=imports), spec)) == 1
+    moes = [cfg for _, cfg, _, _ in spec.model.traverse(MoE.Config)]
+    assert len(moes) == 8 and all(m.routed_experts.token_dispatcher.fused_experts for m in moes)
+    for moe, old in zip(moes, plain):  # the same experts' sizes, occult's kernels
+        ex = moe.routed_experts.inner_experts
+        assert isinstance(ex, OccultGroupedExperts.Config)
+        assert (ex.dim, ex.hidden_dim, ex.num_experts) == (old.dim, old.hidden_dim, old.num_experts)
 
 
 def test_router_refuses_tensor_parallelism_and_state_dicts_reorder():
@@ -610,3 +714,25 @@ def test_one_rank_without_expert_parallelism_uses_the_placed_order():
         outs.append((out, x_grad, router_grad, *[placement.invert(g) if occult else g for g in grads]))
     for got, want in zip(outs[1], outs[0]):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_one_rank_fused_experts_equal_torchtitan_in_fp32():
+    """EP = 1 with occult's fused experts (`fused_experts=True`): the tokens are the rows, their placed positions
+    the slots; outputs and every gradient equal TorchTitan's local block with its experts in fp32."""
+    _cpu_torchtitan()
+    seed = int(torch.randint(0, 10_000, ()))
+    gen = torch.Generator().manual_seed(seed)
+    weights = (
+        torch.randn(E, H, generator=gen),
+        torch.randn(E, F, H, generator=gen) * 0.3,
+        torch.randn(E, H, F, generator=gen) * 0.3,
+        torch.randn(E, F, H, generator=gen) * 0.3,
+    )
+    placement = _random_placement(4, seed)
+    x, g = torch.randn(13, H, generator=gen), torch.randn(13, H, generator=gen)
+    want = _run_block(_fp32_experts(_build_block(None, 3, weights)), x, g)
+    got = _run_block(_build_block(None, 3, weights, placement=placement, dispatcher="dedup", fused=True), x, g)
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    for a, b in zip(got[3], want[3]):
+        torch.testing.assert_close(placement.invert(a), b, rtol=RTOL, atol=ATOL)

@@ -10,6 +10,12 @@ back (one count per local expert) and calls `combine(routed_output_RD, metadata,
 3. combine: the experts' outputs are gate-weighted and summed per received row on the expert's
    rank (pre-reduced), and one row per (token, rank) goes back, summed per token in fp32.
 
+With `fused_experts=True` step 2 and the reduction go: `dispatch` hands the received rows as they are
+(`occult.moe.contract.Received`: rows, local expert slots, gate weights) to `OccultGroupedExperts`
+(`occult.integrations.torchtitan.experts`), which runs occult's fused expert kernels on them and returns
+one gate-weighted, pre-reduced row per received row; `combine` sends them back. The pair is switched on
+together (`install(..., fused_experts=True)`): TorchTitan's own `GroupedExperts` cannot read those rows.
+
 Expert ids are the router's (the model's expert order). With a `placement`, expert `e` lives on
 rank `placement.expert_device(layer)[e]` at local slot `placement.expert_slot(layer)[e]`, so the
 expert weight tensors hold experts in *placed order* (`Placement.apply`): TorchTitan's EP still
@@ -29,6 +35,7 @@ from torchtitan.models.common.token_dispatcher import BaseEPTokenDispatcher, Loc
 from occult.integrations.exchange import OccultExchange
 from occult.integrations.expand import Expansion, expand, reduce
 from occult.integrations.torchtitan.placement import load_placement
+from occult.moe.contract import Received
 from occult.moe.pruning import devices_per_token
 from occult.placement import PlacementError
 
@@ -37,10 +44,11 @@ DISPATCHERS = ("dedup", "standard")
 
 @dataclass(frozen=True)
 class OccultDispatchMetadata:
-    """What `combine` needs: occult's dispatch handle and where each expert-major row came from."""
+    """What `combine` needs: occult's dispatch handle (None on one rank) and where each expert-major row came
+    from (None with fused experts: their rows are the received rows, already summed per row)."""
 
     handle: Any
-    expansion: Expansion
+    expansion: Expansion | None
 
 
 class OccultTokenDispatcher(BaseEPTokenDispatcher):
@@ -53,6 +61,7 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
         layer_index: int = 0  # which layer of a multi-layer placement this MoE layer is
         max_devices: int | None = None  # the router limits each token to this many EP ranks (OccultRouter)
         transport: str = "auto"  # how rows travel: ExecConfig.transport ("device": counts stay on the GPU)
+        fused_experts: bool = False  # hand the received rows to OccultGroupedExperts (occult's kernels), no expansion
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -65,6 +74,7 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
         self.dispatcher_name = config.dispatcher
         self.placement_spec, self.layer_index = config.placement, config.layer_index
         self.max_devices, self.transport = config.max_devices, config.transport
+        self.fused_experts = config.fused_experts
         self.exchange: OccultExchange | None = None
         self.physical_E: torch.Tensor | None = None
         self.limit_checked = False
@@ -99,13 +109,17 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
         topk_scores_TK: torch.Tensor,
         topk_expert_ids_TK: torch.Tensor,
         num_local_tokens_per_expert_E: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """-> (rows x_ND expert-major, rows per local expert counts_e, metadata for `combine`)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | Received, Any]:
+        """-> (rows x_ND expert-major, rows per local expert counts_e, metadata for `combine`); with fused experts
+        (received rows x_RD, the `Received` rows with their slots and gates, metadata)."""
         if self.exchange is None:  # EP = 1 (wire_meshes gave no mesh, or the model was never parallelised)
             return self._local_dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK)
         if self.max_devices is not None and not self.limit_checked:
             self._check_limit(topk_expert_ids_TK)
         received, handle = self.exchange.dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        if self.fused_experts:
+            self.last_comm_stats = self.exchange.stats(handle)
+            return received.x_RH, received, OccultDispatchMetadata(handle, None)
         local_experts = self.num_experts // self.ep_mesh.size()
         x_ND, counts_e, expansion = expand(received.x_RH, received.slots_RK, received.gates_RK, local_experts)
         self.last_comm_stats = self.exchange.stats(handle)
@@ -115,7 +129,9 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
         """Gate-weight and pre-reduce per received row, send one row back per row received, sum per token."""
         if not isinstance(metadata, OccultDispatchMetadata):
             return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
-        y_RD = reduce(routed_output_RD, metadata.expansion)
+        if metadata.handle is None:  # fused experts on one rank: one row per token, already summed
+            return routed_output_RD.to(x_TD.dtype)
+        y_RD = routed_output_RD if metadata.expansion is None else reduce(routed_output_RD, metadata.expansion)
         return self.exchange.combine(y_RD, metadata.handle).to(x_TD.dtype)
 
     def _local_dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
@@ -125,6 +141,9 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
         if self.physical_E.device != topk_expert_ids_TK.device:
             self.physical_E = self.physical_E.to(topk_expert_ids_TK.device)
         ids_TK = self.physical_E[topk_expert_ids_TK]
+        if self.fused_experts:  # every expert local: the tokens are the rows, their placed positions the slots
+            rows = Received(x_TD, ids_TK, topk_scores_TK, dense=True)
+            return x_TD, rows, OccultDispatchMetadata(None, None)
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=ids_TK.device)
         counts_E.index_add_(0, ids_TK.reshape(-1), torch.ones_like(ids_TK.reshape(-1)))
         return LocalTokenDispatcher.dispatch(self, x_TD, topk_scores_TK, ids_TK, counts_E)

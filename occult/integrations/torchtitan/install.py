@@ -1,10 +1,12 @@
 """Switching occult on in a TorchTitan model config: `install`, and the `occult_moe` override.
 
-`install(model_config, dispatcher=..., placement=..., max_devices=...)` replaces, in every MoE
-block of a TorchTitan model config (`layers.*.moe`, and DeepSeek-V3's `mtp_layers.*.moe`), the
+`install(model_config, dispatcher=..., placement=..., max_devices=..., fused_experts=...)` replaces, in
+every MoE block of a TorchTitan model config (`layers.*.moe`, and DeepSeek-V3's `mtp_layers.*.moe`), the
 token dispatcher (`RoutedExperts.Config.token_dispatcher`) by `OccultTokenDispatcher.Config` and
-the router by `OccultRouter.Config` (TorchTitan's router, plus `max_devices`); MoE block i uses
-layer i of a multi-layer placement. Call it before `model_config.build()`.
+the router by `OccultRouter.Config` (TorchTitan's router, plus `max_devices`); with `fused_experts`
+also the grouped experts (`RoutedExperts.Config.inner_experts`) by `OccultGroupedExperts.Config`
+(the same parameters, occult's kernels); MoE block i uses layer i of a multi-layer placement. Call it
+before `model_config.build()`.
 
 TorchTitan's trainer applies it from its own config through the override mechanism
 (`occult.integrations.torchtitan.occult_moe`, docs/integrations.md).
@@ -19,6 +21,7 @@ from torchtitan.config.override import derive
 from torchtitan.models.common.moe import MoE
 
 from occult.integrations.torchtitan.dispatcher import DISPATCHERS, OccultTokenDispatcher
+from occult.integrations.torchtitan.experts import OccultGroupedExperts
 from occult.integrations.torchtitan.router import OccultRouter
 from occult.moe.config import TRANSPORTS
 from occult.placement import Placement, PlacementError
@@ -31,6 +34,7 @@ def install(
     placement: str | Placement | None = None,
     max_devices: int | None = None,
     transport: str = "auto",
+    fused_experts: bool = False,
 ) -> int:
     """Put occult's dispatcher (and router) into every MoE block of `model_config`; returns how many.
 
@@ -39,6 +43,8 @@ def install(
     token to experts on that many EP ranks (collaboration pruning, approximate: fine-tune with it).
     `transport`: how rows travel, as `ExecConfig.transport` ("device": counts kept on the GPU, no
     host wait; NCCL groups of one host, an error elsewhere when the EP group is built).
+    `fused_experts`: the experts run by occult's fused kernels on the received rows
+    (`OccultGroupedExperts`), no expert-major expansion.
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"occult dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
@@ -46,6 +52,8 @@ def install(
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if max_devices is not None and int(max_devices) < 1:
         raise ValueError(f"max_devices must be >= 1 or None, got {max_devices}")
+    if not isinstance(fused_experts, bool):
+        raise ValueError(f"fused_experts must be True or False, got {fused_experts!r}")
     found = [(parent, attr, cfg) for _, cfg, parent, attr in model_config.traverse(MoE.Config)]
     if not found:
         raise ValueError(f"{type(model_config).__qualname__} has no MoE blocks (MoE.Config) for occult's dispatcher")
@@ -73,7 +81,10 @@ def install(
             layer_index=i,
             max_devices=max_devices,
             transport=transport,
+            fused_experts=fused_experts,
         )
+        if fused_experts:
+            moe.routed_experts.inner_experts = derive(moe.routed_experts.inner_experts, OccultGroupedExperts.Config)
         moe.router = derive(
             moe.router, OccultRouter.Config, max_devices=max_devices, placement=placement, layer_index=i
         )
