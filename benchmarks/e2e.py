@@ -62,7 +62,9 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   torchtitan+occult  (opt-in) the same TorchTitan model with occult's dedup token dispatcher switched on
                    (occult.integrations.torchtitan.install; contiguous experts, as torchtitan);
                    torchtitan+occult+placement: with the placement dedup+placement solves;
-                   torchtitan+occult@device (and +placement@device): over the device transport
+                   torchtitan+occult@device (and +placement@device): over the device transport;
+                   torchtitan+occult+experts (also @device): occult's fused expert kernels in TorchTitan's
+                   MoE too (OccultGroupedExperts: no expert-major expansion)
 
 Before timing, each variant's logits on a small batch are compared with the unconverted model
 (per-token relative L2 error, median and p95, max over ranks); an exact variant whose median is
@@ -708,6 +710,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             occult=base_variant(variant) != "torchtitan",
             placement=ctx["placement"] if base_variant(variant).endswith("+placement") else None,
             transport="device" if on_device(variant) else "auto",
+            fused_experts=base_variant(variant).endswith("+experts"),
         )
         del hf_model
         free_memory(device)

@@ -2,7 +2,8 @@
 whole-model peer of benchmarks/e2e.py (variants `torchtitan`, and `torchtitan+occult`: the same model
 with occult's deduplicated token dispatcher installed in its config by
 `occult.integrations.torchtitan.install`, contiguous experts; nothing else differs;
-`torchtitan+occult+placement`: the same with e2e's solved placement, expert weights in placed order).
+`torchtitan+occult+placement`: the same with e2e's solved placement, expert weights in placed order;
+`torchtitan+occult+experts`: occult's dispatcher and its fused expert kernels, `OccultGroupedExperts`).
 
 TorchTitan 0.3.0's `Qwen3Model` is built at the shape of the transformers Qwen3-MoE model e2e.py
 builds (`_build_qwen3_moe_layers`: fused QKV, per-head q/k RMSNorm, `CosSinRoPE` at the model's
@@ -42,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from peer_torchtitan import SPMD_BACKEND, cpu_shims, torch_compat  # noqa: E402  (benchmarks/peers)
 
 MODEL_TYPES = ("qwen3_moe",)
-VARIANTS = ("torchtitan", "torchtitan+occult", "torchtitan+occult+placement")  # TorchTitan's dispatcher / occult's
+# TorchTitan's dispatcher / occult's / with a placement / with occult's fused experts too
+VARIANTS = ("torchtitan", "torchtitan+occult", "torchtitan+occult+placement", "torchtitan+occult+experts")
 
 
 def unavailable(model_type: str) -> str | None:
@@ -217,6 +219,7 @@ class TitanLM:
         occult: bool = False,
         placement: Any = None,
         transport: str = "auto",
+        fused_experts: bool = False,
     ) -> None:
         import torchtitan
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -233,7 +236,7 @@ class TitanLM:
         if occult:  # occult's dedup dispatcher (and router, plain without max_devices) in every MoE block
             from occult.integrations.torchtitan import install
 
-            install(tcfg, dispatcher="dedup", placement=placement, transport=transport)
+            install(tcfg, dispatcher="dedup", placement=placement, transport=transport, fused_experts=fused_experts)
         with torch.device(device):
             model = tcfg.build()
         model.init_states(buffer_device=device)  # rope cache and MoE buffers; the weights come next
@@ -342,6 +345,7 @@ class TitanLM:
             "spmd_backend": SPMD_BACKEND,
             "tensors_copied": self.copied,
             "dispatcher": type(ex.token_dispatcher).__name__,
+            "experts": type(ex.inner_experts).__name__,
             "parallelize": self.parallelize,
             "local_experts": int((w.to_local() if hasattr(w, "to_local") else w).shape[0]),
             "attention": "FlexAttention (compiled by TorchTitan)"

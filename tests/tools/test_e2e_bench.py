@@ -183,7 +183,7 @@ def test_e2e_torchtitan_whole_model_peer_matches_and_trains(tmp_path):
         "--model",
         "tiny-qwen3",
         "--variants",
-        "dedup,torchtitan,torchtitan+occult",
+        "dedup,torchtitan,torchtitan+occult,torchtitan+occult+experts",
         "--batch",
         "2",
         "--seq",
@@ -213,6 +213,10 @@ def test_e2e_torchtitan_whole_model_peer_matches_and_trains(tmp_path):
     assert abs(occ["check"]["median_rel_err"] - tt["check"]["median_rel_err"]) < 1e-4, (occ["check"], tt["check"])
     for phase in PHASES:  # at most k rows per token and layer (2 x 32 tokens, top-2, 2 layers; exact: test_torchtitan)
         assert 0 < occ["phases"][phase]["comm"]["dispatch_rows"] <= 2 * 32 * 2 * 2, occ["phases"][phase]["comm"]
+    fused = report["torchtitan+occult+experts"]  # occult's fused experts compute in fp32 here, TorchTitan's in bf16
+    assert fused["torchtitan"]["experts"] == "OccultGroupedExperts" and fused["check"]["passed"], fused["check"]
+    assert fused["check"]["median_rel_err"] < tt["check"]["median_rel_err"] / 4, (fused["check"], tt["check"])
+    assert all(fused["phases"][phase]["ms_median"] > 0 for phase in PHASES)
 
 
 def test_e2e_torchtitan_peer_needs_qwen3_and_says_so():
