@@ -36,6 +36,7 @@ from occult import set_sync_free  # noqa: E402
 from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 from occult.integrations.hf.block import is_converted  # noqa: E402
+from occult.tools.run_record import run_record  # noqa: E402
 from occult.training.step_profile import device_work, overlap_ms, union_ms  # noqa: E402
 
 FAMILIES = (  # (family, substrings of kernel names), first match wins; occult's Triton kernels are `_name_kernel`
@@ -199,8 +200,9 @@ def main() -> None:
         return
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "profile_model.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "world_size": world}
+        with open(os.path.join(args.out, "profile_model.json"), "w") as f:  # the runs, and what ran them
+            json.dump({**results, "env": {**env, **run_record(world, True)}}, f, indent=1)
     print(f"\nOLMoE shape, {args.layers} layers; per step (ms) and kernel families (ms / launches)")
     fams = sorted({f for r in results.values() for f in r["families"]})
     print(f"{'run':<18}{'wall':>8}{'busy':>8}{'idle':>8}{'kernels':>8}  " + "  ".join(f"{f:>22}" for f in fams))
