@@ -74,7 +74,7 @@ def test_traced_moe_layers_report_bad_routing(phase):
     from occult import OccultMoE, RoutingError
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    ids = torch.randint(3, VOCAB, (2, 32), generator=torch.Generator().manual_seed(seed)).cuda()
+    ids = torch.randint(3, VOCAB, (4, 64), generator=torch.Generator().manual_seed(seed)).cuda()  # past decode size
     model = _model(seed, torch.bfloat16)
     torch._dynamo.reset()
     counters.clear()

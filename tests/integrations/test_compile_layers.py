@@ -105,17 +105,36 @@ def test_traced_moe_blocks_train_like_eager():
     torch.manual_seed(seed)
     model = hf.tiny_random_model("olmoe", seed=seed % 1000, vocab_size=64, num_hidden_layers=2)
     hf.convert(model, group=None)
-    ids = torch.randint(64, (2, 9))
+    ids = torch.randint(64, (4, 64))  # 256 tokens x top-3: past decode size, so traced
     model(input_ids=ids, labels=ids).loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
     hf.compile_layers(model, trace_moe=True, backend="aot_eager")
     model(input_ids=ids, labels=ids).loss.backward()
+    assert all(getattr(b, "occult_traced", False) for _, b in hf.moe_blocks(model))
     assert not any(getattr(b, "occult_eager", False) for _, b in hf.moe_blocks(model))
     for name, grad in ref.items():
         got = dict(model.named_parameters())[name].grad
         assert got is not None and torch.allclose(got, grad, rtol=1e-4, atol=1e-6), (name, seed)
+
+
+def test_decode_sized_calls_keep_the_eager_block(monkeypatch):
+    """A traced block runs its eager forward (a graph break, as measured for captured decode) for decode-sized
+    calls, whose (token, expert) pairs fit the small-batch kernels, and is traced past that."""
+    from occult.integrations.hf import compiled
+    from occult.kernels.small_batch import MAX_PAIRS
+
+    assert compiled.decode_sized(MAX_PAIRS // 4, 4) and not compiled.decode_sized(MAX_PAIRS // 4 + 1, 4)
+    model = hf.tiny_random_model("olmoe", seed=5, vocab_size=64, num_hidden_layers=1)
+    hf.convert(model, group=None)
+    (_, block), top_k = hf.moe_blocks(model)[0], model.config.num_experts_per_tok
+    calls = []
+    monkeypatch.setattr(torch.compiler, "disable", lambda f: lambda h: (calls.append(h.shape[1]), f(h))[1])
+    block.forward = compiled.traced_forward(block)
+    for seq in (MAX_PAIRS // top_k, MAX_PAIRS // top_k + 1):
+        block(torch.randn(1, seq, model.config.hidden_size))
+    assert calls == [MAX_PAIRS // top_k]  # the eager path for the decode-sized call only
 
 
 def test_trace_moe_refuses_a_model_compiled_with_eager_blocks():

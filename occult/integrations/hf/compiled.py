@@ -3,8 +3,9 @@
 A decoder layer's dense part (RMSNorms, q/k norms, rotary embedding, residual adds; tens of
 small memory-bound kernels) costs more GPU time than its attention matmuls at OLMoE's shape and
 dominates a decode step's launches. Inductor fuses it. Where every MoE layer is one-rank (one
-GPU, data-parallel replicas) and on a GPU, the MoE block is traced with its layer: one graph per decoder layer,
-router and routing fused with the dense part, no eager host work between its halves. An
+GPU, data-parallel replicas) and on a GPU, the MoE block is traced with its layer for training- and
+prefill-sized calls: one graph per decoder layer, router and routing fused with the dense part, no eager
+host work between its halves (decode-sized calls keep the eager block, as measured for captured decode). An
 expert-parallel MoE block stays eager (its forward is excluded from tracing: it exchanges with other
 ranks), so each decoder layer compiles to the graph before the MoE block and the one after it.
 (A whole converted model can also be given to `torch.compile` directly, MoE blocks traced:
@@ -65,7 +66,8 @@ def compile_layers(
     their CUDA graphs (module docstring); `train_graphs`: their training calls too, forward and
     backward (opt-in). `trace_moe`: the MoE blocks traced into their decoder layer's graph (no graph
     break, no eager host work between the layer's halves; a traced layer still reports bad routing,
-    and its `last_comm_stats` book the backward's rows with the forward). Tracing holds one-rank MoE
+    and its `last_comm_stats` book the backward's rows with the forward) for training- and
+    prefill-sized calls; decode-sized ones (`decode_sized`) keep the eager block. Tracing holds one-rank MoE
     layers only; `None` (the default) traces them where every MoE layer of the model is one-rank with
     its experts on a GPU and none was compiled eager before, `True` refuses a model with
     expert-parallel layers, `False` keeps every MoE block eager between its layer's two graphs.
@@ -86,7 +88,12 @@ def compile_layers(
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * limit)
     for layer in layers:
         for block in layer.modules():
-            if isinstance(block, OccultMoeBlock) and not trace_moe and not getattr(block, "occult_eager", False):
+            if not isinstance(block, OccultMoeBlock) or getattr(block, "occult_traced", False):
+                continue
+            if trace_moe:
+                block.forward = traced_forward(block)
+                block.occult_traced = True
+            elif not getattr(block, "occult_eager", False):
                 block.forward = torch.compiler.disable(block.forward)  # this instance only: eager inside
                 block.occult_eager = True
         layer.compile(**compile_kwargs)
@@ -95,6 +102,28 @@ def compile_layers(
             if isinstance(moe, OccultMoE) and moe.num_ranks > 1 and not moe.waits_for_gpu:
                 moe.execution = replace(moe.execution, graphs=True, train_graphs=train_graphs)
     return len(layers)
+
+
+def decode_sized(num_tokens: int, top_k: int) -> bool:
+    """Whether a call of `num_tokens` tokens is decode-sized: its (token, expert) pairs few enough for the
+    small-batch kernels (`occult.kernels.small_batch.MAX_PAIRS`)."""
+    from occult.kernels.small_batch import MAX_PAIRS
+
+    return num_tokens * top_k <= MAX_PAIRS
+
+
+def traced_forward(block: OccultMoeBlock) -> Any:
+    """`block.forward` traced with its layer for training- and prefill-sized calls; a decode-sized call keeps the
+    eager block between the layer's two graphs, as measured for captured decode steps (tracing those is not).
+    The choice is made when a shape is traced (a Python branch on the token count): one graph per shape."""
+    traced, eager = block.forward, torch.compiler.disable(block.forward)
+    top_k = block.experts.top_k
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.numel() // hidden_states.shape[-1]
+        return eager(hidden_states) if decode_sized(tokens, top_k) else traced(hidden_states)
+
+    return forward
 
 
 def traceable(model: nn.Module) -> bool:
