@@ -137,11 +137,12 @@ def _worker(
         payload = ("ok", out)
     except BaseException as exc:  # report every failure to the parent, then exit
         payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    try:
-        pickle.dumps(payload)
+    try:  # by value, with plain pickle: torch's own pickler would share a tensor's memory through a file
+        data = pickle.dumps(payload)  # descriptor served by this process, which may be gone when the parent reads
     except Exception as exc:
         payload = ("error", f"rank {rank} returned an unpicklable result: {exc}")
-    results.send(payload)
+        data = pickle.dumps(payload)
+    results.send_bytes(data)
     results.close()
     try:
         finish_distributed(ok=payload[0] == "ok")
@@ -185,7 +186,7 @@ def _collect(procs: list, readers: list, timeout_s: float) -> dict[int, tuple[st
         for conn in mp_connection.wait(waiting, timeout=0.2):
             rank = readers.index(conn)
             try:
-                outcome[rank] = conn.recv()
+                outcome[rank] = pickle.loads(conn.recv_bytes())
             except EOFError:  # the pipe closed without a report: the rank died
                 outcome[rank] = (
                     "error",

@@ -152,16 +152,7 @@ def generate(
     if B > 0 and S == 0:
         raise ValueError("prompts must hold at least one token")
     ids_PS, mask_PS = _pad_batch(ids_BS, mask_BS, B_max, pad)
-    on_host = uncapturable_layers(model)  # (the same on every rank: every rank's layers share the group)
-    use_graph = device.type == "cuda" and cuda_graph in (True, "auto") and not on_host
-    if cuda_graph is True and device.type != "cuda":
-        raise ValueError(f"cuda_graph=True needs a CUDA model, this one is on {device.type}")
-    if cuda_graph is True and on_host:
-        raise ValueError(
-            f"cuda_graph=True: {len(on_host)} MoE layer(s) exchange over a group whose collectives a CUDA graph "
-            f"cannot record (gloo runs them on the host), e.g. {on_host[0]}: use NCCL, or cuda_graph='auto' "
-            "to decode eagerly"
-        )
+    use_graph = _decode_captured(model, cuda_graph, device)
 
     if do_sample and seed is None:
         seed = _drawn_seed(generator)
@@ -256,6 +247,21 @@ def _pad_batch(ids_BS: torch.Tensor, mask_BS: torch.Tensor, B_max: int, pad: int
     mask_PS = torch.cat([mask_BS[:, :S_own], mask_BS.new_zeros((B_max - B, S_own))])
     mask_PS[B:, -1] = 1
     return ids_PS, mask_PS
+
+
+def _decode_captured(model: nn.Module, cuda_graph: bool | str, device: torch.device) -> bool:
+    """Whether the decode step is captured: `cuda_graph` True or "auto" on CUDA, MoE layers whose exchanges a
+    graph can record (not gloo's: "auto" decodes those eagerly, True refuses them, as it refuses a CPU model)."""
+    on_host = uncapturable_layers(model)  # (the same on every rank: every rank's layers share the group)
+    if cuda_graph is True and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs a CUDA model, this one is on {device.type}")
+    if cuda_graph is True and on_host:
+        raise ValueError(
+            f"cuda_graph=True: {len(on_host)} MoE layer(s) exchange over a group whose collectives a CUDA graph "
+            f"cannot record (gloo runs them on the host), e.g. {on_host[0]}: use NCCL, or cuda_graph='auto' "
+            "to decode eagerly"
+        )
+    return device.type == "cuda" and cuda_graph in (True, "auto") and not on_host
 
 
 def _capture(dec: StaticDecoder, cuda_graph: bool | str, group: Any, world: int, device: torch.device) -> None:
