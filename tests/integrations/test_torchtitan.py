@@ -183,26 +183,34 @@ def _close(a, b, what, errors, rtol=RTOL, atol=ATOL):
         errors.append(f"{what}: max abs diff {diff}")
 
 
-def _block_case(rank, world, seed, top_k, placement, tokens, dispatcher="dedup"):
-    """One comparison; returns (errors, rows sent by this rank, sum_t C_T of this rank's tokens, T)."""
-    import torch.distributed as dist
-
-    from occult.moe.pruning import devices_per_token
-
-    gen = torch.Generator().manual_seed(seed)
-    weights = (
+def _weights(gen):
+    """Router gate [E, H] and the three expert weights w1 [E, F, H], w2 [E, H, F], w3 [E, F, H], in model order."""
+    return (
         torch.randn(E, H, generator=gen),
         torch.randn(E, F, H, generator=gen) * 0.3,
         torch.randn(E, H, F, generator=gen) * 0.3,
         torch.randn(E, F, H, generator=gen) * 0.3,
     )
+
+
+def _block_case(rank, world, seed, top_k, placement, tokens, dispatcher="dedup", fused=False):
+    """One comparison; returns (errors, rows sent by this rank, sum_t C_T of this rank's tokens, T). `fused`:
+    occult's fused experts (`OccultGroupedExperts`) against TorchTitan's all-to-all with its experts in fp32."""
+    import torch.distributed as dist
+
+    from occult.integrations.torchtitan import OccultGroupedExperts
+    from occult.moe.pruning import devices_per_token
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = _weights(gen)
     per_rank = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
     g_per_rank = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
     x, g = per_rank[rank], g_per_rank[rank]
-    ref = _run_block(_build_block(world, top_k, weights), x, g)
-    moe = _build_block(world, top_k, weights, placement=placement, dispatcher=dispatcher)
+    reference = _build_block(world, top_k, weights)
+    ref = _run_block(_fp32_experts(reference) if fused else reference, x, g)
+    moe = _build_block(world, top_k, weights, placement=placement, dispatcher=dispatcher, fused=fused)
     got = _run_block(moe, x, g)
-    errors = []
+    errors = [] if isinstance(moe.routed_experts.inner_experts, OccultGroupedExperts) == fused else ["experts"]
     for i, what in enumerate(("output", "input grad", "router grad")):
         _close(got[i], ref[i], what, errors)
     for name, gr, rr in zip(("w1", "w2", "w3"), got[3], ref[3]):
@@ -220,41 +228,6 @@ def _block_case(rank, world, seed, top_k, placement, tokens, dispatcher="dedup")
     return errors, sent.tolist()
 
 
-def _fused_case(rank, world, seed, top_k, placement, tokens):
-    """occult's dispatcher with its fused experts (`OccultGroupedExperts`) against TorchTitan's all-to-all with its
-    grouped experts in fp32: outputs and every gradient; returns (errors, [dispatch rows, combine rows, sum_t C_T])."""
-    import torch.distributed as dist
-
-    from occult.integrations.torchtitan import OccultGroupedExperts
-    from occult.moe.pruning import devices_per_token
-
-    gen = torch.Generator().manual_seed(seed)
-    weights = (
-        torch.randn(E, H, generator=gen),
-        torch.randn(E, F, H, generator=gen) * 0.3,
-        torch.randn(E, H, F, generator=gen) * 0.3,
-        torch.randn(E, F, H, generator=gen) * 0.3,
-    )
-    xs = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
-    gs = [torch.randn(tokens[r], H, generator=gen) for r in range(world)]
-    ref = _run_block(_fp32_experts(_build_block(world, top_k, weights)), xs[rank], gs[rank])
-    moe = _build_block(world, top_k, weights, placement=placement, dispatcher="dedup", fused=True)
-    errors = [] if isinstance(moe.routed_experts.inner_experts, OccultGroupedExperts) else ["not occult's experts"]
-    got = _run_block(moe, xs[rank], gs[rank])
-    for i, what in enumerate(("output", "input grad", "router grad")):
-        _close(got[i], ref[i], what, errors)
-    for name, gr, rr in zip(("w1", "w2", "w3"), got[3], ref[3]):
-        full = _gather(gr)
-        _close(placement.invert(full) if placement is not None else full, _gather(rr), f"{name} grad", errors)
-    placed = placement if placement is not None else Placement.contiguous(E, world)
-    stats = moe.routed_experts.token_dispatcher.last_comm_stats
-    sent = torch.tensor(
-        [stats.dispatch_rows, stats.combine_rows, int(devices_per_token(got[4], placed.tensors(0)[0]).sum())]
-    )
-    dist.all_reduce(sent)
-    return errors, sent.tolist()
-
-
 def _fused_blocks(rank, world, seed):
     cases = {
         "fused contiguous top2": (2, None, [5 + r for r in range(world)]),
@@ -262,7 +235,9 @@ def _fused_blocks(rank, world, seed):
         "fused empty rank": (2, _random_placement(world, seed + 1), [0] + [7] * (world - 1)),
         "fused top-k = all": (E, None, [4] * world),
     }
-    return {name: _fused_case(rank, world, seed + 10 + i, *case) for i, (name, case) in enumerate(cases.items())}
+    return {
+        name: _block_case(rank, world, seed + 10 + i, *case, fused=True) for i, (name, case) in enumerate(cases.items())
+    }
 
 
 def _random_placement(world: int, seed: int) -> Placement:
@@ -459,12 +434,7 @@ def _spmd_types_block(rank, world, seed):
     from torchtitan.distributed import utils as tt_dist
 
     gen = torch.Generator().manual_seed(seed)
-    weights = (
-        torch.randn(E, H, generator=gen),
-        torch.randn(E, F, H, generator=gen) * 0.3,
-        torch.randn(E, H, F, generator=gen) * 0.3,
-        torch.randn(E, F, H, generator=gen) * 0.3,
-    )
+    weights = _weights(gen)
     x = torch.randn(5 + rank, H, generator=torch.Generator().manual_seed(seed + rank))
     ref = _run_block(_build_block(world, 3, weights), x, torch.ones_like(x))
     tt_dist.set_spmd_backend("spmd_types")
@@ -491,12 +461,7 @@ def _spmd_types_block(rank, world, seed):
 def _limit_without_router(rank, world, seed):
     """max_devices on the dispatcher behind TorchTitan's own (unlimited) router: an error on every rank."""
     gen = torch.Generator().manual_seed(seed)
-    weights = (
-        torch.randn(E, H, generator=gen),
-        torch.randn(E, F, H, generator=gen),
-        torch.randn(E, H, F, generator=gen),
-        torch.randn(E, F, H, generator=gen),
-    )
+    weights = _weights(gen)  # (any weights: the error comes first)
     moe = _build_block(world, E, weights, dispatcher="dedup", max_devices=1, occult_router=False)
     try:
         _run_block(moe, torch.randn(3, H), torch.ones(3, H))
@@ -512,12 +477,7 @@ def _pruned_block(rank, world, seed):
     from occult.integrations.torchtitan import OccultRouter
 
     gen = torch.Generator().manual_seed(seed)
-    weights = (
-        torch.randn(E, H, generator=gen),
-        torch.randn(E, F, H, generator=gen) * 0.3,
-        torch.randn(E, H, F, generator=gen) * 0.3,
-        torch.randn(E, F, H, generator=gen) * 0.3,
-    )
+    weights = _weights(gen)
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(seed + rank))
     placement = _random_placement(world, seed)
     cfg = _moe_config(3)
@@ -553,7 +513,7 @@ def test_block_and_training_step_on_2_ranks(tmp_path):
     errors, (rows, back, _, _) = blocks.pop("spmd_types")
     assert not errors and 0 < rows == back, (errors, rows, back)
     for name in [n for n in blocks if n.startswith("fused")]:  # occult's fused experts: the same rows sent
-        errors, (rows, back, sum_c) = blocks.pop(name)
+        errors, (rows, back, sum_c, _) = blocks.pop(name)
         assert not errors and rows == back == sum_c, (name, errors, rows, back, sum_c)
     _check_blocks(blocks, 2)
     assert all(used) and len(used) == 4 and len(lines) == 1, (used, lines)
@@ -689,12 +649,7 @@ def test_one_rank_without_expert_parallelism_uses_the_placed_order():
 
     _cpu_torchtitan()
     gen = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
-    gate, w1, w2, w3 = (
-        torch.randn(E, H, generator=gen),
-        torch.randn(E, F, H, generator=gen) * 0.3,
-        torch.randn(E, H, F, generator=gen) * 0.3,
-        torch.randn(E, F, H, generator=gen) * 0.3,
-    )
+    gate, w1, w2, w3 = _weights(gen)
     placement, outs = _random_placement(4, 5), []
     for occult in (False, True):
         cfg = _moe_config(3)
@@ -722,12 +677,7 @@ def test_one_rank_fused_experts_equal_torchtitan_in_fp32():
     _cpu_torchtitan()
     seed = int(torch.randint(0, 10_000, ()))
     gen = torch.Generator().manual_seed(seed)
-    weights = (
-        torch.randn(E, H, generator=gen),
-        torch.randn(E, F, H, generator=gen) * 0.3,
-        torch.randn(E, H, F, generator=gen) * 0.3,
-        torch.randn(E, F, H, generator=gen) * 0.3,
-    )
+    weights = _weights(gen)
     placement = _random_placement(4, seed)
     x, g = torch.randn(13, H, generator=gen), torch.randn(13, H, generator=gen)
     want = _run_block(_fp32_experts(_build_block(None, 3, weights)), x, g)
