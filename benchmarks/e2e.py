@@ -20,11 +20,11 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   dedup+placement  dedup over a greedy placement solved from the model's own routing
                    (hf.profile on a calibration batch of random ids per rank)
   prunedN          dedup + placement with max_devices=N (approximate: its check is report-only)
-  <variant>/compile  any variant, native too, with its decoder layers torch.compiled around the MoE
-                   blocks (occult.integrations.hf.compile_layers: inductor fuses the norms, rotary and
-                   residual adds; MoE blocks stay eager, replayed from their own CUDA graphs where they are
-                   expert parallel with no host wait); each phase's compile time is reported apart
-                   (its first step less a steady one), e.g. native/compile,replicated/compile
+  <variant>/compile  any variant, native too, with its decoder layers torch.compiled
+                   (occult.integrations.hf.compile_layers: inductor fuses the norms, rotary and residual
+                   adds; one-rank MoE blocks traced in, expert-parallel ones eager between the layer's graphs,
+                   replayed from their own CUDA graphs where they have no host wait); each phase's compile
+                   time is reported apart (its first step less a steady one), e.g. native/compile,replicated/compile
   <variant>@device   an expert-parallel variant over the device transport (ExecConfig(transport="device"):
                    row counts stay on the GPU, rows stored into the peers' memory, no host wait; GPUs of one host
                    only, skipped elsewhere with the reason), e.g. dedup@device, dedup@device/compile

@@ -10,7 +10,7 @@ SwiGLU that the occult expert kernels do not compute.
     trace = profile(model, batches)                          # routing trace of every MoE layer
     placement = place(trace, num_devices).placement          # occult.placement.solvers / `occult place`
     convert(model, placement=placement)                      # on every rank of the EP group
-    compile_layers(model)                                    # optional: torch.compile the dense parts (once per shape)
+    compile_layers(model)                                    # optional: torch.compile the layers (once per shape)
     out = generate(model, ids, max_new_tokens=64)            # static KV cache, graph-captured decode
     graphed = GraphedForward(model, batch, seq); graphed(ids) # a whole forward in one CUDA graph (no host wait)
     out = model.generate(ids, synced_gpus=True)              # or transformers' own: all ranks step together
@@ -32,7 +32,8 @@ GPUs) keeps ranks in step by itself; with transformers' own `model.generate` pas
 
 One module per job: `families` (supported model types, version and structure checks),
 `routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
-`sync_gradients`), `profile`, `compiled` (`compile_layers`: torch.compile around the MoE blocks), `convert` (`convert`,
+`sync_gradients`), `profile`, `compiled` (`compile_layers`: torch.compile of the decoder layers, one-rank MoE
+blocks traced in), `convert` (`convert`,
 `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `graphed` (`GraphedForward`), `calibration` (token
 ids for profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads only its experts),
 `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing loss over the global batch), `checkpoint`
