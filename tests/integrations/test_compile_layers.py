@@ -97,15 +97,17 @@ def test_expert_parallel_layers_without_a_host_wait_get_layer_graphs(layer_graph
     assert [layer.execution.graphs for layer in layers] == [layer_graphs, False, False]
 
 
-def test_traced_moe_blocks_train_like_eager():
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+def test_traced_moe_blocks_train_like_eager(family):
     """`trace_moe=True`: one-rank MoE blocks traced with their decoder layer, the same gradients as the eager
-    model. (On CPU the reference expert loop breaks the graph at its data-dependent splits; on a GPU the
-    Triton path traces whole: tests/gpu/test_traced_moe_one_gpu.py.)"""
+    model, shared experts too (DeepSeek-V3: queued as the routed experts' `while_waiting`). (On CPU the reference
+    expert loop breaks the graph at its data-dependent splits; on a GPU the Triton path traces whole:
+    tests/gpu/test_traced_moe_one_gpu.py.)"""
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
-    model = hf.tiny_random_model("olmoe", seed=seed % 1000, vocab_size=64, num_hidden_layers=2)
+    model = hf.tiny_random_model(family, seed=seed % 1000, vocab_size=64, num_hidden_layers=2)
     hf.convert(model, group=None)
-    ids = torch.randint(64, (4, 64))  # 256 tokens x top-3: past decode size, so traced
+    ids = torch.randint(64, (4, 128))  # 512 tokens x top-2 or more: past decode size, so traced
     model(input_ids=ids, labels=ids).loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
