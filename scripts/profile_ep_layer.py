@@ -114,7 +114,39 @@ def train_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
         torch.cuda.synchronize()
     kernels = [(e.time_range.start, e.time_range.end) for e in device_work(prof.events())]
     row["gpu_busy_ms"] = union_us(kernels) / 1e3 / iters
+    row["host_functions"] = host_functions(layer, x, grad_y, iters)
     return row
+
+
+def host_functions(layer: OccultMoE, x: torch.Tensor, grad_y: torch.Tensor, iters: int) -> dict:
+    """Where a training call's host time goes, forward and backward apart: the Python functions with the
+    most own time per call (cProfile, each call issued on an idle GPU), as [name, us per call, calls per call]."""
+    import cProfile
+    import pstats
+
+    found = {}
+    for phase in ("forward", "backward"):
+        profiler = cProfile.Profile()
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            if phase == "forward":
+                profiler.enable()
+                y = layer(x)
+                profiler.disable()
+            else:
+                y = layer(x)
+                torch.cuda.synchronize()
+                profiler.enable()
+                y.backward(grad_y)
+                profiler.disable()
+        stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, _)
+        top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:25]
+        found[phase] = [
+            [f"{key[2]} ({key[0].rsplit('/', 2)[-1]}:{key[1]})", round(v[2] / iters * 1e6, 1), round(v[0] / iters, 2)]
+            for key, v in top
+        ]
+    torch.cuda.synchronize()
+    return found
 
 
 def main() -> None:
@@ -168,6 +200,9 @@ def main() -> None:
                             f"gpu busy {row['gpu_busy_ms']:.2f} ms  graphs {row['graphs_held']}",
                             flush=True,
                         )
+                        for phase, top in row["host_functions"].items():
+                            for name, us, calls in top[:12]:
+                                print(f"      {phase:<8} {us:8.1f} us  x{calls:<5} {name}", flush=True)
                     continue
                 row = {"transport": choice, "tokens": tokens, **profile_row(layer, x, args.iters)}
                 rows.append(row)
