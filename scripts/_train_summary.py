@@ -4,6 +4,8 @@
     run RUN_DIR OUT.json --link L --variant V --gpus G   one `occult train` run: tokens/s, MFU, per-step losses
     link OUT LINK                     the runs of one link -> OUT/train_{LINK}_2xGPU.json with the issue's ratios
     replace OFF_DIR EVERY_DIR OUT.json   re-placement: migrations, E[C_T] and tokens/s before/after, losses vs off
+    graphs EAGER GRAPHS [EAGER_PROFILE GRAPHS_PROFILE] OUT.json   `--layer-graphs` against the eager layers (one GPU):
+                                      tokens/s, MFU, losses step by step, host ms per MoE call (--profile-steps runs)
 
 MFU = model FLOPs per token x tokens/s per GPU / measured matmul peak. Model FLOPs per token of a
 training step: 3 x the forward, whose matmuls are 2 x (attention projections + router + top-k experts'
@@ -218,6 +220,27 @@ def replace_report(off: Path, every: Path) -> dict[str, Any]:
     return report
 
 
+def graphs_report(paths: list[Path]) -> dict[str, Any]:
+    """`occult train --layer-graphs` against the same run with eager layers (same job, one GPU): both runs'
+    summaries, the tokens/s ratio, the largest relative loss difference over the steps, and each profile
+    run's host time per MoE layer call (`step_profile_rank0.json`: `moe_host_ms_per_call`, GPU busy)."""
+    peak = measure_peak() if torch.cuda.is_available() else None
+    runs = {name: summarise_run(p, "none", name, 1, peak) for name, p in zip(("eager", "graphs"), paths[:2])}
+    report: dict[str, Any] = {
+        "env": runs["graphs"]["env"],
+        "peak": peak,
+        "variants": runs,
+        "graphs_over_eager_tokens_per_s": ratio(runs, "graphs", "eager", "tokens_per_s"),
+        "loss_max_rel_diff": loss_agreement(runs, "eager")["graphs"],
+        "val_loss_rel_diff": abs(runs["graphs"]["val_loss"] - runs["eager"]["val_loss"]) / runs["eager"]["val_loss"],
+    }
+    for name, p in zip(("eager", "graphs"), paths[2:4]):
+        prof = json.loads((p / "step_profile_rank0.json").read_text())
+        keys = ("moe_host_ms_per_call", "wall_ms_per_step", "gpu_busy_ms_per_step", "gpu_busy_share")
+        report[f"profile_{name}"] = {k: prof.get(k) for k in (*keys, "idle_ms_per_step", "device_ops_per_step")}
+    return report
+
+
 def write(path: str | Path, doc: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
@@ -226,7 +249,7 @@ def write(path: str | Path, doc: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job", choices=["peak", "run", "link", "replace"])
+    p.add_argument("job", choices=["peak", "run", "link", "replace", "graphs"])
     p.add_argument("paths", nargs="+")
     p.add_argument("--link", default="nvlink")
     p.add_argument("--variant", default="")
@@ -242,6 +265,8 @@ def main() -> None:
     elif a.job == "link":
         out = Path(a.paths[0])
         write(out / f"train_{a.paths[1]}_2xGPU.json", link_report(out, a.paths[1]))
+    elif a.job == "graphs":
+        write(a.paths[-1], graphs_report([Path(p) for p in a.paths[:-1]]))
     else:
         write(a.paths[2], replace_report(Path(a.paths[0]), Path(a.paths[1])))
 

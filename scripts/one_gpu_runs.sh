@@ -2,7 +2,7 @@
 # What one GPU can measure for the open issues (multi_gpu_runs.sh has the rest), one part per
 # device call, repo root:
 #
-#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train | native | native_decode | quality
+#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train | layer_graphs | native | native_decode | quality
 #   DRY_RUN=1 bash scripts/one_gpu_runs.sh all /tmp/x   # print the commands
 #
 # kernels  the expert kernels at four real shapes (benchmarks/bench_kernels.py), fp32 check, and a
@@ -15,6 +15,9 @@
 # train    occult train tokens/s on one GPU (OccultLM, 4 layers, 64 experts top-8): the 1-GPU row of
 #          the training throughput table (carry .gpudata: `python -m occult data prepare --out
 #          .gpudata --vocab-size 8000` on a machine with network)                               issue 15
+# layer_graphs  occult train --layer-graphs against the eager layers, same model as train, 50 steps each
+#          (tokens/s of steps 26-50, losses step by step), then 15 steps each with --profile-steps 11:15 (host
+#          time per MoE layer call) -> OUT/train_layer_graphs_1gpu.json (carry .gpudata)                  issue 52
 # native   whole Qwen3-MoE and DeepSeek-V3-shape models against plain transformers, eager and with
 #          hf.compile_layers on both, prefill and training step (benchmarks/e2e.py)         issue 26
 # native_decode  the same shapes, hf.generate (graph; compile_layers + graph) against transformers'
@@ -40,8 +43,8 @@ set -uo pipefail
 part=${1:?usage: one_gpu_runs.sh PART OUT}
 out=${2:?usage: one_gpu_runs.sh PART OUT}
 case $part in
-  kernels|suite|peer|train|native|native_decode|quality|all) ;;
-  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, native, native_decode, quality, all)" >&2; exit 2 ;;
+  kernels|suite|peer|train|layer_graphs|native|native_decode|quality|all) ;;
+  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, layer_graphs, native, native_decode, quality, all)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -104,5 +107,19 @@ case $part in
       --save-every 0 --no-progress --out /tmp/occult_train_1gpu
     [ "${DRY_RUN:-0}" = 1 ] || python3 -c "import json,sys; m=[json.loads(l) for l in open(sys.argv[1])][-1]; \
 json.dump(dict(m, link='none', variant='floor', gpus=1), open(sys.argv[2], 'w'))" \
-      /tmp/occult_train_1gpu/metrics.jsonl "$out/train_1gpu.json" ;;
+      /tmp/occult_train_1gpu/metrics.jsonl "$out/train_1gpu.json" ;;&
+  layer_graphs|all)
+    data=$(train_corpus) || exit 2
+    lm="--corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024 \
+      --batch-size 8 --save-every 0 --no-progress"
+    for mode in eager graphs; do
+      flag=""; [ $mode = graphs ] && flag=--layer-graphs
+      rm -rf "/tmp/occult_lg_$mode" "/tmp/occult_lgp_$mode"
+      run "train_$mode" 200 python3 -m occult train $lm --steps 50 --eval-every 25 --eval-tokens 16384 $flag \
+        --out "/tmp/occult_lg_$mode"
+      run "profile_$mode" 150 python3 -m occult train $lm --steps 15 --eval-every 0 --profile-steps 11:15 $flag \
+        --out "/tmp/occult_lgp_$mode"
+    done
+    [ "${DRY_RUN:-0}" = 1 ] || python3 scripts/_train_summary.py graphs /tmp/occult_lg_eager /tmp/occult_lg_graphs \
+      /tmp/occult_lgp_eager /tmp/occult_lgp_graphs "$out/train_layer_graphs_1gpu.json" ;;
 esac

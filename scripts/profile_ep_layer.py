@@ -124,21 +124,19 @@ def host_functions(layer: OccultMoE, x: torch.Tensor, grad_y: torch.Tensor, iter
     import cProfile
     import pstats
 
+    profilers = {"forward": cProfile.Profile(), "backward": cProfile.Profile()}
+    for _ in range(iters):  # each call a replay where graphs are on (the previous output's backward done)
+        torch.cuda.synchronize()
+        profilers["forward"].enable()
+        y = layer(x)
+        profilers["forward"].disable()
+        torch.cuda.synchronize()
+        profilers["backward"].enable()
+        y.backward(grad_y)
+        profilers["backward"].disable()
+        del y
     found = {}
-    for phase in ("forward", "backward"):
-        profiler = cProfile.Profile()
-        for _ in range(iters):
-            torch.cuda.synchronize()
-            if phase == "forward":
-                profiler.enable()
-                y = layer(x)
-                profiler.disable()
-            else:
-                y = layer(x)
-                torch.cuda.synchronize()
-                profiler.enable()
-                y.backward(grad_y)
-                profiler.disable()
+    for phase, profiler in profilers.items():
         stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, _)
         top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:25]
         found[phase] = [

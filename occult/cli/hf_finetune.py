@@ -46,6 +46,7 @@ OCCULT_CHECKPOINT_ONLY: dict[str, str] = {
     "--grad-sync": "DDP averages the routers and the experts are all-reduced over the replicas",
     **{f"--replace-{name}": _FIXED for name in ("every", "min-gain", "drift", "check-every", "samples", "method")},
     "--replace-wait": _FIXED,
+    "--layer-graphs": "the MoE layers run eagerly (the aux loss reads the model's gates through hooks)",
 }
 HF_ONLY = ("--save-dtype",)  # and --data, which `occult.cli.lm` refuses with its own message
 

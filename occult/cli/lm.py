@@ -60,6 +60,7 @@ from occult.cli.run_checks import (
     allocation_named,
     check_batch,
     check_device,
+    check_layer_graphs,
     check_train_sizes,
     run_dir,
     writing_named,
@@ -74,6 +75,7 @@ def _check_run_paths(args) -> None:
     check_input("--corpus-dir", args.corpus_dir, "dir")
     check_input("--tokenizer", args.tokenizer)
     check_input("--ep-placement", args.ep_placement)
+    check_layer_graphs(args)
 
 
 def _train_config(args):
@@ -105,6 +107,7 @@ def _train_config(args):
         "replace_wait",
         "grad_sync",
         "profile_steps",
+        "layer_graphs",
         "distill_weight",
         "distill_temperature",
         "distill_from",

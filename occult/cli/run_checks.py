@@ -86,6 +86,29 @@ def world_size() -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")))
 
 
+def check_layer_graphs(args: Any) -> None:
+    """--layer-graphs records CUDA graphs: a CUDA device, and on several ranks neither FSDP2 (it frees the
+    dense weights a recording reads) nor the count exchange (a host wait a graph cannot record)."""
+    if not getattr(args, "layer_graphs", False):
+        return
+    device = resolved_device(args.device)
+    if not device.startswith("cuda"):
+        raise CommandError(f"--layer-graphs records CUDA graphs: it needs a CUDA device, not --device {device}")
+    if world_size() == 1:
+        return
+    if args.grad_sync == "fsdp":
+        raise CommandError(
+            "--layer-graphs with --grad-sync fsdp: FSDP2 frees and gathers again the dense weights (the routers' "
+            "among them) around every block, so a recorded call would read memory they no longer hold; use "
+            "--grad-sync ddp or explicit"
+        )
+    if args.transport == "counts" and args.ep_size != 1:
+        raise CommandError(
+            "--layer-graphs with --transport counts: the count exchange reads row counts on the host, which a "
+            "CUDA graph cannot record; use --transport device (or auto)"
+        )
+
+
 def check_train_sizes(args: Any, vocab_size: int) -> None:
     """Refuse a model (its weights, gradients and AdamW state) or a batch (its logits and activations)
     that cannot be allocated, naming the flags to lower. Both sums are lower bounds."""

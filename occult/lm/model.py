@@ -107,44 +107,41 @@ class MoEBlock(nn.Module):
         self.observers: list[RoutingObserver] = []
         self.want_aux = True
         self.aux_group: Any = None  # set: the training aux loss is over every rank's tokens
-        self._logits: torch.Tensor | None = None
-        self._routed: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.moe.router.gate.register_forward_hook(self._keep_logits)
-        self.moe.router.register_forward_hook(self._keep_routing)
 
     @property
     def router(self) -> nn.Module:
         return self.moe.router
 
-    def _keep_logits(self, module, inputs, output) -> None:
-        self._logits = output
-
-    def _keep_routing(self, module, inputs, output) -> None:
-        self._routed = output
+    def routing_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's routing of `x` made again beside it: (gate logits_TE, weights_TK, ids_TK), the same
+        tensors the layer's router makes. The aux loss and the observers need them, and the layer's call may
+        be a replay of its CUDA graphs (`--layer-graphs`), which runs no Python a hook could read them in.
+        (One more gate product a call: T x H x E, small beside the experts.)"""
+        logits_TE = self.moe.router.gate(x.reshape(-1, x.shape[-1]))
+        weights_TK, ids_TK = self.moe.router.route_logits(logits_TE)
+        return logits_TE, weights_TK, ids_TK
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._logits, self._routed = None, None
         y = self.moe(x)
-        logits, routed = self._logits, self._routed
-        self._logits, self._routed = None, None
         aux = y.new_zeros((), dtype=torch.float32)
-        if logits is not None and routed is not None:
-            weights_TK, ids_TK = routed
-            for fn in self.observers:
-                fn(self.layer_index, logits.detach(), weights_TK.detach(), ids_TK.detach())
-            if self.want_aux and self.aux_group is not None and self.training:
-                aux = global_aux_loss(logits, ids_TK, self.aux_group)
-            elif self.want_aux and ids_TK.numel():
-                E = logits.shape[-1]
-                probs_TE = torch.softmax(logits.float(), dim=-1)
-                flat = ids_TK.reshape(-1)
-                share_E = (
-                    torch.zeros(E, dtype=torch.float32, device=flat.device).scatter_add_(
-                        0, flat, torch.ones_like(flat, dtype=torch.float32)
-                    )
-                    / flat.numel()
-                )  # no host sync
-                aux = E * (share_E * probs_TE.mean(0)).sum()
+        if not (self.observers or self.want_aux):
+            return y, aux
+        logits, weights_TK, ids_TK = self.routing_of(x)
+        for fn in self.observers:
+            fn(self.layer_index, logits.detach(), weights_TK.detach(), ids_TK.detach())
+        if self.want_aux and self.aux_group is not None and self.training:
+            aux = global_aux_loss(logits, ids_TK, self.aux_group)
+        elif self.want_aux and ids_TK.numel():
+            E = logits.shape[-1]
+            probs_TE = torch.softmax(logits.float(), dim=-1)
+            flat = ids_TK.reshape(-1)
+            share_E = (
+                torch.zeros(E, dtype=torch.float32, device=flat.device).scatter_add_(
+                    0, flat, torch.ones_like(flat, dtype=torch.float32)
+                )
+                / flat.numel()
+            )  # no host sync
+            aux = E * (share_E * probs_TE.mean(0)).sum()
         return y, aux
 
 

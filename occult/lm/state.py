@@ -73,6 +73,7 @@ class TrainConfig:
     replace_method: str = "auto"  # placement solver: auto (hypergraph if Mt-KaHyPar is installed, else greedy), ...
     replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
     profile_steps: str | None = None  # "A:B": profile steps A..B (occult.training.step_profile); None = off
+    layer_graphs: bool = False  # MoE layer calls replayed from CUDA graphs, training ones too (occult.moe.graphs)
     # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
     grad_sync: str = "ddp"
     # pruning-aware fine-tuning recipes (occult.lm.distill)
@@ -94,6 +95,7 @@ class TrainConfig:
         "min_delta",
         "grad_sync",
         "profile_steps",
+        "layer_graphs",
     )
 
     def __post_init__(self) -> None:

@@ -10,13 +10,14 @@ Under autograd a call is recorded forward and backward (`occult.moe.train_graphs
 recording with a memory pool of its own.
 
 A graph serves one signature (`GraphCache.run`'s key: this rank's token count, the token count
-the ranks agreed on, dtype, autocast and inference mode, the transport's buffer generation, and
-which router and tensors the layer holds: replacing a parameter or the router means a new graph;
-updating one in place does not). The first `EAGER_CALLS` calls of a signature run eagerly (kernels
-compile, buffers grow), the next one captures and replays. Every rank agrees with the others once
-per call on the host whatever it runs (`occult.moe.layer`), so ranks that replay and ranks that run
-eagerly stay in step: a capture records the transport's kernels without running them, and its
-first replay meets the peers' eager call.
+the ranks agreed on, dtype, autocast and inference mode, the transport's buffer generation, which
+router and tensors the layer holds and the router's plain settings: replacing a parameter or the
+router, or switching its device limit, means a new graph; updating a tensor in place does not). The
+first `EAGER_CALLS` calls of a signature run eagerly (kernels compile, buffers grow), the next one
+captures and replays. Every rank agrees with the others once per call on the host whatever it runs
+(`occult.moe.layer`), so ranks that replay and ranks that run eagerly stay in step: a capture
+records the transport's kernels without running them, and its first replay meets the peers' eager
+call.
 
 What a replay leaves behind is copied right after it, on the stream: the output, the routing
 statuses (queued, so bad routing is still raised on every rank by a later call or
@@ -186,10 +187,66 @@ class GraphCache:
         self._seen.clear()
 
 
+def call_key(
+    x_TH: torch.Tensor,
+    agreed: int | None,
+    trains: Hashable,
+    sync_free: bool,
+    router: torch.nn.Module,
+    modules: tuple[torch.nn.Module, ...],
+) -> tuple:
+    """The signature a recorded layer call serves: token counts (this rank's, the agreed one), whether and
+    what it trains (`trains`), dtype, autocast and inference mode, the schedule, which router, the router's
+    settings (its device limit switched in place, e.g. a distillation teacher's unlimited routing, needs a
+    graph of its own) and which tensors `modules` hold."""
+    device_type = x_TH.device.type
+    return (
+        x_TH.shape[0],
+        agreed,
+        trains,
+        x_TH.dtype,
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_inference_mode_enabled(),
+        sync_free,
+        id(router),
+        settings_key(router),
+        tensors_key(*modules),
+    )
+
+
+def submodules(*modules: torch.nn.Module) -> list[torch.nn.Module]:
+    """`modules` and every module inside them, each once (`Module.modules()` without its name strings: this
+    runs several times a replayed call)."""
+    found: dict[int, torch.nn.Module] = {}
+    todo = list(modules)
+    while todo:
+        m = todo.pop()
+        if id(m) not in found:
+            found[id(m)] = m
+            todo.extend(child for child in m._modules.values() if child is not None)
+    return list(found.values())
+
+
 def tensors_key(*modules: torch.nn.Module) -> tuple:
     """Which tensors modules hold (the addresses of their parameters and buffers): a graph recorded
     them, so a replaced one needs another graph."""
-    return tuple(t.data_ptr() for m in modules for t in (*m.parameters(), *m.buffers()))
+    return tuple(
+        t.data_ptr()
+        for m in submodules(*modules)
+        for t in (*m._parameters.values(), *m._buffers.values())
+        if t is not None
+    )
+
+
+def settings_key(*modules: torch.nn.Module) -> tuple:
+    """The plain settings modules hold (their int, float, str, bool and None attributes, e.g. a router's
+    `max_devices`): a graph recorded the code path they chose, so a setting changed in place needs another
+    graph."""
+    return tuple((name, value) for m in modules for name, value in vars(m).items() if type(value) in _PLAIN)
+
+
+_PLAIN = frozenset((int, float, str, bool, type(None)))
 
 
 def has_hooks(*modules: torch.nn.Module) -> bool:
@@ -199,4 +256,4 @@ def has_hooks(*modules: torch.nn.Module) -> bool:
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for module in modules for m in module.modules())
+    return any(m._forward_hooks or m._forward_pre_hooks for m in submodules(*modules))

@@ -5,11 +5,13 @@ Issue 52 asks for the host time of a layer call, forward and backward. The forwa
 the call. The backward is several autograd nodes (combine, experts, dispatch, router), so its range opens
 in a hook on the output's gradient and closes in one on the input's (both run on the autograd engine's
 thread, in order). The hooks are registered only while a profiler records, and only where the input
-takes a gradient, so a range never stays open; outside a profile the cost is one `record_function`.
+takes a gradient, so a range never stays open; outside a profile they cost nothing.
 `occult.training.step_profile` reads both ranges into its summary (`moe_host_ms_per_call`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -24,9 +26,10 @@ def recording() -> bool:
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
 
 
-def forward_range() -> torch.profiler.record_function:
-    """The forward's range (a context manager)."""
-    return torch.profiler.record_function(FORWARD)
+def forward_range() -> contextlib.AbstractContextManager:
+    """The forward's range (a context manager): a `record_function` while a profiler records, else nothing
+    (a replayed call's host time is a few tens of microseconds; the range alone cost several)."""
+    return torch.profiler.record_function(FORWARD) if recording() else contextlib.nullcontext()
 
 
 def time_backward(x: torch.Tensor, y: torch.Tensor) -> None:

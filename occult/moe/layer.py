@@ -27,7 +27,7 @@ from occult.moe.dense import DenseMoE, expert_parameters
 from occult.moe.device_exchange import agree_and_check, settle_step, step_bound
 from occult.moe.expert_map import ExpertMap
 from occult.moe.experts import LocalExperts
-from occult.moe.graphs import GraphCache, has_hooks, tensors_key
+from occult.moe.graphs import GraphCache, call_key, has_hooks
 from occult.moe.host_time import forward_range, time_backward
 from occult.moe.layer_input import bad_input_error, input_status
 from occult.moe.registry import make_dispatcher
@@ -204,7 +204,7 @@ class OccultMoE(nn.Module):
             return False
         if interleaving() or not self.dispatcher.capturable:  # (a gloo group's exchanges run on the host)
             return False
-        if self._differentiable(x) and not self.execution.train_graphs:
+        if not self.execution.train_graphs and self._differentiable(x):
             return False
         return not self.waits_for_gpu and not self._input_status(x) and not has_hooks(self, *self._router_gate())
 
@@ -218,23 +218,17 @@ class OccultMoE(nn.Module):
             pending.check_routing()  # the previous call's status, as the one-rank schedule reads it
         Schedule(while_waiting=while_waiting).run_while_waiting()
         training = self._training_call(x_TH, transport)
-        key = (
-            x_TH.shape[0],
-            agreed,
-            None if training is None else (x_TH.requires_grad, len(training.params)),
-            x.dtype,
-            torch.is_autocast_enabled(x.device.type),
-            torch.get_autocast_dtype(x.device.type),
-            torch.is_inference_mode_enabled(),
-            self.sync_free,
-            id(self.router),
-            tensors_key(self, *self._router_gate()),
-        )
+        key = self.graph_key(x_TH, agreed, training)
         y_TH, stats = self.graphs.run(
             key, generation, x_TH, lambda x_: self._eager(x_, None, agreed), lambda: self.last_comm_stats, training
         )
         self.last_comm_stats = stats
         return y_TH.reshape(x.shape)
+
+    def graph_key(self, x_TH: torch.Tensor, agreed: int | None, training: TrainingCall | None) -> tuple:
+        """The signature a recorded call of `x_TH` serves (`occult.moe.graphs.call_key`)."""
+        trains = None if training is None else (x_TH.requires_grad, len(training.params))
+        return call_key(x_TH, agreed, trains, self.sync_free, self.router, (self, *self._router_gate()))
 
     def _router_gate(self) -> tuple[nn.Module, ...]:
         """The router's gate where the router holds it without owning it (a transformers block's gate):
@@ -260,16 +254,17 @@ class OccultMoE(nn.Module):
         """A call under autograd with anything to differentiate: the parameters that train (the layer's
         and its router gate's) and the transport's buffer generation (what a recorded backward needs);
         None otherwise."""
-        if self._trained_by(x_TH) is None:
+        params = self._trained_by(x_TH)
+        if params is None:
             return None
         if transport is None:
-            return TrainingCall((self, *self._router_gate()), lambda: None)
+            return TrainingCall((self, *self._router_gate()), lambda: None, params)
 
         def generation() -> int:  # read before a recorded backward runs: the step's last call settled first
             settle_step(transport)
             return transport.generation
 
-        return TrainingCall((self, *self._router_gate()), generation)
+        return TrainingCall((self, *self._router_gate()), generation, params)
 
     def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(x as [T, H], the status of a wrong hidden size or dtype, 0 if neither: then no rows,
@@ -380,12 +375,13 @@ def uncapturable_layers(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if isinstance(m, OccultMoE) and not m.dispatcher.capturable]
 
 
-def set_graphs(module: nn.Module, enabled: bool = True) -> int:
+def set_graphs(module: nn.Module, enabled: bool = True, training: bool = False) -> int:
     """Switch every `OccultMoE` inside `module` to (or from) forwards replayed from CUDA graphs
-    (`ExecConfig.graphs`); returns how many. Switching off frees their graphs."""
+    (`ExecConfig.graphs`; `training`: calls under autograd too, `ExecConfig.train_graphs`); returns how
+    many. Switching off frees their graphs."""
     layers = [m for m in module.modules() if isinstance(m, OccultMoE)]
     for layer in layers:
-        layer.execution = replace(layer.execution, graphs=enabled)
+        layer.execution = replace(layer.execution, graphs=enabled, train_graphs=enabled and training)
         if not enabled:
             layer.graphs.release()
     return len(layers)

@@ -119,7 +119,11 @@ class TopKRouter(nn.Module):
         return c[2]
 
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_TE = self.gate(x_TH)
+        return self.route_logits(self.gate(x_TH))
+
+    def route_logits(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights_TK, ids_TK) of the gate's logits: the forward after the gate, for a caller that needs
+        the logits as well (a load-balancing loss) without a second gate product."""
         max_nodes = getattr(self, "max_nodes", None)
         if self.max_devices is None and max_nodes is None:
             return softmax_topk(logits_TE, self.top_k, self.norm_topk_prob)

@@ -49,10 +49,11 @@ class TrainingCall:
 
     modules: tuple[torch.nn.Module, ...]
     buffers: Callable[[], Any] = lambda: None
+    params: tuple[torch.nn.Parameter, ...] | None = None  # `trainable(*modules)` where not given
 
-    @property
-    def params(self) -> tuple[torch.nn.Parameter, ...]:
-        return trainable(*self.modules)
+    def __post_init__(self) -> None:
+        if self.params is None:
+            self.params = trainable(*self.modules)
 
 
 @dataclass

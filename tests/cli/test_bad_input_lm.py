@@ -138,6 +138,7 @@ def train_argv(prepared: Path, out: Path, *extra) -> list:
         (["--device", "mps"], ["--device mps", "cpu or cuda"]),
         (["--batch-size", "100000000"], ["--batch-size 100000000", "GiB", "lower --batch-size"]),
         (["--hidden", "1000000000", "--heads", "1"], ["--hidden 1000000000", "GiB", "make it smaller"]),
+        (["--device", "cpu", "--layer-graphs"], ["--layer-graphs", "CUDA device", "--device cpu"]),
     ],
 )
 def test_train_refuses_a_device_or_size_it_cannot_have(capsys, tmp_path, prepared, extra, needles):

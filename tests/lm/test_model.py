@@ -63,6 +63,36 @@ def test_forward_shapes_loss_and_aux():
     assert model.lm_head.weight is model.embed.weight
 
 
+def test_aux_loss_and_observers_see_the_layers_routing_without_hooks():
+    """The aux loss and the routing observers read the layer's routing made again beside it, not through hooks
+    (a replayed layer call runs none): the same ids as the layer's router, the aux loss of the dense formula,
+    its gradient into the gate; and no hook on the layer keeps it from replaying (`--layer-graphs`)."""
+    from occult.moe.graphs import has_hooks
+
+    model = tiny(seed=int(torch.randint(0, 2**31 - 1, ())))
+    block = model.blocks[0].moe
+    assert not has_hooks(block.moe, *block.moe._router_gate())
+    x = torch.randn(3, 24, CFG["hidden_size"], requires_grad=True)
+    seen = []
+    with model.observe_routing(lambda layer, logits, w, ids: seen.append((layer, logits, w, ids))):
+        y, aux = block(x)
+    router = block.moe.router
+    weights_ref, ids_ref = router(x.reshape(-1, CFG["hidden_size"]))
+    [(layer, logits, weights, ids)] = seen
+    assert layer == 0 and torch.equal(ids, ids_ref) and torch.equal(weights, weights_ref.detach())
+    gate_W = router.gate.weight.detach().clone().requires_grad_(True)
+    logits_ref = x.detach().reshape(-1, CFG["hidden_size"]) @ gate_W.T
+    E = CFG["num_experts"]
+    share_E = torch.bincount(ids_ref.reshape(-1), minlength=E).float() / ids_ref.numel()
+    aux_ref = E * (share_E * torch.softmax(logits_ref, dim=-1).mean(0)).sum()
+    torch.testing.assert_close(logits, logits_ref.detach())
+    torch.testing.assert_close(aux, aux_ref.detach())
+    aux.backward()
+    aux_ref.backward()
+    torch.testing.assert_close(router.gate.weight.grad, gate_W.grad)
+    assert block.moe.gate_up_proj.grad is None  # the aux loss reaches the gate only
+
+
 def test_causal():
     model = tiny()
     x = torch.randint(0, 97, (2, 20))

@@ -10,7 +10,7 @@ import torch
 
 from occult import CommStats, DenseMoE, ExecConfig, OccultMoE, set_graphs
 from occult.moe.comm import DeviceCommStats
-from occult.moe.graphs import GraphCache
+from occult.moe.graphs import GraphCache, settings_key
 
 
 class StoodIn:
@@ -116,3 +116,24 @@ def test_a_copied_or_pickled_layer_starts_without_graphs():
         assert len(fresh) == 0 and fresh.eager_calls == 0 and isinstance(fresh, GraphCache)
     layer = OccultMoE(16, 8, 4, 2, graphs=True)
     assert len(copy.deepcopy(layer).graphs) == 0
+
+
+def test_a_routers_setting_switched_in_place_changes_the_graph_key():
+    """A replay records the routing code its router's settings chose: switching a device limit in place (a
+    distillation teacher's unlimited routing) must not replay the limited graph. Same settings, same key."""
+    from occult.moe.pruning import limit_routers
+    from occult.placement import Placement
+
+    layer = OccultMoE(16, 8, 8, 2)
+    x_TH = torch.randn(5, 16)
+    limit_routers([layer.router], Placement.contiguous(8, 4), 2)
+    limited = layer.graph_key(x_TH, None, None)
+    assert layer.graph_key(x_TH, None, None) == limited
+    layer.router.max_devices = None  # the switch a teacher's forward makes (occult.training.distill.unlimited)
+    unlimited = layer.graph_key(x_TH, None, None)
+    assert unlimited != limited and unlimited[:-2] == limited[:-2] and unlimited[-1] == limited[-1]
+    layer.router.max_devices = 2
+    assert layer.graph_key(x_TH, None, None) == limited
+    assert settings_key(layer.router) != () and all(
+        isinstance(value, (int, float, str, bool, type(None))) for _, value in settings_key(layer.router)
+    )
