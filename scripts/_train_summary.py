@@ -4,8 +4,9 @@
     run RUN_DIR OUT.json --link L --variant V --gpus G   one `occult train` run: tokens/s, MFU, per-step losses
     link OUT LINK                     the runs of one link -> OUT/train_{LINK}_2xGPU.json with the issue's ratios
     replace OFF_DIR EVERY_DIR OUT.json   re-placement: migrations, E[C_T] and tokens/s before/after, losses vs off
-    graphs EAGER GRAPHS [EAGER_PROFILE GRAPHS_PROFILE] OUT.json   `--layer-graphs` against the eager layers (one GPU):
-                                      tokens/s, MFU, losses step by step, host ms per MoE call (--profile-steps runs)
+    graphs EAGER GRAPHS EAGER_AGAIN EAGER_PROFILE GRAPHS_PROFILE OUT.json   `--layer-graphs` against the eager layers
+                                      (one GPU): tokens/s, MFU, losses step by step (and two eager runs' drift),
+                                      host ms per MoE call (the --profile-steps runs)
 
 MFU = model FLOPs per token x tokens/s per GPU / measured matmul peak. Model FLOPs per token of a
 training step: 3 x the forward, whose matmuls are 2 x (attention projections + router + top-k experts'
@@ -221,20 +222,29 @@ def replace_report(off: Path, every: Path) -> dict[str, Any]:
 
 
 def graphs_report(paths: list[Path]) -> dict[str, Any]:
-    """`occult train --layer-graphs` against the same run with eager layers (same job, one GPU): both runs'
-    summaries, the tokens/s ratio, the largest relative loss difference over the steps, and each profile
-    run's host time per MoE layer call (`step_profile_rank0.json`: `moe_host_ms_per_call`, GPU busy)."""
+    """`occult train --layer-graphs` against the same run with eager layers (one job, one GPU), `paths`: the
+    eager run, the graphs run, the eager run again (how far two eager runs of one seed drift apart: the
+    kernels' atomic adds), and the two `--profile-steps` runs. Both summaries, the tokens/s ratio, the largest
+    relative loss difference over the steps (graphs and the repeat against eager), and each profile's host time
+    per MoE layer call (`step_profile_rank0.json`: `moe_host_ms_per_call`, GPU busy)."""
     peak = measure_peak() if torch.cuda.is_available() else None
-    runs = {name: summarise_run(p, "none", name, 1, peak) for name, p in zip(("eager", "graphs"), paths[:2])}
+    names = ("eager", "graphs", "eager_repeat")
+    runs = {name: summarise_run(p, "none", name, 1, peak) for name, p in zip(names, paths[:3])}
+    agreement = loss_agreement(runs, "eager")
     report: dict[str, Any] = {
         "env": runs["graphs"]["env"],
         "peak": peak,
         "variants": runs,
         "graphs_over_eager_tokens_per_s": ratio(runs, "graphs", "eager", "tokens_per_s"),
-        "loss_max_rel_diff": loss_agreement(runs, "eager")["graphs"],
+        "loss_max_rel_diff": agreement["graphs"],
+        "loss_max_rel_diff_eager_repeat": agreement["eager_repeat"],
+        "loss_max_rel_diff_first_25_steps": {
+            name: max(abs(a - b) / abs(b) for a, b in zip(runs[name]["losses"][:25], runs["eager"]["losses"][:25]))
+            for name in ("graphs", "eager_repeat")
+        },
         "val_loss_rel_diff": abs(runs["graphs"]["val_loss"] - runs["eager"]["val_loss"]) / runs["eager"]["val_loss"],
     }
-    for name, p in zip(("eager", "graphs"), paths[2:4]):
+    for name, p in zip(("eager", "graphs"), paths[3:5]):
         prof = json.loads((p / "step_profile_rank0.json").read_text())
         keys = ("moe_host_ms_per_call", "wall_ms_per_step", "gpu_busy_ms_per_step", "gpu_busy_share")
         report[f"profile_{name}"] = {k: prof.get(k) for k in (*keys, "idle_ms_per_step", "device_ops_per_step")}

@@ -16,8 +16,9 @@
 #          the training throughput table (carry .gpudata: `python -m occult data prepare --out
 #          .gpudata --vocab-size 8000` on a machine with network)                               issue 15
 # layer_graphs  occult train --layer-graphs against the eager layers, same model as train, 50 steps each
-#          (tokens/s of steps 26-50, losses step by step), then 15 steps each with --profile-steps 11:15 (host
-#          time per MoE layer call) -> OUT/train_layer_graphs_1gpu.json (carry .gpudata)                  issue 52
+#          (tokens/s of steps 26-50, losses step by step; eager twice: how far two eager runs drift apart; the
+#          evaluation at step 50 replays the one recorded at step 25), then 15 steps each with --profile-steps
+#          11:15 (host time per MoE layer call) -> OUT/train_layer_graphs_1gpu.json (carry .gpudata)     issue 52
 # native   whole Qwen3-MoE and DeepSeek-V3-shape models against plain transformers, eager and with
 #          hf.compile_layers on both, prefill and training step (benchmarks/e2e.py)         issue 26
 # native_decode  the same shapes, hf.generate (graph; compile_layers + graph) against transformers'
@@ -112,14 +113,18 @@ json.dump(dict(m, link='none', variant='floor', gpus=1), open(sys.argv[2], 'w'))
     data=$(train_corpus) || exit 2
     lm="--corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024 \
       --batch-size 8 --save-every 0 --no-progress"
+    for mode in eager graphs eager_repeat; do  # the repeat: how far two eager runs of one seed drift apart
+      flag=""; [ $mode = graphs ] && flag=--layer-graphs
+      rm -rf "/tmp/occult_lg_$mode"
+      run "train_$mode" 200 python3 -m occult train $lm --steps 50 --eval-every 25 --eval-tokens 32768 $flag \
+        --out "/tmp/occult_lg_$mode"
+    done
     for mode in eager graphs; do
       flag=""; [ $mode = graphs ] && flag=--layer-graphs
-      rm -rf "/tmp/occult_lg_$mode" "/tmp/occult_lgp_$mode"
-      run "train_$mode" 200 python3 -m occult train $lm --steps 50 --eval-every 25 --eval-tokens 16384 $flag \
-        --out "/tmp/occult_lg_$mode"
+      rm -rf "/tmp/occult_lgp_$mode"
       run "profile_$mode" 150 python3 -m occult train $lm --steps 15 --eval-every 0 --profile-steps 11:15 $flag \
         --out "/tmp/occult_lgp_$mode"
     done
     [ "${DRY_RUN:-0}" = 1 ] || python3 scripts/_train_summary.py graphs /tmp/occult_lg_eager /tmp/occult_lg_graphs \
-      /tmp/occult_lgp_eager /tmp/occult_lgp_graphs "$out/train_layer_graphs_1gpu.json" ;;
+      /tmp/occult_lg_eager_repeat /tmp/occult_lgp_eager /tmp/occult_lgp_graphs "$out/train_layer_graphs_1gpu.json" ;;
 esac

@@ -16,12 +16,21 @@ thread: a GEMM on the stream; engine thread: a backward on the stream that runs 
 recording finds them and allocates none: they live outside every graph's pool, shared by all
 graphs as eager kernels share them (graphs replay one at a time).
 
+A recording also runs with autocast's weight cache off (`autocast_uncached`): inside an autocast region
+the low-precision copy of a weight is made once and reused, so a recording made after an eager call of
+the same region would read that copy, which lives outside the graph and is freed when the region ends;
+its replays then read freed memory (an evaluation's replays gave NaN gates). `make_graphed_callables`
+refuses the cache for the same reason.
+
 The stream is prepared once per process and device. Code that frees PyTorch's BLAS workspaces
 (`torch._C._cuda_clearCublasWorkspaces()`) while graphs are alive leaves every graph recorded over
 them, occult's or not, writing into freed memory; later recordings would put new ones in their pools.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -72,3 +81,15 @@ class _BlasInBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         _blas_calls(grad.device)
         return grad
+
+
+@contextlib.contextmanager
+def autocast_uncached(device_type: str = "cuda") -> Iterator[None]:
+    """Autocast as it stands (on or off, its dtype), with its weight cache off inside: every cast a recording
+    makes is a kernel of the recording, none a copy made before it (module docstring). The enclosing
+    region's cache is kept for the eager calls after."""
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
+        yield

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from occult.moe import status as pending
-from occult.moe.capture_stream import capture_stream
+from occult.moe.capture_stream import autocast_uncached, capture_stream
 from occult.moe.train_graphs import TrainingCall, TrainingCapture, capture_training
 from occult.teardown import hold_collectives
 
@@ -160,8 +160,8 @@ class GraphCache:
     ) -> Captured:
         static_x = x_TH.clone()
         graph = torch.cuda.CUDAGraph()
-        stream = capture_stream(x_TH.device)
-        with pending.recording() as statuses, torch.cuda.graph(graph, pool=pool(x_TH.device), stream=stream):
+        stream, shared = capture_stream(x_TH.device), pool(x_TH.device)
+        with pending.recording() as statuses, autocast_uncached(), torch.cuda.graph(graph, pool=shared, stream=stream):
             static_y = forward(static_x)
         track(graph, x_TH.device)
         return Captured(graph, static_x, static_y, statuses, info())

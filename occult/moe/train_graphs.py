@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from occult.moe import status as pending
-from occult.moe.capture_stream import capture_stream
+from occult.moe.capture_stream import autocast_uncached, capture_stream
 
 
 @dataclass
@@ -138,13 +138,13 @@ def capture_training(
     mempool = torch.cuda.graph_pool_handle()
     stream = capture_stream(x_TH.device)  # its BLAS workspaces outside every pool (occult.moe.capture_stream)
     forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with stand_ins(call.modules) as stand_in:
+    with stand_ins(call.modules) as stand_in, autocast_uncached():  # (autocast's cache: occult.moe.capture_stream)
         with pending.recording() as statuses, torch.cuda.graph(forward_graph, pool=mempool, stream=stream):
             static_y = forward(static_x)
     check_reaches_no_parameter(static_y, params)
     wrt = ([static_x] if x_TH.requires_grad else []) + [stand_in[id(p)] for p in params]
     static_grad_y = torch.empty_like(static_y)
-    with torch.cuda.graph(backward_graph, pool=mempool, stream=stream):
+    with autocast_uncached(), torch.cuda.graph(backward_graph, pool=mempool, stream=stream):
         found = torch.autograd.grad(static_y, wrt, grad_outputs=static_grad_y, allow_unused=True)
     grads = ((found[0],) if x_TH.requires_grad else (None,)) + tuple(found[len(wrt) - len(params) :])
     return TrainingCapture(

@@ -1,10 +1,13 @@
 """`occult train --layer-graphs` on one GPU: `OccultLM`'s MoE layers replayed from CUDA graphs in training
 (forward and backward, `occult.moe.train_graphs`) and evaluation give the eager model's losses, step by step,
-over 50 bf16 steps within 1e-3 relative (issue 52's bound), with the load-balancing loss on (it reads the
-layer's routing made again beside the layer, not through hooks). Then a pruning-aware fine-tune with
-distillation from the unpruned model (the same layers run with their device limit switched off for the
-teacher, under no_grad): a graph recorded with the limit must not be replayed without it. Single-process GPU
-tests (tests/gpu/run.sh's second stage)."""
+over 30 bf16 steps within 1e-3 relative (issue 52's bound; 30, not 50: two eager runs of the same seed drift
+apart by more than that in later steps, the kernels' atomic adds), with the load-balancing loss on (it reads
+the layer's routing made again beside the layer, not through hooks), and evaluations at steps 10, 20 and 30:
+the first records the evaluation's forward inside the autocast region of its eager calls, the others replay
+it (they read freed memory, NaN gates, while a recording took autocast's cached weight casts). Then a
+pruning-aware fine-tune with distillation from the unpruned model (the same layers run with their device
+limit switched off for the teacher, under no_grad): a graph recorded with the limit must not be replayed
+without it. Single-process GPU tests (tests/gpu/run.sh's second stage)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def _data(seed: int) -> TokenData:
 
 
 def _config(**kw) -> TrainConfig:
-    settings = dict(steps=50, batch_size=8, seq_len=128, lr=2e-3, warmup_steps=5, eval_every=25, save_every=0)
+    settings = dict(steps=30, batch_size=8, seq_len=128, lr=2e-3, warmup_steps=5, eval_every=10, save_every=0)
     return TrainConfig(**{**settings, "eval_tokens": 4096, "device": "cuda", "precision": "bf16", **kw})
 
 
@@ -45,7 +48,7 @@ def _train(seed: int, tmp, name: str, layer_graphs: bool) -> tuple[OccultLM, obj
     return model, result
 
 
-def test_fifty_bf16_steps_with_layer_graphs_give_the_eager_losses(tmp_path):
+def test_bf16_steps_with_layer_graphs_give_the_eager_losses(tmp_path):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     graphed, got = _train(seed, tmp_path, "graphs", True)
     _, ref = _train(seed, tmp_path, "eager", False)

@@ -137,3 +137,19 @@ def test_a_routers_setting_switched_in_place_changes_the_graph_key():
     assert settings_key(layer.router) != () and all(
         isinstance(value, (int, float, str, bool, type(None))) for _, value in settings_key(layer.router)
     )
+
+
+def test_recordings_run_with_autocasts_weight_cache_off_and_the_region_keeps_its_own():
+    """A recording must make its own weight casts, not read copies cached before it that its region frees
+    (occult.moe.capture_stream): inside `autocast_uncached` autocast stands as it was, its cache off; after it
+    the region's cache is on again; outside autocast it changes nothing."""
+    from occult.moe.capture_stream import autocast_uncached
+
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.is_autocast_cache_enabled()
+        with autocast_uncached("cpu"):
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            assert not torch.is_autocast_cache_enabled()
+        assert torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled()
+    with autocast_uncached("cpu"):
+        assert not torch.is_autocast_enabled("cpu")

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from occult.integrations.hf.families import UnsupportedModelError
 from occult.integrations.hf.sampling import TokenSelector
+from occult.moe.capture_stream import autocast_uncached
 from occult.teardown import hold_collectives
 
 
@@ -193,7 +194,7 @@ class StaticDecoder:
             graph = torch.cuda.CUDAGraph()
             if self.selector is not None and self.selector.generator is not None:
                 graph.register_generator_state(self.selector.generator)  # philox seed/offset read at each replay
-            with torch.cuda.graph(graph):
+            with autocast_uncached(), torch.cuda.graph(graph):  # (a weight's cached cast: occult.moe.capture_stream)
                 self.logits_BV = self._forward()
             self.graph = graph
             if torch.distributed.is_initialized():  # its collectives must go before the process group

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from occult.moe.capture_stream import autocast_uncached
 from occult.moe.layer import OccultMoE, uncapturable_layers
 from occult.moe.two_batch import run_interleaved
 from occult.teardown import hold_collectives
@@ -126,7 +127,12 @@ class GraphedForward:
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         try:
-            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"), torch.cuda.graph(self.graph):
+            with (
+                torch.no_grad(),
+                autocast_uncached(),
+                torch.compiler.set_stance("fail_on_recompile"),
+                torch.cuda.graph(self.graph),
+            ):
                 self.logits = self._forward()
         except Exception as e:
             raise RuntimeError(
