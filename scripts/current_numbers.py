@@ -249,6 +249,7 @@ TRAIN_RATIOS = {  # ratio key in train_{link}_2xGPU.json -> (numerator variant, 
     "dedup_over_floor_per_gpu": ("dedup_ddp", "floor", True),
     "dedup_fsdp_over_standard_fsdp": ("dedup_fsdp", "standard_fsdp", False),
     "two_gpu_dedup_over_one_gpu_job": ("dedup_ddp", "1gpu", False),
+    "dedup_layer_graphs_over_dedup": ("dedup_graphs_ddp", "dedup_device_ddp", False),
 }
 
 

@@ -6,8 +6,8 @@
 #   TINY=1 bash scripts/two_gpu_training.sh /tmp/x "nvlink slow" all      # the same on 2 CPU gloo ranks, tiny sizes
 #
 # train  occult train tokens/s (OccultLM 4 layers, hidden 1024, 64 experts x 512 top-8, seq 1024, bf16):
-#        1 GPU; 2 GPUs floor (--ep-size 1); EP standard / dedup with ddp and fsdp (slow link: floor and
-#        the two dispatchers with ddp). Runs go in order of importance; one that would start after
+#        1 GPU; 2 GPUs floor (--ep-size 1); EP standard / dedup with ddp and fsdp, dedup with --layer-graphs
+#        (slow link: floor and the two dispatchers with ddp). Runs go in order of importance; one that would start after
 #        BUDGET_S seconds is skipped and listed as such; ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
 #        those (LINK_VARIANT names as in OUT/runs). -> OUT/train_{link}_2xGPU.json
 # more   finetune --hf on 1 and 2 GPUs + logits through plain transformers -> OUT/finetune_hf_2xGPU.json;
@@ -80,6 +80,9 @@ train_part() {
     train_run nvlink dedup_fsdp 2 --dispatcher dedup --grad-sync fsdp
     train_run nvlink standard_fsdp 2 --dispatcher standard --grad-sync fsdp
     train_run nvlink dedup_device_ddp 2 --dispatcher dedup --grad-sync ddp --transport device  # issue 36: no host wait
+    # issue 52: every MoE layer call replayed from CUDA graphs (one GPU: no gain, the host runs ahead there)
+    [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_graphs_ddp 2 --dispatcher dedup --grad-sync ddp --transport device \
+      --layer-graphs
     # "auto" (dedup_ddp) takes the device transport on NVLink: the count exchange beside it
     train_run nvlink dedup_counts_ddp 2 --dispatcher dedup --grad-sync ddp --transport counts
     # FSDP2 cost 21-31 % on NVLink with the count exchange: does a layer with no host wait let it prefetch?
