@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -22,6 +22,12 @@
 #           Qwen3 also torchtitan, torchtitan+occult (carry .whl); publish-slow: NCCL_P2P_DISABLE=1 (auto
 #           then takes the count exchange, whose host wait rules out layer graphs; so also the sync-free
 #           layer replayed from its graphs, dedup@syncfree/layergraphs/compile)
+# issue52   issue 52's training targets, NVLink, one model a call (MODELS=olmoe, then MODELS=qwen3; ~7 min
+#           each): e2e.py prefill and train against the floor of today's code (replicated/compile: one-rank
+#           MoE blocks traced into their layers), the EP layers eager (dedup@device/compile) and replayed
+#           (dedup@device/traingraphs/compile), then the same EP variants again with OCCULT_AGREEMENT=step (the
+#           step agreement: default if it wins, removed if not); Qwen3 also torchtitan, torchtitan+occult@device,
+#           torchtitan+occult+experts@device (carry .whl). The 2-GPU occult train set: two_gpu_training.sh
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -41,8 +47,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -99,6 +105,20 @@ case $part in
         run "publish_${model}_$link" "${PUBLISH_TIMEOUT_S:-540}" env $env_ $tr benchmarks/e2e.py --model $model \
           --variants $variants --out "$out/e2e_${model}_${link}_${n}gpu.json"
       done
+    done ;;&
+  issue52|all)  # issue 52's training targets against today's floor (docs/training.md)
+    if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      export PYTHONPATH=$PYTHONPATH:/tmp/site
+    fi
+    ep=dedup@device/compile,dedup@device/traingraphs/compile
+    for model in ${MODELS:-olmoe qwen3}; do
+      variants=replicated/compile,$ep
+      [ $model = qwen3 ] && variants=$variants,torchtitan,torchtitan+occult@device,torchtitan+occult+experts@device
+      run "issue52_${model}" 300 $tr benchmarks/e2e.py --model $model --phases prefill,train --variants $variants \
+        --out "$out/e2e_${model}_issue52_${n}gpu.json"
+      run "issue52_${model}_step" 150 env OCCULT_AGREEMENT=step $tr benchmarks/e2e.py --model $model --phases train \
+        --variants replicated/compile,$ep --out "$out/e2e_${model}_issue52_step_${n}gpu.json"
     done ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then

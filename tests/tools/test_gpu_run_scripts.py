@@ -27,7 +27,10 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
 @pytest.mark.parametrize(
     "script, parts",
     [
-        ("one_gpu_runs.sh", ["kernels", "suite", "peer", "train", "native", "native_decode", "quality"]),
+        (
+            "one_gpu_runs.sh",
+            ["kernels", "suite", "peer", "train", "layer_graphs", "native", "native_decode", "quality"],
+        ),
         (
             "multi_gpu_runs.sh",
             [
@@ -38,6 +41,7 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
                 "decode",
                 "publish",
                 "publish-slow",
+                "issue52",
                 "peer",
                 "train",
                 "train-slow",
