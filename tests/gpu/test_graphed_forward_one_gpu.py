@@ -32,3 +32,27 @@ def test_replays_give_the_eager_logits():
             worst = max(worst, ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item())
     graphed.release()
     assert worst < 1e-5, (seed, worst)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compiled_layers_captured_under_autocast_replay_the_eager_logits():
+    """An fp32 model with `compile_layers`, warmed up and captured inside one bf16 autocast region: the capture
+    makes its own weight casts (the cache off, `autocast_uncached`) and its compiled layers do not recompile
+    (the warm-up ran in the same autocast state); replays in a later region give the eager logits."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    model = hf.convert(hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB)).to("cuda", torch.float32).eval()
+    hf.compile_layers(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        graphed = hf.GraphedForward(model, 2, 9)
+    junk = [torch.full_like(p, float("nan"), dtype=torch.bfloat16) for p in model.parameters()]  # freed casts reused
+    worst = 0.0
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        for _ in range(2):
+            ids = torch.randint(3, VOCAB, (2, 9), generator=gen).cuda()
+            got = graphed(ids).float().clone()
+            want = model(input_ids=ids, use_cache=False).logits[:, -1].float()
+            worst = max(worst, ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item())
+    del junk
+    graphed.release()
+    assert worst < 2e-2, (seed, worst)  # bf16 casts; the same kernels, compiled once more for the cache's state

@@ -188,7 +188,8 @@ class StaticDecoder:
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # Triton compilation and allocator warm-up off the capture stream
+            # Triton compilation and allocator warm-up off the capture stream, in the capture's autocast state
+            with torch.cuda.stream(side), autocast_uncached():
                 self.warm_up(warmup, saved)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()

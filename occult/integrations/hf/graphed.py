@@ -121,7 +121,9 @@ class GraphedForward:
         self._forward = self._forward_one if micro_batches == 1 else self._two_batches(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad(), masks_as_under_capture():
+        # the warm-up in the capture's autocast state (the weight cache off: occult.moe.capture_stream), so a
+        # compiled layer's guards hold in the capture
+        with torch.cuda.stream(side), torch.no_grad(), autocast_uncached(), masks_as_under_capture():
             for _ in range(warmup):
                 self._forward()
         torch.cuda.current_stream(device).wait_stream(side)
