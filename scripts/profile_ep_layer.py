@@ -114,7 +114,8 @@ def train_row(layer: OccultMoE, x: torch.Tensor, iters: int) -> dict:
         torch.cuda.synchronize()
     kernels = [(e.time_range.start, e.time_range.end) for e in device_work(prof.events())]
     row["gpu_busy_ms"] = union_us(kernels) / 1e3 / iters
-    row["host_functions"] = host_functions(layer, x, grad_y, iters)
+    # a fresh leaf: the profiled calls above left their backward-range hooks on `x` (occult.moe.host_time)
+    row["host_functions"] = host_functions(layer, x.detach().requires_grad_(True), grad_y, iters)
     return row
 
 
