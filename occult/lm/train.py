@@ -228,8 +228,6 @@ def _layer_graphs(model: OccultLM, device: torch.device, cfg: TrainConfig, par: 
     where they can be recorded; else a `ValueError` saying why, before any step."""
     if not cfg.layer_graphs:
         return
-    if device.type != "cuda":
-        raise ValueError(f"layer_graphs (--layer-graphs) records CUDA graphs: it needs a CUDA device, not {device}")
     if par is not None and cfg.grad_sync == "fsdp":
         raise ValueError(
             "layer_graphs (--layer-graphs) with grad_sync='fsdp': FSDP2 frees and gathers again the dense weights "
@@ -242,6 +240,8 @@ def _layer_graphs(model: OccultLM, device: torch.device, cfg: TrainConfig, par: 
             f"layer_graphs (--layer-graphs): MoE layers {', '.join(waiting)} read their row counts on the host "
             "(--transport counts), which a CUDA graph cannot record; use --transport device (NCCL ranks of one host)"
         )
+    if device.type != "cuda":
+        raise ValueError(f"layer_graphs (--layer-graphs) records CUDA graphs: it needs a CUDA device, not {device}")
     set_graphs(model, True, training=True)
 
 
