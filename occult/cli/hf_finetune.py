@@ -31,7 +31,14 @@ from occult.cli.inputs import (
     reading,
 )
 from occult.cli.registry import CommandError, check_input, check_output_dir
-from occult.cli.run_checks import allocation_named, check_device, check_max_devices, diverged_named, run_dir
+from occult.cli.run_checks import (
+    allocation_named,
+    check_device,
+    check_layer_graphs,
+    check_max_devices,
+    diverged_named,
+    run_dir,
+)
 
 _NO_EVAL = "it runs no validation evaluation"
 _FIXED = "the experts stay where --placement / --ep-placement put them"
@@ -46,7 +53,6 @@ OCCULT_CHECKPOINT_ONLY: dict[str, str] = {
     "--grad-sync": "DDP averages the routers and the experts are all-reduced over the replicas",
     **{f"--replace-{name}": _FIXED for name in ("every", "min-gain", "drift", "check-every", "samples", "method")},
     "--replace-wait": _FIXED,
-    "--layer-graphs": "the MoE layers run eagerly (the aux loss reads the model's gates through hooks)",
 }
 HF_ONLY = ("--save-dtype",)  # and --data, which `occult.cli.lm` refuses with its own message
 
@@ -236,6 +242,7 @@ def _finetune_config(args: Any) -> Any:
         train_part=args.train_part or "both",
         distill_from=getattr(args, "distill_from", None),
         profile_steps=getattr(args, "profile_steps", None),
+        layer_graphs=getattr(args, "layer_graphs", False),
     )
 
 
@@ -308,6 +315,7 @@ def run_finetune(args: Any) -> int:
         check_input("--" + flag.replace("_", "-"), getattr(args, flag, None))
     _check_teacher_dir(args)
     check_device(args.device)
+    check_layer_graphs(args)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if args.ep_size not in (None, 1):
             raise ValueError(f"--ep-size {args.ep_size} needs that many ranks: run under torchrun --nproc-per-node N")

@@ -364,3 +364,9 @@ def test_profile_of_a_transformers_model_refuses_flags_that_cannot_apply(capsys,
     code, _, err = run(capsys, *argv, *extra)
     one_clean_line(code, err, *needles)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_finetune_refuses_layer_graphs_off_a_gpu(capsys, tmp_path, hf_model):
+    code, _, err = run(capsys, *hf_finetune_argv(hf_model, tmp_path / "run", "--device", "cpu", "--layer-graphs"))
+    one_clean_line(code, err, "--layer-graphs", "CUDA device")
+    assert list(tmp_path.iterdir()) == []

@@ -184,3 +184,31 @@ def test_setting_and_cli():
     assert (
         _train_config(p.parse_args(["finetune", "--init", "c", "--out", "o"])).aux_loss_coef == 0.01
     )  # OccultLM default
+
+
+def test_taps_leave_the_layers_free_to_replay_and_layer_graphs_need_a_gpu(dirs):
+    """`RouterTaps` taps the blocks, not hooks (a hooked layer never replays its CUDA graphs: `--layer-graphs`);
+    one set of taps at a time; closed, the blocks are as before. `layer_graphs=True` is refused off a GPU
+    before any step, the layers' settings left as they were."""
+    from occult.integrations.hf.block import OccultMoeBlock
+    from occult.moe.graphs import has_hooks
+    from occult.moe.layer import OccultMoE
+
+    model = _load(dirs, "olmoe")
+    layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
+    taps = RouterTaps(model)
+    assert layers and not any(has_hooks(layer, *layer._router_gate()) for layer in layers)
+    with pytest.raises(ValueError, match="tapped already"):
+        RouterTaps(model)
+    ids = torch.randint(3, VOCAB, (2, 12))
+    model(input_ids=ids)
+    assert len(taps.logits) == len(taps.ids) == len(layers)
+    for layer, ids_TK in zip(layers, taps.ids):
+        assert ids_TK.shape[-1] == layer.top_k
+    taps.close()
+    assert all(b.routing_tap is None for b in model.modules() if isinstance(b, OccultMoeBlock))
+    before = [layer.execution for layer in layers]
+    cfg = hf.FinetuneConfig(**{**CFG, "layer_graphs": True})
+    with pytest.raises(ValueError, match="on a GPU"):
+        hf.finetune(model, _tokens(), cfg, progress=False, log=None)
+    assert [layer.execution for layer in layers] == before

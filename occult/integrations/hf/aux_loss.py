@@ -1,8 +1,9 @@
 """The load-balancing (auxiliary) loss of a converted transformers model over the global batch
 (`finetune` with `FinetuneConfig.aux_loss_coef > 0`).
 
-`RouterTaps(model)` hooks every MoE block's gate (the router logits [T, E], with their graph)
-and router (the expert ids actually routed to, after any pruning) and keeps them per forward;
+`RouterTaps(model)` taps every MoE block (`OccultMoeBlock.routing_tap`: the router logits [T, E], with their
+graph, and the expert ids actually routed to, after any pruning, made beside the experts so that a replayed
+experts call serves them too; no hooks) and keeps them per forward;
 `taps.loss(group)` turns one forward's taps into the loss, with one all-reduce over `group` of
 each layer's assignment counts [E], probability sums [E] and row count. Two formulas:
 
@@ -42,7 +43,8 @@ def aux_formula(model: nn.Module) -> str:
 
 
 class RouterTaps:
-    """Router logits and routed expert ids of every MoE block, per forward (hooks; `close` removes them)."""
+    """Router logits and routed expert ids of every MoE block, per forward (the blocks' taps; `close` removes
+    them)."""
 
     def __init__(self, model: nn.Module, formula: str | None = None) -> None:
         self.blocks = [b for b in model.modules() if isinstance(b, OccultMoeBlock)]
@@ -53,15 +55,19 @@ class RouterTaps:
             raise ValueError(f"aux-loss formula must be one of {FORMULAS}, got {self.formula!r}")
         self.logits: list[torch.Tensor] = []
         self.ids: list[torch.Tensor] = []
-        self._handles = []
         for b in self.blocks:
-            self._handles.append(b.gate.register_forward_hook(lambda m, i, out: self.logits.append(out[0])))
-            self._handles.append(b.experts.router.register_forward_hook(lambda m, i, out: self.ids.append(out[1])))
+            if b.routing_tap is not None:
+                raise ValueError("the model's MoE blocks are tapped already: close the other RouterTaps first")
+            b.routing_tap = self._keep
+
+    def _keep(self, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> None:
+        self.logits.append(logits_TE)
+        self.ids.append(ids_TK)
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        for b in self.blocks:
+            if b.routing_tap == self._keep:
+                b.routing_tap = None
 
     def clear(self) -> None:
         self.logits.clear()

@@ -5,6 +5,7 @@ finding a model's MoE blocks (`moe_blocks`), and the gradient sync of a converte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,6 +53,8 @@ class OccultMoeBlock(nn.Module):
             setattr(self, name, getattr(block, name, None) if name in family.shared else None)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.hf_block_class = type(block)
+        # called with (router_logits_TE, ids_TK) of every forward where set (the aux loss's RouterTaps)
+        self.routing_tap: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -60,6 +63,8 @@ class OccultMoeBlock(nn.Module):
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise
             )
         x_TH = hidden_states.reshape(-1, shape[-1])
+        if self.routing_tap is not None:
+            self.routing_tap(*self.routing_of(x_TH))
         if self.shared_expert is None and self.shared_experts is None:
             return self.experts(x_TH).reshape(shape)
         shared: list[torch.Tensor] = []
@@ -72,6 +77,12 @@ class OccultMoeBlock(nn.Module):
 
         y_TH = self.experts(x_TH, while_waiting=shared_experts)
         return (y_TH + shared[0]).reshape(shape)
+
+    def routing_of(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(router_logits_TE, ids_TK) the experts' router makes of `x_TH`, made beside the experts: the experts' call
+        may be a replay of its CUDA graphs (`occult.moe.graphs`), which runs no Python a hook could read them in."""
+        gate_out = self.gate(x_TH)
+        return gate_out[0], self.experts.router.routed(gate_out)[1]
 
     def to_hf(self, config: Any, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> nn.Module:
         """The model's own block class holding this block's gate, shared experts and the given full experts."""

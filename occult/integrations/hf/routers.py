@@ -71,7 +71,12 @@ class HFGateRouter(nn.Module):
         self.expert_device_E = expert_device_E.to(torch.int64)
 
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        router_logits_TE, weights_TK, ids_TK = self._gate(x_TH)
+        return self.routed(self._gate(x_TH))
+
+    def routed(self, gate_out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights_TK, ids_TK) of the gate's output `(router_logits_TE, weights_TK, ids_TK)`: the forward after
+        the gate, for a caller that has the gate's output already (the aux loss's taps)."""
+        router_logits_TE, weights_TK, ids_TK = gate_out
         if self.max_devices is None:
             return weights_TK, ids_TK
         if self.expert_device_E is None:
