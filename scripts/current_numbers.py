@@ -96,7 +96,8 @@ TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         ("transformers compiled / occult",),
     ),
     "train": (
-        "Training the small MoE LM (`occult train`, `scripts/two_gpu_training.sh`): tokens/s ratios",
+        "Training the small MoE LM (`occult train`, `scripts/two_gpu_training.sh`, `one_gpu_runs.sh layer_graphs`): "
+        "tokens/s ratios",
         ("GPUs", "link", "ratio"),
         ("value", "sides (tokens/s)"),
     ),
@@ -127,6 +128,8 @@ def result_kind(doc: dict) -> str | None:
         return "megatron"
     if "runs" in doc and "peers" in config:
         return "peers"
+    if "graphs_over_eager_tokens_per_s" in doc or "layer_graphs_over_eager_tokens_per_s" in doc:
+        return "train_graphs"
     if "ratios" in doc and "variants" in doc and "link" in doc:
         return "train"
     if "one_gpu" in doc and "two_gpus" in doc:
@@ -273,6 +276,20 @@ def train_job_figures(doc: dict, link: str) -> Iterator[Figure]:
         yield Figure("train", ("2", link, "dedup device transport over count exchange"), (f"{a / b:.3f}x", sides))
 
 
+def train_graphs_figures(doc: dict, link: str) -> Iterator[Figure]:
+    """`occult train --layer-graphs` over the eager layers, one GPU, one job (`scripts/_train_summary.py graphs`, or
+    runs alternated: `runs`)."""
+    if "runs" in doc:
+        mine = [r["tokens_per_s"] for r in doc["runs"] if r["mode"] == "layer_graphs"]
+        eager = [r["tokens_per_s"] for r in doc["runs"] if r["mode"] == "eager"]
+        value = doc["layer_graphs_over_eager_tokens_per_s"]
+    else:
+        mine, eager = [doc["variants"]["graphs"]["tokens_per_s"]], [doc["variants"]["eager"]["tokens_per_s"]]
+        value = doc["graphs_over_eager_tokens_per_s"]
+    sides = f"--layer-graphs {' / '.join(f'{t:,.0f}' for t in mine)}; eager {' / '.join(f'{t:,.0f}' for t in eager)}"
+    yield Figure("train", ("1", link, "occult train --layer-graphs over eager layers"), (f"{value:.3f}x", sides))
+
+
 def finetune_figures(doc: dict, link: str) -> Iterator[Figure]:
     cells = (f"{doc['speedup_steps_per_s']:.2f}x", f"{doc['loss_max_rel_diff']:.4f}")
     yield Figure("finetune", ("2", link, "tiny transformers MoE"), cells)
@@ -287,6 +304,7 @@ FIGURES: dict[str, Callable[[dict, str], Iterator[Figure]]] = {
     "train": train_figures,
     "finetune": finetune_figures,
     "train_job": train_job_figures,
+    "train_graphs": train_graphs_figures,
 }
 
 
