@@ -12,7 +12,8 @@ metadata apart (the byte convention of docs/design.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import copy
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -54,8 +55,9 @@ class CommStats:
 
     def snapshot(self) -> CommStats:
         """A copy of these figures as they stand, apart from later changes to the tensors behind them
-        (a CUDA graph's replays rewrite the device counts its captured call read)."""
-        return replace(self)
+        (a CUDA graph's replays rewrite the device counts its captured call read): a shallow copy, its fields
+        plain numbers (`copy.copy`, not `dataclasses.replace`: this runs at every replay)."""
+        return copy.copy(self)
 
 
 def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:

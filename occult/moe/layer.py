@@ -217,18 +217,22 @@ class OccultMoE(nn.Module):
         elif self.num_ranks == 1:
             pending.check_routing()  # the previous call's status, as the one-rank schedule reads it
         Schedule(while_waiting=while_waiting).run_while_waiting()
-        training = self._training_call(x_TH, transport)
-        key = self.graph_key(x_TH, agreed, training)
+        gate = self._router_gate()
+        training = self._training_call(x_TH, transport, gate)
+        key = self.graph_key(x_TH, agreed, training, gate)
         y_TH, stats = self.graphs.run(
             key, generation, x_TH, lambda x_: self._eager(x_, None, agreed), lambda: self.last_comm_stats, training
         )
         self.last_comm_stats = stats
         return y_TH.reshape(x.shape)
 
-    def graph_key(self, x_TH: torch.Tensor, agreed: int | None, training: TrainingCall | None) -> tuple:
-        """The signature a recorded call of `x_TH` serves (`occult.moe.graphs.call_key`)."""
+    def graph_key(
+        self, x_TH: torch.Tensor, agreed: int | None, training: TrainingCall | None, gate: tuple | None = None
+    ) -> tuple:
+        """The signature a recorded call of `x_TH` serves (`occult.moe.graphs.call_key`; `gate`: `_router_gate()`)."""
         trains = None if training is None else (x_TH.requires_grad, len(training.params))
-        return call_key(x_TH, agreed, trains, self.sync_free, self.router, (self, *self._router_gate()))
+        gate = self._router_gate() if gate is None else gate
+        return call_key(x_TH, agreed, trains, self.sync_free, self.router, (self, *gate))
 
     def _router_gate(self) -> tuple[nn.Module, ...]:
         """The router's gate where the router holds it without owning it (a transformers block's gate):
@@ -242,29 +246,30 @@ class OccultMoE(nn.Module):
         """Whether a call on `x` builds an autograd graph (grad mode on, and `x` or a parameter requires grad)."""
         return self._trained_by(x) is not None
 
-    def _trained_by(self, x: torch.Tensor) -> tuple[nn.Parameter, ...] | None:
-        """The parameters a call on `x` trains (the layer's and its router gate's; possibly none where `x`
-        requires grad), or None where the call builds no autograd graph."""
+    def _trained_by(self, x: torch.Tensor, gate: tuple | None = None) -> tuple[nn.Parameter, ...] | None:
+        """The parameters a call on `x` trains (the layer's and its router gate's, `gate` where the caller has
+        `_router_gate()`; possibly none where `x` requires grad), or None where the call builds no autograd graph."""
         if not torch.is_grad_enabled():
             return None
-        params = trainable(self, *self._router_gate())
+        params = trainable(self, *(self._router_gate() if gate is None else gate))
         return params if x.requires_grad or params else None
 
-    def _training_call(self, x_TH: torch.Tensor, transport: Any) -> TrainingCall | None:
+    def _training_call(self, x_TH: torch.Tensor, transport: Any, gate: tuple | None = None) -> TrainingCall | None:
         """A call under autograd with anything to differentiate: the parameters that train (the layer's
-        and its router gate's) and the transport's buffer generation (what a recorded backward needs);
-        None otherwise."""
-        params = self._trained_by(x_TH)
+        and its router gate's, `gate`: `_router_gate()` where the caller has it) and the transport's buffer
+        generation (what a recorded backward needs); None otherwise."""
+        gate = self._router_gate() if gate is None else gate
+        params = self._trained_by(x_TH, gate)
         if params is None:
             return None
         if transport is None:
-            return TrainingCall((self, *self._router_gate()), lambda: None, params)
+            return TrainingCall((self, *gate), lambda: None, params)
 
         def generation() -> int:  # read before a recorded backward runs: the step's last call settled first
             settle_step(transport)
             return transport.generation
 
-        return TrainingCall((self, *self._router_gate()), generation, params)
+        return TrainingCall((self, *gate), generation, params)
 
     def _tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(x as [T, H], the status of a wrong hidden size or dtype, 0 if neither: then no rows,
