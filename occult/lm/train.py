@@ -96,6 +96,7 @@ from occult.moe.counts import STATUS_MESSAGES, RoutingError
 from occult.moe.layer import set_graphs
 from occult.moe.step import agreed_step
 from occult.placement import Placement
+from occult.training.layer_graphs import check_recordable
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.step_profile import StepProfile
 
@@ -215,7 +216,7 @@ def _prepare(
         )
     if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
         wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
-    _layer_graphs(model, device, cfg, par)
+    _layer_graphs(model, cfg)
     opt = make_optimizer(model, trainable_names(model, cfg.moe_only, cfg.train_part), cfg)
     replacer = Replacer(model, par, cfg, out, log) if cfg.replaces and par is not None and par.ep_size > 1 else None
     if cfg.replaces and replacer is None and log:
@@ -223,26 +224,13 @@ def _prepare(
     return TrainRun(model, data, cfg, out, par, log, opt, replacer, meta_base, schedule_for(cfg))
 
 
-def _layer_graphs(model: OccultLM, device: torch.device, cfg: TrainConfig, par: Parallel | None) -> None:
+def _layer_graphs(model: OccultLM, cfg: TrainConfig) -> None:
     """`layer_graphs`: every MoE layer's calls, training ones too, replayed from CUDA graphs (`occult.moe.graphs`),
-    where they can be recorded; else a `ValueError` saying why, before any step."""
-    if not cfg.layer_graphs:
-        return
-    if par is not None and cfg.grad_sync == "fsdp":
-        raise ValueError(
-            "layer_graphs (--layer-graphs) with grad_sync='fsdp': FSDP2 frees and gathers again the dense weights "
-            "(the routers' among them) around every block, so a recorded call would read memory they no longer "
-            "hold; use --grad-sync ddp or explicit"
-        )
-    waiting = [str(i) for i, layer in enumerate(model.moe_layers()) if layer.waits_for_gpu]
-    if waiting:
-        raise ValueError(
-            f"layer_graphs (--layer-graphs): MoE layers {', '.join(waiting)} read their row counts on the host "
-            "(--transport counts), which a CUDA graph cannot record; use --transport device (NCCL ranks of one host)"
-        )
-    if device.type != "cuda":
-        raise ValueError(f"layer_graphs (--layer-graphs) records CUDA graphs: it needs a CUDA device, not {device}")
-    set_graphs(model, True, training=True)
+    where they can be recorded (`occult.training.layer_graphs.check_recordable`: a `ValueError` before any step);
+    left on after the run, as the model's other settings are."""
+    if cfg.layer_graphs:
+        check_recordable(model)
+        set_graphs(model, True, training=True)
 
 
 def train(

@@ -8,6 +8,7 @@ path, one checkpoint format family, one place for hooks.
     loop.py       `TrainLoop`: the step loop (forward, loss, backward, sync, clip, optimizer, metrics,
                   progress) over a model's `StepParts`
     hooks.py      `StepHook`: what runs after every step (re-placement, evaluation, checkpoints)
+    layer_graphs.py  the MoE layers replayed from CUDA graphs for a run (`--layer-graphs`): checks, switch
     dcp.py        sharded checkpoints with torch.distributed.checkpoint: atomic write, hash check,
                   resume on any number of ranks
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,11 +48,11 @@ from occult.integrations.hf.block import OccultMoeBlock
 from occult.integrations.hf.finetune_config import FinetuneConfig, FinetuneResult, lr_at
 from occult.integrations.hf.finetune_data import batch_rows, tokenize_texts
 from occult.integrations.hf.finetune_state import CheckpointSaver, CloseTaps, resume_state
-from occult.moe.layer import OccultMoE, set_graphs
 from occult.moe.step import agreed_step
 from occult.training import grads
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
 from occult.training.hooks import StepHook
+from occult.training.layer_graphs import replayed_layers
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
@@ -106,32 +106,6 @@ def _autocast(device: torch.device, precision: str):
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def layer_graphs(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """`FinetuneConfig.layer_graphs`: inside, every MoE layer's calls, training ones too, replayed from CUDA graphs
-    (`occult.moe.graphs`); after, the layers' settings as they were and their graphs freed. A `ValueError` before
-    anything where they cannot be recorded (not on a CUDA device, or a layer that reads row counts on the host)."""
-    if not enabled:
-        yield
-        return
-    layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
-    if not layers or layers[0].gate_up_proj.device.type != "cuda":
-        raise ValueError("layer_graphs (--layer-graphs) records CUDA graphs: the model's MoE layers must be on a GPU")
-    if any(layer.waits_for_gpu for layer in layers):
-        raise ValueError(
-            "layer_graphs (--layer-graphs): the MoE layers read their row counts on the host (--transport counts), "
-            "which a CUDA graph cannot record; use --transport device (NCCL ranks of one host)"
-        )
-    before = [layer.execution for layer in layers]
-    set_graphs(model, True, training=True)
-    try:
-        yield
-    finally:
-        for layer, execution in zip(layers, before):
-            layer.execution = execution
-            layer.graphs.release()
 
 
 def _check_inputs(
@@ -334,7 +308,7 @@ def finetune(
     loop.hooks = _hooks(cfg, model, groups, checkpoint_dir, log, saver, taps)
     model.train()
     t0 = time.perf_counter()
-    with layer_graphs(model, cfg.layer_graphs):
+    with replayed_layers(model, cfg.layer_graphs):
         loop.run(last)
     if saver is not None and last > start and (save_every or last < cfg.steps):
         saver.save(last)
