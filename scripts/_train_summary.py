@@ -7,6 +7,10 @@
     graphs EAGER GRAPHS EAGER_AGAIN EAGER_PROFILE GRAPHS_PROFILE OUT.json   `--layer-graphs` against the eager layers
                                       (one GPU): tokens/s, MFU, losses step by step (and two eager runs' drift),
                                       host ms per MoE call (the --profile-steps runs)
+    ab OUT.json NAME=RUN_DIR ...      runs of one job in the order they ran (NAME: eager, captured, graphs, with a
+                                      round suffix, e.g. eager_1; profile_NAME for --profile-steps runs): tokens/s
+                                      of each mode (median over its rounds) over eager's, losses against the first
+                                      eager run, each profile's wall / GPU busy / host ms per step and per MoE call
 
 MFU = model FLOPs per token x tokens/s per GPU / measured matmul peak. Model FLOPs per token of a
 training step: 3 x the forward, whose matmuls are 2 x (attention projections + router + top-k experts'
@@ -252,6 +256,45 @@ def graphs_report(paths: list[Path]) -> dict[str, Any]:
     return report
 
 
+def ab_report(named: dict[str, Path]) -> dict[str, Any]:
+    """Modes of one job alternated (`ab` in the module docstring): each run's summary, each mode's median
+    tokens/s over eager's, the largest relative loss difference against the first eager run (all steps and
+    the first 25), and each profile run's step figures."""
+    peak = measure_peak() if torch.cuda.is_available() else None
+    runs = {n: summarise_run(p, "none", n, 1, peak) for n, p in named.items() if not n.startswith("profile_")}
+    modes: dict[str, list[float]] = {}
+    for name, r in runs.items():
+        modes.setdefault(name.rsplit("_", 1)[0], []).append(r["tokens_per_s"])
+    median = {
+        m: sorted(v)[len(v) // 2] if len(v) % 2 else sum(sorted(v)[len(v) // 2 - 1 : len(v) // 2 + 1]) / 2
+        for m, v in modes.items()
+    }
+    ref = next(n for n in runs if n.startswith("eager"))
+    base = runs[ref]["losses"]
+
+    def gap(losses: list[float], upto: int | None = None) -> float:
+        pairs = list(zip(losses, base))[:upto]
+        return max(abs(a - b) / abs(b) for a, b in pairs)
+
+    report: dict[str, Any] = {
+        "env": runs[ref]["env"],
+        "peak": peak,
+        "order": list(named),
+        "variants": runs,
+        "tokens_per_s_median": median,
+        "over_eager_tokens_per_s": {m: v / median["eager"] for m, v in median.items() if "eager" in median},
+        "loss_max_rel_diff_vs": ref,
+        "loss_max_rel_diff": {n: gap(r["losses"]) for n, r in runs.items() if n != ref},
+        "loss_max_rel_diff_first_25_steps": {n: gap(r["losses"], 25) for n, r in runs.items() if n != ref},
+    }
+    keys = ("wall_ms_per_step", "gpu_busy_ms_per_step", "gpu_busy_share", "idle_ms_per_step", "device_ops_per_step")
+    for name, p in named.items():
+        if name.startswith("profile_"):
+            prof = json.loads((p / "step_profile_rank0.json").read_text())
+            report[name] = {k: prof.get(k) for k in (*keys, "step_host_ms", "moe_host_ms_per_call")}
+    return report
+
+
 def write(path: str | Path, doc: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
@@ -260,7 +303,7 @@ def write(path: str | Path, doc: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job", choices=["peak", "run", "link", "replace", "graphs"])
+    p.add_argument("job", choices=["peak", "run", "link", "replace", "graphs", "ab"])
     p.add_argument("paths", nargs="+")
     p.add_argument("--link", default="nvlink")
     p.add_argument("--variant", default="")
@@ -276,6 +319,9 @@ def main() -> None:
     elif a.job == "link":
         out = Path(a.paths[0])
         write(out / f"train_{a.paths[1]}_2xGPU.json", link_report(out, a.paths[1]))
+    elif a.job == "ab":
+        named = dict(arg.split("=", 1) for arg in a.paths[1:])
+        write(a.paths[0], ab_report({n: Path(p) for n, p in named.items()}))
     elif a.job == "graphs":
         write(a.paths[-1], graphs_report([Path(p) for p in a.paths[:-1]]))
     else:

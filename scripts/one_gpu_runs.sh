@@ -2,7 +2,7 @@
 # What one GPU can measure for the open issues (multi_gpu_runs.sh has the rest), one part per
 # device call, repo root:
 #
-#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train | layer_graphs | native | native_decode | quality
+#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train | layer_graphs | captured_step | native | native_decode | quality
 #   DRY_RUN=1 bash scripts/one_gpu_runs.sh all /tmp/x   # print the commands
 #
 # kernels  the expert kernels at four real shapes (benchmarks/bench_kernels.py), fp32 check, and a
@@ -19,6 +19,10 @@
 #          (tokens/s of steps 26-50, losses step by step; eager twice: how far two eager runs drift apart; the
 #          evaluation at step 50 replays the one recorded at step 25), then 15 steps each with --profile-steps
 #          11:15 (host time per MoE layer call) -> OUT/train_layer_graphs_1gpu.json (carry .gpudata)     issue 52
+# captured_step  occult train --captured-step against eager steps (and --layer-graphs once), same model as
+#          train, 100 steps each, alternated twice in one job (tokens/s of steps 51-100, losses step by step),
+#          then 15 steps each with --profile-steps 11:15 (host ms per step and per MoE call)
+#          -> OUT/train_captured_step_1gpu.json (carry .gpudata)                                 issue 52
 # native   whole Qwen3-MoE and DeepSeek-V3-shape models against plain transformers, eager and with
 #          hf.compile_layers on both, prefill and training step (benchmarks/e2e.py)         issue 26
 # native_decode  the same shapes, hf.generate (graph; compile_layers + graph) against transformers'
@@ -44,8 +48,8 @@ set -uo pipefail
 part=${1:?usage: one_gpu_runs.sh PART OUT}
 out=${2:?usage: one_gpu_runs.sh PART OUT}
 case $part in
-  kernels|suite|peer|train|layer_graphs|native|native_decode|quality|all) ;;
-  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, layer_graphs, native, native_decode, quality, all)" >&2; exit 2 ;;
+  kernels|suite|peer|train|layer_graphs|captured_step|native|native_decode|quality|all) ;;
+  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, layer_graphs, captured_step, native, native_decode, quality, all)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -126,5 +130,25 @@ json.dump(dict(m, link='none', variant='floor', gpus=1), open(sys.argv[2], 'w'))
         --out "/tmp/occult_lgp_$mode"
     done
     [ "${DRY_RUN:-0}" = 1 ] || python3 scripts/_train_summary.py graphs /tmp/occult_lg_eager /tmp/occult_lg_graphs \
-      /tmp/occult_lg_eager_repeat /tmp/occult_lgp_eager /tmp/occult_lgp_graphs "$out/train_layer_graphs_1gpu.json" ;;
+      /tmp/occult_lg_eager_repeat /tmp/occult_lgp_eager /tmp/occult_lgp_graphs "$out/train_layer_graphs_1gpu.json" ;;&
+  captured_step|all)
+    data=$(train_corpus) || exit 2
+    lm="--corpus-dir $data --hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024 \
+      --batch-size 8 --save-every 0 --no-progress"
+    named=()
+    for name in eager_1 captured_1 graphs_1 eager_2 captured_2; do  # alternated: drift on the host hits every mode
+      case $name in captured*) flag=--captured-step ;; graphs*) flag=--layer-graphs ;; *) flag="" ;; esac
+      rm -rf "/tmp/occult_cs_$name"
+      run "train_$name" 200 python3 -m occult train $lm --steps 100 --eval-every 50 --eval-tokens 32768 $flag \
+        --out "/tmp/occult_cs_$name"
+      named+=("$name=/tmp/occult_cs_$name")
+    done
+    for name in eager captured; do
+      flag=""; [ $name = captured ] && flag=--captured-step
+      rm -rf "/tmp/occult_csp_$name"
+      run "profile_$name" 150 python3 -m occult train $lm --steps 15 --eval-every 0 --profile-steps 11:15 $flag \
+        --out "/tmp/occult_csp_$name"
+      named+=("profile_$name=/tmp/occult_csp_$name")
+    done
+    [ "${DRY_RUN:-0}" = 1 ] || python3 scripts/_train_summary.py ab "$out/train_captured_step_1gpu.json" "${named[@]}" ;;
 esac

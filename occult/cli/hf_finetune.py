@@ -33,6 +33,7 @@ from occult.cli.inputs import (
 from occult.cli.registry import CommandError, check_input, check_output_dir
 from occult.cli.run_checks import (
     allocation_named,
+    check_captured_step,
     check_device,
     check_layer_graphs,
     check_max_devices,
@@ -243,6 +244,7 @@ def _finetune_config(args: Any) -> Any:
         distill_from=getattr(args, "distill_from", None),
         profile_steps=getattr(args, "profile_steps", None),
         layer_graphs=getattr(args, "layer_graphs", False),
+        captured_step=getattr(args, "captured_step", False),
     )
 
 
@@ -316,6 +318,7 @@ def run_finetune(args: Any) -> int:
     _check_teacher_dir(args)
     check_device(args.device)
     check_layer_graphs(args)
+    check_captured_step(args, hf=True)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if args.ep_size not in (None, 1):
             raise ValueError(f"--ep-size {args.ep_size} needs that many ranks: run under torchrun --nproc-per-node N")

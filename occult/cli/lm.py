@@ -59,6 +59,7 @@ from occult.cli.registry import Command, CommandError, check_input, check_output
 from occult.cli.run_checks import (
     allocation_named,
     check_batch,
+    check_captured_step,
     check_device,
     check_layer_graphs,
     check_train_sizes,
@@ -76,6 +77,7 @@ def _check_run_paths(args) -> None:
     check_input("--tokenizer", args.tokenizer)
     check_input("--ep-placement", args.ep_placement)
     check_layer_graphs(args)
+    check_captured_step(args)
 
 
 def _train_config(args):
@@ -108,6 +110,7 @@ def _train_config(args):
         "grad_sync",
         "profile_steps",
         "layer_graphs",
+        "captured_step",
         "distill_weight",
         "distill_temperature",
         "distill_from",

@@ -208,6 +208,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "docs/training.md) (default: eager layers)",
     )
     g.add_argument(
+        "--captured-step",
+        action="store_true",
+        help="record the whole training step (forward, backward, gradient sync, clipping, AdamW) once as one CUDA "
+        "graph, after 3 eager steps, and replay it: a step costs the host a batch copy and one launch (also with "
+        "--hf; needs a CUDA device and fixed shapes; not with --layer-graphs or re-placement; several ranks: "
+        "--transport device and --grad-sync explicit; docs/training.md) (default: eager steps)",
+    )
+    g.add_argument(
         "--profile-steps",
         default=None,
         metavar="A:B",

@@ -109,6 +109,42 @@ def check_layer_graphs(args: Any) -> None:
         )
 
 
+def check_captured_step(args: Any, hf: bool = False) -> None:
+    """--captured-step records the whole step in one CUDA graph: a CUDA device, not with --layer-graphs (the
+    layers are recorded inside the step) or re-placement (it moves experts between steps); on several ranks
+    the explicit gradient sync (DDP's reducer keeps host state; `hf`: `finetune --hf` has no --grad-sync and
+    syncs its routers explicitly in a captured step) and no count exchange (a host wait)."""
+    if not getattr(args, "captured_step", False):
+        return
+    device = resolved_device(args.device)
+    if not device.startswith("cuda"):
+        raise CommandError(f"--captured-step records a CUDA graph: it needs a CUDA device, not --device {device}")
+    if getattr(args, "layer_graphs", False):
+        raise CommandError("--captured-step records every MoE layer inside the step: drop --layer-graphs")
+    if getattr(args, "replace_every", 0) or getattr(args, "replace_drift", 0):
+        raise CommandError(
+            "--captured-step with --replace-every / --replace-drift: a migration moves experts between steps, "
+            "which a recorded step cannot follow; drop one of them"
+        )
+    if world_size() == 1:
+        return
+    if not hf and getattr(args, "grad_sync", "explicit") != "explicit":
+        raise CommandError(
+            f"--captured-step on several ranks with --grad-sync {args.grad_sync}: "
+            + (
+                "DDP's reducer keeps host state a replayed step would skip"
+                if args.grad_sync == "ddp"
+                else "FSDP2 gathers and frees the dense weights on the host around every block"
+            )
+            + "; use --grad-sync explicit (the all-reduce after the backward is recorded with the step)"
+        )
+    if getattr(args, "transport", "auto") == "counts" and getattr(args, "ep_size", 1) != 1:
+        raise CommandError(
+            "--captured-step with --transport counts: the count exchange reads row counts on the host, which a "
+            "CUDA graph cannot record; use --transport device (or auto)"
+        )
+
+
 def check_train_sizes(args: Any, vocab_size: int) -> None:
     """Refuse a model (its weights, gradients and AdamW state) or a batch (its logits and activations)
     that cannot be allocated, naming the flags to lower. Both sums are lower bounds."""

@@ -74,6 +74,7 @@ class TrainConfig:
     replace_wait: bool = False  # solve inline (training waits; deterministic) instead of in a background process
     profile_steps: str | None = None  # "A:B": profile steps A..B (occult.training.step_profile); None = off
     layer_graphs: bool = False  # MoE layer calls replayed from CUDA graphs, training ones too (occult.moe.graphs)
+    captured_step: bool = False  # the whole step recorded as one CUDA graph and replayed (training.step_graph)
     # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
     grad_sync: str = "ddp"
     # pruning-aware fine-tuning recipes (occult.lm.distill)
@@ -96,6 +97,7 @@ class TrainConfig:
         "grad_sync",
         "profile_steps",
         "layer_graphs",
+        "captured_step",
     )
 
     def __post_init__(self) -> None:

@@ -98,6 +98,7 @@ from occult.moe.step import agreed_step
 from occult.placement import Placement
 from occult.training.layer_graphs import check_recordable
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
+from occult.training.step_graph import check_capturable, model_signature
 from occult.training.step_profile import StepProfile
 
 
@@ -155,6 +156,7 @@ def _step_parts(run: TrainRun) -> StepParts:
         lr=run.schedule,
         mean=lambda t: global_mean(t, par),
         scope=lambda xy: agreed_step(model, xy[0].numel()),  # every MoE call of the step sees these tokens
+        signature=lambda: model_signature(model),
     )
 
 
@@ -217,6 +219,7 @@ def _prepare(
     if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
         wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
     _layer_graphs(model, cfg)
+    _check_captured_step(model, cfg, par)
     opt = make_optimizer(model, trainable_names(model, cfg.moe_only, cfg.train_part), cfg)
     replacer = Replacer(model, par, cfg, out, log) if cfg.replaces and par is not None and par.ep_size > 1 else None
     if cfg.replaces and replacer is None and log:
@@ -231,6 +234,25 @@ def _layer_graphs(model: OccultLM, cfg: TrainConfig) -> None:
     if cfg.layer_graphs:
         check_recordable(model)
         set_graphs(model, True, training=True)
+
+
+def _check_captured_step(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -> None:
+    """`captured_step`: what the training core cannot record (`check_capturable`), and this adapter's parts a
+    replayed step would skip: DDP's reducer (its host bookkeeping; the explicit sync is recorded) and
+    re-placement (it moves experts between steps). A `ValueError` before any step."""
+    if not cfg.captured_step:
+        return
+    if par is not None and cfg.grad_sync == "ddp":
+        raise ValueError(
+            "captured_step (--captured-step) on several ranks: DDP's reducer keeps host state a replayed step "
+            "would skip; use --grad-sync explicit (the all-reduce after the backward is recorded with the step)"
+        )
+    if cfg.replaces:
+        raise ValueError(
+            "captured_step (--captured-step) with re-placement (--replace-every / --replace-drift): a migration "
+            "moves experts between steps, which a recorded step cannot follow; drop one of them"
+        )
+    check_capturable(model)
 
 
 def train(
@@ -272,6 +294,7 @@ def train(
         progress,
         run.main,
         stop_on_interrupt=par is None,
+        captured_step=cfg.captured_step,
     )
     hooks = (
         [StepProfile(cfg.profile_steps, out, par.rank if par else 0, next(model.parameters()).device, run.log)]

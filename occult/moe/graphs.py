@@ -251,9 +251,12 @@ _PLAIN = frozenset((int, float, str, bool, type(None)))
 
 def has_hooks(*modules: torch.nn.Module) -> bool:
     """Whether any of `modules` or any module inside them has forward hooks or pre-hooks, or any global
-    module hook is set: a replayed call would not run them."""
+    module hook is set: a replayed call would not run them. Hooks marked `replay_safe` (a function attribute:
+    what they do, a replay does too, e.g. reading the routing statuses it queues) do not count."""
     from torch.nn.modules import module as nn_module
 
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in submodules(*modules))
+    hooks = [*nn_module._global_forward_hooks.values(), *nn_module._global_forward_pre_hooks.values()]
+    for m in submodules(*modules):
+        if m._forward_hooks or m._forward_pre_hooks:
+            hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+    return any(not getattr(hook, "replay_safe", False) for hook in hooks)

@@ -18,6 +18,9 @@
                tokens/s and whatever the hooks put in `postfix` (shown after the hooks ran, so
                an evaluation at this step is on the bar at once)
 
+With `LoopSettings.captured_step` everything from the loss to the optimizer step is recorded once as a
+CUDA graph and replayed (`occult.training.step_graph`; `StepParts.signature` says when to record again).
+
 With `LoopSettings.stop_on_interrupt` (one process only: ranks would disagree on the step), a
 Ctrl-C ends the loop after the step under way, which the adapter then saves (`interrupted` is
 set); a second Ctrl-C raises KeyboardInterrupt at once.
@@ -35,13 +38,16 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from occult.training.hooks import StepHook
+from occult.training.step_graph import CudaRecorder, StepGraph, set_lr
+
+STEP_RANGE = "occult::train_step"  # a step's host range in profiles (occult.training.step_profile)
 
 
 @dataclass
@@ -65,6 +71,7 @@ class StepParts:
     lr: Callable[[int], float]
     mean: Callable[[torch.Tensor], torch.Tensor]
     scope: Callable[[Any], contextlib.AbstractContextManager] = lambda batch: contextlib.nullcontext()
+    signature: Callable[[], Hashable] | None = None  # what a recorded step depends on (`captured_step`)
 
 
 @dataclass
@@ -79,6 +86,7 @@ class LoopSettings:
     main: bool = True
     log_every: int = 10
     stop_on_interrupt: bool = False  # a first Ctrl-C ends the loop after the current step (module docstring)
+    captured_step: bool = False  # the step recorded once as a CUDA graph and replayed (module docstring)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.tokens_per_step < 1 or self.log_every < 1:
@@ -129,6 +137,7 @@ class TrainLoop:
     postfix: dict[str, str] = field(default_factory=dict)  # extra progress-bar fields (hooks)
     clock: TrainClock = field(default_factory=TrainClock)
     pending: list[torch.Tensor] = field(default_factory=list)
+    graph: StepGraph | None = None  # the recorded step (`captured_step`; made by `run` where not given)
 
     def flush(self) -> float:
         """Record the pending steps' losses (means over the global batch); the last one."""
@@ -156,8 +165,11 @@ class TrainLoop:
         show = ((not s.progress) if s.progress is not None else None) if s.main else True
         bar = tqdm(total=s.steps, initial=self.step, desc=s.desc, unit="step", disable=show, dynamic_ncols=True)
         mark, shown, extra = (time.perf_counter(), self.step), {}, dict(self.postfix)
+        if s.captured_step and self.graph is None:
+            self.graph = self._step_graph()
         for hook in self.hooks:
             hook.start()
+        finished = False
         try:
             with self._interruptible():
                 while self.step < last and not self.stopped and not self.interrupted:
@@ -171,7 +183,12 @@ class TrainLoop:
                     if logged or self.postfix != extra:  # after the hooks: this step's evaluation too
                         extra = dict(self.postfix)
                         bar.set_postfix({**shown, **extra}, refresh=False)
+            finished = True
         finally:
+            if self.graph is not None and finished:
+                self.graph.close()  # freed, and every routing status it left read
+            elif self.graph is not None:
+                self.graph.release()
             bar.close()
             for hook in self.hooks:
                 hook.close()
@@ -200,12 +217,31 @@ class TrainLoop:
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    def _step_graph(self) -> StepGraph:
+        """The recorded step of this run, on the parameters' GPU."""
+        if self.parts.signature is None:
+            raise ValueError("LoopSettings.captured_step needs StepParts.signature (what a recorded step depends on)")
+        device = self.optimizer.param_groups[0]["params"][0].device
+        return StepGraph(self.optimizer, self.parts.signature, CudaRecorder(device))
+
     def _one_step(self) -> tuple[float, StepLoss, torch.Tensor | None]:
         self.clock.run()
-        lr = self.parts.lr(self.step)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        batch = self.parts.batch(self.step)
+        with torch.profiler.record_function(STEP_RANGE):
+            lr = self.parts.lr(self.step)
+            set_lr(self.optimizer, lr)
+            batch = self.parts.batch(self.step)
+            outputs = self._body(batch) if self.graph is None else self.graph.run(self._body, batch)
+        total, logged, aux, gnorm = outputs
+        self.step += 1
+        self.clock.steps += 1
+        if gnorm is not None:
+            self.grad_norms.append(gnorm)
+        self.pending.append(logged)
+        return lr, StepLoss(total, logged, aux), gnorm
+
+    def _body(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One step's work from the loss to the optimizer: (total, logged, aux, gradient norm), detached
+        (the autograd graph goes with the step)."""
         with self.parts.scope(batch):
             out = self.parts.loss(batch)
             self.optimizer.zero_grad(set_to_none=True)
@@ -213,12 +249,8 @@ class TrainLoop:
         self.parts.sync()
         gnorm = self.parts.clip(self.settings.grad_clip)
         self.optimizer.step()
-        self.step += 1
-        self.clock.steps += 1
-        if gnorm is not None:
-            self.grad_norms.append(gnorm.detach())
-        self.pending.append(out.logged.detach())
-        return lr, out, gnorm
+        aux = None if out.aux is None else out.aux.detach()
+        return out.total.detach(), out.logged.detach(), aux, None if gnorm is None else gnorm.detach()
 
     def _measure(
         self, mark: tuple[float, int], lr: float, out: StepLoss, gnorm: torch.Tensor | None
@@ -239,4 +271,4 @@ class TrainLoop:
         return (now, self.step), post
 
 
-__all__ = ["StepLoss", "StepParts", "LoopSettings", "TrainClock", "TrainLoop"]
+__all__ = ["STEP_RANGE", "StepLoss", "StepParts", "LoopSettings", "TrainClock", "TrainLoop"]

@@ -6,6 +6,8 @@ directory: wall ms per step (host clock, the GPU drained at both ends of the win
 per step (the union of the device's kernel and copy intervals), the idle share (wall - busy: the
 host-bound part), kernel launches per step, the host ms of an MoE layer call forward and backward
 (`moe_host_ms_per_call`: `occult.moe.host_time`'s ranges, the median call, less its waits for the GPU),
+the host ms of a whole step (`step_host_ms`: the loop's step range, the median step, less its waits: what
+the host spends issuing a step, e.g. ~0.2 ms for a replayed `--captured-step`),
 and the host operations and kernels that cost most;
 beside it the window's timeline, `step_trace_rank{r}.json.gz` (Chrome trace format, gzipped: Perfetto
 or chrome://tracing open it), which shows what host call each idle gap follows.
@@ -29,6 +31,7 @@ import torch
 
 from occult.moe.host_time import BACKWARD, FORWARD
 from occult.training.hooks import StepHook
+from occult.training.loop import STEP_RANGE
 
 TOP = 25  # host operations and kernels kept in the summary
 
@@ -102,6 +105,7 @@ def summarise(prof: Any, steps: int, wall_s: float, on_gpu: bool = True) -> dict
     host.sort(key=lambda a: -a.self_cpu_time_total)
     return {
         "moe_host_ms_per_call": moe_host_ms(prof.events(), steps),
+        "step_host_ms": step_host_ms(prof.events()),
         "steps": steps,
         "wall_ms_per_step": wall,
         "gpu_busy_ms_per_step": busy if on_gpu else None,
@@ -144,6 +148,15 @@ def moe_host_ms(events: Any, steps: int) -> dict[str, float | None]:
         "backward": median_busy_ms(ranges(BACKWARD), waits),
         "forward_calls_per_step": len(forward) / steps,
     }
+
+
+def step_host_ms(events: Any) -> float | None:
+    """Host ms of a training step (the loop's `STEP_RANGE`, the median step), less its waits for the GPU."""
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    waits = [(e.thread, e.time_range.start, e.time_range.end) for e in host if e.name in HOST_WAITS]
+    return median_busy_ms(
+        [(e.thread, e.time_range.start, e.time_range.end) for e in host if e.name == STEP_RANGE], waits
+    )
 
 
 def median_busy_ms(ranges: list[tuple[int, float, float]], waits: list[tuple[int, float, float]]) -> float | None:

@@ -84,6 +84,8 @@ def test_profiled_run_writes_its_summary_and_trains_the_same(tmp_path, data):
     assert any("mm" in op["name"] for op in doc["host_ops_top"]), doc["host_ops_top"][:5]
     moe = doc["moe_host_ms_per_call"]  # issue 52's host time per MoE layer call, both directions
     assert moe["forward"] > 0 and moe["backward"] > 0 and moe["forward_calls_per_step"] >= 2, moe  # (+ evaluation)
+    # the whole step's host time holds its MoE calls' (two layers, forward and backward)
+    assert doc["step_host_ms"] > 2 * (moe["forward"] + moe["backward"]), (doc["step_host_ms"], moe)
     assert not list((tmp_path / "prof").glob("*.tmp"))
     with gzip.open(tmp_path / "prof" / "step_trace_rank0.json.gz", "rt") as f:  # the window's timeline
         events = json.load(f)["traceEvents"]

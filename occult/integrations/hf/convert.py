@@ -145,6 +145,9 @@ def _check_routing(module: nn.Module, args: Any, output: Any) -> None:
     check_routing()
 
 
+_check_routing.replay_safe = True  # a replayed step or call queues the statuses it makes and reads them itself
+
+
 def _hf_blocks(model: nn.Module) -> list[tuple[str, OccultMoeBlock, nn.Module]]:
     """(name, converted block, rebuilt transformers block with all experts): a collective."""
     out = []

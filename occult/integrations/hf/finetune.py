@@ -56,6 +56,7 @@ from occult.training.layer_graphs import replayed_layers
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
+from occult.training.step_graph import check_capturable, model_signature
 from occult.training.step_profile import StepProfile
 
 Groups = Parallel  # the world of a fine-tuning run: `setup_groups`
@@ -147,7 +148,9 @@ def _step_parts(
     device = (routers + experts)[0].device
     rank, W = (groups.rank, groups.world_size) if groups is not None else (0, 1)
     net: nn.Module = model
-    if groups is not None and routers:  # DDP for the routers; the experts (each rank its own) and every buffer ignored
+    # DDP for the routers (the experts, each rank its own, and every buffer ignored); a captured step syncs them
+    # after the backward instead (DDP's reducer keeps host state a replayed step would skip)
+    if groups is not None and routers and not cfg.captured_step:
         expert_ids = {id(p) for p in experts}
         ignore = [n for n, p in model.named_parameters() if id(p) in expert_ids] + [n for n, _ in model.named_buffers()]
         net = grads.wrap_ddp(model, ignore, groups)
@@ -186,6 +189,7 @@ def _step_parts(
         lr=schedule,
         mean=lambda t: global_mean(t, groups),
         scope=lambda win: agreed_step(model, win[:, :-1].numel()),  # every MoE call of the step sees these tokens
+        signature=lambda: model_signature(model),
     )
 
 
@@ -284,8 +288,18 @@ def finetune(
     opt = torch.optim.AdamW(
         routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
+    if cfg.captured_step:
+        if cfg.layer_graphs:
+            raise ValueError("captured_step records every MoE layer inside the step: set layer_graphs=False")
+        check_capturable(model)
     settings = LoopSettings(
-        cfg.steps, cfg.grad_clip, cfg.batch_size * cfg.seq_len, "finetune (routers + experts)", progress, main
+        cfg.steps,
+        cfg.grad_clip,
+        cfg.batch_size * cfg.seq_len,
+        "finetune (routers + experts)",
+        progress,
+        main,
+        captured_step=cfg.captured_step,
     )
     loop = TrainLoop(None, opt, settings)
     schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)

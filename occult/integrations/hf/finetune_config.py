@@ -33,6 +33,7 @@ class FinetuneConfig:
     distill_from: str | None = None  # the teacher's directory (e.g. the standard fine-tune): pass its model as teacher=
     profile_steps: str | None = None  # "A:B": profile steps A..B into checkpoint_dir (else the working directory)
     layer_graphs: bool = False  # MoE layer calls, training ones too, replayed from CUDA graphs (occult.moe.graphs)
+    captured_step: bool = False  # the whole step recorded as one CUDA graph and replayed (training.step_graph)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -61,7 +62,7 @@ class FinetuneConfig:
         (checkpoints written before they existed hold none of them)."""
         recipe = ("distill_weight", "distill_temperature", "train_part", "distill_from")
         default = {f.name: f.default for f in fields(self) if f.name in recipe}
-        how = ("profile_steps", "layer_graphs")  # how the run executes, not what it computes
+        how = ("profile_steps", "layer_graphs", "captured_step")  # how the run executes, not what it computes
         return {k: v for k, v in vars(self).items() if (k not in default or v != default[k]) and k not in how}
 
 
