@@ -52,13 +52,13 @@ def check_capturable(model: nn.Module) -> None:
     """A `ValueError` naming why `model`'s training step cannot be recorded in a CUDA graph, else nothing."""
     flag = "captured_step (--captured-step)"
     params = list(model.parameters())
-    if not params or any(p.device.type != "cuda" for p in params):
-        raise ValueError(f"{flag} records a CUDA graph: it needs a CUDA device, every parameter on a GPU")
     if any(is_sharded(p) for p in params):
         raise ValueError(
             f"{flag} with grad_sync='fsdp': FSDP2 gathers and frees the dense weights around every block on the "
             "host; use --grad-sync explicit"
         )
+    if not params or any(p.device.type != "cuda" for p in params):
+        raise ValueError(f"{flag} records a CUDA graph: it needs a CUDA device, every parameter on a GPU")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, OccultMoE)]
     for name, layer in layers:
         if layer.waits_for_gpu:

@@ -139,6 +139,7 @@ def train_argv(prepared: Path, out: Path, *extra) -> list:
         (["--batch-size", "100000000"], ["--batch-size 100000000", "GiB", "lower --batch-size"]),
         (["--hidden", "1000000000", "--heads", "1"], ["--hidden 1000000000", "GiB", "make it smaller"]),
         (["--device", "cpu", "--layer-graphs"], ["--layer-graphs", "CUDA device", "--device cpu"]),
+        (["--device", "cpu", "--captured-step"], ["--captured-step", "CUDA device", "--device cpu"]),
     ],
 )
 def test_train_refuses_a_device_or_size_it_cannot_have(capsys, tmp_path, prepared, extra, needles):
@@ -366,7 +367,8 @@ def test_profile_of_a_transformers_model_refuses_flags_that_cannot_apply(capsys,
     assert list(tmp_path.iterdir()) == []
 
 
-def test_hf_finetune_refuses_layer_graphs_off_a_gpu(capsys, tmp_path, hf_model):
-    code, _, err = run(capsys, *hf_finetune_argv(hf_model, tmp_path / "run", "--device", "cpu", "--layer-graphs"))
-    one_clean_line(code, err, "--layer-graphs", "CUDA device")
+@pytest.mark.parametrize("flag", ["--layer-graphs", "--captured-step"])
+def test_hf_finetune_refuses_cuda_graphs_off_a_gpu(capsys, tmp_path, hf_model, flag):
+    code, _, err = run(capsys, *hf_finetune_argv(hf_model, tmp_path / "run", "--device", "cpu", flag))
+    one_clean_line(code, err, flag, "CUDA device")
     assert list(tmp_path.iterdir()) == []

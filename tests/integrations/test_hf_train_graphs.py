@@ -48,3 +48,19 @@ def test_train_graphs_is_off_by_default_and_needs_graphs():
         ExecConfig(train_graphs=True)
     with pytest.raises(ValueError, match="train_graphs must be True or False"):
         ExecConfig(graphs=True, train_graphs="yes")
+
+
+def test_a_captured_finetune_is_refused_where_it_cannot_be_recorded():
+    """`FinetuneConfig.captured_step` off a GPU, or with `layer_graphs` (the layers are recorded inside the step),
+    is a `ValueError` before any step. The routing check `convert` hooks on the model is replay-safe (a recorded
+    step reads its statuses itself), so it does not count among the hooks that refuse a recording; a user's does."""
+    model = hf.convert(hf.tiny_random_model("olmoe", seed=3))
+    tokens = torch.randint(3, int(model.config.vocab_size), (500,))
+    for kw, needle in (({}, "needs a CUDA device"), ({"layer_graphs": True}, "set layer_graphs=False")):
+        cfg = hf.FinetuneConfig(steps=2, batch_size=2, seq_len=16, captured_step=True, **kw)
+        with pytest.raises(ValueError, match=needle):
+            hf.finetune(model, tokens, cfg, progress=False, log=None)
+    assert model._forward_hooks and not has_hooks(model)
+    handle = model.model.layers[0].register_forward_hook(lambda m, i, o: None)
+    assert has_hooks(model)
+    handle.remove()

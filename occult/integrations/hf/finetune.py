@@ -281,6 +281,10 @@ def finetune(
     main = groups is None or groups.rank == 0
     log = log if main else None
     _check_teacher(cfg, model, teacher)
+    if cfg.captured_step:
+        if cfg.layer_graphs:
+            raise ValueError("captured_step records every MoE layer inside the step: set layer_graphs=False")
+        check_capturable(model)
     routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
     if log is not None:
@@ -288,10 +292,6 @@ def finetune(
     opt = torch.optim.AdamW(
         routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
-    if cfg.captured_step:
-        if cfg.layer_graphs:
-            raise ValueError("captured_step records every MoE layer inside the step: set layer_graphs=False")
-        check_capturable(model)
     settings = LoopSettings(
         cfg.steps,
         cfg.grad_clip,
