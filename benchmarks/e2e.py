@@ -53,6 +53,11 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    opt-in), e.g. dedup@device/traingraphs/compile. After its timed train steps, one more step's
                    gradients with the replays are compared with the same step with every MoE layer eager
                    (benchmarks/_replay_check.py): a worst relative error above --tol fails the variant
+  <variant>/stepgraph  the training step (forward, backward, gradient sync, AdamW) recorded once as one CUDA
+                   graph after 3 eager steps and replayed (occult.training.step_graph, as `occult train
+                   --captured-step`); occult's one-rank and @device / @syncfree variants, their MoE layers eager
+                   inside the recording (compile_layers(layer_graphs=False)); prefill runs as without it, e.g.
+                   replicated/compile/stepgraph, dedup@device/compile/stepgraph
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -137,6 +142,7 @@ from occult.moe import symm  # noqa: E402  (the device transport: where it can r
 from occult.moe.layer import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
 from occult.tools.bench import variant_sync_free  # noqa: E402
+from occult.training.step_graph import CudaRecorder, StepGraph, model_signature  # noqa: E402
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
 EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", *tt_model.VARIANTS)
@@ -225,6 +231,14 @@ def variant_list(text: str) -> list[str]:
     bad += [v for v in names if micro_batches(v) == 2 and not sync_free(v)]
     bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
     bad += [v for v in names if eager_moe(v) and not (is_compiled(v) and base_variant(v) == "replicated")]
+    bad += [
+        v
+        for v in names
+        if step_graph(v)
+        and not (base_variant(v) == "replicated" or on_device(v) or sync_free(v))
+        or step_graph(v)
+        and (layer_graphs(v) or train_graphs(v) or is_graphed(v))
+    ]
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
@@ -233,7 +247,8 @@ def variant_list(text: str) -> list[str]:
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
             f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches), @device or @syncfree ones "
             f"/traingraphs/compile (training calls replayed too), replicated/eagermoe/compile (MoE blocks "
-            f"eager between their layer's graphs), or the peers "
+            f"eager between their layer's graphs), replicated, @device or @syncfree ones /stepgraph (the training "
+            f"step in one CUDA graph; not with the other graph modifiers), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"
         )
@@ -280,6 +295,11 @@ def train_graphs(variant: str) -> bool:
     return "/traingraphs" in variant
 
 
+def step_graph(variant: str) -> bool:
+    """'replicated/compile/stepgraph': the training step recorded as one CUDA graph (occult.training.step_graph)."""
+    return "/stepgraph" in variant
+
+
 def eager_moe(variant: str) -> bool:
     """'replicated/eagermoe/compile': compile_layers(trace_moe=False), one-rank MoE blocks eager between their
     layer's two graphs."""
@@ -300,7 +320,9 @@ def micro_batches(variant: str) -> int:
 def _without_capture(variant: str) -> str:
     """The variant without its graph modifiers ('/layergraphs', '/traingraphs', '/eagermoe', a final '/graph' or
     '/twobatch')."""
-    stem = variant.replace("/layergraphs", "").replace("/traingraphs", "").replace("/eagermoe", "")
+    stem = variant
+    for modifier in ("/layergraphs", "/traingraphs", "/eagermoe", "/stepgraph"):
+        stem = stem.replace(modifier, "")
     return stem.removesuffix("/graph").removesuffix("/twobatch")
 
 
@@ -542,7 +564,9 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
     if is_compiled(variant):  # before `native`: native/compile is transformers' model compiled
         model = convert_variant(model, variant.replace("/compile", ""), placement, self_group)
         trace = False if eager_moe(variant) else None  # None: traced where every MoE layer is one-rank, on a GPU
-        hf.compile_layers(model, train_graphs=train_graphs(variant), trace_moe=trace)
+        hf.compile_layers(
+            model, layer_graphs=not step_graph(variant), train_graphs=train_graphs(variant), trace_moe=trace
+        )
         return model
     if base == "native":
         return model
@@ -580,8 +604,10 @@ def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
     return {k: float(v) / dist.get_world_size() for k, v in zip(keys, sums_K.tolist())}
 
 
-def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], None]:
-    """One prefill or train step on ids [B, S]."""
+def make_step(
+    model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | None, captured: bool = False
+) -> Callable[[torch.Tensor], None]:
+    """One prefill or train step on ids [B, S]; `captured`: the train step recorded as one CUDA graph."""
     if phase == "prefill":
         model.eval()
         forward = logits_fn(model, logits_to_keep=1)
@@ -593,14 +619,20 @@ def make_step(model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | N
         return prefill
     model.train()
 
-    def train(ids_BS: torch.Tensor) -> None:
+    def train(ids_BS: torch.Tensor) -> tuple[torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
         with agreed_step(model, ids_BS.numel()):  # as occult's trainers run a step (OCCULT_AGREEMENT=step: agreed once)
-            model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss.backward()
+            loss = model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
+            loss.backward()
         hf.sync_gradients(model)
         optimizer.step()
+        return (loss.detach(),)
 
-    return train
+    if not captured:
+        return train
+    device = next(model.parameters()).device
+    graph = StepGraph(optimizer, lambda: model_signature(model), CudaRecorder(device))
+    return lambda ids_BS: graph.run(train, ids_BS)
 
 
 def time_steps(
@@ -761,7 +793,11 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                     log("  graph: replay differs from the eager forward  FAILED")
                     break
             else:
-                step = tt_model.make_step(model, phase, optimizer) if titan else make_step(model, phase, optimizer)
+                step = (
+                    tt_model.make_step(model, phase, optimizer)
+                    if titan
+                    else make_step(model, phase, optimizer, step_graph(variant))
+                )
             first_s = (
                 first_step_s(step, args, cfg.vocab_size, device)
                 if is_compiled(variant) and not is_graphed(variant)

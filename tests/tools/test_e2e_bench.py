@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import types
 
 import pytest
 import torch
@@ -367,7 +368,7 @@ def test_native_compile_compiles_the_decoder_layers(monkeypatch):
     monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append((model, kw)))
     model = object()
     assert e2e.convert_variant(model, "native/compile", None, None) is model
-    assert calls == [(model, {"train_graphs": False, "trace_moe": None})]
+    assert calls == [(model, {"layer_graphs": True, "train_graphs": False, "trace_moe": None})]
     assert e2e.convert_variant(model, "native", None, None) is model and len(calls) == 1
 
 
@@ -382,7 +383,7 @@ def test_eagermoe_goes_with_replicated_compile_only(monkeypatch):
     monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append(kw))
     monkeypatch.setattr(e2e.hf, "convert", lambda model, **kw: model)
     e2e.convert_variant(torch.nn.Module(), name, None, None)
-    assert calls == [{"train_graphs": False, "trace_moe": False}]
+    assert calls == [{"layer_graphs": True, "train_graphs": False, "trace_moe": False}]
     for bad in (
         "replicated/eagermoe",
         "dedup@device/eagermoe/compile",
@@ -391,3 +392,67 @@ def test_eagermoe_goes_with_replicated_compile_only(monkeypatch):
     ):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)
+
+
+def test_stepgraph_records_the_train_step_with_the_moe_layers_eager_inside(monkeypatch):
+    """`/stepgraph`: compile_layers leaves the MoE layers' own graphs off (they are recorded inside the step), and
+    the train step goes through `StepGraph` (3 eager steps, then the recording); only occult's variants that
+    can be recorded, not with the other graph modifiers."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    names = e2e.variant_list("replicated/compile/stepgraph,dedup@device/compile/stepgraph,dedup@syncfree/stepgraph")
+    assert all(e2e.step_graph(n) for n in names) and not e2e.step_graph("replicated/compile")
+    assert [e2e.base_variant(n) for n in names] == ["replicated", "dedup", "dedup"] and e2e.on_device(names[1])
+    calls = []
+    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append(kw))
+    monkeypatch.setattr(e2e.hf, "convert", lambda model, **kw: model)
+    e2e.convert_variant(torch.nn.Module(), names[0], None, None)
+    assert calls == [{"layer_graphs": False, "train_graphs": False, "trace_moe": None}]
+    for bad in (
+        "native/compile/stepgraph",
+        "dedup/compile/stepgraph",
+        "dedup@device/traingraphs/compile/stepgraph",
+        "replicated/layergraphs/stepgraph",
+        "replicated/compile/stepgraph/graph",
+    ):
+        with pytest.raises(Exception, match="unknown variant"):
+            e2e.variant_list(bad)
+    seen = []
+
+    class Recorder:
+        def eager(self, body, batch):
+            seen.append("eager")
+            return body(batch)
+
+        def prepare(self, optimizer): ...
+
+        def record(self, body, inputs):
+            seen.append("record")
+            self.body, self.inputs = body, inputs
+
+        def replay(self):
+            seen.append("replay")
+            return self.body(self.inputs)
+
+        def statuses(self):
+            return []
+
+        def release(self): ...
+
+    monkeypatch.setattr(e2e, "CudaRecorder", lambda device: Recorder())
+    monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model: None)
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(11, 4)
+
+        def forward(self, input_ids, labels, use_cache):
+            return types.SimpleNamespace(loss=self.embed(input_ids).square().mean())
+
+    model = LM()
+    step = e2e.make_step(model, "train", torch.optim.AdamW(model.parameters()), captured=True)
+    for _ in range(5):
+        step(torch.randint(0, 11, (2, 3)))
+    assert seen == ["eager"] * 3 + ["record", "replay", "replay"]
