@@ -152,6 +152,10 @@ def link_report(out: Path, link: str) -> dict[str, Any]:
         "two_gpu_dedup_over_one_gpu_job": ratio(runs, "dedup_ddp", "1gpu", "tokens_per_s"),
         "two_gpu_floor_over_one_gpu_job": ratio(runs, "floor", "1gpu", "tokens_per_s"),
         "dedup_layer_graphs_over_dedup": ratio(runs, "dedup_graphs_ddp", "dedup_device_ddp", "tokens_per_s"),
+        "dedup_captured_step_over_dedup": ratio(runs, "dedup_captured_explicit", "dedup_device_ddp", "tokens_per_s"),
+        "dedup_captured_step_over_floor_per_gpu": ratio(
+            runs, "dedup_captured_explicit", "floor", "tokens_per_s_per_gpu"
+        ),
     }
     # the loss reference: the floor trains on the same global batch as the EP runs; the 1-GPU run on half
     # of it (8 sequences per GPU everywhere), so its losses differ from the first step on

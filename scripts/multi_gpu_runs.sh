@@ -25,7 +25,8 @@
 # issue52   issue 52's training targets, NVLink, one model a call (MODELS=olmoe, then MODELS=qwen3; ~7 min
 #           each): e2e.py prefill and train against the floor of today's code (replicated/compile: one-rank
 #           MoE blocks traced into their layers), the EP layers eager (dedup@device/compile) and replayed
-#           (dedup@device/traingraphs/compile), then the same EP variants again with OCCULT_AGREEMENT=step (the
+#           (dedup@device/traingraphs/compile), the whole step captured (replicated/compile/stepgraph,
+#           dedup@device/compile/stepgraph), then the EP variants again with OCCULT_AGREEMENT=step (the
 #           step agreement: default if it wins, removed if not); Qwen3 also torchtitan, torchtitan+occult@device,
 #           torchtitan+occult+experts@device (carry .whl). The 2-GPU occult train set: two_gpu_training.sh
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
@@ -113,9 +114,10 @@ case $part in
     fi
     ep=dedup@device/compile,dedup@device/traingraphs/compile
     for model in ${MODELS:-olmoe qwen3}; do
-      variants=replicated/compile,$ep
+      # /stepgraph: the whole training step recorded as one CUDA graph (not with the step agreement: host work)
+      variants=replicated/compile,replicated/compile/stepgraph,$ep,dedup@device/compile/stepgraph
       [ $model = qwen3 ] && variants=$variants,torchtitan,torchtitan+occult@device,torchtitan+occult+experts@device
-      run "issue52_${model}" 300 $tr benchmarks/e2e.py --model $model --phases prefill,train --variants $variants \
+      run "issue52_${model}" 400 $tr benchmarks/e2e.py --model $model --phases prefill,train --variants $variants \
         --out "$out/e2e_${model}_issue52_${n}gpu.json"
       run "issue52_${model}_step" 150 env OCCULT_AGREEMENT=step $tr benchmarks/e2e.py --model $model --phases train \
         --variants replicated/compile,$ep --out "$out/e2e_${model}_issue52_step_${n}gpu.json"

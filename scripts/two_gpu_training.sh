@@ -83,6 +83,9 @@ train_part() {
     # issue 52: every MoE layer call replayed from CUDA graphs (one GPU: no gain, the host runs ahead there)
     [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_graphs_ddp 2 --dispatcher dedup --grad-sync ddp --transport device \
       --layer-graphs
+    # issue 52: the whole step recorded as one CUDA graph (the gradient all-reduce recorded with it: explicit sync)
+    [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_captured_explicit 2 --dispatcher dedup --grad-sync explicit \
+      --transport device --captured-step
     # "auto" (dedup_ddp) takes the device transport on NVLink: the count exchange beside it
     train_run nvlink dedup_counts_ddp 2 --dispatcher dedup --grad-sync ddp --transport counts
     # FSDP2 cost 21-31 % on NVLink with the count exchange: does a layer with no host wait let it prefetch?
