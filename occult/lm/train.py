@@ -97,7 +97,7 @@ from occult.moe.layer import set_graphs
 from occult.moe.step import agreed_step
 from occult.placement import Placement
 from occult.training.layer_graphs import check_recordable
-from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
+from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop, to_device
 from occult.training.step_graph import check_capturable, model_signature
 from occult.training.step_profile import StepProfile
 
@@ -131,7 +131,7 @@ def _step_parts(run: TrainRun) -> StepParts:
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = train_batch(run.data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step, *shard)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return to_device(x, device), to_device(y, device)
 
     teacher = load_teacher(cfg.distill_from, model, device, par) if cfg.distill_from else None
 

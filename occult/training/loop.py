@@ -50,6 +50,15 @@ from occult.training.step_graph import CudaRecorder, StepGraph, set_lr
 STEP_RANGE = "occult::train_step"  # a step's host range in profiles (occult.training.step_profile)
 
 
+def to_device(batch_cpu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on `device` without the host waiting for the GPU: a GPU copy goes through pinned memory
+    (from pageable memory it would wait for the stream to reach it, and a host that runs ahead of the GPU,
+    e.g. launching recorded steps, would stop at every batch)."""
+    if device.type != "cuda":
+        return batch_cpu.to(device)
+    return batch_cpu.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class StepLoss:
     """One forward's losses: `total` is what the backward runs on, `logged` the recorded loss
@@ -271,4 +280,4 @@ class TrainLoop:
         return (now, self.step), post
 
 
-__all__ = ["STEP_RANGE", "StepLoss", "StepParts", "LoopSettings", "TrainClock", "TrainLoop"]
+__all__ = ["STEP_RANGE", "to_device", "StepLoss", "StepParts", "LoopSettings", "TrainClock", "TrainLoop"]

@@ -18,7 +18,8 @@ How a run goes (`StepGraph.run`):
   its learning rate a GPU tensor the loop fills each step, `set_lr`); the gradients then live in
   the graph's memory, written (not accumulated) by every replay;
 - the losses and the gradient norm come out as copies; the routing statuses the recording made
-  (NaN gates, ids out of range) are queued after each replay and read a step late without waiting,
+  (NaN gates, ids out of range), combined into one inside the graph, are queued after each replay and
+  read a step late without waiting,
   so bad routing raises `RoutingError` as from eager layers, every pending one at the end;
 - a step whose model no longer matches the recording (`model_signature`: a parameter or buffer
   replaced, a plain setting switched, a device transport's buffers grown) is recorded again.
@@ -165,7 +166,8 @@ class CudaRecorder:
             torch.cuda.graph(graph, stream=self.stream),
         ):
             self.outputs = body(inputs)
-        self.graph, self.kept = graph, kept
+            combined = combined_status(kept)  # one status a replay to read, not one per layer call
+        self.graph, self.kept = graph, [combined] if combined is not None else []
 
     def replay(self) -> Any:
         self.graph.replay()
@@ -176,6 +178,16 @@ class CudaRecorder:
 
     def release(self) -> None:
         self.graph, self.outputs, self.kept = None, None, []
+
+
+def combined_status(statuses: list[torch.Tensor]) -> torch.Tensor | None:
+    """The element-wise maximum of routing statuses (a one-entry status, a one-rank layer's, counts for every
+    rank, as `occult.moe.status.take_ready` reads it); None for none."""
+    if not statuses:
+        return None
+    width = max(s.numel() for s in statuses)
+    rows = [s.reshape(-1).expand(width) if s.numel() == 1 else s.reshape(-1) for s in statuses]
+    return torch.stack(rows).amax(0)
 
 
 @dataclass(eq=False)
@@ -272,4 +284,5 @@ __all__ = [
     "Recorder",
     "CudaRecorder",
     "StepGraph",
+    "combined_status",
 ]

@@ -165,3 +165,12 @@ def test_capturable_optimizers_and_devices():
     assert float(opt.param_groups[0]["lr"]) == 0.25
     with pytest.raises(ValueError, match="needs a CUDA device"):
         check_capturable(model)
+
+
+def test_a_recordings_statuses_are_combined_into_one():
+    """One status a replay (a one-entry status, a one-rank layer's, counts for every rank); bad entries kept."""
+    from occult.training.step_graph import combined_status
+
+    assert combined_status([]) is None
+    got = combined_status([torch.tensor([0]), torch.tensor([0, 2, 0]), torch.tensor([[1]]), torch.tensor([0, 0, 3])])
+    assert got.tolist() == [1, 2, 3]

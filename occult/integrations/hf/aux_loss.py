@@ -97,10 +97,9 @@ class RouterTaps:
                 )
             )
             psums.append(probs_TE.sum(0))
-            rows.append(float(probs_TE.shape[0]))
+            rows.append(probs_TE.new_full((), float(probs_TE.shape[0])))  # made on the device: no copy (CUDA graphs)
         self.clear()
-        C_LE, P_LE = torch.stack(counts), torch.stack(psums)
-        R_L = torch.tensor(rows, dtype=torch.float32, device=C_LE.device)
+        C_LE, P_LE, R_L = torch.stack(counts), torch.stack(psums), torch.stack(rows)
         W = 1
         Cg, Pg, Rg = C_LE, P_LE.detach(), R_L
         if group is not None and dist.get_world_size(group) > 1:

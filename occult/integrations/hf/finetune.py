@@ -53,7 +53,7 @@ from occult.training import grads
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
 from occult.training.hooks import StepHook
 from occult.training.layer_graphs import replayed_layers
-from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
+from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop, to_device
 from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
 from occult.training.step_graph import check_capturable, model_signature
@@ -156,7 +156,7 @@ def _step_parts(
         net = grads.wrap_ddp(model, ignore, groups)
 
     def batch(step: int) -> torch.Tensor:
-        return batch_rows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step, rank, W).to(device)
+        return to_device(batch_rows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step, rank, W), device)
 
     def loss(win: torch.Tensor) -> StepLoss:
         x, y = win[:, :-1], win[:, 1:]
