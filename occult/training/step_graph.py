@@ -30,7 +30,8 @@ rest (DDP's reducer, re-placement: `occult.lm.train`, `occult.integrations.hf.fi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -133,9 +134,23 @@ class Recorder(Protocol):
     def release(self) -> None: ...
 
 
+@contextlib.contextmanager
+def autocast_cache_off() -> Iterator[None]:
+    """Autocast's weight cache off inside (its on/off state and dtype as they are): a recording must make every
+    cast itself, not read one made before it (`occult.moe.capture_stream`). The eager warm-up steps run inside it
+    too: torch.compile guards on the flag, so a compiled layer warmed up with it on would compile again inside
+    the recording (a compilation reads values to the host, which a capture refuses)."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
 class CudaRecorder:
     """One CUDA graph on occult's capture stream (its BLAS workspaces outside every graph's memory:
-    `occult.moe.capture_stream`), autocast's weight cache off while recording."""
+    `occult.moe.capture_stream`), the warm-up steps on the same stream, both with autocast's weight cache off."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = capture_stream(device)
@@ -147,7 +162,7 @@ class CudaRecorder:
         """`body(batch)` on the capture stream, ordered after and before the current stream's work."""
         current = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), autocast_cache_off():
             out = body(batch)
         current.wait_stream(self.stream)
         return out
@@ -162,7 +177,7 @@ class CudaRecorder:
         graph = torch.cuda.CUDAGraph()
         with (
             pending.recording() as kept,
-            torch.autocast("cuda", enabled=False, cache_enabled=False),
+            autocast_cache_off(),
             torch.cuda.graph(graph, stream=self.stream),
         ):
             self.outputs = body(inputs)
