@@ -130,14 +130,6 @@ class OccultMoE(nn.Module):
         return self.num_ranks > 1 and not self.sync_free and self.dispatcher.transport_name != "device"
 
     @property
-    def transport_generation(self) -> int | None:
-        """The device transport's buffer generation (it grows when a call needs larger buffers: a recording made
-        before then reads freed ones), None where the layer exchanges through no such buffers."""
-        if self.num_ranks == 1 or self.sync_free:
-            return None
-        return getattr(self.dispatcher.transport, "generation", None)
-
-    @property
     def expert_backend(self) -> str:
         return self.execution.expert_backend
 

@@ -9,6 +9,7 @@ path, one checkpoint format family, one place for hooks.
                   progress) over a model's `StepParts`
     hooks.py      `StepHook`: what runs after every step (re-placement, evaluation, checkpoints)
     layer_graphs.py  the MoE layers replayed from CUDA graphs for a run (`--layer-graphs`): checks, switch
+    step_graph.py the whole step recorded once as one CUDA graph and replayed (`--captured-step`)
     dcp.py        sharded checkpoints with torch.distributed.checkpoint: atomic write, hash check,
                   resume on any number of ranks
 

@@ -81,6 +81,8 @@ class StepParts:
     mean: Callable[[torch.Tensor], torch.Tensor]
     scope: Callable[[Any], contextlib.AbstractContextManager] = lambda batch: contextlib.nullcontext()
     signature: Callable[[], Hashable] | None = None  # what a recorded step depends on (`captured_step`)
+    # the context a captured step's eager warm-up steps run in (`occult.training.step_graph.StepGraph.warmup_scope`)
+    warmup_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 @dataclass
@@ -231,7 +233,8 @@ class TrainLoop:
         if self.parts.signature is None:
             raise ValueError("LoopSettings.captured_step needs StepParts.signature (what a recorded step depends on)")
         device = self.optimizer.param_groups[0]["params"][0].device
-        return StepGraph(self.optimizer, self.parts.signature, CudaRecorder(device))
+        recorder = CudaRecorder(device)
+        return StepGraph(self.optimizer, self.parts.signature, recorder, warmup_scope=self.parts.warmup_scope)
 
     def _one_step(self) -> tuple[float, StepLoss, torch.Tensor | None]:
         self.clock.run()

@@ -76,7 +76,7 @@ def check_capturable(model: nn.Module) -> None:
             raise ValueError(
                 f"{flag} records every MoE layer inside the step: drop --layer-graphs (layer {name} replays its own)"
             )
-    if settings.current().agreement == "step" and any(m.transport_generation is not None for _, m in layers):
+    if settings.current().agreement == "step" and any(transport_generation(m) is not None for _, m in layers):
         raise ValueError(f"{flag} with OCCULT_AGREEMENT=step: the step's agreement runs on the host; unset it")
     if has_hooks(model):
         raise ValueError(f"{flag}: the model has forward hooks, which a replayed step would not call; remove them")
@@ -87,8 +87,16 @@ def model_signature(model: nn.Module) -> tuple:
     modules' plain settings (a router's device limit, train/eval) and its device transports' buffer
     generations."""
     modules = submodules(model)
-    generations = tuple(m.transport_generation for m in modules if isinstance(m, OccultMoE))
+    generations = tuple(transport_generation(m) for m in modules if isinstance(m, OccultMoE))
     return tensors_key(model), settings_key(*modules), generations
+
+
+def transport_generation(layer: OccultMoE) -> int | None:
+    """The layer's device transport's buffer generation (it grows when a call needs larger buffers: a recording
+    made before then reads freed ones), None where the layer exchanges through no such buffers."""
+    if layer.num_ranks == 1 or layer.sync_free:
+        return None
+    return getattr(layer.dispatcher.transport, "generation", None)
 
 
 def make_capturable(optimizer: torch.optim.Optimizer) -> None:
@@ -175,13 +183,22 @@ class CudaRecorder:
         torch.cuda.synchronize(self.stream.device)
         torch.cuda.empty_cache()  # the eager steps' cached activations, for the graph's own pool
         graph = torch.cuda.CUDAGraph()
-        with (
-            pending.recording() as kept,
-            autocast_cache_off(),
-            torch.cuda.graph(graph, stream=self.stream),
-        ):
-            self.outputs = body(inputs)
-            combined = combined_status(kept)  # one status a replay to read, not one per layer call
+        try:
+            with (
+                pending.recording() as kept,
+                autocast_cache_off(),
+                torch.compiler.set_stance("fail_on_recompile"),
+                torch.cuda.graph(graph, stream=self.stream),
+            ):
+                self.outputs = body(inputs)
+                combined = combined_status(kept)  # one status a replay to read, not one per layer call
+        except Exception as e:
+            raise RuntimeError(
+                f"recording the training step failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); a compiled layer that compiles again inside the "
+                "recording met inputs the warm-up steps did not (StepGraph.warmup_scope), and a host read (.item(), "
+                "a host-to-device copy from pageable memory) cannot be recorded: train without the captured step"
+            ) from e
         self.graph, self.kept = graph, [combined] if combined is not None else []
 
     def replay(self) -> Any:
@@ -215,6 +232,9 @@ class StepGraph:
     signature: Callable[[], Hashable]
     recorder: Recorder
     warmup: int = WARMUP_STEPS
+    # the eager warm-up steps run inside it, so they take the code paths the recording will (transformers builds
+    # its attention masks otherwise while a capture runs: `occult.integrations.hf.graphed.masks_as_under_capture`)
+    warmup_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     inputs: Any = None
     recorded: Hashable = None
     replays: int = 0
@@ -226,7 +246,8 @@ class StepGraph:
     def run(self, body: Callable[[Any], tuple], batch: Any) -> tuple:
         if self.warmup > 0:
             self.warmup -= 1
-            return self.recorder.eager(body, batch)
+            with self.warmup_scope():
+                return self.recorder.eager(body, batch)
         self._raise_ready()
         signature = self.signature()
         if self.inputs is None or signature != self.recorded:
@@ -294,6 +315,7 @@ __all__ = [
     "WARMUP_STEPS",
     "check_capturable",
     "model_signature",
+    "transport_generation",
     "make_capturable",
     "set_lr",
     "Recorder",

@@ -48,6 +48,7 @@ from occult.integrations.hf.block import OccultMoeBlock
 from occult.integrations.hf.finetune_config import FinetuneConfig, FinetuneResult, lr_at
 from occult.integrations.hf.finetune_data import batch_rows, tokenize_texts
 from occult.integrations.hf.finetune_state import CheckpointSaver, CloseTaps, resume_state
+from occult.integrations.hf.graphed import masks_as_under_capture
 from occult.moe.step import agreed_step
 from occult.training import grads
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
@@ -190,6 +191,7 @@ def _step_parts(
         mean=lambda t: global_mean(t, groups),
         scope=lambda win: agreed_step(model, win[:, :-1].numel()),  # every MoE call of the step sees these tokens
         signature=lambda: model_signature(model),
+        warmup_scope=masks_as_under_capture,  # a captured step's warm-up builds the masks its recording will
     )
 
 
@@ -213,6 +215,15 @@ def _check_teacher(cfg: FinetuneConfig, model: nn.Module, teacher: nn.Module | N
             )
         teacher.requires_grad_(False)
         teacher.eval()
+
+
+def _check_captured_step(cfg: FinetuneConfig, model: nn.Module) -> None:
+    """`captured_step`: not with `layer_graphs` (the layers are recorded inside the step), and what the training
+    core cannot record (`check_capturable`); a `ValueError` before anything changes."""
+    if cfg.captured_step:
+        if cfg.layer_graphs:
+            raise ValueError("captured_step records every MoE layer inside the step: set layer_graphs=False")
+        check_capturable(model)
 
 
 def _what_trains(cfg: FinetuneConfig, routers: list[nn.Parameter], experts: list[nn.Parameter]) -> str:
@@ -281,10 +292,7 @@ def finetune(
     main = groups is None or groups.rank == 0
     log = log if main else None
     _check_teacher(cfg, model, teacher)
-    if cfg.captured_step:
-        if cfg.layer_graphs:
-            raise ValueError("captured_step records every MoE layer inside the step: set layer_graphs=False")
-        check_capturable(model)
+    _check_captured_step(cfg, model)
     routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
     if log is not None:
@@ -292,15 +300,8 @@ def finetune(
     opt = torch.optim.AdamW(
         routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
-    settings = LoopSettings(
-        cfg.steps,
-        cfg.grad_clip,
-        cfg.batch_size * cfg.seq_len,
-        "finetune (routers + experts)",
-        progress,
-        main,
-        captured_step=cfg.captured_step,
-    )
+    per_step, what = cfg.batch_size * cfg.seq_len, "finetune (routers + experts)"
+    settings = LoopSettings(cfg.steps, cfg.grad_clip, per_step, what, progress, main, captured_step=cfg.captured_step)
     loop = TrainLoop(None, opt, settings)
     schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     sig = None
