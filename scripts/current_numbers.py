@@ -130,6 +130,8 @@ def result_kind(doc: dict) -> str | None:
         return "peers"
     if "graphs_over_eager_tokens_per_s" in doc or "layer_graphs_over_eager_tokens_per_s" in doc:
         return "train_graphs"
+    if "over_eager_tokens_per_s" in doc and "tokens_per_s_median" in doc:
+        return "train_ab"
     if "ratios" in doc and "variants" in doc and "link" in doc:
         return "train"
     if "one_gpu" in doc and "two_gpus" in doc:
@@ -290,6 +292,25 @@ def train_graphs_figures(doc: dict, link: str) -> Iterator[Figure]:
     yield Figure("train", ("1", link, "occult train --layer-graphs over eager layers"), (f"{value:.3f}x", sides))
 
 
+AB_MODES = {
+    "captured": "occult train --captured-step over eager steps",
+    "graphs": "occult train --layer-graphs over eager layers",
+}
+
+
+def train_ab_figures(doc: dict, link: str) -> Iterator[Figure]:
+    """`occult train` modes over eager steps, one GPU, runs alternated in one job (`scripts/_train_summary.py ab`):
+    each mode's median tokens/s over eager's."""
+    runs = doc["variants"]
+    eager = [r["tokens_per_s"] for n, r in runs.items() if n.startswith("eager")]
+    for mode, name in AB_MODES.items():
+        if mode not in doc["over_eager_tokens_per_s"]:
+            continue
+        mine = [r["tokens_per_s"] for n, r in runs.items() if n.rsplit("_", 1)[0] == mode]
+        sides = f"{' / '.join(f'{t:,.0f}' for t in mine)}; eager {' / '.join(f'{t:,.0f}' for t in eager)}"
+        yield Figure("train", ("1", link, name), (f"{doc['over_eager_tokens_per_s'][mode]:.3f}x", sides))
+
+
 def finetune_figures(doc: dict, link: str) -> Iterator[Figure]:
     cells = (f"{doc['speedup_steps_per_s']:.2f}x", f"{doc['loss_max_rel_diff']:.4f}")
     yield Figure("finetune", ("2", link, "tiny transformers MoE"), cells)
@@ -305,6 +326,7 @@ FIGURES: dict[str, Callable[[dict, str], Iterator[Figure]]] = {
     "finetune": finetune_figures,
     "train_job": train_job_figures,
     "train_graphs": train_graphs_figures,
+    "train_ab": train_ab_figures,
 }
 
 
