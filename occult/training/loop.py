@@ -233,6 +233,8 @@ class TrainLoop:
         if self.parts.signature is None:
             raise ValueError("LoopSettings.captured_step needs StepParts.signature (what a recorded step depends on)")
         device = self.optimizer.param_groups[0]["params"][0].device
+        if device.type != "cuda":
+            raise ValueError(f"LoopSettings.captured_step records a CUDA graph: the parameters are on {device}")
         recorder = CudaRecorder(device)
         return StepGraph(self.optimizer, self.parts.signature, recorder, warmup_scope=self.parts.warmup_scope)
 

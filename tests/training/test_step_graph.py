@@ -152,6 +152,10 @@ def test_the_loop_needs_a_signature_to_record():
     loop = TrainLoop(parts, opt, LoopSettings(2, 0.0, 16, progress=False, captured_step=True))
     with pytest.raises(ValueError, match="StepParts.signature"):
         loop.run(2)
+    parts.signature = lambda: 0
+    with pytest.raises(ValueError, match="records a CUDA graph: the parameters are on cpu"):
+        TrainLoop(parts, opt, LoopSettings(2, 0.0, 16, progress=False, captured_step=True)).run(2)
+    assert all(p.grad is None for p in model.parameters())  # refused before any step
 
 
 def test_capturable_optimizers_and_devices():
