@@ -24,6 +24,11 @@ How a run goes (`StepGraph.run`):
 - a step whose model no longer matches the recording (`model_signature`: a parameter or buffer
   replaced, a plain setting switched, a device transport's buffers grown) is recorded again.
 
+On several ranks every rank records at the same step: the warm-up count is the same everywhere, and what changes
+the signature (buffer growth, train/eval) happens on every rank at once. A change on one rank only would make it
+record alone, its layers waiting in their host agreement for peers that replay instead, until that agreement's
+timeout ends the run with an error (not a hang).
+
 What a graph cannot hold is refused before any step (`check_capturable`). The adapters refuse the
 rest (DDP's reducer, re-placement: `occult.lm.train`, `occult.integrations.hf.finetune`).
 """
