@@ -13,16 +13,14 @@ import os
 
 import pytest
 import torch
+from test_lm_layer_graphs_one_gpu import LOSS_TOL, MODEL, _config, _data, _relative_gap  # the same model and run
 
-from occult.lm.data import TokenData
 from occult.lm.model import ModelConfig, OccultLM
-from occult.lm.train import DivergedError, TrainConfig, finetune, train
+from occult.lm.train import DivergedError, finetune, train
 from occult.moe.counts import RoutingError
 from occult.training import step_graph
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
 
-LOSS_TOL = 1e-3
-MODEL = dict(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, num_experts=16, top_k=4, expert_ffn_size=128)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
@@ -33,22 +31,6 @@ def replays(monkeypatch) -> list[int]:
     original = step_graph.CudaRecorder.replay
     monkeypatch.setattr(step_graph.CudaRecorder, "replay", lambda self: counted.append(1) or original(self))
     return counted
-
-
-def _data(seed: int) -> TokenData:
-    g = torch.Generator().manual_seed(seed)
-    stream = torch.randint(0, MODEL["vocab_size"], (300_000,), generator=g)
-    return TokenData(stream[:280_000], stream[280_000:], MODEL["vocab_size"], {})
-
-
-def _config(**kw) -> TrainConfig:
-    settings = dict(steps=30, batch_size=8, seq_len=128, lr=2e-3, warmup_steps=5, eval_every=10, save_every=0)
-    return TrainConfig(**{**settings, "eval_tokens": 4096, "device": "cuda", "precision": "bf16", **kw})
-
-
-def _relative_gap(got: list[float], ref: list[float]) -> float:
-    assert len(got) == len(ref) and got
-    return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
 
 
 def _train(seed: int, tmp, name: str, **kw):
