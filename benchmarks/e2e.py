@@ -138,7 +138,7 @@ from _timing import (
 from occult import ExecConfig, Placement, RoutingConfig, agreed_step  # noqa: E402
 from occult.distributed import finish_distributed, init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
-from occult.integrations.hf.graphed import masks_as_under_capture  # noqa: E402
+from occult.integrations.hf.graphed import masks_as_eager  # noqa: E402
 from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
 from occult.moe.layer import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
@@ -632,9 +632,7 @@ def make_step(
     if not captured:
         return train
     device = next(model.parameters()).device
-    graph = StepGraph(
-        optimizer, lambda: model_signature(model), CudaRecorder(device), warmup_scope=masks_as_under_capture
-    )
+    graph = StepGraph(optimizer, lambda: model_signature(model), CudaRecorder(device), capture_scope=masks_as_eager)
     return lambda ids_BS: graph.run(train, ids_BS)
 
 

@@ -5,7 +5,8 @@ then, per variant (`native`: unconverted; `occult`: converted over a one-rank gr
 phase (`prefill`: 4 x 2048 tokens, logits of the last position; `train`: forward + backward;
 `decode`: one B-row step of `hf.StaticDecoder`, graph-captured for occult with sync-free dispatch,
 eager for native; an e2e.py `/graph` or `/twobatch` variant's prefill replayed from its CUDA graph as e2e.py
-times it, and no train phase), profiles a few steps under torch.profiler and prints (per step): the
+times it, and no train phase; a `/stepgraph` variant's training step replayed from its CUDA graph), profiles a
+few steps under torch.profiler and prints (per step): the
 exchanges' kernels busy (NCCL's, the device transport's push and barrier), every other kernel busy, and both at
 once (the part of the all-to-alls hidden under compute), then: wall ms per step (CUDA
 events), GPU busy ms (union of kernel intervals), idle = wall - busy (the host-bound share),
@@ -37,6 +38,7 @@ from occult.distributed import init_distributed  # noqa: E402
 from occult.integrations import hf  # noqa: E402
 from occult.integrations.hf.block import is_converted  # noqa: E402
 from occult.tools.run_record import run_record  # noqa: E402
+from occult.training.step_graph import WARMUP_STEPS  # noqa: E402
 from occult.training.step_profile import device_work, overlap_ms, union_ms  # noqa: E402
 
 FAMILIES = (  # (family, substrings of kernel names), first match wins; occult's Triton kernels are `_name_kernel`
@@ -122,9 +124,11 @@ def phase_step(model, phase: str, args, device, variant: str = "occult"):
         graphed, _ = e2e.graphed_step(model, args, vocab, device, e2e.micro_batches(variant))
         return lambda: graphed(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
     if phase in ("prefill", "train"):
-        full = e2e.make_step(
-            model, phase, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if phase == "train" else None
-        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if phase == "train" else None
+        captured = phase == "train" and e2e.step_graph(variant)
+        full = e2e.make_step(model, phase, optimizer, captured)
+        for _ in range(WARMUP_STEPS + 1 if captured else 0):  # a `/stepgraph` step's warm-ups and recording
+            full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
         return lambda: full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
     model.eval()
     B = args.decode_batch

@@ -81,8 +81,8 @@ class StepParts:
     mean: Callable[[torch.Tensor], torch.Tensor]
     scope: Callable[[Any], contextlib.AbstractContextManager] = lambda batch: contextlib.nullcontext()
     signature: Callable[[], Hashable] | None = None  # what a recorded step depends on (`captured_step`)
-    # the context a captured step's eager warm-up steps run in (`occult.training.step_graph.StepGraph.warmup_scope`)
-    warmup_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # the context a captured step's warm-up steps and recording run in (`occult.training.step_graph.StepGraph`)
+    capture_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 @dataclass
@@ -236,7 +236,7 @@ class TrainLoop:
         if device.type != "cuda":
             raise ValueError(f"LoopSettings.captured_step records a CUDA graph: the parameters are on {device}")
         recorder = CudaRecorder(device)
-        return StepGraph(self.optimizer, self.parts.signature, recorder, warmup_scope=self.parts.warmup_scope)
+        return StepGraph(self.optimizer, self.parts.signature, recorder, capture_scope=self.parts.capture_scope)
 
     def _one_step(self) -> tuple[float, StepLoss, torch.Tensor | None]:
         self.clock.run()

@@ -106,7 +106,9 @@ def transport_generation(layer: OccultMoE) -> int | None:
 
 def make_capturable(optimizer: torch.optim.Optimizer) -> None:
     """Switch `optimizer` to its capturable mode: step counts on the parameters' device, the learning rate
-    a tensor there (filled by `set_lr`). The update is the same; the state it loaded is kept."""
+    a tensor there (filled by `set_lr`). The update is the same; the state it loaded is kept. A group whose
+    parameters all sit on a GPU also takes the fused kernels where the optimizer has them (AdamW's capturable
+    for-each path reads the step count and learning rate in dozens of elementwise kernels a step)."""
     if "capturable" not in optimizer.defaults:
         raise ValueError(
             f"{type(optimizer).__name__} has no capturable mode, so a CUDA graph cannot record its step: use AdamW"
@@ -114,12 +116,19 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         device = group["params"][0].device
         group["capturable"] = True
+        if "fused" in optimizer.defaults and fusable(group["params"]):
+            group["fused"], group["foreach"] = True, False
         if not torch.is_tensor(group["lr"]):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
     for p, state in optimizer.state.items():
         step = state.get("step")
         if torch.is_tensor(step) and step.device != p.device:
             state["step"] = step.to(device=p.device, dtype=torch.float32)
+
+
+def fusable(params: list[torch.Tensor]) -> bool:
+    """Whether a fused optimizer kernel takes these parameters: plain floating-point tensors on CUDA."""
+    return all(p.is_cuda and p.is_floating_point() and not is_sharded(p) for p in params)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -201,7 +210,7 @@ class CudaRecorder:
             raise RuntimeError(
                 f"recording the training step failed ({type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''}); a compiled layer that compiles again inside the "
-                "recording met inputs the warm-up steps did not (StepGraph.warmup_scope), and a host read (.item(), "
+                "recording met inputs the warm-up steps did not (StepGraph.capture_scope), and a host read (.item(), "
                 "a host-to-device copy from pageable memory) cannot be recorded: train without the captured step"
             ) from e
         self.graph, self.kept = graph, [combined] if combined is not None else []
@@ -237,9 +246,9 @@ class StepGraph:
     signature: Callable[[], Hashable]
     recorder: Recorder
     warmup: int = WARMUP_STEPS
-    # the eager warm-up steps run inside it, so they take the code paths the recording will (transformers builds
-    # its attention masks otherwise while a capture runs: `occult.integrations.hf.graphed.masks_as_under_capture`)
-    warmup_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # entered around every eager warm-up step and the recording, so both take the same code paths (transformers
+    # builds its attention masks otherwise while a capture runs: `occult.integrations.hf.graphed.masks_as_eager`)
+    capture_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     inputs: Any = None
     recorded: Hashable = None
     replays: int = 0
@@ -251,7 +260,7 @@ class StepGraph:
     def run(self, body: Callable[[Any], tuple], batch: Any) -> tuple:
         if self.warmup > 0:
             self.warmup -= 1
-            with self.warmup_scope():
+            with self.capture_scope():
                 return self.recorder.eager(body, batch)
         self._raise_ready()
         signature = self.signature()
@@ -259,7 +268,8 @@ class StepGraph:
             self.inputs = tuple(t.clone() for t in _leaves(batch))
             self.recorder.prepare(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)  # the recording's backward makes them in its memory
-            self.recorder.record(lambda _: body(_rebuilt(batch, self.inputs)), self.inputs)
+            with self.capture_scope():
+                self.recorder.record(lambda _: body(_rebuilt(batch, self.inputs)), self.inputs)
             self.recorded = signature
         else:
             new = _leaves(batch)
@@ -322,6 +332,7 @@ __all__ = [
     "model_signature",
     "transport_generation",
     "make_capturable",
+    "fusable",
     "set_lr",
     "Recorder",
     "CudaRecorder",

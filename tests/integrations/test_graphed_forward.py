@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -48,15 +49,49 @@ def test_one_process_model_has_no_waiting_layer():
     assert host_waiting_layers(model) == []
 
 
-def test_warmup_takes_the_capture_mask_path():
-    """The warm-up answers transformers' 'is a CUDA graph capturing?' with yes (so a compiled decoder
-    layer meets in the warm-up the explicit causal mask it meets in the capture, and does not
-    recompile inside it), and only there."""
+def sdpa_calls(model, ids, capturing: bool, monkeypatch) -> tuple[list[tuple[bool, bool]], torch.Tensor]:
+    """Per attention call of `model(input_ids=ids)`: (was a mask passed, is_causal), and the logits; `capturing`:
+    transformers is told a CUDA graph capture runs (torch's answer replaced, as on a GPU inside one)."""
+    import torch.nn.functional as F
+
+    calls: list[tuple[bool, bool]] = []
+    plain = F.scaled_dot_product_attention
+
+    def recorded(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is not None, bool(kwargs.get("is_causal", False))))
+        return plain(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(F, "scaled_dot_product_attention", recorded)
+        m.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+    return calls, logits
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "qwen3_moe"])
+def test_masks_as_eager_under_a_capture(model_type, monkeypatch):
+    """Under a capture transformers materialises the causal mask (SDPA without flash attention); inside
+    `masks_as_eager` it passes none and asks for `is_causal`, as in an eager call, with the same logits; the
+    answers are restored after."""
+    from transformers import masking_utils
     from transformers.utils import import_utils
 
-    from occult.integrations.hf.graphed import masks_as_under_capture
+    from occult.integrations import hf
+    from occult.integrations.hf.graphed import masks_as_eager
 
-    before = import_utils.is_tracing()
-    with masks_as_under_capture():
-        assert import_utils.is_tracing() and import_utils.is_cuda_stream_capturing()
-    assert import_utils.is_tracing() == before is False and not import_utils.is_cuda_stream_capturing()
+    seed = random.randrange(2**31)
+    model = hf.tiny_random_model(model_type, seed=seed, vocab_size=64).eval()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(seed))
+    eager, eager_logits = sdpa_calls(model, ids, False, monkeypatch)
+    captured, captured_logits = sdpa_calls(model, ids, True, monkeypatch)
+    assert eager and all(c == (False, True) for c in eager), eager
+    assert captured and all(masked for masked, _ in captured), captured  # what the scope is there for
+    saved = (import_utils.is_cuda_stream_capturing, masking_utils.find_packed_sequence_indices)
+    with masks_as_eager():
+        inside, inside_logits = sdpa_calls(model, ids, True, monkeypatch)
+    assert inside == eager, (inside, eager)
+    assert (import_utils.is_cuda_stream_capturing, masking_utils.find_packed_sequence_indices) == saved
+    scale = eager_logits.abs().max().item()
+    torch.testing.assert_close(inside_logits, eager_logits, rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(captured_logits, eager_logits, rtol=0, atol=1e-5 * scale)

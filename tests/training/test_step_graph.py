@@ -107,6 +107,48 @@ def test_a_captured_loop_gives_the_eager_losses_norms_and_weights():
     )
 
 
+def test_the_capture_scope_holds_the_warm_ups_and_the_recording_only():
+    """What runs inside `StepGraph.capture_scope`: each eager warm-up step and the recording, never a replay."""
+    inside = {"now": False, "entered": 0}
+
+    class ScopeSeeing(CallingRecorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, bool]] = []
+
+        def eager(self, body, batch):
+            self.seen.append(("eager", inside["now"]))
+            return super().eager(body, batch)
+
+        def record(self, body, inputs) -> None:
+            self.seen.append(("record", inside["now"]))
+            super().record(body, inputs)
+
+        def replay(self):
+            self.seen.append(("replay", inside["now"]))
+            return super().replay()
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        inside["now"], inside["entered"] = True, inside["entered"] + 1
+        try:
+            yield
+        finally:
+            inside["now"] = False
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    recorder = ScopeSeeing()
+    loop = TrainLoop(_parts(model), opt, LoopSettings(6, 0.5, 16, progress=False, captured_step=True))
+    loop.graph = StepGraph(opt, loop.parts.signature, recorder, warmup=2, capture_scope=scope)
+    loop.run(6)
+    assert recorder.seen == [("eager", True)] * 2 + [("record", True)] + [("replay", False)] * 4, recorder.seen
+    assert inside["entered"] == 3
+
+
 def test_a_changed_model_is_recorded_again():
     recorder, version = CallingRecorder(), {"v": 0}
 
@@ -165,6 +207,7 @@ def test_capturable_optimizers_and_devices():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     make_capturable(opt)
     assert opt.param_groups[0]["capturable"] and torch.is_tensor(opt.param_groups[0]["lr"])
+    assert not opt.param_groups[0]["fused"]  # fused kernels for GPU parameters only (tests/gpu: on a GPU)
     set_lr(opt, 0.25)
     assert float(opt.param_groups[0]["lr"]) == 0.25
     with pytest.raises(ValueError, match="needs a CUDA device"):

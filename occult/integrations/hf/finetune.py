@@ -48,7 +48,7 @@ from occult.integrations.hf.block import OccultMoeBlock
 from occult.integrations.hf.finetune_config import FinetuneConfig, FinetuneResult, lr_at
 from occult.integrations.hf.finetune_data import batch_rows, tokenize_texts
 from occult.integrations.hf.finetune_state import CheckpointSaver, CloseTaps, resume_state
-from occult.integrations.hf.graphed import masks_as_under_capture
+from occult.integrations.hf.graphed import masks_as_eager
 from occult.moe.step import agreed_step
 from occult.training import grads
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
@@ -191,7 +191,7 @@ def _step_parts(
         mean=lambda t: global_mean(t, groups),
         scope=lambda win: agreed_step(model, win[:, :-1].numel()),  # every MoE call of the step sees these tokens
         signature=lambda: model_signature(model),
-        warmup_scope=masks_as_under_capture,  # a captured step's warm-up builds the masks its recording will
+        capture_scope=masks_as_eager,  # warm-ups and recording build no causal mask, as eager
     )
 
 

@@ -43,26 +43,34 @@ def host_waiting_layers(model: nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def masks_as_under_capture() -> Iterator[None]:
-    """The warm-up builds attention masks as the capture will. Some transformers releases (5.17 among
-    them) materialise the causal mask while a CUDA graph captures but pass none (`is_causal`) in an
-    eager call, so a compiled decoder layer would meet a new input first inside the capture and
-    recompile there, which cannot work. transformers asks `is_cuda_stream_capturing()` for that
-    choice; the warm-up answers yes (the direction that never reads a value on the host)."""
+def masks_as_eager() -> Iterator[None]:
+    """Inside, transformers builds a causal attention mask under a CUDA graph capture as in an eager call: none at
+    all (SDPA's `is_causal`: flash attention) for a forward on ids alone, the only call occult records (no attention
+    mask, no position ids, no cache: GraphedForward, the captured training step). Left alone, transformers (5.17
+    to 5.24 at least) materialises the mask while a capture runs, where the mask's checks would read values on the
+    host, and SDPA then runs without flash attention (a slower backward above all). The warm-up and the capture
+    both run inside, so a compiled decoder layer meets the same inputs in both and never recompiles in a capture.
+    Two answers change: 'is a CUDA graph capturing?' (no) and 'are the positions several packed sequences?' (no:
+    positions made from the sequence length); each only where that transformers release has it."""
     try:
+        from transformers import masking_utils
         from transformers.utils import import_utils
     except ImportError:
         yield
         return
-    saved = getattr(import_utils, "is_cuda_stream_capturing", None)
-    if saved is None:
-        yield
-        return
-    import_utils.is_cuda_stream_capturing = lambda: True
+    answers = (
+        (import_utils, "is_cuda_stream_capturing", lambda: False),
+        (masking_utils, "find_packed_sequence_indices", lambda position_ids: None),
+    )
+    saved = [(module, name, getattr(module, name)) for module, name, _ in answers if hasattr(module, name)]
+    for module, name, answer in answers:
+        if hasattr(module, name):
+            setattr(module, name, answer)
     try:
         yield
     finally:
-        import_utils.is_cuda_stream_capturing = saved
+        for module, name, before in saved:
+            setattr(module, name, before)
 
 
 def check_micro_batches(model: nn.Module, batch: int, micro_batches: int) -> None:
@@ -123,7 +131,7 @@ class GraphedForward:
         side.wait_stream(torch.cuda.current_stream(device))
         # the warm-up in the capture's autocast state (the weight cache off: occult.moe.capture_stream), so a
         # compiled layer's guards hold in the capture
-        with torch.cuda.stream(side), torch.no_grad(), autocast_uncached(), masks_as_under_capture():
+        with torch.cuda.stream(side), torch.no_grad(), autocast_uncached(), masks_as_eager():
             for _ in range(warmup):
                 self._forward()
         torch.cuda.current_stream(device).wait_stream(side)
@@ -132,6 +140,7 @@ class GraphedForward:
             with (
                 torch.no_grad(),
                 autocast_uncached(),
+                masks_as_eager(),
                 torch.compiler.set_stance("fail_on_recompile"),
                 torch.cuda.graph(self.graph),
             ):
