@@ -26,6 +26,7 @@ from occult.lm.model import OccultLM
 from occult.placement.solvers import METHODS
 from occult.training.dcp import load_optimizer_state
 from occult.training.dtensor import is_sharded
+from occult.training.optim import adamw
 from occult.training.schedule import CosineSchedule
 from occult.training.step_profile import parse_window
 
@@ -209,12 +210,12 @@ def make_optimizer(model: OccultLM, names: list[str], cfg: TrainConfig) -> torch
     groups = []
     for members, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
         # FSDP-sharded (DTensor) and plain (expert) parameters in groups of their own: on CUDA,
-        # AdamW's foreach kernels refuse a list that mixes the two
+        # AdamW's foreach kernels refuse a list that mixes the two, and only plain ones go fused
         for sharded in (False, True):
             part = [p for p in members if is_sharded(p) == sharded]
             if part:
                 groups.append({"params": part, "weight_decay": weight_decay})
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+    return adamw(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
 
 
 def optimizer_tensors(model: OccultLM, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

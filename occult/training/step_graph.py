@@ -51,6 +51,7 @@ from occult.moe.graphs import has_hooks, settings_key, submodules, tensors_key
 from occult.moe.layer import OccultMoE
 from occult.teardown import hold_collectives
 from occult.training.dtensor import is_sharded
+from occult.training.optim import fusable
 
 WARMUP_STEPS = 3  # eager steps of a process before its step is recorded
 
@@ -107,8 +108,8 @@ def transport_generation(layer: OccultMoE) -> int | None:
 def make_capturable(optimizer: torch.optim.Optimizer) -> None:
     """Switch `optimizer` to its capturable mode: step counts on the parameters' device, the learning rate
     a tensor there (filled by `set_lr`). The update is the same; the state it loaded is kept. A group whose
-    parameters all sit on a GPU also takes the fused kernels where the optimizer has them (AdamW's capturable
-    for-each path reads the step count and learning rate in dozens of elementwise kernels a step)."""
+    parameters all sit on a GPU also takes the fused kernel where the optimizer has one (`occult.training.optim`;
+    AdamW's capturable for-each path spends dozens of elementwise kernels a step on the step count and rate)."""
     if "capturable" not in optimizer.defaults:
         raise ValueError(
             f"{type(optimizer).__name__} has no capturable mode, so a CUDA graph cannot record its step: use AdamW"
@@ -124,11 +125,6 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> None:
         step = state.get("step")
         if torch.is_tensor(step) and step.device != p.device:
             state["step"] = step.to(device=p.device, dtype=torch.float32)
-
-
-def fusable(params: list[torch.Tensor]) -> bool:
-    """Whether a fused optimizer kernel takes these parameters: plain floating-point tensors on CUDA."""
-    return all(p.is_cuda and p.is_floating_point() and not is_sharded(p) for p in params)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -332,7 +328,6 @@ __all__ = [
     "model_signature",
     "transport_generation",
     "make_capturable",
-    "fusable",
     "set_lr",
     "Recorder",
     "CudaRecorder",

@@ -55,6 +55,7 @@ from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unl
 from occult.training.hooks import StepHook
 from occult.training.layer_graphs import replayed_layers
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop, to_device
+from occult.training.optim import adamw
 from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
 from occult.training.step_graph import check_capturable, model_signature
@@ -297,8 +298,8 @@ def finetune(
     _check_inputs(model, tokens, cfg, groups, experts)
     if log is not None:
         log(_what_trains(cfg, routers, experts))
-    opt = torch.optim.AdamW(
-        routers + experts, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+    opt = adamw(
+        [{"params": routers + experts}], lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     per_step, what = cfg.batch_size * cfg.seq_len, "finetune (routers + experts)"
     settings = LoopSettings(cfg.steps, cfg.grad_clip, per_step, what, progress, main, captured_step=cfg.captured_step)
