@@ -1,6 +1,7 @@
-"""`occult.training.optim.adamw` on a GPU: CUDA parameter groups take AdamW's fused kernel, and its steps
-match the for-each path's (bf16 and fp32 parameters, weight decay, several steps). Single-process GPU test
-(tests/gpu/run.sh's second stage)."""
+"""`occult.training.optim.adamw` on a GPU: CUDA parameter groups take AdamW's fused kernel, and its steps follow
+AdamW's for-each path run in fp32 on the same gradients (fp32 parameters: to rounding; bf16 parameters: to a few
+units in the last place, which the bf16 for-each path itself does not keep to). Weight decay in one group, several
+large steps. Single-process GPU test (tests/gpu/run.sh's second stage)."""
 
 from __future__ import annotations
 
@@ -13,26 +14,31 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_groups_step_as_the_for_each_path(dtype):
+def test_fused_groups_step_as_adamw_in_fp32(dtype):
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     shapes = [(64, 48), (48,), (7, 5, 3)]
     start = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
     fused_params = [torch.nn.Parameter(t.clone()) for t in start]
-    plain_params = [torch.nn.Parameter(t.clone()) for t in start]
+    ref_params = [torch.nn.Parameter(t.float()) for t in start]
     assert fusable(fused_params)
     hyper = {"lr": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}  # large steps: a wrong update or decay shows
     fused = adamw([{"params": fused_params[:2], "weight_decay": 0.1}, {"params": fused_params[2:]}], **hyper)
-    plain = torch.optim.AdamW(
-        [{"params": plain_params[:2], "weight_decay": 0.1}, {"params": plain_params[2:]}], foreach=True, **hyper
+    ref = torch.optim.AdamW(
+        [{"params": ref_params[:2], "weight_decay": 0.1}, {"params": ref_params[2:]}], foreach=True, **hyper
     )
     assert all(g["fused"] for g in fused.param_groups)
-    for _ in range(5):
+    steps = 5
+    for _ in range(steps):
         grads = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
-        for params, opt in ((fused_params, fused), (plain_params, plain)):
+        for params, opt in ((fused_params, fused), (ref_params, ref)):
             for p, g in zip(params, grads):
-                p.grad = g.clone()
+                p.grad = g.to(p.dtype)
             opt.step()
-    # bf16: two units in the last place (each path rounds its own fp32 math), fp32: rounding only
-    tol = {"rtol": 2**-6, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
-    for a, b in zip(fused_params, plain_params):
-        torch.testing.assert_close(a, b, **tol)
+    # bf16: the parameter rounded after every step (half a unit in the last place, <= 2^-8 relative, each) and
+    # the moments kept in bf16 (each update off by ~2^-8 of lr); fp32: rounding only
+    if dtype == torch.bfloat16:
+        tol = {"rtol": steps * 2**-8, "atol": steps * hyper["lr"] * 2**-7}
+    else:
+        tol = {"rtol": 1e-5, "atol": 1e-6}
+    for a, b in zip(fused_params, ref_params):
+        torch.testing.assert_close(a.float(), b, **tol)
