@@ -207,7 +207,7 @@ def main() -> None:
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "world_size": world}
         with open(os.path.join(args.out, "profile_model.json"), "w") as f:  # the runs, and what ran them
             json.dump({**results, "env": {**env, **run_record(world, True)}}, f, indent=1)
-    print(f"\nOLMoE shape, {args.layers} layers; per step (ms) and kernel families (ms / launches)")
+    print(f"\n{args.model} shape, {args.layers} layers; per step (ms) and kernel families (ms / launches)")
     fams = sorted({f for r in results.values() for f in r["families"]})
     print(f"{'run':<18}{'wall':>8}{'busy':>8}{'idle':>8}{'kernels':>8}  " + "  ".join(f"{f:>22}" for f in fams))
     for name, r in results.items():
