@@ -294,6 +294,23 @@ def time_steps(
     return slowest(times, device)
 
 
+def host_times(step: Callable[[Any], Any], inputs: Callable[[], Any], iters: int, device: torch.device) -> list[float]:
+    """`iters` calls of step(inputs()), each from an idle GPU (ranks meeting at a barrier, the device
+    synchronised): the host ms from the call to its return, what issuing a step costs the host with nothing
+    queued ahead to hide it (its own waits for the GPU and for the other ranks' hosts counted); the slowest
+    rank's, call by call."""
+    times = []
+    for _ in range(iters):
+        x = inputs()
+        dist.barrier()
+        synchronize(device)
+        t0 = time.perf_counter()
+        step(x)
+        times.append((time.perf_counter() - t0) * 1e3)
+    synchronize(device)
+    return slowest(times, device)
+
+
 def capture_graph(
     fn: Callable[[torch.Tensor], torch.Tensor], static_in: torch.Tensor, warmup: int = 3
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:

@@ -84,7 +84,10 @@ next-token cross-entropy, backward inside `occult.agreed_step` as occult's train
 layer call), hf.sync_gradients,
 optimizer step). Each step gets fresh
 random ids; ranks meet at a barrier before each step; a step's time is the slowest rank's
-(CUDA events on GPUs, wall clock on CPU). Rank 0 writes the JSON after every variant
+(CUDA events on GPUs, wall clock on CPU). After the timed steps, 5 more are timed on the host from an idle GPU
+(`host_ms_per_step`: what issuing a step costs the host with nothing queued to hide it, waits for the GPU and for
+other ranks' hosts counted; the slowest rank's) and per MoE layer call (`host_ms_per_moe_call`: a training step
+makes two a layer, forward and backward; issue 52 asks <= 0.3 ms). Rank 0 writes the JSON after every variant
 (atomically) and prints a Markdown table last. NCCL_P2P_DISABLE is only recorded.
 
 Hardware: the same run first measures a bf16 matmul's rate (8192^3 on GPUs) and a device copy's
@@ -124,6 +127,7 @@ from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and 
     fp32_copy_logits,
     fp32_note,
     free_memory,
+    host_times,
     log,
     new_report,
     parser,
@@ -149,6 +153,7 @@ VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pru
 EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", *tt_model.VARIANTS)
 PEERS = ("hf-ep", *tt_model.VARIANTS)  # opt-in (not in "all" / the default list)
 PHASES = ("prefill", "train")
+HOST_STEPS = 5  # steps timed on the host from an idle GPU, after the timed ones (`host_time`)
 TINY = {"tiny": "olmoe", "tiny-qwen3": "qwen3_moe", "tiny-deepseek": "deepseek_v3"}
 MODELS = {  # name -> (transformers config class, fields); real shapes, fewer layers for Qwen3 / DeepSeek
     "olmoe": (
@@ -662,6 +667,28 @@ def time_steps(
     }
 
 
+def host_time(
+    step: Callable[[torch.Tensor], None],
+    args: argparse.Namespace,
+    vocab: int,
+    device: torch.device,
+    shared: bool,
+    cost: ModelCost,
+    phase: str,
+) -> dict:
+    """Host ms to issue one step from an idle GPU (median of `HOST_STEPS`, the slowest rank's each), and per MoE
+    layer call (issue 52: a training step makes two a layer, forward and backward; a prefill one)."""
+    gen = torch.Generator().manual_seed(50_000 + args.seed + dist.get_rank())
+
+    def inputs() -> torch.Tensor:
+        ids_BS = random_ids(args.batch, args.seq, vocab, device, gen)
+        return hf_ep.gather_rows(ids_BS) if shared else ids_BS
+
+    ms = quantiles(host_times(step, inputs, HOST_STEPS, device), [0.5])[0]
+    calls = len(cost.moe_layers) * (2 if phase == "train" else 1)
+    return {"host_ms_per_step": ms, "host_ms_per_moe_call": ms / calls if calls else None}
+
+
 def first_step_s(
     step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device
 ) -> float:
@@ -807,6 +834,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             out = time_steps(step, args, cfg.vocab_size, device, shared)
             if first_s is not None:  # the phase's compilation: its first step less a steady one
                 out["compile_s"] = first_s - out["ms_median"] / 1e3
+            out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase))
             out["comm"] = model.comm_stats() if titan else comm_stats(model, device)
             flops = (
                 ctx["cost"].forward_flops(args.batch, args.seq, args.batch)
@@ -818,7 +846,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             log(
                 f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
                 f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU "
-                f"{out['mfu']:.1%}"
+                f"{out['mfu']:.1%}; host {out['host_ms_per_step']:.2f} ms a step from an idle GPU"
+                + (f", {out['host_ms_per_moe_call']:.3f} per MoE call" if out["host_ms_per_moe_call"] else "")
             )
             del step, optimizer  # (the train step holds the optimizer: its state goes before the check)
             model.zero_grad(set_to_none=True)

@@ -66,7 +66,7 @@ TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         "Whole models on several GPUs (`benchmarks/e2e.py`): occult's fastest expert-parallel variant / the "
         "fastest replicated floor (no expert traffic) of the same job (lower is better, 1.0 = the floor)",
         ("GPUs", "link", "model", "phase"),
-        ("EP / floor", "fastest EP variant", "floor", "standard / fastest dedup"),
+        ("EP / floor", "fastest EP variant", "floor", "standard / fastest dedup", "host ms per MoE call (fastest EP)"),
     ),
     "native": (
         "Whole models against plain transformers (`benchmarks/e2e.py`, `native`): transformers' time / occult's",
@@ -168,7 +168,14 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
         floor, best = best_variant(timed, "replicated"), best_variant(timed, "dedup")
         if world != "1" and floor and best:
             std = fmt_ratio(timed["standard"], best[1]) if "standard" in timed else "-"
-            cells = (f"{best[1] / floor[1]:.3f}x", f"{best[0]} {best[1]:.2f} ms", f"{floor[0]} {floor[1]:.2f} ms", std)
+            host = doc["variants"][best[0]]["phases"][phase].get("host_ms_per_moe_call")  # (none before session 21)
+            cells = (
+                f"{best[1] / floor[1]:.3f}x",
+                f"{best[0]} {best[1]:.2f} ms",
+                f"{floor[0]} {floor[1]:.2f} ms",
+                std,
+                "-" if host is None else f"{host:.3f}",
+            )
             yield Figure("ep", key, cells)
         eager = "native" in timed and "replicated" in timed
         both_compiled = "native/compile" in timed and "replicated/compile" in timed

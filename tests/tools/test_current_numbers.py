@@ -295,3 +295,22 @@ def test_a_file_run_under_changed_settings_says_so_beside_its_source(tmp_path: P
     row = next(line for line in page.splitlines() if "changed.json" in line)
     assert row.endswith("[changed.json](changed.json) (under OCCULT_AGREEMENT=step, OCCULT_GEMM1=triton) |"), row
     assert next(line for line in page.splitlines() if "plain.json" in line).endswith("[plain.json](plain.json) |")
+
+
+def test_the_fastest_ep_variants_host_time_per_moe_call_is_shown(tmp_path: Path) -> None:
+    """e2e.py files since session 21 record host ms per MoE layer call; the page shows the fastest EP variant's
+    (not another variant's), and '-' for a file without it."""
+    job = e2e(2, {"replicated": 10.0, "dedup": 11.0, "dedup@device": 10.5})
+    job["variants"]["dedup"]["phases"]["prefill"]["host_ms_per_moe_call"] = 0.9
+    job["variants"]["dedup@device"]["phases"]["prefill"]["host_ms_per_moe_call"] = 0.125
+    older = e2e(4, {"replicated": 10.0, "dedup": 11.0})
+    write(
+        tmp_path,
+        {"new.json": job, "old.json": older},
+        {"new.json": prov("2026-11-29T00:00:00+00:00"), "old.json": prov("2026-11-21T00:00:00+00:00")},
+    )
+    page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
+    row = next(line for line in page.splitlines() if "dedup@device 10.50 ms" in line)
+    assert "| 0.125 |" in row and "0.900" not in page
+    old_row = next(line for line in page.splitlines() if line.startswith("| 4 |"))
+    assert "| 1.100x | dedup 11.00 ms | replicated 10.00 ms | - | - |" in old_row

@@ -67,6 +67,9 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
             t = v["phases"][phase]
             assert 0 < t["ms_p10"] <= t["ms_median"] <= t["ms_p90"], (name, phase, t)
             assert len(t["ms_all"]) == 2 and t["tokens_per_s_per_gpu"] > 0
+            calls = 2 * (2 if phase == "train" else 1)  # 2 MoE layers; a training step calls each twice
+            assert t["host_ms_per_step"] > 0
+            assert t["host_ms_per_moe_call"] == pytest.approx(t["host_ms_per_step"] / calls)
             assert t["mfu"] == pytest.approx(
                 t["flops"] / (t["ms_median"] / 1e3) / 1e12 / report["peaks"]["matmul_tflops"]
             )
