@@ -1,7 +1,7 @@
 """The optimizer occult's trainers build: AdamW on its fused kernels wherever the parameters allow.
 
 AdamW's default on a GPU is its for-each path: several passes over every parameter, gradient and moment a
-step, where the fused kernel makes one (at `occult train`'s 0.4 B-parameter benchmark model, docs/training.md).
+step, where the fused kernel makes one (what that saves: docs/training.md, "`--captured-step`").
 The fused kernel takes plain floating-point CUDA tensors; FSDP2's sharded parameters (DTensors) and CPU ones
 keep the for-each path, in groups of their own.
 """
