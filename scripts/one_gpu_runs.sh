@@ -2,7 +2,7 @@
 # What one GPU can measure for the open issues (multi_gpu_runs.sh has the rest), one part per
 # device call, repo root:
 #
-#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train | layer_graphs | captured_step | native | native_decode | quality
+#   bash scripts/one_gpu_runs.sh PART OUT        PART: kernels | suite | peer | train | layer_graphs | captured_step | optimizer | native | native_decode | quality
 #   DRY_RUN=1 bash scripts/one_gpu_runs.sh all /tmp/x   # print the commands
 #
 # kernels  the expert kernels at four real shapes (benchmarks/bench_kernels.py), fp32 check, and a
@@ -23,6 +23,9 @@
 #          train, 100 steps each, alternated twice in one job (tokens/s of steps 51-100, losses step by step),
 #          then 15 steps each with --profile-steps 11:15 (host ms per step and per MoE call)
 #          -> OUT/train_captured_step_1gpu.json (carry .gpudata)                                 issue 52
+# optimizer  AdamW's fused kernel against AdamW in fp32 (tests/gpu/test_fused_adamw_one_gpu.py), then its step
+#          measured alone and under a training forward on the whole 16-layer OLMoE (scripts/
+#          optimizer_overlap_probe.py: how much a deferred update could hide) -> OUT/optimizer_probe.json  issue 52
 # native   whole Qwen3-MoE and DeepSeek-V3-shape models against plain transformers, eager and with
 #          hf.compile_layers on both, prefill and training step (benchmarks/e2e.py)         issue 26
 # native_decode  the same shapes, hf.generate (graph; compile_layers + graph) against transformers'
@@ -48,8 +51,8 @@ set -uo pipefail
 part=${1:?usage: one_gpu_runs.sh PART OUT}
 out=${2:?usage: one_gpu_runs.sh PART OUT}
 case $part in
-  kernels|suite|peer|train|layer_graphs|captured_step|native|native_decode|quality|all) ;;
-  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, layer_graphs, captured_step, native, native_decode, quality, all)" >&2; exit 2 ;;
+  kernels|suite|peer|train|layer_graphs|captured_step|optimizer|native|native_decode|quality|all) ;;
+  *) echo "one_gpu_runs.sh: unknown part '$part' (kernels, suite, peer, train, layer_graphs, captured_step, optimizer, native, native_decode, quality, all)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -74,6 +77,10 @@ case $part in
     fi
     run peer_1gpu 400 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/e2e.py --model qwen3 \
       --variants replicated,torchtitan --out "$out/e2e_qwen3_1gpu_peer.json" ;;&
+  optimizer|all)
+    run fused_adamw_test 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_adamw_one_gpu.py
+    run optimizer_probe 240 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+      scripts/optimizer_overlap_probe.py --layers 16 --variant replicated/compile --out "$out/optimizer_probe.json" ;;&
   native|all)
     for model in qwen3 deepseek; do
       run "e2e_${model}_native" 280 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/e2e.py \

@@ -29,7 +29,18 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
     [
         (
             "one_gpu_runs.sh",
-            ["kernels", "suite", "peer", "train", "layer_graphs", "native", "native_decode", "quality"],
+            [
+                "kernels",
+                "suite",
+                "peer",
+                "train",
+                "layer_graphs",
+                "captured_step",
+                "optimizer",
+                "native",
+                "native_decode",
+                "quality",
+            ],
         ),
         (
             "multi_gpu_runs.sh",
