@@ -1,9 +1,10 @@
 """Two-batch overlap (`occult.moe.two_batch`, behind `hf.GraphedForward(micro_batches=2)`): on gloo
-ranks two halves of a batch through two sync-free expert-parallel layers, interleaved, give the whole
-batch's output, and every rank issues the exchanges in the interleaved order (A's dispatch, B's
-dispatch, A's combine, B's combine, layer after layer); the caller's grad mode reaches the halves; an
-error in a half is raised in the caller after both threads end, never a hang; nesting is refused;
-what `GraphedForward` refuses. (The halves on two streams of one capture: tests/gpu/test_collective_hf.py.)"""
+ranks two halves of a batch through two sync-free expert-parallel layers (dedup and standard over a placement,
+and dedup pruned to one device per token), interleaved, give the whole batch's output, and every rank issues the
+exchanges in the interleaved order (A's dispatch, B's dispatch, A's combine, B's combine, layer after layer); the
+caller's grad mode reaches the halves; an error in a half is raised in the caller after both threads end, never a
+hang; nesting is refused; what `GraphedForward` refuses. (The halves on two streams of one capture:
+tests/gpu/test_collective_hf.py.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from occult.distributed import run_ranks
+from occult.moe.config import RoutingConfig
 from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
 from occult.moe.two_batch import exchange_issued, interleaving, run_interleaved
@@ -44,10 +46,16 @@ def _worker(rank: int, world: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     placement = Placement(np.stack([rng.permutation(np.arange(8) % world) for _ in range(2)]), world)
     out = {}
-    for name in ("dedup", "standard"):
+    for name, dispatcher, max_devices in (
+        ("dedup", "dedup", None),
+        ("standard", "standard", None),
+        ("pruned1", "dedup", 1),  # each token's experts on one device (issue 53: the schedule stays orthogonal)
+    ):
         dense = [DenseMoE(16, 12, 8, 3, dtype=torch.float64) for _ in range(2)]
+        routing = RoutingConfig(max_devices=max_devices)
         layers = [
-            OccultMoE.from_dense(d, placement=placement, layer_index=i, dispatcher=name) for i, d in enumerate(dense)
+            OccultMoE.from_dense(d, placement=placement, layer_index=i, dispatcher=dispatcher, routing=routing)
+            for i, d in enumerate(dense)
         ]
         model = torch.nn.Sequential(*layers)
         for layer in layers:
