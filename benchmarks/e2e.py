@@ -641,6 +641,19 @@ def make_step(
     return lambda ids_BS: graph.run(train, ids_BS)
 
 
+def fresh_ids(
+    args: argparse.Namespace, vocab: int, device: torch.device, shared: bool, seed: int
+) -> Callable[[], torch.Tensor]:
+    """A source of fresh random ids [B, S] for this rank, drawn from `seed` (shared: every rank's ids gathered)."""
+    gen = torch.Generator().manual_seed(seed + args.seed + dist.get_rank())
+
+    def inputs() -> torch.Tensor:
+        ids_BS = random_ids(args.batch, args.seq, vocab, device, gen)
+        return hf_ep.gather_rows(ids_BS) if shared else ids_BS
+
+    return inputs
+
+
 def time_steps(
     step: Callable[[torch.Tensor], None],
     args: argparse.Namespace,
@@ -650,12 +663,7 @@ def time_steps(
 ) -> dict:
     """Median, p10, p90 of the step time in ms (each step: the slowest rank), tokens/s per GPU (shared: every
     rank steps on all ranks' ids, gathered before the clock starts)."""
-    gen = torch.Generator().manual_seed(20_000 + args.seed + dist.get_rank())
-
-    def inputs() -> torch.Tensor:
-        ids_BS = random_ids(args.batch, args.seq, vocab, device, gen)
-        return hf_ep.gather_rows(ids_BS) if shared else ids_BS
-
+    inputs = fresh_ids(args, vocab, device, shared, 20_000)
     ms = _time_steps(step, inputs, args.warmup, args.iters, device)
     q = quantiles(ms, [0.5, 0.1, 0.9])
     return {
@@ -678,12 +686,7 @@ def host_time(
 ) -> dict:
     """Host ms to issue one step from an idle GPU (median of `HOST_STEPS`, the slowest rank's each), and per MoE
     layer call (issue 52: a training step makes two a layer, forward and backward; a prefill one)."""
-    gen = torch.Generator().manual_seed(50_000 + args.seed + dist.get_rank())
-
-    def inputs() -> torch.Tensor:
-        ids_BS = random_ids(args.batch, args.seq, vocab, device, gen)
-        return hf_ep.gather_rows(ids_BS) if shared else ids_BS
-
+    inputs = fresh_ids(args, vocab, device, shared, 50_000)
     ms = quantiles(host_times(step, inputs, HOST_STEPS, device), [0.5])[0]
     calls = len(cost.moe_layers) * (2 if phase == "train" else 1)
     return {"host_ms_per_step": ms, "host_ms_per_moe_call": ms / calls if calls else None}

@@ -30,25 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import e2e  # noqa: E402  (benchmarks/e2e.py: the model and its conversion)
-from _timing import write_json  # noqa: E402
+from _timing import time_steps, write_json  # noqa: E402
 
 from occult.distributed import init_distributed  # noqa: E402
 from occult.tools.run_record import run_record  # noqa: E402
-
-
-def median_ms(fn, iters: int) -> float:
-    """Median CUDA-event time of `fn()` over `iters` calls (after one untimed call)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -95,7 +80,7 @@ def main() -> None:
     rounds = {name: [] for name in ("forward", "update", "both")}
     for _ in range(3):  # alternated: drift hits every measurement
         for name, fn in (("forward", forward), ("update", update), ("both", both)):
-            rounds[name].append(median_ms(fn, args.iters))
+            rounds[name].append(statistics.median(time_steps(lambda _: fn(), lambda: None, 1, args.iters, device)))
     ms = {name: statistics.median(v) for name, v in rounds.items()}
     hidden = (ms["forward"] + ms["update"] - ms["both"]) / ms["update"]
     params = sum(p.numel() for p in model.parameters())
