@@ -210,7 +210,7 @@ def make_optimizer(model: OccultLM, names: list[str], cfg: TrainConfig) -> torch
     groups = []
     for members, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
         # FSDP-sharded (DTensor) and plain (expert) parameters in groups of their own: on CUDA,
-        # AdamW's foreach kernels refuse a list that mixes the two, and only plain ones go fused
+        # AdamW's foreach and fused kernels refuse a list that mixes the two
         for sharded in (False, True):
             part = [p for p in members if is_sharded(p) == sharded]
             if part:

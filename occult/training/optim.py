@@ -2,8 +2,9 @@
 
 AdamW's default on a GPU is its for-each path: several passes over every parameter, gradient and moment a
 step, where the fused kernel makes one (what that saves: docs/training.md, "`--captured-step`").
-The fused kernel takes plain floating-point CUDA tensors; FSDP2's sharded parameters (DTensors) and CPU ones
-keep the for-each path, in groups of their own.
+The fused kernel takes floating-point CUDA tensors, FSDP2's sharded ones (DTensors) too (DTensor runs it shard by
+shard, where its for-each path dispatches every elementwise operation of every parameter on the host); CPU
+parameters keep the for-each path. Sharded and plain parameters stay in groups of their own (the trainers' split).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from occult.training.dtensor import is_sharded
 
 
 def fusable(params: Iterable[torch.Tensor]) -> bool:
-    """Whether a fused optimizer kernel takes these parameters: plain floating-point tensors on CUDA."""
+    """Whether a fused optimizer kernel takes these parameters: floating-point tensors on CUDA, all sharded
+    (DTensors) or none."""
     params = list(params)
-    return bool(params) and all(p.is_cuda and p.is_floating_point() and not is_sharded(p) for p in params)
+    if not params or len({is_sharded(p) for p in params}) > 1:
+        return False
+    return all(p.is_cuda and p.is_floating_point() for p in params)
 
 
 def adamw(groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.AdamW:

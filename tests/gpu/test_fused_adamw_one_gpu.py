@@ -1,9 +1,12 @@
 """`occult.training.optim.adamw` on a GPU: CUDA parameter groups take AdamW's fused kernel, and its steps follow
 AdamW's for-each path run in fp32 on the same gradients (fp32 parameters: to rounding; bf16 parameters: to a few
 units in the last place, which the bf16 for-each path itself does not keep to). Weight decay in one group, several
-large steps. Single-process GPU test (tests/gpu/run.sh's second stage)."""
+large steps; FSDP2's sharded parameters (one rank) on the fused kernel too. Single-process GPU test
+(tests/gpu/run.sh's second stage)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -42,3 +45,31 @@ def test_fused_groups_step_as_adamw_in_fp32(dtype):
         tol = {"rtol": 1e-5, "atol": 1e-6}
     for a, b in zip(fused_params, ref_params):
         torch.testing.assert_close(a.float(), b, **tol)
+
+
+def test_fsdp2_shards_take_the_fused_kernel():
+    """A one-rank FSDP2 model's DTensor parameters: fused groups, and the steps of the unsharded model's."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from occult.distributed import free_port
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+        plain = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
+        sharded = copy.deepcopy(plain)
+        fully_shard(sharded)
+        x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
+        hyper = {"lr": 0.05, "weight_decay": 0.1}
+        opts = [adamw([{"params": list(m.parameters())}], **hyper) for m in (sharded, plain)]
+        assert fusable(sharded.parameters()) and all(g["fused"] for opt in opts for g in opt.param_groups)
+        for _ in range(4):
+            for m, opt in zip((sharded, plain), opts):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                opt.step()
+        for a, b in zip(sharded.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
