@@ -61,6 +61,8 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     "small_down": TileConfig(16, 64, 128, 1, 4, 4),
     "small_down_row": TileConfig(1, 16, 512, 1, 4, 1),
     "small_combine": TileConfig(1, 1024, 1, 1, 4, 1),
+    # kernels.adamw: block_m elements of one parameter tensor per program
+    "adamw": TileConfig(4096, 1, 1, 1, 8, 1),
 }
 
 INTERPRET_DEFAULTS: dict[str, TileConfig] = {
@@ -77,6 +79,7 @@ INTERPRET_DEFAULTS: dict[str, TileConfig] = {
     "small_down": TileConfig(16, 16, 16, 1, 4, 1),
     "small_down_row": TileConfig(1, 16, 16, 1, 4, 1),
     "small_combine": TileConfig(2, 16, 1, 1, 4, 1),
+    "adamw": TileConfig(64, 1, 1, 1, 4, 1),
 }
 
 _OVERRIDES: dict[str, TileConfig] = {}

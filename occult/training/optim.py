@@ -5,15 +5,22 @@ step, where the fused kernel makes one (what that saves: docs/training.md, "`--c
 The fused kernel takes floating-point CUDA tensors, FSDP2's sharded ones (DTensors) too (DTensor runs it shard by
 shard, where its for-each path dispatches every elementwise operation of every parameter on the host); CPU
 parameters keep the for-each path. Sharded and plain parameters stay in groups of their own (the trainers' split).
+
+`AdamW` is torch's, with one change: a fused group of plain tensors where occult's kernels run steps through
+`occult.kernels.adamw` (one pass a tensor, at nearer the card's copy rate than torch's multi-tensor kernel:
+docs/training.md, "The optimizer step"). Same update, same state (a checkpoint of either loads into the other).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.optim.adamw import adamw as functional_adamw
 
+from occult import kernels
 from occult.training.dtensor import is_sharded
 
 
@@ -26,11 +33,122 @@ def fusable(params: Iterable[torch.Tensor]) -> bool:
     return all(p.is_cuda and p.is_floating_point() for p in params)
 
 
-def adamw(groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.AdamW:
-    """`torch.optim.AdamW(groups, **hyper)` with every group whose parameters `fusable` takes on the fused
-    kernel (the update is AdamW's either way)."""
+class AdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW` whose fused groups of plain floating-point tensors, where `occult.kernels` run, step
+    through `occult.kernels.adamw` (one launch a parameter; the step counts advanced in one for-each call). Every
+    other group (sharded, CPU, amsgrad, a gradient scaler's step) takes torch's step, unchanged."""
+
+    def __init__(self, params: Iterable[Any], **hyper: Any) -> None:
+        if hyper.get("differentiable"):
+            raise ValueError("occult's AdamW does not take differentiable=True: use torch.optim.AdamW")
+        super().__init__(params, **hyper)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ours = [g for g in self.param_groups if self._kernel_takes(g)]
+        rest = [g for g in self.param_groups if not any(g is o for o in ours)]
+        if rest:
+            self._torch_step(rest)
+        for group in ours:
+            self._kernel_step(group)
+        return loss
+
+    def _kernel_takes(self, group: dict[str, Any]) -> bool:
+        """Whether `group` steps through occult's kernel this step."""
+        if not group["fused"] or group["amsgrad"]:
+            return False
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            return False
+        if any(torch.is_tensor(b) for b in group["betas"]):
+            return False
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params or not all(kernels.available(d) for d in {p.device for p in params}):
+            return False
+        if any(is_sharded(p) for p in params):
+            return False
+        takes = _adamw_kernel().takes
+        for p in params:
+            state = self.state.get(p) or {"exp_avg": p, "exp_avg_sq": p}
+            if not takes(p, p.grad, state["exp_avg"], state["exp_avg_sq"]):
+                return False
+        return True
+
+    def _kernel_step(self, group: dict[str, Any]) -> None:
+        """The group's update: tensors of at least `min_numel` elements one launch each through occult's kernel,
+        the others through torch's fused multi-tensor kernel in one launch (its functional AdamW)."""
+        kernel = _adamw_kernel()
+        params = [p for p in group["params"] if p.grad is not None]
+        states = [self._state_of(p) for p in params]
+        beta1, beta2 = group["betas"]
+        hyper = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"]}
+        hyper.update(weight_decay=group["weight_decay"], maximize=group["maximize"])
+        large = [p.numel() >= kernel.min_numel() for p in params]
+        for mine, run in ((False, self._torch_fused_update(group["capturable"])), (True, kernel.adamw_update_)):
+            chosen = [(p, s) for p, s, big in zip(params, states, large) if big == mine]
+            if not chosen:
+                continue
+            lists = ([p for p, _ in chosen], [p.grad for p, _ in chosen])
+            lists += tuple([s[key] for _, s in chosen] for key in ("exp_avg", "exp_avg_sq", "step"))
+            if mine:
+                torch._foreach_add_(lists[-1], 1.0)
+            run(*lists, **hyper)
+
+    @staticmethod
+    def _torch_fused_update(capturable: bool) -> Callable[..., None]:
+        """torch's fused AdamW over the lists it is given (it advances their step counts)."""
+
+        def update(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper: Any) -> None:
+            functional_adamw(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                fused=True,
+                capturable=capturable,
+                amsgrad=False,
+                **hyper,
+            )
+
+        return update
+
+    def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
+        """`p`'s state, created as torch's fused AdamW creates it (step count on the device, fp32)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _torch_step(self, groups: list[dict[str, Any]]) -> None:
+        """torch's AdamW step over `groups` only (its body, not its hooks: `step`'s own wrapper ran them)."""
+        body = inspect.unwrap(torch.optim.AdamW.step, stop=lambda f: not getattr(f, "hooked", False))
+        every = self.param_groups
+        self.param_groups = groups
+        try:
+            body(self)
+        finally:
+            self.param_groups = every
+
+
+def _adamw_kernel():
+    """`occult.kernels.adamw`, imported when first used (it imports Triton)."""
+    from occult.kernels import adamw as kernel
+
+    return kernel
+
+
+def adamw(groups: list[dict[str, Any]], **hyper: Any) -> AdamW:
+    """`AdamW(groups, **hyper)` with every group whose parameters `fusable` takes on a fused kernel (the update is
+    AdamW's either way)."""
     fused = [{**g, "fused": True, "foreach": False} if fusable(g["params"]) else g for g in groups]
-    return torch.optim.AdamW(fused, **hyper)
+    return AdamW(fused, **hyper)
 
 
-__all__ = ["fusable", "adamw"]
+__all__ = ["AdamW", "fusable", "adamw"]

@@ -73,3 +73,79 @@ def test_fsdp2_shards_take_the_fused_kernel():
             torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_occult_kernel_steps_as_torch_fused(dtype, monkeypatch):
+    """`adamw`'s CUDA groups step through occult's kernel (every parameter once a step), and its steps are torch's
+    fused AdamW's: fp32 to rounding, half precision to a unit in the last place a step."""
+    from occult.kernels import adamw as kernel
+
+    monkeypatch.setattr(kernel, "min_numel", lambda: 0)  # every tensor through occult's kernel
+    calls = []
+    real = kernel.adamw_update_
+    monkeypatch.setattr(kernel, "adamw_update_", lambda *a, **k: (calls.extend(a[0]), real(*a, **k))[1])
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    shapes = [(1000, 33), (4097,), (7, 5, 3)]
+    start = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
+    ours, ref = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    hyper = {"lr": 0.05, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    opts = [adamw([{"params": ours}], **hyper), torch.optim.AdamW(ref, fused=True, **hyper)]
+    steps = 5
+    for _ in range(steps):
+        grads = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
+        for params, opt in zip((ours, ref), opts):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+    assert len(calls) == steps * len(shapes)
+    unit = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=steps * unit, atol=steps * hyper["lr"] * unit)
+
+
+def test_a_captured_kernel_step_replays_the_eager_steps():
+    """`make_capturable` then one CUDA graph of `step()`: replays with new gradients and rates (`set_lr`) give the
+    eager steps' parameters bit for bit (the same kernels on the same values): a tensor of `min_numel` elements
+    through occult's kernel, a small one through torch's."""
+    from occult.training.step_graph import make_capturable, set_lr
+
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    from occult.kernels.adamw import min_numel
+
+    shapes = [(min_numel() // 1024, 1024), (96,)]
+    start = [torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16) for s in shapes]
+    graphed, eager = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    opts = [adamw([{"params": graphed}], lr=0.05, weight_decay=0.1), adamw([{"params": eager}], lr=0.05)]
+    opts[1].param_groups[0]["weight_decay"] = 0.1
+    for opt in opts:
+        make_capturable(opt)
+
+    def grads():
+        return [torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16) for s in shapes]
+
+    for p, g in zip(graphed, grads()):
+        p.grad = g
+    for p, q in zip(eager, graphed):
+        p.grad = q.grad.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the warm-up step, as torch.cuda.graphs' recipe has it
+        opts[0].step()
+    torch.cuda.current_stream().wait_stream(side)
+    opts[1].step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opts[0].step()
+    for lr in (0.05, 0.01, 0.03):
+        for p, q, g in zip(graphed, eager, grads()):
+            p.grad.copy_(g)
+            q.grad = g.clone()
+        for opt in opts:
+            set_lr(opt, lr)
+        graph.replay()
+        opts[1].step()
+    torch.cuda.synchronize()
+    for a, b in zip(graphed, eager):
+        assert torch.equal(a, b)
+    assert opts[0].state[graphed[0]]["step"].item() == opts[1].state[eager[0]]["step"].item() == 4
