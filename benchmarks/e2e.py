@@ -147,6 +147,7 @@ from occult.moe import symm  # noqa: E402  (the device transport: where it can r
 from occult.moe.layer import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
 from occult.tools.bench import variant_sync_free  # noqa: E402
+from occult.training.optim import adamw  # noqa: E402
 from occult.training.step_graph import CudaRecorder, StepGraph, model_signature  # noqa: E402
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
@@ -357,7 +358,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and phase")
     p.add_argument("--iters", type=int, default=10, help="timed steps per variant and phase")
     p.add_argument(
-        "--optimizer", default="adamw", choices=["adamw", "sgd"], help="adamw (fused on CUDA) or sgd (less memory)"
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "adamw-torch", "sgd"],
+        help="adamw: fused on CUDA, occult's kernel for occult's variants and torch's for transformers' own; "
+        "adamw-torch: torch's fused AdamW for every variant; sgd: less memory",
     )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
@@ -746,6 +751,18 @@ def graphed_step(
     }
 
 
+def train_optimizer(model: nn.Module, variant: str, args: argparse.Namespace, device: torch.device) -> Any:
+    """The train phase's optimizer (TorchTitan's variants build their own): SGD, or AdamW fused on CUDA, under
+    --optimizer adamw what each side's user runs: occult's AdamW (`occult.training.optim.adamw`, its one-pass
+    kernel) for occult's variants, torch's for transformers' own (`native`, `hf-ep`); torch's everywhere under
+    --optimizer adamw-torch (the optimizer out of the comparison)."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    if args.optimizer == "adamw" and base_variant(variant) not in ("native", "hf-ep"):
+        return adamw([{"params": list(model.parameters())}], lr=args.lr)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
+
+
 def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> dict:
     """Build, convert, check, then time every phase of one variant; frees its model."""
     device = ctx["device"]
@@ -812,11 +829,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             if phase == "train" and titan:
                 optimizer = model.optimizer(args.optimizer, args.lr)
             elif phase == "train":
-                optimizer = (
-                    torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
-                    if args.optimizer == "adamw"
-                    else torch.optim.SGD(model.parameters(), lr=args.lr)
-                )
+                optimizer = train_optimizer(model, variant, args, device)
             if is_graphed(variant):
                 step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device, micro_batches(variant))
                 if res["graph"]["vs_eager_max_rel_err"] > args.tol:  # the replay must compute the eager forward

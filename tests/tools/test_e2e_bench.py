@@ -459,3 +459,24 @@ def test_stepgraph_records_the_train_step_with_the_moe_layers_eager_inside(monke
     for _ in range(5):
         step(torch.randint(0, 11, (2, 3)))
     assert seen == ["eager"] * 3 + ["record", "replay", "replay"]
+
+
+def test_train_optimizer_is_what_each_side_runs(monkeypatch):
+    """--optimizer adamw: occult's AdamW for occult's variants, torch's for transformers' own; adamw-torch: torch's
+    for every variant; sgd: SGD."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import e2e
+
+    from occult.training.optim import AdamW
+
+    model, cpu = torch.nn.Linear(3, 2), torch.device("cpu")
+    for optimizer, variant, kind in [
+        ("adamw", "replicated/compile/stepgraph", AdamW),
+        ("adamw", "dedup@device/compile", AdamW),
+        ("adamw", "native/compile", torch.optim.AdamW),
+        ("adamw-torch", "replicated/compile", torch.optim.AdamW),
+        ("sgd", "replicated", torch.optim.SGD),
+    ]:
+        args = e2e.parse_args(["--optimizer", optimizer, "--lr", "0.5"])
+        opt = e2e.train_optimizer(model, variant, args, cpu)
+        assert type(opt) is kind and opt.param_groups[0]["lr"] == 0.5, (optimizer, variant)
