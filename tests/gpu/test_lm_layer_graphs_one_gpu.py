@@ -69,19 +69,24 @@ def test_a_distilled_pruned_finetune_with_layer_graphs_gives_the_eager_losses(tm
 
     placement = Placement.contiguous(MODEL["num_experts"], 4)
     runs = {}
-    for graphs in (True, False):
+    for name, graphs in (("graphs", True), ("eager", False), ("eager again", False)):
         cfg = _config(steps=12, eval_every=0, moe_only=True, distill_weight=1.0, layer_graphs=graphs, seed=seed)
         model, result = finetune(
             init,
             _data(seed),
             cfg,
-            tmp_path / f"ft{graphs}",
+            tmp_path / name.replace(" ", "_"),
             max_devices=1,
             placement=placement,
             progress=False,
             log=None,
         )
-        runs[graphs] = (model, result.train_losses)
-    assert _relative_gap(runs[True][1], runs[False][1]) <= LOSS_TOL, (seed, runs[True][1][-3:], runs[False][1][-3:])
-    for layer in runs[True][0].moe_layers():
+        runs[name] = (model, result.train_losses)
+    # the bound: 1e-3, or twice what two eager runs of the seed drift apart (bf16 at lr 2e-3 with distillation
+    # amplifies the kernels' atomic adds to ~1e-3 by step 12 on some seeds); the bug this guards against, the
+    # teacher replaying the student's pruned routing, takes the distillation term away: a far larger gap
+    drift = _relative_gap(runs["eager again"][1], runs["eager"][1])
+    gap = _relative_gap(runs["graphs"][1], runs["eager"][1])
+    assert gap <= max(LOSS_TOL, 2 * drift), (seed, gap, drift, runs["graphs"][1][-3:], runs["eager"][1][-3:])
+    for layer in runs["graphs"][0].moe_layers():
         assert len(layer.graphs) >= 2  # the student's training call and the teacher's unlimited forward apart
