@@ -82,6 +82,20 @@ def agreement(shapes: list[torch.Size], device: torch.device) -> dict[str, float
     }
 
 
+def block_sweep(optimizer: AdamW, iters: int) -> dict[str, float]:
+    """occult's step (median ms) at other block sizes and warp counts of its kernel (`kernels.config`'s "adamw")."""
+    from occult.kernels import config
+
+    out = {}
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
+        config.override("adamw", block_m=block, num_warps=warps)
+        optimizer.step()  # compiles
+        out[f"{block}x{warps}"] = statistics.median(cuda_ms(optimizer.step, iters))
+        print(f"  block {block}, {warps} warps: {out[f'{block}x{warps}']:.2f} ms", flush=True)
+    config.override("adamw")
+    return out
+
+
 def model_shapes(args: argparse.Namespace) -> list[torch.Size]:
     """The parameter shapes of the e2e.py model (built on the meta device: no memory, no distributed group)."""
     from transformers import AutoModelForCausalLM
@@ -98,6 +112,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sweep", action="store_true", help="also time occult's step at other kernel block sizes and warps")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -127,6 +142,7 @@ def main() -> None:
     copy_gbs = 2 * size * 2 / ms["copy"] / 1e6
     rates = {name: bytes_step / ms[name] / 1e6 for name in optimizers}
     hosts = {name: host_ms(opt.step, 5) for name, opt in optimizers.items()}
+    sweep = block_sweep(optimizers["occult"], args.iters) if args.sweep else {}
     print(
         f"{args.model}, {args.layers} layers, {numel / 1e9:.2f} B parameters, {len(params)} tensors, "
         f"{bytes_step / 1e9:.1f} GB a step; copy ceiling {copy_gbs:.0f} GB/s",
@@ -152,6 +168,7 @@ def main() -> None:
                 "copy_gb_per_s": copy_gbs,
                 "host_ms": hosts,
                 "agreement": checks,
+                "sweep_ms": sweep,
                 "env": {"gpu": torch.cuda.get_device_name(), **run_record(1, True)},
             },
         )

@@ -23,9 +23,10 @@
 #          train, 100 steps each, alternated twice in one job (tokens/s of steps 51-100, losses step by step),
 #          then 15 steps each with --profile-steps 11:15 (host ms per step and per MoE call)
 #          -> OUT/train_captured_step_1gpu.json (carry .gpudata)                                 issue 52
-# optimizer  AdamW's fused kernel against AdamW in fp32 (tests/gpu/test_fused_adamw_one_gpu.py), then its step
-#          measured alone and under a training forward on the whole 16-layer OLMoE (scripts/
-#          optimizer_overlap_probe.py: how much a deferred update could hide) -> OUT/optimizer_probe.json  issue 52
+# optimizer  AdamW's fused kernels against AdamW in fp32 and torch's (tests/gpu/test_fused_adamw_one_gpu.py,
+#          tests/kernels/test_adamw_kernel.py), occult's step against torch's alone with a block sweep
+#          (benchmarks/bench_adamw.py), then occult's step under a training forward on the whole 16-layer OLMoE
+#          (scripts/optimizer_overlap_probe.py: how much a deferred update could hide) -> OUT/optimizer_probe.json  issue 52
 # native   whole Qwen3-MoE and DeepSeek-V3-shape models against plain transformers, eager and with
 #          hf.compile_layers on both, prefill and training step (benchmarks/e2e.py)         issue 26
 # native_decode  the same shapes, hf.generate (graph; compile_layers + graph) against transformers'
@@ -78,7 +79,9 @@ case $part in
     run peer_1gpu 400 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/e2e.py --model qwen3 \
       --variants replicated,torchtitan --out "$out/e2e_qwen3_1gpu_peer.json" ;;&
   optimizer|all)
-    run fused_adamw_test 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_adamw_one_gpu.py
+    run fused_adamw_test 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_adamw_one_gpu.py \
+      tests/kernels/test_adamw_kernel.py
+    run bench_adamw 120 python3 benchmarks/bench_adamw.py --layers 16 --sweep --out "$out/bench_adamw_olmoe16.json"
     run optimizer_probe 240 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
       scripts/optimizer_overlap_probe.py --layers 16 --variant replicated/compile --out "$out/optimizer_probe.json" ;;&
   native|all)

@@ -8,7 +8,7 @@ Before building that, this measures the bound: on the e2e.py model (OLMoE shape,
 steps (AdamW's state made), CUDA-event medians of
 
     forward      a training forward + loss (autograd graph kept, then dropped)
-    update       `optimizer.step()` (fused AdamW, bf16 parameters and moments)
+    update       `optimizer.step()` (AdamW, bf16 parameters and moments: occult's; torch's fused: --optimizer torch)
     both         the forward on the current stream and the update on a side stream, launched together
 
 and `hidden = (forward + update - both) / update`. In `both` the forward reads parameters the update is writing:
@@ -34,6 +34,7 @@ from _timing import time_steps, write_json  # noqa: E402
 
 from occult.distributed import init_distributed  # noqa: E402
 from occult.tools.run_record import run_record  # noqa: E402
+from occult.training.optim import adamw  # noqa: E402
 
 
 def main() -> None:
@@ -42,6 +43,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--variant", default="replicated/compile", help="native/compile or an e2e.py one-rank variant")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--optimizer", default="occult", choices=["occult", "torch"], help="occult's AdamW or torch's fused one"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     init_distributed()
@@ -51,7 +55,11 @@ def main() -> None:
     eargs = e2e.parse_args(["--model", args.model, "--layers", str(args.layers)])
     model = e2e.build_model(eargs, e2e.model_config(eargs), device, torch.bfloat16)
     model = e2e.convert_variant(model, args.variant, None, torch.distributed.group.WORLD)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    optimizer = (
+        adamw([{"params": list(model.parameters())}], lr=1e-6)
+        if args.optimizer == "occult"
+        else torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    )
     train = e2e.make_step(model, "train", optimizer)
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
@@ -85,7 +93,8 @@ def main() -> None:
     hidden = (ms["forward"] + ms["update"] - ms["both"]) / ms["update"]
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"{args.model}, {args.layers} layers, {args.variant}, {params / 1e9:.2f} B parameters: forward "
+        f"{args.model}, {args.layers} layers, {args.variant}, {args.optimizer} AdamW, {params / 1e9:.2f} B parameters: "
+        "forward "
         f"{ms['forward']:.2f} ms, update {ms['update']:.2f} ms, both at once {ms['both']:.2f} ms -> "
         f"{100 * hidden:.0f}% of the update hidden",
         flush=True,
