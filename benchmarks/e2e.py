@@ -852,6 +852,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                 out["compile_s"] = first_s - out["ms_median"] / 1e3
             out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase))
             out["comm"] = model.comm_stats() if titan else comm_stats(model, device)
+            if optimizer is not None:  # e.g. "occult AdamW", "torch AdamW" (what --optimizer adamw gave this side)
+                out["optimizer"] = f"{type(optimizer).__module__.split('.')[0]} {type(optimizer).__name__}"
             flops = (
                 ctx["cost"].forward_flops(args.batch, args.seq, args.batch)
                 if phase == "prefill"

@@ -71,7 +71,12 @@ TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "native": (
         "Whole models against plain transformers (`benchmarks/e2e.py`, `native`): transformers' time / occult's",
         ("GPUs", "link", "model", "phase"),
-        ("both eager", "both compiled", "transformers eager / occult compiled"),
+        (
+            "both eager",
+            "both compiled",
+            "transformers eager / occult compiled",
+            "transformers compiled / occult's fastest",
+        ),
     ),
     "torchtitan": (
         "TorchTitan's own Qwen3-MoE (`benchmarks/e2e.py ...,torchtitan`, same weights): TorchTitan's time / occult's",
@@ -186,12 +191,25 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
             if "native" in timed and "replicated/compile" in timed:
                 eager_over_compiled = fmt_ratio(timed["native"], timed["replicated/compile"])
             plain = fmt_ratio(timed["native"], timed["replicated"]) if eager else "-"
-            yield Figure("native", key, (plain, compiled, eager_over_compiled))
+            yield Figure("native", key, (plain, compiled, eager_over_compiled, fastest_one_rank(doc, timed, phase)))
         ours = best or (floor if world == "1" else None)
         tt, tt_occult = timed.get("torchtitan"), best_variant(timed, "torchtitan+occult")
         if tt and ours:
             with_ours = fmt_ratio(tt, tt_occult[1], "", tt_occult[0]) if tt_occult else "-"
             yield Figure("torchtitan", key, (fmt_ratio(tt, ours[1], "", ours[0]), with_ours))
+
+
+def fastest_one_rank(doc: dict, timed: dict[str, float], phase: str) -> str:
+    """transformers compiled / occult's fastest compiled one-rank variant (e.g. `/stepgraph`), named, with the
+    optimizer each side stepped where the file records it (e2e.py --optimizer adamw: occult's AdamW for occult's
+    variants since session 22); "-" without both."""
+    compiled = {v: ms for v, ms in timed.items() if v.startswith("replicated/compile")}
+    if "native/compile" not in timed or not compiled:
+        return "-"
+    name, ms = min(compiled.items(), key=lambda kv: kv[1])
+    cell = fmt_ratio(timed["native/compile"], ms, "", name)
+    optimizers = [doc["variants"][v]["phases"][phase].get("optimizer") for v in ("native/compile", name)]
+    return cell + (f", {optimizers[0]} / {optimizers[1]}" if all(optimizers) else "")
 
 
 def megatron_figures(doc: dict, link: str) -> Iterator[Figure]:

@@ -61,8 +61,9 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     "small_down": TileConfig(16, 64, 128, 1, 4, 4),
     "small_down_row": TileConfig(1, 16, 512, 1, 4, 1),
     "small_combine": TileConfig(1, 1024, 1, 1, 4, 1),
-    # kernels.adamw: block_m elements of one parameter tensor per program
-    "adamw": TileConfig(4096, 1, 1, 1, 8, 1),
+    # kernels.adamw: block_m elements of one parameter tensor per program (2048 x 4 warps and 1024 x 4 tied ahead
+    # of the sweep's others: docs/training.md, "The optimizer step")
+    "adamw": TileConfig(2048, 1, 1, 1, 4, 1),
 }
 
 INTERPRET_DEFAULTS: dict[str, TileConfig] = {
