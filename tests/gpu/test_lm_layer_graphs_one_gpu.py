@@ -20,6 +20,11 @@ from occult.lm.train import TrainConfig, finetune, train
 from occult.moe.train_graphs import TrainingCapture
 
 LOSS_TOL = 1e-3
+# The distilled pruned fine-tune (12 bf16 steps at lr 2e-3): replays leave the eager losses from about step 4 (two
+# eager runs of a seed agree exactly) and reached 1.08e-3 and 1.47e-3 by step 12 on two of eight seeds in session 22
+# (docs/testing.md). The bug this test guards against, the teacher replaying the student's pruned routing, removes
+# the distillation term (weight 1.0 here) from the loss: expected far above this bound (not measured).
+DISTILL_LOSS_TOL = 5e-3
 MODEL = dict(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, num_experts=16, top_k=4, expert_ffn_size=128)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -69,24 +74,20 @@ def test_a_distilled_pruned_finetune_with_layer_graphs_gives_the_eager_losses(tm
 
     placement = Placement.contiguous(MODEL["num_experts"], 4)
     runs = {}
-    for name, graphs in (("graphs", True), ("eager", False), ("eager again", False)):
+    for graphs in (True, False):
         cfg = _config(steps=12, eval_every=0, moe_only=True, distill_weight=1.0, layer_graphs=graphs, seed=seed)
         model, result = finetune(
             init,
             _data(seed),
             cfg,
-            tmp_path / name.replace(" ", "_"),
+            tmp_path / f"ft{graphs}",
             max_devices=1,
             placement=placement,
             progress=False,
             log=None,
         )
-        runs[name] = (model, result.train_losses)
-    # the bound: 1e-3, or twice what two eager runs of the seed drift apart (bf16 at lr 2e-3 with distillation
-    # amplifies the kernels' atomic adds to ~1e-3 by step 12 on some seeds); the bug this guards against, the
-    # teacher replaying the student's pruned routing, takes the distillation term away: a far larger gap
-    drift = _relative_gap(runs["eager again"][1], runs["eager"][1])
-    gap = _relative_gap(runs["graphs"][1], runs["eager"][1])
-    assert gap <= max(LOSS_TOL, 2 * drift), (seed, gap, drift, runs["graphs"][1][-3:], runs["eager"][1][-3:])
-    for layer in runs["graphs"][0].moe_layers():
+        runs[graphs] = (model, result.train_losses)
+    gap = _relative_gap(runs[True][1], runs[False][1])
+    assert gap <= DISTILL_LOSS_TOL, (seed, gap, runs[True][1][-3:], runs[False][1][-3:])
+    for layer in runs[True][0].moe_layers():
         assert len(layer.graphs) >= 2  # the student's training call and the teacher's unlimited forward apart
