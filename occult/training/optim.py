@@ -35,8 +35,9 @@ def fusable(params: Iterable[torch.Tensor]) -> bool:
 
 class AdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` whose fused groups of plain floating-point tensors, where `occult.kernels` run, step
-    through `occult.kernels.adamw` (one launch a parameter; the step counts advanced in one for-each call). Every
-    other group (sharded, CPU, amsgrad, a gradient scaler's step) takes torch's step, unchanged."""
+    their large tensors through `occult.kernels.adamw` (one launch each) and the rest through torch's fused
+    multi-tensor kernel (one launch). Every other group (sharded, CPU, amsgrad, a gradient scaler's step) takes
+    torch's step, unchanged."""
 
     def __init__(self, params: Iterable[Any], **hyper: Any) -> None:
         if hyper.get("differentiable"):
@@ -82,40 +83,25 @@ class AdamW(torch.optim.AdamW):
         the others through torch's fused multi-tensor kernel in one launch (its functional AdamW)."""
         kernel = _adamw_kernel()
         params = [p for p in group["params"] if p.grad is not None]
-        states = [self._state_of(p) for p in params]
         beta1, beta2 = group["betas"]
         hyper = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"]}
         hyper.update(weight_decay=group["weight_decay"], maximize=group["maximize"])
-        large = [p.numel() >= kernel.min_numel() for p in params]
-        for mine, run in ((False, self._torch_fused_update(group["capturable"])), (True, kernel.adamw_update_)):
-            chosen = [(p, s) for p, s, big in zip(params, states, large) if big == mine]
-            if not chosen:
-                continue
-            lists = ([p for p, _ in chosen], [p.grad for p, _ in chosen])
-            lists += tuple([s[key] for _, s in chosen] for key in ("exp_avg", "exp_avg_sq", "step"))
-            if mine:
-                torch._foreach_add_(lists[-1], 1.0)
-            run(*lists, **hyper)
+        small = [p for p in params if p.numel() < kernel.min_numel()]
+        large = [p for p in params if p.numel() >= kernel.min_numel()]
+        if small:  # (torch's functional AdamW advances their step counts itself)
+            chosen, grads, exp_avgs, exp_avg_sqs, steps = self._lists(small)
+            fused = {"fused": True, "capturable": group["capturable"], "amsgrad": False}
+            functional_adamw(chosen, grads, exp_avgs, exp_avg_sqs, [], steps, **fused, **hyper)
+        if large:
+            chosen, grads, exp_avgs, exp_avg_sqs, steps = self._lists(large)
+            torch._foreach_add_(steps, 1.0)
+            kernel.adamw_update_(chosen, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
 
-    @staticmethod
-    def _torch_fused_update(capturable: bool) -> Callable[..., None]:
-        """torch's fused AdamW over the lists it is given (it advances their step counts)."""
-
-        def update(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper: Any) -> None:
-            functional_adamw(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                [],
-                steps,
-                fused=True,
-                capturable=capturable,
-                amsgrad=False,
-                **hyper,
-            )
-
-        return update
+    def _lists(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
+        """Parameters, gradients, first and second moments, step counts."""
+        states = [self._state_of(p) for p in params]
+        moments = ([s[key] for s in states] for key in ("exp_avg", "exp_avg_sq", "step"))
+        return (params, [p.grad for p in params], *moments)
 
     def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """`p`'s state, created as torch's fused AdamW creates it (step count on the device, fp32)."""

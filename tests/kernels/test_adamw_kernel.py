@@ -45,6 +45,19 @@ def _step_both(opts, params_of, grads):
         opt.step()
 
 
+def _fp32_pair(gen: torch.Generator):
+    """fp32 parameters of SHAPES from one random start: occult's AdamW over one copy, torch's for-each the other."""
+    from occult.training.optim import AdamW
+
+    start = [torch.randn(s, device=DEVICE, generator=gen) for s in SHAPES]
+    ours, ref = _params(start, torch.float32), _params(start, torch.float32)
+    return (
+        ours,
+        ref,
+        [AdamW(_groups(ours), fused=True, **HYPER), torch.optim.AdamW(_groups(ref), foreach=False, **HYPER)],
+    )
+
+
 def _counting_kernel(monkeypatch):
     from occult.kernels import adamw as kernel
 
@@ -58,13 +71,10 @@ def _counting_kernel(monkeypatch):
 
 @needs_in_process
 def test_fp32_steps_are_torch_adamw_steps(monkeypatch):
-    from occult.training.optim import AdamW
 
     calls = _counting_kernel(monkeypatch)
     gen = _seeded()
-    start = [torch.randn(s, device=DEVICE, generator=gen) for s in SHAPES]
-    ours, ref = _params(start, torch.float32), _params(start, torch.float32)
-    opts = [AdamW(_groups(ours), fused=True, **HYPER), torch.optim.AdamW(_groups(ref), foreach=False, **HYPER)]
+    ours, ref, opts = _fp32_pair(gen)
     for i in range(4):
         grads = [torch.randn(s, device=DEVICE, generator=gen) for s in SHAPES]
         grads[1] = None if i == 2 else grads[1]  # a parameter without a gradient this step is left alone
@@ -83,14 +93,11 @@ def test_small_tensors_take_torchs_multi_tensor_kernel(monkeypatch):
     """Below `min_numel` elements a tensor steps through torch's fused kernel (one launch for all), the rest
     through occult's: the same update either way, every step count advanced once."""
     from occult.kernels import adamw as kernel
-    from occult.training.optim import AdamW
 
     monkeypatch.setattr(kernel, "min_numel", lambda: 100)
     calls = _counting_kernel(monkeypatch)
     gen = _seeded()
-    start = [torch.randn(s, device=DEVICE, generator=gen) for s in SHAPES]
-    ours, ref = _params(start, torch.float32), _params(start, torch.float32)
-    opts = [AdamW(_groups(ours), fused=True, **HYPER), torch.optim.AdamW(_groups(ref), foreach=False, **HYPER)]
+    ours, ref, opts = _fp32_pair(gen)
     for _ in range(3):
         _step_both(opts, (ours, ref), [torch.randn(s, device=DEVICE, generator=gen) for s in SHAPES])
     assert calls == [torch.Size((33, 7))] * 3
@@ -123,12 +130,9 @@ def test_half_precision_steps_follow_adamw_in_fp32(dtype):
 def test_learning_rate_tensor_and_state_dict_round_trip():
     """A tensor rate (as a captured step fills it) is read on the device; the state is torch's fused layout, so
     torch's AdamW continues from it exactly where occult's would."""
-    from occult.training.optim import AdamW
 
     gen = _seeded()
-    start = [torch.randn(s, device=DEVICE, generator=gen) for s in SHAPES]
-    ours, ref = _params(start, torch.float32), _params(start, torch.float32)
-    opts = [AdamW(_groups(ours), fused=True, **HYPER), torch.optim.AdamW(_groups(ref), foreach=False, **HYPER)]
+    ours, ref, opts = _fp32_pair(gen)
     for group in opts[0].param_groups:
         group["lr"] = torch.tensor(HYPER["lr"], device=DEVICE)
     for lr in (0.05, 0.02):
