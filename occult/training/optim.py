@@ -21,7 +21,7 @@ import torch
 from torch.optim.adamw import adamw as functional_adamw
 
 from occult import kernels
-from occult.training.dtensor import is_sharded
+from occult.training.dtensor import is_sharded, local_tensor
 
 
 def fusable(params: Iterable[torch.Tensor]) -> bool:
@@ -34,10 +34,10 @@ def fusable(params: Iterable[torch.Tensor]) -> bool:
 
 
 class AdamW(torch.optim.AdamW):
-    """`torch.optim.AdamW` whose fused groups of plain floating-point tensors, where `occult.kernels` run, step
-    their large tensors through `occult.kernels.adamw` (one launch each) and the rest through torch's fused
-    multi-tensor kernel (one launch). Every other group (sharded, CPU, amsgrad, a gradient scaler's step) takes
-    torch's step, unchanged."""
+    """`torch.optim.AdamW` whose fused groups of floating-point tensors (plain, or FSDP2's shards: their local
+    tensors), where `occult.kernels` run, step their large tensors through `occult.kernels.adamw` (one launch each)
+    and the rest through torch's fused multi-tensor kernel (one launch). Every other group (CPU, amsgrad, a gradient
+    scaler's step, shards and plain tensors mixed) takes torch's step, unchanged."""
 
     def __init__(self, params: Iterable[Any], **hyper: Any) -> None:
         if hyper.get("differentiable"):
@@ -69,12 +69,15 @@ class AdamW(torch.optim.AdamW):
         params = [p for p in group["params"] if p.grad is not None]
         if not params or not all(kernels.available(d) for d in {p.device for p in params}):
             return False
-        if any(is_sharded(p) for p in params):
+        if len({is_sharded(p) for p in params}) > 1:
             return False
         takes = _adamw_kernel().takes
         for p in params:
             state = self.state.get(p) or {"exp_avg": p, "exp_avg_sq": p}
-            if not takes(p, p.grad, state["exp_avg"], state["exp_avg_sq"]):
+            four = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+            if len({getattr(t, "placements", None) for t in four}) > 1:  # FSDP2: each laid out as its parameter
+                return False
+            if not takes(*(local_tensor(t) for t in four)):
                 return False
         return True
 
@@ -95,7 +98,8 @@ class AdamW(torch.optim.AdamW):
         if large:
             chosen, grads, exp_avgs, exp_avg_sqs, steps = self._lists(large)
             torch._foreach_add_(steps, 1.0)
-            kernel.adamw_update_(chosen, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
+            local = [[local_tensor(t) for t in ts] for ts in (chosen, grads, exp_avgs, exp_avg_sqs)]
+            kernel.adamw_update_(*local, steps, **hyper)  # an FSDP2 shard updated in place through its local tensor
 
     def _lists(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
         """Parameters, gradients, first and second moments, step counts."""

@@ -189,6 +189,38 @@ def test_groups_the_kernel_does_not_take_step_as_torch_and_hooks_run_once(monkey
 
 
 @needs_in_process
+def test_fsdp2_shards_step_through_their_local_tensors(monkeypatch):
+    """A one-rank FSDP2 model's DTensor parameters: the kernel updates their local shards in place, and the steps
+    are torch's AdamW's on the unsharded model."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from occult.distributed import free_port
+    from occult.training.optim import AdamW
+
+    calls = _counting_kernel(monkeypatch)
+    backend = "nccl" if DEVICE == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        gen = _seeded()
+        plain = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(DEVICE)
+        sharded = copy.deepcopy(plain)
+        fully_shard(sharded)
+        x, y = (torch.randn(16, n, device=DEVICE, generator=gen) for n in (32, 8))
+        opts = [AdamW(list(sharded.parameters()), fused=True, **HYPER), torch.optim.AdamW(plain.parameters(), **HYPER)]
+        for _ in range(3):
+            for model, opt in zip((sharded, plain), opts):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        assert len(calls) == 3 * 4
+        for a, b in zip(sharded.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_in_process
 def test_bad_input_is_refused():
     from occult.kernels.adamw import adamw_update_
     from occult.training.optim import AdamW
