@@ -6,9 +6,10 @@ The fused kernel takes floating-point CUDA tensors, FSDP2's sharded ones (DTenso
 shard, where its for-each path dispatches every elementwise operation of every parameter on the host); CPU
 parameters keep the for-each path. Sharded and plain parameters stay in groups of their own (the trainers' split).
 
-`AdamW` is torch's, with one change: a fused group of plain tensors where occult's kernels run steps through
-`occult.kernels.adamw` (one pass a tensor, at nearer the card's copy rate than torch's multi-tensor kernel:
-docs/training.md, "The optimizer step"). Same update, same state (a checkpoint of either loads into the other).
+`AdamW` is torch's, with one change: a fused group (plain tensors, or FSDP2's shards through their local tensors)
+where occult's kernels run steps its large tensors through `occult.kernels.adamw` (one pass a tensor, at nearer the
+card's copy rate than torch's multi-tensor kernel: docs/training.md, "The optimizer step"). Same update, same state
+(a checkpoint of either loads into the other).
 """
 
 from __future__ import annotations
