@@ -60,27 +60,29 @@ class AdamW(torch.optim.AdamW):
         return loss
 
     def _kernel_takes(self, group: dict[str, Any]) -> bool:
-        """Whether `group` steps through occult's kernel this step."""
-        if not group["fused"] or group["amsgrad"]:
+        """Whether `group` steps through occult's kernel this step: fused, plain AdamW, its parameters with
+        gradients on one device where the kernels run, all sharded or none, and each one's tensors `takes`."""
+        if not group["fused"] or group["amsgrad"] or any(torch.is_tensor(b) for b in group["betas"]):
             return False
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            return False
-        if any(torch.is_tensor(b) for b in group["betas"]):
-            return False
+            return False  # (a gradient scaler's step: torch's fused kernel takes its scale and skip flag)
         params = [p for p in group["params"] if p.grad is not None]
-        if not params or not all(kernels.available(d) for d in {p.device for p in params}):
+        devices = {p.device for p in params}
+        if len(devices) != 1 or not kernels.available(device := next(iter(devices))):
             return False
-        if len({is_sharded(p) for p in params}) > 1:
+        if torch.is_tensor(group["lr"]) and not (_on(group["lr"], device) and group["lr"].numel() == 1):
+            return False  # (the kernel reads the rate where the parameters are; torch's step moves it there)
+        return len({is_sharded(p) for p in params}) == 1 and all(self._tensors_take(p, device) for p in params)
+
+    def _tensors_take(self, p: torch.Tensor, device: torch.device) -> bool:
+        """Whether the kernel takes `p`, its gradient and its state (made on the device if there is none yet)."""
+        state = self.state.get(p)
+        if state and not _on(state["step"], device, torch.float32):
+            return False  # a step count kept elsewhere (a for-each AdamW's, on the host): torch's step reads it
+        four = (p, p.grad, state["exp_avg"], state["exp_avg_sq"]) if state else (p, p.grad, p, p)
+        if len({getattr(t, "placements", None) for t in four}) > 1:  # FSDP2: each laid out as its parameter
             return False
-        takes = _adamw_kernel().takes
-        for p in params:
-            state = self.state.get(p) or {"exp_avg": p, "exp_avg_sq": p}
-            four = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
-            if len({getattr(t, "placements", None) for t in four}) > 1:  # FSDP2: each laid out as its parameter
-                return False
-            if not takes(*(local_tensor(t) for t in four)):
-                return False
-        return True
+        return _adamw_kernel().takes(*(local_tensor(t) for t in four))
 
     def _kernel_step(self, group: dict[str, Any]) -> None:
         """The group's update: tensors of at least `min_numel` elements one launch each through occult's kernel,
@@ -126,6 +128,11 @@ class AdamW(torch.optim.AdamW):
             body(self)
         finally:
             self.param_groups = every
+
+
+def _on(t: Any, device: torch.device, dtype: torch.dtype | None = None) -> bool:
+    """Whether `t` is a tensor on `device` (of `dtype` where given)."""
+    return torch.is_tensor(t) and t.device == device and (dtype is None or t.dtype == dtype)
 
 
 def _adamw_kernel():

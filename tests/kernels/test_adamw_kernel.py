@@ -189,6 +189,23 @@ def test_groups_the_kernel_does_not_take_step_as_torch_and_hooks_run_once(monkey
 
 
 @needs_in_process
+def test_a_step_count_the_kernel_cannot_read_takes_torchs_step(monkeypatch):
+    """A step count kept as another dtype (a state loaded from elsewhere): torch's step reads it, not the kernel
+    (which reads an fp32 count on the parameters' device)."""
+    calls = _counting_kernel(monkeypatch)
+    gen = _seeded()
+    ours, ref, opts = _fp32_pair(gen)
+    _step_both(opts, (ours, ref), [torch.randn(s, device=DEVICE, generator=gen) for s in SHAPES])
+    assert len(calls) == len(SHAPES)
+    for p in ours[:2]:
+        opts[0].state[p]["step"] = opts[0].state[p]["step"].double()
+    _step_both(opts, (ours, ref), [torch.randn(s, device=DEVICE, generator=gen) for s in SHAPES])
+    assert len(calls) == 2 * len(SHAPES) - 2  # the first group (its two parameters) took torch's step
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_in_process
 def test_fsdp2_shards_step_through_their_local_tensors(monkeypatch):
     """A one-rank FSDP2 model's DTensor parameters: the kernel updates their local shards in place, and the steps
     are torch's AdamW's on the unsharded model."""
