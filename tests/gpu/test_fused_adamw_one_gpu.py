@@ -69,8 +69,10 @@ def test_fsdp2_shards_take_the_fused_kernel():
                 opt.zero_grad()
                 torch.nn.functional.mse_loss(m(x), y).backward()
                 opt.step()
+        # atol 2e-3 lr: the two models' gradients differ by rounding, which Adam's m / sqrt(v) magnifies where a
+        # gradient is near zero (5e-6 seen); a wrong update (decay, bias correction) is off by ~lr * 0.1 a step
         for a, b in zip(sharded.parameters(), plain.parameters()):
-            torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-4)
     finally:
         dist.destroy_process_group()
 
