@@ -5,7 +5,8 @@ path, one checkpoint format family, one place for hooks.
     grads.py      gradients of the global-batch loss: DDP wrapping, expert all-reduce, global-norm clipping
     dtensor.py    FSDP2 DTensor helpers (`is_sharded`, `full_tensor`, `local_tensor`, `like_param`)
     schedule.py   `CosineSchedule`: warm-up, cosine decay, extension when a resumed run gets more steps
-    optim.py      `adamw`: the trainers' AdamW, on its fused kernel for GPU parameters (FSDP2 shards too)
+    optim.py      `adamw`, `AdamW`: the trainers' AdamW, fused for GPU parameters (FSDP2 shards too), large tensors
+                  through occult's one-pass kernel (occult.kernels.adamw)
     loop.py       `TrainLoop`: the step loop (forward, loss, backward, sync, clip, optimizer, metrics,
                   progress) over a model's `StepParts`
     hooks.py      `StepHook`: what runs after every step (re-placement, evaluation, checkpoints)
