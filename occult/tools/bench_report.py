@@ -1,5 +1,6 @@
 """The report of `occult bench`: the table (`HEADER`, `format_row`), what each column means
-(`LEGEND`), speed-ups against the standard dispatcher and the measured ceilings (`summarize`)."""
+(`LEGEND`), speed-ups against the standard dispatcher, the layer's forward and backward MFU (`layer_mfu`: issue 52
+asks both) and the measured ceilings (`summarize`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,32 @@ def format_row(run: dict[str, Any]) -> str:
         f"{run['all_to_all_ms']:>9.2f}{run['all_to_all_GBps']:>10.1f}{run['expert_tflops']:>9.1f}{run['rel_error']:>9.1e}"
         f"{_syncs(run['host_syncs_fwd_bwd']):>6}{_ms(run.get('host_ms_fwd')):>8} {run.get('transport', ''):<7}"
     )
+
+
+def layer_mfu(run: dict[str, Any], matmul_tflops: float) -> tuple[float, float] | None:
+    """The layer's forward and backward MFU: its expert GEMM FLOPs (the backward: twice the forward's) over its
+    forward time and over fwd+bwd less forward, against the measured bf16 matmul rate; None without the FLOPs or
+    a positive backward time."""
+    gflop, fwd_ms, bwd_ms = run.get("expert_gflop_fwd"), run["forward_ms"], run["fwd_bwd_ms"] - run["forward_ms"]
+    if not gflop or fwd_ms <= 0 or bwd_ms <= 0 or matmul_tflops <= 0:
+        return None
+    return gflop / fwd_ms / matmul_tflops, 2 * gflop / bwd_ms / matmul_tflops
+
+
+def layer_mfu_lines(result: dict[str, Any]) -> list[str]:
+    """The report's MFU lines, one a run (where a matmul rate was measured: GPUs)."""
+    peak = result.get("ceilings", {}).get("matmul_tflops")
+    rows = [(run, layer_mfu(run, peak)) for run in result["runs"]] if peak else []
+    if not any(m for _, m in rows):
+        return []
+    lines = ["layer MFU (expert GEMM FLOPs / the layer's time / measured bf16 matmul rate), forward / backward:"]
+    for run, mfu in rows:
+        if mfu:
+            lines.append(
+                f"  {run['shape']:<9}{run['routing']:<8}{run['tokens']:>6} {run['variant']:<16}"
+                f"{100 * mfu[0]:>5.1f}% / {100 * mfu[1]:>5.1f}%"
+            )
+    return lines
 
 
 def _ms(value: float | None) -> str:
@@ -70,6 +97,7 @@ def summarize(result: dict[str, Any], table: bool = True) -> str:
             "dedup2: its E[C_T] column counts the rows of both stages per token (over the rail, then inside "
             "the node); its all-to-alls are not timed alone (floor = experts)"
         )
+    lines += layer_mfu_lines(result)
     c = result["ceilings"]
     names = {
         "matmul_tflops": "bf16 matmul TFLOP/s",

@@ -236,6 +236,7 @@ def bench_variant(
         "forward_remote_bytes_per_rank": remote_bytes_rank,
         "all_to_all_GBps": remote_bytes_rank / a2a_ms / 1e6 if a2a_ms > 0 else 0.0,
         "expert_tflops": flops / expert_ms / 1e9 if expert_ms > 0 else 0.0,
+        "expert_gflop_fwd": flops / 1e9,  # this rank's expert GEMMs in one forward; a backward does twice as many
         "pairs_per_rank": pairs,
         "host_syncs_fwd_bwd": syncs,
         "host_ms_fwd": host_ms,
