@@ -19,8 +19,8 @@ def format_row(run: dict[str, Any]) -> str:
 
 def layer_mfu(run: dict[str, Any], matmul_tflops: float) -> tuple[float, float] | None:
     """The layer's forward and backward MFU: its expert GEMM FLOPs (the backward: twice the forward's) over its
-    forward time and over fwd+bwd less forward, against the measured bf16 matmul rate; None without the FLOPs or
-    a positive backward time."""
+    forward time and over fwd+bwd less forward (that forward timed without autograd: the backward's MFU a lower
+    bound), against the measured bf16 matmul rate; None without the FLOPs or a positive backward time."""
     gflop, fwd_ms, bwd_ms = run.get("expert_gflop_fwd"), run["forward_ms"], run["fwd_bwd_ms"] - run["forward_ms"]
     if not gflop or fwd_ms <= 0 or bwd_ms <= 0 or matmul_tflops <= 0:
         return None
