@@ -8,15 +8,13 @@ gloo's collectives) and where the device transport cannot run (the layers' excha
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from test_collective_train import _model_config, _placement, _rel, _token_data, _train_config
+from test_collective_train import _model_config, _placement, _rel, _token_data, _train_config, shared_fp32_dir
 
 from occult.lm.parallel import full_model, gathered_tensors, setup_parallel, shard_model
 from occult.lm.train import train
@@ -53,20 +51,10 @@ def test_captured_expert_parallel_steps_give_the_eager_run(ranks, precision):
     if reason := unavailable_reason(dist.group.WORLD):
         pytest.skip(f"device transport: {reason}")
     par = setup_parallel()
-    box = [tempfile.mkdtemp(prefix="occult_gpu_captured_") if ranks.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    root = Path(box[0])
-    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
+    with shared_fp32_dir(ranks, "occult_gpu_captured_") as root:
         data = _token_data(ranks.seed)
         got = _run(ranks, par, data, root / f"captured-{precision}", precision, True)
         want = _run(ranks, par, data, root / f"eager-{precision}", precision, False)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-        dist.barrier()
-        if ranks.rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
     assert len(got["losses"]) == STEPS and len(got["val"]) == 2
     loss = ranks.all_max(float(np.max(np.abs(got["losses"] - want["losses"]) / np.abs(want["losses"]))))
     val = ranks.all_max(float(np.max(np.abs(got["val"] - want["val"]) / np.abs(want["val"]))))

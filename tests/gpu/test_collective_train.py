@@ -30,10 +30,12 @@ autocast, FSDP2 mixed precision over gloo), so `OCCULT_GPU_SUITE_ON_CPU=1` check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +174,24 @@ FSDP_GLOO_CUDA = (
 )
 
 
+@contextlib.contextmanager
+def shared_fp32_dir(ranks, prefix: str) -> Iterator[Path]:
+    """A temporary folder rank 0 makes and every rank gets, with TF32 matmuls off inside (fp32 runs compared to
+    rounding); afterwards TF32 as it was, the ranks met, the folder gone."""
+    box = [tempfile.mkdtemp(prefix=prefix) if ranks.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root = Path(box[0])
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield root
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        dist.barrier()
+        if ranks.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def _fsdp_ok(ranks) -> bool:
     return not (ranks.backend == "gloo" and ranks.device.type == "cuda")
 
@@ -180,12 +200,7 @@ def _fsdp_ok(ranks) -> bool:
 def runs(ranks):
     """Every training run of this file, on every rank in the same order (each is a collective)."""
     par = setup_parallel()
-    box = [tempfile.mkdtemp(prefix="occult_gpu_train_") if ranks.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    root = Path(box[0])
-    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
+    with shared_fp32_dir(ranks, "occult_gpu_train_") as root:
         data = _token_data(ranks.seed)
         r = {"single": _single(ranks, par, data, root / f"single{ranks.rank}")}
         for mode in ("fsdp", "ddp") if _fsdp_ok(ranks) else ("ddp",):
@@ -213,11 +228,6 @@ def runs(ranks):
                         indent=1,
                     )
                 )
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-        dist.barrier()
-        if ranks.rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def _check(ranks, runs, name: str, err: float, tol: float) -> None:
