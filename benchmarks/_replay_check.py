@@ -48,7 +48,8 @@ def relative_error(got: torch.Tensor | None, want: torch.Tensor) -> float:
 def replay_check(model: nn.Module, step: Callable[[], None], tol: float) -> dict | None:
     """The gradients of `step()` with the replays against those with every MoE layer eager (module
     docstring): {"max_rel_err", "worst_param" (on this rank), "passed"}; None where no layer replays
-    its training calls. The layers' settings are restored, and the gradients left at None."""
+    its training calls. The layers' settings are restored, their recordings released (made again at their next
+    calls), and the gradients left at None."""
     layers = replayed_layers(model)
     if not layers:
         return None
@@ -56,6 +57,7 @@ def replay_check(model: nn.Module, step: Callable[[], None], tol: float) -> dict
     settings = [layer.execution for layer in layers]
     try:
         for layer in layers:
+            layer.graphs.release()  # the eager step beside the recordings might not fit (recorded again on use)
             layer.execution = replace(layer.execution, train_graphs=False)
         eager = gradients(model, step)
     finally:

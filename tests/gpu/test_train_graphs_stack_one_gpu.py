@@ -6,8 +6,9 @@ for the capture stream, first allocated while the first layer's backward recorde
 over its freed activations, and every later layer's GEMMs wrote into them between its forward and backward
 replays (`occult.moe.capture_stream`). Whether the workspace lands on activations depends on the allocator's
 layout, so the gradients alone can pass with the defect present (they did here); the first test checks the
-cause: after recording, a layer's pool holds nothing but what the recording hands out (its output and
-gradients). Single-process GPU tests (stage 2)."""
+cause: after recording, the recordings' pool holds nothing but what they hand out (their outputs and
+gradients). The second checks that the recordings of a step, sharing one pool, take about an eager step's
+memory. Single-process GPU tests (stage 2)."""
 
 from __future__ import annotations
 
@@ -65,22 +66,34 @@ def _train(graphed: list[OccultMoE], eager: list[OccultMoE], seed: int) -> list[
     return errors
 
 
-def _stray_blocks(recording) -> list[tuple[int, int]]:
-    """Blocks of at least STRAY_BYTES allocated in `recording`'s pool that are none of the tensors it hands out
-    (output, gradients, routing statuses): (address, bytes)."""
-    handed = [recording.y_TH, *recording.statuses, *(g for g in recording.grads if g is not None)]
-    starts = {t.untyped_storage().data_ptr() for t in handed}
-    stray = []
+def _pool_blocks(recordings) -> list[dict]:
+    """The blocks of every segment in the pools `recordings` record into, each with its address."""
+    pools = {tuple(r.forward_graph.pool()) for r in recordings}
+    blocks = []
     for segment in torch.cuda.memory_snapshot():
-        if tuple(segment.get("segment_pool_id", ())) != tuple(recording.forward_graph.pool()):
+        if tuple(segment.get("segment_pool_id", ())) not in pools:
             continue
         address = segment["address"]
         for block in segment["blocks"]:
-            at = block.get("address", address)
-            if block["state"] == "active_allocated" and block["size"] >= STRAY_BYTES and at not in starts:
-                stray.append((at, block["size"]))
-            address = at + block["size"]
-    return stray
+            blocks.append(dict(block, address=block.get("address", address)))
+            address = blocks[-1]["address"] + block["size"]
+    return blocks
+
+
+def _handed(recording) -> list[torch.Tensor]:
+    """The tensors a recording hands out: its output, routing statuses and gradients."""
+    return [recording.y_TH, *recording.statuses, *(g for g in recording.grads if g is not None)]
+
+
+def _stray_blocks(recordings) -> list[tuple[int, int]]:
+    """Blocks of at least STRAY_BYTES allocated in the pools of `recordings` that are none of the tensors they
+    hand out (outputs, gradients, routing statuses): (address, bytes)."""
+    starts = {t.untyped_storage().data_ptr() for r in recordings for t in _handed(r)}
+    return [
+        (b["address"], b["size"])
+        for b in _pool_blocks(recordings)
+        if b["state"] == "active_allocated" and b["size"] >= STRAY_BYTES and b["address"] not in starts
+    ]
 
 
 def test_training_recordings_hold_no_blas_workspace():
@@ -89,6 +102,37 @@ def test_training_recordings_hold_no_blas_workspace():
     errors = _train(graphed, eager, seed)
     recordings = [r for layer in graphed for r in layer.graphs.recordings()]
     assert len(recordings) == LAYERS  # every layer recorded once and replayed
-    stray = {i: _stray_blocks(r) for i, r in enumerate(recordings)}
-    assert not any(stray.values()), (seed, stray)
+    assert len({tuple(r.forward_graph.pool()) for r in recordings}) == 1  # one step's recordings share a pool
+    stray = _stray_blocks(recordings)
+    assert not stray, (seed, stray)
     assert max(e for _, _, e in errors) <= TOL, (seed, errors)
+
+
+def test_a_stacks_recordings_take_about_the_memory_of_an_eager_step():
+    """The recordings share one pool in the order they replay, so what each layer needs only while it runs
+    is held once, as in an eager step, not once per layer (with a pool per recording, a 4-GPU OLMoE step
+    held 88 GiB of it)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    graphed, eager = _stacks(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(TOKENS, HIDDEN, device="cuda", generator=gen)
+    _step(eager, x, w)  # kernels compiled, gradients allocated
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _step(eager, x, w)
+    eager_bytes = torch.cuda.max_memory_allocated() - base
+    for _ in range(EAGER_CALLS + 2):
+        _step(graphed, x, w)
+    recordings = [r for layer in graphed for r in layer.graphs.recordings()]
+    assert len(recordings) == LAYERS
+    pool_bytes = sum(b["size"] for b in _pool_blocks(recordings))
+    # what they hand out stays theirs (autograd copies the gradients into .grad): the rest is the step's memory
+    handed = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for r in recordings for t in _handed(r)}
+    kept_bytes = pool_bytes - sum(handed.values())
+    print(
+        f"recordings' pools {pool_bytes / 2**20:.0f} MiB, of which handed out {sum(handed.values()) / 2**20:.0f}; "
+        f"an eager step's peak {eager_bytes / 2**20:.0f} MiB"
+    )
+    assert kept_bytes <= 1.25 * eager_bytes, (pool_bytes, kept_bytes, eager_bytes)

@@ -2,7 +2,8 @@
 around the replays, with the two CUDA graphs stood in by functions that compute into the recorded
 tensors as a replay would. Its gradients are those of the function (input and parameters), they
 accumulate over backward passes instead of aliasing the recorded ones, a forward while the last output
-waits for its backward runs eagerly, a backward on replaced transport buffers raises; `has_hooks`.
+waits for its backward runs eagerly, a backward on replaced transport buffers raises; the backward
+recorded at the first backward call, and the life of the pool a step's recordings share; `has_hooks`.
 (The CUDA graphs themselves: tests/gpu/test_collective_train_graphs.py.)"""
 
 from __future__ import annotations
@@ -11,8 +12,15 @@ import pytest
 import torch
 
 from occult import CommStats
+from occult.moe import train_graphs
 from occult.moe.graphs import GraphCache, has_hooks
-from occult.moe.train_graphs import TrainingCall, TrainingCapture, check_reaches_no_parameter, stand_ins
+from occult.moe.train_graphs import (
+    SharedPool,
+    TrainingCall,
+    TrainingCapture,
+    check_reaches_no_parameter,
+    stand_ins,
+)
 
 
 def holding(w: torch.nn.Parameter) -> torch.nn.Module:
@@ -33,8 +41,11 @@ class Replays:
         self.fn()
 
 
-def stood_in_capture(x_TH: torch.Tensor, w_HH: torch.nn.Parameter, generation=lambda: 0) -> TrainingCapture:
-    """y = tanh(x @ w), recorded: forward and backward write the fixed tensors, as replays do."""
+def stood_in_capture(
+    x_TH: torch.Tensor, w_HH: torch.nn.Parameter, generation=lambda: 0, pool: SharedPool | None = None
+) -> TrainingCapture:
+    """y = tanh(x @ w), recorded: forward and backward write the fixed tensors, as replays do. With `pool`,
+    recorded as `capture_training` records: the backward at the first backward call, in `pool`."""
     static_x, static_y, grad_y = torch.zeros_like(x_TH), torch.zeros_like(x_TH), torch.zeros_like(x_TH)
     grad_x, grad_w = torch.zeros_like(x_TH), torch.zeros_like(w_HH)
 
@@ -46,19 +57,44 @@ def stood_in_capture(x_TH: torch.Tensor, w_HH: torch.nn.Parameter, generation=la
         grad_x.copy_(pre @ w_HH.detach().T)
         grad_w.copy_(static_x.T @ pre)
 
-    return TrainingCapture(
+    if pool is None:
+        return TrainingCapture(
+            Replays(forward),
+            Replays(backward),
+            static_x,
+            static_y,
+            grad_y,
+            (w_HH,),
+            (grad_x, grad_w),
+            [],
+            CommStats(),
+            generation,
+            generation(),
+        )
+    pool.pending += 1
+    recorded = []
+
+    def record():
+        recorded.append(pool.open)  # whether this backward went into the shared pool
+        return Replays(backward), grad_y, (grad_x, grad_w)
+
+    capture = TrainingCapture(
         Replays(forward),
-        Replays(backward),
+        None,
         static_x,
         static_y,
-        grad_y,
+        None,
         (w_HH,),
-        (grad_x, grad_w),
+        (),
         [],
         CommStats(),
         generation,
         generation(),
+        pool=pool,
+        record_backward=record,
     )
+    capture.recorded = recorded
+    return capture
 
 
 def reference(x_TH, w_HH, grad_y):
@@ -212,3 +248,109 @@ def test_a_recorded_forward_that_reads_a_parameter_around_its_modules_raises():
         y = torch.nn.functional.linear(torch.randn(2, 4), kept) + layer.bias
     with pytest.raises(RuntimeError, match="read a parameter that its modules do not hold"):
         check_reaches_no_parameter(y, tuple(layer.parameters()))
+
+
+def test_the_backward_is_recorded_once_at_the_first_backward_call_and_gives_the_gradients():
+    H = 5
+    w = torch.nn.Parameter(torch.randn(H, H, dtype=torch.float64))
+    pool = SharedPool(handle=None)
+    capture = stood_in_capture(torch.zeros(3, H, dtype=torch.float64), w, pool=pool)
+    for step in range(3):
+        w.grad = None
+        x = torch.randn(3, H, dtype=torch.float64, requires_grad=True)
+        grad_y = torch.randn(3, H, dtype=torch.float64)
+        y, _ = capture.replay(x)
+        assert capture.backward_graph is None if step == 0 else capture.backward_graph.count == step
+        y.backward(grad_y)
+        ref_x, ref_w = reference(x.detach(), w, grad_y)
+        torch.testing.assert_close(x.grad, ref_x)
+        torch.testing.assert_close(w.grad, ref_w)
+    assert capture.recorded == [True] and capture.record_backward is None and capture.backward_graph.count == 3
+
+
+def test_a_steps_recordings_share_the_pool_until_every_backward_is_recorded():
+    """Forwards of layers 0..2 recorded in order, then their backwards 2..0: all in the shared pool, which
+    then closes (a recording after the step cannot know where its replays fall)."""
+    pool = SharedPool(handle=None)
+    weights = [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64)) for _ in range(3)]
+    captures = [stood_in_capture(torch.zeros(2, 4, dtype=torch.float64), w, pool=pool) for w in weights]
+    y = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    for capture in captures:
+        y, _ = capture.replay(y)
+    assert pool.open and pool.pending == 3
+    y.sum().backward()
+    assert [c.recorded for c in captures] == [[True]] * 3  # the last one recorded while the pool was still open
+    assert not pool.open and pool.pending == 0
+
+
+def test_the_shared_pool_closes_at_a_second_forward_replay_and_a_late_backward_gets_its_own():
+    pool = SharedPool(handle=None)
+    w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    first, second = (stood_in_capture(torch.zeros(2, 4, dtype=torch.float64), w, pool=pool) for _ in range(2))
+    y1, _ = first.replay(torch.randn(2, 4, dtype=torch.float64, requires_grad=True))
+    y1.sum().backward()
+    assert pool.open  # `second` still waits for its backward
+    y1, _ = first.replay(torch.randn(2, 4, dtype=torch.float64, requires_grad=True))  # the next step
+    assert not pool.open
+    y2, _ = second.replay(torch.randn(2, 4, dtype=torch.float64, requires_grad=True))
+    y2.sum().backward()
+    assert first.recorded == [True] and second.recorded == [False]
+
+
+def test_a_recording_joins_the_open_pool_and_a_closed_one_is_replaced(monkeypatch):
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (next(handles), 0))
+    monkeypatch.setattr(train_graphs, "_SHARED", {})
+    device = torch.device("cuda", 0)
+    a = train_graphs.shared_pool(device)
+    assert train_graphs.shared_pool(device) is a
+    a.open = False
+    b = train_graphs.shared_pool(device)
+    assert b is not a and b.open and b.handle != a.handle
+    assert train_graphs.shared_pool(torch.device("cuda", 1)) is not b  # one per device
+
+
+def test_a_replays_copy_into_the_recorded_input_leaves_its_saved_graph_usable_for_the_backward_recording():
+    """The forward's autograd graph saved the input copy (a view of it); the replays write into that copy before
+    the backward is recorded from the graph, which must not see it as modified in place."""
+    w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    static_x = torch.zeros(3, 4, dtype=torch.float64, requires_grad=True)
+    graph_y = torch.tanh(static_x.view(3, 4) @ w)  # saves a view of static_x, as the recorded layers do
+    static_y, grad_y = graph_y.detach().clone(), torch.zeros(3, 4, dtype=torch.float64)
+    grad_x, grad_w = torch.zeros(3, 4, dtype=torch.float64), torch.zeros(4, 4, dtype=torch.float64)
+
+    def forward():
+        static_y.copy_(torch.tanh(static_x.detach() @ w.detach()))
+
+    def record():
+        torch.autograd.grad(graph_y, [static_x, w], grad_outputs=grad_y)  # raises if the input counts as modified
+
+        def backward():
+            pre = grad_y * (1 - static_y**2)
+            grad_x.copy_(pre @ w.detach().T)
+            grad_w.copy_(static_x.detach().T @ pre)
+
+        return Replays(backward), grad_y, (grad_x, grad_w)
+
+    pool = SharedPool(handle=None, pending=1)
+    capture = TrainingCapture(
+        Replays(forward),
+        None,
+        static_x,
+        static_y,
+        None,
+        (w,),
+        (),
+        [],
+        CommStats(),
+        lambda: 0,
+        0,
+        pool=pool,
+        record_backward=record,
+    )
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    y, _ = capture.replay(x)
+    y.sum().backward()
+    ref_x, ref_w = reference(x.detach(), w, torch.ones(3, 4, dtype=torch.float64))
+    torch.testing.assert_close(x.grad, ref_x)
+    torch.testing.assert_close(w.grad, ref_w)
