@@ -6,8 +6,8 @@ the layer does not wait for the GPU (the device transport, the sync-free schedul
 rank), a call of a given signature can be recorded once and replayed: the host then costs a copy
 in, one graph launch and a copy out.
 
-Under autograd a call is recorded forward and backward (`occult.moe.train_graphs`), each such
-recording with a memory pool of its own.
+Under autograd a call is recorded forward and backward (`occult.moe.train_graphs`), the recordings of
+one training step in a memory pool of their own (shared in the order they replay).
 
 A graph serves one signature (`GraphCache.run`'s key: this rank's token count, the token count
 the ranks agreed on, dtype, autocast and inference mode, the transport's buffer generation, which
@@ -44,7 +44,7 @@ from occult.teardown import hold_collectives
 
 EAGER_CALLS = 2  # eager calls of a signature before it is captured (compilation, buffer growth)
 MAX_GRAPHS = 8  # graphs kept per layer (the least recently used go first)
-MAX_TRAINING = 2  # of which training recordings (each holds a memory pool of its own: its activations)
+MAX_TRAINING = 2  # of which training recordings (each holds its saved activations in a training pool)
 MAX_SEEN = 1024  # signatures counted towards a capture per layer (forgotten all at once beyond)
 
 _LIVE: dict[int, weakref.WeakSet[torch.cuda.CUDAGraph]] = {}  # device index -> graphs alive there
