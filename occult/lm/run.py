@@ -6,6 +6,7 @@
     EvalAndSave   the hook that evaluates every `eval_every` steps (early stop on a plateau) and
                   saves the resume state every `save_every`
     latest_state  the newest resume state in a run directory
+    peak_memory   this rank's peak GPU memory so far (allocated and reserved), for metrics.jsonl
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ BEST = "best.safetensors"
 FINAL = "model.safetensors"
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """This rank's peak GPU memory so far, GiB: what tensors held (`peak_memory_gib`) and what the allocator
+    held (`peak_reserved_gib`: cached blocks too, a CUDA graph pool's free ones among them: what the card must
+    have); empty off a GPU."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
 
 
 def latest_state(out: Path) -> tuple[str, Path, Mapping[str, Any]] | None:
@@ -127,6 +140,7 @@ class TrainRun:
         reshard(self.model)  # FSDP: the root's weights back to shards after a forward without backward
         r["step"] = self.loop.step
         r.update(rate)
+        r.update(peak_memory(next(self.model.parameters()).device))
         if train_loss is not None:
             r["train_loss"] = train_loss
         self.history.append(r)
