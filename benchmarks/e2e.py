@@ -58,6 +58,9 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    --captured-step`); occult's one-rank and @device / @syncfree variants, their MoE layers eager
                    inside the recording (compile_layers(layer_graphs=False)); prefill runs as without it, e.g.
                    replicated/compile/stepgraph, dedup@device/compile/stepgraph
+  <variant>/deferwgrad  the expert kernels' weight gradients deferred to a side stream (OCCULT_DEFER_WGRAD=1 for
+                   this variant only, occult.kernels.deferred_wgrad: the dispatch's backward all-to-all under
+                   them); occult's variants, e.g. dedup@device/compile/stepgraph/deferwgrad (docs/overlap.md)
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -99,13 +102,14 @@ logits of the last position; train: 3x the forward with every position's logits)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +245,15 @@ def variant_list(text: str) -> list[str]:
     bad += [
         v
         for v in names
+        if deferred_wgrad(v)
+        and (
+            base_variant(v) in ("native", "hf-ep", *PEERS)
+            or v.removesuffix("/deferwgrad").endswith(("/graph", "/twobatch"))
+        )
+    ]
+    bad += [
+        v
+        for v in names
         if step_graph(v)
         and not (base_variant(v) == "replicated" or on_device(v) or sync_free(v))
         or step_graph(v)
@@ -255,7 +268,8 @@ def variant_list(text: str) -> list[str]:
             f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches), @device or @syncfree ones "
             f"/traingraphs/compile (training calls replayed too), replicated/eagermoe/compile (MoE blocks "
             f"eager between their layer's graphs), replicated, @device or @syncfree ones /stepgraph (the training "
-            f"step in one CUDA graph; not with the other graph modifiers), or the peers "
+            f"step in one CUDA graph; not with the other graph modifiers), occult's variants /deferwgrad (the "
+            f"experts' weight gradients on a side stream), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"
         )
@@ -307,6 +321,28 @@ def step_graph(variant: str) -> bool:
     return "/stepgraph" in variant
 
 
+def deferred_wgrad(variant: str) -> bool:
+    """'dedup@device/compile/deferwgrad': OCCULT_DEFER_WGRAD=1 while this variant runs (`variant_settings`)."""
+    return variant.endswith("/deferwgrad")
+
+
+@contextlib.contextmanager
+def variant_settings(variant: str) -> Iterator[None]:
+    """The environment settings a variant asks for (`/deferwgrad`), set while it runs and restored after."""
+    if not deferred_wgrad(variant):
+        yield
+        return
+    before = os.environ.get("OCCULT_DEFER_WGRAD")
+    os.environ["OCCULT_DEFER_WGRAD"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["OCCULT_DEFER_WGRAD"]
+        else:
+            os.environ["OCCULT_DEFER_WGRAD"] = before
+
+
 def eager_moe(variant: str) -> bool:
     """'replicated/eagermoe/compile': compile_layers(trace_moe=False), one-rank MoE blocks eager between their
     layer's two graphs."""
@@ -327,7 +363,7 @@ def micro_batches(variant: str) -> int:
 def _without_capture(variant: str) -> str:
     """The variant without its graph modifiers ('/layergraphs', '/traingraphs', '/eagermoe', a final '/graph' or
     '/twobatch')."""
-    stem = variant
+    stem = variant.removesuffix("/deferwgrad")
     for modifier in ("/layergraphs", "/traingraphs", "/eagermoe", "/stepgraph"):
         stem = stem.replace(modifier, "")
     return stem.removesuffix("/graph").removesuffix("/twobatch")
@@ -1000,7 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
         peaks=report["peaks"],
     )
     for variant in args.variants:
-        report["variants"][variant] = run_variant(variant, args, cfg, ctx)
+        with variant_settings(variant):
+            report["variants"][variant] = run_variant(variant, args, cfg, ctx)
         if rank == 0 and args.out:
             write_json(args.out, report)
     failed = [v for v, r in report["variants"].items() if not r["check"]["passed"]]

@@ -4,7 +4,7 @@ Code asks `current()` (`current().dgrad1`, ...), never `os.environ`; a value tha
 allowed raises `SettingsError` naming the variable, the bad value and the allowed ones.
 docs/settings.md lists each variable, its default and its effect.
 
-`current()` re-parses only when one of the variables changed (it compares the raw values: eleven
+`current()` re-parses only when one of the variables changed (it compares the raw values: thirteen
 dictionary reads, well under a microsecond), so a test that sets one (`monkeypatch.setenv`) is seen at the next call
 and hot paths (every expert-MLP call reads it) pay no parsing. `reload()` drops the cache.
 This module imports neither torch nor Triton: Triton reads `TRITON_INTERPRET` itself on import,
@@ -53,6 +53,7 @@ class Settings:
     )
     agreement: str = "call"  # OCCULT_AGREEMENT: the device transport agrees per layer call, or once per training step
     commit: str | None = None  # OCCULT_COMMIT: the commit result files record (`HASH` or `HASH-dirty`; None: ask git)
+    defer_wgrad: bool = False  # OCCULT_DEFER_WGRAD: experts' weight gradients on a side stream, under the all-to-all
 
     @classmethod
     def from_env(cls, env: dict[str, str | None]) -> Settings:
@@ -70,6 +71,7 @@ class Settings:
             rank_start=_choice(env, "OCCULT_RANK_START", RANK_STARTS),
             agreement=_choice(env, "OCCULT_AGREEMENT", AGREEMENTS),
             commit=(env.get("OCCULT_COMMIT") or "").strip() or None,
+            defer_wgrad=_flag(env, "OCCULT_DEFER_WGRAD"),
         )
 
 
@@ -87,6 +89,7 @@ VARIABLES: dict[str, str] = {
     "OCCULT_RANK_START": "rank_start",
     "OCCULT_AGREEMENT": "agreement",
     "OCCULT_COMMIT": "commit",
+    "OCCULT_DEFER_WGRAD": "defer_wgrad",
 }
 
 

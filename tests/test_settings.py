@@ -34,6 +34,7 @@ def test_defaults_with_nothing_set(clean_env):
         rank_start="spawn",
         agreement="call",
         commit=None,
+        defer_wgrad=False,
     )
 
 
@@ -51,6 +52,7 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "OCCULT_RANK_START": "forkserver",
         "OCCULT_AGREEMENT": "Call",
         "OCCULT_COMMIT": " abc1234-dirty ",
+        "OCCULT_DEFER_WGRAD": "yes",
     }
     assert set(values) == set(settings.VARIABLES)
     for name, value in values.items():
@@ -68,6 +70,7 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "forkserver",
         "call",
         "abc1234-dirty",
+        True,
     )
     assert {f.name for f in dataclasses.fields(Settings)} == set(settings.VARIABLES.values())
 
@@ -94,6 +97,7 @@ def test_a_change_is_seen_at_the_next_call_and_nothing_is_parsed_otherwise(clean
         ("OCCULT_PLAN", "numpy", "auto, torch, triton"),
         ("OCCULT_AGREEMENT", "layer", "call, step"),
         ("OCCULT_DEBUG", "maybe", "1 or 0"),
+        ("OCCULT_DEFER_WGRAD", "sometimes", "1 or 0"),
         ("TRITON_INTERPRET", "2", "1 or 0"),
     ],
 )

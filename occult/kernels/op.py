@@ -22,9 +22,12 @@ rows hold far fewer local experts pay that in memory (not in time): pass the sma
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from occult import settings
+from occult.kernels import deferred_wgrad
 from occult.kernels.combine import combine_rows
 from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
 from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
@@ -96,6 +99,21 @@ def _forward(x, slots, gates, w1, w2, atomic: bool, save: bool, dense: bool = Fa
     return y, ((pair, offsets, hg, ab, x_sorted) if save else None)
 
 
+class _Saved(NamedTuple):
+    """What the op's forward keeps for its backward."""
+
+    x: torch.Tensor
+    slots: torch.Tensor
+    gates: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    pair: torch.Tensor
+    offsets: torch.Tensor
+    hg: torch.Tensor
+    ab: torch.Tensor | None
+    x_sorted: torch.Tensor | None
+
+
 class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, slots, gates, w1, w2, atomic, dense):
@@ -112,7 +130,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        need_x, _, need_g, need_w1, need_w2, _, _ = ctx.needs_input_grad
+        need_x, _, need_g, need_w1, need_w2 = ctx.needs_input_grad[:5]
         if ctx.empty:
             x, slots, gates, w1, w2 = ctx.saved_tensors
             return (
@@ -124,53 +142,96 @@ class _ExpertMLPFunction(torch.autograd.Function):
                 None,
                 None,
             )
-        x, slots, gates, w1, w2, pair, offsets, hg, ab, x_sorted = ctx.saved_tensors
-        num_rows, num_slots = slots.shape
-        num_experts = w1.shape[0]
-        dy = dy.to(x.dtype).contiguous()
-        gates_flat = gates.view(-1)
-        dx = dgates = dw1 = dw2 = None
-        # torch._grouped_mm on Hopper/bf16 (kernels.grouped_mm): the weight gradients (setting wgrad),
-        # and optionally the SwiGLU dgrad (setting dgrad1); their row-indexed operands are gathered
-        # into sorted-pair order first, [R*K, H] each: dy once (first if the dgrad needs it), x into
-        # `rows_buf` (the dx pair buffer once it is consumed; dy goes there too when gathered last)
-        # unless the forward kept its copy (`x_sorted`, setting gemm1), which is never overwritten
-        hidden, ffn = x.shape[1], w2.shape[2]
-        gmm = (need_w1 or need_w2) and use_grouped_mm(x, hidden, ffn)
-        need_dab = need_x or need_g or need_w1
-        gmm_dgrad = need_dab and use_grouped_mm(x, hidden, ffn, which="dgrad1")
-        dy_rows = rows_buf = None
-        if gmm_dgrad:
-            dy_rows = gather_pair_rows(dy, pair, offsets, num_slots)
-        if need_dab:
-            if gmm_dgrad:
-                dab, dg = swiglu_dgrad_grouped(dy_rows, pair, offsets, w2, ab, gates_flat)
-            else:
-                dab, dg = swiglu_dgrad(dy, pair, offsets, w2, ab, gates_flat, num_slots)
-            if need_g:
-                dgates = dg.view(num_rows, num_slots).to(gates.dtype)
-            if need_x:
-                if ctx.atomic:
-                    dx32 = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-                    gemm_scatter(dab, pair, offsets, w1, num_slots, dx32, atomic=True)
-                    dx = dx32.to(x.dtype)
-                else:
-                    rows_buf = x.new_empty((num_rows * num_slots, hidden))
-                    gemm_scatter(dab, pair, offsets, w1, num_slots, rows_buf, config_name="dgrad2")
-                    dx = combine_rows(rows_buf, slots, num_experts, x.dtype)
-            if need_w1 and gmm:
-                if x_sorted is None:  # (the forward's GEMM 1 copied x rows when it ran on _grouped_mm)
-                    x_sorted = rows_buf = gather_pair_rows(x, pair, offsets, num_slots, out=rows_buf)
-                dw1 = grouped_weight_grad(dab, x_sorted, offsets)
-            elif need_w1:
-                dw1 = weight_grad(dab, x, pair, offsets, num_slots, torch.empty_like(w1), a_gather=False, b_gather=True)
-        if need_w2 and gmm:
-            if dy_rows is None:
-                dy_rows = gather_pair_rows(dy, pair, offsets, num_slots, out=rows_buf)
-            dw2 = grouped_weight_grad(dy_rows, hg, offsets)
-        elif need_w2:
-            dw2 = weight_grad(dy, hg, pair, offsets, num_slots, torch.empty_like(w2), a_gather=True, b_gather=False)
+        s = _Saved(*ctx.saved_tensors)
+        dy = dy.to(s.x.dtype).contiguous()
+        dx, dgates, dab, dy_rows, rows_buf = _input_grads(s, dy, ctx.atomic, need_x, need_g, need_w1)
+        dw1, dw2 = _weight_grads(s, dy, dab, dy_rows, rows_buf, need_w1, need_w2)
         return dx, None, dgates, dw1, dw2, None, None
+
+
+class _DeferredExpertMLPFunction(_ExpertMLPFunction):
+    """The op with its weight gradients deferred (`OCCULT_DEFER_WGRAD`, `occult.kernels.deferred_wgrad`): the
+    backward returns the input and gate gradients, and the weight GEMMs run on a side stream, added to
+    `leaves` (the weights as the caller holds them, before the cast to x's dtype) when the backward ends."""
+
+    @staticmethod
+    def forward(ctx, x, slots, gates, w1, w2, atomic, dense, leaves):
+        ctx.leaves = leaves
+        return _ExpertMLPFunction.forward(ctx, x, slots, gates, w1, w2, atomic, dense)
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_x, _, need_g, need_w1, need_w2 = ctx.needs_input_grad[:5]
+        leaves = (ctx.leaves[0] if need_w1 else None, ctx.leaves[1] if need_w2 else None)
+        if ctx.empty or not deferred_wgrad.deferrable(leaves):
+            return (*_ExpertMLPFunction.backward(ctx, dy), None)
+        s = _Saved(*ctx.saved_tensors)
+        dy = dy.to(s.x.dtype).contiguous()
+        dx, dgates, dab, dy_rows, rows_buf = _input_grads(s, dy, ctx.atomic, need_x, need_g, need_w1)
+        held = (*s, dy, dab, dy_rows, rows_buf)  # (what the weight GEMMs read, alive until they are joined)
+        deferred_wgrad.defer(
+            lambda: _weight_grads(s, dy, dab, dy_rows, rows_buf, need_w1, need_w2), leaves, held, s.x.device
+        )
+        return dx, None, dgates, None, None, None, None, None
+
+
+def _input_grads(s: _Saved, dy: torch.Tensor, atomic: bool, need_x: bool, need_g: bool, need_w1: bool):
+    """The input and gate gradients: (dx, dgates, dab, dy_rows, rows_buf), the last three for `_weight_grads`
+    (the SwiGLU dgrad, dy gathered into sorted-pair order where the dgrad ran on torch._grouped_mm, the pair
+    buffer dx was summed from).
+
+    torch._grouped_mm on Hopper/bf16 (kernels.grouped_mm): the weight gradients (setting wgrad), and
+    optionally the SwiGLU dgrad (setting dgrad1); their row-indexed operands are gathered into sorted-pair
+    order first, [R*K, H] each: dy once (first if the dgrad needs it), x into `rows_buf` (the dx pair buffer
+    once it is consumed; dy goes there too when gathered last) unless the forward kept its copy (`x_sorted`,
+    setting gemm1), which is never overwritten."""
+    x, slots, gates, w1, w2, pair, offsets = s.x, s.slots, s.gates, s.w1, s.w2, s.pair, s.offsets
+    num_rows, num_slots = slots.shape
+    num_experts = w1.shape[0]
+    gates_flat = gates.view(-1)
+    hidden, ffn = x.shape[1], w2.shape[2]
+    dx = dgates = dab = dy_rows = rows_buf = None
+    if not (need_x or need_g or need_w1):
+        return dx, dgates, dab, dy_rows, rows_buf
+    if use_grouped_mm(x, hidden, ffn, which="dgrad1"):
+        dy_rows = gather_pair_rows(dy, pair, offsets, num_slots)
+        dab, dg = swiglu_dgrad_grouped(dy_rows, pair, offsets, w2, s.ab, gates_flat)
+    else:
+        dab, dg = swiglu_dgrad(dy, pair, offsets, w2, s.ab, gates_flat, num_slots)
+    if need_g:
+        dgates = dg.view(num_rows, num_slots).to(gates.dtype)
+    if need_x:
+        if atomic:
+            dx32 = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+            gemm_scatter(dab, pair, offsets, w1, num_slots, dx32, atomic=True)
+            dx = dx32.to(x.dtype)
+        else:
+            rows_buf = x.new_empty((num_rows * num_slots, hidden))
+            gemm_scatter(dab, pair, offsets, w1, num_slots, rows_buf, config_name="dgrad2")
+            dx = combine_rows(rows_buf, slots, num_experts, x.dtype)
+    return dx, dgates, dab, dy_rows, rows_buf
+
+
+def _weight_grads(s: _Saved, dy, dab, dy_rows, rows_buf, need_w1: bool, need_w2: bool):
+    """(d gate_up, d down) from what `_input_grads` left (`dab` for the first)."""
+    x, pair, offsets = s.x, s.pair, s.offsets
+    num_slots = s.slots.shape[1]
+    gmm = (need_w1 or need_w2) and use_grouped_mm(x, x.shape[1], s.w2.shape[2])
+    dw1 = dw2 = None
+    x_sorted = s.x_sorted
+    if need_w1 and gmm:
+        if x_sorted is None:  # (the forward's GEMM 1 copied x rows when it ran on _grouped_mm)
+            x_sorted = rows_buf = gather_pair_rows(x, pair, offsets, num_slots, out=rows_buf)
+        dw1 = grouped_weight_grad(dab, x_sorted, offsets)
+    elif need_w1:
+        dw1 = weight_grad(dab, x, pair, offsets, num_slots, torch.empty_like(s.w1), a_gather=False, b_gather=True)
+    if need_w2 and gmm:
+        if dy_rows is None:
+            dy_rows = gather_pair_rows(dy, pair, offsets, num_slots, out=rows_buf)
+        dw2 = grouped_weight_grad(dy_rows, s.hg, offsets)
+    elif need_w2:
+        dw2 = weight_grad(dy, s.hg, pair, offsets, num_slots, torch.empty_like(s.w2), a_gather=True, b_gather=False)
+    return dw1, dw2
 
 
 def expert_mlp(
@@ -203,6 +264,9 @@ def expert_mlp(
     w1 = gate_up_proj_EFH.to(x.dtype)
     w2 = down_proj_EHF.to(x.dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gates, w1, w2)):
+        if settings.current().defer_wgrad and not torch.compiler.is_compiling():
+            leaves = (gate_up_proj_EFH, down_proj_EHF)  # their gradients are added to these (deferred_wgrad)
+            return _DeferredExpertMLPFunction.apply(x, slots, gates, w1, w2, bool(atomic), bool(dense), leaves)
         return _ExpertMLPFunction.apply(x, slots, gates, w1, w2, bool(atomic), bool(dense))
     if use_small_batch(slots.numel()):  # decode-sized inference: kernels.small_batch
         return expert_mlp_small_batch(x, slots, gates, w1, w2)

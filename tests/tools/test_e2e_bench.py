@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import types
 
@@ -128,6 +129,34 @@ def test_e2e_unknown_variant_fails_clearly(capsys):
         e2e.main(["--variants", "dedup/c2"])
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and "unknown variant" in stderr and "dedup/c2" in stderr
+
+
+def test_deferwgrad_variants_set_the_setting_while_they_run(monkeypatch):
+    """`/deferwgrad`: occult's variants, training ones (not prefill-only captures), OCCULT_DEFER_WGRAD=1 while
+    the variant runs and the environment as it was after, an error or not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    from occult import settings
+
+    good = "dedup@device/compile/stepgraph/deferwgrad,replicated/compile/deferwgrad,dedup@syncfree/compile/deferwgrad"
+    assert e2e.variant_list(good) == good.split(",")
+    assert e2e.base_variant("dedup@device/compile/stepgraph/deferwgrad") == "dedup"
+    assert e2e.step_graph("dedup@device/compile/stepgraph/deferwgrad") and e2e.on_device("dedup@device/deferwgrad")
+    for bad in ("native/compile/deferwgrad", "torchtitan/deferwgrad", "dedup@device/compile/graph/deferwgrad"):
+        with pytest.raises(Exception, match="unknown variant"):
+            e2e.variant_list(bad)
+    monkeypatch.delenv("OCCULT_DEFER_WGRAD", raising=False)
+    with e2e.variant_settings("dedup@device/compile/deferwgrad"):
+        assert settings.current().defer_wgrad
+    assert "OCCULT_DEFER_WGRAD" not in os.environ and not settings.current().defer_wgrad
+    monkeypatch.setenv("OCCULT_DEFER_WGRAD", "0")
+    with pytest.raises(RuntimeError, match="inside"):
+        with e2e.variant_settings("replicated/compile/deferwgrad"):
+            raise RuntimeError("inside")
+    assert os.environ["OCCULT_DEFER_WGRAD"] == "0"
+    with e2e.variant_settings("dedup@device/compile"):  # other variants: the environment as it is
+        assert not settings.current().defer_wgrad
 
 
 def test_e2e_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
