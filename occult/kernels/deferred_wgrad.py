@@ -5,9 +5,9 @@ back to the tokens' ranks; the experts' *weight* gradients are needed only by th
 expert op (`occult.kernels.op`) has its input gradient, it hands the weight-gradient GEMMs to
 `defer`: on a GPU they run on a side stream that forks from the backward's stream there, so the
 all-to-all (next on the backward's stream) and the GEMMs run at once (Megatron-Core's
-`--delay-wgrad-compute`). The op returns no gradient for those weights; when the backward ends
-(`queue_callback`) the backward's stream waits for the side stream and each gradient is added to its
-leaf's `.grad` as autograd's accumulator would: set where `.grad` is None, added in place otherwise,
+`--delay-wgrad-compute`). The op returns no gradient for those weights; at the next deferral, or when
+the backward ends (`queue_callback`), the backward's stream waits for the side stream and each gradient
+is added to its leaf's `.grad` as autograd's accumulator would: set where `.grad` is None, added in place otherwise,
 in the leaf's dtype (a weight cast for autocast gets the cast back, as `ToCopyBackward` gives it).
 
 Only where that is what autograd would do (`deferrable`): every weight a plain leaf tensor (not a
@@ -17,8 +17,11 @@ DTensor) with no hooks, whose accumulator this backward runs (`loss.backward()`,
 
 Everything the side stream reads stays referenced until it is joined, so the allocator cannot hand
 its memory to the backward's stream before the GEMMs have read it; the gradients it writes are
-recorded on the backward's stream before they become `.grad`. On the CPU there is no stream: the
-GEMMs run at once and only the accumulation waits for the backward's end (what the CPU tests check).
+recorded on the backward's stream before they become `.grad`. A deferral joins the one before it
+(the backward's stream waits for the earlier GEMMs, which have had the all-to-all and the rest of
+that layer's backward to run under, adds their gradients and lets go of what they read), so at
+most one layer's backward buffers outlive their op. On the CPU there is no stream: the GEMMs run at
+once and only the accumulation waits (what the CPU tests check).
 """
 
 from __future__ import annotations
@@ -74,8 +77,10 @@ def defer(
     device: torch.device,
 ) -> None:
     """Run `compute()` (the weight gradients, one per entry of `leaves`, None where a leaf is None) on the
-    side stream of `device`, and add each to its leaf's `.grad` when the running backward ends. `keep`:
-    every tensor `compute` reads (held until then). Call only where `deferrable(leaves)`."""
+    side stream of `device`; each is added to its leaf's `.grad` at the next deferral or when the running
+    backward ends. `keep`: every tensor `compute` reads (held until then). Call only where
+    `deferrable(leaves)`."""
+    _settle()  # the earlier deferral joined: its buffers go before this one's are held
     main = side = None
     if device.type == "cuda":
         main, side = torch.cuda.current_stream(device), side_stream(device)
@@ -85,7 +90,7 @@ def defer(
     else:
         grads = compute()
     pairs = [(g, leaf) for g, leaf in zip(grads, leaves) if leaf is not None and g is not None]
-    torch.autograd.Variable._execution_engine.queue_callback(_flush)  # (once a job: a flush finds the list empty)
+    torch.autograd.Variable._execution_engine.queue_callback(_settle)  # (once a job: later ones find none)
     with _LOCK:
         _JOBS.append(_Job(pairs, main, side, keep))
 
@@ -99,8 +104,9 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _flush() -> None:
-    """The backward has ended: join the side streams, add every deferred gradient to its leaf's `.grad`."""
+def _settle() -> None:
+    """Join every deferral made so far: the backward's stream waits for their side stream, their gradients are
+    added to their leaves' `.grad`, what they read is let go."""
     with _LOCK:
         jobs = _JOBS[:]
         _JOBS.clear()

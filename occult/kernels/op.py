@@ -152,7 +152,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
 class _DeferredExpertMLPFunction(_ExpertMLPFunction):
     """The op with its weight gradients deferred (`OCCULT_DEFER_WGRAD`, `occult.kernels.deferred_wgrad`): the
     backward returns the input and gate gradients, and the weight GEMMs run on a side stream, added to
-    `leaves` (the weights as the caller holds them, before the cast to x's dtype) when the backward ends."""
+    `leaves` (the weights as the caller holds them, before the cast to x's dtype) at the next deferral or the
+    backward's end."""
 
     @staticmethod
     def forward(ctx, x, slots, gates, w1, w2, atomic, dense, leaves):

@@ -1,10 +1,10 @@
 """`OCCULT_DEFER_WGRAD=1` (`occult.kernels.deferred_wgrad`): the expert op's weight gradients computed apart from
-its input gradient and added to `.grad` when the backward ends. Under Triton's CPU interpreter there is no side
-stream, so these check the semantics: after `loss.backward()` every `.grad` equals the op's without the setting,
-bit for bit (the same kernels on the same inputs), accumulation into an existing `.grad`, weights cast for the
-kernels (autocast's bf16 copy of fp32 weights, here fp32 copies of fp64 leaves), and the cases that must keep
-autograd's order: `torch.autograd.grad`, `backward(inputs=...)`, a hook on a weight. (The side stream itself:
-tests/gpu/test_deferred_wgrad_one_gpu.py.)"""
+its input gradient and added to `.grad` at the next deferral or the backward's end. Under Triton's CPU
+interpreter there is no side stream, so these check the semantics: after `loss.backward()` every `.grad` equals
+the op's without the setting, bit for bit (the same kernels on the same inputs), accumulation into an existing
+`.grad`, weights cast for the kernels (autocast's bf16 copy of fp32 weights, here fp32 copies of fp64 leaves),
+two ops in one backward, and the cases that must keep autograd's order: `torch.autograd.grad`,
+`backward(inputs=...)`, a hook on a weight. (The side stream itself: tests/gpu/test_deferred_wgrad_one_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -106,6 +106,28 @@ def test_autograd_grad_inputs_and_hooks_keep_autograds_order(monkeypatch):
     assert len(hooked) == 1 and torch.equal(hooked[0], want[2]) and torch.equal(w1.grad, want[2])
     assert torch.equal(w2.grad, want[3])
     assert calls == []  # none of the three deferred
+
+
+@needs_in_process
+def test_two_ops_in_one_backward_each_get_their_gradients(monkeypatch):
+    """Two stacked ops: the second's deferral joins the first's (added to .grad mid-backward), the backward's
+    end joins the second's; every gradient as without the setting."""
+    calls = _spy(monkeypatch)
+    first, second = _inputs(3), _inputs(4)
+    x, slots, gates, w1, w2, dy = first
+    _, slots_b, gates_b, w1_b, w2_b, _ = second
+
+    def run(defer: bool) -> list[torch.Tensor]:
+        monkeypatch.setenv("OCCULT_DEFER_WGRAD", "1" if defer else "0")
+        for t in (x, gates, w1, w2, gates_b, w1_b, w2_b):
+            t.grad = None
+        y = kernels.expert_mlp(x, slots, gates, w1, w2)
+        (kernels.expert_mlp(y, slots_b, gates_b, w1_b, w2_b) * dy).sum().backward()
+        return [t.grad.clone() for t in (x, gates, w1, w2, gates_b, w1_b, w2_b)]
+
+    want = run(defer=False)
+    got = run(defer=True)
+    assert len(calls) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="kernels already tested in this process")
