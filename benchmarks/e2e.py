@@ -916,6 +916,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         # what the card must hold: allocated tensors and every cached block, a graph pool's free ones too
         res["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        log(f"  peak memory: {res['peak_memory_gib']:.1f} GiB allocated, {res['peak_reserved_gib']:.1f} GiB reserved")
     release_captured()  # a graphed prefill's graph (with its collectives) goes with its model
     del model
     free_memory(device)
