@@ -19,7 +19,9 @@ What differs from the forward-only graphs of `occult.moe.graphs`:
   layer's, not one per layer (with a pool per recording, a 4-GPU OLMoE step held 88 GiB of such
   memory). A recording made after the step (a new signature later, a layer evicted and recorded again)
   cannot know where its replays will fall among the others', so it gets a pool of its own: the shared
-  pool closes at the second replay of any of its forwards, or once every backward in it is recorded. A
+  pool closes at the second replay of any of its forwards, or once every backward in it is recorded. (What
+  this assumes: recordings made together replay together, in that order, as a model's steps do; two models
+  whose steps interleave, one of them holding a recorded forward whose backward never ran, are not.) A
   layer keeps at most `occult.moe.graphs.MAX_TRAINING` recordings (the least recently used go).
 - The parameters' gradients come out of the backward graph into fixed tensors; autograd accumulates
   them into `.grad` as it would an eager call's (one copy per parameter a step).
