@@ -78,23 +78,17 @@ def stood_in_capture(
         recorded.append(pool.open)  # whether this backward went into the shared pool
         return Replays(backward), grad_y, (grad_x, grad_w)
 
-    capture = TrainingCapture(
-        Replays(forward),
-        None,
-        static_x,
-        static_y,
-        None,
-        (w_HH,),
-        (),
-        [],
-        CommStats(),
-        generation,
-        generation(),
-        pool=pool,
-        record_backward=record,
-    )
+    capture = deferred_capture(forward, static_x, static_y, w_HH, record, pool, generation)
     capture.recorded = recorded
     return capture
+
+
+def deferred_capture(forward, static_x, static_y, w, record, pool, generation=lambda: 0) -> TrainingCapture:
+    """A recording whose backward `record()` makes at its first backward call, as `capture_training`'s."""
+    return TrainingCapture(
+        Replays(forward), None, static_x, static_y, None, (w,), (), [], CommStats(), generation, generation(),
+        pool=pool, record_backward=record,
+    )  # fmt: skip
 
 
 def reference(x_TH, w_HH, grad_y):
@@ -332,22 +326,7 @@ def test_a_replays_copy_into_the_recorded_input_leaves_its_saved_graph_usable_fo
 
         return Replays(backward), grad_y, (grad_x, grad_w)
 
-    pool = SharedPool(handle=None, pending=1)
-    capture = TrainingCapture(
-        Replays(forward),
-        None,
-        static_x,
-        static_y,
-        None,
-        (w,),
-        (),
-        [],
-        CommStats(),
-        lambda: 0,
-        0,
-        pool=pool,
-        record_backward=record,
-    )
+    capture = deferred_capture(forward, static_x, static_y, w, record, SharedPool(handle=None, pending=1))
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     y, _ = capture.replay(x)
     y.sum().backward()
