@@ -9,7 +9,8 @@ Reads every `*.json` under the given files or directories and recognises these k
   (any compile / graph / transport suffix), per phase and link; at the Qwen3 shape TorchTitan's own
   model over the best dedup variant and over TorchTitan with occult's dispatcher (`torchtitan+occult*`);
   issues 52 and 53: the same ratios per model, GPU count and link (`EP_TARGETS`, `TT_TARGETS`), and on
-  one GPU transformers compiled (`native/compile`) over occult's fastest compiled one-rank variant;
+  one GPU transformers compiled (`native/compile`) over occult's fastest compiled one-rank variant; and every
+  variant's peak reserved memory against an 80 GB card (`H100_GIB`), where the report records it;
 - `occult bench` (one layer), issue 36: each dedup variant's forward (the count exchange, `@device`,
   `@device/graph`) over its floor (experts + all-to-alls) at 8192+ tokens per GPU, and the host time
   of a forward at 512 tokens;
@@ -83,6 +84,7 @@ NATIVE_OVER_EP = {1: 2.0, 64: 12.0}  # transformers' compiled generate / EP step
 SERVE_FLOORS = ("replicated+compile+graph", "replicated+graph", "replicated")
 NATIVE = "native-generate+compile"
 MIGRATION_SHARE = 0.02
+H100_GIB = 78  # an 80 GB card's room for one process (tests/gpu/run.sh's OCCULT_GPU_SUITE_MEMORY_GIB)
 
 
 def json_files(folder: Path) -> list[Path]:
@@ -330,8 +332,22 @@ def replace_rows(name: str, doc: dict) -> list[list[str]]:
 
 
 def whole_model_rows(name: str, doc: dict) -> list[list[str]]:
-    """An e2e.py report's rows: issue 36's, then the open issues' (52, 53)."""
-    return e2e_rows(name, doc) + open_issue_rows(name, doc)
+    """An e2e.py report's rows: issue 36's, the open issues' (52, 53), then whether it fits an 80 GB card."""
+    return e2e_rows(name, doc) + open_issue_rows(name, doc) + fit_rows(name, doc)
+
+
+def fit_rows(name: str, doc: dict) -> list[list[str]]:
+    """Every variant of an e2e.py report must fit an H100 (80 GB): the largest peak reserved memory of any variant
+    that records it (`peak_reserved_gib`: allocated tensors and every cached block, a CUDA graph pool's free ones
+    too), against `H100_GIB` (what the GPU suite caps each process at)."""
+    model, world, link, where = _whole_model_run(name, doc)
+    peaks = {v: r["peak_reserved_gib"] for v, r in doc["variants"].items() if r.get("peak_reserved_gib") is not None}
+    if not peaks:
+        return []
+    worst = max(peaks, key=peaks.get)
+    what = f"fit: whole model ({model}), peak reserved per GPU, {_gpus(world)}" + ("" if world == 1 else f" {link}")
+    cell = f"{peaks[worst]:.1f} GiB ({worst})"
+    return [[f"{what}: <= {H100_GIB} GiB", cell, "met" if peaks[worst] <= H100_GIB else "MISSED", where]]
 
 
 ROWS = {

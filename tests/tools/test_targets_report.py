@@ -343,3 +343,29 @@ def test_folders_of_superseded_results_are_not_read(tmp_path):
     (tmp_path / "history" / "old.json").write_text(json.dumps(old))  # written last: the newest by time
     rows = [r for r in rows_of(targets_report.report([str(tmp_path)])) if r[0].startswith("52: whole model (qwen3)")]
     assert [(r[2], r[3].split(" ")[0]) for r in rows] == [("MISSED", "current.json")]
+
+
+def test_an_e2e_report_that_records_peak_memory_is_checked_against_an_80_gb_card(tmp_path):
+    """The largest peak reserved memory of any variant (a CUDA graph pool's free blocks count) against 78 GiB;
+    reports from before the field was recorded give no row."""
+    doc = e2e(
+        "olmoe", 4, False, {"replicated/compile": (42.0, 172.0), "dedup@device/traingraphs/compile": (59.0, 195.0)}
+    )
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    assert not [r for r in rows_of(targets_report.report([str(tmp_path)])) if r[0].startswith("fit:")]
+    doc["variants"]["replicated/compile"]["peak_reserved_gib"] = 61.3
+    doc["variants"]["dedup@device/traingraphs/compile"]["peak_reserved_gib"] = 131.9
+    (tmp_path / "new.json").write_text(json.dumps(doc))
+    fit = [r for r in rows_of(targets_report.report([str(tmp_path / "new.json")])) if r[0].startswith("fit:")]
+    assert fit == [
+        [
+            "fit: whole model (olmoe), peak reserved per GPU, 4 GPUs nvlink: <= 78 GiB",
+            "131.9 GiB (dedup@device/traingraphs/compile)",
+            "MISSED",
+            "new.json (4 GPUs, nvlink)",
+        ]
+    ]
+    doc["variants"]["dedup@device/traingraphs/compile"]["peak_reserved_gib"] = 52.0
+    (tmp_path / "new.json").write_text(json.dumps(doc))
+    fit = [r for r in rows_of(targets_report.report([str(tmp_path / "new.json")])) if r[0].startswith("fit:")]
+    assert [r[1:3] for r in fit] == [["61.3 GiB (replicated/compile)", "met"]]
