@@ -40,7 +40,9 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>/twobatch  as /graph, the batch's two halves interleaved at every MoE layer's exchanges on two
                    streams of the capture (hf.GraphedForward(micro_batches=2), occult.moe.two_batch: one
                    half's all-to-all under the other's compute); @syncfree variants, an even --batch,
-                   e.g. dedup@syncfree/compile/twobatch (wins on a slow link, not on NVLink: docs/overlap.md)
+                   e.g. dedup@syncfree/compile/twobatch (wins on a slow link, not on NVLink: docs/overlap.md).
+                   After /stepgraph it trains too: the recorded step's forward and backward as the two halves
+                   interleaved (occult.training.two_batch), e.g. dedup@syncfree/compile/stepgraph/twobatch
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
                    capture of the model's other layers); for @device, @syncfree variants and replicated;
@@ -153,6 +155,7 @@ from occult.teardown import release_captured  # noqa: E402
 from occult.tools.bench import variant_sync_free  # noqa: E402
 from occult.training.optim import adamw  # noqa: E402
 from occult.training.step_graph import CudaRecorder, StepGraph, model_signature  # noqa: E402
+from occult.training.two_batch import interleaved_backward  # noqa: E402
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
 EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement", "hf-ep", *tt_model.VARIANTS)
@@ -245,11 +248,7 @@ def variant_list(text: str) -> list[str]:
     bad += [
         v
         for v in names
-        if deferred_wgrad(v)
-        and (
-            base_variant(v) in ("native", "hf-ep", *PEERS)
-            or v.removesuffix("/deferwgrad").endswith(("/graph", "/twobatch"))
-        )
+        if deferred_wgrad(v) and (base_variant(v) in ("native", "hf-ep", *PEERS) or is_graphed(v) and not step_graph(v))
     ]
     bad += [
         v
@@ -257,7 +256,7 @@ def variant_list(text: str) -> list[str]:
         if step_graph(v)
         and not (base_variant(v) == "replicated" or on_device(v) or sync_free(v))
         or step_graph(v)
-        and (layer_graphs(v) or train_graphs(v) or is_graphed(v))
+        and (layer_graphs(v) or train_graphs(v) or is_graphed(v) and micro_batches(v) == 1)
     ]
     if bad or not names:
         raise argparse.ArgumentTypeError(
@@ -352,12 +351,13 @@ def eager_moe(variant: str) -> bool:
 def is_graphed(variant: str) -> bool:
     """'dedup@device/graph': the whole prefill forward captured in one CUDA graph (hf.GraphedForward);
     '/twobatch' too, as two interleaved micro-batches."""
-    return variant.endswith(("/graph", "/twobatch"))
+    return variant.removesuffix("/deferwgrad").endswith(("/graph", "/twobatch"))
 
 
 def micro_batches(variant: str) -> int:
-    """'dedup@syncfree/compile/twobatch': 2 (hf.GraphedForward(micro_batches=2)); 1 otherwise."""
-    return 2 if variant.endswith("/twobatch") else 1
+    """'dedup@syncfree/compile/twobatch': 2 (hf.GraphedForward(micro_batches=2); after /stepgraph the train
+    step's halves too, occult.training.two_batch); 1 otherwise."""
+    return 2 if variant.removesuffix("/deferwgrad").endswith("/twobatch") else 1
 
 
 def _without_capture(variant: str) -> str:
@@ -652,9 +652,14 @@ def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
 
 
 def make_step(
-    model: nn.Module, phase: str, optimizer: torch.optim.Optimizer | None, captured: bool = False
+    model: nn.Module,
+    phase: str,
+    optimizer: torch.optim.Optimizer | None,
+    captured: bool = False,
+    micro_batches: int = 1,
 ) -> Callable[[torch.Tensor], None]:
-    """One prefill or train step on ids [B, S]; `captured`: the train step recorded as one CUDA graph."""
+    """One prefill or train step on ids [B, S]; `captured`: the train step recorded as one CUDA graph;
+    `micro_batches=2`: its forward and backward as the batch's two halves interleaved (occult.training.two_batch)."""
     if phase == "prefill":
         model.eval()
         forward = logits_fn(model, logits_to_keep=1)
@@ -666,11 +671,17 @@ def make_step(
         return prefill
     model.train()
 
+    def loss_of(ids_BS: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
+
     def train(ids_BS: torch.Tensor) -> tuple[torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
         with agreed_step(model, ids_BS.numel()):  # as occult's trainers run a step (OCCULT_AGREEMENT=step: agreed once)
-            loss = model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
-            loss.backward()
+            if micro_batches == 2:
+                loss = interleaved_backward(model, loss_of, ids_BS.chunk(2))
+            else:
+                loss = loss_of(ids_BS)
+                loss.backward()
         hf.sync_gradients(model)
         optimizer.step()
         return (loss.detach(),)
@@ -858,7 +869,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     )
     if res["check"]["passed"]:
         for phase in args.phases:
-            if (shared or is_graphed(variant)) and phase == "train":
+            if (shared or is_graphed(variant) and not step_graph(variant)) and phase == "train":
                 log(f"  {phase}: not timed for {variant} ({'inference peer' if shared else 'prefill only'})")
                 continue
             optimizer = None
@@ -866,7 +877,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                 optimizer = model.optimizer(args.optimizer, args.lr)
             elif phase == "train":
                 optimizer = train_optimizer(model, variant, args, device)
-            if is_graphed(variant):
+            if is_graphed(variant) and phase == "prefill":
                 step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device, micro_batches(variant))
                 if res["graph"]["vs_eager_max_rel_err"] > args.tol:  # the replay must compute the eager forward
                     res["check"]["passed"] = False
@@ -876,11 +887,11 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                 step = (
                     tt_model.make_step(model, phase, optimizer)
                     if titan
-                    else make_step(model, phase, optimizer, step_graph(variant))
+                    else make_step(model, phase, optimizer, step_graph(variant), micro_batches(variant))
                 )
             first_s = (
                 first_step_s(step, args, cfg.vocab_size, device)
-                if is_compiled(variant) and not is_graphed(variant)
+                if is_compiled(variant) and not (is_graphed(variant) and phase == "prefill")
                 else None
             )  # (graphs compile in the capture)
             out = time_steps(step, args, cfg.vocab_size, device, shared)

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from occult.moe.two_batch import chain_inputs, chain_outputs
+
 
 @dataclass
 class CommStats:
@@ -188,8 +190,9 @@ def exchange(rows, gates, slots, send_splits, recv_splits, group, state, packed=
     meta_bytes = 0 if gates is None else metadata_bytes(gates)
     record_sent(state, send_splits, rows, meta_bytes, backward=False)
     differentiable = torch.is_grad_enabled() and (rows.requires_grad or (gates is not None and gates.requires_grad))
-    if differentiable:
-        return _Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state, packed)
+    if differentiable:  # (inside a two-batch step, chained to the other exchanges: occult.moe.two_batch)
+        rows, gates = chain_inputs(rows, gates)
+        return chain_outputs(*_Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state, packed))
     out_rows = all_to_all(rows, send_splits, recv_splits, group)
     if gates is None:
         return out_rows, None, None

@@ -398,3 +398,9 @@ def set_sync_free(module: nn.Module, enabled: bool = True) -> int:
     for layer in layers:
         layer.sync_free = enabled
     return len(layers)
+
+
+def exchanging_with_buffers(module: nn.Module) -> list[str]:
+    """The names of the expert-parallel `OccultMoE` layers inside `module` that are not sync-free (their exchanges
+    go through a group's shared buffers or a host wait): what two interleaved micro-batches cannot run."""
+    return [n for n, m in module.named_modules() if isinstance(m, OccultMoE) and m.num_ranks > 1 and not m.sync_free]

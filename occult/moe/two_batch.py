@@ -19,9 +19,18 @@ captured in one CUDA graph (`occult.integrations.hf.GraphedForward(micro_batches
 keeps the order and costs the host one launch. Two free-running halves on two streams without the
 turn advance in step and hide nothing (docs/overlap.md).
 
+Under autograd (a training step, `occult.training.two_batch`) the two halves' graphs are one backward's:
+the autograd engine runs it on one thread, its nodes in an order that nothing ties to the forward's
+turns, yet every rank must issue the backward's collectives in one order. So the exchanges a call
+issues are chained in the order the host issued them (`chain_inputs` / `chain_outputs`, called by
+`occult.moe.comm.exchange` around its node): exchange k's backward cannot start before exchange k+1's
+has been issued, and the backward issues them in exactly the reverse of the forward's interleaved order
+on every rank, each half's on the stream its forward ran on: A's combine gradient on the wire while B's
+experts run backward, and so on. The chain is a data dependency of empty tensors (no kernel, no bytes).
+
 Sync-free layers only (`ExecConfig(sync_free=True)`): the device transport's receive buffers and
 barrier signals are per group, and two exchanges of one group in flight at once would share them.
-Inference only (the threads carry the caller's grad and inference mode; nothing orders a backward).
+The threads carry the caller's grad and inference mode.
 """
 
 from __future__ import annotations
@@ -43,6 +52,68 @@ def exchange_issued() -> None:
     turn = getattr(_local, "hand_over", None)
     if turn is not None:
         turn()
+
+
+def chain_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """`tensors` (an exchange's differentiable inputs) as they are, the first that requires grad tied to the
+    previous exchange of this `run_interleaved` call, so that its backward waits for this exchange's (module
+    docstring); unchanged outside such a call or without grad."""
+    chain = getattr(_local, "chain", None)
+    if chain is None or chain.token is None:
+        return tensors
+    index = next((i for i, t in enumerate(tensors) if t is not None and t.requires_grad), None)
+    if index is None:
+        return tensors
+    tied = _Tied.apply(tensors[index], chain.token)
+    return (*tensors[:index], tied, *tensors[index + 1 :])
+
+
+def chain_outputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """`tensors` (an exchange's outputs) as they are, the first that requires grad made the chain's next link:
+    its gradient reaches the exchange only once the next exchange's backward is issued (module docstring);
+    unchanged outside a `run_interleaved` call or without grad."""
+    chain = getattr(_local, "chain", None)
+    if chain is None:
+        return tensors
+    index = next((i for i, t in enumerate(tensors) if t is not None and t.requires_grad), None)
+    if index is None:
+        return tensors
+    linked, chain.token = _Link.apply(tensors[index])
+    return (*tensors[:index], linked, *tensors[index + 1 :])
+
+
+class _Chain:
+    """The newest link of one `run_interleaved` call's exchanges (shared by its two threads, which take
+    turns, so never touched by both at once)."""
+
+    def __init__(self) -> None:
+        self.token: torch.Tensor | None = None
+
+
+class _Link(torch.autograd.Function):
+    """An exchange's output as it is, plus an empty token for the next exchange: the backward passes the
+    output's gradient on only once the token's (the next exchange's backward) has come."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.view_as(x), x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _token_grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _Tied(torch.autograd.Function):
+    """An exchange's input as it is, tied to the previous exchange's token: its backward (which runs after
+    this exchange's) releases the previous exchange's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def interleaving() -> bool:
@@ -105,11 +176,13 @@ def run_interleaved(run: Callable[[int], T], streams: Sequence[Any] = (None, Non
     if interleaving():
         raise RuntimeError("two-batch overlap cannot be nested")
     turn, enter = _Turn(), _caller_state()
+    chain = _Chain() if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() else None
     results: list[Any] = [None, None]
     errors: list[BaseException | None] = [None, None]
 
     def half(me: int) -> None:
         _local.hand_over = lambda: turn.hand_over(me)
+        _local.chain = chain
         try:
             with ExitStack() as stack:
                 enter(stack, streams[me])
@@ -118,7 +191,7 @@ def run_interleaved(run: Callable[[int], T], streams: Sequence[Any] = (None, Non
         except BaseException as exc:  # noqa: BLE001 - raised in the caller
             errors[me] = exc
         finally:
-            _local.hand_over = None
+            _local.hand_over = _local.chain = None
             turn.release(me)
 
     threads = [threading.Thread(target=half, args=(i,), name=f"occult-two-batch-{'AB'[i]}") for i in (0, 1)]

@@ -490,6 +490,52 @@ def test_stepgraph_records_the_train_step_with_the_moe_layers_eager_inside(monke
     assert seen == ["eager"] * 3 + ["record", "replay", "replay"]
 
 
+def test_stepgraph_twobatch_trains_the_recorded_step_as_two_interleaved_halves(monkeypatch):
+    """`/stepgraph/twobatch`: @syncfree variants only; the train step's forward and backward as the batch's two
+    halves through `occult.training.two_batch.interleaved_backward` (its mean loss), recorded like any /stepgraph
+    step; its prefill is the captured two-batch forward (/twobatch), and /deferwgrad may follow it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    good = "dedup@syncfree/compile/stepgraph/twobatch,dedup@syncfree/compile/stepgraph/twobatch/deferwgrad"
+    names = e2e.variant_list(good)
+    assert all(e2e.step_graph(n) and e2e.micro_batches(n) == 2 and e2e.is_graphed(n) for n in names)
+    assert e2e.base_variant(names[1]) == "dedup" and e2e.is_compiled(names[0])
+    for bad in (
+        "dedup@device/compile/stepgraph/twobatch",  # the device transport: one exchange in flight
+        "replicated/compile/stepgraph/twobatch",
+        "dedup@syncfree/compile/stepgraph/graph",
+        "dedup@syncfree/compile/twobatch/deferwgrad",  # prefill only without /stepgraph
+    ):
+        with pytest.raises(Exception, match="unknown variant"):
+            e2e.variant_list(bad)
+    halves_seen = []
+
+    def interleaved(model, loss_of, halves):
+        halves_seen.append([tuple(h.shape) for h in halves])
+        loss = (loss_of(halves[0]) + loss_of(halves[1])) / 2
+        loss.backward()
+        return loss.detach()
+
+    monkeypatch.setattr(e2e, "interleaved_backward", interleaved)
+    monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model: None)
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(11, 4)
+
+        def forward(self, input_ids, labels, use_cache):
+            return types.SimpleNamespace(loss=self.embed(input_ids).square().mean())
+
+    model = LM()
+    ids = torch.randint(0, 11, (4, 3))
+    (loss,) = e2e.make_step(model, "train", torch.optim.SGD(model.parameters(), lr=0.0), micro_batches=2)(ids)
+    assert halves_seen == [[(2, 3), (2, 3)]]
+    torch.testing.assert_close(loss, model.embed(ids).square().mean().detach())
+    assert model.embed.weight.grad is not None
+
+
 def test_train_optimizer_is_what_each_side_runs(monkeypatch):
     """--optimizer adamw: occult's AdamW for occult's variants, torch's for transformers' own; adamw-torch: torch's
     for every variant; sgd: SGD."""

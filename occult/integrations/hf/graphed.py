@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from occult.moe.capture_stream import autocast_uncached
-from occult.moe.layer import OccultMoE, uncapturable_layers
+from occult.moe.layer import OccultMoE, exchanging_with_buffers, uncapturable_layers
 from occult.moe.two_batch import run_interleaved
 from occult.teardown import hold_collectives
 
@@ -78,8 +78,7 @@ def check_micro_batches(model: nn.Module, batch: int, micro_batches: int) -> Non
     (two exchanges of one group in flight at once would share the device transport's buffers)."""
     if micro_batches not in (1, 2) or batch % micro_batches:
         raise ValueError(f"micro_batches must be 1 or 2, dividing the batch ({batch}); got {micro_batches}")
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, OccultMoE) and m.num_ranks > 1]
-    on_device = [n for n, m in layers if not m.sync_free]
+    on_device = exchanging_with_buffers(model)
     if micro_batches == 2 and on_device:
         raise ValueError(
             f"two micro-batches need sync-free MoE layers; {len(on_device)} are not, e.g. {on_device[0]}: "

@@ -1,0 +1,81 @@
+"""A training step's forward and backward as two interleaved micro-batches (issue 53; docs/overlap.md).
+
+`interleaved_backward(model, loss_of, halves)` runs the two halves' forwards through
+`occult.moe.two_batch.run_interleaved` (two threads passing a turn at every expert-parallel
+exchange, each half on a stream of its own), then one backward of their mean loss. The backward
+issues the exchanges in the reverse of the forward's interleaved order on every rank (the chain of
+`occult.moe.two_batch`), each half's work on its forward's stream, so one half's all-to-all is on
+the wire while the other half computes, forward and backward. The gradients are those of the two
+halves' losses averaged: what two accumulated micro-batches give (the same as the whole batch where
+the loss is a mean over equal halves and nothing couples the halves' tokens, e.g. no load-balancing
+loss over the batch).
+
+It pays where nothing waits for the host: the whole step recorded as one CUDA graph
+(`occult.training.step_graph`; e2e.py's `/stepgraph/twobatch`). Sync-free expert-parallel layers
+only (`occult.set_sync_free`): two exchanges of one device transport in flight would share its
+buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from occult.moe.layer import exchanging_with_buffers
+from occult.moe.two_batch import run_interleaved
+
+_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+
+def check_two_batch(model: nn.Module, batch: int) -> None:
+    """A `ValueError` unless two interleaved halves of a batch of `batch` rows can train `model`: an even
+    batch, every expert-parallel MoE layer sync-free."""
+    if batch < 2 or batch % 2:
+        raise ValueError(f"two interleaved micro-batches split the batch in halves: give an even batch (got {batch})")
+    waiting = exchanging_with_buffers(model)
+    if waiting:
+        raise ValueError(
+            f"two interleaved micro-batches need sync-free MoE layers (two exchanges of one device transport in "
+            f"flight would share its buffers): {', '.join(waiting[:3])}{' ...' if len(waiting) > 3 else ''} are "
+            "not; call occult.set_sync_free(model) (or convert with ExecConfig(sync_free=True)) first"
+        )
+
+
+def interleaved_backward(
+    model: nn.Module, loss_of: Callable[[torch.Tensor], torch.Tensor], halves: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """Back-propagate the mean of `loss_of(halves[0])` and `loss_of(halves[1])`, the two interleaved forward and
+    backward (module docstring); returns that mean loss, detached. Every rank must call it with halves of the
+    same shapes. `model`: checked with `check_two_batch` first."""
+    if len(halves) != 2 or halves[0].shape != halves[1].shape:
+        raise ValueError(f"two halves of one shape, got {[tuple(h.shape) for h in halves]}")
+    check_two_batch(model, 2 * halves[0].shape[0])
+    device = halves[0].device
+    if device.type != "cuda":
+        losses = run_interleaved(lambda i: loss_of(halves[i]))
+        loss = (losses[0] + losses[1]) / 2
+        loss.backward()
+        return loss.detach()
+    main, streams = torch.cuda.current_stream(device), _streams(device)
+    for stream in streams:
+        stream.wait_stream(main)
+    losses = run_interleaved(lambda i: loss_of(halves[i]), streams)
+    for stream, half_loss in zip(streams, losses):
+        main.wait_stream(stream)
+        if not torch.cuda.is_current_stream_capturing():  # (a capture keeps its memory)
+            half_loss.record_stream(main)
+    loss = (losses[0] + losses[1]) / 2
+    loss.backward()  # each half's nodes on its forward's stream
+    for stream in streams:  # (the backward's last kernels of each half joined: a capture ends on this stream)
+        main.wait_stream(stream)
+    return loss.detach()
+
+
+def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The two halves' streams on `device`, made once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _STREAMS[index]

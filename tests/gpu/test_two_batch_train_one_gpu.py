@@ -1,0 +1,146 @@
+"""Two interleaved micro-batches in training (`occult.training.two_batch`, issue 53) on one GPU: a model whose
+blocks exchange their rows over a one-rank NCCL group as an expert-parallel layer does (`occult.moe.comm.exchange`,
+the turn handed over after each), with a one-rank `OccultMoE` (Triton kernels) between them, trains its two halves
+in two threads on two streams. The eager step gives the gradients of two micro-batches one after the other (bf16,
+fp16, fp32), its backward issues the exchanges in the reverse of the forward's interleaved order, and the step
+recorded as one CUDA graph (`StepGraph`, the halves' streams forked and joined inside the recording) gives the
+losses of the eager steps. Single-process GPU tests (tests/gpu/run.sh's second stage); the same over several
+NCCL ranks with sync-free expert-parallel layers: tests/gpu/test_collective_two_batch_train.py."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from occult.distributed import free_port
+from occult.moe import comm
+from occult.moe.comm import CommStats
+from occult.moe.dense import DenseMoE
+from occult.moe.layer import OccultMoE
+from occult.moe.two_batch import exchange_issued
+from occult.training.step_graph import WARMUP_STEPS, CudaRecorder, StepGraph
+from occult.training.two_batch import interleaved_backward
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="two streams and NCCL need a GPU")
+WIDTH, TOKENS = 256, 512
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOL = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-5}  # gradients, relative to each tensor's largest entry
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+class _Exchanging(nn.Module):
+    """x + W2 silu(exchange(W1 x)), its output exchanged again: two all-to-alls a call, the turn handed over after
+    each, as an expert-parallel layer's dispatch and combine."""
+
+    def __init__(self, group, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.group = group
+        self.up = nn.Linear(WIDTH, 2 * WIDTH, dtype=dtype, device="cuda")
+        self.down = nn.Linear(2 * WIDTH, WIDTH, dtype=dtype, device="cuda")
+
+    def _exchange(self, rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        state = types.SimpleNamespace(stats=CommStats(), rank=0)
+        out, _, _ = comm.exchange(rows, None, None, [n], [n], self.group, state)
+        exchange_issued()
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._exchange(self.up(x))
+        return self._exchange(x + self.down(F.silu(h)))
+
+
+def _model(group, dtype: torch.dtype, seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    moe = OccultMoE.from_dense(DenseMoE(WIDTH, 128, 8, 2, dtype=dtype, device="cuda"), group=None)
+    return nn.Sequential(_Exchanging(group, dtype), moe, _Exchanging(group, dtype))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_two_halves_on_two_streams_give_two_micro_batches_gradients_in_reverse_exchange_order(group, dtype_name):
+    dtype = DTYPES[dtype_name]
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    model = _model(group, dtype, seed)
+    x = torch.randn(2 * TOKENS, WIDTH, dtype=dtype, device="cuda")
+    target = torch.randn(2 * TOKENS, WIDTH, device="cuda")
+    halves = x.chunk(2)
+
+    def loss_of(half: torch.Tensor) -> torch.Tensor:
+        i = 0 if half is halves[0] else 1
+        return F.mse_loss(model(half).float(), target.chunk(2)[i])
+
+    for half in halves:
+        (loss_of(half) / 2).backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    order: list = []
+    forward, backward = comm._Exchange.forward, comm._Exchange.backward
+
+    def logged_forward(ctx, *args):
+        ctx.index = sum(1 for o in order if o[0] == "f")
+        order.append(("f", threading.current_thread().name[-1]))
+        return forward(ctx, *args)
+
+    def logged_backward(ctx, *grads):
+        order.append(("b", ctx.index))
+        return backward(ctx, *grads)
+
+    comm._Exchange.forward, comm._Exchange.backward = staticmethod(logged_forward), staticmethod(logged_backward)
+    try:
+        interleaved_backward(model, loss_of, halves)
+    finally:
+        comm._Exchange.forward, comm._Exchange.backward = staticmethod(forward), staticmethod(backward)
+    torch.cuda.synchronize()
+    got = _grads(model)
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        err = float((got[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        assert err <= TOL[dtype_name], (dtype_name, name, err, seed)
+    forwards = [o[1] for o in order if o[0] == "f"]
+    assert forwards == ["A", "B"] * 4, forwards  # two blocks, two exchanges each, the halves taking turns
+    assert [o[1] for o in order if o[0] == "b"] == list(range(7, -1, -1))
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_a_recorded_two_batch_step_gives_the_eager_steps_losses(group, dtype_name):
+    dtype = DTYPES[dtype_name]
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    batches = [torch.randn(2 * TOKENS, WIDTH, dtype=dtype, device="cuda", generator=gen) for _ in range(10)]
+    losses = {}
+    for recorded in (True, False):
+        model = _model(group, dtype, seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def body(x_TW: torch.Tensor, model=model, optimizer=optimizer) -> tuple[torch.Tensor]:
+            optimizer.zero_grad(set_to_none=True)
+            loss = interleaved_backward(model, lambda h: model(h).float().square().mean(), x_TW.chunk(2))
+            optimizer.step()
+            return (loss,)
+
+        if recorded:
+            graph = StepGraph(optimizer, lambda: 0, CudaRecorder(torch.device("cuda")))
+            losses[recorded] = [float(graph.run(body, x)[0]) for x in batches]
+            assert graph.replays == len(batches) - WARMUP_STEPS
+        else:
+            losses[recorded] = [float(body(x)[0]) for x in batches]
+    gap = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False]))
+    assert gap <= (1e-3 if dtype_name == "bf16" else 1e-4), (dtype_name, gap, seed, losses)
