@@ -17,7 +17,7 @@ from test_collective_layer import DTYPES, FFN, HIDDEN, _placement
 
 from occult import DenseMoE, OccultMoE
 from occult.moe import comm
-from occult.training.step_graph import WARMUP_STEPS, CudaRecorder, StepGraph
+from occult.training.step_graph import WARMUP_STEPS, CudaRecorder, StepGraph, make_capturable
 from occult.training.two_batch import interleaved_backward
 
 TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # gradients, relative to each tensor's largest entry
@@ -95,10 +95,11 @@ def test_a_recorded_two_batch_step_gives_the_eager_steps_losses(ranks, dtype_nam
     for recorded in (True, False):
         model = _model(ranks, "dedup", dtype)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        make_capturable(optimizer)  # both sides: the recording's AdamW (its fp32 bias corrections on the GPU)
 
         def body(x_TH: torch.Tensor, model=model, optimizer=optimizer) -> tuple[torch.Tensor]:
             optimizer.zero_grad(set_to_none=True)
-            loss = interleaved_backward(model, lambda h: model(h).float().square().mean(), x_TH.chunk(2))
+            loss = interleaved_backward(model, lambda h: model(h).float().sub(1).square().mean(), x_TH.chunk(2))
             optimizer.step()
             return (loss,)
 

@@ -24,7 +24,7 @@ from occult.moe.comm import CommStats
 from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
 from occult.moe.two_batch import exchange_issued
-from occult.training.step_graph import WARMUP_STEPS, CudaRecorder, StepGraph
+from occult.training.step_graph import WARMUP_STEPS, CudaRecorder, StepGraph, make_capturable
 from occult.training.two_batch import interleaved_backward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="two streams and NCCL need a GPU")
@@ -129,10 +129,11 @@ def test_a_recorded_two_batch_step_gives_the_eager_steps_losses(group, dtype_nam
     for recorded in (True, False):
         model = _model(group, dtype, seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        make_capturable(optimizer)  # both sides: the recording's AdamW (its fp32 bias corrections on the GPU)
 
         def body(x_TW: torch.Tensor, model=model, optimizer=optimizer) -> tuple[torch.Tensor]:
             optimizer.zero_grad(set_to_none=True)
-            loss = interleaved_backward(model, lambda h: model(h).float().square().mean(), x_TW.chunk(2))
+            loss = interleaved_backward(model, lambda h: model(h).float().sub(1).square().mean(), x_TW.chunk(2))
             optimizer.step()
             return (loss,)
 
