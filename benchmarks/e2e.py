@@ -150,7 +150,7 @@ from occult.distributed import finish_distributed, init_distributed  # noqa: E40
 from occult.integrations import hf  # noqa: E402
 from occult.integrations.hf.graphed import masks_as_eager  # noqa: E402
 from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
-from occult.moe.layer import set_sync_free  # noqa: E402
+from occult.moe.model_layers import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
 from occult.tools.bench import variant_sync_free  # noqa: E402
 from occult.training.optim import adamw  # noqa: E402

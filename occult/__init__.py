@@ -16,7 +16,8 @@ from occult.moe.counts import RoutingError
 from occult.moe.dense import DenseMoE
 from occult.moe.dispatch import DedupDispatcher, StandardDispatcher
 from occult.moe.expert_map import ExpertMap
-from occult.moe.layer import OccultMoE, set_graphs, set_sync_free
+from occult.moe.layer import OccultMoE
+from occult.moe.model_layers import set_graphs, set_sync_free
 from occult.moe.registry import DISPATCHERS, make_dispatcher
 from occult.moe.routing import TopKRouter
 from occult.moe.status import check_routing

@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -33,6 +33,10 @@
 #           OCCULT_DEFER_WGRAD=1 for that variant), OLMoE train, NVLink then the slow link (~5 min each): the
 #           fastest EP variants with and without it and the floor in one job (docs/overlap.md, "Deferred
 #           weight gradients")
+# twobatch  issue 53: the training step as two interleaved micro-batches (e2e.py's /stepgraph/twobatch,
+#           occult.training.two_batch), OLMoE train, NVLink then the slow link (~5 min each): the floor, the
+#           sync-free step captured with one batch and with two halves (and with /deferwgrad), and on NVLink
+#           the device transport's captured step beside them (docs/overlap.md, "Two interleaved micro-batches")
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -52,8 +56,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -133,6 +137,15 @@ case $part in
       ep=dedup@$how/compile,dedup@$how/compile/deferwgrad,dedup@$how/compile/stepgraph,dedup@$how/compile/stepgraph/deferwgrad
       run "defer_olmoe_$link" 400 env $env_ $tr benchmarks/e2e.py --model olmoe --phases train \
         --variants replicated/compile,$ep --out "$out/e2e_olmoe_defer_${link}_${n}gpu.json"
+    done ;;&
+  twobatch|all)  # issue 53: the training step's two halves interleaved (/stepgraph/twobatch), one job per link
+    for link in nvlink slow; do
+      env_=""; extra=",dedup@device/compile/stepgraph"
+      [ $link = slow ] && env_="NCCL_P2P_DISABLE=1" && extra=""
+      tb=dedup@syncfree/compile/stepgraph/twobatch
+      run "twobatch_olmoe_$link" 450 env $env_ $tr benchmarks/e2e.py --model olmoe --phases train \
+        --variants replicated/compile/stepgraph,dedup@syncfree/compile/stepgraph,$tb,$tb/deferwgrad$extra \
+        --out "$out/e2e_olmoe_twobatch_${link}_${n}gpu.json"
     done ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then

@@ -93,7 +93,7 @@ from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
     trainable_names,
 )
 from occult.moe.counts import STATUS_MESSAGES, RoutingError
-from occult.moe.layer import set_graphs
+from occult.moe.model_layers import set_graphs
 from occult.moe.step import agreed_step
 from occult.placement import Placement
 from occult.training.layer_graphs import check_recordable

@@ -12,6 +12,7 @@ path, one checkpoint format family, one place for hooks.
     hooks.py      `StepHook`: what runs after every step (re-placement, evaluation, checkpoints)
     layer_graphs.py  the MoE layers replayed from CUDA graphs for a run (`--layer-graphs`): checks, switch
     step_graph.py the whole step recorded once as one CUDA graph and replayed (`--captured-step`)
+    two_batch.py  a step's forward and backward as two interleaved micro-batches (`interleaved_backward`)
     dcp.py        sharded checkpoints with torch.distributed.checkpoint: atomic write, hash check,
                   resume on any number of ranks
 

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import torch.nn as nn
 
-from occult.moe.layer import OccultMoE, set_graphs
+from occult.moe.layer import OccultMoE
+from occult.moe.model_layers import set_graphs
 from occult.training.dtensor import is_sharded
 
 

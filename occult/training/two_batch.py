@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from occult.moe.layer import exchanging_with_buffers
+from occult.moe.model_layers import exchanging_with_buffers
 from occult.moe.two_batch import run_interleaved
 
 _STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}

@@ -3,7 +3,7 @@ expert-parallel layers (dedup over a random placement, and standard) between den
 halves in two threads on two streams; the eager step gives every gradient of two micro-batches one after the other
 (fp32, bf16, fp16), every rank issues the backward's exchanges in the reverse of the forward's interleaved order,
 and the step recorded as one CUDA graph (`StepGraph`) gives the eager steps' losses. (The same on CPU gloo ranks:
-tests/training/test_two_batch.py; one GPU with one-rank exchanges: test_two_batch_train_one_gpu.py.)"""
+tests/training/test_two_batch_step.py; one GPU with one-rank exchanges: test_two_batch_train_one_gpu.py.)"""
 
 from __future__ import annotations
 

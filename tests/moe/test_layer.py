@@ -223,7 +223,7 @@ def _two_rank_checks(rank: int, world_size: int, seed: int, cases: list[dict]) -
 
 def _capturable_worker() -> list:
     """On gloo ranks: whether a layer's exchanges can be recorded in a CUDA graph, and the layers named so."""
-    from occult.moe.layer import uncapturable_layers
+    from occult.moe.model_layers import uncapturable_layers
 
     layer = OccultMoE(8, 4, 8, 2)  # the default group: the 2 gloo ranks
     singles = [torch.distributed.new_group([r]) for r in range(torch.distributed.get_world_size())]  # all, in order

@@ -45,7 +45,8 @@ import torch.nn as nn
 from occult.integrations.hf.decoder import StaticDecoder
 from occult.integrations.hf.families import group_size
 from occult.integrations.hf.sampling import Sampling, TokenSelector
-from occult.moe.layer import OccultMoE, set_sync_free, uncapturable_layers
+from occult.moe.layer import OccultMoE
+from occult.moe.model_layers import set_sync_free, uncapturable_layers
 
 
 def model_group(model: nn.Module) -> Any:

@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 
 from occult.moe.capture_stream import autocast_uncached
-from occult.moe.layer import OccultMoE, exchanging_with_buffers, uncapturable_layers
+from occult.moe.layer import OccultMoE
+from occult.moe.model_layers import exchanging_with_buffers, uncapturable_layers
 from occult.moe.two_batch import run_interleaved
 from occult.teardown import hold_collectives
 
