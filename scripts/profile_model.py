@@ -5,7 +5,8 @@ then, per variant (`native`: unconverted; `occult`: converted over a one-rank gr
 phase (`prefill`: 4 x 2048 tokens, logits of the last position; `train`: forward + backward;
 `decode`: one B-row step of `hf.StaticDecoder`, graph-captured for occult with sync-free dispatch,
 eager for native; an e2e.py `/graph` or `/twobatch` variant's prefill replayed from its CUDA graph as e2e.py
-times it, and no train phase; a `/stepgraph` variant's training step replayed from its CUDA graph), profiles a
+times it, and no train phase; a `/stepgraph` variant's training step replayed from its CUDA graph, two interleaved
+halves for `/stepgraph/twobatch`), profiles a
 few steps under torch.profiler and prints (per step): the
 exchanges' kernels busy (NCCL's, the device transport's push and barrier), every other kernel busy, and both at
 once (the part of the all-to-alls hidden under compute), then: wall ms per step (CUDA
@@ -126,7 +127,8 @@ def phase_step(model, phase: str, args, device, variant: str = "occult"):
     if phase in ("prefill", "train"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if phase == "train" else None
         captured = phase == "train" and e2e.step_graph(variant)
-        full = e2e.make_step(model, phase, optimizer, captured)
+        halves = e2e.micro_batches(variant) if captured else 1  # `/stepgraph/twobatch`: the step's two halves
+        full = e2e.make_step(model, phase, optimizer, captured, halves)
         for _ in range(WARMUP_STEPS + 1 if captured else 0):  # a `/stepgraph` step's warm-ups and recording
             full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
         return lambda: full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
@@ -184,7 +186,7 @@ def main() -> None:
             if args.out and args.traces:
                 os.makedirs(args.out, exist_ok=True)
                 trace = os.path.join(args.out, f"trace_{variant}_{phase}_rank{rank}.json".replace("/", "-"))
-            if phase == "train" and e2e.is_graphed(variant):
+            if phase == "train" and e2e.is_graphed(variant) and not e2e.step_graph(variant):
                 continue  # a captured prefill only, as e2e.py times it
             step = phase_step(model, phase, args, device, variant)
             results[f"{variant}/{phase}"] = r = profile_steps(step, args.steps, trace)
