@@ -35,7 +35,7 @@
 #           weight gradients")
 # twobatch  issue 53: the training step as two interleaved micro-batches (e2e.py's /stepgraph/twobatch,
 #           occult.training.two_batch), OLMoE train, NVLink then the slow link (~5 min each): the floor, the
-#           sync-free step captured with one batch and with two halves (and with /deferwgrad), and on NVLink
+#           sync-free step captured with one batch (with and without /deferwgrad) and with two halves, and on NVLink
 #           the device transport's captured step beside them (docs/overlap.md, "Two interleaved micro-batches")
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
@@ -144,7 +144,7 @@ case $part in
       [ $link = slow ] && env_="NCCL_P2P_DISABLE=1" && extra=""
       tb=dedup@syncfree/compile/stepgraph/twobatch
       run "twobatch_olmoe_$link" 450 env $env_ $tr benchmarks/e2e.py --model olmoe --phases train \
-        --variants replicated/compile/stepgraph,dedup@syncfree/compile/stepgraph,$tb,$tb/deferwgrad$extra \
+        --variants replicated/compile/stepgraph,dedup@syncfree/compile/stepgraph,$tb,dedup@syncfree/compile/stepgraph/deferwgrad$extra \
         --out "$out/e2e_olmoe_twobatch_${link}_${n}gpu.json"
     done ;;&
   peer|all)

@@ -13,7 +13,9 @@ in the leaf's dtype (a weight cast for autocast gets the cast back, as `ToCopyBa
 Only where that is what autograd would do (`deferrable`): every weight a plain leaf tensor (not a
 DTensor) with no hooks, whose accumulator this backward runs (`loss.backward()`, not
 `torch.autograd.grad`, not `backward(inputs=...)` without it: a recorded training call's backward,
-`occult.moe.train_graphs`, differentiates with `autograd.grad` and keeps the usual order).
+`occult.moe.train_graphs`, differentiates with `autograd.grad` and keeps the usual order); and not
+inside `kept_in_order()` (a two-batch step's backward, `occult.training.two_batch`: its halves run on
+two streams, and one weight's deferred gradients from both would be added to `.grad` on both).
 
 Everything the side stream reads stays referenced until it is joined, so the allocator cannot hand
 its memory to the backward's stream before the GEMMs have read it; the gradients it writes are
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,7 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}
 # them where the engine finishes the backward (possibly another thread), so the list is not per thread
 _JOBS: list = []
 _LOCK = threading.Lock()
+_KEPT_IN_ORDER = [0]  # how many `kept_in_order()` blocks are open (the engine's thread is not the caller's)
 
 
 @dataclass
@@ -55,7 +58,7 @@ def deferrable(leaves: Sequence[torch.Tensor | None]) -> bool:
     """Whether the weights `leaves` (None: not trained) may get their gradients from `defer`: plain
     leaf tensors without hooks whose gradient accumulators the running backward executes."""
     trained = [leaf for leaf in leaves if leaf is not None]
-    if not trained:
+    if not trained or _KEPT_IN_ORDER[0]:
         return False
     for leaf in trained:
         if not leaf.is_leaf or not leaf.requires_grad or type(leaf) not in (torch.Tensor, torch.nn.Parameter):
@@ -68,6 +71,18 @@ def deferrable(leaves: Sequence[torch.Tensor | None]) -> bool:
         except RuntimeError:  # inside torch.autograd.grad: it returns gradients, it accumulates none
             return False
     return True
+
+
+@contextlib.contextmanager
+def kept_in_order() -> Iterator[None]:
+    """Inside: no weight gradient is deferred (every backward running then keeps autograd's order)."""
+    with _LOCK:
+        _KEPT_IN_ORDER[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _KEPT_IN_ORDER[0] -= 1
 
 
 def defer(

@@ -13,7 +13,8 @@ loss over the batch).
 It pays where nothing waits for the host: the whole step recorded as one CUDA graph
 (`occult.training.step_graph`; e2e.py's `/stepgraph/twobatch`). Sync-free expert-parallel layers
 only (`occult.set_sync_free`): two exchanges of one device transport in flight would share its
-buffers.
+buffers. `OCCULT_DEFER_WGRAD` defers nothing in this backward (`deferred_wgrad.kept_in_order`): the
+halves' deferred gradients of one weight would be added to its `.grad` on two streams.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from occult.kernels.deferred_wgrad import kept_in_order
 from occult.moe.model_layers import exchanging_with_buffers
 from occult.moe.two_batch import run_interleaved
 
@@ -56,7 +58,8 @@ def interleaved_backward(
     if device.type != "cuda":
         losses = run_interleaved(lambda i: loss_of(halves[i]))
         loss = (losses[0] + losses[1]) / 2
-        loss.backward()
+        with kept_in_order():
+            loss.backward()
         return loss.detach()
     main, streams = torch.cuda.current_stream(device), _streams(device)
     for stream in streams:
@@ -67,7 +70,8 @@ def interleaved_backward(
         if not torch.cuda.is_current_stream_capturing():  # (a capture keeps its memory)
             half_loss.record_stream(main)
     loss = (losses[0] + losses[1]) / 2
-    loss.backward()  # each half's nodes on its forward's stream
+    with kept_in_order():
+        loss.backward()  # each half's nodes on its forward's stream
     for stream in streams:  # (the backward's last kernels of each half joined: a capture ends on this stream)
         main.wait_stream(stream)
     return loss.detach()

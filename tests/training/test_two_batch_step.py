@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from occult.distributed import run_ranks
+from occult.kernels import deferred_wgrad
 from occult.moe import comm
 from occult.moe.config import RoutingConfig
 from occult.moe.dense import DenseMoE
@@ -165,3 +166,33 @@ def test_one_rank_trains_two_halves_as_two_micro_batches():
         torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-14)
     with torch.no_grad():
         torch.testing.assert_close(loss, (model(x[:4]).square().mean() + model(x[4:]).square().mean()) / 2)
+
+
+class _AsksToDefer(torch.autograd.Function):
+    """x @ w; its backward records whether `deferred_wgrad` would defer w's gradient there (as the expert op asks)."""
+
+    answers: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        _AsksToDefer.answers.append(deferred_wgrad.deferrable([w]))
+        return grad @ w.T, x.T @ grad
+
+
+def test_a_two_batch_backward_defers_no_weight_gradient():
+    """OCCULT_DEFER_WGRAD would add one weight's gradients from both halves on two streams: inside the two-batch
+    backward `deferrable` says no, in a plain backward of the same weight yes, and after it yes again."""
+    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64))
+    x = torch.randn(6, 4, dtype=torch.float64)
+    _AsksToDefer.answers = []
+    _AsksToDefer.apply(x, w).sum().backward()
+    interleaved_backward(model, lambda h: _AsksToDefer.apply(model(h), w).sum(), x.chunk(2))
+    _AsksToDefer.apply(x, w).sum().backward()
+    assert _AsksToDefer.answers == [True, False, False, True]
