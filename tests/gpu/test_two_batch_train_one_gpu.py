@@ -9,8 +9,10 @@ NCCL ranks with sync-free expert-parallel layers: tests/gpu/test_collective_two_
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -74,49 +76,87 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_two_halves_on_two_streams_give_two_micro_batches_gradients_in_reverse_exchange_order(group, dtype_name):
-    dtype = DTYPES[dtype_name]
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    model = _model(group, dtype, seed)
-    x = torch.randn(2 * TOKENS, WIDTH, dtype=dtype, device="cuda")
-    target = torch.randn(2 * TOKENS, WIDTH, device="cuda")
-    halves = x.chunk(2)
-
-    def loss_of(half: torch.Tensor) -> torch.Tensor:
-        i = 0 if half is halves[0] else 1
-        return F.mse_loss(model(half).float(), target.chunk(2)[i])
-
-    for half in halves:
-        (loss_of(half) / 2).backward()
-    want = _grads(model)
-    model.zero_grad(set_to_none=True)
-    order: list = []
+@contextlib.contextmanager
+def exchange_log() -> Iterator[tuple[list[str], list[int]]]:
+    """Inside: (the half, "A" or "B", that issued each `_Exchange` forward; which exchange, by its forward's index,
+    each `_Exchange` backward was), in call order."""
+    forwards: list[str] = []
+    backwards: list[int] = []
     forward, backward = comm._Exchange.forward, comm._Exchange.backward
 
     def logged_forward(ctx, *args):
-        ctx.index = sum(1 for o in order if o[0] == "f")
-        order.append(("f", threading.current_thread().name[-1]))
+        ctx.logged_index = len(forwards)
+        forwards.append(threading.current_thread().name[-1])
         return forward(ctx, *args)
 
     def logged_backward(ctx, *grads):
-        order.append(("b", ctx.index))
+        backwards.append(ctx.logged_index)
         return backward(ctx, *grads)
 
     comm._Exchange.forward, comm._Exchange.backward = staticmethod(logged_forward), staticmethod(logged_backward)
     try:
-        interleaved_backward(model, loss_of, halves)
+        yield forwards, backwards
     finally:
         comm._Exchange.forward, comm._Exchange.backward = staticmethod(forward), staticmethod(backward)
-    torch.cuda.synchronize()
-    got = _grads(model)
-    assert set(got) == set(want)
-    for name, ref in want.items():
-        err = float((got[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-        assert err <= TOL[dtype_name], (dtype_name, name, err, seed)
-    forwards = [o[1] for o in order if o[0] == "f"]
+
+
+def worst_gradient_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The largest error over the gradients, each relative to its tensor's largest entry (same names required)."""
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    return max(float((got[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)) for k, v in want.items())
+
+
+def two_batch_losses(model: nn.Module, batches: list[torch.Tensor], recorded: bool) -> list[float]:
+    """Each batch's mean loss through a two-batch step with AdamW in its recording's mode (on both sides: its fp32
+    bias corrections on the GPU), recorded by `StepGraph` after its warm-up steps, or every step eager."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    make_capturable(optimizer)
+
+    def body(x_TW: torch.Tensor) -> tuple[torch.Tensor]:
+        optimizer.zero_grad(set_to_none=True)
+        loss = interleaved_backward(model, lambda h: model(h).float().sub(1).square().mean(), x_TW.chunk(2))
+        optimizer.step()
+        return (loss,)
+
+    if not recorded:
+        return [float(body(x)[0]) for x in batches]
+    graph = StepGraph(optimizer, lambda: 0, CudaRecorder(batches[0].device))
+    losses = [float(graph.run(body, x)[0]) for x in batches]
+    assert graph.replays == len(batches) - WARMUP_STEPS
+    graph.release()
+    return losses
+
+
+def two_batch_gradients(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> tuple[float, list, list]:
+    """Train `model` on the halves of x (MSE to `target`) as two micro-batches one after the other, then through
+    `interleaved_backward`: (the worst relative gradient error between the two, the half that issued each forward
+    exchange, the forward index of each backward exchange)."""
+    halves, targets = x.chunk(2), target.chunk(2)
+
+    def loss_of(half: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(half).float(), targets[0 if half is halves[0] else 1])
+
+    model.zero_grad(set_to_none=True)
+    for half in halves:
+        (loss_of(half) / 2).backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    with exchange_log() as (forwards, backwards):
+        interleaved_backward(model, loss_of, halves)
+    return worst_gradient_error(_grads(model), want), forwards, backwards
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_two_halves_on_two_streams_give_two_micro_batches_gradients_in_reverse_exchange_order(group, dtype_name):
+    dtype = DTYPES[dtype_name]
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    x = torch.randn(2 * TOKENS, WIDTH, dtype=dtype, device="cuda")
+    err, forwards, backwards = two_batch_gradients(
+        _model(group, dtype, seed), x, torch.randn(2 * TOKENS, WIDTH, device="cuda")
+    )
+    assert err <= TOL[dtype_name], (dtype_name, err, seed)
     assert forwards == ["A", "B"] * 4, forwards  # two blocks, two exchanges each, the halves taking turns
-    assert [o[1] for o in order if o[0] == "b"] == list(range(7, -1, -1))
+    assert backwards == list(range(7, -1, -1)), backwards
 
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
@@ -125,23 +165,7 @@ def test_a_recorded_two_batch_step_gives_the_eager_steps_losses(group, dtype_nam
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     gen = torch.Generator(device="cuda").manual_seed(seed)
     batches = [torch.randn(2 * TOKENS, WIDTH, dtype=dtype, device="cuda", generator=gen) for _ in range(10)]
-    losses = {}
-    for recorded in (True, False):
-        model = _model(group, dtype, seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        make_capturable(optimizer)  # both sides: the recording's AdamW (its fp32 bias corrections on the GPU)
-
-        def body(x_TW: torch.Tensor, model=model, optimizer=optimizer) -> tuple[torch.Tensor]:
-            optimizer.zero_grad(set_to_none=True)
-            loss = interleaved_backward(model, lambda h: model(h).float().sub(1).square().mean(), x_TW.chunk(2))
-            optimizer.step()
-            return (loss,)
-
-        if recorded:
-            graph = StepGraph(optimizer, lambda: 0, CudaRecorder(torch.device("cuda")))
-            losses[recorded] = [float(graph.run(body, x)[0]) for x in batches]
-            assert graph.replays == len(batches) - WARMUP_STEPS
-        else:
-            losses[recorded] = [float(body(x)[0]) for x in batches]
-    gap = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False]))
-    assert gap <= (1e-3 if dtype_name == "bf16" else 1e-4), (dtype_name, gap, seed, losses)
+    got = two_batch_losses(_model(group, dtype, seed), batches, recorded=True)
+    want = two_batch_losses(_model(group, dtype, seed), batches, recorded=False)
+    gap = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    assert gap <= (1e-3 if dtype_name == "bf16" else 1e-4), (dtype_name, gap, seed, got, want)

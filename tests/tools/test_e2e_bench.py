@@ -426,6 +426,17 @@ def test_eagermoe_goes_with_replicated_compile_only(monkeypatch):
             e2e.variant_list(bad)
 
 
+class _TinyLM(torch.nn.Module):
+    """A transformers-like causal LM whose loss is its embeddings' mean square (train steps without a model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 4)
+
+    def forward(self, input_ids, labels, use_cache):
+        return types.SimpleNamespace(loss=self.embed(input_ids).square().mean())
+
+
 def test_stepgraph_records_the_train_step_with_the_moe_layers_eager_inside(monkeypatch):
     """`/stepgraph`: compile_layers leaves the MoE layers' own graphs off (they are recorded inside the step), and
     the train step goes through `StepGraph` (3 eager steps, then the recording); only occult's variants that
@@ -475,15 +486,7 @@ def test_stepgraph_records_the_train_step_with_the_moe_layers_eager_inside(monke
     monkeypatch.setattr(e2e, "CudaRecorder", lambda device: Recorder())
     monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model: None)
 
-    class LM(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Embedding(11, 4)
-
-        def forward(self, input_ids, labels, use_cache):
-            return types.SimpleNamespace(loss=self.embed(input_ids).square().mean())
-
-    model = LM()
+    model = _TinyLM()
     step = e2e.make_step(model, "train", torch.optim.AdamW(model.parameters()), captured=True)
     for _ in range(5):
         step(torch.randint(0, 11, (2, 3)))
@@ -520,15 +523,7 @@ def test_stepgraph_twobatch_trains_the_recorded_step_as_two_interleaved_halves(m
     monkeypatch.setattr(e2e, "interleaved_backward", interleaved)
     monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model: None)
 
-    class LM(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Embedding(11, 4)
-
-        def forward(self, input_ids, labels, use_cache):
-            return types.SimpleNamespace(loss=self.embed(input_ids).square().mean())
-
-    model = LM()
+    model = _TinyLM()
     ids = torch.randint(0, 11, (4, 3))
     (loss,) = e2e.make_step(model, "train", torch.optim.SGD(model.parameters(), lr=0.0), micro_batches=2)(ids)
     assert halves_seen == [[(2, 3), (2, 3)]]
