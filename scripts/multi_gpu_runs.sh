@@ -36,7 +36,8 @@
 # twobatch  issue 53: the training step as two interleaved micro-batches (e2e.py's /stepgraph/twobatch,
 #           occult.training.two_batch), OLMoE train, NVLink then the slow link (~5 min each): the floor, the
 #           sync-free step captured with one batch (with and without /deferwgrad) and with two halves, and on NVLink
-#           the device transport's captured step beside them (docs/overlap.md, "Two interleaved micro-batches")
+#           the device transport's captured step beside them (docs/overlap.md, "Two interleaved micro-batches");
+#           MODELS="olmoe qwen3" for both shapes, LINKS=slow for one link
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -139,13 +140,15 @@ case $part in
         --variants replicated/compile,$ep --out "$out/e2e_olmoe_defer_${link}_${n}gpu.json"
     done ;;&
   twobatch|all)  # issue 53: the training step's two halves interleaved (/stepgraph/twobatch), one job per link
-    for link in nvlink slow; do
-      env_=""; extra=",dedup@device/compile/stepgraph"
-      [ $link = slow ] && env_="NCCL_P2P_DISABLE=1" && extra=""
-      tb=dedup@syncfree/compile/stepgraph/twobatch
-      run "twobatch_olmoe_$link" 450 env $env_ $tr benchmarks/e2e.py --model olmoe --phases train \
-        --variants replicated/compile/stepgraph,dedup@syncfree/compile/stepgraph,$tb,dedup@syncfree/compile/stepgraph/deferwgrad$extra \
-        --out "$out/e2e_olmoe_twobatch_${link}_${n}gpu.json"
+    for model in ${MODELS:-olmoe}; do
+      for link in ${LINKS:-nvlink slow}; do
+        env_=""; extra=",dedup@device/compile/stepgraph"
+        [ $link = slow ] && env_="NCCL_P2P_DISABLE=1" && extra=""
+        one=dedup@syncfree/compile/stepgraph
+        run "twobatch_${model}_$link" 450 env $env_ $tr benchmarks/e2e.py --model $model --phases train \
+          --variants replicated/compile/stepgraph,$one,$one/twobatch,$one/deferwgrad$extra \
+          --out "$out/e2e_${model}_twobatch_${link}_${n}gpu.json"
+      done
     done ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
