@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -149,6 +150,47 @@ def phase_step(model, phase: str, args, device, variant: str = "occult"):
     return step
 
 
+def profile_variant(
+    variant: str,
+    args: argparse.Namespace,
+    eargs: argparse.Namespace,
+    cfg: Any,
+    device: torch.device,
+    self_group: Any,
+    results: dict,
+) -> None:
+    """Profile every phase of one variant into `results` (rank 0 prints each)."""
+    rank = torch.distributed.get_rank()
+    model = e2e.build_model(eargs, cfg, device, torch.bfloat16)
+    model = e2e.convert_variant(model, "replicated" if variant == "occult" else variant, None, self_group)
+    for phase in args.phases.split(","):
+        if variant == "occult":
+            set_sync_free(model, phase == "decode")
+        trace = None
+        if args.out and args.traces:
+            os.makedirs(args.out, exist_ok=True)
+            trace = os.path.join(args.out, trace_name(variant, phase, rank))
+        if phase == "train" and e2e.is_graphed(variant) and not e2e.step_graph(variant):
+            continue  # a captured prefill only, as e2e.py times it
+        step = phase_step(model, phase, args, device, variant)
+        results[f"{variant}/{phase}"] = r = profile_steps(step, args.steps, trace)
+        if rank:
+            continue
+        print(
+            f"{variant}/{phase}: wall {r['wall_ms']:.2f} ms, busy {r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, "
+            f"kernels {r['kernels']:.0f}; exchanges {r['exchange_ms']:.2f} ms, compute {r['compute_ms']:.2f}, "
+            f"both at once {r['exchange_under_compute_ms']:.2f}",
+            flush=True,
+        )
+        for t in r["top"][:12]:
+            print(f"   {t['us']:9.1f} us {t['count']:6.0f}x  {t['name'][:100]}")
+
+
+def trace_name(variant: str, phase: str, rank: int) -> str:
+    """A run's timeline file name: the variant's '/' and '@' as '-' and '+' (names a copy tool keeps)."""
+    return f"trace_{variant}_{phase}_rank{rank}.json".replace("/", "-").replace("@", "+")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="olmoe", choices=sorted(e2e.MODELS))
@@ -177,30 +219,8 @@ def main() -> None:
     cfg = e2e.model_config(eargs)
     results = {}
     for variant in args.variants.split(","):
-        model = e2e.build_model(eargs, cfg, device, torch.bfloat16)
-        model = e2e.convert_variant(model, "replicated" if variant == "occult" else variant, None, self_group)
-        for phase in args.phases.split(","):
-            if variant == "occult":
-                set_sync_free(model, phase == "decode")
-            trace = None
-            if args.out and args.traces:
-                os.makedirs(args.out, exist_ok=True)
-                trace = os.path.join(args.out, f"trace_{variant}_{phase}_rank{rank}.json".replace("/", "-"))
-            if phase == "train" and e2e.is_graphed(variant) and not e2e.step_graph(variant):
-                continue  # a captured prefill only, as e2e.py times it
-            step = phase_step(model, phase, args, device, variant)
-            results[f"{variant}/{phase}"] = r = profile_steps(step, args.steps, trace)
-            if rank:
-                continue
-            print(
-                f"{variant}/{phase}: wall {r['wall_ms']:.2f} ms, busy {r['busy_ms']:.2f}, idle {r['idle_ms']:.2f}, "
-                f"kernels {r['kernels']:.0f}; exchanges {r['exchange_ms']:.2f} ms, compute {r['compute_ms']:.2f}, "
-                f"both at once {r['exchange_under_compute_ms']:.2f}",
-                flush=True,
-            )
-            for t in r["top"][:12]:
-                print(f"   {t['us']:9.1f} us {t['count']:6.0f}x  {t['name'][:100]}")
-        del model
+        with e2e.variant_settings(variant):  # (/deferwgrad: OCCULT_DEFER_WGRAD=1 while it is built and runs)
+            profile_variant(variant, args, eargs, cfg, device, self_group, results)
         torch.cuda.empty_cache()
     if rank:
         return
