@@ -156,6 +156,13 @@ def link_report(out: Path, link: str) -> dict[str, Any]:
         "dedup_captured_step_over_floor_per_gpu": ratio(
             runs, "dedup_captured_explicit", "floor", "tokens_per_s_per_gpu"
         ),
+        "dedup_two_batch_captured_over_floor_per_gpu": ratio(
+            runs, "dedup_twobatch_captured", "floor", "tokens_per_s_per_gpu"
+        ),
+        "dedup_two_batch_captured_over_captured_floor_per_gpu": ratio(
+            runs, "dedup_twobatch_captured", "floor_captured", "tokens_per_s_per_gpu"
+        ),
+        "dedup_two_batch_captured_over_dedup": ratio(runs, "dedup_twobatch_captured", "dedup_ddp", "tokens_per_s"),
     }
     # the loss reference: the floor trains on the same global batch as the EP runs; the 1-GPU run on half
     # of it (8 sequences per GPU everywhere), so its losses differ from the first step on

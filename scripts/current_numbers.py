@@ -280,6 +280,9 @@ TRAIN_RATIOS = {  # ratio key in train_{link}_2xGPU.json -> (numerator variant, 
     "dedup_fsdp_over_standard_fsdp": ("dedup_fsdp", "standard_fsdp", False),
     "two_gpu_dedup_over_one_gpu_job": ("dedup_ddp", "1gpu", False),
     "dedup_layer_graphs_over_dedup": ("dedup_graphs_ddp", "dedup_device_ddp", False),
+    "dedup_two_batch_captured_over_floor_per_gpu": ("dedup_twobatch_captured", "floor", True),
+    "dedup_two_batch_captured_over_captured_floor_per_gpu": ("dedup_twobatch_captured", "floor_captured", True),
+    "dedup_two_batch_captured_over_dedup": ("dedup_twobatch_captured", "dedup_ddp", False),
 }
 
 

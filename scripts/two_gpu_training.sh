@@ -7,7 +7,8 @@
 #
 # train  occult train tokens/s (OccultLM 4 layers, hidden 1024, 64 experts x 512 top-8, seq 1024, bf16):
 #        1 GPU; 2 GPUs floor (--ep-size 1); EP standard / dedup with ddp and fsdp, dedup with --layer-graphs
-#        (slow link: floor and the two dispatchers with ddp). Runs go in order of importance; one that would start after
+#        (slow link: floor and the two dispatchers with ddp), dedup as two interleaved halves in a recorded step
+#        (--two-batch --captured-step, both links). Runs go in order of importance; one that would start after
 #        BUDGET_S seconds is skipped and listed as such; ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
 #        those (LINK_VARIANT names as in OUT/runs). -> OUT/train_{link}_2xGPU.json
 # more   finetune --hf on 1 and 2 GPUs + logits through plain transformers -> OUT/finetune_hf_2xGPU.json;
@@ -75,6 +76,10 @@ train_part() {
     train_run "$link" floor 2 --ep-size 1
     train_run "$link" dedup_ddp 2 --dispatcher dedup --grad-sync ddp
     train_run "$link" standard_ddp 2 --dispatcher standard --grad-sync ddp
+    # issue 53: two interleaved micro-batches a step, the step recorded (sync-free layers: either link)
+    [ "${TINY:-0}" = 1 ] || train_run "$link" dedup_twobatch_captured 2 --dispatcher dedup --grad-sync explicit \
+      --two-batch --captured-step
+    [ "${TINY:-0}" = 1 ] || train_run "$link" floor_captured 2 --ep-size 1 --grad-sync explicit --captured-step
   done
   if [[ " $links " == *" nvlink "* ]]; then
     train_run nvlink dedup_fsdp 2 --dispatcher dedup --grad-sync fsdp

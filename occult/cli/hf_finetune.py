@@ -41,8 +41,7 @@ from occult.cli.run_checks import (
     run_dir,
 )
 
-_NO_EVAL = "it runs no validation evaluation"
-_FIXED = "the experts stay where --placement / --ep-placement put them"
+_NO_EVAL, _FIXED = "it runs no validation evaluation", "the experts stay where --placement / --ep-placement put them"
 # the flags of `occult finetune` that only a run of an occult checkpoint (--init) reads: what --hf does instead
 OCCULT_CHECKPOINT_ONLY: dict[str, str] = {
     "--tokenizer": "it tokenizes with the model's own tokenizer",
@@ -54,6 +53,7 @@ OCCULT_CHECKPOINT_ONLY: dict[str, str] = {
     "--grad-sync": "DDP averages the routers and the experts are all-reduced over the replicas",
     **{f"--replace-{name}": _FIXED for name in ("every", "min-gain", "drift", "check-every", "samples", "method")},
     "--replace-wait": _FIXED,
+    "--two-batch": "its steps run as one batch (its aux-loss taps hold one forward's routing at a time)",
 }
 HF_ONLY = ("--save-dtype",)  # and --data, which `occult.cli.lm` refuses with its own message
 

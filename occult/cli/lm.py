@@ -63,6 +63,7 @@ from occult.cli.run_checks import (
     check_device,
     check_layer_graphs,
     check_train_sizes,
+    check_two_batch_args,
     run_dir,
     writing_named,
 )
@@ -78,6 +79,7 @@ def _check_run_paths(args) -> None:
     check_input("--ep-placement", args.ep_placement)
     check_layer_graphs(args)
     check_captured_step(args)
+    check_two_batch_args(args)
 
 
 def _train_config(args):
@@ -111,6 +113,7 @@ def _train_config(args):
         "profile_steps",
         "layer_graphs",
         "captured_step",
+        "two_batch",
         "distill_weight",
         "distill_temperature",
         "distill_from",

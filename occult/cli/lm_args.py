@@ -15,6 +15,7 @@ from occult.cli.registry import (
     positive_int,
     positive_int_at_most,
 )
+from occult.cli.step_args import add_step_arguments
 
 # ModelConfig defaults
 HIDDEN, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, EXPERT_BACKEND = 256, 4, 4, 32, 4, 256, "auto"
@@ -198,31 +199,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="return after this many steps (resume later; default: run to --steps)",
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on a terminal)")
-    g.add_argument(
-        "--layer-graphs",
-        action="store_true",
-        help="replay every MoE layer's training calls (forward and backward) and evaluation forwards from "
-        "CUDA graphs, recorded at the third call of each shape: a call costs the host a copy in, one launch "
-        "and a copy out each way (also with --hf; needs a CUDA device; several ranks: --transport device and "
-        "--grad-sync ddp or explicit; the same losses as the eager layers; on one GPU 1.03-1.15x the eager steps' "
-        "tokens/s, less than --captured-step: docs/training.md) (default: eager layers)",
-    )
-    g.add_argument(
-        "--captured-step",
-        action="store_true",
-        help="record the whole training step (forward, backward, gradient sync, clipping, AdamW) once as one CUDA "
-        "graph, after 3 eager steps, and replay it: a step costs the host a batch copy and one launch (also with "
-        "--hf; needs a CUDA device and fixed shapes; not with --layer-graphs or re-placement; several ranks: "
-        "--transport device and --grad-sync explicit; docs/training.md) (default: eager steps)",
-    )
-    g.add_argument(
-        "--profile-steps",
-        default=None,
-        metavar="A:B",
-        help="profile steps A..B (torch.profiler): wall vs "
-        "GPU busy ms per step, top host ops and kernels, in OUT/step_profile_rank{r}.json, and the\n"
-        "window's timeline in OUT/step_trace_rank{r}.json.gz (Chrome trace; default: off)",
-    )
+    add_step_arguments(g)
 
 
 def add_ranks_arguments(p: argparse.ArgumentParser) -> None:

@@ -113,9 +113,11 @@ def check_captured_step(args: Any, hf: bool = False) -> None:
     """--captured-step records the whole step in one CUDA graph: a CUDA device, not with --layer-graphs (the
     layers are recorded inside the step) or re-placement (it moves experts between steps); on several ranks
     the explicit gradient sync (DDP's reducer keeps host state; `hf`: `finetune --hf` has no --grad-sync and
-    syncs its routers explicitly in a captured step) and no count exchange (a host wait)."""
+    syncs its routers explicitly in a captured step) and no count exchange (a host wait; --two-batch makes the
+    layers sync-free, which the count exchange then runs without one)."""
     if not getattr(args, "captured_step", False):
         return
+    two_batch = getattr(args, "two_batch", False)
     device = resolved_device(args.device)
     if not device.startswith("cuda"):
         raise CommandError(f"--captured-step records a CUDA graph: it needs a CUDA device, not --device {device}")
@@ -138,10 +140,38 @@ def check_captured_step(args: Any, hf: bool = False) -> None:
             )
             + "; use --grad-sync explicit (the all-reduce after the backward is recorded with the step)"
         )
-    if getattr(args, "transport", "auto") == "counts" and getattr(args, "ep_size", 1) != 1:
+    if getattr(args, "transport", "auto") == "counts" and getattr(args, "ep_size", 1) != 1 and not two_batch:
         raise CommandError(
             "--captured-step with --transport counts: the count exchange reads row counts on the host, which a "
             "CUDA graph cannot record; use --transport device (or auto)"
+        )
+
+
+def check_two_batch_args(args: Any) -> None:
+    """--two-batch runs two halves of each step interleaved: an even batch per rank; not beside the flags whose
+    parts expect one forward per backward (several ranks: --grad-sync ddp or fsdp; --layer-graphs, re-placement,
+    --distill-weight). The same rules `occult.lm.step_options.prepare_two_batch` applies, before any work."""
+    if not getattr(args, "two_batch", False):
+        return
+    ranks = world_size()
+    if ranks > 1 and getattr(args, "grad_sync", "explicit") != "explicit":
+        raise CommandError(
+            f"--two-batch on several ranks with --grad-sync {args.grad_sync}: its hooks expect one forward per "
+            "backward, and two halves make two; use --grad-sync explicit"
+        )
+    others = {
+        "--layer-graphs": getattr(args, "layer_graphs", False),
+        "--replace-every / --replace-drift": getattr(args, "replace_every", 0) or getattr(args, "replace_drift", 0),
+        "--distill-weight": getattr(args, "distill_weight", 0) > 0,
+    }
+    for flag, asked in others.items():
+        if asked:
+            raise CommandError(f"--two-batch does not run with {flag}: drop one of them")
+    rows = args.batch_size // ranks
+    if args.batch_size % ranks == 0 and rows % 2:
+        raise CommandError(
+            f"--two-batch splits each rank's {rows} rows of --batch-size {args.batch_size} in halves: give an even "
+            "number of rows per rank"
         )
 
 

@@ -76,6 +76,7 @@ class TrainConfig:
     profile_steps: str | None = None  # "A:B": profile steps A..B (occult.training.step_profile); None = off
     layer_graphs: bool = False  # MoE layer calls replayed from CUDA graphs, training ones too (occult.moe.graphs)
     captured_step: bool = False  # the whole step recorded as one CUDA graph and replayed (training.step_graph)
+    two_batch: bool = False  # loss and backward as two interleaved micro-batches (training.two_batch)
     # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
     grad_sync: str = "ddp"
     # pruning-aware fine-tuning recipes (occult.lm.distill)

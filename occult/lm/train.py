@@ -92,13 +92,12 @@ from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
     tensor_hash,
     trainable_names,
 )
+from occult.lm.step_options import apply_layer_graphs, check_captured_step, prepare_two_batch
 from occult.moe.counts import STATUS_MESSAGES, RoutingError
-from occult.moe.model_layers import set_graphs
 from occult.moe.step import agreed_step
 from occult.placement import Placement
-from occult.training.layer_graphs import check_recordable
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop, to_device
-from occult.training.step_graph import check_capturable, model_signature
+from occult.training.step_graph import model_signature
 from occult.training.step_profile import StepProfile
 
 
@@ -218,41 +217,14 @@ def _prepare(
         )
     if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
         wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
-    _layer_graphs(model, cfg)
-    _check_captured_step(model, cfg, par)
+    prepare_two_batch(model, cfg, par)  # (before the layer graphs and the capture check: they read sync-free)
+    apply_layer_graphs(model, cfg)
+    check_captured_step(model, cfg, par)
     opt = make_optimizer(model, trainable_names(model, cfg.moe_only, cfg.train_part), cfg)
     replacer = Replacer(model, par, cfg, out, log) if cfg.replaces and par is not None and par.ep_size > 1 else None
     if cfg.replaces and replacer is None and log:
         log("experts are not sharded (one process or EP size 1): nothing to re-place")
     return TrainRun(model, data, cfg, out, par, log, opt, replacer, meta_base, schedule_for(cfg))
-
-
-def _layer_graphs(model: OccultLM, cfg: TrainConfig) -> None:
-    """`layer_graphs`: every MoE layer's calls, training ones too, replayed from CUDA graphs (`occult.moe.graphs`),
-    where they can be recorded (`occult.training.layer_graphs.check_recordable`: a `ValueError` before any step);
-    left on after the run, as the model's other settings are."""
-    if cfg.layer_graphs:
-        check_recordable(model)
-        set_graphs(model, True, training=True)
-
-
-def _check_captured_step(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -> None:
-    """`captured_step`: what the training core cannot record (`check_capturable`), and this adapter's parts a
-    replayed step would skip: DDP's reducer (its host bookkeeping; the explicit sync is recorded) and
-    re-placement (it moves experts between steps). A `ValueError` before any step."""
-    if not cfg.captured_step:
-        return
-    if par is not None and cfg.grad_sync == "ddp":
-        raise ValueError(
-            "captured_step (--captured-step) on several ranks: DDP's reducer keeps host state a replayed step "
-            "would skip; use --grad-sync explicit (the all-reduce after the backward is recorded with the step)"
-        )
-    if cfg.replaces:
-        raise ValueError(
-            "captured_step (--captured-step) with re-placement (--replace-every / --replace-drift): a migration "
-            "moves experts between steps, which a recorded step cannot follow; drop one of them"
-        )
-    check_capturable(model)
 
 
 def train(
@@ -295,6 +267,7 @@ def train(
         run.main,
         stop_on_interrupt=par is None,
         captured_step=cfg.captured_step,
+        two_batch=cfg.two_batch,
     )
     hooks = (
         [StepProfile(cfg.profile_steps, out, par.rank if par else 0, next(model.parameters()).device, run.log)]

@@ -21,6 +21,12 @@
 With `LoopSettings.captured_step` everything from the loss to the optimizer step is recorded once as a
 CUDA graph and replayed (`occult.training.step_graph`; `StepParts.signature` says when to record again).
 
+With `LoopSettings.two_batch` the loss and backward run as two interleaved micro-batches
+(`occult.training.two_batch`): `parts.halves(batch)` splits the batch, each half's loss runs on a thread and
+stream of its own, passing a turn at every expert-parallel exchange so one half's all-to-all is on the wire
+while the other computes, then one backward of the halves' mean `StepLoss` (the adapter checks the model's
+layers first: `check_two_batch`).
+
 With `LoopSettings.stop_on_interrupt` (one process only: ranks would disagree on the step), a
 Ctrl-C ends the loop after the step under way, which the adapter then saves (`interrupted` is
 set); a second Ctrl-C raises KeyboardInterrupt at once.
@@ -46,6 +52,7 @@ import torch
 
 from occult.training.hooks import StepHook
 from occult.training.step_graph import CudaRecorder, StepGraph, set_lr
+from occult.training.two_batch import backward_halves, forward_halves
 
 STEP_RANGE = "occult::train_step"  # a step's host range in profiles (occult.training.step_profile)
 
@@ -69,6 +76,22 @@ class StepLoss:
     aux: torch.Tensor | None = None
 
 
+def split_in_halves(batch: Any) -> tuple[Any, Any]:
+    """A batch's two halves along its first dimension: a tensor, or a tuple or list of them (e.g. inputs and
+    labels). A `ValueError` for an odd batch or another type."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % 2:
+            raise ValueError(
+                f"two micro-batches split the batch in halves: give an even batch (got {tuple(batch.shape)})"
+            )
+        first, second = batch.chunk(2)
+        return first, second
+    if isinstance(batch, (tuple, list)):
+        pairs = [split_in_halves(part) for part in batch]
+        return type(batch)(p[0] for p in pairs), type(batch)(p[1] for p in pairs)
+    raise ValueError(f"two micro-batches split tensors, or tuples or lists of them, not {type(batch).__name__}")
+
+
 @dataclass
 class StepParts:
     """The model-specific parts of a step (module docstring)."""
@@ -83,6 +106,7 @@ class StepParts:
     signature: Callable[[], Hashable] | None = None  # what a recorded step depends on (`captured_step`)
     # the context a captured step's warm-up steps and recording run in (`occult.training.step_graph.StepGraph`)
     capture_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    halves: Callable[[Any], tuple[Any, Any]] = split_in_halves  # a batch's two micro-batches (`two_batch`)
 
 
 @dataclass
@@ -98,6 +122,7 @@ class LoopSettings:
     log_every: int = 10
     stop_on_interrupt: bool = False  # a first Ctrl-C ends the loop after the current step (module docstring)
     captured_step: bool = False  # the step recorded once as a CUDA graph and replayed (module docstring)
+    two_batch: bool = False  # the loss and backward as two interleaved micro-batches (module docstring)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.tokens_per_step < 1 or self.log_every < 1:
@@ -257,14 +282,30 @@ class TrainLoop:
         """One step's work from the loss to the optimizer: (total, logged, aux, gradient norm), detached
         (the autograd graph goes with the step)."""
         with self.parts.scope(batch):
-            out = self.parts.loss(batch)
+            out = self._two_batch_loss(batch) if self.settings.two_batch else self.parts.loss(batch)
             self.optimizer.zero_grad(set_to_none=True)
-            out.total.backward()
+            if self.settings.two_batch:
+                backward_halves(out.total)
+            else:
+                out.total.backward()
         self.parts.sync()
         gnorm = self.parts.clip(self.settings.grad_clip)
         self.optimizer.step()
         aux = None if out.aux is None else out.aux.detach()
         return out.total.detach(), out.logged.detach(), aux, None if gnorm is None else gnorm.detach()
+
+    def _two_batch_loss(self, batch: Any) -> StepLoss:
+        """The mean of the two halves' `StepLoss`, their forwards interleaved (`forward_halves`)."""
+        halves = self.parts.halves(batch)
+        device = self.optimizer.param_groups[0]["params"][0].device
+
+        def forward_of(i: int) -> tuple[torch.Tensor | None, ...]:
+            out = self.parts.loss(halves[i])
+            return out.total, out.logged, out.aux
+
+        first, second = forward_halves(forward_of, device)
+        means = [None if a is None else (a + b) / 2 for a, b in zip(first, second)]
+        return StepLoss(*means)
 
     def _measure(
         self, mark: tuple[float, int], lr: float, out: StepLoss, gnorm: torch.Tensor | None
@@ -285,4 +326,13 @@ class TrainLoop:
         return (now, self.step), post
 
 
-__all__ = ["STEP_RANGE", "to_device", "StepLoss", "StepParts", "LoopSettings", "TrainClock", "TrainLoop"]
+__all__ = [
+    "STEP_RANGE",
+    "to_device",
+    "split_in_halves",
+    "StepLoss",
+    "StepParts",
+    "LoopSettings",
+    "TrainClock",
+    "TrainLoop",
+]

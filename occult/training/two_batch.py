@@ -54,27 +54,44 @@ def interleaved_backward(
     if len(halves) != 2 or halves[0].shape != halves[1].shape:
         raise ValueError(f"two halves of one shape, got {[tuple(h.shape) for h in halves]}")
     check_two_batch(model, 2 * halves[0].shape[0])
-    device = halves[0].device
+    losses = forward_halves(lambda i: (loss_of(halves[i]),), halves[0].device)
+    loss = (losses[0][0] + losses[1][0]) / 2
+    backward_halves(loss)
+    return loss.detach()
+
+
+def forward_halves(
+    forward_of: Callable[[int], Sequence[torch.Tensor | None]], device: torch.device
+) -> list[tuple[torch.Tensor | None, ...]]:
+    """`[forward_of(0), forward_of(1)]`, the two halves' forwards interleaved at every expert-parallel exchange
+    (`run_interleaved`), each on a stream of its own on a GPU; the tensors they return (e.g. a loss and what is
+    logged of it) are ready on the caller's stream. Back-propagate what is made of them with `backward_halves`.
+    The model's layers must pass `check_two_batch`."""
     if device.type != "cuda":
-        losses = run_interleaved(lambda i: loss_of(halves[i]))
-        loss = (losses[0] + losses[1]) / 2
-        with kept_in_order():
-            loss.backward()
-        return loss.detach()
+        return [tuple(out) for out in run_interleaved(forward_of)]
     main, streams = torch.cuda.current_stream(device), _streams(device)
     for stream in streams:
         stream.wait_stream(main)
-    losses = run_interleaved(lambda i: loss_of(halves[i]), streams)
-    for stream, half_loss in zip(streams, losses):
+    outs = [tuple(out) for out in run_interleaved(forward_of, streams)]
+    for stream, out in zip(streams, outs):
         main.wait_stream(stream)
         if not torch.cuda.is_current_stream_capturing():  # (a capture keeps its memory)
-            half_loss.record_stream(main)
-    loss = (losses[0] + losses[1]) / 2
+            for tensor in out:
+                if tensor is not None:
+                    tensor.record_stream(main)
+    return outs
+
+
+def backward_halves(loss: torch.Tensor) -> None:
+    """`loss.backward()` for a loss made of `forward_halves`' outputs: each half's nodes on its forward's stream,
+    the exchanges in the reverse of the forward's order, no weight gradient deferred; the halves' streams joined
+    to the caller's after (a capture ends on it)."""
     with kept_in_order():
-        loss.backward()  # each half's nodes on its forward's stream
-    for stream in streams:  # (the backward's last kernels of each half joined: a capture ends on this stream)
-        main.wait_stream(stream)
-    return loss.detach()
+        loss.backward()
+    if loss.device.type == "cuda":
+        main = torch.cuda.current_stream(loss.device)
+        for stream in _streams(loss.device):
+            main.wait_stream(stream)
 
 
 def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:

@@ -1,0 +1,82 @@
+"""How a run's steps execute, and what each way needs, checked before any step (`occult.lm.train._prepare`).
+
+- `layer_graphs`: every MoE layer's calls, training ones too, replayed from CUDA graphs (`occult.moe.graphs`);
+- `captured_step`: the whole step recorded as one CUDA graph (`occult.training.step_graph`);
+- `two_batch`: the loss and backward as two interleaved micro-batches (`occult.training.two_batch`), the
+  expert-parallel layers switched to sync-free dispatch (exact; worst-case buffers, no host wait).
+
+Each check raises a `ValueError` naming the setting and what to change, the same on every rank (all read the
+same config), before anything is written.
+"""
+
+from __future__ import annotations
+
+from occult.lm.model import OccultLM
+from occult.lm.parallel import Parallel
+from occult.lm.state import TrainConfig
+from occult.moe.model_layers import set_graphs, set_sync_free
+from occult.training.layer_graphs import check_recordable
+from occult.training.step_graph import check_capturable
+from occult.training.two_batch import check_two_batch
+
+
+def apply_layer_graphs(model: OccultLM, cfg: TrainConfig) -> None:
+    """`layer_graphs`: every MoE layer's calls replayed from CUDA graphs where they can be recorded
+    (`occult.training.layer_graphs.check_recordable`: a `ValueError` before any step); left on after the run, as
+    the model's other settings are."""
+    if cfg.layer_graphs:
+        check_recordable(model)
+        set_graphs(model, True, training=True)
+
+
+def check_captured_step(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -> None:
+    """`captured_step`: what the training core cannot record (`check_capturable`), and this adapter's parts a
+    replayed step would skip: DDP's reducer (its host bookkeeping; the explicit sync is recorded) and
+    re-placement (it moves experts between steps)."""
+    if not cfg.captured_step:
+        return
+    if par is not None and cfg.grad_sync == "ddp":
+        raise ValueError(
+            "captured_step (--captured-step) on several ranks: DDP's reducer keeps host state a replayed step "
+            "would skip; use --grad-sync explicit (the all-reduce after the backward is recorded with the step)"
+        )
+    if cfg.replaces:
+        raise ValueError(
+            "captured_step (--captured-step) with re-placement (--replace-every / --replace-drift): a migration "
+            "moves experts between steps, which a recorded step cannot follow; drop one of them"
+        )
+    check_capturable(model)
+
+
+def prepare_two_batch(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -> None:
+    """`two_batch`: refused with what it cannot run beside (DDP's or FSDP2's hooks, which expect one forward per
+    backward; layer graphs, whose recorded calls two halves in flight would share; re-placement, whose routing
+    samples and migrations assume one forward; distillation, whose teacher runs its own forward), and for an odd
+    per-rank batch; then every expert-parallel layer sync-free (what two exchanges in flight need)."""
+    if not cfg.two_batch:
+        return
+    if par is not None and cfg.grad_sync != "explicit":
+        raise ValueError(
+            f"two_batch (--two-batch) on several ranks with grad_sync={cfg.grad_sync!r}: "
+            + ("DDP's" if cfg.grad_sync == "ddp" else "FSDP2's")
+            + " hooks expect one forward per backward, and two halves make two; use --grad-sync explicit"
+        )
+    others = {
+        "layer_graphs (--layer-graphs)": cfg.layer_graphs,
+        "re-placement (--replace-every / --replace-drift)": cfg.replaces,
+        "distillation (--distill-weight)": cfg.distill_weight > 0,
+    }
+    for name, asked in others.items():
+        if asked:
+            raise ValueError(f"two_batch (--two-batch) does not run with {name}: drop one of them")
+    rows = cfg.batch_size // (par.world_size if par is not None else 1)
+    if rows % 2:
+        raise ValueError(
+            f"two_batch (--two-batch) splits each rank's {rows} rows of the batch in halves: give a --batch-size "
+            "that is an even number of rows per rank"
+        )
+    set_sync_free(model)
+    check_two_batch(model, rows)
+
+
+__all__ = ["apply_layer_graphs", "check_captured_step", "prepare_two_batch"]
