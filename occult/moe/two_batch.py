@@ -153,9 +153,13 @@ class _Turn:
 
 def _caller_state() -> Callable[[ExitStack, Any], None]:
     """What this thread has set that a new thread would not inherit (grad and inference mode, the CUDA
-    device); returns how a half's thread enters it, on its own stream."""
+    device, autocast); returns how a half's thread enters it, on its own stream. Autocast's cache of weight casts
+    is one for the process while its switch is per thread: a half reading the other half's cast would read a
+    tensor made on the other stream (in a recorded step, perhaps before it is written), so in a half the cache
+    is off, for the caller's autocast and for any the half enters itself without naming `cache_enabled`."""
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cuda", "cpu") if torch.is_autocast_enabled(kind)]
 
     def enter(stack: ExitStack, stream: Any) -> None:
         if device is not None:
@@ -164,6 +168,9 @@ def _caller_state() -> Callable[[ExitStack, Any], None]:
             stack.enter_context(torch.cuda.stream(stream))
         stack.enter_context(torch.inference_mode(inference))
         stack.enter_context(torch.set_grad_enabled(grad))
+        torch.set_autocast_cache_enabled(False)  # (this thread's switch; the thread ends with its half)
+        for kind, dtype in autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=False))
 
     return enter
 

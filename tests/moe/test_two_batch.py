@@ -136,3 +136,24 @@ def test_graphed_forward_refuses_what_two_micro_batches_cannot_run():
     layer.sync_free = True
     check_micro_batches(model, 4, 2)
     check_micro_batches(model, 3, 1)
+
+
+def test_halves_run_under_the_callers_autocast_without_its_process_wide_cast_cache():
+    """Autocast's on/off and dtype are per thread, its cache of weight casts one for the process: each half runs
+    under the caller's autocast with the cache off (and an autocast it enters itself too), so neither reads a cast
+    the other made on its stream; the caller's own settings are left as they were."""
+    seen: dict = {}
+
+    def half(i: int) -> int:
+        seen[i] = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seen[i, "own"] = torch.is_autocast_cache_enabled()
+        return i
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert run_interleaved(half) == [0, 1]
+        assert torch.is_autocast_cache_enabled()
+    assert seen[0] == seen[1] == (True, torch.bfloat16, False)
+    assert seen[0, "own"] is False and seen[1, "own"] is False
+    run_interleaved(half)  # without autocast in the caller: none in the halves either
+    assert seen[0][0] is False and torch.is_autocast_cache_enabled()
