@@ -27,10 +27,10 @@ from typing import Any
 
 from occult.cli.hf_finetune import (  # noqa: F401  (occult.cli uses add_finetune_arguments, run_finetune here)
     add_finetune_arguments,
-    note_when_given,
     quiet_unless_terminal,
     run_finetune,
 )
+from occult.cli.hf_flags import note_when_given
 from occult.cli.inputs import check_data, loading_model, read_hf_config, read_token_ids
 from occult.cli.registry import CommandError, check_output, positive_int
 from occult.cli.run_checks import check_device, writing_named

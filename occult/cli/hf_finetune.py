@@ -15,12 +15,11 @@ them (`note_when_given` records which flags it names: argparse keeps no such rec
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from occult.cli.hf_flags import HF_ONLY, OCCULT_CHECKPOINT_ONLY, note_when_given, refuse_occult_checkpoint_flags
 from occult.cli.inputs import (
     check_data,
     check_token_ids,
@@ -37,55 +36,10 @@ from occult.cli.run_checks import (
     check_device,
     check_layer_graphs,
     check_max_devices,
+    check_two_batch_args,
     diverged_named,
     run_dir,
 )
-
-_NO_EVAL, _FIXED = "it runs no validation evaluation", "the experts stay where --placement / --ep-placement put them"
-# the flags of `occult finetune` that only a run of an occult checkpoint (--init) reads: what --hf does instead
-OCCULT_CHECKPOINT_ONLY: dict[str, str] = {
-    "--tokenizer": "it tokenizes with the model's own tokenizer",
-    "--moe-only": "only the routers and experts train (--train chooses which)",
-    "--no-moe-only": "only the routers and experts train (--train chooses which)",
-    "--eval-every": _NO_EVAL,
-    "--eval-tokens": _NO_EVAL,
-    "--patience": _NO_EVAL,
-    "--grad-sync": "DDP averages the routers and the experts are all-reduced over the replicas",
-    **{f"--replace-{name}": _FIXED for name in ("every", "min-gain", "drift", "check-every", "samples", "method")},
-    "--replace-wait": _FIXED,
-    "--two-batch": "its steps run as one batch (its aux-loss taps hold one forward's routing at a time)",
-}
-HF_ONLY = ("--save-dtype",)  # and --data, which `occult.cli.lm` refuses with its own message
-
-
-@functools.cache
-def _noting(action_class: type) -> type:
-    """A subclass of an argparse action class that also adds its option string to the namespace's `given_flags`."""
-
-    def call(self: Any, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
-        action_class.__call__(self, parser, namespace, values, option_string)
-        namespace.given_flags = frozenset(getattr(namespace, "given_flags", ())) | {option_string}
-
-    return type(f"Noting{action_class.__name__}", (action_class,), {"__call__": call, "notes_given": True})
-
-
-def note_when_given(p: Any, flags: Iterable[str]) -> None:
-    """Make each of `flags` on parser `p` record itself in `args.given_flags` when the command line names it
-    (by any spelling argparse accepts: `--flag=V`, an abbreviation): a default and an explicit value look alike."""
-    p.set_defaults(given_flags=frozenset())
-    actions = getattr(p, "_option_string_actions", {})
-    for flag in flags:
-        if flag in actions and not getattr(actions[flag], "notes_given", False):
-            actions[flag].__class__ = _noting(type(actions[flag]))
-
-
-def refuse_occult_checkpoint_flags(args: Any) -> None:
-    """`occult finetune --hf`: a flag that only a run of an occult checkpoint reads is an error, not ignored."""
-    for flag in sorted(getattr(args, "given_flags", ())):
-        if flag in OCCULT_CHECKPOINT_ONLY:
-            raise CommandError(
-                f"{flag} applies to occult checkpoints (--init) only; with --hf {OCCULT_CHECKPOINT_ONLY[flag]}"
-            )
 
 
 def quiet_unless_terminal() -> None:
@@ -245,6 +199,7 @@ def _finetune_config(args: Any) -> Any:
         profile_steps=getattr(args, "profile_steps", None),
         layer_graphs=getattr(args, "layer_graphs", False),
         captured_step=getattr(args, "captured_step", False),
+        two_batch=getattr(args, "two_batch", False),
     )
 
 
@@ -319,6 +274,7 @@ def run_finetune(args: Any) -> int:
     check_device(args.device)
     check_layer_graphs(args)
     check_captured_step(args, hf=True)
+    check_two_batch_args(args, hf=True)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if args.ep_size not in (None, 1):
             raise ValueError(f"--ep-size {args.ep_size} needs that many ranks: run under torchrun --nproc-per-node N")

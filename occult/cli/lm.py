@@ -268,7 +268,7 @@ def _check_finetune_inputs(args):
             f"--data {args.data} applies to --hf (a transformers model) only; an --init checkpoint trains on "
             "--corpus-dir (a prepared corpus; default: the cached corpus)"
         )
-    if "--save-dtype" in getattr(args, "given_flags", ()):  # recorded by occult.cli.hf_finetune.note_when_given
+    if "--save-dtype" in getattr(args, "given_flags", ()):  # recorded by occult.cli.hf_flags.note_when_given
         raise CommandError(
             "--save-dtype applies to --hf (a transformers model) only; an --init run writes occult checkpoints"
         )

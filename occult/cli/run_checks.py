@@ -147,14 +147,15 @@ def check_captured_step(args: Any, hf: bool = False) -> None:
         )
 
 
-def check_two_batch_args(args: Any) -> None:
+def check_two_batch_args(args: Any, hf: bool = False) -> None:
     """--two-batch runs two halves of each step interleaved: an even batch per rank; not beside the flags whose
     parts expect one forward per backward (several ranks: --grad-sync ddp or fsdp; --layer-graphs, re-placement,
-    --distill-weight). The same rules `occult.lm.step_options.prepare_two_batch` applies, before any work."""
+    --distill-weight). The same rules `occult.lm.step_options.prepare_two_batch` applies, before any work (`hf`:
+    `finetune --hf` has no --grad-sync and syncs its routers after the backward with --two-batch)."""
     if not getattr(args, "two_batch", False):
         return
     ranks = world_size()
-    if ranks > 1 and getattr(args, "grad_sync", "explicit") != "explicit":
+    if ranks > 1 and not hf and getattr(args, "grad_sync", "explicit") != "explicit":
         raise CommandError(
             f"--two-batch on several ranks with --grad-sync {args.grad_sync}: its hooks expect one forward per "
             "backward, and two halves make two; use --grad-sync explicit"

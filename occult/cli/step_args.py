@@ -33,9 +33,10 @@ def add_step_arguments(g: Any) -> None:
         "--two-batch",
         action="store_true",
         help="run each step's forward and backward as two interleaved micro-batches, one half's all-to-alls under "
-        "the other's compute (sync-free expert-parallel layers; with --captured-step to pay; several ranks: "
-        "--grad-sync explicit; an even batch per rank; the gradients of two accumulated micro-batches, so the "
-        "load-balancing loss is over each half; docs/overlap.md) (default: one batch)",
+        "the other's compute, for slow links (also with --hf; sync-free expert-parallel layers; with "
+        "--captured-step to pay; several ranks: --grad-sync explicit, --hf syncs its routers so by itself; an even "
+        "batch per rank; not with --layer-graphs, re-placement or distillation; the gradients of two accumulated "
+        "micro-batches, so the load-balancing loss is over each half; docs/training.md) (default: one batch)",
     )
     g.add_argument(
         "--profile-steps",

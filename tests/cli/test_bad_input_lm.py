@@ -305,7 +305,7 @@ def test_every_finetune_flag_is_read_by_hf_or_refused_with_it():
     import re
     from argparse import _SubParsersAction
 
-    from occult.cli import build_parser, hf_finetune
+    from occult.cli import build_parser, hf_finetune, hf_flags
 
     source = Path(hf_finetune.__file__).read_text()
     (sub,) = [a for a in build_parser(chosen="finetune")._actions if isinstance(a, _SubParsersAction)]
@@ -313,7 +313,7 @@ def test_every_finetune_flag_is_read_by_hf_or_refused_with_it():
     assert len(flags) > 40
     for action in flags:
         read = re.search(rf'args\.{action.dest}\b|args, "{action.dest}"', source) is not None
-        refused = [f in hf_finetune.OCCULT_CHECKPOINT_ONLY for f in action.option_strings]
+        refused = [f in hf_flags.OCCULT_CHECKPOINT_ONLY for f in action.option_strings]
         assert refused in ([True] * len(refused), [False] * len(refused)), action.option_strings
         assert read != refused[0], (action.option_strings, "read" if read else "neither read nor refused")
 

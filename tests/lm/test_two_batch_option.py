@@ -154,13 +154,3 @@ def test_command_line_refusals_before_any_work(tmp_path, monkeypatch, argv, worl
     with pytest.raises(CommandError, match=needle):
         check_two_batch_args(args)
     assert not (tmp_path / "run").exists()
-
-
-def test_finetune_hf_refuses_two_batch(tmp_path):
-    from occult.cli import build_parser
-    from occult.cli.hf_finetune import refuse_occult_checkpoint_flags
-    from occult.cli.registry import CommandError
-
-    args = build_parser().parse_args(["finetune", "--hf", str(tmp_path), "--out", str(tmp_path / "o"), "--two-batch"])
-    with pytest.raises(CommandError, match="--two-batch applies to occult checkpoints"):
-        refuse_occult_checkpoint_flags(args)

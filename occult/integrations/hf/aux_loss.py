@@ -3,7 +3,8 @@
 
 `RouterTaps(model)` taps every MoE block (`OccultMoeBlock.routing_tap`: the router logits [T, E], with their
 graph, and the expert ids actually routed to, after any pruning, made beside the experts so that a replayed
-experts call serves them too; no hooks) and keeps them per forward;
+experts call serves them too; no hooks) and keeps them per forward, apart per thread (the two halves of a
+two-batch step, `occult.training.two_batch`, each tap their own forward on a thread of their own);
 `taps.loss(group)` turns one forward's taps into the loss, with one all-reduce over `group` of
 each layer's assignment counts [E], probability sums [E] and row count. Two formulas:
 
@@ -25,6 +26,7 @@ loss, as in OccultLM (`occult.lm.model.global_aux_loss`).
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -53,12 +55,26 @@ class RouterTaps:
         self.formula = formula or aux_formula(model)
         if self.formula not in FORMULAS:
             raise ValueError(f"aux-loss formula must be one of {FORMULAS}, got {self.formula!r}")
-        self.logits: list[torch.Tensor] = []
-        self.ids: list[torch.Tensor] = []
+        self._kept = threading.local()  # this thread's forward: its logits and ids
         for b in self.blocks:
             if b.routing_tap is not None:
                 raise ValueError("the model's MoE blocks are tapped already: close the other RouterTaps first")
             b.routing_tap = self._keep
+
+    @property
+    def logits(self) -> list[torch.Tensor]:
+        """The router logits this thread's forward tapped so far, a block at a time."""
+        return self._lists()[0]
+
+    @property
+    def ids(self) -> list[torch.Tensor]:
+        """The expert ids this thread's forward routed to so far, a block at a time."""
+        return self._lists()[1]
+
+    def _lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if not hasattr(self._kept, "logits"):
+            self._kept.logits, self._kept.ids = [], []
+        return self._kept.logits, self._kept.ids
 
     def _keep(self, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> None:
         self.logits.append(logits_TE)

@@ -49,6 +49,7 @@ from occult.integrations.hf.finetune_config import FinetuneConfig, FinetuneResul
 from occult.integrations.hf.finetune_data import batch_rows, tokenize_texts
 from occult.integrations.hf.finetune_state import CheckpointSaver, CloseTaps, resume_state
 from occult.integrations.hf.graphed import masks_as_eager
+from occult.moe.model_layers import set_sync_free
 from occult.moe.step import agreed_step
 from occult.training import grads
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
@@ -60,6 +61,7 @@ from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
 from occult.training.step_graph import check_capturable, model_signature
 from occult.training.step_profile import StepProfile
+from occult.training.two_batch import check_two_batch
 
 Groups = Parallel  # the world of a fine-tuning run: `setup_groups`
 
@@ -151,8 +153,9 @@ def _step_parts(
     rank, W = (groups.rank, groups.world_size) if groups is not None else (0, 1)
     net: nn.Module = model
     # DDP for the routers (the experts, each rank its own, and every buffer ignored); a captured step syncs them
-    # after the backward instead (DDP's reducer keeps host state a replayed step would skip)
-    if groups is not None and routers and not cfg.captured_step:
+    # after the backward instead (DDP's reducer keeps host state a replayed step would skip), as two halves do
+    # (DDP's hooks expect one forward per backward)
+    if groups is not None and routers and not cfg.captured_step and not cfg.two_batch:
         expert_ids = {id(p) for p in experts}
         ignore = [n for n, p in model.named_parameters() if id(p) in expert_ids] + [n for n, _ in model.named_buffers()]
         net = grads.wrap_ddp(model, ignore, groups)
@@ -227,6 +230,36 @@ def _check_captured_step(cfg: FinetuneConfig, model: nn.Module) -> None:
         check_capturable(model)
 
 
+def _checked_parameters(
+    cfg: FinetuneConfig, model: nn.Module, tokens: torch.Tensor, groups: Groups | None, teacher: nn.Module | None
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The routers and experts that train, after every check of the run's inputs and settings (a `ValueError`
+    before anything changes but the layers' sync-free switch, which `two_batch` asks for)."""
+    _check_teacher(cfg, model, teacher)
+    routers, experts = trainable_parameters(model, cfg.train_part)
+    _check_inputs(model, tokens, cfg, groups, experts)
+    _prepare_two_batch(cfg, model, groups)  # (before the capture check: it reads sync-free)
+    _check_captured_step(cfg, model)
+    return routers, experts
+
+
+def _prepare_two_batch(cfg: FinetuneConfig, model: nn.Module, groups: Groups | None) -> None:
+    """`two_batch`: not with `layer_graphs` (two halves in flight would share a layer's recorded calls) or
+    distillation (the teacher runs a forward of its own), an even number of rows per rank; then every MoE layer
+    sync-free (two exchanges in flight cannot share the device transport's buffers). A `ValueError` first."""
+    if not cfg.two_batch:
+        return
+    if cfg.layer_graphs or cfg.distill_weight > 0:
+        raise ValueError(
+            "two_batch does not run with " + ("layer_graphs" if cfg.layer_graphs else "distillation (distill_weight)")
+        )
+    rows = cfg.batch_size // (groups.world_size if groups is not None else 1)
+    if rows % 2:
+        raise ValueError(f"two_batch splits each rank's {rows} rows in halves: give an even number of rows per rank")
+    set_sync_free(model)
+    check_two_batch(model, rows)
+
+
 def _what_trains(cfg: FinetuneConfig, routers: list[nn.Parameter], experts: list[nn.Parameter]) -> str:
     """The line `finetune` logs first: the parameters trained, and the distillation when there is one."""
     line = (
@@ -292,17 +325,15 @@ def finetune(
     """
     main = groups is None or groups.rank == 0
     log = log if main else None
-    _check_teacher(cfg, model, teacher)
-    _check_captured_step(cfg, model)
-    routers, experts = trainable_parameters(model, cfg.train_part)
-    _check_inputs(model, tokens, cfg, groups, experts)
+    routers, experts = _checked_parameters(cfg, model, tokens, groups, teacher)
     if log is not None:
         log(_what_trains(cfg, routers, experts))
     opt = adamw(
         [{"params": routers + experts}], lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     per_step, what = cfg.batch_size * cfg.seq_len, "finetune (routers + experts)"
-    settings = LoopSettings(cfg.steps, cfg.grad_clip, per_step, what, progress, main, captured_step=cfg.captured_step)
+    how = {"captured_step": cfg.captured_step, "two_batch": cfg.two_batch}
+    settings = LoopSettings(cfg.steps, cfg.grad_clip, per_step, what, progress, main, **how)
     loop = TrainLoop(None, opt, settings)
     schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     sig = None

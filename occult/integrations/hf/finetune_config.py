@@ -34,6 +34,7 @@ class FinetuneConfig:
     profile_steps: str | None = None  # "A:B": profile steps A..B into checkpoint_dir (else the working directory)
     layer_graphs: bool = False  # MoE layer calls, training ones too, replayed from CUDA graphs (occult.moe.graphs)
     captured_step: bool = False  # the whole step recorded as one CUDA graph and replayed (training.step_graph)
+    two_batch: bool = False  # each step's loss and backward as two interleaved micro-batches (training.two_batch)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -60,7 +61,7 @@ class FinetuneConfig:
     def signature_settings(self) -> dict:
         """The settings a resumed run must share; the recipe options only when not at their defaults
         (checkpoints written before they existed hold none of them)."""
-        recipe = ("distill_weight", "distill_temperature", "train_part", "distill_from")
+        recipe = ("distill_weight", "distill_temperature", "train_part", "distill_from", "two_batch")
         default = {f.name: f.default for f in fields(self) if f.name in recipe}
         how = ("profile_steps", "layer_graphs", "captured_step")  # how the run executes, not what it computes
         return {k: v for k, v in vars(self).items() if (k not in default or v != default[k]) and k not in how}
