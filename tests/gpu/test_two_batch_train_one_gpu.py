@@ -4,8 +4,9 @@ the turn handed over after each), with a one-rank `OccultMoE` (Triton kernels) b
 in two threads on two streams. The eager step gives the gradients of two micro-batches one after the other (bf16,
 fp16, fp32), its backward issues the exchanges in the reverse of the forward's interleaved order, and the step
 recorded as one CUDA graph (`StepGraph`, the halves' streams forked and joined inside the recording) gives the
-losses of the eager steps. Single-process GPU tests (tests/gpu/run.sh's second stage); the same over several
-NCCL ranks with sync-free expert-parallel layers: tests/gpu/test_collective_two_batch_train.py."""
+losses of the eager steps, also with each half under bf16 autocast. Single-process GPU tests (tests/gpu/run.sh's
+second stage); the same over several NCCL ranks with sync-free expert-parallel layers:
+tests/gpu/test_collective_two_batch_train.py."""
 
 from __future__ import annotations
 
@@ -106,15 +107,22 @@ def worst_gradient_error(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
     return max(float((got[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)) for k, v in want.items())
 
 
-def two_batch_losses(model: nn.Module, batches: list[torch.Tensor], recorded: bool) -> list[float]:
+def two_batch_losses(
+    model: nn.Module, batches: list[torch.Tensor], recorded: bool, autocast: bool = False
+) -> list[float]:
     """Each batch's mean loss through a two-batch step with AdamW in its recording's mode (on both sides: its fp32
-    bias corrections on the GPU), recorded by `StepGraph` after its warm-up steps, or every step eager."""
+    bias corrections on the GPU), recorded by `StepGraph` after its warm-up steps, or every step eager. `autocast`:
+    each half's loss under bf16 autocast, entered inside the half (as occult's trainers do)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     make_capturable(optimizer)
 
+    def loss_of(h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return model(h).float().sub(1).square().mean()
+
     def body(x_TW: torch.Tensor) -> tuple[torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
-        loss = interleaved_backward(model, lambda h: model(h).float().sub(1).square().mean(), x_TW.chunk(2))
+        loss = interleaved_backward(model, loss_of, x_TW.chunk(2))
         optimizer.step()
         return (loss,)
 
@@ -169,3 +177,17 @@ def test_a_recorded_two_batch_step_gives_the_eager_steps_losses(group, dtype_nam
     want = two_batch_losses(_model(group, dtype, seed), batches, recorded=False)
     gap = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     assert gap <= (1e-3 if dtype_name == "bf16" else 1e-4), (dtype_name, gap, seed, got, want)
+
+
+def test_a_recorded_two_batch_step_under_autocast_gives_the_eager_steps_losses(group):
+    """fp32 weights, each half's loss under bf16 autocast: the halves take turns inside one autocast region each, and
+    autocast's cache of weight casts is one for the process, so before `occult.moe.two_batch` turned it off in a half,
+    B used the casts A made on A's stream, which the recorded step may read before A writes them (NaN in
+    `occult train --two-batch --captured-step`, session 25)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    batches = [torch.randn(2 * TOKENS, WIDTH, device="cuda", generator=gen) for _ in range(10)]
+    got = two_batch_losses(_model(group, torch.float32, seed), batches, recorded=True, autocast=True)
+    want = two_batch_losses(_model(group, torch.float32, seed), batches, recorded=False, autocast=True)
+    gap = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    assert gap <= 1e-3, (gap, seed, got, want)
