@@ -42,8 +42,8 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    half's all-to-all under the other's compute); @syncfree variants, an even --batch,
                    e.g. dedup@syncfree/compile/twobatch (wins on a slow link, not on NVLink: docs/overlap.md).
                    After /stepgraph it trains too: the recorded step's forward and backward as the two halves
-                   interleaved (occult.training.two_batch; not with /deferwgrad, which it turns off),
-                   e.g. dedup@syncfree/compile/stepgraph/twobatch
+                   interleaved (occult.training.two_batch; with /deferwgrad both halves defer their expert
+                   weight gradients), e.g. dedup@syncfree/compile/stepgraph/twobatch
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
                    capture of the model's other layers); for @device, @syncfree variants and replicated;
@@ -249,8 +249,8 @@ def variant_list(text: str) -> list[str]:
     bad += [
         v
         for v in names
-        if deferred_wgrad(v)  # (not after /graph, /twobatch: a two-batch step defers nothing)
-        and (base_variant(v) in ("native", "hf-ep", *PEERS) or is_graphed(v))
+        if deferred_wgrad(v)  # (not after a prefill-only /graph or /twobatch: nothing is trained there)
+        and (base_variant(v) in ("native", "hf-ep", *PEERS) or is_graphed(v) and not step_graph(v))
     ]
     bad += [
         v

@@ -35,7 +35,7 @@
 #           weight gradients")
 # twobatch  issue 53: the training step as two interleaved micro-batches (e2e.py's /stepgraph/twobatch,
 #           occult.training.two_batch), OLMoE train, NVLink then the slow link (~5 min each): the floor, the
-#           sync-free step captured with one batch (with and without /deferwgrad) and with two halves, and on NVLink
+#           sync-free step captured with one batch and with two halves (each with and without /deferwgrad), and on NVLink
 #           the device transport's captured step beside them (docs/overlap.md, "Two interleaved micro-batches");
 #           MODELS="olmoe qwen3" for both shapes, LINKS=slow for one link; ORTHO=1 adds a job per link with a
 #           greedy placement and pruning to one device per token, each with one batch and with two halves
@@ -147,7 +147,7 @@ case $part in
         [ $link = slow ] && env_="NCCL_P2P_DISABLE=1" && extra=""
         one=dedup@syncfree/compile/stepgraph
         run "twobatch_${model}_$link" 450 env $env_ $tr benchmarks/e2e.py --model $model --phases train \
-          --variants replicated/compile/stepgraph,$one,$one/twobatch,$one/deferwgrad$extra \
+          --variants replicated/compile/stepgraph,$one,$one/twobatch,$one/deferwgrad,$one/twobatch/deferwgrad$extra \
           --out "$out/e2e_${model}_twobatch_${link}_${n}gpu.json"
         # ORTHO=1: placement and pruning with and without the halves (issue 53: orthogonal), one job
         [ "${ORTHO:-0}" = 1 ] && run "twobatch_${model}_${link}_ortho" 450 env $env_ $tr benchmarks/e2e.py --model $model \

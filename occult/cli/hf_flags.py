@@ -59,4 +59,3 @@ def refuse_occult_checkpoint_flags(args: Any) -> None:
             raise CommandError(
                 f"{flag} applies to occult checkpoints (--init) only; with --hf {OCCULT_CHECKPOINT_ONLY[flag]}"
             )
-

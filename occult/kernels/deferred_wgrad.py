@@ -13,9 +13,11 @@ in the leaf's dtype (a weight cast for autocast gets the cast back, as `ToCopyBa
 Only where that is what autograd would do (`deferrable`): every weight a plain leaf tensor (not a
 DTensor) with no hooks, whose accumulator this backward runs (`loss.backward()`, not
 `torch.autograd.grad`, not `backward(inputs=...)` without it: a recorded training call's backward,
-`occult.moe.train_graphs`, differentiates with `autograd.grad` and keeps the usual order); and not
-inside `kept_in_order()` (a two-batch step's backward, `occult.training.two_batch`: its halves run on
-two streams, and one weight's deferred gradients from both would be added to `.grad` on both).
+`occult.moe.train_graphs`, differentiates with `autograd.grad` and keeps the usual order).
+
+The gradients are added on the side stream, one after another in the order they were deferred, and only then does
+the backward's stream wait for it: in a two-batch step's backward (`occult.training.two_batch`) the two halves run
+on two streams and defer one weight's gradients twice, and the two additions to its `.grad` must not race.
 
 Everything the side stream reads stays referenced until it is joined, so the allocator cannot hand
 its memory to the backward's stream before the GEMMs have read it; the gradients it writes are
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +43,6 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}
 # them where the engine finishes the backward (possibly another thread), so the list is not per thread
 _JOBS: list = []
 _LOCK = threading.Lock()
-_KEPT_IN_ORDER = [0]  # how many `kept_in_order()` blocks are open (the engine's thread is not the caller's)
 
 
 @dataclass
@@ -58,7 +59,7 @@ def deferrable(leaves: Sequence[torch.Tensor | None]) -> bool:
     """Whether the weights `leaves` (None: not trained) may get their gradients from `defer`: plain
     leaf tensors without hooks whose gradient accumulators the running backward executes."""
     trained = [leaf for leaf in leaves if leaf is not None]
-    if not trained or _KEPT_IN_ORDER[0]:
+    if not trained:
         return False
     for leaf in trained:
         if not leaf.is_leaf or not leaf.requires_grad or type(leaf) not in (torch.Tensor, torch.nn.Parameter):
@@ -71,18 +72,6 @@ def deferrable(leaves: Sequence[torch.Tensor | None]) -> bool:
         except RuntimeError:  # inside torch.autograd.grad: it returns gradients, it accumulates none
             return False
     return True
-
-
-@contextlib.contextmanager
-def kept_in_order() -> Iterator[None]:
-    """Inside: no weight gradient is deferred (every backward running then keeps autograd's order)."""
-    with _LOCK:
-        _KEPT_IN_ORDER[0] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _KEPT_IN_ORDER[0] -= 1
 
 
 def defer(
@@ -120,26 +109,28 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _settle() -> None:
-    """Join every deferral made so far: the backward's stream waits for their side stream, their gradients are
-    added to their leaves' `.grad`, what they read is let go."""
+    """Join every deferral made so far: their gradients are added to their leaves' `.grad` on the side stream (in
+    the order they were deferred), the backward's stream then waits for it, what they read is let go."""
     with _LOCK:
         jobs = _JOBS[:]
         _JOBS.clear()
     with torch.no_grad():
         for job in jobs:
+            with torch.cuda.stream(job.side) if job.side is not None else contextlib.nullcontext():
+                for grad, leaf in job.grads:
+                    _accumulate(leaf, grad, job.main)
             if job.main is not None:
                 job.main.wait_stream(job.side)
-            with torch.cuda.stream(job.main) if job.main is not None else contextlib.nullcontext():
-                for grad, leaf in job.grads:
-                    if job.main is not None:
-                        grad.record_stream(job.main)  # (made on the side stream, read and freed on this one)
-                    _accumulate(leaf, grad)
 
 
-def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
-    """`leaf.grad` as autograd's accumulator leaves it after `grad` arrives (cast to the leaf's dtype)."""
+def _accumulate(leaf: torch.Tensor, grad: torch.Tensor, reader: torch.cuda.Stream | None) -> None:
+    """`leaf.grad` as autograd's accumulator leaves it after `grad` arrives (cast to the leaf's dtype), on the
+    current stream; a gradient that becomes `.grad` is marked as used on `reader` (the backward's stream, where it
+    is read and later freed)."""
     grad = grad.to(leaf.dtype)
     if leaf.grad is None:
+        if reader is not None:
+            grad.record_stream(reader)  # (made on the side stream)
         leaf.grad = grad.detach()
     else:
         leaf.grad.add_(grad)

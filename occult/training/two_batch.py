@@ -13,8 +13,8 @@ loss over the batch).
 It pays where nothing waits for the host: the whole step recorded as one CUDA graph
 (`occult.training.step_graph`; e2e.py's `/stepgraph/twobatch`). Sync-free expert-parallel layers
 only (`occult.set_sync_free`): two exchanges of one device transport in flight would share its
-buffers. `OCCULT_DEFER_WGRAD` defers nothing in this backward (`deferred_wgrad.kept_in_order`): the
-halves' deferred gradients of one weight would be added to its `.grad` on two streams.
+buffers. With `OCCULT_DEFER_WGRAD` both halves defer their expert weight gradients to the one side stream
+(`occult.kernels.deferred_wgrad`), which adds them to `.grad` one after the other.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from occult.kernels.deferred_wgrad import kept_in_order
 from occult.moe.model_layers import exchanging_with_buffers
 from occult.moe.two_batch import run_interleaved
 
@@ -84,10 +83,9 @@ def forward_halves(
 
 def backward_halves(loss: torch.Tensor) -> None:
     """`loss.backward()` for a loss made of `forward_halves`' outputs: each half's nodes on its forward's stream,
-    the exchanges in the reverse of the forward's order, no weight gradient deferred; the halves' streams joined
-    to the caller's after (a capture ends on it)."""
-    with kept_in_order():
-        loss.backward()
+    the exchanges in the reverse of the forward's order; the halves' streams joined to the caller's after (a
+    capture ends on it)."""
+    loss.backward()
     if loss.device.type == "cuda":
         main = torch.cuda.current_stream(loss.device)
         for stream in _streams(loss.device):

@@ -154,8 +154,14 @@ def two_batch_gradients(model: nn.Module, x: torch.Tensor, target: torch.Tensor)
     return worst_gradient_error(_grads(model), want), forwards, backwards
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["plain", "deferwgrad"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_two_halves_on_two_streams_give_two_micro_batches_gradients_in_reverse_exchange_order(group, dtype_name):
+def test_two_halves_on_two_streams_give_two_micro_batches_gradients_in_reverse_exchange_order(
+    group, dtype_name, defer, monkeypatch
+):
+    """`deferwgrad` (OCCULT_DEFER_WGRAD=1): both halves defer the experts' weight gradients to the one side stream,
+    which adds them to `.grad` one after the other."""
+    monkeypatch.setenv("OCCULT_DEFER_WGRAD", "1" if defer else "0")
     dtype = DTYPES[dtype_name]
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     x = torch.randn(2 * TOKENS, WIDTH, dtype=dtype, device="cuda")

@@ -496,19 +496,21 @@ def test_stepgraph_records_the_train_step_with_the_moe_layers_eager_inside(monke
 def test_stepgraph_twobatch_trains_the_recorded_step_as_two_interleaved_halves(monkeypatch):
     """`/stepgraph/twobatch`: @syncfree variants only; the train step's forward and backward as the batch's two
     halves through `occult.training.two_batch.interleaved_backward` (its mean loss), recorded like any /stepgraph
-    step; its prefill is the captured two-batch forward (/twobatch); not with /deferwgrad (the step defers nothing)."""
+    step; its prefill is the captured two-batch forward (/twobatch); /deferwgrad after it (not after a prefill-only
+    /twobatch)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import e2e
 
     (name,) = e2e.variant_list("dedup@syncfree/compile/stepgraph/twobatch")
     assert e2e.step_graph(name) and e2e.micro_batches(name) == 2 and e2e.is_graphed(name)
     assert e2e.base_variant(name) == "dedup" and e2e.is_compiled(name)
+    (deferred,) = e2e.variant_list("dedup@syncfree/compile/stepgraph/twobatch/deferwgrad")
+    assert e2e.deferred_wgrad(deferred) and e2e.micro_batches(deferred) == 2 and e2e.step_graph(deferred)
     for bad in (
         "dedup@device/compile/stepgraph/twobatch",  # the device transport: one exchange in flight
         "replicated/compile/stepgraph/twobatch",
         "dedup@syncfree/compile/stepgraph/graph",
         "dedup@syncfree/compile/twobatch/deferwgrad",  # prefill only without /stepgraph
-        "dedup@syncfree/compile/stepgraph/twobatch/deferwgrad",  # a two-batch step defers nothing
     ):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)

@@ -168,10 +168,11 @@ def test_one_rank_trains_two_halves_as_two_micro_batches():
         torch.testing.assert_close(loss, (model(x[:4]).square().mean() + model(x[4:]).square().mean()) / 2)
 
 
-class _AsksToDefer(torch.autograd.Function):
-    """x @ w; its backward records whether `deferred_wgrad` would defer w's gradient there (as the expert op asks)."""
+class _DeferringMatmul(torch.autograd.Function):
+    """x @ w whose backward defers w's gradient to `deferred_wgrad` where it may (as the expert op does), and
+    records whether it did."""
 
-    answers: list[bool] = []
+    deferred: list[bool] = []
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -181,18 +182,47 @@ class _AsksToDefer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w = ctx.saved_tensors
-        _AsksToDefer.answers.append(deferred_wgrad.deferrable([w]))
-        return grad @ w.T, x.T @ grad
+        may = deferred_wgrad.deferrable([w])
+        _DeferringMatmul.deferred.append(may)
+        if not may:
+            return grad @ w.T, x.T @ grad
+        deferred_wgrad.defer(lambda: (x.T @ grad,), [w], (x, grad), x.device)
+        return grad @ w.T, None
 
 
-def test_a_two_batch_backward_defers_no_weight_gradient():
-    """OCCULT_DEFER_WGRAD would add one weight's gradients from both halves on two streams: inside the two-batch
-    backward `deferrable` says no, in a plain backward of the same weight yes, and after it yes again."""
+def test_a_two_batch_backward_defers_both_halves_weight_gradients():
+    """With OCCULT_DEFER_WGRAD both halves defer one weight's gradient; the two are added to its `.grad` one after
+    the other (on a GPU on the one side stream): the gradients of two micro-batches, also onto an existing `.grad`."""
+    torch.manual_seed(3)
     w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
     model = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64))
     x = torch.randn(6, 4, dtype=torch.float64)
-    _AsksToDefer.answers = []
-    _AsksToDefer.apply(x, w).sum().backward()
-    interleaved_backward(model, lambda h: _AsksToDefer.apply(model(h), w).sum(), x.chunk(2))
-    _AsksToDefer.apply(x, w).sum().backward()
-    assert _AsksToDefer.answers == [True, False, False, True]
+
+    def loss_of(h: torch.Tensor) -> torch.Tensor:
+        return _DeferringMatmul.apply(model(h), w).square().sum()
+
+    for start in (None, torch.randn(4, 4, dtype=torch.float64)):
+        w.grad = None if start is None else start.clone()
+        for half in x.chunk(2):  # the reference: two micro-batches in turn, plain backward (nothing deferred)
+            (_AsPlain.apply(model(half), w).square().sum() / 2).backward()
+        want = w.grad.clone()
+        w.grad = None if start is None else start.clone()
+        model.zero_grad(set_to_none=True)
+        _DeferringMatmul.deferred = []
+        interleaved_backward(model, loss_of, x.chunk(2))
+        assert _DeferringMatmul.deferred == [True, True]
+        torch.testing.assert_close(w.grad, want, rtol=1e-12, atol=1e-14)
+
+
+class _AsPlain(torch.autograd.Function):
+    """x @ w, its gradients returned as autograd's (the reference of `_DeferringMatmul`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        return grad @ w.T, x.T @ grad
