@@ -640,8 +640,10 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
     )
 
 
-def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
-    """Rows and bytes sent in the last step, summed over MoE layers, mean over ranks ({} if not exposed)."""
+def comm_stats(model: nn.Module, device: torch.device, calls_per_step: int = 1) -> dict[str, float]:
+    """Rows and bytes sent in the last step, summed over MoE layers, mean over ranks ({} if not exposed). A layer
+    keeps its last call's counts: where a step calls each layer `calls_per_step` times (two interleaved halves),
+    the step's are estimated as that many times the last call's (`calls_per_step` is then in the result)."""
     per_layer = [getattr(getattr(b, "experts", None), "last_comm_stats", None) for _, b in hf.moe_blocks(model)]
     if not per_layer or any(s is None for s in per_layer):
         return {}
@@ -650,7 +652,8 @@ def comm_stats(model: nn.Module, device: torch.device) -> dict[str, float]:
         [sum(int(getattr(s, k)) for s in per_layer) for k in keys], dtype=torch.float64, device=device
     )
     dist.all_reduce(sums_K)
-    return {k: float(v) / dist.get_world_size() for k, v in zip(keys, sums_K.tolist())}
+    out = {k: float(v) * calls_per_step / dist.get_world_size() for k, v in zip(keys, sums_K.tolist())}
+    return out if calls_per_step == 1 else {**out, "calls_per_step": calls_per_step}
 
 
 def make_step(
@@ -900,7 +903,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             if first_s is not None:  # the phase's compilation: its first step less a steady one
                 out["compile_s"] = first_s - out["ms_median"] / 1e3
             out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase))
-            out["comm"] = model.comm_stats() if titan else comm_stats(model, device)
+            out["comm"] = model.comm_stats() if titan else comm_stats(model, device, micro_batches(variant))
             if optimizer is not None:  # e.g. "occult AdamW", "torch AdamW" (what --optimizer adamw gave this side)
                 out["optimizer"] = f"{type(optimizer).__module__.split('.')[0]} {type(optimizer).__name__}"
             flops = (
@@ -936,9 +939,20 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     return res
 
 
+def fastest_floor(results: dict[str, dict], phase: str) -> float | None:
+    """The median ms of the fastest replicated variant (the floor, however it runs) timed in `phase`, or None."""
+    timed = [
+        r["phases"][phase]["ms_median"]
+        for v, r in results.items()
+        if base_variant(v) == "replicated" and "skipped" not in r and phase in r.get("phases", {})
+    ]
+    return min(timed) if timed else None
+
+
 def table(results: dict[str, dict], phases: list[str]) -> str:
     """Markdown: variant x phase -> ms (p10-p90), tokens/s/GPU, speed-up over native (native ms / ms), MFU,
-    ratio to the replicated floor, rows sent."""
+    ratio to the job's floor (its fastest replicated variant in that phase, e.g. replicated/compile/stepgraph),
+    rows sent."""
     lines = [
         "| variant | phase | ms median (p10-p90) | tokens/s/GPU | native/this | MFU | x floor | "
         "rows sent/step/GPU (remote) | check median / p95 |",
@@ -956,8 +970,8 @@ def table(results: dict[str, dict], phases: list[str]) -> str:
             if t is None:
                 lines.append(f"| {v} | {ph} | not timed | | | | | | {chk} |")
                 continue
-            floor = results.get("replicated", {}).get("phases", {}).get(ph)
-            ratio = f"{t['ms_median'] / floor['ms_median']:.3f}" if floor else "-"
+            floor = fastest_floor(results, ph)
+            ratio = f"{t['ms_median'] / floor:.3f}" if floor else "-"
             native = results.get("native", {}).get("phases", {}).get(ph)
             speedup = f"{native['ms_median'] / t['ms_median']:.2f}" if native else "-"
             mfu = f"{t['mfu']:.1%}" if "mfu" in t else "-"

@@ -552,3 +552,22 @@ def test_train_optimizer_is_what_each_side_runs(monkeypatch):
         args = e2e.parse_args(["--optimizer", optimizer, "--lr", "0.5"])
         opt = e2e.train_optimizer(model, variant, args, cpu)
         assert type(opt) is kind and opt.param_groups[0]["lr"] == 0.5, (optimizer, variant)
+
+
+def test_comm_stats_of_a_two_batch_step_count_both_halves(monkeypatch):
+    """A layer keeps its last call's row counts: a step of two interleaved halves calls it twice, so its rows are
+    estimated as twice the last half's (and say so), not reported as the half's."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    stats = types.SimpleNamespace(forward_rows=10, forward_remote_rows=4)
+    blocks = [("l0", types.SimpleNamespace(experts=types.SimpleNamespace(last_comm_stats=stats)))] * 3
+    monkeypatch.setattr(e2e.hf, "moe_blocks", lambda model: blocks)
+    monkeypatch.setattr(e2e.dist, "all_reduce", lambda t: None)
+    monkeypatch.setattr(e2e.dist, "get_world_size", lambda: 1)
+    one = e2e.comm_stats(None, torch.device("cpu"))
+    two = e2e.comm_stats(None, torch.device("cpu"), calls_per_step=2)
+    assert one == {"forward_remote_rows": 12.0, "forward_rows": 30.0}
+    assert two == {"forward_remote_rows": 24.0, "forward_rows": 60.0, "calls_per_step": 2}
