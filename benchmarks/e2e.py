@@ -154,6 +154,7 @@ from occult.moe import symm  # noqa: E402  (the device transport: where it can r
 from occult.moe.model_layers import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
 from occult.tools.bench import variant_sync_free  # noqa: E402
+from occult.training.bucketed_sync import BucketedSync  # noqa: E402
 from occult.training.optim import adamw  # noqa: E402
 from occult.training.step_graph import CudaRecorder, StepGraph, model_signature  # noqa: E402
 from occult.training.two_batch import interleaved_backward  # noqa: E402
@@ -401,6 +402,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["adamw", "adamw-torch", "sgd"],
         help="adamw: fused on CUDA, occult's kernel for occult's variants and torch's for transformers' own; "
         "adamw-torch: torch's fused AdamW for every variant; sgd: less memory",
+    )
+    p.add_argument(
+        "--dense-sync",
+        default="after",
+        choices=["after", "overlap"],
+        help="train: the replicated gradients all-reduced after the backward (hf.sync_gradients), or in buckets "
+        "during it (occult.training.bucketed_sync, as DDP does, recordable in /stepgraph); every variant alike",
     )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
@@ -662,9 +670,12 @@ def make_step(
     optimizer: torch.optim.Optimizer | None,
     captured: bool = False,
     micro_batches: int = 1,
+    dense_sync: str = "after",
 ) -> Callable[[torch.Tensor], None]:
     """One prefill or train step on ids [B, S]; `captured`: the train step recorded as one CUDA graph;
-    `micro_batches=2`: its forward and backward as the batch's two halves interleaved (occult.training.two_batch)."""
+    `micro_batches=2`: its forward and backward as the batch's two halves interleaved (occult.training.two_batch);
+    `dense_sync="overlap"`: the replicated gradients all-reduced in buckets during the backward
+    (occult.training.bucketed_sync) instead of after it (`hf.sync_gradients`)."""
     if phase == "prefill":
         model.eval()
         forward = logits_fn(model, logits_to_keep=1)
@@ -679,6 +690,8 @@ def make_step(
     def loss_of(ids_BS: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
 
+    sync = gradient_sync(model, dense_sync)
+
     def train(ids_BS: torch.Tensor) -> tuple[torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
         with agreed_step(model, ids_BS.numel()):  # as occult's trainers run a step (OCCULT_AGREEMENT=step: agreed once)
@@ -687,7 +700,7 @@ def make_step(
             else:
                 loss = loss_of(ids_BS)
                 loss.backward()
-        hf.sync_gradients(model)
+        sync()
         optimizer.step()
         return (loss.detach(),)
 
@@ -696,6 +709,32 @@ def make_step(
     device = next(model.parameters()).device
     graph = StepGraph(optimizer, lambda: model_signature(model), CudaRecorder(device), capture_scope=masks_as_eager)
     return lambda ids_BS: graph.run(train, ids_BS)
+
+
+_DENSE_GROUP: list = []  # every rank, a communicator apart from the MoE layers' (made at the first "overlap" step)
+
+
+def gradient_sync(model: nn.Module, dense_sync: str) -> Callable[[], None]:
+    """How a train step averages its gradients over the ranks: `hf.sync_gradients` after the backward ("after"),
+    or ("overlap") the replicated gradients all-reduced in buckets while the backward runs, on a group apart from
+    the MoE layers' all-to-alls (every rank makes it at its first such step, in the same order), and the expert
+    gradients divided as `hf.sync_gradients` divides them."""
+    world = dist.get_world_size()
+    if dense_sync == "after" or world == 1:
+        return lambda: hf.sync_gradients(model)
+    if not _DENSE_GROUP:
+        _DENSE_GROUP.append(dist.new_group(list(range(world))))
+    experts = {id(p) for p in hf.expert_parameters(model)}
+    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    bucketed = BucketedSync(dense, _DENSE_GROUP[0], world)
+
+    def sync() -> None:
+        bucketed.finish()
+        for p in hf.expert_parameters(model):
+            if p.grad is not None:
+                p.grad /= world
+
+    return sync
 
 
 def fresh_ids(
@@ -892,7 +931,9 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                 step = (
                     tt_model.make_step(model, phase, optimizer)
                     if titan
-                    else make_step(model, phase, optimizer, step_graph(variant), micro_batches(variant))
+                    else make_step(
+                        model, phase, optimizer, step_graph(variant), micro_batches(variant), args.dense_sync
+                    )
                 )
             first_s = (
                 first_step_s(step, args, cfg.vocab_size, device)

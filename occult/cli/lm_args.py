@@ -244,9 +244,10 @@ def add_ranks_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--grad-sync",
         default="ddp",
-        choices=["ddp", "explicit", "fsdp"],
+        choices=["ddp", "explicit", "overlap", "fsdp"],
         help="dense (non-expert) parameters: replicated, gradients by torch DDP, all-reduced in buckets "
-        "during the backward (default), or by one explicit all-reduce after it; or fsdp: sharded over "
+        "during the backward (default), or by one explicit all-reduce after it, or overlap: explicit all-reduces "
+        "in buckets during the backward, with no host state (recorded with --captured-step); or fsdp: sharded over "
         "the ranks with torch FSDP2 fully_shard (weights, gradients and AdamW state 1/N per rank; "
         "bf16 precision as FSDP2 mixed precision); expert gradients are all-reduced over the "
         "replicas after the backward in every mode",

@@ -130,7 +130,7 @@ def check_captured_step(args: Any, hf: bool = False) -> None:
         )
     if world_size() == 1:
         return
-    if not hf and getattr(args, "grad_sync", "explicit") != "explicit":
+    if not hf and getattr(args, "grad_sync", "explicit") not in ("explicit", "overlap"):
         raise CommandError(
             f"--captured-step on several ranks with --grad-sync {args.grad_sync}: "
             + (
@@ -138,7 +138,7 @@ def check_captured_step(args: Any, hf: bool = False) -> None:
                 if args.grad_sync == "ddp"
                 else "FSDP2 gathers and frees the dense weights on the host around every block"
             )
-            + "; use --grad-sync explicit (the all-reduce after the backward is recorded with the step)"
+            + "; use --grad-sync explicit or overlap (their all-reduces are recorded with the step)"
         )
     if getattr(args, "transport", "auto") == "counts" and getattr(args, "ep_size", 1) != 1 and not two_batch:
         raise CommandError(
@@ -155,10 +155,10 @@ def check_two_batch_args(args: Any, hf: bool = False) -> None:
     if not getattr(args, "two_batch", False):
         return
     ranks = world_size()
-    if ranks > 1 and not hf and getattr(args, "grad_sync", "explicit") != "explicit":
+    if ranks > 1 and not hf and getattr(args, "grad_sync", "explicit") not in ("explicit", "overlap"):
         raise CommandError(
             f"--two-batch on several ranks with --grad-sync {args.grad_sync}: its hooks expect one forward per "
-            "backward, and two halves make two; use --grad-sync explicit"
+            "backward, and two halves make two; use --grad-sync explicit or overlap"
         )
     others = {
         "--layer-graphs": getattr(args, "layer_graphs", False),

@@ -27,16 +27,17 @@ def add_step_arguments(g: Any) -> None:
         help="record the whole training step (forward, backward, gradient sync, clipping, AdamW) once as one CUDA "
         "graph, after 3 eager steps, and replay it: a step costs the host a batch copy and one launch (also with "
         "--hf; needs a CUDA device and fixed shapes; not with --layer-graphs or re-placement; several ranks: "
-        "--transport device and --grad-sync explicit; docs/training.md) (default: eager steps)",
+        "--transport device and --grad-sync explicit or overlap; docs/training.md) (default: eager steps)",
     )
     g.add_argument(
         "--two-batch",
         action="store_true",
         help="run each step's forward and backward as two interleaved micro-batches, one half's all-to-alls under "
         "the other's compute, for slow links (also with --hf; sync-free expert-parallel layers; with "
-        "--captured-step to pay; several ranks: --grad-sync explicit, --hf syncs its routers so by itself; an even "
-        "batch per rank; not with --layer-graphs, re-placement or distillation; the gradients of two accumulated "
-        "micro-batches, so the load-balancing loss is over each half; docs/training.md) (default: one batch)",
+        "--captured-step to pay; several ranks: --grad-sync explicit or overlap, --hf syncs its routers after the "
+        "backward; an even batch per rank; not with --layer-graphs, re-placement or distillation; the gradients of "
+        "two accumulated micro-batches, so the load-balancing loss is over each half; docs/training.md) "
+        "(default: one batch)",
     )
     g.add_argument(
         "--profile-steps",

@@ -30,7 +30,7 @@ from occult.training.optim import adamw
 from occult.training.schedule import CosineSchedule
 from occult.training.step_profile import parse_window
 
-GRAD_SYNCS = ("ddp", "explicit", "fsdp")  # how the dense gradients of N ranks are synchronised
+GRAD_SYNCS = ("ddp", "explicit", "overlap", "fsdp")  # how the dense gradients of N ranks are synchronised
 
 
 @dataclass
@@ -77,7 +77,8 @@ class TrainConfig:
     layer_graphs: bool = False  # MoE layer calls replayed from CUDA graphs, training ones too (occult.moe.graphs)
     captured_step: bool = False  # the whole step recorded as one CUDA graph and replayed (training.step_graph)
     two_batch: bool = False  # loss and backward as two interleaved micro-batches (training.two_batch)
-    # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it) or "fsdp" (sharded)
+    # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it), "overlap" (explicit,
+    # in buckets during the backward: recordable), or "fsdp" (sharded)
     grad_sync: str = "ddp"
     # pruning-aware fine-tuning recipes (occult.lm.distill)
     distill_weight: float = 0.0  # > 0: + W * T^2 * KL(unpruned teacher || pruned student) of the logits

@@ -38,7 +38,7 @@ def check_captured_step(model: OccultLM, cfg: TrainConfig, par: Parallel | None)
     if par is not None and cfg.grad_sync == "ddp":
         raise ValueError(
             "captured_step (--captured-step) on several ranks: DDP's reducer keeps host state a replayed step "
-            "would skip; use --grad-sync explicit (the all-reduce after the backward is recorded with the step)"
+            "would skip; use --grad-sync explicit or overlap (their all-reduces are recorded with the step)"
         )
     if cfg.replaces:
         raise ValueError(
@@ -55,11 +55,11 @@ def prepare_two_batch(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -
     per-rank batch; then every expert-parallel layer sync-free (what two exchanges in flight need)."""
     if not cfg.two_batch:
         return
-    if par is not None and cfg.grad_sync != "explicit":
+    if par is not None and cfg.grad_sync not in ("explicit", "overlap"):
         raise ValueError(
             f"two_batch (--two-batch) on several ranks with grad_sync={cfg.grad_sync!r}: "
             + ("DDP's" if cfg.grad_sync == "ddp" else "FSDP2's")
-            + " hooks expect one forward per backward, and two halves make two; use --grad-sync explicit"
+            + " hooks expect one forward per backward, and two halves make two; use --grad-sync explicit or overlap"
         )
     others = {
         "layer_graphs (--layer-graphs)": cfg.layer_graphs,

@@ -73,6 +73,7 @@ from occult.lm.parallel import (
     global_mean,
     shard_model,
     shard_tensors,
+    split_trained,
     sync_gradients,
     wrap_ddp,
 )
@@ -96,6 +97,7 @@ from occult.lm.step_options import apply_layer_graphs, check_captured_step, prep
 from occult.moe.counts import STATUS_MESSAGES, RoutingError
 from occult.moe.step import agreed_step
 from occult.placement import Placement
+from occult.training.bucketed_sync import BucketedSync
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop, to_device
 from occult.training.step_graph import model_signature
 from occult.training.step_profile import StepProfile
@@ -126,6 +128,10 @@ def _step_parts(run: TrainRun) -> StepParts:
     device = next(model.parameters()).device
     shard = (par.rank, par.world_size) if par is not None else ()
     ddp = wrap_ddp(model, par) if par is not None and cfg.grad_sync == "ddp" else None
+    dense = split_trained(model)[0]
+    bucketed = None  # "overlap": the dense gradients all-reduced during the backward (occult.training.bucketed_sync)
+    if par is not None and cfg.grad_sync == "overlap" and dense:
+        bucketed = BucketedSync(dense, par.sync_group, par.world_size)
     forward = ddp if ddp is not None else model  # DDP (or FSDP's hooks) average the dense gradients during backward
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +150,8 @@ def _step_parts(run: TrainRun) -> StepParts:
             return StepLoss(out.loss + cfg.aux_loss_coef * out.aux_loss, out.loss, out.aux_loss)
 
     def sync() -> None:
+        if bucketed is not None:
+            bucketed.finish()
         if par is not None:  # experts (and replicated ones with the explicit sync)
             sync_gradients(model, par, replicated=cfg.grad_sync == "explicit")
 
@@ -156,6 +164,7 @@ def _step_parts(run: TrainRun) -> StepParts:
         mean=lambda t: global_mean(t, par),
         scope=lambda xy: agreed_step(model, xy[0].numel()),  # every MoE call of the step sees these tokens
         signature=lambda: model_signature(model),
+        close=bucketed.close if bucketed is not None else lambda: None,
     )
 
 
@@ -290,7 +299,10 @@ def train(
         run.evaluate()
     model.train()
     loop.parts, start = _step_parts(run), loop.step
-    _run_steps(loop, cfg.steps if stop_after is None else min(cfg.steps, loop.step + int(stop_after)))
+    try:
+        _run_steps(loop, cfg.steps if stop_after is None else min(cfg.steps, loop.step + int(stop_after)))
+    finally:
+        loop.parts.close()  # (hooks the parts put on the model)
     if loop.interrupted and loop.step == start:
         raise KeyboardInterrupt
     run.save(out / CHECKPOINT, with_optimizer=True)

@@ -107,6 +107,7 @@ class StepParts:
     # the context a captured step's warm-up steps and recording run in (`occult.training.step_graph.StepGraph`)
     capture_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     halves: Callable[[Any], tuple[Any, Any]] = split_in_halves  # a batch's two micro-batches (`two_batch`)
+    close: Callable[[], None] = lambda: None  # releases what the parts put on the model (hooks), at the run's end
 
 
 @dataclass

@@ -63,7 +63,7 @@ def check_capturable(model: nn.Module) -> None:
     if any(is_sharded(p) for p in params):
         raise ValueError(
             f"{flag} with grad_sync='fsdp': FSDP2 gathers and frees the dense weights around every block on the "
-            "host; use --grad-sync explicit"
+            "host; use --grad-sync explicit or overlap"
         )
     if not params or any(p.device.type != "cuda" for p in params):
         raise ValueError(f"{flag} records a CUDA graph: it needs a CUDA device, every parameter on a GPU")

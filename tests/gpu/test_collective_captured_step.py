@@ -1,5 +1,6 @@
 """`occult train --captured-step` on every GPU over NCCL: the whole expert-parallel training step (forward over the
-device transport, backward, the explicit gradient all-reduce, clipping, AdamW) recorded as one CUDA graph after 3
+device transport, backward, the explicit gradient all-reduce after the backward or in buckets during it
+(`--grad-sync overlap`), clipping, AdamW) recorded as one CUDA graph after 3
 eager steps and replayed gives the losses, validation losses and final weights of the same run with eager steps
 (fp32: losses within 1e-4, weights 1e-3; bf16: losses within 1e-3 over 12 steps, issue 52's bound), with an
 evaluation between replays and a placement that differs per layer. Skipped over gloo (a CUDA graph cannot hold
@@ -26,12 +27,12 @@ TOL = {"fp32": 1e-4, "bf16": 1e-3}  # losses and validation losses, relative
 WEIGHTS_TOL_FP32 = 1e-3
 
 
-def _run(ranks, par, data, out: Path, precision: str, captured: bool) -> dict:
+def _run(ranks, par, data, out: Path, precision: str, captured: bool, grad_sync: str = "explicit") -> dict:
     cfg_m = dataclasses.replace(_model_config(ranks.world_size), transport="device")
     torch.manual_seed(ranks.seed)
     placement = _placement(cfg_m.num_experts, cfg_m.num_layers, par.world_size, ranks.seed)
     model = shard_model(full_model(cfg_m, par), par, placement)
-    cfg = _train_config(ranks, steps=STEPS, eval_every=6, grad_sync="explicit", precision=precision)
+    cfg = _train_config(ranks, steps=STEPS, eval_every=6, grad_sync=grad_sync, precision=precision)
     cfg = dataclasses.replace(cfg, captured_step=captured)
     result = train(model, data, cfg, out, parallel=par, progress=False, log=None, plot=False)
     weights = {k: v.double().numpy() for k, v in gathered_tensors(model).items()}  # a collective
@@ -42,8 +43,9 @@ def _run(ranks, par, data, out: Path, precision: str, captured: bool) -> dict:
     }
 
 
+@pytest.mark.parametrize("grad_sync", ["explicit", "overlap"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_captured_expert_parallel_steps_give_the_eager_run(ranks, precision):
+def test_captured_expert_parallel_steps_give_the_eager_run(ranks, precision, grad_sync):
     if ranks.backend != "nccl":
         pytest.skip("a CUDA graph cannot hold gloo's collectives: NCCL ranks only")
     from occult.moe.symm import unavailable_reason
@@ -53,7 +55,7 @@ def test_captured_expert_parallel_steps_give_the_eager_run(ranks, precision):
     par = setup_parallel()
     with shared_fp32_dir(ranks, "occult_gpu_captured_") as root:
         data = _token_data(ranks.seed)
-        got = _run(ranks, par, data, root / f"captured-{precision}", precision, True)
+        got = _run(ranks, par, data, root / f"captured-{precision}", precision, True, grad_sync)
         want = _run(ranks, par, data, root / f"eager-{precision}", precision, False)
     assert len(got["losses"]) == STEPS and len(got["val"]) == 2
     loss = ranks.all_max(float(np.max(np.abs(got["losses"] - want["losses"]) / np.abs(want["losses"]))))

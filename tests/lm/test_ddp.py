@@ -5,8 +5,9 @@ One spawn of 2 ranks (`ranks`) checks:
              batch; the same forward without the wrapper leaves the replicated gradients
              un-averaged (so DDP, not a fallback, did the work); DDP left the rank-local buffers
              (`local_expert_ids`) alone and saw only replicated parameters
-    ep2/ep1  20 steps with DDP and with the explicit all-reduce, experts sharded (EP 2) or
-             replicated (EP 1, pure data parallel): DDP == explicit (bit for bit) and == one process
+    ep2/ep1  20 steps with DDP, with the explicit all-reduce and with it in buckets during the backward
+             ("overlap"), experts sharded (EP 2) or replicated (EP 1, pure data parallel): all three equal
+             (bit for bit) and == one process
     moe      MoE-only fine-tuning (routers are the only replicated trained parameters), DDP == explicit
     resume   a DDP run stopped at step 10, resumed with the explicit all-reduce (grad_sync may
              change on resume) == 20 straight; the parent resumes the DDP checkpoint in one process
@@ -79,7 +80,7 @@ def ddp_worker(rank: int, world_size: int, data, root: str) -> dict:
     par = setup_parallel()
     p2 = Placement.from_lists(PLACEMENT, 2)
     out = {"grads": _one_step(par, data, True), "plain": _one_step(par, data, False)}
-    for sync in ("ddp", "explicit"):
+    for sync in ("ddp", "explicit", "overlap"):
         out[f"ep2-{sync}"] = run(par, data, root_p / f"ep2-{sync}", p2, config=dict(grad_sync=sync))
         out[f"moe-{sync}"] = run(
             par,
@@ -94,7 +95,7 @@ def ddp_worker(rank: int, world_size: int, data, root: str) -> dict:
     par.barrier()
     out["resumed"] = run(par, data, root_p / "stop", p2, seed=9, resume=True, config=dict(grad_sync="explicit"))
     dp = setup_parallel(ep_size=1)
-    for sync in ("ddp", "explicit"):
+    for sync in ("ddp", "explicit", "overlap"):
         out[f"ep1-{sync}"] = run(dp, data, root_p / f"ep1-{sync}", config=dict(grad_sync=sync))
     return out
 
@@ -133,7 +134,8 @@ def test_one_step_gradients_are_those_of_the_global_batch(ranks, data):
 
 
 def test_ddp_equals_explicit_and_one_process(ranks):
-    """2 ranks, EP 2 (non-contiguous placement) and EP 1 (pure DP), 20 steps; MoE-only 10 steps."""
+    """2 ranks, EP 2 (non-contiguous placement) and EP 1 (pure DP), 20 steps; MoE-only 10 steps; the explicit
+    all-reduce in buckets during the backward (`grad_sync="overlap"`) too."""
     single = ranks["single"]
     for rank, out in enumerate(ranks["ranks"]):
         assert sorted(out["ep2-ddp"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == [
@@ -143,8 +145,10 @@ def test_ddp_equals_explicit_and_one_process(ranks):
         for layout in ("ep2", "ep1"):
             assert_matches(out[f"{layout}-ddp"], single["full"], RTOL)
             assert_matches(out[f"{layout}-ddp"], out[f"{layout}-explicit"], CLOSE)
+            assert_matches(out[f"{layout}-overlap"], out[f"{layout}-explicit"], CLOSE)
         assert_matches(out["moe-ddp"], single["moe"], RTOL, steps=10)
         assert_matches(out["moe-ddp"], out["moe-explicit"], CLOSE, steps=10)
+        assert_matches(out["moe-overlap"], out["moe-explicit"], CLOSE, steps=10)
         frozen = "blocks.0.attn.qkv.weight"
         if frozen in out["moe-ddp"]["params"]:
             assert np.array_equal(out["moe-ddp"]["params"][frozen], out["moe-explicit"]["params"][frozen])
@@ -167,6 +171,8 @@ def test_grad_sync_setting_and_cli():
 
     args = build_parser().parse_args(["train", "--out", "x", "--grad-sync", "explicit"])
     assert _train_config(args).grad_sync == "explicit"
+    args = build_parser().parse_args(["train", "--out", "x", "--grad-sync", "overlap"])
+    assert _train_config(args).grad_sync == "overlap"
     assert _train_config(build_parser().parse_args(["train", "--out", "x"])).grad_sync == "ddp"
 
 

@@ -3,11 +3,11 @@ micro-batches (`occult.training.two_batch` through `TrainLoop`).
 
 Two gloo ranks, experts sharded over both by a non-contiguous placement, train as one process does on the same
 global batch (losses, validation losses and every weight within `RTOL`; the load-balancing loss off, since two
-halves have two of it): the loop really ran the halves (every step through `forward_halves`, the exchanges
-issued from both halves' threads, interleaved), the expert-parallel layers sync-free. Refused before any step
-(every rank the same error, nothing written): DDP and FSDP2 on several ranks, an odd batch per rank, layer
-graphs, re-placement, distillation; the same at the command line. On GPUs (two streams, inside a recorded
-step): tests/gpu/test_collective_two_batch_train.py."""
+halves have two of it), with the dense gradients all-reduced after the backward or in buckets during it: the loop
+really ran the halves (every step through `forward_halves`, the exchanges issued from both halves' threads,
+interleaved), the expert-parallel layers sync-free. Refused before any step (every rank the same error, nothing
+written): DDP and FSDP2 on several ranks, an odd batch per rank, layer graphs, re-placement, distillation; the same
+at the command line. On GPUs (two streams, inside a recorded step): tests/gpu/test_collective_two_batch_option.py."""
 
 from __future__ import annotations
 
@@ -65,8 +65,12 @@ def _two_batch_rank(rank: int, world_size: int, data, root: str) -> dict:
     with _Watch() as plain:
         train(model, data, train_config(**NO_AUX), Path(root) / "one", parallel=par, progress=False, log=None)
     layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
+    overlap = run(
+        par, data, Path(root) / "overlap", placement, config={**NO_AUX, "two_batch": True, "grad_sync": "overlap"}
+    )
     return {
         **snap,
+        "overlap": overlap,
         "halves": watch.halves,
         "issuers": watch.issuers,
         "plain_halves": plain.halves,
@@ -81,6 +85,7 @@ def test_two_interleaved_halves_train_as_one_process(tmp_path):
     got = run_ranks(_two_batch_rank, 2, data, str(tmp_path), timeout_s=300)
     for rank in got:
         assert_matches(rank, want, RTOL, steps=STEPS)
+        assert_matches(rank["overlap"], want, RTOL, steps=STEPS)  # the dense all-reduces in buckets, during it
         assert rank["halves"] == STEPS  # every training step in two halves (evaluation: one batch)
         training = [name for name in rank["issuers"] if name.startswith("occult-two-batch")]
         assert len(training) == STEPS * 2 * 2 * 2  # steps x halves x layers x (dispatch, combine)

@@ -571,3 +571,36 @@ def test_comm_stats_of_a_two_batch_step_count_both_halves(monkeypatch):
     two = e2e.comm_stats(None, torch.device("cpu"), calls_per_step=2)
     assert one == {"forward_remote_rows": 12.0, "forward_rows": 30.0}
     assert two == {"forward_remote_rows": 24.0, "forward_rows": 60.0, "calls_per_step": 2}
+
+
+def _dense_sync_rank(rank: int, world: int, seed: int) -> dict:
+    """One backward of a tiny converted OLMoE (experts over both ranks), its gradients averaged after the backward
+    and, on a copy, in buckets during it (`--dense-sync overlap`)."""
+    import copy
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    from occult.integrations import hf
+
+    base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=64)
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(seed + rank))
+    grads = {}
+    for how in ("after", "overlap"):
+        model = hf.convert(copy.deepcopy(base), dispatcher="dedup")
+        sync = e2e.gradient_sync(model, how)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        sync()
+        grads[how] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {n: float((grads["overlap"][n] - g).abs().max()) for n, g in grads["after"].items()}
+
+
+def test_dense_sync_overlap_gives_the_gradients_of_the_sync_after_the_backward():
+    """`--dense-sync overlap`: the replicated gradients all-reduced in buckets during the backward, the experts'
+    divided, as `hf.sync_gradients` leaves them after it (gloo: bit for bit)."""
+    pytest.importorskip("transformers")
+    from occult.distributed import run_ranks
+
+    for rank, errors in enumerate(run_ranks(_dense_sync_rank, 2, 5, timeout_s=180)):
+        assert errors and max(errors.values()) == 0.0, (rank, {n: e for n, e in errors.items() if e})
