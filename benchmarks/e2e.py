@@ -719,9 +719,9 @@ def gradient_sync(model: nn.Module, dense_sync: str) -> Callable[[], None]:
     or ("overlap") the replicated gradients all-reduced in buckets while the backward runs, on a group apart from
     the MoE layers' all-to-alls (every rank makes it at its first such step, in the same order), and the expert
     gradients divided as `hf.sync_gradients` divides them."""
-    world = dist.get_world_size()
-    if dense_sync == "after" or world == 1:
+    if dense_sync == "after" or dist.get_world_size() == 1:
         return lambda: hf.sync_gradients(model)
+    world = dist.get_world_size()
     if not _DENSE_GROUP:
         _DENSE_GROUP.append(dist.new_group(list(range(world))))
     experts = {id(p) for p in hf.expert_parameters(model)}
