@@ -73,7 +73,13 @@ class BucketedSync:
         self._flats: list[torch.Tensor] = []
 
     def _arrived(self, p: torch.Tensor) -> None:
-        self._arrivals[self._bucket_of[id(p)]] += 1
+        i = self._bucket_of[id(p)]
+        self._arrivals[i] += 1
+        if self._arrivals[i] > len(self.buckets[i]):
+            raise RuntimeError(
+                "BucketedSync: a gradient arrived twice before finish() (two backwards in one step, e.g. accumulated "
+                "micro-batches): call finish() after each backward, or sync after the last one instead"
+            )
         self._launch_ready()
 
     def _launch_ready(self, everything: bool = False) -> None:

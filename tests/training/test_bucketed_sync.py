@@ -108,3 +108,22 @@ def test_buckets_hold_one_dtype_in_reverse_order_and_bad_settings_are_refused():
     assert len(bucketed_sync._buckets(params[:1] * 3, 1)) == 3  # a bucket full at its first parameter
     with pytest.raises(ValueError, match="divide >= 1"):
         BucketedSync(params, None, 0)
+
+
+def _twice_rank(rank: int, world: int) -> str:
+    par = setup_parallel()
+    model = _model(1)
+    sync = BucketedSync(list(model.parameters()), par.sync_group, world)
+    _backward(model, 1, rank)
+    try:
+        _backward(model, 1, rank)  # a second backward before finish(): refused, not summed wrong
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        sync.close()
+    return "no error"
+
+
+def test_a_second_backward_before_finish_is_refused_on_every_rank():
+    got = run_ranks(_twice_rank, WORLD, timeout_s=60)
+    assert all("arrived twice before finish()" in m for m in got), got
