@@ -16,8 +16,9 @@ weights become non-finite (NaN/inf, e.g. a learning rate far too high) raises `D
 On N ranks (`parallel=`, an `occult.lm.parallel.Parallel`; the model from `shard_model`), the
 experts are sharded over each EP group and everything else is data parallel: every rank reads
 its own rows of each global batch of `batch_size` rows, gradients are synchronised (replicated
-ones by torch DDP during the backward, `grad_sync="ddp"`, or after it, "explicit", or sharded
-with FSDP2, "fsdp", `occult.lm.fsdp`; expert ones after it) and clipped over the whole model, the
+ones by torch DDP during the backward, `grad_sync="ddp"`, or after it, "explicit", or in buckets
+during it with no host state, "overlap" (`occult.training.bucketed_sync`), or sharded with FSDP2, "fsdp",
+`occult.lm.fsdp`; expert ones after it) and clipped over the whole model, the
 load-balancing loss is over the global batch, and the result equals a single-process run on the same global
 batch. Rank 0 alone prints, draws the bar and writes the weights files (gathered from every rank) and metrics.
 

@@ -6,8 +6,9 @@ already hold every EP-group rank's contribution after the backward all-to-all). 
 rank's loss a mean over its own B/W rows:
 
     dense     averaged over the world: by torch DDP during the backward (`wrap_ddp`, on the dense
-              group), by FSDP2's reduce-scatter, or after it by `sync_gradients(replicated=True)`
-              (one all-reduce per dtype), each dividing the sum by W
+              group), by `occult.training.bucketed_sync.BucketedSync` during it (recordable), by
+              FSDP2's reduce-scatter, or after it by `sync_gradients(replicated=True)` (one
+              all-reduce per dtype), each dividing the sum by W
     experts   all-reduced over the replica group (when there are replicas) and divided by W,
               after the backward (`sync_gradients`)
 

@@ -27,13 +27,16 @@ TOL = {"fp32": 1e-4, "bf16": 1e-3}  # losses and validation losses, relative
 WEIGHTS_TOL_FP32 = 1e-3
 
 
-def _run(ranks, par, data, out: Path, precision: str, captured: bool, grad_sync: str = "explicit") -> dict:
-    cfg_m = dataclasses.replace(_model_config(ranks.world_size), transport="device")
+def run_training(ranks, par, data, out: Path, precision: str, transport: str = "device", **settings) -> dict:
+    """STEPS steps of the collective training model over `transport` (a placement that differs per layer, the
+    explicit gradient sync, an evaluation every 6 steps), `settings` over the training config: losses, validation
+    losses, the whole weights (a collective)."""
+    cfg_m = dataclasses.replace(_model_config(ranks.world_size), transport=transport)
     torch.manual_seed(ranks.seed)
     placement = _placement(cfg_m.num_experts, cfg_m.num_layers, par.world_size, ranks.seed)
     model = shard_model(full_model(cfg_m, par), par, placement)
-    cfg = _train_config(ranks, steps=STEPS, eval_every=6, grad_sync=grad_sync, precision=precision)
-    cfg = dataclasses.replace(cfg, captured_step=captured)
+    cfg = _train_config(ranks, steps=STEPS, eval_every=6, grad_sync="explicit", precision=precision)
+    cfg = dataclasses.replace(cfg, **settings)
     result = train(model, data, cfg, out, parallel=par, progress=False, log=None, plot=False)
     weights = {k: v.double().numpy() for k, v in gathered_tensors(model).items()}  # a collective
     return {
@@ -55,8 +58,10 @@ def test_captured_expert_parallel_steps_give_the_eager_run(ranks, precision, gra
     par = setup_parallel()
     with shared_fp32_dir(ranks, "occult_gpu_captured_") as root:
         data = _token_data(ranks.seed)
-        got = _run(ranks, par, data, root / f"captured-{precision}", precision, True, grad_sync)
-        want = _run(ranks, par, data, root / f"eager-{precision}", precision, False)
+        got = run_training(
+            ranks, par, data, root / f"captured-{precision}", precision, captured_step=True, grad_sync=grad_sync
+        )
+        want = run_training(ranks, par, data, root / f"eager-{precision}", precision)
     assert len(got["losses"]) == STEPS and len(got["val"]) == 2
     loss = ranks.all_max(float(np.max(np.abs(got["losses"] - want["losses"]) / np.abs(want["losses"]))))
     val = ranks.all_max(float(np.max(np.abs(got["val"] - want["val"]) / np.abs(want["val"]))))

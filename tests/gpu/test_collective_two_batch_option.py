@@ -8,36 +8,14 @@ losses within 1e-3 over 12 steps (issue 52's bound); a transformers model's fine
 from __future__ import annotations
 
 import copy
-import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_collective_train import _model_config, _placement, _rel, _token_data, _train_config, shared_fp32_dir
+from test_collective_captured_step import STEPS, TOL, WEIGHTS_TOL_FP32, run_training
+from test_collective_train import _placement, _rel, _token_data, shared_fp32_dir
 
-from occult.lm.parallel import full_model, gathered_tensors, setup_parallel, shard_model
-from occult.lm.train import train
-
-STEPS = 12
-TOL = {"fp32": 1e-4, "bf16": 1e-3}  # losses and validation losses, relative
-WEIGHTS_TOL_FP32 = 1e-3
-
-
-def _run(ranks, par, data, out: Path, precision: str, two_batch: bool, captured: bool) -> dict:
-    cfg_m = _model_config(ranks.world_size)
-    torch.manual_seed(ranks.seed)
-    placement = _placement(cfg_m.num_experts, cfg_m.num_layers, par.world_size, ranks.seed)
-    model = shard_model(full_model(cfg_m, par), par, placement)
-    cfg = _train_config(ranks, steps=STEPS, eval_every=6, grad_sync="explicit", precision=precision)
-    cfg = dataclasses.replace(cfg, aux_loss_coef=0.0, two_batch=two_batch, captured_step=captured)
-    result = train(model, data, cfg, out, parallel=par, progress=False, log=None, plot=False)
-    weights = {k: v.double().numpy() for k, v in gathered_tensors(model).items()}  # a collective
-    return {
-        "losses": np.array(result.train_losses),
-        "val": np.array([h["val_loss"] for h in result.history]),
-        "weights": weights,
-    }
+from occult.lm.parallel import setup_parallel
 
 
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
@@ -48,8 +26,11 @@ def test_two_interleaved_halves_train_as_one_batch(ranks, precision, captured):
     par = setup_parallel()
     with shared_fp32_dir(ranks, "occult_gpu_two_batch_") as root:
         data = _token_data(ranks.seed)
-        got = _run(ranks, par, data, root / f"two-{precision}", precision, True, captured)
-        want = _run(ranks, par, data, root / f"one-{precision}", precision, False, False)
+        no_aux = dict(transport="auto", aux_loss_coef=0.0)
+        got = run_training(
+            ranks, par, data, root / f"two-{precision}", precision, two_batch=True, captured_step=captured, **no_aux
+        )
+        want = run_training(ranks, par, data, root / f"one-{precision}", precision, **no_aux)
     assert len(got["losses"]) == STEPS and len(got["val"]) == 2
     loss = ranks.all_max(float(np.max(np.abs(got["losses"] - want["losses"]) / np.abs(want["losses"]))))
     val = ranks.all_max(float(np.max(np.abs(got["val"] - want["val"]) / np.abs(want["val"]))))

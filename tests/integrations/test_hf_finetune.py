@@ -30,7 +30,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from _hf_helpers import trained_weights as _trained  # noqa: E402  (tests/integrations)
+from _hf_helpers import markov_tokens  # noqa: E402  (tests/integrations)
+from _hf_helpers import trained_weights as _trained  # noqa: E402
 
 from occult.distributed import RankFailure, run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -51,13 +52,7 @@ def _placement() -> Placement:
 
 def _tokens() -> torch.Tensor:
     """A Markov stream (each id's successor fixed 80% of the time), so fine-tuning visibly learns."""
-    g = torch.Generator().manual_seed(7)
-    succ = torch.randperm(VOCAB, generator=g).clamp(min=3)
-    noise, coin = torch.randint(3, VOCAB, (4000,), generator=g), torch.rand(4000, generator=g) < 0.2
-    x = [5]
-    for i in range(1, 4000):
-        x.append(int(noise[i]) if coin[i] else int(succ[x[-1]]))
-    return torch.tensor(x)
+    return markov_tokens(VOCAB)
 
 
 @pytest.fixture(scope="module")

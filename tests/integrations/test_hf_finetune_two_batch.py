@@ -19,7 +19,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from _hf_helpers import trained_weights  # noqa: E402  (tests/integrations)
+from _hf_helpers import markov_tokens, trained_weights  # noqa: E402  (tests/integrations)
 
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -35,13 +35,7 @@ CFG = dict(steps=15, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=2, adam_eps
 
 
 def _tokens() -> torch.Tensor:
-    g = torch.Generator().manual_seed(7)
-    succ = torch.randperm(VOCAB, generator=g).clamp(min=3)
-    noise, coin = torch.randint(3, VOCAB, (4000,), generator=g), torch.rand(4000, generator=g) < 0.2
-    x = [5]
-    for i in range(1, 4000):
-        x.append(int(noise[i]) if coin[i] else int(succ[x[-1]]))
-    return torch.tensor(x)
+    return markov_tokens(VOCAB)
 
 
 @pytest.fixture(scope="module")

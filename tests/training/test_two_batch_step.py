@@ -168,11 +168,8 @@ def test_one_rank_trains_two_halves_as_two_micro_batches():
         torch.testing.assert_close(loss, (model(x[:4]).square().mean() + model(x[4:]).square().mean()) / 2)
 
 
-class _DeferringMatmul(torch.autograd.Function):
-    """x @ w whose backward defers w's gradient to `deferred_wgrad` where it may (as the expert op does), and
-    records whether it did."""
-
-    deferred: list[bool] = []
+class _AsPlain(torch.autograd.Function):
+    """x @ w, its gradients returned as autograd's (the reference of `_DeferringMatmul`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -182,10 +179,22 @@ class _DeferringMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w = ctx.saved_tensors
+        return grad @ w.T, x.T @ grad
+
+
+class _DeferringMatmul(_AsPlain):
+    """x @ w whose backward defers w's gradient to `deferred_wgrad` where it may (as the expert op does), and
+    records whether it did."""
+
+    deferred: list[bool] = []
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
         may = deferred_wgrad.deferrable([w])
         _DeferringMatmul.deferred.append(may)
         if not may:
-            return grad @ w.T, x.T @ grad
+            return _AsPlain.backward(ctx, grad)
         deferred_wgrad.defer(lambda: (x.T @ grad,), [w], (x, grad), x.device)
         return grad @ w.T, None
 
@@ -212,17 +221,3 @@ def test_a_two_batch_backward_defers_both_halves_weight_gradients():
         interleaved_backward(model, loss_of, x.chunk(2))
         assert _DeferringMatmul.deferred == [True, True]
         torch.testing.assert_close(w.grad, want, rtol=1e-12, atol=1e-14)
-
-
-class _AsPlain(torch.autograd.Function):
-    """x @ w, its gradients returned as autograd's (the reference of `_DeferringMatmul`)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        return x @ w
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w = ctx.saved_tensors
-        return grad @ w.T, x.T @ grad
