@@ -129,7 +129,7 @@ def phase_step(model, phase: str, args, device, variant: str = "occult"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if phase == "train" else None
         captured = phase == "train" and e2e.step_graph(variant)
         halves = e2e.micro_batches(variant) if captured else 1  # `/stepgraph/twobatch`: the step's two halves
-        full = e2e.make_step(model, phase, optimizer, captured, halves)
+        full = e2e.make_step(model, phase, optimizer, captured, halves, args.dense_sync)
         for _ in range(WARMUP_STEPS + 1 if captured else 0):  # a `/stepgraph` step's warm-ups and recording
             full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
         return lambda: full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
@@ -208,6 +208,12 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--no-graph", dest="graph", action="store_false", help="occult decode eager (sync-free still)")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--dense-sync",
+        choices=("after", "overlap"),
+        default="after",
+        help="a train step's replicated gradients all-reduced after the backward or during it (as e2e.py's flag)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--traces", action="store_true", help="also write each run's timeline under --out, per rank")
     args = p.parse_args()
