@@ -112,9 +112,9 @@ def check_layer_graphs(args: Any) -> None:
 def check_captured_step(args: Any, hf: bool = False) -> None:
     """--captured-step records the whole step in one CUDA graph: a CUDA device, not with --layer-graphs (the
     layers are recorded inside the step) or re-placement (it moves experts between steps); on several ranks
-    the explicit gradient sync (DDP's reducer keeps host state; `hf`: `finetune --hf` has no --grad-sync and
-    syncs its routers explicitly in a captured step) and no count exchange (a host wait; --two-batch makes the
-    layers sync-free, which the count exchange then runs without one)."""
+    the explicit gradient sync or FSDP2 (DDP's reducer keeps host state; `hf`: `finetune --hf` has no
+    --grad-sync and syncs its routers explicitly in a captured step) and no count exchange (a host wait;
+    --two-batch makes the layers sync-free, which the count exchange then runs without one)."""
     if not getattr(args, "captured_step", False):
         return
     two_batch = getattr(args, "two_batch", False)
@@ -130,15 +130,11 @@ def check_captured_step(args: Any, hf: bool = False) -> None:
         )
     if world_size() == 1:
         return
-    if not hf and getattr(args, "grad_sync", "explicit") not in ("explicit", "overlap"):
+    if not hf and getattr(args, "grad_sync", "explicit") == "ddp":
         raise CommandError(
-            f"--captured-step on several ranks with --grad-sync {args.grad_sync}: "
-            + (
-                "DDP's reducer keeps host state a replayed step would skip"
-                if args.grad_sync == "ddp"
-                else "FSDP2 gathers and frees the dense weights on the host around every block"
-            )
-            + "; use --grad-sync explicit or overlap (their all-reduces are recorded with the step)"
+            "--captured-step on several ranks with --grad-sync ddp: DDP's reducer keeps host state a replayed "
+            "step would skip; use --grad-sync explicit, overlap or fsdp (their collectives are recorded with the "
+            "step)"
         )
     if getattr(args, "transport", "auto") == "counts" and getattr(args, "ep_size", 1) != 1 and not two_batch:
         raise CommandError(

@@ -27,7 +27,7 @@ def add_step_arguments(g: Any) -> None:
         help="record the whole training step (forward, backward, gradient sync, clipping, AdamW) once as one CUDA "
         "graph, after 3 eager steps, and replay it: a step costs the host a batch copy and one launch (also with "
         "--hf; needs a CUDA device and fixed shapes; not with --layer-graphs or re-placement; several ranks: "
-        "--transport device and --grad-sync explicit or overlap; docs/training.md) (default: eager steps)",
+        "--transport device and --grad-sync explicit, overlap or fsdp; docs/training.md) (default: eager steps)",
     )
     g.add_argument(
         "--two-batch",

@@ -38,7 +38,7 @@ def check_captured_step(model: OccultLM, cfg: TrainConfig, par: Parallel | None)
     if par is not None and cfg.grad_sync == "ddp":
         raise ValueError(
             "captured_step (--captured-step) on several ranks: DDP's reducer keeps host state a replayed step "
-            "would skip; use --grad-sync explicit or overlap (their all-reduces are recorded with the step)"
+            "would skip; use --grad-sync explicit, overlap or fsdp (their collectives are recorded with the step)"
         )
     if cfg.replaces:
         raise ValueError(

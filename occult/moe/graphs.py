@@ -249,14 +249,16 @@ def settings_key(*modules: torch.nn.Module) -> tuple:
 _PLAIN = frozenset((int, float, str, bool, type(None)))
 
 
-def has_hooks(*modules: torch.nn.Module) -> bool:
+def has_hooks(*modules: torch.nn.Module, recorded: Callable[[torch.nn.Module, Callable], bool] | None = None) -> bool:
     """Whether any of `modules` or any module inside them has forward hooks or pre-hooks, or any global
     module hook is set: a replayed call would not run them. Hooks marked `replay_safe` (a function attribute:
-    what they do, a replay does too, e.g. reading the routing statuses it queues) do not count."""
+    what they do, a replay does too, e.g. reading the routing statuses it queues) do not count, nor those
+    `recorded(module, hook)` accepts (the caller knows a recording holds all they do)."""
     from torch.nn.modules import module as nn_module
 
     hooks = [*nn_module._global_forward_hooks.values(), *nn_module._global_forward_pre_hooks.values()]
     for m in submodules(*modules):
-        if m._forward_hooks or m._forward_pre_hooks:
-            hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+        for hook in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
+            if recorded is None or not recorded(m, hook):
+                hooks.append(hook)
     return any(not getattr(hook, "replay_safe", False) for hook in hooks)

@@ -31,6 +31,13 @@ timeout ends the run with an error (not a hang).
 
 What a graph cannot hold is refused before any step (`check_capturable`). The adapters refuse the
 rest (DDP's reducer, re-placement: `occult.lm.train`, `occult.integrations.hf.finetune`).
+
+FSDP2 (`occult.lm.fsdp`) is recorded with the step: its hooks gather each unit's weights on its own streams
+and free them after, all of it GPU work the graph holds (`fsdp_state_hook`), and its post-backward
+reduce-scatters are waited for by the step's stream before the optimizer. The last block keeps its weights
+gathered from its forward to its backward (`wrap_fsdp`), as TorchTitan's default does: its CUDA-graph
+trainer reports that resharding every unit makes a capture depend on work outside it
+(CUDA_ERROR_STREAM_CAPTURE_ISOLATION); the recorded step was measured with this policy only.
 """
 
 from __future__ import annotations
@@ -50,7 +57,6 @@ from occult.moe.counts import raise_on_bad_status
 from occult.moe.graphs import has_hooks, settings_key, submodules, tensors_key
 from occult.moe.layer import OccultMoE
 from occult.teardown import hold_collectives
-from occult.training.dtensor import is_sharded
 from occult.training.optim import fusable
 
 WARMUP_STEPS = 3  # eager steps of a process before its step is recorded
@@ -60,11 +66,6 @@ def check_capturable(model: nn.Module) -> None:
     """A `ValueError` naming why `model`'s training step cannot be recorded in a CUDA graph, else nothing."""
     flag = "captured_step (--captured-step)"
     params = list(model.parameters())
-    if any(is_sharded(p) for p in params):
-        raise ValueError(
-            f"{flag} with grad_sync='fsdp': FSDP2 gathers and frees the dense weights around every block on the "
-            "host; use --grad-sync explicit or overlap"
-        )
     if not params or any(p.device.type != "cuda" for p in params):
         raise ValueError(f"{flag} records a CUDA graph: it needs a CUDA device, every parameter on a GPU")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, OccultMoE)]
@@ -84,8 +85,18 @@ def check_capturable(model: nn.Module) -> None:
             )
     if settings.current().agreement == "step" and any(transport_generation(m) is not None for _, m in layers):
         raise ValueError(f"{flag} with OCCULT_AGREEMENT=step: the step's agreement runs on the host; unset it")
-    if has_hooks(model):
+    if has_hooks(model, recorded=fsdp_state_hook):
         raise ValueError(f"{flag}: the model has forward hooks, which a replayed step would not call; remove them")
+
+
+def fsdp_state_hook(module: nn.Module, hook: Callable) -> bool:
+    """Whether `hook` is FSDP2's own on `module` (its state's pre- and post-forward): what it does, gather a
+    unit's sharded weights before its forward and free them after, is GPU work on FSDP2's streams that a
+    recording of the whole step holds, and the host state it keeps is the same after every step (every unit
+    resharded once the backward ends), so a replayed step does without it."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    return isinstance(module, FSDPModule) and getattr(hook, "__self__", None) is fully_shard.state(module)
 
 
 def model_signature(model: nn.Module) -> tuple:

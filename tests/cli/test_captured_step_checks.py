@@ -37,8 +37,7 @@ def on_a_gpu(monkeypatch):
     [
         (1, dict(layer_graphs=True), ["drop --layer-graphs"]),
         (1, dict(replace_every=50), ["--replace-every", "drop one"]),
-        (2, dict(grad_sync="ddp"), ["--grad-sync ddp", "DDP's reducer", "--grad-sync explicit"]),
-        (2, dict(grad_sync="fsdp"), ["--grad-sync fsdp", "FSDP2", "--grad-sync explicit"]),
+        (2, dict(grad_sync="ddp"), ["--grad-sync ddp", "DDP's reducer", "--grad-sync explicit, overlap or fsdp"]),
         (2, dict(transport="counts", ep_size=2), ["--transport counts", "--transport device"]),
     ],
 )
@@ -54,5 +53,6 @@ def test_accepted_settings(monkeypatch):
     run_checks.check_captured_step(_args(grad_sync="ddp"))  # one process: no gradient sync to record
     monkeypatch.setenv("WORLD_SIZE", "4")
     run_checks.check_captured_step(_args(transport="device", ep_size=2))
+    run_checks.check_captured_step(_args(transport="device", ep_size=2, grad_sync="fsdp"))  # recorded with the step
     run_checks.check_captured_step(_args(grad_sync="ddp"), hf=True)  # --hf: the routers synced explicitly
     run_checks.check_captured_step(_args(captured_step=False, grad_sync="fsdp", layer_graphs=True))

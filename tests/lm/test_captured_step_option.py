@@ -1,6 +1,7 @@
 """`TrainConfig.captured_step` (`occult train --captured-step`) is refused before any step where the whole step
 cannot be recorded: DDP's reducer on several ranks (every rank raises the same error, none is left in a
-collective), re-placement, FSDP2, a CPU device; nothing is written. The recorded step itself needs a GPU:
+collective), re-placement, a CPU device (FSDP2 gets as far as that: its units are recorded with the step);
+nothing is written. The recorded step itself needs a GPU:
 tests/gpu/test_captured_step_one_gpu.py (the loop's plumbing: tests/training/test_step_graph.py)."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _refusal(rank: int, world_size: int, data, root: str, grad_sync: str) -> str
 
 
 @pytest.mark.parametrize(
-    "grad_sync, needle", [("ddp", "--grad-sync explicit"), ("fsdp", "grad_sync='fsdp'"), ("explicit", "CUDA device")]
+    "grad_sync, needle", [("ddp", "--grad-sync explicit"), ("fsdp", "CUDA device"), ("explicit", "CUDA device")]
 )
 def test_refused_on_every_rank_where_the_step_cannot_be_recorded(tmp_path, grad_sync, needle):
     got = run_ranks(_refusal, 2, load_tiny(), str(tmp_path), grad_sync, timeout_s=180)

@@ -221,3 +221,29 @@ def test_a_recordings_statuses_are_combined_into_one():
     assert combined_status([]) is None
     got = combined_status([torch.tensor([0]), torch.tensor([0, 2, 0]), torch.tensor([[1]]), torch.tensor([0, 0, 3])])
     assert got.tolist() == [1, 2, 3]
+
+
+def _hooks_seen(rank: int, world_size: int) -> tuple[bool, bool, bool]:
+    """On a gloo group: has_hooks of a model sharded with FSDP2, without and with FSDP2's own hooks counted as
+    recorded, then with a hook of the user's added."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from occult.moe.graphs import has_hooks
+    from occult.training.step_graph import fsdp_state_hook
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    plain, recorded = has_hooks(model), has_hooks(model, recorded=fsdp_state_hook)
+    model[1].register_forward_hook(lambda *args: None)
+    return plain, recorded, has_hooks(model, recorded=fsdp_state_hook)
+
+
+def test_fsdp2s_own_hooks_are_recorded_with_the_step_and_a_users_hook_still_counts():
+    from occult.distributed import run_ranks
+
+    got = run_ranks(_hooks_seen, 2, timeout_s=120)
+    assert got == [(True, False, True)] * 2, got
