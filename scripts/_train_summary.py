@@ -137,6 +137,21 @@ def ratio(runs: dict[str, dict], a: str, b: str, key: str) -> float | None:
     return runs[a][key] / runs[b][key] if a in runs and b in runs else None
 
 
+CAPTURED_EAGER = (("dedup_fsdp_captured", "dedup_fsdp"), ("floor_captured", "floor"))  # (recorded, its eager run)
+
+
+def best_ratio(runs: dict[str, dict], numerator: str, denominator: str) -> float | None:
+    """tokens/s per GPU of the fastest run whose variant starts with `numerator` over the fastest starting with
+    `denominator` (e.g. every EP dedup mode over the eager and the recorded floor); None where either is missing."""
+
+    def best(prefix: str) -> float | None:
+        rates = [r["tokens_per_s_per_gpu"] for v, r in runs.items() if v.startswith(prefix)]
+        return max(rates) if rates else None
+
+    a, b = best(numerator), best(denominator)
+    return a / b if a and b else None
+
+
 def link_report(out: Path, link: str) -> dict[str, Any]:
     """Every run of one link (and the 1-GPU reference) with the issue 38 targets' ratios."""
     runs = {}
@@ -163,10 +178,17 @@ def link_report(out: Path, link: str) -> dict[str, Any]:
             runs, "dedup_twobatch_captured", "floor_captured", "tokens_per_s_per_gpu"
         ),
         "dedup_two_batch_captured_over_dedup": ratio(runs, "dedup_twobatch_captured", "dedup_ddp", "tokens_per_s"),
+        # issue 52: FSDP2 against the replicated dense weights, each eager and each recorded
+        "dedup_fsdp_over_dedup_ddp": ratio(runs, "dedup_fsdp", "dedup_ddp", "tokens_per_s_per_gpu"),
+        "dedup_fsdp_captured_over_dedup_captured_explicit": ratio(
+            runs, "dedup_fsdp_captured", "dedup_captured_explicit", "tokens_per_s_per_gpu"
+        ),
+        # issue 52: the fastest EP dedup run over the fastest data-parallel floor of the job, however each ran
+        "best_dedup_over_best_floor_per_gpu": best_ratio(runs, "dedup", "floor"),
     }
     # the loss reference: the floor trains on the same global batch as the EP runs; the 1-GPU run on half
     # of it (8 sequences per GPU everywhere), so its losses differ from the first step on
-    ref = "floor" if "floor" in runs else "1gpu"
+    ref = next((v for v in ("floor", "1gpu") if v in runs), None)
     peak_p = out / "peak.json"
     return {
         "link": link,
@@ -175,7 +197,13 @@ def link_report(out: Path, link: str) -> dict[str, Any]:
         "variants": runs,
         "ratios": ratios,
         "loss_max_rel_diff_vs": ref,
-        "loss_max_rel_diff": loss_agreement(runs, ref) if runs else {},
+        "loss_max_rel_diff": loss_agreement(runs, ref) if ref else {},
+        # issue 52: a recorded step's losses against the same settings' eager steps, step by step
+        "captured_loss_max_rel_diff_vs_eager": {
+            captured: loss_agreement({eager: runs[eager], captured: runs[captured]}, eager)[captured]
+            for captured, eager in CAPTURED_EAGER
+            if captured in runs and eager in runs
+        },
         "skipped": [s.split()[1] for s in skipped if s.startswith(link + " ")],
     }
 

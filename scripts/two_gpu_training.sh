@@ -8,8 +8,9 @@
 # train  occult train tokens/s (OccultLM 4 layers, hidden 1024, 64 experts x 512 top-8, seq 1024, bf16):
 #        1 GPU; 2 GPUs floor (--ep-size 1); EP standard / dedup with ddp and fsdp, dedup with --layer-graphs
 #        (slow link: floor and the two dispatchers with ddp), dedup as two interleaved halves in a recorded step
-#        (--two-batch --captured-step, both links). Runs go in order of importance; one that would start after
-#        BUDGET_S seconds is skipped and listed as such; ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
+#        (--two-batch --captured-step, both links), FSDP2 with the step recorded (NVLink). Runs go in order of
+#        importance; one that would start after BUDGET_S seconds is skipped and listed as such;
+#        ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
 #        those (LINK_VARIANT names as in OUT/runs). -> OUT/train_{link}_2xGPU.json
 # more   finetune --hf on 1 and 2 GPUs + logits through plain transformers -> OUT/finetune_hf_2xGPU.json;
 #        tests/gpu/test_resume_across_gpu_counts.py; re-placement over NCCL -> OUT/replacement_2xGPU.json
@@ -83,6 +84,9 @@ train_part() {
   done
   if [[ " $links " == *" nvlink "* ]]; then
     train_run nvlink dedup_fsdp 2 --dispatcher dedup --grad-sync fsdp
+    # issue 52: FSDP2's gathers and reduce-scatters recorded with the whole step (beside dedup_captured_explicit)
+    [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_fsdp_captured 2 --dispatcher dedup --grad-sync fsdp \
+      --transport device --captured-step
     train_run nvlink standard_fsdp 2 --dispatcher standard --grad-sync fsdp
     train_run nvlink dedup_device_ddp 2 --dispatcher dedup --grad-sync ddp --transport device  # issue 36: no host wait
     # issue 52: every MoE layer call replayed from CUDA graphs (one GPU: no gain, the host runs ahead there)

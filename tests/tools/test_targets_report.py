@@ -191,6 +191,15 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
             }
         )
     )
+    (tmp_path / "train_nvlink_2xH200.json").write_text(
+        json.dumps(
+            {
+                "link": "nvlink",
+                "variants": {},
+                "ratios": {"best_dedup_over_best_floor_per_gpu": 1.1, "dedup_fsdp_over_dedup_ddp": 0.9},
+            }
+        )
+    )
     (tmp_path / "replacement.json").write_text(json.dumps({"migration_share_of_training": 0.03}))
     (tmp_path / "junk.json").write_text("{not json")
     got = {(r[0], r[3].split(" ")[0]): (r[1], r[2]) for r in rows_of(targets_report.report([str(tmp_path)]))}
@@ -262,6 +271,11 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
         "met",
     )
     assert got[("38: EP dedup / EP standard tokens/s, slow: >= 1.4", "train_slow_2xH200.json")] == ("1.300", "MISSED")
+    train52 = "52: occult train, {}, nvlink: >= {}"
+    best = "fastest EP dedup / fastest data-parallel floor, tokens/s per GPU"
+    assert got[(train52.format(best, 0.97), "train_nvlink_2xH200.json")] == ("1.100", "met")
+    fsdp = "FSDP2 / DDP tokens/s per GPU, eager steps"
+    assert got[(train52.format(fsdp, 0.95), "train_nvlink_2xH200.json")] == ("0.900", "MISSED")
     assert got[("38: one migration, amortised over --replace-every: <= 2%", "replacement.json")] == ("3.00%", "MISSED")
     # the open issues' targets (52, 53), per GPU count, link and model
     assert got[
