@@ -38,8 +38,9 @@
 #           sync-free step captured with one batch and with two halves (each with and without /deferwgrad), and on NVLink
 #           the device transport's captured step beside them (docs/overlap.md, "Two interleaved micro-batches");
 #           MODELS="olmoe qwen3" for both shapes, LINKS=slow for one link; ORTHO=1 adds a job per link with a
-#           greedy placement and pruning to one device per token, each with one batch and with two halves;
-#           OVERLAP=1 a job per link with every variant's dense gradients all-reduced during the backward
+#           greedy placement and pruning to one device per token, each with one batch and with two halves (with
+#           the deferral); OVERLAP=1 a job per link with every variant's dense gradients all-reduced during the
+#           backward (and the ORTHO job with them too)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -155,9 +156,13 @@ case $part in
           --model $model --phases train --dense-sync overlap \
           --variants replicated/compile/stepgraph,$one,$one/twobatch,$one/deferwgrad,$one/twobatch/deferwgrad \
           --out "$out/e2e_${model}_twobatch_overlap_${link}_${n}gpu.json"
-        # ORTHO=1: placement and pruning with and without the halves (issue 53: orthogonal), one job
+        # ORTHO=1: placement and pruning, one batch and two halves, both with the deferral (issue 53: orthogonal);
+        # with OVERLAP=1 the dense sync during the backward, as session 26 measured it
+        P=dedup+placement@syncfree/compile/stepgraph Q=pruned1@syncfree/compile/stepgraph
+        dense=""; [ "${OVERLAP:-0}" = 1 ] && dense="--dense-sync overlap"
         [ "${ORTHO:-0}" = 1 ] && run "twobatch_${model}_${link}_ortho" 450 env $env_ $tr benchmarks/e2e.py --model $model \
-          --phases train --variants replicated/compile/stepgraph,dedup+placement@syncfree/compile/stepgraph,dedup+placement@syncfree/compile/stepgraph/twobatch,pruned1@syncfree/compile/stepgraph,pruned1@syncfree/compile/stepgraph/twobatch \
+          --phases train $dense \
+          --variants replicated/compile/stepgraph,$P/deferwgrad,$P/twobatch/deferwgrad,$Q/deferwgrad,$Q/twobatch/deferwgrad \
           --out "$out/e2e_${model}_twobatch_ortho_${link}_${n}gpu.json"
       done
     done ;;&
