@@ -77,11 +77,32 @@ def _one_step(par, data) -> dict:
     return {"layout": layout, "grads": grads, "norm": norm, "clipped": clipped, "ids": ids, "group_kinds": kinds}
 
 
+def _signatures_around_an_evaluation(par, data) -> tuple:
+    """A recorded step's model signature after a training step, after an evaluation forward (FSDP2 keeps the root's
+    and the last block's weights gathered then), and after `reshard`: a step recorded before the evaluation must
+    match after it, or it is recorded again (and would have read the gathered weights the evaluation made)."""
+    from occult.lm.fsdp import reshard
+    from occult.training.step_graph import model_signature
+
+    torch.manual_seed(0)
+    model = wrap_fsdp(shard_model(full_model(config(data), par), par, Placement.from_lists(PLACEMENT, 2)), par)
+    x, y = train_batch(data.train, 4, 32, 0, 0, par.rank, par.world_size)
+    model(x, y, return_logits=False).loss.backward()
+    trained = model_signature(model)
+    model.eval()
+    with torch.no_grad():
+        model(x, y, return_logits=False)
+    model.train()
+    evaluated = model_signature(model)
+    reshard(model)
+    return trained == evaluated, trained == model_signature(model)
+
+
 def fsdp_worker(rank: int, world_size: int, data, root: str) -> dict:
     root_p = Path(root)
     par = setup_parallel()
     p2 = Placement.from_lists(PLACEMENT, 2)
-    out = {"grads": _one_step(par, data)}
+    out = {"grads": _one_step(par, data), "signatures": _signatures_around_an_evaluation(par, data)}
     out["ep2"] = _run(par, data, root_p / "ep2", p2)
     out["moe"] = _run(par, data, root_p / "moe", p2, config=dict(moe_only=True, steps=10, eval_every=5, save_every=0))
     for first, then in (("fsdp", "ddp"), ("ddp", "fsdp")):
@@ -159,6 +180,11 @@ def test_one_step_sharding_gradients_and_clipping_norm(ranks, data):
             for name, grad in grads.items():
                 q = ref_grads[name][g["ids"][name]] if name in g["ids"] else ref_grads[name]
                 assert rel(grad, q) <= 1e-5, f"{name}: {rel(grad, q):.2e}"
+
+
+def test_an_evaluation_then_reshard_leaves_a_recorded_steps_signature(ranks):
+    # an evaluation leaves gathered weights (the signature differs), `reshard` frees every unit's (it is back)
+    assert [r["signatures"] for r in ranks["ranks"]] == [(False, True)] * 2
 
 
 def test_fsdp_equals_one_process(ranks):
