@@ -312,6 +312,10 @@ ISSUE52_TRAIN = {  # ratio key in train_{link}_2xGPU.json -> (what it is, {link:
         {"nvlink": 0.97},
     ),
     "dedup_fsdp_over_dedup_ddp": ("occult train, FSDP2 / DDP tokens/s per GPU, eager steps", {"nvlink": 0.95}),
+    "dedup_fsdp_agreestep_over_dedup_ddp": (
+        "occult train, FSDP2 agreeing once a step / DDP tokens/s per GPU, eager steps",
+        {"nvlink": 0.95},
+    ),
     "dedup_fsdp_captured_over_dedup_captured_explicit": (
         "occult train, FSDP2 / explicit sync tokens/s per GPU, both steps recorded",
         {"nvlink": 0.95},

@@ -47,10 +47,10 @@ else
 fi
 mkdir -p "$runs"
 
-train_run() {  # train_run LINK VARIANT GPUS FLAGS...: one occult train run, its summary in OUT/runs/
-  local link=$1 v=$2 gpus=$3 env_=""
+train_run() {  # train_run LINK VARIANT GPUS FLAGS...: one occult train run, its summary in OUT/runs/ (TRAIN_ENV: settings)
+  local link=$1 v=$2 gpus=$3 env_="${TRAIN_ENV:-}"
   shift 3
-  [ "$link" = slow ] && env_="NCCL_P2P_DISABLE=1"
+  [ "$link" = slow ] && env_="$env_ NCCL_P2P_DISABLE=1"
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" ${link}_$v "* ]]; then return; fi
   if [ "${DRY_RUN:-0}" != 1 ] && [ "$SECONDS" -gt "$budget" ]; then
     echo "== train_${link}_$v: skipped (${SECONDS}s > BUDGET_S=$budget)"; echo "$link $v" >> "$out/skipped.txt"; return
@@ -87,6 +87,10 @@ train_part() {
     # issue 52: FSDP2's gathers and reduce-scatters recorded with the whole step (beside dedup_captured_explicit)
     [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_fsdp_captured 2 --dispatcher dedup --grad-sync fsdp \
       --transport device --captured-step
+    # issue 52: eager FSDP2 with the device transport agreeing once a step (session 15: the per-call host agreement
+    # held each rank's host at every layer while FSDP2's work put the ranks apart)
+    [ "${TINY:-0}" = 1 ] || TRAIN_ENV=OCCULT_AGREEMENT=step train_run nvlink dedup_fsdp_agreestep 2 --dispatcher dedup \
+      --grad-sync fsdp --transport device
     train_run nvlink standard_fsdp 2 --dispatcher standard --grad-sync fsdp
     train_run nvlink dedup_device_ddp 2 --dispatcher dedup --grad-sync ddp --transport device  # issue 36: no host wait
     # issue 52: every MoE layer call replayed from CUDA graphs (one GPU: no gain, the host runs ahead there)
