@@ -41,7 +41,7 @@ from occult.integrations import hf  # noqa: E402
 from occult.integrations.hf.block import is_converted  # noqa: E402
 from occult.tools.run_record import run_record  # noqa: E402
 from occult.training.step_graph import WARMUP_STEPS  # noqa: E402
-from occult.training.step_profile import device_work, overlap_ms, union_ms  # noqa: E402
+from occult.training.step_profile import device_work, is_exchange, overlap_ms, union_ms  # noqa: E402
 
 FAMILIES = (  # (family, substrings of kernel names), first match wins; occult's Triton kernels are `_name_kernel`
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "grouped_mm")),
@@ -49,15 +49,6 @@ FAMILIES = (  # (family, substrings of kernel names), first match wins; occult's
     ("copy/index", ("copy", "memcpy", "fill", "memset", "cat", "index", "scatter", "gather")),
     ("elementwise/reduce", ("elementwise", "reduce", "softmax", "topk", "sort", "scan")),
 )
-
-
-EXCHANGE = ("nccl", "_push_kernel", "_pack_push_kernel", "barrier")  # the all-to-alls' kernels (NCCL, occult's)
-
-
-def is_exchange(name: str) -> bool:
-    """Whether a kernel moves rows between ranks (NCCL's, or the device transport's push and barrier)."""
-    low = name.lower()
-    return any(k in low for k in EXCHANGE)
 
 
 def family_of(name: str) -> str:

@@ -34,6 +34,7 @@ from occult.training.hooks import StepHook
 from occult.training.loop import STEP_RANGE
 
 TOP = 25  # host operations and kernels kept in the summary
+EXCHANGE = ("nccl", "_push_kernel", "_pack_push_kernel", "barrier")  # the exchanges' kernels (NCCL's, occult's)
 
 
 def parse_window(spec: str) -> tuple[int, int]:
@@ -45,6 +46,13 @@ def parse_window(spec: str) -> tuple[int, int]:
     if not 1 <= first <= last:
         raise ValueError(f"profile steps {spec!r}: need 1 <= A <= B")
     return first, last
+
+
+def is_exchange(kernel_name: str) -> bool:
+    """Whether a kernel moves data between ranks (NCCL's collectives, or the device transport's push and
+    barrier kernels), as opposed to compute."""
+    low = kernel_name.lower()
+    return any(k in low for k in EXCHANGE)
 
 
 def union_ms(intervals_us: list[tuple[float, float]]) -> float:

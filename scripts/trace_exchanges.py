@@ -1,0 +1,124 @@
+"""Which exchanges of a profiled step run with nothing under them: each all-to-all or all-reduce kernel of one
+step, in time order, with the part of it no other kernel covers.
+
+Reads a profiler timeline (`scripts/profile_model.py --traces`, `--profile-steps`' `step_trace_rank{r}.json.gz`,
+or any Chrome trace torch.profiler exports, gzipped or not). The trace holds `--steps` steps of the same kernels
+(a recorded step replays them; eager steps launch the same ones), so its kernels, in start order, are cut into
+that many equal runs and `--step` picks one (default: the middle one). For every exchange kernel
+(`occult.training.step_profile.is_exchange`: NCCL's, the device transport's push and barrier) of that step it
+prints when it starts (ms from the step's first kernel), how long it runs, how much of it no compute kernel
+covers ("exposed"), its stream and name; then totals per kernel kind and the exchanges exposed longest. Exposed
+exchange time is what an overlap schedule has left to hide (docs/overlap.md, session 26's slow-link profile).
+Each kernel's exposed part is its own: where two exchanges run at once (an all-reduce beside an all-to-all) both
+count it, so the total can exceed `profile_model.py`'s union figure.
+
+    python scripts/trace_exchanges.py prof/trace_dedup_syncfree-compile-stepgraph-twobatch_train_rank0.json.gz \\
+        --steps 5 --top 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trace_gaps import load_events  # noqa: E402  (scripts/trace_gaps.py: a trace's complete events)
+
+from occult.training.step_profile import is_exchange, merged  # noqa: E402
+
+
+def step_kernels(events: list[dict], steps: int, step: int) -> list[dict]:
+    """The kernels of step `step` (0-based) of `steps` in the trace, in start order."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        raise ValueError("the trace holds no kernel events: profile with CUDA activities on")
+    if len(kernels) % steps:
+        raise ValueError(
+            f"{len(kernels)} kernels do not split into {steps} steps of the same kernels: give --steps as the "
+            "number of steps profiled"
+        )
+    per = len(kernels) // steps
+    return kernels[step * per : (step + 1) * per]
+
+
+def exposed_us(start: float, end: float, cover: list[tuple[float, float]]) -> float:
+    """How much of [start, end) no interval of `cover` (sorted, disjoint) overlaps, in the same unit."""
+    covered = sum(max(0.0, min(end, c_end) - max(start, c_start)) for c_start, c_end in cover)
+    return (end - start) - covered
+
+
+def exchange_rows(kernels: list[dict]) -> list[dict]:
+    """Each exchange kernel of one step: start (ms from the step's first kernel), ms, exposed ms, stream, name."""
+    cover = merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_exchange(e["name"])])
+    first = kernels[0]["ts"]
+    return [
+        {
+            "start_ms": (e["ts"] - first) / 1e3,
+            "ms": e["dur"] / 1e3,
+            "exposed_ms": exposed_us(e["ts"], e["ts"] + e["dur"], cover) / 1e3,
+            "stream": e.get("args", {}).get("stream"),
+            "name": e["name"],
+        }
+        for e in kernels
+        if is_exchange(e["name"])
+    ]
+
+
+def kind(name: str) -> str:
+    """A kernel's short kind: NCCL's collective (`SendRecv`, `AllReduce_Sum_bf16_RING_LL`) or occult's kernel."""
+    if name.startswith("ncclDevKernel_"):
+        return name[len("ncclDevKernel_") :].split("(")[0]
+    return name.split("(")[0]
+
+
+def report(rows: list[dict], top: int) -> str:
+    lines = [f"{'start ms':>9} {'ms':>7} {'exposed':>8}  {'stream':>6}  kernel"]
+    lines += [
+        f"{r['start_ms']:9.2f} {r['ms']:7.2f} {r['exposed_ms']:8.2f}  {r['stream']!s:>6}  {kind(r['name'])}"
+        for r in rows
+    ]
+    kinds: dict[str, list[float]] = {}
+    for r in rows:
+        total = kinds.setdefault(kind(r["name"]), [0, 0.0, 0.0])
+        total[0] += 1
+        total[1] += r["ms"]
+        total[2] += r["exposed_ms"]
+    lines += ["", f"{'kind':<40} {'kernels':>7} {'ms':>8} {'exposed':>8}"]
+    lines += [f"{k:<40} {n:>7} {ms:8.2f} {ex:8.2f}" for k, (n, ms, ex) in sorted(kinds.items())]
+    lines.append(
+        f"{'all exchanges':<40} {len(rows):>7} {sum(r['ms'] for r in rows):8.2f} "
+        f"{sum(r['exposed_ms'] for r in rows):8.2f}"
+    )
+    worst = sorted(rows, key=lambda r: -r["exposed_ms"])[:top]
+    lines += ["", f"exposed longest ({len(worst)}):"]
+    lines += [
+        f"  {r['exposed_ms']:6.2f} ms of {r['ms']:.2f} at {r['start_ms']:.2f} ms  {kind(r['name'])}" for r in worst
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace", type=Path, help="a Chrome trace (.json or .json.gz) of whole steps")
+    p.add_argument("--steps", type=int, default=5, help="steps the trace holds (profile_model.py's --steps, 5)")
+    p.add_argument("--step", type=int, default=None, help="which one, 0-based (default: the middle one)")
+    p.add_argument("--top", type=int, default=10, help="exchanges exposed longest to list")
+    a = p.parse_args(argv)
+    if a.steps < 1 or a.top < 0:
+        p.error("--steps must be >= 1 and --top >= 0")
+    step = a.steps // 2 if a.step is None else a.step
+    if not 0 <= step < a.steps:
+        p.error(f"--step must be in [0, {a.steps}), got {step}")
+    if not a.trace.is_file():
+        p.error(f"no trace file {a.trace}")
+    try:
+        rows = exchange_rows(step_kernels(load_events(a.trace), a.steps, step))
+    except ValueError as e:
+        p.error(str(e))
+    print(report(rows, a.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

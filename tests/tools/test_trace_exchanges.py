@@ -1,0 +1,62 @@
+"""scripts/trace_exchanges.py: each exchange kernel of one profiled step, and the part no compute kernel covers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import trace_exchanges  # noqa: E402
+
+
+def kernel(name: str, ts: float, dur: float, stream: int = 7) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def one_step(t0: float, a: float, b: float) -> list[dict]:
+    """A step at t0 (us): compute [0, 100), an all-to-all [100 - a, 200 - a) (a us under the compute), compute
+    [300, 300 + b), an all-reduce [300, 400) (b us under it), then a push kernel [500, 510) with nothing under it."""
+    return [
+        kernel("nvjet_gemm", t0, 100.0),
+        kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", t0 + 100.0 - a, 100.0, stream=9),
+        kernel("_swiglu_kernel", t0 + 300.0, b),
+        kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)", t0 + 300.0, 100.0, stream=11),
+        kernel("_push_kernel", t0 + 500.0, 10.0),
+    ]
+
+
+def test_each_exchange_of_the_chosen_step_and_its_exposed_part(tmp_path: Path, capsys) -> None:
+    a, b = random.uniform(0.0, 100.0), random.uniform(0.0, 100.0)
+    events = one_step(0.0, 0.0, 0.0) + one_step(10_000.0, a, b) + one_step(20_000.0, 0.0, 0.0)
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10_050.0, "dur": 500.0})  # host: ignored
+    random.shuffle(events)  # the trace's order is not time order
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = trace_exchanges.exchange_rows(trace_exchanges.step_kernels(trace_exchanges.load_events(path), 3, 1))
+    assert [trace_exchanges.kind(r["name"]) for r in rows] == ["SendRecv", "AllReduce_Sum_bf16_RING_LL", "_push_kernel"]
+    assert [r["stream"] for r in rows] == [9, 11, 7]
+    got = [v for r in rows for v in (r["start_ms"], r["ms"], r["exposed_ms"])]
+    want = [(100.0 - a) / 1e3, 0.1, (100.0 - a) / 1e3, 0.3, 0.1, (100.0 - b) / 1e3, 0.5, 0.01, 0.01]
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert trace_exchanges.main([str(path), "--steps", "3", "--top", "2"]) == 0  # the middle step: the same one
+    out = capsys.readouterr().out
+    assert "all exchanges" in out and f"{(100.0 - a) / 1e3 + (100.0 - b) / 1e3 + 0.01:8.2f}" in out
+
+
+def test_a_trace_that_does_not_split_into_the_steps_is_refused(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": one_step(0.0, 0.0, 0.0) + one_step(1000.0, 0.0, 0.0)}))
+    with pytest.raises(SystemExit) as exc:
+        trace_exchanges.main([str(path), "--steps", "3"])
+    assert exc.value.code == 2 and "do not split into 3 steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        trace_exchanges.main([str(path), "--steps", "2", "--step", "2"])
+    assert "--step must be in [0, 2)" in capsys.readouterr().err
