@@ -83,6 +83,22 @@ def run(
     return snapshot(model, train(model, data, c, out, parallel=par, progress=False, log=None, **kw))
 
 
+def refusal_on_rank(rank: int, world_size: int, data: TokenData, root: str, grad_sync: str, option: str) -> str:
+    """A `run_ranks` worker: the error `train` raises on this rank for an expert-parallel run with the boolean
+    training option `option` (e.g. "captured_step") on and `grad_sync`, under `root/grad_sync` ("no error" if none)."""
+    from occult.lm.parallel import setup_parallel
+
+    par = setup_parallel()
+    torch.manual_seed(0)
+    model = shard_model(full_model(config(data), par), par, None)
+    cfg = train_config(**{option: True, "grad_sync": grad_sync})
+    try:
+        train(model, data, cfg, Path(root) / grad_sync, parallel=par, progress=False, log=None)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def one_process(data: TokenData, c: TrainConfig, out: Path, seed: int = 0, **kw: Any) -> dict:
     """The one-process reference: the model seeded `seed`, trained with `c` (the rest of `kw` goes to
     `train`); its snapshot."""

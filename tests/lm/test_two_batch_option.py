@@ -16,7 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_helpers import PLACEMENT, RTOL, assert_matches, config, load_tiny, one_process, run, train_config
+from _train_helpers import (
+    PLACEMENT,
+    RTOL,
+    assert_matches,
+    config,
+    load_tiny,
+    one_process,
+    refusal_on_rank,
+    run,
+    train_config,
+)
 
 from occult.distributed import run_ranks
 from occult.lm.model import OccultLM
@@ -95,20 +105,9 @@ def test_two_interleaved_halves_train_as_one_process(tmp_path):
         assert not rank["sync_free_plain"]  # (only --two-batch switches the layers to sync-free)
 
 
-def _refusal(rank: int, world_size: int, data, root: str, grad_sync: str) -> str:
-    par = setup_parallel()
-    torch.manual_seed(0)
-    model = shard_model(full_model(config(data), par), par, None)
-    try:
-        train(model, data, train_config(two_batch=True, grad_sync=grad_sync), Path(root), parallel=par, log=None)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 @pytest.mark.parametrize("grad_sync, needle", [("ddp", "DDP's hooks"), ("fsdp", "FSDP2's hooks")])
 def test_refused_on_every_rank_with_hooks_that_expect_one_forward(tmp_path, grad_sync, needle):
-    got = run_ranks(_refusal, 2, load_tiny(), str(tmp_path), grad_sync, timeout_s=180)
+    got = run_ranks(refusal_on_rank, 2, load_tiny(), str(tmp_path), grad_sync, "two_batch", timeout_s=180)
     assert len(got) == 2 and all(needle in m and "--grad-sync explicit" in m for m in got), got
     assert not list(tmp_path.glob("**/*.safetensors"))
 
