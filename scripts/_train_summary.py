@@ -2,7 +2,8 @@
 
     peak OUT.json                     the matmul ceiling: median of an 8192^3 bf16 product (CPU: 1024^3 fp32)
     run RUN_DIR OUT.json --link L --variant V --gpus G   one `occult train` run: tokens/s, MFU, per-step losses
-    link OUT LINK                     the runs of one link -> OUT/train_{LINK}_2xGPU.json with the issue's ratios
+    link OUT LINK [--gpus G]          the runs of one link -> OUT/train_{LINK}_{G}xGPU.json with the issue's ratios
+                                      (G: the multi-GPU runs' count, 2 by default)
     replace OFF_DIR EVERY_DIR OUT.json   re-placement: migrations, E[C_T] and tokens/s before/after, losses vs off
     graphs EAGER GRAPHS EAGER_AGAIN EAGER_PROFILE GRAPHS_PROFILE OUT.json   `--layer-graphs` against the eager layers
                                       (one GPU): tokens/s, MFU, losses step by step (and two eager runs' drift),
@@ -61,10 +62,10 @@ def card_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def jobs_env(runs: dict[str, dict]) -> dict[str, Any] | None:
-    """The two-GPU runs' env blocks as one: their card, commit and link where all agree (else None), dirty if
+def jobs_env(runs: dict[str, dict], gpus: int) -> dict[str, Any] | None:
+    """The `gpus`-GPU runs' env blocks as one: their card, commit and link where all agree (else None), dirty if
     any was, the newest date; None when no run recorded one."""
-    envs = [r["env"] for r in runs.values() if r.get("env") and r.get("gpus") == 2]
+    envs = [r["env"] for r in runs.values() if r.get("env") and r.get("gpus") == gpus]
     if not envs:
         return None
 
@@ -75,7 +76,7 @@ def jobs_env(runs: dict[str, dict]) -> dict[str, Any] | None:
     dirty = [e.get("dirty") for e in envs]
     dates = [e["date"] for e in envs if e.get("date")]
     return {
-        "world_size": 2,
+        "world_size": gpus,
         "gpu": common("gpu"),
         "commit": common("commit"),
         "dirty": True if True in dirty else None if None in dirty else False,
@@ -152,8 +153,9 @@ def best_ratio(runs: dict[str, dict], numerator: str, denominator: str) -> float
     return a / b if a and b else None
 
 
-def link_report(out: Path, link: str) -> dict[str, Any]:
-    """Every run of one link (and the 1-GPU reference) with the issue 38 targets' ratios."""
+def link_report(out: Path, link: str, gpus: int = 2) -> dict[str, Any]:
+    """Every run of one link (and the 1-GPU reference) with the issue 38 targets' ratios; `gpus`: how many the
+    multi-GPU runs had."""
     runs = {}
     for p in sorted((out / "runs").glob("train_*.json")):
         r = json.loads(p.read_text())
@@ -193,7 +195,7 @@ def link_report(out: Path, link: str) -> dict[str, Any]:
     peak_p = out / "peak.json"
     return {
         "link": link,
-        "env": jobs_env(runs),
+        "env": jobs_env(runs, gpus),
         "peak": json.loads(peak_p.read_text()) if peak_p.exists() else None,
         "variants": runs,
         "ratios": ratios,
@@ -347,7 +349,7 @@ def main() -> None:
     p.add_argument("paths", nargs="+")
     p.add_argument("--link", default="nvlink")
     p.add_argument("--variant", default="")
-    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--gpus", type=int, default=None, help="run: the run's GPUs (1); link: the multi-GPU runs' (2)")
     a = p.parse_args()
     if a.job == "peak":
         write(a.paths[0], measure_peak())
@@ -355,10 +357,11 @@ def main() -> None:
         run_dir, dest = Path(a.paths[0]), Path(a.paths[1])
         peak_p = dest.parent.parent / "peak.json"
         peak = json.loads(peak_p.read_text()) if peak_p.exists() else None
-        write(dest, summarise_run(run_dir, a.link, a.variant, a.gpus, peak))
+        write(dest, summarise_run(run_dir, a.link, a.variant, a.gpus or 1, peak))
     elif a.job == "link":
         out = Path(a.paths[0])
-        write(out / f"train_{a.paths[1]}_2xGPU.json", link_report(out, a.paths[1]))
+        gpus = a.gpus or 2
+        write(out / f"train_{a.paths[1]}_{gpus}xGPU.json", link_report(out, a.paths[1], gpus))
     elif a.job == "ab":
         named = dict(arg.split("=", 1) for arg in a.paths[1:])
         write(a.paths[0], ab_report({n: Path(p) for n, p in named.items()}))

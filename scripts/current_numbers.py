@@ -274,7 +274,7 @@ def peers_figures(doc: dict, link: str) -> Iterator[Figure]:
         yield Figure("peers", (str(r["world"]), r["shape"], r.get("name") or r["peer"]), cells)
 
 
-TRAIN_RATIOS = {  # ratio key in train_{link}_2xGPU.json -> (numerator variant, denominator variant, per GPU)
+TRAIN_RATIOS = {  # ratio key in train_{link}_{G}xGPU.json -> (numerator variant, denominator variant, per GPU)
     "dedup_over_standard": ("dedup_ddp", "standard_ddp", False),
     "dedup_over_floor_per_gpu": ("dedup_ddp", "floor", True),
     "dedup_fsdp_over_standard_fsdp": ("dedup_fsdp", "standard_fsdp", False),
@@ -289,15 +289,22 @@ TRAIN_RATIOS = {  # ratio key in train_{link}_2xGPU.json -> (numerator variant, 
 }
 
 
+def train_world(doc: dict) -> str:
+    """How many GPUs a two_gpu_training.sh report's multi-GPU runs had (2 where it predates the record)."""
+    env = doc.get("env") if isinstance(doc.get("env"), dict) else {}
+    return str(env.get("world_size") or 2)
+
+
 def train_figures(doc: dict, link: str) -> Iterator[Figure]:
     variants = doc["variants"]
+    world = train_world(doc)
     for name, (a, b, per_gpu) in TRAIN_RATIOS.items():
         value = doc["ratios"].get(name)
         if value is None or a not in variants or b not in variants:
             continue
         col = "tokens_per_s_per_gpu" if per_gpu else "tokens_per_s"
         sides = f"{a} {variants[a][col]:,.0f} / {b} {variants[b][col]:,.0f}"
-        yield Figure("train", ("2", link, name.replace("_", " ")), (f"{value:.3f}x", sides))
+        yield Figure("train", (world, link, name.replace("_", " ")), (f"{value:.3f}x", sides))
     value = doc["ratios"].get("best_dedup_over_best_floor_per_gpu")
     if value is not None:  # issue 52: the fastest EP dedup mode over the fastest floor, tokens/s per GPU
         a, b = (
@@ -305,7 +312,7 @@ def train_figures(doc: dict, link: str) -> Iterator[Figure]:
             for p in ("dedup", "floor")
         )
         sides = f"{a} {variants[a]['tokens_per_s_per_gpu']:,.0f} / {b} {variants[b]['tokens_per_s_per_gpu']:,.0f}"
-        yield Figure("train", ("2", link, "best dedup over best floor per gpu"), (f"{value:.3f}x", sides))
+        yield Figure("train", (world, link, "best dedup over best floor per gpu"), (f"{value:.3f}x", sides))
 
 
 def train_job_figures(doc: dict, link: str) -> Iterator[Figure]:
@@ -314,7 +321,8 @@ def train_job_figures(doc: dict, link: str) -> Iterator[Figure]:
     if "dedup_ddp" in runs and "dedup_counts_ddp" in runs:
         a, b = runs["dedup_ddp"]["tokens_per_s"], runs["dedup_counts_ddp"]["tokens_per_s"]
         sides = f"dedup_ddp (auto: device transport) {a:,.0f} / dedup_counts_ddp {b:,.0f}"
-        yield Figure("train", ("2", link, "dedup device transport over count exchange"), (f"{a / b:.3f}x", sides))
+        world = str(runs["dedup_ddp"].get("gpus") or 2)
+        yield Figure("train", (world, link, "dedup device transport over count exchange"), (f"{a / b:.3f}x", sides))
 
 
 def train_graphs_figures(doc: dict, link: str) -> Iterator[Figure]:

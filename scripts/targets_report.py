@@ -306,7 +306,7 @@ def serve_rows(name: str, doc: dict) -> list[list[str]]:
     return rows
 
 
-ISSUE52_TRAIN = {  # ratio key in train_{link}_2xGPU.json -> (what it is, {link: target}), issue 52's `occult train`
+ISSUE52_TRAIN = {  # ratio key in train_{link}_{G}xGPU.json -> (what it is, {link: target}), issue 52's `occult train`
     "best_dedup_over_best_floor_per_gpu": (
         "occult train, fastest EP dedup / fastest data-parallel floor, tokens/s per GPU",
         {"nvlink": 0.97},

@@ -2,6 +2,7 @@
 # Issue 38 on a pair of GPUs (the ones CUDA_VISIBLE_DEVICES names), one device call per part:
 #
 #   bash scripts/two_gpu_training.sh OUT [LINKS] [PART]   LINKS: "nvlink slow" (default), PART: train (default) | more | all
+#   GPUS=4 bash scripts/two_gpu_training.sh OUT nvlink train   # the train part's multi-GPU runs on 4 GPUs (issue 52)
 #   DRY_RUN=1 bash scripts/two_gpu_training.sh /tmp/x "nvlink slow" all   # print every command
 #   TINY=1 bash scripts/two_gpu_training.sh /tmp/x "nvlink slow" all      # the same on 2 CPU gloo ranks, tiny sizes
 #
@@ -11,7 +12,8 @@
 #        (--two-batch --captured-step, both links), FSDP2 with the step recorded (NVLink). Runs go in order of
 #        importance; one that would start after BUDGET_S seconds is skipped and listed as such;
 #        ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
-#        those (LINK_VARIANT names as in OUT/runs). -> OUT/train_{link}_2xGPU.json
+#        those (LINK_VARIANT names as in OUT/runs). -> OUT/train_{link}_{GPUS}xGPU.json (GPUS: 2 by default;
+#        the batch is 8 sequences per GPU, the floor data-parallel over all of them)
 # more   finetune --hf on 1 and 2 GPUs + logits through plain transformers -> OUT/finetune_hf_2xGPU.json;
 #        tests/gpu/test_resume_across_gpu_counts.py; re-placement over NCCL -> OUT/replacement_2xGPU.json
 #
@@ -28,7 +30,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} NCCL_NVLS_ENABLE=0 TORCH_S
 source "$(dirname "$0")/_gpu_runs_common.sh"  # run(), train_corpus()
 export TAIL=${TAIL:-6}
 here=$(dirname "$0")
-tr="python3 -m torch.distributed.run --standalone --nproc-per-node 2"  # --standalone: a free port per job
+gpus=${GPUS:-2}  # the train part's multi-GPU runs (the more part: 2)
+case $gpus in 2|3|4|5|6|7|8) ;; *) echo "two_gpu_training.sh: GPUS=$gpus: give 2 to 8" >&2; exit 2 ;; esac
+tr="python3 -m torch.distributed.run --standalone --nproc-per-node $gpus"  # --standalone: a free port per job
+tr2="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
 runs=${RUNS_DIR:-/tmp/occult_two_gpu.$$}  # per job: two jobs may share the host
 budget=${BUDGET_S:-300}  # no train run starts later than this (seconds into the job)
 if [ "${TINY:-0}" = 1 ]; then  # CPU gloo ranks, the same commands at toy sizes
@@ -40,7 +45,7 @@ if [ "${TINY:-0}" = 1 ]; then  # CPU gloo ranks, the same commands at toy sizes
   steps=${STEPS:-6}; every=3; rsteps=${REPLACE_STEPS:-40}; revery=10; tmo=120
 else
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-  if [ "${DRY_RUN:-0}" != 1 ] && [ "$n" -lt 2 ]; then echo "two_gpu_training.sh: needs 2 GPUs (found $n); TINY=1 for CPU" >&2; exit 2; fi
+  if [ "${DRY_RUN:-0}" != 1 ] && [ "$n" -lt "$gpus" ]; then echo "two_gpu_training.sh: needs $gpus GPUs (found $n); TINY=1 for CPU" >&2; exit 2; fi
   size="--hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024"
   cpu=""
   steps=${STEPS:-40}; every=20; rsteps=${REPLACE_STEPS:-1500}; revery=300; tmo=120  # the floor's final save of every expert takes ~30 s
@@ -74,38 +79,38 @@ train_part() {
   run peak 60 python3 "$here/_train_summary.py" peak "$out/peak.json"
   for link in $links; do  # the runs every ratio needs first
     [ "$link" = nvlink ] && train_run nvlink 1gpu 1
-    train_run "$link" floor 2 --ep-size 1
-    train_run "$link" dedup_ddp 2 --dispatcher dedup --grad-sync ddp
-    train_run "$link" standard_ddp 2 --dispatcher standard --grad-sync ddp
+    train_run "$link" floor "$gpus" --ep-size 1
+    train_run "$link" dedup_ddp "$gpus" --dispatcher dedup --grad-sync ddp
+    train_run "$link" standard_ddp "$gpus" --dispatcher standard --grad-sync ddp
     # issue 53: two interleaved micro-batches a step, the step recorded (sync-free layers: either link)
-    [ "${TINY:-0}" = 1 ] || train_run "$link" dedup_twobatch_captured 2 --dispatcher dedup --grad-sync explicit \
+    [ "${TINY:-0}" = 1 ] || train_run "$link" dedup_twobatch_captured "$gpus" --dispatcher dedup --grad-sync explicit \
       --two-batch --captured-step
-    [ "${TINY:-0}" = 1 ] || train_run "$link" floor_captured 2 --ep-size 1 --grad-sync explicit --captured-step
+    [ "${TINY:-0}" = 1 ] || train_run "$link" floor_captured "$gpus" --ep-size 1 --grad-sync explicit --captured-step
   done
   if [[ " $links " == *" nvlink "* ]]; then
-    train_run nvlink dedup_fsdp 2 --dispatcher dedup --grad-sync fsdp
+    train_run nvlink dedup_fsdp "$gpus" --dispatcher dedup --grad-sync fsdp
     # issue 52: FSDP2's gathers and reduce-scatters recorded with the whole step (beside dedup_captured_explicit)
-    [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_fsdp_captured 2 --dispatcher dedup --grad-sync fsdp \
+    [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_fsdp_captured "$gpus" --dispatcher dedup --grad-sync fsdp \
       --transport device --captured-step
     # issue 52: eager FSDP2 with the device transport agreeing once a step (session 15: the per-call host agreement
     # held each rank's host at every layer while FSDP2's work put the ranks apart)
-    [ "${TINY:-0}" = 1 ] || TRAIN_ENV=OCCULT_AGREEMENT=step train_run nvlink dedup_fsdp_agreestep 2 --dispatcher dedup \
+    [ "${TINY:-0}" = 1 ] || TRAIN_ENV=OCCULT_AGREEMENT=step train_run nvlink dedup_fsdp_agreestep "$gpus" --dispatcher dedup \
       --grad-sync fsdp --transport device
-    train_run nvlink standard_fsdp 2 --dispatcher standard --grad-sync fsdp
-    train_run nvlink dedup_device_ddp 2 --dispatcher dedup --grad-sync ddp --transport device  # issue 36: no host wait
+    train_run nvlink standard_fsdp "$gpus" --dispatcher standard --grad-sync fsdp
+    train_run nvlink dedup_device_ddp "$gpus" --dispatcher dedup --grad-sync ddp --transport device  # issue 36: no host wait
     # issue 52: every MoE layer call replayed from CUDA graphs (one GPU: no gain, the host runs ahead there)
-    [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_graphs_ddp 2 --dispatcher dedup --grad-sync ddp --transport device \
+    [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_graphs_ddp "$gpus" --dispatcher dedup --grad-sync ddp --transport device \
       --layer-graphs
     # issue 52: the whole step recorded as one CUDA graph (the gradient all-reduce recorded with it: explicit sync)
-    [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_captured_explicit 2 --dispatcher dedup --grad-sync explicit \
+    [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_captured_explicit "$gpus" --dispatcher dedup --grad-sync explicit \
       --transport device --captured-step
     # "auto" (dedup_ddp) takes the device transport on NVLink: the count exchange beside it
-    train_run nvlink dedup_counts_ddp 2 --dispatcher dedup --grad-sync ddp --transport counts
+    train_run nvlink dedup_counts_ddp "$gpus" --dispatcher dedup --grad-sync ddp --transport counts
     # FSDP2 cost 21-31 % on NVLink with the count exchange: does a layer with no host wait let it prefetch?
-    train_run nvlink dedup_device_fsdp 2 --dispatcher dedup --grad-sync fsdp --transport device
+    train_run nvlink dedup_device_fsdp "$gpus" --dispatcher dedup --grad-sync fsdp --transport device
   fi
   for link in $links; do
-    [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" link "$out" "$link"
+    [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" link "$out" "$link" --gpus "$gpus"
   done
 }
 
@@ -116,7 +121,7 @@ more_part() {
   if [ "${TINY:-0}" = 1 ]; then hfsize=tiny; ftflags="--data random --steps 4 --save-every 0 --no-progress --seq-len 16 --batch-size 4 --device cpu"; fi
   [ "${DRY_RUN:-0}" = 1 ] || { rm -rf "$hf"; python3 "$here/_hf_check.py" make "$hf/src" $hfsize || exit 1; }
   run finetune_hf_1gpu 120 python3 -m occult finetune --hf "$hf/src" --out "$hf/ft1" $ftflags
-  run finetune_hf_2gpu 120 $tr -m occult finetune --hf "$hf/src" --out "$hf/ft2" $ftflags
+  run finetune_hf_2gpu 120 $tr2 -m occult finetune --hf "$hf/src" --out "$hf/ft2" $ftflags
   run finetune_hf_check 90 python3 "$here/_hf_check.py" check "$hf" "$out/finetune_hf_2xGPU.json"
   if [ "${TINY:-0}" = 1 ]; then  # the test's own check on CPU gloo ranks (pytest skips it without GPUs)
     run resume_test 150 python3 tests/gpu/test_resume_across_gpu_counts.py --device cpu
@@ -126,7 +131,7 @@ more_part() {
   for r in off every; do  # the same run without and with re-placement (plain top-k routing: exact)
     local flags=""; [ $r = every ] && flags="--replace-every $revery --replace-check-every 10"
     rm -rf "$runs/replace_$r"
-    run "replace_$r" 150 $tr -m occult train --corpus-dir "$data" --hidden 64 --layers 2 --heads 2 --experts 16 \
+    run "replace_$r" 150 $tr2 -m occult train --corpus-dir "$data" --hidden 64 --layers 2 --heads 2 --experts 16 \
       --top-k 4 --expert-ffn 64 --seq-len 64 --batch-size 16 --steps $rsteps --eval-every $((rsteps / 2)) \
       --eval-tokens 8192 --save-every 0 --lr 3e-3 --warmup 20 --no-progress $cpu \
       --out "$runs/replace_$r" $flags

@@ -115,6 +115,56 @@ def test_two_gpu_training_dry_run_and_errors(tmp_path):
         assert none.returncode == 2 and "needs 2 GPUs" in none.stderr
 
 
+def test_two_gpu_training_takes_more_gpus(tmp_path):
+    """GPUS=4: the train part's multi-GPU runs on 4 ranks with 8 sequences each, the 1-GPU run on one, the more
+    part's two-GPU runs still on 2; a count the script cannot run is exit 2 before any work."""
+    res = _two_gpu(tmp_path, "nvlink", "all", DRY_RUN="1", GPUS="4")
+    assert res.returncode == 0, res.stderr
+    lines = {line.split(":")[0][3:]: line for line in res.stdout.splitlines() if line.startswith("== ")}
+    for name in ("train_nvlink_floor", "train_nvlink_dedup_ddp", "train_nvlink_dedup_fsdp_captured"):
+        assert "--nproc-per-node 4" in lines[name] and "--batch-size 32" in lines[name], lines[name]
+    assert "--nproc-per-node" not in lines["train_nvlink_1gpu"] and "--batch-size 8" in lines["train_nvlink_1gpu"]
+    assert "--nproc-per-node 2" in lines["finetune_hf_2gpu"] and "--nproc-per-node 2" in lines["replace_every"]
+    for bad in ("1", "x"):
+        res = _two_gpu(tmp_path, "nvlink", "train", DRY_RUN="1", GPUS=bad)
+        assert res.returncode == 2 and f"GPUS={bad}: give 2 to 8" in res.stderr and "== " not in res.stdout
+
+
+def test_train_summary_names_the_job_by_its_gpus(tmp_path):
+    """_train_summary.py link --gpus 4: OUT/train_{link}_4xGPU.json, its env block from the 4-GPU runs only."""
+    import json
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    base = {"link": "nvlink", "tokens_per_s": 4000.0, "losses": [5.0, 4.0], "batch_size": 32, "seq_len": 8}
+    for variant, gpus, tps, commit in (
+        ("1gpu", 1, 1200.0, "aaaaaaa"),
+        ("floor", 4, 1000.0, "bbbbbbb"),
+        ("dedup_ddp", 4, 1100.0, "bbbbbbb"),
+    ):
+        env = {
+            "world_size": gpus,
+            "gpu": "card",
+            "commit": commit,
+            "dirty": False,
+            "date": "2026-11-29T00:00:00+00:00",
+            "link": "nvlink",
+        }
+        doc = dict(base, variant=variant, gpus=gpus, tokens_per_s_per_gpu=tps, env=env)
+        (runs / f"train_nvlink_{variant}.json").write_text(json.dumps(doc))
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "_train_summary.py"), "link", str(tmp_path), "nvlink", "--gpus", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "train_nvlink_4xGPU.json").read_text())
+    assert doc["env"]["world_size"] == 4 and doc["env"]["commit"] == "bbbbbbb", doc["env"]
+    assert doc["ratios"]["dedup_over_floor_per_gpu"] == pytest.approx(1.1)
+    assert not (tmp_path / "train_nvlink_2xGPU.json").exists()
+
+
 def test_train_report_table_and_plot(tmp_path):
     """scripts/train_report.py on a made-up link file: variants, ratios against the targets, a PNG."""
     import json
