@@ -44,6 +44,9 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    After /stepgraph it trains too: the recorded step's forward and backward as the two halves
                    interleaved (occult.training.two_batch; with /deferwgrad both halves defer their expert
                    weight gradients), e.g. dedup@syncfree/compile/stepgraph/twobatch
+  <variant>/interleaveK  as /twobatch with K micro-batches (2-16, dividing --batch; prefill only): the turn
+                   passes round all K at every exchange (hf.GraphedForward(micro_batches=K)), e.g.
+                   dedup@syncfree/compile/interleave4 (/interleave2 is /twobatch)
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
                    capture of the model's other layers); for @device, @syncfree variants and replicated;
@@ -244,7 +247,9 @@ def variant_list(text: str) -> list[str]:
         if (is_graphed(v) or layer_graphs(v)) and not (on_device(v) or sync_free(v) or base_variant(v) == "replicated")
     ]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
-    bad += [v for v in names if micro_batches(v) == 2 and not sync_free(v)]
+    bad += [v for v in names if micro_batches(v) > 1 and not sync_free(v)]
+    bad += [v for v in names if micro_batches(v) > 2 and step_graph(v)]  # (a training step: two halves)
+    bad += [v for v in names if INTERLEAVE.search(v) and not 2 <= micro_batches(v) <= 16]
     bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
     bad += [v for v in names if eager_moe(v) and not (is_compiled(v) and base_variant(v) == "replicated")]
     bad += [
@@ -267,7 +272,8 @@ def variant_list(text: str) -> list[str]:
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
             f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
-            f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches), @device or @syncfree ones "
+            f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches) or /interleaveK (K of them, "
+            f"prefill), @device or @syncfree ones "
             f"/traingraphs/compile (training calls replayed too), replicated/eagermoe/compile (MoE blocks "
             f"eager between their layer's graphs), replicated, @device or @syncfree ones /stepgraph (the training "
             f"step in one CUDA graph; not with the other graph modifiers), occult's variants /deferwgrad (the "
@@ -351,25 +357,33 @@ def eager_moe(variant: str) -> bool:
     return "/eagermoe" in variant
 
 
+INTERLEAVE = re.compile(r"/interleave(\d+)$")  # '/interleaveK': K interleaved micro-batches (prefill)
+
+
 def is_graphed(variant: str) -> bool:
     """'dedup@device/graph': the whole prefill forward captured in one CUDA graph (hf.GraphedForward);
-    '/twobatch' too, as two interleaved micro-batches."""
-    return variant.removesuffix("/deferwgrad").endswith(("/graph", "/twobatch"))
+    '/twobatch' and '/interleaveK' too, as two or K interleaved micro-batches."""
+    stem = variant.removesuffix("/deferwgrad")
+    return stem.endswith(("/graph", "/twobatch")) or INTERLEAVE.search(stem) is not None
 
 
 def micro_batches(variant: str) -> int:
     """'dedup@syncfree/compile/twobatch': 2 (hf.GraphedForward(micro_batches=2); after /stepgraph the train
-    step's halves too, occult.training.two_batch); 1 otherwise."""
-    return 2 if variant.removesuffix("/deferwgrad").endswith("/twobatch") else 1
+    step's halves too, occult.training.two_batch); '.../interleaveK': K; 1 otherwise."""
+    stem = variant.removesuffix("/deferwgrad")
+    if stem.endswith("/twobatch"):
+        return 2
+    match = INTERLEAVE.search(stem)
+    return int(match.group(1)) if match else 1
 
 
 def _without_capture(variant: str) -> str:
-    """The variant without its graph modifiers ('/layergraphs', '/traingraphs', '/eagermoe', a final '/graph' or
-    '/twobatch')."""
+    """The variant without its graph modifiers ('/layergraphs', '/traingraphs', '/eagermoe', a final '/graph',
+    '/twobatch' or '/interleaveK')."""
     stem = variant.removesuffix("/deferwgrad")
     for modifier in ("/layergraphs", "/traingraphs", "/eagermoe", "/stepgraph"):
         stem = stem.replace(modifier, "")
-    return stem.removesuffix("/graph").removesuffix("/twobatch")
+    return INTERLEAVE.sub("", stem.removesuffix("/graph").removesuffix("/twobatch"))
 
 
 def phase_list(text: str) -> list[str]:
@@ -438,6 +452,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("batch", "seq", "iters", "check_batch", "check_seq"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    split = [v for v in args.variants if args.batch % micro_batches(v)]
+    if split:
+        p.error(f"--batch {args.batch} does not split into the micro-batches of {', '.join(split)}")
     return args
 
 

@@ -4,9 +4,9 @@ Builds the random OLMoE-1B-7B-shape model of `benchmarks/e2e.py` (fewer layers w
 then, per variant (`native`: unconverted; `occult`: converted over a one-rank group, dedup) and
 phase (`prefill`: 4 x 2048 tokens, logits of the last position; `train`: forward + backward;
 `decode`: one B-row step of `hf.StaticDecoder`, graph-captured for occult with sync-free dispatch,
-eager for native; an e2e.py `/graph` or `/twobatch` variant's prefill replayed from its CUDA graph as e2e.py
-times it, and no train phase; a `/stepgraph` variant's training step replayed from its CUDA graph, two interleaved
-halves for `/stepgraph/twobatch`), profiles a
+eager for native; an e2e.py `/graph`, `/twobatch` or `/interleaveK` variant's prefill replayed from its CUDA
+graph as e2e.py times it, and no train phase; a `/stepgraph` variant's training step replayed from its CUDA
+graph, two interleaved halves for `/stepgraph/twobatch`), profiles a
 few steps under torch.profiler and prints (per step): the
 exchanges' kernels busy (NCCL's, the device transport's push and barrier), every other kernel busy, and both at
 once (the part of the all-to-alls hidden under compute), then: wall ms per step (CUDA
@@ -109,8 +109,9 @@ def profile_steps(step, steps: int, trace_path: str | None = None) -> dict:
 
 
 def phase_step(model, phase: str, args, device, variant: str = "occult"):
-    """One step of `phase` as benchmarks/e2e.py times it for `variant`: a `/graph` or `/twobatch` prefill replayed
-    from its CUDA graph (`hf.GraphedForward`, two interleaved halves for `/twobatch`), other steps eager."""
+    """One step of `phase` as benchmarks/e2e.py times it for `variant`: a `/graph`, `/twobatch` or `/interleaveK`
+    prefill replayed from its CUDA graph (`hf.GraphedForward`, K interleaved micro-batches for `/interleaveK`), other
+    steps eager."""
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     if phase == "prefill" and e2e.is_graphed(variant):

@@ -12,6 +12,11 @@ therefore issues
     B  experts(B), combine(B)              | turn to A    (under combine(A))
     A  the next layer's attention, ...                     (under combine(B))
 
+With k streams (`run_interleaved(run, streams)`, len(streams) = k > 2) the batch goes as k micro-batches and
+the turn passes round them in index order: per layer every micro-batch's dispatch, then every one's combine,
+each under the compute of the micro-batches after it (more compute under each exchange, at GEMMs of 1/k the
+rows; docs/overlap.md).
+
 Each half issues onto a stream of its own (`streams[i]`), so a half's wait for its exchange orders
 only its own stream; the exchanges (NCCL, one process group) run on the group's stream in exactly
 that order on every rank. Nothing here waits for the GPU: it pays where the whole forward is
@@ -117,21 +122,26 @@ class _Tied(torch.autograd.Function):
 
 
 def interleaving() -> bool:
-    """Whether this thread runs one half of `run_interleaved`."""
+    """Whether this thread runs one micro-batch of `run_interleaved`."""
     return getattr(_local, "hand_over", None) is not None
 
 
 class _Turn:
-    """Two threads, one runs at a time; `hand_over` gives the turn away and waits for it back. A
-    finished thread (`release`) never takes the turn again, so the other runs on alone."""
+    """`parts` threads, one runs at a time; `hand_over` gives the turn to the next unfinished thread (in index
+    order, round the circle) and waits for it back. A finished thread (`release`) never takes the turn again,
+    so the others go on without it (the last runs on alone)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parts: int) -> None:
         self._cond = threading.Condition()
         self._turn = 0
-        self._done = [False, False]
+        self._done = [False] * parts
+
+    def _next(self, me: int) -> int:
+        parts = len(self._done)
+        return next((j % parts for j in range(me + 1, me + parts + 1) if not self._done[j % parts]), me)
 
     def _wait(self, me: int) -> None:
-        while self._turn != me and not self._done[1 - me]:
+        while self._turn != me:
             self._cond.wait()
 
     def take(self, me: int) -> None:
@@ -140,14 +150,14 @@ class _Turn:
 
     def hand_over(self, me: int) -> None:
         with self._cond:
-            self._turn = 1 - me
+            self._turn = self._next(me)
             self._cond.notify_all()
             self._wait(me)
 
     def release(self, me: int) -> None:
         with self._cond:
             self._done[me] = True
-            self._turn = 1 - me
+            self._turn = self._next(me)
             self._cond.notify_all()
 
 
@@ -175,19 +185,25 @@ def _caller_state() -> Callable[[ExitStack, Any], None]:
     return enter
 
 
+MAX_PARTS = 16  # micro-batches (threads) of one run_interleaved call
+
+
 def run_interleaved(run: Callable[[int], T], streams: Sequence[Any] = (None, None)) -> list[T]:
-    """[run(0), run(1)], the two interleaved at every expert-parallel layer's exchanges (module
-    docstring), half i on `streams[i]` (None: the thread's current stream). Every rank must call it
-    with the same model and halves of the same shapes. An error in either half is raised here after
-    both threads ended (the other half's, if any, noted)."""
+    """[run(0), ..., run(k - 1)] for k = len(streams) micro-batches (2 by default: two halves), interleaved at
+    every expert-parallel layer's exchanges (module docstring), micro-batch i on `streams[i]` (None: the thread's
+    current stream). Every rank must call it with the same model, k and micro-batches of the same shapes. An
+    error in any is raised here after every thread ended (the others', if any, noted)."""
     if interleaving():
         raise RuntimeError("two-batch overlap cannot be nested")
-    turn, enter = _Turn(), _caller_state()
+    parts = len(streams)
+    if not 2 <= parts <= MAX_PARTS:
+        raise ValueError(f"interleave 2 to {MAX_PARTS} micro-batches (one stream each), got {parts}")
+    turn, enter = _Turn(parts), _caller_state()
     chain = _Chain() if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() else None
-    results: list[Any] = [None, None]
-    errors: list[BaseException | None] = [None, None]
+    results: list[Any] = [None] * parts
+    errors: list[BaseException | None] = [None] * parts
 
-    def half(me: int) -> None:
+    def part(me: int) -> None:
         _local.hand_over = lambda: turn.hand_over(me)
         _local.chain = chain
         try:
@@ -201,14 +217,16 @@ def run_interleaved(run: Callable[[int], T], streams: Sequence[Any] = (None, Non
             _local.hand_over = _local.chain = None
             turn.release(me)
 
-    threads = [threading.Thread(target=half, args=(i,), name=f"occult-two-batch-{'AB'[i]}") for i in (0, 1)]
+    threads = [
+        threading.Thread(target=part, args=(i,), name=f"occult-two-batch-{chr(ord('A') + i)}") for i in range(parts)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     failed = [e for e in errors if e is not None]
     if failed:
-        if len(failed) == 2:
-            failed[0].add_note(f"the other half failed too: {type(failed[1]).__name__}: {failed[1]}")
+        for other in failed[1:]:
+            failed[0].add_note(f"another micro-batch failed too: {type(other).__name__}: {other}")
         raise failed[0]
     return results

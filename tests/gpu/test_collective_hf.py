@@ -246,12 +246,13 @@ def test_graphed_forward_over_the_device_transport(ranks):
     assert ranks.all_max(worst) < 1e-5, worst
 
 
-def test_graphed_forward_as_two_interleaved_micro_batches(ranks):
-    """`hf.GraphedForward(micro_batches=2)` of a sync-free model whose layers have graphs of their own
-    (as `compile_layers` sets them; a half never records one): the batch's halves interleaved at every
-    exchange (two threads, two streams of one capture) give the eager forward's logits (fp32: within 1e-5)
-    replay after replay, and no layer recorded a graph; an odd batch is refused. Over gloo (ranks sharing a
-    GPU) the capture is refused up front, and the layers still run."""
+@pytest.mark.parametrize("parts", [2, 3])
+def test_graphed_forward_as_interleaved_micro_batches(ranks, parts):
+    """`hf.GraphedForward(micro_batches=parts)` of a sync-free model whose layers have graphs of their own
+    (as `compile_layers` sets them; a micro-batch never records one): the batch's parts interleaved at every
+    exchange (`parts` threads, as many streams of one capture) give the eager forward's logits (fp32: within
+    1e-5) replay after replay, and no layer recorded a graph; a batch `parts` does not divide is refused. Over
+    gloo (ranks sharing a GPU) the capture is refused up front, and the layers still run."""
     from occult import ExecConfig, OccultMoE, set_sync_free
 
     if ranks.device.type != "cuda":
@@ -266,19 +267,20 @@ def test_graphed_forward_as_two_interleaved_micro_batches(ranks):
     set_sync_free(model, True)
     if ranks.backend != "nccl":  # gloo's collectives run on the host: refused before any capture, CUDA intact
         with pytest.raises(ValueError, match="cannot record"):
-            hf.GraphedForward(model, 4, 9, micro_batches=2)
+            hf.GraphedForward(model, 2 * parts, 9, micro_batches=parts)
         with torch.no_grad():
             assert torch.isfinite(model(input_ids=torch.full((2, 5), 3, device=dev), use_cache=False).logits).all()
         return
-    with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
-        hf.GraphedForward(model, 3, 7, micro_batches=2)
+    with pytest.raises(ValueError, match="and divide the batch"):
+        hf.GraphedForward(model, parts + 1, 7, micro_batches=parts)
     gen = torch.Generator().manual_seed(seed + ranks.rank)
-    graphed = hf.GraphedForward(model, 4, 9, micro_batches=2)
+    batch = 2 * parts
+    graphed = hf.GraphedForward(model, batch, 9, micro_batches=parts)
     recorded = sum(len(m.graphs) for m in model.modules() if isinstance(m, OccultMoE))  # before any eager call
     worst = 0.0
     with torch.no_grad():
         for _ in range(3):
-            ids = torch.randint(3, VOCAB, (4, 9), generator=gen).to(dev)
+            ids = torch.randint(3, VOCAB, (batch, 9), generator=gen).to(dev)
             got = graphed(ids).clone()
             worst = max(worst, _rel(got, model(input_ids=ids, use_cache=False).logits[:, -1]))
     graphed.release()

@@ -1,7 +1,8 @@
-"""Two-batch overlap (`occult.moe.two_batch`, behind `hf.GraphedForward(micro_batches=2)`): on gloo
-ranks two halves of a batch through two sync-free expert-parallel layers (dedup and standard over a placement,
-and dedup pruned to one device per token), interleaved, give the whole batch's output, and every rank issues the
-exchanges in the interleaved order (A's dispatch, B's dispatch, A's combine, B's combine, layer after layer); the
+"""Two-batch overlap (`occult.moe.two_batch`, behind `hf.GraphedForward(micro_batches=k)`): on gloo
+ranks two halves (and three micro-batches) of a batch through two sync-free expert-parallel layers (dedup and
+standard over a placement, and dedup pruned to one device per token), interleaved, give the whole batch's output,
+and every rank issues the exchanges in the interleaved order (A's dispatch, B's dispatch, A's combine, B's combine,
+layer after layer; with three, C's after B's); the turn skips a finished micro-batch; the
 caller's grad mode reaches the halves; an error in a half is raised in the caller after both threads end, never a
 hang; nesting is refused; what `GraphedForward` refuses. (The halves on two streams of one capture:
 tests/gpu/test_collective_hf.py.)"""
@@ -61,28 +62,31 @@ def _worker(rank: int, world: int, seed: int) -> dict:
         for layer in layers:
             layer.sync_free = True
         x = torch.randn(2 * 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 7 + rank))
+        log: list = []
+        for i, layer in enumerate(layers):
+            _logged(layer, i, log)
         with torch.no_grad():
             whole = model(x)
-            log: list = []
-            for i, layer in enumerate(layers):
-                _logged(layer, i, log)
-            halves = run_interleaved(lambda i: model(x.chunk(2)[i]))
-        out[name] = {
-            "error": float((torch.cat(halves) - whole).abs().max()),
-            "order": log,
-            "grad": [h.requires_grad for h in halves],
-        }
+            for parts in (2, 3):  # halves, and three micro-batches (the turn round all three)
+                log.clear()
+                micro = run_interleaved(lambda i: model(x.chunk(parts)[i]), (None,) * parts)
+                out[name, parts] = {
+                    "error": float((torch.cat(micro) - whole).abs().max()),
+                    "order": list(log),
+                    "grad": [m.requires_grad for m in micro],
+                }
     return out
 
 
-def test_two_interleaved_halves_give_the_whole_batch_in_the_interleaved_order():
+def test_interleaved_micro_batches_give_the_whole_batch_in_the_interleaved_order():
     per_rank = run_ranks(_worker, WORLD, random.randrange(2**31), timeout_s=300)
-    expected = [(half, layer, op) for layer in (0, 1) for op in ("dispatch", "combine") for half in "AB"]
     for rank, out in enumerate(per_rank):
-        for name, got in out.items():
-            assert got["error"] < 1e-12, (rank, name, got["error"])
-            assert got["order"] == expected, (rank, name, got["order"])
-            assert got["grad"] == [False, False], (rank, name)  # no_grad carried into the threads
+        for (name, parts), got in out.items():
+            letters = "ABC"[:parts]
+            expected = [(m, layer, op) for layer in (0, 1) for op in ("dispatch", "combine") for m in letters]
+            assert got["error"] < 1e-12, (rank, name, parts, got["error"])
+            assert got["order"] == expected, (rank, name, parts, got["order"])
+            assert got["grad"] == [False] * parts, (rank, name)  # no_grad carried into the threads
 
 
 def test_an_error_in_a_half_is_raised_after_both_end():
@@ -99,6 +103,38 @@ def test_an_error_in_a_half_is_raised_after_both_end():
     with pytest.raises(KeyError, match="half B"):
         run_interleaved(run)
     assert finished == [0]  # A ran on alone to its end once B had failed
+
+
+def test_the_turn_goes_round_unfinished_micro_batches_and_an_error_waits_for_all():
+    """Three micro-batches with 3, 1 and 2 exchanges: the turn passes A, B, C, A, then skips B (finished); an error
+    in one of three is raised once the other two ran to their ends, the others' noted; 1 or 17 streams refused."""
+    order = []
+
+    def run(i: int) -> int:
+        for step in range((3, 1, 2)[i]):
+            order.append((i, step))
+            exchange_issued()
+        return i
+
+    assert run_interleaved(run, (None,) * 3) == [0, 1, 2]
+    assert order == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
+    finished = []
+
+    def failing(i: int) -> int:
+        exchange_issued()
+        if i > 0:
+            raise KeyError(f"micro-batch {i}")
+        exchange_issued()
+        finished.append(i)
+        return i
+
+    with pytest.raises(KeyError, match="micro-batch 1") as raised:
+        run_interleaved(failing, (None,) * 3)
+    assert finished == [0]
+    assert any("micro-batch 2" in note for note in raised.value.__notes__)
+    for streams in ((None,), (None,) * 17):
+        with pytest.raises(ValueError, match="interleave 2 to 16 micro-batches"):
+            run_interleaved(lambda i: i, streams)
 
 
 def test_turns_alternate_at_each_exchange_and_nesting_is_refused():
@@ -125,16 +161,17 @@ def test_graphed_forward_refuses_what_two_micro_batches_cannot_run():
     from occult.integrations.hf.graphed import check_micro_batches
 
     model = hf.convert(hf.tiny_random_model("olmoe", seed=3, vocab_size=64, num_hidden_layers=2), group=None)
-    with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
-        check_micro_batches(model, 3, 2)
-    with pytest.raises(ValueError, match="micro_batches must be 1 or 2"):
-        check_micro_batches(model, 4, 3)
+    for batch, parts in ((3, 2), (4, 3), (4, 0), (34, 17)):
+        with pytest.raises(ValueError, match="micro_batches must be 1 to 16 and divide the batch"):
+            check_micro_batches(model, batch, parts)
     layer = next(m for m in model.modules() if isinstance(m, OccultMoE))
     layer.num_ranks = 2  # stands in for an expert-parallel layer over the device transport (not sync-free)
-    with pytest.raises(ValueError, match="need sync-free MoE layers"):
-        check_micro_batches(model, 4, 2)
+    for parts in (2, 3):
+        with pytest.raises(ValueError, match=f"{parts} interleaved micro-batches need sync-free MoE layers"):
+            check_micro_batches(model, 6, parts)
     layer.sync_free = True
     check_micro_batches(model, 4, 2)
+    check_micro_batches(model, 6, 3)
     check_micro_batches(model, 3, 1)
 
 

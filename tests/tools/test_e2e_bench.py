@@ -378,15 +378,26 @@ def test_e2e_transport_and_graph_modifiers():
         "dedup@device/twobatch",  # two interleaved micro-batches: sync-free layers only
         "replicated/compile/twobatch",
         "dedup@syncfree/twobatch/compile",
+        "dedup@device/interleave3",  # K interleaved micro-batches: sync-free, 2-16, prefill only
+        "dedup@syncfree/interleave1",
+        "dedup@syncfree/interleave17",
+        "dedup@syncfree/compile/stepgraph/interleave3",
+        "dedup@syncfree/interleave3/deferwgrad",
     ):
         with pytest.raises(Exception, match="unknown variant"):
             e2e.variant_list(bad)
-    two = e2e.variant_list("dedup@syncfree/compile/twobatch,dedup@syncfree/twobatch,dedup@syncfree/graph")
+    two = e2e.variant_list(
+        "dedup@syncfree/compile/twobatch,dedup@syncfree/twobatch,dedup@syncfree/graph,dedup@syncfree/compile/interleave4"
+    )
     assert [(e2e.base_variant(v), e2e.is_graphed(v), e2e.micro_batches(v), e2e.is_compiled(v)) for v in two] == [
         ("dedup", True, 2, True),
         ("dedup", True, 2, False),
         ("dedup", True, 1, False),
+        ("dedup", True, 4, True),
     ]
+    assert e2e.parse_args(["--variants", "dedup@syncfree/interleave4", "--batch", "8"]).batch == 8
+    with pytest.raises(SystemExit):  # --batch 6 does not split in 4 (argparse's message, exit 2)
+        e2e.parse_args(["--variants", "dedup@syncfree/interleave4", "--batch", "6"])
 
 
 def test_native_compile_compiles_the_decoder_layers(monkeypatch):

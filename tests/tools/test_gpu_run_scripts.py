@@ -53,6 +53,7 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
                 "publish",
                 "publish-slow",
                 "issue52",
+                "interleave",
                 "peer",
                 "train",
                 "train-slow",

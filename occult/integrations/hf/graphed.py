@@ -16,7 +16,8 @@ capture, interleaved at every MoE layer's exchanges (`occult.moe.two_batch`: two
 so that the replay runs one half's attention and experts while the other half's all-to-all is on the
 wire. Sync-free layers only. Each half is a complete forward (the same function, rows split by
 sequence). It pays where the all-to-alls are long against the compute (a slow link), not over NVLink
-(docs/overlap.md has the measurements).
+(docs/overlap.md has the measurements). `micro_batches=k` > 2: k micro-batches the same way, the turn
+passing round them (more compute under each exchange, GEMMs of 1/k the rows).
 Inference only (no autograd). Every rank of the group captures and replays together, like any
 forward of a converted model. The graph holds the layers' collectives, so it is registered with
 `occult.teardown` (released before any process group is destroyed); `release()` frees it sooner.
@@ -33,7 +34,7 @@ import torch.nn as nn
 from occult.moe.capture_stream import autocast_uncached
 from occult.moe.layer import OccultMoE
 from occult.moe.model_layers import exchanging_with_buffers, uncapturable_layers
-from occult.moe.two_batch import run_interleaved
+from occult.moe.two_batch import MAX_PARTS, run_interleaved
 from occult.teardown import hold_collectives
 
 
@@ -75,15 +76,17 @@ def masks_as_eager() -> Iterator[None]:
 
 
 def check_micro_batches(model: nn.Module, batch: int, micro_batches: int) -> None:
-    """Raise unless `micro_batches` is 1, or 2 with an even batch and every expert-parallel layer sync-free
-    (two exchanges of one group in flight at once would share the device transport's buffers)."""
-    if micro_batches not in (1, 2) or batch % micro_batches:
-        raise ValueError(f"micro_batches must be 1 or 2, dividing the batch ({batch}); got {micro_batches}")
-    on_device = exchanging_with_buffers(model)
-    if micro_batches == 2 and on_device:
+    """Raise unless `micro_batches` is 1, or 2 to `MAX_PARTS` dividing the batch with every expert-parallel layer
+    sync-free (two exchanges of one group in flight at once would share the device transport's buffers)."""
+    if not 1 <= micro_batches <= MAX_PARTS or batch % micro_batches:
         raise ValueError(
-            f"two micro-batches need sync-free MoE layers; {len(on_device)} are not, e.g. {on_device[0]}: "
-            "call occult.set_sync_free(model) first"
+            f"micro_batches must be 1 to {MAX_PARTS} and divide the batch ({batch} sequences); got {micro_batches}"
+        )
+    on_device = exchanging_with_buffers(model)
+    if micro_batches > 1 and on_device:
+        raise ValueError(
+            f"{micro_batches} interleaved micro-batches need sync-free MoE layers; {len(on_device)} are not, e.g. "
+            f"{on_device[0]}: call occult.set_sync_free(model) first"
         )
 
 
@@ -92,8 +95,8 @@ class GraphedForward:
 
     `last_only`: the last position's logits [B, V] (a prefill; transformers' `logits_to_keep=1`),
     else every position's [B, S, V]. `warmup`: eager forwards at the shape before the capture (on
-    a side stream: Triton compiles, buffers grow, the allocator settles). `micro_batches`: 1, or 2
-    (module docstring; an even `batch`, expert-parallel layers sync-free).
+    a side stream: Triton compiles, buffers grow, the allocator settles). `micro_batches`: 1, or 2 to
+    `occult.moe.two_batch.MAX_PARTS` dividing `batch` (module docstring; expert-parallel layers sync-free).
     """
 
     def __init__(
@@ -126,7 +129,7 @@ class GraphedForward:
         self.last_only = last_only
         self.ids_BS = torch.zeros(batch, seq, dtype=torch.long, device=device)
         self._model = model
-        self._forward = self._forward_one if micro_batches == 1 else self._two_batches(device)
+        self._forward = self._forward_one if micro_batches == 1 else self._interleaved(device, micro_batches)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         # the warm-up in the capture's autocast state (the weight cache off: occult.moe.capture_stream), so a
@@ -161,21 +164,21 @@ class GraphedForward:
     def _forward_one(self) -> torch.Tensor:
         return self._logits(self.ids_BS)
 
-    def _two_batches(self, device: torch.device) -> Callable[[], torch.Tensor]:
-        """The forward as two halves interleaved at the exchanges, each on its own stream forked from
+    def _interleaved(self, device: torch.device, parts: int) -> Callable[[], torch.Tensor]:
+        """The forward as `parts` micro-batches interleaved at the exchanges, each on its own stream forked from
         (and joined back into) the current one."""
-        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        streams = tuple(torch.cuda.Stream(device) for _ in range(parts))
 
         def forward() -> torch.Tensor:
             main = torch.cuda.current_stream(device)
             for stream in streams:
                 stream.wait_stream(main)
-            halves = self.ids_BS.chunk(2)
-            logits = run_interleaved(lambda i: self._logits(halves[i]), streams)
-            for stream, half in zip(streams, logits):
+            micro = self.ids_BS.chunk(parts)
+            logits = run_interleaved(lambda i: self._logits(micro[i]), streams)
+            for stream, part in zip(streams, logits):
                 main.wait_stream(stream)
                 if not torch.cuda.is_current_stream_capturing():  # (a capture keeps its memory)
-                    half.record_stream(main)
+                    part.record_stream(main)
             return torch.cat(logits)
 
         return forward
