@@ -44,6 +44,10 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    After /stepgraph it trains too: the recorded step's forward and backward as the two halves
                    interleaved (occult.training.two_batch; with /deferwgrad both halves defer their expert
                    weight gradients), e.g. dedup@syncfree/compile/stepgraph/twobatch
+  <variant>/1f1b   train, with --accumulate K >= 2: the step's K micro-batches paired, micro-batch i+1's forward
+                   with micro-batch i's backward (combined 1F1B, occult.training.accumulation: each side's
+                   all-to-alls under the other's compute); @syncfree variants, not with /twobatch, e.g.
+                   dedup@syncfree/compile/stepgraph/1f1b (every other variant accumulates the K in turn)
   <variant>/interleaveK  as /twobatch with K micro-batches (2-16, dividing --batch; prefill only): the turn
                    passes round all K at every exchange (hf.GraphedForward(micro_batches=K)), e.g.
                    dedup@syncfree/compile/interleave4 (/interleave2 is /twobatch)
@@ -157,6 +161,7 @@ from occult.moe import symm  # noqa: E402  (the device transport: where it can r
 from occult.moe.model_layers import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
 from occult.tools.bench import variant_sync_free  # noqa: E402
+from occult.training.accumulation import accumulate_backward  # noqa: E402
 from occult.training.bucketed_sync import BucketedSync  # noqa: E402
 from occult.training.optim import adamw  # noqa: E402
 from occult.training.step_graph import CudaRecorder, StepGraph, model_signature  # noqa: E402
@@ -249,6 +254,7 @@ def variant_list(text: str) -> list[str]:
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
     bad += [v for v in names if micro_batches(v) > 1 and not sync_free(v)]
     bad += [v for v in names if micro_batches(v) > 2 and step_graph(v)]  # (a training step: two halves)
+    bad += [v for v in names if paired(v) and not pairable(v)]
     bad += [v for v in names if INTERLEAVE.search(v) and not 2 <= micro_batches(v) <= 16]
     bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
     bad += [v for v in names if eager_moe(v) and not (is_compiled(v) and base_variant(v) == "replicated")]
@@ -272,8 +278,8 @@ def variant_list(text: str) -> list[str]:
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
             f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
-            f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches) or /interleaveK (K of them, "
-            f"prefill), @device or @syncfree ones "
+            f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches), /interleaveK (K of them, "
+            f"prefill) or /1f1b (train: the --accumulate micro-batches paired), @device or @syncfree ones "
             f"/traingraphs/compile (training calls replayed too), replicated/eagermoe/compile (MoE blocks "
             f"eager between their layer's graphs), replicated, @device or @syncfree ones /stepgraph (the training "
             f"step in one CUDA graph; not with the other graph modifiers), occult's variants /deferwgrad (the "
@@ -329,6 +335,20 @@ def step_graph(variant: str) -> bool:
     return "/stepgraph" in variant
 
 
+def paired(variant: str) -> bool:
+    """'dedup@syncfree/compile/stepgraph/1f1b': the train step's --accumulate micro-batches paired (combined 1F1B,
+    occult.training.accumulation)."""
+    return variant.removesuffix("/deferwgrad").endswith("/1f1b")
+
+
+def pairable(variant: str) -> bool:
+    """Whether a '/1f1b' variant's step can pair its micro-batches: sync-free, no graph modifier but /stepgraph
+    (the whole step recorded), not split into halves or K parts itself."""
+    unpaired = variant.removesuffix("/deferwgrad").removesuffix("/1f1b")
+    plain = not (is_graphed(unpaired) or layer_graphs(unpaired) or train_graphs(unpaired))
+    return sync_free(variant) and plain and micro_batches(unpaired) == 1
+
+
 def deferred_wgrad(variant: str) -> bool:
     """'dedup@device/compile/deferwgrad': OCCULT_DEFER_WGRAD=1 while this variant runs (`variant_settings`)."""
     return variant.endswith("/deferwgrad")
@@ -378,9 +398,9 @@ def micro_batches(variant: str) -> int:
 
 
 def _without_capture(variant: str) -> str:
-    """The variant without its graph modifiers ('/layergraphs', '/traingraphs', '/eagermoe', a final '/graph',
-    '/twobatch' or '/interleaveK')."""
-    stem = variant.removesuffix("/deferwgrad")
+    """The variant without its graph and schedule modifiers ('/layergraphs', '/traingraphs', '/eagermoe', a final
+    '/graph', '/twobatch', '/interleaveK' or '/1f1b')."""
+    stem = variant.removesuffix("/deferwgrad").removesuffix("/1f1b")
     for modifier in ("/layergraphs", "/traingraphs", "/eagermoe", "/stepgraph"):
         stem = stem.replace(modifier, "")
     return INTERLEAVE.sub("", stem.removesuffix("/graph").removesuffix("/twobatch"))
@@ -424,6 +444,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train: the replicated gradients all-reduced after the backward (hf.sync_gradients), or in buckets "
         "during it (occult.training.bucketed_sync, as DDP does, recordable in /stepgraph); every variant alike",
     )
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="train: the step's --batch sequences as this many micro-batches, their gradients accumulated (in turn; "
+        "paired for /1f1b variants); with --dense-sync after",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
     p.add_argument("--router-std", type=float, default=0.05, help="router weight std at hidden 2048")
@@ -455,6 +482,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     split = [v for v in args.variants if args.batch % micro_batches(v)]
     if split:
         p.error(f"--batch {args.batch} does not split into the micro-batches of {', '.join(split)}")
+    if args.accumulate < 1 or args.batch % args.accumulate:
+        p.error(f"--accumulate {args.accumulate}: give a count >= 1 that divides --batch {args.batch}")
+    if args.accumulate > 1 and args.dense_sync != "after":
+        p.error("--accumulate reduces the dense gradients once, after the last micro-batch: use --dense-sync after")
+    if args.accumulate > 1 and any(micro_batches(v) == 2 and step_graph(v) for v in args.variants):
+        p.error("--accumulate and /stepgraph/twobatch: choose one way to split the step (or /1f1b to pair the K)")
+    if args.accumulate < 2 and any(paired(v) for v in args.variants):
+        p.error("/1f1b pairs the step's micro-batches: give --accumulate 2 or more")
     return args
 
 
@@ -688,9 +723,13 @@ def make_step(
     captured: bool = False,
     micro_batches: int = 1,
     dense_sync: str = "after",
+    accumulate: int = 1,
+    pair: bool = False,
 ) -> Callable[[torch.Tensor], None]:
     """One prefill or train step on ids [B, S]; `captured`: the train step recorded as one CUDA graph;
     `micro_batches=2`: its forward and backward as the batch's two halves interleaved (occult.training.two_batch);
+    `accumulate=K`: the train step as K micro-batches, their gradients accumulated, in turn or, `pair`, paired
+    (occult.training.accumulation);
     `dense_sync="overlap"`: the replicated gradients all-reduced in buckets during the backward
     (occult.training.bucketed_sync) instead of after it (`hf.sync_gradients`)."""
     if phase == "prefill":
@@ -714,6 +753,8 @@ def make_step(
         with agreed_step(model, ids_BS.numel()):  # as occult's trainers run a step (OCCULT_AGREEMENT=step: agreed once)
             if micro_batches == 2:
                 loss = interleaved_backward(model, loss_of, ids_BS.chunk(2))
+            elif accumulate > 1:
+                loss = accumulate_backward(model, loss_of, ids_BS.chunk(accumulate), paired=pair)
             else:
                 loss = loss_of(ids_BS)
                 loss.backward()
@@ -949,7 +990,14 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                     tt_model.make_step(model, phase, optimizer)
                     if titan
                     else make_step(
-                        model, phase, optimizer, step_graph(variant), micro_batches(variant), args.dense_sync
+                        model,
+                        phase,
+                        optimizer,
+                        step_graph(variant),
+                        micro_batches(variant),
+                        args.dense_sync,
+                        args.accumulate,
+                        paired(variant),
                     )
                 )
             first_s = (
@@ -961,7 +1009,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             if first_s is not None:  # the phase's compilation: its first step less a steady one
                 out["compile_s"] = first_s - out["ms_median"] / 1e3
             out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase))
-            out["comm"] = model.comm_stats() if titan else comm_stats(model, device, micro_batches(variant))
+            calls = micro_batches(variant) * (args.accumulate if phase == "train" else 1)  # layer calls a step
+            out["comm"] = model.comm_stats() if titan else comm_stats(model, device, calls)
             if optimizer is not None:  # e.g. "occult AdamW", "torch AdamW" (what --optimizer adamw gave this side)
                 out["optimizer"] = f"{type(optimizer).__module__.split('.')[0]} {type(optimizer).__name__}"
             flops = (

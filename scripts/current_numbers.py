@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_phases import phase_label  # noqa: E402
 from result_provenance import SKIP_DIRS, job_provenance, stamp  # noqa: E402
 from targets_report import SERVE_FLOORS, best_variant, phase_ms, step_ms  # noqa: E402
 
@@ -169,7 +170,7 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
     model, world = doc["config"]["model"], str(doc["env"].get("world_size"))
     for phase in doc["config"].get("phases", ()):
         timed = {v: ms for v, ms in phase_ms(doc, phase).items() if not any(x in v for x in REMOVED)}
-        key = (world, link, model, phase)
+        key = (world, link, model, phase_label(doc, phase))
         floor, best = best_variant(timed, "replicated"), best_variant(timed, "dedup")
         if world != "1" and floor and best:
             std = fmt_ratio(timed["standard"], best[1]) if "standard" in timed else "-"

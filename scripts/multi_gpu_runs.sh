@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -45,6 +45,10 @@
 #           compute under each exchange, GEMMs of 1/K the rows; e2e.py's 4 x 2048 tokens, so one sequence each)
 #           beside one captured batch and the floor, one job per link (LINKS="nvlink slow" by default, MODELS=olmoe by default; ~3 min each);
 #           a K that never wins is removed again (docs/overlap.md, "K interleaved micro-batches")
+# pair      issue 53: the train step as 4 accumulated micro-batches of 2 x 2048 tokens (--batch 8 --accumulate 4), in
+#           turn and paired (/1f1b: micro-batch i+1's forward with micro-batch i's backward, combined 1F1B), the
+#           floor accumulating the same, one job per link (LINKS, MODELS as above; ~4 min each); removed again if
+#           it never wins (docs/overlap.md, "Combined 1F1B")
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -64,8 +68,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -178,6 +182,16 @@ case $part in
         run "interleave_${model}_$link" 400 env $env_ $tr benchmarks/e2e.py --model $model --phases prefill \
           --variants replicated/compile/graph,$sf/graph,$sf/twobatch,$sf/interleave4 \
           --out "$out/e2e_${model}_interleave_${link}_${n}gpu.json"
+      done
+    done ;;&
+  pair|all)  # issue 53: accumulated micro-batches paired (combined 1F1B) against the same accumulated in turn
+    for model in ${MODELS:-olmoe}; do
+      for link in ${LINKS:-nvlink slow}; do
+        env_=""; [ $link = slow ] && env_="NCCL_P2P_DISABLE=1"
+        sf=dedup@syncfree/compile/stepgraph
+        run "pair_${model}_$link" 450 env $env_ $tr benchmarks/e2e.py --model $model --phases train --batch 8 \
+          --accumulate 4 --variants replicated/compile/stepgraph,$sf/deferwgrad,$sf/1f1b,$sf/1f1b/deferwgrad \
+          --out "$out/e2e_${model}_pair_${link}_${n}gpu.json"
       done
     done ;;&
   peer|all)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_phases import phase_label  # noqa: E402
 from result_provenance import LINKS, SKIP_DIRS, own_record  # noqa: E402
 from train_report import TARGETS as TRAIN_TARGETS  # noqa: E402  (scripts/train_report.py: issue 38's ratios)
 
@@ -171,7 +172,8 @@ def e2e_rows(name: str, doc: dict) -> list[list[str]]:
             limit, r = WHOLE_MODEL[(link, phase)], best[1] / floor[1]
             rows.append(
                 [
-                    f"36: whole model ({model}), best dedup / best replicated, {phase}, {link}: <= {limit}",
+                    f"36: whole model ({model}), best dedup / best replicated, {phase_label(doc, phase)}, {link}: "
+                    f"<= {limit}",
                     f"{r:.3f}x ({best[0]} {best[1]:.2f} vs {floor[0]} {floor[1]:.2f} ms)",
                     _verdict(r <= limit, world),
                     where,
@@ -212,7 +214,8 @@ def open_issue_rows(name: str, doc: dict) -> list[list[str]]:
         for issue, gpus, at, which, when, limit in EP_TARGETS:
             if (gpus, at, which, when) == (world, link, model, phase) and floor and best:
                 r = best[1] / floor[1]
-                what = f"{issue}: whole model ({model}), best dedup / best replicated, {phase}, {gpus} GPUs {link}"
+                label = phase_label(doc, phase)  # "train x4": a step of accumulated micro-batches, floor alike
+                what = f"{issue}: whole model ({model}), best dedup / best replicated, {label}, {gpus} GPUs {link}"
                 cell = f"{r:.3f}x ({best[0]} {best[1]:.2f} vs {floor[0]} {floor[1]:.2f} ms)"
                 rows.append([f"{what}: <= {limit}", cell, "met" if r <= limit else "MISSED", where])
         peer = timed.get("torchtitan")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from occult.moe.two_batch import chain_inputs, chain_outputs
+from occult.moe.two_batch import backward_exchange_issued, chain_inputs, chain_outputs
 
 
 @dataclass
@@ -175,6 +175,7 @@ class _Exchange(torch.autograd.Function):
         record_sent(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
         back_rows = all_to_all(grad_rows, ctx.recv_splits, ctx.send_splits, ctx.group)
         back_gates = all_to_all(grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group) if ctx.has_gates else None
+        backward_exchange_issued()  # combined 1F1B: the paired forward runs while these are on the wire
         return back_rows, back_gates, None, None, None, None, None, None
 
 

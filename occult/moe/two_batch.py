@@ -33,6 +33,14 @@ has been issued, and the backward issues them in exactly the reverse of the forw
 on every rank, each half's on the stream its forward ran on: A's combine gradient on the wire while B's
 experts run backward, and so on. The chain is a data dependency of empty tensors (no kernel, no bytes).
 
+`run_paired(forward, backward, stream)` pairs one micro-batch's forward with another's backward (combined 1F1B,
+`occult.training.accumulation`): the forward in a thread of its own hands the turn over at its exchanges as a
+half does, the backward's exchanges at theirs (`backward_exchange_issued`, called by `occult.moe.comm`'s exchange
+node after it issues its all-to-alls). Those nodes run on autograd's device thread on a GPU, the calling thread
+on the CPU, never the forward's, so the pairing is module state, found by thread: every thread but the
+forward's is the backward. The forward goes first; each side's own order is fixed (the model's forward; the
+backward's by its data dependencies), so every rank issues the same alternation.
+
 Sync-free layers only (`ExecConfig(sync_free=True)`): the device transport's receive buffers and
 barrier signals are per group, and two exchanges of one group in flight at once would share them.
 The threads carry the caller's grad and inference mode.
@@ -121,6 +129,14 @@ class _Tied(torch.autograd.Function):
         return grad, None
 
 
+def backward_exchange_issued() -> None:
+    """Called by an exchange's backward right after it issues its all-to-alls: inside `run_paired`, on the backward's
+    side (any thread but the forward's), the forward takes its turn; elsewhere nothing."""
+    paired = _PAIRED[0] if _PAIRED else None
+    if paired is not None and threading.get_ident() != paired[1]:
+        paired[0].hand_over(1)
+
+
 def interleaving() -> bool:
     """Whether this thread runs one micro-batch of `run_interleaved`."""
     return getattr(_local, "hand_over", None) is not None
@@ -186,6 +202,9 @@ def _caller_state() -> Callable[[ExitStack, Any], None]:
 
 
 MAX_PARTS = 16  # micro-batches (threads) of one run_interleaved call
+# the run_paired call in progress: (its turn, the forward thread's ident); module state, not per thread, as the
+# backward's exchanges run on autograd's device thread on a GPU
+_PAIRED: list[tuple[_Turn, int | None]] = []
 
 
 def run_interleaved(run: Callable[[int], T], streams: Sequence[Any] = (None, None)) -> list[T]:
@@ -230,3 +249,49 @@ def run_interleaved(run: Callable[[int], T], streams: Sequence[Any] = (None, Non
             failed[0].add_note(f"another micro-batch failed too: {type(other).__name__}: {other}")
         raise failed[0]
     return results
+
+
+def run_paired(forward: Callable[[], T], backward: Callable[[], None], stream: Any = None) -> T:
+    """`forward()` in a thread of its own (on `stream`; None: that thread's current stream) while `backward()` (a
+    `loss.backward()` of another micro-batch) runs here, the two passing one turn at every expert-parallel exchange
+    (module docstring); returns what `forward` returned. Every rank must call it with the same model and
+    micro-batches of the same shapes. An error on either side is raised here once both ended (the other's noted);
+    the side left runs on alone."""
+    if interleaving() or _PAIRED:
+        raise RuntimeError("two-batch overlap cannot be nested")
+    turn, enter = _Turn(2), _caller_state()
+    result: list[Any] = [None]
+    errors: list[BaseException | None] = [None, None]
+
+    def run_forward() -> None:
+        _local.hand_over, _local.chain = (lambda: turn.hand_over(0)), None
+        try:
+            with ExitStack() as stack:
+                enter(stack, stream)
+                turn.take(0)
+                result[0] = forward()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller
+            errors[0] = exc
+        finally:
+            _local.hand_over = None
+            turn.release(0)
+
+    thread = threading.Thread(target=run_forward, name="occult-1f1b-forward")
+    _PAIRED.append((turn, None))
+    try:
+        thread.start()
+        _PAIRED[0] = (turn, thread.ident)
+        turn.take(1)
+        backward()
+    except BaseException as exc:  # noqa: BLE001 - raised below, after the forward ended
+        errors[1] = exc
+    finally:
+        turn.release(1)
+        thread.join()
+        _PAIRED.clear()
+    failed = [e for e in errors if e is not None]
+    if failed:
+        if len(failed) == 2:
+            failed[0].add_note(f"the backward failed too: {type(failed[1]).__name__}: {failed[1]}")
+        raise failed[0]
+    return result[0]

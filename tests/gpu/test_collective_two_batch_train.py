@@ -2,8 +2,11 @@
 expert-parallel layers (dedup over a random placement, and standard) between dense layers train the batch's two
 halves in two threads on two streams; the eager step gives every gradient of two micro-batches one after the other
 (fp32, bf16, fp16), every rank issues the backward's exchanges in the reverse of the forward's interleaved order,
-and the step recorded as one CUDA graph (`StepGraph`) gives the eager steps' losses. (The same on CPU gloo ranks:
-tests/training/test_two_batch_step.py; one GPU with one-rank exchanges: test_two_batch_train_one_gpu.py.)"""
+and the step recorded as one CUDA graph (`StepGraph`) gives the eager steps' losses. Three micro-batches accumulated
+paired (combined 1F1B, `occult.training.accumulation`) give the gradients of the three in turn, the exchanges in the
+paired order on every rank. (The same on CPU gloo ranks: tests/training/test_two_batch_step.py and
+test_accumulation.py; one GPU with one-rank exchanges: test_two_batch_train_one_gpu.py,
+test_paired_accumulation_one_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 from test_collective_layer import DTYPES, FFN, HIDDEN, _placement
-from test_two_batch_train_one_gpu import two_batch_gradients, two_batch_losses
+from test_paired_accumulation_one_gpu import event_log, paired_order
+from test_two_batch_train_one_gpu import _grads, two_batch_gradients, two_batch_losses, worst_gradient_error
 
 from occult import DenseMoE, OccultMoE
+from occult.training.accumulation import accumulate_backward
 
 TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # gradients, relative to each tensor's largest entry
 TOKENS = 96
@@ -55,3 +60,26 @@ def test_a_recorded_two_batch_step_gives_the_eager_steps_losses(ranks, dtype_nam
     want = two_batch_losses(_model(ranks, "dedup", dtype), batches, recorded=False)
     gap = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     assert ranks.all_max(gap) <= (1e-3 if dtype_name == "bf16" else 1e-4), (dtype_name, gap, ranks.seed)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("dispatcher", ["dedup", "standard"])
+def test_paired_micro_batches_give_the_accumulated_gradients(ranks, dispatcher, dtype_name):
+    dtype, count = DTYPES[dtype_name], 3
+    model = _model(ranks, dispatcher, dtype)
+    gen = torch.Generator(device=ranks.device).manual_seed(ranks.seed * 41 + ranks.rank)
+    micro = torch.randn(count * TOKENS, HIDDEN, dtype=dtype, device=ranks.device, generator=gen).chunk(count)
+    targets = torch.randn(count * TOKENS, HIDDEN, device=ranks.device, generator=gen).chunk(count)
+
+    def loss_of(m: torch.Tensor) -> torch.Tensor:
+        target = targets[next(i for i, part in enumerate(micro) if part is m)]
+        return (model(m).float() - target).square().mean()
+
+    accumulate_backward(model, loss_of, micro)
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    with event_log() as events:
+        accumulate_backward(model, loss_of, micro, paired=True)
+    worst = worst_gradient_error(_grads(model), want)
+    assert ranks.all_max(worst) <= TOL[dtype_name], (dispatcher, dtype_name, worst, ranks.seed)
+    assert events == paired_order(count, 4), events  # two layers, a dispatch and a combine each

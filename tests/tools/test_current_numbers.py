@@ -314,3 +314,27 @@ def test_the_fastest_ep_variants_host_time_per_moe_call_is_shown(tmp_path: Path)
     assert "| 0.125 |" in row and "0.900" not in page
     old_row = next(line for line in page.splitlines() if line.startswith("| 4 |"))
     assert "| 1.100x | dedup 11.00 ms | replicated 10.00 ms | - | - |" in old_row
+
+
+def test_a_train_step_of_accumulated_micro_batches_is_its_own_question(tmp_path: Path) -> None:
+    """e2e.py --accumulate K: its train figure is "train xK", beside (never instead of) the one-batch step's, even
+    when newer."""
+
+    def train_job(ms: dict[str, float], accumulate: int) -> dict:
+        variants = {v: {"check": {"passed": True}, "phases": {"train": {"ms_median": t}}} for v, t in ms.items()}
+        config = {"model": "olmoe", "phases": ["train"], "accumulate": accumulate}
+        return {"config": config, "env": {"world_size": 2}, "variants": variants}
+
+    docs = {
+        "one.json": train_job({"replicated": 100.0, "dedup": 120.0}, 1),
+        "four.json": train_job({"replicated": 400.0, "dedup": 420.0}, 4),
+    }
+    write(
+        tmp_path,
+        docs,
+        {"one.json": prov("2026-11-20T00:00:00+00:00"), "four.json": prov("2026-11-21T00:00:00+00:00")},
+    )
+    page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
+    rows = [line for line in page.splitlines() if line.startswith("| 2 |") and "olmoe" in line]
+    assert any("| train | 1.200x |" in r and "one.json" in r for r in rows), rows
+    assert any("| train x4 | 1.050x |" in r and "four.json" in r for r in rows), rows

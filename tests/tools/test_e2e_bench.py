@@ -544,6 +544,63 @@ def test_stepgraph_twobatch_trains_the_recorded_step_as_two_interleaved_halves(m
     assert model.embed.weight.grad is not None
 
 
+def test_accumulate_and_1f1b_split_the_train_step_into_micro_batches(monkeypatch, capsys):
+    """`--accumulate K`: the train step's batch as K micro-batches, their gradients accumulated (in turn; paired for
+    `/1f1b`, @syncfree variants only); every flag that cannot go with it refused before any work."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    (name,) = e2e.variant_list("dedup@syncfree/compile/stepgraph/1f1b/deferwgrad")
+    assert e2e.paired(name) and e2e.step_graph(name) and e2e.deferred_wgrad(name) and not e2e.is_graphed(name)
+    assert e2e.base_variant(name) == "dedup" and e2e.sync_free(name) and e2e.micro_batches(name) == 1
+    for bad in (
+        "dedup@device/compile/stepgraph/1f1b",
+        "replicated/compile/stepgraph/1f1b",
+        "dedup@syncfree/twobatch/1f1b",
+    ):
+        with pytest.raises(Exception, match="unknown variant"):
+            e2e.variant_list(bad)
+    args = e2e.parse_args(
+        ["--variants", "replicated/compile,dedup@syncfree/compile/1f1b", "--batch", "8", "--accumulate", "4"]
+    )
+    assert args.accumulate == 4
+    for argv, why in (
+        (["--batch", "6", "--accumulate", "4"], "divides --batch"),
+        (["--batch", "8", "--accumulate", "2", "--dense-sync", "overlap"], "use --dense-sync after"),
+        (["--batch", "8", "--variants", "dedup@syncfree/compile/1f1b"], "give --accumulate 2 or more"),
+        (
+            ["--batch", "8", "--accumulate", "2", "--variants", "dedup@syncfree/compile/stepgraph/twobatch"],
+            "choose one",
+        ),
+    ):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(argv)
+        assert why in capsys.readouterr().err, argv
+    seen = []
+
+    def accumulate(model, loss_of, micro, paired):
+        seen.append(([tuple(m.shape) for m in micro], paired))
+        return e2e_accumulate(model, loss_of, micro, paired=paired)
+
+    from occult.training.accumulation import accumulate_backward as e2e_accumulate
+
+    monkeypatch.setattr(e2e, "accumulate_backward", accumulate)
+    monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model: None)
+    ids = torch.randint(0, 11, (4, 3))
+    want = None
+    for pair in (False, True):
+        torch.manual_seed(3)
+        model = _TinyLM()
+        (loss,) = e2e.make_step(model, "train", torch.optim.SGD(model.parameters(), lr=0.0), accumulate=2, pair=pair)(
+            ids
+        )
+        torch.testing.assert_close(loss, model.embed(ids).square().mean().detach())
+        grad = model.embed.weight.grad.clone()
+        want = grad if want is None else want
+        torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-8)
+    assert seen == [([(2, 3), (2, 3)], False), ([(2, 3), (2, 3)], True)]
+
+
 def test_train_optimizer_is_what_each_side_runs(monkeypatch):
     """--optimizer adamw: occult's AdamW for occult's variants, torch's for transformers' own; adamw-torch: torch's
     for every variant; sgd: SGD."""

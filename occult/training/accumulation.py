@@ -1,0 +1,98 @@
+"""Gradient accumulation over micro-batches, in turn or paired (combined 1F1B; issue 53, docs/overlap.md).
+
+`accumulate_backward(model, loss_of, micro_batches, paired)` back-propagates the mean of `loss_of(m)` over the
+micro-batches, each's gradients added to `.grad` (what one step over their union gives where the loss is a mean
+over equal micro-batches and nothing couples their tokens). In turn: forward and backward of one micro-batch,
+then the next. Paired (Megatron-Core's `combined_1f1b_schedule_for_no_pipelining`): the first forward alone,
+then micro-batch i+1's forward with micro-batch i's backward (`occult.moe.two_batch.run_paired`: one turn passed
+at every expert-parallel exchange, the forward on a stream of its own), then the last backward alone. A forward
+is light on compute and heavy on wire (a whole batch's dispatch and combine), a backward the other way round, so
+in the pairs each side's all-to-alls run under the other's compute; only the first forward's stay in series.
+
+It pays where nothing waits for the host (the step recorded as one CUDA graph) and on a link slow enough for the
+exchanges to matter, with several micro-batches (the first forward's wire is paid once a step). Sync-free
+expert-parallel layers only, as for two interleaved halves (two exchanges in flight would share the device
+transport's buffers). The dense gradients are then reduced once, after the last backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from occult.moe.model_layers import exchanging_with_buffers
+from occult.moe.two_batch import run_paired
+
+_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+
+def check_paired(model: nn.Module, micro_batches: int) -> None:
+    """A `ValueError` unless `micro_batches` micro-batches can train `model` paired: two or more, every
+    expert-parallel MoE layer sync-free."""
+    if micro_batches < 2:
+        raise ValueError(f"pairing a forward with a backward needs two or more micro-batches, got {micro_batches}")
+    waiting = exchanging_with_buffers(model)
+    if waiting:
+        raise ValueError(
+            f"paired micro-batches need sync-free MoE layers (two exchanges of one device transport in flight would "
+            f"share its buffers): {', '.join(waiting[:3])}{' ...' if len(waiting) > 3 else ''} are not; call "
+            "occult.set_sync_free(model) (or convert with ExecConfig(sync_free=True)) first"
+        )
+
+
+def accumulate_backward(
+    model: nn.Module,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    micro_batches: Sequence[torch.Tensor],
+    paired: bool = False,
+) -> torch.Tensor:
+    """Back-propagate the mean of `loss_of(m)` over `micro_batches`, in turn or `paired` (module docstring); returns
+    that mean, detached. Every rank must call it with micro-batches of the same shapes. `paired`: `model` is checked
+    with `check_paired` first."""
+    count = len(micro_batches)
+    if count < 1 or any(m.shape != micro_batches[0].shape for m in micro_batches):
+        raise ValueError(f"micro-batches of one shape, got {[tuple(m.shape) for m in micro_batches]}")
+    if not paired or count == 1:
+        total = None
+        for micro in micro_batches:
+            loss = loss_of(micro) / count
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+    check_paired(model, count)
+    device = micro_batches[0].device
+    streams = _streams(device) if device.type == "cuda" else (None, None)
+    main = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    for stream in streams:
+        if stream is not None:
+            stream.wait_stream(main)
+    with _on(streams[0]):
+        loss = loss_of(micro_batches[0]) / count
+    losses = [loss.detach()]
+    for i in range(1, count):
+        loss = run_paired(lambda i=i: loss_of(micro_batches[i]) / count, loss.backward, streams[i % 2])
+        losses.append(loss.detach())
+    loss.backward()
+    if main is not None:
+        for stream in streams:
+            main.wait_stream(stream)
+        if not torch.cuda.is_current_stream_capturing():  # (a capture keeps its memory)
+            for value in losses:
+                value.record_stream(main)
+    return torch.stack(losses).sum()
+
+
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """`torch.cuda.stream(stream)`, or nothing on the CPU."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The micro-batches' two streams on `device` (even and odd micro-batches), made once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _STREAMS[index]
