@@ -121,7 +121,10 @@ def phase_step(model, phase: str, args, device, variant: str = "occult"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if phase == "train" else None
         captured = phase == "train" and e2e.step_graph(variant)
         halves = e2e.micro_batches(variant) if captured else 1  # `/stepgraph/twobatch`: the step's two halves
-        full = e2e.make_step(model, phase, optimizer, captured, halves, args.dense_sync)
+        accumulate = args.accumulate if phase == "train" else 1  # (a `/1f1b` variant pairs them)
+        full = e2e.make_step(
+            model, phase, optimizer, captured, halves, args.dense_sync, accumulate, e2e.paired(variant)
+        )
         for _ in range(WARMUP_STEPS + 1 if captured else 0):  # a `/stepgraph` step's warm-ups and recording
             full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
         return lambda: full(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
@@ -206,9 +209,21 @@ def main() -> None:
         default="after",
         help="a train step's replicated gradients all-reduced after the backward or during it (as e2e.py's flag)",
     )
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="a train step's --batch as this many micro-batches, in turn (paired for e2e.py's /1f1b variants)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--traces", action="store_true", help="also write each run's timeline under --out, per rank")
     args = p.parse_args()
+    if args.accumulate < 1 or args.batch % args.accumulate:
+        p.error(f"--accumulate {args.accumulate}: give a count >= 1 that divides --batch {args.batch}")
+    if args.accumulate > 1 and args.dense_sync != "after":
+        p.error("--accumulate reduces the dense gradients once, after the last micro-batch: use --dense-sync after")
+    if args.accumulate < 2 and any(e2e.paired(v) for v in args.variants.split(",")):
+        p.error("/1f1b pairs a step's micro-batches: give --accumulate 2 or more")
     init_distributed()
     device = torch.device("cuda", torch.cuda.current_device())
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
