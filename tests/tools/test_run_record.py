@@ -96,7 +96,7 @@ def test_the_record_has_every_field_and_a_utc_date(clean_env: pytest.MonkeyPatch
 
 
 def test_a_training_jobs_env_is_its_runs_where_they_agree() -> None:
-    """scripts/_train_summary.py: the link report's env block from its two-GPU runs' (the one-GPU run left out)."""
+    """scripts/_train_summary.py: the link report's env block from its multi-GPU runs' (the one-GPU run left out)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -117,10 +117,11 @@ def test_a_training_jobs_env_is_its_runs_where_they_agree() -> None:
         "floor": {"gpus": 2, "env": env},
         "dedup_ddp": {"gpus": 2, "env": {**env, "dirty": True, "date": "2026-11-27T02:00:00+00:00"}},
     }
-    assert _train_summary.jobs_env(runs) == {**env, "dirty": True, "date": "2026-11-27T02:00:00+00:00"}
+    assert _train_summary.jobs_env(runs, 2) == {**env, "dirty": True, "date": "2026-11-27T02:00:00+00:00"}
+    assert _train_summary.jobs_env(runs, 4) is None  # no 4-GPU run in this job
     runs["dedup_ddp"]["env"]["commit"] = "def"
-    assert _train_summary.jobs_env(runs)["commit"] is None  # two commits: none named
-    assert _train_summary.jobs_env({"floor": {"gpus": 2}}) is None  # runs from before env blocks
+    assert _train_summary.jobs_env(runs, 2)["commit"] is None  # two commits: none named
+    assert _train_summary.jobs_env({"floor": {"gpus": 2}}, 2) is None  # runs from before env blocks
 
 
 def test_the_gpu_run_scripts_export_the_commit_only_where_git_knows_it(tmp_path: Path) -> None:
