@@ -21,7 +21,7 @@ from occult.moe import comm
 from occult.moe.config import RoutingConfig
 from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
-from occult.moe.two_batch import exchange_issued, run_paired
+from occult.moe.two_batch import backward_exchange_issued, exchange_issued, run_paired
 from occult.placement import Placement
 from occult.training.accumulation import accumulate_backward, check_paired
 
@@ -186,6 +186,33 @@ def test_run_paired_raises_a_sides_error_once_both_ended():
     with pytest.raises(RuntimeError, match="cannot be nested"):
         run_paired(forward, nested)
     assert run_paired(forward, lambda: None) == "occult-1f1b-forward"
+
+
+def test_a_backward_exchange_on_another_thread_hands_the_turn_over():
+    """On a GPU the backward's exchange nodes run on autograd's device thread, neither the caller's nor the
+    forward's: the pairing is found there too (module state), and the turn alternates; outside a pairing the call
+    does nothing."""
+    order = []
+
+    def forward() -> str:
+        for step in range(2):
+            order.append(("f", step))
+            exchange_issued()
+        return "done"
+
+    def backward() -> None:
+        def engine() -> None:
+            for step in range(2):
+                order.append(("b", step))
+                backward_exchange_issued()
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        thread.join()
+
+    assert run_paired(forward, backward) == "done"
+    assert order == [("f", 0), ("b", 0), ("f", 1), ("b", 1)]
+    backward_exchange_issued()  # outside: nothing happens
 
 
 def test_what_pairing_refuses():
