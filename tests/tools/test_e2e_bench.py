@@ -601,6 +601,29 @@ def test_accumulate_and_1f1b_split_the_train_step_into_micro_batches(monkeypatch
     assert seen == [([(2, 3), (2, 3)], False), ([(2, 3), (2, 3)], True)]
 
 
+def test_e2e_tiny_accumulated_steps_in_turn_and_paired(tmp_path):
+    """The whole e2e.py path on 2 gloo ranks with --accumulate 2: the floor and sync-free dedup accumulate in turn,
+    /1f1b pairs the micro-batches (each next forward with the previous backward), every variant trains and books
+    both micro-batches' rows."""
+    out = tmp_path / "acc.json"
+    res = _torchrun(
+        2,
+        *("--model", "tiny", "--batch", "4", "--seq", "16", "--check-seq", "16", "--warmup", "1", "--iters", "2"),
+        *("--phases", "train", "--accumulate", "2", "--out", str(out)),
+        *("--variants", "replicated,dedup@syncfree,dedup@syncfree/1f1b"),
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["accumulate"] == 2
+    rows = {}
+    for name, v in report["variants"].items():
+        t = v["phases"]["train"]
+        assert t["ms_median"] > 0 and v["check"]["passed"], (name, v)
+        rows[name] = t["comm"].get("backward_rows")
+    assert rows["dedup@syncfree/1f1b"] == rows["dedup@syncfree"] > 0  # the same rows, paired or in turn
+    assert any(line.startswith("| dedup@syncfree/1f1b | train |") for line in res.stdout.splitlines())
+
+
 def test_train_optimizer_is_what_each_side_runs(monkeypatch):
     """--optimizer adamw: occult's AdamW for occult's variants, torch's for transformers' own; adamw-torch: torch's
     for every variant; sgd: SGD."""
