@@ -488,6 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--accumulate reduces the dense gradients once, after the last micro-batch: use --dense-sync after")
     if args.accumulate > 1 and any(micro_batches(v) == 2 and step_graph(v) for v in args.variants):
         p.error("--accumulate and /stepgraph/twobatch: choose one way to split the step (or /1f1b to pair the K)")
+    if args.accumulate > 1 and any(base_variant(v) in tt_model.VARIANTS for v in args.variants):
+        p.error("--accumulate is not passed to TorchTitan's own train step: leave the torchtitan variants out")
     if args.accumulate < 2 and any(paired(v) for v in args.variants):
         p.error("/1f1b pairs the step's micro-batches: give --accumulate 2 or more")
     return args

@@ -572,6 +572,7 @@ def test_accumulate_and_1f1b_split_the_train_step_into_micro_batches(monkeypatch
             ["--batch", "8", "--accumulate", "2", "--variants", "dedup@syncfree/compile/stepgraph/twobatch"],
             "choose one",
         ),
+        (["--batch", "8", "--accumulate", "2", "--variants", "replicated,torchtitan"], "leave the torchtitan"),
     ):
         with pytest.raises(SystemExit):
             e2e.parse_args(argv)
