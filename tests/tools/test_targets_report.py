@@ -271,7 +271,7 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
         "met",
     )
     assert got[("38: EP dedup / EP standard tokens/s, slow: >= 1.4", "train_slow_2xH200.json")] == ("1.300", "MISSED")
-    train52 = "52: occult train, {}, nvlink: >= {}"
+    train52 = "52: occult train, {}, 2 GPUs nvlink: >= {}"
     best = "fastest EP dedup / fastest data-parallel floor, tokens/s per GPU"
     assert got[(train52.format(best, 0.97), "train_nvlink_2xH200.json")] == ("1.100", "met")
     fsdp = "FSDP2 / DDP tokens/s per GPU, eager steps"
