@@ -839,12 +839,14 @@ def host_time(
     shared: bool,
     cost: ModelCost,
     phase: str,
+    passes: int = 1,
 ) -> dict:
     """Host ms to issue one step from an idle GPU (median of `HOST_STEPS`, the slowest rank's each), and per MoE
-    layer call (issue 52: a training step makes two a layer, forward and backward; a prefill one)."""
+    layer call (issue 52: a training step makes two a layer, forward and backward; a prefill one; `passes`: the
+    step's passes through the model, e.g. --accumulate's micro-batches)."""
     inputs = fresh_ids(args, vocab, device, shared, 50_000)
     ms = quantiles(host_times(step, inputs, HOST_STEPS, device), [0.5])[0]
-    calls = len(cost.moe_layers) * (2 if phase == "train" else 1)
+    calls = len(cost.moe_layers) * (2 if phase == "train" else 1) * passes
     return {"host_ms_per_step": ms, "host_ms_per_moe_call": ms / calls if calls else None}
 
 
@@ -1010,8 +1012,9 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             out = time_steps(step, args, cfg.vocab_size, device, shared)
             if first_s is not None:  # the phase's compilation: its first step less a steady one
                 out["compile_s"] = first_s - out["ms_median"] / 1e3
-            out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase))
-            calls = micro_batches(variant) * (args.accumulate if phase == "train" else 1)  # layer calls a step
+            passes = args.accumulate if phase == "train" else 1  # (two halves: still counted as one pass)
+            out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase, passes))
+            calls = micro_batches(variant) * passes  # each layer's calls a step, as comm_stats counts them
             out["comm"] = model.comm_stats() if titan else comm_stats(model, device, calls)
             if optimizer is not None:  # e.g. "occult AdamW", "torch AdamW" (what --optimizer adamw gave this side)
                 out["optimizer"] = f"{type(optimizer).__module__.split('.')[0]} {type(optimizer).__name__}"

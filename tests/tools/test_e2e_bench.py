@@ -622,6 +622,9 @@ def test_e2e_tiny_accumulated_steps_in_turn_and_paired(tmp_path):
         assert t["ms_median"] > 0 and v["check"]["passed"], (name, v)
         rows[name] = t["comm"].get("backward_rows")
     assert rows["dedup@syncfree/1f1b"] == rows["dedup@syncfree"] > 0  # the same rows, paired or in turn
+    for v in report["variants"].values():  # two micro-batches: each layer called forward and backward twice
+        t = v["phases"]["train"]
+        assert t["host_ms_per_moe_call"] == pytest.approx(t["host_ms_per_step"] / (2 * 2 * 2))
     assert any(line.startswith("| dedup@syncfree/1f1b | train |") for line in res.stdout.splitlines())
 
 
