@@ -25,8 +25,7 @@ import torch.nn as nn
 
 from occult.moe.model_layers import exchanging_with_buffers
 from occult.moe.two_batch import run_paired
-
-_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+from occult.training.two_batch import micro_batch_streams
 
 
 def check_paired(model: nn.Module, micro_batches: int) -> None:
@@ -64,7 +63,7 @@ def accumulate_backward(
         return total
     check_paired(model, count)
     device = micro_batches[0].device
-    streams = _streams(device) if device.type == "cuda" else (None, None)
+    streams = micro_batch_streams(device) if device.type == "cuda" else (None, None)
     main = torch.cuda.current_stream(device) if device.type == "cuda" else None
     for stream in streams:
         if stream is not None:
@@ -88,11 +87,3 @@ def accumulate_backward(
 def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     """`torch.cuda.stream(stream)`, or nothing on the CPU."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """The micro-batches' two streams on `device` (even and odd micro-batches), made once."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _STREAMS:
-        _STREAMS[index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-    return _STREAMS[index]

@@ -68,7 +68,7 @@ def forward_halves(
     The model's layers must pass `check_two_batch`."""
     if device.type != "cuda":
         return [tuple(out) for out in run_interleaved(forward_of)]
-    main, streams = torch.cuda.current_stream(device), _streams(device)
+    main, streams = torch.cuda.current_stream(device), micro_batch_streams(device)
     for stream in streams:
         stream.wait_stream(main)
     outs = [tuple(out) for out in run_interleaved(forward_of, streams)]
@@ -88,12 +88,13 @@ def backward_halves(loss: torch.Tensor) -> None:
     loss.backward()
     if loss.device.type == "cuda":
         main = torch.cuda.current_stream(loss.device)
-        for stream in _streams(loss.device):
+        for stream in micro_batch_streams(loss.device):
             main.wait_stream(stream)
 
 
-def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """The two halves' streams on `device`, made once."""
+def micro_batch_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """Two side streams on `device` for micro-batches (the two halves; paired micro-batches, even and odd), made
+    once."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _STREAMS:
         _STREAMS[index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))

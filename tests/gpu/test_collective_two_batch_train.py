@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from micro_batch_helpers import exchange_events, paired_order
 from test_collective_layer import DTYPES, FFN, HIDDEN, _placement
-from test_paired_accumulation_one_gpu import event_log, paired_order
 from test_two_batch_train_one_gpu import _grads, two_batch_gradients, two_batch_losses, worst_gradient_error
 
 from occult import DenseMoE, OccultMoE
@@ -78,7 +78,7 @@ def test_paired_micro_batches_give_the_accumulated_gradients(ranks, dispatcher, 
     accumulate_backward(model, loss_of, micro)
     want = _grads(model)
     model.zero_grad(set_to_none=True)
-    with event_log() as events:
+    with exchange_events() as events:
         accumulate_backward(model, loss_of, micro, paired=True)
     worst = worst_gradient_error(_grads(model), want)
     assert ranks.all_max(worst) <= TOL[dtype_name], (dispatcher, dtype_name, worst, ranks.seed)

@@ -9,55 +9,28 @@ logic on CPU gloo ranks: tests/training/test_accumulation.py."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_two_batch_train_one_gpu import DTYPES, TOKENS, TOL, WIDTH, _grads, _model, group, worst_gradient_error
+from micro_batch_helpers import exchange_events, paired_order
+from test_two_batch_train_one_gpu import (
+    DTYPES,
+    TOKENS,
+    TOL,
+    WIDTH,
+    _grads,
+    _model,
+    group,
+    step_losses,
+    worst_gradient_error,
+)
 
-from occult.moe import comm
 from occult.training.accumulation import accumulate_backward
-from occult.training.step_graph import WARMUP_STEPS, CudaRecorder, StepGraph, make_capturable
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="streams and NCCL need a GPU")
 COUNT, PER_PASS = 3, 4  # micro-batches; exchanges a forward (two exchanging blocks, two each)
 __all__ = ["group"]  # the module-scoped NCCL group fixture, shared with test_two_batch_train_one_gpu.py
-
-
-@contextlib.contextmanager
-def event_log() -> Iterator[list[tuple[str, int]]]:
-    """Inside: every `_Exchange` forward ("f", its index) and backward ("b", its forward's index), in call order."""
-    events: list[tuple[str, int]] = []
-    forward, backward = comm._Exchange.forward, comm._Exchange.backward
-
-    def logged_forward(ctx, *args):
-        ctx.logged_index = sum(kind == "f" for kind, _ in events)
-        events.append(("f", ctx.logged_index))
-        return forward(ctx, *args)
-
-    def logged_backward(ctx, *grads):
-        events.append(("b", ctx.logged_index))
-        return backward(ctx, *grads)
-
-    comm._Exchange.forward, comm._Exchange.backward = staticmethod(logged_forward), staticmethod(logged_backward)
-    try:
-        yield events
-    finally:
-        comm._Exchange.forward, comm._Exchange.backward = staticmethod(forward), staticmethod(backward)
-
-
-def paired_order(count: int, per_pass: int) -> list[tuple[str, int]]:
-    """The first forward's exchanges, each next forward's alternating with the previous backward's, the last
-    backward's."""
-    order = [("f", j) for j in range(per_pass)]
-    for i in range(1, count):
-        forward = [("f", i * per_pass + j) for j in range(per_pass)]
-        backward = [("b", (i - 1) * per_pass + j) for j in reversed(range(per_pass))]
-        order += [event for pair in zip(forward, backward) for event in pair]
-    return order + [("b", (count - 1) * per_pass + j) for j in reversed(range(per_pass))]
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["plain", "deferwgrad"])
@@ -76,7 +49,7 @@ def test_paired_micro_batches_give_the_accumulated_gradients_in_the_paired_order
     want_loss = accumulate_backward(model, loss_of, micro)
     want = _grads(model)
     model.zero_grad(set_to_none=True)
-    with event_log() as events:
+    with exchange_events() as events:
         loss = accumulate_backward(model, loss_of, micro, paired=True)
     torch.cuda.synchronize()
     assert worst_gradient_error(_grads(model), want) <= TOL[dtype_name], (dtype_name, seed)
@@ -85,24 +58,10 @@ def test_paired_micro_batches_give_the_accumulated_gradients_in_the_paired_order
 
 
 def _losses(model: nn.Module, batches: list[torch.Tensor], recorded: bool, paired: bool) -> list[float]:
-    """Each batch's mean loss through a step of COUNT accumulated micro-batches with AdamW in its recording's mode,
-    recorded by `StepGraph` after its warm-up steps, or every step eager."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    make_capturable(optimizer)
-
-    def body(x_TW: torch.Tensor) -> tuple[torch.Tensor]:
-        optimizer.zero_grad(set_to_none=True)
-        loss = accumulate_backward(model, lambda m: model(m).float().sub(1).square().mean(), x_TW.chunk(COUNT), paired)
-        optimizer.step()
-        return (loss,)
-
-    if not recorded:
-        return [float(body(x)[0]) for x in batches]
-    graph = StepGraph(optimizer, lambda: 0, CudaRecorder(batches[0].device))
-    losses = [float(graph.run(body, x)[0]) for x in batches]
-    assert graph.replays == len(batches) - WARMUP_STEPS
-    graph.release()
-    return losses
+    """`step_losses` of steps of COUNT accumulated micro-batches, in turn or paired."""
+    return step_losses(
+        model, batches, recorded, lambda loss_of, x: accumulate_backward(model, loss_of, x.chunk(COUNT), paired)
+    )
 
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -107,12 +107,17 @@ def worst_gradient_error(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
     return max(float((got[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)) for k, v in want.items())
 
 
-def two_batch_losses(
-    model: nn.Module, batches: list[torch.Tensor], recorded: bool, autocast: bool = False
+def step_losses(
+    model: nn.Module,
+    batches: list[torch.Tensor],
+    recorded: bool,
+    backward_of: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor],
+    autocast: bool = False,
 ) -> list[float]:
-    """Each batch's mean loss through a two-batch step with AdamW in its recording's mode (on both sides: its fp32
-    bias corrections on the GPU), recorded by `StepGraph` after its warm-up steps, or every step eager. `autocast`:
-    each half's loss under bf16 autocast, entered inside the half (as occult's trainers do)."""
+    """Each batch's mean loss through a step whose loss and backward `backward_of(loss_of, x)` runs (returning the
+    loss), with AdamW in its recording's mode (on both sides: its fp32 bias corrections on the GPU), recorded by
+    `StepGraph` after its warm-up steps, or every step eager. `autocast`: each loss under bf16 autocast, entered
+    inside `loss_of` (as occult's trainers do)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     make_capturable(optimizer)
 
@@ -122,7 +127,7 @@ def two_batch_losses(
 
     def body(x_TW: torch.Tensor) -> tuple[torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
-        loss = interleaved_backward(model, loss_of, x_TW.chunk(2))
+        loss = backward_of(loss_of, x_TW)
         optimizer.step()
         return (loss,)
 
@@ -133,6 +138,15 @@ def two_batch_losses(
     assert graph.replays == len(batches) - WARMUP_STEPS
     graph.release()
     return losses
+
+
+def two_batch_losses(
+    model: nn.Module, batches: list[torch.Tensor], recorded: bool, autocast: bool = False
+) -> list[float]:
+    """`step_losses` of two-batch steps (`interleaved_backward` over each batch's halves)."""
+    return step_losses(
+        model, batches, recorded, lambda loss_of, x: interleaved_backward(model, loss_of, x.chunk(2)), autocast
+    )
 
 
 def two_batch_gradients(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> tuple[float, list, list]:

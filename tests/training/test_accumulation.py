@@ -11,97 +11,23 @@ from __future__ import annotations
 import random
 import threading
 
-import numpy as np
 import pytest
 import torch
-import torch.nn as nn
+from micro_batch_helpers import exchange_events, paired_order
+from test_two_batch_step import CASES, HIDDEN, ep_model, grads_of
 
 from occult.distributed import run_ranks
-from occult.moe import comm
-from occult.moe.config import RoutingConfig
-from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
 from occult.moe.two_batch import backward_exchange_issued, exchange_issued, run_paired
-from occult.placement import Placement
 from occult.training.accumulation import accumulate_backward, check_paired
 
 WORLD = 2
-HIDDEN, FFN, EXPERTS = 16, 12, 8
-CASES = {  # name: (dispatcher, top-k, max devices per token)
-    "dedup": ("dedup", 3, None),
-    "standard": ("standard", 3, None),
-    "pruned1": ("dedup", 3, 1),
-    "top1": ("dedup", 1, None),
-    "topall": ("dedup", EXPERTS, None),
-}
-
-
-def _model(case: str, seed: int, world: int) -> nn.Sequential:
-    """dense -> MoE -> dense -> MoE (fp64), the MoE layers sync-free and expert-parallel over `world` ranks."""
-    dispatcher, top_k, max_devices = CASES[case]
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    placement = Placement(np.stack([rng.permutation(np.arange(EXPERTS) % world) for _ in range(2)]), world)
-    blocks: list[nn.Module] = []
-    for i in range(2):
-        blocks.append(nn.Linear(HIDDEN, HIDDEN, dtype=torch.float64))
-        dense = DenseMoE(HIDDEN, FFN, EXPERTS, top_k, dtype=torch.float64)
-        layer = OccultMoE.from_dense(
-            dense,
-            placement=placement,
-            layer_index=i,
-            dispatcher=dispatcher,
-            routing=RoutingConfig(max_devices=max_devices),
-        )
-        layer.sync_free = True
-        blocks.append(layer)
-    return nn.Sequential(*blocks)
-
-
-class _Log:
-    """Every `_Exchange` forward ("f", its index) and backward ("b", the index of its forward), in call order."""
-
-    def __enter__(self) -> _Log:
-        self.events: list[tuple[str, int]] = []
-        self._saved = forward, backward = comm._Exchange.forward, comm._Exchange.backward
-        count = [0]
-
-        def logged_forward(ctx, *args):
-            ctx.logged_index = count[0]
-            count[0] += 1
-            self.events.append(("f", ctx.logged_index))
-            return forward(ctx, *args)
-
-        def logged_backward(ctx, *grads):
-            self.events.append(("b", ctx.logged_index))
-            return backward(ctx, *grads)
-
-        comm._Exchange.forward, comm._Exchange.backward = staticmethod(logged_forward), staticmethod(logged_backward)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        comm._Exchange.forward, comm._Exchange.backward = (staticmethod(f) for f in self._saved)
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def _expected_order(count: int, per_pass: int) -> list[tuple[str, int]]:
-    """The first forward's exchanges, then each next forward's alternating with the previous backward's (the forward
-    first; a backward issues its forward's exchanges in reverse), then the last backward's."""
-    order = [("f", j) for j in range(per_pass)]
-    for i in range(1, count):
-        forward = [("f", i * per_pass + j) for j in range(per_pass)]
-        backward = [("b", (i - 1) * per_pass + j) for j in reversed(range(per_pass))]
-        order += [event for pair in zip(forward, backward) for event in pair]
-    return order + [("b", (count - 1) * per_pass + j) for j in reversed(range(per_pass))]
 
 
 def _worker(rank: int, world: int, seed: int, tokens: int, count: int) -> dict:
     out = {}
     for case in CASES:
-        model = _model(case, seed, world)
+        model = ep_model(case, seed, world)
         gen = torch.Generator().manual_seed(seed * 7 + rank)
         x = torch.randn(count * tokens, HIDDEN, dtype=torch.float64, generator=gen)
         if case == "top1" and rank == 1:  # every token of this rank routed to the other rank's experts
@@ -115,14 +41,14 @@ def _worker(rank: int, world: int, seed: int, tokens: int, count: int) -> dict:
 
         whole = sum((model(m) * weights[i]).sum() / m.shape[0] for i, m in enumerate(micro)) / count
         whole.backward()  # the reference: one backward of the mean over the micro-batches
-        want = _grads(model)
+        want = grads_of(model)
         model.zero_grad(set_to_none=True)
         in_turn = accumulate_backward(model, loss_of, micro)
-        turn_grads = _grads(model)
+        turn_grads = grads_of(model)
         model.zero_grad(set_to_none=True)
-        with _Log() as log:
+        with exchange_events() as events:
             loss = accumulate_backward(model, loss_of, micro, paired=True)
-        got = _grads(model)
+        got = grads_of(model)
 
         def worst(grads: dict) -> float:
             return max(float((grads[k] - v).abs().max() / v.abs().max().clamp_min(1e-300)) for k, v in want.items())
@@ -133,7 +59,7 @@ def _worker(rank: int, world: int, seed: int, tokens: int, count: int) -> dict:
             "in_turn_err": worst(turn_grads),
             "loss_err": float(abs(loss - whole.detach()) / abs(whole.detach())),
             "in_turn_loss_err": float(abs(in_turn - whole.detach()) / abs(whole.detach())),
-            "events": log.events,
+            "events": events,
             "loss_requires_grad": loss.requires_grad,
         }
     return out
@@ -149,7 +75,7 @@ def test_paired_micro_batches_give_the_accumulated_gradients_in_one_order_on_eve
             assert got["loss_err"] < 1e-12 and got["in_turn_loss_err"] < 1e-12, (rank, case, got)
             assert not got["loss_requires_grad"]
             per_pass = 4  # two layers, a dispatch and a combine each
-            assert got["events"] == _expected_order(count, per_pass), (rank, case, got["events"])
+            assert got["events"] == paired_order(count, per_pass), (rank, case, got["events"])
     for case in CASES:
         assert len({tuple(out[case]["events"]) for out in per_rank}) == 1, case
 
@@ -216,7 +142,7 @@ def test_a_backward_exchange_on_another_thread_hands_the_turn_over():
 
 
 def test_what_pairing_refuses():
-    model = _model("dedup", 5, 1)
+    model = ep_model("dedup", 5, 1)
     with pytest.raises(ValueError, match="two or more micro-batches"):
         check_paired(model, 1)
     layer = next(m for m in model.modules() if isinstance(m, OccultMoE))
@@ -231,13 +157,13 @@ def test_what_pairing_refuses():
 
 
 def test_one_rank_accumulates_paired_as_in_turn():
-    model = _model("dedup", 11, 1)
+    model = ep_model("dedup", 11, 1)
     x = torch.randn(12, HIDDEN, dtype=torch.float64)
     accumulate_backward(model, lambda m: model(m).square().mean(), x.chunk(3))
-    want = _grads(model)
+    want = grads_of(model)
     model.zero_grad(set_to_none=True)
     loss = accumulate_backward(model, lambda m: model(m).square().mean(), x.chunk(3), paired=True)
-    got = _grads(model)
+    got = grads_of(model)
     assert set(got) == set(want)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-14)

@@ -36,7 +36,7 @@ CASES = {  # name: (dispatcher, top-k, max devices per token)
 }
 
 
-def _model(case: str, seed: int, world: int) -> nn.Sequential:
+def ep_model(case: str, seed: int, world: int) -> nn.Sequential:
     """dense -> MoE -> dense -> MoE (fp64), the MoE layers sync-free and expert-parallel over `world` ranks."""
     dispatcher, top_k, max_devices = CASES[case]
     torch.manual_seed(seed)
@@ -83,14 +83,14 @@ class _Log:
         comm._Exchange.forward, comm._Exchange.backward = (staticmethod(f) for f in self._saved)
 
 
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def _worker(rank: int, world: int, seed: int, tokens: int) -> dict:
     out = {}
     for case in CASES:
-        model = _model(case, seed, world)
+        model = ep_model(case, seed, world)
         gen = torch.Generator().manual_seed(seed * 7 + rank)
         x = torch.randn(2 * tokens, HIDDEN, dtype=torch.float64, generator=gen)
         if case == "top1" and rank == 1:  # every token of this rank routed to the other rank's experts
@@ -104,11 +104,11 @@ def _worker(rank: int, world: int, seed: int, tokens: int) -> dict:
 
         for half in halves:  # the reference: two micro-batches one after the other, the mean of their losses
             (loss_of(half) / 2).backward()
-        want = _grads(model)
+        want = grads_of(model)
         model.zero_grad(set_to_none=True)
         with _Log() as log:
             loss = interleaved_backward(model, loss_of, halves)
-        got = _grads(model)
+        got = grads_of(model)
         errors = {k: float((got[k] - v).abs().max() / v.abs().max().clamp_min(1e-300)) for k, v in want.items()}
         out[case] = {
             "missing": sorted(set(want) ^ set(got)),
@@ -136,7 +136,7 @@ def test_two_interleaved_micro_batches_train_as_two_in_turn_and_back_propagate_i
 
 
 def test_what_two_interleaved_micro_batches_refuse():
-    model = _model("dedup", 5, 1)
+    model = ep_model("dedup", 5, 1)
     with pytest.raises(ValueError, match="give an even batch"):
         check_two_batch(model, 3)
     layer = next(m for m in model.modules() if isinstance(m, OccultMoE))
@@ -153,14 +153,14 @@ def test_what_two_interleaved_micro_batches_refuse():
 
 
 def test_one_rank_trains_two_halves_as_two_micro_batches():
-    model = _model("dedup", 11, 1)
+    model = ep_model("dedup", 11, 1)
     x = torch.randn(8, HIDDEN, dtype=torch.float64)
     for half in x.chunk(2):
         (model(half).square().mean() / 2).backward()
-    want = _grads(model)
+    want = grads_of(model)
     model.zero_grad(set_to_none=True)
     loss = interleaved_backward(model, lambda h: model(h).square().mean(), x.chunk(2))
-    got = _grads(model)
+    got = grads_of(model)
     assert set(got) == set(want)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-14)
