@@ -362,13 +362,16 @@ def whole_model_rows(name: str, doc: dict) -> list[list[str]]:
 def fit_rows(name: str, doc: dict) -> list[list[str]]:
     """Every variant of an e2e.py report must fit an H100 (80 GB): the largest peak reserved memory of any variant
     that records it (`peak_reserved_gib`: allocated tensors and every cached block, a CUDA graph pool's free ones
-    too), against `H100_GIB` (what the GPU suite caps each process at)."""
+    too), against `H100_GIB` (what the GPU suite caps each process at). The row names the phases the report ran
+    ("prefill+train", "train x4"): a prefill-only job's peak never stands in for a training job's."""
     model, world, link, where = _whole_model_run(name, doc)
     peaks = {v: r["peak_reserved_gib"] for v, r in doc["variants"].items() if r.get("peak_reserved_gib") is not None}
     if not peaks:
         return []
     worst = max(peaks, key=peaks.get)
-    what = f"fit: whole model ({model}), peak reserved per GPU, {_gpus(world)}" + ("" if world == 1 else f" {link}")
+    phases = "+".join(phase_label(doc, p) for p in doc.get("config", {}).get("phases", ["prefill", "train"]))
+    what = f"fit: whole model ({model}), {phases}, peak reserved per GPU, {_gpus(world)}"
+    what += "" if world == 1 else f" {link}"
     cell = f"{peaks[worst]:.1f} GiB ({worst})"
     return [[f"{what}: <= {H100_GIB} GiB", cell, "met" if peaks[worst] <= H100_GIB else "MISSED", where]]
 

@@ -373,7 +373,7 @@ def test_an_e2e_report_that_records_peak_memory_is_checked_against_an_80_gb_card
     fit = [r for r in rows_of(targets_report.report([str(tmp_path / "new.json")])) if r[0].startswith("fit:")]
     assert fit == [
         [
-            "fit: whole model (olmoe), peak reserved per GPU, 4 GPUs nvlink: <= 78 GiB",
+            "fit: whole model (olmoe), prefill+train, peak reserved per GPU, 4 GPUs nvlink: <= 78 GiB",
             "131.9 GiB (dedup@device/traingraphs/compile)",
             "MISSED",
             "new.json (4 GPUs, nvlink)",
@@ -383,3 +383,24 @@ def test_an_e2e_report_that_records_peak_memory_is_checked_against_an_80_gb_card
     (tmp_path / "new.json").write_text(json.dumps(doc))
     fit = [r for r in rows_of(targets_report.report([str(tmp_path / "new.json")])) if r[0].startswith("fit:")]
     assert [r[1:3] for r in fit] == [["61.3 GiB (replicated/compile)", "met"]]
+
+
+def test_a_prefill_only_jobs_peak_memory_never_stands_in_for_a_training_jobs(tmp_path):
+    """The fit row names the phases its job ran: a newer prefill-only job (less memory) leaves the training
+    job's verdict in place, and an accumulated step ("train x4") is a row of its own."""
+    train = e2e("olmoe", 2, True, {"replicated/compile": (40.0, 170.0)})
+    train["variants"]["replicated/compile"]["peak_reserved_gib"] = 79.5
+    prefill = e2e("olmoe", 2, True, {"replicated/compile": (40.0, 170.0)})
+    prefill["config"]["phases"] = ["prefill"]
+    prefill["variants"]["replicated/compile"]["peak_reserved_gib"] = 20.0
+    accumulated = e2e("olmoe", 2, True, {"replicated/compile": (40.0, 170.0)})
+    accumulated["config"].update(phases=["train"], accumulate=4)
+    accumulated["variants"]["replicated/compile"]["peak_reserved_gib"] = 60.0
+    for name, doc in (("a_train.json", train), ("b_prefill.json", prefill), ("c_accumulated.json", accumulated)):
+        (tmp_path / name).write_text(json.dumps(doc))
+    fit = {r[0]: r[2] for r in rows_of(targets_report.report([str(tmp_path)])) if r[0].startswith("fit:")}
+    assert fit == {
+        "fit: whole model (olmoe), prefill+train, peak reserved per GPU, 2 GPUs slow: <= 78 GiB": "MISSED",
+        "fit: whole model (olmoe), prefill, peak reserved per GPU, 2 GPUs slow: <= 78 GiB": "met",
+        "fit: whole model (olmoe), train x4, peak reserved per GPU, 2 GPUs slow: <= 78 GiB": "met",
+    }
