@@ -180,6 +180,13 @@ def link_report(out: Path, link: str, gpus: int = 2) -> dict[str, Any]:
             runs, "dedup_twobatch_captured", "floor_captured", "tokens_per_s_per_gpu"
         ),
         "dedup_two_batch_captured_over_dedup": ratio(runs, "dedup_twobatch_captured", "dedup_ddp", "tokens_per_s"),
+        # issue 53: 4 accumulated micro-batches a step, recorded, paired (combined 1F1B) over in turn and the floor
+        "dedup_paired_captured_over_dedup_accum_captured": ratio(
+            runs, "dedup_paired_captured", "dedup_accum_captured", "tokens_per_s"
+        ),
+        "dedup_paired_captured_over_captured_floor_per_gpu": ratio(
+            runs, "dedup_paired_captured", "floor_captured", "tokens_per_s_per_gpu"
+        ),
         # issue 52: FSDP2 against the replicated dense weights, each eager and each recorded
         "dedup_fsdp_over_dedup_ddp": ratio(runs, "dedup_fsdp", "dedup_ddp", "tokens_per_s_per_gpu"),
         "dedup_fsdp_agreestep_over_dedup_ddp": ratio(runs, "dedup_fsdp_agreestep", "dedup_ddp", "tokens_per_s_per_gpu"),

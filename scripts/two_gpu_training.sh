@@ -9,7 +9,9 @@
 # train  occult train tokens/s (OccultLM 4 layers, hidden 1024, 64 experts x 512 top-8, seq 1024, bf16):
 #        1 GPU; 2 GPUs floor (--ep-size 1); EP standard / dedup with ddp and fsdp, dedup with --layer-graphs
 #        (slow link: floor and the two dispatchers with ddp), dedup as two interleaved halves in a recorded step
-#        (--two-batch --captured-step, both links), FSDP2 with the step recorded (NVLink). Runs go in order of
+#        (--two-batch --captured-step, both links), 4 accumulated micro-batches a step recorded, paired
+#        (--micro-batches 4 --pair-micro-batches: combined 1F1B), in turn and for the floor (both links),
+#        FSDP2 with the step recorded (NVLink). Runs go in order of
 #        importance; one that would start after BUDGET_S seconds is skipped and listed as such;
 #        ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
 #        those (LINK_VARIANT names as in OUT/runs). -> OUT/train_{link}_{GPUS}xGPU.json (GPUS: 2 by default;
@@ -42,12 +44,14 @@ if [ "${TINY:-0}" = 1 ]; then  # CPU gloo ranks, the same commands at toy sizes
     --corpus-dir tests/data/shakespeare_tiny --vocab-size 300 > /dev/null || exit 1
   size="--hidden 32 --layers 2 --heads 2 --experts 8 --top-k 2 --expert-ffn 16 --seq-len 32 --device cpu"
   cpu="--device cpu"
+  capture=""; micro=2  # (CPU: no CUDA graphs; 2 rows per rank)
   steps=${STEPS:-6}; every=3; rsteps=${REPLACE_STEPS:-40}; revery=10; tmo=120
 else
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   if [ "${DRY_RUN:-0}" != 1 ] && [ "$n" -lt "$gpus" ]; then echo "two_gpu_training.sh: needs $gpus GPUs (found $n); TINY=1 for CPU" >&2; exit 2; fi
   size="--hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024"
   cpu=""
+  capture="--captured-step"; micro=4
   steps=${STEPS:-40}; every=20; rsteps=${REPLACE_STEPS:-1500}; revery=300; tmo=120  # the floor's final save of every expert takes ~30 s
 fi
 mkdir -p "$runs"
@@ -86,6 +90,11 @@ train_part() {
     [ "${TINY:-0}" = 1 ] || train_run "$link" dedup_twobatch_captured "$gpus" --dispatcher dedup --grad-sync explicit \
       --two-batch --captured-step
     [ "${TINY:-0}" = 1 ] || train_run "$link" floor_captured "$gpus" --ep-size 1 --grad-sync explicit --captured-step
+    # issue 53: the step as 4 accumulated micro-batches, recorded: in turn, paired (combined 1F1B), the floor alike
+    train_run "$link" dedup_paired_captured "$gpus" --dispatcher dedup --grad-sync explicit --micro-batches $micro \
+      --pair-micro-batches $capture
+    train_run "$link" dedup_accum_captured "$gpus" --dispatcher dedup --grad-sync explicit --micro-batches $micro $capture
+    train_run "$link" floor_accum_captured "$gpus" --ep-size 1 --grad-sync explicit --micro-batches $micro $capture
   done
   if [[ " $links " == *" nvlink "* ]]; then
     train_run nvlink dedup_fsdp "$gpus" --dispatcher dedup --grad-sync fsdp

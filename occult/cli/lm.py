@@ -62,6 +62,7 @@ from occult.cli.run_checks import (
     check_captured_step,
     check_device,
     check_layer_graphs,
+    check_micro_batch_args,
     check_train_sizes,
     check_two_batch_args,
     run_dir,
@@ -80,6 +81,7 @@ def _check_run_paths(args) -> None:
     check_layer_graphs(args)
     check_captured_step(args)
     check_two_batch_args(args)
+    check_micro_batch_args(args)
 
 
 def _train_config(args):
@@ -114,6 +116,8 @@ def _train_config(args):
         "layer_graphs",
         "captured_step",
         "two_batch",
+        "micro_batches",
+        "pair_micro_batches",
         "distill_weight",
         "distill_temperature",
         "distill_from",

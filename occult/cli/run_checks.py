@@ -172,6 +172,53 @@ def check_two_batch_args(args: Any, hf: bool = False) -> None:
         )
 
 
+def check_micro_batch_args(args: Any, hf: bool = False) -> None:
+    """--micro-batches K and --pair-micro-batches: the rules `occult.lm.step_options.prepare_micro_batches` applies,
+    before any work (`hf`: `finetune --hf` has no accumulation)."""
+    count, paired = getattr(args, "micro_batches", 1), getattr(args, "pair_micro_batches", False)
+    if count < 1:
+        raise CommandError(f"--micro-batches {count}: give a count >= 1")
+    if paired and count < 2:
+        raise CommandError(
+            "--pair-micro-batches pairs a forward with the previous micro-batch's backward: give "
+            "--micro-batches 2 or more"
+        )
+    if count == 1:
+        return
+    if hf:
+        raise CommandError("--micro-batches is not implemented for finetune --hf: drop it (or use occult finetune)")
+    if getattr(args, "two_batch", False):
+        raise CommandError("--micro-batches and --two-batch both split the step: choose one")
+    ranks = world_size()
+    rows = args.batch_size // ranks
+    if args.batch_size % ranks == 0 and rows % count:
+        raise CommandError(
+            f"--micro-batches {count} split each rank's {rows} rows of --batch-size {args.batch_size}: give a "
+            f"--batch-size of a multiple of {count} rows per rank"
+        )
+    sync = getattr(args, "grad_sync", "explicit")
+    if ranks > 1 and sync == "overlap":
+        raise CommandError(
+            "--micro-batches on several ranks with --grad-sync overlap: its buckets all-reduce during one backward a "
+            "step, and micro-batches make several; use --grad-sync explicit"
+        )
+    if not paired:
+        return
+    if ranks > 1 and sync != "explicit":
+        raise CommandError(
+            f"--pair-micro-batches on several ranks with --grad-sync {sync}: its hooks expect one forward per "
+            "backward, and a paired step runs a forward beside a backward; use --grad-sync explicit"
+        )
+    others = {
+        "--layer-graphs": getattr(args, "layer_graphs", False),
+        "--replace-every / --replace-drift": getattr(args, "replace_every", 0) or getattr(args, "replace_drift", 0),
+        "--distill-weight": getattr(args, "distill_weight", 0) > 0,
+    }
+    for flag, asked in others.items():
+        if asked:
+            raise CommandError(f"--pair-micro-batches does not run with {flag}: drop one of them")
+
+
 def check_train_sizes(args: Any, vocab_size: int) -> None:
     """Refuse a model (its weights, gradients and AdamW state) or a batch (its logits and activations)
     that cannot be allocated, naming the flags to lower. Both sums are lower bounds."""

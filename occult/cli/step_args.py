@@ -1,5 +1,6 @@
 """The flags of how a training step executes (`occult train`, `occult finetune`, also with --hf): MoE layers
-replayed from CUDA graphs, the whole step recorded, two interleaved micro-batches, a profile of some steps.
+replayed from CUDA graphs, the whole step recorded, two interleaved micro-batches, accumulated micro-batches (in
+turn or paired), a profile of some steps.
 
 Imports nothing heavy (`occult --help` stays fast); the checks are `occult.cli.run_checks`'.
 """
@@ -11,7 +12,7 @@ from typing import Any
 
 def add_step_arguments(g: Any) -> None:
     """How each step executes (on argument group `g`): MoE layers from CUDA graphs, the whole step recorded, two
-    interleaved halves, a profile."""
+    interleaved halves, accumulated micro-batches, a profile."""
     g.add_argument(
         "--layer-graphs",
         action="store_true",
@@ -38,6 +39,23 @@ def add_step_arguments(g: Any) -> None:
         "backward; an even batch per rank; not with --layer-graphs, re-placement or distillation; the gradients of "
         "two accumulated micro-batches, so the load-balancing loss is over each half; docs/training.md) "
         "(default: one batch)",
+    )
+    g.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run each step as K micro-batches of each rank's rows, their gradients accumulated, then one "
+        "gradient sync and optimizer step (not with --hf or --two-batch; several ranks: --grad-sync ddp, fsdp or "
+        "explicit; K dividing the rows per rank) (default: 1, one batch)",
+    )
+    g.add_argument(
+        "--pair-micro-batches",
+        action="store_true",
+        help="with --micro-batches K >= 2: run micro-batch i+1's forward beside micro-batch i's backward (combined "
+        "1F1B), one's all-to-alls under the other's compute, for slow links (sync-free expert-parallel layers; "
+        "with --captured-step to pay; several ranks: --grad-sync explicit; not with --layer-graphs, re-placement "
+        "or distillation; docs/overlap.md) (default: in turn)",
     )
     g.add_argument(
         "--profile-steps",

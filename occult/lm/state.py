@@ -77,6 +77,8 @@ class TrainConfig:
     layer_graphs: bool = False  # MoE layer calls replayed from CUDA graphs, training ones too (occult.moe.graphs)
     captured_step: bool = False  # the whole step recorded as one CUDA graph and replayed (training.step_graph)
     two_batch: bool = False  # loss and backward as two interleaved micro-batches (training.two_batch)
+    micro_batches: int = 1  # each rank's rows of a step as this many micro-batches, gradients accumulated
+    pair_micro_batches: bool = False  # those paired: a forward beside the previous one's backward (combined 1F1B)
     # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it), "overlap" (explicit,
     # in buckets during the backward: recordable), or "fsdp" (sharded)
     grad_sync: str = "ddp"
@@ -127,6 +129,8 @@ class TrainConfig:
             )
         if self.profile_steps:
             parse_window(self.profile_steps)
+        if self.micro_batches < 1 or (self.pair_micro_batches and self.micro_batches < 2):
+            raise ValueError(f"micro_batches must be >= 1 (>= 2 with pair_micro_batches), got {self.micro_batches}")
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {self.grad_sync!r}")
         if self.distill_weight < 0 or self.distill_temperature <= 0:

@@ -3,7 +3,9 @@
 - `layer_graphs`: every MoE layer's calls, training ones too, replayed from CUDA graphs (`occult.moe.graphs`);
 - `captured_step`: the whole step recorded as one CUDA graph (`occult.training.step_graph`);
 - `two_batch`: the loss and backward as two interleaved micro-batches (`occult.training.two_batch`), the
-  expert-parallel layers switched to sync-free dispatch (exact; worst-case buffers, no host wait).
+  expert-parallel layers switched to sync-free dispatch (exact; worst-case buffers, no host wait);
+- `micro_batches`: each rank's rows of a step as K micro-batches, gradients accumulated in turn or, with
+  `pair_micro_batches`, paired (combined 1F1B: `occult.training.accumulation`; sync-free layers too).
 
 Each check raises a `ValueError` naming the setting and what to change, the same on every rank (all read the
 same config), before anything is written.
@@ -15,6 +17,7 @@ from occult.lm.model import OccultLM
 from occult.lm.parallel import Parallel
 from occult.lm.state import TrainConfig
 from occult.moe.model_layers import set_graphs, set_sync_free
+from occult.training.accumulation import check_paired
 from occult.training.layer_graphs import check_recordable
 from occult.training.step_graph import check_capturable
 from occult.training.two_batch import check_two_batch
@@ -79,4 +82,47 @@ def prepare_two_batch(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -
     check_two_batch(model, rows)
 
 
-__all__ = ["apply_layer_graphs", "check_captured_step", "prepare_two_batch"]
+def prepare_micro_batches(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -> None:
+    """`micro_batches` > 1: each rank's rows must divide into them; not with two_batch (another split of the step)
+    nor, on several ranks, with grad_sync "overlap" (its buckets expect one backward a step). Paired
+    (`pair_micro_batches`): on several ranks the explicit sync only (DDP's and FSDP2's hooks expect one forward per
+    backward), not with layer graphs, re-placement or distillation (as two_batch); then every expert-parallel layer
+    sync-free (two exchanges in flight)."""
+    count = cfg.micro_batches
+    if count == 1:
+        return
+    rows = cfg.batch_size // (par.world_size if par is not None else 1)
+    if rows % count:
+        raise ValueError(
+            f"micro_batches (--micro-batches) {count} split each rank's {rows} rows of the batch: give a --batch-size "
+            f"of a multiple of {count} rows per rank"
+        )
+    if cfg.two_batch:
+        raise ValueError("micro_batches (--micro-batches) and two_batch (--two-batch) both split the step: choose one")
+    if par is not None and cfg.grad_sync == "overlap":
+        raise ValueError(
+            "micro_batches (--micro-batches) on several ranks with grad_sync='overlap': its buckets all-reduce during "
+            "one backward a step, and micro-batches make several; use --grad-sync explicit"
+        )
+    if not cfg.pair_micro_batches:
+        return
+    if par is not None and cfg.grad_sync != "explicit":
+        raise ValueError(
+            f"pair_micro_batches (--pair-micro-batches) on several ranks with grad_sync={cfg.grad_sync!r}: "
+            + ("DDP's" if cfg.grad_sync == "ddp" else "FSDP2's")
+            + " hooks expect one forward per backward, and a paired step runs a forward beside a backward; use "
+            "--grad-sync explicit"
+        )
+    others = {
+        "layer_graphs (--layer-graphs)": cfg.layer_graphs,
+        "re-placement (--replace-every / --replace-drift)": cfg.replaces,
+        "distillation (--distill-weight)": cfg.distill_weight > 0,
+    }
+    for name, asked in others.items():
+        if asked:
+            raise ValueError(f"pair_micro_batches (--pair-micro-batches) does not run with {name}: drop one of them")
+    set_sync_free(model)
+    check_paired(model, count)
+
+
+__all__ = ["apply_layer_graphs", "check_captured_step", "prepare_micro_batches", "prepare_two_batch"]

@@ -94,7 +94,12 @@ from occult.lm.state import (  # noqa: F401  (re-exported: the names lived here)
     tensor_hash,
     trainable_names,
 )
-from occult.lm.step_options import apply_layer_graphs, check_captured_step, prepare_two_batch
+from occult.lm.step_options import (
+    apply_layer_graphs,
+    check_captured_step,
+    prepare_micro_batches,
+    prepare_two_batch,
+)
 from occult.moe.counts import STATUS_MESSAGES, RoutingError
 from occult.moe.step import agreed_step
 from occult.placement import Placement
@@ -228,6 +233,7 @@ def _prepare(
     if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
         wrap_fsdp(model, par, autocast_dtype(device, cfg.precision))  # bf16: FSDP2 mixed precision
     prepare_two_batch(model, cfg, par)  # (before the layer graphs and the capture check: they read sync-free)
+    prepare_micro_batches(model, cfg, par)
     apply_layer_graphs(model, cfg)
     check_captured_step(model, cfg, par)
     opt = make_optimizer(model, trainable_names(model, cfg.moe_only, cfg.train_part), cfg)
@@ -278,6 +284,8 @@ def train(
         stop_on_interrupt=par is None,
         captured_step=cfg.captured_step,
         two_batch=cfg.two_batch,
+        micro_batches=cfg.micro_batches,
+        paired=cfg.pair_micro_batches,
     )
     hooks = (
         [StepProfile(cfg.profile_steps, out, par.rank if par else 0, next(model.parameters()).device, run.log)]

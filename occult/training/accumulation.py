@@ -54,34 +54,53 @@ def accumulate_backward(
     count = len(micro_batches)
     if count < 1 or any(m.shape != micro_batches[0].shape for m in micro_batches):
         raise ValueError(f"micro-batches of one shape, got {[tuple(m.shape) for m in micro_batches]}")
-    if not paired or count == 1:
-        total = None
-        for micro in micro_batches:
-            loss = loss_of(micro) / count
-            loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        return total
-    check_paired(model, count)
-    device = micro_batches[0].device
+    if paired and count > 1:
+        check_paired(model, count)
+    outs = backward_accumulated(
+        lambda i: (loss_of(micro_batches[i]) / count,), count, micro_batches[0].device, paired and count > 1
+    )
+    return torch.stack([out[0] for out in outs]).sum()
+
+
+def backward_accumulated(
+    forward_of: Callable[[int], Sequence[torch.Tensor | None]], count: int, device: torch.device, paired: bool
+) -> list[tuple[torch.Tensor | None, ...]]:
+    """`forward_of(i)` for the `count` micro-batches, each's first output back-propagated (gradients added to
+    `.grad`), in turn or `paired` (module docstring; the model's layers must pass `check_paired`); returns every
+    forward's outputs (e.g. its loss, already scaled by the caller, and what is logged of it), detached, ready on
+    the caller's stream. Every rank must call it with the same `count` and micro-batches of the same shapes."""
+    if count < 1 or (paired and count < 2):
+        raise ValueError(f"accumulating needs one or more micro-batches (two or more paired), got {count}")
+    if not paired:
+        outs = []
+        for i in range(count):
+            out = tuple(forward_of(i))
+            out[0].backward()
+            outs.append(_detached(out))
+        return outs
     streams = micro_batch_streams(device) if device.type == "cuda" else (None, None)
     main = torch.cuda.current_stream(device) if device.type == "cuda" else None
     for stream in streams:
         if stream is not None:
             stream.wait_stream(main)
     with _on(streams[0]):
-        loss = loss_of(micro_batches[0]) / count
-    losses = [loss.detach()]
+        out = tuple(forward_of(0))
+    outs = [_detached(out)]
     for i in range(1, count):
-        loss = run_paired(lambda i=i: loss_of(micro_batches[i]) / count, loss.backward, streams[i % 2])
-        losses.append(loss.detach())
-    loss.backward()
+        out = run_paired(lambda i=i: tuple(forward_of(i)), out[0].backward, streams[i % 2])
+        outs.append(_detached(out))
+    out[0].backward()
     if main is not None:
         for stream in streams:
             main.wait_stream(stream)
         if not torch.cuda.is_current_stream_capturing():  # (a capture keeps its memory)
-            for value in losses:
-                value.record_stream(main)
-    return torch.stack(losses).sum()
+            for tensor in (t for o in outs for t in o if t is not None):
+                tensor.record_stream(main)
+    return outs
+
+
+def _detached(out: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if t is None else t.detach() for t in out)
 
 
 def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:

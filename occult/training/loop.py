@@ -22,10 +22,16 @@ With `LoopSettings.captured_step` everything from the loss to the optimizer step
 CUDA graph and replayed (`occult.training.step_graph`; `StepParts.signature` says when to record again).
 
 With `LoopSettings.two_batch` the loss and backward run as two interleaved micro-batches
-(`occult.training.two_batch`): `parts.halves(batch)` splits the batch, each half's loss runs on a thread and
+(`occult.training.two_batch`): `parts.split(batch, 2)` splits the batch, each half's loss runs on a thread and
 stream of its own, passing a turn at every expert-parallel exchange so one half's all-to-all is on the wire
 while the other computes, then one backward of the halves' mean `StepLoss` (the adapter checks the model's
 layers first: `check_two_batch`).
+
+With `LoopSettings.micro_batches = K` (K > 1) the step's batch is K micro-batches (`parts.split`), each's loss and
+backward in turn, their gradients added, then one sync, clip and optimizer step (gradient accumulation; the logged
+loss is their mean); with `LoopSettings.paired` micro-batch i+1's forward runs beside micro-batch i's backward
+(`occult.training.accumulation`: combined 1F1B, one's all-to-alls under the other's compute; sync-free
+expert-parallel layers, which the adapter checks).
 
 With `LoopSettings.stop_on_interrupt` (one process only: ranks would disagree on the step), a
 Ctrl-C ends the loop after the step under way, which the adapter then saves (`interrupted` is
@@ -50,6 +56,7 @@ from typing import Any
 
 import torch
 
+from occult.training.accumulation import backward_accumulated
 from occult.training.hooks import StepHook
 from occult.training.step_graph import CudaRecorder, StepGraph, set_lr
 from occult.training.two_batch import backward_halves, forward_halves
@@ -76,20 +83,20 @@ class StepLoss:
     aux: torch.Tensor | None = None
 
 
-def split_in_halves(batch: Any) -> tuple[Any, Any]:
-    """A batch's two halves along its first dimension: a tensor, or a tuple or list of them (e.g. inputs and
-    labels). A `ValueError` for an odd batch or another type."""
+def split_batch(batch: Any, parts: int) -> tuple[Any, ...]:
+    """A batch's `parts` equal micro-batches along its first dimension: a tensor, or a tuple or list of them (e.g.
+    inputs and labels). A `ValueError` for a first dimension `parts` does not divide, or another type."""
     if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0 or batch.shape[0] % 2:
+        if batch.dim() == 0 or batch.shape[0] % parts:
             raise ValueError(
-                f"two micro-batches split the batch in halves: give an even batch (got {tuple(batch.shape)})"
+                f"{parts} micro-batches split the batch in {parts} equal parts: give a batch of a multiple of {parts} "
+                f"rows (got {tuple(batch.shape)})"
             )
-        first, second = batch.chunk(2)
-        return first, second
+        return tuple(batch.chunk(parts))
     if isinstance(batch, (tuple, list)):
-        pairs = [split_in_halves(part) for part in batch]
-        return type(batch)(p[0] for p in pairs), type(batch)(p[1] for p in pairs)
-    raise ValueError(f"two micro-batches split tensors, or tuples or lists of them, not {type(batch).__name__}")
+        split = [split_batch(part, parts) for part in batch]
+        return tuple(type(batch)(s[i] for s in split) for i in range(parts))
+    raise ValueError(f"micro-batches split tensors, or tuples or lists of them, not {type(batch).__name__}")
 
 
 @dataclass
@@ -106,7 +113,7 @@ class StepParts:
     signature: Callable[[], Hashable] | None = None  # what a recorded step depends on (`captured_step`)
     # the context a captured step's warm-up steps and recording run in (`occult.training.step_graph.StepGraph`)
     capture_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    halves: Callable[[Any], tuple[Any, Any]] = split_in_halves  # a batch's two micro-batches (`two_batch`)
+    split: Callable[[Any, int], Sequence[Any]] = split_batch  # a batch's micro-batches (`two_batch`, `micro_batches`)
     close: Callable[[], None] = lambda: None  # releases what the parts put on the model (hooks), at the run's end
 
 
@@ -124,13 +131,19 @@ class LoopSettings:
     stop_on_interrupt: bool = False  # a first Ctrl-C ends the loop after the current step (module docstring)
     captured_step: bool = False  # the step recorded once as a CUDA graph and replayed (module docstring)
     two_batch: bool = False  # the loss and backward as two interleaved micro-batches (module docstring)
+    micro_batches: int = 1  # the step's batch as this many micro-batches, gradients accumulated (module docstring)
+    paired: bool = False  # those micro-batches paired, a forward with the previous one's backward (combined 1F1B)
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.tokens_per_step < 1 or self.log_every < 1:
+        if self.steps < 1 or self.tokens_per_step < 1 or self.log_every < 1 or self.micro_batches < 1:
             raise ValueError(
-                f"need steps, tokens_per_step and log_every >= 1, got {self.steps}, "
-                f"{self.tokens_per_step}, {self.log_every}"
+                f"need steps, tokens_per_step, log_every and micro_batches >= 1, got {self.steps}, "
+                f"{self.tokens_per_step}, {self.log_every}, {self.micro_batches}"
             )
+        if self.paired and self.micro_batches < 2:
+            raise ValueError(f"paired micro-batches need micro_batches >= 2, got {self.micro_batches}")
+        if self.two_batch and self.micro_batches > 1:
+            raise ValueError("two_batch and micro_batches > 1 both split the step: choose one")
 
 
 @dataclass
@@ -283,21 +296,46 @@ class TrainLoop:
         """One step's work from the loss to the optimizer: (total, logged, aux, gradient norm), detached
         (the autograd graph goes with the step)."""
         with self.parts.scope(batch):
+            if self.settings.micro_batches > 1:
+                return self._accumulated_step(batch)
             out = self._two_batch_loss(batch) if self.settings.two_batch else self.parts.loss(batch)
             self.optimizer.zero_grad(set_to_none=True)
             if self.settings.two_batch:
                 backward_halves(out.total)
             else:
                 out.total.backward()
+        return self._update(out)
+
+    def _update(self, out: StepLoss) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Gradient sync, clipping and the optimizer step after the backward; the step's outputs, detached."""
         self.parts.sync()
         gnorm = self.parts.clip(self.settings.grad_clip)
         self.optimizer.step()
         aux = None if out.aux is None else out.aux.detach()
         return out.total.detach(), out.logged.detach(), aux, None if gnorm is None else gnorm.detach()
 
+    def _accumulated_step(
+        self, batch: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`micro_batches` forwards and backwards, each's gradients added (`backward_accumulated`: in turn or
+        paired), then one update: the `StepLoss` is the micro-batches' mean."""
+        count = self.settings.micro_batches
+        micro = self.parts.split(batch, count)
+        device = self.optimizer.param_groups[0]["params"][0].device
+
+        def forward_of(i: int) -> tuple[torch.Tensor | None, ...]:
+            out = self.parts.loss(micro[i])
+            return out.total / count, out.logged, out.aux
+
+        self.optimizer.zero_grad(set_to_none=True)
+        outs = backward_accumulated(forward_of, count, device, self.settings.paired)
+        total, logged, aux = (None if o[0] is None else torch.stack(list(o)) for o in zip(*outs))
+        aux = None if aux is None else aux.mean(0)
+        return self._update(StepLoss(total.sum(0), logged.mean(0), aux))
+
     def _two_batch_loss(self, batch: Any) -> StepLoss:
         """The mean of the two halves' `StepLoss`, their forwards interleaved (`forward_halves`)."""
-        halves = self.parts.halves(batch)
+        halves = self.parts.split(batch, 2)
         device = self.optimizer.param_groups[0]["params"][0].device
 
         def forward_of(i: int) -> tuple[torch.Tensor | None, ...]:
@@ -330,7 +368,7 @@ class TrainLoop:
 __all__ = [
     "STEP_RANGE",
     "to_device",
-    "split_in_halves",
+    "split_batch",
     "StepLoss",
     "StepParts",
     "LoopSettings",

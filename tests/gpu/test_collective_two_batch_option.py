@@ -3,7 +3,8 @@ threads, two streams, sync-free expert-parallel layers), eager and with the whol
 (`--captured-step`, NCCL only), gives the losses, validation losses and final weights of the same run with one
 batch a step (the load-balancing loss off: two halves have two of it). fp32: losses within 1e-4, weights 1e-3
 (as tests/gpu/test_collective_captured_step.py, whose reasons hold here too, plus GEMMs of half the rows); bf16:
-losses within 1e-3 over 12 steps (issue 52's bound); a transformers model's fine-tune (`hf.finetune`) likewise."""
+losses within 1e-3 over 12 steps (issue 52's bound); a transformers model's fine-tune (`hf.finetune`) likewise; and
+`--micro-batches 2`, in turn and paired (`--pair-micro-batches`), eager and recorded."""
 
 from __future__ import annotations
 
@@ -73,3 +74,38 @@ def test_a_transformers_finetune_as_two_interleaved_halves_gives_the_one_batch_l
         losses[two_batch] = np.array(hf.finetune(model, tokens, cfg, groups, progress=False, log=None).losses)
     gap = ranks.all_max(float(np.max(np.abs(losses[True] - losses[False]) / np.abs(losses[False]))))
     assert gap <= TOL["bf16"], (captured, gap, ranks.seed)
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("paired", [False, True], ids=["in_turn", "paired"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_accumulated_micro_batches_train_as_one_batch(ranks, precision, paired, captured):
+    """`occult train --micro-batches 2 [--pair-micro-batches]`: two micro-batches a step, their gradients added in
+    turn or paired (micro-batch 1's forward on a thread and stream of its own beside micro-batch 0's backward,
+    sync-free layers), eager and recorded: the one-batch run's losses, validation losses and (fp32) weights within
+    the bounds above (GEMMs of half the rows, as the halves')."""
+    if captured and ranks.backend != "nccl":
+        pytest.skip("a CUDA graph cannot hold gloo's collectives: NCCL ranks only")
+    par = setup_parallel()
+    with shared_fp32_dir(ranks, "occult_gpu_micro_batches_") as root:
+        data = _token_data(ranks.seed)
+        no_aux = dict(transport="auto", aux_loss_coef=0.0)
+        got = run_training(
+            ranks,
+            par,
+            data,
+            root / f"micro-{precision}",
+            precision,
+            micro_batches=2,
+            pair_micro_batches=paired,
+            captured_step=captured,
+            **no_aux,
+        )
+        want = run_training(ranks, par, data, root / f"one-{precision}", precision, **no_aux)
+    assert len(got["losses"]) == STEPS and len(got["val"]) == 2
+    loss = ranks.all_max(float(np.max(np.abs(got["losses"] - want["losses"]) / np.abs(want["losses"]))))
+    val = ranks.all_max(float(np.max(np.abs(got["val"] - want["val"]) / np.abs(want["val"]))))
+    assert loss <= TOL[precision] and val <= TOL[precision], (precision, paired, captured, loss, val, ranks.seed)
+    if precision == "fp32":
+        worst = ranks.all_max(max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"]))
+        assert worst <= WEIGHTS_TOL_FP32, (worst, ranks.seed)

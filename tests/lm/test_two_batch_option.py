@@ -129,14 +129,18 @@ def test_refused_in_one_process(tmp_path, kw, needle):
     assert not list((tmp_path / "run").glob("*.safetensors"))
 
 
-def test_split_in_halves_refuses_what_it_cannot_split():
-    x, y = torch.arange(8).reshape(4, 2), torch.arange(4)
-    (x0, y0), (x1, y1) = loop.split_in_halves((x, y))
-    assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
-    with pytest.raises(ValueError, match="even batch"):
-        loop.split_in_halves(torch.zeros(3, 2))
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_split_batch_gives_equal_micro_batches_and_refuses_what_it_cannot_split(parts):
+    rows = 2 * parts
+    x, y = torch.randn(rows, 3), torch.randint(0, 9, (rows,))
+    micro = loop.split_batch((x, y), parts)
+    assert len(micro) == parts and all(len(m[0]) == 2 for m in micro)
+    assert torch.equal(torch.cat([m[0] for m in micro]), x) and torch.equal(torch.cat([m[1] for m in micro]), y)
+    assert [type(m) for m in loop.split_batch([x, y], parts)] == [list] * parts
+    with pytest.raises(ValueError, match=f"multiple of {parts + 1} rows"):
+        loop.split_batch(torch.zeros(rows + 1, 2), parts + 1)
     with pytest.raises(ValueError, match="not dict"):
-        loop.split_in_halves({"x": x})
+        loop.split_batch({"x": x}, parts)
 
 
 @pytest.mark.parametrize(
