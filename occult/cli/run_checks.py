@@ -114,10 +114,11 @@ def check_captured_step(args: Any, hf: bool = False) -> None:
     layers are recorded inside the step) or re-placement (it moves experts between steps); on several ranks
     the explicit gradient sync or FSDP2 (DDP's reducer keeps host state; `hf`: `finetune --hf` has no
     --grad-sync and syncs its routers explicitly in a captured step) and no count exchange (a host wait;
-    --two-batch makes the layers sync-free, which the count exchange then runs without one)."""
+    --two-batch and --pair-micro-batches make the layers sync-free, which the count exchange then runs without
+    one)."""
     if not getattr(args, "captured_step", False):
         return
-    two_batch = getattr(args, "two_batch", False)
+    sync_free = getattr(args, "two_batch", False) or getattr(args, "pair_micro_batches", False)
     device = resolved_device(args.device)
     if not device.startswith("cuda"):
         raise CommandError(f"--captured-step records a CUDA graph: it needs a CUDA device, not --device {device}")
@@ -136,7 +137,7 @@ def check_captured_step(args: Any, hf: bool = False) -> None:
             "step would skip; use --grad-sync explicit, overlap or fsdp (their collectives are recorded with the "
             "step)"
         )
-    if getattr(args, "transport", "auto") == "counts" and getattr(args, "ep_size", 1) != 1 and not two_batch:
+    if getattr(args, "transport", "auto") == "counts" and getattr(args, "ep_size", 1) != 1 and not sync_free:
         raise CommandError(
             "--captured-step with --transport counts: the count exchange reads row counts on the host, which a "
             "CUDA graph cannot record; use --transport device (or auto)"

@@ -56,3 +56,6 @@ def test_accepted_settings(monkeypatch):
     run_checks.check_captured_step(_args(transport="device", ep_size=2, grad_sync="fsdp"))  # recorded with the step
     run_checks.check_captured_step(_args(grad_sync="ddp"), hf=True)  # --hf: the routers synced explicitly
     run_checks.check_captured_step(_args(captured_step=False, grad_sync="fsdp", layer_graphs=True))
+    # the count exchange's layers made sync-free (no host wait left to record) by two halves or paired micro-batches
+    run_checks.check_captured_step(_args(transport="counts", ep_size=2, two_batch=True))
+    run_checks.check_captured_step(_args(transport="counts", ep_size=2, pair_micro_batches=True, micro_batches=2))
