@@ -43,12 +43,13 @@
 #           backward (and the ORTHO job with them too)
 # interleave issue 53: prefill as 2 and 4 interleaved micro-batches (e2e.py's /twobatch, /interleave4: more
 #           compute under each exchange, GEMMs of 1/K the rows; e2e.py's 4 x 2048 tokens, so one sequence each)
-#           beside one captured batch and the floor, one job per link (LINKS="nvlink slow" by default, MODELS=olmoe by default; ~3 min each);
-#           a K that never wins is removed again (docs/overlap.md, "K interleaved micro-batches")
+#           beside one captured batch and the floor, one job per link (LINKS="nvlink slow" by default, MODELS=olmoe
+#           by default; ~1-2 min each on 2 GPUs); K = 4 won over the slow link in session 28 (docs/overlap.md,
+#           "K interleaved micro-batches")
 # pair      issue 53: the train step as 4 accumulated micro-batches of 2 x 2048 tokens (--batch 8 --accumulate 4), in
 #           turn and paired (/1f1b: micro-batch i+1's forward with micro-batch i's backward, combined 1F1B), the
-#           floor accumulating the same, one job per link (LINKS, MODELS as above; ~4 min each); removed again if
-#           it never wins (docs/overlap.md, "Combined 1F1B")
+#           floor accumulating the same, one job per link (LINKS, MODELS as above; ~2 min each on 2 GPUs); paired
+#           won on both links in session 28 (docs/overlap.md, "Combined 1F1B")
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
