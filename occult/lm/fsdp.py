@@ -26,6 +26,9 @@ and are re-exported here.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -47,6 +50,17 @@ def reshard(model: OccultLM) -> None:
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model: OccultLM) -> Iterator[None]:
+    """While entered, FSDP2 keeps the gradients of `model`'s units unsharded and unreduced (a micro-batch of an
+    accumulated step before the last: the last one's backward reduce-scatters their sum once); on again after."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def wrap_fsdp(model: OccultLM, parallel, param_dtype: torch.dtype | None = None) -> OccultLM:

@@ -50,6 +50,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ from occult.lm.checkpoint import (
 from occult.lm.data import TokenData, train_batch
 from occult.lm.distill import distilled_loss, load_teacher
 from occult.lm.evaluate import autocast_dtype, autocast_for, evaluate, pick_device
-from occult.lm.fsdp import wrap_fsdp
+from occult.lm.fsdp import gradient_sync_off, is_fsdp, wrap_fsdp
 from occult.lm.migrate import follow_routing
 from occult.lm.model import OccultLM
 from occult.lm.parallel import (
@@ -171,7 +172,19 @@ def _step_parts(run: TrainRun) -> StepParts:
         scope=lambda xy: agreed_step(model, xy[0].numel()),  # every MoE call of the step sees these tokens
         signature=lambda: model_signature(model),
         close=bucketed.close if bucketed is not None else lambda: None,
+        unsynced=_unsynced(model, ddp),
     )
+
+
+def _unsynced(model: OccultLM, ddp: Any) -> Callable[[], AbstractContextManager]:
+    """The context a micro-batch of an accumulated step (not the last) runs in so that the data-parallel hooks do
+    not reduce its gradients yet: DDP's `no_sync`, FSDP2's gradient sync off; nothing for the explicit syncs
+    (they reduce once, after the backward)."""
+    if ddp is not None:
+        return ddp.no_sync
+    if is_fsdp(model):
+        return lambda: gradient_sync_off(model)
+    return nullcontext
 
 
 def _resume(run: TrainRun, state: tuple[str, Path, Mapping[str, Any]], data_sig: str, init_hash: str | None) -> None:

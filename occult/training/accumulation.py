@@ -63,19 +63,26 @@ def accumulate_backward(
 
 
 def backward_accumulated(
-    forward_of: Callable[[int], Sequence[torch.Tensor | None]], count: int, device: torch.device, paired: bool
+    forward_of: Callable[[int], Sequence[torch.Tensor | None]],
+    count: int,
+    device: torch.device,
+    paired: bool,
+    unsynced: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> list[tuple[torch.Tensor | None, ...]]:
     """`forward_of(i)` for the `count` micro-batches, each's first output back-propagated (gradients added to
     `.grad`), in turn or `paired` (module docstring; the model's layers must pass `check_paired`); returns every
     forward's outputs (e.g. its loss, already scaled by the caller, and what is logged of it), detached, ready on
-    the caller's stream. Every rank must call it with the same `count` and micro-batches of the same shapes."""
+    the caller's stream. Every rank must call it with the same `count` and micro-batches of the same shapes.
+    In turn, every micro-batch but the last runs its forward and backward inside `unsynced()` (e.g. DDP's
+    `no_sync`: the data-parallel hooks reduce the sum once, in the last backward)."""
     if count < 1 or (paired and count < 2):
         raise ValueError(f"accumulating needs one or more micro-batches (two or more paired), got {count}")
     if not paired:
         outs = []
         for i in range(count):
-            out = tuple(forward_of(i))
-            out[0].backward()
+            with unsynced() if i < count - 1 else contextlib.nullcontext():
+                out = tuple(forward_of(i))
+                out[0].backward()
             outs.append(_detached(out))
         return outs
     streams = micro_batch_streams(device) if device.type == "cuda" else (None, None)

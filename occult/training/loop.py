@@ -114,6 +114,9 @@ class StepParts:
     # the context a captured step's warm-up steps and recording run in (`occult.training.step_graph.StepGraph`)
     capture_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     split: Callable[[Any, int], Sequence[Any]] = split_batch  # a batch's micro-batches (`two_batch`, `micro_batches`)
+    # where the data-parallel hooks hold a micro-batch's gradients back (DDP's `no_sync`; FSDP2's gradient sync off):
+    # every in-turn micro-batch but the last (`micro_batches`)
+    unsynced: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     close: Callable[[], None] = lambda: None  # releases what the parts put on the model (hooks), at the run's end
 
 
@@ -328,7 +331,7 @@ class TrainLoop:
             return out.total / count, out.logged, out.aux
 
         self.optimizer.zero_grad(set_to_none=True)
-        outs = backward_accumulated(forward_of, count, device, self.settings.paired)
+        outs = backward_accumulated(forward_of, count, device, self.settings.paired, self.parts.unsynced)
         total, logged, aux = (None if o[0] is None else torch.stack(list(o)) for o in zip(*outs))
         aux = None if aux is None else aux.mean(0)
         return self._update(StepLoss(total.sum(0), logged.mean(0), aux))

@@ -109,3 +109,22 @@ def test_accumulated_micro_batches_train_as_one_batch(ranks, precision, paired, 
     if precision == "fp32":
         worst = ranks.all_max(max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"]))
         assert worst <= WEIGHTS_TOL_FP32, (worst, ranks.seed)
+
+
+@pytest.mark.parametrize("grad_sync", ["ddp", "fsdp"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_accumulated_micro_batches_under_ddp_and_fsdp_train_as_one_batch(ranks, precision, grad_sync):
+    """`--micro-batches 2` in turn with DDP (`no_sync` around the first micro-batch) and FSDP2 (its gradient sync off
+    for it), eager: the same run with one batch a step and the same gradient sync, within the bounds above."""
+    par = setup_parallel()
+    with shared_fp32_dir(ranks, "occult_gpu_micro_batches_sync_") as root:
+        data = _token_data(ranks.seed)
+        same = dict(transport="auto", aux_loss_coef=0.0, grad_sync=grad_sync)
+        got = run_training(ranks, par, data, root / f"micro-{precision}", precision, micro_batches=2, **same)
+        want = run_training(ranks, par, data, root / f"one-{precision}", precision, **same)
+    loss = ranks.all_max(float(np.max(np.abs(got["losses"] - want["losses"]) / np.abs(want["losses"]))))
+    val = ranks.all_max(float(np.max(np.abs(got["val"] - want["val"]) / np.abs(want["val"]))))
+    assert loss <= TOL[precision] and val <= TOL[precision], (precision, grad_sync, loss, val, ranks.seed)
+    if precision == "fp32":
+        worst = ranks.all_max(max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"]))
+        assert worst <= WEIGHTS_TOL_FP32, (worst, ranks.seed)

@@ -4,7 +4,9 @@ each rank's rows of a step as K micro-batches, their gradients accumulated in tu
 
 Two gloo ranks, experts sharded over both by a non-contiguous placement, train as one process does on the same
 global batch (losses, validation losses and every weight within `RTOL`; the load-balancing loss off, since K
-micro-batches have K of it): in turn with the explicit sync and with DDP, paired with the explicit sync. The loop
+micro-batches have K of it): in turn with the explicit sync, with DDP (its buckets reduced once a step, as many as
+one batch's: `no_sync` around the earlier micro-batches) and with FSDP2 (its gradient sync off for them), paired with
+the explicit sync. The loop
 really paired them (each step's later micro-batches' exchanges issued from the forward thread, the rest from the
 caller's or autograd's), the paired run's layers sync-free, the in-turn ones not. Refused before any step (the
 same error on every rank, nothing written): pairing with DDP or FSDP2, micro-batches with the bucketed sync on
@@ -31,6 +33,7 @@ from _train_helpers import (
     train_config,
 )
 
+import occult.lm.train as train_module
 from occult.distributed import run_ranks
 from occult.lm.model import OccultLM
 from occult.lm.parallel import full_model, setup_parallel, shard_model
@@ -64,12 +67,61 @@ class _Issuers:
         comm._Exchange.forward = staticmethod(self.saved)
 
 
+class _DdpReductions:
+    """While entered: how many gradient buckets DDP reduced (a comm hook on every DDP the runs wrap)."""
+
+    def __enter__(self) -> _DdpReductions:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.count, self.saved = 0, train_module.wrap_ddp
+
+        def counted(state, bucket):
+            self.count += 1
+            return allreduce_hook(state, bucket)
+
+        def wrap(*args, **kw):
+            ddp = self.saved(*args, **kw)
+            if ddp is not None:
+                ddp.register_comm_hook(ddp.process_group, counted)
+            return ddp
+
+        train_module.wrap_ddp = wrap
+        return self
+
+    def __exit__(self, *exc) -> None:
+        train_module.wrap_ddp = self.saved
+
+
+class _FsdpSyncOff:
+    """While entered: how many micro-batches ran with FSDP2's gradient sync off."""
+
+    def __enter__(self) -> _FsdpSyncOff:
+        self.count, self.saved = 0, train_module.gradient_sync_off
+
+        def counted(model):
+            self.count += 1
+            return self.saved(model)
+
+        train_module.gradient_sync_off = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        train_module.gradient_sync_off = self.saved
+
+
 def _micro_batch_rank(rank: int, world_size: int, data, root: str) -> dict:
     par = setup_parallel()
     placement = Placement.from_lists(PLACEMENT, 2)
-    out = {}
-    for name, extra in (("turn", {"micro_batches": 2}), ("ddp", {"micro_batches": 2, "grad_sync": "ddp"})):
-        out[name] = run(par, data, Path(root) / name, placement, config={**NO_AUX, **extra})
+    out = {"turn": run(par, data, Path(root) / "turn", placement, config={**NO_AUX, "micro_batches": 2})}
+    for name, extra in (("ddp", {"micro_batches": 2}), ("ddp_one", {})):
+        with _DdpReductions() as reduced:
+            out[name] = run(par, data, Path(root) / name, placement, config={**NO_AUX, "grad_sync": "ddp", **extra})
+        out[f"{name}_buckets"] = reduced.count
+    with _FsdpSyncOff() as off:
+        out["fsdp"] = run(
+            par, data, Path(root) / "fsdp", placement, config={**NO_AUX, "grad_sync": "fsdp", "micro_batches": 2}
+        )
+    out["fsdp_off"] = off.count
     torch.manual_seed(0)
     model = shard_model(full_model(config(data), par), par, placement)
     with _Issuers() as issuers:
@@ -87,8 +139,12 @@ def test_accumulated_micro_batches_train_as_one_process_in_turn_and_paired(tmp_p
     want = one_process(data, train_config(**{**NO_AUX, "grad_sync": "ddp"}), tmp_path / "single")
     got = run_ranks(_micro_batch_rank, 2, data, str(tmp_path), timeout_s=300)
     for rank in got:
-        for name in ("turn", "ddp", "paired"):
+        for name in ("turn", "ddp", "fsdp", "paired"):
             assert_matches(rank[name], want, RTOL, steps=STEPS)
+        # DDP reduced the sum once a step (`no_sync` around the first micro-batch), as many buckets as one batch;
+        # FSDP2 held the first micro-batch's gradients back every step
+        assert rank["ddp_buckets"] == rank["ddp_one_buckets"] > 0, (rank["ddp_buckets"], rank["ddp_one_buckets"])
+        assert rank["fsdp_off"] == STEPS
         paired = [n for n in rank["issuers"] if n == "occult-1f1b-forward"]
         # steps x (the second micro-batch's forward) x layers x (dispatch, combine); evaluation: one batch, no thread
         assert len(paired) == STEPS * 1 * 2 * 2, len(paired)
