@@ -121,7 +121,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -449,7 +449,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="train: the step's --batch sequences as this many micro-batches, their gradients accumulated (in turn; "
-        "paired for /1f1b variants); with --dense-sync after",
+        "paired for /1f1b variants), the dense ones reduced once a step (--dense-sync overlap: during the last "
+        "backward)",
     )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on GPUs, fp32 on CPU")
@@ -484,8 +485,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch {args.batch} does not split into the micro-batches of {', '.join(split)}")
     if args.accumulate < 1 or args.batch % args.accumulate:
         p.error(f"--accumulate {args.accumulate}: give a count >= 1 that divides --batch {args.batch}")
-    if args.accumulate > 1 and args.dense_sync != "after":
-        p.error("--accumulate reduces the dense gradients once, after the last micro-batch: use --dense-sync after")
     if args.accumulate > 1 and any(micro_batches(v) == 2 and step_graph(v) for v in args.variants):
         p.error("--accumulate and /stepgraph/twobatch: choose one way to split the step (or /1f1b to pair the K)")
     if args.accumulate > 1 and any(base_variant(v) in tt_model.VARIANTS for v in args.variants):
@@ -756,11 +755,11 @@ def make_step(
             if micro_batches == 2:
                 loss = interleaved_backward(model, loss_of, ids_BS.chunk(2))
             elif accumulate > 1:
-                loss = accumulate_backward(model, loss_of, ids_BS.chunk(accumulate), paired=pair)
+                loss = accumulate_backward(model, loss_of, ids_BS.chunk(accumulate), pair, sync.unsynced)
             else:
                 loss = loss_of(ids_BS)
                 loss.backward()
-        sync()
+        sync.finish()
         optimizer.step()
         return (loss.detach(),)
 
@@ -774,13 +773,21 @@ def make_step(
 _DENSE_GROUP: list = []  # every rank, a communicator apart from the MoE layers' (made at the first "overlap" step)
 
 
-def gradient_sync(model: nn.Module, dense_sync: str) -> Callable[[], None]:
+class GradientSync(NamedTuple):
+    """`finish()` after a step's backward(s); `unsynced()`: the context an accumulated step's earlier backwards run
+    in (the buckets held: the last backward reduces the sum once)."""
+
+    finish: Callable[[], None]
+    unsynced: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def gradient_sync(model: nn.Module, dense_sync: str) -> GradientSync:
     """How a train step averages its gradients over the ranks: `hf.sync_gradients` after the backward ("after"),
-    or ("overlap") the replicated gradients all-reduced in buckets while the backward runs, on a group apart from
-    the MoE layers' all-to-alls (every rank makes it at its first such step, in the same order), and the expert
+    or ("overlap") the replicated gradients all-reduced in buckets while the (last) backward runs, on a group apart
+    from the MoE layers' all-to-alls (every rank makes it at its first such step, in the same order), and the expert
     gradients divided as `hf.sync_gradients` divides them."""
     if dense_sync == "after" or dist.get_world_size() == 1:
-        return lambda: hf.sync_gradients(model)
+        return GradientSync(lambda: hf.sync_gradients(model))
     world = dist.get_world_size()
     if not _DENSE_GROUP:
         _DENSE_GROUP.append(dist.new_group(list(range(world))))
@@ -794,7 +801,7 @@ def gradient_sync(model: nn.Module, dense_sync: str) -> Callable[[], None]:
             if p.grad is not None:
                 p.grad /= world
 
-    return sync
+    return GradientSync(sync, bucketed.held)
 
 
 def fresh_ids(

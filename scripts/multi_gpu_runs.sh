@@ -49,7 +49,8 @@
 # pair      issue 53: the train step as 4 accumulated micro-batches of 2 x 2048 tokens (--batch 8 --accumulate 4), in
 #           turn and paired (/1f1b: micro-batch i+1's forward with micro-batch i's backward, combined 1F1B), the
 #           floor accumulating the same, one job per link (LINKS, MODELS as above; ~2 min each on 2 GPUs); paired
-#           won on both links in session 28 (docs/overlap.md, "Combined 1F1B")
+#           won on both links in session 28 (docs/overlap.md, "Combined 1F1B"); OVERLAP=1 adds a job per link with
+#           the dense gradients all-reduced in buckets during the last backward (--dense-sync overlap)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -193,6 +194,11 @@ case $part in
         run "pair_${model}_$link" 450 env $env_ $tr benchmarks/e2e.py --model $model --phases train --batch 8 \
           --accumulate 4 --variants replicated/compile/stepgraph,$sf/deferwgrad,$sf/1f1b,$sf/1f1b/deferwgrad \
           --out "$out/e2e_${model}_pair_${link}_${n}gpu.json"
+        # OVERLAP=1: the dense gradients all-reduced in buckets during the last backward (the earlier ones held)
+        [ "${OVERLAP:-0}" = 1 ] && run "pair_${model}_${link}_overlap" 450 env $env_ $tr benchmarks/e2e.py --model $model \
+          --phases train --batch 8 --accumulate 4 --dense-sync overlap \
+          --variants replicated/compile/stepgraph,$sf/deferwgrad,$sf/1f1b/deferwgrad \
+          --out "$out/e2e_${model}_pair_overlap_${link}_${n}gpu.json"
       done
     done ;;&
   peer|all)

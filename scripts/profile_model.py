@@ -220,8 +220,6 @@ def main() -> None:
     args = p.parse_args()
     if args.accumulate < 1 or args.batch % args.accumulate:
         p.error(f"--accumulate {args.accumulate}: give a count >= 1 that divides --batch {args.batch}")
-    if args.accumulate > 1 and args.dense_sync != "after":
-        p.error("--accumulate reduces the dense gradients once, after the last micro-batch: use --dense-sync after")
     if args.accumulate < 2 and any(e2e.paired(v) for v in args.variants.split(",")):
         p.error("/1f1b pairs a step's micro-batches: give --accumulate 2 or more")
     init_distributed()

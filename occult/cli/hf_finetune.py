@@ -36,7 +36,6 @@ from occult.cli.run_checks import (
     check_device,
     check_layer_graphs,
     check_max_devices,
-    check_micro_batch_args,
     check_two_batch_args,
     diverged_named,
     run_dir,
@@ -276,7 +275,6 @@ def run_finetune(args: Any) -> int:
     check_layer_graphs(args)
     check_captured_step(args, hf=True)
     check_two_batch_args(args, hf=True)
-    check_micro_batch_args(args, hf=True)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if args.ep_size not in (None, 1):
             raise ValueError(f"--ep-size {args.ep_size} needs that many ranks: run under torchrun --nproc-per-node N")

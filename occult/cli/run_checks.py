@@ -173,9 +173,9 @@ def check_two_batch_args(args: Any, hf: bool = False) -> None:
         )
 
 
-def check_micro_batch_args(args: Any, hf: bool = False) -> None:
+def check_micro_batch_args(args: Any) -> None:
     """--micro-batches K and --pair-micro-batches: the rules `occult.lm.step_options.prepare_micro_batches` applies,
-    before any work (`hf`: `finetune --hf` has no accumulation)."""
+    before any work (`finetune --hf` refuses both flags: `occult.cli.hf_flags`)."""
     count, paired = getattr(args, "micro_batches", 1), getattr(args, "pair_micro_batches", False)
     if count < 1:
         raise CommandError(f"--micro-batches {count}: give a count >= 1")
@@ -186,8 +186,6 @@ def check_micro_batch_args(args: Any, hf: bool = False) -> None:
         )
     if count == 1:
         return
-    if hf:
-        raise CommandError("--micro-batches is not implemented for finetune --hf: drop it (or use occult finetune)")
     if getattr(args, "two_batch", False):
         raise CommandError("--micro-batches and --two-batch both split the step: choose one")
     ranks = world_size()
@@ -197,18 +195,13 @@ def check_micro_batch_args(args: Any, hf: bool = False) -> None:
             f"--micro-batches {count} split each rank's {rows} rows of --batch-size {args.batch_size}: give a "
             f"--batch-size of a multiple of {count} rows per rank"
         )
-    sync = getattr(args, "grad_sync", "explicit")
-    if ranks > 1 and sync == "overlap":
-        raise CommandError(
-            "--micro-batches on several ranks with --grad-sync overlap: its buckets all-reduce during one backward a "
-            "step, and micro-batches make several; use --grad-sync explicit"
-        )
     if not paired:
         return
-    if ranks > 1 and sync != "explicit":
+    sync = getattr(args, "grad_sync", "explicit")
+    if ranks > 1 and sync not in ("explicit", "overlap"):
         raise CommandError(
             f"--pair-micro-batches on several ranks with --grad-sync {sync}: its hooks expect one forward per "
-            "backward, and a paired step runs a forward beside a backward; use --grad-sync explicit"
+            "backward, and a paired step runs a forward beside a backward; use --grad-sync explicit or overlap"
         )
     others = {
         "--layer-graphs": getattr(args, "layer_graphs", False),

@@ -83,11 +83,10 @@ def prepare_two_batch(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -
 
 
 def prepare_micro_batches(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -> None:
-    """`micro_batches` > 1: each rank's rows must divide into them; not with two_batch (another split of the step)
-    nor, on several ranks, with grad_sync "overlap" (its buckets expect one backward a step). Paired
-    (`pair_micro_batches`): on several ranks the explicit sync only (DDP's and FSDP2's hooks expect one forward per
-    backward), not with layer graphs, re-placement or distillation (as two_batch); then every expert-parallel layer
-    sync-free (two exchanges in flight)."""
+    """`micro_batches` > 1: each rank's rows must divide into them; not with two_batch (another split of the step).
+    Paired (`pair_micro_batches`): on several ranks the explicit syncs only (DDP's and FSDP2's hooks expect one
+    forward per backward), not with layer graphs, re-placement or distillation (as two_batch); then every
+    expert-parallel layer sync-free (two exchanges in flight)."""
     count = cfg.micro_batches
     if count == 1:
         return
@@ -99,19 +98,14 @@ def prepare_micro_batches(model: OccultLM, cfg: TrainConfig, par: Parallel | Non
         )
     if cfg.two_batch:
         raise ValueError("micro_batches (--micro-batches) and two_batch (--two-batch) both split the step: choose one")
-    if par is not None and cfg.grad_sync == "overlap":
-        raise ValueError(
-            "micro_batches (--micro-batches) on several ranks with grad_sync='overlap': its buckets all-reduce during "
-            "one backward a step, and micro-batches make several; use --grad-sync explicit"
-        )
     if not cfg.pair_micro_batches:
         return
-    if par is not None and cfg.grad_sync != "explicit":
+    if par is not None and cfg.grad_sync not in ("explicit", "overlap"):
         raise ValueError(
             f"pair_micro_batches (--pair-micro-batches) on several ranks with grad_sync={cfg.grad_sync!r}: "
             + ("DDP's" if cfg.grad_sync == "ddp" else "FSDP2's")
             + " hooks expect one forward per backward, and a paired step runs a forward beside a backward; use "
-            "--grad-sync explicit"
+            "--grad-sync explicit or overlap"
         )
     others = {
         "layer_graphs (--layer-graphs)": cfg.layer_graphs,

@@ -172,16 +172,18 @@ def _step_parts(run: TrainRun) -> StepParts:
         scope=lambda xy: agreed_step(model, xy[0].numel()),  # every MoE call of the step sees these tokens
         signature=lambda: model_signature(model),
         close=bucketed.close if bucketed is not None else lambda: None,
-        unsynced=_unsynced(model, ddp),
+        unsynced=_unsynced(model, ddp, bucketed),
     )
 
 
-def _unsynced(model: OccultLM, ddp: Any) -> Callable[[], AbstractContextManager]:
+def _unsynced(model: OccultLM, ddp: Any, bucketed: BucketedSync | None) -> Callable[[], AbstractContextManager]:
     """The context a micro-batch of an accumulated step (not the last) runs in so that the data-parallel hooks do
-    not reduce its gradients yet: DDP's `no_sync`, FSDP2's gradient sync off; nothing for the explicit syncs
-    (they reduce once, after the backward)."""
+    not reduce its gradients yet: DDP's `no_sync`, FSDP2's gradient sync off, the buckets held; nothing for the
+    explicit sync (it reduces once, after the backward)."""
     if ddp is not None:
         return ddp.no_sync
+    if bucketed is not None:
+        return bucketed.held
     if is_fsdp(model):
         return lambda: gradient_sync_off(model)
     return nullcontext

@@ -12,7 +12,8 @@ in the pairs each side's all-to-alls run under the other's compute; only the fir
 It pays where nothing waits for the host (the step recorded as one CUDA graph) and on a link slow enough for the
 exchanges to matter, with several micro-batches (the first forward's wire is paid once a step). Sync-free
 expert-parallel layers only, as for two interleaved halves (two exchanges in flight would share the device
-transport's buffers). The dense gradients are then reduced once, after the last backward.
+transport's buffers). The dense gradients are then reduced once: after the last backward, or during it (every
+earlier backward inside the caller's `unsynced`, e.g. `BucketedSync.held`), which runs alone.
 """
 
 from __future__ import annotations
@@ -47,17 +48,18 @@ def accumulate_backward(
     loss_of: Callable[[torch.Tensor], torch.Tensor],
     micro_batches: Sequence[torch.Tensor],
     paired: bool = False,
+    unsynced: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> torch.Tensor:
     """Back-propagate the mean of `loss_of(m)` over `micro_batches`, in turn or `paired` (module docstring); returns
     that mean, detached. Every rank must call it with micro-batches of the same shapes. `paired`: `model` is checked
-    with `check_paired` first."""
+    with `check_paired` first. `unsynced`: as `backward_accumulated`'s."""
     count = len(micro_batches)
     if count < 1 or any(m.shape != micro_batches[0].shape for m in micro_batches):
         raise ValueError(f"micro-batches of one shape, got {[tuple(m.shape) for m in micro_batches]}")
     if paired and count > 1:
         check_paired(model, count)
     outs = backward_accumulated(
-        lambda i: (loss_of(micro_batches[i]) / count,), count, micro_batches[0].device, paired and count > 1
+        lambda i: (loss_of(micro_batches[i]) / count,), count, micro_batches[0].device, paired and count > 1, unsynced
     )
     return torch.stack([out[0] for out in outs]).sum()
 
@@ -73,8 +75,9 @@ def backward_accumulated(
     `.grad`), in turn or `paired` (module docstring; the model's layers must pass `check_paired`); returns every
     forward's outputs (e.g. its loss, already scaled by the caller, and what is logged of it), detached, ready on
     the caller's stream. Every rank must call it with the same `count` and micro-batches of the same shapes.
-    In turn, every micro-batch but the last runs its forward and backward inside `unsynced()` (e.g. DDP's
-    `no_sync`: the data-parallel hooks reduce the sum once, in the last backward)."""
+    Every backward but the last runs inside `unsynced()` (in turn, with its forward: e.g. DDP's `no_sync`; paired,
+    the pairs and the first forward: e.g. `BucketedSync.held`), so data-parallel hooks reduce the sum once, in the
+    last backward, which runs alone either way."""
     if count < 1 or (paired and count < 2):
         raise ValueError(f"accumulating needs one or more micro-batches (two or more paired), got {count}")
     if not paired:
@@ -90,12 +93,13 @@ def backward_accumulated(
     for stream in streams:
         if stream is not None:
             stream.wait_stream(main)
-    with _on(streams[0]):
-        out = tuple(forward_of(0))
-    outs = [_detached(out)]
-    for i in range(1, count):
-        out = run_paired(lambda i=i: tuple(forward_of(i)), out[0].backward, streams[i % 2])
-        outs.append(_detached(out))
+    with unsynced():  # (every backward but the last: that one runs alone, after the pairs)
+        with _on(streams[0]):
+            out = tuple(forward_of(0))
+        outs = [_detached(out)]
+        for i in range(1, count):
+            out = run_paired(lambda i=i: tuple(forward_of(i)), out[0].backward, streams[i % 2])
+            outs.append(_detached(out))
     out[0].backward()
     if main is not None:
         for stream in streams:

@@ -8,6 +8,9 @@ state beyond the step: each parameter's post-accumulate hook counts its bucket's
 gradients are all in is flattened and all-reduced on a side stream while the backward goes on; `finish()` (after
 the backward) launches what is left, waits for the side stream and copies the averages back.
 
+A step of accumulated micro-batches runs every backward but the last inside `held()`: their gradients add up in
+`.grad` with nothing launched, and the last backward's hooks launch the sums (one all-reduce a bucket a step).
+
 Every rank issues the buckets' all-reduces in one order, the buckets' (never the order the hooks fire in: a
 bucket waits for the ones before it), on a group of their own (`Parallel.sync_group`, apart from the group the
 MoE layers' all-to-alls run on, whose order the backward sets). A gradient that never arrives counts as zeros,
@@ -18,7 +21,7 @@ the last layers' gradients first), of about `bucket_bytes` each.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +44,22 @@ class BucketedSync:
         self.buckets = _buckets([p for p in reversed(list(params)) if p.requires_grad], bucket_bytes)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._hooks = [p.register_post_accumulate_grad_hook(self._arrived) for b in self.buckets for p in b]
+        self._held = False
         self._reset()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """While entered the hooks neither count nor launch: the backwards run inside accumulate gradients that the
+        next backward outside (before `finish()`) reduces with its own (module docstring)."""
+        if self._held:
+            raise RuntimeError("BucketedSync.held() cannot be nested")
+        if any(self._arrivals) or self._flats:
+            raise RuntimeError("BucketedSync.held() after a backward that counted: call finish() first")
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
 
     def finish(self) -> None:
         """Launch the buckets not launched yet (missing gradients as zeros), wait for the side stream, and leave
@@ -73,12 +91,14 @@ class BucketedSync:
         self._flats: list[torch.Tensor] = []
 
     def _arrived(self, p: torch.Tensor) -> None:
+        if self._held:
+            return
         i = self._bucket_of[id(p)]
         self._arrivals[i] += 1
         if self._arrivals[i] > len(self.buckets[i]):
             raise RuntimeError(
                 "BucketedSync: a gradient arrived twice before finish() (two backwards in one step, e.g. accumulated "
-                "micro-batches): call finish() after each backward, or sync after the last one instead"
+                "micro-batches): run every backward but the last inside held(), or call finish() after each"
             )
         self._launch_ready()
 

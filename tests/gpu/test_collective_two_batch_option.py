@@ -76,14 +76,16 @@ def test_a_transformers_finetune_as_two_interleaved_halves_gives_the_one_batch_l
     assert gap <= TOL["bf16"], (captured, gap, ranks.seed)
 
 
+@pytest.mark.parametrize("grad_sync", ["explicit", "overlap"])
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("paired", [False, True], ids=["in_turn", "paired"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_accumulated_micro_batches_train_as_one_batch(ranks, precision, paired, captured):
+def test_accumulated_micro_batches_train_as_one_batch(ranks, precision, paired, captured, grad_sync):
     """`occult train --micro-batches 2 [--pair-micro-batches]`: two micro-batches a step, their gradients added in
     turn or paired (micro-batch 1's forward on a thread and stream of its own beside micro-batch 0's backward,
-    sync-free layers), eager and recorded: the one-batch run's losses, validation losses and (fp32) weights within
-    the bounds above (GEMMs of half the rows, as the halves')."""
+    sync-free layers), eager and recorded, the dense gradients all-reduced after the backward or in buckets during
+    the last one (the earlier ones held): the one-batch run's losses, validation losses and (fp32) weights within the
+    bounds above (GEMMs of half the rows, as the halves')."""
     if captured and ranks.backend != "nccl":
         pytest.skip("a CUDA graph cannot hold gloo's collectives: NCCL ranks only")
     par = setup_parallel()
@@ -99,13 +101,14 @@ def test_accumulated_micro_batches_train_as_one_batch(ranks, precision, paired, 
             micro_batches=2,
             pair_micro_batches=paired,
             captured_step=captured,
+            grad_sync=grad_sync,
             **no_aux,
         )
         want = run_training(ranks, par, data, root / f"one-{precision}", precision, **no_aux)
     assert len(got["losses"]) == STEPS and len(got["val"]) == 2
     loss = ranks.all_max(float(np.max(np.abs(got["losses"] - want["losses"]) / np.abs(want["losses"]))))
     val = ranks.all_max(float(np.max(np.abs(got["val"] - want["val"]) / np.abs(want["val"]))))
-    assert loss <= TOL[precision] and val <= TOL[precision], (precision, paired, captured, loss, val, ranks.seed)
+    assert loss <= TOL[precision] and val <= TOL[precision], (precision, paired, captured, grad_sync, loss, val)
     if precision == "fp32":
         worst = ranks.all_max(max(_rel(got["weights"][k], want["weights"][k]) for k in want["weights"]))
         assert worst <= WEIGHTS_TOL_FP32, (worst, ranks.seed)

@@ -5,14 +5,13 @@ each rank's rows of a step as K micro-batches, their gradients accumulated in tu
 Two gloo ranks, experts sharded over both by a non-contiguous placement, train as one process does on the same
 global batch (losses, validation losses and every weight within `RTOL`; the load-balancing loss off, since K
 micro-batches have K of it): in turn with the explicit sync, with DDP (its buckets reduced once a step, as many as
-one batch's: `no_sync` around the earlier micro-batches) and with FSDP2 (its gradient sync off for them), paired with
-the explicit sync. The loop
+one batch's: `no_sync` around the earlier micro-batches), with FSDP2 (its gradient sync off for them) and with the
+bucketed sync (each bucket all-reduced once a step), paired with the explicit and the bucketed sync. The loop
 really paired them (each step's later micro-batches' exchanges issued from the forward thread, the rest from the
 caller's or autograd's), the paired run's layers sync-free, the in-turn ones not. Refused before any step (the
-same error on every rank, nothing written): pairing with DDP or FSDP2, micro-batches with the bucketed sync on
-several ranks, rows per rank that K does not divide, with two_batch, pairing with layer graphs, re-placement or
-distillation; the same at the command line. On GPUs (two streams, inside a recorded step):
-tests/gpu/test_collective_two_batch_option.py."""
+same error on every rank, nothing written): pairing with DDP or FSDP2, rows per rank that K does not divide, with
+two_batch, pairing with layer graphs, re-placement or distillation; the same at the command line. On GPUs (two
+streams, inside a recorded step): tests/gpu/test_collective_two_batch_option.py."""
 
 from __future__ import annotations
 
@@ -41,6 +40,7 @@ from occult.lm.train import TrainConfig, train
 from occult.moe import comm
 from occult.moe.layer import OccultMoE
 from occult.placement import Placement
+from occult.training.bucketed_sync import BucketedSync
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 STEPS = 8
@@ -92,6 +92,23 @@ class _DdpReductions:
         train_module.wrap_ddp = self.saved
 
 
+class _BucketLaunches:
+    """While entered: how many buckets `BucketedSync` all-reduced."""
+
+    def __enter__(self) -> _BucketLaunches:
+        self.count, self.saved = 0, BucketedSync._launch
+
+        def counted(sync, bucket):
+            self.count += 1
+            return self.saved(sync, bucket)
+
+        BucketedSync._launch = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        BucketedSync._launch = self.saved
+
+
 class _FsdpSyncOff:
     """While entered: how many micro-batches ran with FSDP2's gradient sync off."""
 
@@ -117,6 +134,15 @@ def _micro_batch_rank(rank: int, world_size: int, data, root: str) -> dict:
         with _DdpReductions() as reduced:
             out[name] = run(par, data, Path(root) / name, placement, config={**NO_AUX, "grad_sync": "ddp", **extra})
         out[f"{name}_buckets"] = reduced.count
+    for name, extra in (("overlap", {"micro_batches": 2}), ("overlap_paired", PAIRED)):
+        with _BucketLaunches() as launched:
+            out[name] = run(par, data, Path(root) / name, placement, config={**NO_AUX, "grad_sync": "overlap", **extra})
+        out[f"{name}_launches"] = launched.count
+    with _BucketLaunches() as launched:
+        out["overlap_one"] = run(
+            par, data, Path(root) / "overlap_one", placement, config={**NO_AUX, "grad_sync": "overlap"}
+        )
+    out["overlap_one_launches"] = launched.count
     with _FsdpSyncOff() as off:
         out["fsdp"] = run(
             par, data, Path(root) / "fsdp", placement, config={**NO_AUX, "grad_sync": "fsdp", "micro_batches": 2}
@@ -139,8 +165,11 @@ def test_accumulated_micro_batches_train_as_one_process_in_turn_and_paired(tmp_p
     want = one_process(data, train_config(**{**NO_AUX, "grad_sync": "ddp"}), tmp_path / "single")
     got = run_ranks(_micro_batch_rank, 2, data, str(tmp_path), timeout_s=300)
     for rank in got:
-        for name in ("turn", "ddp", "fsdp", "paired"):
+        for name in ("turn", "ddp", "fsdp", "overlap", "overlap_paired", "paired"):
             assert_matches(rank[name], want, RTOL, steps=STEPS)
+        # the bucketed sync launched each bucket once a step, in turn and paired (the earlier backwards held)
+        one = rank["overlap_one_launches"]
+        assert rank["overlap_launches"] == rank["overlap_paired_launches"] == one > 0, (rank, one)
         # DDP reduced the sum once a step (`no_sync` around the first micro-batch), as many buckets as one batch;
         # FSDP2 held the first micro-batch's gradients back every step
         assert rank["ddp_buckets"] == rank["ddp_one_buckets"] > 0, (rank["ddp_buckets"], rank["ddp_one_buckets"])
@@ -185,7 +214,6 @@ def _refusal_rank(rank: int, world_size: int, data, root: str, kw: dict) -> str:
     [
         ({**PAIRED, "grad_sync": "ddp"}, "DDP's hooks"),
         ({**PAIRED, "grad_sync": "fsdp"}, "FSDP2's hooks"),
-        ({"micro_batches": 2, "grad_sync": "overlap"}, "its buckets"),
         ({"micro_batches": 4, "grad_sync": "explicit"}, "multiple of 4 rows per rank"),
     ],
 )
@@ -226,8 +254,16 @@ def test_the_config_refuses_a_count_that_cannot_be(kw):
         (["--pair-micro-batches"], "1", "--micro-batches 2 or more"),
         (["--micro-batches", "2", "--two-batch"], "1", "choose one"),
         (["--micro-batches", "3", "--batch-size", "4"], "1", "multiple of 3 rows per rank"),
-        (["--micro-batches", "2", "--grad-sync", "overlap"], "2", "--grad-sync explicit"),
-        (["--micro-batches", "2", "--pair-micro-batches", "--grad-sync", "ddp"], "2", "--grad-sync explicit"),
+        (
+            ["--micro-batches", "2", "--pair-micro-batches", "--grad-sync", "ddp"],
+            "2",
+            "--grad-sync explicit or overlap",
+        ),
+        (
+            ["--micro-batches", "2", "--pair-micro-batches", "--grad-sync", "fsdp"],
+            "2",
+            "--grad-sync explicit or overlap",
+        ),
         (["--micro-batches", "2", "--pair-micro-batches", "--layer-graphs"], "1", "--layer-graphs"),
         (["--micro-batches", "2", "--pair-micro-batches", "--replace-every", "10"], "1", "--replace-every"),
     ],
@@ -242,12 +278,3 @@ def test_command_line_refusals_before_any_work(tmp_path, monkeypatch, argv, worl
     with pytest.raises(CommandError, match=needle):
         check_micro_batch_args(args)
     assert not (tmp_path / "run").exists()
-
-
-def test_finetune_hf_refuses_micro_batches(tmp_path):
-    from occult.cli.registry import CommandError
-    from occult.cli.run_checks import check_micro_batch_args
-
-    args = type("Args", (), {"micro_batches": 2, "pair_micro_batches": False, "batch_size": 4})()
-    with pytest.raises(CommandError, match="not implemented for finetune --hf"):
-        check_micro_batch_args(args, hf=True)

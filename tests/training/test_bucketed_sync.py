@@ -127,3 +127,60 @@ def _twice_rank(rank: int, world: int) -> str:
 def test_a_second_backward_before_finish_is_refused_on_every_rank():
     got = run_ranks(_twice_rank, WORLD, timeout_s=60)
     assert all("arrived twice before finish()" in m for m in got), got
+
+
+def _held_rank(rank: int, world: int, seed: int) -> dict:
+    """Two backwards a step, the first inside `held()`: the gradients of both summed and all-reduced once."""
+    par = setup_parallel()
+    want_model, got_model = _model(seed), _model(seed)
+    sync = BucketedSync(list(got_model.parameters()), par.sync_group, world, 400)
+    launches = [0]
+    launch = sync._launch
+
+    def counted(bucket):
+        launches[0] += 1
+        return launch(bucket)
+
+    sync._launch = counted
+    _backward(want_model, seed, rank)
+    _backward(want_model, seed + 1, rank)
+    all_reduce_grads(list(want_model.parameters()), par.sync_group, world, reduce=True)
+    with sync.held():
+        _backward(got_model, seed, rank)
+    held_launches = launches[0]
+    _backward(got_model, seed + 1, rank)
+    sync.finish()
+    err = max(
+        float((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-300))
+        for a, b in zip(got_model.parameters(), want_model.parameters())
+    )
+    refused = []
+    for misuse in ("nested", "after a counted backward"):
+        try:
+            if misuse == "nested":
+                with sync.held(), sync.held():
+                    pass
+            else:
+                _backward(got_model, seed, rank)
+                with sync.held():
+                    pass
+        except RuntimeError as exc:
+            refused.append(str(exc))
+    sync.finish()
+    sync.close()
+    return {
+        "err": err,
+        "held_launches": held_launches,
+        "launches": launches[0],
+        "buckets": len(sync.buckets),
+        "refused": refused,
+    }
+
+
+def test_a_backward_inside_held_adds_its_gradients_to_the_next_ones_reduction():
+    seed = random.randrange(2**31)
+    for got in run_ranks(_held_rank, WORLD, seed, timeout_s=120):
+        assert got["err"] < 1e-12, (got["err"], seed)
+        assert got["held_launches"] == 0  # nothing launched while held
+        assert got["launches"] == 2 * got["buckets"]  # once a bucket in the step, then the misuse step's finish
+        assert "cannot be nested" in got["refused"][0] and "call finish() first" in got["refused"][1], got["refused"]
