@@ -300,28 +300,23 @@ class TrainLoop:
         (the autograd graph goes with the step)."""
         with self.parts.scope(batch):
             if self.settings.micro_batches > 1:
-                return self._accumulated_step(batch)
-            out = self._two_batch_loss(batch) if self.settings.two_batch else self.parts.loss(batch)
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.settings.two_batch:
-                backward_halves(out.total)
+                out = self._accumulated_backward(batch)
             else:
-                out.total.backward()
-        return self._update(out)
-
-    def _update(self, out: StepLoss) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Gradient sync, clipping and the optimizer step after the backward; the step's outputs, detached."""
+                out = self._two_batch_loss(batch) if self.settings.two_batch else self.parts.loss(batch)
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.settings.two_batch:
+                    backward_halves(out.total)
+                else:
+                    out.total.backward()
         self.parts.sync()
         gnorm = self.parts.clip(self.settings.grad_clip)
         self.optimizer.step()
         aux = None if out.aux is None else out.aux.detach()
         return out.total.detach(), out.logged.detach(), aux, None if gnorm is None else gnorm.detach()
 
-    def _accumulated_step(
-        self, batch: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`micro_batches` forwards and backwards, each's gradients added (`backward_accumulated`: in turn or
-        paired), then one update: the `StepLoss` is the micro-batches' mean."""
+    def _accumulated_backward(self, batch: Any) -> StepLoss:
+        """`micro_batches` forwards and backwards, each's gradients added to the zeroed ones (`backward_accumulated`:
+        in turn or paired); the micro-batches' mean `StepLoss`, detached."""
         count = self.settings.micro_batches
         micro = self.parts.split(batch, count)
         device = self.optimizer.param_groups[0]["params"][0].device
@@ -333,8 +328,7 @@ class TrainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         outs = backward_accumulated(forward_of, count, device, self.settings.paired, self.parts.unsynced)
         total, logged, aux = (None if o[0] is None else torch.stack(list(o)) for o in zip(*outs))
-        aux = None if aux is None else aux.mean(0)
-        return self._update(StepLoss(total.sum(0), logged.mean(0), aux))
+        return StepLoss(total.sum(0), logged.mean(0), None if aux is None else aux.mean(0))
 
     def _two_batch_loss(self, batch: Any) -> StepLoss:
         """The mean of the two halves' `StepLoss`, their forwards interleaved (`forward_halves`)."""
