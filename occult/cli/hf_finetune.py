@@ -36,6 +36,7 @@ from occult.cli.run_checks import (
     check_device,
     check_layer_graphs,
     check_max_devices,
+    check_micro_batch_args,
     check_two_batch_args,
     diverged_named,
     run_dir,
@@ -200,6 +201,8 @@ def _finetune_config(args: Any) -> Any:
         layer_graphs=getattr(args, "layer_graphs", False),
         captured_step=getattr(args, "captured_step", False),
         two_batch=getattr(args, "two_batch", False),
+        micro_batches=getattr(args, "micro_batches", 1),
+        pair_micro_batches=getattr(args, "pair_micro_batches", False),
     )
 
 
@@ -275,6 +278,7 @@ def run_finetune(args: Any) -> int:
     check_layer_graphs(args)
     check_captured_step(args, hf=True)
     check_two_batch_args(args, hf=True)
+    check_micro_batch_args(args, hf=True)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         if args.ep_size not in (None, 1):
             raise ValueError(f"--ep-size {args.ep_size} needs that many ranks: run under torchrun --nproc-per-node N")

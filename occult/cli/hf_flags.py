@@ -27,8 +27,6 @@ OCCULT_CHECKPOINT_ONLY: dict[str, str] = {
     "--grad-sync": "DDP averages the routers and the experts are all-reduced over the replicas",
     **{f"--replace-{name}": _FIXED for name in ("every", "min-gain", "drift", "check-every", "samples", "method")},
     "--replace-wait": _FIXED,
-    "--micro-batches": "each step runs as one batch (gradient accumulation is not built for --hf yet)",
-    "--pair-micro-batches": "each step runs as one batch (gradient accumulation is not built for --hf yet)",
 }
 HF_ONLY = ("--save-dtype",)  # and --data, which `occult.cli.lm` refuses with its own message
 

@@ -173,9 +173,10 @@ def check_two_batch_args(args: Any, hf: bool = False) -> None:
         )
 
 
-def check_micro_batch_args(args: Any) -> None:
-    """--micro-batches K and --pair-micro-batches: the rules `occult.lm.step_options.prepare_micro_batches` applies,
-    before any work (`finetune --hf` refuses both flags: `occult.cli.hf_flags`)."""
+def check_micro_batch_args(args: Any, hf: bool = False) -> None:
+    """--micro-batches K and --pair-micro-batches: the rules `occult.lm.step_options.prepare_micro_batches` (and
+    `hf.finetune`'s) apply, before any work (`hf`: `finetune --hf` has no --grad-sync: with pairing its routers are
+    synced after the backward, as with --two-batch)."""
     count, paired = getattr(args, "micro_batches", 1), getattr(args, "pair_micro_batches", False)
     if count < 1:
         raise CommandError(f"--micro-batches {count}: give a count >= 1")
@@ -198,7 +199,7 @@ def check_micro_batch_args(args: Any) -> None:
     if not paired:
         return
     sync = getattr(args, "grad_sync", "explicit")
-    if ranks > 1 and sync not in ("explicit", "overlap"):
+    if ranks > 1 and not hf and sync not in ("explicit", "overlap"):
         raise CommandError(
             f"--pair-micro-batches on several ranks with --grad-sync {sync}: its hooks expect one forward per "
             "backward, and a paired step runs a forward beside a backward; use --grad-sync explicit or overlap"

@@ -46,16 +46,16 @@ def add_step_arguments(g: Any) -> None:
         default=1,
         metavar="K",
         help="run each step as K micro-batches of each rank's rows, their gradients accumulated, then one "
-        "gradient sync and optimizer step, the data-parallel reduction once a step whatever --grad-sync (not with --hf "
-        "or --two-batch; K dividing the rows per rank; docs/training.md) (default: 1, one batch)",
+        "gradient sync and optimizer step, the data-parallel reduction once a step whatever --grad-sync (also with "
+        "--hf; not with --two-batch; K dividing the rows per rank; docs/training.md) (default: 1, one batch)",
     )
     g.add_argument(
         "--pair-micro-batches",
         action="store_true",
-        help="with --micro-batches K >= 2 (not with --hf): run micro-batch i+1's forward beside micro-batch i's "
+        help="with --micro-batches K >= 2 (also with --hf): run micro-batch i+1's forward beside micro-batch i's "
         "backward (combined 1F1B), one's all-to-alls under the other's compute (sync-free expert-parallel layers; "
-        "with --captured-step to pay; several ranks: --grad-sync explicit or overlap; not with --layer-graphs, "
-        "re-placement or distillation; docs/overlap.md) (default: in turn)",
+        "with --captured-step to pay; several ranks: --grad-sync explicit or overlap, --hf syncs its routers after the "
+        "backward; not with --layer-graphs, re-placement or distillation; docs/overlap.md) (default: in turn)",
     )
     g.add_argument(
         "--profile-steps",

@@ -288,8 +288,6 @@ OCCULT_ONLY_FLAGS = [
     ["--replace-samples", "16"],
     ["--replace-method", "greedy"],
     ["--replace-wait"],
-    ["--micro-batches", "2"],
-    ["--pair-micro-batches"],
 ]
 
 

@@ -52,6 +52,7 @@ from occult.integrations.hf.graphed import masks_as_eager
 from occult.moe.model_layers import set_sync_free
 from occult.moe.step import agreed_step
 from occult.training import grads
+from occult.training.accumulation import check_paired
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
 from occult.training.hooks import StepHook
 from occult.training.layer_graphs import replayed_layers
@@ -153,9 +154,9 @@ def _step_parts(
     rank, W = (groups.rank, groups.world_size) if groups is not None else (0, 1)
     net: nn.Module = model
     # DDP for the routers (the experts, each rank its own, and every buffer ignored); a captured step syncs them
-    # after the backward instead (DDP's reducer keeps host state a replayed step would skip), as two halves do
-    # (DDP's hooks expect one forward per backward)
-    if groups is not None and routers and not cfg.captured_step and not cfg.two_batch:
+    # after the backward instead (DDP's reducer keeps host state a replayed step would skip), as two halves and
+    # paired micro-batches do (DDP's hooks expect one forward per backward)
+    if groups is not None and routers and not (cfg.captured_step or cfg.two_batch or cfg.pair_micro_batches):
         expert_ids = {id(p) for p in experts}
         ignore = [n for n, p in model.named_parameters() if id(p) in expert_ids] + [n for n, _ in model.named_buffers()]
         net = grads.wrap_ddp(model, ignore, groups)
@@ -196,6 +197,7 @@ def _step_parts(
         scope=lambda win: agreed_step(model, win[:, :-1].numel()),  # every MoE call of the step sees these tokens
         signature=lambda: model_signature(model),
         capture_scope=masks_as_eager,  # warm-ups and recording build no causal mask, as eager
+        unsynced=net.no_sync if net is not model else contextlib.nullcontext,  # (accumulated micro-batches)
     )
 
 
@@ -239,6 +241,7 @@ def _checked_parameters(
     routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
     _prepare_two_batch(cfg, model, groups)  # (before the capture check: it reads sync-free)
+    _prepare_micro_batches(cfg, model, groups)
     _check_captured_step(cfg, model)
     return routers, experts
 
@@ -258,6 +261,30 @@ def _prepare_two_batch(cfg: FinetuneConfig, model: nn.Module, groups: Groups | N
         raise ValueError(f"two_batch splits each rank's {rows} rows in halves: give an even number of rows per rank")
     set_sync_free(model)
     check_two_batch(model, rows)
+
+
+def _prepare_micro_batches(cfg: FinetuneConfig, model: nn.Module, groups: Groups | None) -> None:
+    """`micro_batches` > 1: dividing each rank's rows, not with `two_batch`; paired also not with `layer_graphs` or
+    distillation (as two_batch), then every MoE layer sync-free. A `ValueError` first."""
+    count = cfg.micro_batches
+    if count == 1:
+        return
+    rows = cfg.batch_size // (groups.world_size if groups is not None else 1)
+    if rows % count:
+        raise ValueError(
+            f"micro_batches {count} split each rank's {rows} rows: give a batch of a multiple of {count} rows per rank"
+        )
+    if cfg.two_batch:
+        raise ValueError("micro_batches and two_batch both split the step: choose one")
+    if not cfg.pair_micro_batches:
+        return
+    if cfg.layer_graphs or cfg.distill_weight > 0:
+        raise ValueError(
+            "pair_micro_batches does not run with "
+            + ("layer_graphs" if cfg.layer_graphs else "distillation (distill_weight)")
+        )
+    set_sync_free(model)
+    check_paired(model, count)
 
 
 def _what_trains(cfg: FinetuneConfig, routers: list[nn.Parameter], experts: list[nn.Parameter]) -> str:
@@ -332,7 +359,12 @@ def finetune(
         [{"params": routers + experts}], lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     per_step, what = cfg.batch_size * cfg.seq_len, "finetune (routers + experts)"
-    how = {"captured_step": cfg.captured_step, "two_batch": cfg.two_batch}
+    how = {
+        "captured_step": cfg.captured_step,
+        "two_batch": cfg.two_batch,
+        "micro_batches": cfg.micro_batches,
+        "paired": cfg.pair_micro_batches,
+    }
     settings = LoopSettings(cfg.steps, cfg.grad_clip, per_step, what, progress, main, **how)
     loop = TrainLoop(None, opt, settings)
     schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)

@@ -35,6 +35,8 @@ class FinetuneConfig:
     layer_graphs: bool = False  # MoE layer calls, training ones too, replayed from CUDA graphs (occult.moe.graphs)
     captured_step: bool = False  # the whole step recorded as one CUDA graph and replayed (training.step_graph)
     two_batch: bool = False  # each step's loss and backward as two interleaved micro-batches (training.two_batch)
+    micro_batches: int = 1  # each rank's rows of a step as this many micro-batches, gradients accumulated
+    pair_micro_batches: bool = False  # those paired: a forward beside the previous one's backward (combined 1F1B)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len"):
@@ -57,11 +59,21 @@ class FinetuneConfig:
         if self.train_part not in TRAIN_PARTS:
             raise ValueError(f"train_part must be one of {', '.join(TRAIN_PARTS)}, got {self.train_part!r}")
         parse_window(self.profile_steps) if self.profile_steps else None  # a clear error for a bad window
+        if self.micro_batches < 1 or (self.pair_micro_batches and self.micro_batches < 2):
+            raise ValueError(f"micro_batches must be >= 1 (>= 2 with pair_micro_batches), got {self.micro_batches}")
 
     def signature_settings(self) -> dict:
         """The settings a resumed run must share; the recipe options only when not at their defaults
         (checkpoints written before they existed hold none of them)."""
-        recipe = ("distill_weight", "distill_temperature", "train_part", "distill_from", "two_batch")
+        recipe = (
+            "distill_weight",
+            "distill_temperature",
+            "train_part",
+            "distill_from",
+            "two_batch",
+            "micro_batches",
+            "pair_micro_batches",
+        )
         default = {f.name: f.default for f in fields(self) if f.name in recipe}
         how = ("profile_steps", "layer_graphs", "captured_step")  # how the run executes, not what it computes
         return {k: v for k, v in vars(self).items() if (k not in default or v != default[k]) and k not in how}
