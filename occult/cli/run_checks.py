@@ -152,19 +152,7 @@ def check_two_batch_args(args: Any, hf: bool = False) -> None:
     if not getattr(args, "two_batch", False):
         return
     ranks = world_size()
-    if ranks > 1 and not hf and getattr(args, "grad_sync", "explicit") not in ("explicit", "overlap"):
-        raise CommandError(
-            f"--two-batch on several ranks with --grad-sync {args.grad_sync}: its hooks expect one forward per "
-            "backward, and two halves make two; use --grad-sync explicit or overlap"
-        )
-    others = {
-        "--layer-graphs": getattr(args, "layer_graphs", False),
-        "--replace-every / --replace-drift": getattr(args, "replace_every", 0) or getattr(args, "replace_drift", 0),
-        "--distill-weight": getattr(args, "distill_weight", 0) > 0,
-    }
-    for flag, asked in others.items():
-        if asked:
-            raise CommandError(f"--two-batch does not run with {flag}: drop one of them")
+    _refuse_flags_beside_threads(args, "--two-batch", "two halves make two", hf)
     rows = args.batch_size // ranks
     if args.batch_size % ranks == 0 and rows % 2:
         raise CommandError(
@@ -198,20 +186,27 @@ def check_micro_batch_args(args: Any, hf: bool = False) -> None:
         )
     if not paired:
         return
+    _refuse_flags_beside_threads(args, "--pair-micro-batches", "a paired step runs a forward beside a backward", hf)
+
+
+def _refuse_flags_beside_threads(args: Any, flag: str, why: str, hf: bool) -> None:
+    """What `flag` (micro-batches on threads beside each other) cannot run with: several ranks with --grad-sync
+    ddp or fsdp (their hooks expect one forward per backward: `why` not; `hf` has no --grad-sync), --layer-graphs,
+    re-placement, --distill-weight (`occult.lm.step_options`' rules)."""
     sync = getattr(args, "grad_sync", "explicit")
-    if ranks > 1 and not hf and sync not in ("explicit", "overlap"):
+    if world_size() > 1 and not hf and sync not in ("explicit", "overlap"):
         raise CommandError(
-            f"--pair-micro-batches on several ranks with --grad-sync {sync}: its hooks expect one forward per "
-            "backward, and a paired step runs a forward beside a backward; use --grad-sync explicit or overlap"
+            f"{flag} on several ranks with --grad-sync {sync}: its hooks expect one forward per backward, and {why}; "
+            "use --grad-sync explicit or overlap"
         )
     others = {
         "--layer-graphs": getattr(args, "layer_graphs", False),
         "--replace-every / --replace-drift": getattr(args, "replace_every", 0) or getattr(args, "replace_drift", 0),
         "--distill-weight": getattr(args, "distill_weight", 0) > 0,
     }
-    for flag, asked in others.items():
+    for other, asked in others.items():
         if asked:
-            raise CommandError(f"--pair-micro-batches does not run with {flag}: drop one of them")
+            raise CommandError(f"{flag} does not run with {other}: drop one of them")
 
 
 def check_train_sizes(args: Any, vocab_size: int) -> None:

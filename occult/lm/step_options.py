@@ -58,20 +58,7 @@ def prepare_two_batch(model: OccultLM, cfg: TrainConfig, par: Parallel | None) -
     per-rank batch; then every expert-parallel layer sync-free (what two exchanges in flight need)."""
     if not cfg.two_batch:
         return
-    if par is not None and cfg.grad_sync not in ("explicit", "overlap"):
-        raise ValueError(
-            f"two_batch (--two-batch) on several ranks with grad_sync={cfg.grad_sync!r}: "
-            + ("DDP's" if cfg.grad_sync == "ddp" else "FSDP2's")
-            + " hooks expect one forward per backward, and two halves make two; use --grad-sync explicit or overlap"
-        )
-    others = {
-        "layer_graphs (--layer-graphs)": cfg.layer_graphs,
-        "re-placement (--replace-every / --replace-drift)": cfg.replaces,
-        "distillation (--distill-weight)": cfg.distill_weight > 0,
-    }
-    for name, asked in others.items():
-        if asked:
-            raise ValueError(f"two_batch (--two-batch) does not run with {name}: drop one of them")
+    _refuse_beside_threads(cfg, par, "two_batch (--two-batch)", "two halves make two")
     rows = cfg.batch_size // (par.world_size if par is not None else 1)
     if rows % 2:
         raise ValueError(
@@ -100,12 +87,23 @@ def prepare_micro_batches(model: OccultLM, cfg: TrainConfig, par: Parallel | Non
         raise ValueError("micro_batches (--micro-batches) and two_batch (--two-batch) both split the step: choose one")
     if not cfg.pair_micro_batches:
         return
+    _refuse_beside_threads(
+        cfg, par, "pair_micro_batches (--pair-micro-batches)", "a paired step runs a forward beside a backward"
+    )
+    set_sync_free(model)
+    check_paired(model, count)
+
+
+def _refuse_beside_threads(cfg: TrainConfig, par: Parallel | None, option: str, why: str) -> None:
+    """What a step whose micro-batches run on threads beside each other (two halves, paired micro-batches) cannot
+    run with: several ranks with DDP's or FSDP2's hooks (they expect one forward per backward: `why` not), layer
+    graphs (calls in flight would share a layer's recordings), re-placement (its samples and migrations assume one
+    forward), distillation (the teacher runs a forward of its own)."""
     if par is not None and cfg.grad_sync not in ("explicit", "overlap"):
         raise ValueError(
-            f"pair_micro_batches (--pair-micro-batches) on several ranks with grad_sync={cfg.grad_sync!r}: "
+            f"{option} on several ranks with grad_sync={cfg.grad_sync!r}: "
             + ("DDP's" if cfg.grad_sync == "ddp" else "FSDP2's")
-            + " hooks expect one forward per backward, and a paired step runs a forward beside a backward; use "
-            "--grad-sync explicit or overlap"
+            + f" hooks expect one forward per backward, and {why}; use --grad-sync explicit or overlap"
         )
     others = {
         "layer_graphs (--layer-graphs)": cfg.layer_graphs,
@@ -114,9 +112,7 @@ def prepare_micro_batches(model: OccultLM, cfg: TrainConfig, par: Parallel | Non
     }
     for name, asked in others.items():
         if asked:
-            raise ValueError(f"pair_micro_batches (--pair-micro-batches) does not run with {name}: drop one of them")
-    set_sync_free(model)
-    check_paired(model, count)
+            raise ValueError(f"{option} does not run with {name}: drop one of them")
 
 
 __all__ = ["apply_layer_graphs", "check_captured_step", "prepare_micro_batches", "prepare_two_batch"]

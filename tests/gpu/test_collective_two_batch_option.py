@@ -41,38 +41,36 @@ def test_two_interleaved_halves_train_as_one_batch(ranks, precision, captured):
         assert worst <= WEIGHTS_TOL_FP32, (worst, ranks.seed)
 
 
-@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
-def test_a_transformers_finetune_as_two_interleaved_halves_gives_the_one_batch_losses(ranks, captured):
-    """`hf.finetune(FinetuneConfig(two_batch=True))` of a tiny OLMoE converted over every rank (a placement that
-    differs per layer; bf16 autocast on GPUs, the routers synced after the backward): the one-batch run's losses
-    within 1e-3 over 12 steps (the aux loss off: two halves have two of it)."""
-    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'occult[hf]')")
-    if captured and ranks.backend != "nccl":
-        pytest.skip("a CUDA graph cannot hold gloo's collectives: NCCL ranks only")
+def _olmoe_finetune_gap(ranks, seed: int, **settings) -> float:
+    """The largest relative gap over every rank between the per-step losses of `hf.finetune` with `settings` and
+    with one batch a step: a tiny OLMoE converted over every rank (a placement that differs per layer; bf16 autocast
+    on GPUs), 12 steps, the aux loss off."""
     from occult import ExecConfig
     from occult.integrations import hf
 
-    seed = ranks.seed + 311
     base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=512).to(ranks.device)
     E, L = int(hf.moe_blocks(base)[0][1].gate.weight.shape[0]), len(hf.moe_blocks(base))
     placement = _placement(E, L, ranks.world_size, seed)
     groups = hf.setup_groups()
     tokens = torch.randint(3, 512, (8000,), generator=torch.Generator().manual_seed(seed))
-    losses = {}
-    for two_batch in (True, False):
+    losses = []
+    for how in (settings, {}):
         model = hf.convert(copy.deepcopy(base), placement=placement, dispatcher="dedup", execution=ExecConfig())
         cfg = hf.FinetuneConfig(
-            steps=12,
-            batch_size=4 * ranks.world_size,
-            seq_len=32,
-            lr=1e-3,
-            warmup_steps=2,
-            seed=seed % 1000,
-            two_batch=two_batch,
-            captured_step=captured and two_batch,
+            steps=12, batch_size=4 * ranks.world_size, seq_len=32, lr=1e-3, warmup_steps=2, seed=seed % 1000, **how
         )
-        losses[two_batch] = np.array(hf.finetune(model, tokens, cfg, groups, progress=False, log=None).losses)
-    gap = ranks.all_max(float(np.max(np.abs(losses[True] - losses[False]) / np.abs(losses[False]))))
+        losses.append(np.array(hf.finetune(model, tokens, cfg, groups, progress=False, log=None).losses))
+    return ranks.all_max(float(np.max(np.abs(losses[0] - losses[1]) / np.abs(losses[1]))))
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+def test_a_transformers_finetune_as_two_interleaved_halves_gives_the_one_batch_losses(ranks, captured):
+    """`hf.finetune(FinetuneConfig(two_batch=True))` (the routers synced after the backward): the one-batch run's
+    losses within 1e-3 over 12 steps (`_olmoe_finetune_gap`; the aux loss off: two halves have two of it)."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'occult[hf]')")
+    if captured and ranks.backend != "nccl":
+        pytest.skip("a CUDA graph cannot hold gloo's collectives: NCCL ranks only")
+    gap = _olmoe_finetune_gap(ranks, ranks.seed + 311, two_batch=True, captured_step=captured)
     assert gap <= TOL["bf16"], (captured, gap, ranks.seed)
 
 
@@ -136,35 +134,12 @@ def test_accumulated_micro_batches_under_ddp_and_fsdp_train_as_one_batch(ranks, 
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("paired", [False, True], ids=["in_turn", "paired"])
 def test_a_transformers_finetune_of_accumulated_micro_batches_gives_the_one_batch_losses(ranks, paired, captured):
-    """`hf.finetune(FinetuneConfig(micro_batches=2[, pair_micro_batches=True]))` of a tiny OLMoE converted over every
-    rank (bf16 autocast; in turn the routers by DDP, eager only: DDP cannot be recorded; paired synced after the
-    backward): the one-batch run's losses within 1e-3 over 12 steps (the aux loss off)."""
+    """`hf.finetune(FinetuneConfig(micro_batches=2[, pair_micro_batches=True]))` (in turn the routers by DDP, eager
+    only: DDP cannot be recorded; paired synced after the backward): the one-batch run's losses within 1e-3 over 12
+    steps (`_olmoe_finetune_gap`)."""
     pytest.importorskip("transformers", reason="transformers is not installed (pip install 'occult[hf]')")
     if captured and (ranks.backend != "nccl" or not paired):
         pytest.skip("recorded: NCCL ranks, paired (in turn the routers are synced by DDP, which a graph cannot hold)")
-    from occult import ExecConfig
-    from occult.integrations import hf
-
-    seed = ranks.seed + 317
-    base = hf.tiny_random_model("olmoe", seed=seed, vocab_size=512).to(ranks.device)
-    E, L = int(hf.moe_blocks(base)[0][1].gate.weight.shape[0]), len(hf.moe_blocks(base))
-    placement = _placement(E, L, ranks.world_size, seed)
-    groups = hf.setup_groups()
-    tokens = torch.randint(3, 512, (8000,), generator=torch.Generator().manual_seed(seed))
-    losses = {}
-    for micro in (2, 1):
-        model = hf.convert(copy.deepcopy(base), placement=placement, dispatcher="dedup", execution=ExecConfig())
-        cfg = hf.FinetuneConfig(
-            steps=12,
-            batch_size=4 * ranks.world_size,
-            seq_len=32,
-            lr=1e-3,
-            warmup_steps=2,
-            seed=seed % 1000,
-            micro_batches=micro,
-            pair_micro_batches=paired and micro > 1,
-            captured_step=captured and micro > 1,
-        )
-        losses[micro] = np.array(hf.finetune(model, tokens, cfg, groups, progress=False, log=None).losses)
-    gap = ranks.all_max(float(np.max(np.abs(losses[2] - losses[1]) / np.abs(losses[1]))))
+    settings = dict(micro_batches=2, pair_micro_batches=paired, captured_step=captured)
+    gap = _olmoe_finetune_gap(ranks, ranks.seed + 317, **settings)
     assert gap <= TOL["bf16"], (paired, captured, gap, ranks.seed)
