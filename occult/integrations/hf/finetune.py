@@ -47,22 +47,25 @@ from occult.integrations.hf.aux_loss import RouterTaps
 from occult.integrations.hf.block import OccultMoeBlock
 from occult.integrations.hf.finetune_config import FinetuneConfig, FinetuneResult, lr_at
 from occult.integrations.hf.finetune_data import batch_rows, tokenize_texts
+from occult.integrations.hf.finetune_options import (
+    check_captured_step,
+    loop_settings,
+    prepare_micro_batches,
+    prepare_two_batch,
+)
 from occult.integrations.hf.finetune_state import CheckpointSaver, CloseTaps, resume_state
 from occult.integrations.hf.graphed import masks_as_eager
-from occult.moe.model_layers import set_sync_free
 from occult.moe.step import agreed_step
 from occult.training import grads
-from occult.training.accumulation import check_paired
 from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unlimited
 from occult.training.hooks import StepHook
 from occult.training.layer_graphs import replayed_layers
-from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop, to_device
+from occult.training.loop import StepLoss, StepParts, TrainLoop, to_device
 from occult.training.optim import adamw
 from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
-from occult.training.step_graph import check_capturable, model_signature
+from occult.training.step_graph import model_signature
 from occult.training.step_profile import StepProfile
-from occult.training.two_batch import check_two_batch
 
 Groups = Parallel  # the world of a fine-tuning run: `setup_groups`
 
@@ -223,15 +226,6 @@ def _check_teacher(cfg: FinetuneConfig, model: nn.Module, teacher: nn.Module | N
         teacher.eval()
 
 
-def _check_captured_step(cfg: FinetuneConfig, model: nn.Module) -> None:
-    """`captured_step`: not with `layer_graphs` (the layers are recorded inside the step), and what the training
-    core cannot record (`check_capturable`); a `ValueError` before anything changes."""
-    if cfg.captured_step:
-        if cfg.layer_graphs:
-            raise ValueError("captured_step records every MoE layer inside the step: set layer_graphs=False")
-        check_capturable(model)
-
-
 def _checked_parameters(
     cfg: FinetuneConfig, model: nn.Module, tokens: torch.Tensor, groups: Groups | None, teacher: nn.Module | None
 ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -240,51 +234,10 @@ def _checked_parameters(
     _check_teacher(cfg, model, teacher)
     routers, experts = trainable_parameters(model, cfg.train_part)
     _check_inputs(model, tokens, cfg, groups, experts)
-    _prepare_two_batch(cfg, model, groups)  # (before the capture check: it reads sync-free)
-    _prepare_micro_batches(cfg, model, groups)
-    _check_captured_step(cfg, model)
+    prepare_two_batch(cfg, model, groups)  # (before the capture check: it reads sync-free)
+    prepare_micro_batches(cfg, model, groups)
+    check_captured_step(cfg, model)
     return routers, experts
-
-
-def _prepare_two_batch(cfg: FinetuneConfig, model: nn.Module, groups: Groups | None) -> None:
-    """`two_batch`: not with `layer_graphs` (two halves in flight would share a layer's recorded calls) or
-    distillation (the teacher runs a forward of its own), an even number of rows per rank; then every MoE layer
-    sync-free (two exchanges in flight cannot share the device transport's buffers). A `ValueError` first."""
-    if not cfg.two_batch:
-        return
-    if cfg.layer_graphs or cfg.distill_weight > 0:
-        raise ValueError(
-            "two_batch does not run with " + ("layer_graphs" if cfg.layer_graphs else "distillation (distill_weight)")
-        )
-    rows = cfg.batch_size // (groups.world_size if groups is not None else 1)
-    if rows % 2:
-        raise ValueError(f"two_batch splits each rank's {rows} rows in halves: give an even number of rows per rank")
-    set_sync_free(model)
-    check_two_batch(model, rows)
-
-
-def _prepare_micro_batches(cfg: FinetuneConfig, model: nn.Module, groups: Groups | None) -> None:
-    """`micro_batches` > 1: dividing each rank's rows, not with `two_batch`; paired also not with `layer_graphs` or
-    distillation (as two_batch), then every MoE layer sync-free. A `ValueError` first."""
-    count = cfg.micro_batches
-    if count == 1:
-        return
-    rows = cfg.batch_size // (groups.world_size if groups is not None else 1)
-    if rows % count:
-        raise ValueError(
-            f"micro_batches {count} split each rank's {rows} rows: give a batch of a multiple of {count} rows per rank"
-        )
-    if cfg.two_batch:
-        raise ValueError("micro_batches and two_batch both split the step: choose one")
-    if not cfg.pair_micro_batches:
-        return
-    if cfg.layer_graphs or cfg.distill_weight > 0:
-        raise ValueError(
-            "pair_micro_batches does not run with "
-            + ("layer_graphs" if cfg.layer_graphs else "distillation (distill_weight)")
-        )
-    set_sync_free(model)
-    check_paired(model, count)
 
 
 def _what_trains(cfg: FinetuneConfig, routers: list[nn.Parameter], experts: list[nn.Parameter]) -> str:
@@ -358,14 +311,7 @@ def finetune(
     opt = adamw(
         [{"params": routers + experts}], lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
-    per_step, what = cfg.batch_size * cfg.seq_len, "finetune (routers + experts)"
-    how = {
-        "captured_step": cfg.captured_step,
-        "two_batch": cfg.two_batch,
-        "micro_batches": cfg.micro_batches,
-        "paired": cfg.pair_micro_batches,
-    }
-    settings = LoopSettings(cfg.steps, cfg.grad_clip, per_step, what, progress, main, **how)
+    settings = loop_settings(cfg, progress, main)
     loop = TrainLoop(None, opt, settings)
     schedule = CosineSchedule(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
     sig = None
