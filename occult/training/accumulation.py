@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from occult.moe.model_layers import exchanging_with_buffers
 from occult.moe.two_batch import run_paired
-from occult.training.two_batch import micro_batch_streams
+from occult.training.two_batch import join_streams, micro_batch_streams
 
 
 def check_paired(model: nn.Module, micro_batches: int) -> None:
@@ -102,11 +102,7 @@ def backward_accumulated(
             outs.append(_detached(out))
     out[0].backward()
     if main is not None:
-        for stream in streams:
-            main.wait_stream(stream)
-        if not torch.cuda.is_current_stream_capturing():  # (a capture keeps its memory)
-            for tensor in (t for o in outs for t in o if t is not None):
-                tensor.record_stream(main)
+        join_streams(main, streams, (t for o in outs for t in o))
     return outs
 
 

@@ -19,7 +19,7 @@ buffers. With `OCCULT_DEFER_WGRAD` both halves defer their expert weight gradien
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -72,12 +72,7 @@ def forward_halves(
     for stream in streams:
         stream.wait_stream(main)
     outs = [tuple(out) for out in run_interleaved(forward_of, streams)]
-    for stream, out in zip(streams, outs):
-        main.wait_stream(stream)
-        if not torch.cuda.is_current_stream_capturing():  # (a capture keeps its memory)
-            for tensor in out:
-                if tensor is not None:
-                    tensor.record_stream(main)
+    join_streams(main, streams, (t for out in outs for t in out))
     return outs
 
 
@@ -87,9 +82,20 @@ def backward_halves(loss: torch.Tensor) -> None:
     capture ends on it)."""
     loss.backward()
     if loss.device.type == "cuda":
-        main = torch.cuda.current_stream(loss.device)
-        for stream in micro_batch_streams(loss.device):
-            main.wait_stream(stream)
+        join_streams(torch.cuda.current_stream(loss.device), micro_batch_streams(loss.device))
+
+
+def join_streams(
+    main: torch.cuda.Stream, streams: Sequence[torch.cuda.Stream], made: Iterable[torch.Tensor | None] = ()
+) -> None:
+    """The caller's stream `main` waits for every side stream, and the tensors `made` on them are marked used on
+    `main` (not inside a capture: it keeps its memory), so the caching allocator does not hand them out early."""
+    for stream in streams:
+        main.wait_stream(stream)
+    if not torch.cuda.is_current_stream_capturing():
+        for tensor in made:
+            if tensor is not None:
+                tensor.record_stream(main)
 
 
 def micro_batch_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
