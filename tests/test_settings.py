@@ -35,6 +35,7 @@ def test_defaults_with_nothing_set(clean_env):
         agreement="call",
         commit=None,
         defer_wgrad=False,
+        kernel_grid="persistent",
     )
 
 
@@ -53,6 +54,7 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "OCCULT_AGREEMENT": "Call",
         "OCCULT_COMMIT": " abc1234-dirty ",
         "OCCULT_DEFER_WGRAD": "yes",
+        "OCCULT_KERNEL_GRID": "Tiles",
     }
     assert set(values) == set(settings.VARIABLES)
     for name, value in values.items():
@@ -71,6 +73,7 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "call",
         "abc1234-dirty",
         True,
+        "tiles",
     )
     assert {f.name for f in dataclasses.fields(Settings)} == set(settings.VARIABLES.values())
 

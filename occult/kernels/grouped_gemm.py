@@ -13,8 +13,12 @@ index `r*K + k` (default: `combine.combine_rows` then sums a row's K entries in 
 deterministically) or atomically adds into one fp32 row per received row (`atomic=True`;
 run-to-run bits may differ).
 
-Both kernels are persistent: `grid = min(#SMs, bound)` programs walk a tile list whose length
-is only known on the device (`pairs.tile_schedule`), so no host sync and no empty programs.
+Both kernels walk a tile list whose length is only known on the device (`pairs.tile_schedule`), so no
+host sync: by default persistently, `grid = min(#SMs, bound)` programs striding over the tiles (no empty
+programs). Beside other streams' kernels (an overlapped schedule: NCCL's, another micro-batch's) a persistent
+program that finds its SM busy starts late with its whole share of the tiles, and the kernel ends with it;
+`OCCULT_KERNEL_GRID=tiles` launches one program per tile of the bound instead (those past the device's count
+exit at once), so the GPU's scheduler hands tiles to whichever SM frees (`num_programs`; docs/overlap.md).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from occult import settings
 from occult.kernels import config as _config
 from occult.kernels.pairs import e_pow2, grouped_pid, max_tiles, tile_lookup, tile_schedule
 
@@ -184,10 +189,16 @@ def _gemm_scatter_kernel(
 
 
 def num_programs(device: torch.device, bound: int, ctas_per_sm: int = 1) -> int:
-    """Programs of a persistent launch: one (or `ctas_per_sm`) per SM, at most `bound`."""
-    if _config.interpreting() or device.type != "cuda":
-        return max(1, min(bound, 3))
-    return max(1, min(bound, ctas_per_sm * _sm_count(device)))
+    """Programs of a launch over at most `bound` tiles: one (or `ctas_per_sm`) per SM, persistent, or with
+    `OCCULT_KERNEL_GRID=tiles` one per tile (module docstring)."""
+    cpu = _config.interpreting() or device.type != "cuda"  # (the interpreter: 3 programs walk the tiles)
+    resident = 3 if cpu else ctas_per_sm * _sm_count(device)
+    return grid_programs(bound, resident, settings.current().kernel_grid)
+
+
+def grid_programs(bound: int, resident: int, grid: str) -> int:
+    """`grid` "persistent": `resident` programs (those the SMs hold at once), at most `bound`; "tiles": `bound`."""
+    return max(1, bound if grid == "tiles" else min(bound, resident))
 
 
 _SM_COUNT: dict[int, int] = {}

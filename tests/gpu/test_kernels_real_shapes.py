@@ -102,3 +102,38 @@ def test_kernels_never_read_memory_they_did_not_write(dtype):
     assert all(finite.values()), (dtype, finite)
     errors = {n: _rel(a, b) for n, a, b in zip(NAMES, got, ref)}
     assert max(errors.values()) < TOL[dtype], (dtype, errors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_one_program_per_tile_gives_the_persistent_launch_bit_for_bit(dtype, monkeypatch):
+    """`OCCULT_KERNEL_GRID=tiles` (one program per tile of the bound, those past the device's count exiting)
+    computes every tile as the persistent launch does, so the output and every gradient are the same bits; the
+    grid is that many programs."""
+    from occult.kernels import grouped_gemm
+
+    R, K, E = 12288, 8, 16
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**31, ())))
+    slots = torch.randint(0, E, (R, K), device=dev, generator=g)
+    slots[torch.rand(R, K, device=dev, generator=g) < 0.6] = -1
+    ins = [
+        torch.randn(R, H, device=dev, generator=g).to(dtype),
+        torch.rand(R, K, device=dev, generator=g),
+        (torch.randn(E, 2 * F, H, device=dev, generator=g) / H**0.5).to(dtype),
+        (torch.randn(E, H, F, device=dev, generator=g) / F**0.5).to(dtype),
+    ]
+    dy = torch.randn(R, H, device=dev, generator=g).to(dtype)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        leaves = [t.detach().clone().requires_grad_() for t in ins]
+        y = kernels.expert_mlp(leaves[0], slots, leaves[1], leaves[2], leaves[3])
+        return (y, *torch.autograd.grad(y, leaves, dy))
+
+    monkeypatch.setenv("OCCULT_KERNEL_GRID", "persistent")
+    persistent = run()
+    assert grouped_gemm.num_programs(torch.device(dev), 10**6) < 10**6
+    monkeypatch.setenv("OCCULT_KERNEL_GRID", "tiles")
+    assert grouped_gemm.num_programs(torch.device(dev), 10**6) == 10**6
+    tiles = run()
+    for name, a, b in zip(NAMES, tiles, persistent):
+        assert torch.equal(a, b), (name, dtype, (a.float() - b.float()).abs().max().item())

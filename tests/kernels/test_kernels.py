@@ -331,6 +331,24 @@ def test_dgrad_epilogue_split_matches_unsplit(default_run):
         assert _rel(a, b) < 1e-6
 
 
+@needs_in_process
+def test_one_program_per_tile_gives_the_persistent_launch_bit_for_bit(default_run, monkeypatch):
+    """`OCCULT_KERNEL_GRID=tiles`: one program per tile of the bound (most past the device's tile count, which exit
+    at once) instead of a few walking the tiles; every tile is computed as before, so the same bits."""
+    from occult.kernels import grouped_gemm
+
+    assert grouped_gemm.grid_programs(50, 132, "persistent") == 50
+    assert grouped_gemm.grid_programs(500, 132, "persistent") == 132
+    assert grouped_gemm.grid_programs(500, 132, "tiles") == 500
+    assert grouped_gemm.grid_programs(0, 132, "tiles") == grouped_gemm.grid_programs(0, 132, "persistent") == 1
+    ins, persistent = default_run
+    monkeypatch.setenv("OCCULT_KERNEL_GRID", "tiles")
+    assert grouped_gemm.num_programs(torch.device(DEVICE), 500) == 500
+    tiles = _run(kernels.expert_mlp, *ins)
+    for name, a, b in zip(NAMES, (tiles[0], *tiles[1]), (persistent[0], *persistent[1])):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.skipif(IN_PROCESS, reason="kernels already tested in this process")
 def test_in_subprocess():
     run_file_in_fresh_process(__file__)
