@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -51,6 +51,11 @@
 #           floor accumulating the same, one job per link (LINKS, MODELS as above; ~2 min each on 2 GPUs); paired
 #           won on both links in session 28 (docs/overlap.md, "Combined 1F1B"); OVERLAP=1 adds a job per link with
 #           the dense gradients all-reduced in buckets during the last backward (--dense-sync overlap)
+# grid      issue 53: the expert GEMMs persistent (the default) against one program per tile
+#           (OCCULT_KERNEL_GRID=tiles), each setting a job of its own with its floor, back to back: the slow link's
+#           training schedules (OLMoE and Qwen3 halves, OLMoE paired x4; --dense-sync overlap), its K = 4 prefill,
+#           NVLink's one-batch step (on 2 GPUs ~8 min for LINKS=slow, ~2 for LINKS=nvlink); tiles won the slow-link
+#           training schedules in session 29 (docs/overlap.md, "One program per tile")
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -70,8 +75,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -200,6 +205,31 @@ case $part in
           --variants replicated/compile/stepgraph,$sf/deferwgrad,$sf/1f1b/deferwgrad \
           --out "$out/e2e_${model}_pair_overlap_${link}_${n}gpu.json"
       done
+    done ;;&
+  grid|all)  # issue 53: persistent expert GEMMs against one program per tile, one job per setting, back to back
+    sf=dedup@syncfree/compile
+    grid_jobs() {  # grid_jobs FILE SECONDS ENV E2E_ARGS...: the job once per setting (FILE's "GRID": grid_SETTING)
+      local file=$1 secs=$2 env_=$3 grid
+      shift 3
+      for grid in persistent tiles; do
+        run "${file/GRID/grid_$grid}" "$secs" env OCCULT_KERNEL_GRID=$grid $env_ $tr benchmarks/e2e.py "$@" \
+          --out "$out/e2e_${file/GRID/grid_$grid}_${n}gpu.json"
+      done
+    }
+    for link in ${LINKS:-slow nvlink}; do
+      if [ $link = nvlink ]; then
+        grid_jobs olmoe_train_GRID_nvlink 200 "" --model olmoe --phases train \
+          --variants replicated/compile/stepgraph,$sf/stepgraph/deferwgrad
+        continue
+      fi
+      for model in olmoe qwen3; do
+        grid_jobs ${model}_train_GRID_slow 200 NCCL_P2P_DISABLE=1 --model $model --phases train --dense-sync overlap \
+          --variants replicated/compile/stepgraph,$sf/stepgraph/twobatch/deferwgrad
+      done
+      grid_jobs olmoe_pair_GRID_slow 250 NCCL_P2P_DISABLE=1 --model olmoe --phases train --batch 8 --accumulate 4 \
+        --dense-sync overlap --variants replicated/compile/stepgraph,$sf/stepgraph/1f1b/deferwgrad
+      grid_jobs olmoe_prefill_GRID_slow 200 NCCL_P2P_DISABLE=1 --model olmoe --phases prefill \
+        --variants replicated/compile/graph,$sf/graph,$sf/interleave4
     done ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
