@@ -71,6 +71,10 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>/deferwgrad  the expert kernels' weight gradients deferred to a side stream (OCCULT_DEFER_WGRAD=1 for
                    this variant only, occult.kernels.deferred_wgrad: the dispatch's backward all-to-all under
                    them); occult's variants, e.g. dedup@device/compile/stepgraph/deferwgrad (docs/overlap.md)
+  <variant>/tilegrid  the expert GEMMs launched one program per tile (OCCULT_KERNEL_GRID=tiles for this variant
+                   only, occult.kernels.grouped_gemm: no persistent program left waiting for an SM another
+                   stream holds); expert-parallel variants, last (after /deferwgrad), e.g.
+                   dedup@syncfree/compile/stepgraph/twobatch/deferwgrad/tilegrid beside the same without it
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
                    the shared batch of all ranks' sequences; prefill only (train: not timed)
@@ -258,6 +262,8 @@ def variant_list(text: str) -> list[str]:
     bad += [v for v in names if INTERLEAVE.search(v) and not 2 <= micro_batches(v) <= 16]
     bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
     bad += [v for v in names if eager_moe(v) and not (is_compiled(v) and base_variant(v) == "replicated")]
+    # (/tilegrid: expert-parallel layers only, which compile_layers never traces: the grid is read at each launch)
+    bad += [v for v in names if tile_grid(v) and base_variant(v) in ("native", "replicated", *PEERS)]
     bad += [
         v
         for v in names
@@ -283,7 +289,8 @@ def variant_list(text: str) -> list[str]:
             f"/traingraphs/compile (training calls replayed too), replicated/eagermoe/compile (MoE blocks "
             f"eager between their layer's graphs), replicated, @device or @syncfree ones /stepgraph (the training "
             f"step in one CUDA graph; not with the other graph modifiers), occult's variants /deferwgrad (the "
-            f"experts' weight gradients on a side stream), or the peers "
+            f"experts' weight gradients on a side stream), expert-parallel ones /tilegrid (last: the expert GEMMs one "
+            f"program per tile), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"
         )
@@ -338,37 +345,63 @@ def step_graph(variant: str) -> bool:
 def paired(variant: str) -> bool:
     """'dedup@syncfree/compile/stepgraph/1f1b': the train step's --accumulate micro-batches paired (combined 1F1B,
     occult.training.accumulation)."""
-    return variant.removesuffix("/deferwgrad").endswith("/1f1b")
+    return _unset(variant).endswith("/1f1b")
 
 
 def pairable(variant: str) -> bool:
     """Whether a '/1f1b' variant's step can pair its micro-batches: sync-free, no graph modifier but /stepgraph
     (the whole step recorded), not split into halves or K parts itself."""
-    unpaired = variant.removesuffix("/deferwgrad").removesuffix("/1f1b")
+    unpaired = _unset(variant).removesuffix("/1f1b")
     plain = not (is_graphed(unpaired) or layer_graphs(unpaired) or train_graphs(unpaired))
     return sync_free(variant) and plain and micro_batches(unpaired) == 1
 
 
+# the variant's last modifiers, each an environment setting while it runs (`variant_settings`), in this order
+SETTING_MODIFIERS = {"/deferwgrad": ("OCCULT_DEFER_WGRAD", "1"), "/tilegrid": ("OCCULT_KERNEL_GRID", "tiles")}
+
+
+def split_settings(variant: str) -> tuple[str, dict[str, str]]:
+    """'dedup@syncfree/compile/stepgraph/deferwgrad/tilegrid' -> ('dedup@syncfree/compile/stepgraph',
+    {'OCCULT_DEFER_WGRAD': '1', 'OCCULT_KERNEL_GRID': 'tiles'}): the variant without its setting modifiers (taken
+    off the end, last first), and the settings they ask for."""
+    env = {}
+    for suffix, (name, value) in reversed(SETTING_MODIFIERS.items()):
+        if variant.endswith(suffix):
+            variant = variant.removesuffix(suffix)
+            env[name] = value
+    return variant, env
+
+
+def _unset(variant: str) -> str:
+    """The variant without its setting modifiers (`split_settings`)."""
+    return split_settings(variant)[0]
+
+
 def deferred_wgrad(variant: str) -> bool:
     """'dedup@device/compile/deferwgrad': OCCULT_DEFER_WGRAD=1 while this variant runs (`variant_settings`)."""
-    return variant.endswith("/deferwgrad")
+    return "OCCULT_DEFER_WGRAD" in split_settings(variant)[1]
+
+
+def tile_grid(variant: str) -> bool:
+    """'dedup@syncfree/compile/tilegrid': OCCULT_KERNEL_GRID=tiles while this variant runs (`variant_settings`)."""
+    return "OCCULT_KERNEL_GRID" in split_settings(variant)[1]
 
 
 @contextlib.contextmanager
 def variant_settings(variant: str) -> Iterator[None]:
-    """The environment settings a variant asks for (`/deferwgrad`), set while it runs and restored after."""
-    if not deferred_wgrad(variant):
-        yield
-        return
-    before = os.environ.get("OCCULT_DEFER_WGRAD")
-    os.environ["OCCULT_DEFER_WGRAD"] = "1"
+    """The environment settings a variant asks for (`/deferwgrad`, `/tilegrid`), set while it runs and restored
+    after."""
+    env = split_settings(variant)[1]
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["OCCULT_DEFER_WGRAD"]
-        else:
-            os.environ["OCCULT_DEFER_WGRAD"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def eager_moe(variant: str) -> bool:
@@ -383,14 +416,14 @@ INTERLEAVE = re.compile(r"/interleave(\d+)$")  # '/interleaveK': K interleaved m
 def is_graphed(variant: str) -> bool:
     """'dedup@device/graph': the whole prefill forward captured in one CUDA graph (hf.GraphedForward);
     '/twobatch' and '/interleaveK' too, as two or K interleaved micro-batches."""
-    stem = variant.removesuffix("/deferwgrad")
+    stem = _unset(variant)
     return stem.endswith(("/graph", "/twobatch")) or INTERLEAVE.search(stem) is not None
 
 
 def micro_batches(variant: str) -> int:
     """'dedup@syncfree/compile/twobatch': 2 (hf.GraphedForward(micro_batches=2); after /stepgraph the train
     step's halves too, occult.training.two_batch); '.../interleaveK': K; 1 otherwise."""
-    stem = variant.removesuffix("/deferwgrad")
+    stem = _unset(variant)
     if stem.endswith("/twobatch"):
         return 2
     match = INTERLEAVE.search(stem)
@@ -400,7 +433,7 @@ def micro_batches(variant: str) -> int:
 def _without_capture(variant: str) -> str:
     """The variant without its graph and schedule modifiers ('/layergraphs', '/traingraphs', '/eagermoe', a final
     '/graph', '/twobatch', '/interleaveK' or '/1f1b')."""
-    stem = variant.removesuffix("/deferwgrad").removesuffix("/1f1b")
+    stem = _unset(variant).removesuffix("/1f1b")
     for modifier in ("/layergraphs", "/traingraphs", "/eagermoe", "/stepgraph"):
         stem = stem.replace(modifier, "")
     return INTERLEAVE.sub("", stem.removesuffix("/graph").removesuffix("/twobatch"))

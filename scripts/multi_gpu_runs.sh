@@ -51,10 +51,10 @@
 #           floor accumulating the same, one job per link (LINKS, MODELS as above; ~2 min each on 2 GPUs); paired
 #           won on both links in session 28 (docs/overlap.md, "Combined 1F1B"); OVERLAP=1 adds a job per link with
 #           the dense gradients all-reduced in buckets during the last backward (--dense-sync overlap)
-# grid      issue 53: the expert GEMMs persistent (the default) against one program per tile
-#           (OCCULT_KERNEL_GRID=tiles), each setting a job of its own with its floor, back to back: the slow link's
-#           training schedules (OLMoE and Qwen3 halves, OLMoE paired x4; --dense-sync overlap), its K = 4 prefill,
-#           NVLink's one-batch step (on 2 GPUs ~8 min for LINKS=slow, ~2 for LINKS=nvlink); tiles won the slow-link
+# grid      issue 53: the expert GEMMs persistent (the default) and one program per tile (e2e.py's /tilegrid:
+#           OCCULT_KERNEL_GRID=tiles for that variant) side by side in one job with the floor: the slow link's
+#           training schedules (OLMoE and Qwen3 halves, OLMoE paired x4; --dense-sync overlap) and K = 4 prefill,
+#           NVLink's one-batch step (on 2 GPUs ~6 min for LINKS=slow, ~1.5 for LINKS=nvlink); tiles won the slow-link
 #           training schedules in session 29 (docs/overlap.md, "One program per tile")
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
@@ -206,30 +206,28 @@ case $part in
           --out "$out/e2e_${model}_pair_overlap_${link}_${n}gpu.json"
       done
     done ;;&
-  grid|all)  # issue 53: persistent expert GEMMs against one program per tile, one job per setting, back to back
+  grid|all)  # issue 53: persistent expert GEMMs against one program per tile (/tilegrid), side by side in one job
     sf=dedup@syncfree/compile
-    grid_jobs() {  # grid_jobs FILE SECONDS ENV E2E_ARGS...: the job once per setting (FILE's "GRID": grid_SETTING)
-      local file=$1 secs=$2 env_=$3 grid
-      shift 3
-      for grid in persistent tiles; do
-        run "${file/GRID/grid_$grid}" "$secs" env OCCULT_KERNEL_GRID=$grid $env_ $tr benchmarks/e2e.py "$@" \
-          --out "$out/e2e_${file/GRID/grid_$grid}_${n}gpu.json"
-      done
-    }
     for link in ${LINKS:-slow nvlink}; do
       if [ $link = nvlink ]; then
-        grid_jobs olmoe_train_GRID_nvlink 200 "" --model olmoe --phases train \
-          --variants replicated/compile/stepgraph,$sf/stepgraph/deferwgrad
+        one=$sf/stepgraph/deferwgrad
+        run grid_olmoe_train_nvlink 200 $tr benchmarks/e2e.py --model olmoe --phases train \
+          --variants replicated/compile/stepgraph,$one,$one/tilegrid --out "$out/e2e_olmoe_train_grid_nvlink_${n}gpu.json"
         continue
       fi
+      e=NCCL_P2P_DISABLE=1
       for model in olmoe qwen3; do
-        grid_jobs ${model}_train_GRID_slow 200 NCCL_P2P_DISABLE=1 --model $model --phases train --dense-sync overlap \
-          --variants replicated/compile/stepgraph,$sf/stepgraph/twobatch/deferwgrad
+        two=$sf/stepgraph/twobatch/deferwgrad
+        run "grid_${model}_train_slow" 250 env $e $tr benchmarks/e2e.py --model $model --phases train --dense-sync overlap \
+          --variants replicated/compile/stepgraph,$two,$two/tilegrid --out "$out/e2e_${model}_train_grid_slow_${n}gpu.json"
       done
-      grid_jobs olmoe_pair_GRID_slow 250 NCCL_P2P_DISABLE=1 --model olmoe --phases train --batch 8 --accumulate 4 \
-        --dense-sync overlap --variants replicated/compile/stepgraph,$sf/stepgraph/1f1b/deferwgrad
-      grid_jobs olmoe_prefill_GRID_slow 200 NCCL_P2P_DISABLE=1 --model olmoe --phases prefill \
-        --variants replicated/compile/graph,$sf/graph,$sf/interleave4
+      pair=$sf/stepgraph/1f1b/deferwgrad
+      run grid_olmoe_pair_slow 300 env $e $tr benchmarks/e2e.py --model olmoe --phases train --batch 8 --accumulate 4 \
+        --dense-sync overlap --variants replicated/compile/stepgraph,$pair,$pair/tilegrid \
+        --out "$out/e2e_olmoe_pair_grid_slow_${n}gpu.json"
+      run grid_olmoe_prefill_slow 200 env $e $tr benchmarks/e2e.py --model olmoe --phases prefill \
+        --variants replicated/compile/graph,$sf/graph,$sf/interleave4,$sf/interleave4/tilegrid \
+        --out "$out/e2e_olmoe_prefill_grid_slow_${n}gpu.json"
     done ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then

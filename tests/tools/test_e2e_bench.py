@@ -159,6 +159,42 @@ def test_deferwgrad_variants_set_the_setting_while_they_run(monkeypatch):
         assert not settings.current().defer_wgrad
 
 
+def test_tilegrid_variants_set_the_kernel_grid_while_they_run(monkeypatch):
+    """`/tilegrid`: expert-parallel variants only, after /deferwgrad; OCCULT_KERNEL_GRID=tiles (with the deferral
+    too where both are asked) while the variant runs, the environment as it was after; the variant is otherwise
+    the one without it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    from occult import settings
+
+    both = "dedup@syncfree/compile/stepgraph/twobatch/deferwgrad/tilegrid"
+    good = f"{both},dedup@syncfree/compile/interleave4/tilegrid,dedup@syncfree/compile/stepgraph/1f1b/tilegrid"
+    assert e2e.variant_list(good) == good.split(",")
+    assert e2e.split_settings(both) == (
+        "dedup@syncfree/compile/stepgraph/twobatch",
+        {"OCCULT_KERNEL_GRID": "tiles", "OCCULT_DEFER_WGRAD": "1"},
+    )
+    assert e2e.base_variant(both) == "dedup" and e2e.micro_batches(both) == 2 and e2e.step_graph(both)
+    assert e2e.micro_batches("dedup@syncfree/compile/interleave4/tilegrid") == 4
+    assert e2e.paired("dedup@syncfree/compile/stepgraph/1f1b/tilegrid")
+    assert e2e.tile_grid(both) and e2e.deferred_wgrad(both) and not e2e.tile_grid("dedup@syncfree/compile")
+    for bad in (
+        "replicated/compile/tilegrid",
+        "native/tilegrid",
+        "torchtitan/tilegrid",
+        "dedup@syncfree/compile/stepgraph/tilegrid/deferwgrad",  # (the settings' order)
+    ):
+        with pytest.raises(Exception, match="unknown variant"):
+            e2e.variant_list(bad)
+    monkeypatch.setenv("OCCULT_KERNEL_GRID", "persistent")
+    monkeypatch.delenv("OCCULT_DEFER_WGRAD", raising=False)
+    with e2e.variant_settings(both):
+        assert settings.current().kernel_grid == "tiles" and settings.current().defer_wgrad
+    assert os.environ["OCCULT_KERNEL_GRID"] == "persistent" and "OCCULT_DEFER_WGRAD" not in os.environ
+    assert settings.current().kernel_grid == "persistent"
+
+
 def test_e2e_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
     res = _torchrun(3, "--model", "tiny", "--batch", "1", "--seq", "16", "--out", str(tmp_path / "x.json"))
     assert res.returncode != 0
@@ -603,14 +639,14 @@ def test_accumulate_and_1f1b_split_the_train_step_into_micro_batches(monkeypatch
 
 def test_e2e_tiny_accumulated_steps_in_turn_and_paired(tmp_path):
     """The whole e2e.py path on 2 gloo ranks with --accumulate 2: the floor and sync-free dedup accumulate in turn,
-    /1f1b pairs the micro-batches (each next forward with the previous backward), every variant trains and books
-    both micro-batches' rows."""
+    /1f1b pairs the micro-batches (each next forward with the previous backward), also with /tilegrid, every variant
+    trains and books both micro-batches' rows."""
     out = tmp_path / "acc.json"
     res = _torchrun(
         2,
         *("--model", "tiny", "--batch", "4", "--seq", "16", "--check-seq", "16", "--warmup", "1", "--iters", "2"),
         *("--phases", "train", "--accumulate", "2", "--out", str(out)),
-        *("--variants", "replicated,dedup@syncfree,dedup@syncfree/1f1b"),
+        *("--variants", "replicated,dedup@syncfree,dedup@syncfree/1f1b,dedup@syncfree/1f1b/tilegrid"),
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -621,6 +657,7 @@ def test_e2e_tiny_accumulated_steps_in_turn_and_paired(tmp_path):
         assert t["ms_median"] > 0 and v["check"]["passed"], (name, v)
         rows[name] = t["comm"].get("backward_rows")
     assert rows["dedup@syncfree/1f1b"] == rows["dedup@syncfree"] > 0  # the same rows, paired or in turn
+    assert rows["dedup@syncfree/1f1b/tilegrid"] == rows["dedup@syncfree"]  # (/tilegrid: a setting, the same step)
     for v in report["variants"].values():  # two micro-batches: each layer called forward and backward twice
         t = v["phases"]["train"]
         assert t["host_ms_per_moe_call"] == pytest.approx(t["host_ms_per_step"] / (2 * 2 * 2))
