@@ -7,6 +7,11 @@ import torch
 
 from occult.integrations import hf
 
+# the device of each expert, per MoE layer, of the tiny two-layer models on two ranks
+PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
+# the fine-tuning tests' run: a few fp32 steps that visibly learn `markov_tokens`
+CFG = dict(steps=15, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=2, adam_eps=1e-6, seed=3, precision="fp32")
+
 
 def markov_tokens(vocab: int) -> torch.Tensor:
     """4000 ids, each id's successor fixed 80% of the time (a stream fine-tuning visibly learns)."""

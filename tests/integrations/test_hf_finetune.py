@@ -30,7 +30,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from _hf_helpers import markov_tokens  # noqa: E402  (tests/integrations)
+from _hf_helpers import CFG, PLACEMENT, markov_tokens  # noqa: E402  (tests/integrations)
 from _hf_helpers import trained_weights as _trained  # noqa: E402
 
 from occult.distributed import RankFailure, run_ranks  # noqa: E402
@@ -41,8 +41,6 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 RTOL = 1e-5
 VOCAB = 96
-PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]  # device of each expert, per MoE layer
-CFG = dict(steps=15, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=2, adam_eps=1e-6, seed=3, precision="fp32")
 TRAIN = {"olmoe": "olmoe", "qwen3_moe": "qwen3_fused"}  # family -> directory trained (EP 2)
 
 

@@ -22,7 +22,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from _hf_helpers import markov_tokens, trained_weights  # noqa: E402  (tests/integrations)
+from _hf_helpers import CFG, PLACEMENT, markov_tokens, trained_weights  # noqa: E402  (tests/integrations)
 
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -34,8 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 RTOL = 1e-5
 VOCAB = 96
-PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
-CFG = dict(steps=15, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=2, adam_eps=1e-6, seed=3, precision="fp32")
 
 
 def _tokens() -> torch.Tensor:
