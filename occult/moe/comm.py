@@ -4,8 +4,9 @@
 rows per source in; a copy on one rank). `exchange` sends a plan's rows, optionally with each
 row's gate weights and local expert slots, as one autograd node (`_Exchange`): its backward
 sends the gradients of rows and gates along the same splits reversed, so every rank issues its
-backward collectives in the same order. Gates and slots travel packed in one integer tensor
-(`pack_metadata`: NCCL has no 16-bit integers, so half-precision gates go as float32 bits).
+backward collectives in the same order. A row's gates and slots travel in the same all-to-all as
+the row (`pack_rows`: one byte row each, the activation then `pack_metadata`'s bytes), and so do the
+backward's gate gradients: one collective per exchange, not two (on a slow link each costs a round trip).
 `CommStats` counts the rows and bytes each rank sends, forward and backward, activations and
 metadata apart (the byte convention of docs/design.md).
 """
@@ -111,43 +112,80 @@ def count_sent(
         setattr(stats, f"{direction}_{name}", getattr(stats, f"{direction}_{name}") + value)
 
 
-def _metadata_int(gates_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-    """(carrier float dtype, int dtype of its size) for packing gates beside slots.
+_ALIGN = 16  # bytes: every part of a packed row starts 16-byte aligned (vector loads of the rows' view)
 
-    NCCL has no 16-bit integer type, so half-precision gates travel as float32 (exact: every
-    bf16/fp16 value is a float32) bit-cast to int32; float32 and float64 gates are bit-cast to
-    ints of their own size. Every backend (NCCL, gloo) carries int32 and int64.
-    """
-    if gates_dtype == torch.float64:
-        return torch.float64, torch.int64
-    return torch.float32, torch.int32
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def as_bytes(t_PX: torch.Tensor) -> torch.Tensor:
+    """[P, X] -> its rows' bytes [P, X * itemsize] (uint8: every backend carries it, NCCL and gloo)."""
+    if not t_PX.is_contiguous() or t_PX.stride(-1) != 1:  # (a size-1 dim may keep stride 0: an expanded grad)
+        t_PX = t_PX.new_empty(t_PX.shape).copy_(t_PX)
+    return t_PX.view(torch.uint8).view(t_PX.shape[0], t_PX.shape[1] * t_PX.element_size())
+
+
+def metadata_width(gates_dtype: torch.dtype, top_k: int) -> int:
+    """Bytes of one row's packed metadata: K gates in their own dtype, K int32 slots, padded."""
+    return _aligned(top_k * (torch.finfo(gates_dtype).bits // 8 + 4))
 
 
 def pack_metadata(gates_PK: torch.Tensor, slots_PK: torch.Tensor) -> torch.Tensor:
-    """[P, 2K] ints: the gates' bits (as float32 or float64), then the slots."""
-    carrier, as_int = _metadata_int(gates_PK.dtype)
-    return torch.cat([gates_PK.to(carrier).contiguous().view(as_int), slots_PK.to(as_int)], dim=1)
+    """[P, metadata_width] bytes: the gates' own bits, then the slots as int32 (bit-exact)."""
+    parts = [as_bytes(gates_PK), as_bytes(slots_PK.to(torch.int32))]
+    return _padded(torch.cat(parts, dim=1), metadata_width(gates_PK.dtype, gates_PK.shape[1]))
 
 
 def metadata_bytes(gates_PK: torch.Tensor) -> int:
     """Bytes `pack_metadata` sends for these gates (and as many slots)."""
-    carrier, _ = _metadata_int(gates_PK.dtype)
-    return 2 * gates_PK.numel() * torch.finfo(carrier).bits // 8
+    return gates_PK.shape[0] * metadata_width(gates_PK.dtype, gates_PK.shape[1])
 
 
-def unpack_metadata(meta_R2K: torch.Tensor, gates_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_metadata(
+    meta_RW: torch.Tensor, gates_dtype: torch.dtype, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `pack_metadata` on received rows: (gates [R, K] in `gates_dtype`, slots [R, K] int64)."""
-    carrier, _ = _metadata_int(gates_dtype)
-    num_k = meta_R2K.shape[1] // 2
-    gates_RK = meta_R2K[:, :num_k].contiguous().view(carrier).to(gates_dtype)
-    return gates_RK, meta_R2K[:, num_k:].to(torch.int64)
+    g = top_k * torch.finfo(gates_dtype).bits // 8
+    gates_RK = meta_RW[:, :g].contiguous().view(gates_dtype)
+    return gates_RK, meta_RW[:, g : g + 4 * top_k].contiguous().view(torch.int32).to(torch.int64)
 
 
-def send_metadata(gates_PK, slots_PK, send_splits, recv_splits, group, packed=None):
-    """Gates and slots in one all-to-all; gates come back in their own dtype, bit-exact.
+def _padded(bytes_PB: torch.Tensor, width: int) -> torch.Tensor:
+    pad = width - bytes_PB.shape[1]
+    return bytes_PB if pad == 0 else torch.cat([bytes_PB, bytes_PB.new_zeros((bytes_PB.shape[0], pad))], dim=1)
+
+
+def pack_rows(rows_PH: torch.Tensor, tail_PW: torch.Tensor) -> torch.Tensor:
+    """One byte row per row: its activation (padded to 16 bytes), then `tail_PW` (16-byte multiple)."""
+    row_bytes = as_bytes(rows_PH)
+    return torch.cat([_padded(row_bytes, _aligned(row_bytes.shape[1])), tail_PW], dim=1)
+
+
+def unpack_rows(out_RB: torch.Tensor, like_PH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `pack_rows`: (the activations [R, H], a strided view of `out_RB`; the tail bytes)."""
+    hidden = like_PH.shape[1]
+    start = _aligned(hidden * like_PH.element_size())
+    rows_RH = out_RB[:, : hidden * like_PH.element_size()].view(like_PH.dtype)
+    return rows_RH, out_RB[:, start:]
+
+
+def send_with_metadata(rows_PH, gates_PK, slots_PK, send_splits, recv_splits, group, packed=None):
+    """Rows, gates and slots in one all-to-all (one byte row each): (rows, gates in their dtype, slots int64).
     `packed`: `pack_metadata(gates_PK, slots_PK)` made earlier (before the host sync)."""
-    out = all_to_all(pack_metadata(gates_PK, slots_PK) if packed is None else packed, send_splits, recv_splits, group)
-    return unpack_metadata(out, gates_PK.dtype)
+    meta_PW = pack_metadata(gates_PK, slots_PK) if packed is None else packed
+    out_RB = all_to_all(pack_rows(rows_PH, meta_PW), send_splits, recv_splits, group)
+    out_rows, meta_RW = unpack_rows(out_RB, rows_PH)
+    return (out_rows, *unpack_metadata(meta_RW, gates_PK.dtype, gates_PK.shape[1]))
+
+
+def send_with_gates(grad_rows_RH, grad_gates_RK, send_splits, recv_splits, group):
+    """The backward's rows and gate gradients in one all-to-all: (rows [P, H], gates [P, K])."""
+    gate_bytes = as_bytes(grad_gates_RK)
+    tail = _padded(gate_bytes, _aligned(gate_bytes.shape[1]))
+    out_PB = all_to_all(pack_rows(grad_rows_RH, tail), send_splits, recv_splits, group)
+    back_rows, tail_PW = unpack_rows(out_PB, grad_rows_RH)
+    return back_rows, tail_PW[:, : gate_bytes.shape[1]].contiguous().view(grad_gates_RK.dtype)
 
 
 class _Exchange(torch.autograd.Function):
@@ -162,19 +200,20 @@ class _Exchange(torch.autograd.Function):
     def forward(ctx, rows, gates, slots, send_splits, recv_splits, group, state, packed=None):
         ctx.send_splits, ctx.recv_splits, ctx.group, ctx.state = send_splits, recv_splits, group, state
         ctx.has_gates = gates is not None
-        out_rows = all_to_all(rows, send_splits, recv_splits, group)
         if gates is None:
-            return out_rows, None, None
-        out_gates, out_slots = send_metadata(gates, slots, send_splits, recv_splits, group, packed)
+            return all_to_all(rows, send_splits, recv_splits, group), None, None
+        out_rows, out_gates, out_slots = send_with_metadata(rows, gates, slots, send_splits, recv_splits, group, packed)
         ctx.mark_non_differentiable(out_slots)
         return out_rows, out_gates, out_slots
 
     @staticmethod
     def backward(ctx, grad_rows, grad_gates, _grad_slots):
-        meta_bytes = grad_gates.numel() * grad_gates.element_size() if ctx.has_gates else 0
+        meta_bytes = grad_gates.shape[0] * _aligned(grad_gates.shape[1] * grad_gates.element_size()) if ctx.has_gates else 0
         record_sent(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
-        back_rows = all_to_all(grad_rows, ctx.recv_splits, ctx.send_splits, ctx.group)
-        back_gates = all_to_all(grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group) if ctx.has_gates else None
+        if ctx.has_gates:
+            back_rows, back_gates = send_with_gates(grad_rows, grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group)
+        else:
+            back_rows, back_gates = all_to_all(grad_rows, ctx.recv_splits, ctx.send_splits, ctx.group), None
         backward_exchange_issued()  # combined 1F1B: the paired forward runs while these are on the wire
         return back_rows, back_gates, None, None, None, None, None, None
 
@@ -194,10 +233,9 @@ def exchange(rows, gates, slots, send_splits, recv_splits, group, state, packed=
     if differentiable:  # (inside a two-batch step, chained to the other exchanges: occult.moe.two_batch)
         rows, gates = chain_inputs(rows, gates)
         return chain_outputs(*_Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state, packed))
-    out_rows = all_to_all(rows, send_splits, recv_splits, group)
     if gates is None:
-        return out_rows, None, None
-    return (out_rows, *send_metadata(gates, slots, send_splits, recv_splits, group, packed))
+        return all_to_all(rows, send_splits, recv_splits, group), None, None
+    return send_with_metadata(rows, gates, slots, send_splits, recv_splits, group, packed)
 
 
 _FIELDS = tuple(f.name for f in fields(CommStats))
