@@ -142,9 +142,7 @@ def metadata_bytes(gates_PK: torch.Tensor) -> int:
     return gates_PK.shape[0] * metadata_width(gates_PK.dtype, gates_PK.shape[1])
 
 
-def unpack_metadata(
-    meta_RW: torch.Tensor, gates_dtype: torch.dtype, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_metadata(meta_RW: torch.Tensor, gates_dtype: torch.dtype, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `pack_metadata` on received rows: (gates [R, K] in `gates_dtype`, slots [R, K] int64)."""
     g = top_k * torch.finfo(gates_dtype).bits // 8
     gates_RK = meta_RW[:, :g].contiguous().view(gates_dtype)
@@ -179,6 +177,11 @@ def send_with_metadata(rows_PH, gates_PK, slots_PK, send_splits, recv_splits, gr
     return (out_rows, *unpack_metadata(meta_RW, gates_PK.dtype, gates_PK.shape[1]))
 
 
+def gate_grad_bytes(grad_gates_RK: torch.Tensor) -> int:
+    """Bytes `send_with_gates` sends for these gate gradients (padded like every part of a byte row)."""
+    return grad_gates_RK.shape[0] * _aligned(grad_gates_RK.shape[1] * grad_gates_RK.element_size())
+
+
 def send_with_gates(grad_rows_RH, grad_gates_RK, send_splits, recv_splits, group):
     """The backward's rows and gate gradients in one all-to-all: (rows [P, H], gates [P, K])."""
     gate_bytes = as_bytes(grad_gates_RK)
@@ -208,7 +211,7 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, grad_gates, _grad_slots):
-        meta_bytes = grad_gates.shape[0] * _aligned(grad_gates.shape[1] * grad_gates.element_size()) if ctx.has_gates else 0
+        meta_bytes = gate_grad_bytes(grad_gates) if ctx.has_gates else 0
         record_sent(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
         if ctx.has_gates:
             back_rows, back_gates = send_with_gates(grad_rows, grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group)
