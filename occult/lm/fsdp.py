@@ -3,16 +3,19 @@
 `wrap_fsdp(model, parallel)` applies `torch.distributed.fsdp.fully_shard` to every decoder block and then to
 the model (the root unit: embeddings, the tied lm head, the final norm) over a 1-D `DeviceMesh` of
 `Parallel.dense_group` (every rank, a communicator of its own), each unit prefetching its neighbour explicitly
-(`prefetch_neighbours`). Every block but the last frees its gathered weights after its forward (the last one's
-backward comes next: gathering them again would only wait; TorchTitan's default too, and what lets
-`--captured-step` record the step, `occult.training.step_graph`). The expert weights are `ignored_params`:
+(`prefetch_neighbours`). A block keeps its gathered weights from its forward to its backward
+(`reshard_after_forward=False`, ZeRO-2 for the dense weights): in a MoE model they are a small part of the
+weights (the experts are not FSDP's), so holding them costs little memory, and the backward gathers nothing
+again (half the all-gathers, and none of the backward's gather hooks on the host's time: eager FSDP2 is
+host-bound). Every unit frees them when its backward ends, so a step leaves the same state as before (what
+`--captured-step` needs, `occult.training.step_graph`). The expert weights are `ignored_params`:
 expert parallelism already shards them, and after the backward `sync_gradients(model, parallel,
 replicated=False)` all-reduces them over the replica groups as with DDP. Every other parameter (attention,
 norms, routers, embeddings) becomes a DTensor sharded on dim 0 over the ranks; FSDP all-gathers it before each
 block's forward and backward and reduce-scatters (averages over the W ranks, the factor DDP and the explicit
 sync use) its gradient, so each rank holds 1/W of the dense weights, gradients and AdamW state. Parameter
 names are unchanged (checkpoints, weights files). After a forward without backward (evaluation) call
-`reshard(model)`: FSDP2 leaves the root unit's and the last block's weights unsharded then.
+`reshard(model)`: FSDP2 leaves every unit's weights unsharded then.
 
 With bf16 autocast (`--precision bf16`, or auto on CUDA) the blocks also get FSDP2's
 `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: bf16 all-gathers and compute
@@ -43,7 +46,7 @@ def is_fsdp(model: OccultLM) -> bool:
 
 def reshard(model: OccultLM) -> None:
     """Free the unsharded dense weights (after a forward without backward, e.g. evaluation, FSDP2 keeps those
-    of the root unit and of the last block, so `named_parameters` would name full tensors, not the optimizer's
+    of every unit, so `named_parameters` would name full tensors, not the optimizer's
     shards)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -80,9 +83,8 @@ def wrap_fsdp(model: OccultLM, parallel, param_dtype: torch.dtype | None = None)
     mesh = DeviceMesh.from_group(group, device.type)
     experts = {p for p, _ in model.expert_parameters().values()}
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None)
-    last = len(model.blocks) - 1
-    for i, block in enumerate(model.blocks):  # the last block's weights stay gathered until its backward starts
-        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=experts, reshard_after_forward=i < last)
+    for block in model.blocks:  # gathered from the block's forward to its backward (module docstring)
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=experts, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=experts)
     prefetch_neighbours(model, list(model.blocks))
     return model

@@ -34,10 +34,10 @@ rest (DDP's reducer, re-placement: `occult.lm.train`, `occult.integrations.hf.fi
 
 FSDP2 (`occult.lm.fsdp`) is recorded with the step: its hooks gather each unit's weights on its own streams
 and free them after, all of it GPU work the graph holds (`fsdp_state_hook`), and its post-backward
-reduce-scatters are waited for by the step's stream before the optimizer. The last block keeps its weights
-gathered from its forward to its backward (`wrap_fsdp`), as TorchTitan's default does: its CUDA-graph
-trainer reports that resharding every unit makes a capture depend on work outside it
-(CUDA_ERROR_STREAM_CAPTURE_ISOLATION); the recorded step was measured with this policy only.
+reduce-scatters are waited for by the step's stream before the optimizer. Every block keeps its weights
+gathered from its forward to its backward (`wrap_fsdp`): TorchTitan's CUDA-graph trainer reports that
+resharding every unit after its forward makes a capture depend on work outside it
+(CUDA_ERROR_STREAM_CAPTURE_ISOLATION), which is why it keeps the last block's (docs/training.md, FSDP2).
 """
 
 from __future__ import annotations
