@@ -3,7 +3,8 @@
     peak OUT.json                     the matmul ceiling: median of an 8192^3 bf16 product (CPU: 1024^3 fp32)
     run RUN_DIR OUT.json --link L --variant V --gpus G   one `occult train` run: tokens/s, MFU, per-step losses
     link OUT LINK [--gpus G]          the runs of one link -> OUT/train_{LINK}_{G}xGPU.json with the issue's ratios
-                                      (G: the multi-GPU runs' count, 2 by default)
+                                      (G: the multi-GPU runs' count, 2 by default; a variant run in several rounds:
+                                      its median run, every round's tokens/s beside it)
     replace OFF_DIR EVERY_DIR OUT.json   re-placement: migrations, E[C_T] and tokens/s before/after, losses vs off
     graphs EAGER GRAPHS EAGER_AGAIN EAGER_PROFILE GRAPHS_PROFILE OUT.json   `--layer-graphs` against the eager layers
                                       (one GPU): tokens/s, MFU, losses step by step (and two eager runs' drift),
@@ -153,14 +154,26 @@ def best_ratio(runs: dict[str, dict], numerator: str, denominator: str) -> float
     return a / b if a and b else None
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """One variant's runs of a job (ROUNDS=N in two_gpu_training.sh: every variant once a round, the rounds in
+    turn) as the run of median tokens/s (the lower one of the middle two for an even count), with every round's
+    tokens/s per GPU beside it; one run as it is."""
+    if len(rounds) == 1:
+        return rounds[0]
+    ordered = sorted(rounds, key=lambda r: r["tokens_per_s_per_gpu"])
+    each = [r["tokens_per_s_per_gpu"] for r in rounds]
+    return dict(ordered[(len(ordered) - 1) // 2], rounds_tokens_per_s_per_gpu=each)
+
+
 def link_report(out: Path, link: str, gpus: int = 2) -> dict[str, Any]:
     """Every run of one link (and the 1-GPU reference) with the issue 38 targets' ratios; `gpus`: how many the
     multi-GPU runs had."""
-    runs = {}
+    rounds: dict[str, list[dict]] = {}
     for p in sorted((out / "runs").glob("train_*.json")):
         r = json.loads(p.read_text())
         if r["link"] == link or (r["variant"] == "1gpu" and link != "nvlink"):
-            runs[r["variant"]] = r
+            rounds.setdefault(r["variant"], []).append(r)
+    runs = {variant: median_round(rs) for variant, rs in rounds.items()}
     skipped = (out / "skipped.txt").read_text().split("\n") if (out / "skipped.txt").exists() else []
     ratios = {
         "dedup_over_floor_per_gpu": ratio(runs, "dedup_ddp", "floor", "tokens_per_s_per_gpu"),

@@ -14,7 +14,9 @@
 #        FSDP2 with the step recorded (NVLink). Runs go in order of
 #        importance; one that would start after BUDGET_S seconds is skipped and listed as such;
 #        ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
-#        those (LINK_VARIANT names as in OUT/runs). -> OUT/train_{link}_{GPUS}xGPU.json (GPUS: 2 by default;
+#        those (LINK_VARIANT names as in OUT/runs); ROUNDS=N runs them all N times, a round after another
+#        (runs named ..._rK; the summary takes each variant's median run: short eager runs move by tens of percent
+#        between jobs). -> OUT/train_{link}_{GPUS}xGPU.json (GPUS: 2 by default;
 #        the batch is 8 sequences per GPU, the floor data-parallel over all of them)
 # more   finetune --hf on 1 and 2 GPUs + logits through plain transformers -> OUT/finetune_hf_2xGPU.json;
 #        tests/gpu/test_resume_across_gpu_counts.py; re-placement over NCCL -> OUT/replacement_2xGPU.json
@@ -34,6 +36,9 @@ export TAIL=${TAIL:-6}
 here=$(dirname "$0")
 gpus=${GPUS:-2}  # the train part's multi-GPU runs (the more part: 2)
 case $gpus in 2|3|4|5|6|7|8) ;; *) echo "two_gpu_training.sh: GPUS=$gpus: give 2 to 8" >&2; exit 2 ;; esac
+rounds=${ROUNDS:-1}  # the train part's runs this many times, a round after another (the summary: each variant's median)
+case $rounds in 1|2|3|4|5|6|7|8|9) ;; *) echo "two_gpu_training.sh: ROUNDS=$rounds: give 1 to 9" >&2; exit 2 ;; esac
+round=1
 tr="python3 -m torch.distributed.run --standalone --nproc-per-node $gpus"  # --standalone: a free port per job
 tr2="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
 runs=${RUNS_DIR:-/tmp/occult_two_gpu.$$}  # per job: two jobs may share the host
@@ -64,14 +69,15 @@ train_run() {  # train_run LINK VARIANT GPUS FLAGS...: one occult train run, its
   if [ "${DRY_RUN:-0}" != 1 ] && [ "$SECONDS" -gt "$budget" ]; then
     echo "== train_${link}_$v: skipped (${SECONDS}s > BUDGET_S=$budget)"; echo "$link $v" >> "$out/skipped.txt"; return
   fi
-  local launch=$tr batch=$((8 * gpus))
+  local launch=$tr batch=$((8 * gpus)) name="train_${link}_$v"
   [ "$gpus" = 1 ] && launch=python3
   [ "${TINY:-0}" = 1 ] && batch=4
-  local dir="$runs/train_${link}_$v"
+  [ "$rounds" -gt 1 ] && name="${name}_r$round"
+  local dir="$runs/$name"
   rm -rf "$dir"
-  run "train_${link}_$v" $tmo env $env_ $launch -m occult train --corpus-dir "$data" $size --batch-size $batch \
+  run "$name" $tmo env $env_ $launch -m occult train --corpus-dir "$data" $size --batch-size $batch \
     --steps $steps --eval-every $every --eval-tokens 8192 --save-every 0 --no-progress --out "$dir" "$@"
-  [ "${DRY_RUN:-0}" = 1 ] || env $env_ python3 "$here/_train_summary.py" run "$dir" "$out/runs/train_${link}_$v.json" \
+  [ "${DRY_RUN:-0}" = 1 ] || env $env_ python3 "$here/_train_summary.py" run "$dir" "$out/runs/$name.json" \
     --link "$link" --variant "$v" --gpus "$gpus"
   [ "${DRY_RUN:-0}" = 1 ] || rm -rf "$dir"/*.safetensors "$dir/checkpoint"  # ~8 GB a run at the GPU size
 }
@@ -81,6 +87,13 @@ train_part() {
   mkdir -p "$out/runs"
   rm -f "$out/skipped.txt"
   run peak 60 python3 "$here/_train_summary.py" peak "$out/peak.json"
+  for round in $(seq 1 "$rounds"); do train_round; done
+  for link in $links; do
+    [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" link "$out" "$link" --gpus "$gpus"
+  done
+}
+
+train_round() {  # every train run once (ROUNDS: the part runs this once a round)
   for link in $links; do  # the runs every ratio needs first
     [ "$link" = nvlink ] && train_run nvlink 1gpu 1
     train_run "$link" floor "$gpus" --ep-size 1
@@ -118,9 +131,6 @@ train_part() {
     # FSDP2 cost 21-31 % on NVLink with the count exchange: does a layer with no host wait let it prefetch?
     train_run nvlink dedup_device_fsdp "$gpus" --dispatcher dedup --grad-sync fsdp --transport device
   fi
-  for link in $links; do
-    [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" link "$out" "$link" --gpus "$gpus"
-  done
 }
 
 more_part() {

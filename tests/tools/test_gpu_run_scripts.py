@@ -213,6 +213,51 @@ def test_two_gpu_training_only_runs_the_named_variants(tmp_path):
     assert [n for n in names if n.startswith("train_")] == ["train_slow_floor", "train_nvlink_dedup_fsdp"]
 
 
+def test_two_gpu_training_runs_rounds_in_turn(tmp_path):
+    """ROUNDS=N: every chosen run once a round, the rounds one after another, each run named by its round; a count
+    the script does not take is exit 2 before any work."""
+    res = _two_gpu(tmp_path, "nvlink", "train", DRY_RUN="1", ROUNDS="2", ONLY="nvlink_dedup_ddp nvlink_dedup_fsdp")
+    assert res.returncode == 0, res.stderr
+    names = [line.split(":")[0][3:] for line in res.stdout.splitlines() if line.startswith("== train_")]
+    assert names == [
+        "train_nvlink_dedup_ddp_r1",
+        "train_nvlink_dedup_fsdp_r1",
+        "train_nvlink_dedup_ddp_r2",
+        "train_nvlink_dedup_fsdp_r2",
+    ]
+    for bad in ("0", "x"):
+        res = _two_gpu(tmp_path, "nvlink", "train", DRY_RUN="1", ROUNDS=bad)
+        assert res.returncode == 2 and f"ROUNDS={bad}: give 1 to 9" in res.stderr and "== " not in res.stdout
+
+
+def test_train_summary_takes_each_variant_s_median_round(tmp_path):
+    """Several rounds of a variant in one job: the ratios use its median run, every round's tokens/s kept."""
+    import json
+    import random
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    env = {"world_size": 2, "gpu": "card", "commit": "c", "dirty": False, "date": "2026-11-30T00:00:00+00:00"}
+    fsdp = [random.uniform(50.0, 150.0) for _ in range(3)]
+    ddp = [random.uniform(150.0, 250.0) for _ in range(3)]
+    for k, (a, b) in enumerate(zip(fsdp, ddp), 1):
+        for variant, tps in (("dedup_ddp", b), ("dedup_fsdp", a)):
+            doc = {"link": "nvlink", "variant": variant, "gpus": 2, "tokens_per_s": 2 * tps, "losses": [5.0, 4.0]}
+            doc.update(tokens_per_s_per_gpu=tps, env=dict(env, link="nvlink"), round=k)
+            (runs / f"train_nvlink_{variant}_r{k}.json").write_text(json.dumps(doc))
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "_train_summary.py"), "link", str(tmp_path), "nvlink"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "train_nvlink_2xGPU.json").read_text())
+    median = sorted(fsdp)[1] / sorted(ddp)[1]
+    assert doc["ratios"]["dedup_fsdp_over_dedup_ddp"] == pytest.approx(median, rel=1e-12)
+    assert doc["variants"]["dedup_fsdp"]["rounds_tokens_per_s_per_gpu"] == pytest.approx(fsdp)
+
+
 @pytest.mark.parametrize("stages", ["4", "2 x"])
 def test_gpu_suite_stages_are_checked(tmp_path, stages):
     res = subprocess.run(
