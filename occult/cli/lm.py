@@ -61,6 +61,7 @@ from occult.cli.run_checks import (
     check_batch,
     check_captured_step,
     check_device,
+    check_fsdp_reshard,
     check_layer_graphs,
     check_micro_batch_args,
     check_train_sizes,
@@ -78,6 +79,7 @@ def _check_run_paths(args) -> None:
     check_input("--corpus-dir", args.corpus_dir, "dir")
     check_input("--tokenizer", args.tokenizer)
     check_input("--ep-placement", args.ep_placement)
+    check_fsdp_reshard(args)
     check_layer_graphs(args)
     check_captured_step(args)
     check_two_batch_args(args)
@@ -126,6 +128,7 @@ def _train_config(args):
     return TrainConfig(
         warmup_steps=args.warmup,
         aux_loss_coef=AUX_LOSS_COEF if args.aux_loss_coef is None else args.aux_loss_coef,
+        fsdp_reshard=getattr(args, "fsdp_reshard", None) or "after-backward",
         **{k: getattr(args, k) for k in same if hasattr(args, k)},
     )
 

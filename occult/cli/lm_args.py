@@ -252,6 +252,14 @@ def add_ranks_arguments(p: argparse.ArgumentParser) -> None:
         "bf16 precision as FSDP2 mixed precision); expert gradients are all-reduced over the "
         "replicas after the backward in every mode",
     )
+    g.add_argument(
+        "--fsdp-reshard",
+        default=None,
+        choices=["after-backward", "after-forward"],
+        help="with --grad-sync fsdp: when a block frees its gathered dense weights: after its backward (default: "
+        "kept from its forward, no second all-gather) or after its forward (gathered again for the backward: "
+        "less memory, twice the all-gathers)",
+    )
 
 
 def add_replace_arguments(p: argparse.ArgumentParser) -> None:

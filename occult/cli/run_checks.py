@@ -86,6 +86,15 @@ def world_size() -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")))
 
 
+def check_fsdp_reshard(args: Any) -> None:
+    """--fsdp-reshard says when FSDP2 frees a block's weights: given without --grad-sync fsdp it would do nothing."""
+    if getattr(args, "fsdp_reshard", None) is not None and getattr(args, "grad_sync", None) != "fsdp":
+        raise CommandError(
+            f"--fsdp-reshard {args.fsdp_reshard} applies to FSDP2's sharded weights only: add --grad-sync fsdp, or "
+            "leave --fsdp-reshard out"
+        )
+
+
 def check_layer_graphs(args: Any) -> None:
     """--layer-graphs records CUDA graphs: a CUDA device, and on several ranks neither FSDP2 (it frees the
     dense weights a recording reads) nor the count exchange (a host wait a graph cannot record)."""

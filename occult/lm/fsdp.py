@@ -66,12 +66,16 @@ def gradient_sync_off(model: OccultLM) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def wrap_fsdp(model: OccultLM, parallel, param_dtype: torch.dtype | None = None) -> OccultLM:
+def wrap_fsdp(
+    model: OccultLM, parallel, param_dtype: torch.dtype | None = None, reshard_after_forward: bool = False
+) -> OccultLM:
     """Shard `model`'s dense parameters over every rank with FSDP2 (in place; returns `model`).
 
     `parallel`: an `occult.lm.parallel.Parallel`. `param_dtype=torch.bfloat16`: FSDP2 mixed
-    precision (bf16 compute copies, fp32 reduction). Call it before building the optimizer
-    (the dense parameters become new DTensor parameters). A second call does nothing.
+    precision (bf16 compute copies, fp32 reduction). `reshard_after_forward`: every block but the last frees its
+    gathered weights after its forward and gathers them again for its backward (less memory, twice the
+    all-gathers; TorchTitan's default), instead of keeping them (module docstring). Call it before building the
+    optimizer (the dense parameters become new DTensor parameters). A second call does nothing.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -83,8 +87,10 @@ def wrap_fsdp(model: OccultLM, parallel, param_dtype: torch.dtype | None = None)
     mesh = DeviceMesh.from_group(group, device.type)
     experts = {p for p, _ in model.expert_parameters().values()}
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None)
-    for block in model.blocks:  # gathered from the block's forward to its backward (module docstring)
-        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=experts, reshard_after_forward=False)
+    last = len(model.blocks) - 1
+    for i, block in enumerate(model.blocks):  # the last block's backward comes next: it keeps them either way
+        free = reshard_after_forward and i < last
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=experts, reshard_after_forward=free)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=experts)
     prefetch_neighbours(model, list(model.blocks))
     return model

@@ -31,6 +31,7 @@ from occult.training.schedule import CosineSchedule
 from occult.training.step_profile import parse_window
 
 GRAD_SYNCS = ("ddp", "explicit", "overlap", "fsdp")  # how the dense gradients of N ranks are synchronised
+FSDP_RESHARDS = ("after-backward", "after-forward")  # when FSDP2 frees a block's gathered dense weights
 
 
 @dataclass
@@ -82,6 +83,9 @@ class TrainConfig:
     # N ranks: dense gradients by torch DDP (overlapped with backward), "explicit" (after it), "overlap" (explicit,
     # in buckets during the backward: recordable), or "fsdp" (sharded)
     grad_sync: str = "ddp"
+    # with "fsdp": a block's gathered dense weights freed after its backward (kept from its forward: no second
+    # all-gather) or after its forward (gathered again for the backward: less memory; occult.lm.fsdp)
+    fsdp_reshard: str = "after-backward"
     # pruning-aware fine-tuning recipes (occult.lm.distill)
     distill_weight: float = 0.0  # > 0: + W * T^2 * KL(unpruned teacher || pruned student) of the logits
     distill_temperature: float = 1.0
@@ -100,6 +104,7 @@ class TrainConfig:
         "patience",
         "min_delta",
         "grad_sync",
+        "fsdp_reshard",
         "profile_steps",
         "layer_graphs",
         "captured_step",
@@ -133,6 +138,8 @@ class TrainConfig:
             raise ValueError(f"micro_batches must be >= 1 (>= 2 with pair_micro_batches), got {self.micro_batches}")
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {self.grad_sync!r}")
+        if self.fsdp_reshard not in FSDP_RESHARDS:
+            raise ValueError(f"fsdp_reshard must be one of {FSDP_RESHARDS}, got {self.fsdp_reshard!r}")
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise ValueError(
                 f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "

@@ -140,6 +140,8 @@ def train_argv(prepared: Path, out: Path, *extra) -> list:
         (["--hidden", "1000000000", "--heads", "1"], ["--hidden 1000000000", "GiB", "make it smaller"]),
         (["--device", "cpu", "--layer-graphs"], ["--layer-graphs", "CUDA device", "--device cpu"]),
         (["--device", "cpu", "--captured-step"], ["--captured-step", "CUDA device", "--device cpu"]),
+        (["--fsdp-reshard", "after-forward"], ["--fsdp-reshard after-forward", "--grad-sync fsdp"]),
+        (["--grad-sync", "explicit", "--fsdp-reshard", "after-backward"], ["--fsdp-reshard", "--grad-sync fsdp"]),
     ],
 )
 def test_train_refuses_a_device_or_size_it_cannot_have(capsys, tmp_path, prepared, extra, needles):
@@ -281,6 +283,7 @@ OCCULT_ONLY_FLAGS = [
     ["--eval-tokens", "64"],
     ["--pat", "2"],  # an abbreviation argparse accepts for --patience
     ["--grad-sync", "ddp"],
+    ["--fsdp-reshard", "after-forward"],
     ["--replace-every", "0"],
     ["--replace-min-gain", "0.1"],
     ["--replace-drift", "0.1"],
