@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -11,6 +13,21 @@ from occult.integrations import hf
 PLACEMENT = [[1, 0, 0, 1, 0, 1, 1, 0], [0, 1, 1, 0, 1, 0, 0, 1]]
 # the fine-tuning tests' run: a few fp32 steps that visibly learn `markov_tokens`
 CFG = dict(steps=15, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=2, adam_eps=1e-6, seed=3, precision="fp32")
+
+
+VOCAB = 96  # the tiny models' vocabulary in the fine-tuning tests
+
+
+def tiny_olmoe(root: Path) -> str:
+    """A tiny random OLMoE (seed 1, `VOCAB` ids) saved under `root/olmoe`: the model the fine-tuning tests train."""
+    path = str(Path(root) / "olmoe")
+    hf.tiny_random_model("olmoe", path, seed=1, vocab_size=VOCAB)
+    return path
+
+
+def finetune_tokens() -> torch.Tensor:
+    """The fine-tuning tests' stream: `markov_tokens` over `VOCAB` ids."""
+    return markov_tokens(VOCAB)
 
 
 def markov_tokens(vocab: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from _hf_helpers import CFG, PLACEMENT, markov_tokens  # noqa: E402  (tests/integrations)
+from _hf_helpers import CFG, PLACEMENT, VOCAB, finetune_tokens  # noqa: E402  (tests/integrations)
 from _hf_helpers import trained_weights as _trained  # noqa: E402
 
 from occult.distributed import RankFailure, run_ranks  # noqa: E402
@@ -40,17 +40,11 @@ from occult.placement import Placement, PlacementError  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 RTOL = 1e-5
-VOCAB = 96
 TRAIN = {"olmoe": "olmoe", "qwen3_moe": "qwen3_fused"}  # family -> directory trained (EP 2)
 
 
 def _placement() -> Placement:
     return Placement(np.array(PLACEMENT), 2)
-
-
-def _tokens() -> torch.Tensor:
-    """A Markov stream (each id's successor fixed 80% of the time), so fine-tuning visibly learns."""
-    return markov_tokens(VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +103,7 @@ def _train(path: str, ep_size: int) -> dict:
         max_devices=1,
         routing_placement=None if ep_size == 2 else placement,
     )
-    result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), groups, progress=False)
+    result = hf.finetune(model, finetune_tokens(), hf.FinetuneConfig(**CFG), groups, progress=False)
     return {"model": model, "losses": result.losses, "params": _trained(model)}
 
 
@@ -123,7 +117,7 @@ def _train_distilled(path: str, ep_size: int | None) -> dict:
     teacher = hf.load_sharded(path, **where)
     model = hf.load_sharded(path, **where, max_devices=1, **({} if groups else {"routing_placement": _placement()}))
     cfg = hf.FinetuneConfig(**CFG, **TEACHER, distill_from=path)
-    result = hf.finetune(model, _tokens(), cfg, groups, progress=False, teacher=teacher)
+    result = hf.finetune(model, finetune_tokens(), cfg, groups, progress=False, teacher=teacher)
     return {"losses": result.losses, "params": _trained(model)}
 
 
@@ -164,7 +158,7 @@ def die_at_step(rank: int, world_size: int, path: str) -> None:
                 os._exit(3)
 
         model.model.embed_tokens.register_forward_pre_hook(hook)
-    hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), hf.setup_groups(), progress=False)
+    hf.finetune(model, finetune_tokens(), hf.FinetuneConfig(**CFG), hf.setup_groups(), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +172,7 @@ def reference(dirs):
     out = {}
     for family, name in TRAIN.items():
         model = hf.load_sharded(dirs[name], routing_placement=_placement(), max_devices=1)
-        result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), progress=False)
+        result = hf.finetune(model, finetune_tokens(), hf.FinetuneConfig(**CFG), progress=False)
         out[family] = {"losses": result.losses, "params": _trained(model), "model": model}
     out["olmoe-teacher"] = _train_distilled(dirs["olmoe"], None)
     return out
@@ -294,7 +288,7 @@ def test_cli_finetune_hf(dirs, tmp_path, capsys):
     """`occult finetune --hf`: token ids, then the corpus texts as UTF-8 bytes (no tokenizer); clean errors."""
     from occult.cli import main
 
-    np.save(tmp_path / "ids.npy", _tokens().numpy())
+    np.save(tmp_path / "ids.npy", finetune_tokens().numpy())
     common = ["--steps", "3", "--batch-size", "2", "--seq-len", "8", "--no-progress"]
     assert (
         main(
@@ -416,7 +410,7 @@ def test_cli_torchrun_two_ranks_equal_one_process(dirs, tmp_path, capsys):
 
     from occult.cli import main
 
-    np.save(tmp_path / "ids.npy", _tokens().numpy())
+    np.save(tmp_path / "ids.npy", finetune_tokens().numpy())
     _placement().save(tmp_path / "p2.json")
     args = [
         "finetune",
@@ -490,7 +484,7 @@ def two_level_ranks(rank: int, world_size: int, path: str) -> dict:
         isinstance(b.experts.dispatcher, TwoLevelDispatcher) and b.experts.dispatcher.num_nodes == 2
         for _, b in hf.moe_blocks(model)
     )
-    result = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), groups, progress=False)
+    result = hf.finetune(model, finetune_tokens(), hf.FinetuneConfig(**CFG), groups, progress=False)
     return {"losses": result.losses, "params": _trained(model)}
 
 
@@ -498,7 +492,7 @@ def two_level_ranks(rank: int, world_size: int, path: str) -> dict:
 def test_two_level_dispatcher_finetunes_like_one_process(dirs):
     """`occult finetune --hf --dispatcher dedup2`: OLMoE on 4 ranks as 2 nodes x 2 (non-contiguous) == 1 process."""
     model = hf.load_sharded(dirs["olmoe"])
-    want = hf.finetune(model, _tokens(), hf.FinetuneConfig(**CFG), progress=False)
+    want = hf.finetune(model, finetune_tokens(), hf.FinetuneConfig(**CFG), progress=False)
     want_params = _trained(model)
     for rank, got in enumerate(run_ranks(two_level_ranks, 4, dirs["olmoe"], timeout_s=400, collective_timeout_s=120)):
         np.testing.assert_allclose(got["losses"], want.losses, rtol=RTOL, err_msg=f"rank {rank}")
@@ -526,11 +520,13 @@ def test_profile_steps_write_a_profile_and_change_nothing(dirs, tmp_path):
     """`FinetuneConfig.profile_steps` (`occult finetune --hf --profile-steps A:B`): the profile lands in
     the run directory, the losses are those of the run without it, and a resume may change it."""
     cfg = dict(CFG, steps=4)
-    plain = hf.finetune(hf.load_sharded(dirs["olmoe"]), _tokens(), hf.FinetuneConfig(**cfg), progress=False, log=None)
+    plain = hf.finetune(
+        hf.load_sharded(dirs["olmoe"]), finetune_tokens(), hf.FinetuneConfig(**cfg), progress=False, log=None
+    )
     run = tmp_path / "run"
     profiled = hf.finetune(
         hf.load_sharded(dirs["olmoe"]),
-        _tokens(),
+        finetune_tokens(),
         hf.FinetuneConfig(**cfg, profile_steps="2:3"),
         progress=False,
         log=None,

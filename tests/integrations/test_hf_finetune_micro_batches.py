@@ -17,12 +17,11 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from _hf_helpers import CFG, PLACEMENT, markov_tokens, trained_weights  # noqa: E402  (tests/integrations)
+from _hf_helpers import CFG, PLACEMENT, finetune_tokens, tiny_olmoe, trained_weights  # noqa: E402
 
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -33,18 +32,11 @@ from occult.training import grads  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 RTOL = 1e-5
-VOCAB = 96
-
-
-def _tokens() -> torch.Tensor:
-    return markov_tokens(VOCAB)
 
 
 @pytest.fixture(scope="module")
 def olmoe(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("hf_micro_batches") / "olmoe")
-    hf.tiny_random_model("olmoe", path, seed=1, vocab_size=VOCAB)
-    return path
+    return tiny_olmoe(tmp_path_factory.mktemp("hf_micro_batches"))
 
 
 def _watched_finetune(model, cfg: hf.FinetuneConfig, groups) -> tuple[object, int, list[str]]:
@@ -70,7 +62,7 @@ def _watched_finetune(model, cfg: hf.FinetuneConfig, groups) -> tuple[object, in
 
     grads.wrap_ddp, comm._Exchange.forward = wrapped, staticmethod(logged)
     try:
-        return hf.finetune(model, _tokens(), cfg, groups, progress=False, log=None), buckets[0], issuers
+        return hf.finetune(model, finetune_tokens(), cfg, groups, progress=False, log=None), buckets[0], issuers
     finally:
         grads.wrap_ddp, comm._Exchange.forward = wrap_ddp, staticmethod(exchange)
 
@@ -101,7 +93,7 @@ def _micro_batch_rank(rank: int, world_size: int, path: str) -> dict:
 
 def test_accumulated_micro_batches_finetune_as_one_process(olmoe):
     reference = hf.load_sharded(olmoe, routing_placement=Placement(np.array(PLACEMENT), 2), max_devices=1)
-    want = hf.finetune(reference, _tokens(), hf.FinetuneConfig(**CFG), progress=False, log=None)
+    want = hf.finetune(reference, finetune_tokens(), hf.FinetuneConfig(**CFG), progress=False, log=None)
     want_params = trained_weights(reference)
     for rank, got in enumerate(run_ranks(_micro_batch_rank, 2, olmoe, timeout_s=300)):
         for name in ("turn", "paired"):
@@ -131,7 +123,7 @@ def test_accumulated_micro_batches_finetune_as_one_process(olmoe):
 def test_refused_before_any_step(olmoe, kw, needle):
     model = hf.load_sharded(olmoe)
     with pytest.raises(ValueError, match=needle):
-        hf.finetune(model, _tokens(), hf.FinetuneConfig(**{**CFG, **kw}), progress=False, log=None)
+        hf.finetune(model, finetune_tokens(), hf.FinetuneConfig(**{**CFG, **kw}), progress=False, log=None)
 
 
 def test_a_count_that_cannot_be_is_refused_by_the_config():
@@ -145,7 +137,7 @@ def test_cli_finetune_hf_micro_batches(olmoe, tmp_path, capsys):
     refused before any work."""
     from occult.cli import main
 
-    np.save(tmp_path / "ids.npy", _tokens().numpy())
+    np.save(tmp_path / "ids.npy", finetune_tokens().numpy())
     argv = ["finetune", "--hf", olmoe, "--data", str(tmp_path / "ids.npy"), "--steps", "3", "--seq-len", "8"]
     flags = ["--micro-batches", "2", "--pair-micro-batches"]
     assert main([*argv, "--out", str(tmp_path / "run"), "--batch-size", "2", "--no-progress", *flags]) == 0

@@ -14,12 +14,11 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from _hf_helpers import CFG, PLACEMENT, markov_tokens, trained_weights  # noqa: E402  (tests/integrations)
+from _hf_helpers import CFG, PLACEMENT, finetune_tokens, tiny_olmoe, trained_weights  # noqa: E402
 
 from occult.distributed import run_ranks  # noqa: E402
 from occult.integrations import hf  # noqa: E402
@@ -29,18 +28,11 @@ from occult.training import loop  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 RTOL = 1e-5
-VOCAB = 96
-
-
-def _tokens() -> torch.Tensor:
-    return markov_tokens(VOCAB)
 
 
 @pytest.fixture(scope="module")
 def olmoe(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("hf_two_batch") / "olmoe")
-    hf.tiny_random_model("olmoe", path, seed=1, vocab_size=VOCAB)
-    return path
+    return tiny_olmoe(tmp_path_factory.mktemp("hf_two_batch"))
 
 
 def _counted_finetune(model, cfg: hf.FinetuneConfig, groups) -> tuple[object, int]:
@@ -53,7 +45,7 @@ def _counted_finetune(model, cfg: hf.FinetuneConfig, groups) -> tuple[object, in
 
     loop.forward_halves = counted
     try:
-        return hf.finetune(model, _tokens(), cfg, groups, progress=False, log=None), calls[0]
+        return hf.finetune(model, finetune_tokens(), cfg, groups, progress=False, log=None), calls[0]
     finally:
         loop.forward_halves = forward_halves
 
@@ -70,7 +62,7 @@ def _two_batch_rank(rank: int, world_size: int, path: str) -> dict:
 
 def test_two_interleaved_halves_finetune_as_one_process(olmoe):
     reference = hf.load_sharded(olmoe, routing_placement=Placement(np.array(PLACEMENT), 2), max_devices=1)
-    want = hf.finetune(reference, _tokens(), hf.FinetuneConfig(**CFG), progress=False, log=None)
+    want = hf.finetune(reference, finetune_tokens(), hf.FinetuneConfig(**CFG), progress=False, log=None)
     want_params = trained_weights(reference)
     for rank, got in enumerate(run_ranks(_two_batch_rank, 2, olmoe, timeout_s=300)):
         assert got["halves"] == CFG["steps"], rank
@@ -93,14 +85,16 @@ def test_two_interleaved_halves_finetune_as_one_process(olmoe):
 def test_refused_before_any_step(olmoe, kw, needle):
     model = hf.load_sharded(olmoe)
     with pytest.raises(ValueError, match=needle):
-        hf.finetune(model, _tokens(), hf.FinetuneConfig(**{**CFG, **kw}, two_batch=True), progress=False, log=None)
+        hf.finetune(
+            model, finetune_tokens(), hf.FinetuneConfig(**{**CFG, **kw}, two_batch=True), progress=False, log=None
+        )
 
 
 def test_cli_finetune_hf_two_batch(olmoe, tmp_path, capsys):
     """`occult finetune --hf DIR --two-batch` runs, and an odd batch is refused before any work."""
     from occult.cli import main
 
-    np.save(tmp_path / "ids.npy", _tokens().numpy())
+    np.save(tmp_path / "ids.npy", finetune_tokens().numpy())
     argv = ["finetune", "--hf", olmoe, "--data", str(tmp_path / "ids.npy"), "--steps", "3", "--seq-len", "8"]
     assert main([*argv, "--out", str(tmp_path / "run"), "--batch-size", "2", "--no-progress", "--two-batch"]) == 0
     assert "model" in os.listdir(tmp_path / "run")

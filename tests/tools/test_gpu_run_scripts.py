@@ -133,12 +133,27 @@ def test_two_gpu_training_takes_more_gpus(tmp_path):
         assert res.returncode == 2 and f"GPUS={bad}: give 2 to 8" in res.stderr and "== " not in res.stdout
 
 
+def _link_summary(out: Path, runs: dict[str, dict], *args: str) -> None:
+    """Write each run summary as OUT/runs/NAME.json, then `_train_summary.py link OUT nvlink ARGS` (exit 0)."""
+    import json
+
+    (out / "runs").mkdir()
+    for name, doc in runs.items():
+        (out / "runs" / f"{name}.json").write_text(json.dumps(doc))
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "_train_summary.py"), "link", str(out), "nvlink", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+
+
 def test_train_summary_names_the_job_by_its_gpus(tmp_path):
     """_train_summary.py link --gpus 4: OUT/train_{link}_4xGPU.json, its env block from the 4-GPU runs only."""
     import json
 
-    runs = tmp_path / "runs"
-    runs.mkdir()
+    runs = {}
     base = {"link": "nvlink", "tokens_per_s": 4000.0, "losses": [5.0, 4.0], "batch_size": 32, "seq_len": 8}
     for variant, gpus, tps, commit in (
         ("1gpu", 1, 1200.0, "aaaaaaa"),
@@ -153,15 +168,8 @@ def test_train_summary_names_the_job_by_its_gpus(tmp_path):
             "date": "2026-11-29T00:00:00+00:00",
             "link": "nvlink",
         }
-        doc = dict(base, variant=variant, gpus=gpus, tokens_per_s_per_gpu=tps, env=env)
-        (runs / f"train_nvlink_{variant}.json").write_text(json.dumps(doc))
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "_train_summary.py"), "link", str(tmp_path), "nvlink", "--gpus", "4"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert res.returncode == 0, res.stderr
+        runs[f"train_nvlink_{variant}"] = dict(base, variant=variant, gpus=gpus, tokens_per_s_per_gpu=tps, env=env)
+    _link_summary(tmp_path, runs, "--gpus", "4")
     doc = json.loads((tmp_path / "train_nvlink_4xGPU.json").read_text())
     assert doc["env"]["world_size"] == 4 and doc["env"]["commit"] == "bbbbbbb", doc["env"]
     assert doc["ratios"]["dedup_over_floor_per_gpu"] == pytest.approx(1.1)
@@ -235,8 +243,7 @@ def test_train_summary_takes_each_variant_s_median_round(tmp_path):
     import json
     import random
 
-    runs = tmp_path / "runs"
-    runs.mkdir()
+    runs = {}
     env = {"world_size": 2, "gpu": "card", "commit": "c", "dirty": False, "date": "2026-11-30T00:00:00+00:00"}
     fsdp = [random.uniform(50.0, 150.0) for _ in range(3)]
     ddp = [random.uniform(150.0, 250.0) for _ in range(3)]
@@ -244,14 +251,8 @@ def test_train_summary_takes_each_variant_s_median_round(tmp_path):
         for variant, tps in (("dedup_ddp", b), ("dedup_fsdp", a)):
             doc = {"link": "nvlink", "variant": variant, "gpus": 2, "tokens_per_s": 2 * tps, "losses": [5.0, 4.0]}
             doc.update(tokens_per_s_per_gpu=tps, env=dict(env, link="nvlink"), round=k)
-            (runs / f"train_nvlink_{variant}_r{k}.json").write_text(json.dumps(doc))
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "_train_summary.py"), "link", str(tmp_path), "nvlink"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert res.returncode == 0, res.stderr
+            runs[f"train_nvlink_{variant}_r{k}"] = doc
+    _link_summary(tmp_path, runs)
     doc = json.loads((tmp_path / "train_nvlink_2xGPU.json").read_text())
     median = sorted(fsdp)[1] / sorted(ddp)[1]
     assert doc["ratios"]["dedup_fsdp_over_dedup_ddp"] == pytest.approx(median, rel=1e-12)
