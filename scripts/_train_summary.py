@@ -117,6 +117,9 @@ def summarise_run(run_dir: Path, link: str, variant: str, gpus: int, peak: dict 
         "tokens_per_s_first_window": metrics[0].get("train_tokens_per_s"),
         "val_loss": metrics[-1]["val_loss"],
         "flops_per_token": flops_per_token(cfg, tcfg["seq_len"]),
+        "model": {
+            k: cfg[k] for k in ("hidden_size", "num_layers", "num_experts", "top_k", "expert_ffn_size") if k in cfg
+        },
         "losses": json.loads(meta["train_losses"]),
         "batch_size": tcfg["batch_size"],
         "seq_len": tcfg["seq_len"],

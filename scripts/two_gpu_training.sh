@@ -6,7 +6,8 @@
 #   DRY_RUN=1 bash scripts/two_gpu_training.sh /tmp/x "nvlink slow" all   # print every command
 #   TINY=1 bash scripts/two_gpu_training.sh /tmp/x "nvlink slow" all      # the same on 2 CPU gloo ranks, tiny sizes
 #
-# train  occult train tokens/s (OccultLM 4 layers, hidden 1024, 64 experts x 512 top-8, seq 1024, bf16):
+# train  occult train tokens/s (OccultLM 4 layers, hidden 1024, 64 experts x 512 top-8, seq 1024, bf16; SIZE=olmoe:
+#        hidden 2048, 64 experts x 1024, OLMoE-1B-7B's layer shape, where the GPU's work outweighs the host's):
 #        1 GPU; 2 GPUs floor (--ep-size 1); EP standard / dedup with ddp and fsdp, dedup with --layer-graphs
 #        (slow link: floor and the two dispatchers with ddp), dedup as two interleaved halves in a recorded step
 #        (--two-batch --captured-step, both links), 4 accumulated micro-batches a step recorded, paired
@@ -38,6 +39,7 @@ gpus=${GPUS:-2}  # the train part's multi-GPU runs (the more part: 2)
 case $gpus in 2|3|4|5|6|7|8) ;; *) echo "two_gpu_training.sh: GPUS=$gpus: give 2 to 8" >&2; exit 2 ;; esac
 rounds=${ROUNDS:-1}  # the train part's runs this many times, a round after another (the summary: each variant's median)
 case $rounds in 1|2|3|4|5|6|7|8|9) ;; *) echo "two_gpu_training.sh: ROUNDS=$rounds: give 1 to 9" >&2; exit 2 ;; esac
+case ${SIZE:-small} in small|olmoe) ;; *) echo "two_gpu_training.sh: SIZE=$SIZE: give small or olmoe" >&2; exit 2 ;; esac
 round=1
 tr="python3 -m torch.distributed.run --standalone --nproc-per-node $gpus"  # --standalone: a free port per job
 tr2="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
@@ -54,10 +56,14 @@ if [ "${TINY:-0}" = 1 ]; then  # CPU gloo ranks, the same commands at toy sizes
 else
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   if [ "${DRY_RUN:-0}" != 1 ] && [ "$n" -lt "$gpus" ]; then echo "two_gpu_training.sh: needs $gpus GPUs (found $n); TINY=1 for CPU" >&2; exit 2; fi
-  size="--hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024"
+  case ${SIZE:-small} in  # small: the published table's model; olmoe: OLMoE-1B-7B's layer shape, 4 layers (fills the GPU)
+    small) size="--hidden 1024 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 512 --seq-len 1024" ;;
+    olmoe) size="--hidden 2048 --layers 4 --heads 16 --experts 64 --top-k 8 --expert-ffn 1024 --seq-len 1024" ;;
+  esac
   cpu=""
   capture="--captured-step"; micro=4
   steps=${STEPS:-40}; every=20; rsteps=${REPLACE_STEPS:-1500}; revery=300; tmo=120  # the floor's final save of every expert takes ~30 s
+  [ "${SIZE:-small}" = olmoe ] && tmo=400  # (no run at this size ended within 120 s: session 31)
 fi
 mkdir -p "$runs"
 
