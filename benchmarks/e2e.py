@@ -71,14 +71,9 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>/deferwgrad  the expert kernels' weight gradients deferred to a side stream (OCCULT_DEFER_WGRAD=1 for
                    this variant only, occult.kernels.deferred_wgrad: the dispatch's backward all-to-all under
                    them); occult's variants, e.g. dedup@device/compile/stepgraph/deferwgrad (docs/overlap.md)
-  <variant>/pacedsync  with --dense-sync overlap, a bucket of 1.5 bucket sizes or more (the LM head) all-reduced
-                   in pieces, one more each time a later bucket goes out (OCCULT_PACE_BUCKETS=1 for this variant
-                   only, occult.training.bucketed_sync: the first MoE layers' backward all-to-alls do not wait
-                   for it); training variants but the peers, after /deferwgrad, before /tilegrid, e.g.
-                   replicated/compile/stepgraph/pacedsync, dedup@syncfree/compile/stepgraph/deferwgrad/pacedsync
   <variant>/tilegrid  the expert GEMMs launched one program per tile (OCCULT_KERNEL_GRID=tiles for this variant
                    only, occult.kernels.grouped_gemm: no persistent program left waiting for an SM another
-                   stream holds); expert-parallel variants, last (after /deferwgrad, /pacedsync), e.g.
+                   stream holds); expert-parallel variants, last (after /deferwgrad), e.g.
                    dedup@syncfree/compile/stepgraph/twobatch/deferwgrad/tilegrid beside the same without it
   hf-ep            (opt-in) transformers' own tensor + expert parallelism (benchmarks/hf_ep.py:
                    from_pretrained with DistributedConfig(tp_size=N, ep_size=N)); every rank holds
@@ -275,9 +270,6 @@ def variant_list(text: str) -> list[str]:
         if deferred_wgrad(v)  # (not after a prefill-only /graph or /twobatch: nothing is trained there)
         and (base_variant(v) in ("native", "hf-ep", *PEERS) or is_graphed(v) and not step_graph(v))
     ]
-    bad += [  # (/pacedsync: the buckets of make_step's --dense-sync overlap, in a step that trains)
-        v for v in names if paced_sync(v) and (base_variant(v) in PEERS or is_graphed(v) and not step_graph(v))
-    ]
     bad += [
         v
         for v in names
@@ -297,9 +289,8 @@ def variant_list(text: str) -> list[str]:
             f"/traingraphs/compile (training calls replayed too), replicated/eagermoe/compile (MoE blocks "
             f"eager between their layer's graphs), replicated, @device or @syncfree ones /stepgraph (the training "
             f"step in one CUDA graph; not with the other graph modifiers), occult's variants /deferwgrad (the "
-            f"experts' weight gradients on a side stream), training ones but the peers' /pacedsync (with "
-            f"--dense-sync overlap: the LM head's bucket paced), expert-parallel ones /tilegrid (last: the expert "
-            f"GEMMs one program per tile), or the peers "
+            f"experts' weight gradients on a side stream), expert-parallel ones /tilegrid (last: the expert GEMMs one "
+            f"program per tile), or the peers "
             f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"
         )
@@ -366,11 +357,7 @@ def pairable(variant: str) -> bool:
 
 
 # the variant's last modifiers, each an environment setting while it runs (`variant_settings`), in this order
-SETTING_MODIFIERS = {
-    "/deferwgrad": ("OCCULT_DEFER_WGRAD", "1"),
-    "/pacedsync": ("OCCULT_PACE_BUCKETS", "1"),
-    "/tilegrid": ("OCCULT_KERNEL_GRID", "tiles"),
-}
+SETTING_MODIFIERS = {"/deferwgrad": ("OCCULT_DEFER_WGRAD", "1"), "/tilegrid": ("OCCULT_KERNEL_GRID", "tiles")}
 
 
 def split_settings(variant: str) -> tuple[str, dict[str, str]]:
@@ -395,12 +382,6 @@ def deferred_wgrad(variant: str) -> bool:
     return "OCCULT_DEFER_WGRAD" in split_settings(variant)[1]
 
 
-def paced_sync(variant: str) -> bool:
-    """'replicated/compile/stepgraph/pacedsync': OCCULT_PACE_BUCKETS=1 while this variant runs (`variant_settings`):
-    --dense-sync overlap all-reduces an oversized bucket in pieces (occult.training.bucketed_sync)."""
-    return "OCCULT_PACE_BUCKETS" in split_settings(variant)[1]
-
-
 def tile_grid(variant: str) -> bool:
     """'dedup@syncfree/compile/tilegrid': OCCULT_KERNEL_GRID=tiles while this variant runs (`variant_settings`)."""
     return "OCCULT_KERNEL_GRID" in split_settings(variant)[1]
@@ -408,8 +389,8 @@ def tile_grid(variant: str) -> bool:
 
 @contextlib.contextmanager
 def variant_settings(variant: str) -> Iterator[None]:
-    """The environment settings a variant asks for (`/deferwgrad`, `/pacedsync`, `/tilegrid`), set while it runs
-    and restored after."""
+    """The environment settings a variant asks for (`/deferwgrad`, `/tilegrid`), set while it runs and restored
+    after."""
     env = split_settings(variant)[1]
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
@@ -541,8 +522,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--accumulate and /stepgraph/twobatch: choose one way to split the step (or /1f1b to pair the K)")
     if args.accumulate > 1 and any(base_variant(v) in tt_model.VARIANTS for v in args.variants):
         p.error("--accumulate is not passed to TorchTitan's own train step: leave the torchtitan variants out")
-    if args.dense_sync != "overlap" and any(paced_sync(v) for v in args.variants):
-        p.error("/pacedsync paces the buckets of --dense-sync overlap: give --dense-sync overlap")
     if args.accumulate < 2 and any(paired(v) for v in args.variants):
         p.error("/1f1b pairs the step's micro-batches: give --accumulate 2 or more")
     return args

@@ -36,7 +36,6 @@ def test_defaults_with_nothing_set(clean_env):
         commit=None,
         defer_wgrad=False,
         kernel_grid="persistent",
-        pace_buckets=False,
     )
 
 
@@ -56,7 +55,6 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "OCCULT_COMMIT": " abc1234-dirty ",
         "OCCULT_DEFER_WGRAD": "yes",
         "OCCULT_KERNEL_GRID": "Tiles",
-        "OCCULT_PACE_BUCKETS": "on",
     }
     assert set(values) == set(settings.VARIABLES)
     for name, value in values.items():
@@ -76,7 +74,6 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "abc1234-dirty",
         True,
         "tiles",
-        True,
     )
     assert {f.name for f in dataclasses.fields(Settings)} == set(settings.VARIABLES.values())
 
@@ -104,7 +101,6 @@ def test_a_change_is_seen_at_the_next_call_and_nothing_is_parsed_otherwise(clean
         ("OCCULT_AGREEMENT", "layer", "call, step"),
         ("OCCULT_DEBUG", "maybe", "1 or 0"),
         ("OCCULT_DEFER_WGRAD", "sometimes", "1 or 0"),
-        ("OCCULT_PACE_BUCKETS", "2", "1 or 0"),
         ("TRITON_INTERPRET", "2", "1 or 0"),
     ],
 )

@@ -16,65 +16,32 @@ bucket waits for the ones before it), on a group of their own (`Parallel.sync_gr
 MoE layers' all-to-alls run on, whose order the backward sets). A gradient that never arrives counts as zeros,
 as in `all_reduce_grads`. Buckets hold parameters of one dtype and device, in reverse order (the backward makes
 the last layers' gradients first), of about `bucket_bytes` each.
-
-Pacing (`pace_bytes`; by default `bucket_bytes` where OCCULT_PACE_BUCKETS=1 asks for it, else off: settings.md):
-a parameter larger than a bucket makes a bucket of its own (OLMoE's LM head: 206 MB), ready when the backward
-starts; all-reduced at once it holds a slow link for ~10 ms, under the first MoE layers' backward all-to-alls,
-which wait for it. Paced, a bucket of 1.5 `pace_bytes` or more is all-reduced in round(bytes / pace_bytes) >= 2
-contiguous pieces of its flat tensor (views: `finish()` reads the one flat), piece 0 when the bucket is launched and
-one more each time a later bucket is launched. Launching bucket i: flatten it (on the side stream, which first waits
-for the backward so far), then one more piece of every earlier bucket with pieces left, in bucket order, then bucket
-i's piece 0 (or all of it); `finish()` sends what is left round by round (one piece of each such bucket a round, in
-bucket order). Issued after the flattening, a piece waits on the GPU for the backward to reach bucket i, in a
-recorded graph too (where the hooks' host timing is gone): the link is left to the all-to-alls in between. The order
-follows from the buckets' order alone, the same on every rank. The sums are the unpaced ones bit for bit on two
-ranks (each element is a + b, however the buffer is cut); with more, a ring's order of addition can follow the cut
-(which chunk an element falls in), so they may differ in the last bits.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from occult.settings import current
-
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
-PIECE_ALIGN_BYTES = 256  # a paced bucket's pieces start at multiples of this (aligned loads for NCCL)
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 class BucketedSync:
     """The dense gradients of `params` summed over `group` and divided by `divide` during the backward (module
-    docstring). Call `finish()` after each backward, before the gradients are read; `close()` removes the hooks.
+    docstring). Call `finish()` after each backward, before the gradients are read; `close()` removes the hooks."""
 
-    `pace_bytes`: buckets of 1.5 times this or more all-reduced in pieces of about this, spread over the later
-    buckets' launches (module docstring); 0 or None: whole buckets; "setting" (the default): `bucket_bytes` if the
-    environment asks for pacing (`occult.settings.current().pace_buckets`), else 0."""
-
-    def __init__(
-        self,
-        params: Sequence[nn.Parameter],
-        group: Any,
-        divide: int,
-        bucket_bytes: int = BUCKET_BYTES,
-        pace_bytes: int | None | Literal["setting"] = "setting",
-    ):
-        if pace_bytes == "setting":
-            pace_bytes = bucket_bytes if current().pace_buckets else 0
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, divide: int, bucket_bytes: int = BUCKET_BYTES):
         if divide < 1 or bucket_bytes < 1:
             raise ValueError(f"need divide >= 1 and bucket_bytes >= 1, got {divide}, {bucket_bytes}")
-        if not isinstance(pace_bytes, int | None) or (pace_bytes or 0) < 0:
-            raise ValueError(f"pace_bytes must be a byte count >= 0 (0 or None: no pacing), got {pace_bytes!r}")
         self.group, self.divide = group, divide
         self.reduce = dist.get_world_size(group) > 1
         self.buckets = _buckets([p for p in reversed(list(params)) if p.requires_grad], bucket_bytes)
-        self.pieces = [_pieces(bucket, pace_bytes or 0) for bucket in self.buckets]  # [a, b) of each flat, in order
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._hooks = [p.register_post_accumulate_grad_hook(self._arrived) for b in self.buckets for p in b]
         self._held = False
@@ -95,16 +62,16 @@ class BucketedSync:
             self._held = False
 
     def finish(self) -> None:
-        """Launch the buckets and pieces not launched yet (missing gradients as zeros), wait for the side stream,
-        and leave every gradient the average over the group."""
+        """Launch the buckets not launched yet (missing gradients as zeros), wait for the side stream, and leave
+        every gradient the average over the group."""
         self._launch_ready(everything=True)
         for bucket, flat in zip(self.buckets, self._flats):
             device = bucket[0].device
             if device.type == "cuda":
-                current_stream = torch.cuda.current_stream(device)
-                current_stream.wait_stream(_side_stream(device))
+                current = torch.cuda.current_stream(device)
+                current.wait_stream(_side_stream(device))
                 if not torch.cuda.is_current_stream_capturing():
-                    flat.record_stream(current_stream)  # (made on the side stream, read here)
+                    flat.record_stream(current)  # (made on the side stream, read here)
             flat.div_(self.divide)
             offset = 0
             for p in bucket:
@@ -122,7 +89,6 @@ class BucketedSync:
     def _reset(self) -> None:
         self._arrivals = [0] * len(self.buckets)
         self._flats: list[torch.Tensor] = []
-        self._sent = [0] * len(self.buckets)  # pieces all-reduced, per bucket
 
     def _arrived(self, p: torch.Tensor) -> None:
         if self._held:
@@ -137,29 +103,15 @@ class BucketedSync:
         self._launch_ready()
 
     def _launch_ready(self, everything: bool = False) -> None:
-        """Launch, in bucket order, every bucket whose gradients are all in (`everything`: all the rest, then every
-        piece left), each flattened, then one more piece of the earlier buckets with pieces left, then its own first
-        piece (module docstring)."""
+        """Launch, in bucket order, every bucket whose gradients are all in (`everything`: all the rest)."""
         while len(self._flats) < len(self.buckets):
             i = len(self._flats)
             if not everything and self._arrivals[i] < len(self.buckets[i]):
                 return
-            flat = self._launch(self.buckets[i])
-            self._pace()  # (after the side stream's wait in `_launch`: the pieces wait for bucket i on the GPU too)
-            self._flats.append(flat)
-            self._reduce_next(i)
-        while everything and self._pace():
-            pass
-
-    def _pace(self) -> bool:
-        """All-reduce the next piece of every launched bucket with pieces left, in bucket order; whether any."""
-        left = [i for i in range(len(self._flats)) if self._sent[i] < len(self.pieces[i])]
-        for i in left:
-            self._reduce_next(i)
-        return bool(left)
+            self._flats.append(self._launch(self.buckets[i]))
 
     def _launch(self, bucket: list[nn.Parameter]) -> torch.Tensor:
-        """The bucket's gradients flattened into one new tensor (on the side stream on a GPU), to all-reduce."""
+        """The bucket's gradients flattened and all-reduced, on the side stream on a GPU."""
         for p in bucket:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -170,22 +122,12 @@ class BucketedSync:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             flat = torch.cat([p.grad.detach().reshape(-1) for p in bucket])
+            if self.reduce:
+                dist.all_reduce(flat, group=self.group)
         if side is not None and not torch.cuda.is_current_stream_capturing():
             for p in bucket:
                 p.grad.record_stream(side)  # (read there)
         return flat
-
-    def _reduce_next(self, i: int) -> None:
-        """All-reduce bucket i's next piece in place (the whole flat when it has one) after the flattening: on the
-        side stream on a GPU, a view of the flat (nothing allocated)."""
-        pieces, flat = self.pieces[i], self._flats[i]
-        a, b = pieces[self._sent[i]]
-        self._sent[i] += 1
-        if not self.reduce:
-            return
-        side = _side_stream(flat.device) if flat.device.type == "cuda" else None
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            dist.all_reduce(flat if len(pieces) == 1 else flat[a:b], group=self.group)
 
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -202,21 +144,6 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Para
     return buckets
 
 
-def _pieces(bucket: list[nn.Parameter], pace_bytes: int) -> list[tuple[int, int]]:
-    """The element ranges [a, b) of the bucket's flat tensor that are all-reduced one by one: the whole, or (paced)
-    round(bytes / pace_bytes) of them, of near-equal length, starting at multiples of PIECE_ALIGN_BYTES. Rounded, so
-    that a bucket past `bucket_bytes` by its last parameter (most of them: a bucket closes once full) stays whole."""
-    numel = sum(p.numel() for p in bucket)
-    size = numel * bucket[0].element_size()
-    count = (size + pace_bytes // 2) // pace_bytes if pace_bytes else 1
-    if count < 2:
-        return [(0, numel)]
-    align = max(1, PIECE_ALIGN_BYTES // bucket[0].element_size())
-    share = -(-numel // count)  # ceil(numel / count)
-    length = -(-share // align) * align  # up to a multiple of `align`
-    return [(a, min(a + length, numel)) for a in range(0, numel, length)]
-
-
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream buckets are all-reduced on, one per device."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -225,4 +152,4 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[index]
 
 
-__all__ = ["BUCKET_BYTES", "PIECE_ALIGN_BYTES", "BucketedSync"]
+__all__ = ["BUCKET_BYTES", "BucketedSync"]

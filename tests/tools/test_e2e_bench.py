@@ -195,50 +195,6 @@ def test_tilegrid_variants_set_the_kernel_grid_while_they_run(monkeypatch):
     assert settings.current().kernel_grid == "persistent"
 
 
-def test_pacedsync_variants_pace_the_dense_buckets_while_they_run(monkeypatch, capsys):
-    """`/pacedsync`: training variants but the peers' (the replicated floor too), after /deferwgrad and before
-    /tilegrid, with --dense-sync overlap only; OCCULT_PACE_BUCKETS=1 while the variant runs, the environment as it
-    was after; the variant is otherwise the one without it."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import e2e
-
-    from occult import settings
-
-    floor = "replicated/compile/stepgraph/pacedsync"
-    every = "dedup@syncfree/compile/stepgraph/twobatch/deferwgrad/pacedsync/tilegrid"
-    good = f"{floor},{every},native/compile/pacedsync,dedup@device/compile/pacedsync,dedup@syncfree/1f1b/pacedsync"
-    assert e2e.variant_list(good) == good.split(",")
-    assert e2e.split_settings(floor) == ("replicated/compile/stepgraph", {"OCCULT_PACE_BUCKETS": "1"})
-    assert e2e.split_settings(every) == (
-        "dedup@syncfree/compile/stepgraph/twobatch",
-        {"OCCULT_KERNEL_GRID": "tiles", "OCCULT_PACE_BUCKETS": "1", "OCCULT_DEFER_WGRAD": "1"},
-    )
-    assert e2e.base_variant(floor) == "replicated" and e2e.step_graph(floor) and e2e.is_compiled(floor)
-    assert e2e.paced_sync(every) and e2e.deferred_wgrad(every) and e2e.tile_grid(every)
-    assert e2e.micro_batches(every) == 2
-    assert e2e.paired("dedup@syncfree/1f1b/pacedsync") and not e2e.paced_sync("replicated/compile/stepgraph")
-    for bad in (
-        "torchtitan/pacedsync",  # (its own train step: no buckets)
-        "hf-ep/pacedsync",
-        "dedup@syncfree/compile/twobatch/pacedsync",  # prefill only without /stepgraph
-        "replicated/compile/graph/pacedsync",
-        "dedup@syncfree/compile/stepgraph/pacedsync/deferwgrad",  # (the settings' order)
-        "dedup@syncfree/compile/tilegrid/pacedsync",
-    ):
-        with pytest.raises(Exception, match="unknown variant"):
-            e2e.variant_list(bad)
-    assert e2e.parse_args(["--variants", floor, "--dense-sync", "overlap"]).variants == [floor]
-    with pytest.raises(SystemExit):
-        e2e.parse_args(["--variants", floor])  # --dense-sync after: no buckets to pace
-    assert "give --dense-sync overlap" in capsys.readouterr().err
-    monkeypatch.delenv("OCCULT_PACE_BUCKETS", raising=False)
-    with e2e.variant_settings(floor):
-        assert settings.current().pace_buckets
-    assert "OCCULT_PACE_BUCKETS" not in os.environ and not settings.current().pace_buckets
-    with e2e.variant_settings("replicated/compile/stepgraph"):  # other variants: the environment as it is
-        assert not settings.current().pace_buckets
-
-
 def test_e2e_experts_not_divisible_by_world_size_fails_clearly(tmp_path):
     res = _torchrun(3, "--model", "tiny", "--batch", "1", "--seq", "16", "--out", str(tmp_path / "x.json"))
     assert res.returncode != 0
