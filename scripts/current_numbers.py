@@ -104,7 +104,7 @@ TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "train": (
         "Training the small MoE LM (`occult train`, `scripts/two_gpu_training.sh`, `one_gpu_runs.sh layer_graphs`): "
         "tokens/s ratios",
-        ("GPUs", "link", "ratio"),
+        ("GPUs", "link", "model", "ratio"),
         ("value", "sides (tokens/s)"),
     ),
     "finetune": (
@@ -185,7 +185,7 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
             yield Figure("ep", key, cells)
         eager = "native" in timed and "replicated" in timed
         both_compiled = "native/compile" in timed and "replicated/compile" in timed
-        if eager or both_compiled:
+        if eager or "native/compile" in timed:  # (a job of native/compile and a recorded step alone: the last cell)
             compiled = eager_over_compiled = "-"
             if both_compiled:
                 compiled = fmt_ratio(timed["native/compile"], timed["replicated/compile"])
@@ -298,16 +298,26 @@ def train_world(doc: dict) -> str:
     return str(env.get("world_size") or 2)
 
 
+def train_model(doc: dict) -> str:
+    """The model a report's runs trained, where they record it (two_gpu_training.sh's SIZE; "-": runs before
+    session 31, which record none)."""
+    shapes = {tuple(sorted(r["model"].items())) for r in doc.get("variants", {}).values() if r.get("model")}
+    if len(shapes) != 1:
+        return "-"
+    m = dict(next(iter(shapes)))
+    return f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_experts']} experts x {m['expert_ffn_size']}"
+
+
 def train_figures(doc: dict, link: str) -> Iterator[Figure]:
     variants = doc["variants"]
-    world = train_world(doc)
+    world, model = train_world(doc), train_model(doc)
     for name, (a, b, per_gpu) in TRAIN_RATIOS.items():
         value = doc["ratios"].get(name)
         if value is None or a not in variants or b not in variants:
             continue
         col = "tokens_per_s_per_gpu" if per_gpu else "tokens_per_s"
         sides = f"{a} {variants[a][col]:,.0f} / {b} {variants[b][col]:,.0f}"
-        yield Figure("train", (world, link, name.replace("_", " ")), (f"{value:.3f}x", sides))
+        yield Figure("train", (world, link, model, name.replace("_", " ")), (f"{value:.3f}x", sides))
     value = doc["ratios"].get("best_dedup_over_best_floor_per_gpu")
     if value is not None:  # issue 52: the fastest EP dedup mode over the fastest floor, tokens/s per GPU
         a, b = (
@@ -315,7 +325,7 @@ def train_figures(doc: dict, link: str) -> Iterator[Figure]:
             for p in ("dedup", "floor")
         )
         sides = f"{a} {variants[a]['tokens_per_s_per_gpu']:,.0f} / {b} {variants[b]['tokens_per_s_per_gpu']:,.0f}"
-        yield Figure("train", (world, link, "best dedup over best floor per gpu"), (f"{value:.3f}x", sides))
+        yield Figure("train", (world, link, model, "best dedup over best floor per gpu"), (f"{value:.3f}x", sides))
 
 
 def train_job_figures(doc: dict, link: str) -> Iterator[Figure]:
@@ -324,8 +334,9 @@ def train_job_figures(doc: dict, link: str) -> Iterator[Figure]:
     if "dedup_ddp" in runs and "dedup_counts_ddp" in runs:
         a, b = runs["dedup_ddp"]["tokens_per_s"], runs["dedup_counts_ddp"]["tokens_per_s"]
         sides = f"dedup_ddp (auto: device transport) {a:,.0f} / dedup_counts_ddp {b:,.0f}"
-        world = str(runs["dedup_ddp"].get("gpus") or 2)
-        yield Figure("train", (world, link, "dedup device transport over count exchange"), (f"{a / b:.3f}x", sides))
+        world, model = str(runs["dedup_ddp"].get("gpus") or 2), train_model(doc)
+        what = "dedup device transport over count exchange"
+        yield Figure("train", (world, link, model, what), (f"{a / b:.3f}x", sides))
 
 
 def train_graphs_figures(doc: dict, link: str) -> Iterator[Figure]:
@@ -339,7 +350,7 @@ def train_graphs_figures(doc: dict, link: str) -> Iterator[Figure]:
         mine, eager = [doc["variants"]["graphs"]["tokens_per_s"]], [doc["variants"]["eager"]["tokens_per_s"]]
         value = doc["graphs_over_eager_tokens_per_s"]
     sides = f"--layer-graphs {' / '.join(f'{t:,.0f}' for t in mine)}; eager {' / '.join(f'{t:,.0f}' for t in eager)}"
-    yield Figure("train", ("1", link, "occult train --layer-graphs over eager layers"), (f"{value:.3f}x", sides))
+    yield Figure("train", ("1", link, "-", "occult train --layer-graphs over eager layers"), (f"{value:.3f}x", sides))
 
 
 AB_MODES = {
@@ -358,7 +369,9 @@ def train_ab_figures(doc: dict, link: str) -> Iterator[Figure]:
             continue
         mine = [r["tokens_per_s"] for n, r in runs.items() if n.rsplit("_", 1)[0] == mode]
         sides = f"{' / '.join(f'{t:,.0f}' for t in mine)}; eager {' / '.join(f'{t:,.0f}' for t in eager)}"
-        yield Figure("train", ("1", link, name), (f"{doc['over_eager_tokens_per_s'][mode]:.3f}x", sides))
+        yield Figure(
+            "train", ("1", link, train_model(doc), name), (f"{doc['over_eager_tokens_per_s'][mode]:.3f}x", sides)
+        )
 
 
 def finetune_figures(doc: dict, link: str) -> Iterator[Figure]:

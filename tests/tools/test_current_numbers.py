@@ -338,3 +338,65 @@ def test_a_train_step_of_accumulated_micro_batches_is_its_own_question(tmp_path:
     rows = [line for line in page.splitlines() if line.startswith("| 2 |") and "olmoe" in line]
     assert any("| train | 1.200x |" in r and "one.json" in r for r in rows), rows
     assert any("| train x4 | 1.050x |" in r and "four.json" in r for r in rows), rows
+
+
+def test_a_one_gpu_job_of_transformers_compiled_and_a_recorded_step_gives_the_fastest_ratio(tmp_path: Path) -> None:
+    """native/compile beside occult's recorded step alone (no replicated/compile): the page still answers
+    "transformers compiled / occult's fastest" from that job, the newest, with "-" where a side is missing."""
+    old = e2e(1, {"native/compile": 46.0, "replicated/compile": 40.0, "replicated/compile/stepgraph": 37.0})
+    new = e2e(1, {"native/compile": 45.0, "replicated/compile/stepgraph": 38.0})
+    entries = {
+        "old.json": prov("2026-11-28T00:00:00+00:00", card="1 x H200"),
+        "new.json": prov("2026-11-29T00:00:00+00:00", card="1 x H200"),
+    }
+    write(tmp_path, {"old.json": old, "new.json": new}, entries)
+    rows = [
+        line
+        for line in current_numbers.render(tmp_path, tmp_path / "provenance.json").splitlines()
+        if ".json](" in line
+    ]
+    native = [r for r in rows if "| prefill | " in r and "stepgraph" in r]
+    assert len(native) == 1 and "new.json" in native[0], rows
+    assert "| prefill | - | - | - | 1.18x (45.00 / replicated/compile/stepgraph 38.00)" in native[0], native[0]
+
+
+def test_training_runs_that_record_their_model_are_a_question_of_their_own(tmp_path: Path) -> None:
+    """Two two_gpu_training.sh jobs, the newer at another model size (SIZE=olmoe): both rows stay, each with the
+    model its runs trained (runs that record none: "-"); targets_report names the size in its label too."""
+
+    def job(tps: dict[str, float], date: str, model: dict | None) -> dict:
+        env = {"world_size": 2, "gpu": "NVIDIA H200", "commit": "0123456789ab", "dirty": False, "date": date}
+        runs = {v: {"variant": v, "tokens_per_s_per_gpu": t, "tokens_per_s": 2 * t, "gpus": 2} for v, t in tps.items()}
+        for r in runs.values():
+            r.update({"model": model} if model else {})
+        return {
+            "link": "nvlink",
+            "env": env,
+            "variants": runs,
+            "ratios": {"dedup_fsdp_over_dedup_ddp": 0.8 if not model else 1.05},
+        }
+
+    shape = {"hidden_size": 2048, "num_layers": 4, "num_experts": 64, "top_k": 8, "expert_ffn_size": 1024}
+    docs = {
+        "small/train_nvlink_2xGPU.json": job(
+            {"dedup_ddp": 100.0, "dedup_fsdp": 80.0}, "2026-11-28T00:00:00+00:00", None
+        ),
+        "olmoe/train_nvlink_2xGPU.json": job(
+            {"dedup_ddp": 100.0, "dedup_fsdp": 105.0}, "2026-11-29T00:00:00+00:00", shape
+        ),
+    }
+    for name in docs:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    write(tmp_path, docs, {})
+    rows = [r for r in current_numbers.render(tmp_path, tmp_path / "provenance.json").splitlines() if "fsdp over" in r]
+    assert len(rows) == 2, rows
+    assert any("| - | dedup fsdp over dedup ddp | 0.800x |" in r for r in rows), rows
+    assert any("| 4 layers, hidden 2048, 64 experts x 1024 | dedup fsdp over dedup ddp | 1.050x |" in r for r in rows)
+    labels = [
+        row[0] for name, doc in docs.items() for row in targets_report.train_rows(name, doc) if "FSDP2 / DDP" in row[0]
+    ]
+    assert labels == [
+        "52: occult train, FSDP2 / DDP tokens/s per GPU, eager steps, 2 GPUs nvlink: >= 0.95",
+        "52: occult train, FSDP2 / DDP tokens/s per GPU, eager steps, 2 GPUs nvlink, 4 layers, hidden 2048, 64 experts "
+        "x 1024: >= 0.95",
+    ]
