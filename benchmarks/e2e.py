@@ -58,6 +58,10 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   replicated/eagermoe/compile  compile_layers(trace_moe=False): the one-rank MoE blocks eager between their
                    decoder layer's two graphs (replicated/compile traces them into one graph per layer on GPUs,
                    the default since session 18; this was the default before)
+  <variant>/tracemoe/compile  @syncfree variants: compile_layers(trace_moe=True), each sync-free MoE block, its
+                   all-to-alls included, traced into its decoder layer's graph, forward and backward (one
+                   micro-batch; not with /deferwgrad, which a compiled backward does not defer, nor /tilegrid),
+                   e.g. dedup@syncfree/tracemoe/compile/stepgraph beside dedup@syncfree/compile/stepgraph
   <variant>/traingraphs/compile  @device and @syncfree variants: hf.compile_layers(train_graphs=True), the
                    MoE layers' training calls replayed too, forward and backward (occult.moe.train_graphs;
                    opt-in), e.g. dedup@device/traingraphs/compile. After its timed train steps, one more step's
@@ -262,6 +266,14 @@ def variant_list(text: str) -> list[str]:
     bad += [v for v in names if INTERLEAVE.search(v) and not 2 <= micro_batches(v) <= 16]
     bad += [v for v in names if train_graphs(v) and not (is_compiled(v) and (on_device(v) or sync_free(v)))]
     bad += [v for v in names if eager_moe(v) and not (is_compiled(v) and base_variant(v) == "replicated")]
+    bad += [
+        v
+        for v in names
+        if traced_moe(v)  # (sync-free layers trace; one micro-batch; a compiled backward defers nothing)
+        and not (is_compiled(v) and sync_free(v) and micro_batches(v) == 1 and not paired(v))
+        or traced_moe(v)
+        and (train_graphs(v) or deferred_wgrad(v) or tile_grid(v) or eager_moe(v))
+    ]
     # (/tilegrid: expert-parallel layers only, which compile_layers never traces: the grid is read at each launch)
     bad += [v for v in names if tile_grid(v) and base_variant(v) in ("native", "replicated", *PEERS)]
     bad += [
@@ -287,7 +299,8 @@ def variant_list(text: str) -> list[str]:
             f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches), /interleaveK (K of them, "
             f"prefill) or /1f1b (train: the --accumulate micro-batches paired), @device or @syncfree ones "
             f"/traingraphs/compile (training calls replayed too), replicated/eagermoe/compile (MoE blocks "
-            f"eager between their layer's graphs), replicated, @device or @syncfree ones /stepgraph (the training "
+            f"eager between their layer's graphs), @syncfree ones /tracemoe/compile (MoE blocks traced, their "
+            f"all-to-alls too), replicated, @device or @syncfree ones /stepgraph (the training "
             f"step in one CUDA graph; not with the other graph modifiers), occult's variants /deferwgrad (the "
             f"experts' weight gradients on a side stream), expert-parallel ones /tilegrid (last: the expert GEMMs one "
             f"program per tile), or the peers "
@@ -404,6 +417,12 @@ def variant_settings(variant: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def traced_moe(variant: str) -> bool:
+    """'dedup@syncfree/tracemoe/compile': compile_layers(trace_moe=True), the sync-free expert-parallel MoE blocks
+    traced into their decoder layers' graphs, all-to-alls included."""
+    return "/tracemoe" in variant
+
+
 def eager_moe(variant: str) -> bool:
     """'replicated/eagermoe/compile': compile_layers(trace_moe=False), one-rank MoE blocks eager between their
     layer's two graphs."""
@@ -431,10 +450,10 @@ def micro_batches(variant: str) -> int:
 
 
 def _without_capture(variant: str) -> str:
-    """The variant without its graph and schedule modifiers ('/layergraphs', '/traingraphs', '/eagermoe', a final
-    '/graph', '/twobatch', '/interleaveK' or '/1f1b')."""
+    """The variant without its graph and schedule modifiers ('/layergraphs', '/traingraphs', '/eagermoe', '/tracemoe',
+    a final '/graph', '/twobatch', '/interleaveK' or '/1f1b')."""
     stem = _unset(variant).removesuffix("/1f1b")
-    for modifier in ("/layergraphs", "/traingraphs", "/eagermoe", "/stepgraph"):
+    for modifier in ("/layergraphs", "/traingraphs", "/eagermoe", "/tracemoe", "/stepgraph"):
         stem = stem.replace(modifier, "")
     return INTERLEAVE.sub("", stem.removesuffix("/graph").removesuffix("/twobatch"))
 
@@ -706,7 +725,7 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
     base = base_variant(variant)
     if is_compiled(variant):  # before `native`: native/compile is transformers' model compiled
         model = convert_variant(model, variant.replace("/compile", ""), placement, self_group)
-        trace = False if eager_moe(variant) else None  # None: traced where every MoE layer is one-rank, on a GPU
+        trace = False if eager_moe(variant) else True if traced_moe(variant) else None  # None: one-rank, on a GPU
         hf.compile_layers(
             model, layer_graphs=not step_graph(variant), train_graphs=train_graphs(variant), trace_moe=trace
         )

@@ -211,8 +211,9 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, grad_gates, _grad_slots):
-        meta_bytes = gate_grad_bytes(grad_gates) if ctx.has_gates else 0
-        record_sent(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
+        if ctx.state is not None:  # (None: booked with the forward, `exchange` under torch.compile)
+            meta_bytes = gate_grad_bytes(grad_gates) if ctx.has_gates else 0
+            record_sent(ctx.state, ctx.recv_splits, grad_rows, meta_bytes, backward=True)
         if ctx.has_gates:
             back_rows, back_gates = send_with_gates(grad_rows, grad_gates, ctx.recv_splits, ctx.send_splits, ctx.group)
         else:
@@ -228,17 +229,30 @@ def exchange(rows, gates, slots, send_splits, recv_splits, group, state, packed=
     host waits for the counts, so it is not launched after the wait).
 
     Differentiable (one `_Exchange` node) when rows or gates need gradients; returns
-    (rows, gates, slots) as received, gates and slots None when not given.
+    (rows, gates, slots) as received, gates and slots None when not given. Traced by torch.compile
+    (a sync-free layer: its splits follow from shapes), the backward's rows are booked with the forward: a
+    compiled backward cannot change Python state.
     """
     meta_bytes = 0 if gates is None else metadata_bytes(gates)
     record_sent(state, send_splits, rows, meta_bytes, backward=False)
     differentiable = torch.is_grad_enabled() and (rows.requires_grad or (gates is not None and gates.requires_grad))
     if differentiable:  # (inside a two-batch step, chained to the other exchanges: occult.moe.two_batch)
+        if torch.compiler.is_compiling():
+            book_backward(state, recv_splits, rows, gates)
+            state = None
         rows, gates = chain_inputs(rows, gates)
         return chain_outputs(*_Exchange.apply(rows, gates, slots, send_splits, recv_splits, group, state, packed))
     if gates is None:
         return all_to_all(rows, send_splits, recv_splits, group), None, None
     return send_with_metadata(rows, gates, slots, send_splits, recv_splits, group, packed)
+
+
+def book_backward(state: Any, recv_splits: list[int], rows: torch.Tensor, gates: torch.Tensor | None) -> None:
+    """Record now what this exchange's backward will send (`_Exchange.backward`: the received rows' gradients, and
+    the gates' where the rows came with gates, back along `recv_splits`), for a traced exchange."""
+    received = sum(recv_splits)
+    meta_bytes = 0 if gates is None else received * _aligned(gates.shape[1] * gates.element_size())
+    record_sent(state, recv_splits, rows, meta_bytes, backward=True)
 
 
 _FIELDS = tuple(f.name for f in fields(CommStats))

@@ -157,8 +157,59 @@ def _trace_refused_worker(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def test_trace_moe_refuses_expert_parallel_layers():
+def test_trace_moe_refuses_expert_parallel_layers_that_learn_their_sizes_at_run_time():
     from occult.distributed import run_ranks
 
     for out in run_ranks(_trace_refused_worker, 2, timeout_s=180):
-        assert "traces one-rank MoE layers only" in out and "expert parallel over 2 ranks" in out, out
+        assert "traces one-rank and sync-free MoE layers only" in out and "expert parallel over 2 ranks" in out, out
+        assert "occult.set_sync_free(model)" in out, out
+
+
+def _traced_sync_free_worker(rank: int, world_size: int, seed: int) -> dict:
+    """One training step of a sync-free expert-parallel model, eager then with its MoE blocks traced."""
+    from torch._dynamo.utils import counters
+
+    from occult import OccultMoE, set_sync_free
+
+    torch.manual_seed(seed)
+    model = hf.tiny_random_model("olmoe", seed=seed % 1000, vocab_size=64, num_hidden_layers=2)
+    hf.convert(model)
+    set_sync_free(model)
+    layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
+    ids = torch.randint(64, (4, 128), generator=torch.Generator().manual_seed(seed + rank))  # past decode size
+
+    def step() -> tuple[dict, list[dict]]:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return grads, [layer.last_comm_stats.as_dict() for layer in layers]
+
+    ref, ref_stats = step()
+    torch._dynamo.reset()
+    counters.clear()
+    hf.compile_layers(model, trace_moe=True, backend="aot_eager")
+    got, stats = step()
+    errors = {n: float((got[n] - g).abs().max() / g.abs().max().clamp(min=1e-12)) for n, g in ref.items() if n in got}
+    traced = all(getattr(b, "occult_traced", False) for _, b in hf.moe_blocks(model))
+    return {
+        "missing": sorted(set(ref) - set(got)),
+        "error": max(errors.values()),
+        "traced": traced,
+        "stats": stats == ref_stats,
+        "breaks": [str(reason) for reason in counters["graph_break"]],
+    }
+
+
+def test_traced_sync_free_expert_parallel_blocks_train_like_eager():
+    """`trace_moe=True` on sync-free expert-parallel layers (2 gloo ranks): each MoE block, its all-to-alls
+    included, traced with its decoder layer, forward and backward; the same gradients as the eager model, the
+    same rows booked (the backward's with the forward), no graph break at the exchanges (on CPU the reference
+    expert loop still breaks at its data-dependent splits; on GPUs the Triton path traces whole)."""
+    from occult.distributed import run_ranks
+
+    for out in run_ranks(_traced_sync_free_worker, 2, random.randrange(2**31), timeout_s=400):
+        assert out["traced"] and not out["missing"] and out["error"] < 1e-5, out
+        assert out["stats"], out
+        exchange = [b for b in out["breaks"] if "side effect" in b or "CommStats" in b or "backward_rows" in b]
+        assert not exchange, exchange
+        assert out["breaks"], "the CPU expert loop's data-dependent splits break the graph: counted"

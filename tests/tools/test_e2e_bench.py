@@ -473,6 +473,37 @@ def test_eagermoe_goes_with_replicated_compile_only(monkeypatch):
             e2e.variant_list(bad)
 
 
+def test_tracemoe_goes_with_sync_free_compiled_variants_of_one_micro_batch(monkeypatch):
+    """'/tracemoe': compile_layers(trace_moe=True) for sync-free expert-parallel variants, with a recorded step or
+    not; refused where the layers learn their sizes at run time, with several micro-batches, or with the settings a
+    traced backward ignores."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    names = e2e.variant_list("dedup@syncfree/tracemoe/compile,dedup@syncfree/tracemoe/compile/stepgraph")
+    for name in names:
+        assert e2e.traced_moe(name) and e2e.is_compiled(name) and e2e.sync_free(name) and not e2e.eager_moe(name)
+    assert e2e.step_graph(names[1]) and not e2e.traced_moe("dedup@syncfree/compile")
+    calls = []
+    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append(kw))
+    monkeypatch.setattr(e2e.hf, "convert", lambda model, **kw: model)
+    monkeypatch.setattr(e2e, "set_sync_free", lambda model, enabled=True: 0)
+    e2e.convert_variant(torch.nn.Module(), names[1], None, None)
+    assert calls == [{"layer_graphs": False, "train_graphs": False, "trace_moe": True}]
+    for bad in (
+        "dedup/tracemoe/compile",
+        "dedup@device/tracemoe/compile",
+        "replicated/tracemoe/compile",
+        "dedup@syncfree/tracemoe",
+        "dedup@syncfree/tracemoe/compile/stepgraph/twobatch",
+        "dedup@syncfree/tracemoe/compile/stepgraph/deferwgrad",
+        "dedup@syncfree/tracemoe/compile/stepgraph/tilegrid",
+        "dedup@syncfree/tracemoe/traingraphs/compile",
+    ):
+        with pytest.raises(Exception, match="unknown variant"):
+            e2e.variant_list(bad)
+
+
 class _TinyLM(torch.nn.Module):
     """A transformers-like causal LM whose loss is its embeddings' mean square (train steps without a model)."""
 

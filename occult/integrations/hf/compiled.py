@@ -67,10 +67,12 @@ def compile_layers(
     backward (opt-in). `trace_moe`: the MoE blocks traced into their decoder layer's graph (no graph
     break, no eager host work between the layer's halves; a traced layer still reports bad routing,
     and its `last_comm_stats` book the backward's rows with the forward) for training- and
-    prefill-sized calls; decode-sized ones (`decode_sized`) keep the eager block. Tracing holds one-rank MoE
-    layers only; `None` (the default) traces them where every MoE layer of the model is one-rank with
-    its experts on a GPU and none was compiled eager before, `True` refuses a model with
-    expert-parallel layers, `False` keeps every MoE block eager between its layer's two graphs.
+    prefill-sized calls; decode-sized ones (`decode_sized`) keep the eager block. Tracing holds one-rank and
+    sync-free expert-parallel MoE layers (whose all-to-alls' sizes follow from shapes); `None` (the default)
+    traces them where every MoE layer of the model is one-rank with its experts on a GPU and none was compiled
+    eager before, `True` also traces sync-free expert-parallel layers (forward and backward: the all-to-alls in
+    the layer's graphs) and refuses other expert-parallel ones, `False` keeps every MoE block eager between its
+    layer's two graphs.
 
     The first forward of each new shape (prefill length, decode batch) compiles: time it apart.
     """
@@ -129,9 +131,10 @@ def traced_forward(block: OccultMoeBlock) -> Any:
 def traceable(model: nn.Module) -> bool:
     """Whether `compile_layers` traces the model's MoE blocks with their layers by default: every `OccultMoE`
     one-rank with its experts on a GPU (where the Triton expert path traces whole; on CPU the reference loop
-    breaks the graph at its data-dependent splits), and no block compiled eager by an earlier call."""
+    breaks the graph at its data-dependent splits), and no block compiled eager by an earlier call. (Sync-free
+    expert-parallel layers trace when asked, `trace_moe=True`: not by default until timed on GPUs.)"""
     layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
-    if not layers or not all(layer.gate_up_proj.is_cuda for layer in layers):
+    if not layers or not all(layer.gate_up_proj.is_cuda and layer.num_ranks == 1 for layer in layers):
         return False
     try:
         check_traceable(model)
@@ -141,14 +144,20 @@ def traceable(model: nn.Module) -> bool:
 
 
 def check_traceable(model: nn.Module) -> None:
-    """`trace_moe` traces one-rank MoE layers only: an expert-parallel call exchanges with other ranks (and the
-    device transport agrees on the host), which a compiled graph cannot hold."""
-    parallel = [(name, m) for name, m in model.named_modules() if isinstance(m, OccultMoE) and m.num_ranks > 1]
+    """`trace_moe` traces one-rank and sync-free MoE layers: an expert-parallel call that learns its all-to-alls'
+    sizes on the host (the count exchange) or agrees with the other ranks' hosts (the device transport) cannot be
+    held by a compiled graph; a sync-free one's sizes follow from shapes (`OccultMoE.sync_free`)."""
+    parallel = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, OccultMoE) and m.num_ranks > 1 and not m.sync_free
+    ]
     if parallel:
         name, layer = parallel[0]
         raise ValueError(
-            f"compile_layers(trace_moe=True) traces one-rank MoE layers only; {name} is expert parallel over "
-            f"{layer.num_ranks} ranks: leave trace_moe off there"
+            f"compile_layers(trace_moe=True) traces one-rank and sync-free MoE layers only; {name} is expert "
+            f"parallel over {layer.num_ranks} ranks and learns its exchanges' sizes at run time: make it sync-free "
+            "first (occult.set_sync_free(model): every rank the same token count) or leave trace_moe off"
         )
     eager = [name for name, m in model.named_modules() if getattr(m, "occult_eager", False)]
     if eager:

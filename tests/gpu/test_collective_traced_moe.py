@@ -1,0 +1,71 @@
+"""`hf.compile_layers(trace_moe=True)` on sync-free expert-parallel layers over NCCL: each MoE block, its
+all-to-alls included, traced with its decoder layer (Inductor, the Triton expert path), forward and backward,
+trains like the eager model in fp32, bf16 and fp16, with no graph break; every rank its own batch. Collective GPU
+tests (tests/gpu/run.sh's first stage; the CPU twin on gloo ranks: tests/integrations/test_compile_layers.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'occult[hf]')")
+
+import occult  # noqa: E402
+from occult.integrations import hf  # noqa: E402
+
+VOCAB = 96
+TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _model(seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The tiny random OLMoE of `seed`, its experts over every rank, sync-free, on this rank's GPU in `dtype`."""
+    model = hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB, num_hidden_layers=2).to(device, dtype)
+    model = hf.convert(model)
+    occult.set_sync_free(model)
+    return model
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """One forward and backward: every gradient (float32 copies) and each MoE layer's rows booked."""
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    stats = [m.last_comm_stats.as_dict() for m in model.modules() if isinstance(m, occult.OccultMoE)]
+    return grads, stats
+
+
+def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest relative L2 distance of a parameter's gradient in `a` from its gradient in `b`."""
+    return max(((a[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in b.items())
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_traced_sync_free_layers_train_like_eager(ranks, dtype_name):
+    from torch._dynamo.utils import counters
+
+    if ranks.device.type != "cuda":
+        pytest.skip("the traced Triton expert path needs a GPU")
+    dtype, seed = DTYPES[dtype_name], ranks.seed + 303
+    gen = torch.Generator().manual_seed(seed + ranks.rank)
+    ids = torch.randint(3, VOCAB, (4, 64), generator=gen).to(ranks.device)  # 256 tokens: past decode size
+    exact, _ = _step(_model(seed, torch.float32, ranks.device), ids)  # the same model in fp32, eager
+    model = _model(seed, dtype, ranks.device)
+    ref, ref_stats = _step(model, ids)
+    torch._dynamo.reset()
+    counters.clear()
+    hf.compile_layers(model, trace_moe=True)
+    assert all(getattr(b, "occult_traced", False) for _, b in hf.moe_blocks(model))
+    got, stats = _step(model, ids)
+    again, _ = _step(model, ids)
+    breaks = {str(k): v for k, v in counters["graph_break"].items()}
+    assert ranks.all_max(float(bool(breaks))) == 0.0, breaks  # each layer whole: the all-to-alls in its graphs
+    assert ranks.all_max(float(stats != ref_stats)) == 0.0, (stats, ref_stats)  # the backward's booked with the forward
+    worst, own = _worst(got, ref), _worst(ref, exact)
+    # compiled against eager in the same precision, within the tolerance or twice the eager model's own distance
+    # from fp32 (a tiny random model's router gradients in half precision move with any change of rounding)
+    assert ranks.all_max(worst - max(TOL[dtype], 2 * own)) < 0, (seed, worst, own)
+    assert ranks.all_max(float(not all(torch.equal(got[n], again[n]) for n in got))) == 0.0
