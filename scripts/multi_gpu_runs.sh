@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -56,6 +56,11 @@
 #           training schedules (OLMoE and Qwen3 halves, OLMoE paired x4; --dense-sync overlap) and K = 4 prefill,
 #           NVLink's one-batch step (on 2 GPUs ~6 min for LINKS=slow, ~1.5 for LINKS=nvlink); tiles won the slow-link
 #           training schedules in session 29 (docs/overlap.md, "One program per tile")
+# trace     issue 52: sync-free expert-parallel MoE blocks traced into their decoder layers (e2e.py's /tracemoe:
+#           compile_layers(trace_moe=True), all-to-alls in the layers' graphs): the GPU suite's traced cases
+#           (-k traced_sync_free: against eager in three dtypes, no graph break), then OLMoE and Qwen3 training
+#           (NVLink) and OLMoE prefill in one job each with the floor and the same variants eager between the
+#           layers' graphs (~7 min on 2 GPUs; docs/training.md, "Sync-free expert-parallel MoE blocks traced")
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -75,8 +80,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -229,6 +234,17 @@ case $part in
         --variants replicated/compile/graph,$sf/graph,$sf/interleave4,$sf/interleave4/tilegrid \
         --out "$out/e2e_olmoe_prefill_grid_slow_${n}gpu.json"
     done ;;&
+  trace|all)  # issue 52: sync-free EP MoE blocks traced with their layers (/tracemoe) beside the same eager between them
+    sf=dedup@syncfree
+    run trace_suite 200 env OCCULT_GPU_SUITE_STAGES=1 PYTEST_ARGS="-k traced_sync_free" bash tests/gpu/run.sh "$out/trace_suite"
+    for model in olmoe qwen3; do
+      run "trace_${model}_train" 200 $tr benchmarks/e2e.py --model $model --phases train \
+        --variants replicated/compile/stepgraph,$sf/compile/stepgraph,$sf/compile/stepgraph/deferwgrad,$sf/tracemoe/compile/stepgraph \
+        --out "$out/e2e_${model}_train_traced_nvlink_${n}gpu.json"
+    done
+    run trace_olmoe_prefill 150 $tr benchmarks/e2e.py --model olmoe --phases prefill \
+      --variants replicated/compile/graph,$sf/compile/graph,$sf/tracemoe/compile/graph \
+      --out "$out/e2e_olmoe_prefill_traced_nvlink_${n}gpu.json" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

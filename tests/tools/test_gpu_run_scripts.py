@@ -56,6 +56,7 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
                 "interleave",
                 "pair",
                 "grid",
+                "trace",
                 "peer",
                 "train",
                 "train-slow",
