@@ -404,3 +404,30 @@ def test_a_prefill_only_jobs_peak_memory_never_stands_in_for_a_training_jobs(tmp
         "fit: whole model (olmoe), prefill, peak reserved per GPU, 2 GPUs slow: <= 78 GiB": "met",
         "fit: whole model (olmoe), train x4, peak reserved per GPU, 2 GPUs slow: <= 78 GiB": "met",
     }
+
+
+def test_the_fastest_dedup_variants_host_time_per_moe_call_is_checked_on_several_gpus():
+    """Issue 52: a training step's host ms per MoE layer call (e2e.py's host_ms_per_moe_call) of the fastest dedup
+    variant against 0.3 ms, per (model, GPUs, link, phase label); none for prefill, one GPU or an unrecorded time."""
+    doc = e2e("olmoe", 2, False, {"replicated/compile": (40.0, 170.0), "dedup/compile": (45.0, 180.0)})
+    doc["variants"]["dedup/compile"]["phases"]["train"]["host_ms_per_moe_call"] = 0.45
+    doc["variants"]["dedup@syncfree/compile/stepgraph"] = {
+        "check": {"passed": True},
+        "phases": {"prefill": {"ms_median": 44.0}, "train": {"ms_median": 171.0, "host_ms_per_moe_call": 0.12}},
+    }
+    rows = [r for r in targets_report.open_issue_rows("a.json", doc) if "host ms" in r[0]]
+    assert rows == [
+        [
+            "52: host ms per MoE layer call, train, fastest dedup (olmoe), 2 GPUs nvlink: <= 0.3",
+            "0.120 ms (dedup@syncfree/compile/stepgraph)",
+            "met",
+            "a.json (2 GPUs, nvlink)",
+        ]
+    ]
+    doc["variants"]["dedup@syncfree/compile/stepgraph"]["phases"]["train"]["host_ms_per_moe_call"] = 0.31
+    assert [r[2] for r in targets_report.open_issue_rows("a.json", doc) if "host ms" in r[0]] == ["MISSED"]
+    del doc["variants"]["dedup@syncfree/compile/stepgraph"]["phases"]["train"]["host_ms_per_moe_call"]
+    assert not [r for r in targets_report.open_issue_rows("a.json", doc) if "host ms" in r[0]]
+    one = e2e("olmoe", 1, False, {"replicated/compile": (40.0, 170.0), "dedup/compile": (45.0, 180.0)})
+    one["variants"]["dedup/compile"]["phases"]["train"]["host_ms_per_moe_call"] = 0.1
+    assert not [r for r in targets_report.open_issue_rows("b.json", one) if "host ms" in r[0]]
