@@ -21,9 +21,10 @@ TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _model(seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The tiny random OLMoE of `seed`, its experts over every rank, sync-free, on this rank's GPU in `dtype`."""
-    model = hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB, num_hidden_layers=2).to(device, dtype)
+def _model(family: str, seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The tiny random `family` model of `seed`, its experts over every rank, sync-free, on this rank's GPU in
+    `dtype`."""
+    model = hf.tiny_random_model(family, seed=seed, vocab_size=VOCAB, num_hidden_layers=2).to(device, dtype)
     model = hf.convert(model)
     occult.set_sync_free(model)
     return model
@@ -44,7 +45,8 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_traced_sync_free_layers_train_like_eager(ranks, dtype_name):
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])  # (DeepSeek-V3: shared experts beside the routed)
+def test_traced_sync_free_layers_train_like_eager(ranks, family, dtype_name):
     from torch._dynamo.utils import counters
 
     if ranks.device.type != "cuda":
@@ -52,8 +54,8 @@ def test_traced_sync_free_layers_train_like_eager(ranks, dtype_name):
     dtype, seed = DTYPES[dtype_name], ranks.seed + 303
     gen = torch.Generator().manual_seed(seed + ranks.rank)
     ids = torch.randint(3, VOCAB, (4, 64), generator=gen).to(ranks.device)  # 256 tokens: past decode size
-    exact, _ = _step(_model(seed, torch.float32, ranks.device), ids)  # the same model in fp32, eager
-    model = _model(seed, dtype, ranks.device)
+    exact, _ = _step(_model(family, seed, torch.float32, ranks.device), ids)  # the same model in fp32, eager
+    model = _model(family, seed, dtype, ranks.device)
     ref, ref_stats = _step(model, ids)
     torch._dynamo.reset()
     counters.clear()
