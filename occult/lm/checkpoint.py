@@ -175,7 +175,8 @@ def load_model(
     tensors, meta = read_checkpoint(path, prefixes=("model.", "routing."))
     cfg = config_from_metadata(meta, str(path))
     check_sizes(cfg, tensors, str(path))
-    model = OccultLM(cfg, group=group)
+    with torch.random.fork_rng(devices=[]):  # every weight is loaded next: no init, the caller's RNG untouched
+        model = OccultLM(cfg, group=group, init_weights=False)
     load_weights(model, tensors, str(path))
     if routing:
         try:

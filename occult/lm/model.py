@@ -92,7 +92,13 @@ class MoEBlock(nn.Module):
     """`OccultMoE` plus what the model needs around it: the auxiliary loss and routing observers."""
 
     def __init__(
-        self, cfg: ModelConfig, layer_index: int, placement: Placement | None, group: Any, dispatcher: str
+        self,
+        cfg: ModelConfig,
+        layer_index: int,
+        placement: Placement | None,
+        group: Any,
+        dispatcher: str,
+        init_weights: bool = True,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -103,6 +109,7 @@ class MoEBlock(nn.Module):
             placement=placement,
             layer_index=layer_index if placement is not None else 0,
             group=group,
+            init_weights=init_weights,
         )
         self.observers: list[RoutingObserver] = []
         self.want_aux = True
@@ -171,13 +178,19 @@ def global_aux_loss(logits_TE: torch.Tensor, ids_TK: torch.Tensor, group: Any) -
 
 class DecoderBlock(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer_index: int, placement: Placement | None, group: Any, dispatcher: str
+        self,
+        cfg: ModelConfig,
+        layer_index: int,
+        placement: Placement | None,
+        group: Any,
+        dispatcher: str,
+        init_weights: bool = True,
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.attn = Attention(cfg)
         self.moe_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.moe = MoEBlock(cfg, layer_index, placement, group, dispatcher)
+        self.moe = MoEBlock(cfg, layer_index, placement, group, dispatcher, init_weights)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn(self.attn_norm(x))
@@ -221,18 +234,25 @@ class OccultLM(nn.Module):
         placement: Placement | None = None,
         group: Any = None,
         dispatcher: str = "dedup",
+        init_weights: bool = True,
     ) -> None:
+        """`init_weights=False`: the expert weights left uninitialised and `reset_parameters` not run, for a model
+        whose weights are all copied in next (a shard of a full model, a checkpoint): at OLMoE's sizes the random
+        init on one CPU thread takes tens of seconds."""
         super().__init__()
         self.config = config
         cfg = config
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleList(DecoderBlock(cfg, i, placement, group, dispatcher) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(
+            DecoderBlock(cfg, i, placement, group, dispatcher, init_weights) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.routing = RoutingSpec()
-        self.reset_parameters()
+        if init_weights:
+            self.reset_parameters()
 
     # ------------------------------------------------------------- set-up
     def reset_parameters(self) -> None:

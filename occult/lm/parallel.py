@@ -65,8 +65,8 @@ def shard_model(
         placement = Placement.contiguous(cfg.num_experts, parallel.ep_size)
     placement.check_fits(cfg.num_experts, parallel.ep_size)
     placement = per_layer(placement, cfg.num_layers)
-    with torch.random.fork_rng(devices=[]):  # the throw-away init must not move this rank's RNG
-        model = OccultLM(cfg, placement=placement, group=parallel.ep_group, dispatcher=dispatcher)
+    with torch.random.fork_rng(devices=[]):  # (the dense layers' constructors still draw: not from this rank's RNG)
+        model = OccultLM(cfg, placement=placement, group=parallel.ep_group, dispatcher=dispatcher, init_weights=False)
     model.to(next(full.parameters()).device)
     experts = model.expert_parameters()
     source = dict(full.named_parameters())

@@ -138,6 +138,31 @@ def test_virtual_device_limit_and_unchanged_when_not_binding():
         model.set_routing(max_devices=2, placement=virtual_placement(layers=3))
 
 
+def test_a_model_whose_weights_are_copied_in_next_skips_the_random_init(tmp_path, monkeypatch):
+    """`OccultLM(init_weights=False)` runs neither `reset_parameters` nor the experts' init (a shard, a checkpoint:
+    every weight is copied in next); `load_model` builds it so, the same weights as the saved model, and leaves the
+    caller's RNG where it was (the dense layers' constructors draw inside a forked RNG)."""
+    model = tiny(seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    path = tmp_path / "m.safetensors"
+    save_model(path, model)
+    calls, draws = [], []
+    monkeypatch.setattr(OccultLM, "reset_parameters", lambda self: calls.append(self))
+    real_normal = torch.nn.init.normal_
+    monkeypatch.setattr(
+        torch.nn.init, "normal_", lambda t, *a, **kw: (draws.append(t.shape), real_normal(t, *a, **kw))[1]
+    )
+    OccultLM(ModelConfig(**CFG), init_weights=False)
+    assert not calls and not [s for s in draws if len(s) == 3], draws  # no expert tensor [E, ., .] drawn
+    OccultLM(ModelConfig(**CFG))
+    assert len(calls) == 1
+    monkeypatch.undo()
+    before = torch.random.get_rng_state()
+    back = load_model(path)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for (name, a), (_, b) in zip(model.named_parameters(), back.named_parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_save_load_round_trip_and_errors(tmp_path):
     model = tiny()
     sims = [expert_similarity(torch.randn(64, 8)) for _ in range(2)]
