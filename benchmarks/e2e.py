@@ -89,6 +89,7 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    (occult.integrations.torchtitan.install; contiguous experts, as torchtitan);
                    torchtitan+occult+placement: with the placement dedup+placement solves;
                    torchtitan+occult@device (and +placement@device): over the device transport;
+                   torchtitan+occult@syncfree (any of them): fixed-capacity exchanges, no host wait;
                    torchtitan+occult+experts (also @device): occult's fused expert kernels in TorchTitan's
                    MoE too (OccultGroupedExperts: no expert-major expansion)
 
@@ -251,9 +252,11 @@ def variant_list(text: str) -> list[str]:
         for v in names
         if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))
     ]
-    bad += [v for v in names if base_variant(v) in PEERS and v.removesuffix("@device") != base_variant(v)]
+    bad += [
+        v for v in names if base_variant(v) in PEERS and _HOW.sub("", v) != base_variant(v)
+    ]  # (the peers take no modifier but how torchtitan+occult* exchange: @device, @syncfree)
     bad += [v for v in names if on_device(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
-    bad += [v for v in names if sync_free(v) and (base_variant(v) in ("native", "replicated", *PEERS))]
+    bad += [v for v in names if sync_free(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
     bad += [
         v
         for v in names
@@ -304,7 +307,7 @@ def variant_list(text: str) -> list[str]:
             f"step in one CUDA graph; not with the other graph modifiers), occult's variants /deferwgrad (the "
             f"experts' weight gradients on a side stream), expert-parallel ones /tilegrid (last: the expert GEMMs one "
             f"program per tile), or the peers "
-            f"{', '.join(PEERS)} (torchtitan+occult* also @device; the overlap schedules /cN, /tbo and "
+            f"{', '.join(PEERS)} (torchtitan+occult* also @device or @syncfree; the overlap schedules /cN, /tbo and "
             f"@chunksN were removed: docs/overlap.md)"
         )
     return names
@@ -1003,6 +1006,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             placement=ctx["placement"] if base_variant(variant).endswith("+placement") else None,
             transport="device" if on_device(variant) else "auto",
             fused_experts=base_variant(variant).endswith("+experts"),
+            sync_free=sync_free(variant),
         )
         del hf_model
         free_memory(device)

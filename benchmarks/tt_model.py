@@ -220,6 +220,7 @@ class TitanLM:
         placement: Any = None,
         transport: str = "auto",
         fused_experts: bool = False,
+        sync_free: bool = False,
     ) -> None:
         import torchtitan
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -236,7 +237,14 @@ class TitanLM:
         if occult:  # occult's dedup dispatcher (and router, plain without max_devices) in every MoE block
             from occult.integrations.torchtitan import install
 
-            install(tcfg, dispatcher="dedup", placement=placement, transport=transport, fused_experts=fused_experts)
+            install(
+                tcfg,
+                dispatcher="dedup",
+                placement=placement,
+                transport=transport,
+                fused_experts=fused_experts,
+                sync_free=sync_free,
+            )
         with torch.device(device):
             model = tcfg.build()
         model.init_states(buffer_device=device)  # rope cache and MoE buffers; the weights come next

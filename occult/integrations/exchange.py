@@ -31,9 +31,13 @@ class OccultExchange:
         layer: int,
         device: torch.device,
         transport: str = "auto",
+        sync_free: bool = False,
     ) -> None:
+        """`sync_free`: fixed-capacity exchanges whose sizes follow from shapes (`Schedule.sync_free`: no host wait,
+        every rank the same token count, bad input raised on its rank only)."""
         self.dispatcher = make_dispatcher(dispatcher, group, placement=placement, transport=transport)
         self.expert_map = ExpertMap(*placement.tensors(layer, device=device))
+        self.schedule = Schedule(sync_free=sync_free)
 
     def to(self, device: torch.device) -> OccultExchange:
         if self.expert_map.device_E.device != device:
@@ -48,7 +52,7 @@ class OccultExchange:
         weights. Bad input (ids out of range, NaN/inf gate weights) raises `occult.RoutingError` on
         every rank of the group, not only where it happened (the status travels with the row counts)."""
         self.to(x_TH.device)
-        return self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, Schedule())
+        return self.dispatcher.dispatch(x_TH, weights_TK, ids_TK, self.expert_map, self.schedule)
 
     def combine(self, y_RH: torch.Tensor, handle: Any) -> torch.Tensor:
         """Each received row's result back to its source rank, summed per token in fp32 -> y_TH."""

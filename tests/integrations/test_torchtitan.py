@@ -99,9 +99,11 @@ def _build_block(
     occult_router=True,
     dims=None,
     fused=False,
+    sync_free=False,
 ):
     """TorchTitan's MoE block with full weights (model order), EP over all ranks; occult's when `dispatcher`
-    (`fused`: with occult's fused experts); `world` None: no EP, TorchTitan's local block."""
+    (`fused`: with occult's fused experts; `sync_free`: fixed-capacity exchanges); `world` None: no EP, TorchTitan's
+    local block."""
     from torchtitan.config.override import derive
 
     from occult.integrations.torchtitan import OccultGroupedExperts, OccultRouter, OccultTokenDispatcher
@@ -116,6 +118,7 @@ def _build_block(
             placement=placement,
             max_devices=max_devices,
             fused_experts=fused,
+            sync_free=sync_free,
         )
         if fused:
             cfg.routed_experts.inner_experts = derive(cfg.routed_experts.inner_experts, OccultGroupedExperts.Config)
@@ -193,7 +196,7 @@ def _weights(gen):
     )
 
 
-def _block_case(rank, world, seed, top_k, placement, tokens, dispatcher="dedup", fused=False):
+def _block_case(rank, world, seed, top_k, placement, tokens, dispatcher="dedup", fused=False, sync_free=False):
     """One comparison; returns (errors, rows sent by this rank, sum_t C_T of this rank's tokens, T). `fused`:
     occult's fused experts (`OccultGroupedExperts`) against TorchTitan's all-to-all with its experts in fp32."""
     import torch.distributed as dist
@@ -208,7 +211,9 @@ def _block_case(rank, world, seed, top_k, placement, tokens, dispatcher="dedup",
     x, g = per_rank[rank], g_per_rank[rank]
     reference = _build_block(world, top_k, weights)
     ref = _run_block(_fp32_experts(reference) if fused else reference, x, g)
-    moe = _build_block(world, top_k, weights, placement=placement, dispatcher=dispatcher, fused=fused)
+    moe = _build_block(
+        world, top_k, weights, placement=placement, dispatcher=dispatcher, fused=fused, sync_free=sync_free
+    )
     got = _run_block(moe, x, g)
     errors = [] if isinstance(moe.routed_experts.inner_experts, OccultGroupedExperts) == fused else ["experts"]
     for i, what in enumerate(("output", "input grad", "router grad")):
@@ -237,6 +242,19 @@ def _fused_blocks(rank, world, seed):
     }
     return {
         name: _block_case(rank, world, seed + 10 + i, *case, fused=True) for i, (name, case) in enumerate(cases.items())
+    }
+
+
+def _sync_free_blocks(rank, world, seed):
+    """`sync_free=True`: fixed-capacity exchanges (every rank the same token count), TorchTitan's experts and occult's
+    fused ones, against TorchTitan's all-to-all."""
+    cases = {
+        "sync-free random top3": (3, _random_placement(world, seed), [6] * world, False),
+        "sync-free fused contiguous top2": (2, None, [5] * world, True),
+    }
+    return {
+        name: _block_case(rank, world, seed + 20 + i, top_k, placement, tokens, fused=fused, sync_free=True)
+        for i, (name, (top_k, placement, tokens, fused)) in enumerate(cases.items())
     }
 
 
@@ -420,6 +438,7 @@ def _two_ranks(rank, world, seed, placement_path):
     blocks = _blocks(rank, world, seed)
     blocks["pruned"] = _pruned_block(rank, world, seed)
     blocks.update(_fused_blocks(rank, world, seed))
+    blocks.update(_sync_free_blocks(rank, world, seed))
     training = _training(rank, world, seed, placement_path)
     limit_error = _limit_without_router(rank, world, seed)
     blocks["spmd_types"] = _spmd_types_block(rank, world, seed)  # last: it switches TorchTitan's SPMD backend
@@ -515,6 +534,9 @@ def test_block_and_training_step_on_2_ranks(tmp_path):
     for name in [n for n in blocks if n.startswith("fused")]:  # occult's fused experts: the same rows sent
         errors, (rows, back, sum_c, _) = blocks.pop(name)
         assert not errors and rows == back == sum_c, (name, errors, rows, back, sum_c)
+    for name in [n for n in blocks if n.startswith("sync-free")]:  # fixed capacity: every token to every rank
+        errors, (rows, back, _, tokens) = blocks.pop(name)
+        assert not errors and rows == back == 2 * tokens, (name, errors, rows, back, tokens)
     _check_blocks(blocks, 2)
     assert all(used) and len(used) == 4 and len(lines) == 1, (used, lines)
     assert np.allclose(occ_losses, ref_losses, rtol=2e-6, atol=0), (occ_losses, ref_losses)  # same rows, same order
@@ -602,6 +624,11 @@ def test_install_and_override_on_qwen3_and_deepseek_v3_specs(tmp_path):
     assert not any(isinstance(c, OccultGroupedExperts.Config) for c in plain)  # occult's experts only when asked
     with pytest.raises(ValueError, match="fused_experts must be True or False"):
         install(qwen3("debugmodel_moe").model, fused_experts="yes")
+    with pytest.raises(ValueError, match="sync_free must be True or False"):
+        install(qwen3("debugmodel_moe").model, sync_free=1)
+    model_cfg = qwen3("debugmodel_moe").model
+    assert install(model_cfg, sync_free=True) == 8
+    assert {cfg.routed_experts.token_dispatcher.sync_free for _, cfg, _, _ in model_cfg.traverse(MoE.Config)} == {True}
     spec = qwen3("debugmodel_moe")
     imports = parse_cli_imports(['occult.integrations.torchtitan.occult_moe={"fused_experts": true}'])
     assert len(apply_overrides(OverrideConfig(imports=imports), spec)) == 1

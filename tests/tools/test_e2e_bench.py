@@ -380,6 +380,11 @@ def test_e2e_transport_and_graph_modifiers():
     assert [e2e.on_device(v) for v in names] == [True, True, False, True, True, True]
     assert [e2e.is_graphed(v) for v in names] == [False, True, True, False, False, False]
     assert e2e.variant_list("torchtitan+occult@device") == ["torchtitan+occult@device"]  # TorchTitan's seam too
+    titan = e2e.variant_list("torchtitan+occult@syncfree,torchtitan+occult+experts@syncfree")  # fixed capacity there
+    assert [(e2e.base_variant(v), e2e.sync_free(v)) for v in titan] == [
+        ("torchtitan+occult", True),
+        ("torchtitan+occult+experts", True),
+    ]
     free = e2e.variant_list("dedup@syncfree/layergraphs/compile,standard@syncfree/graph,dedup")  # sync-free dispatch
     assert [(e2e.base_variant(v), e2e.sync_free(v), e2e.on_device(v)) for v in free] == [
         ("dedup", True, False),
@@ -407,6 +412,8 @@ def test_e2e_transport_and_graph_modifiers():
         "native@syncfree",
         "torchtitan@syncfree",
         "hf-ep@device",
+        "hf-ep@syncfree",
+        "torchtitan+occult@syncfree/compile",
         "torchtitan+occult/graph",
         "dedup/compile/graph",
         "native/compile/graph",

@@ -50,9 +50,11 @@ def occult_moe(
     max_devices: int | None = None,
     transport: str = "auto",
     fused_experts: bool = False,
+    sync_free: bool = False,
 ) -> Any:
     """TorchTitan override: `--override.imports 'occult.integrations.torchtitan.occult_moe={"placement": "p.json"}'`
-    (keys: dispatcher, placement, max_devices, transport, fused_experts) runs `install` on the model config."""
+    (keys: dispatcher, placement, max_devices, transport, fused_experts, sync_free) runs `install` on the model
+    config."""
     install(
         cfg,
         dispatcher=dispatcher,
@@ -60,5 +62,6 @@ def occult_moe(
         max_devices=max_devices,
         transport=transport,
         fused_experts=fused_experts,
+        sync_free=sync_free,
     )
     return cfg

@@ -62,6 +62,7 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
         max_devices: int | None = None  # the router limits each token to this many EP ranks (OccultRouter)
         transport: str = "auto"  # how rows travel: ExecConfig.transport ("device": counts stay on the GPU)
         fused_experts: bool = False  # hand the received rows to OccultGroupedExperts (occult's kernels), no expansion
+        sync_free: bool = False  # fixed-capacity exchanges, no host wait (every rank the same token count)
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -74,7 +75,7 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
         self.dispatcher_name = config.dispatcher
         self.placement_spec, self.layer_index = config.placement, config.layer_index
         self.max_devices, self.transport = config.max_devices, config.transport
-        self.fused_experts = config.fused_experts
+        self.fused_experts, self.sync_free = config.fused_experts, config.sync_free
         self.exchange: OccultExchange | None = None
         self.physical_E: torch.Tensor | None = None
         self.limit_checked = False
@@ -100,7 +101,13 @@ class OccultTokenDispatcher(BaseEPTokenDispatcher):
             )
         device = torch.device(self.ep_mesh.device_type)
         self.exchange = OccultExchange(
-            self.dispatcher_name, self.ep_mesh.get_group(), placement.layer(layer), 0, device, self.transport
+            self.dispatcher_name,
+            self.ep_mesh.get_group(),
+            placement.layer(layer),
+            0,
+            device,
+            self.transport,
+            sync_free=self.sync_free,
         )
 
     def dispatch(

@@ -1,6 +1,6 @@
 """Switching occult on in a TorchTitan model config: `install`, and the `occult_moe` override.
 
-`install(model_config, dispatcher=..., placement=..., max_devices=..., fused_experts=...)` replaces, in
+`install(model_config, dispatcher=..., placement=..., max_devices=..., fused_experts=..., sync_free=...)` replaces, in
 every MoE block of a TorchTitan model config (`layers.*.moe`, and DeepSeek-V3's `mtp_layers.*.moe`), the
 token dispatcher (`RoutedExperts.Config.token_dispatcher`) by `OccultTokenDispatcher.Config` and
 the router by `OccultRouter.Config` (TorchTitan's router, plus `max_devices`); with `fused_experts`
@@ -35,6 +35,7 @@ def install(
     max_devices: int | None = None,
     transport: str = "auto",
     fused_experts: bool = False,
+    sync_free: bool = False,
 ) -> int:
     """Put occult's dispatcher (and router) into every MoE block of `model_config`; returns how many.
 
@@ -44,7 +45,8 @@ def install(
     `transport`: how rows travel, as `ExecConfig.transport` ("device": counts kept on the GPU, no
     host wait; NCCL groups of one host, an error elsewhere when the EP group is built).
     `fused_experts`: the experts run by occult's fused kernels on the received rows
-    (`OccultGroupedExperts`), no expert-major expansion.
+    (`OccultGroupedExperts`), no expert-major expansion. `sync_free`: fixed-capacity exchanges whose sizes follow
+    from shapes (no host wait; every rank the same token count; unused capacity travels).
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"occult dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
@@ -52,8 +54,9 @@ def install(
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if max_devices is not None and int(max_devices) < 1:
         raise ValueError(f"max_devices must be >= 1 or None, got {max_devices}")
-    if not isinstance(fused_experts, bool):
-        raise ValueError(f"fused_experts must be True or False, got {fused_experts!r}")
+    for name, flag in (("fused_experts", fused_experts), ("sync_free", sync_free)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     found = [(parent, attr, cfg) for _, cfg, parent, attr in model_config.traverse(MoE.Config)]
     if not found:
         raise ValueError(f"{type(model_config).__qualname__} has no MoE blocks (MoE.Config) for occult's dispatcher")
@@ -82,6 +85,7 @@ def install(
             max_devices=max_devices,
             transport=transport,
             fused_experts=fused_experts,
+            sync_free=sync_free,
         )
         if fused_experts:
             moe.routed_experts.inner_experts = derive(moe.routed_experts.inner_experts, OccultGroupedExperts.Config)
