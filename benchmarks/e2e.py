@@ -90,6 +90,8 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    torchtitan+occult+placement: with the placement dedup+placement solves;
                    torchtitan+occult@device (and +placement@device): over the device transport;
                    torchtitan+occult@syncfree (any of them): fixed-capacity exchanges, no host wait;
+                   any TorchTitan variant /compile: each transformer block's forward torch.compiled (as
+                   TorchTitan's --compile.enable; its all-to-all breaks the graph, sync-free occult's does not);
                    torchtitan+occult+experts (also @device): occult's fused expert kernels in TorchTitan's
                    MoE too (OccultGroupedExperts: no expert-major expansion)
 
@@ -252,9 +254,12 @@ def variant_list(text: str) -> list[str]:
         for v in names
         if base_variant(v) not in VARIANTS + PEERS and not re.fullmatch(r"pruned[1-9]\d*", base_variant(v))
     ]
-    bad += [
-        v for v in names if base_variant(v) in PEERS and _HOW.sub("", v) != base_variant(v)
-    ]  # (the peers take no modifier but how torchtitan+occult* exchange: @device, @syncfree)
+    bad += [  # (the peers take no modifier but how torchtitan+occult* exchange, @device or @syncfree, and the
+        v  # TorchTitan variants /compile: its blocks compiled as TorchTitan's --compile.enable does)
+        for v in names
+        if base_variant(v) in PEERS
+        and _HOW.sub("", v.removesuffix("/compile") if base_variant(v) in tt_model.VARIANTS else v) != base_variant(v)
+    ]
     bad += [v for v in names if on_device(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
     bad += [v for v in names if sync_free(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
     bad += [
@@ -307,8 +312,8 @@ def variant_list(text: str) -> list[str]:
             f"step in one CUDA graph; not with the other graph modifiers), occult's variants /deferwgrad (the "
             f"experts' weight gradients on a side stream), expert-parallel ones /tilegrid (last: the expert GEMMs one "
             f"program per tile), or the peers "
-            f"{', '.join(PEERS)} (torchtitan+occult* also @device or @syncfree; the overlap schedules /cN, /tbo and "
-            f"@chunksN were removed: docs/overlap.md)"
+            f"{', '.join(PEERS)} (torchtitan+occult* also @device or @syncfree, torchtitan* /compile; the overlap "
+            f"schedules /cN, /tbo and @chunksN were removed: docs/overlap.md)"
         )
     return names
 
@@ -1007,6 +1012,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             transport="device" if on_device(variant) else "auto",
             fused_experts=base_variant(variant).endswith("+experts"),
             sync_free=sync_free(variant),
+            compile_blocks=is_compiled(variant),
         )
         del hf_model
         free_memory(device)

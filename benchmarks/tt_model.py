@@ -14,7 +14,8 @@ expert's fused `gate_up_proj` split into `w1_EFD` / `w3_EFD`), so its logits are
 the same unconverted model as every occult variant. Then TorchTitan's own `parallelize_qwen3`
 (SPMD backend `"partial_dtensor"`): EP over all ranks (contiguous blocks of E/N experts), FSDP2
 over all ranks for everything else (`dp_shard=N`, `ep=N`), no activation checkpointing, no
-torch.compile of the blocks (TorchTitan's default; e2e.py compiles none of its variants either).
+torch.compile of the blocks (TorchTitan's default), unless e2e.py's variant ends in /compile (`compile_blocks`: each
+block's forward compiled, FSDP's hooks outside it, as TorchTitan's --compile.enable compiles its blocks).
 
 Precision: the weights are the model's dtype (bf16 on GPUs) with FSDP's param and reduce dtype
 the same, like occult's variants (bf16 weights, bf16 gradient all-reduce, AdamW on bf16).
@@ -221,6 +222,7 @@ class TitanLM:
         transport: str = "auto",
         fused_experts: bool = False,
         sync_free: bool = False,
+        compile_blocks: bool = False,
     ) -> None:
         import torchtitan
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -281,6 +283,14 @@ class TitanLM:
                 "(this torch has no per-parameter FSDP meshes for parallelize_qwen3)"
             )
         self.world = world
+        self.compiled_blocks = compile_blocks
+        if compile_blocks:  # as TorchTitan's --compile.enable: each block compiled (its forward: FSDP's hooks outside)
+            blocks = list(self.model.layers.values())
+            config = torch._dynamo.config  # one code object for every block: room for each block's shapes and modes
+            config.recompile_limit = max(config.recompile_limit, 32 * len(blocks) + 8)
+            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * config.recompile_limit)
+            for block in blocks:
+                block.forward = torch.compile(block.forward, dynamic=False)
         if device.type == "cpu":  # gloo has no PREMUL_SUM, the op of TorchTitan's gradient divide factor
             from torch.distributed.fsdp import FSDPModule
 
@@ -355,6 +365,7 @@ class TitanLM:
             "dispatcher": type(ex.token_dispatcher).__name__,
             "experts": type(ex.inner_experts).__name__,
             "parallelize": self.parallelize,
+            "compiled_blocks": self.compiled_blocks,
             "local_experts": int((w.to_local() if hasattr(w, "to_local") else w).shape[0]),
             "attention": "FlexAttention (compiled by TorchTitan)"
             if self.device.type == "cuda"

@@ -380,10 +380,13 @@ def test_e2e_transport_and_graph_modifiers():
     assert [e2e.on_device(v) for v in names] == [True, True, False, True, True, True]
     assert [e2e.is_graphed(v) for v in names] == [False, True, True, False, False, False]
     assert e2e.variant_list("torchtitan+occult@device") == ["torchtitan+occult@device"]  # TorchTitan's seam too
-    titan = e2e.variant_list("torchtitan+occult@syncfree,torchtitan+occult+experts@syncfree")  # fixed capacity there
-    assert [(e2e.base_variant(v), e2e.sync_free(v)) for v in titan] == [
-        ("torchtitan+occult", True),
-        ("torchtitan+occult+experts", True),
+    titan = e2e.variant_list(  # fixed capacity there; /compile: TorchTitan's blocks compiled, either dispatcher
+        "torchtitan+occult@syncfree,torchtitan+occult+experts@syncfree/compile,torchtitan/compile"
+    )
+    assert [(e2e.base_variant(v), e2e.sync_free(v), e2e.is_compiled(v)) for v in titan] == [
+        ("torchtitan+occult", True, False),
+        ("torchtitan+occult+experts", True, True),
+        ("torchtitan", False, True),
     ]
     free = e2e.variant_list("dedup@syncfree/layergraphs/compile,standard@syncfree/graph,dedup")  # sync-free dispatch
     assert [(e2e.base_variant(v), e2e.sync_free(v), e2e.on_device(v)) for v in free] == [
@@ -413,7 +416,9 @@ def test_e2e_transport_and_graph_modifiers():
         "torchtitan@syncfree",
         "hf-ep@device",
         "hf-ep@syncfree",
-        "torchtitan+occult@syncfree/compile",
+        "hf-ep/compile",
+        "torchtitan/compile/graph",
+        "torchtitan+occult@syncfree/compile/stepgraph",
         "torchtitan+occult/graph",
         "dedup/compile/graph",
         "native/compile/graph",
