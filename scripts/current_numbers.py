@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_phases import phase_label  # noqa: E402
 from result_provenance import SKIP_DIRS, job_provenance, stamp  # noqa: E402
-from targets_report import SERVE_FLOORS, best_variant, phase_ms, step_ms  # noqa: E402
+from targets_report import SERVE_FLOORS, best_variant, phase_ms, step_ms, train_shape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -299,13 +299,8 @@ def train_world(doc: dict) -> str:
 
 
 def train_model(doc: dict) -> str:
-    """The model a report's runs trained, where they record it (two_gpu_training.sh's SIZE; "-": runs before
-    session 31, which record none)."""
-    shapes = {tuple(sorted(r["model"].items())) for r in doc.get("variants", {}).values() if r.get("model")}
-    if len(shapes) != 1:
-        return "-"
-    m = dict(next(iter(shapes)))
-    return f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_experts']} experts x {m['expert_ffn_size']}"
+    """The model a report's runs trained (`targets_report.train_shape`; "-": runs that record none)."""
+    return train_shape(doc) or "-"
 
 
 def train_figures(doc: dict, link: str) -> Iterator[Figure]:

@@ -345,7 +345,8 @@ def train_rows(name: str, doc: dict) -> list[list[str]]:
     rows, link = [], doc["link"]
     env = doc.get("env") if isinstance(doc.get("env"), dict) else {}
     where = f"{env.get('world_size') or 2} GPUs {link}"  # issue 52 asks 2 and 4 GPUs (GPUS=N)
-    where += train_shape(doc)
+    shape = train_shape(doc)
+    where += f", {shape}" if shape else ""
     for issue, table in (("38", TRAIN_TARGETS), ("52", ISSUE52_TRAIN)):
         for key, (what, targets) in table.items():
             value, target = doc["ratios"].get(key), targets.get(link)
@@ -356,14 +357,14 @@ def train_rows(name: str, doc: dict) -> list[list[str]]:
     return rows
 
 
-def train_shape(doc: dict) -> str:
-    """The model its runs trained, where they record it (two_gpu_training.sh's SIZE=olmoe beside the default size:
-    ", 4 layers, hidden 2048, 64 experts x 1024"; runs before session 31 record none: "")."""
+def train_shape(doc: dict) -> str | None:
+    """The model a report's runs trained, where they all record one ("4 layers, hidden 2048, 64 experts x 1024":
+    two_gpu_training.sh's SIZE=olmoe beside the default size); None for runs before session 31, which record none."""
     shapes = {tuple(sorted(r["model"].items())) for r in doc.get("variants", {}).values() if r.get("model")}
     if len(shapes) != 1:
-        return ""
+        return None
     m = dict(next(iter(shapes)))
-    return f", {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_experts']} experts x {m['expert_ffn_size']}"
+    return f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_experts']} experts x {m['expert_ffn_size']}"
 
 
 def replace_rows(name: str, doc: dict) -> list[list[str]]:

@@ -88,28 +88,34 @@ class Attention(nn.Module):
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a model's experts live and how they exchange (`OccultLM`'s keywords, handed to every block):
+    `placement` (None: contiguous), the process `group` they span, the `dispatcher`, and `init_weights`
+    (False: left uninitialised, every weight copied in next)."""
+
+    placement: Placement | None = None
+    group: Any = None
+    dispatcher: str = "dedup"
+    init_weights: bool = True
+
+
 class MoEBlock(nn.Module):
     """`OccultMoE` plus what the model needs around it: the auxiliary loss and routing observers."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layer_index: int,
-        placement: Placement | None,
-        group: Any,
-        dispatcher: str,
-        init_weights: bool = True,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, layout: ExpertLayout) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.moe = OccultMoE(
             MoEConfig(cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k),
             routing=RoutingConfig(norm_topk_prob=cfg.norm_topk_prob),
-            execution=ExecConfig(dispatcher=dispatcher, expert_backend=cfg.expert_backend, transport=cfg.transport),
-            placement=placement,
-            layer_index=layer_index if placement is not None else 0,
-            group=group,
-            init_weights=init_weights,
+            execution=ExecConfig(
+                dispatcher=layout.dispatcher, expert_backend=cfg.expert_backend, transport=cfg.transport
+            ),
+            placement=layout.placement,
+            layer_index=layer_index if layout.placement is not None else 0,
+            group=layout.group,
+            init_weights=layout.init_weights,
         )
         self.observers: list[RoutingObserver] = []
         self.want_aux = True
@@ -177,20 +183,12 @@ def global_aux_loss(logits_TE: torch.Tensor, ids_TK: torch.Tensor, group: Any) -
 
 
 class DecoderBlock(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layer_index: int,
-        placement: Placement | None,
-        group: Any,
-        dispatcher: str,
-        init_weights: bool = True,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, layout: ExpertLayout) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.attn = Attention(cfg)
         self.moe_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.moe = MoEBlock(cfg, layer_index, placement, group, dispatcher, init_weights)
+        self.moe = MoEBlock(cfg, layer_index, layout)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn(self.attn_norm(x))
@@ -243,9 +241,8 @@ class OccultLM(nn.Module):
         self.config = config
         cfg = config
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleList(
-            DecoderBlock(cfg, i, placement, group, dispatcher, init_weights) for i in range(cfg.num_layers)
-        )
+        layout = ExpertLayout(placement, group, dispatcher, init_weights)
+        self.blocks = nn.ModuleList(DecoderBlock(cfg, i, layout) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

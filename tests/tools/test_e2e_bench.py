@@ -463,6 +463,16 @@ def test_native_compile_compiles_the_decoder_layers(monkeypatch):
     assert e2e.convert_variant(model, "native", None, None) is model and len(calls) == 1
 
 
+def _compile_layers_calls(monkeypatch, e2e, variant: str) -> list[dict]:
+    """The keywords `convert_variant` hands `hf.compile_layers` for `variant` (conversion stubbed out)."""
+    calls = []
+    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append(kw))
+    monkeypatch.setattr(e2e.hf, "convert", lambda model, **kw: model)
+    monkeypatch.setattr(e2e, "set_sync_free", lambda model, enabled=True: 0)
+    e2e.convert_variant(torch.nn.Module(), variant, None, None)
+    return calls
+
+
 def test_eagermoe_goes_with_replicated_compile_only(monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import e2e
@@ -470,10 +480,7 @@ def test_eagermoe_goes_with_replicated_compile_only(monkeypatch):
     (name,) = e2e.variant_list("replicated/eagermoe/compile")
     assert e2e.eager_moe(name) and e2e.is_compiled(name) and e2e.base_variant(name) == "replicated"
     assert not e2e.eager_moe("replicated/compile")
-    calls = []
-    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append(kw))
-    monkeypatch.setattr(e2e.hf, "convert", lambda model, **kw: model)
-    e2e.convert_variant(torch.nn.Module(), name, None, None)
+    calls = _compile_layers_calls(monkeypatch, e2e, name)
     assert calls == [{"layer_graphs": True, "train_graphs": False, "trace_moe": False}]
     for bad in (
         "replicated/eagermoe",
@@ -496,11 +503,7 @@ def test_tracemoe_goes_with_sync_free_compiled_variants_of_one_micro_batch(monke
     for name in names:
         assert e2e.traced_moe(name) and e2e.is_compiled(name) and e2e.sync_free(name) and not e2e.eager_moe(name)
     assert e2e.step_graph(names[1]) and not e2e.traced_moe("dedup@syncfree/compile")
-    calls = []
-    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append(kw))
-    monkeypatch.setattr(e2e.hf, "convert", lambda model, **kw: model)
-    monkeypatch.setattr(e2e, "set_sync_free", lambda model, enabled=True: 0)
-    e2e.convert_variant(torch.nn.Module(), names[1], None, None)
+    calls = _compile_layers_calls(monkeypatch, e2e, names[1])
     assert calls == [{"layer_graphs": False, "train_graphs": False, "trace_moe": True}]
     for bad in (
         "dedup/tracemoe/compile",
@@ -537,10 +540,7 @@ def test_stepgraph_records_the_train_step_with_the_moe_layers_eager_inside(monke
     names = e2e.variant_list("replicated/compile/stepgraph,dedup@device/compile/stepgraph,dedup@syncfree/stepgraph")
     assert all(e2e.step_graph(n) for n in names) and not e2e.step_graph("replicated/compile")
     assert [e2e.base_variant(n) for n in names] == ["replicated", "dedup", "dedup"] and e2e.on_device(names[1])
-    calls = []
-    monkeypatch.setattr(e2e.hf, "compile_layers", lambda model, **kw: calls.append(kw))
-    monkeypatch.setattr(e2e.hf, "convert", lambda model, **kw: model)
-    e2e.convert_variant(torch.nn.Module(), names[0], None, None)
+    calls = _compile_layers_calls(monkeypatch, e2e, names[0])
     assert calls == [{"layer_graphs": False, "train_graphs": False, "trace_moe": None}]
     for bad in (
         "native/compile/stepgraph",
