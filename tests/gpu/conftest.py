@@ -99,7 +99,8 @@ def pytest_runtest_logreport(report):
     """Under run.sh (OCCULT_GPU_SUITE_OUT set): append each case's outcome to OUT/progress-rank{R}.tsv
     (stage 1), OUT/progress-single.tsv (stage 2) or OUT/progress-single3.tsv (stage 3) as it finishes,
     so a stage cut by an outer time limit still leaves what ran (pytest writes its JUnit report only at
-    the end; summary.py reads these where the report is missing)."""
+    the end; summary.py reads these where the report is missing); a failure's traceback goes to the
+    matching OUT/failures-*.txt at once."""
     out = os.environ.get("OCCULT_GPU_SUITE_OUT")
     final = (
         report.when == "call"
@@ -121,6 +122,9 @@ def pytest_runtest_logreport(report):
     )
     with open(os.path.join(out, name), "a") as f:
         f.write(f"{report.nodeid}\t{state}\t{report.duration:.3f}\n")
+    if report.failed:  # the traceback now: pytest prints it only at the end, which a time limit may cut
+        with open(os.path.join(out, name.replace("progress-", "failures-").replace(".tsv", ".txt")), "a") as f:
+            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 @pytest.fixture(autouse=True)

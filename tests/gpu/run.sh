@@ -19,8 +19,8 @@
 #                                                          runs can share a call: CUDA_VISIBLE_DEVICES=0,1 /
 #                                                          2,3, OUT apart)
 # A partial summary is written after stage 1, so a run stopped in stage 2 keeps stage 1's table; every case's
-# outcome is also appended to OUT/progress-*.tsv as it finishes, so a stage cut by an outer time limit
-# (`timeout`) still leaves what ran: `python tests/gpu/summary.py OUT` then reads those.
+# outcome is also appended to OUT/progress-*.tsv as it finishes (a failure's traceback to OUT/failures-*.txt),
+# so a stage cut by an outer time limit (`timeout`) still leaves what ran: `python tests/gpu/summary.py OUT` then reads those.
 # Extra pytest arguments go in PYTEST_ARGS, parsed like a shell command line
 # (e.g. PYTEST_ARGS="-k olmoe", PYTEST_ARGS="-k 'not olmoe_1b_7b'").
 set -uo pipefail
@@ -36,7 +36,7 @@ if [ -n "${PYTEST_ARGS:-}" ]; then
   mapfile -t extra <<< "$parsed"
 fi
 rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single*.xml "$out"/versions.txt "$out"/summary.md \
-  "$out"/progress-*.tsv
+  "$out"/progress-*.tsv "$out"/failures-*.txt
 stages=" ${OCCULT_GPU_SUITE_STAGES:-1 2 3} "
 for s in $stages; do
   case $s in 1|2|3) ;; *) echo "OCCULT_GPU_SUITE_STAGES='${OCCULT_GPU_SUITE_STAGES}': give stages among 1, 2, 3 (e.g. '2 3')" >&2; exit 2 ;; esac
