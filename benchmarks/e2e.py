@@ -101,9 +101,13 @@ above --tol makes the run exit 1 (after the others are measured). In half precis
 model is also run upcast to fp32, and a variant passes too if its error against that fp32 model is
 at most 1.25x the half-precision native model's own plus --tol (discrete routing with near-tied scores, as
 DeepSeek-V3's on random weights, picks other experts under any change of rounding, compiled kernels
-of transformers' own model included). Phases: prefill (eval,
-no_grad, forward with logits of the last position as `generate` does) and train (forward,
-next-token cross-entropy, backward inside `occult.agreed_step` as occult's trainers run them
+of transformers' own model included). That check sees the forward only; before a variant's train steps its MoE
+backward is checked too (benchmarks/_grad_check.py; not TorchTitan's model): the gradients of every router and of
+the norm in front of each MoE block, on one batch of the training shape, against the unconverted model's on the
+same batch (relative L2 error, worst over those parameters and ranks; above 0.5 an exact variant fails and is not
+timed: a lost MoE backward gives ~1; `grad_check` in the JSON; a compiled variant compiles in it, and `compile_s`
+counts it). Phases: prefill (eval, no_grad, forward with logits of the last position as `generate` does) and
+train (forward, next-token cross-entropy, backward inside `occult.agreed_step` as occult's trainers run them
 (OCCULT_AGREEMENT=step: the device transport's ranks agree once a step; the default, call: at every
 layer call), hf.sync_gradients,
 optimizer step). Each step gets fresh
@@ -143,6 +147,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
+from _grad_check import gradient_check, reference_gradients  # noqa: E402  (benchmarks/_grad_check.py)
 from _replay_check import replay_check  # noqa: E402  (benchmarks/_replay_check.py: replays vs eager layers)
 from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
 from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
@@ -941,6 +946,26 @@ def train_replay_check(model: nn.Module, args: argparse.Namespace, vocab: int, d
     return replay_check(model, step, args.tol)
 
 
+def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.device) -> float:
+    """Before the timed train steps (the weights still the unconverted model's): the MoE blocks' backward
+    against the unconverted model's (benchmarks/_grad_check.py), in `res["grad_check"]`; an exact variant
+    that fails it fails its check. Returns the pass's seconds (a compiled variant compiles in it)."""
+    t0 = time.perf_counter()
+    check = gradient_check(model, ctx["grad_ids"], ctx["ref_grads"])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    check["seconds"] = time.perf_counter() - t0
+    res["grad_check"] = check
+    res["check"]["passed"] = res["check"]["passed"] and (check["passed"] or not res["exact"])
+    log(
+        f"  train: router and pre-MoE norm gradients vs the unconverted model, worst relative error "
+        f"{check['max_rel_err']:.2e} over {check['params']} parameters"
+        + ("" if check["passed"] else f" ({check['worst_param']} on this rank)")
+        + ("" if check["passed"] else "  FAILED" if res["exact"] else " (approximate: report only)")
+    )
+    return check["seconds"]
+
+
 def unavailable(variant: str, device: torch.device) -> str | None:
     """Why `variant` cannot run here (a CPU run of a GPU-only variant), or None."""
     if is_graphed(variant) and device.type != "cuda":
@@ -1047,6 +1072,11 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             if (shared or is_graphed(variant) and not step_graph(variant)) and phase == "train":
                 log(f"  {phase}: not timed for {variant} ({'inference peer' if shared else 'prefill only'})")
                 continue
+            check_s = None  # (the MoE backward's check, before any update: the unconverted model's weights)
+            if phase == "train" and not titan:
+                check_s = moe_backward_check(model, ctx, res, device)
+                if not res["check"]["passed"]:
+                    break
             optimizer = None
             if phase == "train" and titan:
                 optimizer = model.optimizer(args.optimizer, args.lr)
@@ -1081,6 +1111,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             out = time_steps(step, args, cfg.vocab_size, device, shared)
             if first_s is not None:  # the phase's compilation: its first step less a steady one
                 out["compile_s"] = first_s - out["ms_median"] / 1e3
+                if check_s is not None:  # (plus the check's pass, which compiled the forward and backward)
+                    out["compile_s"] += max(0.0, check_s - out["ms_median"] / 1e3)
             passes = args.accumulate if phase == "train" else 1  # (two halves: still counted as one pass)
             out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase, passes))
             calls = micro_batches(variant) * passes  # each layer's calls a step, as comm_stats counts them
@@ -1215,6 +1247,10 @@ def main(argv: list[str] | None = None) -> int:
     check_ids = random_ids(args.check_batch, args.check_seq, cfg.vocab_size, device, gen)
     with torch.no_grad():
         ref_logits = ref.eval()(input_ids=check_ids, use_cache=False).logits.float()
+    grad_ids, ref_grads = None, None
+    if "train" in args.phases:  # the MoE backward's check (benchmarks/_grad_check.py), at the training shape
+        grad_ids = random_ids(args.batch, args.seq, cfg.vocab_size, device, gen)
+        ref_grads = reference_gradients(ref, grad_ids)
     placement = None
     if any(v.endswith("+placement") or v.startswith("pruned") for v in (base_variant(v) for v in args.variants)):
         placement, report["placement"] = solve_placement(ref, args, device, world)
@@ -1240,6 +1276,8 @@ def main(argv: list[str] | None = None) -> int:
         check_ids=check_ids,
         ref_logits=ref_logits,
         truth=truth,
+        grad_ids=grad_ids,
+        ref_grads=ref_grads,
         hf_ep_dir=hf_ep_dir,
         cost=cost,
         peaks=report["peaks"],
