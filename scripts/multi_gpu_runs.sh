@@ -58,7 +58,8 @@
 #           training schedules in session 29 (docs/overlap.md, "One program per tile")
 # trace     issue 52: sync-free expert-parallel MoE blocks traced into their decoder layers (e2e.py's /tracemoe:
 #           compile_layers(trace_moe=True), all-to-alls in the layers' graphs): the GPU suite's traced cases
-#           (-k traced_sync_free: against eager in three dtypes, no graph break), then OLMoE and Qwen3 training
+#           (-k 'traced_sync_free or compiled_exchange': against eager in three dtypes, no graph break; one
+#           compiled exchange's gradients), then OLMoE and Qwen3 training (each variant's MoE backward checked first)
 #           (NVLink) and OLMoE prefill in one job each with the floor and the same variants eager between the
 #           layers' graphs (~7 min on 2 GPUs; docs/training.md, "Sync-free expert-parallel MoE blocks traced");
 #           TITAN=1 adds TorchTitan's Qwen3 with occult's fused experts sync-free (torchtitan+occult+experts@syncfree),
@@ -240,7 +241,7 @@ case $part in
     done ;;&
   trace|all)  # issue 52: sync-free EP MoE blocks traced with their layers (/tracemoe) beside the same eager between them
     sf=dedup@syncfree
-    run trace_suite 200 env OCCULT_GPU_SUITE_STAGES=1 PYTEST_ARGS="-k traced_sync_free" bash tests/gpu/run.sh "$out/trace_suite"
+    run trace_suite 200 env OCCULT_GPU_SUITE_STAGES=1 PYTEST_ARGS="-k 'traced_sync_free or compiled_exchange'" bash tests/gpu/run.sh "$out/trace_suite"
     for model in olmoe qwen3; do
       run "trace_${model}_train" 200 $tr benchmarks/e2e.py --model $model --phases train \
         --variants replicated/compile/stepgraph,$sf/compile/stepgraph,$sf/compile/stepgraph/deferwgrad,$sf/tracemoe/compile/stepgraph \
