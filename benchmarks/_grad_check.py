@@ -14,6 +14,8 @@ variants hold only their own, under the same names.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -37,14 +39,26 @@ def checked_names(model: nn.Module) -> list[str]:
     return names
 
 
-def moe_input_gradients(model: nn.Module, ids_BS: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
-    """fp32 copies of `names`' gradients after one forward and backward of `model` (in training mode) on `ids_BS`
-    (labels = ids) from zero; the model's gradients are cleared after, its mode restored."""
+def moe_input_gradients(
+    model: nn.Module,
+    ids_BS: torch.Tensor,
+    names: list[str],
+    chunks: int = 1,
+    scope: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict[str, torch.Tensor]:
+    """fp32 copies of `names`' gradients of the mean loss over `ids_BS` (labels = ids) from one forward and backward
+    of `model` in training mode, from zero, inside `scope()`. With `chunks` > 1 the batch goes as that many equal
+    micro-batches (the shapes a split training step compiles for), their gradients accumulated and averaged: the
+    whole batch's. The model's gradients are cleared after, its mode restored."""
+    if ids_BS.shape[0] % chunks:
+        raise ValueError(f"{ids_BS.shape[0]} sequences do not split into {chunks} equal micro-batches")
     training = model.training
     model.zero_grad(set_to_none=True)
     model.train()
     try:
-        model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss.backward()
+        with scope():
+            for part in ids_BS.chunk(chunks):
+                (model(input_ids=part, labels=part, use_cache=False).loss / chunks).backward()
     finally:
         model.train(training)
     params = dict(model.named_parameters())
@@ -67,12 +81,18 @@ def reference_gradients(model: nn.Module, ids_BS: torch.Tensor) -> dict[str, tor
             p.requires_grad_(keep[n])
 
 
-def gradient_check(model: nn.Module, ids_BS: torch.Tensor, reference: dict[str, torch.Tensor]) -> dict:
-    """The converted `model`'s checked gradients on `ids_BS` against `reference` (a collective: every rank
-    calls): {"max_rel_err" (worst over parameters and ranks), "worst_param" (on this rank), "params", "tol",
-    "passed"}. A parameter the reference has and the model does not, or a gradient that is missing or not
-    finite, counts as an error of inf."""
-    got = moe_input_gradients(model, ids_BS, list(reference))
+def gradient_check(
+    model: nn.Module,
+    ids_BS: torch.Tensor,
+    reference: dict[str, torch.Tensor],
+    chunks: int = 1,
+    scope: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict:
+    """The converted `model`'s checked gradients on `ids_BS` (in `chunks` micro-batches, inside `scope()`:
+    `moe_input_gradients`) against `reference` (a collective: every rank calls): {"max_rel_err" (worst over
+    parameters and ranks), "worst_param" (on this rank), "params", "tol", "passed"}. A parameter the reference
+    has and the model does not, or a gradient that is missing or not finite, counts as an error of inf."""
+    got = moe_input_gradients(model, ids_BS, list(reference), chunks, scope)
     worst, worst_name = 0.0, ""
     for name, want in reference.items():
         err = relative_error(got.get(name), want)

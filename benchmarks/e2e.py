@@ -105,8 +105,9 @@ of transformers' own model included). That check sees the forward only; before a
 backward is checked too (benchmarks/_grad_check.py; not TorchTitan's model): the gradients of every router and of
 the norm in front of each MoE block, on one batch of the training shape, against the unconverted model's on the
 same batch (relative L2 error, worst over those parameters and ranks; above 0.5 an exact variant fails and is not
-timed: a lost MoE backward gives ~1; `grad_check` in the JSON; a compiled variant compiles in it, and `compile_s`
-counts it). Phases: prefill (eval, no_grad, forward with logits of the last position as `generate` does) and
+timed: a lost MoE backward gives ~1; `grad_check` in the JSON; the batch goes in the micro-batches the step splits
+it into, /twobatch's halves or --accumulate's K, so a compiled variant compiles in it what its steps run, and
+`compile_s` counts it). Phases: prefill (eval, no_grad, forward with logits of the last position as `generate` does) and
 train (forward, next-token cross-entropy, backward inside `occult.agreed_step` as occult's trainers run them
 (OCCULT_AGREEMENT=step: the device transport's ranks agree once a step; the default, call: at every
 layer call), hf.sync_gradients,
@@ -946,12 +947,14 @@ def train_replay_check(model: nn.Module, args: argparse.Namespace, vocab: int, d
     return replay_check(model, step, args.tol)
 
 
-def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.device) -> float:
+def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.device, chunks: int) -> float:
     """Before the timed train steps (the weights still the unconverted model's): the MoE blocks' backward
-    against the unconverted model's (benchmarks/_grad_check.py), in `res["grad_check"]`; an exact variant
-    that fails it fails its check. Returns the pass's seconds (a compiled variant compiles in it)."""
+    against the unconverted model's (benchmarks/_grad_check.py), in `res["grad_check"]`, the batch in `chunks`
+    micro-batches as the step splits it (the shapes it compiles for); an exact variant that fails it fails its
+    check. Returns the pass's seconds (a compiled variant compiles in it)."""
     t0 = time.perf_counter()
-    check = gradient_check(model, ctx["grad_ids"], ctx["ref_grads"])
+    ids = ctx["grad_ids"]
+    check = gradient_check(model, ids, ctx["ref_grads"], chunks, lambda: agreed_step(model, ids.numel()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     check["seconds"] = time.perf_counter() - t0
@@ -1074,7 +1077,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                 continue
             check_s = None  # (the MoE backward's check, before any update: the unconverted model's weights)
             if phase == "train" and not titan:
-                check_s = moe_backward_check(model, ctx, res, device)
+                chunks = 2 if micro_batches(variant) == 2 else max(1, args.accumulate)
+                check_s = moe_backward_check(model, ctx, res, device, chunks)
                 if not res["check"]["passed"]:
                     break
             optimizer = None

@@ -58,3 +58,23 @@ def test_a_missing_gradient_fails_the_check():
         block.register_forward_hook(lambda module, args, out: out.detach())
     check = gradient_check(model, ids, want)
     assert not check["passed"] and check["max_rel_err"] > 1e30
+
+
+def test_a_batch_in_micro_batches_gives_the_whole_batchs_gradients():
+    ref, model, _ = _twins("olmoe")
+    ids = torch.randint(0, ref.config.vocab_size, (4, 16))
+    want = reference_gradients(ref, ids)
+    check = gradient_check(model, ids, want, chunks=2)  # (the shape a two-batch or accumulated step compiles for)
+    assert check["passed"] and check["max_rel_err"] < 1e-5, check
+    entered = []
+
+    class Scope:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            return False
+
+    assert gradient_check(model, ids, want, chunks=4, scope=Scope)["max_rel_err"] < 1e-5 and entered == [True]
+    with pytest.raises(ValueError, match="do not split into 3 equal micro-batches"):
+        gradient_check(model, ids, want, chunks=3)
