@@ -68,8 +68,8 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
     """Rows of `x` [P, ...] out along `send_splits` (rows per destination rank), rows in along
     `recv_splits`: the received [sum(recv_splits), ...] in source-rank order. `group=None` is one
     rank: a copy. Not differentiable (the dispatchers wrap it in one autograd node per exchange)."""
-    if group is not None and torch.compiler.is_compiling():  # traced: the functional collective (torch 2.11 on
-        # NCCL loses the in-place one's result in a compiled backward: the gradient came back zero)
+    if group is not None and torch.compiler.is_compiling():  # traced: the functional collective, which returns
+        # its result (the in-place one's was lost in a compiled backward on NCCL: docs/training.md, "GPU truth")
         return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv_splits, send_splits, group))
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     if group is None:
