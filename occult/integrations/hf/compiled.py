@@ -132,7 +132,8 @@ def traceable(model: nn.Module) -> bool:
     """Whether `compile_layers` traces the model's MoE blocks with their layers by default: every `OccultMoE`
     one-rank with its experts on a GPU (where the Triton expert path traces whole; on CPU the reference loop
     breaks the graph at its data-dependent splits), and no block compiled eager by an earlier call. (Sync-free
-    expert-parallel layers trace when asked, `trace_moe=True`: not by default until timed on GPUs.)"""
+    expert-parallel layers trace when asked, `trace_moe=True`: not by default, as they did not beat the eager
+    block on GPUs: docs/training.md.)"""
     layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
     if not layers or not all(layer.gate_up_proj.is_cuda and layer.num_ranks == 1 for layer in layers):
         return False
