@@ -1,19 +1,26 @@
-"""Whether a timed training step's MoE backward reaches the layers in front of it (e2e.py's train phase).
+"""Whether a timed training step's MoE backward is right (e2e.py's train phase, before the timed steps).
 
 The logit check sees the forward only. A backward that loses the MoE blocks' input and gate gradients still
 trains, fast and wrong: the residual stream carries a gradient around them (docs/training.md, "Traced
 expert-parallel layers: GPU truth": compiled all-to-alls on NCCL gave zero gradients and a step 3% faster
-than it should be). Two kinds of parameter get their gradient only through the MoE block: its router
-(through the gates) and the norm in front of it (through the rows sent to the experts). Their gradients on
-one batch, against the unconverted model's on the same batch in the same dtype, tell a lost or wrong MoE
-backward (relative error ~1) from rounding (in bf16 up to ~0.1 on the tiny random models of CPU runs, whose
-routers' near-ties flip under any change of rounding). Expert weights are left out: expert-parallel
-variants hold only their own, under the same names.
+than it should be). Three kinds of parameter are checked on one batch, against the unconverted model's
+gradients on the same batch in the same dtype:
+
+- each MoE block's router (its gradient comes only through the gates);
+- the norm in front of each MoE block (only through the rows sent to the experts);
+- two experts of each MoE block, the first and the last (their weight gradients). An expert-parallel layer holds
+  each expert on one rank, and its gradient there has every rank's tokens in it. The reference for it is
+  therefore the unconverted model's gradient summed over the layer's ranks. A rank compares the sampled experts
+  it holds, unless no token chose one (a zero reference: nothing to compare).
+
+A lost or wrong MoE backward gives a relative error of ~1; rounding gives less (in bf16 up to ~0.1 on the tiny
+random models of CPU runs, whose routers' near-ties flip under any change of rounding).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -25,6 +32,8 @@ from _replay_check import relative_error
 from occult.integrations import hf
 
 TOL = 0.5  # relative L2 error, worst over the checked parameters and ranks: a lost MoE backward gives ~1
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # (transformers' fused experts' names, which hf.convert keeps)
+_EXPERT_KEY = re.compile(r"^(?P<name>.+)\[(?P<expert>\d+)\]$")  # "<param>[<expert>]": one expert's slice
 
 
 def checked_names(model: nn.Module) -> list[str]:
@@ -39,17 +48,34 @@ def checked_names(model: nn.Module) -> list[str]:
     return names
 
 
-def moe_input_gradients(
+def expert_keys(model: nn.Module) -> list[str]:
+    """`<block>.experts.<weight>[e]` for the first and last expert of each MoE block of the unconverted `model`."""
+    params = dict(model.named_parameters())
+    keys = []
+    for block, _ in hf.moe_blocks(model):
+        for weight in EXPERT_WEIGHTS:
+            name = f"{block}.experts.{weight}"
+            if name in params:
+                count = params[name].shape[0]
+                keys += [f"{name}[{e}]" for e in sorted({0, count - 1})]
+    return keys
+
+
+def split_key(key: str) -> tuple[str, int | None]:
+    """(parameter name, expert) of a checked key; expert None for a whole parameter."""
+    match = _EXPERT_KEY.match(key)
+    return (key, None) if match is None else (match["name"], int(match["expert"]))
+
+
+def backward_pass(
     model: nn.Module,
     ids_BS: torch.Tensor,
-    names: list[str],
     chunks: int = 1,
     scope: Callable[[], AbstractContextManager] = nullcontext,
-) -> dict[str, torch.Tensor]:
-    """fp32 copies of `names`' gradients of the mean loss over `ids_BS` (labels = ids) from one forward and backward
-    of `model` in training mode, from zero, inside `scope()`. With `chunks` > 1 the batch goes as that many equal
-    micro-batches (the shapes a split training step compiles for), their gradients accumulated and averaged: the
-    whole batch's. The model's gradients are cleared after, its mode restored."""
+) -> None:
+    """One forward and backward of `model` in training mode on `ids_BS` (labels = ids) from zero gradients, inside
+    `scope()`: the mean loss over the batch, in `chunks` equal micro-batches (the shapes a split training step
+    compiles for) whose gradients accumulate to the whole batch's. Its mode is restored after."""
     if ids_BS.shape[0] % chunks:
         raise ValueError(f"{ids_BS.shape[0]} sequences do not split into {chunks} equal micro-batches")
     training = model.training
@@ -61,24 +87,54 @@ def moe_input_gradients(
                 (model(input_ids=part, labels=part, use_cache=False).loss / chunks).backward()
     finally:
         model.train(training)
-    params = dict(model.named_parameters())
-    grads = {n: params[n].grad.detach().float().clone() for n in names if params[n].grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
 
 
 def reference_gradients(model: nn.Module, ids_BS: torch.Tensor) -> dict[str, torch.Tensor]:
-    """`moe_input_gradients` of the unconverted model, its other parameters frozen for the pass (no gradient
-    memory for them; the checked ones' gradients are the same)."""
-    names = checked_names(model)
+    """The unconverted `model`'s gradients (fp32 copies) of `checked_names` and `expert_keys` on `ids_BS`, its
+    other parameters frozen for the pass (no gradient memory for them; the checked ones' gradients are the same)
+    and every gradient cleared after."""
+    keys = checked_names(model) + expert_keys(model)
+    wanted = {split_key(k)[0] for k in keys}
     keep = {n: p.requires_grad for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
-        p.requires_grad_(n in names)
+        p.requires_grad_(n in wanted)
     try:
-        return moe_input_gradients(model, ids_BS, names)
+        backward_pass(model, ids_BS)
+        params = dict(model.named_parameters())
+        grads = {}
+        for key in keys:
+            name, expert = split_key(key)
+            grad = params[name].grad
+            if grad is not None:
+                grads[key] = (grad if expert is None else grad[expert]).detach().float().clone()
+        return grads
     finally:
+        model.zero_grad(set_to_none=True)
         for n, p in model.named_parameters():
             p.requires_grad_(keep[n])
+
+
+def _expert_layer(model: nn.Module, name: str) -> nn.Module:
+    """The module that owns expert weight `name`: occult's layer (an `expert_device_E` map) or transformers' own."""
+    return model.get_submodule(name.rsplit(".", 1)[0])
+
+
+def _wanted(model: nn.Module, key: str, want: torch.Tensor) -> tuple[torch.Tensor, tuple[str, int | None] | None]:
+    """(the reference for `key` on this rank, where this rank holds it: (parameter, index) or None). An expert of
+    an expert-parallel layer: the reference summed over the layer's ranks (a collective over its group; every
+    rank calls for every key in the same order), held by the rank its placement says, at its slot."""
+    name, expert = split_key(key)
+    if expert is None:
+        return want, (name, None)
+    layer = _expert_layer(model, name)
+    if not hasattr(layer, "expert_device_E") or layer.num_ranks == 1:  # every expert here, its own tokens only
+        slot = expert if not hasattr(layer, "expert_slot_E") else int(layer.expert_slot_E[expert])
+        return want, (name, slot)
+    total = want.clone()
+    dist.all_reduce(total, group=layer.dispatcher.group)
+    if int(layer.expert_device_E[expert]) != layer.rank:
+        return total, None
+    return total, (name, int(layer.expert_slot_E[expert]))
 
 
 def gradient_check(
@@ -88,24 +144,31 @@ def gradient_check(
     chunks: int = 1,
     scope: Callable[[], AbstractContextManager] = nullcontext,
 ) -> dict:
-    """The converted `model`'s checked gradients on `ids_BS` (in `chunks` micro-batches, inside `scope()`:
-    `moe_input_gradients`) against `reference` (a collective: every rank calls): {"max_rel_err" (worst over
-    parameters and ranks), "worst_param" (on this rank), "params", "tol", "passed"}. A parameter the reference
-    has and the model does not, or a gradient that is missing or not finite, counts as an error of inf."""
-    got = moe_input_gradients(model, ids_BS, list(reference), chunks, scope)
-    worst, worst_name = 0.0, ""
-    for name, want in reference.items():
-        err = relative_error(got.get(name), want)
-        if err > worst or not worst_name:
-            worst, worst_name = err, name
+    """The converted `model`'s gradients on `ids_BS` (in `chunks` micro-batches, inside `scope()`:
+    `backward_pass`) against `reference` (`reference_gradients`; a collective: every rank calls):
+    {"max_rel_err" (worst over the checked gradients and ranks), "worst_param" (on this rank), "params" (keys
+    checked on this rank), "tol", "passed"}. A parameter the reference has and the model does not, or a gradient
+    that is missing or not finite, counts as an error of inf."""
+    backward_pass(model, ids_BS, chunks, scope)
+    params = dict(model.named_parameters())
+    worst, worst_key, checked = 0.0, "", 0
+    for key, want in reference.items():
+        name, _ = split_key(key)
+        if name not in params:
+            err, where = math.inf, None
+        else:
+            want, where = _wanted(model, key, want)
+            if where is None or (where[1] is not None and not bool(want.any())):
+                continue  # (an expert another rank holds: it compares; or one no token chose: nothing to compare)
+            grad = params[where[0]].grad
+            got = None if grad is None else (grad if where[1] is None else grad[where[1]]).float()
+            err = relative_error(got, want)
+        checked += 1
+        if err > worst or not worst_key:
+            worst, worst_key = err, key
+    model.zero_grad(set_to_none=True)
     box = torch.tensor([worst if math.isfinite(worst) else 3.0e38], dtype=torch.float64, device=ids_BS.device)
     if dist.is_initialized():
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
     total = float(box)
-    return {
-        "max_rel_err": total,
-        "worst_param": worst_name,
-        "params": len(reference),
-        "tol": TOL,
-        "passed": bool(reference) and total <= TOL,
-    }
+    return {"max_rel_err": total, "worst_param": worst_key, "params": checked, "tol": TOL, "passed": total <= TOL}

@@ -102,12 +102,13 @@ model is also run upcast to fp32, and a variant passes too if its error against 
 at most 1.25x the half-precision native model's own plus --tol (discrete routing with near-tied scores, as
 DeepSeek-V3's on random weights, picks other experts under any change of rounding, compiled kernels
 of transformers' own model included). That check sees the forward only; before a variant's train steps its MoE
-backward is checked too (benchmarks/_grad_check.py; not TorchTitan's model): the gradients of every router and of
-the norm in front of each MoE block, on one batch of the training shape, against the unconverted model's on the
-same batch (relative L2 error, worst over those parameters and ranks; above 0.5 an exact variant fails and is not
-timed: a lost MoE backward gives ~1; `grad_check` in the JSON; the batch goes in the micro-batches the step splits
-it into, /twobatch's halves or --accumulate's K, so a compiled variant compiles in it what its steps run, and
-`compile_s` counts it). Phases: prefill (eval, no_grad, forward with logits of the last position as `generate` does) and
+backward is checked too (benchmarks/_grad_check.py; not TorchTitan's model): the gradients of every router, of
+the norm in front of each MoE block and of two experts' weights in each (an expert-parallel layer's against the
+sum over its ranks), on one batch of the training shape, against the unconverted model's on the same batch
+(relative L2 error, worst over those parameters and ranks; above 0.5 an exact variant fails and is not timed: a
+lost MoE backward gives ~1; `grad_check` in the JSON; the batch goes in the micro-batches the step splits it into,
+/twobatch's halves or --accumulate's K, so a compiled variant compiles in it what its steps run, and `compile_s`
+counts it). Phases: prefill (eval, no_grad, forward with logits of the last position as `generate` does) and
 train (forward, next-token cross-entropy, backward inside `occult.agreed_step` as occult's trainers run them
 (OCCULT_AGREEMENT=step: the device transport's ranks agree once a step; the default, call: at every
 layer call), hf.sync_gradients,
@@ -961,8 +962,8 @@ def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.dev
     res["grad_check"] = check
     res["check"]["passed"] = res["check"]["passed"] and (check["passed"] or not res["exact"])
     log(
-        f"  train: router and pre-MoE norm gradients vs the unconverted model, worst relative error "
-        f"{check['max_rel_err']:.2e} over {check['params']} parameters"
+        f"  train: router, pre-MoE norm and sampled expert gradients vs the unconverted model, worst relative error "
+        f"{check['max_rel_err']:.2e} over {check['params']} on this rank"
         + ("" if check["passed"] else f" ({check['worst_param']} on this rank)")
         + ("" if check["passed"] else "  FAILED" if res["exact"] else " (approximate: report only)")
     )
