@@ -187,8 +187,21 @@ def _traced_sync_free_worker(rank: int, world_size: int, seed: int, family: str,
     ref, ref_stats = step()
     torch._dynamo.reset()
     counters.clear()
-    hf.compile_layers(model, trace_moe=True, backend="aot_eager")
-    got, stats = step()
+    # c10d's in-place all-to-all traced: on GPUs (NCCL, torch 2.11) a compiled backward lost its result (zero MoE
+    # gradients, docs/training.md "GPU truth"); gloo here computes it right, so the call itself is what is counted
+    in_place, original = [], torch.distributed.all_to_all_single
+
+    def counted(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            in_place.append(1)
+        return original(*args, **kwargs)
+
+    torch.distributed.all_to_all_single = counted
+    try:
+        hf.compile_layers(model, trace_moe=True, backend="aot_eager")
+        got, stats = step()
+    finally:
+        torch.distributed.all_to_all_single = original
     errors = {n: float((got[n] - g).abs().max() / g.abs().max().clamp(min=1e-12)) for n, g in ref.items() if n in got}
     traced = all(getattr(b, "occult_traced", False) for _, b in hf.moe_blocks(model))
     return {
@@ -197,6 +210,7 @@ def _traced_sync_free_worker(rank: int, world_size: int, seed: int, family: str,
         "traced": traced,
         "stats": stats == ref_stats,
         "breaks": [str(reason) for reason in counters["graph_break"]],
+        "in_place_traced": len(in_place),
     }
 
 
@@ -208,14 +222,16 @@ EXPERT_LOOP_BREAKS = ("Dynamic shape operator", "Data dependent operator")
 def test_traced_sync_free_expert_parallel_blocks_train_like_eager(family, dispatcher):
     """`trace_moe=True` on sync-free expert-parallel layers (2 gloo ranks): each MoE block, its all-to-alls
     included, traced with its decoder layer, forward and backward; the same gradients as the eager model, the
-    same rows booked (the backward's with the forward), DeepSeek-V3's shared experts too; the graph breaks only
-    in the CPU reference expert loop (on GPUs the Triton path traces whole: tests/gpu/test_collective_traced_moe.py),
-    never at an exchange."""
+    same rows booked (the backward's with the forward), DeepSeek-V3's shared experts too; no in-place all-to-all
+    traced (the functional one: c10d's in-place one lost its result in a compiled backward on GPUs); the graph
+    breaks only in the CPU reference expert loop (on GPUs the Triton path traces whole:
+    tests/gpu/test_collective_traced_moe.py), never at an exchange."""
     from occult.distributed import run_ranks
 
     for out in run_ranks(_traced_sync_free_worker, 2, random.randrange(2**31), family, dispatcher, timeout_s=400):
         assert out["traced"] and not out["missing"] and out["error"] < 1e-5, out
         assert out["stats"], out
+        assert out["in_place_traced"] == 0, out  # the traced exchanges call the functional all-to-all
         assert out["breaks"], "the CPU expert loop's data-dependent splits break the graph: counted"
         others = [b for b in out["breaks"] if not b.startswith(EXPERT_LOOP_BREAKS)]
         assert not others, others
