@@ -50,10 +50,15 @@ def test_a_growth_that_fails_on_one_rank_raises_on_every_rank_and_the_layer_work
     # memory the growth asks for: lifted while the hog holds the GPU's real free memory)
     fraction = torch.cuda.get_per_process_memory_fraction(ranks.device)
     try:
+        held_back = 1.0  # (a hog that cannot be had fails every rank here, not one rank while the rest wait)
         if ranks.rank == ranks.world_size - 1:  # this rank keeps less free memory than the growth needs
             torch.cuda.set_per_process_memory_fraction(1.0, ranks.device)
             free = torch.cuda.mem_get_info(ranks.device)[0]
-            hog = torch.empty(max(0, free - GROW_BYTES), dtype=torch.uint8, device=ranks.device)
+            try:
+                hog = torch.empty(max(0, free - GROW_BYTES), dtype=torch.uint8, device=ranks.device)
+            except torch.OutOfMemoryError:
+                held_back = 0.0
+        assert -ranks.all_max(-held_back) == 1.0, "the last rank could not hold its GPU's free memory"
         with pytest.raises(TransportMemoryError) as err:
             transport.reserve(GROW_BYTES)  # every rank asks the same (growth is collective)
     finally:
