@@ -108,7 +108,10 @@ sum over its ranks), on one batch of the training shape, against the unconverted
 (relative L2 error, worst over those parameters and ranks; above 0.5 an exact variant fails and is not timed: a
 lost MoE backward gives ~1; `grad_check` in the JSON; the batch goes in the micro-batches the step splits it into,
 /twobatch's halves or --accumulate's K, so a compiled variant compiles in it what its steps run, and `compile_s`
-counts it). Phases: prefill (eval, no_grad, forward with logits of the last position as `generate` does) and
+counts it; the pass's own peak memory is `grad_check.peak_memory_gib`, its cached blocks are freed after it and the
+variant's peaks leave it out; in bf16 an exact variant's worst is ~0.3, an expert's gradient moving with the
+tokens a near-tied router sends it). Phases: prefill (eval, no_grad, forward with logits of the last position as
+`generate` does) and
 train (forward, next-token cross-entropy, backward inside `occult.agreed_step` as occult's trainers run them
 (OCCULT_AGREEMENT=step: the device transport's ranks agree once a step; the default, call: at every
 layer call), hf.sync_gradients,
@@ -954,10 +957,15 @@ def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.dev
     micro-batches as the step splits it (the shapes it compiles for); an exact variant that fails it fails its
     check. Returns the pass's seconds (a compiled variant compiles in it)."""
     t0 = time.perf_counter()
+    if device.type == "cuda":  # the build's and any earlier phase's peaks, kept past the reset below
+        res["peaks_before_check"] = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
     ids = ctx["grad_ids"]
     check = gradient_check(model, ids, ctx["ref_grads"], chunks, lambda: agreed_step(model, ids.numel()))
-    if device.type == "cuda":
+    if device.type == "cuda":  # the pass's own peak; then its cached blocks go, so the timed steps' peaks are theirs
         torch.cuda.synchronize(device)
+        check["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        free_memory(device)
+        torch.cuda.reset_peak_memory_stats(device)
     check["seconds"] = time.perf_counter() - t0
     res["grad_check"] = check
     res["check"]["passed"] = res["check"]["passed"] and (check["passed"] or not res["exact"])
@@ -1146,10 +1154,11 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                     f"  train: replays against eager layers, worst gradient relative error {replay['max_rel_err']:.2e}"
                     + ("" if replay["passed"] else f" ({replay['worst_param']} on this rank)  FAILED")
                 )
-    if device.type == "cuda":
-        res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if device.type == "cuda":  # (the backward check's pass apart: its own peak is in grad_check)
+        allocated, reserved = res.pop("peaks_before_check", (0, 0))
+        res["peak_memory_gib"] = max(allocated, torch.cuda.max_memory_allocated(device)) / 2**30
         # what the card must hold: allocated tensors and every cached block, a graph pool's free ones too
-        res["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        res["peak_reserved_gib"] = max(reserved, torch.cuda.max_memory_reserved(device)) / 2**30
         log(f"  peak memory: {res['peak_memory_gib']:.1f} GiB allocated, {res['peak_reserved_gib']:.1f} GiB reserved")
     release_captured()  # a graphed prefill's graph (with its collectives) goes with its model
     del model
