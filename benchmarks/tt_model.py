@@ -15,7 +15,9 @@ the same unconverted model as every occult variant. Then TorchTitan's own `paral
 (SPMD backend `"partial_dtensor"`): EP over all ranks (contiguous blocks of E/N experts), FSDP2
 over all ranks for everything else (`dp_shard=N`, `ep=N`), no activation checkpointing, no
 torch.compile of the blocks (TorchTitan's default), unless e2e.py's variant ends in /compile (`compile_blocks`: each
-block's forward compiled, FSDP's hooks outside it, as TorchTitan's --compile.enable compiles its blocks).
+block's forward compiled, FSDP's hooks outside it, as TorchTitan's --compile.enable compiles its blocks: its
+`apply_compile` settings, `capture_scalar_outputs` and shapes dynamic where they change, so the all-to-all's
+data-dependent sizes do not recompile a block every step).
 
 Precision: the weights are the model's dtype (bf16 on GPUs) with FSDP's param and reduce dtype
 the same, like occult's variants (bf16 weights, bf16 gradient all-reduce, AdamW on bf16).
@@ -289,8 +291,11 @@ class TitanLM:
             config = torch._dynamo.config  # one code object for every block: room for each block's shapes and modes
             config.recompile_limit = max(config.recompile_limit, 32 * len(blocks) + 8)
             config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * config.recompile_limit)
+            # TorchTitan's apply_compile: its dispatch's split sizes traced as unbacked symbols and shapes left
+            # dynamic where they change (static, one compile per routing: a recompile every step)
+            config.capture_scalar_outputs = True
             for block in blocks:
-                block.forward = torch.compile(block.forward, dynamic=False)
+                block.forward = torch.compile(block.forward)
         if device.type == "cpu":  # gloo has no PREMUL_SUM, the op of TorchTitan's gradient divide factor
             from torch.distributed.fsdp import FSDPModule
 
