@@ -82,7 +82,17 @@ TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "torchtitan": (
         "TorchTitan's own Qwen3-MoE (`benchmarks/e2e.py ...,torchtitan`, same weights): TorchTitan's time / occult's",
         ("GPUs", "link", "model", "phase"),
-        ("TorchTitan / fastest occult", "TorchTitan / TorchTitan + occult's dispatcher"),
+        ("TorchTitan / fastest occult",),
+    ),
+    "torchtitan_dispatcher": (
+        "TorchTitan with occult's token dispatcher installed (`torchtitan+occult*`, same model and weights): "
+        "TorchTitan's time / its time with occult's dispatcher",
+        ("GPUs", "link", "model", "phase"),
+        (
+            "eager / eager",
+            "compiled / compiled (`/compile`: blocks compiled)",
+            "TorchTitan eager / fastest with occult's",
+        ),
     ),
     "megatron": (
         "Megatron-Core with occult's token dispatcher (`benchmarks/megatron_train.py`): tokens/s per GPU, "
@@ -194,10 +204,27 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
             plain = fmt_ratio(timed["native"], timed["replicated"]) if eager else "-"
             yield Figure("native", key, (plain, compiled, eager_over_compiled, fastest_one_rank(doc, timed, phase)))
         ours = best or (floor if world == "1" else None)
-        tt, tt_occult = timed.get("torchtitan"), best_variant(timed, "torchtitan+occult")
-        if tt and ours:
-            with_ours = fmt_ratio(tt, tt_occult[1], "", tt_occult[0]) if tt_occult else "-"
-            yield Figure("torchtitan", key, (fmt_ratio(tt, ours[1], "", ours[0]), with_ours))
+        if (tt := timed.get("torchtitan")) and ours:
+            yield Figure("torchtitan", key, (fmt_ratio(tt, ours[1], "", ours[0]),))
+        if cells := titan_dispatcher_cells(timed):
+            yield Figure("torchtitan_dispatcher", key, cells)
+
+
+def titan_dispatcher_cells(timed: dict[str, float]) -> tuple[str, ...] | None:
+    """TorchTitan over TorchTitan with occult's dispatcher: eager over the fastest eager `torchtitan+occult*`,
+    compiled over the fastest compiled one, eager over the fastest of all (each side named); None without both."""
+    with_ours = {v: ms for v, ms in timed.items() if v.startswith("torchtitan+occult")}
+    if not with_ours or not any(v in timed for v in ("torchtitan", "torchtitan/compile")):
+        return None
+
+    def over(peer: str, compiled: bool | None) -> str:
+        mine = {v: ms for v, ms in with_ours.items() if compiled is None or v.endswith("/compile") == compiled}
+        if peer not in timed or not mine:
+            return "-"
+        name, ms = min(mine.items(), key=lambda kv: kv[1])
+        return fmt_ratio(timed[peer], ms, "", name)
+
+    return over("torchtitan", False), over("torchtitan/compile", True), over("torchtitan", None)
 
 
 def fastest_one_rank(doc: dict, timed: dict[str, float], phase: str) -> str:

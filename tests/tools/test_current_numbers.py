@@ -400,3 +400,24 @@ def test_training_runs_that_record_their_model_are_a_question_of_their_own(tmp_p
         "52: occult train, FSDP2 / DDP tokens/s per GPU, eager steps, 2 GPUs nvlink, 4 layers, hidden 2048, 64 experts "
         "x 1024: >= 0.95",
     ]
+
+
+def test_torchtitan_with_occults_dispatcher_compares_like_with_like() -> None:
+    """Eager TorchTitan against the fastest eager `torchtitan+occult*`, compiled against compiled, and eager
+    TorchTitan against the fastest of all; a job without TorchTitan or without occult's dispatcher gives none."""
+    timed = {
+        "torchtitan": 233.0,
+        "torchtitan/compile": 200.0,
+        "torchtitan+occult@syncfree": 205.0,
+        "torchtitan+occult+experts@syncfree": 210.0,
+        "torchtitan+occult+experts@syncfree/compile": 160.0,
+        "dedup": 120.0,
+    }
+    eager, compiled, fastest = current_numbers.titan_dispatcher_cells(timed)
+    assert eager.startswith("1.14x") and "torchtitan+occult@syncfree 205.00" in eager
+    assert compiled.startswith("1.25x") and "(200.00 / torchtitan+occult+experts@syncfree/compile 160.00)" in compiled
+    assert fastest.startswith("1.46x")
+    del timed["torchtitan/compile"]
+    assert current_numbers.titan_dispatcher_cells(timed)[1] == "-"
+    assert current_numbers.titan_dispatcher_cells({"torchtitan": 1.0, "dedup": 1.0}) is None
+    assert current_numbers.titan_dispatcher_cells({"torchtitan+occult": 1.0}) is None
