@@ -286,16 +286,9 @@ class TitanLM:
             )
         self.world = world
         self.compiled_blocks = compile_blocks
+        self.compile_mode = None
         if compile_blocks:  # as TorchTitan's --compile.enable: each block compiled (its forward: FSDP's hooks outside)
-            blocks = list(self.model.layers.values())
-            config = torch._dynamo.config  # one code object for every block: room for each block's shapes and modes
-            config.recompile_limit = max(config.recompile_limit, 32 * len(blocks) + 8)
-            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * config.recompile_limit)
-            # TorchTitan's apply_compile: its dispatch's split sizes traced as unbacked symbols and shapes left
-            # dynamic where they change (static, one compile per routing: a recompile every step)
-            config.capture_scalar_outputs = True
-            for block in blocks:
-                block.forward = torch.compile(block.forward)
+            self.compile_mode = compile_blocks_as_titan(list(self.model.layers.values()), _per_param_fsdp_meshes())
         if device.type == "cpu":  # gloo has no PREMUL_SUM, the op of TorchTitan's gradient divide factor
             from torch.distributed.fsdp import FSDPModule
 
@@ -371,12 +364,31 @@ class TitanLM:
             "experts": type(ex.inner_experts).__name__,
             "parallelize": self.parallelize,
             "compiled_blocks": self.compiled_blocks,
+            "compile_mode": self.compile_mode,
             "local_experts": int((w.to_local() if hasattr(w, "to_local") else w).shape[0]),
             "attention": "FlexAttention (compiled by TorchTitan)"
             if self.device.type == "cuda"
             else "causal SDPA (CPU stand-in for FlexAttention)",
             "torch_stand_ins": self.torch_stand_ins,
         }
+
+
+def compile_blocks_as_titan(blocks: list[nn.Module], traced_splits: bool) -> str:
+    """Compile each block's forward as TorchTitan's `apply_compile` does where this torch allows; say how.
+
+    `traced_splits`: its settings, the dispatch's split sizes traced as unbacked symbols
+    (`capture_scalar_outputs`) and shapes dynamic where they change. Otherwise (torch 2.11, the GPU image: there
+    the traced block fails a runtime assert on the splits' sum, `Eq(u0 + u1, 4096)`) the graph breaks at the
+    splits' read-back and the graphs after it take dynamic shapes. Static shapes are neither: every step's
+    routing gives new sizes, a recompile each step, and the benchmark never finished on GPUs."""
+    config = torch._dynamo.config  # one code object for every block: room for each block's shapes and modes
+    config.recompile_limit = max(config.recompile_limit, 32 * len(blocks) + 8)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * config.recompile_limit)
+    if traced_splits:
+        config.capture_scalar_outputs = True
+    for block in blocks:
+        block.forward = torch.compile(block.forward, dynamic=None if traced_splits else True)
+    return "splits traced (apply_compile's settings)" if traced_splits else "graph break at the splits, dynamic shapes"
 
 
 def _per_param_fsdp_meshes() -> bool:
