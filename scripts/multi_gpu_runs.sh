@@ -65,7 +65,8 @@
 #           TITAN=1 adds TorchTitan's Qwen3 with occult's fused experts sync-free (torchtitan+occult+experts@syncfree),
 #           its blocks eager and compiled (/compile, as TorchTitan's --compile.enable: occult's sync-free exchanges
 #           traced), beside TorchTitan eager and compiled and occult over the device transport (NVLink) or the count
-#           exchange (slow link), one job per link (carry .whl; ~4 min each)
+#           exchange (slow link), one job per link (carry .whl; each job ~9 min on a cold machine, FlexAttention's
+#           autotuning for every compile: give TITAN=1 calls of their own; session 33: TorchTitan eager alone ~4 min)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -252,10 +253,10 @@ case $part in
       --out "$out/e2e_olmoe_prefill_traced_nvlink_${n}gpu.json"
     if [ "${TITAN:-0}" = 1 ]; then  # TorchTitan with occult's dispatcher sync-free (install(..., sync_free=True))
       tt=torchtitan+occult+experts
-      run trace_titan_nvlink 300 $tr benchmarks/e2e.py --model qwen3 \
+      run trace_titan_nvlink 560 $tr benchmarks/e2e.py --model qwen3 \
         --variants torchtitan,torchtitan/compile,$tt@device,$tt@syncfree,$tt@syncfree/compile \
         --out "$out/e2e_qwen3_titan_syncfree_nvlink_${n}gpu.json"
-      run trace_titan_slow 300 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model qwen3 \
+      run trace_titan_slow 560 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model qwen3 \
         --variants torchtitan,torchtitan/compile,$tt,$tt@syncfree,$tt@syncfree/compile \
         --out "$out/e2e_qwen3_titan_syncfree_slow_${n}gpu.json"
     fi ;;&
