@@ -87,6 +87,8 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
                     "torchtitan": (70.0, 240.0),
                     "torchtitan+occult": (60.0, 200.0),
                     "torchtitan+occult@device": (56.0, 210.0),
+                    "torchtitan/compile": (50.0, 180.0),
+                    "torchtitan+occult+experts@syncfree/compile": (30.0, 160.0),
                 },
             )
         )
@@ -218,20 +220,23 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
         "MISSED",
     )
     assert got[("36: TorchTitan / best dedup (qwen3), prefill, nvlink: >= 3.0", "peer.json")][1] == "met"
-    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), prefill, nvlink: >= 1.2", "peer.json")] == (
+    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), eager, prefill, nvlink: >= 1.2", "peer.json")] == (
         "1.25x (torchtitan+occult@device 56.00 vs 70.00 ms)",
         "met",
     )  # the faster of its transports
     assert (
-        got[("36: TorchTitan / TorchTitan + occult (qwen3), train, nvlink: >= 1.2", "peer.json")][1] == "met"
+        got[("36: TorchTitan / TorchTitan + occult (qwen3), eager, train, nvlink: >= 1.2", "peer.json")][1] == "met"
     )  # 240 / 200
     assert got[("36: TorchTitan / best dedup (qwen3), prefill, slow: >= 3.5", "peer_slow.json")] == (
         "3.75x (dedup@syncfree/layergraphs/compile 40.00 vs 150.00 ms)",
         "met",
     )
     assert got[("36: TorchTitan / best dedup (qwen3), train, slow: >= 2.2", "peer_slow.json")][1] == "MISSED"  # 2.0x
-    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), prefill, slow: >= 2.0", "peer_slow.json")][1] == "met"
-    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), train, slow: >= 2.0", "peer_slow.json")] == (
+    assert (
+        got[("36: TorchTitan / TorchTitan + occult (qwen3), eager, prefill, slow: >= 2.0", "peer_slow.json")][1]
+        == "met"
+    )
+    assert got[("36: TorchTitan / TorchTitan + occult (qwen3), eager, train, slow: >= 2.0", "peer_slow.json")] == (
         "1.88x (torchtitan+occult 160.00 vs 300.00 ms)",
         "MISSED",
     )
@@ -296,7 +301,14 @@ def test_verdicts_for_each_kind_of_report(tmp_path):
         "1.60x (dedup/compile 150.00 vs 240.00 ms)",
         "MISSED",
     )
-    assert got[("52: TorchTitan / torchtitan+occult (qwen3), train, 2 GPUs nvlink: >= 1.2", "peer.json")][1] == "met"
+    eager = "52: TorchTitan / torchtitan+occult (qwen3), eager, train, 2 GPUs nvlink: >= 1.2"
+    assert got[(eager, "peer.json")] == ("1.20x (torchtitan+occult 200.00 vs 240.00 ms)", "met")  # not the compiled one
+    compiled = "52: TorchTitan / torchtitan+occult (qwen3), compiled, train, 2 GPUs nvlink: >= 1.2"
+    assert got[(compiled, "peer.json")] == (
+        "1.12x (torchtitan+occult+experts@syncfree/compile 160.00 vs 180.00 ms)",
+        "MISSED",
+    )
+    assert not any("compiled" in key for key, where in got if where == "peer_slow.json")  # no compiled TorchTitan there
     assert got[("53: TorchTitan / occult (qwen3), prefill, 2 GPUs slow: >= 4.0", "peer_slow.json")] == (
         "3.75x (dedup@syncfree/layergraphs/compile 40.00 vs 150.00 ms)",
         "MISSED",
