@@ -373,7 +373,7 @@ class TitanLM:
         }
 
 
-def compile_blocks_as_titan(blocks: list[nn.Module], traced_splits: bool) -> str:
+def compile_blocks_as_titan(blocks: list[nn.Module], traced_splits: bool, backend: Any = "inductor") -> str:
     """Compile each block's forward as TorchTitan's `apply_compile` does where this torch allows; say how.
 
     `traced_splits`: its settings, the dispatch's split sizes traced as unbacked symbols
@@ -387,7 +387,7 @@ def compile_blocks_as_titan(blocks: list[nn.Module], traced_splits: bool) -> str
     if traced_splits:
         config.capture_scalar_outputs = True
     for block in blocks:
-        block.forward = torch.compile(block.forward, dynamic=None if traced_splits else True)
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=None if traced_splits else True)
     return "splits traced (apply_compile's settings)" if traced_splits else "graph break at the splits, dynamic shapes"
 
 
