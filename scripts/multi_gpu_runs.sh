@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -62,11 +62,10 @@
 #           compiled exchange's gradients), then OLMoE and Qwen3 training (each variant's MoE backward checked first)
 #           (NVLink) and OLMoE prefill in one job each with the floor and the same variants eager between the
 #           layers' graphs (~7 min on 2 GPUs; docs/training.md, "Sync-free expert-parallel MoE blocks traced");
-#           TITAN=1 adds TorchTitan's Qwen3 with occult's fused experts sync-free (torchtitan+occult+experts@syncfree),
-#           its blocks eager and compiled (/compile, as TorchTitan's --compile.enable: occult's sync-free exchanges
-#           traced), beside TorchTitan eager and compiled and occult over the device transport (NVLink) or the count
-#           exchange (slow link), one job per link (carry .whl; each job ~9 min on a cold machine, FlexAttention's
-#           autotuning for every compile: give TITAN=1 calls of their own; session 33: TorchTitan eager alone ~4 min)
+# titan     issue 52: TorchTitan's Qwen3 (train) eager and with its blocks compiled (/compile, as its apply_compile),
+#           beside the same with occult's sync-free dispatcher and fused experts (torchtitan+occult+experts@syncfree,
+#           eager and /compile) and occult's own fastest step, one job (carry .whl; a call of its own: ~8 min cold,
+#           FlexAttention autotuned at each compile; titan-slow: the same under NCCL_P2P_DISABLE=1)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -86,8 +85,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -251,15 +250,18 @@ case $part in
     run trace_olmoe_prefill 150 $tr benchmarks/e2e.py --model olmoe --phases prefill \
       --variants replicated/compile/graph,$sf/compile/graph,$sf/tracemoe/compile/graph \
       --out "$out/e2e_olmoe_prefill_traced_nvlink_${n}gpu.json"
-    if [ "${TITAN:-0}" = 1 ]; then  # TorchTitan with occult's dispatcher sync-free (install(..., sync_free=True))
-      tt=torchtitan+occult+experts
-      run trace_titan_nvlink 560 $tr benchmarks/e2e.py --model qwen3 \
-        --variants torchtitan,torchtitan/compile,$tt@device,$tt@syncfree,$tt@syncfree/compile \
-        --out "$out/e2e_qwen3_titan_syncfree_nvlink_${n}gpu.json"
-      run trace_titan_slow 560 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model qwen3 \
-        --variants torchtitan,torchtitan/compile,$tt,$tt@syncfree,$tt@syncfree/compile \
-        --out "$out/e2e_qwen3_titan_syncfree_slow_${n}gpu.json"
-    fi ;;&
+    ;;&
+  titan|titan-slow|all)  # issue 52: TorchTitan with occult's dispatcher sync-free, like with like, and occult's own
+    if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      export PYTHONPATH=$PYTHONPATH:/tmp/site
+    fi
+    tt=torchtitan+occult+experts
+    link=nvlink; e=
+    [ "$part" = titan-slow ] && { link=slow; e=NCCL_P2P_DISABLE=1; }
+    run "titan_$link" 580 env $e $tr benchmarks/e2e.py --model qwen3 --phases train \
+      --variants torchtitan,torchtitan/compile,$tt@syncfree,$tt@syncfree/compile,dedup@syncfree/compile/stepgraph/deferwgrad \
+      --out "$out/e2e_qwen3_titan_syncfree_${link}_${n}gpu.json" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
