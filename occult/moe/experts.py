@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 
 def swiglu_expert(x_NH: torch.Tensor, gate_up_FH: torch.Tensor, down_HF: torch.Tensor) -> torch.Tensor:
@@ -46,7 +45,7 @@ def expert_mlp_reference(
     x_PH = x_RH[pair_row_P]
     outs = []
     for slot, x_NH in enumerate(torch.split(x_PH, counts)):
-        if guard_or_true(x_NH.shape[0] != 0):  # (traced with the counts unknown: run it, empty or not)
+        if torch.compiler.is_compiling() or x_NH.shape[0]:  # (traced, the count may be unknown: run it, empty or not)
             outs.append(swiglu_expert(x_NH, gate_up_proj_EFH[slot], down_proj_EHF[slot]))
     if outs:
         o_PH = torch.cat(outs).to(acc_dtype)
