@@ -980,7 +980,7 @@ def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.dev
 
 def unavailable(variant: str, device: torch.device) -> str | None:
     """Why `variant` cannot run here (a CPU run of a GPU-only variant), or None."""
-    if is_graphed(variant) and device.type != "cuda":
+    if (is_graphed(variant) or step_graph(variant)) and device.type != "cuda":
         return "CUDA graphs need a GPU"
     if on_device(variant) and (reason := symm.unavailable_reason(dist.group.WORLD)) is not None:
         return f"the device transport cannot run here: {reason}"

@@ -18,7 +18,7 @@ SCRIPT = ROOT / "benchmarks" / "e2e.py"
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
 EXACT = ("native", "replicated", "standard", "dedup", "dedup+placement")
 PHASES = ("prefill", "train")
-GPU_ONLY = ("replicated/graph", "dedup@device")
+GPU_ONLY = ("replicated/graph", "dedup@syncfree/compile/stepgraph", "dedup@device")
 _torchrun = functools.partial(torchrun, SCRIPT)
 
 
@@ -47,6 +47,7 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
     report = json.loads(out.read_text())
     # the GPU-only variants: skipped on CPU with the reason, in the table too
     assert report["variants"].pop("replicated/graph")["skipped"] == "CUDA graphs need a GPU"
+    assert report["variants"].pop("dedup@syncfree/compile/stepgraph")["skipped"] == "CUDA graphs need a GPU"  # a step
     assert (
         report["variants"]
         .pop("dedup@device")["skipped"]
