@@ -957,8 +957,6 @@ def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.dev
     micro-batches as the step splits it (the shapes it compiles for); an exact variant that fails it fails its
     check. Returns the pass's seconds (a compiled variant compiles in it)."""
     t0 = time.perf_counter()
-    if device.type == "cuda":  # the build's and any earlier phase's peaks, kept past the reset below
-        res["peaks_before_check"] = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
     ids = ctx["grad_ids"]
     check = gradient_check(model, ids, ctx["ref_grads"], chunks, lambda: agreed_step(model, ids.numel()))
     if device.type == "cuda":  # the pass's own peak; then its cached blocks go, so the timed steps' peaks are theirs
@@ -1063,6 +1061,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"], ctx["self_group"]
         )
     res: dict[str, Any] = {"exact": base_variant(variant) in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
+    peaks_before = (0, 0)  # (allocated, reserved) bytes before the backward check's pass (moe_backward_check)
     if shared:
         res["hf_ep"] = hf_ep.describe(model)
     if titan:
@@ -1087,6 +1086,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             check_s = None  # (the MoE backward's check, before any update: the unconverted model's weights)
             if phase == "train" and not titan:
                 chunks = 2 if micro_batches(variant) == 2 else max(1, args.accumulate)
+                if device.type == "cuda":  # the build's and earlier phases' peaks, past the check's reset
+                    peaks_before = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
                 check_s = moe_backward_check(model, ctx, res, device, chunks)
                 if not res["check"]["passed"]:
                     break
@@ -1155,7 +1156,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                     + ("" if replay["passed"] else f" ({replay['worst_param']} on this rank)  FAILED")
                 )
     if device.type == "cuda":  # (the backward check's pass apart: its own peak is in grad_check)
-        allocated, reserved = res.pop("peaks_before_check", (0, 0))
+        allocated, reserved = peaks_before
         res["peak_memory_gib"] = max(allocated, torch.cuda.max_memory_allocated(device)) / 2**30
         # what the card must hold: allocated tensors and every cached block, a graph pool's free ones too
         res["peak_reserved_gib"] = max(reserved, torch.cuda.max_memory_reserved(device)) / 2**30

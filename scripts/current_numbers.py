@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_phases import phase_label  # noqa: E402
 from result_provenance import SKIP_DIRS, job_provenance, stamp  # noqa: E402
-from targets_report import SERVE_FLOORS, best_variant, phase_ms, step_ms, train_shape  # noqa: E402
+from targets_report import SERVE_FLOORS, best_variant, phase_ms, step_ms, titan_pairs, train_shape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -212,19 +212,14 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
 
 def titan_dispatcher_cells(timed: dict[str, float]) -> tuple[str, ...] | None:
     """TorchTitan over TorchTitan with occult's dispatcher: eager over the fastest eager `torchtitan+occult*`,
-    compiled over the fastest compiled one, eager over the fastest of all (each side named); None without both."""
-    with_ours = {v: ms for v, ms in timed.items() if v.startswith("torchtitan+occult")}
-    if not with_ours or not any(v in timed for v in ("torchtitan", "torchtitan/compile")):
+    compiled over the fastest compiled one (targets_report.titan_pairs), eager over the fastest of all (each side
+    named); None without both."""
+    fastest = best_variant(timed, "torchtitan+occult")
+    if fastest is None or not any(v in timed for v in ("torchtitan", "torchtitan/compile")):
         return None
-
-    def over(peer: str, compiled: bool | None) -> str:
-        mine = {v: ms for v, ms in with_ours.items() if compiled is None or v.endswith("/compile") == compiled}
-        if peer not in timed or not mine:
-            return "-"
-        name, ms = min(mine.items(), key=lambda kv: kv[1])
-        return fmt_ratio(timed[peer], ms, "", name)
-
-    return over("torchtitan", False), over("torchtitan/compile", True), over("torchtitan", None)
+    pairs = {how: fmt_ratio(peer_ms, mine[1], "", mine[0]) for how, peer_ms, mine in titan_pairs(timed)}
+    overall = fmt_ratio(timed["torchtitan"], fastest[1], "", fastest[0]) if "torchtitan" in timed else "-"
+    return pairs.get("eager", "-"), pairs.get("compiled", "-"), overall
 
 
 def fastest_one_rank(doc: dict, timed: dict[str, float], phase: str) -> str:
