@@ -65,7 +65,8 @@
 # titan     issue 52: TorchTitan's Qwen3 (train) eager and with its blocks compiled (/compile, as its apply_compile),
 #           beside the same with occult's sync-free dispatcher and fused experts (torchtitan+occult+experts@syncfree,
 #           eager and /compile) and occult's own fastest step, one job (carry .whl; a call of its own: ~8 min cold,
-#           FlexAttention autotuned at each compile; titan-slow: the same under NCCL_P2P_DISABLE=1)
+#           FlexAttention autotuned at each compile; titan-slow: the same under NCCL_P2P_DISABLE=1; compiled
+#           TorchTitan last, so that a failure there loses no other number)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -259,8 +260,8 @@ case $part in
     tt=torchtitan+occult+experts
     link=nvlink; e=
     [ "$part" = titan-slow ] && { link=slow; e=NCCL_P2P_DISABLE=1; }
-    run "titan_$link" 580 env $e $tr benchmarks/e2e.py --model qwen3 --phases train \
-      --variants torchtitan,torchtitan/compile,$tt@syncfree,$tt@syncfree/compile,dedup@syncfree/compile/stepgraph/deferwgrad \
+    run "titan_$link" 570 env $e $tr benchmarks/e2e.py --model qwen3 --phases train \
+      --variants torchtitan,$tt@syncfree,dedup@syncfree/compile/stepgraph/deferwgrad,$tt@syncfree/compile,torchtitan/compile \
       --out "$out/e2e_qwen3_titan_syncfree_${link}_${n}gpu.json" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
