@@ -379,16 +379,19 @@ def compile_blocks_as_titan(blocks: list[nn.Module], traced_splits: bool, backen
     `traced_splits`: its settings, the dispatch's split sizes traced as unbacked symbols
     (`capture_scalar_outputs`) and shapes dynamic where they change. Otherwise (torch 2.11, the GPU image: there
     the traced block fails a runtime assert on the splits' sum, `Eq(u0 + u1, 4096)`) the graph breaks at the
-    splits' read-back and the graphs after it take dynamic shapes. Static shapes are neither: every step's
-    routing gives new sizes, a recompile each step, and the benchmark never finished on GPUs."""
+    splits' read-back and a size turns dynamic once it changes (`dynamic=None`; `dynamic=True` made FlexAttention's
+    lowering fail on a symbolic head layout there). Static shapes are neither: every step's routing gives new
+    sizes, a recompile each step, and the benchmark never finished on GPUs."""
     config = torch._dynamo.config  # one code object for every block: room for each block's shapes and modes
     config.recompile_limit = max(config.recompile_limit, 32 * len(blocks) + 8)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * config.recompile_limit)
     if traced_splits:
         config.capture_scalar_outputs = True
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=None if traced_splits else True)
-    return "splits traced (apply_compile's settings)" if traced_splits else "graph break at the splits, dynamic shapes"
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=None)
+    if traced_splits:
+        return "splits traced (apply_compile's settings)"
+    return "graph break at the splits, sizes dynamic once changed"
 
 
 def _per_param_fsdp_meshes() -> bool:
