@@ -258,10 +258,10 @@ case $part in
       export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
     tt=torchtitan+occult+experts
-    link=nvlink; e=
-    [ "$part" = titan-slow ] && { link=slow; e=NCCL_P2P_DISABLE=1; }
+    link=nvlink; e=; fastest=dedup@syncfree/compile/stepgraph/deferwgrad  # occult's fastest train step per link
+    [ "$part" = titan-slow ] && { link=slow; e=NCCL_P2P_DISABLE=1; fastest=dedup@syncfree/compile/stepgraph/twobatch/deferwgrad; }
     run "titan_$link" 570 env $e $tr benchmarks/e2e.py --model qwen3 --phases train \
-      --variants torchtitan,$tt@syncfree,dedup@syncfree/compile/stepgraph/deferwgrad,$tt@syncfree/compile,torchtitan/compile \
+      --variants torchtitan,$tt@syncfree,$fastest,$tt@syncfree/compile,torchtitan/compile \
       --out "$out/e2e_qwen3_titan_syncfree_${link}_${n}gpu.json" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
