@@ -258,9 +258,13 @@ case $part in
       export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
     tt=torchtitan+occult+experts
-    link=nvlink; e=; fastest=dedup@syncfree/compile/stepgraph/deferwgrad  # occult's fastest train step per link
-    [ "$part" = titan-slow ] && { link=slow; e=NCCL_P2P_DISABLE=1; fastest=dedup@syncfree/compile/stepgraph/twobatch/deferwgrad; }
-    run "titan_$link" 570 env $e $tr benchmarks/e2e.py --model qwen3 --phases train \
+    # occult's fastest train step per link (--dense-sync reaches occult's own model only, not TorchTitan's)
+    link=nvlink; e=; fastest=dedup@syncfree/compile/stepgraph/deferwgrad; dense=
+    if [ "$part" = titan-slow ]; then
+      link=slow; e=NCCL_P2P_DISABLE=1; fastest=dedup@syncfree/compile/stepgraph/twobatch/deferwgrad
+      dense="--dense-sync overlap"
+    fi
+    run "titan_$link" 570 env $e $tr benchmarks/e2e.py --model qwen3 --phases train $dense \
       --variants torchtitan,$tt@syncfree,$fastest,$tt@syncfree/compile,torchtitan/compile \
       --out "$out/e2e_qwen3_titan_syncfree_${link}_${n}gpu.json" ;;&
   peer|all)
