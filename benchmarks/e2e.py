@@ -1018,6 +1018,30 @@ def train_optimizer(model: nn.Module, variant: str, args: argparse.Namespace, de
     return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
 
 
+def build_titan(
+    variant: str, args: argparse.Namespace, cfg: Any, device: torch.device, dtype: torch.dtype, placement: Any
+) -> tt_model.TitanLM:
+    """A `torchtitan*` variant: the same seeded transformers model's weights in TorchTitan's model and
+    parallelisation, with occult's dispatcher (and placement, fused experts) as the variant names."""
+    hf_model = build_model(args, cfg, device, dtype)
+    model = tt_model.TitanLM(
+        hf_model,
+        dist.get_world_size(),
+        device,
+        dtype,
+        max(args.seq, args.check_seq),
+        occult=base_variant(variant) != "torchtitan",
+        placement=placement if base_variant(variant).endswith("+placement") else None,
+        transport="device" if on_device(variant) else "auto",
+        fused_experts=base_variant(variant).endswith("+experts"),
+        sync_free=sync_free(variant),
+        compile_blocks=is_compiled(variant),
+    )
+    del hf_model
+    free_memory(device)
+    return model
+
+
 def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> dict:
     """Build, convert, check, then time every phase of one variant; frees its model."""
     device = ctx["device"]
@@ -1034,23 +1058,8 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             "phases": {},
             "check": {"passed": True, "median_rel_err": float("nan"), "p95_rel_err": float("nan")},
         }
-    if titan:  # the same seeded transformers model's weights, in TorchTitan's model and parallelisation
-        hf_model = build_model(args, cfg, device, ctx["dtype"])
-        model = tt_model.TitanLM(
-            hf_model,
-            dist.get_world_size(),
-            device,
-            ctx["dtype"],
-            max(args.seq, args.check_seq),
-            occult=base_variant(variant) != "torchtitan",
-            placement=ctx["placement"] if base_variant(variant).endswith("+placement") else None,
-            transport="device" if on_device(variant) else "auto",
-            fused_experts=base_variant(variant).endswith("+experts"),
-            sync_free=sync_free(variant),
-            compile_blocks=is_compiled(variant),
-        )
-        del hf_model
-        free_memory(device)
+    if titan:
+        model = build_titan(variant, args, cfg, device, ctx["dtype"], ctx["placement"])
     elif shared:  # one batch of every rank's sequences; this rank's rows are checked
         model = hf_ep.load(ctx["hf_ep_dir"], dist.get_world_size(), ctx["dtype"])
         hf_ep.remove(ctx["hf_ep_dir"])

@@ -6,7 +6,8 @@ phase (`prefill`: 4 x 2048 tokens, logits of the last position; `train`: forward
 `decode`: one B-row step of `hf.StaticDecoder`, graph-captured for occult with sync-free dispatch,
 eager for native; an e2e.py `/graph`, `/twobatch` or `/interleaveK` variant's prefill replayed from its CUDA
 graph as e2e.py times it, and no train phase; a `/stepgraph` variant's training step replayed from its CUDA
-graph, two interleaved halves for `/stepgraph/twobatch`), profiles a
+graph, two interleaved halves for `/stepgraph/twobatch`; a `torchtitan*` variant's prefill and train step as e2e.py
+runs TorchTitan's model), profiles a
 few steps under torch.profiler and prints (per step): the
 exchanges' kernels busy (NCCL's, the device transport's push and barrier), every other kernel busy, and both at
 once (the part of the all-to-alls hidden under compute), then: wall ms per step (CUDA
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import e2e  # noqa: E402  (benchmarks/e2e.py: the model and its conversion)
+import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's model, e2e.py's torchtitan* variants)
 from _timing import time_steps  # noqa: E402  (benchmarks/_timing.py: CUDA-event step times)
 
 from occult import set_sync_free  # noqa: E402
@@ -145,6 +147,19 @@ def phase_step(model, phase: str, args, device, variant: str = "occult"):
     return step
 
 
+def is_titan(variant: str) -> bool:
+    """Whether `variant` is one of e2e.py's TorchTitan models (its own, or with occult's dispatcher inside)."""
+    return e2e.base_variant(variant) in tt_model.VARIANTS
+
+
+def titan_step(model, phase: str, args, eargs, vocab: int, device):
+    """One prefill or train step of a TorchTitan variant as e2e.py times it (its optimizer, its loss)."""
+    optimizer = model.optimizer(eargs.optimizer, eargs.lr) if phase == "train" else None
+    step = tt_model.make_step(model, phase, optimizer)
+    gen = torch.Generator().manual_seed(1)
+    return lambda: step(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
+
+
 def profile_variant(
     variant: str,
     args: argparse.Namespace,
@@ -156,8 +171,12 @@ def profile_variant(
 ) -> None:
     """Profile every phase of one variant into `results` (rank 0 prints each)."""
     rank = torch.distributed.get_rank()
-    model = e2e.build_model(eargs, cfg, device, torch.bfloat16)
-    model = e2e.convert_variant(model, "replicated" if variant == "occult" else variant, None, self_group)
+    titan = is_titan(variant)
+    if titan:
+        model = e2e.build_titan(variant, eargs, cfg, device, torch.bfloat16, None)
+    else:
+        model = e2e.build_model(eargs, cfg, device, torch.bfloat16)
+        model = e2e.convert_variant(model, "replicated" if variant == "occult" else variant, None, self_group)
     for phase in args.phases.split(","):
         if variant == "occult":
             set_sync_free(model, phase == "decode")
@@ -167,7 +186,12 @@ def profile_variant(
             trace = os.path.join(args.out, trace_name(variant, phase, rank))
         if phase == "train" and e2e.is_graphed(variant) and not e2e.step_graph(variant):
             continue  # a captured prefill only, as e2e.py times it
-        step = phase_step(model, phase, args, device, variant)
+        if titan and phase == "decode":
+            continue  # (TorchTitan's model has no decoder: e2e.py times its prefill and train only)
+        if titan:
+            step = titan_step(model, phase, args, eargs, cfg.vocab_size, device)
+        else:
+            step = phase_step(model, phase, args, device, variant)
         results[f"{variant}/{phase}"] = r = profile_steps(step, args.steps, trace)
         if rank:
             continue
@@ -179,6 +203,15 @@ def profile_variant(
         )
         for t in r["top"][:12]:
             print(f"   {t['us']:9.1f} us {t['count']:6.0f}x  {t['name'][:100]}")
+
+
+def titan_unavailable(args: argparse.Namespace, titans: list[str]) -> str | None:
+    """Why these TorchTitan variants cannot be profiled as asked, or None."""
+    if any(e2e.base_variant(v).endswith("+placement") for v in titans):
+        return "torchtitan+occult+placement: profile_model.py solves no placement; profile it with benchmarks/e2e.py"
+    if args.accumulate > 1:
+        return "--accumulate is not passed to TorchTitan's own train step: leave the torchtitan variants out"
+    return tt_model.unavailable(e2e.model_config(e2e.parse_args(["--model", args.model])).model_type)
 
 
 def trace_name(variant: str, phase: str, rank: int) -> str:
@@ -194,7 +227,8 @@ def main() -> None:
         "--variants",
         default="native,occult",
         help="native, occult (converted over a one-rank group) or any benchmarks/e2e.py variant "
-        "(e.g. replicated/compile, dedup@device/compile: expert parallel over every rank)",
+        "(e.g. replicated/compile, dedup@device/compile: expert parallel over every rank; torchtitan, "
+        "torchtitan+occult+experts@syncfree/compile: TorchTitan's Qwen3-MoE, its prefill and train)",
     )
     p.add_argument("--phases", default="prefill,train,decode")
     p.add_argument("--batch", type=int, default=4)
@@ -222,11 +256,18 @@ def main() -> None:
         p.error(f"--accumulate {args.accumulate}: give a count >= 1 that divides --batch {args.batch}")
     if args.accumulate < 2 and any(e2e.paired(v) for v in args.variants.split(",")):
         p.error("/1f1b pairs a step's micro-batches: give --accumulate 2 or more")
+    titans = [v for v in args.variants.split(",") if is_titan(v)]
+    if titans and (reason := titan_unavailable(args, titans)):
+        p.error(reason)
+    if not torch.cuda.is_available():
+        p.error("it profiles CUDA kernels and CUDA finds no GPU here: run it on a GPU machine")
     init_distributed()
     device = torch.device("cuda", torch.cuda.current_device())
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     self_group = [torch.distributed.new_group([r]) for r in range(world)][rank]
-    eargs = e2e.parse_args(["--model", args.model, "--layers", str(args.layers)])
+    eargs = e2e.parse_args(
+        ["--model", args.model, "--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq)]
+    )
     cfg = e2e.model_config(eargs)
     results = {}
     for variant in args.variants.split(","):
