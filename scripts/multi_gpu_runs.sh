@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-profile | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -67,6 +67,8 @@
 #           eager and /compile) and occult's own fastest step, one job (carry .whl; a call of its own: ~8 min cold,
 #           FlexAttention autotuned at each compile; titan-slow: the same under NCCL_P2P_DISABLE=1; compiled
 #           TorchTitan last, so that a failure there loses no other number)
+# titan-profile  issue 52: where those train steps go (scripts/profile_model.py, NVLink, 3 steps each: wall against
+#           GPU busy, exchanges and what runs under them, kernel families; timelines under OUT/titan_profile)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -86,8 +88,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-profile|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-profile, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -267,6 +269,15 @@ case $part in
     run "titan_$link" 570 env $e $tr benchmarks/e2e.py --model qwen3 --phases train $dense \
       --variants torchtitan,$tt@syncfree,$fastest,$tt@syncfree/compile,torchtitan/compile \
       --out "$out/e2e_qwen3_titan_syncfree_${link}_${n}gpu.json" ;;&
+  titan-profile|all)
+    if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      export PYTHONPATH=$PYTHONPATH:/tmp/site
+    fi
+    tt=torchtitan+occult+experts
+    TAIL=30 run titan_profile 540 $tr scripts/profile_model.py --model qwen3 --layers 8 --phases train --steps 3 \
+      --variants torchtitan,$tt@syncfree,$tt@syncfree/compile,dedup@syncfree/compile/stepgraph/deferwgrad \
+      --traces --out "$out/titan_profile" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
