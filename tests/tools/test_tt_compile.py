@@ -1,8 +1,8 @@
 """benchmarks/tt_model.py's `compile_blocks_as_titan`: a block whose all-to-all sizes come from the data (read back
 with `.tolist()`, as TorchTitan's dispatcher does) compiles a bounded number of graphs over steps of new sizes, in
 both modes: sizes traced (TorchTitan's `apply_compile` settings) and a graph break at the read-back, a size dynamic
-once it changes. With static shapes (what e2e.py's `torchtitan/compile` did before) every new size was a recompile, and the
-benchmark never finished on GPUs."""
+once it changes. With static shapes (what e2e.py's `torchtitan/compile` did before) every new size was a recompile,
+and the benchmark never finished on GPUs."""
 
 from __future__ import annotations
 
