@@ -93,7 +93,10 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    any TorchTitan variant /compile: each transformer block's forward torch.compiled (as
                    TorchTitan's --compile.enable; its all-to-all breaks the graph, sync-free occult's does not);
                    torchtitan+occult+experts (also @device): occult's fused expert kernels in TorchTitan's
-                   MoE too (OccultGroupedExperts: no expert-major expansion)
+                   MoE too (OccultGroupedExperts: no expert-major expansion); torchtitan+occult+experts@syncfree
+                   (/compile)/stepgraph: its forward+backward recorded as one CUDA graph and replayed, as
+                   TorchTitan's trainer does by default where no dispatcher reads back to the host (its
+                   wrap_with_cuda_graph; the optimizer eager after it); its replay checked against the eager step
 
 Before timing, each variant's logits on a small batch are compared with the unconverted model
 (per-token relative L2 error, median and p95, max over ranks); an exact variant whose median is
@@ -268,7 +271,14 @@ def variant_list(text: str) -> list[str]:
         v  # TorchTitan variants /compile: its blocks compiled as TorchTitan's --compile.enable does)
         for v in names
         if base_variant(v) in PEERS
-        and _HOW.sub("", v.removesuffix("/compile") if base_variant(v) in tt_model.VARIANTS else v) != base_variant(v)
+        and _HOW.sub("", titan_stem(v) if base_variant(v) in tt_model.VARIANTS else v) != base_variant(v)
+    ]
+    bad += [  # (TorchTitan's step recorded: only with a dispatcher and experts that never read back to the host)
+        v
+        for v in names
+        if base_variant(v) in tt_model.VARIANTS
+        and step_graph(v)
+        and not (base_variant(v) == "torchtitan+occult+experts" and sync_free(v))
     ]
     bad += [v for v in names if on_device(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
     bad += [v for v in names if sync_free(v) and (base_variant(v) in ("native", "replicated", "hf-ep", "torchtitan"))]
@@ -322,13 +332,20 @@ def variant_list(text: str) -> list[str]:
             f"step in one CUDA graph; not with the other graph modifiers), occult's variants /deferwgrad (the "
             f"experts' weight gradients on a side stream), expert-parallel ones /tilegrid (last: the expert GEMMs one "
             f"program per tile), or the peers "
-            f"{', '.join(PEERS)} (torchtitan+occult* also @device or @syncfree, torchtitan* /compile; the overlap "
+            f"{', '.join(PEERS)} (torchtitan+occult* also @device or @syncfree, torchtitan* /compile, "
+            f"torchtitan+occult+experts@syncfree also /stepgraph after it; the overlap "
             f"schedules /cN, /tbo and @chunksN were removed: docs/overlap.md)"
         )
     return names
 
 
 _HOW = re.compile(r"@(device|syncfree)$")  # how an expert-parallel variant exchanges
+
+
+def titan_stem(variant: str) -> str:
+    """'torchtitan+occult+experts@syncfree/compile/stepgraph' -> 'torchtitan+occult+experts@syncfree': a TorchTitan
+    variant's modifiers (its blocks compiled, its forward+backward recorded as TorchTitan's trainer records it)."""
+    return variant.removesuffix("/stepgraph").removesuffix("/compile")
 
 
 def _stem(variant: str) -> str:
@@ -1113,7 +1130,7 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                     break
             else:
                 step = (
-                    tt_model.make_step(model, phase, optimizer)
+                    tt_model.make_step(model, phase, optimizer, step_graph(variant))
                     if titan
                     else make_step(
                         model,
@@ -1155,6 +1172,16 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
                 f"{out['mfu']:.1%}; host {out['host_ms_per_step']:.2f} ms a step from an idle GPU"
                 + (f", {out['host_ms_per_moe_call']:.3f} per MoE call" if out["host_ms_per_moe_call"] else "")
             )
+            if phase == "train" and titan and step_graph(variant):  # (needs the recording: before it goes)
+                gen = torch.Generator().manual_seed(60_000 + args.seed + dist.get_rank())
+                out["replay_check"] = replay = step.check_recording(
+                    random_ids(args.batch, args.seq, cfg.vocab_size, device, gen), args.tol
+                )
+                res["check"]["passed"] = res["check"]["passed"] and replay["passed"]
+                log(
+                    f"  train: recorded fwd+bwd against eager, worst relative error {replay['max_rel_err']:.2e}"
+                    + ("" if replay["passed"] else f" ({replay['worst_param']} on this rank)  FAILED")
+                )
             del step, optimizer  # (the train step holds the optimizer: its state goes before the check)
             model.zero_grad(set_to_none=True)
             if phase == "train" and not titan and (replay := train_replay_check(model, args, cfg.vocab_size, device)):

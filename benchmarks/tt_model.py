@@ -28,7 +28,9 @@ step; this setting is the faster one for the peer. No load-balancing bias update
 A step: prefill = forward in eval mode under no_grad, logits of the last position only (the
 final norm's output is taken with `_skip_lm_head` and the head applied to the last token, as
 transformers' `logits_to_keep=1`); train = forward, next-token cross-entropy in fp32 (mean over
-tokens, as transformers' loss), backward, AdamW step (FSDP reduce-scatters the gradients).
+tokens, as transformers' loss), backward, AdamW step (FSDP reduce-scatters the gradients); `/stepgraph` (occult's
+sync-free dispatcher with its fused experts only): the forward+backward recorded by TorchTitan's own
+`wrap_with_cuda_graph`, as its trainer records a step by default where its dispatcher allows (`TrainStep`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
@@ -315,6 +318,23 @@ class TitanLM:
             self.model._skip_lm_head = False
         return _local(self.model.lm_head(h_BSH[:, -1:]))
 
+    def step_inputs(self, ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """`forward_backward`'s inputs for ids [B, S], made outside any recording as TorchTitan's trainer makes them:
+        inputs, labels (the same ids: next-token), the count of predicted tokens, and the positions and masks."""
+        pos_BS, masks = self._masks(ids_BS)
+        valid = torch.tensor(ids_BS[:, 1:].numel(), device=ids_BS.device)
+        return ids_BS, ids_BS, valid, {"positions": pos_BS, "attention_masks": masks}
+
+    def forward_backward(
+        self, ids_BS: torch.Tensor, labels_BS: torch.Tensor, valid_tokens: torch.Tensor, extra: dict[str, Any]
+    ) -> torch.Tensor:
+        """TorchTitan's `ForwardBackwardFn`: forward, next-token cross-entropy in fp32 (mean over tokens, as
+        transformers' loss; `valid_tokens` is TorchTitan's input, the mean needs none), backward; the loss."""
+        logits_BSV = _local(self.model(ids_BS, **extra))
+        loss = nn.functional.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), labels_BS[:, 1:].flatten())
+        (loss / self.world).backward()  # FSDP sums gradients (division off, as TorchTitan): mean over the global batch
+        return loss.detach()
+
     def parameters(self) -> Any:
         return self.model.parameters()
 
@@ -339,8 +359,6 @@ class TitanLM:
     def comm_stats(self) -> dict[str, float]:
         """occult's dispatcher: rows and bytes sent in the last step, summed over MoE layers, mean over
         ranks (as e2e.comm_stats); TorchTitan's own dispatcher exposes none: {}."""
-        import torch.distributed as dist
-
         per_layer = [
             getattr(b.moe.routed_experts.token_dispatcher, "last_comm_stats", None) for b in self.model.layers.values()
         ]
@@ -440,8 +458,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def make_step(peer: TitanLM, phase: str, optimizer: torch.optim.Optimizer | None) -> Callable[[torch.Tensor], None]:
-    """One prefill or train step on ids [B, S] (module docstring)."""
+def make_step(
+    peer: TitanLM, phase: str, optimizer: torch.optim.Optimizer | None, recorded: bool = False
+) -> Callable[[torch.Tensor], None]:
+    """One prefill or train step on ids [B, S] (module docstring); `recorded`: the train step's forward+backward
+    recorded as one CUDA graph (`TrainStep`)."""
     if phase == "prefill":
         peer.eval()
 
@@ -451,12 +472,49 @@ def make_step(peer: TitanLM, phase: str, optimizer: torch.optim.Optimizer | None
 
         return prefill
     peer.train()
+    return TrainStep(peer, optimizer, recorded)
 
-    def train(ids_BS: torch.Tensor) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        logits_BSV = peer.logits(ids_BS)
-        loss = nn.functional.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
-        (loss / peer.world).backward()  # FSDP sums gradients (division off, as TorchTitan): mean over the global batch
-        optimizer.step()
 
-    return train
+class TrainStep:
+    """A train step as TorchTitan's trainer runs it: `forward_backward` (loss and gradients), then the optimizer,
+    eager. `recorded`: the forward+backward wrapped by TorchTitan's own `wrap_with_cuda_graph`, as its trainer
+    wraps it by default (one warm-up call, then recorded once and replayed; the gradients keep their storage,
+    zeroed in place, and the attention masks are copied in as graph inputs). Only a dispatcher that never reads
+    back to the host can be recorded (e2e.py allows it for occult's sync-free dispatcher with its fused experts)."""
+
+    def __init__(self, peer: TitanLM, optimizer: torch.optim.Optimizer, recorded: bool) -> None:
+        self.peer, self.optimizer, self.recorded = peer, optimizer, recorded
+        self.forward_backward = peer.forward_backward
+        if recorded:
+            from torchtitan.distributed.cudagraph import wrap_with_cuda_graph
+
+            self.forward_backward = wrap_with_cuda_graph(peer.forward_backward)
+
+    def __call__(self, ids_BS: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=not self.recorded)
+        self.forward_backward(*self.peer.step_inputs(ids_BS))
+        self.optimizer.step()
+
+    def check_recording(self, ids_BS: torch.Tensor, tol: float) -> dict:
+        """After the recording (two calls): the replayed forward+backward's loss and gradients on `ids_BS` against
+        the eager one's, no update ({"max_rel_err", "worst_param" (this rank's), "passed"}; the worst over ranks).
+        A replay that reads or writes the wrong memory trains on wrong gradients while its timing looks fine."""
+        from _replay_check import relative_error
+
+        inputs = self.peer.step_inputs(ids_BS)
+        runs = []
+        for forward_backward in (self.forward_backward, self.peer.forward_backward):
+            self.optimizer.zero_grad(set_to_none=False)
+            loss = forward_backward(*inputs).detach().float().clone()
+            grads = {
+                n: _local(p.grad).detach().clone() for n, p in self.peer.model.named_parameters() if p.grad is not None
+            }
+            runs.append((loss, grads))
+        self.optimizer.zero_grad(set_to_none=False)
+        (loss, replayed), (want_loss, eager) = runs
+        errors = {name: relative_error(replayed.get(name), want) for name, want in eager.items()}
+        errors["loss"] = relative_error(loss, want_loss)
+        worst_param = max(errors, key=errors.get)
+        worst = torch.tensor([errors[worst_param]], dtype=torch.float64, device=self.peer.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return {"max_rel_err": float(worst), "worst_param": worst_param, "passed": float(worst) <= tol}

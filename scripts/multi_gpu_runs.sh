@@ -65,8 +65,9 @@
 # titan     issue 52: TorchTitan's Qwen3 (train) eager and with its blocks compiled (/compile, as its apply_compile),
 #           beside the same with occult's sync-free dispatcher and fused experts (torchtitan+occult+experts@syncfree,
 #           eager and /compile) and occult's own fastest step, one job (carry .whl; a call of its own: ~8 min cold,
-#           FlexAttention autotuned at each compile; titan-slow: the same under NCCL_P2P_DISABLE=1; compiled
-#           TorchTitan last, so that a failure there loses no other number)
+#           FlexAttention autotuned at each compile; titan-slow: the same under NCCL_P2P_DISABLE=1), then the
+#           same with occult recorded as TorchTitan's trainer records a step (/stepgraph: eager, compiled; untried
+#           on GPUs first, last, so that a failure there loses no other number)
 # titan-profile  issue 52: where those train steps go (scripts/profile_model.py, NVLink, 3 steps each: wall against
 #           GPU busy, exchanges and what runs under them, kernel families; timelines under OUT/titan_profile)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
@@ -267,7 +268,7 @@ case $part in
       dense="--dense-sync overlap"
     fi
     run "titan_$link" 570 env $e $tr benchmarks/e2e.py --model qwen3 --phases train $dense \
-      --variants torchtitan,$tt@syncfree,$fastest,$tt@syncfree/compile,torchtitan/compile \
+      --variants torchtitan,$tt@syncfree,$fastest,$tt@syncfree/compile,torchtitan/compile,$tt@syncfree/stepgraph,$tt@syncfree/compile/stepgraph \
       --out "$out/e2e_qwen3_titan_syncfree_${link}_${n}gpu.json" ;;&
   titan-profile|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
@@ -276,7 +277,7 @@ case $part in
     fi
     tt=torchtitan+occult+experts
     TAIL=30 run titan_profile 540 $tr scripts/profile_model.py --model qwen3 --layers 8 --phases train --steps 3 \
-      --variants torchtitan,$tt@syncfree,$tt@syncfree/compile,dedup@syncfree/compile/stepgraph/deferwgrad \
+      --variants torchtitan,$tt@syncfree,$tt@syncfree/compile,$tt@syncfree/compile/stepgraph,dedup@syncfree/compile/stepgraph/deferwgrad \
       --traces --out "$out/titan_profile" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then

@@ -152,10 +152,11 @@ def is_titan(variant: str) -> bool:
     return e2e.base_variant(variant) in tt_model.VARIANTS
 
 
-def titan_step(model, phase: str, args, eargs, vocab: int, device):
-    """One prefill or train step of a TorchTitan variant as e2e.py times it (its optimizer, its loss)."""
+def titan_step(model, phase: str, args, eargs, vocab: int, device, variant: str):
+    """One prefill or train step of a TorchTitan variant as e2e.py times it (its optimizer, its loss; `/stepgraph`:
+    the forward+backward recorded, on its third call and after)."""
     optimizer = model.optimizer(eargs.optimizer, eargs.lr) if phase == "train" else None
-    step = tt_model.make_step(model, phase, optimizer)
+    step = tt_model.make_step(model, phase, optimizer, e2e.step_graph(variant))
     gen = torch.Generator().manual_seed(1)
     return lambda: step(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
 
@@ -189,7 +190,7 @@ def profile_variant(
         if titan and phase == "decode":
             continue  # (TorchTitan's model has no decoder: e2e.py times its prefill and train only)
         if titan:
-            step = titan_step(model, phase, args, eargs, cfg.vocab_size, device)
+            step = titan_step(model, phase, args, eargs, cfg.vocab_size, device, variant)
         else:
             step = phase_step(model, phase, args, device, variant)
         results[f"{variant}/{phase}"] = r = profile_steps(step, args.steps, trace)

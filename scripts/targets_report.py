@@ -155,16 +155,26 @@ def best_variant(timed: dict[str, float], prefix: str) -> tuple[str, float] | No
 
 def titan_pairs(timed: dict[str, float]) -> list[tuple[str, float, tuple[str, float]]]:
     """TorchTitan against TorchTitan with occult's dispatcher, like with like: (how, TorchTitan's ms, the fastest
-    `torchtitan+occult*` run the same way), eager against eager and compiled (`/compile`) against compiled, where
-    the job timed both sides."""
+    `torchtitan+occult*` run the same way), where the job timed both sides: eager against eager, compiled
+    (`/compile`) against compiled, and recorded (`/stepgraph`: the forward+backward one CUDA graph, as TorchTitan's
+    trainer records a step) against TorchTitan's fastest, which cannot be recorded (its all-to-all reads the counts
+    back to the host: its trainer needs `--training.disable_cuda_graphs`)."""
     pairs = []
-    for how, peer, compiled in (("eager", "torchtitan", False), ("compiled", "torchtitan/compile", True)):
-        mine = {
-            v: ms for v, ms in timed.items() if v.startswith("torchtitan+occult") and v.endswith("/compile") == compiled
-        }
-        if peer in timed and mine:
-            pairs.append((how, timed[peer], min(mine.items(), key=lambda kv: kv[1])))
+    for how, peers in (
+        ("eager", ("torchtitan",)),
+        ("compiled", ("torchtitan/compile",)),
+        ("recorded", ("torchtitan", "torchtitan/compile")),
+    ):
+        mine = {v: ms for v, ms in timed.items() if v.startswith("torchtitan+occult") and titan_run_how(v) == how}
+        theirs = [timed[p] for p in peers if p in timed]
+        if theirs and mine:
+            pairs.append((how, min(theirs), min(mine.items(), key=lambda kv: kv[1])))
     return pairs
+
+
+def titan_run_how(variant: str) -> str:
+    """How e2e.py ran a TorchTitan variant: 'recorded' (/stepgraph), 'compiled' (/compile) or 'eager'."""
+    return "recorded" if variant.endswith("/stepgraph") else "compiled" if variant.endswith("/compile") else "eager"
 
 
 def phase_ms(doc: dict, phase: str) -> dict[str, float]:

@@ -403,7 +403,8 @@ def test_training_runs_that_record_their_model_are_a_question_of_their_own(tmp_p
 
 
 def test_torchtitan_with_occults_dispatcher_compares_like_with_like() -> None:
-    """Eager TorchTitan against the fastest eager `torchtitan+occult*`, compiled against compiled, and eager
+    """Eager TorchTitan against the fastest eager `torchtitan+occult*`, compiled against compiled, TorchTitan's
+    fastest against the fastest recorded (`/stepgraph`, which TorchTitan's own all-to-all cannot be), and eager
     TorchTitan against the fastest of all; a job without TorchTitan or without occult's dispatcher gives none."""
     timed = {
         "torchtitan": 233.0,
@@ -411,13 +412,20 @@ def test_torchtitan_with_occults_dispatcher_compares_like_with_like() -> None:
         "torchtitan+occult@syncfree": 205.0,
         "torchtitan+occult+experts@syncfree": 210.0,
         "torchtitan+occult+experts@syncfree/compile": 160.0,
+        "torchtitan+occult+experts@syncfree/stepgraph": 150.0,
+        "torchtitan+occult+experts@syncfree/compile/stepgraph": 125.0,
         "dedup": 120.0,
     }
-    eager, compiled, fastest = current_numbers.titan_dispatcher_cells(timed)
-    assert eager.startswith("1.14x") and "torchtitan+occult@syncfree 205.00" in eager
+    eager, compiled, recorded, fastest = current_numbers.titan_dispatcher_cells(timed)
+    assert eager.startswith("1.14x") and "torchtitan+occult@syncfree 205.00" in eager  # not a recorded one
     assert compiled.startswith("1.25x") and "(200.00 / torchtitan+occult+experts@syncfree/compile 160.00)" in compiled
-    assert fastest.startswith("1.46x")
+    assert recorded.startswith("1.60x") and "(200.00 / torchtitan+occult+experts@syncfree/compile/stepgraph" in recorded
+    assert fastest.startswith("1.86x")
     del timed["torchtitan/compile"]
-    assert current_numbers.titan_dispatcher_cells(timed)[1] == "-"
+    cells = current_numbers.titan_dispatcher_cells(timed)
+    assert cells[1] == "-" and cells[2].startswith("1.86x")  # recorded: against TorchTitan's fastest left, eager
+    for v in [v for v in timed if v.endswith("/stepgraph")]:
+        del timed[v]
+    assert current_numbers.titan_dispatcher_cells(timed)[2] == "-"
     assert current_numbers.titan_dispatcher_cells({"torchtitan": 1.0, "dedup": 1.0}) is None
     assert current_numbers.titan_dispatcher_cells({"torchtitan+occult": 1.0}) is None

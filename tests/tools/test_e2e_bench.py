@@ -139,6 +139,33 @@ def test_e2e_unknown_variant_fails_clearly(capsys):
     assert exit_info.value.code == 2 and "unknown variant" in stderr and "dedup/c2" in stderr
 
 
+def test_a_torchtitan_step_is_recorded_only_where_nothing_reads_back():
+    """`/stepgraph` on a TorchTitan variant: TorchTitan's forward+backward recorded as its trainer records it, which
+    holds only where no dispatcher or expert reads a count back to the host: occult's sync-free dispatcher with its
+    fused experts (eager or /compile); TorchTitan's own all-to-all, occult's without the fused experts (the
+    expert-major row count) and the device transport's host agreement are refused; it skips on CPU ranks."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+
+    good = "torchtitan+occult+experts@syncfree/stepgraph,torchtitan+occult+experts@syncfree/compile/stepgraph"
+    assert e2e.variant_list(good) == good.split(",")
+    for v in good.split(","):
+        assert e2e.step_graph(v) and e2e.base_variant(v) == "torchtitan+occult+experts" and e2e.sync_free(v)
+    assert e2e.is_compiled("torchtitan+occult+experts@syncfree/compile/stepgraph")
+    assert e2e.unavailable("torchtitan+occult+experts@syncfree/stepgraph", torch.device("cpu")) is not None
+    for bad in (
+        "torchtitan/stepgraph",
+        "torchtitan/compile/stepgraph",
+        "torchtitan+occult@syncfree/stepgraph",
+        "torchtitan+occult+experts/stepgraph",
+        "torchtitan+occult+experts@device/stepgraph",
+        "torchtitan+occult+experts@syncfree/stepgraph/compile",
+        "torchtitan+occult+experts@syncfree/compile/stepgraph/deferwgrad",
+    ):
+        with pytest.raises(Exception, match="unknown variant"):
+            e2e.variant_list(bad)
+
+
 def test_deferwgrad_variants_set_the_setting_while_they_run(monkeypatch):
     """`/deferwgrad`: occult's variants, training ones (not prefill-only captures), OCCULT_DEFER_WGRAD=1 while
     the variant runs and the environment as it was after, an error or not."""

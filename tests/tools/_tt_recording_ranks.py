@@ -1,0 +1,46 @@
+"""Run by tests/tools/test_tt_recording.py under torchrun (2 gloo ranks): TorchTitan's Qwen3-MoE with occult's
+sync-free dispatcher and fused experts (benchmarks/tt_model.py), one train step, then `TrainStep.check_recording`
+against a faithful forward+backward and against one whose gradients are wrong. Rank 0 prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import e2e  # noqa: E402
+import tt_model  # noqa: E402
+
+
+def main() -> None:
+    variant = "torchtitan+occult+experts@syncfree"
+    args = e2e.parse_args(["--model", "tiny-qwen3", "--variants", variant, "--batch", "2", "--seq", "32"])
+    run = e2e.start_run(args, "tt_recording", e2e.model_config)
+    rank, _, device, dtype, cfg, _ = run
+    model = e2e.build_titan(variant, args, cfg, device, dtype, None)
+    step = tt_model.make_step(model, "train", model.optimizer("adamw", 1e-4), recorded=False)
+    gen = torch.Generator().manual_seed(7 + rank)
+    ids = lambda: e2e.random_ids(args.batch, args.seq, cfg.vocab_size, device, gen)  # noqa: E731
+    step(ids())  # a step: the gradients exist, as after a recording's warm-up
+    faithful = step.check_recording(ids(), tol=1e-6)
+    eager = step.forward_backward
+
+    def twice(*inputs: object) -> torch.Tensor:  # a "replay" that accumulates the gradients twice, same loss
+        eager(*inputs)
+        return eager(*inputs)
+
+    step.forward_backward = twice
+    wrong = step.check_recording(ids(), tol=1e-6)
+    dist.barrier()
+    if rank == 0:
+        print(json.dumps({"faithful": faithful, "wrong": wrong}), flush=True)
+    e2e.finish_distributed(ok=True)
+
+
+if __name__ == "__main__":
+    main()
