@@ -143,6 +143,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -1059,14 +1060,23 @@ def build_titan(
     return model
 
 
+@dataclass
+class BuiltVariant:
+    """One variant's model as `run_variant` runs it: what checks it (this rank's check ids and the rows of the logits
+    that are its own), and which kind it is (TorchTitan's model; transformers' own EP, which shares one batch)."""
+
+    model: Any
+    check_ids: torch.Tensor
+    rows: slice
+    titan: bool
+    shared: bool
+
+
 def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> dict:
     """Build, convert, check, then time every phase of one variant; frees its model."""
     device = ctx["device"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    shared, check_ids, rows = variant == "hf-ep", ctx["check_ids"], slice(None)
-    titan = base_variant(variant) in tt_model.VARIANTS
     if (reason := unavailable(variant, device)) is not None:
         log(f"{variant}: skipped ({reason})")
         return {
@@ -1075,9 +1085,39 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
             "phases": {},
             "check": {"passed": True, "median_rel_err": float("nan"), "p95_rel_err": float("nan")},
         }
+    t0 = time.perf_counter()
+    built = build_variant(variant, args, cfg, ctx)
+    res: dict[str, Any] = {"exact": base_variant(variant) in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
+    check_variant(variant, built, args, ctx, res)
+    peaks_before = (0, 0)  # (allocated, reserved) bytes before the backward check's pass (moe_backward_check)
+    for phase in args.phases if res["check"]["passed"] else ():
+        if (built.shared or is_graphed(variant) and not step_graph(variant)) and phase == "train":
+            log(f"  {phase}: not timed for {variant} ({'inference peer' if built.shared else 'prefill only'})")
+            continue
+        go_on, peaks = run_phase(phase, variant, built, args, cfg, ctx, res)
+        peaks_before = peaks or peaks_before
+        if not go_on:
+            break
+    if device.type == "cuda":  # (the backward check's pass apart: its own peak is in grad_check)
+        allocated, reserved = peaks_before
+        res["peak_memory_gib"] = max(allocated, torch.cuda.max_memory_allocated(device)) / 2**30
+        # what the card must hold: allocated tensors and every cached block, a graph pool's free ones too
+        res["peak_reserved_gib"] = max(reserved, torch.cuda.max_memory_reserved(device)) / 2**30
+        log(f"  peak memory: {res['peak_memory_gib']:.1f} GiB allocated, {res['peak_reserved_gib']:.1f} GiB reserved")
+    release_captured()  # a graphed prefill's graph (with its collectives) goes with its model
+    del built
+    free_memory(device)
+    return res
+
+
+def build_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> BuiltVariant:
+    """The variant's model: TorchTitan's, transformers' own EP (every rank the shared batch of all ranks' check
+    sequences, this rank's rows checked) or the seeded transformers model converted as the variant names."""
+    device, check_ids, rows = ctx["device"], ctx["check_ids"], slice(None)
+    titan, shared = base_variant(variant) in tt_model.VARIANTS, variant == "hf-ep"
     if titan:
         model = build_titan(variant, args, cfg, device, ctx["dtype"], ctx["placement"])
-    elif shared:  # one batch of every rank's sequences; this rank's rows are checked
+    elif shared:
         model = hf_ep.load(ctx["hf_ep_dir"], dist.get_world_size(), ctx["dtype"])
         hf_ep.remove(ctx["hf_ep_dir"])
         check_ids = hf_ep.gather_rows(check_ids)
@@ -1086,17 +1126,22 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         model = convert_variant(
             build_model(args, cfg, device, ctx["dtype"]), variant, ctx["placement"], ctx["self_group"]
         )
-    res: dict[str, Any] = {"exact": base_variant(variant) in EXACT, "setup_s": time.perf_counter() - t0, "phases": {}}
-    peaks_before = (0, 0)  # (allocated, reserved) bytes before the backward check's pass (moe_backward_check)
-    if shared:
+    return BuiltVariant(model, check_ids, rows, titan, shared)
+
+
+def check_variant(variant: str, built: BuiltVariant, args: argparse.Namespace, ctx: dict, res: dict) -> None:
+    """The variant's logits on the check batch against the unconverted model's, into `res["check"]` (an
+    approximate variant's reported only), with what the model is (`hf_ep`, `torchtitan`)."""
+    model = built.model
+    if built.shared:
         res["hf_ep"] = hf_ep.describe(model)
-    if titan:
+    if built.titan:
         res["torchtitan"] = model.describe()
         with torch.no_grad():
             model.eval()
-            res["check"] = checked(model.logits(check_ids).float(), ctx["ref_logits"], args.tol, ctx["truth"])
+            res["check"] = checked(model.logits(built.check_ids).float(), ctx["ref_logits"], args.tol, ctx["truth"])
     else:
-        res["check"] = check_logits(model, check_ids, ctx, args.tol, rows)
+        res["check"] = check_logits(model, built.check_ids, ctx, args.tol, built.rows)
     res["check"]["passed"] = res["check"]["passed"] or not res["exact"]
     log(
         f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
@@ -1104,103 +1149,111 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
         + ("" if res["exact"] else " (approximate: report only)")
         + ("" if res["check"]["passed"] else "  FAILED")
     )
-    if res["check"]["passed"]:
-        for phase in args.phases:
-            if (shared or is_graphed(variant) and not step_graph(variant)) and phase == "train":
-                log(f"  {phase}: not timed for {variant} ({'inference peer' if shared else 'prefill only'})")
-                continue
-            check_s = None  # (the MoE backward's check, before any update: the unconverted model's weights)
-            if phase == "train" and not titan:
-                chunks = 2 if micro_batches(variant) == 2 else max(1, args.accumulate)
-                if device.type == "cuda":  # the build's and earlier phases' peaks, past the check's reset
-                    peaks_before = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
-                check_s = moe_backward_check(model, ctx, res, device, chunks)
-                if not res["check"]["passed"]:
-                    break
-            optimizer = None
-            if phase == "train" and titan:
-                optimizer = model.optimizer(args.optimizer, args.lr)
-            elif phase == "train":
-                optimizer = train_optimizer(model, variant, args, device)
-            if is_graphed(variant) and phase == "prefill":
-                step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device, micro_batches(variant))
-                if res["graph"]["vs_eager_max_rel_err"] > args.tol:  # the replay must compute the eager forward
-                    res["check"]["passed"] = False
-                    log("  graph: replay differs from the eager forward  FAILED")
-                    break
-            else:
-                step = (
-                    tt_model.make_step(model, phase, optimizer, step_graph(variant))
-                    if titan
-                    else make_step(
-                        model,
-                        phase,
-                        optimizer,
-                        step_graph(variant),
-                        micro_batches(variant),
-                        args.dense_sync,
-                        args.accumulate,
-                        paired(variant),
-                    )
-                )
-            first_s = (
-                first_step_s(step, args, cfg.vocab_size, device)
-                if is_compiled(variant) and not (is_graphed(variant) and phase == "prefill")
-                else None
-            )  # (graphs compile in the capture)
-            out = time_steps(step, args, cfg.vocab_size, device, shared)
-            if first_s is not None:  # the phase's compilation: its first step less a steady one
-                out["compile_s"] = first_s - out["ms_median"] / 1e3
-                if check_s is not None:  # (plus the check's pass, which compiled the forward and backward)
-                    out["compile_s"] += max(0.0, check_s - out["ms_median"] / 1e3)
-            passes = args.accumulate if phase == "train" else 1  # (two halves: still counted as one pass)
-            out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase, passes))
-            calls = micro_batches(variant) * passes  # each layer's calls a step, as comm_stats counts them
-            out["comm"] = model.comm_stats() if titan else comm_stats(model, device, calls)
-            if optimizer is not None:  # e.g. "occult AdamW", "torch AdamW" (what --optimizer adamw gave this side)
-                out["optimizer"] = f"{type(optimizer).__module__.split('.')[0]} {type(optimizer).__name__}"
-            flops = (
-                ctx["cost"].forward_flops(args.batch, args.seq, args.batch)
-                if phase == "prefill"
-                else ctx["cost"].train_flops(args.batch, args.seq)
-            )
-            out.update(rate(flops, out["ms_median"], ctx["peaks"]))
-            res["phases"][phase] = out
-            log(
-                f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
-                f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU "
-                f"{out['mfu']:.1%}; host {out['host_ms_per_step']:.2f} ms a step from an idle GPU"
-                + (f", {out['host_ms_per_moe_call']:.3f} per MoE call" if out["host_ms_per_moe_call"] else "")
-            )
-            if phase == "train" and titan and step_graph(variant):  # (needs the recording: before it goes)
-                gen = torch.Generator().manual_seed(60_000 + args.seed + dist.get_rank())
-                out["replay_check"] = replay = step.check_recording(
-                    random_ids(args.batch, args.seq, cfg.vocab_size, device, gen), args.tol
-                )
-                res["check"]["passed"] = res["check"]["passed"] and replay["passed"]
-                log(
-                    f"  train: recorded fwd+bwd against eager, worst relative error {replay['max_rel_err']:.2e}"
-                    + ("" if replay["passed"] else f" ({replay['worst_param']} on this rank)  FAILED")
-                )
-            del step, optimizer  # (the train step holds the optimizer: its state goes before the check)
-            model.zero_grad(set_to_none=True)
-            if phase == "train" and not titan and (replay := train_replay_check(model, args, cfg.vocab_size, device)):
-                out["replay_check"] = replay
-                res["check"]["passed"] = res["check"]["passed"] and replay["passed"]
-                log(
-                    f"  train: replays against eager layers, worst gradient relative error {replay['max_rel_err']:.2e}"
-                    + ("" if replay["passed"] else f" ({replay['worst_param']} on this rank)  FAILED")
-                )
-    if device.type == "cuda":  # (the backward check's pass apart: its own peak is in grad_check)
-        allocated, reserved = peaks_before
-        res["peak_memory_gib"] = max(allocated, torch.cuda.max_memory_allocated(device)) / 2**30
-        # what the card must hold: allocated tensors and every cached block, a graph pool's free ones too
-        res["peak_reserved_gib"] = max(reserved, torch.cuda.max_memory_reserved(device)) / 2**30
-        log(f"  peak memory: {res['peak_memory_gib']:.1f} GiB allocated, {res['peak_reserved_gib']:.1f} GiB reserved")
-    release_captured()  # a graphed prefill's graph (with its collectives) goes with its model
-    del model
-    free_memory(device)
-    return res
+
+
+def run_phase(
+    phase: str, variant: str, built: BuiltVariant, args: argparse.Namespace, cfg: Any, ctx: dict, res: dict
+) -> tuple[bool, tuple[int, int] | None]:
+    """Check (a train step's MoE backward first), time and record one phase into `res["phases"]`; (whether the
+    variant goes on to its next phase, the peaks before the backward check's pass or None)."""
+    model, device, titan = built.model, ctx["device"], built.titan
+    check_s, peaks = None, None  # (the MoE backward's check, before any update: the unconverted model's weights)
+    if phase == "train" and not titan:
+        chunks = 2 if micro_batches(variant) == 2 else max(1, args.accumulate)
+        if device.type == "cuda":  # the build's and earlier phases' peaks, past the check's reset
+            peaks = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+        check_s = moe_backward_check(model, ctx, res, device, chunks)
+        if not res["check"]["passed"]:
+            return False, peaks
+    optimizer = None
+    if phase == "train":
+        optimizer = model.optimizer(args.optimizer, args.lr) if titan else train_optimizer(model, variant, args, device)
+    if is_graphed(variant) and phase == "prefill":
+        step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device, micro_batches(variant))
+        if res["graph"]["vs_eager_max_rel_err"] > args.tol:  # the replay must compute the eager forward
+            res["check"]["passed"] = False
+            log("  graph: replay differs from the eager forward  FAILED")
+            return False, peaks
+    elif titan:
+        step = tt_model.make_step(model, phase, optimizer, step_graph(variant))
+    else:
+        step = make_step(
+            model,
+            phase,
+            optimizer,
+            step_graph(variant),
+            micro_batches(variant),
+            args.dense_sync,
+            args.accumulate,
+            paired(variant),
+        )
+    res["phases"][phase] = out = time_phase(phase, variant, step, optimizer, built, args, cfg, ctx, check_s)
+    if phase == "train" and titan and step_graph(variant):  # (needs the recording: before it goes)
+        gen = torch.Generator().manual_seed(60_000 + args.seed + dist.get_rank())
+        out["replay_check"] = step.check_recording(
+            random_ids(args.batch, args.seq, cfg.vocab_size, device, gen), args.tol
+        )
+        passed_or_log(res, out["replay_check"], "recorded fwd+bwd against eager, worst relative error")
+    del step, optimizer  # (the train step holds the optimizer: its state goes before the check)
+    model.zero_grad(set_to_none=True)
+    if phase == "train" and not titan and (replay := train_replay_check(model, args, cfg.vocab_size, device)):
+        out["replay_check"] = replay
+        passed_or_log(res, replay, "replays against eager layers, worst gradient relative error")
+    return True, peaks
+
+
+def time_phase(
+    phase: str,
+    variant: str,
+    step: Callable[[torch.Tensor], Any],
+    optimizer: torch.optim.Optimizer | None,
+    built: BuiltVariant,
+    args: argparse.Namespace,
+    cfg: Any,
+    ctx: dict,
+    check_s: float | None,
+) -> dict:
+    """One phase's numbers: step times (and a compiled variant's compile time), host time, rows and bytes sent,
+    the optimizer, FLOP rate and MFU; logged."""
+    device, shared = ctx["device"], built.shared
+    first_s = (
+        first_step_s(step, args, cfg.vocab_size, device)
+        if is_compiled(variant) and not (is_graphed(variant) and phase == "prefill")
+        else None
+    )  # (graphs compile in the capture)
+    out = time_steps(step, args, cfg.vocab_size, device, shared)
+    if first_s is not None:  # the phase's compilation: its first step less a steady one
+        out["compile_s"] = first_s - out["ms_median"] / 1e3
+        if check_s is not None:  # (plus the check's pass, which compiled the forward and backward)
+            out["compile_s"] += max(0.0, check_s - out["ms_median"] / 1e3)
+    passes = args.accumulate if phase == "train" else 1  # (two halves: still counted as one pass)
+    out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase, passes))
+    calls = micro_batches(variant) * passes  # each layer's calls a step, as comm_stats counts them
+    out["comm"] = built.model.comm_stats() if built.titan else comm_stats(built.model, device, calls)
+    if optimizer is not None:  # e.g. "occult AdamW", "torch AdamW" (what --optimizer adamw gave this side)
+        out["optimizer"] = f"{type(optimizer).__module__.split('.')[0]} {type(optimizer).__name__}"
+    flops = (
+        ctx["cost"].forward_flops(args.batch, args.seq, args.batch)
+        if phase == "prefill"
+        else ctx["cost"].train_flops(args.batch, args.seq)
+    )
+    out.update(rate(flops, out["ms_median"], ctx["peaks"]))
+    log(
+        f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
+        f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU "
+        f"{out['mfu']:.1%}; host {out['host_ms_per_step']:.2f} ms a step from an idle GPU"
+        + (f", {out['host_ms_per_moe_call']:.3f} per MoE call" if out["host_ms_per_moe_call"] else "")
+    )
+    return out
+
+
+def passed_or_log(res: dict, check: dict, what: str) -> None:
+    """A step check's verdict into the variant's (`res["check"]["passed"]`), logged with its worst error."""
+    res["check"]["passed"] = res["check"]["passed"] and check["passed"]
+    log(
+        f"  train: {what} {check['max_rel_err']:.2e}"
+        + ("" if check["passed"] else f" ({check['worst_param']} on this rank)  FAILED")
+    )
 
 
 def fastest_floor(results: dict[str, dict], phase: str) -> float | None:
