@@ -300,6 +300,7 @@ class TitanLM:
                     m.set_force_sum_reduction_for_comms(True)
         self.version = getattr(torchtitan, "__version__", "?")
         self.device = device
+        self._valid_tokens: dict[int, torch.Tensor] = {}  # step_inputs' count of predicted tokens, per size
 
     def _masks(self, ids_BS: torch.Tensor) -> tuple[torch.Tensor, Any]:
         B, S = ids_BS.shape
@@ -322,8 +323,10 @@ class TitanLM:
         """`forward_backward`'s inputs for ids [B, S], made outside any recording as TorchTitan's trainer makes them:
         inputs, labels (the same ids: next-token), the count of predicted tokens, and the positions and masks."""
         pos_BS, masks = self._masks(ids_BS)
-        valid = torch.tensor(ids_BS[:, 1:].numel(), device=ids_BS.device)
-        return ids_BS, ids_BS, valid, {"positions": pos_BS, "attention_masks": masks}
+        n = ids_BS[:, 1:].numel()  # (made once a size: a host-to-GPU copy a step would wait for the GPU each step)
+        if n not in self._valid_tokens:
+            self._valid_tokens[n] = torch.tensor(n, device=ids_BS.device)
+        return ids_BS, ids_BS, self._valid_tokens[n], {"positions": pos_BS, "attention_masks": masks}
 
     def forward_backward(
         self, ids_BS: torch.Tensor, labels_BS: torch.Tensor, valid_tokens: torch.Tensor, extra: dict[str, Any]
