@@ -1193,6 +1193,7 @@ def run_phase(
         out["replay_check"] = step.check_recording(
             random_ids(args.batch, args.seq, cfg.vocab_size, device, gen), args.tol
         )
+        step.release()  # (TorchTitan keeps a recording until its teardown)
         passed_or_log(res, out["replay_check"], "recorded fwd+bwd against eager, worst relative error")
     del step, optimizer  # (the train step holds the optimizer: its state goes before the check)
     model.zero_grad(set_to_none=True)

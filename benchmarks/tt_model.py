@@ -493,6 +493,13 @@ class TrainStep:
 
             self.forward_backward = wrap_with_cuda_graph(peer.forward_backward)
 
+    def release(self) -> None:
+        """Drop the recording and its memory pool (TorchTitan keeps every recording until its teardown, so a next
+        variant would run beside this one's activations)."""
+        if self.recorded:
+            release_recordings()
+            self.forward_backward = self.peer.forward_backward
+
     def __call__(self, ids_BS: torch.Tensor) -> None:
         self.optimizer.zero_grad(set_to_none=not self.recorded)
         self.forward_backward(*self.peer.step_inputs(ids_BS))
@@ -521,3 +528,10 @@ class TrainStep:
         worst = torch.tensor([errors[worst_param]], dtype=torch.float64, device=self.peer.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return {"max_rel_err": float(worst), "worst_param": worst_param, "passed": float(worst) <= tol}
+
+
+def release_recordings() -> None:
+    """Drop every TorchTitan recording and its memory pool (`wrap_with_cuda_graph` keeps them until its teardown)."""
+    from torchtitan.distributed.cudagraph import cudagraph_teardown
+
+    cudagraph_teardown()

@@ -194,6 +194,8 @@ def profile_variant(
         else:
             step = phase_step(model, phase, args, device, variant)
         results[f"{variant}/{phase}"] = r = profile_steps(step, args.steps, trace)
+        if titan and e2e.step_graph(variant):
+            tt_model.release_recordings()  # (TorchTitan keeps a recording, and its memory, until its teardown)
         if rank:
             continue
         print(

@@ -36,6 +36,11 @@ def main() -> None:
 
     step.forward_backward = twice
     wrong = step.check_recording(ids(), tol=1e-6)
+    # recorded on CPU: TorchTitan's wrapper runs the step eagerly; its release (the teardown) leaves a working step
+    recorded = tt_model.make_step(model, "train", model.optimizer("adamw", 1e-4), recorded=True)
+    recorded(ids())
+    recorded.release()
+    recorded(ids())
     dist.barrier()
     if rank == 0:
         print(json.dumps({"faithful": faithful, "wrong": wrong}), flush=True)
