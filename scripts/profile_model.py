@@ -208,13 +208,13 @@ def profile_variant(
             print(f"   {t['us']:9.1f} us {t['count']:6.0f}x  {t['name'][:100]}")
 
 
-def titan_unavailable(args: argparse.Namespace, titans: list[str]) -> str | None:
-    """Why these TorchTitan variants cannot be profiled as asked, or None."""
+def titan_unavailable(args: argparse.Namespace, titans: list[str], model_type: str) -> str | None:
+    """Why these TorchTitan variants cannot be profiled as asked (of a `model_type` model), or None."""
     if any(e2e.base_variant(v).endswith("+placement") for v in titans):
         return "torchtitan+occult+placement: profile_model.py solves no placement; profile it with benchmarks/e2e.py"
     if args.accumulate > 1:
         return "--accumulate is not passed to TorchTitan's own train step: leave the torchtitan variants out"
-    return tt_model.unavailable(e2e.model_config(e2e.parse_args(["--model", args.model])).model_type)
+    return tt_model.unavailable(model_type)
 
 
 def trace_name(variant: str, phase: str, rank: int) -> str:
@@ -259,8 +259,12 @@ def main() -> None:
         p.error(f"--accumulate {args.accumulate}: give a count >= 1 that divides --batch {args.batch}")
     if args.accumulate < 2 and any(e2e.paired(v) for v in args.variants.split(",")):
         p.error("/1f1b pairs a step's micro-batches: give --accumulate 2 or more")
+    eargs = e2e.parse_args(
+        ["--model", args.model, "--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq)]
+    )
+    cfg = e2e.model_config(eargs)
     titans = [v for v in args.variants.split(",") if is_titan(v)]
-    if titans and (reason := titan_unavailable(args, titans)):
+    if titans and (reason := titan_unavailable(args, titans, cfg.model_type)):
         p.error(reason)
     if not torch.cuda.is_available():
         p.error("it profiles CUDA kernels and CUDA finds no GPU here: run it on a GPU machine")
@@ -268,10 +272,6 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     self_group = [torch.distributed.new_group([r]) for r in range(world)][rank]
-    eargs = e2e.parse_args(
-        ["--model", args.model, "--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq)]
-    )
-    cfg = e2e.model_config(eargs)
     results = {}
     for variant in args.variants.split(","):
         with e2e.variant_settings(variant):  # (/deferwgrad: OCCULT_DEFER_WGRAD=1 while it is built and runs)

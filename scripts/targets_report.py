@@ -8,7 +8,8 @@ Reads every `*.json` under the given files or directories and recognises these k
 - `benchmarks/e2e.py` (whole models), issue 36: the best dedup variant over the best replicated one
   (any compile / graph / transport suffix), per phase and link; at the Qwen3 shape TorchTitan's own
   model over the best dedup variant and over TorchTitan with occult's dispatcher (`torchtitan+occult*`: eager
-  over eager, `torchtitan/compile` over the compiled ones, a row each where the job timed both sides);
+  over eager, `torchtitan/compile` over the compiled ones, TorchTitan's fastest over the recorded (`/stepgraph`)
+  ones, a row each where the job timed both sides);
   issues 52 and 53: the same ratios per model, GPU count and link (`EP_TARGETS`, `TT_TARGETS`), and on
   one GPU transformers compiled (`native/compile`) over occult's fastest compiled one-rank variant; and every
   variant's peak reserved memory against an 80 GB card (`H100_GIB`), where the report records it;
