@@ -301,6 +301,7 @@ class TitanLM:
         self.version = getattr(torchtitan, "__version__", "?")
         self.device = device
         self._valid_tokens: dict[int, torch.Tensor] = {}  # step_inputs' count of predicted tokens, per size
+        self._step_extras: dict[tuple[int, int], dict[str, Any]] = {}  # step_inputs' positions and masks, per shape
 
     def _masks(self, ids_BS: torch.Tensor) -> tuple[torch.Tensor, Any]:
         B, S = ids_BS.shape
@@ -320,13 +321,17 @@ class TitanLM:
         return _local(self.model.lm_head(h_BSH[:, -1:]))
 
     def step_inputs(self, ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """`forward_backward`'s inputs for ids [B, S], made outside any recording as TorchTitan's trainer makes them:
-        inputs, labels (the same ids: next-token), the count of predicted tokens, and the positions and masks."""
-        pos_BS, masks = self._masks(ids_BS)
+        """`forward_backward`'s inputs for ids [B, S], made outside any recording: inputs, labels (the same ids:
+        next-token), the count of predicted tokens, and the positions and masks (TorchTitan's trainer makes its masks
+        each step; here once a shape, for every TorchTitan variant alike)."""
         n = ids_BS[:, 1:].numel()  # (made once a size: a host-to-GPU copy a step would wait for the GPU each step)
         if n not in self._valid_tokens:
             self._valid_tokens[n] = torch.tensor(n, device=ids_BS.device)
-        return ids_BS, ids_BS, self._valid_tokens[n], {"positions": pos_BS, "attention_masks": masks}
+        shape = tuple(ids_BS.shape)
+        if shape not in self._step_extras:  # causal masks depend on the shape only: one BlockMask a shape, which a
+            pos_BS, masks = self._masks(ids_BS)  # recording needs too (torch 2.11 compares its mask_mod by identity)
+            self._step_extras[shape] = {"positions": pos_BS, "attention_masks": masks}
+        return ids_BS, ids_BS, self._valid_tokens[n], self._step_extras[shape]
 
     def forward_backward(
         self, ids_BS: torch.Tensor, labels_BS: torch.Tensor, valid_tokens: torch.Tensor, extra: dict[str, Any]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torchtitan.distributed.cudagraph import CUDAGraphInputSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -27,6 +28,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(7 + rank)
     ids = lambda: e2e.random_ids(args.batch, args.seq, cfg.vocab_size, device, gen)  # noqa: E731
     step(ids())  # a step: the gradients exist, as after a recording's warm-up
+    extras = [step.peer.step_inputs(ids())[3] for _ in range(2)]  # two steps' masks, as a recording's replays get them
+    CUDAGraphInputSpec(extras[0]).flatten(extras[1])  # TorchTitan's own check between steps (raises if they differ)
+    same_masks = extras[0]["attention_masks"] is extras[1]["attention_masks"]  # 2.11: mask_mod by identity
     faithful = step.check_recording(ids(), tol=1e-6)
     eager = step.forward_backward
 
@@ -43,7 +47,7 @@ def main() -> None:
     recorded(ids())
     dist.barrier()
     if rank == 0:
-        print(json.dumps({"faithful": faithful, "wrong": wrong}), flush=True)
+        print(json.dumps({"faithful": faithful, "wrong": wrong, "same_masks": same_masks}), flush=True)
     e2e.finish_distributed(ok=True)
 
 

@@ -1,7 +1,8 @@
 """benchmarks/tt_model.py's `TrainStep.check_recording`, which e2e.py runs on a TorchTitan step recorded as a CUDA graph
 (`torchtitan+occult+experts@syncfree/stepgraph`): the replayed forward+backward's loss and gradients against the eager
 one's, no update. A faithful forward+backward passes on every rank (the two runs compute the same step); one whose
-gradients are twice the step's fails with relative error 1 (CPU gloo ranks: recording itself needs a GPU)."""
+gradients are twice the step's fails with relative error 1 (CPU gloo ranks: recording itself needs a GPU). Two steps
+of one shape get the same attention masks: TorchTitan's recording refuses a BlockMask whose mask function changed."""
 
 from __future__ import annotations
 
@@ -30,3 +31,4 @@ def test_the_recording_check_passes_a_faithful_step_and_fails_a_wrong_one():
     assert faithful["passed"] and faithful["max_rel_err"] <= 1e-6, faithful
     assert not wrong["passed"] and abs(wrong["max_rel_err"] - 1.0) < 1e-3, wrong
     assert wrong["worst_param"] != "loss", wrong
+    assert report["same_masks"], "a recorded step needs the same BlockMask every step (made once a shape)"
