@@ -980,8 +980,7 @@ def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.dev
     if device.type == "cuda":  # the pass's own peak; then its cached blocks go, so the timed steps' peaks are theirs
         torch.cuda.synchronize(device)
         check["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        free_memory(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        forget_peaks(device)
     check["seconds"] = time.perf_counter() - t0
     res["grad_check"] = check
     res["check"]["passed"] = res["check"]["passed"] and (check["passed"] or not res["exact"])
@@ -1110,6 +1109,20 @@ def run_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> 
     return res
 
 
+def peaks_now(device: torch.device) -> tuple[int, int] | None:
+    """(allocated, reserved) peak bytes so far on a GPU, None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def forget_peaks(device: torch.device) -> None:
+    """After a check's pass (kept apart from the variant's peaks): its cached blocks go, the peaks start again."""
+    free_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def build_variant(variant: str, args: argparse.Namespace, cfg: Any, ctx: dict) -> BuiltVariant:
     """The variant's model: TorchTitan's, transformers' own EP (every rank the shared batch of all ranks' check
     sequences, this rank's rows checked) or the seeded transformers model converted as the variant names."""
@@ -1160,8 +1173,7 @@ def run_phase(
     check_s, peaks = None, None  # (the MoE backward's check, before any update: the unconverted model's weights)
     if phase == "train" and not titan:
         chunks = 2 if micro_batches(variant) == 2 else max(1, args.accumulate)
-        if device.type == "cuda":  # the build's and earlier phases' peaks, past the check's reset
-            peaks = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+        peaks = peaks_now(device)  # the build's and earlier phases' peaks, past the check's reset
         check_s = moe_backward_check(model, ctx, res, device, chunks)
         if not res["check"]["passed"]:
             return False, peaks
@@ -1189,11 +1201,13 @@ def run_phase(
         )
     res["phases"][phase] = out = time_phase(phase, variant, step, optimizer, built, args, cfg, ctx, check_s)
     if phase == "train" and titan and step_graph(variant):  # (needs the recording: before it goes)
+        peaks = peaks_now(device)  # the recorded step's; the check's eager pass beside the recording is not training
         gen = torch.Generator().manual_seed(60_000 + args.seed + dist.get_rank())
         out["replay_check"] = step.check_recording(
             random_ids(args.batch, args.seq, cfg.vocab_size, device, gen), args.tol
         )
         step.release()  # (TorchTitan keeps a recording until its teardown)
+        forget_peaks(device)
         passed_or_log(res, out["replay_check"], "recorded fwd+bwd against eager, worst relative error")
     del step, optimizer  # (the train step holds the optimizer: its state goes before the check)
     model.zero_grad(set_to_none=True)

@@ -493,6 +493,7 @@ class TrainStep:
     def __init__(self, peer: TitanLM, optimizer: torch.optim.Optimizer, recorded: bool) -> None:
         self.peer, self.optimizer, self.recorded = peer, optimizer, recorded
         self.forward_backward = peer.forward_backward
+        self.calls = 0
         if recorded:
             from torchtitan.distributed.cudagraph import wrap_with_cuda_graph
 
@@ -509,6 +510,11 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=not self.recorded)
         self.forward_backward(*self.peer.step_inputs(ids_BS))
         self.optimizer.step()
+        self.calls += 1
+        if self.recorded and self.calls == 1 and self.peer.device.type == "cuda":
+            # the warm-up ran eagerly: its cached activations go before the recording takes its own pool (both
+            # held would need ~2x a step's activations: 99 GiB reserved at the Qwen3 shape, past an 80 GB card)
+            torch.cuda.empty_cache()
 
     def check_recording(self, ids_BS: torch.Tensor, tol: float) -> dict:
         """After the recording (two calls): the replayed forward+backward's loss and gradients on `ids_BS` against
