@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-profile | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -65,9 +65,11 @@
 # titan     issue 52: TorchTitan's Qwen3 (train) eager and with its blocks compiled (/compile, as its apply_compile),
 #           beside the same with occult's sync-free dispatcher and fused experts (torchtitan+occult+experts@syncfree,
 #           eager and /compile) and occult's own fastest step, one job (carry .whl; a call of its own: ~8 min cold,
-#           FlexAttention autotuned at each compile; titan-slow: the same under NCCL_P2P_DISABLE=1), then the
-#           same with occult recorded as TorchTitan's trainer records a step (/stepgraph: eager, compiled; untried
-#           on GPUs first, last, so that a failure there loses no other number)
+#           FlexAttention autotuned at each compile), then the same with occult recorded as TorchTitan's trainer
+#           records a step (/stepgraph: eager, compiled; last). titan-slow: under NCCL_P2P_DISABLE=1 in two jobs,
+#           each a call of its own (the seven variants passed 570 s there): titan-slow the eager pair and occult's
+#           fastest (two-batch) step, titan-slow-compiled the compiled pair and the recorded step beside
+#           TorchTitan's fastest (its compiled one)
 # titan-profile  issue 52: where those train steps go (scripts/profile_model.py, NVLink, 3 steps each: wall against
 #           GPU busy, exchanges and what runs under them, kernel families; timelines under OUT/titan_profile)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
@@ -89,8 +91,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-profile|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-profile, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -255,21 +257,23 @@ case $part in
       --variants replicated/compile/graph,$sf/compile/graph,$sf/tracemoe/compile/graph \
       --out "$out/e2e_olmoe_prefill_traced_nvlink_${n}gpu.json"
     ;;&
-  titan|titan-slow|all)  # issue 52: TorchTitan with occult's dispatcher sync-free, like with like, and occult's own
+  titan|titan-slow|titan-slow-compiled|all)  # issue 52: TorchTitan with occult's dispatcher sync-free, like with like
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
     tt=torchtitan+occult+experts
     # occult's fastest train step per link (--dense-sync reaches occult's own model only, not TorchTitan's)
-    link=nvlink; e=; fastest=dedup@syncfree/compile/stepgraph/deferwgrad; dense=
-    if [ "$part" = titan-slow ]; then
-      link=slow; e=NCCL_P2P_DISABLE=1; fastest=dedup@syncfree/compile/stepgraph/twobatch/deferwgrad
-      dense="--dense-sync overlap"
-    fi
-    run "titan_$link" 570 env $e $tr benchmarks/e2e.py --model qwen3 --phases train $dense \
-      --variants torchtitan,$tt@syncfree,$fastest,$tt@syncfree/compile,torchtitan/compile,$tt@syncfree/stepgraph,$tt@syncfree/compile/stepgraph \
-      --out "$out/e2e_qwen3_titan_syncfree_${link}_${n}gpu.json" ;;&
+    case $part in
+      titan-slow) name=slow; e=NCCL_P2P_DISABLE=1; dense="--dense-sync overlap"
+        variants=torchtitan,$tt@syncfree,dedup@syncfree/compile/stepgraph/twobatch/deferwgrad ;;
+      titan-slow-compiled) name=compiled_slow; e=NCCL_P2P_DISABLE=1; dense=
+        variants=torchtitan/compile,$tt@syncfree/compile,$tt@syncfree/compile/stepgraph ;;
+      *) name=nvlink; e=; dense=
+        variants=torchtitan,$tt@syncfree,dedup@syncfree/compile/stepgraph/deferwgrad,$tt@syncfree/compile,torchtitan/compile,$tt@syncfree/stepgraph,$tt@syncfree/compile/stepgraph ;;
+    esac
+    run "titan_$name" 570 env $e $tr benchmarks/e2e.py --model qwen3 --phases train $dense --variants $variants \
+      --out "$out/e2e_qwen3_titan_syncfree_${name}_${n}gpu.json" ;;&
   titan-profile|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
