@@ -507,7 +507,7 @@ class TrainStep:
             self.forward_backward = self.peer.forward_backward
 
     def __call__(self, ids_BS: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=not self.recorded)
+        zero_grads(self.optimizer, set_to_none=not self.recorded)
         self.forward_backward(*self.peer.step_inputs(ids_BS))
         self.optimizer.step()
         self.calls += 1
@@ -525,13 +525,13 @@ class TrainStep:
         inputs = self.peer.step_inputs(ids_BS)
         runs = []
         for forward_backward in (self.forward_backward, self.peer.forward_backward):
-            self.optimizer.zero_grad(set_to_none=False)
+            zero_grads(self.optimizer, set_to_none=False)
             loss = forward_backward(*inputs).detach().float().clone()
             grads = {
                 n: _local(p.grad).detach().clone() for n, p in self.peer.model.named_parameters() if p.grad is not None
             }
             runs.append((loss, grads))
-        self.optimizer.zero_grad(set_to_none=False)
+        zero_grads(self.optimizer, set_to_none=False)
         (loss, replayed), (want_loss, eager) = runs
         errors = {name: relative_error(replayed.get(name), want) for name, want in eager.items()}
         errors["loss"] = relative_error(loss, want_loss)
@@ -539,6 +539,19 @@ class TrainStep:
         worst = torch.tensor([errors[worst_param]], dtype=torch.float64, device=self.peer.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return {"max_rel_err": float(worst), "worst_param": worst_param, "passed": float(worst) <= tol}
+
+
+def zero_grads(optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+    """`optimizer.zero_grad`, but in place one parameter group at a time (`set_to_none=False`): a recording keeps
+    the gradients' storage. torch's own zeroes every group's gradients of a device and dtype in one foreach call,
+    which refuses DTensors beside plain tensors (one rank: the experts plain, the rest FSDP2's DTensors)."""
+    if set_to_none:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:  # (one group per device mesh: TitanLM.optimizer)
+        grads = [p.grad for p in group["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
 
 
 def release_recordings() -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
 from torchtitan.distributed.cudagraph import CUDAGraphInputSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,10 +47,33 @@ def main() -> None:
     recorded(ids())
     recorded.release()
     recorded(ids())
+    zeroed, torch_refuses = mixed_groups_zeroed()
     dist.barrier()
     if rank == 0:
-        print(json.dumps({"faithful": faithful, "wrong": wrong, "same_masks": same_masks}), flush=True)
+        report = {"faithful": faithful, "wrong": wrong, "same_masks": same_masks}
+        print(json.dumps(report | {"zeroed": zeroed, "torch_refuses": torch_refuses}), flush=True)
     e2e.finish_distributed(ok=True)
+
+
+def mixed_groups_zeroed() -> tuple[bool, bool]:
+    """tt_model.zero_grads on an optimizer with a group of DTensors beside a group of plain tensors (TorchTitan's
+    model on one rank): (every gradient zeroed in place, whether torch's own foreach zero_grad refused them)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    shared = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Replicate()]))
+    plain = torch.nn.Parameter(torch.randn(5))
+    optimizer = torch.optim.AdamW([{"params": [shared]}, {"params": [plain]}], lr=1e-3, foreach=True)
+    shared.grad, plain.grad = torch.ones_like(shared), torch.ones_like(plain)
+    try:
+        optimizer.zero_grad(set_to_none=False)
+        refused = False
+    except RuntimeError:
+        refused = True
+    shared.grad, plain.grad = torch.ones_like(shared), torch.ones_like(plain)
+    local = [shared.grad.to_local(), plain.grad]
+    where = [g.data_ptr() for g in local]
+    tt_model.zero_grads(optimizer, set_to_none=False)
+    local = [shared.grad.to_local(), plain.grad]
+    return all(bool((g == 0).all()) for g in local) and [g.data_ptr() for g in local] == where, refused
 
 
 if __name__ == "__main__":
