@@ -518,7 +518,8 @@ class TrainStep:
 
     def check_recording(self, ids_BS: torch.Tensor, tol: float) -> dict:
         """After the recording (two calls): the replayed forward+backward's loss and gradients on `ids_BS` against
-        the eager one's, no update ({"max_rel_err", "worst_param" (this rank's), "passed"}; the worst over ranks).
+        the eager one's, no update ({"max_rel_err", "worst_param" and "loss_rel_err" (this rank's), "passed"}; the worst
+        over ranks).
         A replay that reads or writes the wrong memory trains on wrong gradients while its timing looks fine."""
         from _replay_check import relative_error
 
@@ -538,7 +539,13 @@ class TrainStep:
         worst_param = max(errors, key=errors.get)
         worst = torch.tensor([errors[worst_param]], dtype=torch.float64, device=self.peer.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return {"max_rel_err": float(worst), "worst_param": worst_param, "passed": float(worst) <= tol}
+        loss_err = float(errors["loss"])  # (this rank's: the forward's own part of a difference)
+        return {
+            "max_rel_err": float(worst),
+            "worst_param": worst_param,
+            "loss_rel_err": loss_err,
+            "passed": float(worst) <= tol,
+        }
 
 
 def zero_grads(optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
