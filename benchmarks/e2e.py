@@ -613,6 +613,12 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
         reason := tt_model.unavailable(cfg.model_type)
     ):
         return f"torchtitan: {reason}"
+    recorded = [v for v in args.variants if base_variant(v) in tt_model.VARIANTS and step_graph(v)]
+    if recorded and world == 1:  # (docs/integrations.md, "On two GPUs": what the one-rank replay got wrong)
+        return (
+            f"{', '.join(recorded)}: on one rank TorchTitan's recorded step fails its replay check (the loss equal, "
+            "lm_head.weight's gradient 0.21 off, 1 x H200): run it on 2 or more ranks"
+        )
     return None
 
 

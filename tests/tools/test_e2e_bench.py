@@ -337,6 +337,10 @@ def test_e2e_torchtitan_peer_needs_qwen3_and_says_so():
     assert "use --model qwen3" in e2e.check_setup(args, e2e.model_config(args), 2)
     args = e2e.parse_args(["--model", "tiny", "--variants", "dedup", "--batch", "1", "--seq", "16"])
     assert e2e.check_setup(args, e2e.model_config(args), 2) is None
+    recorded = "torchtitan+occult+experts@syncfree/stepgraph"  # (its one-rank replay is wrong on GPUs: refused there)
+    args = e2e.parse_args(["--model", "tiny-qwen3", "--variants", recorded, "--batch", "1", "--seq", "16"])
+    assert "run it on 2 or more ranks" in e2e.check_setup(args, e2e.model_config(args), 1)
+    assert e2e.check_setup(args, e2e.model_config(args), 2) is None
 
 
 def test_e2e_half_precision_checks_against_the_fp32_model_too(tmp_path):
