@@ -71,7 +71,9 @@
 #           fastest (two-batch) step, titan-slow-compiled the compiled pair and the recorded step beside
 #           TorchTitan's fastest (its compiled one)
 # titan-profile  issue 52: where those train steps go (scripts/profile_model.py, NVLink, 3 steps each: wall against
-#           GPU busy, exchanges and what runs under them, kernel families; timelines under OUT/titan_profile)
+#           GPU busy, exchanges and what runs under them, kernel families; timelines under OUT/titan_profile):
+#           TorchTitan's fastest (compiled), TorchTitan + occult recorded and compiled, occult's own fastest (the
+#           compiled e2e.py variants took 70-90 s each on 2 x H200: three fit a call)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -281,7 +283,7 @@ case $part in
     fi
     tt=torchtitan+occult+experts
     TAIL=30 run titan_profile 540 $tr scripts/profile_model.py --model qwen3 --layers 8 --phases train --steps 3 \
-      --variants torchtitan,$tt@syncfree,$tt@syncfree/compile,$tt@syncfree/compile/stepgraph,dedup@syncfree/compile/stepgraph/deferwgrad \
+      --variants torchtitan/compile,$tt@syncfree/compile/stepgraph,dedup@syncfree/compile/stepgraph/deferwgrad \
       --traces --out "$out/titan_profile" ;;&
   peer|all)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
