@@ -104,8 +104,8 @@ def agree_on_error(error: str | None) -> str | None:
 
 def finish(script: str, table: str, failed: list[str], tol: float, what: str = "variant(s)") -> int:
     """A run's end: the table (rank 0), the process group destroyed (each rank says how long that took);
-    the exit status, 1 (rank 0 names the variants) if any failed its check against the unconverted
-    model, else 0."""
+    the exit status, 1 (rank 0 names the variants, with the checks they failed where the caller says) if any
+    failed its check against the unconverted model (or a replay against its eager run), else 0."""
     log("\n" + table)
     rank = dist.get_rank()
     started = time.perf_counter()
@@ -119,8 +119,8 @@ def finish(script: str, table: str, failed: list[str], tol: float, what: str = "
     if failed:
         if rank == 0:
             print(
-                f"{script}: error: {what} {', '.join(failed)} differ from the unconverted model "
-                f"(median relative logit error above --tol {tol})",
+                f"{script}: error: {what} {', '.join(failed)} failed their checks against the unconverted model "
+                f"or their own eager run (a relative error above --tol {tol}; the MoE backward's above its own)",
                 file=sys.stderr,
                 flush=True,
             )

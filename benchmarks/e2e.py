@@ -1161,6 +1161,7 @@ def check_variant(variant: str, built: BuiltVariant, args: argparse.Namespace, c
             res["check"] = checked(model.logits(built.check_ids).float(), ctx["ref_logits"], args.tol, ctx["truth"])
     else:
         res["check"] = check_logits(model, built.check_ids, ctx, args.tol, built.rows)
+    res["check"]["logits_passed"] = res["check"]["passed"]  # (the step checks below fail "passed" too)
     res["check"]["passed"] = res["check"]["passed"] or not res["exact"]
     log(
         f"{variant}: check median {res['check']['median_rel_err']:.2e} p95 {res['check']['p95_rel_err']:.2e}"
@@ -1189,7 +1190,7 @@ def run_phase(
     if is_graphed(variant) and phase == "prefill":
         step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device, micro_batches(variant))
         if res["graph"]["vs_eager_max_rel_err"] > args.tol:  # the replay must compute the eager forward
-            res["check"]["passed"] = False
+            res["check"]["passed"] = res["check"]["graph_passed"] = False
             log("  graph: replay differs from the eager forward  FAILED")
             return False, peaks
     elif titan:
@@ -1412,8 +1413,22 @@ def main(argv: list[str] | None = None) -> int:
             report["variants"][variant] = run_variant(variant, args, cfg, ctx)
         if rank == 0 and args.out:
             write_json(args.out, report)
-    failed = [v for v, r in report["variants"].items() if not r["check"]["passed"]]
+    failed = [f"{v} ({', '.join(failed_checks(r))})" for v, r in report["variants"].items() if not r["check"]["passed"]]
     return finish("e2e.py", table(report["variants"], args.phases), failed, args.tol, what="exact variant(s)")
+
+
+def failed_checks(res: dict) -> list[str]:
+    """Which of a failed variant's checks failed: its logits, its MoE backward, a recorded prefill's or step's
+    replay against its eager run (a run's error names them: the logits can pass while a replay does not)."""
+    why = [] if res["check"].get("logits_passed", True) else ["logits"]
+    if not res.get("grad_check", {}).get("passed", True):
+        why.append("MoE backward")
+    if "graph" in res and not res["check"].get("graph_passed", True):
+        why.append("prefill replay")
+    why += [
+        f"{phase} replay" for phase, out in res["phases"].items() if not out.get("replay_check", {}).get("passed", True)
+    ]
+    return why or ["logits"]
 
 
 if __name__ == "__main__":

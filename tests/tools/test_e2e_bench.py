@@ -261,7 +261,7 @@ def test_e2e_exact_variant_off_exits_nonzero(tmp_path):
         str(out),
     )
     assert res.returncode != 0
-    assert "exact variant(s) dedup differ from the unconverted model" in res.stderr
+    assert "exact variant(s) dedup (logits) failed their checks against the unconverted model" in res.stderr
     report = json.loads(out.read_text())
     assert report["variants"]["dedup"]["check"]["passed"] is False and report["variants"]["dedup"]["phases"] == {}
 
@@ -321,6 +321,26 @@ def test_e2e_torchtitan_whole_model_peer_matches_and_trains(tmp_path):
     assert fused["torchtitan"]["experts"] == "OccultGroupedExperts" and fused["check"]["passed"], fused["check"]
     assert fused["check"]["median_rel_err"] < tt["check"]["median_rel_err"] / 4, (fused["check"], tt["check"])
     assert all(fused["phases"][phase]["ms_median"] > 0 for phase in PHASES)
+
+
+def test_e2e_names_the_checks_a_variant_failed():
+    """A run's error says which check failed: the logits can pass while a recorded step's replay does not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import e2e
+    finally:
+        sys.path.pop(0)
+    ok = {"check": {"passed": True, "logits_passed": True}, "phases": {}}
+    replay = {
+        "check": {"passed": False, "logits_passed": True},
+        "phases": {"train": {"replay_check": {"passed": False}}},
+    }
+    backward = {"check": {"passed": False, "logits_passed": False}, "grad_check": {"passed": False}, "phases": {}}
+    graph = {"check": {"passed": False, "logits_passed": True, "graph_passed": False}, "graph": {}, "phases": {}}
+    assert e2e.failed_checks(replay) == ["train replay"]
+    assert e2e.failed_checks(backward) == ["logits", "MoE backward"]
+    assert e2e.failed_checks(graph) == ["prefill replay"]
+    assert e2e.failed_checks({**ok, "check": {"passed": False}}) == ["logits"]  # (a report from before the split)
 
 
 def test_e2e_torchtitan_peer_needs_qwen3_and_says_so():
