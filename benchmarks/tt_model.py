@@ -300,8 +300,7 @@ class TitanLM:
                     m.set_force_sum_reduction_for_comms(True)
         self.version = getattr(torchtitan, "__version__", "?")
         self.device = device
-        self._valid_tokens: dict[int, torch.Tensor] = {}  # step_inputs' count of predicted tokens, per size
-        self._step_extras: dict[tuple[int, int], dict[str, Any]] = {}  # step_inputs' positions and masks, per shape
+        self._step_consts: dict[tuple[int, ...], tuple[torch.Tensor, dict[str, Any]]] = {}  # step_inputs', per shape
 
     def _masks(self, ids_BS: torch.Tensor) -> tuple[torch.Tensor, Any]:
         B, S = ids_BS.shape
@@ -324,14 +323,15 @@ class TitanLM:
         """`forward_backward`'s inputs for ids [B, S], made outside any recording: inputs, labels (the same ids:
         next-token), the count of predicted tokens, and the positions and masks (TorchTitan's trainer makes its masks
         each step; here once a shape, for every TorchTitan variant alike)."""
-        n = ids_BS[:, 1:].numel()  # (made once a size: a host-to-GPU copy a step would wait for the GPU each step)
-        if n not in self._valid_tokens:
-            self._valid_tokens[n] = torch.tensor(n, device=ids_BS.device)
         shape = tuple(ids_BS.shape)
-        if shape not in self._step_extras:  # causal masks depend on the shape only: one BlockMask a shape, which a
-            pos_BS, masks = self._masks(ids_BS)  # recording needs too (torch 2.11 compares its mask_mod by identity)
-            self._step_extras[shape] = {"positions": pos_BS, "attention_masks": masks}
-        return ids_BS, ids_BS, self._valid_tokens[n], self._step_extras[shape]
+        if shape not in self._step_consts:  # made once a shape: a host-to-GPU copy a step would wait for the GPU, and
+            # causal masks depend on the shape only (a recording needs one BlockMask: torch 2.11 compares its mask_mod
+            # by identity)
+            pos_BS, masks = self._masks(ids_BS)
+            valid = torch.tensor(ids_BS[:, 1:].numel(), device=ids_BS.device)
+            self._step_consts[shape] = (valid, {"positions": pos_BS, "attention_masks": masks})
+        valid, extra = self._step_consts[shape]
+        return ids_BS, ids_BS, valid, extra
 
     def forward_backward(
         self, ids_BS: torch.Tensor, labels_BS: torch.Tensor, valid_tokens: torch.Tensor, extra: dict[str, Any]

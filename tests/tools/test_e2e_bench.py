@@ -336,7 +336,7 @@ def test_e2e_names_the_checks_a_variant_failed():
         "phases": {"train": {"replay_check": {"passed": False}}},
     }
     backward = {"check": {"passed": False, "logits_passed": False}, "grad_check": {"passed": False}, "phases": {}}
-    graph = {"check": {"passed": False, "logits_passed": True, "graph_passed": False}, "graph": {}, "phases": {}}
+    graph = {"check": {"passed": False, "logits_passed": True}, "graph": {"passed": False}, "phases": {}}
     assert e2e.failed_checks(replay) == ["train replay"]
     assert e2e.failed_checks(backward) == ["logits", "MoE backward"]
     assert e2e.failed_checks(graph) == ["prefill replay"]
