@@ -233,7 +233,7 @@ def gemm_parts(prob):
     x, slots, gates, w1, w2, dy, K = (prob[k] for k in ("x", "slots", "gates", "w1", "w2", "dy", "K"))
     g = gates.view(-1)
     pair, offsets = build_pairs(slots, w1.shape[0])
-    h, ab = gather_gemm_swiglu(x, pair, offsets, w1, g, K, save_ab=True)
+    h, ab = gather_gemm_swiglu(x, pair, offsets, *w1.chunk(2, 1), g, K, save_ab=True)
     o = x.new_empty((slots.numel(), x.shape[1]))
     dab, _ = swiglu_dgrad(dy, pair, offsets, w2, ab, g, K)
     dxp = x.new_empty((slots.numel(), x.shape[1]))
@@ -280,8 +280,8 @@ def gemm_parts(prob):
     return {
         "pairs": lambda: build_pairs(slots, w1.shape[0]),
         "pairs_torch_sort": lambda: build_pairs_torch(slots, w1.shape[0]),
-        "gemm1": lambda: gather_gemm_swiglu(x, pair, offsets, w1, g, K, save_ab=False),
-        "gemm1_save": lambda: gather_gemm_swiglu(x, pair, offsets, w1, g, K, save_ab=True),
+        "gemm1": lambda: gather_gemm_swiglu(x, pair, offsets, *w1.chunk(2, 1), g, K, save_ab=False),
+        "gemm1_save": lambda: gather_gemm_swiglu(x, pair, offsets, *w1.chunk(2, 1), g, K, save_ab=True),
         # the training forward's GEMM 1 through gather + torch._grouped_mm + SwiGLU pass (setting gemm1)
         "gemm1_grouped_mm": lambda: gemm1_grouped(x, pair, offsets, w1, g, K),
         "gemm2": lambda: gemm_scatter(h, pair, offsets, w2.transpose(1, 2), K, o),

@@ -37,7 +37,8 @@ def _gather_gemm_swiglu_kernel(
     x_ptr,
     pair_ptr,
     offsets_ptr,
-    w_ptr,
+    wg_ptr,
+    wu_ptr,
     gate_ptr,
     h_ptr,
     ab_ptr,
@@ -76,13 +77,11 @@ def _gather_gemm_swiglu_kernel(
         offs_nw = offs_n % F
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + row[:, None] * stride_xr + offs_k[None, :]
-        wg_ptrs = (
-            w_ptr
-            + expert.to(tl.int64) * stride_we
-            + offs_nw[None, :].to(tl.int64) * stride_wf
-            + offs_k[:, None] * stride_wh
+        w_offs = (
+            expert.to(tl.int64) * stride_we + offs_nw[None, :].to(tl.int64) * stride_wf + offs_k[:, None] * stride_wh
         )
-        wu_ptrs = wg_ptrs + F * stride_wf
+        wg_ptrs = wg_ptr + w_offs
+        wu_ptrs = wu_ptr + w_offs
         acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_K)):
@@ -116,22 +115,57 @@ def _gather_gemm_swiglu_kernel(
 
 
 @triton.jit
+def _dot_over_k(
+    acc,
+    a_ptrs,
+    b_ptrs,
+    kd,
+    stride_bk,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """acc += A[:, :kd] @ B[:kd, :] for one tile: `a_ptrs` [BLOCK_M, BLOCK_K] and `b_ptrs` [BLOCK_K, BLOCK_N]
+    at k = 0 (A's columns unit-strided, B's rows `stride_bk` apart)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(0, tl.cdiv(kd, BLOCK_K)):
+        if EVEN_K:
+            at = tl.load(a_ptrs)
+            bt = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < kd - k * BLOCK_K
+            at = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            bt = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST:
+            at = at.to(tl.float32)
+            bt = bt.to(tl.float32)
+        acc = tl.dot(at, bt, acc, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _gemm_scatter_kernel(
     a_ptr,
     pair_ptr,
     offsets_ptr,
     b_ptr,
+    b2_ptr,
     out_ptr,
     num_experts,
     num_slots,
     N,
     KD,
+    K1,
     stride_am,
     stride_be,
     stride_bk,
     stride_bn,
     stride_om,
     ATOMIC: tl.constexpr,
+    TWO_B: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PREC: tl.constexpr,
@@ -157,27 +191,13 @@ def _gemm_scatter_kernel(
         offs_nw = offs_n % N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = (
-            b_ptr
-            + expert.to(tl.int64) * stride_be
-            + offs_k[:, None] * stride_bk
-            + offs_nw[None, :].to(tl.int64) * stride_bn
+        b_offs = (
+            expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_nw[None, :].to(tl.int64) * stride_bn
         )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(KD, BLOCK_K)):
-            if EVEN_K:
-                at = tl.load(a_ptrs)
-                bt = tl.load(b_ptrs)
-            else:
-                k_ok = offs_k < KD - k * BLOCK_K
-                at = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                bt = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            if UPCAST:
-                at = at.to(tl.float32)
-                bt = bt.to(tl.float32)
-            acc = tl.dot(at, bt, acc, input_precision=PREC)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_bk
+        acc = _dot_over_k(acc, a_ptrs, b_ptr + b_offs, K1, stride_bk, EVEN_K, UPCAST, PREC, BLOCK_K)
+        if TWO_B:  # K rows K1.. of B from the second tensor (split gate and up weights)
+            acc = _dot_over_k(acc, a_ptrs + K1, b2_ptr + b_offs, KD - K1, stride_bk, EVEN_K, UPCAST, PREC, BLOCK_K)
         pair = tl.load(pair_ptr + offs_m, mask=mask_m, other=0)
         mask = mask_m[:, None] & (offs_n < N)[None, :]
         if ATOMIC:
@@ -222,14 +242,23 @@ def gather_gemm_swiglu(
     x_RH: torch.Tensor,
     pair_P: torch.Tensor,
     offsets_E1: torch.Tensor,
-    gate_up_EFH: torch.Tensor,
+    gate_EFH: torch.Tensor,
+    up_EFH: torch.Tensor,
     gates_flat: torch.Tensor,
     num_slots: int,
     save_ab: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hg = gate * SwiGLU `[R*K, F]` (sorted-pair rows, only the first P written), optionally [a; b]."""
-    num_experts, two_f, hidden = gate_up_EFH.shape
-    ffn = two_f // 2
+    """hg = gate * SwiGLU `[R*K, F]` (sorted-pair rows, only the first P written), optionally [a; b].
+
+    `gate_EFH` and `up_EFH`: the gate and up weights, two tensors of one shape and strides (the halves of a
+    `[E, 2F, H]` gate_up weight, or weights kept apart, as TorchTitan's `w1` and `w3`)."""
+    if gate_EFH.shape != up_EFH.shape or gate_EFH.stride() != up_EFH.stride():
+        raise ValueError(
+            f"gate and up weights need one shape and strides, got {tuple(gate_EFH.shape)} {gate_EFH.stride()} "
+            f"and {tuple(up_EFH.shape)} {up_EFH.stride()}"
+        )
+    num_experts, ffn, hidden = gate_EFH.shape
+    two_f = 2 * ffn
     bound = pair_P.numel()
     h_PF = x_RH.new_empty((bound, ffn))
     ab_PF2 = x_RH.new_empty((bound, two_f)) if save_ab else None
@@ -241,7 +270,8 @@ def gather_gemm_swiglu(
         x_RH,
         pair_P,
         offsets_E1,
-        gate_up_EFH,
+        gate_EFH,
+        up_EFH,
         gates_flat,
         h_PF,
         ab_PF2 if save_ab else h_PF,
@@ -250,9 +280,9 @@ def gather_gemm_swiglu(
         hidden,
         ffn,
         x_RH.stride(0),
-        gate_up_EFH.stride(0),
-        gate_up_EFH.stride(1),
-        gate_up_EFH.stride(2),
+        gate_EFH.stride(0),
+        gate_EFH.stride(1),
+        gate_EFH.stride(2),
         SAVE_AB=save_ab,
         EVEN_K=hidden % cfg.block_k == 0,
         UPCAST=upcast,
@@ -278,14 +308,24 @@ def gemm_scatter(
     out: torch.Tensor,
     atomic: bool = False,
     config_name: str | None = None,
+    b2_EKN: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[pair] = a[p] @ b[e] (stored at the pair's flat index), or with `atomic`
     out[row] += a[p] @ b[e] (fp32 `out` of one row per received row).
 
     `b_EKN` may be any strided view `[E, KD, N]` (e.g. `down.transpose(1, 2)`); `a_PK` rows
-    are in sorted-pair order with unit stride along KD.
+    are in sorted-pair order with unit stride along KD. `b2_EKN`: B's rows past `b_EKN`'s, a tensor of the
+    same strides (`[gate; up]` kept as two weights), so `a` has the columns of both.
     """
-    num_experts, kd, n = b_EKN.shape
+    num_experts, k1, n = b_EKN.shape
+    kd = k1
+    if b2_EKN is not None:
+        if b2_EKN.shape[::2] != b_EKN.shape[::2] or b2_EKN.stride() != b_EKN.stride():
+            raise ValueError(
+                f"b2 must match b but in its K rows: got {tuple(b_EKN.shape)} {b_EKN.stride()} and "
+                f"{tuple(b2_EKN.shape)} {b2_EKN.stride()}"
+            )
+        kd = k1 + b2_EKN.shape[1]
     bound = pair_P.numel()
     cfg = _config.get(config_name or ("gemm2_atomic" if atomic else "gemm2"), a_PK.dtype)
     tiles = max_tiles(bound, num_experts, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -296,18 +336,21 @@ def gemm_scatter(
         pair_P,
         offsets_E1,
         b_EKN,
+        b_EKN if b2_EKN is None else b2_EKN,
         out,
         num_experts,
         num_slots,
         n,
         kd,
+        k1,
         a_PK.stride(0),
         b_EKN.stride(0),
         b_EKN.stride(1),
         b_EKN.stride(2),
         out.stride(0),
         ATOMIC=atomic,
-        EVEN_K=kd % cfg.block_k == 0,
+        TWO_B=b2_EKN is not None,
+        EVEN_K=k1 % cfg.block_k == 0 and kd % cfg.block_k == 0,
         UPCAST=upcast,
         PREC=prec,
         BLOCK_M=cfg.block_m,

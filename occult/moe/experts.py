@@ -58,11 +58,16 @@ def expert_mlp_reference(
     return y_RH.to(x_RH.dtype)
 
 
+GateUp = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""The experts' gate and up weights: one `[E, 2F, H]` tensor (each expert's gate rows, then its up rows), or a
+pair (gate, up) of `[E, F, H]` tensors kept apart (TorchTitan's `w1`, `w3`)."""
+
+
 def expert_mlp(
     x_RH: torch.Tensor,
     slots_RK: torch.Tensor,
     gates_RK: torch.Tensor,
-    gate_up_proj_EFH: torch.Tensor,
+    gate_up_proj_EFH: GateUp,
     down_proj_EHF: torch.Tensor,
     backend: str = "auto",
     dense: bool = False,
@@ -93,6 +98,8 @@ def expert_mlp(
         return kernels.expert_mlp(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF, dense=dense).to(out_dtype)
     if backend != "torch":
         raise ValueError(f"unknown expert backend {backend!r}; use 'auto', 'torch' or 'triton'")
+    if isinstance(gate_up_proj_EFH, tuple):  # (the Triton kernels read a pair where it is; the reference joins it)
+        gate_up_proj_EFH = torch.cat(gate_up_proj_EFH, dim=1)
     return expert_mlp_reference(x_RH, slots_RK, gates_RK, gate_up_proj_EFH, down_proj_EHF)
 
 
@@ -103,7 +110,7 @@ class LocalExperts:
     it differentiates through.
     """
 
-    def __init__(self, gate_up_proj_EFH: torch.Tensor, down_proj_EHF: torch.Tensor, backend: str = "auto") -> None:
+    def __init__(self, gate_up_proj_EFH: GateUp, down_proj_EHF: torch.Tensor, backend: str = "auto") -> None:
         self.weights = (gate_up_proj_EFH, down_proj_EHF)
         self.backend = backend
 

@@ -55,6 +55,37 @@ def test_kernels_match_reference_at_olmoe_shape(shape, dtype):
     assert max(errors.values()) < TOL[dtype], (shape, dtype, errors)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_gate_and_up_kept_apart_at_qwen3_shape(dtype):
+    """TorchTitan's `w1` and `w3` as two tensors (`gate_up_proj_EFH=(gate, up)`): the kernels read both where they
+    are (GEMM 1 through two pointers, the input gradient's GEMM over both) and give each its own gradient; Qwen3's
+    expert shape on one of 2 EP ranks (64 experts x 768, hidden 2048), against the fp32 reference."""
+    from occult.moe.experts import expert_mlp_reference
+
+    R, K, E, pad, h, f = 12288, 8, 64, 0.6, 2048, 768
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**31, ())))
+    slots = torch.randint(0, E, (R, K), device=dev, generator=g)
+    slots[torch.rand(R, K, device=dev, generator=g) < pad] = -1
+    slots[slots == 3] = -1  # an expert without rows
+    weights = [torch.randn(E, f, h, device=dev, generator=g) / h**0.5 for _ in range(2)]
+    weights.append(torch.randn(E, h, f, device=dev, generator=g) / f**0.5)
+    x, dy = torch.randn(R, h, device=dev, generator=g), torch.randn(R, h, device=dev, generator=g).to(dtype)
+    ins = [t.to(dtype).requires_grad_() for t in (x, *weights)]
+    gates = torch.rand(R, K, device=dev, generator=g).requires_grad_()  # fp32, as from the router
+    y = kernels.expert_mlp(ins[0], slots, gates, (ins[1], ins[2]), ins[3])
+    got = (y, *torch.autograd.grad(y, (ins[0], gates, *ins[1:]), dy))
+    ref_ins = [t.detach().float().requires_grad_() for t in (ins[0], gates, *ins[1:])]
+    y_ref = expert_mlp_reference(ref_ins[0], slots, ref_ins[1], torch.cat(ref_ins[2:4], dim=1), ref_ins[4])
+    ref = (y_ref, *torch.autograd.grad(y_ref, ref_ins, dy.float()))
+    names = ("y", "dx", "dgates", "dgate", "dup", "ddown")
+    errors = {n: _rel(a, b) for n, a, b in zip(names, got, ref)}
+    assert all(torch.isfinite(t).all() for t in got), errors
+    assert max(errors.values()) < TOL[dtype], (dtype, errors)
+    assert got[3].is_contiguous() and got[4].is_contiguous()
+    assert torch.count_nonzero(got[3][3]) == 0 and torch.count_nonzero(got[4][3]) == 0
+
+
 def _poison_free_memory(device: str) -> None:
     """Fill free device memory with NaN bit patterns (all bits set): first memory handed back to the
     driver (`empty_cache`), which a new segment (a CUDA-graph recording's own pool) may get, then the

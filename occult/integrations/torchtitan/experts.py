@@ -9,8 +9,9 @@ on this rank), so the expansion to expert-major rows, TorchTitan's three `torch.
 their SwiGLU in between, and the gate-weighted reduction before the combine are gone.
 
 The parameters are TorchTitan's (`w1_EFD`, `w2_EDF`, `w3_EFD`: same names, shapes, sharding, initialisation
-and checkpoints); each forward joins `w1` and `w3` into occult's `[gate; up]` weight (a copy of the local
-experts' gate and up weights, its gradient split back by autograd). The experts compute in their weights'
+and checkpoints); the kernels read `w1` and `w3` where they are, as occult's gate and up weights kept apart
+(`occult.moe.experts.GateUp`), and give each its own gradient: no joined `[gate; up]` copy a forward, no
+strided gradient halves to accumulate. The experts compute in their weights'
 dtype (TorchTitan's `GroupedExperts` always casts to bf16). Given expert-major rows and counts (TorchTitan's
 own dispatchers, or occult's without `fused_experts`) they run TorchTitan's computation unchanged.
 """
@@ -42,5 +43,4 @@ class OccultGroupedExperts(GroupedExperts):
         w1_EFD, w2_EDF, w3_EFD = (
             w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
         )
-        gate_up_EFD = torch.cat([w1_EFD, w3_EFD], dim=1)  # occult's [gate; up] rows per expert
-        return rows.apply(LocalExperts(gate_up_EFD, w2_EDF))
+        return rows.apply(LocalExperts((w1_EFD, w3_EFD), w2_EDF))  # (gate, up) kept apart
