@@ -616,8 +616,9 @@ def check_setup(args: argparse.Namespace, cfg: Any, world: int) -> str | None:
     recorded = [v for v in args.variants if base_variant(v) in tt_model.VARIANTS and step_graph(v)]
     if recorded and world == 1:  # (docs/integrations.md, "On two GPUs": what the one-rank replay got wrong)
         return (
-            f"{', '.join(recorded)}: on one rank TorchTitan's recorded step fails its replay check (the loss equal, "
-            "lm_head.weight's gradient 0.21 off, 1 x H200): run it on 2 or more ranks"
+            f"{', '.join(recorded)}: on one rank TorchTitan's recorded step fails its replay check, with occult's "
+            "dispatcher or TorchTitan's own MoE alike (the loss equal, lm_head.weight's gradient 0.21 off, 1 x H200; "
+            "docs/results/history/session35_titan_one_rank): run it on 2 or more ranks"
         )
     return None
 
