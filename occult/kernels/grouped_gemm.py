@@ -5,13 +5,14 @@ with the rows gathered in the prologue (the k-fold expanded activation is never 
 fp32 accumulators (gate and up columns of the same n-tile) and SwiGLU in the epilogue. The
 epilogue also multiplies by the pair's gate weight: it stores `hg = g * silu(a) * b` at the
 pair's sorted position (GEMM 2 is linear, so `down[e] @ hg = g * o`, and the weight gradient
-of `down` needs no per-pair scaling). `[a; b]` is stored too when a backward will need it.
+of `down` needs no per-pair scaling). `[a; b]` is stored too when a backward will need it. Gate and up are two
+tensors of one shape and strides (a joined weight's halves, or two weights kept apart).
 
 `gemm_scatter` (GEMM 2, and the input gradient of GEMM 1 in the backward): contiguous pair
-rows times a per-expert weight; the epilogue either stores each output row at its pair's flat
-index `r*K + k` (default: `combine.combine_rows` then sums a row's K entries in fp32,
-deterministically) or atomically adds into one fp32 row per received row (`atomic=True`;
-run-to-run bits may differ).
+rows times a per-expert weight (whose K rows may come from two tensors: gate, then up); the
+epilogue either stores each output row at its pair's flat index `r*K + k` (default:
+`combine.combine_rows` then sums a row's K entries in fp32, deterministically) or atomically adds
+into one fp32 row per received row (`atomic=True`; run-to-run bits may differ).
 
 Both kernels walk a tile list whose length is only known on the device (`pairs.tile_schedule`), so no
 host sync: by default persistently, `grid = min(#SMs, bound)` programs striding over the tiles (no empty

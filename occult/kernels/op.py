@@ -14,6 +14,11 @@ Backward: `grouped_gemm_backward.swiglu_dgrad` (d[a;b] and the gate gradient),
 `grouped_mm.gather_pair_rows` + `torch._grouped_mm`, else `grouped_gemm_backward.weight_grad`
 (there, by default, `grouped_mm.swiglu_dgrad_grouped` replaces `swiglu_dgrad`: setting `dgrad1`).
 
+Gate and up weights come as one `[E, 2F, H]` tensor or kept apart (`(gate, up)`, TorchTitan's `w1`, `w3`): GEMM 1
+reads them through two pointers, the input gradient's GEMM over both (`gemm_scatter(..., b2_EKN=up)`), and each
+gets its own gradient from its half of `d[a;b]`'s columns (`_weight_grads`); no joined copy is made but where the
+kernel that runs takes only the joined weight (`_join_first`).
+
 Intermediates are sized by the bound R*K (P, the number of valid pairs, is known only on the
 device): `hg` [R*K, F], `[a;b]` and `d[a;b]` [R*K, 2F], pair outputs [R*K, H]; only the first P
 rows (resp. the valid flat indices) are touched. Callers that pad `slots` to K = top_k while

@@ -134,6 +134,15 @@ def test_kept_apart_strided_weights_and_bad_shapes():
         kernels.expert_mlp(x, slots, gates, (gate, up[:, :-1]), down)
     with pytest.raises(ValueError, match="down"):
         kernels.expert_mlp(x, slots, gates, (gate, up), down[:, :, :-1])
+    from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
+    from occult.kernels.pairs import build_pairs
+
+    pair, offsets = build_pairs(slots, 3)
+    with torch.no_grad(), pytest.raises(ValueError, match="one shape and strides"):  # (the launchers' own checks)
+        gather_gemm_swiglu(x, pair, offsets, gate, up.transpose(1, 2).contiguous().transpose(1, 2), gates, 2, False)
+    with torch.no_grad(), pytest.raises(ValueError, match="b2 must match b"):
+        out = x.new_empty((60, 48))
+        gemm_scatter(x, pair, offsets, gate.transpose(1, 2), 2, out, b2_EKN=up[:, :-1].transpose(1, 2))  # (another N)
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="kernels already tested in this process")
