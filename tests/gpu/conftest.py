@@ -6,7 +6,7 @@ Two kinds of test live here:
 - the rest run in one plain pytest process on a GPU machine (kernels at real shapes, a killed
   rank under NCCL, which spawns its own ranks).
 
-Without a CUDA GPU everything here is skipped, so the CPU suite (`python -m pytest -q`) collects
+Without a CUDA GPU everything here is skipped, so the CPU suite (`python -m pytest -q -n 2`) collects
 it harmlessly. `OCCULT_GPU_SUITE_ON_CPU=1` runs the collective tests on CPU gloo ranks under
 torchrun instead: a check of the suite's own logic, not of NCCL or the Triton kernels.
 `OCCULT_GPU_SUITE_BACKEND=gloo` runs them on GPUs with gloo collectives over CUDA tensors, ranks
