@@ -64,6 +64,23 @@ else
     exit 2
   fi
 fi
+# Megatron-Core's GPU cases (test_collective_megatron.py) need it importable: the GPU image has no network, so a
+# carried wheel (`bash scripts/fetch_peer_wheels.sh megatron`, then carry .whl; OCCULT_GPU_SUITE_WHEELS names another
+# directory) is installed into a directory of its own for this run, only it (not the other peers' wheels, which
+# would replace the image's transformers).
+if ! $python -c 'import megatron.core' 2>/dev/null; then
+  wheel=$(ls "${OCCULT_GPU_SUITE_WHEELS:-.whl}"/megatron_core-*.whl 2>/dev/null | head -1)
+  if [ -n "$wheel" ]; then
+    site="$out/.site"
+    rm -rf "$site"
+    if $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheel"; then
+      export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site"
+      echo "megatron-core from $wheel (for test_collective_megatron.py)"
+    else
+      echo "could not install $wheel: test_collective_megatron.py will skip" >&2
+    fi
+  fi
+fi
 rc1=0
 if [[ $stages == *" 1 "* ]]; then
   echo "== stage 1: collective tests on $nproc ranks (torchrun)"

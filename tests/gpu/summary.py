@@ -35,6 +35,12 @@ def _versions() -> list[str]:
             lines.append(f"{mod} {__import__(mod).__version__}")
         except Exception:
             lines.append(f"{mod} not installed")
+    try:  # (test_collective_megatron.py skips without it)
+        from megatron.core import package_info
+
+        lines.append(f"megatron-core {package_info.__version__}")
+    except Exception:
+        lines.append("megatron-core not installed")
     lines.append(
         "collectives: "
         + (

@@ -39,7 +39,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip(
     "megatron.core",
-    reason="megatron-core is not installed (0.19.2 on the GPU image; pip install --no-deps megatron-core==0.16.1)",
+    reason="megatron-core is not installed (scripts/fetch_peer_wheels.sh megatron; carry .whl: run.sh installs it)",
 )
 
 from test_collective_layer import DTYPES, _placement, _rel  # noqa: E402
