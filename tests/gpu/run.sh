@@ -13,6 +13,10 @@
 #                                                          per GPU: what fits an 80 GB H100, on a larger card)
 #        OCCULT_GPU_SUITE_ON_CPU=1 bash tests/gpu/run.sh  (the collective tests on 2 CPU gloo ranks:
 #                                                          checks the suite's logic, not NCCL)
+#        OCCULT_GPU_SUITE_STAGES=1a bash tests/gpu/run.sh  (stage 1's first half: STAGE1A_TESTS, the compile-heavy
+#                                                          files; =1b the rest of stage 1: each half fits a call
+#                                                          with room, where stage 1 whole nears the 10 minutes)
+#        OCCULT_GPU_SUITE_DRY_RUN=1 ...                    (prints stage 1's pytest targets, runs nothing)
 #        OCCULT_GPU_SUITE_STAGES=1 bash tests/gpu/run.sh   (stage 1 only; =2, =3, ='2 3': those stages. Each
 #                                                          fits one 10-minute device call with margin (docs/
 #                                                          testing.md has their times); on 4 GPUs two 2-rank
@@ -38,9 +42,18 @@ fi
 rm -f "$out"/rank*.xml "$out"/rank*.log "$out"/rank*.rc "$out"/single*.xml "$out"/versions.txt "$out"/summary.md \
   "$out"/progress-*.tsv "$out"/failures-*.txt
 stages=" ${OCCULT_GPU_SUITE_STAGES:-1 2 3} "
+firsts=0
 for s in $stages; do
-  case $s in 1|2|3) ;; *) echo "OCCULT_GPU_SUITE_STAGES='${OCCULT_GPU_SUITE_STAGES}': give stages among 1, 2, 3 (e.g. '2 3')" >&2; exit 2 ;; esac
+  case $s in 1|1a|1b) firsts=$((firsts + 1)) ;; 2|3) ;; *) echo "OCCULT_GPU_SUITE_STAGES='${OCCULT_GPU_SUITE_STAGES}': give stages among 1 (or its halves 1a, 1b), 2, 3 (e.g. '2 3')" >&2; exit 2 ;; esac
 done
+if [ $firsts -gt 1 ]; then
+  echo "OCCULT_GPU_SUITE_STAGES='${OCCULT_GPU_SUITE_STAGES}': give one of 1, 1a, 1b (1 is both halves; they write the same rank files)" >&2
+  exit 2
+fi
+# stage 1's first half (1a): the files whose cases compile the most (traced layers, transformers models, captured
+# steps), about half of stage 1's time; 1b is every other collective file, so a new one is never left out
+STAGE1A_TESTS=(tests/gpu/test_collective_traced_moe.py tests/gpu/test_collective_hf.py
+  tests/gpu/test_collective_captured_step.py)
 # stage 3's files (the rest of the single-process tests are stage 2's, so a new one is never left out)
 STAGE3_TESTS=(tests/gpu/test_exit_after_graph_decode.py)
 python=${PYTHON:-python3}
@@ -64,6 +77,13 @@ else
     exit 2
   fi
 fi
+first=""
+case $stages in *" 1 "*) first=1; targets=(tests/gpu) ;; *" 1a "*) first=1a; targets=("${STAGE1A_TESTS[@]}") ;;
+  *" 1b "*) first=1b; targets=(tests/gpu); for f in "${STAGE1A_TESTS[@]}"; do targets+=(--ignore="$f"); done ;; esac
+if [ "${OCCULT_GPU_SUITE_DRY_RUN:-0}" = 1 ]; then  # what stage 1 would collect, and nothing run
+  [ -z "$first" ] || echo "stage $first: ${targets[*]}"
+  exit 0
+fi
 # Megatron-Core's GPU cases (test_collective_megatron.py) need it importable: the GPU image has no network, so a
 # carried wheel (`bash scripts/fetch_peer_wheels.sh megatron`, then carry .whl; OCCULT_GPU_SUITE_WHEELS names another
 # directory) is installed into a directory of its own for this run, only it (not the other peers' wheels, which
@@ -82,10 +102,10 @@ if ! $python -c 'import megatron.core' 2>/dev/null; then
   fi
 fi
 rc1=0
-if [[ $stages == *" 1 "* ]]; then
-  echo "== stage 1: collective tests on $nproc ranks (torchrun)"
+if [ -n "$first" ]; then
+  echo "== stage $first: collective tests on $nproc ranks (torchrun)"
   $python -m torch.distributed.run --standalone --nproc-per-node "$nproc" tests/gpu/rank_pytest.py \
-    tests/gpu -q -p no:cacheprovider "${extra[@]}"
+    "${targets[@]}" -q -p no:cacheprovider "${extra[@]}"
   rc1=$?
   for r in $(seq 0 $((nproc - 1))); do
     code=$(cat "$out/rank$r.rc" 2>/dev/null || echo missing)

@@ -260,8 +260,16 @@ def test_train_summary_takes_each_variant_s_median_round(tmp_path):
     assert doc["variants"]["dedup_fsdp"]["rounds_tokens_per_s_per_gpu"] == pytest.approx(fsdp)
 
 
-@pytest.mark.parametrize("stages", ["4", "2 x"])
-def test_gpu_suite_stages_are_checked(tmp_path, stages):
+@pytest.mark.parametrize(
+    "stages, says",
+    [
+        ("4", "give stages among 1 (or its halves 1a, 1b), 2, 3"),
+        ("2 x", "give stages among 1"),
+        ("1 1b", "give one of 1, 1a, 1b"),
+        ("1a 1b 2", "give one of 1, 1a, 1b"),
+    ],
+)
+def test_gpu_suite_stages_are_checked(tmp_path, stages, says):
     res = subprocess.run(
         ["bash", str(ROOT / "tests" / "gpu" / "run.sh"), str(tmp_path)],
         cwd=ROOT,
@@ -270,7 +278,35 @@ def test_gpu_suite_stages_are_checked(tmp_path, stages):
         timeout=60,
         env={**os.environ, "OCCULT_GPU_SUITE_STAGES": stages},
     )
-    assert res.returncode == 2 and "give stages among 1, 2, 3" in res.stderr
+    assert res.returncode == 2 and says in res.stderr, res.stderr
+    assert not (tmp_path / "rank0.xml").exists()  # refused before any test ran
+
+
+def test_gpu_suite_halves_of_stage_one_cover_it_once(tmp_path):
+    """Stage 1a's files and 1b's (every other collective file, by --ignore) are stage 1's, each in one half."""
+
+    def targets(stage: str) -> list[str]:
+        res = subprocess.run(
+            ["bash", str(ROOT / "tests" / "gpu" / "run.sh"), str(tmp_path / stage)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={
+                **os.environ,
+                "OCCULT_GPU_SUITE_ON_CPU": "1",
+                "OCCULT_GPU_SUITE_STAGES": stage,
+                "OCCULT_GPU_SUITE_DRY_RUN": "1",
+            },
+        )
+        assert res.returncode == 0 and res.stdout.startswith(f"stage {stage}: "), (res.stdout, res.stderr)
+        assert not (tmp_path / stage / "rank0.xml").exists()  # nothing ran
+        return res.stdout.split(": ", 1)[1].split()
+
+    assert targets("1") == ["tests/gpu"]
+    first, second = targets("1a"), targets("1b")
+    assert first and all((ROOT / f).is_file() and Path(f).name.startswith("test_collective_") for f in first)
+    assert second == ["tests/gpu", *(f"--ignore={f}" for f in first)]
 
 
 def test_gpu_suite_summary_keeps_the_run_s_versions(tmp_path):
