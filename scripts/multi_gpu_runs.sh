@@ -6,6 +6,7 @@
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
+#           (whole it passes a 10-minute call: OCCULT_GPU_SUITE_STAGES=1a, =1b, ='2 3', one call each)
 # e2e       whole OLMoE-shape model, NVLink: floor, standard, dedup, placement, pruned  issue 14
 # e2e-slow  the same with NCCL_P2P_DISABLE=1 (~31 GB/s all-to-all)                      issue 14
 #           (the overlap schedules' part is gone: they never won, docs/overlap.md)
