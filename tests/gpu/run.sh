@@ -91,8 +91,7 @@ fi
 if ! $python -c 'import megatron.core' 2>/dev/null; then
   wheel=$(ls "${OCCULT_GPU_SUITE_WHEELS:-.whl}"/megatron_core-*.whl 2>/dev/null | head -1)
   if [ -n "$wheel" ]; then
-    site="$out/.site"
-    rm -rf "$site"
+    site=$(mktemp -d /tmp/occult-gpu-suite-site.XXXXXX)  # (not under OUT, which is handed back)
     if $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheel"; then
       export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site"
       echo "megatron-core from $wheel (for test_collective_megatron.py)"
