@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | placed-slow | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -75,6 +75,10 @@
 #           GPU busy, exchanges and what runs under them, kernel families; timelines under OUT/titan_profile):
 #           TorchTitan's fastest (compiled), TorchTitan + occult recorded and compiled, occult's own fastest (the
 #           compiled e2e.py variants took 70-90 s each on 2 x H200: three fit a call)
+# placed-slow  issue 53: what placement buys the slow link's prefill where routing has a trained model's
+#           co-activation structure (e2e.py --router-trace TRACE, default the OccultLM trace of 64 experts top-8
+#           under docs/results/fourgpu/: carry it, the snapshot of occult/tests/benchmarks/scripts lacks docs/):
+#           OLMoE, NCCL_P2P_DISABLE=1, the floor, dedup and dedup+placement four interleaved micro-batches
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -94,8 +98,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|placed-slow|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, placed-slow, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -210,6 +214,11 @@ case $part in
           --out "$out/e2e_${model}_interleave_${link}_${n}gpu.json"
       done
     done ;;&
+  placed-slow|all)  # issue 53: placement on a trained trace's structure, slow-link prefill (fewer rows on the wire)
+    sf=syncfree/compile/interleave4
+    run placed_slow 400 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe --phases prefill \
+      --router-trace "${TRACE:-docs/results/fourgpu/lm_trace_e64_k8.safetensors}" \
+      --variants replicated/compile/graph,dedup@$sf,dedup+placement@$sf --out "$out/e2e_olmoe_placed_slow_${n}gpu.json" ;;&
   pair|all)  # issue 53: accumulated micro-batches paired (combined 1F1B) against the same accumulated in turn
     for model in ${MODELS:-olmoe}; do
       for link in ${LINKS:-nvlink slow}; do

@@ -54,6 +54,7 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
                 "publish-slow",
                 "issue52",
                 "interleave",
+                "placed-slow",
                 "pair",
                 "grid",
                 "trace",
