@@ -51,6 +51,10 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>/interleaveK  as /twobatch with K micro-batches (2-16, dividing --batch; prefill only): the turn
                    passes round all K at every exchange (hf.GraphedForward(micro_batches=K)), e.g.
                    dedup@syncfree/compile/interleave4 (/interleave2 is /twobatch)
+  <variant>/capN   last: a dedup-based @syncfree variant's blocks for the other ranks bounded to ceil(N/100 x T)
+                   rows (ExecConfig(sync_free_capacity=N/100): what placement and pruning save reaches the wire; a
+                   dropped copy raises a RoutingError and fails the variant), e.g.
+                   dedup+placement@syncfree/compile/interleave4/cap80
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no
                    capture of the model's other layers); for @device, @syncfree variants and replicated;
@@ -290,6 +294,12 @@ def variant_list(text: str) -> list[str]:
     ]
     bad += [v for v in names if layer_graphs(v) and is_graphed(v)]
     bad += [v for v in names if micro_batches(v) > 1 and not sync_free(v)]
+    bad += [  # (/capN: the dedup dispatcher's sync-free blocks, 1 <= N < 100)
+        v
+        for v in names
+        if CAPACITY.search(v)
+        and not (sync_free(v) and 0 < sync_free_capacity(v) < 1 and base_variant(v) not in ("standard", *PEERS))
+    ]
     bad += [v for v in names if micro_batches(v) > 2 and step_graph(v)]  # (a training step: two halves)
     bad += [v for v in names if paired(v) and not pairable(v)]
     bad += [v for v in names if INTERLEAVE.search(v) and not 2 <= micro_batches(v) <= 16]
@@ -409,11 +419,22 @@ def pairable(variant: str) -> bool:
 SETTING_MODIFIERS = {"/deferwgrad": ("OCCULT_DEFER_WGRAD", "1"), "/tilegrid": ("OCCULT_KERNEL_GRID", "tiles")}
 
 
+CAPACITY = re.compile(r"/cap(\d+)$")  # '/capN': ExecConfig(sync_free_capacity=N/100), the variant's last modifier
+
+
+def sync_free_capacity(variant: str) -> float:
+    """'dedup+placement@syncfree/compile/interleave4/cap80': 0.8, each other rank's sync-free block bounded to
+    ceil(0.8 T) rows (ExecConfig.sync_free_capacity; a dropped copy fails the variant); 1.0 without it."""
+    match = CAPACITY.search(variant)
+    return int(match.group(1)) / 100 if match else 1.0
+
+
 def split_settings(variant: str) -> tuple[str, dict[str, str]]:
     """'dedup@syncfree/compile/stepgraph/deferwgrad/tilegrid' -> ('dedup@syncfree/compile/stepgraph',
     {'OCCULT_DEFER_WGRAD': '1', 'OCCULT_KERNEL_GRID': 'tiles'}): the variant without its setting modifiers (taken
     off the end, last first), and the settings they ask for."""
     env = {}
+    variant = CAPACITY.sub("", variant)
     for suffix, (name, value) in reversed(SETTING_MODIFIERS.items()):
         if variant.endswith(suffix):
             variant = variant.removesuffix(suffix)
@@ -786,6 +807,7 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         transport="device" if on_device(variant) else "auto",
         graphs=layer_graphs(variant),
         sync_free=sync_free(variant),
+        sync_free_capacity=sync_free_capacity(variant),
     )
     if base in ("standard", "dedup"):
         return hf.convert(model, execution=execution)
@@ -1252,7 +1274,8 @@ def time_phase(
             out["compile_s"] += max(0.0, check_s - out["ms_median"] / 1e3)
     passes = args.accumulate if phase == "train" else 1  # (two halves: still counted as one pass)
     out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase, passes))
-    calls = micro_batches(variant) * passes  # each layer's calls a step, as comm_stats counts them
+    # each layer's calls a step, as comm_stats counts them (a captured prefill's: its eager check, one whole batch)
+    calls = (1 if phase == "prefill" and is_graphed(variant) else micro_batches(variant)) * passes
     out["comm"] = built.model.comm_stats() if built.titan else comm_stats(built.model, device, calls)
     if optimizer is not None:  # e.g. "occult AdamW", "torch AdamW" (what --optimizer adamw gave this side)
         out["optimizer"] = f"{type(optimizer).__module__.split('.')[0]} {type(optimizer).__name__}"

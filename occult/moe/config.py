@@ -102,10 +102,17 @@ class ExecConfig:
     rank); elsewhere the layer runs eagerly. `train_graphs` (with `graphs`): under autograd too, the
     forward and its backward recorded and replayed (`occult.moe.train_graphs`); off, a training call
     runs eagerly. Experimental: docs/training.md, "Layer graphs in training", says where it failed.
+    `sync_free_capacity` (0 < c <= 1; the dedup dispatcher, sync-free calls): each other rank's block of the
+    fixed-capacity exchange holds ceil(c x T) rows instead of T, so that what placement and pruning save reaches
+    the wire (a sync-free exchange sends its whole block, used or not). A token's copy past its block is dropped and
+    reported by `check_routing()` as a `RoutingError` on that rank (docs/overlap.md, "Bounded sync-free blocks");
+    1.0, the default, is exact at any routing. Set it from the routing the layer will see (e.g. `occult place`'s
+    report) with a margin.
     """
 
     dispatcher: Any = "dedup"
     sync_free: bool = False
+    sync_free_capacity: float = 1.0
     expert_backend: str = "auto"
     transport: str = "auto"
     graphs: bool = False
@@ -122,6 +129,9 @@ class ExecConfig:
             raise ValueError(f"train_graphs must be True or False, got {self.train_graphs!r}")
         if self.train_graphs and not self.graphs:
             raise ValueError("train_graphs=True needs graphs=True (training calls are replayed from the same graphs)")
+        capacity = self.sync_free_capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or not 0 < capacity <= 1:
+            raise ValueError(f"sync_free_capacity must be a number in (0, 1], got {capacity!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 

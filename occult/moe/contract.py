@@ -44,12 +44,15 @@ class Schedule:
     `occult.moe.graphs` agrees before it chooses between a replay and an eager call).
     `status_sink_1`: where a call traced by torch.compile leaves its routing status as it queues it
     (a [1] int64 buffer of the layer; `occult.moe.status`); without one a traced call queues none.
+    `sync_free_capacity`: a sync-free call's rows for each other rank, as a fraction of its tokens
+    (`ExecConfig.sync_free_capacity`; below 1 only where `Capabilities.bounded_rows`).
     """
 
     sync_free: bool = False
     while_waiting: Callable[[], None] | None = None
     agreed_tokens: int | None = None
     status_sink_1: torch.Tensor | None = None
+    sync_free_capacity: float = 1.0
 
     def run_while_waiting(self) -> None:
         """Call `while_waiting` now (for schedules with no host wait)."""
@@ -65,6 +68,7 @@ class Capabilities:
     deduplicated: bool = True  # one row per (token, device) instead of per (token, expert)
     sync_free: bool = True
     two_level: bool = False  # one row per node across nodes, then per GPU inside (needs a node layout)
+    bounded_rows: bool = False  # sync-free blocks for other ranks below T rows (`ExecConfig.sync_free_capacity`)
 
 
 @dataclass
@@ -138,6 +142,11 @@ class Dispatcher(ABC):
         """Refuse, with one clear error, a schedule this dispatcher does not honour."""
         if schedule.sync_free and not self.capabilities.sync_free:
             raise ValueError(f"the {self.name!r} dispatcher has no sync-free mode; use sync_free=False")
+        if schedule.sync_free and schedule.sync_free_capacity < 1 and not self.capabilities.bounded_rows:
+            raise ValueError(
+                f"the {self.name!r} dispatcher sends whole fixed blocks; sync_free_capacity < 1 needs the 'dedup' "
+                "dispatcher (or sync_free_capacity=1.0)"
+            )
 
     @abstractmethod
     def dispatch(

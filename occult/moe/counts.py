@@ -23,10 +23,13 @@ STATUS_MESSAGES = {
     3: "input hidden size does not match the layer",
     4: "input dtype does not match the layer's weights (cast the input or the layer)",
     5: "more tokens than the training step's agreement allows (pass every call's token count to agreed_step)",
+    6: "a sync-free call dropped token copies past its rows for another rank (its output and gradients are "
+    "wrong): raise ExecConfig.sync_free_capacity, or set it to 1.0 (exact at any routing)",
 }
 STATUS_WRONG_HIDDEN = 3
 STATUS_WRONG_DTYPE = 4
 STATUS_OVER_STEP = 5
+STATUS_OVER_CAPACITY = 6
 
 
 def clamp_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -49,6 +52,8 @@ def raise_on_bad_status(statuses: list[int]) -> None:
     bad = [(r, s) for r, s in enumerate(statuses) if s != STATUS_OK]
     if bad:
         text = "; ".join(f"rank {r}: {STATUS_MESSAGES.get(s, f'status {s}')}" for r, s in bad)
+        if all(s == STATUS_OVER_CAPACITY for _, s in bad):  # found after the call, on the rank that dropped them
+            raise RoutingError(f"MoE layer call reported after it ran: {text}")
         raise RoutingError(f"MoE dispatch stopped on every rank because of bad input: {text}")
 
 

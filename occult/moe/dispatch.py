@@ -22,13 +22,17 @@ from typing import Any
 import torch
 
 from occult.moe import device_exchange, local
+from occult.moe import status as pending
 from occult.moe.comm import CommStats, exchange
 from occult.moe.contract import Capabilities, Dispatcher, Handle, Received, Schedule
-from occult.moe.counts import clamp_ids, exchange_counts, routing_status
+from occult.moe.counts import STATUS_OVER_CAPACITY, clamp_ids, exchange_counts, routing_status
 from occult.moe.expert_map import ExpertMap
 from occult.moe.gather import gather_early, gather_gate_weights, gather_rows, sum_rows
 from occult.moe.plan import (
     DispatchPlan,
+    bounded_dedup_plan,
+    bounded_rows,
+    bounded_splits,
     dedup_plan,
     routed_plan,
     routed_slots,
@@ -73,10 +77,11 @@ class FlatDispatcher(Dispatcher):
         self.check_schedule(schedule)
         if self.num_ranks == 1:  # nothing to send
             return self.dispatch_local(x_TH, weights_TK, ids_TK, expert_map, schedule, status)
+        bound = self.sync_free_bound(x_TH.shape[0], schedule)  # rows for each other rank, None: T (unbounded)
         # the plan and the routing status (none when sync-free) of one launch, for a decode-sized batch
         routed = (
             None
-            if status is not None
+            if status is not None or bound is not None
             else routed_plan(
                 ids_TK,
                 weights_TK,
@@ -91,7 +96,10 @@ class FlatDispatcher(Dispatcher):
             plan, status = routed
         else:
             ids_TK, status = checked_ids(weights_TK, ids_TK, expert_map, schedule, status)
-            plan = self.plan_rows(ids_TK, expert_map, schedule.sync_free)
+            if bound is None:
+                plan = self.plan_rows(ids_TK, expert_map, schedule.sync_free)
+            else:
+                plan = self.bounded_plan(ids_TK, expert_map, bound, schedule)
         if self.uses_device_transport(schedule):
             return device_exchange.dispatch_device(
                 self,
@@ -105,7 +113,11 @@ class FlatDispatcher(Dispatcher):
             )
         if schedule.sync_free:
             early = (None, None, None)
-            send = recv = [plan.num_rows // self.num_ranks] * self.num_ranks
+            send = recv = (
+                [plan.num_rows // self.num_ranks] * self.num_ranks
+                if bound is None
+                else bounded_splits(x_TH.shape[0], self.num_ranks, self.rank, bound)
+            )
             schedule.run_while_waiting()
         else:
             early = gather_early(x_TH, weights_TK, plan)
@@ -158,6 +170,24 @@ class FlatDispatcher(Dispatcher):
             x_TH, weights_TK, ids_TK, expert_map, schedule, status, self.capabilities.deduplicated, slots_TK
         )
 
+    def sync_free_bound(self, num_tokens: int, schedule: Schedule) -> int | None:
+        """The rows a sync-free call reserves for each other rank where `sync_free_capacity` bounds them below
+        its token count, else None (blocks of T rows: every routing fits)."""
+        if not schedule.sync_free or schedule.sync_free_capacity >= 1:
+            return None
+        rows = bounded_rows(num_tokens, schedule.sync_free_capacity)
+        return rows if rows < num_tokens else None
+
+    def bounded_plan(self, ids_TK: torch.Tensor, expert_map: ExpertMap, bound: int, schedule: Schedule) -> DispatchPlan:
+        """`bounded_dedup_plan`; the copies it drops are queued as this rank's routing status (read by
+        `check_routing()`, or after a replay of a captured forward or step, as a `RoutingError`)."""
+        maps = (expert_map.device_E, expert_map.slot_E)
+        plan, dropped_1 = bounded_dedup_plan(ids_TK, maps, self.num_ranks, self.rank, bound)
+        ranks_D = torch.arange(self.num_ranks, device=ids_TK.device)
+        status_D = torch.where((ranks_D == self.rank) & (dropped_1 > 0), STATUS_OVER_CAPACITY, 0)
+        pending.queue_later(status_D, schedule.status_sink_1)
+        return plan
+
     def uses_device_transport(self, schedule: Schedule) -> bool:
         """Whether this call runs over the device transport: the plain schedule, where the group has it."""
         return self.transport is not None and not schedule.sync_free
@@ -208,7 +238,7 @@ class DedupDispatcher(FlatDispatcher):
     """Occult's: one copy per (token, device), local experts pre-reduced before the return trip."""
 
     name = "dedup"
-    capabilities = Capabilities(deduplicated=True)
+    capabilities = Capabilities(deduplicated=True, bounded_rows=True)
 
     def plan_rows(self, ids_TK: torch.Tensor, expert_map: ExpertMap, sync_free: bool) -> DispatchPlan:
         if sync_free:

@@ -191,12 +191,13 @@ def call_key(
     x_TH: torch.Tensor,
     agreed: int | None,
     trains: Hashable,
-    sync_free: bool,
+    schedule: Hashable,
     router: torch.nn.Module,
     modules: tuple[torch.nn.Module, ...],
 ) -> tuple:
     """The signature a recorded layer call serves: token counts (this rank's, the agreed one), whether and
-    what it trains (`trains`), dtype, autocast and inference mode, the schedule, which router, the router's
+    what it trains (`trains`), dtype, autocast and inference mode, the schedule (`schedule`: sync-free, its
+    capacity), which router, the router's
     settings (its device limit switched in place, e.g. a distillation teacher's unlimited routing, needs a
     graph of its own) and which tensors `modules` hold."""
     device_type = x_TH.device.type
@@ -208,7 +209,7 @@ def call_key(
         torch.is_autocast_enabled(device_type),
         torch.get_autocast_dtype(device_type),
         torch.is_inference_mode_enabled(),
-        sync_free,
+        schedule,
         id(router),
         settings_key(router),
         tensors_key(*modules),

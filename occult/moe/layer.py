@@ -80,6 +80,11 @@ class OccultMoE(nn.Module):
         self.dispatcher = make_dispatcher(
             execution.dispatcher, group, placement=placement, transport=execution.transport
         )
+        if execution.sync_free_capacity < 1 and not self.dispatcher.capabilities.bounded_rows:
+            raise ValueError(
+                f"sync_free_capacity={execution.sync_free_capacity} bounds the dedup dispatcher's sync-free blocks; "
+                f"the {self.dispatcher.name!r} dispatcher sends whole ones: use dispatcher='dedup' or capacity 1.0"
+            )
         self.execution = execution
         num_ranks, rank = self.dispatcher.num_ranks, self.dispatcher.rank
         check_divisible(config.num_experts, num_ranks)
@@ -167,7 +172,13 @@ class OccultMoE(nn.Module):
         if bad_input:  # tell the other ranks before raising, so none is left waiting in a collective
             ids_TK, status = routing_status(weights_TK, ids_TK, self.num_experts)
             status = status + bad_input
-        schedule = Schedule(self.execution.sync_free, while_waiting, agreed_tokens, self.routing_status_1)
+        schedule = Schedule(
+            self.execution.sync_free,
+            while_waiting,
+            agreed_tokens,
+            self.routing_status_1,
+            self.execution.sync_free_capacity,
+        )
         try:  # 2-3. plan and dispatch (the count exchange's host wait, or none: device transport, sync-free)
             received, handle = self.dispatcher.dispatch(
                 x_TH, weights_TK, ids_TK, self.expert_map, schedule, status, bad_input
@@ -232,7 +243,8 @@ class OccultMoE(nn.Module):
         """The signature a recorded call of `x_TH` serves (`occult.moe.graphs.call_key`; `gate`: `_router_gate()`)."""
         trains = None if training is None else (x_TH.requires_grad, len(training.params))
         gate = self._router_gate() if gate is None else gate
-        return call_key(x_TH, agreed, trains, self.sync_free, self.router, (self, *gate))
+        schedule = (self.sync_free, self.execution.sync_free_capacity)
+        return call_key(x_TH, agreed, trains, schedule, self.router, (self, *gate))
 
     def _router_gate(self) -> tuple[nn.Module, ...]:
         """The router's gate where the router holds it without owning it (a transformers block's gate):

@@ -15,6 +15,7 @@ counts are needed on the host (for the all-to-all split sizes), see `occult.moe.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -281,6 +282,52 @@ def static_dedup_plan(
         send_counts_D=torch.full((num_devices,), num_tokens, dtype=torch.int64, device=dev),
         row_TJ=torch.where(used_TD, rows_TD, -1),
     )
+
+
+def bounded_rows(num_tokens: int, capacity: float) -> int:
+    """Rows a sync-free dedup plan reserves for each other rank: ceil(capacity x T), at most T."""
+    return min(num_tokens, math.ceil(capacity * num_tokens))
+
+
+def bounded_splits(num_tokens: int, num_devices: int, rank: int, remote_rows: int) -> list[int]:
+    """Rows to (and from) each rank under `bounded_dedup_plan`: T for this rank, `remote_rows` for the others."""
+    return [num_tokens if d == rank else remote_rows for d in range(num_devices)]
+
+
+def bounded_dedup_plan(
+    ids_TK: torch.Tensor, expert_map_E: tuple[torch.Tensor, torch.Tensor], num_devices: int, rank: int, remote_rows: int
+) -> tuple[DispatchPlan, torch.Tensor]:
+    """(plan, rows dropped [1]): the sync-free dedup plan with `remote_rows` rows for each other rank.
+
+    Destination d's rows are a block of `bounded_splits` (T rows for this rank itself: its copies never
+    cross a link), filled in token order with the tokens that use d; a token's copy past its block's end
+    is dropped (counted, never sent: the layer reports it, `ExecConfig.sync_free_capacity`), the rest of a
+    block is padding (slots -1). Shapes follow from T, D and the bound alone: no host synchronisation.
+    """
+    expert_device_E, expert_slot_E = expert_map_E
+    num_tokens, top_k = ids_TK.shape
+    dev = ids_TK.device
+    ranks_D = torch.arange(num_devices, device=dev)
+    size_D = torch.where(ranks_D == rank, num_tokens, remote_rows)
+    start_D = torch.cumsum(size_D, 0) - size_D
+    num_rows = num_tokens + (num_devices - 1) * remote_rows
+    device_TK = expert_device_E[ids_TK]
+    used_TD = (device_TK[:, :, None] == ranks_D).any(dim=1)
+    place_TD = torch.cumsum(used_TD.to(torch.int64), 0) - 1  # the token's place among those sent to d
+    kept_TD = used_TD & (place_TD < size_D)
+    row_TD = torch.where(kept_TD, start_D + place_TD, -1)
+    target_TD = torch.where(kept_TD, row_TD, num_rows)  # dropped copies and padding: one spare row
+    token_T1 = torch.arange(num_tokens, device=dev)[:, None]
+    token_P = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=dev)
+    token_P.scatter_(0, target_TD.reshape(-1), token_T1.expand(num_tokens, num_devices).reshape(-1))
+    row_TK = target_TD.gather(1, device_TK)
+    column_TK = torch.arange(top_k, device=dev).expand(num_tokens, top_k)
+    entry_PK = torch.full((num_rows + 1, top_k), -1, dtype=torch.int64, device=dev)
+    slot_PK = torch.full((num_rows + 1, top_k), -1, dtype=torch.int64, device=dev)
+    entry_PK[row_TK, column_TK] = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
+    slot_PK[row_TK, column_TK] = expert_slot_E[ids_TK]
+    plan = DispatchPlan(token_P[:num_rows], entry_PK[:num_rows], slot_PK[:num_rows], size_D, row_TD)
+    return plan, (used_TD & ~kept_TD).sum().reshape(1)
 
 
 def trim(plan: DispatchPlan, num_rows: int) -> DispatchPlan:

@@ -75,6 +75,15 @@ def queue(status_D: torch.Tensor, sink_1: torch.Tensor | None = None) -> None:
     _PENDING.append((host, ready))
 
 
+def queue_later(status_D: torch.Tensor, sink_1: torch.Tensor | None = None) -> None:
+    """`queue`, but a CPU status too waits for `check_routing` (not read at once): for a status made before an
+    exchange that every rank must still join (raising there would leave the peers waiting in it)."""
+    if status_D.is_cuda or torch.compiler.is_compiling():
+        queue(status_D, sink_1)
+    else:
+        _PENDING.append((status_D.reshape(-1).clone(), None))
+
+
 @torch.library.custom_op("occult::queue_routing_status", mutates_args=("sink_1",))
 def _queue_compiled(sink_1: torch.Tensor, status_D: torch.Tensor) -> None:
     """What a compiled graph runs where an eager one-rank call reads the previous status and queues its
@@ -118,3 +127,44 @@ def take_ready(num_ranks: int, max_pending: int = 8) -> list[int]:
         elif any(values):  # a one-rank status: this rank's own
             seen = [max(s, int(max(values))) for s in seen]
     return seen
+
+
+def combined(statuses: list[torch.Tensor]) -> torch.Tensor | None:
+    """The element-wise maximum of routing statuses (a one-entry status, a one-rank layer's, counts for every
+    rank, as `take_ready` reads it); None for none. Inside a capture: one status a replay rewrites."""
+    if not statuses:
+        return None
+    width = max(s.numel() for s in statuses)
+    rows = [s.reshape(-1).expand(width) if s.numel() == 1 else s.reshape(-1) for s in statuses]
+    return torch.stack(rows).amax(0)
+
+
+def raise_ready(kept: list[torch.Tensor]) -> None:
+    """After replays of a graph that rewrites the statuses `kept`: raise `RoutingError` for a bad one the GPU has
+    reached (waiting only while more than two replays' worth are queued)."""
+    if kept:
+        bad = take_ready(max(s.numel() for s in kept), max_pending=2 * len(kept))
+        if any(bad):
+            clear()
+            raise_on_bad_status(bad)
+
+
+class ReplayedStatus:
+    """The routing statuses a captured forward makes (a sync-free layer's dropped rows, a one-rank layer's bad
+    routing), combined into one the graph rewrites at every replay: `with torch.cuda.graph(g), rs.capture():`
+    (this context innermost, so the combination is recorded too), then `rs.replayed()` after each replay."""
+
+    def __init__(self) -> None:
+        self.status: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        with recording() as kept:
+            yield
+            self.status = combined(kept)
+
+    def replayed(self) -> None:
+        """Queue this replay's status; raise a bad one of an earlier replay that the GPU has reached."""
+        if self.status is not None:
+            queue(self.status)
+            raise_ready([self.status])

@@ -53,7 +53,6 @@ import torch.nn as nn
 from occult import settings
 from occult.moe import status as pending
 from occult.moe.capture_stream import capture_stream
-from occult.moe.counts import raise_on_bad_status
 from occult.moe.graphs import has_hooks, settings_key, submodules, tensors_key
 from occult.moe.layer import OccultMoE
 from occult.teardown import hold_collectives
@@ -212,7 +211,7 @@ class CudaRecorder:
                 torch.cuda.graph(graph, stream=self.stream),
             ):
                 self.outputs = body(inputs)
-                combined = combined_status(kept)  # one status a replay to read, not one per layer call
+                combined = pending.combined(kept)  # one status a replay to read, not one per layer call
         except Exception as e:
             raise RuntimeError(
                 f"recording the training step failed ({type(e).__name__}: "
@@ -231,16 +230,6 @@ class CudaRecorder:
 
     def release(self) -> None:
         self.graph, self.outputs, self.kept = None, None, []
-
-
-def combined_status(statuses: list[torch.Tensor]) -> torch.Tensor | None:
-    """The element-wise maximum of routing statuses (a one-entry status, a one-rank layer's, counts for every
-    rank, as `occult.moe.status.take_ready` reads it); None for none."""
-    if not statuses:
-        return None
-    width = max(s.numel() for s in statuses)
-    rows = [s.reshape(-1).expand(width) if s.numel() == 1 else s.reshape(-1) for s in statuses]
-    return torch.stack(rows).amax(0)
 
 
 @dataclass(eq=False)
@@ -296,13 +285,7 @@ class StepGraph:
 
     def _raise_ready(self) -> None:
         """The routing statuses of earlier replays the GPU has reached, raised if one is bad (no waiting)."""
-        kept = self.recorder.statuses()
-        if kept:
-            width = max(s.numel() for s in kept)
-            bad = pending.take_ready(width, max_pending=2 * len(kept))
-            if any(bad):
-                pending.clear()
-                raise_on_bad_status(bad)
+        pending.raise_ready(self.recorder.statuses())
 
     def release(self) -> None:
         """Free the graph and its memory (idempotent); the next step records again."""
@@ -343,5 +326,4 @@ __all__ = [
     "Recorder",
     "CudaRecorder",
     "StepGraph",
-    "combined_status",
 ]

@@ -109,6 +109,7 @@ def run_case(
     sync_free=False,
     salt=0,
     transport="auto",
+    sync_free_capacity=1.0,
 ) -> dict:
     """One layer forward+backward on every rank; the worst relative errors over all ranks."""
     D, rank, dev = ranks.world_size, ranks.rank, ranks.device
@@ -131,6 +132,7 @@ def run_case(
         max_devices=max_devices,
         sync_free=sync_free,
         transport=transport,
+        sync_free_capacity=sync_free_capacity,
     )
     layer.router = RecordingRouter(layer.router, router_weights_dtype)
 
@@ -232,6 +234,43 @@ def test_sync_free_layer_matches_fp32_reference(ranks, dispatcher, dtype_name):
     tokens = [96] * ranks.world_size
     errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, tokens=tokens, sync_free=True, salt=8)
     _assert_within(errors, TOL[dtype], f"sync-free {dispatcher}/{dtype_name}")
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_bounded_sync_free_layer_matches_fp32_reference(ranks, dtype_name):
+    """Sync-free blocks for the other ranks bounded to 0.75 T rows (`sync_free_capacity`): top-1 sends about
+    T/D rows to each other rank, so every copy fits; the same function, forward and backward, nothing reported."""
+    dtype = DTYPES[dtype_name]
+    tokens = [128] * ranks.world_size
+    errors = run_case(ranks, dtype=dtype, tokens=tokens, top_k=1, sync_free=True, sync_free_capacity=0.75, salt=10)
+    check_routing()
+    _assert_within(errors, TOL[dtype], f"bounded sync-free/{dtype_name}")
+
+
+def test_bounded_sync_free_drops_are_reported_after_a_replay(ranks):
+    """Blocks too small for the routing, the layer's forward replayed from its CUDA graphs: `check_routing()`
+    raises on every rank that dropped copies (here each), names `sync_free_capacity`; then the group works on."""
+    if ranks.device.type != "cuda" or ranks.backend != "nccl":
+        pytest.skip("CUDA-graph capture of collectives needs GPUs with NCCL")
+    torch.manual_seed(ranks.seed + 11)
+    E, T = 8 * ranks.world_size, 64
+    dense = DenseMoE(HIDDEN, FFN, E, 4, dtype=torch.bfloat16, device=ranks.device)
+    layer = OccultMoE.from_dense(dense, sync_free=True, sync_free_capacity=0.05, graphs=True)
+    x = torch.randn(T, HIDDEN, dtype=torch.bfloat16, device=ranks.device)
+    raised = []
+    with torch.no_grad():
+        for _ in range(3):  # eager warm-up, capture, replay (occult.moe.graphs)
+            layer(x)
+            try:
+                check_routing()
+            except RoutingError as e:
+                raised.append(str(e))
+    assert raised and all("sync_free_capacity" in r and f"rank {ranks.rank}" in r for r in raised), raised
+    layer.execution = type(layer.execution)(sync_free=True, graphs=True)  # capacity 1.0: every routing fits
+    with torch.no_grad():
+        y = layer(x)
+    check_routing()
+    assert torch.isfinite(y).all()
 
 
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])

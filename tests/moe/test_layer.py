@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from _dense_reference import dense_backward, layer_errors
 from occult.distributed import RankFailure, run_ranks
 from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
+from occult.moe.status import check_routing
 from occult.placement import Placement, PlacementError
 from occult.placement.stats import comm_bytes, devices_per_token
 
@@ -65,6 +67,21 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     if case.get("forced_expert") is not None:
         dense.router = ForcedRouter(dense.router.gate, case["forced_expert"], K)
         layer.router = ForcedRouter(layer.router.gate, case["forced_expert"], K)
+    bound = None  # sync-free blocks bounded below T rows for the other ranks (ExecConfig.sync_free_capacity)
+    if case.get("capacity") == "fit":  # the rows the busiest (rank, other rank) pair needs, the same on every rank
+        with torch.no_grad():
+            device_TK = torch.tensor(placement.expert_device(0))[dense.router(x_all)[1]]
+        need = [
+            int((device_TK[sum(tokens[:r]) : sum(tokens[: r + 1])] == d).any(dim=1).sum())
+            for r in range(world_size)
+            for d in range(world_size)
+            if d != r
+        ]
+        bound = max([1, *need])
+        if bound < tokens[rank]:
+            layer.execution = replace(layer.execution, sync_free_capacity=bound / tokens[rank])
+        else:
+            bound = None
 
     x_ref, y_ref = dense_backward(dense, x_all, g_all)
 
@@ -78,10 +95,13 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     if world_size > 1:
         dist.all_reduce(router_grad)
     errors = layer_errors(layer, dense, x, y, x_ref, y_ref, sl, router_grad)
+    check_routing()  # a bounded block that dropped a copy raises here
     with torch.no_grad():
         _, ids_TK = layer.router(x_all[sl])
     # What the statistics module predicts for this routing (rows = sum C_T or T*k; bytes = 2*rows*H*size).
-    if case.get("sync_free"):  # fixed capacity: T rows (dedup) or T*min(k, E/D) (standard) per destination
+    if bound is not None:  # T rows for itself, `bound` for each other rank
+        expected_rows = tokens[rank] + (world_size - 1) * bound
+    elif case.get("sync_free"):  # fixed capacity: T rows (dedup) or T*min(k, E/D) (standard) per destination
         per_device = E // world_size
         expected_rows = world_size * tokens[rank] * (1 if case["dispatcher"] == "dedup" else min(K, per_device))
     elif case["dispatcher"] == "dedup":
@@ -163,6 +183,12 @@ def _cases_for(world_size: int) -> list[dict]:
             dict(tokens=even, top_k=E, sync_free=True),
             dict(tokens=even, forced_expert=E - 1, top_k=2, sync_free=True),
         ]
+        if dispatcher == "dedup":  # blocks bounded to what the busiest pair of ranks needs (sync_free_capacity)
+            edge += [
+                dict(tokens=even, top_k=2, placement="permuted", sync_free=True, capacity="fit"),
+                dict(tokens=even, top_k=1, dtype=torch.float32, sync_free=True, capacity="fit"),
+                dict(tokens=even, forced_expert=1, top_k=1, sync_free=True, capacity="fit"),  # one rank gets all
+            ]
         for kw in edge:
             kw.setdefault("experts", E)
             cases.append(_case(dispatcher=dispatcher, **kw))

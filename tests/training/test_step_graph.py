@@ -216,7 +216,7 @@ def test_capturable_optimizers_and_devices():
 
 def test_a_recordings_statuses_are_combined_into_one():
     """One status a replay (a one-entry status, a one-rank layer's, counts for every rank); bad entries kept."""
-    from occult.training.step_graph import combined_status
+    from occult.moe.status import combined as combined_status
 
     assert combined_status([]) is None
     got = combined_status([torch.tensor([0]), torch.tensor([0, 2, 0]), torch.tensor([[1]]), torch.tensor([0, 0, 3])])

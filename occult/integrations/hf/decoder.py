@@ -12,6 +12,7 @@ import torch.nn as nn
 from occult.integrations.hf.families import UnsupportedModelError
 from occult.integrations.hf.sampling import TokenSelector
 from occult.moe.capture_stream import autocast_uncached
+from occult.moe.status import ReplayedStatus
 from occult.teardown import hold_collectives
 
 
@@ -65,6 +66,7 @@ class StaticDecoder:
         self.logits_BV: torch.Tensor | None = None
         self.selector, self.next_B = selector, torch.zeros(batch_size, **kw)
         self.graph: Any = None
+        self.statuses = ReplayedStatus()  # the captured step's routing statuses (`capture`)
         self.next_slot = 0  # host copy of slot_1: the cache slot the next step writes (no device read)
         self.eager_mask = getattr(model.config, "_attn_implementation", "eager") != "sdpa"
 
@@ -173,6 +175,7 @@ class StaticDecoder:
         self.next_slot += 1
         if self.graph is not None:
             self.graph.replay()
+            self.statuses.replayed()
             return self.logits_BV
         return self._forward()
 
@@ -195,8 +198,10 @@ class StaticDecoder:
             graph = torch.cuda.CUDAGraph()
             if self.selector is not None and self.selector.generator is not None:
                 graph.register_generator_state(self.selector.generator)  # philox seed/offset read at each replay
-            with autocast_uncached(), torch.cuda.graph(graph):  # (a weight's cached cast: occult.moe.capture_stream)
+            statuses = ReplayedStatus()  # what the layers report (dropped rows, bad routing), read after replays
+            with autocast_uncached(), torch.cuda.graph(graph), statuses.capture():  # (autocast: capture_stream)
                 self.logits_BV = self._forward()
+            self.statuses = statuses
             self.graph = graph
             if torch.distributed.is_initialized():  # its collectives must go before the process group
                 hold_collectives(self)

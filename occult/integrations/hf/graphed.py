@@ -34,6 +34,7 @@ import torch.nn as nn
 from occult.moe.capture_stream import autocast_uncached
 from occult.moe.layer import OccultMoE
 from occult.moe.model_layers import exchanging_with_buffers, uncapturable_layers
+from occult.moe.status import ReplayedStatus
 from occult.moe.two_batch import MAX_PARTS, run_interleaved
 from occult.teardown import hold_collectives
 
@@ -139,6 +140,7 @@ class GraphedForward:
                 self._forward()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        self.statuses = ReplayedStatus()  # what the layers report (dropped rows, bad routing), read after replays
         try:
             with (
                 torch.no_grad(),
@@ -146,6 +148,7 @@ class GraphedForward:
                 masks_as_eager(),
                 torch.compiler.set_stance("fail_on_recompile"),
                 torch.cuda.graph(self.graph),
+                self.statuses.capture(),
             ):
                 self.logits = self._forward()
         except Exception as e:
@@ -193,6 +196,7 @@ class GraphedForward:
             )
         self.ids_BS.copy_(ids_BS)
         self.graph.replay()
+        self.statuses.replayed()
         return self.logits
 
     def release(self) -> None:
