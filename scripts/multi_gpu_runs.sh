@@ -79,8 +79,9 @@
 #           co-activation structure (e2e.py --router-trace TRACE, default the OccultLM trace of 64 experts top-8
 #           under docs/results/fourgpu/: carry it, the snapshot of occult/tests/benchmarks/scripts lacks docs/):
 #           OLMoE, NCCL_P2P_DISABLE=1, the floor, dedup and dedup+placement four interleaved micro-batches, the
-#           latter and pruned1 also with their sync-free blocks bounded (/capN, ExecConfig.sync_free_capacity: CAP,
-#           PRUNED_CAP; a second job TIGHT_CAP): without a bound a sync-free exchange sends T rows to each rank
+#           pruned1 without and with its sync-free blocks bounded (/capN, ExecConfig.sync_free_capacity: PRUNED_CAP),
+#           then in a job of its own dedup+placement bounded (CAP): without a bound a sync-free exchange sends T rows
+#           to each other rank, whatever placement or pruning saves
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -220,12 +221,13 @@ case $part in
     sf=syncfree/compile/interleave4
     trace=${TRACE:-docs/results/fourgpu/lm_trace_e64_k8.safetensors}
     run placed_slow 400 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe --phases prefill --router-trace "$trace" \
-      --variants replicated/compile/graph,dedup@$sf,dedup+placement@$sf,dedup+placement@$sf/cap${CAP:-90},pruned1@$sf,pruned1@$sf/cap${PRUNED_CAP:-75} \
+      --variants replicated/compile/graph,dedup@$sf,dedup+placement@$sf,pruned1@$sf,pruned1@$sf/cap${PRUNED_CAP:-65} \
       --out "$out/e2e_olmoe_placed_slow_${n}gpu.json"
-    # tighter blocks in a job of their own (a block too small for a rank's copies ends its job: docs/overlap.md)
-    run placed_slow_tight 300 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe --phases prefill \
-      --router-trace "$trace" --variants replicated/compile/graph,dedup+placement@$sf/cap${TIGHT_CAP:-80} \
-      --out "$out/e2e_olmoe_placed_slow_tight_${n}gpu.json" ;;&
+    # the exact placed blocks in a job of their own (a block too small for a rank's copies ends its job:
+    # docs/overlap.md, "Bounded sync-free blocks": on 2 GPUs this trace's busiest layers need ~93% of T)
+    run placed_slow_bounded 300 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe --phases prefill \
+      --router-trace "$trace" --variants replicated/compile/graph,dedup+placement@$sf/cap${CAP:-97} \
+      --out "$out/e2e_olmoe_placed_slow_bounded_${n}gpu.json" ;;&
   pair|all)  # issue 53: accumulated micro-batches paired (combined 1F1B) against the same accumulated in turn
     for model in ${MODELS:-olmoe}; do
       for link in ${LINKS:-nvlink slow}; do
