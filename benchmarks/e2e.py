@@ -156,6 +156,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import _router_trace  # noqa: E402  (benchmarks/_router_trace.py: routers with a trace's co-activation)
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -740,6 +741,16 @@ def check_logits(
     return checked(logits_fn(model)(ids_BS)[rows].float(), ctx["ref_logits"], tol, ctx["truth"])
 
 
+def busiest_share(trace: Any, placement: Placement, world: int) -> list[float]:
+    """Per layer, the share of the trace's tokens that use the device most of them use under `placement`: the
+    rows a sync-free block for that device must hold, as a fraction of T (`ExecConfig.sync_free_capacity`)."""
+    shares = []
+    for i in range(trace.num_layers):
+        device_TK = np.asarray(placement.expert_device(i))[np.asarray(trace.layer(i))]
+        shares.append(max(float((device_TK == d).any(axis=1).mean()) for d in range(world)))
+    return shares
+
+
 def solve_placement(
     model: nn.Module, args: argparse.Namespace, device: torch.device, world: int
 ) -> tuple[Placement, dict]:
@@ -770,6 +781,9 @@ def solve_placement(
                     "mean_ct_placed": sum(placed) / L,
                     "mean_ct_contiguous_per_layer": ct[0],
                     "mean_ct_placed_per_layer": placed,
+                    # the share of tokens that use the busiest device: the least sync_free_capacity that drops nothing
+                    "busiest_device_share_contiguous_per_layer": busiest_share(trace, candidates[0], world),
+                    "busiest_device_share_placed_per_layer": busiest_share(trace, placement, world),
                 },
             )
         ]
@@ -779,7 +793,9 @@ def solve_placement(
     log(
         f"placement: E[C_T] contiguous {info['mean_ct_contiguous']:.3f}, greedy {info['mean_ct_greedy']:.3f}, "
         f"placed {info['mean_ct_placed']:.3f} (greedy on {info['greedy_layers']} of {trace.num_layers} layers; "
-        f"top-{trace.top_k}, {world} devices, {info['calibration_tokens_per_layer']} calibration tokens)"
+        f"top-{trace.top_k}, {world} devices, {info['calibration_tokens_per_layer']} calibration tokens); the busiest "
+        f"device's share of tokens, contiguous {max(info['busiest_device_share_contiguous_per_layer']):.3f}, placed "
+        f"{max(info['busiest_device_share_placed_per_layer']):.3f} (worst layer; the least /capN that drops nothing)"
     )
     return placement, info
 
