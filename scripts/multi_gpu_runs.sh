@@ -224,7 +224,7 @@ case $part in
       --variants replicated/compile/graph,dedup@$sf,dedup+placement@$sf,pruned1@$sf,pruned1@$sf/cap${PRUNED_CAP:-65} \
       --out "$out/e2e_olmoe_placed_slow_${n}gpu.json"
     # the exact placed blocks in a job of their own (a block too small for a rank's copies ends its job:
-    # docs/overlap.md, "Bounded sync-free blocks": on 2 GPUs this trace's busiest layers need ~93% of T)
+    # docs/overlap.md, "Bounded sync-free blocks": on 2 GPUs the busiest device serves up to all of T in most layers)
     run placed_slow_bounded 300 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe --phases prefill \
       --router-trace "$trace" --variants replicated/compile/graph,dedup+placement@$sf/cap${CAP:-97} \
       --out "$out/e2e_olmoe_placed_slow_bounded_${n}gpu.json" ;;&
