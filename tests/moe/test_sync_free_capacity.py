@@ -20,7 +20,8 @@ from occult.moe.status import check_routing
 
 def _routing(num_tokens: int, top_k: int, num_experts: int, num_devices: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    ids_TK = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    rows = [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]
+    ids_TK = torch.stack(rows) if rows else torch.empty(0, top_k, dtype=torch.int64)  # (T = 0: no tokens)
     device_E = torch.randperm(num_experts, generator=gen) % num_devices
     slot_E = torch.empty_like(device_E)
     for d in range(num_devices):
