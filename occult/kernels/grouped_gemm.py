@@ -116,7 +116,7 @@ def _gather_gemm_swiglu_kernel(
 
 
 @triton.jit
-def _dot_over_k(
+def dot_over_k(
     acc,
     a_ptrs,
     b_ptrs,
@@ -196,9 +196,9 @@ def _gemm_scatter_kernel(
             expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_nw[None, :].to(tl.int64) * stride_bn
         )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _dot_over_k(acc, a_ptrs, b_ptr + b_offs, K1, stride_bk, EVEN_K, UPCAST, PREC, BLOCK_K)
+        acc = dot_over_k(acc, a_ptrs, b_ptr + b_offs, K1, stride_bk, EVEN_K, UPCAST, PREC, BLOCK_K)
         if TWO_B:  # K rows K1.. of B from the second tensor (split gate and up weights)
-            acc = _dot_over_k(acc, a_ptrs + K1, b2_ptr + b_offs, KD - K1, stride_bk, EVEN_K, UPCAST, PREC, BLOCK_K)
+            acc = dot_over_k(acc, a_ptrs + K1, b2_ptr + b_offs, KD - K1, stride_bk, EVEN_K, UPCAST, PREC, BLOCK_K)
         pair = tl.load(pair_ptr + offs_m, mask=mask_m, other=0)
         mask = mask_m[:, None] & (offs_n < N)[None, :]
         if ATOMIC:

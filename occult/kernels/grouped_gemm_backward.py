@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from occult.kernels import config as _config
-from occult.kernels.grouped_gemm import dot_flags, num_programs
+from occult.kernels.grouped_gemm import dot_flags, dot_over_k, num_programs
 from occult.kernels.pairs import e_pow2, grouped_pid, max_tiles, tile_lookup, tile_schedule
 
 
@@ -104,20 +104,7 @@ def _swiglu_dgrad_kernel(
             + offs_nw[None, :] * stride_wf
         )
         u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(H, BLOCK_K)):
-            if EVEN_K:
-                dyt = tl.load(dy_ptrs)
-                wt = tl.load(w_ptrs)
-            else:
-                k_ok = offs_k < H - k * BLOCK_K
-                dyt = tl.load(dy_ptrs, mask=k_ok[None, :], other=0.0)
-                wt = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            if UPCAST:
-                dyt = dyt.to(tl.float32)
-                wt = wt.to(tl.float32)
-            u = tl.dot(dyt, wt, u, input_precision=PREC)
-            dy_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wh
+        u = dot_over_k(u, dy_ptrs, w_ptrs, H, stride_wh, EVEN_K, UPCAST, PREC, BLOCK_K)
         # Epilogue in SPLIT column slices: a 128 x 128 fp32 tile at once spilled registers and
         # made Triton compute it in two layouts (two fp32 layout conversions, sigmoid twice).
         first_n = tile_n * BLOCK_N
