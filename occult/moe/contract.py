@@ -144,8 +144,8 @@ class Dispatcher(ABC):
             raise ValueError(f"the {self.name!r} dispatcher has no sync-free mode; use sync_free=False")
         if schedule.sync_free and schedule.sync_free_capacity < 1 and not self.capabilities.bounded_rows:
             raise ValueError(
-                f"the {self.name!r} dispatcher sends whole fixed blocks; sync_free_capacity < 1 needs the 'dedup' "
-                "dispatcher (or sync_free_capacity=1.0)"
+                f"the {self.name!r} dispatcher sends whole fixed blocks; sync_free_capacity < 1 needs "
+                "dispatcher='dedup' (or sync_free_capacity=1.0)"
             )
 
     @abstractmethod

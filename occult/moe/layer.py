@@ -80,11 +80,8 @@ class OccultMoE(nn.Module):
         self.dispatcher = make_dispatcher(
             execution.dispatcher, group, placement=placement, transport=execution.transport
         )
-        if execution.sync_free_capacity < 1 and not self.dispatcher.capabilities.bounded_rows:
-            raise ValueError(
-                f"sync_free_capacity={execution.sync_free_capacity} bounds the dedup dispatcher's sync-free blocks; "
-                f"the {self.dispatcher.name!r} dispatcher sends whole ones: use dispatcher='dedup' or capacity 1.0"
-            )
+        if execution.sync_free_capacity < 1:  # refused when the layer is built, not at its first sync-free call
+            self.dispatcher.check_schedule(Schedule(sync_free=True, sync_free_capacity=execution.sync_free_capacity))
         self.execution = execution
         num_ranks, rank = self.dispatcher.num_ranks, self.dispatcher.rank
         check_divisible(config.num_experts, num_ranks)
