@@ -285,8 +285,9 @@ def static_dedup_plan(
 
 
 def bounded_rows(num_tokens: int, capacity: float) -> int:
-    """Rows a sync-free dedup plan reserves for each other rank: ceil(capacity x T), at most T."""
-    return min(num_tokens, math.ceil(capacity * num_tokens))
+    """Rows a sync-free dedup plan reserves for each other rank: ceil(capacity x T), at most T (a product a rounding
+    error puts just above an integer, 7 / 25 x 25, counts as that integer)."""
+    return min(num_tokens, math.ceil(capacity * num_tokens - 1e-6))
 
 
 def bounded_splits(num_tokens: int, num_devices: int, rank: int, remote_rows: int) -> list[int]:

@@ -69,15 +69,14 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
         layer.router = ForcedRouter(layer.router.gate, case["forced_expert"], K)
     bound = None  # sync-free blocks bounded below T rows for the other ranks (ExecConfig.sync_free_capacity)
     if case.get("capacity") == "fit":  # the rows the busiest (rank, other rank) pair needs, the same on every rank
+        # (each rank routes its own tokens with the layer's router: a near-tie routed elsewhere would move the need)
+        start = sum(tokens[:rank])
         with torch.no_grad():
-            device_TK = torch.tensor(placement.expert_device(0))[dense.router(x_all)[1]]
-        need = [
-            int((device_TK[sum(tokens[:r]) : sum(tokens[: r + 1])] == d).any(dim=1).sum())
-            for r in range(world_size)
-            for d in range(world_size)
-            if d != r
-        ]
-        bound = max([1, *need])
+            device_TK = layer.expert_device_E[layer.router(x_all[start : start + tokens[rank]])[1]]
+        need_D = torch.tensor([int((device_TK == d).any(dim=1).sum()) if d != rank else 0 for d in range(world_size)])
+        if world_size > 1:
+            dist.all_reduce(need_D, op=dist.ReduceOp.MAX)
+        bound = max(1, int(need_D.max()))
         if bound < tokens[rank]:
             layer.execution = replace(layer.execution, sync_free_capacity=bound / tokens[rank])
         else:

@@ -63,6 +63,7 @@ def test_bounded_plan_keeps_the_first_copies_of_each_block_and_counts_the_rest(t
 
 def test_bounded_rows_is_the_ceiling_of_the_fraction_and_at_most_t():
     cases = {(64, 0.75): 48, (8192, 0.8): 6554, (10, 0.01): 1, (0, 0.5): 0, (5, 1.0): 5, (7, 0.999): 7, (3, 0.34): 2}
+    cases |= {(T, b / T): b for T in range(1, 41) for b in range(1, T + 1)}  # b / T x T lands just above b for some
     assert {key: bounded_rows(*key) for key in cases} == cases
 
 
