@@ -43,8 +43,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="exchanges per timed batch; even (default 32: a decode step of 16 MoE layers)",
     )
     p.add_argument("--iters", type=int, default=50, help="timed batches (default 50)")
+    p.add_argument(
+        "--transports",
+        default="device,nccl",
+        help="comma list of device, nccl (default both; nccl alone measures a link the device transport does not "
+        "use, e.g. NCCL_P2P_DISABLE=1's path through host memory)",
+    )
     p.add_argument("--out", default=None, help="JSON file for every number (rank 0)")
     args = p.parse_args(argv)
+    args.transports = [t for t in args.transports.split(",") if t]
+    if not args.transports or set(args.transports) - {"device", "nccl"}:
+        p.error(f"--transports must be a comma list of device, nccl; got {','.join(args.transports)!r}")
     try:
         args.rows = [int(r) for r in args.rows.split(",")]
     except ValueError:
@@ -113,17 +122,15 @@ def send_rows(
     return src_NW, torch.full((num_ranks,), rows, dtype=torch.int64, device=device)
 
 
-def measure(rows: int, args: argparse.Namespace, transport: symm.DeviceTransport) -> dict:
-    D, rank, device = transport.num_ranks, transport.rank, torch.device("cuda", torch.cuda.current_device())
+def measure(rows: int, args: argparse.Namespace, transport: symm.DeviceTransport | None) -> dict:
+    """One row count's numbers: the device transport's (when `transport` is given) and NCCL's (when asked)."""
+    D, rank, device = dist.get_world_size(), dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     src_NW, counts_D = send_rows(D, rank, rows, args.hidden, device)
     width = src_NW.shape[1]
-    transport.reserve(D * rows * width)
-    row = {
-        "rows_per_rank": rows,
-        "bytes_per_rank": D * rows * width,
-        "remote_bytes_per_rank": (D - 1) * rows * width,
-        "checked": check_device(transport, src_NW, counts_D, rows),
-    }
+    row = {"rows_per_rank": rows, "bytes_per_rank": D * rows * width, "remote_bytes_per_rank": (D - 1) * rows * width}
+    if transport is not None:
+        transport.reserve(D * rows * width)
+        row["checked"] = check_device(transport, src_NW, counts_D, rows)
     n = args.exchanges
 
     def device_batch() -> None:
@@ -136,7 +143,16 @@ def measure(rows: int, args: argparse.Namespace, transport: symm.DeviceTransport
         for _ in range(n):
             dist.all_to_all_single(recv, send)
 
-    for name, batch in (("device", device_batch), ("nccl", nccl_batch)):
+    if "nccl" in args.transports:
+        nccl_batch()
+        torch.cuda.synchronize()
+        expected = torch.cat([torch.full((rows, width), (s * D + rank) % 251, dtype=torch.uint8) for s in range(D)])
+        flag = torch.tensor([int(torch.equal(recv.reshape(-1, width).cpu(), expected))], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        row["nccl_checked"] = bool(flag.item())
+    batches = {"device": device_batch, "nccl": nccl_batch}
+    for name in args.transports:
+        batch = batches[name]
         row[f"{name}_eager_us"] = timed_us(batch, args.iters) / n
         try:
             row[f"{name}_graph_us"] = timed_us(captured(batch), args.iters) / n
@@ -156,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     try:
         reason = symm.unavailable_reason(dist.group.WORLD) if world > 1 else "one rank (run under torchrun on 2+ GPUs)"
-        if reason:
+        if reason and (world < 2 or "device" in args.transports):
             if rank == 0:
                 print(f"exchange_latency.py: the device transport cannot run here: {reason}", file=sys.stderr)
             return 2
-        transport = symm.choose_transport("device", dist.group.WORLD)
+        transport = symm.choose_transport("device", dist.group.WORLD) if "device" in args.transports else None
         rows = [measure(r, args, transport) for r in args.rows]
         if rank == 0:
             print(
@@ -168,13 +184,13 @@ def main(argv: list[str] | None = None) -> int:
                 "per batch; us per exchange (median)\n"
             )
             print(
-                "| rows per rank pair | bytes per rank | checked | device graph | device eager | NCCL graph | NCCL "
-                "eager | device graph GB/s | NCCL graph GB/s |"
+                "| rows per rank pair | bytes per rank | checked (device/NCCL) | device graph | device eager "
+                "| NCCL graph | NCCL eager | device graph GB/s | NCCL graph GB/s |"
             )
             print("|---|---|---|---|---|---|---|---|---|")
             for r in rows:
                 cells = [
-                    f"{r[k]:.1f}" if k in r else "error"
+                    f"{r[k]:.1f}" if k in r else "-"
                     for k in (
                         "device_graph_us",
                         "device_eager_us",
@@ -184,9 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                         "nccl_graph_gb_s",
                     )
                 ]
-                print(
-                    f"| {r['rows_per_rank']} | {r['bytes_per_rank']:,} | {r['checked']} | " + " | ".join(cells) + " |"
-                )
+                checked = f"{r.get('checked', '-')}/{r.get('nccl_checked', '-')}"
+                print(f"| {r['rows_per_rank']} | {r['bytes_per_rank']:,} | {checked} | " + " | ".join(cells) + " |")
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                         f,
                         indent=1,
                     )
-        ok = all(r["checked"] for r in rows)
+        ok = all(r.get("checked", True) and r.get("nccl_checked", True) for r in rows)
         return 0 if ok else 1
     finally:
         finish_distributed(ok)

@@ -19,7 +19,9 @@ sys.path.pop(0)
 def test_arguments():
     args = exchange_latency.parse_args(["--rows", "1,64", "--exchanges", "4"])
     assert args.rows == [1, 64] and args.exchanges == 4 and args.hidden == 2048
-    for bad in (["--rows", "1,x"], ["--rows", "0"], ["--exchanges", "3"], ["--iters", "0"]):
+    assert args.transports == ["device", "nccl"]
+    assert exchange_latency.parse_args(["--transports", "nccl"]).transports == ["nccl"]
+    for bad in (["--rows", "1,x"], ["--rows", "0"], ["--exchanges", "3"], ["--iters", "0"], ["--transports", "ib"]):
         with pytest.raises(SystemExit) as info:
             exchange_latency.parse_args(bad)
         assert info.value.code == 2, bad
