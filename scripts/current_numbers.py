@@ -453,11 +453,18 @@ def newest_figures(results: Path, provenance: dict[str, dict]) -> dict[tuple[str
     return chosen
 
 
+# NCCL variables every GPU run sets or that the link column already says (docs/benchmarks.md): not a tuning
+NCCL_EXPECTED = {"NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"}
+
+
 def ran_under(doc: dict) -> str:
-    """The settings a result file records as changed from their defaults (`env.settings`, occult/tools/run_record.py),
-    as `NAME=value, ...`; "" where none (or where the file predates the record)."""
+    """The settings a result file records as changed from their defaults (`env.settings`, occult/tools/run_record.py)
+    and any NCCL tuning it ran under (`env.nccl`, less `NCCL_EXPECTED`), as `NAME=value, ...`; "" where none (or
+    where the file predates the record)."""
     env = doc.get("env") if isinstance(doc.get("env"), dict) else {}
-    changed = env.get("settings") if isinstance(env.get("settings"), dict) else {}
+    changed = dict(env.get("settings")) if isinstance(env.get("settings"), dict) else {}
+    nccl = env.get("nccl") if isinstance(env.get("nccl"), dict) else {}
+    changed.update({name: value for name, value in nccl.items() if name not in NCCL_EXPECTED})
     return ", ".join(f"{name}={value}" for name, value in sorted(changed.items()))
 
 

@@ -1,7 +1,9 @@
 """Where a benchmark ran and from what code: the fields every result file's env block records beside the card.
 
-`run_record(world, on_gpu)` gives {"commit", "dirty", "date", "link", "settings"} (settings: the occult
-environment variables that differ from their defaults, e.g. {"OCCULT_GEMM1": "triton"});
+`run_record(world, on_gpu)` gives {"commit", "dirty", "date", "link", "settings", "nccl"} (settings: the occult
+environment variables that differ from their defaults, e.g. {"OCCULT_GEMM1": "triton"}; nccl: every NCCL_*
+variable the process ran under, e.g. {"NCCL_P2P_DISABLE": "1", "NCCL_BUFFSIZE": "16777216"}: they move the
+exchanges' speed, so a result says which it had);
 benchmarks/_timing.py's `environment`, `occult bench` and the other writers under benchmarks/ and scripts/
 merge it into their env block, so a result file says itself which code measured it, under which settings
 and when (scripts/current_numbers.py prefers these to git's record of when the file was added). Where git
@@ -11,6 +13,7 @@ is missing (a GPU machine gets the working tree without `.git`), the commit come
 
 from __future__ import annotations
 
+import os
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,8 +91,15 @@ def changed_settings() -> dict[str, str]:
     }
 
 
+def nccl_environment() -> dict[str, str]:
+    """Every NCCL_* environment variable of this process, by name (sorted): NCCL's own tuning, which
+    `changed_settings` does not cover."""
+    return {name: value for name, value in sorted(os.environ.items()) if name.startswith("NCCL_")}
+
+
 def run_record(world: int, on_gpu: bool, root: Path = REPO_ROOT) -> dict[str, str | bool | dict[str, str] | None]:
-    """{"commit", "dirty", "date" (UTC, ISO-8601, now), "link", "settings"} for a result file's env block."""
+    """{"commit", "dirty", "date" (UTC, ISO-8601, now), "link", "settings", "nccl"} for a result file's env
+    block."""
     commit, dirty = code_commit(root)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return {
@@ -98,4 +108,5 @@ def run_record(world: int, on_gpu: bool, root: Path = REPO_ROOT) -> dict[str, st
         "date": date,
         "link": link_of(world, on_gpu),
         "settings": changed_settings(),
+        "nccl": nccl_environment(),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -83,8 +84,12 @@ def test_the_record_has_every_field_and_a_utc_date(clean_env: pytest.MonkeyPatch
     for name in VARIABLES:  # every setting at its default (CI sets TRITON_INTERPRET, the tests
         clean_env.delenv(name, raising=False)  # OCCULT_RANK_START)
     clean_env.setenv("OCCULT_COMMIT", "abc1234")
+    for name in [n for n in os.environ if n.startswith("NCCL_")]:
+        clean_env.delenv(name)
+    clean_env.setenv("NCCL_BUFFSIZE", "16777216")
     record = run_record.run_record(2, on_gpu=True, root=tmp_path)
-    assert set(record) == {"commit", "dirty", "date", "link", "settings"}
+    assert set(record) == {"commit", "dirty", "date", "link", "settings", "nccl"}
+    assert record["nccl"] == {"NCCL_BUFFSIZE": "16777216"}  # NCCL's own tuning, recorded as the process had it
     assert (record["commit"], record["dirty"], record["link"]) == ("abc1234", False, "nvlink")
     assert record["settings"] == {}  # nothing but the commit set: every setting at its default
     clean_env.setenv("OCCULT_GEMM1", "Triton")
