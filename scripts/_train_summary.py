@@ -205,6 +205,7 @@ def link_report(out: Path, link: str, gpus: int = 2) -> dict[str, Any]:
         ),
         # issue 52: FSDP2 against the replicated dense weights, each eager and each recorded
         "dedup_fsdp_over_dedup_ddp": ratio(runs, "dedup_fsdp", "dedup_ddp", "tokens_per_s_per_gpu"),
+        "dedup_fsdp_model_over_dedup_ddp": ratio(runs, "dedup_fsdp_model", "dedup_ddp", "tokens_per_s_per_gpu"),
         "dedup_fsdp_agreestep_over_dedup_ddp": ratio(runs, "dedup_fsdp_agreestep", "dedup_ddp", "tokens_per_s_per_gpu"),
         "dedup_fsdp_captured_over_dedup_captured_explicit": ratio(
             runs, "dedup_fsdp_captured", "dedup_captured_explicit", "tokens_per_s_per_gpu"

@@ -311,6 +311,7 @@ TRAIN_RATIOS = {  # ratio key in train_{link}_{G}xGPU.json -> (numerator variant
     "dedup_paired_captured_over_dedup_accum_captured": ("dedup_paired_captured", "dedup_accum_captured", False),
     "dedup_paired_captured_over_captured_floor_per_gpu": ("dedup_paired_captured", "floor_captured", True),
     "dedup_fsdp_over_dedup_ddp": ("dedup_fsdp", "dedup_ddp", True),
+    "dedup_fsdp_model_over_dedup_ddp": ("dedup_fsdp_model", "dedup_ddp", True),
     "dedup_fsdp_agreestep_over_dedup_ddp": ("dedup_fsdp_agreestep", "dedup_ddp", True),
     "dedup_fsdp_captured_over_dedup_captured_explicit": ("dedup_fsdp_captured", "dedup_captured_explicit", True),
 }

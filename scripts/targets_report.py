@@ -358,6 +358,10 @@ ISSUE52_TRAIN = {  # ratio key in train_{link}_{G}xGPU.json -> (what it is, {lin
         {"nvlink": 0.97},
     ),
     "dedup_fsdp_over_dedup_ddp": ("occult train, FSDP2 / DDP tokens/s per GPU, eager steps", {"nvlink": 0.95}),
+    "dedup_fsdp_model_over_dedup_ddp": (
+        "occult train, FSDP2 one unit (--fsdp-units model) / DDP tokens/s per GPU, eager steps",
+        {"nvlink": 0.95},
+    ),
     "dedup_fsdp_agreestep_over_dedup_ddp": (
         "occult train, FSDP2 agreeing once a step / DDP tokens/s per GPU, eager steps",
         {"nvlink": 0.95},

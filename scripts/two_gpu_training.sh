@@ -117,6 +117,8 @@ train_round() {  # every train run once (ROUNDS: the part runs this once a round
   done
   if [[ " $links " == *" nvlink "* ]]; then
     train_run nvlink dedup_fsdp "$gpus" --dispatcher dedup --grad-sync fsdp
+    # issue 52: one FSDP2 unit for the whole model (FSDP2's hooks once a step: the small model's step waits on the host)
+    train_run nvlink dedup_fsdp_model "$gpus" --dispatcher dedup --grad-sync fsdp --fsdp-units model
     # issue 52: FSDP2's gathers and reduce-scatters recorded with the whole step (beside dedup_captured_explicit)
     [ "${TINY:-0}" = 1 ] || train_run nvlink dedup_fsdp_captured "$gpus" --dispatcher dedup --grad-sync fsdp \
       --transport device --captured-step

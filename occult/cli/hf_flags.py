@@ -26,6 +26,7 @@ OCCULT_CHECKPOINT_ONLY: dict[str, str] = {
     "--patience": _NO_EVAL,
     "--grad-sync": "DDP averages the routers and the experts are all-reduced over the replicas",
     "--fsdp-reshard": "DDP averages the routers (no FSDP2)",
+    "--fsdp-units": "DDP averages the routers (no FSDP2)",
     **{f"--replace-{name}": _FIXED for name in ("every", "min-gain", "drift", "check-every", "samples", "method")},
     "--replace-wait": _FIXED,
 }

@@ -129,6 +129,7 @@ def _train_config(args):
         warmup_steps=args.warmup,
         aux_loss_coef=AUX_LOSS_COEF if args.aux_loss_coef is None else args.aux_loss_coef,
         fsdp_reshard=getattr(args, "fsdp_reshard", None) or "after-backward",
+        fsdp_units=getattr(args, "fsdp_units", None) or "block",
         **{k: getattr(args, k) for k in same if hasattr(args, k)},
     )
 

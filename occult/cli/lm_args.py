@@ -260,6 +260,15 @@ def add_ranks_arguments(p: argparse.ArgumentParser) -> None:
         "kept from its forward, no second all-gather) or after its forward (gathered again for the backward: "
         "less memory, twice the all-gathers)",
     )
+    g.add_argument(
+        "--fsdp-units",
+        default=None,
+        choices=["block", "model"],
+        help="with --grad-sync fsdp: what one FSDP2 unit holds: one decoder block's dense weights (default: each "
+        "block's all-gather and reduce-scatter beside the compute) or the whole model's (one all-gather before the "
+        "forward, one reduce-scatter after the backward: the least host work a step, for small models whose eager "
+        "step waits on the host; docs/training.md)",
+    )
 
 
 def add_replace_arguments(p: argparse.ArgumentParser) -> None:

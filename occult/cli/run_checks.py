@@ -87,11 +87,20 @@ def world_size() -> int:
 
 
 def check_fsdp_reshard(args: Any) -> None:
-    """--fsdp-reshard says when FSDP2 frees a block's weights: given without --grad-sync fsdp it would do nothing."""
-    if getattr(args, "fsdp_reshard", None) is not None and getattr(args, "grad_sync", None) != "fsdp":
+    """--fsdp-reshard and --fsdp-units shape FSDP2's units: given without --grad-sync fsdp they would do nothing, and
+    one unit for the whole model frees nothing between its forward and backward."""
+    for flag, value in (
+        ("--fsdp-reshard", getattr(args, "fsdp_reshard", None)),
+        ("--fsdp-units", getattr(args, "fsdp_units", None)),
+    ):
+        if value is not None and getattr(args, "grad_sync", None) != "fsdp":
+            raise CommandError(
+                f"{flag} {value} applies to FSDP2's sharded weights only: add --grad-sync fsdp, or leave {flag} out"
+            )
+    if getattr(args, "fsdp_units", None) == "model" and getattr(args, "fsdp_reshard", None) == "after-forward":
         raise CommandError(
-            f"--fsdp-reshard {args.fsdp_reshard} applies to FSDP2's sharded weights only: add --grad-sync fsdp, or "
-            "leave --fsdp-reshard out"
+            "--fsdp-reshard after-forward frees a block's weights between its forward and backward; with "
+            "--fsdp-units model one unit holds them all and frees them only after the backward: drop one of the two"
         )
 
 

@@ -1,7 +1,8 @@
 """Dense parameters of `OccultLM` sharded with torch's FSDP2 (`--grad-sync fsdp`).
 
 `wrap_fsdp(model, parallel)` applies `torch.distributed.fsdp.fully_shard` to every decoder block and then to
-the model (the root unit: embeddings, the tied lm head, the final norm) over a 1-D `DeviceMesh` of
+the model (the root unit: embeddings, the tied lm head, the final norm; with `units="model"` the root's unit alone,
+holding every dense parameter: `--fsdp-units model`) over a 1-D `DeviceMesh` of
 `Parallel.dense_group` (every rank, a communicator of its own), each unit prefetching its neighbour explicitly
 (`prefetch_neighbours`). A block keeps its gathered weights from its forward to its backward
 (`reshard_after_forward=False`, ZeRO-2 for the dense weights): in a MoE model they are a small part of the
@@ -67,19 +68,32 @@ def gradient_sync_off(model: OccultLM) -> Iterator[None]:
 
 
 def wrap_fsdp(
-    model: OccultLM, parallel, param_dtype: torch.dtype | None = None, reshard_after_forward: bool = False
+    model: OccultLM,
+    parallel,
+    param_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = False,
+    units: str = "block",
 ) -> OccultLM:
     """Shard `model`'s dense parameters over every rank with FSDP2 (in place; returns `model`).
 
     `parallel`: an `occult.lm.parallel.Parallel`. `param_dtype=torch.bfloat16`: FSDP2 mixed
     precision (bf16 compute copies, fp32 reduction). `reshard_after_forward`: every block but the last frees its
     gathered weights after its forward and gathers them again for its backward (less memory, twice the
-    all-gathers; TorchTitan's default), instead of keeping them (module docstring). Call it before building the
+    all-gathers; TorchTitan's default), instead of keeping them (module docstring). `units`: "block", a unit per
+    decoder block and the root's (its all-gathers prefetched beside the previous block's compute, its gradients
+    reduce-scattered as its backward ends), or "model", the root's unit alone holding every dense parameter: one
+    all-gather before the forward and one reduce-scatter after the backward, FSDP2's hooks run once a step instead
+    of once a block (where a small model's eager step waits on the host, that is what FSDP2 costs over DDP); its
+    weights stay gathered until the backward ends, as "block" keeps them by default. Call it before building the
     optimizer (the dense parameters become new DTensor parameters). A second call does nothing.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if units not in ("block", "model"):
+        raise ValueError(f"units must be 'block' or 'model', got {units!r}")
+    if units == "model" and reshard_after_forward:
+        raise ValueError("reshard_after_forward frees a block's weights after its forward: it needs units='block'")
     if is_fsdp(model):
         return model
     device = next(model.parameters()).device
@@ -87,12 +101,14 @@ def wrap_fsdp(
     mesh = DeviceMesh.from_group(group, device.type)
     experts = {p for p, _ in model.expert_parameters().values()}
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None)
-    last = len(model.blocks) - 1
-    for i, block in enumerate(model.blocks):  # the last block's backward comes next: it keeps them either way
-        free = reshard_after_forward and i < last
-        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=experts, reshard_after_forward=free)
+    if units == "block":
+        last = len(model.blocks) - 1
+        for i, block in enumerate(model.blocks):  # the last block's backward comes next: it keeps them either way
+            free = reshard_after_forward and i < last
+            fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=experts, reshard_after_forward=free)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=experts)
-    prefetch_neighbours(model, list(model.blocks))
+    if units == "block":
+        prefetch_neighbours(model, list(model.blocks))
     return model
 
 

@@ -32,6 +32,7 @@ from occult.training.step_profile import parse_window
 
 GRAD_SYNCS = ("ddp", "explicit", "overlap", "fsdp")  # how the dense gradients of N ranks are synchronised
 FSDP_RESHARDS = ("after-backward", "after-forward")  # when FSDP2 frees a block's gathered dense weights
+FSDP_UNITS = ("block", "model")  # what one FSDP2 unit holds: a decoder block's dense weights, or all of them
 
 
 @dataclass
@@ -86,6 +87,9 @@ class TrainConfig:
     # with "fsdp": a block's gathered dense weights freed after its backward (kept from its forward: no second
     # all-gather) or after its forward (gathered again for the backward: less memory; occult.lm.fsdp)
     fsdp_reshard: str = "after-backward"
+    # with "fsdp": a unit per decoder block (all-gathers and reduce-scatters beside the compute) or one for the
+    # whole model (one all-gather before the forward, one reduce-scatter after the backward: the least host work)
+    fsdp_units: str = "block"
     # pruning-aware fine-tuning recipes (occult.lm.distill)
     distill_weight: float = 0.0  # > 0: + W * T^2 * KL(unpruned teacher || pruned student) of the logits
     distill_temperature: float = 1.0
@@ -105,6 +109,7 @@ class TrainConfig:
         "min_delta",
         "grad_sync",
         "fsdp_reshard",
+        "fsdp_units",
         "profile_steps",
         "layer_graphs",
         "captured_step",
@@ -140,6 +145,14 @@ class TrainConfig:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {self.grad_sync!r}")
         if self.fsdp_reshard not in FSDP_RESHARDS:
             raise ValueError(f"fsdp_reshard must be one of {FSDP_RESHARDS}, got {self.fsdp_reshard!r}")
+        if self.fsdp_units not in FSDP_UNITS:
+            raise ValueError(f"fsdp_units must be one of {FSDP_UNITS}, got {self.fsdp_units!r}")
+        if self.fsdp_units == "model" and self.fsdp_reshard == "after-forward":
+            raise ValueError(
+                "fsdp_reshard='after-forward' frees a block's weights between its forward and backward, which one "
+                "unit for the whole model never does (its weights stay gathered until the backward ends): use "
+                "fsdp_units='block' with it"
+            )
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise ValueError(
                 f"need distill_weight >= 0 and distill_temperature > 0, got {self.distill_weight}, "

@@ -246,7 +246,9 @@ def _prepare(
             f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks"
         )
     if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
-        wrap_fsdp(model, par, autocast_dtype(device, cfg.precision), cfg.fsdp_reshard == "after-forward")
+        wrap_fsdp(
+            model, par, autocast_dtype(device, cfg.precision), cfg.fsdp_reshard == "after-forward", cfg.fsdp_units
+        )
     prepare_two_batch(model, cfg, par)  # (before the layer graphs and the capture check: they read sync-free)
     prepare_micro_batches(model, cfg, par)
     apply_layer_graphs(model, cfg)

@@ -142,6 +142,11 @@ def train_argv(prepared: Path, out: Path, *extra) -> list:
         (["--device", "cpu", "--captured-step"], ["--captured-step", "CUDA device", "--device cpu"]),
         (["--fsdp-reshard", "after-forward"], ["--fsdp-reshard after-forward", "--grad-sync fsdp"]),
         (["--grad-sync", "explicit", "--fsdp-reshard", "after-backward"], ["--fsdp-reshard", "--grad-sync fsdp"]),
+        (["--fsdp-units", "model"], ["--fsdp-units model", "--grad-sync fsdp"]),
+        (
+            ["--grad-sync", "fsdp", "--fsdp-units", "model", "--fsdp-reshard", "after-forward"],
+            ["--fsdp-reshard after-forward", "--fsdp-units model", "drop one"],
+        ),
     ],
 )
 def test_train_refuses_a_device_or_size_it_cannot_have(capsys, tmp_path, prepared, extra, needles):
@@ -284,6 +289,7 @@ OCCULT_ONLY_FLAGS = [
     ["--pat", "2"],  # an abbreviation argparse accepts for --patience
     ["--grad-sync", "ddp"],
     ["--fsdp-reshard", "after-forward"],
+    ["--fsdp-units", "model"],
     ["--replace-every", "0"],
     ["--replace-min-gain", "0.1"],
     ["--replace-drift", "0.1"],

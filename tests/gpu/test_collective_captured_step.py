@@ -48,9 +48,10 @@ def run_training(ranks, par, data, out: Path, precision: str, transport: str = "
     }
 
 
-@pytest.mark.parametrize("grad_sync", ["explicit", "overlap", "fsdp"])
+@pytest.mark.parametrize("grad_sync", ["explicit", "overlap", "fsdp", "fsdp-model"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_captured_expert_parallel_steps_give_the_eager_run(ranks, precision, grad_sync):
+    """fsdp-model: `--grad-sync fsdp --fsdp-units model` (one FSDP2 unit for every dense weight), both sides."""
     if ranks.backend != "nccl":
         pytest.skip("a CUDA graph cannot hold gloo's collectives: NCCL ranks only")
     from occult.moe.symm import unavailable_reason
@@ -60,11 +61,12 @@ def test_captured_expert_parallel_steps_give_the_eager_run(ranks, precision, gra
     par = setup_parallel()
     with shared_fp32_dir(ranks, "occult_gpu_captured_") as root:
         data = _token_data(ranks.seed)
-        got = run_training(
-            ranks, par, data, root / f"captured-{precision}", precision, captured_step=True, grad_sync=grad_sync
-        )
+        units = {"fsdp_units": "model"} if grad_sync == "fsdp-model" else {}
+        grad_sync = grad_sync.removesuffix("-model")
+        captured = dict(captured_step=True, grad_sync=grad_sync, **units)
+        got = run_training(ranks, par, data, root / f"captured-{precision}", precision, **captured)
         eager_sync = "fsdp" if grad_sync == "fsdp" else "explicit"  # FSDP2's reduce-scatter sums in another order
-        want = run_training(ranks, par, data, root / f"eager-{precision}", precision, grad_sync=eager_sync)
+        want = run_training(ranks, par, data, root / f"eager-{precision}", precision, grad_sync=eager_sync, **units)
     assert len(got["losses"]) == STEPS and len(got["val"]) == 2
     loss = ranks.all_max(float(np.max(np.abs(got["losses"] - want["losses"]) / np.abs(want["losses"]))))
     val = ranks.all_max(float(np.max(np.abs(got["val"] - want["val"]) / np.abs(want["val"]))))

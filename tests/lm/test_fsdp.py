@@ -98,12 +98,16 @@ def _signatures_around_an_evaluation(par, data) -> tuple:
     return trained == evaluated, trained == model_signature(model)
 
 
-def _gathered_after_forward(par, data, reshard_after_forward: bool) -> list[bool]:
+def _gathered_after_forward(par, data, reshard_after_forward: bool, units: str = "block") -> list[bool]:
     """Per block, whether its dense weights are still gathered (plain tensors, not DTensor shards) between the
-    forward and the backward, under `wrap_fsdp(..., reshard_after_forward)`; every unit resharded after it."""
+    forward and the backward, under `wrap_fsdp(..., reshard_after_forward, units)`; every unit resharded after it."""
+    from torch.distributed.fsdp import FSDPModule
+
     torch.manual_seed(0)
     model = shard_model(full_model(config(data), par), par, Placement.from_lists(PLACEMENT, 2))
-    wrap_fsdp(model, par, reshard_after_forward=reshard_after_forward)
+    wrap_fsdp(model, par, reshard_after_forward=reshard_after_forward, units=units)
+    wrapped = [isinstance(block, FSDPModule) for block in model.blocks]
+    assert wrapped == [units == "block"] * len(model.blocks), wrapped
     x, y = train_batch(data.train, 4, 32, 0, 0, par.rank, par.world_size)
     out = model(x, y, return_logits=False)
     gathered = [not is_sharded(block.attn.qkv.weight) for block in model.blocks]
@@ -118,8 +122,10 @@ def fsdp_worker(rank: int, world_size: int, data, root: str) -> dict:
     p2 = Placement.from_lists(PLACEMENT, 2)
     out = {"grads": _one_step(par, data), "signatures": _signatures_around_an_evaluation(par, data)}
     out["gathered"] = {free: _gathered_after_forward(par, data, free) for free in (False, True)}
+    out["gathered"]["model"] = _gathered_after_forward(par, data, False, "model")
     out["ep2"] = _run(par, data, root_p / "ep2", p2)
     out["ep2_free"] = _run(par, data, root_p / "ep2free", p2, config=dict(fsdp_reshard="after-forward"))
+    out["ep2_model"] = _run(par, data, root_p / "ep2model", p2, config=dict(fsdp_units="model"))
     out["moe"] = _run(par, data, root_p / "moe", p2, config=dict(moe_only=True, steps=10, eval_every=5, save_every=0))
     for first, then in (("fsdp", "ddp"), ("ddp", "fsdp")):
         _run(par, data, root_p / f"stop-{first}", p2, stop_after=10, config=dict(grad_sync=first))
@@ -201,12 +207,14 @@ def test_one_step_sharding_gradients_and_clipping_norm(ranks, data):
 def test_blocks_keep_their_gathered_weights_to_the_backward_unless_told_to_free_them(ranks):
     """The default keeps every block's gathered dense weights from its forward to its backward (no second
     all-gather); `reshard_after_forward` (`--fsdp-reshard after-forward`) frees all but the last block's after the
-    forward. Either way every unit is resharded after the backward, and trains as one process (above)."""
+    forward; `units="model"` (`--fsdp-units model`) wraps no block, the root's unit holding and keeping every one's.
+    Either way every unit is resharded after the backward, and trains as one process (above)."""
     layers = len(ranks["ranks"][0]["gathered"][False])
     assert layers >= 2
     for out in ranks["ranks"]:
         assert out["gathered"][False] == [True] * layers
         assert out["gathered"][True] == [False] * (layers - 1) + [True]
+        assert out["gathered"]["model"] == [True] * layers  # `--fsdp-units model`: the root's unit holds them all
 
 
 def test_an_evaluation_then_reshard_leaves_a_recorded_steps_signature(ranks):
@@ -224,6 +232,7 @@ def test_fsdp_equals_one_process(ranks):
         assert len(out["ep1"]["ids"]["blocks.0.moe.moe.gate_up_proj"]) == 8
         assert_matches(out["ep2"], single["full"], RTOL)
         assert_matches(out["ep2_free"], single["full"], RTOL)
+        assert_matches(out["ep2_model"], single["full"], RTOL)
         assert_matches(out["ep1"], single["full"], RTOL)
         assert_matches(out["moe"], single["moe"], RTOL, steps=10)
         assert np.array_equal(
@@ -274,6 +283,15 @@ def test_grad_sync_fsdp_setting_and_cli():
         TrainConfig(fsdp_reshard="never")
     args = build_parser().parse_args(["train", "--out", "x", "--grad-sync", "fsdp", "--fsdp-reshard", "after-forward"])
     assert _train_config(args).fsdp_reshard == "after-forward"
+    assert _train_config(args).fsdp_units == "block"
+    args = build_parser().parse_args(["train", "--out", "x", "--grad-sync", "fsdp", "--fsdp-units", "model"])
+    assert _train_config(args).fsdp_units == "model"
+    with pytest.raises(ValueError, match="fsdp_units"):
+        TrainConfig(fsdp_units="layer")
+    with pytest.raises(ValueError, match="fsdp_units='block'"):
+        TrainConfig(grad_sync="fsdp", fsdp_units="model", fsdp_reshard="after-forward")
+    with pytest.raises(ValueError, match="units"):
+        wrap_fsdp(None, None, units="layer")  # refused before it touches the model
 
 
 def _gather_uneven(rank: int, world_size: int) -> list:

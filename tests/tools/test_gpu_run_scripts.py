@@ -104,6 +104,7 @@ def test_two_gpu_training_dry_run_and_errors(tmp_path):
     assert {
         "train_nvlink_1gpu",
         "train_nvlink_dedup_fsdp",
+        "train_nvlink_dedup_fsdp_model",
         "train_nvlink_dedup_fsdp_captured",
         "train_nvlink_dedup_counts_ddp",
         "train_slow_standard_ddp",
