@@ -454,8 +454,8 @@ def newest_figures(results: Path, provenance: dict[str, dict]) -> dict[tuple[str
     return chosen
 
 
-# NCCL variables every GPU run sets or that the link column already says (docs/benchmarks.md): not a tuning
-NCCL_EXPECTED = {"NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"}
+# NCCL variables every GPU run sets, the image sets (its version) or the link column already says: not a tuning
+NCCL_EXPECTED = {"NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_VERSION"}
 
 
 def ran_under(doc: dict) -> str:

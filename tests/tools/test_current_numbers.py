@@ -291,7 +291,7 @@ def test_a_file_run_under_changed_settings_says_so_beside_its_source(tmp_path: P
     doc["env"]["nccl"] = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1", "NCCL_BUFFSIZE": "16777216"}
     plain = e2e(2, {"replicated": 10.0, "dedup": 11.0})
     plain["config"]["model"], plain["env"]["settings"] = "qwen3", {}
-    plain["env"]["nccl"] = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1"}  # what every run sets, the link
+    plain["env"]["nccl"] = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1", "NCCL_VERSION": "2.28.3-1"}  # no tuning
     entries = {n: prov("2026-11-29T00:00:00+00:00") for n in ("changed.json", "plain.json")}
     write(tmp_path, {"changed.json": doc, "plain.json": plain}, entries)
     page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
