@@ -13,14 +13,13 @@ the step loop, gradient sync, clipping, checkpoint writer and step profile: the 
 (`occult.training`). This module says how a batch becomes a loss and adds its hooks. A run whose loss or
 weights become non-finite (NaN/inf, e.g. a learning rate far too high) raises `DivergedError` naming the step.
 
-On N ranks (`parallel=`, an `occult.lm.parallel.Parallel`; the model from `shard_model`), the
-experts are sharded over each EP group and everything else is data parallel: every rank reads
-its own rows of each global batch of `batch_size` rows, gradients are synchronised (replicated
-ones by torch DDP during the backward, `grad_sync="ddp"`, or after it, "explicit", or in buckets
-during it with no host state, "overlap" (`occult.training.bucketed_sync`), or sharded with FSDP2, "fsdp",
-`occult.lm.fsdp`; expert ones after it) and clipped over the whole model, the
-load-balancing loss is over the global batch, and the result equals a single-process run on the same global
-batch. Rank 0 alone prints, draws the bar and writes the weights files (gathered from every rank) and metrics.
+On N ranks (`parallel=`, an `occult.lm.parallel.Parallel`; the model from `shard_model`), the experts are sharded over
+each EP group and everything else is data parallel: every rank reads its own rows of each global batch of `batch_size`
+rows, gradients are synchronised (replicated ones by torch DDP during the backward, `grad_sync="ddp"`, or after it,
+"explicit", or in buckets during it with no host state, "overlap" (`occult.training.bucketed_sync`), or sharded with
+FSDP2, "fsdp", `occult.lm.fsdp`; expert ones after it) and clipped over the whole model, the load-balancing loss is
+over the global batch, and the result equals a single-process run on the same global batch. Rank 0 alone prints, draws
+the bar and writes the weights files (gathered from every rank) and metrics.
 
 Files in `out_dir` (all written atomically):
     checkpoint.safetensors  latest state of a single-process run: `model.*` weights,
@@ -246,9 +245,8 @@ def _prepare(
             f"batch_size {cfg.batch_size} (the global batch) is not divisible by the {par.world_size} ranks"
         )
     if par is not None and cfg.grad_sync == "fsdp":  # before the optimizer: the dense parameters become DTensors
-        wrap_fsdp(
-            model, par, autocast_dtype(device, cfg.precision), cfg.fsdp_reshard == "after-forward", cfg.fsdp_units
-        )
+        free = cfg.fsdp_reshard == "after-forward"
+        wrap_fsdp(model, par, autocast_dtype(device, cfg.precision), free, cfg.fsdp_units)
     prepare_two_batch(model, cfg, par)  # (before the layer graphs and the capture check: they read sync-free)
     prepare_micro_batches(model, cfg, par)
     apply_layer_graphs(model, cfg)
