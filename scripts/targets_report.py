@@ -390,10 +390,18 @@ def train_rows(name: str, doc: dict) -> list[list[str]]:
     return rows
 
 
+# two_gpu_training.sh's default size since it was written (be95537): what its runs before session 31 trained
+SMALL_SHAPE = {"num_layers": 4, "hidden_size": 1024, "num_experts": 64, "expert_ffn_size": 512}
+
+
 def train_shape(doc: dict) -> str | None:
-    """The model a report's runs trained, where they all record one ("4 layers, hidden 2048, 64 experts x 1024":
-    two_gpu_training.sh's SIZE=olmoe beside the default size); None for runs before session 31, which record none."""
-    shapes = {tuple(sorted(r["model"].items())) for r in doc.get("variants", {}).values() if r.get("model")}
+    """The model a report's runs trained ("4 layers, hidden 2048, 64 experts x 1024": two_gpu_training.sh's
+    SIZE=olmoe beside the default size): the one they all record, the script's default size where none records
+    one (runs before session 31, when the script had one size), None where they record different ones."""
+    variants = doc.get("variants", {}).values()
+    shapes = {tuple(sorted(r["model"].items())) for r in variants if r.get("model")}
+    if not shapes and variants:
+        shapes = {tuple(sorted(SMALL_SHAPE.items()))}
     if len(shapes) != 1:
         return None
     m = dict(next(iter(shapes)))

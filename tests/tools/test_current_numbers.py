@@ -366,7 +366,8 @@ def test_a_one_gpu_job_of_transformers_compiled_and_a_recorded_step_gives_the_fa
 
 def test_training_runs_that_record_their_model_are_a_question_of_their_own(tmp_path: Path) -> None:
     """Two two_gpu_training.sh jobs, the newer at another model size (SIZE=olmoe): both rows stay, each with the
-    model its runs trained (runs that record none: "-"); targets_report names the size in its label too."""
+    model its runs trained (runs that record none: the script's default size, its only one before SIZE);
+    targets_report names the size in its label too."""
 
     def job(tps: dict[str, float], date: str, model: dict | None) -> dict:
         env = {"world_size": 2, "gpu": "NVIDIA H200", "commit": "0123456789ab", "dirty": False, "date": date}
@@ -394,13 +395,15 @@ def test_training_runs_that_record_their_model_are_a_question_of_their_own(tmp_p
     write(tmp_path, docs, {})
     rows = [r for r in current_numbers.render(tmp_path, tmp_path / "provenance.json").splitlines() if "fsdp over" in r]
     assert len(rows) == 2, rows
-    assert any("| - | dedup fsdp over dedup ddp | 0.800x |" in r for r in rows), rows
+    small = "| 4 layers, hidden 1024, 64 experts x 512 | dedup fsdp over dedup ddp | 0.800x |"
+    assert any(small in r for r in rows), rows
     assert any("| 4 layers, hidden 2048, 64 experts x 1024 | dedup fsdp over dedup ddp | 1.050x |" in r for r in rows)
     labels = [
         row[0] for name, doc in docs.items() for row in targets_report.train_rows(name, doc) if "FSDP2 / DDP" in row[0]
     ]
     assert labels == [
-        "52: occult train, FSDP2 / DDP tokens/s per GPU, eager steps, 2 GPUs nvlink: >= 0.95",
+        "52: occult train, FSDP2 / DDP tokens/s per GPU, eager steps, 2 GPUs nvlink, 4 layers, hidden 1024, 64 experts "
+        "x 512: >= 0.95",
         "52: occult train, FSDP2 / DDP tokens/s per GPU, eager steps, 2 GPUs nvlink, 4 layers, hidden 2048, 64 experts "
         "x 1024: >= 0.95",
     ]
