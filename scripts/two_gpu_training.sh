@@ -17,7 +17,8 @@
 #        ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
 #        those (LINK_VARIANT names as in OUT/runs); ROUNDS=N runs them all N times, a round after another
 #        (runs named ..._rK; the summary takes each variant's median run: short eager runs move by tens of percent
-#        between jobs). -> OUT/train_{link}_{GPUS}xGPU.json (GPUS: 2 by default;
+#        between jobs); a 20-step DDP run warms the machine first, not counted (WARMUP=0: none).
+#        -> OUT/train_{link}_{GPUS}xGPU.json (GPUS: 2 by default;
 #        the batch is 8 sequences per GPU, the floor data-parallel over all of them)
 # more   finetune --hf on 1 and 2 GPUs + logits through plain transformers -> OUT/finetune_hf_2xGPU.json;
 #        tests/gpu/test_resume_across_gpu_counts.py; re-placement over NCCL -> OUT/replacement_2xGPU.json
@@ -93,6 +94,13 @@ train_part() {
   mkdir -p "$out/runs"
   rm -f "$out/skipped.txt"
   run peak 60 python3 "$here/_train_summary.py" peak "$out/peak.json"
+  # a job's first run trains on a cold machine (session 39: 15% below the same run warm, steps 41-60 included):
+  # a short DDP run first, not counted (WARMUP=0: none)
+  if [ "${WARMUP:-1}" = 1 ] && [ "${TINY:-0}" != 1 ] && [ "$gpus" -gt 1 ]; then
+    run warmup $tmo $tr -m occult train --corpus-dir "$data" $size --batch-size $((8 * gpus)) --steps 20 \
+      --eval-every 0 --save-every 0 --no-progress --out "$runs/warmup" --dispatcher dedup --grad-sync ddp
+    [ "${DRY_RUN:-0}" = 1 ] || rm -rf "$runs/warmup"
+  fi
   for round in $(seq 1 "$rounds"); do train_round; done
   for link in $links; do
     [ "${DRY_RUN:-0}" = 1 ] || python3 "$here/_train_summary.py" link "$out" "$link" --gpus "$gpus"

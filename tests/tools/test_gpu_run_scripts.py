@@ -222,6 +222,9 @@ def test_two_gpu_training_only_runs_the_named_variants(tmp_path):
     assert res.returncode == 0, res.stderr
     names = [line.split(":")[0][3:] for line in res.stdout.splitlines() if line.startswith("== ")]
     assert [n for n in names if n.startswith("train_")] == ["train_slow_floor", "train_nvlink_dedup_fsdp"]
+    assert names.index("warmup") < names.index("train_slow_floor")  # an uncounted run warms the machine first
+    cold = _two_gpu(tmp_path, "nvlink", "train", DRY_RUN="1", ONLY="nvlink_dedup_fsdp", WARMUP="0")
+    assert cold.returncode == 0 and "== warmup" not in cold.stdout, cold.stderr
 
 
 def test_two_gpu_training_runs_rounds_in_turn(tmp_path):
