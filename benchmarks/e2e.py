@@ -156,7 +156,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import _router_trace  # noqa: E402  (benchmarks/_router_trace.py: routers with a trace's co-activation)
 import hf_ep  # noqa: E402  (benchmarks/hf_ep.py: transformers' own expert parallelism)
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -744,11 +743,9 @@ def check_logits(
 def busiest_share(trace: Any, placement: Placement, world: int) -> list[float]:
     """Per layer, the share of the trace's tokens that use the device most of them use under `placement`: the
     rows a sync-free block for that device must hold, as a fraction of T (`ExecConfig.sync_free_capacity`)."""
-    shares = []
-    for i in range(trace.num_layers):
-        device_TK = np.asarray(placement.expert_device(i))[np.asarray(trace.layer(i))]
-        shares.append(max(float((device_TK == d).any(axis=1).mean()) for d in range(world)))
-    return shares
+    from occult.placement.stats import busiest_device_share
+
+    return [busiest_device_share(trace.layer(i), placement.expert_device(i), world) for i in range(trace.num_layers)]
 
 
 def solve_placement(

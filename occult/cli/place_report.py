@@ -55,6 +55,7 @@ def print_table(
         (f"dedup {base_name}", 17),
         (f"dedup {new_name}", 17),
         ("load max/mean", 13),
+        ("busiest share", 13),
     ]
     extra_cols = extra_cols or {}
     cols += [(name, max(len(name), 8)) for name in extra_cols]
@@ -70,6 +71,7 @@ def print_table(
             fmt_bytes(b["bytes_dedup"]),
             fmt_bytes(n["bytes_dedup"]),
             f"{n['load_imbalance']:.3f}",
+            f"{n['busiest_device_share']:.3f}",
         ] + extra
         print("  ".join(f"{v:>{w}}" for v, (_, w) in zip(vals, cols)))
 
@@ -89,6 +91,12 @@ def print_table(
         f"{100 * o['reduction']:.1f}% fewer deduplicated rows; {100 * o['vs_standard']:.1f}% fewer bytes than "
         f"standard dispatch ({fmt_bytes(n['bytes_standard'])} -> {fmt_bytes(n['bytes_dedup'])}; remote, "
         f"expected: {fmt_bytes(n['bytes_standard_remote'])} -> {fmt_bytes(n['bytes_dedup_remote'])})"
+    )
+    print(
+        f"busiest share: the fraction of the tokens that use the busiest device, the least sync_free_capacity "
+        f"(ExecConfig) that drops none of these tokens' copies: {n['busiest_device_share']:.3f} over every layer "
+        f"({o['baseline']['busiest_device_share']:.3f} {base_name}); a sync-free exchange sends that share of T rows "
+        "to each device instead of T"
     )
 
 

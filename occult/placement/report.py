@@ -39,6 +39,7 @@ _SUMMARY_KEYS = (
     "mean_ct",
     "intra_ratio",
     "load_imbalance",
+    "busiest_device_share",
     "rows_standard",
     "rows_dedup",
     "bytes_standard",
@@ -66,6 +67,7 @@ class LayerStats:
     device_load_D: list[int]  # token-expert assignments computed on each device
     device_rows_D: list[int]  # deduplicated rows each device receives (tokens with >=1 expert there)
     load_imbalance: float  # max / mean of device_load_D
+    busiest_device_share: float  # max of device_rows_D / T: the least sync_free_capacity that drops no copy
     rows_standard: int
     rows_dedup: int
     hidden: int
@@ -145,6 +147,7 @@ def layer_stats(
         device_load_D=device_load.tolist(),
         device_rows_D=rows_D.tolist(),
         load_imbalance=float(device_load.max() / mean_load) if mean_load > 0 else 1.0,
+        busiest_device_share=float(rows_D.max() / T) if T else 0.0,
         rows_standard=int(T * K),
         rows_dedup=rows_dedup,
         hidden=int(hidden),
@@ -186,7 +189,7 @@ class TraceStats:
         return float(sum(getattr(s, key) for s in self.layers))
 
     def summary(self) -> dict[str, Any]:
-        """Totals over layers: E[C_T] over all tokens, summed rows and bytes, worst imbalance."""
+        """Totals over layers: E[C_T] over all tokens, summed rows and bytes, worst imbalance and busiest share."""
         pairs = self.total("intra") + self.total("inter")
         nodes = {}
         if self.layers[0].num_nodes > 1:
@@ -201,6 +204,8 @@ class TraceStats:
             "mean_ct": self.mean_ct,
             "intra_ratio": self.total("intra") / pairs if pairs > 0 else 1.0,
             "load_imbalance": max(s.load_imbalance for s in self.layers),
+            # one ExecConfig serves every layer: the capacity that holds for all of them
+            "busiest_device_share": max(s.busiest_device_share for s in self.layers),
             "rows_standard": int(self.total("rows_standard")),
             "rows_dedup": int(self.total("rows_dedup")),
             "bytes_standard": int(self.total("bytes_standard")),

@@ -126,6 +126,18 @@ def device_presence(topk_ids_TK: Any, expert_device_E: Any, num_devices: int) ->
     return out
 
 
+def busiest_device_share(topk_ids_TK: Any, expert_device_E: Any, num_devices: int) -> float:
+    """The share of the tokens that use the device most of them use (0.0 without tokens): the rows a sync-free
+    exchange's fixed block for that device must hold, as a fraction of T, so the least
+    `ExecConfig.sync_free_capacity` that drops none of these tokens' copies."""
+    ids = as_topk_ids(topk_ids_TK)
+    dev = expert_device_map(expert_device_E)
+    rows_D = np.zeros(num_devices, dtype=np.int64)
+    for s in range(0, ids.shape[0], TOKEN_CHUNK):
+        rows_D += device_presence(ids[s : s + TOKEN_CHUNK], dev, num_devices).sum(0)
+    return float(rows_D.max() / ids.shape[0]) if ids.shape[0] else 0.0
+
+
 def devices_per_token(topk_ids_TK: Any, expert_device_E: Any, num_devices: int) -> np.ndarray:
     """[T] C_T: number of distinct devices among each token's experts (1 <= C_T <= min(k, D))."""
     ids = as_topk_ids(topk_ids_TK)

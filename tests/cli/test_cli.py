@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from occult import cli
 from occult.placement import Placement
-from occult.placement.stats import mean_ct
+from occult.placement.stats import busiest_device_share, mean_ct
 from occult.placement.synthetic import planted_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,6 +83,7 @@ def test_place_text_then_stats_agree(planted, tmp_path, capsys):
     )
     assert code == 0
     assert "E[C_T] contiguous" in out and "E[C_T] greedy" in out and "overall" in out and f"wrote {out_path}" in out
+    assert "busiest share" in out and "least sync_free_capacity" in out
     code, out, _ = run(capsys, "stats", "--trace", trace, "--placement", out_path, "--json", "--hidden", 1024)
     assert code == 0
     rep = json.loads(out)
@@ -93,6 +94,8 @@ def test_place_text_then_stats_agree(planted, tmp_path, capsys):
     for i, layer in enumerate(rep["layers"]):
         assert layer["placement"]["mean_ct"] == pytest.approx(mean_ct(t.layer(i), p.expert_device(i), 4))
         assert sum(layer["placement"]["ct_hist"]) == 6000
+        share = busiest_device_share(t.layer(i), p.expert_device(i), 4)
+        assert layer["placement"]["busiest_device_share"] == pytest.approx(share)
     code, out, _ = run(capsys, "stats", "--trace", trace, "--devices", 4)
     assert code == 0 and "intra share" in out
 

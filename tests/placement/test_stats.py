@@ -13,6 +13,7 @@ from occult.placement import Placement, PlacementError
 from occult.placement.report import compare_placements, layer_stats, trace_stats
 from occult.placement.stats import (
     analytic_mean_ct,
+    busiest_device_share,
     coactivation,
     collaboration,
     comm_bytes,
@@ -125,6 +126,23 @@ def test_layer_stats_fields_and_bytes():
     assert fp32.bytes_dedup == 2 * s.bytes_dedup and fp32.dtype == "float32"
 
 
+def test_busiest_device_share_against_brute_force():
+    """The share of tokens that use the busiest device: the least sync_free_capacity that drops no copy."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)  # fresh draws; the seed is in any failure's message
+    rng = np.random.default_rng(seed)
+    T, E, K, D = int(rng.integers(1, 500)), 16, int(rng.integers(1, 9)), 4
+    ids = uniform_trace(T, E, K, seed=rng).layer(0)
+    dev = _random_placement(E, D, rng)
+    want = max(sum(d in set(dev[row]) for row in ids) for d in range(D)) / T
+    assert busiest_device_share(ids, dev, D) == pytest.approx(want), seed
+    s = layer_stats(ids, E, dev, D)
+    assert s.busiest_device_share == pytest.approx(want) == max(s.device_rows_D) / T
+    assert s.summary()["busiest_device_share"] == s.busiest_device_share
+    assert busiest_device_share(ids[:0], dev, D) == 0.0  # no tokens: no rows
+    contiguous = Placement.contiguous(E, D, 1).expert_device(0)
+    assert busiest_device_share(np.arange(E // D)[None], contiguous, D) == 1.0  # one token's experts on one device
+
+
 def test_element_size():
     assert [element_size(d) for d in ("bf16", "fp16", "float32", "fp8", "torch.bfloat16")] == [2, 2, 4, 1, 2]
     assert element_size(torch.float64) == 8 and element_size(np.float16) == 2
@@ -145,6 +163,9 @@ def test_trace_stats_and_compare():
     assert base > 2 * ts.mean_ct > 0
     assert rep["overall"]["reduction"] == pytest.approx(1 - ts.mean_ct / base)
     assert rep["layers"][1]["placement"]["bytes_dedup"] == ts.layers[1].bytes_dedup
+    shares = [layer.busiest_device_share for layer in ts.layers]
+    assert rep["overall"]["placement"]["busiest_device_share"] == max(shares)  # one capacity for every layer
+    assert rep["layers"][2]["placement"]["busiest_device_share"] == shares[2]
     with pytest.raises(PlacementError, match="the placement has 1 layer.*trace has 3"):
         trace_stats(pt.trace, planted.layer(0))
     with pytest.raises(PlacementError, match="placement is for 64 experts.*trace has 32"):
