@@ -12,7 +12,7 @@
 #        (slow link: floor and the two dispatchers with ddp), dedup as two interleaved halves in a recorded step
 #        (--two-batch --captured-step, both links), 4 accumulated micro-batches a step recorded, paired
 #        (--micro-batches 4 --pair-micro-batches: combined 1F1B), in turn and for the floor (both links),
-#        FSDP2 with the step recorded (NVLink). Runs go in order of
+#        FSDP2 as one unit (--fsdp-units model) and with the step recorded (NVLink). Runs go in order of
 #        importance; one that would start after BUDGET_S seconds is skipped and listed as such;
 #        ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
 #        those (LINK_VARIANT names as in OUT/runs); ROUNDS=N runs them all N times, a round after another
