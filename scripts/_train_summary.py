@@ -142,6 +142,45 @@ def ratio(runs: dict[str, dict], a: str, b: str, key: str) -> float | None:
     return runs[a][key] / runs[b][key] if a in runs and b in runs else None
 
 
+RATIOS = {  # ratio key -> (numerator variant, denominator variant, the runs' field they divide)
+    "dedup_over_floor_per_gpu": ("dedup_ddp", "floor", "tokens_per_s_per_gpu"),
+    "dedup_over_standard": ("dedup_ddp", "standard_ddp", "tokens_per_s"),
+    "dedup_fsdp_over_standard_fsdp": ("dedup_fsdp", "standard_fsdp", "tokens_per_s"),
+    "two_gpu_dedup_over_one_gpu_job": ("dedup_ddp", "1gpu", "tokens_per_s"),
+    "two_gpu_floor_over_one_gpu_job": ("floor", "1gpu", "tokens_per_s"),
+    "dedup_layer_graphs_over_dedup": ("dedup_graphs_ddp", "dedup_device_ddp", "tokens_per_s"),
+    "dedup_captured_step_over_dedup": ("dedup_captured_explicit", "dedup_device_ddp", "tokens_per_s"),
+    "dedup_captured_step_over_floor_per_gpu": ("dedup_captured_explicit", "floor", "tokens_per_s_per_gpu"),
+    "dedup_two_batch_captured_over_floor_per_gpu": ("dedup_twobatch_captured", "floor", "tokens_per_s_per_gpu"),
+    "dedup_two_batch_captured_over_captured_floor_per_gpu": (
+        "dedup_twobatch_captured",
+        "floor_captured",
+        "tokens_per_s_per_gpu",
+    ),
+    "dedup_two_batch_captured_over_dedup": ("dedup_twobatch_captured", "dedup_ddp", "tokens_per_s"),
+    # issue 53: 4 accumulated micro-batches a step, recorded, paired (combined 1F1B) over in turn and the floor
+    "dedup_paired_captured_over_dedup_accum_captured": (
+        "dedup_paired_captured",
+        "dedup_accum_captured",
+        "tokens_per_s",
+    ),
+    "dedup_paired_captured_over_captured_floor_per_gpu": (
+        "dedup_paired_captured",
+        "floor_captured",
+        "tokens_per_s_per_gpu",
+    ),
+    # issue 52: FSDP2 against the replicated dense weights, each eager and each recorded
+    "dedup_fsdp_over_dedup_ddp": ("dedup_fsdp", "dedup_ddp", "tokens_per_s_per_gpu"),
+    "dedup_fsdp_model_over_dedup_ddp": ("dedup_fsdp_model", "dedup_ddp", "tokens_per_s_per_gpu"),
+    "dedup_fsdp_agreestep_over_dedup_ddp": ("dedup_fsdp_agreestep", "dedup_ddp", "tokens_per_s_per_gpu"),
+    "dedup_fsdp_captured_over_dedup_captured_explicit": (
+        "dedup_fsdp_captured",
+        "dedup_captured_explicit",
+        "tokens_per_s_per_gpu",
+    ),
+}
+
+
 CAPTURED_EAGER = (("dedup_fsdp_captured", "dedup_fsdp"), ("floor_captured", "floor"))  # (recorded, its eager run)
 
 
@@ -155,6 +194,13 @@ def best_ratio(runs: dict[str, dict], numerator: str, denominator: str) -> float
 
     a, b = best(numerator), best(denominator)
     return a / b if a and b else None
+
+
+def per_round(rounds: dict[str, list[dict]], a: str, b: str, field: str) -> list[float]:
+    """`a`'s runs over `b`'s of the same round (ROUNDS=N: every variant once a round, rounds in turn; a round a
+    variant skipped for the time budget is one of the last, so the first rounds pair up): the ratio without the
+    drift between rounds that `median_round`'s runs, each the median of its own variant, keep."""
+    return [ra[field] / rb[field] for ra, rb in zip(rounds.get(a, []), rounds.get(b, []))]
 
 
 def median_round(rounds: list[dict]) -> dict:
@@ -178,41 +224,9 @@ def link_report(out: Path, link: str, gpus: int = 2) -> dict[str, Any]:
             rounds.setdefault(r["variant"], []).append(r)
     runs = {variant: median_round(rs) for variant, rs in rounds.items()}
     skipped = (out / "skipped.txt").read_text().split("\n") if (out / "skipped.txt").exists() else []
-    ratios = {
-        "dedup_over_floor_per_gpu": ratio(runs, "dedup_ddp", "floor", "tokens_per_s_per_gpu"),
-        "dedup_over_standard": ratio(runs, "dedup_ddp", "standard_ddp", "tokens_per_s"),
-        "dedup_fsdp_over_standard_fsdp": ratio(runs, "dedup_fsdp", "standard_fsdp", "tokens_per_s"),
-        "two_gpu_dedup_over_one_gpu_job": ratio(runs, "dedup_ddp", "1gpu", "tokens_per_s"),
-        "two_gpu_floor_over_one_gpu_job": ratio(runs, "floor", "1gpu", "tokens_per_s"),
-        "dedup_layer_graphs_over_dedup": ratio(runs, "dedup_graphs_ddp", "dedup_device_ddp", "tokens_per_s"),
-        "dedup_captured_step_over_dedup": ratio(runs, "dedup_captured_explicit", "dedup_device_ddp", "tokens_per_s"),
-        "dedup_captured_step_over_floor_per_gpu": ratio(
-            runs, "dedup_captured_explicit", "floor", "tokens_per_s_per_gpu"
-        ),
-        "dedup_two_batch_captured_over_floor_per_gpu": ratio(
-            runs, "dedup_twobatch_captured", "floor", "tokens_per_s_per_gpu"
-        ),
-        "dedup_two_batch_captured_over_captured_floor_per_gpu": ratio(
-            runs, "dedup_twobatch_captured", "floor_captured", "tokens_per_s_per_gpu"
-        ),
-        "dedup_two_batch_captured_over_dedup": ratio(runs, "dedup_twobatch_captured", "dedup_ddp", "tokens_per_s"),
-        # issue 53: 4 accumulated micro-batches a step, recorded, paired (combined 1F1B) over in turn and the floor
-        "dedup_paired_captured_over_dedup_accum_captured": ratio(
-            runs, "dedup_paired_captured", "dedup_accum_captured", "tokens_per_s"
-        ),
-        "dedup_paired_captured_over_captured_floor_per_gpu": ratio(
-            runs, "dedup_paired_captured", "floor_captured", "tokens_per_s_per_gpu"
-        ),
-        # issue 52: FSDP2 against the replicated dense weights, each eager and each recorded
-        "dedup_fsdp_over_dedup_ddp": ratio(runs, "dedup_fsdp", "dedup_ddp", "tokens_per_s_per_gpu"),
-        "dedup_fsdp_model_over_dedup_ddp": ratio(runs, "dedup_fsdp_model", "dedup_ddp", "tokens_per_s_per_gpu"),
-        "dedup_fsdp_agreestep_over_dedup_ddp": ratio(runs, "dedup_fsdp_agreestep", "dedup_ddp", "tokens_per_s_per_gpu"),
-        "dedup_fsdp_captured_over_dedup_captured_explicit": ratio(
-            runs, "dedup_fsdp_captured", "dedup_captured_explicit", "tokens_per_s_per_gpu"
-        ),
-        # issue 52: the fastest EP dedup run over the fastest data-parallel floor of the job, however each ran
-        "best_dedup_over_best_floor_per_gpu": best_ratio(runs, "dedup", "floor"),
-    }
+    ratios: dict[str, float | None] = {k: ratio(runs, a, b, field) for k, (a, b, field) in RATIOS.items()}
+    # issue 52: the fastest EP dedup run over the fastest data-parallel floor of the job, however each ran
+    ratios["best_dedup_over_best_floor_per_gpu"] = best_ratio(runs, "dedup", "floor")
     # the loss reference: the floor trains on the same global batch as the EP runs; the 1-GPU run on half
     # of it (8 sequences per GPU everywhere), so its losses differ from the first step on
     ref = next((v for v in ("floor", "1gpu") if v in runs), None)
@@ -223,6 +237,10 @@ def link_report(out: Path, link: str, gpus: int = 2) -> dict[str, Any]:
         "peak": json.loads(peak_p.read_text()) if peak_p.exists() else None,
         "variants": runs,
         "ratios": ratios,
+        # each ratio of a job with ROUNDS >= 2 round by round (numerator and denominator from the same round)
+        "ratios_per_round": {
+            k: r for k, (a, b, field) in RATIOS.items() if len(r := per_round(rounds, a, b, field)) >= 2
+        },
         "loss_max_rel_diff_vs": ref,
         "loss_max_rel_diff": loss_agreement(runs, ref) if ref else {},
         # issue 52: a recorded step's losses against the same settings' eager steps, step by step

@@ -17,7 +17,8 @@
 #        ONLY="slow_floor nvlink_dedup_fsdp ..." runs just
 #        those (LINK_VARIANT names as in OUT/runs); ROUNDS=N runs them all N times, a round after another
 #        (runs named ..._rK; the summary takes each variant's median run: short eager runs move by tens of percent
-#        between jobs); a 20-step DDP run warms the machine first, not counted (WARMUP=0: none).
+#        between jobs; `ratios_per_round` pairs each round's runs); a 20-step DDP run warms the machine first,
+#        not counted (WARMUP=0: none).
 #        -> OUT/train_{link}_{GPUS}xGPU.json (GPUS: 2 by default;
 #        the batch is 8 sequences per GPU, the floor data-parallel over all of them)
 # more   finetune --hf on 1 and 2 GPUs + logits through plain transformers -> OUT/finetune_hf_2xGPU.json;

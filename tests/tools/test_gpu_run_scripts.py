@@ -263,6 +263,15 @@ def test_train_summary_takes_each_variant_s_median_round(tmp_path):
     median = sorted(fsdp)[1] / sorted(ddp)[1]
     assert doc["ratios"]["dedup_fsdp_over_dedup_ddp"] == pytest.approx(median, rel=1e-12)
     assert doc["variants"]["dedup_fsdp"]["rounds_tokens_per_s_per_gpu"] == pytest.approx(fsdp)
+    # round by round: numerator and denominator of one round, the drift between rounds left out
+    paired = [a / b for a, b in zip(fsdp, ddp)]
+    assert doc["ratios_per_round"]["dedup_fsdp_over_dedup_ddp"] == pytest.approx(paired, rel=1e-12)
+    assert set(doc["ratios_per_round"]) == {"dedup_fsdp_over_dedup_ddp"}  # the only pair with two rounds or more
+    del runs["train_nvlink_dedup_fsdp_r3"]  # the last round's run past the job's budget: the first two pair up
+    (tmp_path / "skip").mkdir()
+    _link_summary(tmp_path / "skip", runs)
+    doc = json.loads((tmp_path / "skip" / "train_nvlink_2xGPU.json").read_text())
+    assert doc["ratios_per_round"]["dedup_fsdp_over_dedup_ddp"] == pytest.approx(paired[:2], rel=1e-12)
 
 
 @pytest.mark.parametrize(
