@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _train_summary import RATIOS  # noqa: E402
 from e2e_phases import phase_label  # noqa: E402
 from result_provenance import SKIP_DIRS, job_provenance, stamp  # noqa: E402
 from targets_report import SERVE_FLOORS, best_variant, phase_ms, step_ms, titan_pairs, train_shape  # noqa: E402
@@ -299,21 +300,17 @@ def peers_figures(doc: dict, link: str) -> Iterator[Figure]:
         yield Figure("peers", (str(r["world"]), r["shape"], r.get("name") or r["peer"]), cells)
 
 
-TRAIN_RATIOS = {  # ratio key in train_{link}_{G}xGPU.json -> (numerator variant, denominator variant, per GPU)
-    "dedup_over_standard": ("dedup_ddp", "standard_ddp", False),
-    "dedup_over_floor_per_gpu": ("dedup_ddp", "floor", True),
-    "dedup_fsdp_over_standard_fsdp": ("dedup_fsdp", "standard_fsdp", False),
-    "two_gpu_dedup_over_one_gpu_job": ("dedup_ddp", "1gpu", False),
-    "dedup_layer_graphs_over_dedup": ("dedup_graphs_ddp", "dedup_device_ddp", False),
-    "dedup_two_batch_captured_over_floor_per_gpu": ("dedup_twobatch_captured", "floor", True),
-    "dedup_two_batch_captured_over_captured_floor_per_gpu": ("dedup_twobatch_captured", "floor_captured", True),
-    "dedup_two_batch_captured_over_dedup": ("dedup_twobatch_captured", "dedup_ddp", False),
-    "dedup_paired_captured_over_dedup_accum_captured": ("dedup_paired_captured", "dedup_accum_captured", False),
-    "dedup_paired_captured_over_captured_floor_per_gpu": ("dedup_paired_captured", "floor_captured", True),
-    "dedup_fsdp_over_dedup_ddp": ("dedup_fsdp", "dedup_ddp", True),
-    "dedup_fsdp_model_over_dedup_ddp": ("dedup_fsdp_model", "dedup_ddp", True),
-    "dedup_fsdp_agreestep_over_dedup_ddp": ("dedup_fsdp_agreestep", "dedup_ddp", True),
-    "dedup_fsdp_captured_over_dedup_captured_explicit": ("dedup_fsdp_captured", "dedup_captured_explicit", True),
+# the ratios of train_{link}_{G}xGPU.json the page shows: _train_summary.py's table (key -> numerator variant,
+# denominator variant, per GPU), less the ones no target asks for
+TRAIN_RATIOS = {
+    key: (a, b, field == "tokens_per_s_per_gpu")
+    for key, (a, b, field) in RATIOS.items()
+    if key
+    not in (
+        "two_gpu_floor_over_one_gpu_job",
+        "dedup_captured_step_over_dedup",
+        "dedup_captured_step_over_floor_per_gpu",
+    )
 }
 
 
