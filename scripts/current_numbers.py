@@ -302,15 +302,15 @@ def peers_figures(doc: dict, link: str) -> Iterator[Figure]:
 
 # the ratios of train_{link}_{G}xGPU.json the page shows: _train_summary.py's table (key -> numerator variant,
 # denominator variant, per GPU), less the ones no target asks for
+UNSHOWN_TRAIN_RATIOS = (
+    "two_gpu_floor_over_one_gpu_job",
+    "dedup_captured_step_over_dedup",
+    "dedup_captured_step_over_floor_per_gpu",
+)
 TRAIN_RATIOS = {
     key: (a, b, field == "tokens_per_s_per_gpu")
     for key, (a, b, field) in RATIOS.items()
-    if key
-    not in (
-        "two_gpu_floor_over_one_gpu_job",
-        "dedup_captured_step_over_dedup",
-        "dedup_captured_step_over_floor_per_gpu",
-    )
+    if key not in UNSHOWN_TRAIN_RATIOS
 }
 
 
