@@ -31,6 +31,9 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
   <variant>@syncfree  an expert-parallel variant with sync-free dispatch (ExecConfig(sync_free=True): fixed-
                    capacity all-to-alls over NCCL, no host wait; every rank the same token count), e.g. for a
                    slow link where the device transport does not apply: dedup@syncfree/layergraphs
+  <variant>@host  as @syncfree, the fixed-capacity all-to-alls through shared pinned host memory by the GPUs'
+                   copy engines instead of NCCL (ExecConfig(sync_free=True, transport="host"), occult.moe.host_wire:
+                   GPUs of one host; for a slow link: no SM taken from the experts), e.g. dedup@host/compile/interleave4
   <variant>/graph  prefill only, its whole forward captured once in a CUDA graph and replayed with fresh
                    ids (occult.integrations.hf.GraphedForward): the host costs one launch a step. For @device,
                    @syncfree variants and replicated (sync-free on its one rank); the replay is checked against the
@@ -189,7 +192,7 @@ from occult.integrations.hf.graphed import masks_as_eager  # noqa: E402
 from occult.moe import symm  # noqa: E402  (the device transport: where it can run)
 from occult.moe.model_layers import set_sync_free  # noqa: E402
 from occult.teardown import release_captured  # noqa: E402
-from occult.tools.bench import variant_sync_free  # noqa: E402
+from occult.tools.bench import variant_sync_free, variant_transport  # noqa: E402
 from occult.training.accumulation import accumulate_backward  # noqa: E402
 from occult.training.bucketed_sync import BucketedSync  # noqa: E402
 from occult.training.optim import adamw  # noqa: E402
@@ -333,7 +336,8 @@ def variant_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"unknown variant(s) {bad or text!r}; choose from {', '.join(VARIANTS)} (prunedN), "
             f"each optionally /compile, the expert-parallel ones @device (the device transport), @syncfree "
-            f"(fixed capacity, no host wait), and replicated, @device or @syncfree ones /graph (prefill in one "
+            f"(fixed capacity, no host wait) or @host (as @syncfree, through host memory by copy engines; @host "
+            f"takes every @syncfree modifier), and replicated, @device or @syncfree ones /graph (prefill in one "
             f"CUDA graph: no host wait) or /layergraphs (each MoE layer's forward replayed from its graphs; not "
             f"with /graph), @syncfree ones /twobatch (two interleaved micro-batches), /interleaveK (K of them, "
             f"prefill) or /1f1b (train: the --accumulate micro-batches paired), @device or @syncfree ones "
@@ -350,7 +354,7 @@ def variant_list(text: str) -> list[str]:
     return names
 
 
-_HOW = re.compile(r"@(device|syncfree)$")  # how an expert-parallel variant exchanges
+_HOW = re.compile(r"@(device|syncfree|host)$")  # how an expert-parallel variant exchanges
 
 
 def titan_stem(variant: str) -> str:
@@ -817,7 +821,7 @@ def convert_variant(model: nn.Module, variant: str, placement: Placement | None,
         return model
     execution = ExecConfig(
         dispatcher="standard" if base == "standard" else "dedup",
-        transport="device" if on_device(variant) else "auto",
+        transport=variant_transport(_stem(variant)),
         graphs=layer_graphs(variant),
         sync_free=sync_free(variant),
         sync_free_capacity=sync_free_capacity(variant),
@@ -1091,7 +1095,7 @@ def build_titan(
         max(args.seq, args.check_seq),
         occult=base_variant(variant) != "torchtitan",
         placement=placement if base_variant(variant).endswith("+placement") else None,
-        transport="device" if on_device(variant) else "auto",
+        transport=variant_transport(_stem(variant)),
         fused_experts=base_variant(variant).endswith("+experts"),
         sync_free=sync_free(variant),
         compile_blocks=is_compiled(variant),

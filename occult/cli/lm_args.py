@@ -229,10 +229,11 @@ def add_ranks_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--transport",
         default="auto",
-        choices=["auto", "counts", "device"],
-        help="how the all-to-alls learn their sizes: counts (the row counts read on the host once per "
-        "layer call), device (counts kept on the GPU, rows stored straight into the peers' memory, "
-        "no host wait: NCCL ranks of one host), auto: device for dedup where it runs (default auto)",
+        choices=["auto", "counts", "device", "host"],
+        help="how the all-to-alls run: counts (the row counts read on the host once per layer call), device "
+        "(counts kept on the GPU, rows stored straight into the peers' memory, no host wait: NCCL ranks of one "
+        "host), host (as counts, the rows through shared pinned host memory by the GPUs' copy engines: NCCL ranks "
+        "of one host without peer-to-peer, a slow link), auto: device for dedup where it runs (default auto)",
     )
     g.add_argument(
         "--nodes",

@@ -120,10 +120,10 @@ def check_layer_graphs(args: Any) -> None:
             "among them) around every block, so a recorded call would read memory they no longer hold; use "
             "--grad-sync ddp or explicit"
         )
-    if args.transport == "counts" and args.ep_size != 1:
+    if args.transport in ("counts", "host") and args.ep_size != 1:
         raise CommandError(
-            "--layer-graphs with --transport counts: the count exchange reads row counts on the host, which a "
-            "CUDA graph cannot record; use --transport device (or auto)"
+            f"--layer-graphs with --transport {args.transport}: the count exchange reads row counts on the host, "
+            "which a CUDA graph cannot record; use --transport device (or auto)"
         )
 
 
@@ -155,9 +155,10 @@ def check_captured_step(args: Any, hf: bool = False) -> None:
             "step would skip; use --grad-sync explicit, overlap or fsdp (their collectives are recorded with the "
             "step)"
         )
-    if getattr(args, "transport", "auto") == "counts" and getattr(args, "ep_size", 1) != 1 and not sync_free:
+    transport = getattr(args, "transport", "auto")
+    if transport in ("counts", "host") and getattr(args, "ep_size", 1) != 1 and not sync_free:
         raise CommandError(
-            "--captured-step with --transport counts: the count exchange reads row counts on the host, which a "
+            f"--captured-step with --transport {transport}: the count exchange reads row counts on the host, which a "
             "CUDA graph cannot record; use --transport device (or auto)"
         )
 

@@ -78,7 +78,7 @@ class SharedBoard:
         self.rank, self.world = dist.get_rank(host_group), dist.get_world_size(host_group)
         self.width, self.timeout_s, self.round = width, timeout_s, 0
         nbytes = self.world * 2 * (width + 1) * 8
-        path = [_create_page(nbytes) if self.rank == 0 else None]
+        path = [create_page(nbytes) if self.rank == 0 else None]
         dist.broadcast_object_list(path, src=dist.get_global_rank(host_group, 0), group=host_group)
         with open(path[0], "r+b") as f:
             self._page = mmap.mmap(f.fileno(), nbytes)
@@ -131,10 +131,10 @@ class SharedBoard:
         return self._last
 
 
-def _create_page(nbytes: int) -> str:
+def create_page(nbytes: int, prefix: str = "occult-agree-") -> str:
     """A zeroed file of nbytes in shared memory (/dev/shm where there is one); its path."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(prefix="occult-agree-", dir=folder)
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=folder)
     try:
         os.ftruncate(fd, nbytes)
     finally:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from occult.moe.host_wire import HostWire
 from occult.moe.two_batch import backward_exchange_issued, chain_inputs, chain_outputs
 
 
@@ -67,7 +68,12 @@ class CommStats:
 def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     """Rows of `x` [P, ...] out along `send_splits` (rows per destination rank), rows in along
     `recv_splits`: the received [sum(recv_splits), ...] in source-rank order. `group=None` is one
-    rank: a copy. Not differentiable (the dispatchers wrap it in one autograd node per exchange)."""
+    rank: a copy; a `HostWire` (a dispatcher's `link` under transport="host"): through its shared host memory.
+    Not differentiable (the dispatchers wrap it in one autograd node per exchange)."""
+    if isinstance(group, HostWire):
+        if not torch.compiler.is_compiling():
+            return group.all_to_all(x, send_splits, recv_splits)
+        group = group.group  # traced: NCCL's functional collective (the wire's driver calls are not traceable)
     if group is not None and torch.compiler.is_compiling():  # traced: the functional collective, which returns
         # its result (the in-place one's was lost in a compiled backward on NCCL: docs/training.md, "GPU truth")
         return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv_splits, send_splits, group))

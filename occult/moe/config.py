@@ -19,7 +19,7 @@ import torch
 
 PRUNE_METHODS = ("score", "similarity", "mass")  # occult.moe.pruning.METHODS
 EXPERT_BACKENDS = ("auto", "torch", "triton")
-TRANSPORTS = ("auto", "device", "counts")
+TRANSPORTS = ("auto", "device", "counts", "host")
 
 
 def _positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -94,8 +94,11 @@ class ExecConfig:
     `expert_backend`: "auto" (Triton on GPUs), "torch" or "triton". `transport`: how the all-to-alls learn their sizes,
     chosen once when the layer is built: "counts" (the count exchange: one host wait a call),
     "device" (counts kept on the GPU, no host wait: NCCL groups of one host, peer-mapped symmetric memory;
-    an error elsewhere) or "auto" (the device transport for the dedup dispatchers on NCCL GPUs of one
-    host with peer-to-peer on, else the count exchange: `occult.moe.symm.choose_transport`).
+    an error elsewhere), "host" (sizes as "counts", or none when sync-free; rows through shared pinned host memory
+    by the GPUs' copy engines, `occult.moe.host_wire`: NCCL GPUs of one host without peer-to-peer, where NCCL's
+    copy kernels are slower and take SMs; an error elsewhere) or "auto" (the device transport for the dedup
+    dispatchers on NCCL GPUs of one host with peer-to-peer on, else the count exchange:
+    `occult.moe.symm.choose_transport`).
     `graphs`: replay each forward signature (token counts, dtype) from a CUDA graph of the layer
     (`occult.moe.graphs`): a call's host cost becomes a copy in, one graph launch and a copy out.
     Inference on GPUs where the layer does not wait for the GPU (device transport, sync-free, one

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from occult.moe.comm import CommStats
 from occult.moe.expert_map import ExpertMap
+from occult.moe.host_wire import HostWire
 from occult.moe.nodes import check_devices_per_node, peer_levels
 from occult.moe.symm import choose_transport
 
@@ -101,10 +102,12 @@ class Dispatcher(ABC):
     `devices_per_node` (G, ranks node-major): with it, `CommStats` splits remote rows into
     inter-node and intra-node ones. `transport`: "device" (`occult.moe.symm`: counts kept on
     the GPU, no host wait; an error where it cannot run), "counts" (the count exchange: one host
-    wait per call) or "auto" (`symm.choose_transport`: the device transport for the dedup dispatchers
-    on NCCL GPUs of one host with peer-to-peer, else the count exchange); `self.transport` is the
-    device one or None. `capturable`: whether a CUDA graph can record its exchanges (one rank, or a
-    group of NCCL: gloo's collectives run on the host, and capturing one breaks the process's CUDA state).
+    wait per call), "host" (as "counts", the rows through shared pinned host memory by copy engines:
+    `occult.moe.host_wire`, `self.link`; an error where it cannot run) or "auto" (`symm.choose_transport`:
+    the device transport for the dedup dispatchers on NCCL GPUs of one host with peer-to-peer, else the
+    count exchange); `self.transport` is the device one or None. `capturable`: whether a CUDA graph can
+    record its exchanges (one rank, or a group of NCCL: gloo's collectives run on the host, and capturing one
+    breaks the process's CUDA state).
     """
 
     name: ClassVar[str] = "base"
@@ -126,10 +129,15 @@ class Dispatcher(ABC):
         if devices_per_node is not None:
             self.set_devices_per_node(devices_per_node)
         self.transport = choose_transport(transport, self.group, prefer_device=self.capabilities.deduplicated)
+        self.link: Any = self.group  # what the exchanges run over: the group (NCCL), or its host transport
+        if transport == "host" and self.group is not None:
+            self.link = HostWire.for_group(self.group)
 
     @property
     def transport_name(self) -> str:
-        """ "device" or "counts": how this dispatcher's exchanges learn their sizes."""
+        """ "device", "host" or "counts": how this dispatcher's exchanges run."""
+        if isinstance(self.link, HostWire):
+            return "host"
         return "device" if self.transport is not None else "counts"
 
     def set_devices_per_node(self, devices_per_node: int) -> None:

@@ -134,7 +134,7 @@ class FlatDispatcher(Dispatcher):
             plan.slot_PK,
             send,
             recv,
-            self.group,
+            self.link,
             handle,
             early[2],
         )
@@ -147,7 +147,7 @@ class FlatDispatcher(Dispatcher):
         if isinstance(handle, device_exchange.DeviceHandle):
             return device_exchange.combine_device(y, handle)
         handle.stats.combine_rows = y.shape[0]
-        y_PH, _, _ = exchange(y, None, None, handle.recv_splits, handle.send_splits, self.group, handle)
+        y_PH, _, _ = exchange(y, None, None, handle.recv_splits, handle.send_splits, self.link, handle)
         return sum_rows(y_PH, handle.plan.token_P, handle.plan.row_TJ)
 
     def dispatch_local(

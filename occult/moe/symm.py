@@ -110,13 +110,13 @@ def _peer_trouble() -> str | None:
 
 def choose_transport(choice: str, group: Any, prefer_device: bool = True) -> DeviceTransport | None:
     """The device transport of `group` for "device" (a clear error where it cannot run); None (the
-    count exchange) for "counts" and on a group of one rank. "auto": the device transport where
-    it runs with peer-to-peer on and `prefer_device` (the dedup dispatchers: their buffers are
+    count exchange, or sync-free plans) for "counts", "host" and on a group of one rank. "auto": the device
+    transport where it runs with peer-to-peer on and `prefer_device` (the dedup dispatchers: their buffers are
     sized by tokens x 1 row per rank; the standard one's by tokens x k, and its copies are slower
     than the count exchange's, docs/results/CURRENT.md), else the count exchange."""
     if choice not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {choice!r}")
-    if choice == "counts" or group is None or (choice == "auto" and not prefer_device):
+    if choice in ("counts", "host") or group is None or (choice == "auto" and not prefer_device):
         return None
     existing = _TRANSPORTS.get(group.group_name)
     if existing is not None and existing.group is group:

@@ -119,6 +119,11 @@ class TwoLevelDispatcher(Dispatcher):
         G = self.devices_per_node
         self.node, self.local = divmod(self.rank, G)
         self.two_level = G not in (1, self.num_ranks)
+        if self.two_level and transport == "host":
+            raise ValueError(
+                "transport='host' shares one host's memory; the two-level route's rail crosses nodes: use "
+                "transport='counts' or 'auto' with dispatcher='dedup2'"
+            )
         # one node, or one GPU per node: the flat deduplicated exchange is the whole route
         self.route = NodeStages(self) if self.two_level else DedupDispatcher(group, G, transport)
 

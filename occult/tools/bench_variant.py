@@ -28,13 +28,16 @@ def variant_dispatcher(variant: str) -> str:
 
 
 def variant_sync_free(variant: str) -> bool:
-    """'@syncfree': sync-free, fixed-capacity dispatch over NCCL (`ExecConfig(sync_free=True)`: no host wait)."""
-    return variant.split("/")[0].partition("@")[2] == "syncfree"
+    """'@syncfree': sync-free, fixed-capacity dispatch over NCCL (`ExecConfig(sync_free=True)`: no host wait);
+    '@host': the same through shared pinned host memory (`ExecConfig(sync_free=True, transport="host")`)."""
+    return variant.split("/")[0].partition("@")[2] in ("syncfree", "host")
 
 
 def variant_transport(variant: str) -> str:
-    """The transport a variant asks for: "@device" the device transport (`occult.moe.symm`), else "auto"."""
-    return "device" if "@device" in variant else "auto"
+    """The transport a variant asks for: "@device" the device transport (`occult.moe.symm`), "@host" the host
+    transport (`occult.moe.host_wire`), else "auto"."""
+    how = variant.split("/")[0].partition("@")[2]
+    return how if how in ("device", "host") else "auto"
 
 
 def variant_graphs(variant: str) -> bool:

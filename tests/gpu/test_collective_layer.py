@@ -90,6 +90,8 @@ def skip_without_transport(ranks, transport: str) -> None:
     from occult.moe.symm import unavailable_reason
 
     reason = unavailable_reason(dist.group.WORLD) if transport == "device" else None
+    if transport == "host" and (ranks.device.type != "cuda" or ranks.backend != "nccl"):
+        reason = "the host transport serves NCCL ranks on CUDA GPUs"
     if reason:
         pytest.skip(f"device transport: {reason}")
 
@@ -182,12 +184,13 @@ def _assert_within(errors: dict, tol: float, where: str) -> None:
     assert max(worst.values()) <= tol, (where, f"tolerance {tol:g}", worst)
 
 
-@pytest.mark.parametrize("transport", ["device", "counts"])
+@pytest.mark.parametrize("transport", ["device", "counts", "host"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("placement", ["contiguous", "random"])
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
 def test_layer_matches_fp32_reference(ranks, dispatcher, placement, dtype_name, transport):
-    """Both transports (the device transport where it runs: NCCL ranks of one host; the count exchange)."""
+    """Every transport (the device transport where it runs: NCCL ranks of one host; the count exchange; the host
+    transport: NCCL ranks of one host, rows through shared pinned host memory)."""
     dtype = DTYPES[dtype_name]
     errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, placement=placement, salt=1, transport=transport)
     _assert_within(errors, TOL[dtype], f"{dispatcher}/{placement}/{dtype_name}/{transport} seed {ranks.seed}")
@@ -210,7 +213,7 @@ def test_router_returning_half_precision_weights(ranks, dispatcher, dtype_name):
     _assert_within(errors, TOL[dtype], f"half-precision router weights, {dispatcher}/{dtype_name}")
 
 
-@pytest.mark.parametrize("transport", ["device", "counts"])
+@pytest.mark.parametrize("transport", ["device", "counts", "host"])
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
 def test_rank_with_no_tokens(ranks, dispatcher, transport):
     tokens = [0 if r == 1 else 300 + 17 * r for r in range(ranks.world_size)]
@@ -226,13 +229,16 @@ def test_top1_and_topk_all(ranks, top_k):
     _assert_within(errors, TOL[torch.bfloat16], f"top_k={k} of {E}")
 
 
+@pytest.mark.parametrize("transport", ["counts", "host"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
-def test_sync_free_layer_matches_fp32_reference(ranks, dispatcher, dtype_name):
-    """Fixed-capacity (sync-free) dispatch: same function, forward and backward."""
+def test_sync_free_layer_matches_fp32_reference(ranks, dispatcher, dtype_name, transport):
+    """Fixed-capacity (sync-free) dispatch: same function, forward and backward (over NCCL, and through host memory)."""
     dtype = DTYPES[dtype_name]
     tokens = [96] * ranks.world_size
-    errors = run_case(ranks, dtype=dtype, dispatcher=dispatcher, tokens=tokens, sync_free=True, salt=8)
+    errors = run_case(
+        ranks, dtype=dtype, dispatcher=dispatcher, tokens=tokens, sync_free=True, salt=8, transport=transport
+    )
     _assert_within(errors, TOL[dtype], f"sync-free {dispatcher}/{dtype_name}")
 
 
@@ -274,11 +280,12 @@ def test_bounded_sync_free_drops_are_reported_after_a_replay(ranks):
 
 
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])
-@pytest.mark.parametrize("transport", ["sync_free", "device"])
+@pytest.mark.parametrize("transport", ["sync_free", "device", "host"])
 def test_forward_replays_in_a_cuda_graph(ranks, dispatcher, transport):
-    """A forward with no host wait (the sync-free schedule, or the device transport) captured once
-    in a CUDA graph gives, on fresh inputs, what an eager call gives; with the device transport,
-    eager calls of other sizes between replays (its buffers grow) leave the graph intact."""
+    """A forward with no host wait (the sync-free schedule over NCCL or through host memory, or the device
+    transport) captured once in a CUDA graph gives, on fresh inputs, what an eager call gives; with the device
+    transport, eager calls of other sizes between replays (its buffers grow) leave the graph intact; with the host
+    transport, eager exchanges of other sizes between replays walk the same slots on."""
     if ranks.device.type != "cuda" or ranks.backend != "nccl":
         pytest.skip("CUDA-graph capture of collectives needs GPUs with NCCL")
     if transport == "device":
@@ -288,13 +295,13 @@ def test_forward_replays_in_a_cuda_graph(ranks, dispatcher, transport):
     dense = DenseMoE(HIDDEN, FFN, E, 8, dtype=torch.bfloat16, device=ranks.device)
     with torch.no_grad():
         dense.router.gate.weight.mul_(3.0)
-    sync_free = transport == "sync_free"
+    sync_free = transport in ("sync_free", "host")
     layer = OccultMoE.from_dense(
         dense,
         placement=_placement("random", E, ranks.world_size, ranks.seed),
         dispatcher=dispatcher,
         sync_free=sync_free,
-        transport="counts" if sync_free else "device",
+        transport={"sync_free": "counts"}.get(transport, transport),
     )
     counts_layer = OccultMoE.from_dense(
         dense,
@@ -323,14 +330,15 @@ def test_forward_replays_in_a_cuda_graph(ranks, dispatcher, transport):
             expected = layer(fresh)
             layer.sync_free = sync_free
             worst = max(worst, _rel(static_y, expected))
-            if not sync_free:  # an eager call 64x larger: the transport's buffers grow under the graph
+            if transport != "sync_free":  # an eager call 64x larger: the device transport's buffers grow under the
+                # graph; the host transport's exchanges cut it in chunks through the slots the graph walks too
                 big = torch.randn(T * 64 * (step + 1), HIDDEN, dtype=torch.bfloat16, device=ranks.device)
                 worst = max(worst, _rel(layer(big), counts_layer(big)))  # (the call that grows them too)
         graph.reset()
     assert ranks.all_max(worst) < 1e-2, worst
 
 
-@pytest.mark.parametrize("transport", ["device", "counts"])
+@pytest.mark.parametrize("transport", ["device", "counts", "host"])
 def test_nan_input_raises_on_every_rank_and_the_group_survives(ranks, transport):
     """NaN activations on one rank: every rank raises the same clear error, then works on. The
     count exchange raises in the call; the device transport (no host wait) at the latest in
@@ -350,7 +358,7 @@ def test_nan_input_raises_on_every_rank_and_the_group_survives(ranks, transport)
     assert torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("transport", ["device", "counts"])
+@pytest.mark.parametrize("transport", ["device", "counts", "host"])
 def test_wrong_hidden_size_raises_on_every_rank(ranks, transport):
     torch.manual_seed(ranks.seed + 7)
     dense = DenseMoE(HIDDEN, FFN, 8 * ranks.world_size, 4, dtype=torch.bfloat16, device=ranks.device)

@@ -17,7 +17,8 @@ class OccultOptions:
     `placement`: a JSON path (`occult place`) or `occult.Placement` (None: Megatron's contiguous
     blocks), one layer for every MoE layer or one per MoE layer; `max_devices`: the router limits
     each token to experts on this many EP ranks; `transport`: how rows travel (`ExecConfig.transport`:
-    "auto", "device" (counts kept on the GPU; NCCL GPUs of one host), "counts")."""
+    "auto", "device" (counts kept on the GPU; NCCL GPUs of one host), "counts", "host" (through shared pinned
+    host memory: NCCL GPUs of one host without peer-to-peer))."""
 
     dispatcher: str = "dedup"
     placement: str | Placement | None = None
