@@ -457,12 +457,13 @@ NCCL_EXPECTED = {"NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_DEBUG", "NCCL_DEB
 
 def ran_under(doc: dict) -> str:
     """The settings a result file records as changed from their defaults (`env.settings`, occult/tools/run_record.py)
-    and any NCCL tuning it ran under (`env.nccl`, less `NCCL_EXPECTED`), as `NAME=value, ...`; "" where none (or
-    where the file predates the record)."""
+    and any NCCL or CUDA driver tuning it ran under (`env.nccl`, less `NCCL_EXPECTED`; `env.cuda`), as
+    `NAME=value, ...`; "" where none (or where the file predates the record)."""
     env = doc.get("env") if isinstance(doc.get("env"), dict) else {}
     changed = dict(env.get("settings")) if isinstance(env.get("settings"), dict) else {}
     nccl = env.get("nccl") if isinstance(env.get("nccl"), dict) else {}
     changed.update({name: value for name, value in nccl.items() if name not in NCCL_EXPECTED})
+    changed.update(env.get("cuda") if isinstance(env.get("cuda"), dict) else {})
     return ", ".join(f"{name}={value}" for name, value in sorted(changed.items()))
 
 

@@ -110,14 +110,20 @@ class ExchangeWatch:
         """Watch the work queued on `stream` so far (the all-to-all just issued)."""
         done = torch.cuda.Event()
         done.record(stream)
+        self.add(done, torch.cuda.current_device())
+
+    def add(self, done: Any, device: int | None) -> None:
+        """Watch `done` (anything with `query()`: True once finished), an event of GPU `device` (None: no GPU to set
+        up in the watching thread)."""
         self._open.append((done, time.monotonic()))
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, args=(torch.cuda.current_device(),), daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(device,), daemon=True)
             self._thread.start()
 
-    def _run(self, device: int) -> None:
-        torch.cuda.set_device(device)
-        cuda_driver.relax_capture_mode()  # (the main thread may be capturing a graph while this one queries)
+    def _run(self, device: int | None) -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+            cuda_driver.relax_capture_mode()  # (the main thread may be capturing a graph while this one queries)
         while True:
             time.sleep(min(1.0, self.timeout_s / 20))
             while self._open and self._finished(self._open[0][0]):
@@ -125,7 +131,7 @@ class ExchangeWatch:
             if self._open and time.monotonic() - self._open[0][1] > self.timeout_s:
                 print(
                     f"occult: rank {self.rank}: an all-to-all of the host transport did not finish within "
-                    f"{self.timeout_s:.0f} s (a peer rank died or stopped calling the MoE layer); ending the process",
+                    f"{self.timeout_s:g} s (a peer rank died or stopped calling the MoE layer); ending the process",
                     file=sys.stderr,
                     flush=True,
                 )

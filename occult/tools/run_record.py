@@ -97,8 +97,18 @@ def nccl_environment() -> dict[str, str]:
     return {name: value for name, value in sorted(os.environ.items()) if name.startswith("NCCL_")}
 
 
+def cuda_environment() -> dict[str, str]:
+    """Every CUDA_* environment variable of this process but CUDA_VISIBLE_DEVICES, by name (sorted): the driver's
+    own tuning (e.g. CUDA_SCALE_LAUNCH_QUEUES, CUDA_DEVICE_MAX_CONNECTIONS)."""
+    return {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if name.startswith("CUDA_") and name != "CUDA_VISIBLE_DEVICES"
+    }
+
+
 def run_record(world: int, on_gpu: bool, root: Path = REPO_ROOT) -> dict[str, str | bool | dict[str, str] | None]:
-    """{"commit", "dirty", "date" (UTC, ISO-8601, now), "link", "settings", "nccl"} for a result file's env
+    """{"commit", "dirty", "date" (UTC, ISO-8601, now), "link", "settings", "nccl", "cuda"} for a result file's env
     block."""
     commit, dirty = code_commit(root)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -109,4 +119,5 @@ def run_record(world: int, on_gpu: bool, root: Path = REPO_ROOT) -> dict[str, st
         "link": link_of(world, on_gpu),
         "settings": changed_settings(),
         "nccl": nccl_environment(),
+        "cuda": cuda_environment(),
     }

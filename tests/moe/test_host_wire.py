@@ -6,6 +6,9 @@ test_collective_layer.py)."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -69,3 +72,30 @@ def test_host_transport_refused_on_every_gloo_rank_with_the_reason():
     for out in run_ranks(refusal_worker, 2, timeout_s=120):
         assert "host transport cannot run here" in out and ("no CUDA GPU" in out or "not nccl" in out), out
         assert "transport='counts' or 'auto'" in out and out.endswith("| counts"), out
+
+
+_WATCH = """
+import sys, time
+from occult.moe.host_wire import ExchangeWatch
+
+class Event:
+    def __init__(self, finished): self.finished = finished
+    def query(self): return self.finished
+
+watch = ExchangeWatch(timeout_s=float(sys.argv[1]), rank=3)
+watch.add(Event(sys.argv[2] == "finished"), device=None)
+time.sleep(float(sys.argv[3]))
+print("ran on")
+"""
+
+
+def test_an_all_to_all_that_never_finishes_ends_the_process_with_a_message():
+    """A peer that never arrives: the watch ends the process (exit 1) soon after the timeout, naming the rank and
+    why; a finished one is forgotten and the process runs on."""
+    start = time.monotonic()
+    hung = subprocess.run([sys.executable, "-c", _WATCH, "0.5", "open", "30"], capture_output=True, text=True)
+    assert hung.returncode == 1 and "ran on" not in hung.stdout, (hung.returncode, hung.stdout, hung.stderr)
+    assert "rank 3: an all-to-all of the host transport did not finish within 0.5 s" in hung.stderr, hung.stderr
+    assert time.monotonic() - start < 20
+    done = subprocess.run([sys.executable, "-c", _WATCH, "0.5", "finished", "1.5"], capture_output=True, text=True)
+    assert done.returncode == 0 and "ran on" in done.stdout, (done.returncode, done.stdout, done.stderr)

@@ -285,10 +285,11 @@ def test_a_one_gpu_job_of_compiled_variants_alone_gives_the_compiled_ratio(tmp_p
 
 def test_a_file_run_under_changed_settings_says_so_beside_its_source(tmp_path: Path) -> None:
     """A result recorded under settings other than the defaults (run_record's `env.settings`) or NCCL tuning
-    (`env.nccl`, beyond what every run sets) names them."""
+    (`env.nccl`, beyond what every run sets) or CUDA driver tuning (`env.cuda`) names them."""
     doc = e2e(2, {"replicated": 10.0, "dedup": 11.0})
     doc["env"]["settings"] = {"OCCULT_GEMM1": "triton", "OCCULT_AGREEMENT": "step"}
     doc["env"]["nccl"] = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1", "NCCL_BUFFSIZE": "16777216"}
+    doc["env"]["cuda"] = {"CUDA_SCALE_LAUNCH_QUEUES": "4x"}
     plain = e2e(2, {"replicated": 10.0, "dedup": 11.0})
     plain["config"]["model"], plain["env"]["settings"] = "qwen3", {}
     plain["env"]["nccl"] = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1", "NCCL_VERSION": "2.28.3-1"}  # no tuning
@@ -296,7 +297,7 @@ def test_a_file_run_under_changed_settings_says_so_beside_its_source(tmp_path: P
     write(tmp_path, {"changed.json": doc, "plain.json": plain}, entries)
     page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
     row = next(line for line in page.splitlines() if "changed.json" in line)
-    under = "(under NCCL_BUFFSIZE=16777216, OCCULT_AGREEMENT=step, OCCULT_GEMM1=triton)"
+    under = "(under CUDA_SCALE_LAUNCH_QUEUES=4x, NCCL_BUFFSIZE=16777216, OCCULT_AGREEMENT=step, OCCULT_GEMM1=triton)"
     assert row.endswith(f"[changed.json](changed.json) {under} |"), row
     assert next(line for line in page.splitlines() if "plain.json" in line).endswith("[plain.json](plain.json) |")
 

@@ -86,10 +86,15 @@ def test_the_record_has_every_field_and_a_utc_date(clean_env: pytest.MonkeyPatch
     clean_env.setenv("OCCULT_COMMIT", "abc1234")
     for name in [n for n in os.environ if n.startswith("NCCL_")]:
         clean_env.delenv(name)
+    for name in [n for n in os.environ if n.startswith("CUDA_")]:
+        clean_env.delenv(name)
     clean_env.setenv("NCCL_BUFFSIZE", "16777216")
+    clean_env.setenv("CUDA_SCALE_LAUNCH_QUEUES", "4x")
+    clean_env.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # which GPUs, not how they run: left out
     record = run_record.run_record(2, on_gpu=True, root=tmp_path)
-    assert set(record) == {"commit", "dirty", "date", "link", "settings", "nccl"}
+    assert set(record) == {"commit", "dirty", "date", "link", "settings", "nccl", "cuda"}
     assert record["nccl"] == {"NCCL_BUFFSIZE": "16777216"}  # NCCL's own tuning, recorded as the process had it
+    assert record["cuda"] == {"CUDA_SCALE_LAUNCH_QUEUES": "4x"}  # the driver's, likewise
     assert (record["commit"], record["dirty"], record["link"]) == ("abc1234", False, "nvlink")
     assert record["settings"] == {}  # nothing but the commit set: every setting at its default
     clean_env.setenv("OCCULT_GEMM1", "Triton")
