@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | placed-slow | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | placed-slow | host-slow | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -82,6 +82,10 @@
 #           pruned1 without and with its sync-free blocks bounded (/capN, ExecConfig.sync_free_capacity: PRUNED_CAP),
 #           then in a job of its own dedup+placement bounded (CAP): without a bound a sync-free exchange sends T rows
 #           to each other rank, whatever placement or pruning saves
+# host-slow issue 53: the host transport (transport="host": the all-to-alls through shared pinned host memory by
+#           copy engines) against NCCL on the slow link, one job per model and phase: prefill K = 2 and 4 interleaved
+#           micro-batches (OLMoE with the trained trace's routing: carry TRACE as for placed-slow), the training step
+#           as halves (deferred weight gradients, dense sync in the backward), one batch, and paired x4 (/1f1b)
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -101,8 +105,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|placed-slow|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, placed-slow, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|placed-slow|host-slow|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, placed-slow, host-slow, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -228,6 +232,22 @@ case $part in
     run placed_slow_bounded 300 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model olmoe --phases prefill \
       --router-trace "$trace" --variants replicated/compile/graph,dedup+placement@$sf/cap${CAP:-97} \
       --out "$out/e2e_olmoe_placed_slow_bounded_${n}gpu.json" ;;&
+  host-slow|all)  # issue 53: the host transport against NCCL on the slow link (docs/overlap.md, "The host transport")
+    trace=${TRACE:-docs/results/fourgpu/lm_trace_e64_k8.safetensors}
+    for model in ${MODELS:-olmoe qwen3}; do
+      routing=""; [ $model = olmoe ] && routing="--router-trace $trace"
+      run "host_${model}_prefill_slow" 300 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model $model --phases prefill \
+        $routing --variants replicated/compile/graph,dedup@syncfree/compile/interleave4,dedup@host/compile/interleave2,dedup@host/compile/interleave4 \
+        --out "$out/e2e_${model}_host_slow_${n}gpu.json"
+      halves=compile/stepgraph/twobatch/deferwgrad
+      run "host_${model}_train_slow" 300 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model $model --phases train \
+        --dense-sync overlap --variants replicated/compile/stepgraph,dedup@syncfree/$halves,dedup@host/$halves,dedup@host/compile/stepgraph/deferwgrad \
+        --out "$out/e2e_${model}_train_host_slow_${n}gpu.json"
+      run "host_${model}_pair_slow" 450 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model $model --phases train \
+        --batch 8 --accumulate 4 --dense-sync overlap \
+        --variants replicated/compile/stepgraph,dedup@syncfree/compile/stepgraph/1f1b/deferwgrad,dedup@host/compile/stepgraph/1f1b/deferwgrad \
+        --out "$out/e2e_${model}_pair_host_slow_${n}gpu.json"
+    done ;;&
   pair|all)  # issue 53: accumulated micro-batches paired (combined 1F1B) against the same accumulated in turn
     for model in ${MODELS:-olmoe}; do
       for link in ${LINKS:-nvlink slow}; do

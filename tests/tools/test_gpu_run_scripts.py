@@ -55,6 +55,7 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
                 "issue52",
                 "interleave",
                 "placed-slow",
+                "host-slow",
                 "pair",
                 "grid",
                 "trace",
