@@ -194,8 +194,8 @@ class HostWire:
         ready.record(main)
         ends = []
         for p in self.peers:
-            ends.append(self._walk(p, "send", x.data_ptr() + send_at[p] * row, send_splits[p] * row, ready))
-            ends.append(self._walk(p, "receive", out.data_ptr() + recv_at[p] * row, recv_splits[p] * row, ready))
+            ends.append(self._send(p, x.data_ptr() + send_at[p] * row, send_splits[p] * row, ready))
+            ends.append(self._receive(p, out.data_ptr() + recv_at[p] * row, recv_splits[p] * row, ready))
         me = self.rank
         out[recv_at[me] : recv_at[me] + recv_splits[me]].copy_(x[send_at[me] : send_at[me] + send_splits[me]])
         for end in ends:
@@ -206,6 +206,12 @@ class HostWire:
         else:
             self.watch.watch(main)
         return out
+
+    def _send(self, peer: int, src: int, nbytes: int, ready: torch.cuda.Event) -> torch.cuda.Event | None:
+        return self._walk(peer, "send", src, nbytes, ready)
+
+    def _receive(self, peer: int, dst: int, nbytes: int, ready: torch.cuda.Event) -> torch.cuda.Event | None:
+        return self._walk(peer, "receive", dst, nbytes, ready)
 
     def _walk(self, peer: int, way: str, address: int, nbytes: int, ready: torch.cuda.Event) -> torch.cuda.Event | None:
         """Queue one pair's chunks on its stream for `way`: each a wait for its slot, a copy and a flag write."""
