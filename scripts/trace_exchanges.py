@@ -4,8 +4,9 @@ step, in time order, with the part of it no other kernel covers.
 Reads a profiler timeline (`scripts/profile_model.py --traces`, `--profile-steps`' `step_trace_rank{r}.json.gz`,
 or any Chrome trace torch.profiler exports, gzipped or not). The trace holds `--steps` steps of the same kernels
 (a recorded step replays them; eager steps launch the same ones), so its kernels, in start order, are cut into
-that many equal runs and `--step` picks one (default: the middle one). For every exchange kernel
-(`occult.training.step_profile.is_exchange`: NCCL's, the device transport's push and barrier) of that step it
+that many equal runs and `--step` picks one (default: the middle one). For every exchange kernel or copy
+(`occult.training.step_profile.is_exchange`: NCCL's, the device transport's push and barrier, the host transport's
+copies to and from pinned memory) of that step it
 prints when it starts (ms from the step's first kernel), how long it runs, how much of it no compute kernel
 covers ("exposed"), its stream and name; then totals per kernel kind and the exchanges exposed longest. Exposed
 exchange time is what an overlap schedule has left to hide (docs/overlap.md, session 26's slow-link profile).
@@ -25,14 +26,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace_gaps import load_events  # noqa: E402  (scripts/trace_gaps.py: a trace's complete events)
 
+DEVICE = ("kernel", "gpu_memcpy")  # a step's device work: kernels, and copies (the host transport's exchanges)
+
 from occult.training.step_profile import is_exchange, merged  # noqa: E402
 
 
 def step_kernels(events: list[dict], steps: int, step: int) -> list[dict]:
-    """The kernels of step `step` (0-based) of `steps` in the trace, in start order."""
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    """The kernels and copies of step `step` (0-based) of `steps` in the trace, in start order."""
+    kernels = sorted((e for e in events if e.get("cat") in DEVICE), key=lambda e: e["ts"])
     if not kernels:
-        raise ValueError("the trace holds no kernel events: profile with CUDA activities on")
+        raise ValueError("the trace holds no kernel or copy events: profile with CUDA activities on")
     if len(kernels) % steps:
         raise ValueError(
             f"{len(kernels)} kernels do not split into {steps} steps of the same kernels: give --steps as the "
@@ -69,7 +72,7 @@ def kind(name: str) -> str:
     """A kernel's short kind: NCCL's collective (`SendRecv`, `AllReduce_Sum_bf16_RING_LL`) or occult's kernel."""
     if name.startswith("ncclDevKernel_"):
         return name[len("ncclDevKernel_") :].split("(")[0]
-    return name.split("(")[0]
+    return name.split("(")[0].strip()
 
 
 def report(rows: list[dict], top: int) -> str:

@@ -34,7 +34,8 @@ from occult.training.hooks import StepHook
 from occult.training.loop import STEP_RANGE
 
 TOP = 25  # host operations and kernels kept in the summary
-EXCHANGE = ("nccl", "_push_kernel", "_pack_push_kernel", "barrier")  # the exchanges' kernels (NCCL's, occult's)
+# the exchanges' device work: NCCL's kernels, the device transport's, the host transport's copies through pinned memory
+EXCHANGE = ("nccl", "_push_kernel", "_pack_push_kernel", "barrier", "(device -> pinned)", "(pinned -> device)")
 
 
 def parse_window(spec: str) -> tuple[int, int]:
@@ -49,8 +50,8 @@ def parse_window(spec: str) -> tuple[int, int]:
 
 
 def is_exchange(kernel_name: str) -> bool:
-    """Whether a kernel moves data between ranks (NCCL's collectives, or the device transport's push and
-    barrier kernels), as opposed to compute."""
+    """Whether a kernel or copy moves data between ranks (NCCL's collectives, the device transport's push and
+    barrier kernels, the host transport's copies to and from pinned memory), as opposed to compute."""
     low = kernel_name.lower()
     return any(k in low for k in EXCHANGE)
 

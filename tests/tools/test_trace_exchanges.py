@@ -51,6 +51,21 @@ def test_each_exchange_of_the_chosen_step_and_its_exposed_part(tmp_path: Path, c
     assert "all exchanges" in out and f"{(100.0 - a) / 1e3 + (100.0 - b) / 1e3 + 0.01:8.2f}" in out
 
 
+def test_the_host_transports_copies_are_exchanges_and_other_copies_compute(tmp_path: Path) -> None:
+    a = random.uniform(0.0, 50.0)
+    step = [
+        kernel("nvjet_gemm", 0.0, 100.0),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 100.0 - a, "dur": 60.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 160.0, "dur": 40.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 170.0, "dur": 10.0},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": step}))
+    rows = trace_exchanges.exchange_rows(trace_exchanges.step_kernels(trace_exchanges.load_events(path), 1, 0))
+    assert [trace_exchanges.kind(r["name"]) for r in rows] == ["Memcpy DtoH", "Memcpy HtoD"]
+    assert [r["exposed_ms"] for r in rows] == pytest.approx([(60.0 - a) / 1e3, 0.03], rel=1e-9)
+
+
 def test_a_trace_that_does_not_split_into_the_steps_is_refused(tmp_path: Path, capsys) -> None:
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": one_step(0.0, 0.0, 0.0) + one_step(1000.0, 0.0, 0.0)}))
