@@ -3,7 +3,8 @@
 Host memory registered with CUDA (`register_host`: pinned, mapped into every GPU, usable by every context), copies
 by the copy engines between any two addresses of one process's unified address space (`copy_async`), and the stream
 memory operations that hand a buffer from one GPU's stream to another's through a 32-bit word in that memory
-(`wait_value`, `write_value`: no kernel, no host in the loop, and CUDA graphs record them). Bound lazily from
+(`wait_value`, `write_value`, or several as one operation: `memory_ops`; no kernel, no host in the loop, and CUDA
+graphs record them). Bound lazily from
 `libcuda.so.1` (loaded by torch's CUDA runtime already): importing this module needs no GPU.
 """
 
@@ -13,6 +14,7 @@ import ctypes
 import functools
 
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+_OP_WAIT_32, _OP_WRITE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STREAM_MEM_OP_WRITE_VALUE_32
 _CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
 _REGISTER_PORTABLE_MAPPED = 1 | 2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
 
@@ -22,10 +24,25 @@ _SIGNATURES = {
     "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint],
     "cuStreamWaitValue32_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint],
     "cuStreamWriteValue32_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint],
+    "cuStreamBatchMemOp_v2": [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint],
     "cuMemcpyAsync": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
     "cuThreadExchangeStreamCaptureMode": [ctypes.POINTER(ctypes.c_int)],
 }
+
+
+class _MemoryOp(ctypes.Structure):
+    """One entry of `cuStreamBatchMemOp`'s array (`CUstreamBatchMemOpParams`: a 48-byte union; the wait and write
+    members share this layout)."""
+
+    _fields_ = [
+        ("operation", ctypes.c_uint32),
+        ("address", ctypes.c_uint64),
+        ("value", ctypes.c_uint64),  # (a union of the 32- and 64-bit values: little-endian, the low word is the 32)
+        ("flags", ctypes.c_uint32),
+        ("alias", ctypes.c_uint64),
+        ("pad", ctypes.c_uint64),
+    ]
 
 
 @functools.cache
@@ -73,6 +90,18 @@ def wait_value(stream: int, address: int, value: int) -> None:
 def write_value(stream: int, address: int, value: int) -> None:
     """Write the 32-bit `value` to `address` on `stream`, after the stream's earlier work (a memory barrier first)."""
     _check(_driver().cuStreamWriteValue32_v2(ctypes.c_void_p(stream), address, value, 0), "write value")
+
+
+def memory_ops(stream: int, ops: list[tuple[str, int, int]]) -> None:
+    """Queue `ops`, each ("wait", address, value) as `wait_value` or ("write", address, value) as `write_value`, in
+    order on `stream` as one operation (one node of a captured graph, where each alone would be one)."""
+    table = (_MemoryOp * len(ops))()
+    for entry, (kind, address, value) in zip(table, ops):
+        if kind not in ("wait", "write"):
+            raise ValueError(f"a stream memory operation is 'wait' or 'write', not {kind!r}")
+        entry.operation = _OP_WAIT_32 if kind == "wait" else _OP_WRITE_32
+        entry.address, entry.value, entry.flags = address, value, _WAIT_EQ if kind == "wait" else 0
+    _check(_driver().cuStreamBatchMemOp_v2(ctypes.c_void_p(stream), len(ops), table, 0), "batch memory operations")
 
 
 def relax_capture_mode() -> None:

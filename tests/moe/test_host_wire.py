@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from occult import OccultMoE
 from occult.distributed import run_ranks
+from occult.moe import cuda_driver
 from occult.moe.config import ExecConfig
 from occult.moe.host_wire import MIN_CHUNK, SLOT_BYTES, SLOTS, RingLayout, chunk_sizes
 
@@ -32,6 +33,11 @@ def test_chunks_cover_the_bytes_within_the_slot_size():
             assert len(chunks) >= SLOTS or chunks[0] == SLOT_BYTES, (n, chunks)  # the slots pipeline the copies
         if n > 0:
             assert chunks[0] >= min(n, MIN_CHUNK), (n, chunks)
+
+
+def test_a_stream_memory_operation_of_an_unknown_kind_is_refused_before_the_driver_is_called():
+    with pytest.raises(ValueError, match="'wait' or 'write', not 'signal'"):
+        cuda_driver.memory_ops(0, [("write", 4096, 1), ("signal", 8192, 0)])
 
 
 def test_ring_layout_gives_every_pair_its_own_flags_and_slots():
