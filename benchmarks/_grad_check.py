@@ -8,10 +8,13 @@ gradients on the same batch in the same dtype:
 
 - each MoE block's router (its gradient comes only through the gates);
 - the norm in front of each MoE block (only through the rows sent to the experts);
-- two experts of each MoE block, the first and the last (their weight gradients). An expert-parallel layer holds
-  each expert on one rank, and its gradient there has every rank's tokens in it. The reference for it is
-  therefore the unconverted model's gradient summed over the layer's ranks. A rank compares the sampled experts
-  it holds, unless no token chose one (a zero reference: nothing to compare).
+- up to three experts of each MoE block (their weight gradients): the first, the last and the one with the largest
+  gradient, leaving out any whose gradient is below `FEW_TOKENS` of the block's median expert's (summed over ranks,
+  so every rank samples the same): an expert few tokens reach has a gradient that one near-tied token flipping
+  between experts moves by more than the tolerance (a random Qwen3-shape router sent expert 0 of one layer so few
+  tokens that the floor itself missed by 0.85). An expert-parallel layer holds each expert on one rank, and its
+  gradient there has every rank's tokens in it. The reference for it is therefore the unconverted model's gradient
+  summed over the layer's ranks. A rank compares the sampled experts it holds.
 
 A lost or wrong MoE backward gives a relative error of ~1; rounding gives less (in bf16 up to ~0.1 on the tiny
 random models of CPU runs, whose routers' near-ties flip under any change of rounding).
@@ -33,6 +36,7 @@ from occult.integrations import hf
 
 TOL = 0.5  # relative L2 error, worst over the checked parameters and ranks: a lost MoE backward gives ~1
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # (transformers' fused experts' names, which hf.convert keeps)
+FEW_TOKENS = 0.25  # an expert whose gradient norm is below this share of its block's median expert's is not sampled
 _EXPERT_KEY = re.compile(r"^(?P<name>.+)\[(?P<expert>\d+)\]$")  # "<param>[<expert>]": one expert's slice
 
 
@@ -48,17 +52,28 @@ def checked_names(model: nn.Module) -> list[str]:
     return names
 
 
-def expert_keys(model: nn.Module) -> list[str]:
-    """`<block>.experts.<weight>[e]` for the first and last expert of each MoE block of the unconverted `model`."""
-    params = dict(model.named_parameters())
-    keys = []
-    for block, _ in hf.moe_blocks(model):
-        for weight in EXPERT_WEIGHTS:
-            name = f"{block}.experts.{weight}"
-            if name in params:
-                count = params[name].shape[0]
-                keys += [f"{name}[{e}]" for e in sorted({0, count - 1})]
-    return keys
+def expert_weights(model: nn.Module) -> list[str]:
+    """`<block>.experts.<weight>` of each MoE block of the unconverted `model` (its experts' fused weights)."""
+    params = {n for n, _ in model.named_parameters()}
+    return [
+        f"{block}.experts.{weight}"
+        for block, _ in hf.moe_blocks(model)
+        for weight in EXPERT_WEIGHTS
+        if f"{block}.experts.{weight}" in params
+    ]
+
+
+def sampled_experts(grad_EX: torch.Tensor) -> list[int]:
+    """The experts of one fused weight's gradient [E, ...] to check (module docstring): the first, the last and the
+    largest, those below `FEW_TOKENS` of the median expert's gradient left out; the norms are summed over every
+    rank where a process group is up (a collective), so every rank samples the same."""
+    squares_E = grad_EX.detach().float().flatten(1).square().sum(dim=1)
+    if dist.is_initialized():
+        dist.all_reduce(squares_E)
+    norms_E = squares_E.sqrt()
+    floor = FEW_TOKENS * float(norms_E.median())
+    candidates = {0, len(norms_E) - 1, int(norms_E.argmax())}
+    return sorted(e for e in candidates if float(norms_E[e]) > floor)
 
 
 def split_key(key: str) -> tuple[str, int | None]:
@@ -90,23 +105,22 @@ def backward_pass(
 
 
 def reference_gradients(model: nn.Module, ids_BS: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The unconverted `model`'s gradients (fp32 copies) of `checked_names` and `expert_keys` on `ids_BS`, its
-    other parameters frozen for the pass (no gradient memory for them; the checked ones' gradients are the same)
-    and every gradient cleared after."""
-    keys = checked_names(model) + expert_keys(model)
-    wanted = {split_key(k)[0] for k in keys}
+    """The unconverted `model`'s gradients (fp32 copies) of `checked_names` and of each expert weight's
+    `sampled_experts` (keys `<weight>[e]`) on `ids_BS`, its other parameters frozen for the pass (no gradient memory
+    for them; the checked ones' gradients are the same) and every gradient cleared after. A collective where a
+    process group is up: every rank calls it."""
+    names, weights = checked_names(model), expert_weights(model)
     keep = {n: p.requires_grad for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
-        p.requires_grad_(n in wanted)
+        p.requires_grad_(n in set(names + weights))
     try:
         backward_pass(model, ids_BS)
         params = dict(model.named_parameters())
-        grads = {}
-        for key in keys:
-            name, expert = split_key(key)
-            grad = params[name].grad
+        grads = {n: params[n].grad.detach().float().clone() for n in names if params[n].grad is not None}
+        for weight in weights:
+            grad = params[weight].grad
             if grad is not None:
-                grads[key] = (grad if expert is None else grad[expert]).detach().float().clone()
+                grads |= {f"{weight}[{e}]": grad[e].detach().float().clone() for e in sampled_experts(grad)}
         return grads
     finally:
         model.zero_grad(set_to_none=True)
@@ -158,8 +172,8 @@ def gradient_check(
             err, where = math.inf, None
         else:
             want, where = _wanted(model, key, want)
-            if where is None or (where[1] is not None and not bool(want.any())):
-                continue  # (an expert another rank holds: it compares; or one no token chose: nothing to compare)
+            if where is None:
+                continue  # (an expert another rank holds: it compares)
             grad = params[where[0]].grad
             got = None if grad is None else (grad if where[1] is None else grad[where[1]]).float()
             err = relative_error(got, want)

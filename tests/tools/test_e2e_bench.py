@@ -65,10 +65,12 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
         if v["exact"]:  # fp32 on CPU: the converted model is the unconverted one up to rounding
             assert v["check"]["passed"] and v["check"]["median_rel_err"] < 1e-4, (name, v["check"])
             assert v["check"]["argmax_agreement"] == 1.0
-        # the MoE backward before the timed train steps: 2 routers, the 2 norms in front of them and 2 experts' 2
-        # weights in each layer (on rank 0 those it holds: all on one rank, at least none of expert-parallel ones')
+        # the MoE backward before the timed train steps: 2 routers, the 2 norms in front of them and 1-3 sampled
+        # experts' 2 weights in each layer (on rank 0 those it holds: all on one rank, maybe none of an EP layer's)
         checked = v["grad_check"]["params"]
-        assert checked == 12 if name in ("native", "replicated") else 4 <= checked <= 12, (name, checked)
+        one_rank = name in ("native", "replicated")
+        assert (8 if one_rank else 4) <= checked <= 16, (name, checked)
+        assert not one_rank or checked == report["variants"]["native"]["grad_check"]["params"]  # the same sample
         assert v["grad_check"]["tol"] == pytest.approx(0.5)
         if v["exact"]:
             assert v["grad_check"]["passed"] and v["grad_check"]["max_rel_err"] < 1e-4, (name, v["grad_check"])

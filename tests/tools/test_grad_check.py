@@ -7,6 +7,7 @@ sum every rank's tokens: tests/tools/test_e2e_bench.py's tiny run on 2 ranks.)""
 from __future__ import annotations
 
 import copy
+import random
 import sys
 
 import pytest
@@ -16,7 +17,15 @@ from _bench_helpers import ROOT
 pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _grad_check import TOL, checked_names, expert_keys, gradient_check, reference_gradients  # noqa: E402
+from _grad_check import (  # noqa: E402
+    FEW_TOKENS,
+    TOL,
+    checked_names,
+    expert_weights,
+    gradient_check,
+    reference_gradients,
+    sampled_experts,
+)
 
 from occult.integrations import hf  # noqa: E402
 
@@ -35,19 +44,31 @@ def test_a_converted_model_has_the_reference_moe_backward(family):
     names = checked_names(ref)
     blocks = [name for name, _ in hf.moe_blocks(ref)]
     assert len(names) == 2 * len(blocks) and all(n.startswith(tuple(blocks)) or "layernorm" in n for n in names)
-    experts = expert_keys(ref)  # the first and last expert's two weights, each block
-    count = ref.get_submodule(f"{blocks[0]}.experts").gate_up_proj.shape[0]
-    first = [f"{blocks[0]}.experts.{w}[{e}]" for w in ("gate_up_proj", "down_proj") for e in (0, count - 1)]
-    assert experts[:4] == first
-    assert len(experts) == 4 * len(blocks)
+    weights = expert_weights(ref)
+    assert weights[:2] == [f"{blocks[0]}.experts.gate_up_proj", f"{blocks[0]}.experts.down_proj"]
+    assert len(weights) == 2 * len(blocks)
     want = reference_gradients(ref, ids)
+    experts = [k for k in want if k not in names]
     assert sorted(want) == sorted(names + experts) and all(want[n].norm() > 0 for n in names)
+    assert {k.split("[")[0] for k in experts} == set(weights)  # (each weight's largest expert at least)
     assert want[experts[0]].shape == ref.get_submodule(f"{blocks[0]}.experts").gate_up_proj.shape[1:]
     assert all(p.requires_grad and p.grad is None for p in ref.parameters())  # left as it was
     check = gradient_check(model, ids, want)
-    chosen = [k for k in want if want[k].any()]  # (an expert no token chose has nothing to compare)
-    assert check["passed"] and check["max_rel_err"] < 1e-4 and check["params"] == len(chosen), check
+    assert check["passed"] and check["max_rel_err"] < 1e-4 and check["params"] == len(want), check
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_sampled_experts_are_the_first_last_and_largest_with_enough_tokens():
+    count = random.randint(4, 64)
+    busiest = random.randrange(1, count - 1)
+    norms_E = torch.rand(count) + 1.0  # (every expert well reached)
+    norms_E[busiest] = 5.0
+    directions = torch.nn.functional.normalize(torch.randn(count, 15), dim=1)
+    grad_EX = (norms_E[:, None] * directions).view(count, 3, 5)
+    assert sampled_experts(grad_EX) == [0, busiest, count - 1]
+    grad_EX[0] *= FEW_TOKENS / 2  # few tokens (below the share of the median, >= 1): left out
+    grad_EX[count - 1] = 0  # none
+    assert sampled_experts(grad_EX) == [busiest]
 
 
 def test_a_lost_moe_backward_fails_the_check():
