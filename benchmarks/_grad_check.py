@@ -8,11 +8,11 @@ gradients on the same batch in the same dtype:
 
 - each MoE block's router (its gradient comes only through the gates);
 - the norm in front of each MoE block (only through the rows sent to the experts);
-- up to three experts of each MoE block (their weight gradients): the first, the last and the one with the largest
-  gradient, leaving out any whose gradient is below `FEW_TOKENS` of the block's median expert's (summed over ranks,
-  so every rank samples the same): an expert few tokens reach has a gradient that one near-tied token flipping
-  between experts moves by more than the tolerance (a random Qwen3-shape router sent expert 0 of one layer so few
-  tokens that the floor itself missed by 0.85). An expert-parallel layer holds each expert on one rank, and its
+- up to three experts of each MoE block (their weight gradients): the first, the last and the best reached,
+  leaving out any whose gradient is below `FEW_TOKENS` of the block's median expert's on some rank (so every rank
+  samples the same): an expert few tokens reach has a gradient that one near-tied token flipping between experts
+  moves by more than the tolerance (a random Qwen3-shape router sent expert 0 of one layer so few tokens that the
+  floor itself missed by 0.85 and 1.23). An expert-parallel layer holds each expert on one rank, and its
   gradient there has every rank's tokens in it. The reference for it is therefore the unconverted model's gradient
   summed over the layer's ranks. A rank compares the sampled experts it holds.
 
@@ -65,15 +65,15 @@ def expert_weights(model: nn.Module) -> list[str]:
 
 def sampled_experts(grad_EX: torch.Tensor) -> list[int]:
     """The experts of one fused weight's gradient [E, ...] to check (module docstring): the first, the last and the
-    largest, those below `FEW_TOKENS` of the median expert's gradient left out; the norms are summed over every
-    rank where a process group is up (a collective), so every rank samples the same."""
-    squares_E = grad_EX.detach().float().flatten(1).square().sum(dim=1)
+    best reached, leaving out any whose gradient is below `FEW_TOKENS` of the median expert's on some rank (each
+    rank's share, its least over the ranks where a process group is up: a collective). Every rank samples the
+    same, and each sampled expert is well reached on each (a replicated floor compares every rank's own batch)."""
+    norms_E = grad_EX.detach().float().flatten(1).norm(dim=1)
+    share_E = norms_E / max(float(norms_E.median()), torch.finfo(torch.float32).tiny)
     if dist.is_initialized():
-        dist.all_reduce(squares_E)
-    norms_E = squares_E.sqrt()
-    floor = FEW_TOKENS * float(norms_E.median())
-    candidates = {0, len(norms_E) - 1, int(norms_E.argmax())}
-    return sorted(e for e in candidates if float(norms_E[e]) > floor)
+        dist.all_reduce(share_E, op=dist.ReduceOp.MIN)
+    candidates = {0, len(share_E) - 1, int(share_E.argmax())}
+    return sorted(e for e in candidates if float(share_E[e]) > FEW_TOKENS)
 
 
 def split_key(key: str) -> tuple[str, int | None]:
