@@ -8,7 +8,8 @@ that many equal runs and `--step` picks one (default: the middle one). For every
 (`occult.training.step_profile.is_exchange`: NCCL's, the device transport's push and barrier, the host transport's
 copies to and from pinned memory) of that step it
 prints when it starts (ms from the step's first kernel), how long it runs, how much of it no compute kernel
-covers ("exposed"), its stream and name; then totals per kernel kind and the exchanges exposed longest. Exposed
+covers ("exposed"), its stream and name; then totals per kernel kind, the exchanges exposed longest, and the
+step's compute idle time by what runs under it (exchange copies, exchange kernels, both, nothing). Exposed
 exchange time is what an overlap schedule has left to hide (docs/overlap.md, session 26's slow-link profile).
 Each kernel's exposed part is its own: where two exchanges run at once (an all-reduce beside an all-to-all) both
 count it, so the total can exceed `profile_model.py`'s union figure.
@@ -68,6 +69,64 @@ def exchange_rows(kernels: list[dict]) -> list[dict]:
     ]
 
 
+def _meet(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Where two sorted, disjoint interval lists both cover."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        i, j = (i + 1, j) if a[i][1] < b[j][1] else (i, j + 1)
+    return out
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of sorted, disjoint intervals `a` that sorted, disjoint `b` does not cover."""
+    out = []
+    for start, end in a:
+        at = start
+        for b_start, b_end in b:
+            if b_end <= at or b_start >= end:
+                continue
+            if b_start > at:
+                out.append((at, b_start))
+            at = max(at, b_end)
+        if at < end:
+            out.append((at, end))
+    return out
+
+
+def idle_breakdown(kernels: list[dict]) -> dict[str, float]:
+    """Of one step's span (its first kernel's start to its last one's end), the ms no compute kernel runs, and what
+    runs then: exchange copies alone (the host transport's), exchange kernels alone (NCCL's, the device
+    transport's), both, or nothing (a wait on the host or on a peer)."""
+    spans = {"compute": [], "copy": [], "kernel": []}
+    for e in kernels:
+        group = "compute" if not is_exchange(e["name"]) else "copy" if e.get("cat") == "gpu_memcpy" else "kernel"
+        spans[group].append((e["ts"], e["ts"] + e["dur"]))
+    compute, copies, exchange_kernels = (merged(spans[k]) for k in ("compute", "copy", "kernel"))
+    step = [(min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels))]
+    idle = _minus(step, compute)
+    ms = lambda intervals: sum(end - start for start, end in intervals) / 1e3  # noqa: E731
+    return {
+        "step_ms": ms(step),
+        "compute_ms": ms(compute),
+        "idle_ms": ms(idle),
+        "copies_alone_ms": ms(_minus(_meet(idle, copies), exchange_kernels)),
+        "exchange_kernels_alone_ms": ms(_minus(_meet(idle, exchange_kernels), copies)),
+        "both_ms": ms(_meet(_meet(idle, copies), exchange_kernels)),
+        "nothing_ms": ms(_minus(idle, merged(spans["copy"] + spans["kernel"]))),
+    }
+
+
+def idle_line(idle: dict[str, float]) -> str:
+    return (
+        f"compute idle {idle['idle_ms']:.2f} ms of the step's {idle['step_ms']:.2f} (compute busy "
+        f"{idle['compute_ms']:.2f}): exchange copies alone {idle['copies_alone_ms']:.2f}, exchange kernels alone "
+        f"{idle['exchange_kernels_alone_ms']:.2f}, both {idle['both_ms']:.2f}, nothing {idle['nothing_ms']:.2f}"
+    )
+
+
 def kind(name: str) -> str:
     """A kernel's short kind: NCCL's collective (`SendRecv`, `AllReduce_Sum_bf16_RING_LL`) or occult's kernel."""
     if name.startswith("ncclDevKernel_"):
@@ -116,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     if not a.trace.is_file():
         p.error(f"no trace file {a.trace}")
     try:
-        rows = exchange_rows(step_kernels(load_events(a.trace), a.steps, step))
+        kernels = step_kernels(load_events(a.trace), a.steps, step)
     except ValueError as e:
         p.error(str(e))
-    print(report(rows, a.top))
+    print(report(exchange_rows(kernels), a.top))
+    print("\n" + idle_line(idle_breakdown(kernels)))
     return 0
 
 

@@ -66,6 +66,29 @@ def test_the_host_transports_copies_are_exchanges_and_other_copies_compute(tmp_p
     assert [r["exposed_ms"] for r in rows] == pytest.approx([(60.0 - a) / 1e3, 0.03], rel=1e-9)
 
 
+def test_a_steps_compute_idle_time_by_what_runs_under_it():
+    t0, gap = random.uniform(0.0, 1e6), random.uniform(1.0, 50.0)
+    copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": t0 + 80.0, "dur": 70.0}
+    step = [
+        kernel("nvjet_gemm", t0, 100.0),
+        copy,  # [80, 150): under compute until 100, then alone until the all-reduce starts
+        kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)", t0 + 140.0, 60.0, stream=11),  # [140, 200)
+        kernel("_swiglu_kernel", t0 + 200.0 + gap, 20.0),  # after `gap` us of nothing
+    ]
+    idle = trace_exchanges.idle_breakdown(step)
+    want = {
+        "step_ms": (220.0 + gap) / 1e3,
+        "compute_ms": 0.12,
+        "idle_ms": (100.0 + gap) / 1e3,
+        "copies_alone_ms": 0.04,
+        "exchange_kernels_alone_ms": 0.05,
+        "both_ms": 0.01,
+        "nothing_ms": gap / 1e3,
+    }
+    assert idle == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert "exchange copies alone 0.04" in trace_exchanges.idle_line(idle)
+
+
 def test_a_trace_that_does_not_split_into_the_steps_is_refused(tmp_path: Path, capsys) -> None:
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": one_step(0.0, 0.0, 0.0) + one_step(1000.0, 0.0, 0.0)}))
