@@ -113,15 +113,15 @@ at most 1.25x the half-precision native model's own plus --tol (discrete routing
 DeepSeek-V3's on random weights, picks other experts under any change of rounding, compiled kernels
 of transformers' own model included). That check sees the forward only; before a variant's train steps its MoE
 backward is checked too (benchmarks/_grad_check.py; not TorchTitan's model): the gradients of every router, of
-the norm in front of each MoE block and of two experts' weights in each (an expert-parallel layer's against the
-sum over its ranks), on one batch of the training shape, against the unconverted model's on the same batch
-(relative L2 error, worst over those parameters and ranks; above 0.5 an exact variant fails and is not timed: a
-lost MoE backward gives ~1; `grad_check` in the JSON; the batch goes in the micro-batches the step splits it into,
-/twobatch's halves or --accumulate's K, so a compiled variant compiles in it what its steps run, and `compile_s`
-counts it; the pass's own peak memory is `grad_check.peak_memory_gib`, its cached blocks are freed after it and the
-variant's peaks leave it out; in bf16 an exact variant's worst is ~0.3, an expert's gradient moving with the
-tokens a near-tied router sends it). Phases: prefill (eval, no_grad, forward with logits of the last position as
-`generate` does) and
+the norm in front of each MoE block and of up to three well-reached experts' weights in each (an expert-parallel
+layer's against the sum over its ranks), on one batch of the training shape, against the unconverted model's on
+the same batch (relative L2 error, worst over those parameters and ranks; above 0.5 an exact variant fails and is
+not timed: a lost MoE backward gives ~1; `grad_check` in the JSON; the batch goes in the micro-batches the step
+splits it into, /twobatch's halves or --accumulate's K, so a compiled variant compiles in it what its steps run,
+and `compile_s` counts it; the pass's own peak memory is `grad_check.peak_memory_gib`, its cached blocks are
+freed after it and the variant's peaks leave it out; in bf16 an exact variant's worst is ~0.3, an expert's
+gradient moving with the tokens a near-tied router sends it). Phases: prefill (eval, no_grad, forward with
+logits of the last position as `generate` does) and
 train (forward, next-token cross-entropy, backward inside `occult.agreed_step` as occult's trainers run them
 (OCCULT_AGREEMENT=step: the device transport's ranks agree once a step; the default, call: at every
 layer call), hf.sync_gradients,
