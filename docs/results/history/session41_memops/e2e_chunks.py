@@ -1,4 +1,5 @@
 """Experiment only (session 41): benchmarks/e2e.py with the host transport cutting a pair's bytes into CHUNKS chunks."""
+
 import os
 import runpy
 import sys
