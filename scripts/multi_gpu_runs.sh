@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | placed-slow | host-slow | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | placed-slow | host-slow | host-profile | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -86,6 +86,10 @@
 #           copy engines) against NCCL on the slow link, one job per model and phase: prefill K = 2 and 4 interleaved
 #           micro-batches (OLMoE with the trained trace's routing: carry TRACE as for placed-slow), the training step
 #           as halves (deferred weight gradients, dense sync in the backward), one batch, and paired x4 (/1f1b)
+# host-profile issue 53: a profile per host-transport schedule against its floor (scripts/profile_model.py --traces,
+#           slow link, 5 steps, random routing): prefill K = 4, halves, paired x4, one model a call (MODELS, default
+#           qwen3; ~5 min on 2 GPUs), then each rank-0 timeline's compute idle by what runs under it
+#           (scripts/trace_exchanges.py; docs/overlap.md, "The host transport, round 2")
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -105,8 +109,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|placed-slow|host-slow|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, placed-slow, host-slow, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|placed-slow|host-slow|host-profile|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, placed-slow, host-slow, host-profile, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -247,6 +251,23 @@ case $part in
         --batch 8 --accumulate 4 --dense-sync overlap \
         --variants replicated/compile/stepgraph,dedup@syncfree/compile/stepgraph/1f1b/deferwgrad,dedup@host/compile/stepgraph/1f1b/deferwgrad \
         --out "$out/e2e_${model}_pair_host_slow_${n}gpu.json"
+    done ;;&
+  host-profile|all)  # issue 53: where each host-transport schedule's step goes, beside its floor's
+    for model in ${MODELS:-qwen3}; do
+      layers=8; [ $model = olmoe ] && layers=16
+      prof="$out/host_profile_$model"
+      TAIL=4 run "host_profile_${model}_prefill" 300 env NCCL_P2P_DISABLE=1 $tr scripts/profile_model.py --model $model \
+        --layers $layers --phases prefill --variants replicated/compile/graph,dedup@host/compile/interleave4 --traces \
+        --out "$prof/prefill"
+      TAIL=4 run "host_profile_${model}_train" 300 env NCCL_P2P_DISABLE=1 $tr scripts/profile_model.py --model $model \
+        --layers $layers --phases train --dense-sync overlap --traces --out "$prof/train" \
+        --variants replicated/compile/stepgraph,dedup@host/compile/stepgraph/twobatch/deferwgrad
+      TAIL=4 run "host_profile_${model}_pair" 400 env NCCL_P2P_DISABLE=1 $tr scripts/profile_model.py --model $model \
+        --layers $layers --phases train --batch 8 --accumulate 4 --dense-sync overlap --traces --out "$prof/pair" \
+        --variants replicated/compile/stepgraph,dedup@host/compile/stepgraph/1f1b/deferwgrad
+      for trace in "$prof"/*/trace_*_rank0.json.gz; do
+        [ -f "$trace" ] && echo "$trace: $(python3 scripts/trace_exchanges.py "$trace" --steps 5 --top 0 | tail -n 1)"
+      done
     done ;;&
   pair|all)  # issue 53: accumulated micro-batches paired (combined 1F1B) against the same accumulated in turn
     for model in ${MODELS:-olmoe}; do

@@ -56,6 +56,7 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
                 "interleave",
                 "placed-slow",
                 "host-slow",
+                "host-profile",
                 "pair",
                 "grid",
                 "trace",
