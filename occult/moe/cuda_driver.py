@@ -4,8 +4,8 @@ Host memory registered with CUDA (`register_host`: pinned, mapped into every GPU
 by the copy engines between any two addresses of one process's unified address space (`copy_async`), and the stream
 memory operations that hand a buffer from one GPU's stream to another's through a 32-bit word in that memory
 (`wait_value`, `write_value`, or several as one operation: `memory_ops`; no kernel, no host in the loop, and CUDA
-graphs record them). Bound lazily from
-`libcuda.so.1` (loaded by torch's CUDA runtime already): importing this module needs no GPU.
+graphs record them). Bound lazily from `libcuda.so.1` (loaded by torch's CUDA runtime already): importing this
+module needs no GPU.
 """
 
 from __future__ import annotations
