@@ -70,10 +70,10 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
     `recv_splits`: the received [sum(recv_splits), ...] in source-rank order. `group=None` is one
     rank: a copy; a `HostWire` (a dispatcher's `link` under transport="host"): through its shared host memory.
     Not differentiable (the dispatchers wrap it in one autograd node per exchange)."""
-    if isinstance(group, HostWire):
-        if not torch.compiler.is_compiling():
-            return group.all_to_all(x, send_splits, recv_splits)
-        group = group.group  # traced: NCCL's functional collective (the wire's driver calls are not traceable)
+    if isinstance(group, HostWire):  # traced: one opaque operator in the graph, the wire called at run time
+        if torch.compiler.is_compiling():
+            return group.traced_all_to_all(x, send_splits, recv_splits)
+        return group.all_to_all(x, send_splits, recv_splits)
     if group is not None and torch.compiler.is_compiling():  # traced: the functional collective, which returns
         # its result (the in-place one's was lost in a compiled backward on NCCL: docs/training.md, "GPU truth")
         return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv_splits, send_splits, group))

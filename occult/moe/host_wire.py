@@ -150,6 +150,7 @@ class HostWire:
 
     def __init__(self, group: Any, host_group: Any, timeout_s: float) -> None:
         self.group, self.host_group, self.timeout_s = group, host_group, timeout_s
+        self.name = group.group_name  # (`_WIRES`' key: how a traced exchange finds its wire)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.layout = RingLayout(self.world)
         self.peers = [(self.rank + i) % self.world for i in range(1, self.world)]
@@ -206,6 +207,12 @@ class HostWire:
         else:
             self.watch.watch(main)
         return out
+
+    def traced_all_to_all(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """`all_to_all` as one opaque operator torch.compile keeps in its graph (`occult::host_all_to_all`): the
+        compiled code calls this wire at run time, in the order the graph gives its exchanges (the same on every
+        rank), so a traced sync-free layer keeps the host transport instead of NCCL's functional collective."""
+        return torch.ops.occult.host_all_to_all(x.contiguous(), send_splits, recv_splits, self.name)
 
     def _walk(self, peer: int, way: str, address: int, nbytes: int, ready: torch.cuda.Event) -> torch.cuda.Event | None:
         """Queue one pair's chunks on its stream for `way`: each a wait for its slot, a copy and a flag write; a
@@ -280,6 +287,17 @@ class HostWire:
         self._captured = False
         self._chunks = dict.fromkeys(self._chunks, 0)  # a new file's flags all read 0
         return freed
+
+
+@torch.library.custom_op("occult::host_all_to_all", mutates_args=())
+def _host_all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], wire: str) -> torch.Tensor:
+    """The operator behind `HostWire.traced_all_to_all`: the exchange through the wire of group `wire`."""
+    return _WIRES[wire].all_to_all(x, list(send_splits), list(recv_splits))
+
+
+@_host_all_to_all.register_fake
+def _host_all_to_all_shape(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], wire: str) -> torch.Tensor:
+    return x.new_empty((sum(recv_splits), *x.shape[1:]))
 
 
 def _starts(splits: list[int]) -> list[int]:
