@@ -47,7 +47,7 @@ from occult.moe.transport_buffers import (
     row_bytes,
     token_bucket,
 )
-from occult.teardown import hold_buffers, release_captured
+from occult.teardown import hold_buffers, release_buffers, release_captured
 
 __all__ = [
     "DeviceTransport",
@@ -349,12 +349,12 @@ class DeviceTransport:
 
 
 def release_transports() -> int:
-    """Free every device transport's buffers on this rank, and the CUDA graphs captured over them; the
-    next layer call grows them again. Every rank calls it at the same point (between layer calls).
-    `occult.distributed.finish_distributed` and `dist.destroy_process_group` call it too. Returns the
-    bytes freed on this rank."""
+    """Free every transport's buffers on this rank (the device transports' GPU buffers, the host transports' shared
+    pinned memory), and the CUDA graphs captured over them; the next layer call grows them again. Every rank calls
+    it at the same point (between layer calls). `occult.distributed.finish_distributed` and
+    `dist.destroy_process_group` call it too. Returns the bytes freed on this rank."""
     release_captured()
-    return sum(transport.release() for transport in list(_TRANSPORTS.values()))
+    return release_buffers()  # (every transport registers its buffers with occult.teardown)
 
 
 def transports_memory_bytes() -> int:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import occult
 from occult.moe.host_wire import HostWire
 
 
@@ -95,5 +96,8 @@ def test_release_and_map_again(ranks):
     wire.all_to_all(x, send, recv)
     assert wire.memory_bytes > 0
     assert wire.release() > 0 and wire.memory_bytes == 0
+    got = wire.all_to_all(x, send, recv)
+    assert ranks.all_max(float(not torch.equal(got, _nccl(x, send, recv)))) == 0
+    assert occult.release_transports() >= wire.layout.nbytes and wire.memory_bytes == 0  # (the public call too)
     got = wire.all_to_all(x, send, recv)
     assert ranks.all_max(float(not torch.equal(got, _nccl(x, send, recv)))) == 0
