@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | placed-slow | host-slow | host-profile | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | placed-slow | host-slow | host-profile | host-stall | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -90,6 +90,10 @@
 #           slow link, 5 steps, random routing): prefill K = 4, halves, paired x4, one model a call (MODELS, default
 #           qwen3; ~5 min on 2 GPUs), then each rank-0 timeline's compute idle by what runs under it
 #           (scripts/trace_exchanges.py; docs/overlap.md, "The host transport, round 2")
+# host-stall issue 53: the host halves' stall behind the LM head's gradient all-reduce (docs/overlap.md, "The host
+#           transport, round 3"): per model (MODELS, default qwen3 olmoe) a profile of the floor and the host halves
+#           with CUDA_DEVICE_MAX_CONNECTIONS=8 and =32 (the GPU's hardware work queues), then each rank-0 timeline's
+#           stretches of >= 1 ms with no compute kernel (trace_exchanges.py --stalls 1); ~4 min on 2 GPUs
 # peer      Qwen3-MoE shape against TorchTitan's own whole model (EP + FSDP2), both links  issues 14, 15
 #           (needs TorchTitan's wheels in .whl/: docs/benchmarks.md, "Reproduce", step 1)
 # train     occult train (OccultLM, 4 layers, 64 experts top-8) tokens/s per GPU: EP size 1 (floor),
@@ -109,8 +113,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|placed-slow|host-slow|host-profile|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, placed-slow, host-slow, host-profile, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|placed-slow|host-slow|host-profile|host-stall|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, placed-slow, host-slow, host-profile, host-stall, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -267,6 +271,20 @@ case $part in
         --variants replicated/compile/stepgraph,dedup@host/compile/stepgraph/1f1b/deferwgrad
       for trace in "$prof"/*/trace_*_rank0.json.gz; do
         [ -f "$trace" ] && echo "$trace: $(python3 scripts/trace_exchanges.py "$trace" --steps 5 --top 0 | tail -n 1)"
+      done
+    done ;;&
+  host-stall|all)  # issue 53: what the host halves' compute waits for under the dense all-reduce, by work queues
+    for model in ${MODELS:-qwen3 olmoe}; do
+      layers=8; [ $model = olmoe ] && layers=16
+      for queues in 8 32; do
+        prof="$out/host_stall_${model}_queues$queues"
+        TAIL=4 run "host_stall_${model}_queues$queues" 200 env NCCL_P2P_DISABLE=1 CUDA_DEVICE_MAX_CONNECTIONS=$queues \
+          $tr scripts/profile_model.py --model $model --layers $layers --phases train --dense-sync overlap --traces \
+          --out "$prof" --variants replicated/compile/stepgraph,dedup@host/compile/stepgraph/twobatch/deferwgrad
+        for trace in "$prof"/trace_*_rank0.json.gz; do
+          [ -f "$trace" ] && echo "$trace:" && python3 scripts/trace_exchanges.py "$trace" --steps 5 --top 0 --stalls 1 \
+            | sed -n '/^stretches/,$p'
+        done
       done
     done ;;&
   pair|all)  # issue 53: accumulated micro-batches paired (combined 1F1B) against the same accumulated in turn

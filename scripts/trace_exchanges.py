@@ -9,13 +9,15 @@ that many equal runs and `--step` picks one (default: the middle one). For every
 copies to and from pinned memory) of that step it
 prints when it starts (ms from the step's first kernel), how long it runs, how much of it no compute kernel
 covers ("exposed"), its stream and name; then totals per kernel kind, the exchanges exposed longest, and the
-step's compute idle time by what runs under it (exchange copies, exchange kernels, both, nothing). Exposed
+step's compute idle time by what runs under it (exchange copies, exchange kernels, both, nothing), and with
+`--stalls MS` each stretch of at least MS with no compute kernel: what runs under it and the device work that
+starts at its end (what the compute waited for: docs/overlap.md, "The host transport, round 3"). Exposed
 exchange time is what an overlap schedule has left to hide (docs/overlap.md, session 26's slow-link profile).
 Each kernel's exposed part is its own: where two exchanges run at once (an all-reduce beside an all-to-all) both
 count it, so the total can exceed `profile_model.py`'s union figure.
 
     python scripts/trace_exchanges.py prof/trace_dedup_syncfree-compile-stepgraph-twobatch_train_rank0.json.gz \\
-        --steps 5 --top 8
+        --steps 5 --top 8 --stalls 0.5
 """
 
 from __future__ import annotations
@@ -127,11 +129,47 @@ def idle_line(idle: dict[str, float]) -> str:
     )
 
 
+def stalls(kernels: list[dict], min_ms: float) -> list[dict]:
+    """Each stretch of one step of at least `min_ms` with no compute kernel: start (ms from the step's first kernel),
+    ms, the exchanges running in it (kinds, each once) and the device work starting within 0.05 ms of its end (the
+    first of it the compute)."""
+    compute = merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_exchange(e["name"])])
+    first = kernels[0]["ts"]
+    rows = []
+    for start, end in _minus([(first, max(e["ts"] + e["dur"] for e in kernels))], compute):
+        if end - start < min_ms * 1e3:
+            continue
+        under = [e for e in kernels if is_exchange(e["name"]) and e["ts"] < end and e["ts"] + e["dur"] > start]
+        resume = sorted((e for e in kernels if end - 50.0 <= e["ts"] <= end + 50.0), key=lambda e: e["ts"])
+        rows.append(
+            {
+                "start_ms": (start - first) / 1e3,
+                "ms": (end - start) / 1e3,
+                "under": list(dict.fromkeys(kind(e["name"]) for e in under)),
+                "then": [(e.get("args", {}).get("stream"), kind(e["name"])) for e in resume],
+            }
+        )
+    return rows
+
+
+def stalls_report(rows: list[dict], min_ms: float) -> str:
+    lines = [f"stretches of >= {min_ms:g} ms with no compute kernel ({len(rows)}):"]
+    for r in rows:
+        then = "; ".join(f"{name} (stream {stream})" for stream, name in r["then"][:4]) or "nothing"
+        lines.append(
+            f"  {r['ms']:6.2f} ms at {r['start_ms']:.2f} ms  under it: {', '.join(r['under']) or 'nothing'}  "
+            f"then: {then}"
+        )
+    return "\n".join(lines)
+
+
 def kind(name: str) -> str:
-    """A kernel's short kind: NCCL's collective (`SendRecv`, `AllReduce_Sum_bf16_RING_LL`) or occult's kernel."""
+    """A kernel's short kind: NCCL's collective (`SendRecv`, `AllReduce_Sum_bf16_RING_LL`), occult's kernel, a copy's
+    direction or a C++ kernel's qualified name."""
     if name.startswith("ncclDevKernel_"):
         return name[len("ncclDevKernel_") :].split("(")[0]
-    return name.split("(")[0].strip()
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ")  # (a C++ kernel: its name, no template)
+    return name.split("<")[0].split("(")[0].strip()
 
 
 def report(rows: list[dict], top: int) -> str:
@@ -166,9 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="steps the trace holds (profile_model.py's --steps, 5)")
     p.add_argument("--step", type=int, default=None, help="which one, 0-based (default: the middle one)")
     p.add_argument("--top", type=int, default=10, help="exchanges exposed longest to list")
+    p.add_argument(
+        "--stalls", type=float, default=None, metavar="MS", help="also list each stretch of >= MS with no compute"
+    )
     a = p.parse_args(argv)
     if a.steps < 1 or a.top < 0:
         p.error("--steps must be >= 1 and --top >= 0")
+    if a.stalls is not None and not a.stalls > 0:
+        p.error(f"--stalls must be > 0 ms, got {a.stalls}")
     step = a.steps // 2 if a.step is None else a.step
     if not 0 <= step < a.steps:
         p.error(f"--step must be in [0, {a.steps}), got {step}")
@@ -179,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     print(report(exchange_rows(kernels), a.top))
+    if a.stalls is not None:
+        print("\n" + stalls_report(stalls(kernels, a.stalls), a.stalls))
     print("\n" + idle_line(idle_breakdown(kernels)))
     return 0
 

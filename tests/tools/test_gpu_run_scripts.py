@@ -57,6 +57,7 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
                 "placed-slow",
                 "host-slow",
                 "host-profile",
+                "host-stall",
                 "pair",
                 "grid",
                 "trace",

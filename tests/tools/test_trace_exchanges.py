@@ -98,3 +98,26 @@ def test_a_trace_that_does_not_split_into_the_steps_is_refused(tmp_path: Path, c
     with pytest.raises(SystemExit):
         trace_exchanges.main([str(path), "--steps", "2", "--step", "2"])
     assert "--step must be in [0, 2)" in capsys.readouterr().err
+
+
+def test_stalls_list_each_stretch_without_compute_what_runs_under_it_and_what_starts_at_its_end(tmp_path, capsys):
+    stall = random.uniform(2_000.0, 5_000.0)  # us
+    step = [
+        kernel("nvjet_gemm", 0.0, 100.0),
+        kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)", 50.0, stall + 200.0, stream=11),  # from under the gemm
+        kernel("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, 4>(x)", 100.0 + stall, 5.0, 3),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 110.0 + stall, "dur": 20.0},
+        kernel("_gather_pair_rows_kernel", 200.0 + stall, 50.0),  # 70 us after the copy: a stretch under the limit
+    ]
+    rows = trace_exchanges.stalls(step, min_ms=1.0)
+    assert len(rows) == 1
+    assert rows[0]["start_ms"] == pytest.approx(0.1) and rows[0]["ms"] == pytest.approx(stall / 1e3)
+    assert rows[0]["under"] == ["AllReduce_Sum_bf16_RING_LL"]
+    assert rows[0]["then"] == [(3, "at::native::CatArrayBatchedCopy"), (None, "Memcpy DtoH")]  # within 0.05 ms
+    assert trace_exchanges.stalls(step, min_ms=stall / 1e3 + 0.01) == []
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": step}))
+    assert trace_exchanges.main([str(path), "--steps", "1", "--stalls", "1"]) == 0
+    assert f"{stall / 1e3:6.2f} ms at 0.10 ms  under it: AllReduce_Sum_bf16_RING_LL" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        trace_exchanges.main([str(path), "--steps", "1", "--stalls", "0"])
