@@ -110,9 +110,10 @@ def reference_gradients(model: nn.Module, ids_BS: torch.Tensor) -> dict[str, tor
     for them; the checked ones' gradients are the same) and every gradient cleared after. A collective where a
     process group is up: every rank calls it."""
     names, weights = checked_names(model), expert_weights(model)
+    wanted = set(names + weights)
     keep = {n: p.requires_grad for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
-        p.requires_grad_(n in set(names + weights))
+        p.requires_grad_(n in wanted)
     try:
         backward_pass(model, ids_BS)
         params = dict(model.named_parameters())

@@ -3,7 +3,7 @@
 Host memory registered with CUDA (`register_host`: pinned, mapped into every GPU, usable by every context), copies
 by the copy engines between any two addresses of one process's unified address space (`copy_async`), and the stream
 memory operations that hand a buffer from one GPU's stream to another's through a 32-bit word in that memory
-(`wait_value`, `write_value`, or several as one operation: `memory_ops`; no kernel, no host in the loop, and CUDA
+(`wait_value`, or waits and writes as one operation: `memory_ops`; no kernel, no host in the loop, and CUDA
 graphs record them). Bound lazily from `libcuda.so.1` (loaded by torch's CUDA runtime already): importing this
 module needs no GPU.
 """
@@ -23,7 +23,6 @@ _SIGNATURES = {
     "cuMemHostUnregister": [ctypes.c_void_p],
     "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint],
     "cuStreamWaitValue32_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint],
-    "cuStreamWriteValue32_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint],
     "cuStreamBatchMemOp_v2": [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint],
     "cuMemcpyAsync": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
@@ -87,14 +86,10 @@ def wait_value(stream: int, address: int, value: int) -> None:
     _check(_driver().cuStreamWaitValue32_v2(ctypes.c_void_p(stream), address, value, _WAIT_EQ), "wait value")
 
 
-def write_value(stream: int, address: int, value: int) -> None:
-    """Write the 32-bit `value` to `address` on `stream`, after the stream's earlier work (a memory barrier first)."""
-    _check(_driver().cuStreamWriteValue32_v2(ctypes.c_void_p(stream), address, value, 0), "write value")
-
-
 def memory_ops(stream: int, ops: list[tuple[str, int, int]]) -> None:
-    """Queue `ops`, each ("wait", address, value) as `wait_value` or ("write", address, value) as `write_value`, in
-    order on `stream` as one operation (one node of a captured graph, where each alone would be one)."""
+    """Queue `ops`, each ("wait", address, value) as `wait_value` or ("write", address, value): the 32-bit value
+    written after the stream's earlier work (a memory barrier first), in order on `stream` as one operation (one
+    node of a captured graph, where each alone would be one)."""
     table = (_MemoryOp * len(ops))()
     for entry, (kind, address, value) in zip(table, ops):
         if kind not in ("wait", "write"):
