@@ -55,8 +55,8 @@ them a trained model's co-activation structure (benchmarks/_router_trace.py). Va
                    passes round all K at every exchange (hf.GraphedForward(micro_batches=K)), e.g.
                    dedup@syncfree/compile/interleave4 (/interleave2 is /twobatch)
   <variant>/capN   last: a dedup-based @syncfree variant's blocks for the other ranks bounded to ceil(N/100 x T)
-                   rows (ExecConfig(sync_free_capacity=N/100): what placement and pruning save reaches the wire; a
-                   dropped copy raises a RoutingError and fails the variant), e.g.
+                   rows and a header row (ExecConfig(sync_free_capacity=N/100): what placement and pruning save
+                   reaches the wire; a dropped copy raises a RoutingError on every rank and fails the variant), e.g.
                    dedup+placement@syncfree/compile/interleave4/cap80
   <variant>/layergraphs  each MoE layer's forwards replayed from its own CUDA graphs (ExecConfig(graphs=True),
                    occult.moe.graphs: the host costs a copy in, a launch and a copy out per layer call; no

@@ -106,9 +106,10 @@ class ExecConfig:
     forward and its backward recorded and replayed (`occult.moe.train_graphs`); off, a training call
     runs eagerly. Experimental: docs/training.md, "Layer graphs in training", says where it failed.
     `sync_free_capacity` (0 < c <= 1; the dedup dispatcher, sync-free calls): each other rank's block of the
-    fixed-capacity exchange holds ceil(c x T) rows instead of T, so that what placement and pruning save reaches
-    the wire (a sync-free exchange sends its whole block, used or not). A token's copy past its block is dropped and
-    reported by `check_routing()` as a `RoutingError` on that rank (docs/overlap.md, "Bounded sync-free blocks");
+    fixed-capacity exchange holds ceil(c x T) rows (and a header row) instead of T, so that what placement and pruning
+    save reaches the wire (a sync-free exchange sends its whole block, used or not). A token's copy past its block is
+    dropped and reported by `check_routing()` after the call as a `RoutingError` naming that rank, on every rank
+    (the blocks' header rows carry it; docs/overlap.md, "Bounded sync-free blocks");
     1.0, the default, is exact at any routing. Set it from the routing the layer will see (e.g. `occult place`'s
     report) with a margin.
     """

@@ -29,11 +29,13 @@ from occult.moe.counts import STATUS_OVER_CAPACITY, clamp_ids, exchange_counts, 
 from occult.moe.expert_map import ExpertMap
 from occult.moe.gather import gather_early, gather_gate_weights, gather_rows, sum_rows
 from occult.moe.plan import (
+    HEADER_DROPPED,
     DispatchPlan,
     bounded_dedup_plan,
     bounded_rows,
     bounded_splits,
     dedup_plan,
+    header_rows,
     routed_plan,
     routed_slots,
     standard_plan,
@@ -99,7 +101,7 @@ class FlatDispatcher(Dispatcher):
             if bound is None:
                 plan = self.plan_rows(ids_TK, expert_map, schedule.sync_free)
             else:
-                plan = self.bounded_plan(ids_TK, expert_map, bound, schedule)
+                plan = self.bounded_plan(ids_TK, expert_map, bound)
         if self.uses_device_transport(schedule):
             return device_exchange.dispatch_device(
                 self,
@@ -139,6 +141,8 @@ class FlatDispatcher(Dispatcher):
             early[2],
         )
         handle.stats.dispatch_rows = plan.num_rows
+        if bound is not None:  # (after the exchange: what every rank's block header says)
+            self.queue_bounded_status(plan, slots_RK, bound, schedule)
         return Received(x_RH, slots_RK, gates_RK), handle
 
     def combine(self, y: Any, handle: Handle) -> torch.Tensor:
@@ -178,15 +182,17 @@ class FlatDispatcher(Dispatcher):
         rows = bounded_rows(num_tokens, schedule.sync_free_capacity)
         return rows if rows < num_tokens else None
 
-    def bounded_plan(self, ids_TK: torch.Tensor, expert_map: ExpertMap, bound: int, schedule: Schedule) -> DispatchPlan:
-        """`bounded_dedup_plan`; the copies it drops are queued as this rank's routing status (read by
-        `check_routing()`, or after a replay of a captured forward or step, as a `RoutingError`)."""
+    def bounded_plan(self, ids_TK: torch.Tensor, expert_map: ExpertMap, bound: int) -> DispatchPlan:
+        """`bounded_dedup_plan` (what it drops travels in its blocks' header rows: `bounded_status`)."""
         maps = (expert_map.device_E, expert_map.slot_E)
-        plan, dropped_1 = bounded_dedup_plan(ids_TK, maps, self.num_ranks, self.rank, bound)
-        ranks_D = torch.arange(self.num_ranks, device=ids_TK.device)
-        status_D = torch.where((ranks_D == self.rank) & (dropped_1 > 0), STATUS_OVER_CAPACITY, 0)
+        return bounded_dedup_plan(ids_TK, maps, self.num_ranks, self.rank, bound)[0]
+
+    def queue_bounded_status(self, plan: DispatchPlan, slots_RK: torch.Tensor, bound: int, schedule: Schedule) -> None:
+        """Queue `bounded_status` of a bounded call's exchange (read by `check_routing()`, or after a replay of a
+        captured forward or step, as a `RoutingError`): the same on every rank, after the same call."""
+        num_tokens = plan.token_P.shape[0] - (self.num_ranks - 1) * (bound + 1)
+        status_D = bounded_status(plan.slot_PK, slots_RK, num_tokens, self.rank, bound)
         pending.queue_later(status_D, schedule.status_sink_1)
-        return plan
 
     def uses_device_transport(self, schedule: Schedule) -> bool:
         """Whether this call runs over the device transport: the plain schedule, where the group has it."""
@@ -198,6 +204,21 @@ class FlatDispatcher(Dispatcher):
         if self.capabilities.deduplicated:
             return 1, min(top_k, num_ranks)
         return min(top_k, experts_per_device), top_k
+
+
+def bounded_status(
+    slot_PK: torch.Tensor, slots_RK: torch.Tensor, num_tokens: int, rank: int, remote_rows: int
+) -> torch.Tensor:
+    """[D] `STATUS_OVER_CAPACITY` for each rank that dropped copies in a bounded call, else 0: this rank by the
+    header rows it sent (`slot_PK`), every other rank by the header row of its block received here (`slots_RK`).
+    Blocks to and from each rank have the same sizes (`bounded_splits`), so one set of header rows serves both."""
+    num_devices = (slot_PK.shape[0] - num_tokens) // (remote_rows + 1) + 1
+    ranks_D = torch.arange(num_devices, device=slot_PK.device)
+    mine_D = ranks_D == rank
+    header_D = torch.where(mine_D, 0, header_rows(num_tokens, num_devices, rank, remote_rows, slot_PK.device))
+    sent_D = (slot_PK[header_D, 0] == HEADER_DROPPED) & ~mine_D
+    got_D = (slots_RK[header_D, 0] == HEADER_DROPPED) & ~mine_D
+    return torch.where(got_D | mine_D & sent_D.any(), STATUS_OVER_CAPACITY, 0)
 
 
 def checked_ids(

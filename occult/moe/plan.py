@@ -290,9 +290,23 @@ def bounded_rows(num_tokens: int, capacity: float) -> int:
     return min(num_tokens, math.ceil(capacity * num_tokens - 1e-6))
 
 
+HEADER_DROPPED = -2  # a block's header slot where its sender dropped copies (any block's): `bounded_dedup_plan`
+
+
 def bounded_splits(num_tokens: int, num_devices: int, rank: int, remote_rows: int) -> list[int]:
-    """Rows to (and from) each rank under `bounded_dedup_plan`: T for this rank, `remote_rows` for the others."""
-    return [num_tokens if d == rank else remote_rows for d in range(num_devices)]
+    """Rows to (and from) each rank under `bounded_dedup_plan`: T for this rank, `remote_rows` and a header row for
+    the others."""
+    return [num_tokens if d == rank else remote_rows + 1 for d in range(num_devices)]
+
+
+def header_rows(num_tokens: int, num_devices: int, rank: int, remote_rows: int, device: torch.device) -> torch.Tensor:
+    """[D] where each rank's block in `bounded_splits` order has its header row (its last; for `rank` itself, which
+    has none, the total row count: one past the end), made on `device` (no copy from the host: a CUDA graph
+    records it)."""
+    ranks_D = torch.arange(num_devices, device=device)
+    block = remote_rows + 1
+    start_D = ranks_D * block + (ranks_D > rank) * (num_tokens - block)
+    return torch.where(ranks_D == rank, num_tokens + (num_devices - 1) * block, start_D + remote_rows)
 
 
 def bounded_dedup_plan(
@@ -301,21 +315,24 @@ def bounded_dedup_plan(
     """(plan, rows dropped [1]): the sync-free dedup plan with `remote_rows` rows for each other rank.
 
     Destination d's rows are a block of `bounded_splits` (T rows for this rank itself: its copies never
-    cross a link), filled in token order with the tokens that use d; a token's copy past its block's end
-    is dropped (counted, never sent: the layer reports it, `ExecConfig.sync_free_capacity`), the rest of a
-    block is padding (slots -1). Shapes follow from T, D and the bound alone: no host synchronisation.
+    cross a link), filled in token order with the tokens that use d; a token's copy past its block's
+    `remote_rows` is dropped (counted, never sent: the layer reports it, `ExecConfig.sync_free_capacity`), the
+    rest of a block is padding (slots -1). Each other rank's block ends in a header row (`header_rows`: no token,
+    nothing computed) whose first slot is `HEADER_DROPPED` where this rank dropped copies for any rank, else -1: so
+    every rank learns of a drop in the same call (`DedupDispatcher`). Shapes follow from T, D and the bound alone:
+    no host synchronisation.
     """
     expert_device_E, expert_slot_E = expert_map_E
     num_tokens, top_k = ids_TK.shape
     dev = ids_TK.device
     ranks_D = torch.arange(num_devices, device=dev)
-    size_D = torch.where(ranks_D == rank, num_tokens, remote_rows)
+    size_D = torch.where(ranks_D == rank, num_tokens, remote_rows + 1)
     start_D = torch.cumsum(size_D, 0) - size_D
-    num_rows = num_tokens + (num_devices - 1) * remote_rows
+    num_rows = num_tokens + (num_devices - 1) * (remote_rows + 1)
     device_TK = expert_device_E[ids_TK]
     used_TD = (device_TK[:, :, None] == ranks_D).any(dim=1)
     place_TD = torch.cumsum(used_TD.to(torch.int64), 0) - 1  # the token's place among those sent to d
-    kept_TD = used_TD & (place_TD < size_D)
+    kept_TD = used_TD & (place_TD < torch.where(ranks_D == rank, num_tokens, remote_rows))
     row_TD = torch.where(kept_TD, start_D + place_TD, -1)
     target_TD = torch.where(kept_TD, row_TD, num_rows)  # dropped copies and padding: one spare row
     token_T1 = torch.arange(num_tokens, device=dev)[:, None]
@@ -327,8 +344,11 @@ def bounded_dedup_plan(
     slot_PK = torch.full((num_rows + 1, top_k), -1, dtype=torch.int64, device=dev)
     entry_PK[row_TK, column_TK] = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
     slot_PK[row_TK, column_TK] = expert_slot_E[ids_TK]
+    dropped_1 = (used_TD & ~kept_TD).sum().reshape(1)
+    header_D = header_rows(num_tokens, num_devices, rank, remote_rows, dev)  # (this rank's: the spare row)
+    slot_PK[header_D, 0] = torch.where(dropped_1 > 0, HEADER_DROPPED, -1).expand(num_devices)
     plan = DispatchPlan(token_P[:num_rows], entry_PK[:num_rows], slot_PK[:num_rows], size_D, row_TD)
-    return plan, (used_TD & ~kept_TD).sum().reshape(1)
+    return plan, dropped_1
 
 
 def trim(plan: DispatchPlan, num_rows: int) -> DispatchPlan:

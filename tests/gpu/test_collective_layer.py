@@ -255,7 +255,7 @@ def test_bounded_sync_free_layer_matches_fp32_reference(ranks, dtype_name):
 
 def test_bounded_sync_free_drops_are_reported_after_a_replay(ranks):
     """Blocks too small for the routing, the layer's forward replayed from its CUDA graphs: `check_routing()`
-    raises on every rank that dropped copies (here each), names `sync_free_capacity`; then the group works on."""
+    raises on every rank (here each dropped copies), names `sync_free_capacity`; then the group works on."""
     if ranks.device.type != "cuda" or ranks.backend != "nccl":
         pytest.skip("CUDA-graph capture of collectives needs GPUs with NCCL")
     torch.manual_seed(ranks.seed + 11)
@@ -277,6 +277,33 @@ def test_bounded_sync_free_drops_are_reported_after_a_replay(ranks):
         y = layer(x)
     check_routing()
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "replayed"])
+def test_a_drop_on_one_rank_is_reported_on_every_rank(ranks, graphs):
+    """Only rank 0 drops copies (its tokens all choose rank 1's experts; the others' their own): every rank's
+    `check_routing()` raises after the call, naming rank 0 alone (the blocks' header rows carry it), eager and
+    replayed from the layer's CUDA graphs (eager also over gloo: GPUs shared, or CPU ranks)."""
+    if graphs and (ranks.device.type != "cuda" or ranks.backend != "nccl"):
+        pytest.skip("CUDA-graph capture of collectives needs GPUs with NCCL")
+    torch.manual_seed(ranks.seed + 12)
+    E, T, H = 2 * ranks.world_size, 64, 64
+    dense = DenseMoE(H, FFN, E, 2, dtype=torch.bfloat16, device=ranks.device)
+    with torch.no_grad():
+        dense.router.gate.weight.copy_(torch.eye(E, H, dtype=torch.bfloat16, device=ranks.device) * 10)
+    layer = OccultMoE.from_dense(dense, sync_free=True, sync_free_capacity=0.1, graphs=graphs)
+    x = torch.randn(T, H, dtype=torch.bfloat16, device=ranks.device) * 0.1
+    mine = 1 if ranks.rank == 0 else ranks.rank  # (experts 2r and 2r + 1 on rank r)
+    x[:, [2 * mine, 2 * mine + 1]] += 1.0
+    raised = []
+    with torch.no_grad():
+        for _ in range(3 if graphs else 1):  # eager warm-up, capture, replay (occult.moe.graphs)
+            layer(x)
+            try:
+                check_routing()
+            except RoutingError as e:
+                raised.append(str(e))
+    assert raised and all("rank 0:" in r and "rank 1:" not in r for r in raised), raised
 
 
 @pytest.mark.parametrize("dispatcher", ["standard", "dedup"])

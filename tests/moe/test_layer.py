@@ -98,8 +98,8 @@ def check_case(rank: int, world_size: int, case: dict) -> dict:
     with torch.no_grad():
         _, ids_TK = layer.router(x_all[sl])
     # What the statistics module predicts for this routing (rows = sum C_T or T*k; bytes = 2*rows*H*size).
-    if bound is not None:  # T rows for itself, `bound` for each other rank
-        expected_rows = tokens[rank] + (world_size - 1) * bound
+    if bound is not None:  # T rows for itself, `bound` and a header row for each other rank
+        expected_rows = tokens[rank] + (world_size - 1) * (bound + 1)
     elif case.get("sync_free"):  # fixed capacity: T rows (dedup) or T*min(k, E/D) (standard) per destination
         per_device = E // world_size
         expected_rows = world_size * tokens[rank] * (1 if case["dispatcher"] == "dedup" else min(K, per_device))

@@ -14,7 +14,14 @@ from occult.moe.config import ExecConfig
 from occult.moe.counts import RoutingError
 from occult.moe.dense import DenseMoE
 from occult.moe.layer import OccultMoE
-from occult.moe.plan import bounded_dedup_plan, bounded_rows, static_dedup_plan
+from occult.moe.plan import (
+    HEADER_DROPPED,
+    bounded_dedup_plan,
+    bounded_rows,
+    bounded_splits,
+    header_rows,
+    static_dedup_plan,
+)
 from occult.moe.status import check_routing
 
 
@@ -34,7 +41,8 @@ def _routing(num_tokens: int, top_k: int, num_experts: int, num_devices: int, se
 def test_bounded_plan_keeps_the_first_copies_of_each_block_and_counts_the_rest(trial):
     """Each destination's block holds, in token order, the first copies that fit (T for the rank itself, the
     bound for the others); each kept row carries what the unbounded plan's row for that (token, device) carries;
-    every other copy is counted as dropped."""
+    every other copy is counted as dropped; each other rank's block ends in a header row whose first slot says
+    whether this rank dropped any copy."""
     rng = random.Random()
     D, E = rng.choice([(2, 8), (3, 12), (4, 16)])
     T, K = rng.randrange(0, 40), rng.randrange(1, 5)
@@ -43,22 +51,29 @@ def test_bounded_plan_keeps_the_first_copies_of_each_block_and_counts_the_rest(t
     ids_TK, device_E, slot_E = _routing(T, K, E, D, rng.randrange(2**31))
     plan, dropped_1 = bounded_dedup_plan(ids_TK, (device_E, slot_E), D, rank, bound)
     full = static_dedup_plan(ids_TK, device_E, slot_E, D, E // D)
-    sizes = [T if d == rank else bound for d in range(D)]
+    sizes, room = [T if d == rank else bound + 1 for d in range(D)], [T if d == rank else bound for d in range(D)]
     assert plan.num_rows == sum(sizes) and plan.send_counts_D.tolist() == sizes
+    assert bounded_splits(T, D, rank, bound) == sizes
     starts, dropped = [sum(sizes[:d]) for d in range(D)], 0
     for d in range(D):
         users = [t for t in range(T) if bool((device_E[ids_TK[t]] == d).any())]
-        kept, dropped = users[: sizes[d]], dropped + max(0, len(users) - sizes[d])
+        kept, dropped = users[: room[d]], dropped + max(0, len(users) - room[d])
         for place, t in enumerate(kept):
             row = starts[d] + place
             assert int(plan.row_TJ[t, d]) == row and int(plan.token_P[row]) == t
             assert torch.equal(plan.slot_PK[row], full.slot_PK[d * T + t])
             assert torch.equal(plan.entry_PK[row], full.entry_PK[d * T + t])
-        for t in users[sizes[d] :]:
+        for t in users[room[d] :]:
             assert int(plan.row_TJ[t, d]) == -1
-        for row in range(starts[d] + len(kept), starts[d] + sizes[d]):  # padding: nothing computed, never read
+        for row in range(starts[d] + len(kept), starts[d] + room[d]):  # padding: nothing computed, never read
             assert int(plan.token_P[row]) == -1 and bool((plan.slot_PK[row] == -1).all())
     assert int(dropped_1) == dropped
+    headers = header_rows(T, D, rank, bound, torch.device("cpu")).tolist()
+    assert headers == [sum(sizes) if d == rank else starts[d] + bound for d in range(D)]
+    for d in (d for d in range(D) if d != rank):  # no token, nothing computed; the flag in the first slot
+        row = headers[d]
+        assert int(plan.token_P[row]) == -1 and bool((plan.entry_PK[row] == -1).all())
+        assert plan.slot_PK[row].tolist() == [HEADER_DROPPED if dropped else -1] + [-1] * (K - 1)
 
 
 def test_bounded_rows_is_the_ceiling_of_the_fraction_and_at_most_t():
@@ -103,4 +118,32 @@ def test_dropped_copies_are_reported_by_check_routing_on_the_rank_that_dropped_t
     results = run_ranks(_dropping_worker, 2, random.randrange(2**31), timeout_s=120)
     for rank, out in enumerate(results):
         assert out[0.05] and f"rank {rank}:" in out[0.05] and "sync_free_capacity" in out[0.05], out
-        assert out[1.0] is None and out["rows 0.05"] == 20 + 1 and out["rows 1.0"] == 2 * 20, out
+        assert out[1.0] is None and out["rows 0.05"] == 20 + 1 + 1 and out["rows 1.0"] == 2 * 20, out  # (+ header)
+
+
+def _one_dropper_worker(rank: int, world_size: int, seed: int) -> str | None:
+    """Experts 2r and 2r + 1 on rank r (6 experts, top-2, the gate reading the input's first 6 features): rank 0's
+    tokens all choose rank 1's experts, the others' their own, so only rank 0 has copies past its block (1 row)."""
+    torch.manual_seed(seed)
+    dense = DenseMoE(8, 12, 6, 2, dtype=torch.float64)
+    with torch.no_grad():
+        dense.router.gate.weight.copy_(torch.eye(6, 8, dtype=torch.float64) * 10)
+    layer = OccultMoE.from_dense(dense, sync_free=True, sync_free_capacity=0.1)
+    x = torch.randn(20, 8, dtype=torch.float64) * 0.1
+    chosen = [2, 3] if rank == 0 else [2 * rank, 2 * rank + 1]
+    x[:, chosen] += 1.0
+    layer(x.requires_grad_()).sum().backward()  # every rank finishes the call: nothing raised inside it
+    try:
+        check_routing()
+    except RoutingError as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_that_drops_copies_is_named_by_every_rank_after_the_same_call():
+    """Only rank 0 drops (its block to rank 1 holds 2 of 20 tokens): its header rows tell ranks 1 and 2, so every
+    rank's `check_routing()` raises after that call, naming rank 0 alone, and none waits in a later collective."""
+    results = run_ranks(_one_dropper_worker, 3, random.randrange(2**31), timeout_s=120)
+    for rank, text in enumerate(results):
+        assert text and "rank 0:" in text and "rank 1:" not in text and "rank 2:" not in text, (rank, text)
+        assert "sync_free_capacity" in text, (rank, text)
