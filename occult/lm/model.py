@@ -36,6 +36,7 @@ from occult.moe.config import ExecConfig, MoEConfig, RoutingConfig
 from occult.moe.layer import OccultMoE
 from occult.moe.pruning import METHODS, PruningError, limit_routers
 from occult.placement import Placement
+from occult.training.loss import cross_entropy
 
 
 # ------------------------------------------------------------------ blocks
@@ -353,7 +354,7 @@ class OccultLM(nn.Module):
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+            loss = cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return LMOutput(logits if return_logits else None, loss, aux_total / len(self.blocks))
 
     def set_aux_loss(self, enabled: bool) -> None:

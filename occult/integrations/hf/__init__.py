@@ -36,6 +36,7 @@ One module per job: `families` (supported model types, version and structure che
 blocks traced in), `convert` (`convert`,
 `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `graphed` (`GraphedForward`), `calibration` (token
 ids for profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads only its experts),
+`loss` (`use_occult_loss`: the model's `.loss` on occult's cross-entropy),
 `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing loss over the global batch), `checkpoint`
 (resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer, written by its owner
 rank). `from occult.integrations import hf; hf.convert(...)` is the public path.
@@ -66,6 +67,7 @@ from occult.integrations.hf.finetune import (
 from occult.integrations.hf.generate import StaticDecoder, generate
 from occult.integrations.hf.graphed import GraphedForward
 from occult.integrations.hf.loading import LoadReport, load_sharded, set_routing_placement
+from occult.integrations.hf.loss import use_occult_loss
 from occult.integrations.hf.profile import profile
 from occult.integrations.hf.routers import HFGateRouter, SigmoidGroupGateRouter, SoftmaxGateRouter
 from occult.integrations.hf.save import save_finetuned, save_pretrained
@@ -111,4 +113,5 @@ __all__ = [
     "tokenize_texts",
     "trainable_parameters",
     "unconvert",
+    "use_occult_loss",
 ]

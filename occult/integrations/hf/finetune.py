@@ -40,7 +40,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from occult.integrations.hf import checkpoint as ckpt
 from occult.integrations.hf.aux_loss import RouterTaps
@@ -61,6 +60,7 @@ from occult.training.distill import TRAIN_PARTS, distill_kl, teacher_logits, unl
 from occult.training.hooks import StepHook
 from occult.training.layer_graphs import replayed_layers
 from occult.training.loop import StepLoss, StepParts, TrainLoop, to_device
+from occult.training.loss import cross_entropy
 from occult.training.optim import adamw
 from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
@@ -179,7 +179,7 @@ def _step_parts(
                 taps.clear()  # the aux loss is the student's routing
         with _autocast(device, cfg.precision):
             logits = net(input_ids=x, use_cache=False).logits
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        ce = cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         aux = taps.loss(groups.ddp if groups is not None else None) if taps is not None else None
         total = ce if aux is None else ce + cfg.aux_loss_coef * aux
         if target is not None:
