@@ -122,7 +122,9 @@ and `compile_s` counts it; the pass's own peak memory is `grad_check.peak_memory
 freed after it and the variant's peaks leave it out; in bf16 an exact variant's worst is ~0.3, an expert's
 gradient moving with the tokens a near-tied router sends it). Phases: prefill (eval, no_grad, forward with
 logits of the last position as `generate` does) and
-train (forward, next-token cross-entropy, backward inside `occult.agreed_step` as occult's trainers run them
+train (forward, next-token cross-entropy (--loss occult: occult's kernel for occult's variants, transformers'
+ForCausalLMLoss for transformers' own, as --optimizer adamw gives each side its user's AdamW), backward inside
+`occult.agreed_step` as occult's trainers run them
 (OCCULT_AGREEMENT=step: the device transport's ranks agree once a step; the default, call: at every
 layer call), hf.sync_gradients,
 optimizer step). Each step gets fresh
@@ -549,6 +551,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["adamw", "adamw-torch", "sgd"],
         help="adamw: fused on CUDA, occult's kernel for occult's variants and torch's for transformers' own; "
         "adamw-torch: torch's fused AdamW for every variant; sgd: less memory",
+    )
+    p.add_argument(
+        "--loss",
+        default="occult",
+        choices=["occult", "transformers"],
+        help="train: occult: occult's cross-entropy (occult.training.loss: no float copy of the logits) for "
+        "occult's variants, transformers' ForCausalLMLoss for transformers' own; transformers: transformers' loss "
+        "for every variant (the loss out of the comparison)",
     )
     p.add_argument(
         "--dense-sync",
@@ -1081,6 +1091,16 @@ def train_optimizer(model: nn.Module, variant: str, args: argparse.Namespace, de
     return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
 
 
+def train_loss(model: nn.Module, variant: str, args: argparse.Namespace) -> str:
+    """The train phase's loss, as with the optimizer what each side's user runs: under --loss occult, occult's
+    cross-entropy for occult's variants (`hf.use_occult_loss`), transformers' own for `native` and `hf-ep`;
+    transformers' everywhere under --loss transformers. Returns its name for the result file."""
+    if args.loss == "occult" and base_variant(variant) not in ("native", "hf-ep"):
+        hf.use_occult_loss(model)
+        return "occult cross_entropy"
+    return "transformers ForCausalLMLoss"
+
+
 def build_titan(
     variant: str, args: argparse.Namespace, cfg: Any, device: torch.device, dtype: torch.dtype, placement: Any
 ) -> tt_model.TitanLM:
@@ -1227,6 +1247,8 @@ def run_phase(
     optimizer = None
     if phase == "train":
         optimizer = model.optimizer(args.optimizer, args.lr) if titan else train_optimizer(model, variant, args, device)
+        if not titan:  # (after the backward check, which compares with transformers' own loss)
+            res["loss"] = train_loss(model, variant, args)
     if is_graphed(variant) and phase == "prefill":
         step, res["graph"] = graphed_step(model, args, cfg.vocab_size, device, micro_batches(variant))
         res["graph"]["passed"] = res["graph"]["vs_eager_max_rel_err"] <= args.tol  # the replay: the eager forward

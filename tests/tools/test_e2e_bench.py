@@ -74,6 +74,7 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
         assert v["grad_check"]["tol"] == pytest.approx(0.5)
         if v["exact"]:
             assert v["grad_check"]["passed"] and v["grad_check"]["max_rel_err"] < 1e-4, (name, v["grad_check"])
+        assert v["loss"] == ("transformers ForCausalLMLoss" if name == "native" else "occult cross_entropy")
         for phase in PHASES:
             t = v["phases"][phase]
             assert 0 < t["ms_p10"] <= t["ms_median"] <= t["ms_p90"], (name, phase, t)
@@ -787,6 +788,29 @@ def test_train_optimizer_is_what_each_side_runs(monkeypatch):
         args = e2e.parse_args(["--optimizer", optimizer, "--lr", "0.5"])
         opt = e2e.train_optimizer(model, variant, args, cpu)
         assert type(opt) is kind and opt.param_groups[0]["lr"] == 0.5, (optimizer, variant)
+
+
+def test_train_loss_is_what_each_side_runs(monkeypatch):
+    """--loss occult: occult's cross-entropy for occult's variants, transformers' for its own; --loss transformers:
+    transformers' for every variant."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import e2e
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    from occult.integrations import hf
+    from occult.training.loss import causal_lm_loss
+
+    for loss, variant, ours in [
+        ("occult", "replicated/compile/stepgraph", True),
+        ("occult", "dedup@host/compile", True),
+        ("occult", "native/compile", False),
+        ("occult", "hf-ep", False),
+        ("transformers", "replicated/compile", False),
+    ]:
+        model = hf.tiny_random_model("olmoe", seed=0)
+        name = e2e.train_loss(model, variant, e2e.parse_args(["--loss", loss]))
+        assert model.loss_function is (causal_lm_loss if ours else LOSS_MAPPING["ForCausalLM"]), (loss, variant)
+        assert name == ("occult cross_entropy" if ours else "transformers ForCausalLMLoss")
 
 
 def test_comm_stats_of_a_two_batch_step_count_both_halves(monkeypatch):
