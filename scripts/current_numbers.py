@@ -227,15 +227,18 @@ def titan_dispatcher_cells(timed: dict[str, float]) -> tuple[str, ...] | None:
 
 def fastest_one_rank(doc: dict, timed: dict[str, float], phase: str) -> str:
     """transformers compiled / occult's fastest compiled one-rank variant (e.g. `/stepgraph`), named, with the
-    optimizer each side stepped where the file records it (e2e.py --optimizer adamw: occult's AdamW for occult's
-    variants since session 22); "-" without both."""
+    optimizer and loss each side took where the file records them (e2e.py --optimizer adamw: occult's AdamW for
+    occult's variants since session 22; --loss occult: occult's cross-entropy since session 43); "-" without both."""
     compiled = {v: ms for v, ms in timed.items() if v.startswith("replicated/compile")}
     if "native/compile" not in timed or not compiled:
         return "-"
     name, ms = min(compiled.items(), key=lambda kv: kv[1])
     cell = fmt_ratio(timed["native/compile"], ms, "", name)
-    optimizers = [doc["variants"][v]["phases"][phase].get("optimizer") for v in ("native/compile", name)]
-    return cell + (f", {optimizers[0]} / {optimizers[1]}" if all(optimizers) else "")
+    sides = []
+    for v in ("native/compile", name):
+        parts = [doc["variants"][v]["phases"][phase].get("optimizer"), doc["variants"][v].get("loss")]
+        sides.append(" + ".join(p for p in parts if p))
+    return cell + (f", {sides[0]} / {sides[1]}" if all(sides) else "")
 
 
 def megatron_figures(doc: dict, link: str) -> Iterator[Figure]:
@@ -453,17 +456,19 @@ def newest_figures(results: Path, provenance: dict[str, dict]) -> dict[tuple[str
 
 # NCCL variables every GPU run sets, the image sets (its version) or the link column already says: not a tuning
 NCCL_EXPECTED = {"NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_VERSION"}
+CUDA_INSTALL = {"CUDA_HOME", "CUDA_PATH", "CUDA_VERSION"}  # where the toolkit is, not how the driver runs
 
 
 def ran_under(doc: dict) -> str:
     """The settings a result file records as changed from their defaults (`env.settings`, occult/tools/run_record.py)
-    and any NCCL or CUDA driver tuning it ran under (`env.nccl`, less `NCCL_EXPECTED`; `env.cuda`), as
-    `NAME=value, ...`; "" where none (or where the file predates the record)."""
+    and any NCCL or CUDA driver tuning it ran under (`env.nccl`, less `NCCL_EXPECTED`; `env.cuda`, less
+    `CUDA_INSTALL`), as `NAME=value, ...`; "" where none (or where the file predates the record)."""
     env = doc.get("env") if isinstance(doc.get("env"), dict) else {}
     changed = dict(env.get("settings")) if isinstance(env.get("settings"), dict) else {}
     nccl = env.get("nccl") if isinstance(env.get("nccl"), dict) else {}
     changed.update({name: value for name, value in nccl.items() if name not in NCCL_EXPECTED})
-    changed.update(env.get("cuda") if isinstance(env.get("cuda"), dict) else {})
+    cuda = env.get("cuda") if isinstance(env.get("cuda"), dict) else {}
+    changed.update({name: value for name, value in cuda.items() if name not in CUDA_INSTALL})
     return ", ".join(f"{name}={value}" for name, value in sorted(changed.items()))
 
 

@@ -98,13 +98,11 @@ def nccl_environment() -> dict[str, str]:
 
 
 def cuda_environment() -> dict[str, str]:
-    """Every CUDA_* environment variable of this process but CUDA_VISIBLE_DEVICES, by name (sorted): the driver's
-    own tuning (e.g. CUDA_SCALE_LAUNCH_QUEUES, CUDA_DEVICE_MAX_CONNECTIONS)."""
-    return {
-        name: value
-        for name, value in sorted(os.environ.items())
-        if name.startswith("CUDA_") and name != "CUDA_VISIBLE_DEVICES"
-    }
+    """Every CUDA_* environment variable of this process but CUDA_VISIBLE_DEVICES and where the toolkit is installed
+    (CUDA_HOME, CUDA_PATH, CUDA_VERSION), by name (sorted): the driver's own tuning (e.g. CUDA_SCALE_LAUNCH_QUEUES,
+    CUDA_DEVICE_MAX_CONNECTIONS)."""
+    skip = {"CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "CUDA_VERSION"}
+    return {name: value for name, value in sorted(os.environ.items()) if name.startswith("CUDA_") and name not in skip}
 
 
 def run_record(world: int, on_gpu: bool, root: Path = REPO_ROOT) -> dict[str, str | bool | dict[str, str] | None]:

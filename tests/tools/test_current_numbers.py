@@ -289,7 +289,7 @@ def test_a_file_run_under_changed_settings_says_so_beside_its_source(tmp_path: P
     doc = e2e(2, {"replicated": 10.0, "dedup": 11.0})
     doc["env"]["settings"] = {"OCCULT_GEMM1": "triton", "OCCULT_AGREEMENT": "step"}
     doc["env"]["nccl"] = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1", "NCCL_BUFFSIZE": "16777216"}
-    doc["env"]["cuda"] = {"CUDA_SCALE_LAUNCH_QUEUES": "4x"}
+    doc["env"]["cuda"] = {"CUDA_SCALE_LAUNCH_QUEUES": "4x", "CUDA_VERSION": "13.0.2"}  # (the toolkit's: not said)
     plain = e2e(2, {"replicated": 10.0, "dedup": 11.0})
     plain["config"]["model"], plain["env"]["settings"] = "qwen3", {}
     plain["env"]["nccl"] = {"NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1", "NCCL_VERSION": "2.28.3-1"}  # no tuning
@@ -363,6 +363,17 @@ def test_a_one_gpu_job_of_transformers_compiled_and_a_recorded_step_gives_the_fa
     native = [r for r in rows if "| prefill | " in r and "stepgraph" in r]
     assert len(native) == 1 and "new.json" in native[0], rows
     assert "| prefill | - | - | - | 1.18x (45.00 / replicated/compile/stepgraph 38.00)" in native[0], native[0]
+    # what each side's user ran, where the job records it (e2e.py --optimizer adamw, --loss occult)
+    new["variants"]["native/compile"]["phases"]["prefill"]["optimizer"] = "torch AdamW"
+    new["variants"]["native/compile"]["loss"] = "transformers ForCausalLMLoss"
+    new["variants"]["replicated/compile/stepgraph"]["phases"]["prefill"]["optimizer"] = "occult AdamW"
+    new["variants"]["replicated/compile/stepgraph"]["loss"] = "occult cross_entropy"
+    write(tmp_path, {"old.json": old, "new.json": new}, entries)
+    page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
+    assert (
+        "(45.00 / replicated/compile/stepgraph 38.00), torch AdamW + transformers ForCausalLMLoss / "
+        "occult AdamW + occult cross_entropy |" in page
+    )
 
 
 def test_training_runs_that_record_their_model_are_a_question_of_their_own(tmp_path: Path) -> None:

@@ -91,6 +91,7 @@ def test_the_record_has_every_field_and_a_utc_date(clean_env: pytest.MonkeyPatch
     clean_env.setenv("NCCL_BUFFSIZE", "16777216")
     clean_env.setenv("CUDA_SCALE_LAUNCH_QUEUES", "4x")
     clean_env.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # which GPUs, not how they run: left out
+    clean_env.setenv("CUDA_HOME", "/usr/local/cuda")  # where the toolkit is: left out too
     record = run_record.run_record(2, on_gpu=True, root=tmp_path)
     assert set(record) == {"commit", "dirty", "date", "link", "settings", "nccl", "cuda"}
     assert record["nccl"] == {"NCCL_BUFFSIZE": "16777216"}  # NCCL's own tuning, recorded as the process had it
