@@ -110,8 +110,9 @@ def profile_steps(step, steps: int, trace_path: str | None = None) -> dict:
     }
 
 
-def phase_step(model, phase: str, args, device, variant: str = "occult"):
-    """One step of `phase` as benchmarks/e2e.py times it for `variant`: a `/graph`, `/twobatch` or `/interleaveK`
+def phase_step(model, phase: str, args, eargs, device, variant: str = "occult"):
+    """One step of `phase` as benchmarks/e2e.py times it for `variant` (a train step with the optimizer and loss
+    e2e.py gives that variant: `e2e.train_optimizer`, `e2e.train_loss`): a `/graph`, `/twobatch` or `/interleaveK`
     prefill replayed from its CUDA graph (`hf.GraphedForward`, K interleaved micro-batches for `/interleaveK`), other
     steps eager."""
     gen = torch.Generator().manual_seed(1)
@@ -120,7 +121,10 @@ def phase_step(model, phase: str, args, device, variant: str = "occult"):
         graphed, _ = e2e.graphed_step(model, args, vocab, device, e2e.micro_batches(variant))
         return lambda: graphed(e2e.random_ids(args.batch, args.seq, vocab, device, gen))
     if phase in ("prefill", "train"):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True) if phase == "train" else None
+        optimizer = None
+        if phase == "train":
+            optimizer = e2e.train_optimizer(model, variant, eargs, device)
+            e2e.train_loss(model, variant, eargs)
         captured = phase == "train" and e2e.step_graph(variant)
         halves = e2e.micro_batches(variant) if captured else 1  # `/stepgraph/twobatch`: the step's two halves
         accumulate = args.accumulate if phase == "train" else 1  # (a `/1f1b` variant pairs them)
@@ -192,7 +196,7 @@ def profile_variant(
         if titan:
             step = titan_step(model, phase, args, eargs, cfg.vocab_size, device, variant)
         else:
-            step = phase_step(model, phase, args, device, variant)
+            step = phase_step(model, phase, args, eargs, device, variant)
         results[f"{variant}/{phase}"] = r = profile_steps(step, args.steps, trace)
         if titan and e2e.step_graph(variant):
             tt_model.release_recordings()  # (TorchTitan keeps a recording, and its memory, until its teardown)
