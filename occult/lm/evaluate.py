@@ -12,11 +12,11 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 
 from occult.lm.data import eval_batches
 from occult.lm.model import OccultLM
 from occult.moe.pruning import devices_per_token
+from occult.training.loss import cross_entropy
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -88,9 +88,8 @@ def evaluate(
                 x, y = x.to(device), y.to(device)
                 if split:  # a rank may have no rows: sum the losses, never average an empty batch
                     logits = model(x).logits
-                    total += F.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"
-                    ).double()
+                    sum_1 = cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), num_items=1)
+                    total += sum_1.double()
                 else:
                     out = model(x, y, return_logits=False)
                     total += out.loss.double() * y.numel()
