@@ -275,6 +275,20 @@ class Stopwatch:
         return (b - a) * 1e3
 
 
+def cuda_ms(fn: Callable[[], Any], iters: int) -> list[float]:
+    """`iters` CUDA-event times of fn() on the current stream, each after a synchronise (one GPU, no barrier)."""
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
 def time_steps(
     step: Callable[[Any], Any], inputs: Callable[[], Any], warmup: int, iters: int, device: torch.device
 ) -> list[float]:

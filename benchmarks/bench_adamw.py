@@ -19,26 +19,12 @@ import time
 
 import e2e  # benchmarks/e2e.py: the model
 import torch
-from _timing import write_json
+from _timing import cuda_ms, write_json
 
 from occult.tools.run_record import run_record
 from occult.training.optim import AdamW
 
 HYPER = {"lr": 1e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
-
-
-def cuda_ms(fn, iters: int) -> list[float]:
-    """`iters` CUDA-event times of fn(), each after a synchronise."""
-    out = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
 
 
 def host_ms(fn, iters: int) -> float:

@@ -16,25 +16,11 @@ import argparse
 import statistics
 
 import torch
-from _timing import write_json
+from _timing import cuda_ms, write_json
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from occult.tools.run_record import run_record
 from occult.training.loss import causal_lm_loss
-
-
-def cuda_ms(fn, iters: int) -> list[float]:
-    """`iters` CUDA-event times of fn(), each after a synchronise."""
-    out = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
 
 
 def loss_step(loss_fn, logits_BSV: torch.Tensor, labels_BS: torch.Tensor):

@@ -142,7 +142,7 @@ class FlatDispatcher(Dispatcher):
         )
         handle.stats.dispatch_rows = plan.num_rows
         if bound is not None:  # (after the exchange: what every rank's block header says)
-            self.queue_bounded_status(plan, slots_RK, bound, schedule)
+            self.queue_bounded_status(plan, slots_RK, x_TH.shape[0], bound, schedule)
         return Received(x_RH, slots_RK, gates_RK), handle
 
     def combine(self, y: Any, handle: Handle) -> torch.Tensor:
@@ -187,11 +187,12 @@ class FlatDispatcher(Dispatcher):
         maps = (expert_map.device_E, expert_map.slot_E)
         return bounded_dedup_plan(ids_TK, maps, self.num_ranks, self.rank, bound)[0]
 
-    def queue_bounded_status(self, plan: DispatchPlan, slots_RK: torch.Tensor, bound: int, schedule: Schedule) -> None:
+    def queue_bounded_status(
+        self, plan: DispatchPlan, slots_RK: torch.Tensor, num_tokens: int, bound: int, schedule: Schedule
+    ) -> None:
         """Queue `bounded_status` of a bounded call's exchange (read by `check_routing()`, or after a replay of a
         captured forward or step, as a `RoutingError`): the same on every rank, after the same call."""
-        num_tokens = plan.token_P.shape[0] - (self.num_ranks - 1) * (bound + 1)
-        status_D = bounded_status(plan.slot_PK, slots_RK, num_tokens, self.rank, bound)
+        status_D = bounded_status(plan.slot_PK, slots_RK, num_tokens, self.num_ranks, self.rank, bound)
         pending.queue_later(status_D, schedule.status_sink_1)
 
     def uses_device_transport(self, schedule: Schedule) -> bool:
@@ -207,12 +208,11 @@ class FlatDispatcher(Dispatcher):
 
 
 def bounded_status(
-    slot_PK: torch.Tensor, slots_RK: torch.Tensor, num_tokens: int, rank: int, remote_rows: int
+    slot_PK: torch.Tensor, slots_RK: torch.Tensor, num_tokens: int, num_devices: int, rank: int, remote_rows: int
 ) -> torch.Tensor:
     """[D] `STATUS_OVER_CAPACITY` for each rank that dropped copies in a bounded call, else 0: this rank by the
     header rows it sent (`slot_PK`), every other rank by the header row of its block received here (`slots_RK`).
     Blocks to and from each rank have the same sizes (`bounded_splits`), so one set of header rows serves both."""
-    num_devices = (slot_PK.shape[0] - num_tokens) // (remote_rows + 1) + 1
     ranks_D = torch.arange(num_devices, device=slot_PK.device)
     mine_D = ranks_D == rank
     header_D = torch.where(mine_D, 0, header_rows(num_tokens, num_devices, rank, remote_rows, slot_PK.device))
