@@ -198,7 +198,8 @@ from occult.tools.bench import variant_sync_free, variant_transport  # noqa: E40
 from occult.training.accumulation import accumulate_backward  # noqa: E402
 from occult.training.bucketed_sync import BucketedSync  # noqa: E402
 from occult.training.optim import adamw  # noqa: E402
-from occult.training.step_graph import CudaRecorder, StepGraph, model_signature  # noqa: E402
+from occult.training.signature import ModelSignature  # noqa: E402
+from occult.training.step_graph import CudaRecorder, StepGraph  # noqa: E402
 from occult.training.two_batch import interleaved_backward  # noqa: E402
 
 VARIANTS = ("native", "replicated", "standard", "dedup", "dedup+placement", "pruned2", "pruned1")
@@ -910,7 +911,7 @@ def make_step(
     if not captured:
         return train
     device = next(model.parameters()).device
-    graph = StepGraph(optimizer, lambda: model_signature(model), CudaRecorder(device), capture_scope=masks_as_eager)
+    graph = StepGraph(optimizer, ModelSignature(model), CudaRecorder(device), capture_scope=masks_as_eager)
     return lambda ids_BS: graph.run(train, ids_BS)
 
 

@@ -80,8 +80,15 @@ def _adamw_kernel(
 def min_numel() -> int:
     """The smallest tensor worth a launch of its own: below it a launch costs the host more (tens of
     microseconds) than the update takes on the GPU, and torch's multi-tensor kernel (one launch for all of them)
-    is the better path (`occult.training.optim.AdamW` sends them there). Every tensor under the interpreter."""
-    return 0 if _config.interpreting() else 1 << 24
+    is the better path (`occult.training.optim.AdamW` sends them there). In a CUDA graph being recorded (a captured
+    step) a replay launches nothing on the host, so there tensors down to `RECORDED_MIN_NUMEL` take the faster
+    stream too, until a graph node's own gap outweighs what it saves. Every tensor under the interpreter."""
+    if _config.interpreting():
+        return 0
+    return RECORDED_MIN_NUMEL if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() else 1 << 24
+
+
+RECORDED_MIN_NUMEL = 1 << 21  # (an attention projection of OLMoE is twice this: docs/training.md, "The optimizer step")
 
 
 def _ln(beta: float) -> float:
@@ -160,4 +167,4 @@ def adamw_update_(
         )
 
 
-__all__ = ["DTYPES", "min_numel", "takes", "adamw_update_"]
+__all__ = ["DTYPES", "RECORDED_MIN_NUMEL", "min_numel", "takes", "adamw_update_"]

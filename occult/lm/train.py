@@ -105,7 +105,7 @@ from occult.moe.step import agreed_step
 from occult.placement import Placement
 from occult.training.bucketed_sync import BucketedSync
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop, to_device
-from occult.training.step_graph import model_signature
+from occult.training.signature import ModelSignature
 from occult.training.step_profile import StepProfile
 
 
@@ -169,7 +169,7 @@ def _step_parts(run: TrainRun) -> StepParts:
         lr=run.schedule,
         mean=lambda t: global_mean(t, par),
         scope=lambda xy: agreed_step(model, xy[0].numel()),  # every MoE call of the step sees these tokens
-        signature=lambda: model_signature(model),
+        signature=ModelSignature(model),
         close=bucketed.close if bucketed is not None else lambda: None,
         unsynced=_unsynced(model, ddp, bucketed),
     )

@@ -21,7 +21,7 @@ How a run goes (`StepGraph.run`):
   (NaN gates, ids out of range), combined into one inside the graph, are queued after each replay and
   read a step late without waiting,
   so bad routing raises `RoutingError` as from eager layers, every pending one at the end;
-- a step whose model no longer matches the recording (`model_signature`: a parameter or buffer
+- a step whose model no longer matches the recording (`occult.training.signature`: a parameter or buffer
   replaced, a plain setting switched, a device transport's buffers grown) is recorded again.
 
 On several ranks every rank records at the same step: the warm-up count is the same everywhere, and what changes
@@ -53,10 +53,11 @@ import torch.nn as nn
 from occult import settings
 from occult.moe import status as pending
 from occult.moe.capture_stream import capture_stream
-from occult.moe.graphs import has_hooks, settings_key, submodules, tensors_key
+from occult.moe.graphs import has_hooks
 from occult.moe.layer import OccultMoE
 from occult.teardown import hold_collectives
 from occult.training.optim import fusable
+from occult.training.signature import transport_generation
 
 WARMUP_STEPS = 3  # eager steps of a process before its step is recorded
 
@@ -96,23 +97,6 @@ def fsdp_state_hook(module: nn.Module, hook: Callable) -> bool:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     return isinstance(module, FSDPModule) and getattr(hook, "__self__", None) is fully_shard.state(module)
-
-
-def model_signature(model: nn.Module) -> tuple:
-    """What a recorded step depends on besides its inputs: the tensors `model` holds (addresses), its
-    modules' plain settings (a router's device limit, train/eval) and its device transports' buffer
-    generations."""
-    modules = submodules(model)
-    generations = tuple(transport_generation(m) for m in modules if isinstance(m, OccultMoE))
-    return tensors_key(model), settings_key(*modules), generations
-
-
-def transport_generation(layer: OccultMoE) -> int | None:
-    """The layer's device transport's buffer generation (it grows when a call needs larger buffers: a recording
-    made before then reads freed ones), None where the layer exchanges through no such buffers."""
-    if layer.num_ranks == 1 or layer.sync_free:
-        return None
-    return getattr(layer.dispatcher.transport, "generation", None)
 
 
 def make_capturable(optimizer: torch.optim.Optimizer) -> None:
@@ -319,8 +303,6 @@ def _rebuilt(batch: Any, leaves: tuple[torch.Tensor, ...]) -> Any:
 __all__ = [
     "WARMUP_STEPS",
     "check_capturable",
-    "model_signature",
-    "transport_generation",
     "make_capturable",
     "set_lr",
     "Recorder",

@@ -20,6 +20,7 @@ from occult.lm.train import DivergedError, finetune, train
 from occult.moe.counts import RoutingError
 from occult.training import step_graph
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop
+from occult.training.signature import ModelSignature
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -109,7 +110,7 @@ def test_bad_routing_in_a_replayed_step_raises(tmp_path):
         clip=lambda m: None,
         lr=lambda s: 1e-3,
         mean=lambda t: t,
-        signature=lambda: step_graph.model_signature(model),
+        signature=ModelSignature(model),
     )
     loop = TrainLoop(parts, opt, LoopSettings(20, 0.0, 8 * 128, progress=False, captured_step=True), [Poison()])
     model.train()

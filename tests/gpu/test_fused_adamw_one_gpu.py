@@ -151,3 +151,46 @@ def test_a_captured_kernel_step_replays_the_eager_steps():
     for a, b in zip(graphed, eager):
         assert torch.equal(a, b)
     assert opts[0].state[graphed[0]]["step"].item() == opts[1].state[eager[0]]["step"].item() == 4
+
+
+def test_a_recorded_step_takes_occult_kernel_down_to_the_recorded_size(monkeypatch):
+    """In a CUDA graph being recorded a tensor of `RECORDED_MIN_NUMEL` elements steps through occult's kernel (an
+    eager step sends it to torch's), and the replayed updates are torch's fused AdamW's to a unit in the last place
+    a step; a smaller one stays on torch's kernel."""
+    from occult.kernels import adamw as kernel
+    from occult.training.step_graph import make_capturable
+
+    calls = []
+    real = kernel.adamw_update_
+    monkeypatch.setattr(kernel, "adamw_update_", lambda *a, **k: (calls.extend(a[0]), real(*a, **k))[1])
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    shapes = [(kernel.RECORDED_MIN_NUMEL // 512, 512), (kernel.RECORDED_MIN_NUMEL // 512 - 1, 512)]
+    start = [torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16) for s in shapes]
+    graphed, ref = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    hyper = {"lr": 0.05, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    opt, ref_opt = adamw([{"params": graphed}], **hyper), torch.optim.AdamW(ref, fused=True, **hyper)
+    make_capturable(opt)
+    grads = [[torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16) for s in shapes] for _ in range(4)]
+    for p, q, g in zip(graphed, ref, grads[0]):
+        p.grad, q.grad = g.clone(), g.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt.step()  # eager: both tensors on torch's kernel
+    torch.cuda.current_stream().wait_stream(side)
+    ref_opt.step()
+    assert calls == []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    assert len(calls) == 1 and calls[0] is graphed[0]
+    for step_grads in grads[1:]:
+        for p, q, g in zip(graphed, ref, step_grads):
+            p.grad.copy_(g)
+            q.grad = g.clone()
+        graph.replay()
+        ref_opt.step()
+    torch.cuda.synchronize()
+    unit = 2**-8
+    for a, b in zip(graphed, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=4 * unit, atol=4 * hyper["lr"] * unit)

@@ -82,20 +82,25 @@ def _signatures_around_an_evaluation(par, data) -> tuple:
     and the last block's weights gathered then), and after `reshard`: a step recorded before the evaluation must
     match after it, or it is recorded again (and would have read the gathered weights the evaluation made)."""
     from occult.lm.fsdp import reshard
-    from occult.training.step_graph import model_signature
+    from occult.training.signature import ModelSignature, model_signature
 
     torch.manual_seed(0)
     model = wrap_fsdp(shard_model(full_model(config(data), par), par, Placement.from_lists(PLACEMENT, 2)), par)
     x, y = train_batch(data.train, 4, 32, 0, 0, par.rank, par.world_size)
     model(x, y, return_logits=False).loss.backward()
+    cached = ModelSignature(model)  # the cached signature must say what the full one says at every point
     trained = model_signature(model)
+    assert cached() == trained
     model.eval()
     with torch.no_grad():
         model(x, y, return_logits=False)
     model.train()
     evaluated = model_signature(model)
+    assert cached() == evaluated
     reshard(model)
-    return trained == evaluated, trained == model_signature(model)
+    resharded = model_signature(model)
+    assert cached() == resharded
+    return trained == evaluated, trained == resharded
 
 
 def _gathered_after_forward(par, data, reshard_after_forward: bool, units: str = "block") -> list[bool]:

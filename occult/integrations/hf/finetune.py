@@ -64,7 +64,7 @@ from occult.training.loss import cross_entropy
 from occult.training.optim import adamw
 from occult.training.parallel import Parallel, global_mean, setup_parallel
 from occult.training.schedule import CosineSchedule
-from occult.training.step_graph import model_signature
+from occult.training.signature import ModelSignature
 from occult.training.step_profile import StepProfile
 
 Groups = Parallel  # the world of a fine-tuning run: `setup_groups`
@@ -198,7 +198,7 @@ def _step_parts(
         lr=schedule,
         mean=lambda t: global_mean(t, groups),
         scope=lambda win: agreed_step(model, win[:, :-1].numel()),  # every MoE call of the step sees these tokens
-        signature=lambda: model_signature(model),
+        signature=ModelSignature(model),
         capture_scope=masks_as_eager,  # warm-ups and recording build no causal mask, as eager
         unsynced=net.no_sync if net is not model else contextlib.nullcontext,  # (accumulated micro-batches)
     )
