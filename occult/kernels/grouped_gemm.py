@@ -334,7 +334,7 @@ def gemm_scatter(
         kd = k1 + b2_EKN.shape[1]
     bound = pair_P.numel()
     name = config_name or ("gemm2_atomic" if atomic else "gemm2")
-    if name in ("gemm2", "dgrad2") and bound and use_tma(a_PK) and (fit := tma_layout(a_PK, b_EKN, b2_EKN)):
+    if name in ("gemm2", "dgrad2") and bound and use_tma(a_PK) and (fit := tma_layout(a_PK, b_EKN, b2_EKN, out)):
         cfg = _config.get(f"{name}_tma", a_PK.dtype)
         tiles = max_tiles(bound, num_experts, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         programs = num_programs(a_PK.device, tiles, cfg.ctas_per_sm)

@@ -5,7 +5,7 @@ and loads with `cp.async`; here the copy engine moves each `[BLOCK_M, BLOCK_K]` 
 and each block of the expert's weight by descriptor, which frees the registers and issue slots the addresses
 took. It serves the layouts the expert MLP has: pair rows `a` `[P, KD]` with rows `KD` apart, and a weight that
 is one 2-D tensor expert after expert, either `[E, N, KD]` (K contiguous: `down` read as `down^T`, the forward's
-GEMM 2) or `[E, KD, N]` (N contiguous: `gate_up`, the dgrad of GEMM 1, whose gate and up halves are one tensor).
+GEMM 2) or `[E, KD, N]` (N contiguous: the joined `gate_up`, the dgrad of GEMM 1).
 `layout` says whether (and how) a call fits; `gemm_scatter` falls back to the pointer kernel otherwise.
 
 Blocks past an expert's rows (the tile's last rows, the weight's rows past the expert's K or N) read neighbours'
@@ -93,21 +93,22 @@ def use_tma(t: torch.Tensor) -> bool:
 _CAPABILITY: dict[int, int] = {}
 
 
-def layout(a_PK: torch.Tensor, b_EKN: torch.Tensor, b2_EKN: torch.Tensor | None) -> tuple[torch.Tensor, bool] | None:
+def layout(
+    a_PK: torch.Tensor, b_EKN: torch.Tensor, b2_EKN: torch.Tensor | None, out: torch.Tensor
+) -> tuple[torch.Tensor, bool] | None:
     """(the weight as one 2-D tensor, whether it is K-major) where the TMA kernel takes these operands, else None:
-    2-byte floats, `a` rows of KD contiguous elements, the weight (its two parts one after the other, where there
-    are two) one contiguous tensor `[E, N, KD]` or `[E, KD, N]`, every row 16-byte aligned."""
-    num_experts, k1, n = b_EKN.shape
-    kd = k1 if b2_EKN is None else k1 + b2_EKN.shape[1]
-    if a_PK.dtype not in (torch.bfloat16, torch.float16) or b_EKN.dtype != a_PK.dtype:
+    2-byte floats (`out` too: a wider one would not fit the kernel's staging in shared memory), `a` rows of KD
+    contiguous elements, the weight one contiguous tensor `[E, N, KD]` or `[E, KD, N]` (not gate and up kept apart:
+    a joined weight comes as one), every operand 16-byte aligned where its storage starts (torch's allocations
+    are). Shapes, strides and offsets only, so torch.compile traces it."""
+    if b2_EKN is not None:
         return None
-    if a_PK.shape[1] != kd or a_PK.stride() != (kd, 1) or kd % 8 or n % 8 or a_PK.data_ptr() % 16:
+    num_experts, kd, n = b_EKN.shape
+    if a_PK.dtype not in (torch.bfloat16, torch.float16) or b_EKN.dtype != a_PK.dtype or out.dtype != a_PK.dtype:
         return None
-    if b2_EKN is not None:  # the halves of one [E, KD, N] tensor
-        if b_EKN.stride() != (kd * n, n, 1) or b2_EKN.data_ptr() != b_EKN.data_ptr() + k1 * n * b_EKN.element_size():
-            return None
-    base = b_EKN.data_ptr()
-    if base % 16:
+    if a_PK.shape[1] != kd or a_PK.stride() != (kd, 1) or out.stride(1) != 1 or kd % 8 or n % 8:
+        return None
+    if any(t.storage_offset() * t.element_size() % 16 for t in (a_PK, b_EKN)):
         return None
     if b_EKN.stride() == (n * kd, 1, kd):  # [E, N, KD] storage read transposed
         return torch.as_strided(b_EKN, (num_experts * n, kd), (kd, 1)), True

@@ -74,7 +74,6 @@ def test_the_tma_kernel_equals_the_pointer_kernel_bit_for_bit(monkeypatch, shape
 
 @needs_in_process
 def test_a_tile_past_the_last_pair_and_an_expert_without_rows(monkeypatch):
-    monkeypatch.setenv("OCCULT_TMA", "on")
     E, H, F, K = 4, 32, 32, 2
     slots = torch.tensor([[0, 3], [3, -1], [0, 0], [3, 2]], device=DEVICE)  # expert 1 has none, expert 0 a repeat
     pair, offsets = build_pairs(slots, E)
@@ -83,24 +82,33 @@ def test_a_tile_past_the_last_pair_and_an_expert_without_rows(monkeypatch):
     out = {}
     for mode in ("off", "on"):
         monkeypatch.setenv("OCCULT_TMA", mode)
-        out[mode] = gemm_scatter(a, pair, offsets, down.transpose(1, 2), K, torch.zeros(slots.numel(), H, device=DEVICE))
+        taken = _calls(monkeypatch)
+        blank = torch.zeros(slots.numel(), H, device=DEVICE, dtype=torch.bfloat16)
+        out[mode] = gemm_scatter(a, pair, offsets, down.transpose(1, 2), K, blank)
+        assert len(taken) == (mode == "on")
     assert torch.equal(out["on"], out["off"])
     assert out["on"][3].abs().sum() == 0  # the padding slot's row is never written
+    placed = pair[: int(offsets[-1])].long()  # row i of `a` is sorted pair i, stored at its flat index
+    want = torch.einsum("pf,phf->ph", a[: len(placed)].float(), down[slots.reshape(-1)[placed]].float())
+    assert torch.allclose(out["on"][placed].float(), want, rtol=1e-2, atol=1e-2)
 
 
 def test_layouts_the_kernel_takes_and_those_it_does_not():
     E, F, H, P = 3, 16, 24, 10
     gate_up = torch.randn(E, 2 * F, H).bfloat16()
     down = torch.randn(E, H, F).bfloat16()
-    rows = torch.randn(P, 2 * F).bfloat16()
-    b2d, k_major = layout(rows, gate_up[:, :F], gate_up[:, F:])  # the dgrad of GEMM 1: gate and up halves of one
+    rows, rows_f = torch.randn(P, 2 * F).bfloat16(), torch.randn(P, F).bfloat16()
+    out = torch.empty(P, H).bfloat16()
+    b2d, k_major = layout(rows, gate_up, None, out)  # the dgrad of GEMM 1: the joined weight
     assert not k_major and b2d.shape == (E * 2 * F, H) and b2d.data_ptr() == gate_up.data_ptr()
-    b2d, k_major = layout(rows[:, :F].contiguous(), down.transpose(1, 2), None)  # GEMM 2: down read transposed
+    b2d, k_major = layout(rows_f, down.transpose(1, 2), None, out)  # GEMM 2: down read transposed
     assert k_major and b2d.shape == (E * H, F)
-    assert layout(rows[:, :F].contiguous(), down.transpose(1, 2).contiguous(), None)[1] is False  # [E, F, H] stored
-    assert layout(rows, gate_up[:, :F].clone(), gate_up[:, F:].clone()) is None  # gate and up kept apart
-    assert layout(rows[:, :F], down.transpose(1, 2), None) is None  # rows 2F apart, not F
-    assert layout(rows.float(), gate_up[:, :F].float(), gate_up[:, F:].float()) is None  # fp32
+    assert layout(rows_f, down.transpose(1, 2).contiguous(), None, out)[1] is False  # [E, F, H] stored
+    assert layout(rows, gate_up[:, :F], gate_up[:, F:], out) is None  # gate and up as two tensors
+    assert layout(rows[:, :F], down.transpose(1, 2), None, out) is None  # rows 2F apart, not F
+    assert layout(rows_f, down.transpose(1, 2), None, out.float()) is None  # an fp32 output
+    assert layout(rows.float(), gate_up.float(), None, out.float()) is None  # fp32 operands
+    assert layout(torch.randn(P * F + 1).bfloat16()[1:].view(P, F), down.transpose(1, 2), None, out) is None  # 2 B off
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="ran in this process")
