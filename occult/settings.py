@@ -4,7 +4,7 @@ Code asks `current()` (`current().dgrad1`, ...), never `os.environ`; a value tha
 allowed raises `SettingsError` naming the variable, the bad value and the allowed ones.
 docs/settings.md lists each variable, its default and its effect.
 
-`current()` re-parses only when one of the variables changed (it compares the raw values: fifteen
+`current()` re-parses only when one of the variables changed (it compares the raw values: fourteen
 dictionary reads, well under a microsecond), so a test that sets one (`monkeypatch.setenv`) is seen at the next call
 and hot paths (every expert-MLP call reads it) pay no parsing. `reload()` drops the cache.
 This module imports neither torch nor Triton: Triton reads `TRITON_INTERPRET` itself on import,
@@ -25,7 +25,6 @@ PLAN_BACKENDS = ("auto", "torch", "triton")
 RANK_STARTS = ("spawn", "forkserver")
 AGREEMENTS = ("call", "step")
 KERNEL_GRIDS = ("persistent", "tiles")
-TMA_MODES = ("auto", "off", "on")
 _TRUE = ("1", "true", "yes", "on", "y")
 _FALSE = ("", "0", "false", "no", "off", "n")
 
@@ -57,7 +56,6 @@ class Settings:
     commit: str | None = None  # OCCULT_COMMIT: the commit result files record (`HASH` or `HASH-dirty`; None: ask git)
     defer_wgrad: bool = False  # OCCULT_DEFER_WGRAD: experts' weight gradients on a side stream, under the all-to-all
     kernel_grid: str = "persistent"  # OCCULT_KERNEL_GRID: the expert GEMMs' programs, one per SM or one per tile
-    tma: str = "auto"  # OCCULT_TMA: GEMM 2 and the GEMM-1 dgrad read through TMA descriptors ("auto": on Hopper)
 
     @classmethod
     def from_env(cls, env: dict[str, str | None]) -> Settings:
@@ -77,7 +75,6 @@ class Settings:
             commit=(env.get("OCCULT_COMMIT") or "").strip() or None,
             defer_wgrad=_flag(env, "OCCULT_DEFER_WGRAD"),
             kernel_grid=_choice(env, "OCCULT_KERNEL_GRID", KERNEL_GRIDS),
-            tma=_choice(env, "OCCULT_TMA", TMA_MODES),
         )
 
 
@@ -97,7 +94,6 @@ VARIABLES: dict[str, str] = {
     "OCCULT_COMMIT": "commit",
     "OCCULT_DEFER_WGRAD": "defer_wgrad",
     "OCCULT_KERNEL_GRID": "kernel_grid",
-    "OCCULT_TMA": "tma",
 }
 
 

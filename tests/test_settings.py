@@ -55,7 +55,6 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "OCCULT_COMMIT": " abc1234-dirty ",
         "OCCULT_DEFER_WGRAD": "yes",
         "OCCULT_KERNEL_GRID": "Tiles",
-        "OCCULT_TMA": "Off",
     }
     assert set(values) == set(settings.VARIABLES)
     for name, value in values.items():
@@ -75,7 +74,6 @@ def test_every_variable_sets_its_field(clean_env, tmp_path):
         "abc1234-dirty",
         True,
         "tiles",
-        "off",
     )
     assert {f.name for f in dataclasses.fields(Settings)} == set(settings.VARIABLES.values())
 

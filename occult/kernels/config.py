@@ -43,10 +43,6 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     "dgrad1": TileConfig(128, 128, 64, 8, 8, 4, split=2),
     # backward: dx pairs = d[a;b] @ gate_up[e] (same kernel as gemm2)
     "dgrad2": TileConfig(128, 256, 64, 8, 8, 4, flatten=True),
-    # gemm2 and dgrad2 with their operands read by TMA descriptors (kernels.grouped_gemm_tma; docs/kernels.md,
-    # "TMA operands")
-    "gemm2_tma": TileConfig(128, 256, 64, 8, 8, 3, flatten=True),
-    "dgrad2_tma": TileConfig(128, 256, 64, 8, 8, 3, flatten=True),
     # backward: per-expert weight gradients, reduction over the expert's pairs (the Triton path;
     # on Hopper in bf16 they go through torch._grouped_mm, see kernels.grouped_mm). 3 stages:
     # two programs per SM, faster than 4 stages with one (docs/kernels.md, "Backward on one H100")
@@ -76,8 +72,6 @@ INTERPRET_DEFAULTS: dict[str, TileConfig] = {
     "gemm2_atomic": TileConfig(16, 16, 16, 2, 4, 1),
     "dgrad1": TileConfig(16, 16, 16, 2, 4, 1, split=2),
     "dgrad2": TileConfig(16, 32, 16, 2, 4, 1),
-    "gemm2_tma": TileConfig(16, 32, 16, 2, 4, 1),
-    "dgrad2_tma": TileConfig(16, 32, 16, 2, 4, 1),
     "wgrad": TileConfig(16, 32, 16, 1, 4, 1),
     "gather": TileConfig(4, 32, 1, 1, 4, 1),
     "swiglu_rows": TileConfig(4, 32, 1, 1, 4, 1),

@@ -20,9 +20,6 @@ programs). Beside other streams' kernels (an overlapped schedule: NCCL's, anothe
 program that finds its SM busy starts late with its whole share of the tiles, and the kernel ends with it;
 `OCCULT_KERNEL_GRID=tiles` launches one program per tile of the bound instead (those past the device's count
 exit at once), so the GPU's scheduler hands tiles to whichever SM frees (`num_programs`; docs/overlap.md).
-
-On Hopper `gemm_scatter`'s stored (not atomic) products read their operands through TMA descriptors where the
-layouts allow (`occult.kernels.grouped_gemm_tma`: the same tiles and sums, bit for bit, faster).
 """
 
 from __future__ import annotations
@@ -33,8 +30,6 @@ import triton.language as tl
 
 from occult import settings
 from occult.kernels import config as _config
-from occult.kernels.grouped_gemm_tma import gemm_scatter_tma, use_tma
-from occult.kernels.grouped_gemm_tma import layout as tma_layout
 from occult.kernels.pairs import e_pow2, grouped_pid, max_tiles, tile_lookup, tile_schedule
 
 
@@ -333,13 +328,7 @@ def gemm_scatter(
             )
         kd = k1 + b2_EKN.shape[1]
     bound = pair_P.numel()
-    name = config_name or ("gemm2_atomic" if atomic else "gemm2")
-    if name in ("gemm2", "dgrad2") and bound and use_tma(a_PK) and (fit := tma_layout(a_PK, b_EKN, b2_EKN, out)):
-        cfg = _config.get(f"{name}_tma", a_PK.dtype)
-        tiles = max_tiles(bound, num_experts, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        programs = num_programs(a_PK.device, tiles, cfg.ctas_per_sm)
-        return gemm_scatter_tma(a_PK, *fit, pair_P, offsets_E1, num_experts, n, out, cfg, programs, e_pow2(num_experts))
-    cfg = _config.get(name, a_PK.dtype)
+    cfg = _config.get(config_name or ("gemm2_atomic" if atomic else "gemm2"), a_PK.dtype)
     tiles = max_tiles(bound, num_experts, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     upcast, prec = dot_flags(a_PK.dtype)
     grid = (num_programs(a_PK.device, tiles, cfg.ctas_per_sm),)
