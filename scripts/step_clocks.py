@@ -1,0 +1,106 @@
+"""The GPU's clock and power during each recorded training step (is a slow step the power cap?).
+
+Runs `benchmarks/e2e.py ARGS...` (a `/stepgraph` variant) with every `StepGraph.run` timed by CUDA events while a
+thread reads NVML every 2 ms: SM clock, power, clock-throttle reasons (0x4: the software power cap), temperature.
+Writes one row per step to OUT.md (replay, GPU ms, host ms in `run`, SM MHz min / median, W median / max, throttle
+reasons, °C) and prints it; needs `pynvml` (nvidia-ml-py) and one GPU:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 1 scripts/step_clocks.py OUT.md -- \
+        --model olmoe --variants replicated/compile/stepgraph --phases train --warmup 3 --iters 30 --out e2e.json
+"""
+
+from __future__ import annotations
+
+import runpy
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_S = 0.002
+
+
+def sampler(handle, samples: list, stop: threading.Event) -> None:
+    """(host time, SM MHz, W, throttle reasons, °C) every `SAMPLE_S` until `stop`."""
+    import pynvml
+
+    while not stop.is_set():
+        samples.append(
+            (
+                time.perf_counter(),
+                pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                pynvml.nvmlDeviceGetPowerUsage(handle) / 1000,
+                pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle),
+                pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+            )
+        )
+        time.sleep(SAMPLE_S)
+
+
+def rows(runs: list, samples: list) -> list[str]:
+    """One Markdown row per timed `run` with the samples taken while its GPU work ran."""
+    out = []
+    for t0, t1, start, end, replay in runs:
+        ms = start.elapsed_time(end)
+        seen = [s for s in samples if t0 <= s[0] <= t0 + ms / 1e3]
+        if not seen:
+            continue
+        clock, watts = [s[1] for s in seen], [s[2] for s in seen]
+        reasons = ", ".join(hex(r) for r in sorted({s[3] for s in seen}))
+        out.append(
+            f"| {replay} | {ms:.2f} | {1e3 * (t1 - t0):.2f} | {min(clock)} / {statistics.median(clock):.0f} | "
+            f"{statistics.median(watts):.0f} / {max(watts):.0f} | {reasons} | {max(s[4] for s in seen)} |"
+        )
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) < 3 or sys.argv[2] != "--":
+        print(__doc__, file=sys.stderr)
+        return 2
+    import pynvml
+    import torch
+
+    from occult.training import step_graph
+
+    out, argv = Path(sys.argv[1]), sys.argv[3:]
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    samples: list = []
+    runs: list = []
+    stop = threading.Event()
+    threading.Thread(target=sampler, args=(handle, samples, stop), daemon=True).start()
+    run = step_graph.StepGraph.run
+
+    def timed(self, body, batch):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        result = run(self, body, batch)
+        end.record()
+        runs.append((t0, time.perf_counter(), start, end, self.replays))
+        return result
+
+    step_graph.StepGraph.run = timed
+    sys.argv = [str(ROOT / "benchmarks" / "e2e.py"), *argv]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        stop.set()
+        torch.cuda.synchronize()
+        table = "\n".join(
+            [
+                "| replay | GPU ms | host ms in `run` | SM MHz min / median | W median / max | throttle reasons | °C |",
+                "|---|---|---|---|---|---|---|",
+                *rows(runs, samples),
+            ]
+        )
+        out.write_text(table + "\n")
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
