@@ -1,0 +1,42 @@
+"""scripts/step_clocks.py: each recorded step's row takes the NVML samples read while its GPU work ran, no others."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import step_clocks  # noqa: E402
+
+
+class Elapsed:
+    """Stands in for a CUDA event pair: `start.elapsed_time(end)` in ms."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, end: object) -> float:
+        return self.ms
+
+
+def test_a_step_row_holds_the_samples_of_its_gpu_time_only():
+    rng = random.Random()
+    t0, ms = rng.uniform(10, 20), rng.uniform(100, 200)
+    inside = [(t0 + ms / 1e3 * f, clock, watts, 0x4, 60) for f, clock, watts in ((0.1, 1500, 690), (0.9, 1800, 700))]
+    before = (t0 - 0.001, 1980, 100, 0x0, 50)
+    after = (t0 + ms / 1e3 + 0.001, 1200, 800, 0x8, 80)  # after the GPU finished: not this step's
+    runs = [(t0, t0 + 0.002, Elapsed(ms), None, 7), (t0 + 10, t0 + 10.001, Elapsed(ms), None, 8)]
+    rows = step_clocks.rows(runs, [before, *inside, after])
+    assert len(rows) == 1  # the second step has no sample: no row
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[0] == "7" and float(cells[1]) == round(ms, 2) and float(cells[2]) == 2.0
+    assert cells[3] == "1500 / 1650" and cells[4] == "695 / 700" and cells[5] == "0x4" and cells[6] == "60"
+
+
+def test_without_its_arguments_it_prints_how_to_run_it():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_clocks.py")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "step_clocks.py OUT.md --" in proc.stderr
