@@ -16,8 +16,9 @@ chunks, advanced by the same amount (a sender's send split is its peer's receive
 the same sequence of all-to-alls (as with NCCL), replays of captured ones included.
 
 A peer that never arrives: an eager all-to-all that has not finished within the group's collective timeout ends
-the process with a message (`ExchangeWatch`, as NCCL's watchdog does); all-to-alls replayed from CUDA graphs are
-not watched (as NCCL's are not).
+the process with a message (`ExchangeWatch`, as NCCL's watchdog does), and so does one whose issue failed half-way
+(its streams may wait for flags no peer sets); all-to-alls replayed from CUDA graphs are not watched (as NCCL's
+are not).
 """
 
 from __future__ import annotations
@@ -193,10 +194,9 @@ class HostWire:
         main = torch.cuda.current_stream()
         ready = torch.cuda.Event()
         ready.record(main)
-        ends = []
-        for p in self.peers:
-            ends.append(self._walk(p, "send", x.data_ptr() + send_at[p] * row, send_splits[p] * row, ready))
-            ends.append(self._walk(p, "receive", out.data_ptr() + recv_at[p] * row, recv_splits[p] * row, ready))
+        sends = [(p, "send", x.data_ptr() + send_at[p] * row, send_splits[p] * row) for p in self.peers]
+        receives = [(p, "receive", out.data_ptr() + recv_at[p] * row, recv_splits[p] * row) for p in self.peers]
+        ends = self._walk_all([w for pair in zip(sends, receives) for w in pair], ready)
         me = self.rank
         out[recv_at[me] : recv_at[me] + recv_splits[me]].copy_(x[send_at[me] : send_at[me] + send_splits[me]])
         for end in ends:
@@ -213,6 +213,18 @@ class HostWire:
         compiled code calls this wire at run time, in the order the graph gives its exchanges (the same on every
         rank), so a traced sync-free layer keeps the host transport instead of NCCL's functional collective."""
         return torch.ops.occult.host_all_to_all(x.contiguous(), send_splits, recv_splits, self.name)
+
+    def _walk_all(self, walks: list[tuple[int, str, int, int]], ready: torch.cuda.Event) -> list:
+        """`_walk` each (peer, way, address, bytes) in turn; their end events. Where one fails half-way (a driver
+        call refused), the pair streams may hold waits for flags that no peer will set: each is watched before the
+        error goes up, so the process ends within the timeout instead of hanging at its next synchronisation."""
+        try:
+            return [self._walk(peer, way, address, nbytes, ready) for peer, way, address, nbytes in walks]
+        except BaseException:
+            if not torch.cuda.is_current_stream_capturing():  # (a failed capture is abandoned with its streams' work)
+                for stream in self._streams.values():
+                    self.watch.watch(stream)
+            raise
 
     def _walk(self, peer: int, way: str, address: int, nbytes: int, ready: torch.cuda.Event) -> torch.cuda.Event | None:
         """Queue one pair's chunks on its stream for `way`: each a wait for its slot, a copy and a flag write; a

@@ -85,3 +85,35 @@ def test_generate_graph_after_one_token_call():
         for capture in (False, True):
             assert "cache slot 13 of a StaticDecoder holding 13 positions" in res[f"B{b}_past_cache_{capture}"], res
     assert "before prefill" in res["before_prefill"], res
+
+
+def changed_model_worker(rank: int, world_size: int, seed: int) -> dict:
+    from occult.integrations import hf
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB).to(device=dev, dtype=torch.bfloat16).eval()
+    hf.convert(model, dispatcher="dedup")
+    ids = torch.randint(3, VOCAB, (2, PROMPT), device=dev, generator=torch.Generator(device=dev).manual_seed(seed))
+    out = {"first": hf.generate(model, ids, NEW, cuda_graph=True, eos_token_id=[])}
+    kept = model._occult_decoder.decoder
+    with torch.no_grad():  # another tensor (the captured one freed, its memory refilled with NaN where reused)
+        model.lm_head.weight.data = model.lm_head.weight.data.flip(0).contiguous()
+    junk = torch.full((1 << 20,), float("nan"), device=dev)
+    out["changed"] = hf.generate(model, ids, NEW, cuda_graph=True, eos_token_id=[])
+    out["changed_eager"] = hf.generate(model, ids, NEW, cuda_graph=False, eos_token_id=[], reuse=False)
+    out["renewed"] = model._occult_decoder.decoder is not kept
+    del junk
+    kept = model._occult_decoder.decoder
+    out["again"] = hf.generate(model, ids, NEW, cuda_graph=True, eos_token_id=[])
+    out["kept"] = model._occult_decoder.decoder is kept and not kept.needs_capture()
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}
+
+
+def test_generate_graph_after_the_model_changed():
+    """A weight replaced between two captured `generate` calls (the lm_head's rows reversed: other tokens): the
+    second call builds a new decoder and captures again, giving the eager decode of the changed model, not the
+    first model's tokens; a third call with nothing changed keeps that decoder and its graph."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    (res,) = run_ranks(changed_model_worker, 1, seed, backend="nccl", timeout_s=300)
+    assert torch.equal(res["changed"], res["changed_eager"]) and not torch.equal(res["changed"], res["first"]), seed
+    assert res["renewed"] and res["kept"] and torch.equal(res["again"], res["changed"]), (seed, res)

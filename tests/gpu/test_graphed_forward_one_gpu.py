@@ -56,3 +56,32 @@ def test_compiled_layers_captured_under_autocast_replay_the_eager_logits():
     del junk
     graphed.release()
     assert worst < 2e-2, (seed, worst)  # bf16 casts; the same kernels, compiled once more for the cache's state
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_changed_model_is_captured_again():
+    """A weight replaced after the capture (the old one freed, its memory refilled with NaN where the allocator
+    reuses it): the next call captures again and gives the changed model's eager logits; calls with nothing changed,
+    or a setting switched and back before the call, replay without capturing."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    model = hf.convert(hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB)).to("cuda", torch.float32).eval()
+    graphed = hf.GraphedForward(model, 2, 9, warmup=1)
+    gen = torch.Generator().manual_seed(seed)
+
+    def worst_error() -> float:
+        ids = torch.randint(3, VOCAB, (2, 9), generator=gen).cuda()
+        with torch.no_grad():
+            got = graphed(ids).clone()
+            want = model(input_ids=ids, use_cache=False).logits[:, -1]
+        return ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+
+    assert worst_error() < 1e-5 and worst_error() < 1e-5 and graphed.captures == 1
+    with torch.no_grad():
+        model.lm_head.weight.data = 2 * model.lm_head.weight.data  # the captured weight's memory is free now
+    junk = torch.full((1 << 20,), float("nan"), device="cuda")  # (reuses it, where the allocator allows)
+    assert worst_error() < 1e-5 and graphed.captures == 2, graphed.captures
+    del junk
+    model.train()  # a plain setting of every module (the capture ran in eval mode)
+    model.eval()
+    assert worst_error() < 1e-5 and graphed.captures == 2  # switched back before the call: nothing changed
+    graphed.release()

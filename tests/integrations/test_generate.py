@@ -262,3 +262,27 @@ def test_generate_one_new_token_between_longer_calls():
     assert torch.equal(outs[-1][:, : 6 + NEW], expected)
     assert all(d is decoders[0] for d in decoders[:5]) and decoders[5] is not decoders[0]
     assert decoders[5].max_len == 6 + NEW + 2
+
+
+def test_a_model_changed_between_calls_gets_a_new_decoder():
+    """The decoder kept between calls is built again when the model changed (here its dtype: the kept cache's K/V
+    are float32, and a float64 model's writes into them failed with torch's dtype error; a weight replaced, which
+    a kept CUDA graph would read from freed memory); each call equals a fresh decoder's, and an unchanged model
+    keeps its decoder."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    model = hf.convert(hf.tiny_random_model("olmoe", seed=seed, vocab_size=VOCAB).eval())
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed))
+    hf.generate(model, ids, NEW, eos_token_id=[])
+    first = model._occult_decoder.decoder
+    hf.generate(model, ids, NEW, eos_token_id=[])
+    assert model._occult_decoder.decoder is first
+    model.double()
+    got = hf.generate(model, ids, NEW, eos_token_id=[])
+    assert torch.equal(got, hf.generate(model, ids, NEW, eos_token_id=[], reuse=False))
+    second = model._occult_decoder.decoder
+    assert second is not first and second.dtype == torch.float64
+    with torch.no_grad():
+        model.lm_head.weight.data = -model.lm_head.weight.data  # another tensor: the old one is freed
+    got = hf.generate(model, ids, NEW, eos_token_id=[])
+    assert torch.equal(got, hf.generate(model, ids, NEW, eos_token_id=[], reuse=False))
+    assert model._occult_decoder.decoder is not second

@@ -105,3 +105,44 @@ def test_an_all_to_all_that_never_finishes_ends_the_process_with_a_message():
     assert time.monotonic() - start < 20
     done = subprocess.run([sys.executable, "-c", _WATCH, "0.5", "finished", "1.5"], capture_output=True, text=True)
     assert done.returncode == 0 and "ran on" in done.stdout, (done.returncode, done.stdout, done.stderr)
+
+
+def test_an_issue_that_fails_half_way_watches_every_pair_stream(monkeypatch):
+    """A pair's walk refused half-way through an all-to-all's issue (a driver error): every pair stream, which may
+    hold waits for flags no peer will set, is handed to the watch before the error goes up (else the process would
+    hang at its next synchronisation instead of ending within the timeout); a capture's failure is not watched."""
+    import torch
+
+    from occult.moe.host_wire import HostWire
+
+    class Watch:
+        def __init__(self) -> None:
+            self.streams: list[str] = []
+
+        def watch(self, stream: str) -> None:
+            self.streams.append(stream)
+
+    walked: list[tuple[int, str]] = []
+
+    def walk(peer: int, way: str, address: int, nbytes: int, ready: object) -> str:
+        if len(walked) == 2:
+            raise RuntimeError("cuStreamWaitValue32 failed")
+        walked.append((peer, way))
+        return f"end {peer} {way}"
+
+    wire = object.__new__(HostWire)
+    wire._streams = {(p, way): f"stream {p} {way}" for p in (1, 2) for way in ("send", "receive")}
+    wire._walk = walk
+    walks = [(p, way, 0, 8) for p in (1, 2) for way in ("send", "receive")]
+    for capturing in (False, True):
+        walked.clear()
+        wire.watch = Watch()
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        with pytest.raises(RuntimeError, match="cuStreamWaitValue32"):
+            wire._walk_all(walks, ready=None)
+        assert walked == [(1, "send"), (1, "receive")]
+        assert sorted(wire.watch.streams) == ([] if capturing else sorted(wire._streams.values())), wire.watch.streams
+    walked.clear()
+    wire.watch = Watch()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert wire._walk_all(walks[:2], ready=None) == ["end 1 send", "end 1 receive"] and wire.watch.streams == []

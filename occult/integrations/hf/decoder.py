@@ -14,6 +14,7 @@ from occult.integrations.hf.sampling import TokenSelector
 from occult.moe.capture_stream import autocast_uncached
 from occult.moe.status import ReplayedStatus
 from occult.teardown import hold_collectives
+from occult.training.signature import ModelSignature
 
 
 def _check_attention(config: Any) -> None:
@@ -67,6 +68,8 @@ class StaticDecoder:
         self.selector, self.next_B = selector, torch.zeros(batch_size, **kw)
         self.graph: Any = None
         self.statuses = ReplayedStatus()  # the captured step's routing statuses (`capture`)
+        self._signature = ModelSignature(model)  # what the model was at the capture (`needs_capture`)
+        self._captured_for: tuple | None = None
         self.next_slot = 0  # host copy of slot_1: the cache slot the next step writes (no device read)
         self.eager_mask = getattr(model.config, "_attn_implementation", "eager") != "sdpa"
 
@@ -203,10 +206,18 @@ class StaticDecoder:
                 self.logits_BV = self._forward()
             self.statuses = statuses
             self.graph = graph
+            self._captured_for = self._signature()
             if torch.distributed.is_initialized():  # its collectives must go before the process group
                 hold_collectives(self)
         finally:
             self._restore(saved)  # the capture advanced them; the K/V written at the next slot is re-written
+
+    def needs_capture(self) -> bool:
+        """Whether the decode step has no graph, or one the model no longer matches (a parameter or buffer replaced,
+        a plain setting switched, a device transport's buffers grown: `occult.training.signature`), whose replay
+        would read freed memory or take the old code path. Ask with the model as it decodes (its dispatch switched);
+        an identity check while nothing changed."""
+        return self.graph is None or self._signature() != self._captured_for
 
     def release(self) -> None:
         """Free the captured graph now (the next `generate` re-captures): a graph that holds NCCL

@@ -10,7 +10,8 @@ forwards with, for sync-free dispatch, the same token count. `generate`:
 2. pads its batch to the largest one with dummy rows (one pad token, attended, so every row
    stays finite) and sizes a transformers `StaticCache` to largest prompt + `max_new_tokens` on
    every rank (or reuses the decoder kept from an earlier call if its cache is at least that
-   long); its own prompts are not re-padded (each rank keeps its own prompt length);
+   long and the model is what it was then); its own prompts are not re-padded (each rank keeps its own prompt
+   length);
 3. prefills eagerly with normal dispatch (one host synchronisation per MoE layer);
 4. decodes with no host wait: layers over the device transport (`transport="device"`: exact, only
    real rows sent) as they are, the others switched to sync-free dispatch (`_decode_dispatch`);
@@ -20,7 +21,9 @@ forwards with, for sync-free dispatch, the same token count. `generate`:
    from a `torch.cuda.CUDAGraph` on CUDA (`cuda_graph` True or "auto"), run eagerly on CPU; the
    next token is chosen inside that step (`sampling.TokenSelector`: argmax, or temperature /
    top-k / top-p sampling from the decoder's own seeded generator, and the eos bookkeeping) and
-   fed to the next one on the device, so a step is one graph replay and no host work;
+   fed to the next one on the device, so a step is one graph replay and no host work; a kept graph is
+   captured again on every rank where the model changed since on any (`StaticDecoder.needs_capture`: a replaced
+   weight, a switched setting, a device transport's buffers grown by this call's prefill);
 5. keeps stepping (finished rows fed the pad token, as transformers does) until every rank is
    done: if any rank has eos tokens, one tiny all-reduce every `sync_every` steps (the largest
    over ranks) decides; else exactly `max_new_tokens` steps. No rank waits on one that stopped.
@@ -36,7 +39,7 @@ layers. The previous sync_free setting of every MoE layer is restored afterwards
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,7 @@ from occult.integrations.hf.families import group_size
 from occult.integrations.hf.sampling import Sampling, TokenSelector
 from occult.moe.layer import OccultMoE
 from occult.moe.model_layers import set_sync_free, uncapturable_layers
+from occult.training.signature import ModelSignature
 
 
 def model_group(model: nn.Module) -> Any:
@@ -82,21 +86,34 @@ def _all_done(done: torch.Tensor, group: Any, world: int) -> bool:
     return bool(flag.item())
 
 
+class KeptDecoder(NamedTuple):
+    """A decoder kept on the model for the next `generate` call (`model._occult_decoder`), and what the model was
+    when it was built (`signature`, an `occult.training.signature.ModelSignature`, gave `built_for`)."""
+
+    key: tuple
+    decoder: StaticDecoder
+    signature: ModelSignature
+    built_for: tuple
+
+
 def _decoder(
     model: nn.Module, batch: int, max_len: int, graph: bool, reuse: bool, selector: TokenSelector
 ) -> StaticDecoder:
     """A StaticDecoder of this batch and token choice holding at least `max_len` positions: the model's kept
-    one if it fits (its graph too, so calls of another length re-capture nothing), else a new one
-    (kept, replacing the old, with `reuse`; without it the kept one is left as it is)."""
+    one if it fits (its graph too, so calls of another length re-capture nothing) and the model is what it was
+    when that one was built (a parameter replaced, a dtype changed: its cache and graph would not fit), else a new
+    one (kept, replacing the old, with `reuse`; without it the kept one is left as it is)."""
     key = (batch, graph, selector.key)
     kept = getattr(model, "_occult_decoder", None) if reuse else None
-    if kept is not None and kept[0] == key and kept[1].max_len >= max_len:
-        return kept[1]
-    if reuse and hasattr(model, "_occult_decoder"):
-        del model._occult_decoder  # free the old cache and graph first
+    if kept is not None and kept.key == key and kept.decoder.max_len >= max_len and kept.signature() == kept.built_for:
+        return kept.decoder
+    if kept is not None:
+        kept.decoder.release()  # free the old cache and graph first
+        del model._occult_decoder
     dec = StaticDecoder(model, batch, max_len, selector)
     if reuse:
-        model._occult_decoder = (key, dec)
+        signature = ModelSignature(model)
+        model._occult_decoder = KeptDecoder(key, dec, signature, signature())
     return dec
 
 
@@ -166,7 +183,10 @@ def generate(
         set_sync_free(model, False)  # prefill: ranks' token counts may differ, normal dispatch
         logits_PV = dec.prefill(ids_PS, mask_PS)
         _decode_dispatch(model)
-        if use_graph and dec.graph is None and max_new_tokens > 1:  # one new token: no decode step to capture
+        # one new token: no decode step to capture; a rank whose model changed since the capture makes every rank
+        # capture again (each capture's warm-up forwards exchange with the others')
+        if use_graph and max_new_tokens > 1 and _agree([int(dec.needs_capture())], group, world, device)[0]:
+            dec.release()
             _capture(dec, cuda_graph, group, world, device)
         dec.selector.reset(B, seed)  # after the capture: its warm-up draws do not count
         new = _decode(dec, logits_PV, max_new_tokens, every, group, world)

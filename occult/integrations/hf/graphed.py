@@ -10,6 +10,10 @@ replicated model's captured one; docs/history.md).
 
 One graph serves one input shape [B, S]; fresh ids are copied into its input buffer before each
 replay, and the logits are written into the same output buffer each time (clone what you keep).
+Before each replay the model is compared with what was captured (`occult.training.signature.ModelSignature`: an
+identity check while nothing changed): a parameter or buffer replaced, a plain setting switched or a device
+transport's buffers grown since (by a forward of a larger shape) makes the call capture again first, where a
+replay would read freed memory or take the old code path.
 
 `micro_batches=2` (two-batch overlap): the batch's two halves are issued on two streams of the
 capture, interleaved at every MoE layer's exchanges (`occult.moe.two_batch`: two threads pass a turn),
@@ -37,6 +41,7 @@ from occult.moe.model_layers import exchanging_with_buffers, uncapturable_layers
 from occult.moe.status import ReplayedStatus
 from occult.moe.two_batch import MAX_PARTS, run_interleaved
 from occult.teardown import hold_collectives
+from occult.training.signature import ModelSignature
 
 
 def host_waiting_layers(model: nn.Module) -> list[str]:
@@ -76,6 +81,24 @@ def masks_as_eager() -> Iterator[None]:
             setattr(module, name, before)
 
 
+def check_graphable(model: nn.Module, batch: int, micro_batches: int) -> None:
+    """Raise unless `model`'s forward can be captured: no MoE layer waiting for the GPU or exchanging over gloo,
+    and `micro_batches` a valid split of `batch` (`check_micro_batches`)."""
+    waiting = host_waiting_layers(model)
+    if waiting:
+        raise ValueError(
+            f"{len(waiting)} MoE layer(s) wait for the GPU in a forward (the count exchange), e.g. {waiting[0]}: "
+            'convert with execution=ExecConfig(transport="device") or call occult.set_sync_free(model) first'
+        )
+    on_host = uncapturable_layers(model)
+    if on_host:
+        raise ValueError(
+            f"{len(on_host)} MoE layer(s) exchange over a group whose collectives a CUDA graph cannot record "
+            f"(gloo runs them on the host), e.g. {on_host[0]}: use NCCL process groups to capture"
+        )
+    check_micro_batches(model, batch, micro_batches)
+
+
 def check_micro_batches(model: nn.Module, batch: int, micro_batches: int) -> None:
     """Raise unless `micro_batches` is 1, or 2 to `MAX_PARTS` dividing the batch with every expert-parallel layer
     sync-free (two exchanges of one group in flight at once would share the device transport's buffers)."""
@@ -98,6 +121,7 @@ class GraphedForward:
     else every position's [B, S, V]. `warmup`: eager forwards at the shape before the capture (on
     a side stream: Triton compiles, buffers grow, the allocator settles). `micro_batches`: 1, or 2 to
     `occult.moe.two_batch.MAX_PARTS` dividing `batch` (module docstring; expert-parallel layers sync-free).
+    `captures`: how many times the forward was captured (once more each time a call found the model changed).
     """
 
     def __init__(
@@ -112,43 +136,42 @@ class GraphedForward:
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"GraphedForward captures a CUDA graph: the model is on {device.type}")
-        waiting = host_waiting_layers(model)
-        if waiting:
-            raise ValueError(
-                f"{len(waiting)} MoE layer(s) wait for the GPU in a forward (the count exchange), e.g. {waiting[0]}: "
-                'convert with execution=ExecConfig(transport="device") or call occult.set_sync_free(model) first'
-            )
-        on_host = uncapturable_layers(model)
-        if on_host:
-            raise ValueError(
-                f"{len(on_host)} MoE layer(s) exchange over a group whose collectives a CUDA graph cannot record "
-                f"(gloo runs them on the host), e.g. {on_host[0]}: use NCCL process groups to capture"
-            )
         if batch < 1 or seq < 1:
             raise ValueError(f"batch and seq must be >= 1, got {batch} and {seq}")
-        check_micro_batches(model, batch, micro_batches)
-        self.last_only = last_only
+        check_graphable(model, batch, micro_batches)
+        self.last_only, self.warmup, self.micro_batches = last_only, warmup, micro_batches
         self.ids_BS = torch.zeros(batch, seq, dtype=torch.long, device=device)
         self._model = model
         self._forward = self._forward_one if micro_batches == 1 else self._interleaved(device, micro_batches)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captures = 0  # how many times the forward was captured (again when the model changed)
+        self._signature = ModelSignature(model)
+        self._captured_for: tuple | None = None
+        self._capture()
+        if torch.distributed.is_initialized():  # its collectives must go before the process group
+            hold_collectives(self)
+
+    def _capture(self) -> None:
+        """Warm up (eager forwards on a side stream, in the capture's autocast state: the weight cache off,
+        `occult.moe.capture_stream`, so a compiled layer's guards hold in the capture), capture, and note what the
+        model was (`occult.training.signature`)."""
+        device = self.ids_BS.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        # the warm-up in the capture's autocast state (the weight cache off: occult.moe.capture_stream), so a
-        # compiled layer's guards hold in the capture
         with torch.cuda.stream(side), torch.no_grad(), autocast_uncached(), masks_as_eager():
-            for _ in range(warmup):
+            for _ in range(self.warmup):
                 self._forward()
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
-        self.statuses = ReplayedStatus()  # what the layers report (dropped rows, bad routing), read after replays
+        graph = torch.cuda.CUDAGraph()
+        statuses = ReplayedStatus()  # what the layers report (dropped rows, bad routing), read after replays
         try:
             with (
                 torch.no_grad(),
                 autocast_uncached(),
                 masks_as_eager(),
                 torch.compiler.set_stance("fail_on_recompile"),
-                torch.cuda.graph(self.graph),
-                self.statuses.capture(),
+                torch.cuda.graph(graph),
+                statuses.capture(),
             ):
                 self.logits = self._forward()
         except Exception as e:
@@ -157,8 +180,9 @@ class GraphedForward:
                 "a compiled layer that recompiles inside the capture means its inputs there differ from the "
                 "warm-up's (a capture cannot compile: it reads values on the host)"
             ) from e
-        if torch.distributed.is_initialized():  # its collectives must go before the process group
-            hold_collectives(self)
+        self.graph, self.statuses = graph, statuses
+        self._captured_for = self._signature()
+        self.captures += 1
 
     def _logits(self, ids_BS: torch.Tensor) -> torch.Tensor:
         out = self._model(input_ids=ids_BS, use_cache=False, logits_to_keep=1 if self.last_only else 0).logits
@@ -187,13 +211,19 @@ class GraphedForward:
         return forward
 
     def __call__(self, ids_BS: torch.Tensor) -> torch.Tensor:
-        """The logits of `ids_BS` (the captured shape), in the graph's output buffer."""
+        """The logits of `ids_BS` (the captured shape), in the graph's output buffer. A model changed since the
+        capture (a parameter or buffer replaced, a plain setting switched, a device transport's buffers grown:
+        the graph would read freed memory or take the old code path) is captured again first."""
         if self.graph is None:
             raise RuntimeError("this GraphedForward was released")
         if tuple(ids_BS.shape) != tuple(self.ids_BS.shape):
             raise ValueError(
                 f"ids of shape {tuple(ids_BS.shape)}: this graph was captured for {tuple(self.ids_BS.shape)}"
             )
+        if self._signature() != self._captured_for:
+            check_graphable(self._model, self.ids_BS.shape[0], self.micro_batches)
+            self.release()
+            self._capture()
         self.ids_BS.copy_(ids_BS)
         self.graph.replay()
         self.statuses.replayed()
