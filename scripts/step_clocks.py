@@ -1,12 +1,15 @@
-"""The GPU's clock and power during each recorded training step (is a slow step the power cap?).
+"""The GPU's clock and power during each timed step of an e2e.py run, every variant (is a slow step, or a slower
+side, the power cap?).
 
-Runs `benchmarks/e2e.py ARGS...` (a `/stepgraph` variant) with every `StepGraph.run` timed by CUDA events while a
-thread reads NVML every 2 ms: SM clock, power, clock-throttle reasons (0x4: the software power cap), temperature.
-Writes one row per step to OUT.md (replay, GPU ms, host ms in `run`, SM MHz min / median, W median / max, throttle
-reasons, °C) and prints it; needs `pynvml` (nvidia-ml-py) and one GPU:
+Runs `benchmarks/e2e.py ARGS...` with every step e2e.py times (its `time_steps`: warm-up and timed steps of each
+variant and phase, in e2e.py's order) also timed by CUDA events, while a thread reads NVML every 2 ms: SM clock,
+power, clock-throttle reasons (0x4: the software power cap), temperature. Writes one row per step to OUT.md (the
+timed run, its step (w: warm-up), GPU ms, host ms of the call, SM MHz min / median, W median / max, throttle
+reasons, °C) and prints it; the runs are numbered in the order e2e.py's log names its variants. Needs `pynvml`
+(nvidia-ml-py) and one GPU:
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 scripts/step_clocks.py OUT.md -- \
-        --model olmoe --variants replicated/compile/stepgraph --phases train --warmup 3 --iters 30 --out e2e.json
+        --model olmoe --variants native/compile,replicated/compile/stepgraph --phases train --warmup 3 --iters 10
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def sampler(handle, samples: list, stop: threading.Event) -> None:
 def rows(runs: list, samples: list) -> list[str]:
     """One Markdown row per timed `run` with the samples taken while its GPU work ran."""
     out = []
-    for t0, t1, start, end, replay in runs:
+    for t0, t1, start, end, label in runs:
         ms = start.elapsed_time(end)
         seen = [s for s in samples if t0 <= s[0] <= t0 + ms / 1e3]
         if not seen:
@@ -50,7 +53,7 @@ def rows(runs: list, samples: list) -> list[str]:
         clock, watts = [s[1] for s in seen], [s[2] for s in seen]
         reasons = ", ".join(hex(r) for r in sorted({s[3] for s in seen}))
         out.append(
-            f"| {replay} | {ms:.2f} | {1e3 * (t1 - t0):.2f} | {min(clock)} / {statistics.median(clock):.0f} | "
+            f"| {label} | {ms:.2f} | {1e3 * (t1 - t0):.2f} | {min(clock)} / {statistics.median(clock):.0f} | "
             f"{statistics.median(watts):.0f} / {max(watts):.0f} | {reasons} | {max(s[4] for s in seen)} |"
         )
     return out
@@ -63,7 +66,8 @@ def main() -> int:
     import pynvml
     import torch
 
-    from occult.training import step_graph
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _timing  # (e2e.py binds its `time_steps` when it imports it: replaced first)
 
     out, argv = Path(sys.argv[1]), sys.argv[3:]
     pynvml.nvmlInit()
@@ -72,18 +76,27 @@ def main() -> int:
     runs: list = []
     stop = threading.Event()
     threading.Thread(target=sampler, args=(handle, samples, stop), daemon=True).start()
-    run = step_graph.StepGraph.run
+    plain = _timing.time_steps
+    count = [0]
 
-    def timed(self, body, batch):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        result = run(self, body, batch)
-        end.record()
-        runs.append((t0, time.perf_counter(), start, end, self.replays))
-        return result
+    def clocked_steps(step, inputs, warmup, iters, device):
+        count[0] += 1
+        run, done = count[0], [0]
 
-    step_graph.StepGraph.run = timed
+        def clocked(x):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            result = step(x)
+            end.record()
+            done[0] += 1
+            label = f"{run} / {'w' if done[0] <= warmup else ''}{done[0] - (0 if done[0] <= warmup else warmup)}"
+            runs.append((t0, time.perf_counter(), start, end, label))
+            return result
+
+        return plain(clocked, inputs, warmup, iters, device)
+
+    _timing.time_steps = clocked_steps
     sys.argv = [str(ROOT / "benchmarks" / "e2e.py"), *argv]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
@@ -92,7 +105,7 @@ def main() -> int:
         torch.cuda.synchronize()
         table = "\n".join(
             [
-                "| replay | GPU ms | host ms in `run` | SM MHz min / median | W median / max | throttle reasons | °C |",
+                "| run / step | GPU ms | host ms | SM MHz min / median | W median / max | throttle reasons | °C |",
                 "|---|---|---|---|---|---|---|",
                 *rows(runs, samples),
             ]

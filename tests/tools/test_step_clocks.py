@@ -1,4 +1,4 @@
-"""scripts/step_clocks.py: each recorded step's row takes the NVML samples read while its GPU work ran, no others."""
+"""scripts/step_clocks.py: each timed step's row takes the NVML samples read while its GPU work ran, no others."""
 
 from __future__ import annotations
 
