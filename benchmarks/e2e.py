@@ -165,7 +165,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
-from _grad_check import gradient_check, reference_gradients  # noqa: E402  (benchmarks/_grad_check.py)
+from _grad_check import (  # noqa: E402  (benchmarks/_grad_check.py)
+    GradientTruth,
+    gradient_check,
+    reference_gradients,
+    truth_gradients,
+)
 from _replay_check import replay_check  # noqa: E402  (benchmarks/_replay_check.py: replays vs eager layers)
 from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
 from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
@@ -1033,7 +1038,11 @@ def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.dev
     check. Returns the pass's seconds (a compiled variant compiles in it)."""
     t0 = time.perf_counter()
     ids = ctx["grad_ids"]
-    check = gradient_check(model, ids, ctx["ref_grads"], chunks, lambda: agreed_step(model, ids.numel()))
+
+    def scope() -> contextlib.AbstractContextManager:
+        return agreed_step(model, ids.numel())
+
+    check = gradient_check(model, ids, ctx["ref_grads"], chunks, scope, ctx.get("grad_truth"))
     if device.type == "cuda":  # the pass's own peak; then its cached blocks go, so the timed steps' peaks are theirs
         torch.cuda.synchronize(device)
         check["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -1044,6 +1053,12 @@ def moe_backward_check(model: nn.Module, ctx: dict, res: dict, device: torch.dev
     log(
         f"  train: router, pre-MoE norm and sampled expert gradients vs the unconverted model, worst relative error "
         f"{check['max_rel_err']:.2e} over {check['params']} on this rank"
+        + (
+            f", {len(check['unchecked'])} left out (rounding moves them as far as a lost gradient: "
+            f"{', '.join(check['unchecked'][:2])})"
+            if check["unchecked"]
+            else ""
+        )
         + ("" if check["passed"] else f" ({check['worst_param']} on this rank)")
         + ("" if check["passed"] else "  FAILED" if res["exact"] else " (approximate: report only)")
     )
@@ -1451,6 +1466,11 @@ def main(argv: list[str] | None = None) -> int:
     if dtype != torch.float32:  # last use of ref: upcast in place
         truth = Truth(fp32_copy_logits(ref, lambda m: m(input_ids=check_ids, use_cache=False).logits), ref_logits)
         log(f"{args.model}: unconverted model in {dtype} vs fp32: median relative logit error {truth.native_err:.2e}")
+    grad_truth = None
+    if truth is not None and ref_grads is not None:  # (ref is fp32 now) the routers' and norms' fp32 gradients
+        grad_truth = GradientTruth(truth_gradients(ref, grad_ids, chunks=args.batch), ref_grads)
+        worst = max(grad_truth.native, key=grad_truth.native.get)
+        log(f"{args.model}: its {dtype} gradients vs fp32, worst {grad_truth.native[worst]:.2e} ({worst})")
     del ref
     free_memory(device)
     report["peaks"] = measure_peaks(device, dtype)
@@ -1469,6 +1489,7 @@ def main(argv: list[str] | None = None) -> int:
         truth=truth,
         grad_ids=grad_ids,
         ref_grads=ref_grads,
+        grad_truth=grad_truth,
         hf_ep_dir=hf_ep_dir,
         cost=cost,
         peaks=report["peaks"],

@@ -377,7 +377,7 @@ def test_e2e_half_precision_checks_against_the_fp32_model_too(tmp_path):
         "--variants",
         "native,dedup",
         "--phases",
-        "prefill",
+        "prefill,train",
         "--batch",
         "2",
         "--seq",
@@ -396,6 +396,11 @@ def test_e2e_half_precision_checks_against_the_fp32_model_too(tmp_path):
     native = variants["native"]["check"]
     assert native["median_rel_err"] == 0 and native["fp32_median_rel_err"] == native["native_fp32_median_rel_err"] > 0
     assert variants["dedup"]["check"]["passed"] and "fp32_median_rel_err" in variants["dedup"]["check"]
+    # the train phase's gradient check has the routers' and norms' fp32 gradients too (benchmarks/_grad_check.py)
+    assert "bfloat16 gradients vs fp32, worst" in res.stdout + res.stderr, res.stdout[-3000:]
+    for name in ("native", "dedup"):
+        grads = variants[name]["grad_check"]
+        assert grads["passed"] and grads["params"] > 0 and isinstance(grads["unchecked"], list), grads
 
 
 def test_checked_passes_a_half_precision_variant_as_close_to_fp32_as_native(tmp_path):

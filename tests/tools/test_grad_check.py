@@ -19,12 +19,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _grad_check import (  # noqa: E402
     FEW_TOKENS,
+    LOST,
     TOL,
+    GradientTruth,
     checked_names,
     expert_weights,
     gradient_check,
     reference_gradients,
     sampled_experts,
+    truth_gradients,
 )
 
 from occult.integrations import hf  # noqa: E402
@@ -139,3 +142,48 @@ def test_wrong_expert_weight_gradients_fail_the_check():
     check = gradient_check(model, ids, want)
     assert not check["passed"] and check["max_rel_err"] == pytest.approx(1.0, rel=1e-4)
     assert check["worst_param"].endswith("]") and ".down_proj[" in check["worst_param"]
+
+
+def _moved(want: torch.Tensor, share: float) -> torch.Tensor:
+    """A random direction of norm `share` x ||want||."""
+    return share * float(want.norm()) * torch.nn.functional.normalize(torch.randn(want.numel()), dim=0).view_as(want)
+
+
+def test_the_fp32_truth_passes_a_router_near_it_and_leaves_out_one_rounding_cannot_check():
+    """A router whose fp32 gradient is 0.3 of its norm from the half-precision reference's (moderate): a variant
+    0.6 from the reference but near the fp32 gradient passes, one far from both fails, and without the truth both
+    fail. A router whose reference is as far from the fp32 gradient as a lost one would be is left out (named);
+    a lost MoE backward still fails through the norms in front of the blocks."""
+    ref, model, ids = _twins("olmoe")
+    want = reference_gradients(ref, ids)
+    router = checked_names(ref)[0]
+    assert router.endswith(".gate.weight")
+    step = _moved(want[router], 0.3)
+    truth = GradientTruth({router: want[router] + step}, want)
+    assert LOST > truth.allowance(router) > TOL
+    gate = model.get_submodule(router.removesuffix(".weight")).weight
+    for shift, passes in ((2.0, True), (-3.0, False)):
+        handle = gate.register_hook(lambda grad, shift=shift: grad + shift * step)
+        with_truth, alone = gradient_check(model, ids, want, truth=truth), gradient_check(model, ids, want)
+        handle.remove()
+        assert with_truth["max_rel_err"] > TOL and with_truth["passed"] == passes and not alone["passed"], shift
+        assert with_truth["unchecked"] == [] and with_truth["params"] == len(want)
+    far = GradientTruth({router: want[router] + _moved(want[router], 1.0)}, want)
+    assert far.allowance(router) >= LOST
+    handle = gate.register_hook(lambda grad: 0 * grad)  # (its error is 1: left out, not failed)
+    check = gradient_check(model, ids, want, truth=far)
+    handle.remove()
+    assert check["passed"] and check["unchecked"] == [router] and check["params"] == len(want) - 1, check
+    for _, block in hf.moe_blocks(model):
+        block.register_forward_hook(lambda module, args, out: out.detach() + 0 * out)
+    lost = gradient_check(model, ids, want, truth=far)
+    assert not lost["passed"] and "post_attention_layernorm" in lost["worst_param"], lost
+
+
+def test_the_truth_gradients_are_the_routers_and_norms_only():
+    ref, _, ids = _twins("deepseek_v3")
+    want = reference_gradients(ref, ids)
+    truth = truth_gradients(ref, ids, chunks=2)  # (fp32 here: the same gradients, the batch in halves)
+    assert sorted(truth) == sorted(checked_names(ref)) and all(t.dtype == torch.float32 for t in truth.values())
+    assert all(float((truth[k] - want[k]).norm()) <= 1e-4 * float(want[k].norm()) for k in truth)
+    assert all(p.requires_grad and p.grad is None for p in ref.parameters())
