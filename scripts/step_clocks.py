@@ -5,8 +5,8 @@ Runs `benchmarks/e2e.py ARGS...` with every step e2e.py times (its `time_steps`:
 variant and phase, in e2e.py's order) also timed by CUDA events, while a thread reads NVML every 2 ms: SM clock,
 power, clock-throttle reasons (0x4: the software power cap), temperature. Writes one row per step to OUT.md (the
 timed run, its step (w: warm-up), GPU ms, host ms of the call, SM MHz min / median, W median / max, throttle
-reasons, °C) and prints it; the runs are numbered in the order e2e.py's log names its variants. Needs `pynvml`
-(nvidia-ml-py) and one GPU:
+reasons, °C), then each run's energy per timed step (NVML's energy counter), and prints them; the runs are
+numbered in the order e2e.py's log names its variants. Needs `pynvml` (nvidia-ml-py) and one GPU:
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 scripts/step_clocks.py OUT.md -- \
         --model olmoe --variants native/compile,replicated/compile/stepgraph --phases train --warmup 3 --iters 10
@@ -59,6 +59,47 @@ def rows(runs: list, samples: list) -> list[str]:
     return out
 
 
+def joules_per_step(counters_mJ: list[int], warmup: int) -> float:
+    """The mean energy of a run's timed steps (J): NVML's energy counter read before each step (after e2e.py's
+    synchronisation) and once after the last, the warm-ups' readings skipped; the idle gaps between steps (the
+    next batch drawn, the barrier) count with them."""
+    timed = counters_mJ[warmup:]
+    return (timed[-1] - timed[0]) / 1e3 / (len(timed) - 1)
+
+
+def clocked(plain, handle, runs: list, energy: list):
+    """e2e.py's `time_steps` with every step also timed by CUDA events (`runs`: host start and end, the events, a
+    label "run / step", "w" for a warm-up) and each run's energy per timed step (`energy`: (run, J))."""
+    import pynvml
+    import torch
+
+    count = [0]
+
+    def clocked_steps(step, inputs, warmup, iters, device):
+        count[0] += 1
+        run, counters = count[0], []
+
+        def clocked_step(x):
+            counters.append(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            result = step(x)
+            end.record()
+            done = len(counters)
+            label = f"{run} / {'w' if done <= warmup else ''}{done - (0 if done <= warmup else warmup)}"
+            runs.append((t0, time.perf_counter(), start, end, label))
+            return result
+
+        result = plain(clocked_step, inputs, warmup, iters, device)
+        torch.cuda.synchronize()
+        counters.append(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+        energy.append((run, joules_per_step(counters, warmup)))
+        return result
+
+    return clocked_steps
+
+
 def main() -> int:
     if len(sys.argv) < 3 or sys.argv[2] != "--":
         print(__doc__, file=sys.stderr)
@@ -74,29 +115,10 @@ def main() -> int:
     handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
     samples: list = []
     runs: list = []
+    energy: list = []
     stop = threading.Event()
     threading.Thread(target=sampler, args=(handle, samples, stop), daemon=True).start()
-    plain = _timing.time_steps
-    count = [0]
-
-    def clocked_steps(step, inputs, warmup, iters, device):
-        count[0] += 1
-        run, done = count[0], [0]
-
-        def clocked(x):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            start.record()
-            result = step(x)
-            end.record()
-            done[0] += 1
-            label = f"{run} / {'w' if done[0] <= warmup else ''}{done[0] - (0 if done[0] <= warmup else warmup)}"
-            runs.append((t0, time.perf_counter(), start, end, label))
-            return result
-
-        return plain(clocked, inputs, warmup, iters, device)
-
-    _timing.time_steps = clocked_steps
+    _timing.time_steps = clocked(_timing.time_steps, handle, runs, energy)
     sys.argv = [str(ROOT / "benchmarks" / "e2e.py"), *argv]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
@@ -108,6 +130,10 @@ def main() -> int:
                 "| run / step | GPU ms | host ms | SM MHz min / median | W median / max | throttle reasons | °C |",
                 "|---|---|---|---|---|---|---|",
                 *rows(runs, samples),
+                "",
+                "| run | J per timed step (NVML energy counter) |",
+                "|---|---|",
+                *(f"| {run} | {joules:.2f} |" for run, joules in energy),
             ]
         )
         out.write_text(table + "\n")

@@ -40,3 +40,15 @@ def test_a_step_row_holds_the_samples_of_its_gpu_time_only():
 def test_without_its_arguments_it_prints_how_to_run_it():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "step_clocks.py")], capture_output=True, text=True)
     assert proc.returncode == 2 and "step_clocks.py OUT.md --" in proc.stderr
+
+
+def test_a_runs_energy_is_its_timed_steps_mean():
+    warmup, iters = random.randint(0, 3), random.randint(1, 10)
+    joules = [random.uniform(80, 120) for _ in range(iters)]
+    counters = [random.randint(10**6, 10**7)]
+    for _ in range(warmup):
+        counters.append(counters[-1] + random.randint(90_000, 110_000))  # (a warm-up's: not counted)
+    for j in joules:
+        counters.append(counters[-1] + round(j * 1e3))
+    got = step_clocks.joules_per_step(counters, warmup)
+    assert abs(got - sum(joules) / iters) < 1e-3 * iters, (got, joules)
