@@ -5,7 +5,8 @@ Runs `benchmarks/e2e.py ARGS...` with every step e2e.py times (its `time_steps`:
 variant and phase, in e2e.py's order) also timed by CUDA events, while a thread reads NVML every 2 ms: SM clock,
 power, clock-throttle reasons (0x4: the software power cap), temperature. Writes one row per step to OUT.md (the
 timed run, its step (w: warm-up), GPU ms, host ms of the call, SM MHz min / median, W median / max, throttle
-reasons, °C), then each run's energy per timed step (NVML's energy counter), and prints them; the runs are
+reasons, °C), then each run's energy per timed step and mean power (NVML's energy counter, read by a thread of
+its own every 20 ms), and prints them; the runs are
 numbered in the order e2e.py's log names its variants. Needs `pynvml` (nvidia-ml-py) and one GPU:
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 scripts/step_clocks.py OUT.md -- \
@@ -23,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_S = 0.002
+ENERGY_S = 0.02
 
 
 def sampler(handle, samples: list, stop: threading.Event) -> None:
@@ -59,43 +61,68 @@ def rows(runs: list, samples: list) -> list[str]:
     return out
 
 
-def joules_per_step(counters_mJ: list[int], warmup: int) -> float:
-    """The mean energy of a run's timed steps (J): NVML's energy counter read before each step (after e2e.py's
-    synchronisation) and once after the last, the warm-ups' readings skipped; the idle gaps between steps (the
-    next batch drawn, the barrier) count with them."""
-    timed = counters_mJ[warmup:]
-    return (timed[-1] - timed[0]) / 1e3 / (len(timed) - 1)
-
-
-def clocked(plain, handle, runs: list, energy: list):
-    """e2e.py's `time_steps` with every step also timed by CUDA events (`runs`: host start and end, the events, a
-    label "run / step", "w" for a warm-up) and each run's energy per timed step (`energy`: (run, J))."""
+def energy_sampler(handle, samples: list, stop: threading.Event) -> None:
+    """(host time, NVML's energy counter in mJ) every `ENERGY_S` until `stop`: a thread of its own, since one read
+    takes milliseconds (inside a timed step it lengthened the step by 4-6 ms)."""
     import pynvml
+
+    while not stop.is_set():
+        samples.append((time.perf_counter(), pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)))
+        time.sleep(ENERGY_S)
+
+
+def joules_over(samples: list, start: float, end: float) -> float:
+    """The energy (J) between host times `start` and `end`, the counter interpolated linearly between the samples
+    around each (a time outside the samples: the nearest sample's reading)."""
+
+    def reading(t: float) -> float:
+        before = [x for x in samples if x[0] <= t]
+        after = [x for x in samples if x[0] >= t]
+        if not before or not after:
+            return (before or after)[-1 if before else 0][1]
+        (t0, e0), (t1, e1) = before[-1], after[0]
+        return e0 if t1 == t0 else e0 + (e1 - e0) * (t - t0) / (t1 - t0)
+
+    return (reading(end) - reading(start)) / 1e3
+
+
+def run_energy(runs: list, samples: list) -> list[str]:
+    """One Markdown row per run: its timed steps' energy per step and mean power, from the first timed step's start
+    to the last one's GPU end (the gaps between steps, batch and barrier, counted with them)."""
+    out = []
+    for run in dict.fromkeys(label.split(" / ")[0] for *_, label in runs):
+        timed = [r for r in runs if r[4].startswith(f"{run} / ") and "w" not in r[4]]
+        if not timed:
+            continue
+        start, end = timed[0][0], timed[-1][0] + timed[-1][2].elapsed_time(timed[-1][3]) / 1e3
+        joules = joules_over(samples, start, end)
+        out.append(f"| {run} | {joules / len(timed):.2f} | {joules / (end - start):.0f} |")
+    return out
+
+
+def clocked(plain, runs: list):
+    """e2e.py's `time_steps` with every step also timed by CUDA events (`runs`: host start and end, the events, a
+    label "run / step", "w" for a warm-up)."""
     import torch
 
     count = [0]
 
     def clocked_steps(step, inputs, warmup, iters, device):
         count[0] += 1
-        run, counters = count[0], []
+        run, done = count[0], [0]
 
         def clocked_step(x):
-            counters.append(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
             start.record()
             result = step(x)
             end.record()
-            done = len(counters)
-            label = f"{run} / {'w' if done <= warmup else ''}{done - (0 if done <= warmup else warmup)}"
+            done[0] += 1
+            label = f"{run} / {'w' if done[0] <= warmup else ''}{done[0] - (0 if done[0] <= warmup else warmup)}"
             runs.append((t0, time.perf_counter(), start, end, label))
             return result
 
-        result = plain(clocked_step, inputs, warmup, iters, device)
-        torch.cuda.synchronize()
-        counters.append(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
-        energy.append((run, joules_per_step(counters, warmup)))
-        return result
+        return plain(clocked_step, inputs, warmup, iters, device)
 
     return clocked_steps
 
@@ -114,11 +141,12 @@ def main() -> int:
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
     samples: list = []
-    runs: list = []
     energy: list = []
+    runs: list = []
     stop = threading.Event()
     threading.Thread(target=sampler, args=(handle, samples, stop), daemon=True).start()
-    _timing.time_steps = clocked(_timing.time_steps, handle, runs, energy)
+    threading.Thread(target=energy_sampler, args=(handle, energy, stop), daemon=True).start()
+    _timing.time_steps = clocked(_timing.time_steps, runs)
     sys.argv = [str(ROOT / "benchmarks" / "e2e.py"), *argv]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
@@ -131,9 +159,9 @@ def main() -> int:
                 "|---|---|---|---|---|---|---|",
                 *rows(runs, samples),
                 "",
-                "| run | J per timed step (NVML energy counter) |",
-                "|---|---|",
-                *(f"| {run} | {joules:.2f} |" for run, joules in energy),
+                "| run | J per timed step (NVML energy counter) | mean W |",
+                "|---|---|---|",
+                *run_energy(runs, energy),
             ]
         )
         out.write_text(table + "\n")

@@ -42,13 +42,18 @@ def test_without_its_arguments_it_prints_how_to_run_it():
     assert proc.returncode == 2 and "step_clocks.py OUT.md --" in proc.stderr
 
 
-def test_a_runs_energy_is_its_timed_steps_mean():
-    warmup, iters = random.randint(0, 3), random.randint(1, 10)
-    joules = [random.uniform(80, 120) for _ in range(iters)]
-    counters = [random.randint(10**6, 10**7)]
-    for _ in range(warmup):
-        counters.append(counters[-1] + random.randint(90_000, 110_000))  # (a warm-up's: not counted)
-    for j in joules:
-        counters.append(counters[-1] + round(j * 1e3))
-    got = step_clocks.joules_per_step(counters, warmup)
-    assert abs(got - sum(joules) / iters) < 1e-3 * iters, (got, joules)
+def test_a_runs_energy_is_its_timed_steps_from_the_counter_between_them():
+    """Energy per timed step from the counter interpolated at the first timed step's start and the last one's GPU
+    end (the warm-ups and what comes after left out), and the mean power over that time."""
+    rng = random.Random()
+    watts, t0 = rng.uniform(300, 700), rng.uniform(10, 20)
+    samples = [(t0 + 0.02 * i, round(1e6 + watts * 1e3 * 0.02 * i)) for i in range(200)]  # (mJ, a steady draw)
+    ms = rng.uniform(100, 150)
+    starts = [t0 + 0.5 + 0.2 * i for i in range(5)]  # two warm-ups, three timed steps
+    labels = ["1 / w1", "1 / w2", "1 / 1", "1 / 2", "1 / 3"]
+    runs = [(t, t + 0.001, Elapsed(ms), None, label) for t, label in zip(starts, labels)]
+    (row,) = step_clocks.run_energy(runs, samples)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    seconds = starts[-1] + ms / 1e3 - starts[2]
+    assert cells[0] == "1" and abs(float(cells[1]) - watts * seconds / 3) < 0.02 and abs(float(cells[2]) - watts) < 1
+    assert step_clocks.joules_over(samples, t0 - 5, t0 - 4) == 0.0  # before the samples: the first reading
