@@ -16,7 +16,9 @@ routing, dedup layout: one received row per (token, rank) with its local slots, 
 
 FLOPs: forward 6*P*H*F, backward 12*P*H*F (P = valid (row, expert) pairs). Prints a short
 table last; `--out` writes all numbers as JSON. `--sweep` first times a few tile configs of
-each kernel on the OLMoE shape and keeps the fastest for the rest of the run.
+each kernel on the OLMoE shape and keeps the fastest for the rest of the run. `--energy` also reads
+each path's energy per call from NVML (the card at its power cap pays energy, not time: a table of
+the expert products' pJ per FLOP beside their dense twins'; `--devices 1` for a one-GPU layer).
 
     PYTHONPATH=. python3 benchmarks/bench_kernels.py --out /tmp/kernels.json [--sweep]
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/bench_kernels.py --tiny   # CPU dry run
@@ -40,6 +42,8 @@ from occult import kernels
 from occult.kernels import config as kcfg
 from occult.moe.experts import expert_mlp_reference
 from occult.tools.run_record import run_record
+
+ENERGY_S = 1.0  # seconds of back-to-back calls an energy reading spans (--energy)
 
 SHAPES = {
     # name: (hidden, experts in total, ffn, top_k)
@@ -156,6 +160,33 @@ def timeit(fn, device, target_ms=150.0, min_reps=5, max_reps=40):
 
 def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else float("nan")
+
+
+def energy_meter(device, seconds=ENERGY_S):
+    """A callable `joules(fn, ms)`: the GPU's energy per call of `fn` (J), from NVML's energy counter read around
+    `seconds` of back-to-back calls (`ms`: one call's time, to size them), the device synchronised at both ends.
+    The card's power cap holds over such a run as it does over a training step, so energy per FLOP, not time, is
+    what a power-capped step pays (docs/kernels.md)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    props = torch.cuda.get_device_properties(device)
+    try:
+        bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode())
+    except (AttributeError, pynvml.NVMLError):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+
+    def joules(fn, ms):
+        reps = max(5, math.ceil(seconds * 1e3 / max(ms, 1e-3)))
+        sync(device)
+        start = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        for _ in range(reps):
+            fn()
+        sync(device)
+        return (pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) - start) / 1e3 / reps
+
+    return joules
 
 
 # ----------------------------------------------------------------------------- variants
@@ -377,6 +408,39 @@ def dense_variants(prob):
     }
 
 
+# the expert products whose energy --energy tabulates: (label, key, the part_flops key giving its FLOPs)
+ENERGY_ROWS = (
+    ("GEMM 1, fused gather Triton", "kernels.gemm1", "gemm1"),
+    ("GEMM 1, copy + _grouped_mm + SwiGLU", "kernels.gemm1_grouped_mm", "gemm1"),
+    ("GEMM 1, _grouped_mm alone", "grouped_mm.gemm1", "gemm1"),
+    ("GEMM 1, dense mm", "dense.gemm1", "gemm1"),
+    ("GEMM 2, Triton gemm_scatter", "kernels.gemm2", "gemm2"),
+    ("GEMM 2, _grouped_mm alone", "grouped_mm.gemm2", "gemm2"),
+    ("GEMM 2, dense mm", "dense.gemm2", "gemm2"),
+    ("dgrad of GEMM 2 (u), as the op runs it", "kernels.dgrad1", "dgrad1"),
+    ("dgrad of GEMM 2, dense mm", "dense.dgrad1", "dgrad1"),
+    ("dgrad of GEMM 1, Triton gemm_scatter", "kernels.dgrad2", "dgrad2"),
+    ("dgrad of GEMM 1, dense mm", "dense.dgrad2", "dgrad2"),
+    ("wgrad gate_up, as the op runs it", "kernels.wgrad_gate_up", "wgrad_gate_up"),
+    ("wgrad gate_up, dense mm", "dense.wgrad_gate_up", "wgrad_gate_up"),
+    ("wgrad down, as the op runs it", "kernels.wgrad_down", "wgrad_down"),
+    ("wgrad down, dense mm", "dense.wgrad_down", "wgrad_down"),
+)
+
+
+def energy_table(report, log):
+    """Energy per call (J), per FLOP (pJ) and mean power (W) of each expert product and its dense twin."""
+    nan = float("nan")
+    log("energy (NVML's counter over ~1 s of back-to-back calls): J per call, pJ per FLOP, mean W")
+    for name, e in report["shapes"].items():
+        flops = {k: v for k, v in e.get("part_flops", {}).items()}
+        log(f"{name}")
+        for label, key, part in ENERGY_ROWS:
+            j, ms = e["joules"].get(key, nan), e["ms"].get(key, nan)
+            pj = 1e12 * j / flops[part] if part in flops else nan
+            log(f"  {label:40s} {j:8.4f} J {pj:6.2f} pJ/FLOP {j / (ms * 1e-3) if ms else nan:5.0f} W")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -435,7 +499,7 @@ def gemm1_setting(mode: str):
             os.environ["OCCULT_GEMM1"] = old
 
 
-def run_shape(name, prob, device, log, skip_reference=False):
+def run_shape(name, prob, device, log, skip_reference=False, joules=None):
     H, F = prob["x"].shape[1], prob["w2"].shape[2]
     P = prob["P"]
     fl_f, fl_b = 6 * P * H * F, 12 * P * H * F
@@ -450,6 +514,7 @@ def run_shape(name, prob, device, log, skip_reference=False):
         "flops_bwd": fl_b,
         "ms": {},
         "samples": {},
+        "joules": {},
         "errors": {},
     }
 
@@ -458,7 +523,10 @@ def run_shape(name, prob, device, log, skip_reference=False):
             ms, samples = timeit(fn, device)
             res["ms"][key] = ms
             res["samples"][key] = samples
-            log(f"  {key:28s} {ms:9.3f} ms")
+            if joules is not None:
+                res["joules"][key] = joules(fn, ms)
+            energy = f"  {res['joules'][key]:8.4f} J" if key in res["joules"] else ""
+            log(f"  {key:28s} {ms:9.3f} ms{energy}")
         except Exception as err:
             res["errors"][key] = "".join(traceback.format_exception_only(type(err), err))[-500:]
             log(f"  {key:28s} FAILED {res['errors'][key].strip()[:200]}")
@@ -534,6 +602,7 @@ def run_shape(name, prob, device, log, skip_reference=False):
     }
     # backward kernels one by one: TF/s, and % of the dense cuBLAS product of the same shape
     fl_parts = part_flops(prob)
+    res["part_flops"] = fl_parts
     for k in (
         "dgrad1",
         "dgrad2",
@@ -583,6 +652,12 @@ def main(argv=None):
     ap.add_argument("--skip-reference", action="store_true", help="do not time the torch reference")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run under TRITON_INTERPRET=1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--energy",
+        action="store_true",
+        help=f"also each timed path's energy per call (NVML's energy counter over ~{ENERGY_S:g} s of calls; a GPU "
+        "and nvidia-ml-py), and a table of the expert products' energy per FLOP",
+    )
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -653,7 +728,8 @@ def main(argv=None):
                 log("  check FAILED:\n" + entry["check"]["error"])
         if args.sweep and i == 0:
             report["sweep"] = sweep(prob, device, log, None if args.sweep == "all" else set(args.sweep.split(",")))
-        entry.update(run_shape(name, prob, device, log, skip_reference=args.skip_reference))
+        joules = energy_meter(device) if args.energy and device.type == "cuda" else None
+        entry.update(run_shape(name, prob, device, log, skip_reference=args.skip_reference, joules=joules))
         entry["configs"] = {k: kcfg.get(k).__dict__ for k in kcfg.GPU_DEFAULTS}
         report["shapes"][name] = entry
         del prob
@@ -744,6 +820,8 @@ def main(argv=None):
             f"{pair('kernels.fwd_train_gemm1_triton', 'kernels.fwd_train_gemm1_grouped_mm'):>15s}   "
             f"{pair('kernels.fwdbwd_gemm1_triton', 'kernels.fwdbwd_gemm1_grouped_mm'):>15s}"
         )
+    if any(e.get("joules") for e in report["shapes"].values()):
+        energy_table(report, log)
     log("check vs fp32 reference (relative error y/dx/dgates/dgate_up/ddown; torch bf16 path for scale)")
     for name, e in report["shapes"].items():
         c = e.get("check", {})
