@@ -163,8 +163,10 @@ def tflops(flops, ms):
 
 
 def energy_meter(device, seconds=ENERGY_S):
-    """A callable `joules(fn, ms)`: the GPU's energy per call of `fn` (J), from NVML's energy counter read around
-    `seconds` of back-to-back calls (`ms`: one call's time, to size them), the device synchronised at both ends.
+    """A callable `joules(fn, ms)`: the GPU's energy per call of `fn` (J) and the wall ms per call meanwhile, from
+    NVML's energy counter read around `seconds` of back-to-back calls (`ms`: one call's time, to size them), the
+    device synchronised at both ends (the calls there run at the clock the power cap leaves, slower than a median
+    timed in short bursts).
     The card's power cap holds over such a run as it does over a training step, so energy per FLOP, not time, is
     what a power-capped step pays (docs/kernels.md)."""
     import pynvml
@@ -180,11 +182,12 @@ def energy_meter(device, seconds=ENERGY_S):
     def joules(fn, ms):
         reps = max(5, math.ceil(seconds * 1e3 / max(ms, 1e-3)))
         sync(device)
-        start = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        t0, start = time.perf_counter(), pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
         for _ in range(reps):
             fn()
         sync(device)
-        return (pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) - start) / 1e3 / reps
+        end, t1 = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle), time.perf_counter()
+        return (end - start) / 1e3 / reps, (t1 - t0) * 1e3 / reps
 
     return joules
 
@@ -431,12 +434,12 @@ ENERGY_ROWS = (
 def energy_table(report, log):
     """Energy per call (J), per FLOP (pJ) and mean power (W) of each expert product and its dense twin."""
     nan = float("nan")
-    log("energy (NVML's counter over ~1 s of back-to-back calls): J per call, pJ per FLOP, mean W")
+    log("energy (NVML's counter over ~1 s of back-to-back calls): J per call, pJ per FLOP, mean W over those calls")
     for name, e in report["shapes"].items():
-        flops = {k: v for k, v in e.get("part_flops", {}).items()}
+        flops = e.get("part_flops", {})
         log(f"{name}")
         for label, key, part in ENERGY_ROWS:
-            j, ms = e["joules"].get(key, nan), e["ms"].get(key, nan)
+            j, ms = e["joules"].get(key, nan), e["energy_ms"].get(key, nan)
             pj = 1e12 * j / flops[part] if part in flops else nan
             log(f"  {label:40s} {j:8.4f} J {pj:6.2f} pJ/FLOP {j / (ms * 1e-3) if ms else nan:5.0f} W")
 
@@ -515,6 +518,7 @@ def run_shape(name, prob, device, log, skip_reference=False, joules=None):
         "ms": {},
         "samples": {},
         "joules": {},
+        "energy_ms": {},  # wall ms per call during the energy reading (the capped clock)
         "errors": {},
     }
 
@@ -524,7 +528,7 @@ def run_shape(name, prob, device, log, skip_reference=False, joules=None):
             res["ms"][key] = ms
             res["samples"][key] = samples
             if joules is not None:
-                res["joules"][key] = joules(fn, ms)
+                res["joules"][key], res["energy_ms"][key] = joules(fn, ms)
             energy = f"  {res['joules'][key]:8.4f} J" if key in res["joules"] else ""
             log(f"  {key:28s} {ms:9.3f} ms{energy}")
         except Exception as err:

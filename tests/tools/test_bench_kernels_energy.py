@@ -21,7 +21,7 @@ def test_every_energy_row_has_its_flops_and_the_table_divides_by_them():
     assert all(part in flops for _, _, part in bench_kernels.ENERGY_ROWS)
     label, key, part = random.choice(bench_kernels.ENERGY_ROWS)
     joules, ms = random.uniform(0.01, 1.0), random.uniform(0.1, 2.0)
-    report = {"shapes": {"s": {"joules": {key: joules}, "ms": {key: ms}, "part_flops": flops}}}
+    report = {"shapes": {"s": {"joules": {key: joules}, "energy_ms": {key: ms}, "part_flops": flops}}}
     lines: list[str] = []
     bench_kernels.energy_table(report, lines.append)
     (row,) = [line for line in lines if line.strip().startswith(label)]
