@@ -9,7 +9,8 @@ each tensor's address: ~0.6 ms of host time on a 2-core CPU and ~1.5 ms on an H2
 steps nothing is normally changed, so `ModelSignature` keeps what every module's attribute, child, parameter and
 buffer dictionaries held at its last full computation and first checks, in C loops, that the attributes are equal,
 the children, parameters and buffers the same objects and each tensor still at its address; only where one is not
-does it compute the signature again.
+does it compute the signature again. Captured forwards check it too (`hf.GraphedForward` before every replay,
+`hf.generate`'s kept decoder once a call): a changed model is captured again.
 """
 
 from __future__ import annotations
