@@ -5,7 +5,8 @@ that is a serial piece of every step (OLMoE's embeddings, attention and routers:
 28 GB/s). torch DDP overlaps it with the backward, but its reducer keeps host state that a step replayed from a
 CUDA graph skips (`occult.training.step_graph` refuses it). `BucketedSync` does what DDP's buckets do with no
 state beyond the step: each parameter's post-accumulate hook counts its bucket's gradients, and a bucket whose
-gradients are all in is flattened and all-reduced on a side stream while the backward goes on; `finish()` (after
+gradients are all in is flattened (on the backward's stream) and all-reduced on a side stream while the backward
+goes on; `finish()` (after
 the backward) launches what is left, waits for the side stream and copies the averages back.
 
 A step of accumulated micro-batches runs every backward but the last inside `held()`: their gradients add up in
@@ -70,8 +71,6 @@ class BucketedSync:
             if device.type == "cuda":
                 current = torch.cuda.current_stream(device)
                 current.wait_stream(_side_stream(device))
-                if not torch.cuda.is_current_stream_capturing():
-                    flat.record_stream(current)  # (made on the side stream, read here)
             flat.div_(self.divide)
             offset = 0
             for p in bucket:
@@ -111,22 +110,26 @@ class BucketedSync:
             self._flats.append(self._launch(self.buckets[i]))
 
     def _launch(self, bucket: list[nn.Parameter]) -> torch.Tensor:
-        """The bucket's gradients flattened and all-reduced, on the side stream on a GPU."""
+        """The bucket's gradients flattened on the compute stream, then all-reduced on the side stream on a GPU.
+        The flatten stays with the backward: on the side stream it would queue behind the previous bucket's
+        all-reduce, and in a replayed graph a node waiting there holds up the compute that shares its hardware
+        queue (docs/overlap.md, "The host transport, round 3")."""
         for p in bucket:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.detach().reshape(-1) for p in bucket])
         device = bucket[0].device
-        side = None
-        if device.type == "cuda":
-            side = _side_stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            flat = torch.cat([p.grad.detach().reshape(-1) for p in bucket])
+        if device.type != "cuda":
             if self.reduce:
                 dist.all_reduce(flat, group=self.group)
-        if side is not None and not torch.cuda.is_current_stream_capturing():
-            for p in bucket:
-                p.grad.record_stream(side)  # (read there)
+            return flat
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            if self.reduce:
+                dist.all_reduce(flat, group=self.group)
+        if not torch.cuda.is_current_stream_capturing():
+            flat.record_stream(side)  # (reduced there)
         return flat
 
 
