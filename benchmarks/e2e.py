@@ -126,7 +126,7 @@ train (forward, next-token cross-entropy (--loss occult: occult's kernel for occ
 ForCausalLMLoss for transformers' own, as --optimizer adamw gives each side its user's AdamW), backward inside
 `occult.agreed_step` as occult's trainers run them
 (OCCULT_AGREEMENT=step: the device transport's ranks agree once a step; the default, call: at every
-layer call), hf.sync_gradients,
+layer call), hf.sync_gradients (each rank's loss scaled by 1/W, the gradients summed: no pass dividing them),
 optimizer step). Each step gets fresh
 random ids; ranks meet at a barrier before each step; a step's time is the slowest rank's
 (CUDA events on GPUs, wall clock on CPU). After the timed steps, 5 more are timed on the host from an idle GPU
@@ -894,8 +894,12 @@ def make_step(
         return prefill
     model.train()
 
+    # the syncs sum (gradient_sync): each rank's loss its share of the global-batch mean
+    scale = 1.0 / dist.get_world_size() if dist.is_initialized() else 1.0
+
     def loss_of(ids_BS: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
+        loss = model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
+        return loss if scale == 1.0 else loss * scale
 
     sync = gradient_sync(model, dense_sync)
 
@@ -932,26 +936,20 @@ class GradientSync(NamedTuple):
 
 
 def gradient_sync(model: nn.Module, dense_sync: str) -> GradientSync:
-    """How a train step averages its gradients over the ranks: `hf.sync_gradients` after the backward ("after"),
-    or ("overlap") the replicated gradients all-reduced in buckets while the (last) backward runs, on a group apart
-    from the MoE layers' all-to-alls (every rank makes it at its first such step, in the same order), and the expert
-    gradients divided as `hf.sync_gradients` divides them."""
+    """How a train step sums its gradients over the ranks, each rank's loss scaled by 1/W before its backward (so
+    the sums are the global-batch mean's gradients with no pass dividing them: occult.training.grads):
+    `hf.sync_gradients(average=False)` after the backward ("after"), or ("overlap") the replicated gradients
+    all-reduced in buckets while the (last) backward runs, on a group apart from the MoE layers' all-to-alls (every
+    rank makes it at its first such step, in the same order); the expert gradients hold every rank's share already."""
     if dense_sync == "after" or dist.get_world_size() == 1:
-        return GradientSync(lambda: hf.sync_gradients(model))
+        return GradientSync(lambda: hf.sync_gradients(model, average=False))
     world = dist.get_world_size()
     if not _DENSE_GROUP:
         _DENSE_GROUP.append(dist.new_group(list(range(world))))
     experts = {id(p) for p in hf.expert_parameters(model)}
     dense = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
-    bucketed = BucketedSync(dense, _DENSE_GROUP[0], world)
-
-    def sync() -> None:
-        bucketed.finish()
-        for p in hf.expert_parameters(model):
-            if p.grad is not None:
-                p.grad /= world
-
-    return GradientSync(sync, bucketed.held)
+    bucketed = BucketedSync(dense, _DENSE_GROUP[0], 1)
+    return GradientSync(bucketed.finish, bucketed.held)
 
 
 def fresh_ids(

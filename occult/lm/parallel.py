@@ -116,11 +116,12 @@ def split_trained(model: OccultLM) -> tuple[list[nn.Parameter], list[nn.Paramete
     return [p for p in trained if id(p) not in experts], [p for p in trained if id(p) in experts]
 
 
-def sync_gradients(model: OccultLM, parallel: Parallel, replicated: bool = True) -> None:
+def sync_gradients(model: OccultLM, parallel: Parallel, replicated: bool = True, average: bool = True) -> None:
     """Every rank's gradients become those of the global-batch loss (`occult.training.grads`).
 
-    `replicated=False`: the expert gradients only (DDP has averaged the replicated ones)."""
-    grads.sync_gradients(*split_trained(model), parallel, replicated)
+    `replicated=False`: the expert gradients only (DDP has averaged the replicated ones). `average=False`: summed
+    only (each rank's loss scaled by `grads.loss_scale` before its backward: no pass over the gradients)."""
+    grads.sync_gradients(*split_trained(model), parallel, replicated, average)
 
 
 def wrap_ddp(model: OccultLM, parallel: Parallel) -> DistributedDataParallel | None:

@@ -5,7 +5,8 @@
 - `two_batch`: the loss and backward as two interleaved micro-batches (`occult.training.two_batch`), the
   expert-parallel layers switched to sync-free dispatch (exact; worst-case buffers, no host wait);
 - `micro_batches`: each rank's rows of a step as K micro-batches, gradients accumulated in turn or, with
-  `pair_micro_batches`, paired (combined 1F1B: `occult.training.accumulation`; sync-free layers too).
+  `pair_micro_batches`, paired (combined 1F1B: `occult.training.accumulation`; sync-free layers too);
+  `unsynced_context`: where their data-parallel hooks hold the gradients back.
 
 Each check raises a `ValueError` naming the setting and what to change, the same on every rank (all read the
 same config), before anything is written.
@@ -13,11 +14,17 @@ same config), before anything is written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from occult.lm.fsdp import gradient_sync_off, is_fsdp
 from occult.lm.model import OccultLM
 from occult.lm.parallel import Parallel
 from occult.lm.state import TrainConfig
 from occult.moe.model_layers import set_graphs, set_sync_free
 from occult.training.accumulation import check_paired
+from occult.training.bucketed_sync import BucketedSync
 from occult.training.layer_graphs import check_recordable
 from occult.training.step_graph import check_capturable
 from occult.training.two_batch import check_two_batch
@@ -115,4 +122,23 @@ def _refuse_beside_threads(cfg: TrainConfig, par: Parallel | None, option: str, 
             raise ValueError(f"{option} does not run with {name}: drop one of them")
 
 
-__all__ = ["apply_layer_graphs", "check_captured_step", "prepare_micro_batches", "prepare_two_batch"]
+def unsynced_context(model: OccultLM, ddp: Any, bucketed: BucketedSync | None) -> Callable[[], AbstractContextManager]:
+    """The context a micro-batch of an accumulated step (not the last) runs in so that the data-parallel hooks do
+    not reduce its gradients yet: DDP's `no_sync`, FSDP2's gradient sync off, the buckets held; nothing for the
+    explicit sync (it reduces once, after the backward)."""
+    if ddp is not None:
+        return ddp.no_sync
+    if bucketed is not None:
+        return bucketed.held
+    if is_fsdp(model):
+        return lambda: gradient_sync_off(model)
+    return nullcontext
+
+
+__all__ = [
+    "apply_layer_graphs",
+    "check_captured_step",
+    "prepare_micro_batches",
+    "prepare_two_batch",
+    "unsynced_context",
+]

@@ -49,7 +49,6 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +63,7 @@ from occult.lm.checkpoint import (
 from occult.lm.data import TokenData, train_batch
 from occult.lm.distill import distilled_loss, load_teacher
 from occult.lm.evaluate import autocast_dtype, autocast_for, evaluate, pick_device
-from occult.lm.fsdp import gradient_sync_off, is_fsdp, wrap_fsdp
+from occult.lm.fsdp import wrap_fsdp
 from occult.lm.migrate import follow_routing
 from occult.lm.model import OccultLM
 from occult.lm.parallel import (
@@ -99,11 +98,13 @@ from occult.lm.step_options import (
     check_captured_step,
     prepare_micro_batches,
     prepare_two_batch,
+    unsynced_context,
 )
 from occult.moe.counts import STATUS_MESSAGES, RoutingError
 from occult.moe.step import agreed_step
 from occult.placement import Placement
 from occult.training.bucketed_sync import BucketedSync
+from occult.training.grads import loss_scale
 from occult.training.loop import LoopSettings, StepLoss, StepParts, TrainLoop, to_device
 from occult.training.signature import ModelSignature
 from occult.training.step_profile import StepProfile
@@ -135,9 +136,13 @@ def _step_parts(run: TrainRun) -> StepParts:
     shard = (par.rank, par.world_size) if par is not None else ()
     ddp = wrap_ddp(model, par) if par is not None and cfg.grad_sync == "ddp" else None
     dense = split_trained(model)[0]
+    # the explicit syncs ("explicit", "overlap") sum what each rank's loss scaled by 1/W made (no pass dividing every
+    # gradient: occult.training.grads); DDP and FSDP2 divide the dense gradients themselves, so there it divides too
+    summed = par is not None and cfg.grad_sync in ("explicit", "overlap")
+    scale = loss_scale(par) if summed else 1.0
     bucketed = None  # "overlap": the dense gradients all-reduced during the backward (occult.training.bucketed_sync)
     if par is not None and cfg.grad_sync == "overlap" and dense:
-        bucketed = BucketedSync(dense, par.sync_group, par.world_size)
+        bucketed = BucketedSync(dense, par.sync_group, 1)
     forward = ddp if ddp is not None else model  # DDP (or FSDP's hooks) average the dense gradients during backward
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,17 +154,19 @@ def _step_parts(run: TrainRun) -> StepParts:
     def loss(xy: tuple[torch.Tensor, torch.Tensor]) -> StepLoss:
         with autocast_for(device, cfg.precision):
             if cfg.distill_weight:  # the unpruned model (or --distill-from) as the teacher (occult.lm.distill)
-                return distilled_loss(
+                out = distilled_loss(
                     model, forward, xy, cfg.aux_loss_coef, cfg.distill_weight, cfg.distill_temperature, teacher
                 )
-            out = forward(*xy, return_logits=False)
-            return StepLoss(out.loss + cfg.aux_loss_coef * out.aux_loss, out.loss, out.aux_loss)
+            else:
+                lm = forward(*xy, return_logits=False)
+                out = StepLoss(lm.loss + cfg.aux_loss_coef * lm.aux_loss, lm.loss, lm.aux_loss)
+        return out if scale == 1.0 else StepLoss(out.total * scale, out.logged, out.aux)
 
     def sync() -> None:
         if bucketed is not None:
             bucketed.finish()
         if par is not None:  # experts (and replicated ones with the explicit sync)
-            sync_gradients(model, par, replicated=cfg.grad_sync == "explicit")
+            sync_gradients(model, par, replicated=cfg.grad_sync == "explicit", average=not summed)
 
     return StepParts(
         batch=batch,
@@ -171,21 +178,8 @@ def _step_parts(run: TrainRun) -> StepParts:
         scope=lambda xy: agreed_step(model, xy[0].numel()),  # every MoE call of the step sees these tokens
         signature=ModelSignature(model),
         close=bucketed.close if bucketed is not None else lambda: None,
-        unsynced=_unsynced(model, ddp, bucketed),
+        unsynced=unsynced_context(model, ddp, bucketed),
     )
-
-
-def _unsynced(model: OccultLM, ddp: Any, bucketed: BucketedSync | None) -> Callable[[], AbstractContextManager]:
-    """The context a micro-batch of an accumulated step (not the last) runs in so that the data-parallel hooks do
-    not reduce its gradients yet: DDP's `no_sync`, FSDP2's gradient sync off, the buckets held; nothing for the
-    explicit sync (it reduces once, after the backward)."""
-    if ddp is not None:
-        return ddp.no_sync
-    if bucketed is not None:
-        return bucketed.held
-    if is_fsdp(model):
-        return lambda: gradient_sync_off(model)
-    return nullcontext
 
 
 def _resume(run: TrainRun, state: tuple[str, Path, Mapping[str, Any]], data_sig: str, init_hash: str | None) -> None:

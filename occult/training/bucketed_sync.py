@@ -71,7 +71,10 @@ class BucketedSync:
             if device.type == "cuda":
                 current = torch.cuda.current_stream(device)
                 current.wait_stream(_side_stream(device))
-            flat.div_(self.divide)
+            if self.divide != 1:  # (1: the ranks' losses were scaled instead, `occult.training.grads.loss_scale`)
+                flat.div_(self.divide)
+            if flat is bucket[0].grad:  # (reduced where it lies)
+                continue
             offset = 0
             for p in bucket:
                 n = p.grad.numel()
@@ -110,14 +113,18 @@ class BucketedSync:
             self._flats.append(self._launch(self.buckets[i]))
 
     def _launch(self, bucket: list[nn.Parameter]) -> torch.Tensor:
-        """The bucket's gradients flattened on the compute stream, then all-reduced on the side stream on a GPU.
+        """The bucket's gradients flattened on the compute stream (a bucket of one gradient: that gradient), then
+        all-reduced on the side stream on a GPU.
         The flatten stays with the backward: on the side stream it would queue behind the previous bucket's
         all-reduce, and in a replayed graph a node waiting there holds up the compute that shares its hardware
         queue (docs/overlap.md, "The host transport, round 3")."""
         for p in bucket:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.detach().reshape(-1) for p in bucket])
+        if len(bucket) == 1 and bucket[0].grad.is_contiguous():  # one gradient (e.g. an LM head's): where it lies
+            flat = bucket[0].grad
+        else:
+            flat = torch.cat([p.grad.detach().reshape(-1) for p in bucket])
         device = bucket[0].device
         if device.type != "cuda":
             if self.reduce:

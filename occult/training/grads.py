@@ -8,9 +8,15 @@ rank's loss a mean over its own B/W rows:
     dense     averaged over the world: by torch DDP during the backward (`wrap_ddp`, on the dense
               group), by `occult.training.bucketed_sync.BucketedSync` during it (recordable), by
               FSDP2's reduce-scatter, or after it by `sync_gradients(replicated=True)` (one
-              all-reduce per dtype), each dividing the sum by W
+              all-reduce per dtype for the small gradients, one each for the large ones where they
+              lie: `all_reduce_in_place`), each dividing the sum by W
     experts   all-reduced over the replica group (when there are replicas) and divided by W,
               after the backward (`sync_gradients`)
+
+Dividing is a pass over every gradient (an OLMoE-shape rank's expert gradients are GBs). A trainer that
+syncs explicitly (`sync_gradients`, `BucketedSync`) can scale each rank's loss by `loss_scale` (1/W) before
+the backward instead and sync with `average=False`: the sums are then the averages, with no pass (the same
+bits where W is a power of two: scaling by a power of two is exact; DDP and FSDP2 divide for themselves).
 
 `clip_grad_norm` clips by the norm of the whole model: squared norms of replicated gradients
 counted once, of FSDP shards summed over the dense group, of expert shards summed over the EP
@@ -31,9 +37,11 @@ from torch.nn.parallel import DistributedDataParallel
 from occult.training.dtensor import is_sharded, local_tensor
 from occult.training.parallel import Parallel
 
+IN_PLACE_BYTES = 25 * 2**20  # a gradient this large is all-reduced where it lies (DDP's bucket size)
+
 
 def all_reduce_grads(params: Iterable[nn.Parameter], group: Any, divide: int, reduce: bool) -> None:
-    """Sum the gradients over `group` (one flat all-reduce per dtype and device) and divide by
+    """Sum the gradients over `group` (`all_reduce_in_place`, per dtype and device) and divide by
     `divide`; a missing gradient counts as zeros. `reduce=False`: divide only."""
     buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in params:
@@ -41,30 +49,60 @@ def all_reduce_grads(params: Iterable[nn.Parameter], group: Any, divide: int, re
             p.grad = torch.zeros_like(p)
         buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
     for ps in buckets.values():
-        if not reduce:
+        if reduce:
+            all_reduce_in_place([p.grad for p in ps], group, divide)
+        elif divide != 1:
             for p in ps:
                 p.grad.div_(divide)
-            continue
-        flat = torch.cat([p.grad.reshape(-1) for p in ps])
-        dist.all_reduce(flat, group=group)
+
+
+def all_reduce_in_place(tensors: Sequence[torch.Tensor], group: Any, divide: int = 1) -> None:
+    """Sum `tensors` (one dtype and device) over `group` and divide them by `divide`, in place: each contiguous
+    one of at least `IN_PLACE_BYTES` by an all-reduce of its own where it lies (an embedding's or LM head's
+    gradient is GBs: copying it out and back would move it four times), the others flattened into one
+    all-reduce and copied back (one collective for the many small ones)."""
+    large = [t for t in tensors if t.is_contiguous() and t.numel() * t.element_size() >= IN_PLACE_BYTES]
+    chosen = {id(t) for t in large}
+    small = [t for t in tensors if id(t) not in chosen]
+    for t in large:
+        dist.all_reduce(t, group=group)
+        if divide != 1:
+            t.div_(divide)
+    if not small:
+        return
+    flat = torch.cat([t.reshape(-1) for t in small])
+    dist.all_reduce(flat, group=group)
+    if divide != 1:
         flat.div_(divide)
-        offset = 0
-        for p in ps:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+    offset = 0
+    for t in small:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
 
 
 def sync_gradients(
-    dense: Sequence[nn.Parameter], experts: Sequence[nn.Parameter], parallel: Parallel, replicated: bool = True
+    dense: Sequence[nn.Parameter],
+    experts: Sequence[nn.Parameter],
+    parallel: Parallel,
+    replicated: bool = True,
+    average: bool = True,
 ) -> None:
     """Every rank's gradients become those of the global-batch loss (module docstring).
 
-    `replicated=False`: the expert gradients only (DDP or FSDP2 has averaged the dense ones)."""
+    `replicated=False`: the expert gradients only (DDP or FSDP2 has averaged the dense ones). `average=False`:
+    summed, not divided (each rank's loss was scaled by `loss_scale(parallel)` before its backward)."""
     W = parallel.world_size
+    divide = W if average else 1
     if replicated:
-        all_reduce_grads(dense, parallel.world_group, W, reduce=W > 1)
-    all_reduce_grads(experts, parallel.replica_group, W, reduce=parallel.replicas > 1)
+        all_reduce_grads(dense, parallel.world_group, divide, reduce=W > 1)
+    all_reduce_grads(experts, parallel.replica_group, divide, reduce=parallel.replicas > 1)
+
+
+def loss_scale(parallel: Parallel | None) -> float:
+    """What a rank's loss is multiplied by before its backward so that `sync_gradients(..., average=False)` (and
+    `BucketedSync(..., divide=1)`) leave the global-batch mean's gradients: 1/W (module docstring)."""
+    return 1.0 if parallel is None else 1.0 / parallel.world_size
 
 
 def clip_grad_norm(
@@ -122,4 +160,12 @@ def no_buffer_sync() -> dict[str, bool]:
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in known else {"broadcast_buffers": False}
 
 
-__all__ = ["all_reduce_grads", "sync_gradients", "clip_grad_norm", "wrap_ddp", "no_buffer_sync"]
+__all__ = [
+    "all_reduce_grads",
+    "all_reduce_in_place",
+    "sync_gradients",
+    "loss_scale",
+    "clip_grad_norm",
+    "wrap_ddp",
+    "no_buffer_sync",
+]

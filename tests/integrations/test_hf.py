@@ -13,7 +13,8 @@ all B_r, which is (1/D) sum_r L_r because every rank has the same token count. A
 `sync_gradients(average=True)` a replicated parameter's gradient is (1/D) sum_r dL_r/dp (an
 all-reduce: each rank saw only its own tokens), and an expert's gradient, which the all-to-all
 already accumulated over every rank's tokens, is divided by D: both must equal the reference's
-gradient. Expert gradients are compared on the rank that holds the expert.
+gradient. Expert gradients are compared on the rank that holds the expert. The losses scaled by
+1/D and `sync_gradients(average=False)` must give the same gradients bit for bit (D = 2, 4).
 
 One spawn per world size runs every family (imports dominate the run time on CPU).
 """
@@ -145,6 +146,14 @@ def check_family(rank: int, world_size: int, family: str, path: str, out_dir: st
     res["params_compared"], res["params_missing"] = len(grads), missing
     res["params_reference"] = len(ref_params)
     res["grad_worst"] = max(grads.items(), key=lambda kv: kv[1])
+    # the same step with the loss scaled by 1/D and the gradients only summed: the same bits (D a power of two)
+    averaged = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    (_lm_loss(model(ids).logits, ids) / world_size).backward()
+    hf.sync_gradients(model, average=False)
+    summed = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    res["scaled_sum_equal"] = sorted(summed) == sorted(averaged)
+    res["scaled_sum_equal"] &= all(torch.equal(g, averaged[name]) for name, g in summed.items())
 
     # 4. one SGD step on both, save the converted model in the standard layout, reload it plainly
     with torch.no_grad():
@@ -233,6 +242,7 @@ def test_converted_model_matches_transformers(family, world_size, model_dirs, tm
         assert r["loss"] < TOL, (where, r["loss"])
         assert not r["params_missing"] and r["params_compared"] == r["params_reference"], (where, r["params_missing"])
         assert r["grad_worst"][1] < TOL, (where, r["grad_worst"])
+        assert r["scaled_sum_equal"], where
         assert r["standard_logits"] < TOL, (where, r["standard_logits"])
         assert r["max_devices"] < r["unpruned_max_devices"], where
         assert r["pruned_max_devices_score"] <= r["max_devices"], where

@@ -32,6 +32,7 @@ from _train_helpers import (
     train_config,
 )
 
+import occult.lm.step_options as step_options_module
 import occult.lm.train as train_module
 from occult.distributed import run_ranks
 from occult.lm.model import OccultLM
@@ -113,17 +114,17 @@ class _FsdpSyncOff:
     """While entered: how many micro-batches ran with FSDP2's gradient sync off."""
 
     def __enter__(self) -> _FsdpSyncOff:
-        self.count, self.saved = 0, train_module.gradient_sync_off
+        self.count, self.saved = 0, step_options_module.gradient_sync_off
 
         def counted(model):
             self.count += 1
             return self.saved(model)
 
-        train_module.gradient_sync_off = counted
+        step_options_module.gradient_sync_off = counted
         return self
 
     def __exit__(self, *exc) -> None:
-        train_module.gradient_sync_off = self.saved
+        step_options_module.gradient_sync_off = self.saved
 
 
 def _micro_batch_rank(rank: int, world_size: int, data, root: str) -> dict:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from occult.integrations.hf.families import Family, UnsupportedModelError, group_size, model_family
 from occult.moe.layer import OccultMoE
+from occult.training.grads import all_reduce_in_place
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -123,7 +124,10 @@ def sync_gradients(model: nn.Module, group: Any = None, average: bool = True) ->
     this rank's contribution: they are all-reduced (summed). Expert gradients already hold
     every rank's tokens (the all-to-all carried them). With `average=True` both are divided by
     the group size: with each rank's loss a mean over its own tokens (equal counts per rank),
-    the result is the gradient of the mean over all ranks' tokens, as in data parallelism.
+    the result is the gradient of the mean over all ranks' tokens, as in data parallelism. Dividing
+    is a pass over every gradient (GBs of expert gradients at OLMoE's shape): scale each rank's loss
+    by 1/size before its backward and pass `average=False` for the same gradients without it (the
+    same bits where the size is a power of two).
     """
     size, _ = group_size(group)
     if size == 1:
@@ -138,16 +142,8 @@ def sync_gradients(model: nn.Module, group: Any = None, average: bool = True) ->
     by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in replicated:
         by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for params in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= size
-        offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+    for params in by_dtype.values():  # (the large gradients where they lie, the small ones flattened)
+        all_reduce_in_place([p.grad for p in params], group, size if average else 1)
     if average:
         for p in expert_parameters(model):
             if p.grad is not None:

@@ -164,6 +164,10 @@ def _step_parts(
         ignore = [n for n, p in model.named_parameters() if id(p) in expert_ids] + [n for n, _ in model.named_buffers()]
         net = grads.wrap_ddp(model, ignore, groups)
 
+    # without DDP the sync sums what each rank's loss scaled by 1/W made: no pass dividing every gradient
+    summed = groups is not None and net is model
+    scale = grads.loss_scale(groups) if summed else 1.0
+
     def batch(step: int) -> torch.Tensor:
         return to_device(batch_rows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step, rank, W), device)
 
@@ -184,11 +188,11 @@ def _step_parts(
         total = ce if aux is None else ce + cfg.aux_loss_coef * aux
         if target is not None:
             total = total + cfg.distill_weight * distill_kl(logits, target, cfg.distill_temperature)
-        return StepLoss(total, ce, aux)
+        return StepLoss(total * scale if summed else total, ce, aux)
 
     def sync() -> None:
         if groups is not None:  # DDP (when routers train) has averaged the routers when the backward returns
-            grads.sync_gradients(routers, experts, groups, replicated=net is model)
+            grads.sync_gradients(routers, experts, groups, replicated=net is model, average=not summed)
 
     return StepParts(
         batch=batch,
