@@ -170,14 +170,9 @@ def energy_meter(device, seconds=ENERGY_S):
     The card's power cap holds over such a run as it does over a training step, so energy per FLOP, not time, is
     what a power-capped step pays (docs/kernels.md)."""
     import pynvml
+    from _nvml import nvml_handle  # (benchmarks/_nvml.py: the card by its PCI bus id)
 
-    pynvml.nvmlInit()
-    props = torch.cuda.get_device_properties(device)
-    try:
-        bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode())
-    except (AttributeError, pynvml.NVMLError):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+    handle = nvml_handle(device)
 
     def joules(fn, ms):
         reps = max(5, math.ceil(seconds * 1e3 / max(ms, 1e-3)))

@@ -131,15 +131,14 @@ def main() -> int:
     if len(sys.argv) < 3 or sys.argv[2] != "--":
         print(__doc__, file=sys.stderr)
         return 2
-    import pynvml
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import _timing  # (e2e.py binds its `time_steps` when it imports it: replaced first)
+    from _nvml import nvml_handle  # (benchmarks/_nvml.py: the card by its PCI bus id, not torch's index)
 
     out, argv = Path(sys.argv[1]), sys.argv[3:]
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    handle = nvml_handle(torch.cuda.current_device())
     samples: list = []
     energy: list = []
     runs: list = []
