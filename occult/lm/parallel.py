@@ -12,10 +12,11 @@ over its own tokens the global loss is the mean of the ranks' losses, and `sync_
 makes every rank's gradients those of the global loss: replicated gradients are all-reduced
 over the world and divided by W; expert gradients already hold the contributions of their EP
 group's tokens (the all-to-all carried them back), so they are all-reduced over the replica
-group and divided by W. With `wrap_ddp` (`--grad-sync ddp`, the default on N ranks) torch's
-`DistributedDataParallel` averages the replicated gradients instead (bucketed all-reduces over
-`dense_group`, all ranks in a group of their own, launched during the backward; DDP divides by
-its group size W, the same factor) and `sync_gradients(..., replicated=False)` does the experts
+group and divided by W (or, each rank's loss scaled by 1/W before its backward, only summed:
+`average=False`, what the trainer does). With `wrap_ddp` (`--grad-sync ddp`, the default on N ranks) torch's
+`DistributedDataParallel` reduces the replicated gradients instead (bucketed all-reduces over
+`dense_group`, all ranks in a group of their own, launched during the backward; dividing by W,
+or `summed`) and `sync_gradients(..., replicated=False)` does the experts
 alone; DDP ignores the expert parameters and every buffer. With `--grad-sync fsdp`
 (`occult.lm.fsdp.wrap_fsdp`) the dense parameters are sharded by FSDP2 instead (gradients
 reduce-scattered and averaged over `dense_group`). `clip_grad_norm` clips by the norm of the
@@ -124,19 +125,19 @@ def sync_gradients(model: OccultLM, parallel: Parallel, replicated: bool = True,
     grads.sync_gradients(*split_trained(model), parallel, replicated, average)
 
 
-def wrap_ddp(model: OccultLM, parallel: Parallel) -> DistributedDataParallel | None:
+def wrap_ddp(model: OccultLM, parallel: Parallel, summed: bool = False) -> DistributedDataParallel | None:
     """`model` in torch DDP for its trained replicated parameters; None when it trains none.
 
     Expert parameters (their gradients are complete on the EP group after the backward
     all-to-all) and every buffer (e.g. the rank's `local_expert_ids`) are ignored by DDP, so
     neither is broadcast from rank 0, and re-placement may move experts in place. Call the
     wrapper for the training forward, then `sync_gradients(model, parallel, replicated=False)`
-    (`occult.training.grads.wrap_ddp`).
+    (`occult.training.grads.wrap_ddp`; `summed`: the buckets summed, each rank's loss scaled).
     """
     if not split_trained(model)[0]:
         return None
     ignore = list(model.expert_parameters()) + [n for n, _ in model.named_buffers()]
-    return grads.wrap_ddp(model, ignore, parallel)
+    return grads.wrap_ddp(model, ignore, parallel, summed)
 
 
 def clip_grad_norm(model: OccultLM, parallel: Parallel | None, max_norm: float) -> torch.Tensor:

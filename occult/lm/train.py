@@ -134,11 +134,11 @@ def _step_parts(run: TrainRun) -> StepParts:
     model, cfg, par = run.model, run.cfg, run.par
     device = next(model.parameters()).device
     shard = (par.rank, par.world_size) if par is not None else ()
-    ddp = wrap_ddp(model, par) if par is not None and cfg.grad_sync == "ddp" else None
+    # the syncs sum what each rank's loss scaled by 1/W made (no pass dividing every gradient: occult.training.grads);
+    # FSDP2 divides its dense gradients itself, so with it the experts are divided too
+    summed = par is not None and cfg.grad_sync in ("explicit", "overlap", "ddp")
+    ddp = wrap_ddp(model, par, summed=True) if par is not None and cfg.grad_sync == "ddp" else None
     dense = split_trained(model)[0]
-    # the explicit syncs ("explicit", "overlap") sum what each rank's loss scaled by 1/W made (no pass dividing every
-    # gradient: occult.training.grads); DDP and FSDP2 divide the dense gradients themselves, so there it divides too
-    summed = par is not None and cfg.grad_sync in ("explicit", "overlap")
     scale = loss_scale(par) if summed else 1.0
     bucketed = None  # "overlap": the dense gradients all-reduced during the backward (occult.training.bucketed_sync)
     if par is not None and cfg.grad_sync == "overlap" and dense:

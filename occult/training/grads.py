@@ -13,10 +13,10 @@ rank's loss a mean over its own B/W rows:
     experts   all-reduced over the replica group (when there are replicas) and divided by W,
               after the backward (`sync_gradients`)
 
-Dividing is a pass over every gradient (an OLMoE-shape rank's expert gradients are GBs). A trainer that
-syncs explicitly (`sync_gradients`, `BucketedSync`) can scale each rank's loss by `loss_scale` (1/W) before
-the backward instead and sync with `average=False`: the sums are then the averages, with no pass (the same
-bits where W is a power of two: scaling by a power of two is exact; DDP and FSDP2 divide for themselves).
+Dividing is a pass over every gradient (an OLMoE-shape rank's expert gradients are GBs). A trainer can scale
+each rank's loss by `loss_scale` (1/W) before the backward instead and only sum (`sync_gradients(average=False)`,
+`BucketedSync(divide=1)`, `wrap_ddp(summed=True)`): the sums are then the averages, with no pass (the same bits
+where W is a power of two: scaling by a power of two is exact). FSDP2 divides for itself.
 
 `clip_grad_norm` clips by the norm of the whole model: squared norms of replicated gradients
 counted once, of FSDP shards summed over the dense group, of expert shards summed over the EP
@@ -132,18 +132,21 @@ def clip_grad_norm(
     return total
 
 
-def wrap_ddp(model: nn.Module, ignore: Iterable[str], parallel: Parallel) -> DistributedDataParallel:
+def wrap_ddp(
+    model: nn.Module, ignore: Iterable[str], parallel: Parallel, summed: bool = False
+) -> DistributedDataParallel:
     """`model` in torch DDP on the dense group, the parameters and buffers named in `ignore` left
     alone (experts: each rank its own; buffers such as `local_expert_ids` differ per rank).
 
     Call the wrapper for the training forward (DDP's backward hooks fire for that graph only);
     everything else uses `model`, whose parameter names are unchanged. No broadcast at wrapping
     (`init_sync=False`: the ranks already hold the same weights); the replicated gradients are
-    views into DDP's buckets (`gradient_as_bucket_view`: no second copy)."""
+    views into DDP's buckets (`gradient_as_bucket_view`: no second copy). `summed`: DDP's buckets
+    summed, not divided (each rank's loss scaled by `loss_scale` before its backward: module docstring)."""
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" and device.index is not None else None
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         model,
         process_group=parallel.sync_group,
         device_ids=ids,
@@ -151,6 +154,16 @@ def wrap_ddp(model: nn.Module, ignore: Iterable[str], parallel: Parallel) -> Dis
         gradient_as_bucket_view=True,
         **no_buffer_sync(),
     )
+    if summed:
+        ddp.register_comm_hook(parallel.sync_group, _summed_bucket)
+    return ddp
+
+
+def _summed_bucket(group, bucket):  # (unannotated: DDP checks a hook's annotations against its own types)
+    """DDP's all-reduce of a bucket without its division (a comm hook, a `dist.GradBucket` in, a future of the
+    reduced buffer out: DDP then divides nothing itself)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def no_buffer_sync() -> dict[str, bool]:

@@ -21,6 +21,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
+import torch.distributed as dist  # noqa: E402
 from _hf_helpers import CFG, PLACEMENT, finetune_tokens, tiny_olmoe, trained_weights  # noqa: E402
 
 from occult.distributed import run_ranks  # noqa: E402
@@ -42,17 +43,16 @@ def olmoe(tmp_path_factory) -> str:
 def _watched_finetune(model, cfg: hf.FinetuneConfig, groups) -> tuple[object, int, list[str]]:
     """`hf.finetune`, how many router buckets DDP reduced (a comm hook on its DDP, if any), and the thread that
     issued each exchange."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     buckets, issuers = [0], []
     wrap_ddp, exchange = grads.wrap_ddp, comm._Exchange.forward
 
-    def counted(state, bucket):
+    def counted(state, bucket):  # (summed, as the hook wrap_ddp(summed=True) registers: the losses are scaled)
         buckets[0] += 1
-        return allreduce_hook(state, bucket)
+        work = dist.all_reduce(bucket.buffer(), group=state, async_op=True)
+        return work.get_future().then(lambda f: f.value()[0])
 
     def wrapped(*args, **kw):
-        ddp = wrap_ddp(*args, **kw)
+        ddp = wrap_ddp(*args, **{**kw, "summed": False})  # (one hook a DDP: this one, counting)
         ddp.register_comm_hook(ddp.process_group, counted)
         return ddp
 

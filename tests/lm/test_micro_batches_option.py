@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from _train_helpers import (
     PLACEMENT,
     RTOL,
@@ -72,16 +73,15 @@ class _DdpReductions:
     """While entered: how many gradient buckets DDP reduced (a comm hook on every DDP the runs wrap)."""
 
     def __enter__(self) -> _DdpReductions:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
         self.count, self.saved = 0, train_module.wrap_ddp
 
-        def counted(state, bucket):
+        def counted(state, bucket):  # (summed, as the hook wrap_ddp(summed=True) registers: the losses are scaled)
             self.count += 1
-            return allreduce_hook(state, bucket)
+            work = dist.all_reduce(bucket.buffer(), group=state, async_op=True)
+            return work.get_future().then(lambda f: f.value()[0])
 
         def wrap(*args, **kw):
-            ddp = self.saved(*args, **kw)
+            ddp = self.saved(*args, **{**kw, "summed": False})  # (one hook a DDP: this one, counting)
             if ddp is not None:
                 ddp.register_comm_hook(ddp.process_group, counted)
             return ddp

@@ -1,5 +1,5 @@
 """Each rank's loss scaled by `occult.training.grads.loss_scale` (1/W) and the gradients summed
-(`sync_gradients(..., average=False)`, `BucketedSync(..., divide=1)`, `hf.sync_gradients(average=False)`) give the
+(`sync_gradients(..., average=False)`, `BucketedSync(..., divide=1)`, DDP through `wrap_ddp(summed=True)`) give the
 gradients the divided path gives, bit for bit on 2 ranks (scaling by a power of two is exact), and those of the
 global batch's mean loss in one process; the summed path touches no expert gradient after the backward."""
 
@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from occult.distributed import run_ranks
 from occult.training.bucketed_sync import BucketedSync
-from occult.training.grads import loss_scale, sync_gradients
+from occult.training.grads import loss_scale, sync_gradients, wrap_ddp
 from occult.training.parallel import setup_parallel
 
 WORLD = 2
@@ -39,16 +39,19 @@ def _worker(rank: int, world: int, seed: int) -> dict:
     par = setup_parallel(ep_size=world)  # one EP group: no replicas, so "expert" gradients are only divided
     x = _batch(seed, rank)
     out = {}
-    for how in ("divided", "summed", "bucketed"):
+    for how in ("divided", "summed", "bucketed", "ddp"):
         model = _model(seed)
         dense, experts = list(model[:2].parameters()), list(model[2:].parameters())  # the last layers as "experts"
         scale = 1.0 if how == "divided" else loss_scale(par)
         bucketed = BucketedSync(dense, par.sync_group, 1) if how == "bucketed" else None
-        (_loss(model, x) * scale).backward()
+        ignore = [n for n, _ in model.named_parameters() if not n.startswith("0.")]
+        forward = wrap_ddp(model, ignore, par, summed=True) if how == "ddp" else model
+        (_loss(forward, x) * scale).backward()
         before = [p.grad.data_ptr() for p in experts], [p.grad.clone() for p in experts]
         if bucketed is not None:
             bucketed.finish()
             bucketed.close()
+        if how in ("bucketed", "ddp"):
             sync_gradients(dense, experts, par, replicated=False, average=False)
         else:
             sync_gradients(dense, experts, par, replicated=True, average=how == "divided")
@@ -68,9 +71,9 @@ def test_scaled_losses_summed_give_the_divided_gradients_bit_for_bit_and_the_glo
     sum(_loss(ref, _batch(seed, r)) for r in range(WORLD)).div(WORLD).backward()
     n_dense = len(list(ref[:2].parameters()))
     for rank, out in enumerate(got):
-        assert out["summed_experts_untouched"] and out["bucketed_experts_untouched"], (rank, seed)
-        for i, (a, b, c) in enumerate(zip(out["divided"], out["summed"], out["bucketed"])):
-            assert torch.equal(a, b) and torch.equal(a, c), (rank, i, seed)
+        assert all(out[f"{how}_experts_untouched"] for how in ("summed", "bucketed", "ddp")), (rank, seed)
+        for i, (a, b, c, d) in enumerate(zip(out["divided"], out["summed"], out["bucketed"], out["ddp"])):
+            assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d), (rank, i, seed)
         for i, (g, p) in enumerate(zip(out["summed"][:n_dense], ref.parameters())):  # dense: every rank's tokens
             tol = 1e-6 * float(p.grad.abs().max()) + 1e-12
             assert torch.allclose(g, p.grad, rtol=1e-5, atol=tol), (rank, i, seed)

@@ -162,10 +162,10 @@ def _step_parts(
     if groups is not None and routers and not (cfg.captured_step or cfg.two_batch or cfg.pair_micro_batches):
         expert_ids = {id(p) for p in experts}
         ignore = [n for n, p in model.named_parameters() if id(p) in expert_ids] + [n for n, _ in model.named_buffers()]
-        net = grads.wrap_ddp(model, ignore, groups)
+        net = grads.wrap_ddp(model, ignore, groups, summed=True)
 
-    # without DDP the sync sums what each rank's loss scaled by 1/W made: no pass dividing every gradient
-    summed = groups is not None and net is model
+    # the syncs (DDP's too) sum what each rank's loss scaled by 1/W made: no pass dividing every gradient
+    summed = groups is not None
     scale = grads.loss_scale(groups) if summed else 1.0
 
     def batch(step: int) -> torch.Tensor:
