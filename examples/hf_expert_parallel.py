@@ -24,8 +24,8 @@ What it does, on every rank:
     `--max-devices N` turns on collaboration pruning;
  5. generate greedily on each rank's own prompts (`synced_gpus=True`: ranks step together);
     with `--check`, the tokens are compared with the unconverted model's;
- 6. a short fine-tune (AdamW, `--steps` on one batch per rank): loss.backward(),
-    `hf.sync_gradients` (replicated gradients all-reduced), optimizer step; with pruning on,
+ 6. a short fine-tune (AdamW, `--steps` on one batch per rank): (loss / world).backward(),
+    `hf.sync_gradients(average=False)` (replicated gradients summed), optimizer step; with pruning on,
     only MoE blocks train (as in the paper);
  7. `--save DIR`: the standard transformers layout (experts un-permuted), loadable with plain
     `AutoModelForCausalLM.from_pretrained(DIR)`.
@@ -215,8 +215,8 @@ def run(args: argparse.Namespace, rank: int, world: int) -> None:
     for step in range(args.steps):
         loss = model(batch, labels=batch).loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        hf.sync_gradients(model)
+        (loss / world).backward()  # each rank's share of the global mean: the sync then only sums
+        hf.sync_gradients(model, average=False)  # (average=True after an unscaled backward: a pass more)
         opt.step()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
