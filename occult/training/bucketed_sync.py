@@ -5,9 +5,9 @@ that is a serial piece of every step (OLMoE's embeddings, attention and routers:
 28 GB/s). torch DDP overlaps it with the backward, but its reducer keeps host state that a step replayed from a
 CUDA graph skips (`occult.training.step_graph` refuses it). `BucketedSync` does what DDP's buckets do with no
 state beyond the step: each parameter's post-accumulate hook counts its bucket's gradients, and a bucket whose
-gradients are all in is flattened (on the backward's stream) and all-reduced on a side stream while the backward
-goes on; `finish()` (after
-the backward) launches what is left, waits for the side stream and copies the averages back.
+gradients are all in is flattened (on the backward's stream; a bucket of one gradient is not copied) and
+all-reduced on a side stream while the backward goes on; `finish()` (after the backward) launches what is left,
+waits for the side stream and copies the sums (divided by `divide`) back.
 
 A step of accumulated micro-batches runs every backward but the last inside `held()`: their gradients add up in
 `.grad` with nothing launched, and the last backward's hooks launch the sums (one all-reduce a bucket a step).
