@@ -165,6 +165,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import tt_model  # noqa: E402  (benchmarks/tt_model.py: TorchTitan's own Qwen3-MoE, EP + FSDP2)
+from _gathered_embedding import gather_embedding_grads, replicas_equal  # noqa: E402  (benchmarks/_gathered_embedding.py)
 from _grad_check import (  # noqa: E402  (benchmarks/_grad_check.py)
     gradient_check,
     reference_gradients,
@@ -574,6 +575,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "during it (occult.training.bucketed_sync, as DDP does, recordable in /stepgraph); every variant alike",
     )
     p.add_argument(
+        "--embedding-grads",
+        default="all-reduce",
+        choices=["all-reduce", "gathered"],
+        help="train, several ranks: the input embedding's gradient all-reduced with the other replicated ones, or "
+        "gathered: its backward all-gathers every rank's tokens' rows instead (benchmarks/_gathered_embedding.py, an "
+        "experiment); occult's variants, the replicated floor's too",
+    )
+    p.add_argument(
         "--accumulate",
         type=int,
         default=1,
@@ -876,13 +885,15 @@ def make_step(
     dense_sync: str = "after",
     accumulate: int = 1,
     pair: bool = False,
+    gathered_embedding: bool = False,
 ) -> Callable[[torch.Tensor], None]:
     """One prefill or train step on ids [B, S]; `captured`: the train step recorded as one CUDA graph;
     `micro_batches=2`: its forward and backward as the batch's two halves interleaved (occult.training.two_batch);
     `accumulate=K`: the train step as K micro-batches, their gradients accumulated, in turn or, `pair`, paired
     (occult.training.accumulation);
     `dense_sync="overlap"`: the replicated gradients all-reduced in buckets during the backward
-    (occult.training.bucketed_sync) instead of after it (`hf.sync_gradients`)."""
+    (occult.training.bucketed_sync) instead of after it (`hf.sync_gradients`); `gathered_embedding`: the input
+    embedding's gradient gathered in its backward and left out of both (benchmarks/_gathered_embedding.py)."""
     if phase == "prefill":
         model.eval()
         forward = logits_fn(model, logits_to_keep=1)
@@ -901,7 +912,10 @@ def make_step(
         loss = model(input_ids=ids_BS, labels=ids_BS, use_cache=False).loss
         return loss if scale == 1.0 else loss * scale
 
-    sync = gradient_sync(model, dense_sync)
+    gathered = gather_embedding_grads(model) if gathered_embedding else None
+    if gathered is not None:
+        log("  train: the input embedding's gradient gathered in its backward, left out of the dense sync")
+    sync = gradient_sync(model, dense_sync, complete=() if gathered is None else (gathered,))
 
     def train(ids_BS: torch.Tensor) -> tuple[torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
@@ -935,19 +949,20 @@ class GradientSync(NamedTuple):
     unsynced: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
-def gradient_sync(model: nn.Module, dense_sync: str) -> GradientSync:
+def gradient_sync(model: nn.Module, dense_sync: str, complete: tuple[nn.Parameter, ...] = ()) -> GradientSync:
     """How a train step sums its gradients over the ranks, each rank's loss scaled by 1/W before its backward (so
     the sums are the global-batch mean's gradients with no pass dividing them: occult.training.grads):
     `hf.sync_gradients(average=False)` after the backward ("after"), or ("overlap") the replicated gradients
     all-reduced in buckets while the (last) backward runs, on a group apart from the MoE layers' all-to-alls (every
-    rank makes it at its first such step, in the same order); the expert gradients hold every rank's share already."""
+    rank makes it at its first such step, in the same order); the expert gradients hold every rank's share already,
+    and so do the `complete` ones (a gathered embedding's)."""
     if dense_sync == "after" or dist.get_world_size() == 1:
-        return GradientSync(lambda: hf.sync_gradients(model, average=False))
+        return GradientSync(lambda: hf.sync_gradients(model, average=False, complete=complete))
     world = dist.get_world_size()
     if not _DENSE_GROUP:
         _DENSE_GROUP.append(dist.new_group(list(range(world))))
-    experts = {id(p) for p in hf.expert_parameters(model)}
-    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    whole = {id(p) for p in (*hf.expert_parameters(model), *complete)}
+    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in whole]
     bucketed = BucketedSync(dense, _DENSE_GROUP[0], 1)
     return GradientSync(bucketed.finish, bucketed.held)
 
@@ -1282,8 +1297,14 @@ def run_phase(
             args.dense_sync,
             args.accumulate,
             paired(variant),
+            args.embedding_grads == "gathered" and base_variant(variant) not in ("native", "hf-ep"),
         )
     res["phases"][phase] = out = time_phase(phase, variant, step, optimizer, built, args, cfg, ctx, check_s)
+    if phase == "train" and not titan and args.embedding_grads == "gathered" and dist.get_world_size() > 1:
+        out["embedding_replicas_equal"] = replicas_equal(model.get_input_embeddings().weight)  # (after the steps)
+        if not out["embedding_replicas_equal"]:
+            log("  train: the ranks' input embeddings differ after the steps  FAILED")
+            res["check"]["passed"] = False
     if phase == "train" and titan and step_graph(variant):  # (needs the recording: before it goes)
         peaks = peaks_now(device)  # the recorded step's; the check's eager pass beside the recording is not training
         gen = torch.Generator().manual_seed(60_000 + args.seed + dist.get_rank())

@@ -641,7 +641,7 @@ def test_stepgraph_records_the_train_step_with_the_moe_layers_eager_inside(monke
         def release(self): ...
 
     monkeypatch.setattr(e2e, "CudaRecorder", lambda device: Recorder())
-    monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model, average=True: None)
+    monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model, average=True, complete=(): None)
 
     model = _TinyLM()
     step = e2e.make_step(model, "train", torch.optim.AdamW(model.parameters()), captured=True)
@@ -680,7 +680,7 @@ def test_stepgraph_twobatch_trains_the_recorded_step_as_two_interleaved_halves(m
         return loss.detach()
 
     monkeypatch.setattr(e2e, "interleaved_backward", interleaved)
-    monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model, average=True: None)
+    monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model, average=True, complete=(): None)
 
     model = _TinyLM()
     ids = torch.randint(0, 11, (4, 3))
@@ -731,7 +731,7 @@ def test_accumulate_and_1f1b_split_the_train_step_into_micro_batches(monkeypatch
     from occult.training.accumulation import accumulate_backward as e2e_accumulate
 
     monkeypatch.setattr(e2e, "accumulate_backward", accumulate)
-    monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model, average=True: None)
+    monkeypatch.setattr(e2e.hf, "sync_gradients", lambda model, average=True, complete=(): None)
     ids = torch.randint(0, 11, (4, 3))
     want = None
     for pair in (False, True):

@@ -5,7 +5,7 @@ finding a model's MoE blocks (`moe_blocks`), and the gradient sync of a converte
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -117,7 +117,9 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def sync_gradients(model: nn.Module, group: Any = None, average: bool = True) -> None:
+def sync_gradients(
+    model: nn.Module, group: Any = None, average: bool = True, complete: Iterable[nn.Parameter] = ()
+) -> None:
     """Make every rank's gradients those of the loss summed (or averaged) over all ranks' tokens.
 
     Replicated parameters (embeddings, attention, norms, gates, shared experts, head) hold only
@@ -127,15 +129,18 @@ def sync_gradients(model: nn.Module, group: Any = None, average: bool = True) ->
     the result is the gradient of the mean over all ranks' tokens, as in data parallelism. Dividing
     is a pass over every gradient (GBs of expert gradients at OLMoE's shape): scale each rank's loss
     by 1/size before its backward and pass `average=False` for the same gradients without it (the
-    same bits where the size is a power of two).
+    same bits where the size is a power of two). `complete`: replicated parameters whose backward
+    already summed every rank's tokens into their gradients (as the experts'): left out of the
+    all-reduce, divided with the experts.
     """
     size, _ = group_size(group)
     if size == 1:
         return
     if group is None:
         group = dist.group.WORLD
-    experts = {id(p) for p in expert_parameters(model)}
-    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    whole = [*expert_parameters(model), *complete]
+    skip = {id(p) for p in whole}
+    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
     for p in replicated:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -145,6 +150,6 @@ def sync_gradients(model: nn.Module, group: Any = None, average: bool = True) ->
     for params in by_dtype.values():  # (the large gradients where they lie, the small ones flattened)
         all_reduce_in_place([p.grad for p in params], group, size if average else 1)
     if average:
-        for p in expert_parameters(model):
+        for p in whole:
             if p.grad is not None:
                 p.grad /= size
