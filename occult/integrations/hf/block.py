@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from occult.integrations.hf.families import Family, UnsupportedModelError, group_size, model_family
 from occult.moe.layer import OccultMoE
-from occult.training.grads import all_reduce_in_place
+from occult.training.grads import all_reduce_grads
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -141,14 +141,7 @@ def sync_gradients(
     whole = [*expert_parameters(model), *complete]
     skip = {id(p) for p in whole}
     replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
-    for p in replicated:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in replicated:
-        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for params in by_dtype.values():  # (the large gradients where they lie, the small ones flattened)
-        all_reduce_in_place([p.grad for p in params], group, size if average else 1)
+    all_reduce_grads(replicated, group, size if average else 1, reduce=True)  # (missing gradients as zeros)
     if average:
         for p in whole:
             if p.grad is not None:
