@@ -308,6 +308,25 @@ def time_steps(
     return slowest(times, device)
 
 
+def back_to_back(
+    step: Callable[[Any], Any], inputs: Callable[[], Any], iters: int, device: torch.device
+) -> list[float]:
+    """`iters` + 1 calls of step(inputs()) one after another, nothing waited for between them (the inputs drawn
+    first; ranks meet at a barrier once): the ms between the events recorded between calls, the first call's
+    (from an idle GPU) left out, the slowest rank's, call by call. Where the host issues a step faster than the GPU
+    runs it, each is the GPU's own time a step (its host work hidden behind the step before): the pace of a trainer
+    that reads its loss only now and then, beside `time_steps`' (every step from an idle GPU)."""
+    xs = [inputs() for _ in range(iters + 1)]
+    dist.barrier()
+    synchronize(device)
+    watch = Stopwatch(device)
+    watch.mark()
+    for x in xs:
+        step(x)
+        watch.mark()
+    return slowest([watch.ms(i, i + 1) for i in range(1, iters + 1)], device)
+
+
 def host_times(step: Callable[[Any], Any], inputs: Callable[[], Any], iters: int, device: torch.device) -> list[float]:
     """`iters` calls of step(inputs()), each from an idle GPU (ranks meeting at a barrier, the device
     synchronised): the host ms from the call to its return, what issuing a step costs the host with nothing

@@ -176,6 +176,7 @@ from _replay_check import replay_check  # noqa: E402  (benchmarks/_replay_check.
 from _roofline import ModelCost, measure_peaks, rate  # noqa: E402  (benchmarks/_roofline.py: MFU, bandwidth)
 from _timing import (  # noqa: E402,F401  (benchmarks/_timing.py; decode.py and serve.py import some from here)
     Truth,
+    back_to_back,
     checked,
     finish,
     fp32_copy_logits,
@@ -1020,6 +1021,17 @@ def host_time(
     return {"host_ms_per_step": ms, "host_ms_per_moe_call": ms / calls if calls else None}
 
 
+def back_to_back_time(
+    step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device, shared: bool
+) -> dict:
+    """Median, p10, p90 ms a step over --iters steps issued back to back (`_timing.back_to_back`): where the host
+    keeps ahead, the GPU's own time a step (a trainer that reads its loss only now and then), beside
+    `time_steps`' steps from an idle GPU, which also pay the host's issue before the GPU's first kernel."""
+    inputs = fresh_ids(args, vocab, device, shared, 70_000)
+    q = quantiles(back_to_back(step, inputs, args.iters, device), [0.5, 0.1, 0.9])
+    return {"ms_back_to_back_median": q[0], "ms_back_to_back_p10": q[1], "ms_back_to_back_p90": q[2]}
+
+
 def first_step_s(
     step: Callable[[torch.Tensor], None], args: argparse.Namespace, vocab: int, device: torch.device
 ) -> float:
@@ -1348,6 +1360,7 @@ def time_phase(
             out["compile_s"] += max(0.0, check_s - out["ms_median"] / 1e3)
     passes = args.accumulate if phase == "train" else 1  # (two halves: still counted as one pass)
     out.update(host_time(step, args, cfg.vocab_size, device, shared, ctx["cost"], phase, passes))
+    out.update(back_to_back_time(step, args, cfg.vocab_size, device, shared))
     # each layer's calls a step, as comm_stats counts them (a captured prefill's: its eager check, one whole batch)
     calls = (1 if phase == "prefill" and is_graphed(variant) else micro_batches(variant)) * passes
     out["comm"] = built.model.comm_stats() if built.titan else comm_stats(built.model, device, calls)
@@ -1362,7 +1375,8 @@ def time_phase(
     log(
         f"  {phase}: {out['ms_median']:.2f} ms (p10 {out['ms_p10']:.2f}, p90 {out['ms_p90']:.2f}), "
         f"{out['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {out['tflops_per_s']:.1f} TFLOP/s, MFU "
-        f"{out['mfu']:.1%}; host {out['host_ms_per_step']:.2f} ms a step from an idle GPU"
+        f"{out['mfu']:.1%}; host {out['host_ms_per_step']:.2f} ms a step from an idle GPU; back to back "
+        f"{out['ms_back_to_back_median']:.2f} ms a step"
         + (f", {out['host_ms_per_moe_call']:.3f} per MoE call" if out["host_ms_per_moe_call"] else "")
     )
     return out
@@ -1387,18 +1401,23 @@ def fastest_floor(results: dict[str, dict], phase: str) -> float | None:
     return min(timed) if timed else None
 
 
+def back_to_back_ms(t: dict) -> str:
+    """A phase's back-to-back median for the table ("-" in files from before it was measured)."""
+    return f"{t['ms_back_to_back_median']:.2f}" if "ms_back_to_back_median" in t else "-"
+
+
 def table(results: dict[str, dict], phases: list[str]) -> str:
-    """Markdown: variant x phase -> ms (p10-p90), tokens/s/GPU, speed-up over native (native ms / ms), MFU,
-    ratio to the job's floor (its fastest replicated variant in that phase, e.g. replicated/compile/stepgraph),
-    rows sent."""
+    """Markdown: variant x phase -> ms (p10-p90), back-to-back ms, tokens/s/GPU, speed-up over native (native ms /
+    ms), MFU, ratio to the job's floor (its fastest replicated variant in that phase, e.g.
+    replicated/compile/stepgraph), rows sent."""
     lines = [
-        "| variant | phase | ms median (p10-p90) | tokens/s/GPU | native/this | MFU | x floor | "
+        "| variant | phase | ms median (p10-p90) | back to back | tokens/s/GPU | native/this | MFU | x floor | "
         "rows sent/step/GPU (remote) | check median / p95 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, r in results.items():
         if "skipped" in r:
-            lines.append(f"| {v} | - | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {v} | - | skipped: {r['skipped']} | | | | | | | |")
             continue
         chk = f"{r['check']['median_rel_err']:.1e} / {r['check']['p95_rel_err']:.1e}" + (
             "" if r["check"]["passed"] else " FAILED"
@@ -1406,7 +1425,7 @@ def table(results: dict[str, dict], phases: list[str]) -> str:
         for ph in phases:
             t = r["phases"].get(ph)
             if t is None:
-                lines.append(f"| {v} | {ph} | not timed | | | | | | {chk} |")
+                lines.append(f"| {v} | {ph} | not timed | | | | | | | {chk} |")
                 continue
             floor = fastest_floor(results, ph)
             ratio = f"{t['ms_median'] / floor:.3f}" if floor else "-"
@@ -1423,7 +1442,7 @@ def table(results: dict[str, dict], phases: list[str]) -> str:
                 else "-"
             )
             lines.append(
-                f"| {v} | {ph} | {t['ms_median']:.2f} ({t['ms_p10']:.2f}-{t['ms_p90']:.2f}) | "
+                f"| {v} | {ph} | {t['ms_median']:.2f} ({t['ms_p10']:.2f}-{t['ms_p90']:.2f}) | {back_to_back_ms(t)} | "
                 f"{t['tokens_per_s_per_gpu']:,.0f} | {speedup} | {mfu} | {ratio} | {rows} | {chk} |"
             )
     return "\n".join(lines)

@@ -79,6 +79,7 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
             t = v["phases"][phase]
             assert 0 < t["ms_p10"] <= t["ms_median"] <= t["ms_p90"], (name, phase, t)
             assert len(t["ms_all"]) == 2 and t["tokens_per_s_per_gpu"] > 0
+            assert 0 < t["ms_back_to_back_p10"] <= t["ms_back_to_back_median"] <= t["ms_back_to_back_p90"]
             calls = 2 * (2 if phase == "train" else 1)  # 2 MoE layers; a training step calls each twice
             assert t["host_ms_per_step"] > 0
             assert t["host_ms_per_moe_call"] == pytest.approx(t["host_ms_per_step"] / calls)
@@ -109,7 +110,8 @@ def test_e2e_tiny_every_variant_and_phase(tmp_path):
         line.startswith("| replicated | prefill |") for line in last
     )
     native_row = next(line for line in last if line.startswith("| native | prefill |")).split("|")
-    assert native_row[5].strip() == "1.00" and native_row[6].strip().endswith("%")  # native/this, MFU
+    assert native_row[6].strip() == "1.00" and native_row[7].strip().endswith("%")  # native/this, MFU
+    assert float(native_row[4]) > 0  # back to back
 
 
 def test_e2e_unknown_variant_fails_clearly(capsys):
