@@ -226,9 +226,10 @@ def titan_dispatcher_cells(timed: dict[str, float]) -> tuple[str, ...] | None:
 
 
 def fastest_one_rank(doc: dict, timed: dict[str, float], phase: str) -> str:
-    """transformers compiled / occult's fastest compiled one-rank variant (e.g. `/stepgraph`), named, with the
-    optimizer and loss each side took where the file records them (e2e.py --optimizer adamw: occult's AdamW for
-    occult's variants since session 22; --loss occult: occult's cross-entropy since session 43); "-" without both."""
+    """transformers compiled / occult's fastest compiled one-rank variant (e.g. `/stepgraph`), named (and the same
+    two timed back to back, where the file has them), with the optimizer and loss each side took where the file
+    records them (e2e.py --optimizer adamw: occult's AdamW for occult's variants since session 22; --loss occult:
+    occult's cross-entropy since session 43); "-" without both."""
     compiled = {v: ms for v, ms in timed.items() if v.startswith("replicated/compile")}
     if "native/compile" not in timed or not compiled:
         return "-"
@@ -238,6 +239,9 @@ def fastest_one_rank(doc: dict, timed: dict[str, float], phase: str) -> str:
     for v in ("native/compile", name):
         parts = [doc["variants"][v]["phases"][phase].get("optimizer"), doc["variants"][v].get("loss")]
         sides.append(" + ".join(p for p in parts if p))
+    steady = [doc["variants"][v]["phases"][phase].get("ms_back_to_back_median") for v in ("native/compile", name)]
+    if all(steady):  # (e2e.py since session 47: the steps also issued back to back)
+        cell += f", back to back {fmt_ratio(*steady)}"
     return cell + (f", {sides[0]} / {sides[1]}" if all(sides) else "")
 
 

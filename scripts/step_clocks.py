@@ -2,7 +2,8 @@
 side, the power cap?).
 
 Runs `benchmarks/e2e.py ARGS...` with every step e2e.py times (its `time_steps`: warm-up and timed steps of each
-variant and phase, in e2e.py's order) also timed by CUDA events, while a thread reads NVML every 2 ms: SM clock,
+variant and phase, in e2e.py's order) also timed by CUDA events, and each of its back-to-back runs (`back_to_back`)
+as one window ("b2b K / xN": the K-th, N calls), while a thread reads NVML every 2 ms: SM clock,
 power, clock-throttle reasons (0x4: the software power cap), temperature. Writes one row per step to OUT.md (the
 timed run, its step (w: warm-up), GPU ms, host ms of the call, SM MHz min / median, W median / max, throttle
 reasons, °C), then each run's energy per timed step and mean power (NVML's energy counter, read by a thread of
@@ -91,6 +92,12 @@ def run_energy(runs: list, samples: list) -> list[str]:
     to the last one's GPU end (the gaps between steps, batch and barrier, counted with them)."""
     out = []
     for run in dict.fromkeys(label.split(" / ")[0] for *_, label in runs):
+        if run.startswith("b2b"):  # one window of N calls back to back (`clocked_back_to_back`)
+            (r,) = [r for r in runs if r[4].startswith(f"{run} / ")]
+            start, end, calls = r[0], r[0] + r[2].elapsed_time(r[3]) / 1e3, int(r[4].split(" / x")[1])
+            joules = joules_over(samples, start, end)
+            out.append(f"| {run} | {joules / calls:.2f} | {joules / (end - start):.0f} |")
+            continue
         timed = [r for r in runs if r[4].startswith(f"{run} / ") and "w" not in r[4]]
         if not timed:
             continue
@@ -127,6 +134,34 @@ def clocked(plain, runs: list):
     return clocked_steps
 
 
+def clocked_back_to_back(plain, runs: list):
+    """e2e.py's `back_to_back` with its whole window timed by CUDA events and its calls counted (`runs`: as
+    `clocked`'s, one entry labelled "b2b K / xN", the K-th back-to-back run of N calls, the first from an idle GPU
+    among them)."""
+    import torch
+
+    count = [0]
+
+    def clocked_run(step, inputs, iters, device):
+        count[0] += 1
+        calls = [0]
+
+        def counted(x):
+            calls[0] += 1
+            return step(x)
+
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        ms = plain(counted, inputs, iters, device)
+        end.record()
+        runs.append((t0, time.perf_counter(), start, end, f"b2b {count[0]} / x{calls[0]}"))
+        return ms
+
+    return clocked_run
+
+
 def main() -> int:
     if len(sys.argv) < 3 or sys.argv[2] != "--":
         print(__doc__, file=sys.stderr)
@@ -146,6 +181,7 @@ def main() -> int:
     threading.Thread(target=sampler, args=(handle, samples, stop), daemon=True).start()
     threading.Thread(target=energy_sampler, args=(handle, energy, stop), daemon=True).start()
     _timing.time_steps = clocked(_timing.time_steps, runs)
+    _timing.back_to_back = clocked_back_to_back(_timing.back_to_back, runs)
     sys.argv = [str(ROOT / "benchmarks" / "e2e.py"), *argv]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")

@@ -57,3 +57,19 @@ def test_a_runs_energy_is_its_timed_steps_from_the_counter_between_them():
     seconds = starts[-1] + ms / 1e3 - starts[2]
     assert cells[0] == "1" and abs(float(cells[1]) - watts * seconds / 3) < 0.02 and abs(float(cells[2]) - watts) < 1
     assert step_clocks.joules_over(samples, t0 - 5, t0 - 4) == 0.0  # before the samples: the first reading
+
+
+def test_a_back_to_back_windows_energy_is_per_call():
+    """A back-to-back run is one window of N calls ("b2b K / xN"): its energy per call is the counter over the
+    window divided by N, its power the window's mean; the step runs beside it keep their own rows."""
+    rng = random.Random()
+    watts, t0, calls = rng.uniform(300, 700), rng.uniform(10, 20), rng.randint(5, 12)
+    samples = [(t0 + 0.02 * i, round(1e6 + watts * 1e3 * 0.02 * i)) for i in range(400)]
+    ms = rng.uniform(1000, 2000)
+    window = (t0 + 1, t0 + 3, Elapsed(ms), None, f"b2b 1 / x{calls}")
+    runs = [(t0 + 0.5, t0 + 0.501, Elapsed(100.0), None, "1 / 1"), window]
+    step_row, window_row = step_clocks.run_energy(runs, samples)
+    assert step_row.startswith("| 1 |")
+    cells = [c.strip() for c in window_row.strip("|").split("|")]
+    assert cells[0] == "b2b 1"
+    assert abs(float(cells[1]) - watts * ms / 1e3 / calls) < 0.02 and abs(float(cells[2]) - watts) < 1
