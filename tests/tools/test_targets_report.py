@@ -4,6 +4,7 @@ JSON (synthetic reports)."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -350,8 +351,27 @@ def test_one_gpu_is_not_a_verdict_and_missing_runs_are_listed(tmp_path):
             want,
             "met" if ms < 150 else "MISSED",
         ]
+        assert not any("back to back" in r[0] for r in alone)  # (files from before e2e.py timed them)
     missing = {r[0] for r in rows if r[2] == "not measured"}
     assert {"36: whole model ...", "37: EP decode step ...", "38: EP dedup ...", "38: one migration ..."} <= missing
+
+
+def test_one_gpu_back_to_back_is_its_own_row_beside_the_idle_one(tmp_path):
+    """A file with both sides also timed back to back (e2e.py since session 47): a second verdict on the same pair,
+    from those medians, never instead of the steps from an idle GPU."""
+    rng = random.Random()
+    idle, steady = rng.uniform(140, 150), rng.uniform(150, 160)
+    doc = e2e("olmoe", 1, False, {"native/compile": (47.0, 187.0), "replicated/compile/stepgraph": (40.0, idle)})
+    for v, ms in (("native/compile", 186.0), ("replicated/compile/stepgraph", steady)):
+        doc["variants"][v]["phases"]["train"]["ms_back_to_back_median"] = ms
+    (tmp_path / "e2e.json").write_text(json.dumps(doc))
+    got = {r[0]: r for r in rows_of(targets_report.report([str(tmp_path)])) if r[0].startswith("52: one GPU")}
+    what = "52: one GPU (olmoe), transformers + compile_layers / occult compiled, train"
+    assert set(got) == {f"{what}: >= 1.25", f"{what}, back to back: >= 1.25"}
+    rows = [got[f"{what}: >= 1.25"], got[f"{what}, back to back: >= 1.25"]]
+    assert rows[0][1].startswith(f"{187.0 / idle:.3f}x") and rows[0][2] == ("met" if 187.0 / idle >= 1.25 else "MISSED")
+    assert rows[1][1] == f"{186.0 / steady:.3f}x (186.00 vs replicated/compile/stepgraph {steady:.2f} ms)"
+    assert rows[1][2] == ("met" if 186.0 / steady >= 1.25 else "MISSED")
 
 
 def test_cli_writes_markdown_and_rejects_a_missing_path(tmp_path):
