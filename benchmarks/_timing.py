@@ -266,6 +266,11 @@ class Stopwatch:
         else:
             self.marks.append(time.perf_counter())
 
+    def wait(self, mark: int) -> None:
+        """Until the GPU has reached mark `mark` (nothing to wait for on CPU)."""
+        if self.cuda:
+            self.marks[mark].synchronize()
+
     def ms(self, start: int, end: int) -> float:
         """Milliseconds between marks `start` and `end` (waits for the last mark on GPUs)."""
         a, b = self.marks[start], self.marks[end]
@@ -311,17 +316,20 @@ def time_steps(
 def back_to_back(
     step: Callable[[Any], Any], inputs: Callable[[], Any], iters: int, device: torch.device
 ) -> list[float]:
-    """`iters` + 1 calls of step(inputs()) one after another, nothing waited for between them (the inputs drawn
-    first; ranks meet at a barrier once): the ms between the events recorded between calls, the first call's
-    (from an idle GPU) left out, the slowest rank's, call by call. Where the host issues a step faster than the GPU
-    runs it, each is the GPU's own time a step (its host work hidden behind the step before): the pace of a trainer
-    that reads its loss only now and then, beside `time_steps`' (every step from an idle GPU)."""
+    """`iters` + 1 calls of step(inputs()) one after another, the GPU never waited for but to keep at most two calls
+    in flight (a host far ahead would hold more memory; the inputs drawn first; ranks meet at a barrier once): the
+    ms between the events recorded between calls, the first call's (from an idle GPU) left out, the slowest rank's,
+    call by call. Where the host issues a step faster than the GPU runs it, each is the GPU's own time a step (its
+    host work hidden behind the step before): the pace of a trainer that reads its loss only now and then, beside
+    `time_steps`' (every step from an idle GPU)."""
     xs = [inputs() for _ in range(iters + 1)]
     dist.barrier()
     synchronize(device)
     watch = Stopwatch(device)
     watch.mark()
-    for x in xs:
+    for j, x in enumerate(xs):
+        if j >= 2:
+            watch.wait(j - 1)  # (call j - 2 has ended: j - 1 still runs while j is issued)
         step(x)
         watch.mark()
     return slowest([watch.ms(i, i + 1) for i in range(1, iters + 1)], device)
