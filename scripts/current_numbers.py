@@ -68,7 +68,14 @@ TABLES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         "Whole models on several GPUs (`benchmarks/e2e.py`): occult's fastest expert-parallel variant / the "
         "fastest replicated floor (no expert traffic) of the same job (lower is better, 1.0 = the floor)",
         ("GPUs", "link", "model", "phase"),
-        ("EP / floor", "fastest EP variant", "floor", "standard / fastest dedup", "host ms per MoE call (fastest EP)"),
+        (
+            "EP / floor",
+            "fastest EP variant",
+            "floor",
+            "standard / fastest dedup",
+            "host ms per MoE call (fastest EP)",
+            "the same two back to back",
+        ),
     ),
     "native": (
         "Whole models against plain transformers (`benchmarks/e2e.py`, `native`): transformers' time / occult's",
@@ -194,6 +201,7 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
                 f"{floor[0]} {floor[1]:.2f} ms",
                 std,
                 "-" if host is None else f"{host:.3f}",
+                back_to_back_ratio(doc, phase, best[0], floor[0]),
             )
             yield Figure("ep", key, cells)
         eager = "native" in timed and "replicated" in timed
@@ -211,6 +219,13 @@ def e2e_figures(doc: dict, link: str) -> Iterator[Figure]:
             yield Figure("torchtitan", key, (fmt_ratio(tt, ours[1], "", ours[0]),))
         if cells := titan_dispatcher_cells(timed):
             yield Figure("torchtitan_dispatcher", key, cells)
+
+
+def back_to_back_ratio(doc: dict, phase: str, mine: str, floor: str) -> str:
+    """`mine` over `floor` timed back to back (e2e.py since session 47: the steps issued one after another, the
+    host's issue hidden where it keeps ahead), "-" in files without it."""
+    steady = [doc["variants"][v]["phases"][phase].get("ms_back_to_back_median") for v in (mine, floor)]
+    return f"{steady[0] / steady[1]:.3f}x ({steady[0]:.2f} / {steady[1]:.2f} ms)" if all(steady) else "-"
 
 
 def titan_dispatcher_cells(timed: dict[str, float]) -> tuple[str, ...] | None:

@@ -318,7 +318,19 @@ def test_the_fastest_ep_variants_host_time_per_moe_call_is_shown(tmp_path: Path)
     row = next(line for line in page.splitlines() if "dedup@device 10.50 ms" in line)
     assert "| 0.125 |" in row and "0.900" not in page
     old_row = next(line for line in page.splitlines() if line.startswith("| 4 |"))
-    assert "| 1.100x | dedup 11.00 ms | replicated 10.00 ms | - | - |" in old_row
+    assert "| 1.100x | dedup 11.00 ms | replicated 10.00 ms | - | - | - |" in old_row
+
+
+def test_the_ep_ratio_back_to_back_is_the_same_two_variants(tmp_path: Path) -> None:
+    """e2e.py since session 47 also times each phase back to back: the page gives the fastest EP variant over the
+    floor (both chosen on the steps from an idle GPU) from those medians too, never another pair's."""
+    job = e2e(2, {"replicated": 10.0, "replicated/compile": 9.0, "dedup": 11.0, "dedup@device": 10.5})
+    for v, ms in (("replicated", 8.0), ("replicated/compile", 8.5), ("dedup", 7.0), ("dedup@device", 9.35)):
+        job["variants"][v]["phases"]["prefill"]["ms_back_to_back_median"] = ms
+    write(tmp_path, {"new.json": job}, {"new.json": prov("2026-12-01T00:00:00+00:00")})
+    page = current_numbers.render(tmp_path, tmp_path / "provenance.json")
+    row = next(line for line in page.splitlines() if "dedup@device 10.50 ms" in line)
+    assert row.count("|") > 10 and "| 1.100x (9.35 / 8.50 ms) |" in row
 
 
 def test_a_train_step_of_accumulated_micro_batches_is_its_own_question(tmp_path: Path) -> None:
