@@ -2,7 +2,7 @@
 # Every multi-GPU measurement the open issues still need, one part per device call (each part is
 # sized for the device tool's 10-minute limit). Run on a machine with 2 or 4 GPUs, repo root:
 #
-#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | placed-slow | host-slow | host-profile | host-stall | peer | train | train-slow | serve | serve-slow | probe | scale
+#   bash scripts/multi_gpu_runs.sh PART OUT        PART: suite | e2e | e2e-slow | graph | decode | publish | publish-slow | current | current-slow | issue52 | defer | twobatch | interleave | pair | grid | trace | titan | titan-slow | titan-slow-compiled | titan-profile | placed-slow | host-slow | host-profile | host-stall | peer | train | train-slow | serve | serve-slow | probe | scale
 #   DRY_RUN=1 bash scripts/multi_gpu_runs.sh all /tmp/x   # print the commands of every part
 #
 # suite     the GPU suite over NCCL, one rank per GPU (two-level cases need 4 GPUs)     issues 14-18
@@ -23,6 +23,14 @@
 #           Qwen3 also torchtitan, torchtitan+occult (carry .whl); publish-slow: NCCL_P2P_DISABLE=1 (auto
 #           then takes the count exchange, whose host wait rules out layer graphs; so also the sync-free
 #           layer replayed from its graphs, dedup@syncfree/layergraphs/compile)
+# current   issues 52 and 53 as they stand: each whole-model target's fastest variant so far beside its floor, one job
+#           per model and phase (both carry the back-to-back times; carry .whl for TorchTitan; ~7 min on 2 GPUs):
+#           training (replicated/compile/stepgraph, dedup@syncfree/compile/stepgraph/deferwgrad; Qwen3 also
+#           torchtitan and torchtitan/compile) and prefill (replicated/compile/graph, dedup@syncfree/compile/graph,
+#           dedup@device/compile), NVLink
+# current-slow  the same targets under NCCL_P2P_DISABLE=1 (~7 min on 2 GPUs): prefill as K = 4 interleaved
+#           micro-batches on the host transport (OLMoE with the trained trace's routing: carry TRACE as for
+#           placed-slow), training as two halves on the host transport with the dense sync in the backward
 # issue52   issue 52's training targets, NVLink, one model a call (MODELS=olmoe, then MODELS=qwen3; ~7 min
 #           each): e2e.py prefill and train against the floor of today's code (replicated/compile: one-rank
 #           MoE blocks traced into their layers), the EP layers eager (dedup@device/compile) and replayed
@@ -113,8 +121,8 @@ set -uo pipefail
 part=${1:?usage: multi_gpu_runs.sh PART OUT}
 out=${2:?usage: multi_gpu_runs.sh PART OUT}
 case $part in  # checked first: the parts below fall through (;;&), so a catch-all there would match every part
-  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|placed-slow|host-slow|host-profile|host-stall|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
-  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, placed-slow, host-slow, host-profile, host-stall, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
+  suite|e2e|e2e-slow|graph|decode|publish|publish-slow|current|current-slow|issue52|defer|twobatch|interleave|pair|grid|trace|titan|titan-slow|titan-slow-compiled|titan-profile|placed-slow|host-slow|host-profile|host-stall|peer|train|train-slow|serve|serve-slow|probe|scale|all) ;;
+  *) echo "multi_gpu_runs.sh: unknown part '$part' (suite, e2e, e2e-slow, graph, decode, publish, publish-slow, current, current-slow, issue52, defer, twobatch, interleave, pair, grid, trace, titan, titan-slow, titan-slow-compiled, titan-profile, placed-slow, host-slow, host-profile, host-stall, peer, train, train-slow, serve, serve-slow, probe, scale, all)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
@@ -171,6 +179,31 @@ case $part in
         run "publish_${model}_$link" "${PUBLISH_TIMEOUT_S:-540}" env $env_ $tr benchmarks/e2e.py --model $model \
           --variants $variants --out "$out/e2e_${model}_${link}_${n}gpu.json"
       done
+    done ;;&
+  current|all)  # issues 52 and 53, NVLink: every whole-model target's fastest variant so far beside its floor
+    if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      export PYTHONPATH=$PYTHONPATH:/tmp/site
+    fi
+    for model in ${MODELS:-olmoe qwen3}; do
+      train=replicated/compile/stepgraph,dedup@syncfree/compile/stepgraph/deferwgrad
+      [ $model = qwen3 ] && train=$train,torchtitan,torchtitan/compile
+      run "current_${model}_train_nvlink" 330 $tr benchmarks/e2e.py --model $model --phases train --variants $train \
+        --out "$out/e2e_${model}_train_current_nvlink_${n}gpu.json"
+      run "current_${model}_prefill_nvlink" 200 $tr benchmarks/e2e.py --model $model --phases prefill \
+        --variants replicated/compile/graph,dedup@syncfree/compile/graph,dedup@device/compile \
+        --out "$out/e2e_${model}_prefill_current_nvlink_${n}gpu.json"
+    done ;;&
+  current-slow|all)  # the same targets on the slow link: the host transport's schedules
+    trace=${TRACE:-docs/results/fourgpu/lm_trace_e64_k8.safetensors}
+    for model in ${MODELS:-olmoe qwen3}; do
+      routing=""; [ $model = olmoe ] && routing="--router-trace $trace"
+      run "current_${model}_prefill_slow" 200 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model $model \
+        --phases prefill $routing --variants replicated/compile/graph,dedup@host/compile/interleave4 \
+        --out "$out/e2e_${model}_prefill_current_slow_${n}gpu.json"
+      run "current_${model}_train_slow" 240 env NCCL_P2P_DISABLE=1 $tr benchmarks/e2e.py --model $model --phases train \
+        --dense-sync overlap --variants replicated/compile/stepgraph,dedup@host/compile/stepgraph/twobatch/deferwgrad \
+        --out "$out/e2e_${model}_train_current_slow_${n}gpu.json"
     done ;;&
   issue52|all)  # issue 52's training targets against today's floor (docs/training.md)
     if [ -d .whl ] && [ "${DRY_RUN:-0}" != 1 ]; then

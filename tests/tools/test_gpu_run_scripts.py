@@ -52,6 +52,8 @@ def _run(script: str, part: str, out: Path, **env: str) -> subprocess.CompletedP
                 "decode",
                 "publish",
                 "publish-slow",
+                "current",
+                "current-slow",
                 "issue52",
                 "interleave",
                 "placed-slow",
