@@ -160,7 +160,7 @@ def _step_parts(run: TrainRun) -> StepParts:
             else:
                 lm = forward(*xy, return_logits=False)
                 out = StepLoss(lm.loss + cfg.aux_loss_coef * lm.aux_loss, lm.loss, lm.aux_loss)
-        return out if scale == 1.0 else StepLoss(out.total * scale, out.logged, out.aux)
+        return out.scaled(scale)
 
     def sync() -> None:
         if bucketed is not None:

@@ -82,6 +82,11 @@ class StepLoss:
     logged: torch.Tensor
     aux: torch.Tensor | None = None
 
+    def scaled(self, factor: float) -> StepLoss:
+        """The backward's loss times `factor` (a rank's share of the global mean: `occult.training.grads.loss_scale`),
+        the logged ones as they are; itself where `factor` is 1."""
+        return self if factor == 1.0 else StepLoss(self.total * factor, self.logged, self.aux)
+
 
 def split_batch(batch: Any, parts: int) -> tuple[Any, ...]:
     """A batch's `parts` equal micro-batches along its first dimension: a tensor, or a tuple or list of them (e.g.

@@ -166,7 +166,7 @@ def _step_parts(
 
     # the syncs (DDP's too) sum what each rank's loss scaled by 1/W made: no pass dividing every gradient
     summed = groups is not None
-    scale = grads.loss_scale(groups) if summed else 1.0
+    scale = grads.loss_scale(groups)  # (1 on one process)
 
     def batch(step: int) -> torch.Tensor:
         return to_device(batch_rows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step, rank, W), device)
@@ -188,7 +188,7 @@ def _step_parts(
         total = ce if aux is None else ce + cfg.aux_loss_coef * aux
         if target is not None:
             total = total + cfg.distill_weight * distill_kl(logits, target, cfg.distill_temperature)
-        return StepLoss(total * scale if summed else total, ce, aux)
+        return StepLoss(total, ce, aux).scaled(scale)
 
     def sync() -> None:
         if groups is not None:  # DDP (when routers train) has averaged the routers when the backward returns
