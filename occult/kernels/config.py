@@ -27,7 +27,6 @@ class TileConfig:
     flatten: bool = False  # persistent kernels: flatten the tile loop and the K loop into one pipeline
     ctas_per_sm: int = 1  # persistent kernels: programs launched per SM (more only if smem/regs allow)
     split: int = 1  # `dgrad1`: epilogue in this many column slices of the tile (1 or 2)
-    warp_specialize: bool = False  # kernels.swiglu_tma: Triton's warp-specialised tile loop (loads, MMA, epilogue)
 
 
 # name -> config on a CUDA device: the winners of `benchmarks/bench_kernels.py --sweep` at the

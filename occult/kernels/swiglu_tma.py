@@ -91,7 +91,6 @@ def _gemm1_swiglu_kernel(
     GROUP_M: tl.constexpr,
     E_POW2: tl.constexpr,
     FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[bound, H], strides=[H, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(
@@ -102,7 +101,7 @@ def _gemm1_swiglu_kernel(
     e, lo, hi, ntiles, cum = tile_schedule(offsets_ptr, num_experts, BLOCK_M, E_POW2)
     tiles_m = tl.sum(ntiles, axis=0)
     tiles_n = tl.cdiv(F, BLOCK_N)
-    for tile in tl.range(pid, tiles_m * tiles_n, nprog, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(pid, tiles_m * tiles_n, nprog, flatten=FLATTEN):
         tile_m, tile_n = grouped_pid(tile, tiles_m, tiles_n, GROUP_M)
         expert, m_start, m_end = tile_lookup(e, lo, hi, ntiles, cum, tile_m, BLOCK_M)
         row_a = expert * 2 * F + tile_n * BLOCK_N  # the tile's gate rows of gate_up; its up rows F further
@@ -154,7 +153,6 @@ def _swiglu_dgrad_kernel(
     E_POW2: tl.constexpr,
     FLATTEN: tl.constexpr,
     SPLIT: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[bound, H], strides=[H, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(
@@ -165,7 +163,7 @@ def _swiglu_dgrad_kernel(
     e, lo, hi, ntiles, cum = tile_schedule(offsets_ptr, num_experts, BLOCK_M, E_POW2)
     tiles_m = tl.sum(ntiles, axis=0)
     tiles_n = tl.cdiv(F, BLOCK_N)
-    for tile in tl.range(pid, tiles_m * tiles_n, nprog, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(pid, tiles_m * tiles_n, nprog, flatten=FLATTEN):
         tile_m, tile_n = grouped_pid(tile, tiles_m, tiles_n, GROUP_M)
         expert, m_start, m_end = tile_lookup(e, lo, hi, ntiles, cum, tile_m, BLOCK_M)
         first_n = tile_n * BLOCK_N
@@ -232,7 +230,6 @@ def gemm1_swiglu(
         GROUP_M=cfg.group_m,
         E_POW2=e_pow2(num_experts),
         FLATTEN=cfg.flatten,
-        WARP_SPECIALIZE=cfg.warp_specialize and not _config.interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -279,7 +276,6 @@ def swiglu_dgrad(
         E_POW2=e_pow2(num_experts),
         FLATTEN=cfg.flatten,
         SPLIT=cfg.split,
-        WARP_SPECIALIZE=cfg.warp_specialize and not _config.interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
