@@ -246,7 +246,6 @@ def check(prob, device):
 
 def gemm_parts(prob):
     """Pre-built pair lists and buffers to time each kernel alone."""
-    from occult.kernels import swiglu_tma
     from occult.kernels.combine import combine_rows
     from occult.kernels.grouped_gemm import gather_gemm_swiglu, gemm_scatter
     from occult.kernels.grouped_gemm_backward import swiglu_dgrad, weight_grad
@@ -300,13 +299,6 @@ def gemm_parts(prob):
                 "wgrad_down_grouped_mm_gathered": lambda: grouped_weight_grad(dy_rows, h, offsets),
             }
         )
-    if swiglu_tma.fits(x, w1, w2) and (wgrad_gmm or dgrad_gmm):  # (kernels.swiglu_tma: Hopper, 2-byte floats)
-        parts["gemm1_tma"] = lambda: swiglu_tma.gemm1_swiglu(
-            gather_pair_rows(x, pair, offsets, K), w1, pair, offsets, g
-        )
-        parts["dgrad1_tma"] = lambda: swiglu_tma.swiglu_dgrad(
-            gather_pair_rows(dy, pair, offsets, K, out=rows), w2, ab, pair, offsets, g
-        )
     parts["dgrad1"] = parts["dgrad1_grouped_mm" if dgrad_gmm else "dgrad1_triton"]
     parts["wgrad_gate_up"] = parts["wgrad_gate_up_grouped_mm" if wgrad_gmm else "wgrad_gate_up_triton"]
     parts["wgrad_down"] = parts[
@@ -333,10 +325,6 @@ def part_flops(prob):
     return {
         "gemm1": 4 * P * H * F,
         "gemm1_save": 4 * P * H * F,
-        "gemm1_grouped_mm": 4 * P * H * F,
-        "fwdbwd": 18 * P * H * F,
-        "gemm1_tma": 4 * P * H * F,
-        "dgrad1_tma": 2 * P * H * F,
         "gemm2": 2 * P * H * F,
         "dgrad1": 2 * P * H * F,
         "dgrad2": 4 * P * H * F,
@@ -422,15 +410,12 @@ def dense_variants(prob):
 ENERGY_ROWS = (
     ("GEMM 1, fused gather Triton", "kernels.gemm1", "gemm1"),
     ("GEMM 1, copy + _grouped_mm + SwiGLU", "kernels.gemm1_grouped_mm", "gemm1"),
-    ("GEMM 1, copy + TMA, SwiGLU epilogue", "kernels.gemm1_tma", "gemm1"),
     ("GEMM 1, _grouped_mm alone", "grouped_mm.gemm1", "gemm1"),
     ("GEMM 1, dense mm", "dense.gemm1", "gemm1"),
     ("GEMM 2, Triton gemm_scatter", "kernels.gemm2", "gemm2"),
     ("GEMM 2, _grouped_mm alone", "grouped_mm.gemm2", "gemm2"),
     ("GEMM 2, dense mm", "dense.gemm2", "gemm2"),
     ("dgrad of GEMM 2 (u), as the op runs it", "kernels.dgrad1", "dgrad1"),
-    ("dgrad of GEMM 2, dy gather + _grouped_mm + pass", "kernels.dgrad1_grouped_mm", "dgrad1"),
-    ("dgrad of GEMM 2, dy gather + TMA, epilogue", "kernels.dgrad1_tma", "dgrad1"),
     ("dgrad of GEMM 2, dense mm", "dense.dgrad1", "dgrad1"),
     ("dgrad of GEMM 1, Triton gemm_scatter", "kernels.dgrad2", "dgrad2"),
     ("dgrad of GEMM 1, dense mm", "dense.dgrad2", "dgrad2"),
@@ -438,8 +423,6 @@ ENERGY_ROWS = (
     ("wgrad gate_up, dense mm", "dense.wgrad_gate_up", "wgrad_gate_up"),
     ("wgrad down, as the op runs it", "kernels.wgrad_down", "wgrad_down"),
     ("wgrad down, dense mm", "dense.wgrad_down", "wgrad_down"),
-    ("whole op fwd+bwd, GEMM 1 and dgrad _grouped_mm", "kernels.fwdbwd_energy_grouped_mm", "fwdbwd"),
-    ("whole op fwd+bwd, GEMM 1 and dgrad TMA epilogues", "kernels.fwdbwd_energy_tma", "fwdbwd"),
 )
 
 
@@ -498,25 +481,20 @@ def sweep(prob, device, log, only=None):
 
 
 GEMM1_ROUNDS = 5
-GEMM1_MODES = ("triton", "grouped_mm", "tma")  # tma: both SwiGLU products of kernels.swiglu_tma (gemm1_setting)
 
 
 @contextlib.contextmanager
 def gemm1_setting(mode: str):
-    """OCCULT_GEMM1=mode inside the block (occult.settings reads the environment at each call); "tma" also sets
-    OCCULT_DGRAD1=tma (both products of kernels.swiglu_tma), the other modes leave the dgrad at its default."""
-    names = ("OCCULT_GEMM1", "OCCULT_DGRAD1")
-    old = {n: os.environ.get(n) for n in names}
+    """OCCULT_GEMM1=mode inside the block (occult.settings reads the environment at each call)."""
+    old = os.environ.get("OCCULT_GEMM1")
     os.environ["OCCULT_GEMM1"] = mode
-    os.environ["OCCULT_DGRAD1"] = "tma" if mode == "tma" else (old["OCCULT_DGRAD1"] or "auto")
     try:
         yield
     finally:
-        for n, value in old.items():
-            if value is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = value
+        if old is None:
+            os.environ.pop("OCCULT_GEMM1", None)
+        else:
+            os.environ["OCCULT_GEMM1"] = old
 
 
 def run_shape(name, prob, device, log, skip_reference=False, joules=None):
@@ -570,7 +548,7 @@ def run_shape(name, prob, device, log, skip_reference=False, joules=None):
     }
     rounds: dict[str, list[float]] = {}
     for _ in range(GEMM1_ROUNDS):
-        for mode in GEMM1_MODES:
+        for mode in ("triton", "grouped_mm"):
             with gemm1_setting(mode):
                 for key, fn in runs.items():
                     rounds.setdefault(f"kernels.{key}_gemm1_{mode}", []).append(timeit(fn, device)[0])
@@ -578,10 +556,6 @@ def run_shape(name, prob, device, log, skip_reference=False, joules=None):
         res["ms"][key] = statistics.median(values)
         res["samples"][key] = values
         log(f"  {key:28s} {res['ms'][key]:9.3f} ms (median of {len(values)} alternating rounds)")
-    if joules is not None:  # the whole op's energy with GEMM 1 and the dgrad on _grouped_mm, then on the TMA kernels
-        for mode in GEMM1_MODES[1:]:
-            with gemm1_setting(mode):
-                t(f"kernels.fwdbwd_energy_{mode}", runs["fwdbwd"])
     if not skip_reference:
         with torch.no_grad():
             t("torch_ref.fwd", lambda: expert_mlp_reference(*ins_nograd))

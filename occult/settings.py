@@ -20,7 +20,6 @@ from pathlib import Path
 __all__ = ["Settings", "SettingsError", "VARIABLES", "current", "reload"]
 
 GEMM_BACKENDS = ("auto", "triton", "grouped_mm")
-SWIGLU_GEMM_BACKENDS = (*GEMM_BACKENDS, "tma")  # GEMM 1 and the SwiGLU dgrad: also kernels.swiglu_tma
 SCATTER_MODES = ("deterministic", "atomic")
 PLAN_BACKENDS = ("auto", "torch", "triton")
 RANK_STARTS = ("spawn", "forkserver")
@@ -39,8 +38,8 @@ class Settings:
     """What the environment asks for (docs/settings.md); the defaults are those with nothing set."""
 
     wgrad: str = "auto"  # OCCULT_WGRAD: weight gradients via torch._grouped_mm ("auto": Hopper/bf16)
-    dgrad1: str = "auto"  # OCCULT_DGRAD1: the SwiGLU dgrad via torch._grouped_mm ("auto": Hopper/bf16), or "tma"
-    gemm1: str = "auto"  # OCCULT_GEMM1: the training forward's GEMM 1 via gather + torch._grouped_mm, or "tma"
+    dgrad1: str = "auto"  # OCCULT_DGRAD1: the SwiGLU dgrad via torch._grouped_mm ("auto": Hopper/bf16)
+    gemm1: str = "auto"  # OCCULT_GEMM1: the training forward's GEMM 1 via gather + torch._grouped_mm
     scatter: str = "deterministic"  # OCCULT_SCATTER: the kernels' row combine, or fp32 atomics ("atomic")
     plan: str = "auto"  # OCCULT_PLAN: dispatch plans by Triton on CUDA ("auto"), torch ops ("torch"), or Triton
     # wherever it runs, its CPU interpreter too ("triton": for tests)
@@ -63,8 +62,8 @@ class Settings:
         """Parse `{variable: raw value or None}` (missing or empty: the default)."""
         return cls(
             wgrad=_choice(env, "OCCULT_WGRAD", GEMM_BACKENDS),
-            dgrad1=_choice(env, "OCCULT_DGRAD1", SWIGLU_GEMM_BACKENDS),
-            gemm1=_choice(env, "OCCULT_GEMM1", SWIGLU_GEMM_BACKENDS),
+            dgrad1=_choice(env, "OCCULT_DGRAD1", GEMM_BACKENDS),
+            gemm1=_choice(env, "OCCULT_GEMM1", GEMM_BACKENDS),
             scatter=_choice(env, "OCCULT_SCATTER", SCATTER_MODES),
             plan=_choice(env, "OCCULT_PLAN", PLAN_BACKENDS),
             cache=Path(env["OCCULT_CACHE"]) if env.get("OCCULT_CACHE") else None,

@@ -41,9 +41,6 @@ GPU_DEFAULTS: dict[str, TileConfig] = {
     "gemm2_atomic": TileConfig(128, 128, 64, 8, 8, 3),
     # backward: gather dy rows @ down[e], SwiGLU backward + gate-gradient epilogue
     "dgrad1": TileConfig(128, 128, 64, 8, 8, 4, split=2),
-    # kernels.swiglu_tma (setting gemm1 / dgrad1 = tma): the same two products on sorted rows through TMA
-    "gemm1_tma": TileConfig(128, 128, 64, 8, 8, 3),
-    "dgrad1_tma": TileConfig(128, 128, 64, 8, 8, 4, split=2),
     # backward: dx pairs = d[a;b] @ gate_up[e] (same kernel as gemm2)
     "dgrad2": TileConfig(128, 256, 64, 8, 8, 4, flatten=True),
     # backward: per-expert weight gradients, reduction over the expert's pairs (the Triton path;
@@ -74,8 +71,6 @@ INTERPRET_DEFAULTS: dict[str, TileConfig] = {
     "gemm2": TileConfig(16, 32, 16, 2, 4, 1),
     "gemm2_atomic": TileConfig(16, 16, 16, 2, 4, 1),
     "dgrad1": TileConfig(16, 16, 16, 2, 4, 1, split=2),
-    "gemm1_tma": TileConfig(16, 16, 16, 2, 4, 1),
-    "dgrad1_tma": TileConfig(16, 16, 16, 2, 4, 1, split=2),
     "dgrad2": TileConfig(16, 32, 16, 2, 4, 1),
     "wgrad": TileConfig(16, 32, 16, 1, 4, 1),
     "gather": TileConfig(4, 32, 1, 1, 4, 1),

@@ -29,7 +29,7 @@ from occult.kernels.pairs import e_pow2, grouped_pid, max_tiles, tile_lookup, ti
 
 
 @triton.jit
-def swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, WIDTH: tl.constexpr):
+def _swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, WIDTH: tl.constexpr):
     """SwiGLU backward of the `WIDTH` columns from `first_n` of one tile: stores d[a; b], returns
     the partial gate gradient `<u, h>` of each row over these columns."""
     offs_n = first_n + tl.arange(0, WIDTH)
@@ -110,12 +110,12 @@ def _swiglu_dgrad_kernel(
         first_n = tile_n * BLOCK_N
         if SPLIT == 2:
             u0, u1 = tl.split(tl.permute(tl.reshape(u, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            dg = swiglu_dgrad_epilogue(u0, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N // 2)
-            dg += swiglu_dgrad_epilogue(
+            dg = _swiglu_dgrad_epilogue(u0, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N // 2)
+            dg += _swiglu_dgrad_epilogue(
                 u1, offs_m, mask_m, pair, first_n + BLOCK_N // 2, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N // 2
             )
         else:
-            dg = swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N)
+            dg = _swiglu_dgrad_epilogue(u, offs_m, mask_m, pair, first_n, ab_ptr, gate_ptr, dab_ptr, F, BLOCK_N)
         tl.store(dg_ptr + tile_n.to(tl.int64) * num_pairs_bound + pair, dg, mask=mask_m)
 
 

@@ -32,7 +32,6 @@ import triton.language as tl
 
 from occult import settings
 from occult.kernels import config as _config
-from occult.kernels import swiglu_tma
 
 
 def use_grouped_mm(t: torch.Tensor, *widths: int, which: str = "wgrad") -> bool:
@@ -46,7 +45,7 @@ def use_grouped_mm(t: torch.Tensor, *widths: int, which: str = "wgrad") -> bool:
         return False
     if any(w % 8 for w in widths):  # 16-byte strides of bf16 rows
         return False
-    if mode in ("grouped_mm", "tma"):  # (tma: the sorted rows' products through kernels.swiglu_tma)
+    if mode == "grouped_mm":
         return True
     if _config.interpreting() or t.device.type != "cuda":
         return False
@@ -219,8 +218,6 @@ def swiglu_dgrad_grouped(
     """`grouped_gemm_backward.swiglu_dgrad` from dy rows already in sorted-pair order:
     `u = torch._grouped_mm(dy_sorted, down)` (bf16), then `swiglu_backward_rows`. Same outputs:
     (d[a; b], dg)."""
-    if settings.current().dgrad1 == "tma" and swiglu_tma.fits(dy_sorted, down_EHF, ab_PF2):
-        return swiglu_tma.swiglu_dgrad(dy_sorted, down_EHF, ab_PF2, pair_P, offsets_E1, gates_flat)
     u = torch._grouped_mm(dy_sorted, down_EHF, offs=offsets_E1[1:])
     return swiglu_backward_rows(u, ab_PF2, pair_P, offsets_E1, gates_flat)
 
@@ -293,7 +290,5 @@ def gemm1_grouped(
     (hg `[R*K, F]`, [a; b] `[R*K, 2F]`, x rows in sorted-pair order `[R*K, H]`), the first P rows
     of each written, as `grouped_gemm.gather_gemm_swiglu(..., save_ab=True)` plus the copied rows."""
     x_sorted = gather_pair_rows(x_RH, pair_P, offsets_E1, num_slots)
-    if settings.current().gemm1 == "tma" and swiglu_tma.fits(x_sorted, gate_up_EFH):
-        return (*swiglu_tma.gemm1_swiglu(x_sorted, gate_up_EFH, pair_P, offsets_E1, gates_flat), x_sorted)
     ab = torch._grouped_mm(x_sorted, gate_up_EFH.transpose(1, 2), offs=offsets_E1[1:])
     return swiglu_forward_rows(ab, pair_P, offsets_E1, gates_flat), ab, x_sorted

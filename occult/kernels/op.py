@@ -80,12 +80,12 @@ def _check(x_RH, slots_RK, gates_RK, gate_up_EFH, up_EFH, down_EHF) -> None:
 
 def _gemm1_grouped(x: torch.Tensor, ffn: int, dense: bool) -> bool:
     """Whether a training forward's GEMM 1 goes through `grouped_mm.gemm1_grouped` (setting `gemm1`): forced
-    by `grouped_mm` and `tma`; under `auto` only where `dense` (no padding slot), because the x-row copy it keeps for
+    by `grouped_mm`; under `auto` only where `dense` (no padding slot), because the x-row copy it keeps for
     the backward is sized by R*K: with expert-parallel rows padded to K slots it would hold several times
     the real pairs' bytes (docs/kernels.md)."""
     if not use_grouped_mm(x, x.shape[1], ffn, which="gemm1"):
         return False
-    return dense or settings.current().gemm1 in ("grouped_mm", "tma")
+    return dense or settings.current().gemm1 == "grouped_mm"
 
 
 def _halves(w1: torch.Tensor, w3: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
