@@ -165,7 +165,6 @@ def _step_parts(
         net = grads.wrap_ddp(model, ignore, groups, summed=True)
 
     # the syncs (DDP's too) sum what each rank's loss scaled by 1/W made: no pass dividing every gradient
-    summed = groups is not None
     scale = grads.loss_scale(groups)  # (1 on one process)
 
     def batch(step: int) -> torch.Tensor:
@@ -192,7 +191,7 @@ def _step_parts(
 
     def sync() -> None:
         if groups is not None:  # DDP (when routers train) has averaged the routers when the backward returns
-            grads.sync_gradients(routers, experts, groups, replicated=net is model, average=not summed)
+            grads.sync_gradients(routers, experts, groups, replicated=net is model, average=False)
 
     return StepParts(
         batch=batch,
