@@ -962,9 +962,7 @@ def gradient_sync(model: nn.Module, dense_sync: str, complete: tuple[nn.Paramete
     world = dist.get_world_size()
     if not _DENSE_GROUP:
         _DENSE_GROUP.append(dist.new_group(list(range(world))))
-    whole = {id(p) for p in (*hf.expert_parameters(model), *complete)}
-    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in whole]
-    bucketed = BucketedSync(dense, _DENSE_GROUP[0], 1)
+    bucketed = BucketedSync(hf.replicated_parameters(model, complete), _DENSE_GROUP[0], 1)
     return GradientSync(bucketed.finish, bucketed.held)
 
 

@@ -22,6 +22,7 @@ One spawn per world size runs every family (imports dominate the run time on CPU
 from __future__ import annotations
 
 import os
+import random
 
 import numpy as np
 import pytest
@@ -352,3 +353,22 @@ def test_a_gate_top_k_outside_the_experts_is_refused_by_profile_and_convert(top_
         hf.profile(model, [ids], gather=False)
     with pytest.raises(hf.UnsupportedModelError, match=r"\(num_experts_per_tok\) must be 1\.\.8"):
         hf.convert(model)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
+def test_replicated_parameters_are_all_but_the_experts_and_the_complete_ones(family):
+    """What a gradient sync all-reduces (`hf.sync_gradients`, e2e.py's bucketed sync): every trained parameter but the
+    experts and those named complete, in the model's order; a frozen one is left out."""
+    model = hf.tiny_random_model(family, seed=random.randrange(1000), vocab_size=64, num_hidden_layers=2)
+    hf.convert(model, group=None)
+    embed = model.get_input_embeddings().weight
+    frozen = model.model.norm.weight
+    frozen.requires_grad_(False)
+    experts = {id(p) for p in hf.expert_parameters(model)}
+    assert len(experts) == 2 * len(hf.moe_blocks(model))
+    expected = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    got = hf.replicated_parameters(model)
+    assert [id(p) for p in got] == [id(p) for p in expected]
+    assert id(embed) in {id(p) for p in got} and id(frozen) not in {id(p) for p in got}
+    with_complete = hf.replicated_parameters(model, complete=[embed])
+    assert [id(p) for p in with_complete] == [id(p) for p in expected if p is not embed]

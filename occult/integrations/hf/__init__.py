@@ -32,7 +32,7 @@ GPUs) keeps ranks in step by itself; with transformers' own `model.generate` pas
 
 One module per job: `families` (supported model types, version and structure checks),
 `routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
-`sync_gradients`), `profile`, `compiled` (`compile_layers`: torch.compile of the decoder layers, one-rank MoE
+`sync_gradients` over `replicated_parameters`), `profile`, `compiled` (`compile_layers`: torch.compile of the decoder layers, one-rank MoE
 blocks traced in), `convert` (`convert`,
 `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `graphed` (`GraphedForward`), `calibration` (token
 ids for profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads only its experts),
@@ -42,7 +42,13 @@ ids for profiling), `tiny` (tiny random models for tests), `loading` (`load_shar
 rank). `from occult.integrations import hf; hf.convert(...)` is the public path.
 """
 
-from occult.integrations.hf.block import OccultMoeBlock, expert_parameters, moe_blocks, sync_gradients
+from occult.integrations.hf.block import (
+    OccultMoeBlock,
+    expert_parameters,
+    moe_blocks,
+    replicated_parameters,
+    sync_gradients,
+)
 from occult.integrations.hf.calibration import calibration_windows, token_stream
 from occult.integrations.hf.compiled import compile_layers, decoder_layers
 from occult.integrations.hf.convert import convert, hf_layout, unconvert
@@ -106,6 +112,7 @@ __all__ = [
     "save_pretrained",
     "set_routing_placement",
     "setup_groups",
+    "replicated_parameters",
     "sync_gradients",
     "tiny_config",
     "tiny_random_model",

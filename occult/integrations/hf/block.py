@@ -116,6 +116,14 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     ]
 
 
+def replicated_parameters(model: nn.Module, complete: Iterable[nn.Parameter] = ()) -> list[nn.Parameter]:
+    """The trained parameters every rank holds whole and whose gradients hold only this rank's tokens: all but the
+    experts and `complete` (replicated parameters whose backward already summed every rank's tokens), in the
+    model's order, the same on every rank (what a gradient sync all-reduces)."""
+    skip = {id(p) for p in (*expert_parameters(model), *complete)}
+    return [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
+
+
 @torch.no_grad()
 def sync_gradients(
     model: nn.Module, group: Any = None, average: bool = True, complete: Iterable[nn.Parameter] = ()
@@ -138,10 +146,9 @@ def sync_gradients(
         return
     if group is None:
         group = dist.group.WORLD
-    whole = [*expert_parameters(model), *complete]
-    skip = {id(p) for p in whole}
-    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
-    all_reduce_grads(replicated, group, size if average else 1, reduce=True)  # (missing gradients as zeros)
+    complete = list(complete)
+    all_reduce_grads(replicated_parameters(model, complete), group, size if average else 1, reduce=True)
+    whole = [*expert_parameters(model), *complete]  # (the all-reduce sums missing gradients as zeros)
     if average:
         for p in whole:
             if p.grad is not None:
