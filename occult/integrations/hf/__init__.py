@@ -30,16 +30,15 @@ collective): `generate` (static KV cache, decode step with no host wait captured
 GPUs) keeps ranks in step by itself; with transformers' own `model.generate` pass
 `synced_gpus=True` so ranks whose sequences finished keep stepping until all are done.
 
-One module per job: `families` (supported model types, version and structure checks),
-`routers` (the model's gate in front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`,
-`sync_gradients` over `replicated_parameters`), `profile`, `compiled` (`compile_layers`: torch.compile of the decoder layers, one-rank MoE
-blocks traced in), `convert` (`convert`,
-`unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `graphed` (`GraphedForward`), `calibration` (token
-ids for profiling), `tiny` (tiny random models for tests), `loading` (`load_sharded`: each rank reads only its experts),
-`loss` (`use_occult_loss`: the model's `.loss` on occult's cross-entropy),
-`finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing loss over the global batch), `checkpoint`
-(resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer, written by its owner
-rank). `from occult.integrations import hf; hf.convert(...)` is the public path.
+One module per job: `families` (supported model types, version and structure checks), `routers` (the model's gate in
+front of `OccultMoE`), `block` (`OccultMoeBlock`, `moe_blocks`, `sync_gradients` over `replicated_parameters`),
+`profile`, `compiled` (`compile_layers`: torch.compile of the decoder layers, one-rank MoE blocks traced in),
+`convert` (`convert`, `unconvert`, `hf_layout`), `generate` (`generate`, `StaticDecoder`), `graphed`
+(`GraphedForward`), `calibration` (token ids for profiling), `tiny` (tiny random models for tests), `loading`
+(`load_sharded`: each rank reads only its experts), `loss` (`use_occult_loss`: the model's `.loss` on occult's
+cross-entropy), `finetune` (routers + experts on 1 or N ranks), `aux_loss` (the load-balancing loss over the global
+batch), `checkpoint` (resumable fine-tuning), `save` (`save_finetuned`, `save_pretrained`: one shard per MoE layer,
+written by its owner rank). `from occult.integrations import hf; hf.convert(...)` is the public path.
 """
 
 from occult.integrations.hf.block import (
