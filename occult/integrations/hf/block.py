@@ -148,8 +148,7 @@ def sync_gradients(
         group = dist.group.WORLD
     complete = list(complete)
     all_reduce_grads(replicated_parameters(model, complete), group, size if average else 1, reduce=True)
-    whole = [*expert_parameters(model), *complete]  # (the all-reduce sums missing gradients as zeros)
-    if average:
-        for p in whole:
+    if average:  # (the all-reduce summed missing gradients as zeros)
+        for p in (*expert_parameters(model), *complete):
             if p.grad is not None:
                 p.grad /= size
